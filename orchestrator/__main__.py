@@ -1,0 +1,7 @@
+"""`python -m orchestrator ...`: see orchestrator/cli.py."""
+
+import sys
+
+from orchestrator.cli import main
+
+sys.exit(main())

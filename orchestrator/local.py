@@ -1,0 +1,192 @@
+"""`python -m orchestrator local`: the PS and the workers as local processes.
+
+The same cluster as the compose file, without Docker: each service becomes a
+`python -m app ps|worker` process with the environment the render gives its
+container (`render.app_environment`), except the address (127.0.0.1, a free
+port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
+metrics) and the interface (loopback). Output is prefixed by service name, as
+compose prints it. Ctrl-C or SIGTERM stops every process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+from orchestrator import UsageError
+from orchestrator.render import app_environment, service_names
+from orchestrator.topology import Topology, TopologyError
+
+LOCALHOST = "127.0.0.1"
+RUNS_DIR = "runs"
+STOP_GRACE_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]  # added to this process's environment
+
+
+def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str) -> dict[str, str]:
+    """The app's environment for `rank` on this host (see `app_environment`)."""
+    data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
+    env = app_environment(
+        t, rank,
+        master_addr=LOCALHOST, master_port=port, data_dir=data_dir,
+        checkpoint_dir=str(run_dir.resolve() / "checkpoints"),
+        metrics_dir=str(run_dir.resolve() / "metrics"),
+        ifname=ifname,
+    )
+    if t.cuda:
+        # What the container's device reservation does: the process sees one GPU, as cuda:0.
+        gpu = t.ps_gpu() if rank == 0 else t.worker_gpus()[rank - 1]
+        env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
+    return env
+
+
+def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable) -> list[ProcessSpec]:
+    """One process per service, in rank order (the PS first)."""
+    return [
+        ProcessSpec(name, [python, "-m", "app", "ps" if rank == 0 else "worker"],
+                    local_environment(t, rank, port=port, run_dir=run_dir, ifname=ifname))
+        for rank, name in enumerate(service_names(t))
+    ]
+
+
+def check_host(t: Topology, source: str) -> None:
+    """Bad input that only the host can reveal (the render does not look)."""
+    if t.reads_files:
+        path = Path(t.train.data_dir).expanduser()
+        if not path.is_dir():
+            raise TopologyError(source, "train.data_dir",
+                                f"got {t.train.data_dir!r}; no such directory on this host (from {os.getcwd()})")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
+
+
+def loopback_ifname() -> str:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR) -> int:
+    """Run the cluster of `t` as processes; the exit status of the whole run."""
+    check_host(t, source)
+    run_dir = Path(runs_dir) / t.name
+    try:
+        for sub in ("checkpoints", "metrics"):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
+    specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname())
+    print(f"local: {t.name}: ps + {t.workers.count} workers on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, "
+          f"state in {run_dir}/", flush=True)
+    return Supervisor(specs, keep_going=keep_going).run()
+
+
+class Supervisor:
+    """Starts processes, prefixes their output, stops them all on failure or signal."""
+
+    def __init__(self, specs: list[ProcessSpec], *, keep_going: bool = False,
+                 out: Optional[IO[str]] = None, grace: float = STOP_GRACE_SECONDS) -> None:
+        self.specs = specs
+        self.keep_going = keep_going
+        self.out = out or sys.stdout
+        self.grace = grace
+        self.width = max(len(s.name) for s in specs)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._signal: Optional[int] = None
+
+    def run(self) -> int:
+        restore = self._install_signal_handlers()
+        procs: dict[str, subprocess.Popen] = {}
+        readers: list[threading.Thread] = []
+        codes: dict[str, int] = {}
+        try:
+            for spec in self.specs:
+                if self._stop.is_set():
+                    break
+                p = subprocess.Popen(
+                    spec.argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # our signals, not the terminal's, stop it
+                )
+                procs[spec.name] = p
+                readers.append(threading.Thread(target=self._pump, args=(spec.name, p.stdout), daemon=True))
+                readers[-1].start()
+            failed = False
+            while len(codes) < len(procs):
+                for name, p in procs.items():
+                    if name not in codes and p.poll() is not None:
+                        codes[name] = p.returncode
+                        self._say(name, f"exited with code {p.returncode}")
+                        failed = failed or p.returncode != 0
+                if self._stop.is_set() or (failed and not self.keep_going):
+                    break
+                self._stop.wait(0.1)
+        finally:
+            self._stop_all(procs, codes)
+            for r in readers:
+                r.join(timeout=5)
+            restore()
+        if self._signal is not None:
+            return 128 + self._signal
+        bad = [c for c in codes.values() if c != 0]
+        if not bad and len(codes) == len(self.specs):
+            return 0
+        return 2 if 2 in bad else 1
+
+    def _stop_all(self, procs: dict[str, subprocess.Popen], codes: dict[str, int]) -> None:
+        running = {n: p for n, p in procs.items() if p.poll() is None}
+        for p in running.values():
+            _signal_group(p, signal.SIGTERM)
+        for name, p in running.items():
+            try:
+                p.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+            codes[name] = p.returncode
+            self._say(name, f"stopped (code {p.returncode})")
+
+    def _pump(self, name: str, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            self._say(name, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+        stream.close()
+
+    def _say(self, name: str, line: str) -> None:
+        with self._lock:
+            self.out.write(f"{name:<{self.width}} | {line}\n")
+            self.out.flush()
+
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum, _frame):
+            self._signal = signum
+            self._stop.set()
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the app and its DataLoader workers
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,250 @@
+"""Topology -> compose document.
+
+`render(topology)` is pure: it builds the whole compose file as plain data
+and touches nothing. `dump(doc)` turns it into YAML bytes that depend only on
+the document. `write_atomic` is the one function here that touches the disk.
+
+The names the container adapter relies on are the constants below and
+`project_name` / `service_names`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from orchestrator.topology import Topology
+
+# Labels on every service (and so on every container), for status by filter.
+LABEL_PROJECT = "ps-compose.project"
+LABEL_ROLE = "ps-compose.role"
+LABEL_RANK = "ps-compose.rank"
+
+PS_SERVICE = "ps"
+NETWORK = "cluster"
+STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
+APP_USER = "1000:1000"  # psc, created by images/Dockerfile
+DOCKERFILE = "images/Dockerfile"
+
+# Paths inside the containers (docs/design.md).
+DATA_DIR = "/data"
+STATE_DIR = "/state"
+CHECKPOINT_DIR = "/state/checkpoints"
+METRICS_DIR = "/state/metrics"
+
+HEALTHCHECK = {
+    "test": ["CMD", "python", "-m", "app", "health"],
+    "interval": "3s",
+    "timeout": "5s",
+    "retries": 20,
+    "start_period": "10s",
+}
+
+
+def project_name(t: Topology) -> str:
+    """The compose project name (`-p`); the file has no top-level `name:`."""
+    return t.name
+
+
+def worker_service(rank: int) -> str:
+    return f"worker{rank}"
+
+
+def service_names(t: Topology) -> list[str]:
+    """`ps`, then `worker1..workerN`, in rank order."""
+    return [PS_SERVICE] + [worker_service(r) for r in range(1, t.workers.count + 1)]
+
+
+def app_environment(
+    t: Topology,
+    rank: int,
+    *,
+    master_addr: str,
+    master_port: int,
+    data_dir: Optional[str],
+    checkpoint_dir: str,
+    metrics_dir: str,
+    ifname: str,
+) -> dict[str, str]:
+    """The environment `python -m app` reads for `rank` (0: the PS).
+
+    The one mapping from topology to the app's PSC_* variables; the render
+    and `orchestrator local` both call it, with container or host paths.
+    `data_dir` is left out when the dataset reads no files.
+    """
+    tr = t.train
+    if rank == 0:
+        device = "cuda" if t.ps_gpu() is not None else "cpu"
+    else:
+        device = t.image.device
+    env = {
+        "PSC_RANK": str(rank),
+        "PSC_WORLD_SIZE": str(t.world_size),
+        "PSC_MASTER_ADDR": master_addr,
+        "PSC_MASTER_PORT": str(master_port),
+        "PSC_DEVICE": device,
+        "PSC_MODEL": tr.model,
+        "PSC_DATASET": tr.dataset,
+    }
+    if t.reads_files and data_dir is not None:
+        env["PSC_DATA_DIR"] = data_dir
+    env.update({
+        "PSC_BATCH_SIZE": str(tr.batch_size),
+        "PSC_LR": repr(tr.lr),
+        "PSC_MOMENTUM": repr(tr.momentum),
+        "PSC_NUM_EPOCHS": str(tr.epochs),
+        "PSC_MAX_STEPS": str(tr.max_steps),
+        "PSC_STRATEGY": tr.strategy,
+        "PSC_SEED": str(tr.seed),
+        "PSC_EVAL_EVERY": str(tr.eval_every),
+        "PSC_LOG_EVERY": str(tr.log_every),
+        "PSC_NUM_WORKERS": str(tr.loader_workers),
+        "PSC_RPC_TIMEOUT": str(t.ps.rpc_timeout),
+        "PSC_CHECKPOINT_EVERY": str(t.ps.checkpoint_every),
+        "PSC_CHECKPOINT_DIR": checkpoint_dir,
+        "PSC_METRICS_DIR": metrics_dir,
+        "TP_SOCKET_IFNAME": ifname,
+    })
+    return env
+
+
+def render(t: Topology) -> dict[str, Any]:
+    """The whole compose document for `t` (pure: no I/O)."""
+    services = {PS_SERVICE: _ps(t)}
+    for rank in range(1, t.workers.count + 1):
+        services[worker_service(rank)] = _worker(t, rank)
+    return {
+        "services": services,
+        "networks": {NETWORK: {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}},
+        "volumes": {STATE_VOLUME: {"labels": {LABEL_PROJECT: t.name}}},
+    }
+
+
+def _ps(t: Topology) -> dict[str, Any]:
+    svc = _common(t, 0, "ps", t.ps.shm_size, t.ps_gpu())
+    # Only the PS builds: the workers use the image it tags (`docker compose build`
+    # builds once; compose does not try to pull an image another service builds).
+    svc = {
+        "image": svc.pop("image"),
+        "build": {"context": ".", "dockerfile": DOCKERFILE, "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source}},
+        **svc,
+    }
+    svc["healthcheck"] = dict(HEALTHCHECK)
+    # Time to write a checkpoint on SIGTERM before compose sends SIGKILL.
+    svc["stop_grace_period"] = "30s"
+    if t.network.publish_rpc_port:
+        svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]
+    return svc
+
+
+def _worker(t: Topology, rank: int) -> dict[str, Any]:
+    svc = _common(t, rank, "worker", t.workers.shm_size, t.worker_gpus()[rank - 1] if t.cuda else None)
+    svc["depends_on"] = {PS_SERVICE: {"condition": "service_healthy"}}
+    svc["restart"] = "on-failure"
+    return svc
+
+
+def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optional[int]) -> dict[str, Any]:
+    env = app_environment(
+        t, rank,
+        master_addr=PS_SERVICE, master_port=t.ps.rpc_port,
+        data_dir=DATA_DIR, checkpoint_dir=CHECKPOINT_DIR, metrics_dir=METRICS_DIR,
+        ifname=t.network.ifname,
+    )
+    volumes: list[dict[str, Any]] = []
+    if t.reads_files:
+        volumes.append({"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True})
+    volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
+    svc: dict[str, Any] = {
+        "image": t.image_tag,
+        "command": [role],
+        "environment": env,
+        "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: role, LABEL_RANK: str(rank)},
+        "user": APP_USER,
+        "init": True,  # tini as PID 1: SIGTERM reaches Python, zombies are reaped
+        "shm_size": shm_size,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "networks": [NETWORK],
+        "volumes": volumes,
+    }
+    if gpu is not None:
+        svc["deploy"] = {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]},
+        ]}}}
+    return svc
+
+
+def _bind_source(path: str) -> str:
+    """A relative host path as compose reads it: relative to the compose file's directory."""
+    if path.startswith(("/", "./", "../", "~")) or path in (".", ".."):
+        return path
+    return "./" + path
+
+
+def security_warnings(t: Topology) -> list[str]:
+    """One line per risky setting the topology asks for (printed by the CLI)."""
+    out = []
+    if t.network.publish_rpc_port:
+        out.append(
+            f"network.publish_rpc_port: the PS's port {t.ps.rpc_port} is published on every host address; "
+            "PyTorch RPC has no authentication (whoever reaches it can run code): firewall it"
+        )
+    return out
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, no anchors/aliases (a value used twice is written twice)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    # Short lists of scalars on one line: `command: [ps]`, `capabilities: [gpu]`.
+    flow = all(isinstance(x, (str, int, float, bool)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    # Quote "1000:1000" and the like: YAML 1.1 readers may take a:b for a number.
+    style = '"' if ":" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(list, _list)
+_Dumper.add_representer(str, _str)
+
+
+def dump(doc: dict[str, Any], name: str) -> str:
+    """The compose file as text; the same document gives the same bytes."""
+    header = (
+        f"# Rendered from the topology {name!r} by `python -m orchestrator render`.\n"
+        "# Do not edit: change configs/*.yaml and render again.\n"
+    )
+    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=1000, indent=2)
+    return header + body
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (temp file + rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

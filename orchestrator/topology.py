@@ -1,0 +1,326 @@
+"""The typed topology: one pydantic model per section of configs/*.yaml.
+
+`load(path)` reads, parses and validates a file; `Topology.with_workers(n)`
+applies the `--workers` override. Every problem raises one `TopologyError`
+whose message is a single line: the file, the YAML path of the field, the
+value found and what is allowed, e.g.
+
+    configs/x.yaml: workers.gpus: got [0, 0]; GPU ids must be distinct (one GPU per worker)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from orchestrator import UsageError
+
+# Datasets the app reads from files under data_dir (the others ship in a
+# package or are generated, and need no mount).
+FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
+_IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
+_MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
+_FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
+
+
+class TopologyError(UsageError):
+    """A bad topology: `path` is the YAML path of the field at fault."""
+
+    def __init__(self, source: str, path: str, problem: str) -> None:
+        self.source, self.path, self.problem = source, path, problem
+        super().__init__(f"{source}: {path}: {problem}" if path else f"{source}: {problem}")
+
+
+def _yaml_float(value: Any) -> Any:
+    # PyYAML (YAML 1.1) reads `1e-3` as a string; accept it as the number it means.
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        return float(value)
+    return value
+
+
+def _size(value: Any) -> Any:
+    """A size as compose takes it: bytes (int) or '512m', '2g', '1gb'."""
+    if isinstance(value, bool):
+        raise ValueError("must be a size like 512m or 2g, or a number of bytes")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value.strip().lower())
+        if m and float(m.group(1)) > 0:
+            return value.strip().lower()
+    raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
+
+
+Float = Annotated[float, BeforeValidator(_yaml_float)]
+Size = Annotated[Union[int, str], BeforeValidator(_size)]
+
+
+class _Section(BaseModel):
+    # strict: `batch_size: "256"` or `count: true` is a wrong type, not coerced.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+
+
+class Image(_Section):
+    base: str = Field(min_length=1, pattern=r"^\S+$")
+    """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g. pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
+    device: Literal["cuda", "cpu"]
+    """cuda: one GPU per worker, seen as cuda:0 inside; cpu: no GPUs."""
+    tag: Optional[str] = None
+    """Name of the built image; default ps-compose-<name>:latest."""
+    pip_source: Literal["index", "wheelhouse"] = "index"
+    """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse (images/wheelhouse/, offline)."""
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _IMAGE_REF.match(v):
+            raise ValueError("must be an image reference like ps-compose-x:latest (lowercase name, optional :tag)")
+        return v
+
+
+class Train(_Section):
+    model: str
+    """cnn (built in) or a torchvision classification model, e.g. resnet18."""
+    dataset: Literal["imagefolder", "mnist", "cifar10", "digits", "synthetic"]
+    """imagefolder, mnist, cifar10 read data_dir; digits and synthetic need no files."""
+    data_dir: Optional[str] = Field(default=None, min_length=1)
+    """Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted read-only at /data."""
+    batch_size: int = Field(gt=0)
+    """Samples per batch, per worker."""
+    lr: Float = Field(gt=0)
+    """SGD learning rate, applied on the PS."""
+    momentum: Float = Field(default=0.0, ge=0, lt=1)
+    """SGD momentum, on the PS."""
+    epochs: int = Field(gt=0)
+    """Epochs each worker runs over its shard."""
+    strategy: Literal["async"] = "async"
+    """async: the PS applies each gradient as it arrives (seed 000). More when the app has them."""
+    seed: int = Field(default=0, ge=0)
+    """Model init, shuffling and synthetic data."""
+    eval_every: int = Field(default=100, gt=0)
+    """The PS evaluates on the held-out split every this many updates (and at the end)."""
+    max_steps: int = Field(default=0, ge=0)
+    """Stop each worker after this many pushes; 0: no cap."""
+    log_every: int = Field(default=10, gt=0)
+    """A worker prints a line every this many batches."""
+    loader_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes in each container (needs shm_size)."""
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if not _MODEL.match(v):
+            raise ValueError("must be a model name like cnn or resnet18")
+        return v
+
+
+class PS(_Section):
+    shm_size: Size = "1g"
+    """/dev/shm of the PS container."""
+    checkpoint_every: int = Field(default=1000, ge=0)
+    """The PS saves a checkpoint every this many updates (and at the end); 0: only at the end."""
+    gpu: Optional[int] = Field(default=None, ge=0)
+    """GPU id for the PS (cuda only); default none: the PS runs on CPU."""
+    rpc_port: int = Field(default=29500, ge=1024, le=65535)
+    """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
+    rpc_timeout: int = Field(default=60, gt=0)
+    """Seconds for every RPC and every wait, in every process."""
+
+
+class Workers(_Section):
+    count: int = Field(gt=0)
+    """Number of workers (ranks 1..count); `--workers N` overrides it."""
+    gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None
+    """One GPU id per worker, in rank order (cuda only); default 0..count-1."""
+    shm_size: Size = "2g"
+    """/dev/shm of each worker container."""
+
+
+class Network(_Section):
+    publish_rpc_port: bool = False
+    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is firewalled."""
+    ifname: str = "eth0"
+    """Interface TensorPipe binds inside the containers (TP_SOCKET_IFNAME)."""
+
+    @field_validator("ifname")
+    @classmethod
+    def _ifname(cls, v: str) -> str:
+        if not _IFNAME.match(v):
+            raise ValueError("must be a network interface name like eth0")
+        return v
+
+
+class Topology(_Section):
+    name: str
+    """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
+    image: Image
+    train: Train
+    ps: PS = Field(default_factory=PS)
+    workers: Workers
+    network: Network = Field(default_factory=Network)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.workers.count + 1
+
+    @property
+    def image_tag(self) -> str:
+        return self.image.tag or f"ps-compose-{self.name}:latest"
+
+    @property
+    def cuda(self) -> bool:
+        return self.image.device == "cuda"
+
+    @property
+    def reads_files(self) -> bool:
+        """True when the dataset is read from train.data_dir."""
+        return self.train.dataset in FILE_DATASETS
+
+    def worker_gpus(self) -> list[int]:
+        """The GPU id of each worker, in rank order; empty on CPU."""
+        if not self.cuda:
+            return []
+        gpus = self.workers.gpus if self.workers.gpus is not None else list(range(self.workers.count))
+        return gpus[: self.workers.count]
+
+    def ps_gpu(self) -> Optional[int]:
+        return self.ps.gpu if self.cuda else None
+
+    def with_workers(self, count: int, source: str = "--workers") -> Topology:
+        """The same topology with `count` workers (GPUs 0..count-1 unless listed)."""
+        if count < 1:
+            raise TopologyError(source, "workers.count", f"got {count}; must be at least 1")
+        t = self.model_copy(update={"workers": self.workers.model_copy(update={"count": count})})
+        check(t, source)
+        return t
+
+
+def check(t: Topology, source: str) -> None:
+    """The checks that span fields (pydantic has checked each field)."""
+    if t.reads_files and t.train.data_dir is None:
+        raise TopologyError(source, "train.data_dir", f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)")
+    gpus = t.workers.gpus
+    if gpus is not None and len(set(gpus)) != len(gpus):
+        raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
+    if t.cuda and gpus is not None and len(gpus) < t.workers.count:
+        raise TopologyError(
+            source, "workers.gpus",
+            f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker (or leave it out for 0..{t.workers.count - 1})",
+        )
+
+
+def load(path: str | Path) -> Topology:
+    """Read, parse and validate a topology file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TopologyError(source, "", "no such file") from None
+    except IsADirectoryError:
+        raise TopologyError(source, "", "is a directory, not a topology file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TopologyError(source, "", f"cannot read: {_one_line(e)}") from None
+    return parse(text, source)
+
+
+def parse(text: str, source: str = "<topology>") -> Topology:
+    """Validate a topology given as YAML text (`source` names it in errors)."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = getattr(e, "problem", None) or _one_line(e)
+        raise TopologyError(source, "", f"not valid YAML: {where}{what}") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else f"a {_yaml_type(data)}"
+        raise TopologyError(source, "", f"got {got}; must be a mapping with keys {_keys(Topology)}")
+    try:
+        t = Topology.model_validate(data)
+    except ValidationError as e:
+        raise _error(e, source) from None
+    check(t, source)
+    return t
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _error(e: ValidationError, source: str) -> TopologyError:
+    """The first pydantic error as one line with its YAML path."""
+    err = e.errors()[0]
+    loc = err["loc"]
+    path = _dotted(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return TopologyError(source, path, f"unknown key; allowed: {_keys(_model_at(loc[:-1]))}")
+    if kind == "missing":
+        return TopologyError(source, path, "missing; this key is required")
+    if kind in ("model_type", "dict_type"):
+        return TopologyError(source, path, f"got {_show(err['input'])}; must be a mapping with keys {_keys(_model_at(loc))}")
+    msg = err["msg"]
+    msg = re.sub(r"^Value error, ", "", msg)
+    msg = re.sub(r"^(Input|String|List) should (be|have|match)", lambda m: f"must {m.group(2)}", msg)
+    return TopologyError(source, path, f"got {_show(err['input'])}; {msg}")
+
+
+def _model_at(loc: tuple) -> type[BaseModel]:
+    model: type[BaseModel] = Topology
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        model = field.annotation
+    return model
+
+
+def _keys(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _yaml_type(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

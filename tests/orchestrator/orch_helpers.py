@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# A small valid CPU topology; tests change one thing in it.
+BASE: dict[str, Any] = {
+    "name": "t",
+    "image": {"base": "ps-compose-base:bookworm", "device": "cpu"},
+    "train": {"model": "cnn", "dataset": "digits", "batch_size": 32, "lr": 0.05, "epochs": 2},
+    "workers": {"count": 2},
+}
+
+
+def topology(**sections: Any) -> dict[str, Any]:
+    """BASE with some sections replaced or merged ({"train": {"lr": 0}} merges)."""
+    doc = copy.deepcopy(BASE)
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            doc[key].update(value)
+        else:
+            doc[key] = value
+    return doc
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    def write(doc: Any, name: str = "topo.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
+        return path
+    return write
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Run `python -m orchestrator ARGS` in-process in tmp_path: (status, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            status = main(list(args))
+        except SystemExit as e:  # argparse
+            status = e.code
+        out, err = capsys.readouterr()
+        return status, out, err
+    return run
+
+
+def ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -1,0 +1,181 @@
+"""`orchestrator local`: the env mapping (shared with the render) and the process handling."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator import render as r
+from orchestrator.local import ProcessSpec, Supervisor, local_environment, plan
+from orchestrator.topology import load, parse
+
+from orch_helpers import REPO, topology
+
+# What differs between a container and a local process; everything else is equal.
+HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
+                 "PSC_METRICS_DIR", "TP_SOCKET_IFNAME"}
+
+
+@pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])
+def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path: Path) -> None:
+    t = load(REPO / config).with_workers(4)
+    services = r.render(t)["services"]
+    for rank, name in enumerate(r.service_names(t)):
+        container = services[name]["environment"]
+        local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo")
+        cuda = local.pop("CUDA_VISIBLE_DEVICES", None)
+        assert set(local) == set(container)
+        assert {k: v for k, v in local.items() if k not in HOST_SPECIFIC} == \
+               {k: v for k, v in container.items() if k not in HOST_SPECIFIC}
+        assert local["PSC_MASTER_ADDR"] == "127.0.0.1" and local["PSC_MASTER_PORT"] == "4321"
+        assert local["PSC_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
+        assert local["PSC_METRICS_DIR"] == str(tmp_path / "run" / "metrics")
+        assert local["TP_SOCKET_IFNAME"] == "lo"
+        if t.reads_files:
+            assert local["PSC_DATA_DIR"] == str((Path.cwd() / t.train.data_dir).resolve())
+        if t.cuda:  # the worker sees its own GPU as cuda:0; the PS none (it runs on CPU)
+            assert cuda == ("" if rank == 0 else str(rank - 1))
+        else:
+            assert cuda is None
+
+
+def test_plan_runs_python_m_app(tmp_path: Path) -> None:
+    t = load(REPO / "configs/cpu-smoke.yaml")
+    specs = plan(t, port=1, run_dir=tmp_path, ifname="lo", python="/py")
+    assert [(s.name, s.argv) for s in specs] == [
+        ("ps", ["/py", "-m", "app", "ps"]), ("worker1", ["/py", "-m", "app", "worker"]),
+        ("worker2", ["/py", "-m", "app", "worker"])]
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_supervisor_prefixes_output_and_succeeds() -> None:
+    out = io.StringIO()
+    specs = [ProcessSpec("ps", _py("print('a'); print('b')"), {}),
+             ProcessSpec("worker1", _py("import os; print(os.environ['X'])"), {"X": "hello"})]
+    assert Supervisor(specs, out=out).run() == 0
+    lines = out.getvalue().splitlines()
+    assert "ps      | a" in lines and "ps      | b" in lines and "worker1 | hello" in lines
+    assert "worker1 | exited with code 0" in lines
+    assert lines.index("ps      | a") < lines.index("ps      | b")
+
+
+def test_supervisor_stops_the_rest_when_one_fails() -> None:
+    out = io.StringIO()
+    specs = [ProcessSpec("ps", _py("import time; time.sleep(60)"), {}),
+             ProcessSpec("worker1", _py("raise SystemExit(3)"), {})]
+    start = time.monotonic()
+    assert Supervisor(specs, out=out).run() == 1
+    assert time.monotonic() - start < 20
+    assert "worker1 | exited with code 3" in out.getvalue()
+    assert re.search(r"ps +\| stopped \(code -15\)", out.getvalue())
+
+
+def test_supervisor_keep_going_waits_for_all() -> None:
+    out = io.StringIO()
+    specs = [ProcessSpec("ps", _py("import time; time.sleep(1); print('done')"), {}),
+             ProcessSpec("worker1", _py("raise SystemExit(1)"), {})]
+    assert Supervisor(specs, out=out, keep_going=True).run() == 1
+    assert "ps      | done" in out.getvalue()
+
+
+def test_supervisor_passes_on_bad_input_status() -> None:
+    specs = [ProcessSpec("ps", _py("raise SystemExit(2)"), {})]
+    assert Supervisor(specs, out=io.StringIO()).run() == 2
+
+
+FAKE_APP = '''
+import json, os, sys, time
+role = sys.argv[1]
+name = "ps" if role == "ps" else "worker" + os.environ["PSC_RANK"]
+env = {k: v for k, v in os.environ.items() if k.startswith(("PSC_", "TP_"))}
+open(f"{name}.json", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "pid": os.getpid()}))
+print(f"{name} started", flush=True)
+if os.environ.get("FAKE_SLEEP"):
+    time.sleep(120)
+'''
+
+
+@pytest.fixture
+def fake_app(tmp_path: Path) -> Path:
+    """A directory with a stand-in `app` package; `python -m app` there runs it."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__init__.py").write_text("")
+    (tmp_path / "app" / "__main__.py").write_text(FAKE_APP)
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topology()))
+    return tmp_path
+
+
+def _orchestrator(cwd: Path, *args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd,
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_local_runs_every_rank_with_its_env(fake_app: Path) -> None:
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml", "--workers", "3")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    for name in ("ps", "worker1", "worker2", "worker3"):
+        assert re.search(rf"^{name} +\| {name} started$", out, re.M), out
+        seen = json.loads((fake_app / f"{name}.json").read_text())
+        assert seen["argv"] == (["ps"] if name == "ps" else ["worker"])
+        assert seen["env"]["PSC_WORLD_SIZE"] == "4"
+        assert seen["env"]["PSC_METRICS_DIR"] == str(fake_app / "runs" / "t" / "metrics")
+    assert (fake_app / "runs" / "t" / "checkpoints").is_dir()
+
+
+def test_local_sigterm_stops_every_process(fake_app: Path) -> None:
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1")
+    names = ("ps", "worker1", "worker2")
+    deadline = time.monotonic() + 30
+    while not all((fake_app / f"{n}.json").exists() for n in names):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.1)
+    pids = [json.loads((fake_app / f"{n}.json").read_text())["pid"] for n in names]
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_local_missing_data_dir_starts_nothing(fake_app: Path) -> None:
+    (fake_app / "topo.yaml").write_text(yaml.safe_dump(
+        topology(train={"dataset": "imagefolder", "data_dir": "./nope"})))
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "train.data_dir: got './nope'; no such directory" in err
+    assert not (fake_app / "runs").exists() and not (fake_app / "ps.json").exists()
+
+
+def test_local_app_failure_is_nonzero(fake_app: Path) -> None:
+    (fake_app / "app" / "__main__.py").write_text("import sys; sys.exit(1 if sys.argv[1] == 'worker' else 0)\n")
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1 and "exited with code 1" in out
+
+
+@pytest.mark.slow
+def test_local_cpu_smoke_trains(tmp_path: Path) -> None:
+    """The real app: PS + 2 workers as processes reach >= 0.90 held-out accuracy on digits."""
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", str(REPO / "configs/cpu-smoke.yaml"),
+                        "--workers", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    final = re.findall(r"^ps +\| Accuracy: ([0-9.]+)$", p.stdout, re.M)
+    assert final and float(final[-1]) >= 0.90, p.stdout[-3000:]
+    assert (tmp_path / "runs" / "cpu-smoke" / "checkpoints" / "final.pt").is_file()

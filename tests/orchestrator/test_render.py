@@ -1,0 +1,227 @@
+"""The render: whole-document golden files, the schema, determinism, safe defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from orchestrator import render as r
+from orchestrator.topology import Topology, load, parse
+
+from orch_helpers import HERE, REPO, topology
+
+GOLDEN = HERE / "golden"
+# (golden file, config, --workers)
+CASES = [
+    ("default.yaml", "configs/default.yaml", None),
+    ("default-workers1.yaml", "configs/default.yaml", 1),
+    ("default-workers8.yaml", "configs/default.yaml", 8),
+    ("cpu-smoke.yaml", "configs/cpu-smoke.yaml", None),
+    ("cpu-smoke-workers1.yaml", "configs/cpu-smoke.yaml", 1),
+    ("cpu-smoke-workers8.yaml", "configs/cpu-smoke.yaml", 8),
+]
+IDS = [c[0] for c in CASES]
+
+
+def rendered(config: str, workers: int | None) -> tuple[Topology, str]:
+    t = load(REPO / config)
+    if workers is not None:
+        t = t.with_workers(workers)
+    return t, r.dump(r.render(t), t.name)
+
+
+@pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
+def test_golden(golden: str, config: str, workers: int | None) -> None:
+    _, text = rendered(config, workers)
+    path = GOLDEN / golden
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"no {path}: run with UPDATE_GOLDEN=1 (tests/orchestrator/README.md)"
+    assert text == path.read_text(), f"render differs from {path}; if intended: UPDATE_GOLDEN=1"
+
+
+def test_top_level_compose_yaml_is_up_to_date() -> None:
+    _, text = rendered("configs/default.yaml", None)
+    assert (REPO / "compose.yaml").read_text() == text, (
+        "compose.yaml is out of date with configs/default.yaml: run `make render`")
+
+
+@pytest.fixture(scope="module")
+def schema_validator() -> jsonschema.Draft7Validator:
+    schema = json.loads((HERE / "compose-spec.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
+def test_schema(schema_validator, golden: str, config: str, workers: int | None) -> None:
+    _, text = rendered(config, workers)
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in schema_validator.iter_errors(yaml.safe_load(text))]
+    assert errors == []
+
+
+def test_schema_rejects_garbage(schema_validator) -> None:
+    # The check has teeth: a key compose does not know is an error.
+    doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
+    doc["services"]["ps"]["gpus_please"] = 1
+    assert list(schema_validator.iter_errors(doc))
+
+
+def test_same_topology_same_bytes(tmp_path: Path) -> None:
+    t = load(REPO / "configs/default.yaml")
+    assert r.dump(r.render(t), t.name) == r.dump(r.render(load(REPO / "configs/default.yaml")), t.name)
+    # And across processes (hash seeds differ), through the CLI.
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"c{seed}.yaml"
+        subprocess.run([sys.executable, "-m", "orchestrator", "render", "-o", str(out)],
+                       cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed}, check=True, capture_output=True)
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1] == (REPO / "compose.yaml").read_bytes()
+
+
+def test_no_anchors_no_name_no_version() -> None:
+    for _, config, workers in CASES:
+        _, text = rendered(config, workers)
+        events = list(yaml.parse(text))
+        assert not any(isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None) for e in events)
+        doc = yaml.safe_load(text)
+        assert list(doc) == ["services", "networks", "volumes"]
+
+
+def test_services_ranks_and_env() -> None:
+    t, text = rendered("configs/default.yaml", 4)
+    doc = yaml.safe_load(text)
+    assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3", "worker4"] == r.service_names(t)
+    for rank, (name, svc) in enumerate(doc["services"].items()):
+        env = svc["environment"]
+        assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
+        assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
+        assert env["PSC_DATA_DIR"] == "/data" and env["TP_SOCKET_IFNAME"] == "eth0"
+        assert env["PSC_CHECKPOINT_DIR"] == "/state/checkpoints" and env["PSC_METRICS_DIR"] == "/state/metrics"
+        assert all(isinstance(v, str) for v in env.values())
+        assert svc["command"] == (["ps"] if rank == 0 else ["worker"])
+        assert svc["labels"] == {r.LABEL_PROJECT: t.name, r.LABEL_ROLE: "ps" if rank == 0 else "worker",
+                                 r.LABEL_RANK: str(rank)}
+        assert svc["networks"] == [r.NETWORK]
+        assert svc["image"] == "ps-compose-resnet18-imagenette:latest"
+    assert doc["networks"] == {"cluster": {"driver": "bridge", "labels": {r.LABEL_PROJECT: t.name}}}
+
+
+def test_gpu_mode() -> None:
+    doc = yaml.safe_load(rendered("configs/default.yaml", 3)[1])
+    for i in (1, 2, 3):
+        w = doc["services"][f"worker{i}"]
+        assert w["deploy"] == {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "device_ids": [str(i - 1)], "capabilities": ["gpu"]}]}}}
+        assert w["environment"]["PSC_DEVICE"] == "cuda"
+    ps = doc["services"]["ps"]
+    assert "deploy" not in ps and ps["environment"]["PSC_DEVICE"] == "cpu"
+
+
+def test_gpu_for_ps_when_asked_and_listed_gpus() -> None:
+    t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7}, workers={"count": 2, "gpus": [4, 2]})))
+    doc = r.render(t)
+    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
+    assert ids == {"ps": ["7"], "worker1": ["4"], "worker2": ["2"]}
+    assert doc["services"]["ps"]["environment"]["PSC_DEVICE"] == "cuda"
+
+
+def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
+    doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
+    for svc in doc["services"].values():
+        assert "deploy" not in svc and svc["environment"]["PSC_DEVICE"] == "cpu"
+        assert "PSC_DATA_DIR" not in svc["environment"]
+        assert svc["volumes"] == [{"type": "volume", "source": "state", "target": "/state"}]
+
+
+def test_safe_defaults() -> None:
+    for _, config, workers in CASES:
+        doc = yaml.safe_load(rendered(config, workers)[1])
+        for name, svc in doc["services"].items():
+            assert "ports" not in svc and "privileged" not in svc and "network_mode" not in svc
+            assert svc["user"] == "1000:1000" and svc["init"] is True
+            assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"]
+            assert svc["shm_size"]
+            for v in svc["volumes"]:
+                if v["type"] == "bind":
+                    assert v["read_only"] is True and v["target"] == "/data"
+            if name == "ps":
+                assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "app", "health"]
+                assert "build" in svc
+            else:
+                assert svc["depends_on"] == {"ps": {"condition": "service_healthy"}}
+                assert svc["restart"] == "on-failure" and "build" not in svc
+        assert doc["volumes"] == {"state": {"labels": {r.LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}}
+
+
+def test_data_mount() -> None:
+    doc = yaml.safe_load(rendered("configs/default.yaml", None)[1])
+    assert doc["services"]["worker2"]["volumes"][0] == {
+        "type": "bind", "source": "./data/imagenette2/val", "target": "/data", "read_only": True}
+    t = parse(yaml.safe_dump(topology(train={"dataset": "mnist", "data_dir": "data/mnist"})))
+    assert r.render(t)["services"]["ps"]["volumes"][0]["source"] == "./data/mnist"
+
+
+def test_build_args() -> None:
+    doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
+    assert doc["services"]["ps"]["build"] == {"context": ".", "dockerfile": "images/Dockerfile",
+                                              "args": {"BASE_IMAGE": "ps-compose-base:bookworm",
+                                                       "PIP_SOURCE": "wheelhouse"}}
+
+
+def test_publish_rpc_port_when_asked(cli, write_config) -> None:
+    t = parse(yaml.safe_dump(topology(network={"publish_rpc_port": True}, ps={"rpc_port": 29600})))
+    assert r.render(t)["services"]["ps"]["ports"] == ["29600:29600"]
+    assert all("ports" not in s for n, s in r.render(t)["services"].items() if n != "ps")
+    status, out, err = cli("render", "-c", str(write_config(topology(network={"publish_rpc_port": True}))), "-o", "-")
+    assert status == 0 and "ports:" in out
+    assert err.startswith("warning: network.publish_rpc_port:") and "no authentication" in err
+
+
+def test_render_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = load(REPO / "configs/default.yaml")
+
+    def no_io(*a, **k):
+        raise AssertionError("render touched the disk")
+    monkeypatch.setattr("builtins.open", no_io)
+    monkeypatch.setattr(os, "stat", no_io)
+    r.dump(r.render(t), t.name)
+
+
+def test_project_name() -> None:
+    assert r.project_name(load(REPO / "configs/cpu-smoke.yaml")) == "cpu-smoke"
+
+
+def test_cli_render_writes_whole_file(cli, tmp_path: Path) -> None:
+    status, out, err = cli("render", "-c", str(REPO / "configs/cpu-smoke.yaml"), "-o", "c.yaml")
+    assert (status, err) == (0, "") and out.startswith("wrote c.yaml: ps + 2 workers")
+    assert (tmp_path / "c.yaml").read_text() == rendered("configs/cpu-smoke.yaml", None)[1]
+    assert (tmp_path / "c.yaml").stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_cli_render_stdout(cli, tmp_path: Path) -> None:
+    status, out, err = cli("render", "-c", str(REPO / "configs/cpu-smoke.yaml"), "--workers", "3", "-o", "-")
+    assert (status, err) == (0, "") and out == rendered("configs/cpu-smoke.yaml", 3)[1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_leaves_no_temp_and_old_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target = tmp_path / "compose.yaml"
+    target.write_text("old\n")
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        r.write_atomic(target, "new\n")
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["compose.yaml"]
