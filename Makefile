@@ -42,3 +42,28 @@ render: host-setup ## write compose.yaml from CONFIG (and WORKERS)
 
 local: setup ## PS + workers as local processes (CONFIG, WORKERS)
 	$(ORCH) local $(CFG)
+
+# The cluster in containers (orchestrator/cluster.py). logs, status and down act
+# on the cluster `up` started last, unless CONFIG or WORKERS is given.
+LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS))
+
+engine: ## install and start Debian's Docker engine if missing (root or sudo)
+	.ci/engine.sh
+
+build: host-setup ## build CONFIG's image (Docker SDK, progress streamed)
+	$(ORCH) build $(CFG)
+
+up: host-setup ## render, build if missing, start PS + WORKERS workers detached
+	$(ORCH) up $(CFG)
+
+logs: host-setup ## follow every service's log, prefixed by service
+	$(ORCH) logs $(LAST)
+
+status: host-setup ## one line per service: state, exit code, step, loss
+	$(ORCH) status $(LAST)
+
+down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
+	$(ORCH) down $(LAST)
+
+smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
+	$(ORCH) smoke

@@ -1,0 +1,151 @@
+"""Image builds with the Docker SDK for Python, progress printed as it streams.
+
+Two paths (images/Dockerfile):
+- default: FROM the topology's `image.base` (an official PyTorch image, from a
+  registry), the rest from PyPI;
+- offline: FROM `ps-compose-base:bookworm` (images/build-offline-base.sh:
+  debootstrap + docker import, no registry) with every wheel from
+  images/wheelhouse/ (images/wheelhouse.sh) and `pip install --no-index`.
+A topology picks its path with `image.base` and `image.pip_source`;
+`source(t, offline=True)` forces the offline one (`make smoke`, CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+import docker
+import docker.errors
+
+from orchestrator.compose import EngineError
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = "images/Dockerfile"
+OFFLINE_BASE = "ps-compose-base:bookworm"
+BASE_SCRIPT = ROOT / "images" / "build-offline-base.sh"
+WHEELHOUSE_SCRIPT = ROOT / "images" / "wheelhouse.sh"
+
+
+def client(timeout: int = 600) -> docker.DockerClient:
+    """A client of a daemon that answers; EngineError with what to do if none does."""
+    where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        c = docker.from_env(timeout=timeout)
+        c.ping()
+    except docker.errors.DockerException as e:
+        raise EngineError(
+            f"cannot reach the Docker daemon at {where} ({_reason(e)}); "
+            "start it (`sudo dockerd &`, `sudo systemctl start docker`) or run `make engine`"
+        ) from None
+    return c
+
+
+def _reason(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    for marker in ("FileNotFoundError", "ConnectionRefusedError", "PermissionError"):
+        if marker in text:
+            return {"FileNotFoundError": "no socket", "ConnectionRefusedError": "connection refused",
+                    "PermissionError": "permission denied: add yourself to the docker group or use sudo"}[marker]
+    return text[:200]
+
+
+def image_exists(c: docker.DockerClient, tag: str) -> bool:
+    try:
+        c.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
+def prepare(base: str, pip_source: str, out: TextIO = sys.stdout) -> None:
+    """What the offline path needs before a build: the base image (when it is the
+    offline base) and the wheelhouse (for `wheelhouse`), each made only when
+    missing or stale, each step timed."""
+    steps = []
+    if base == OFFLINE_BASE:
+        steps.append(("base image", BASE_SCRIPT))
+    if pip_source == "wheelhouse":
+        steps.append(("wheelhouse", WHEELHOUSE_SCRIPT))
+    for what, script in steps:
+        start = time.monotonic()
+        print(f"==> offline {what}: {script.relative_to(ROOT)}", file=out, flush=True)
+        argv = [str(script)]
+        if script is BASE_SCRIPT and os.geteuid() != 0 and not _base_present():
+            argv = ["sudo", *argv]  # debootstrap and chroot need root
+        r = subprocess.run(argv, cwd=ROOT)
+        if r.returncode != 0:
+            raise EngineError(f"{script.relative_to(ROOT)} failed with exit status {r.returncode}")
+        print(f"    {what} ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
+
+
+def _base_present() -> bool:
+    return subprocess.run(["docker", "image", "inspect", OFFLINE_BASE], capture_output=True).returncode == 0
+
+
+def source(t: Any, offline: bool = False) -> tuple[str, str]:
+    """(BASE_IMAGE, PIP_SOURCE) for topology `t`; `offline` forces the offline path."""
+    if offline:
+        return OFFLINE_BASE, "wheelhouse"
+    pip_source = getattr(t.image, "pip_source", None) or ("wheelhouse" if t.image.base == OFFLINE_BASE else "index")
+    return t.image.base, pip_source
+
+
+def build(
+    tag: str,
+    base: str,
+    pip_source: str = "index",
+    *,
+    out: TextIO = sys.stdout,
+    verbose: bool = False,
+) -> str:
+    """Build `tag` from images/Dockerfile FROM `base`, pip packages from `pip_source`
+    (`index` or `wheelhouse`); returns the image id. Step lines are printed as
+    the daemon streams them (every output line with `verbose`)."""
+    if pip_source not in ("index", "wheelhouse"):
+        raise EngineError(f"pip source {pip_source!r}: must be index or wheelhouse")
+    c = client()
+    prepare(base, pip_source, out)
+    print(f"==> building {tag} FROM {base} (pip packages from: {pip_source})", file=out, flush=True)
+    start = time.monotonic()
+    stream = c.api.build(
+        path=str(ROOT), dockerfile=DOCKERFILE, tag=tag,
+        buildargs={"BASE_IMAGE": base, "PIP_SOURCE": pip_source},
+        decode=True, rm=True, forcerm=True, pull=False,
+    )
+    image_id = follow_build(stream, out, verbose=verbose)
+    print(f"    built {tag} ({image_id[:19]}) in {time.monotonic() - start:.0f} s", file=out, flush=True)
+    return image_id
+
+
+def follow_build(stream: Iterable[dict[str, Any]], out: TextIO, *, verbose: bool = False) -> str:
+    """Print a build's progress; the image id, or EngineError with the failing step's output."""
+    image_id = ""
+    recent: list[str] = []  # output of the current step, shown if it fails
+    for chunk in stream:
+        if "error" in chunk or "errorDetail" in chunk:
+            message = chunk.get("error") or chunk["errorDetail"].get("message", "")
+            tail = "".join(f"    | {line}\n" for line in recent[-30:])
+            raise EngineError(f"image build failed: {message.strip()}" + (f"\n{tail}" if tail else ""))
+        aux = chunk.get("aux") or {}
+        if "ID" in aux:
+            image_id = aux["ID"]
+        text = chunk.get("stream")
+        if not text:
+            continue
+        for line in text.splitlines():
+            if line.startswith("Step "):
+                recent = []
+                step = line if verbose or len(line) <= 120 else line[:117] + "..."
+                print(f"    {step}", file=out, flush=True)
+            elif line.strip():
+                recent.append(line)
+                if verbose:
+                    print(f"      {line}", file=out, flush=True)
+    if not image_id:
+        raise EngineError("image build ended without an image id")
+    return image_id

@@ -1,0 +1,124 @@
+"""status and smoke: the pure parts (metrics, states, verdicts). No engine needed."""
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from orchestrator import UsageError
+from orchestrator import cluster as cl
+from orchestrator.topology import parse
+
+PS_LINES = [
+    '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',
+    '{"time": 2, "role": "ps", "rank": 0, "event": "end", "step": 220, "accuracy": 0.9666, "loss": 0.1243, "seconds": 1.6}',
+]
+WORKER_LINES = [
+    '{"time": 1, "role": "worker", "rank": 1, "event": "train", "step": 10, "epoch": 1, "loss": 0.9, "samples_per_s": 500, "staleness": 1}',
+    '{"time": 2, "role": "worker", "rank": 1, "event": "train", "step": 100, "epoch": 5, "loss": 0.0795, "samples_per_s": 510, "staleness": 2}',
+    '{"time": 3, "role": "worker", "rank": 1, "event": "end", "step": 110}',
+    '{"time": 4, "role": "wor',  # a line cut while being written
+]
+
+
+def attrs(service, status, exit_code=0, health=None, restarts=0):
+    st = {"Status": status, "ExitCode": exit_code}
+    if health:
+        st["Health"] = {"Status": health}
+    return {"Name": f"/p-{service}-1", "State": st, "RestartCount": restarts,
+            "Config": {"Labels": {"com.docker.compose.service": service}}}
+
+
+def test_summarize_metrics_keeps_the_last_values_and_skips_bad_lines():
+    assert cl.summarize_metrics(WORKER_LINES) == {"step": 110, "loss": 0.0795, "accuracy": None, "event": "end"}
+    assert cl.summarize_metrics(PS_LINES) == {"step": 220, "loss": 0.1243, "accuracy": 0.9666, "event": "end"}
+    assert cl.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
+
+
+def test_metrics_from_tar_reads_every_jsonl_file():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, lines in (("metrics/ps.jsonl", PS_LINES), ("metrics/worker1.jsonl", WORKER_LINES),
+                            ("metrics/notes.txt", ["x"])):
+            data = "\n".join(lines).encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert cl.metrics_from_tar(buf.getvalue()) == {"ps.jsonl": PS_LINES, "worker1.jsonl": WORKER_LINES}
+
+
+def test_status_lines():
+    rows = [
+        cl.service_row("ps", attrs("ps", "running", health="healthy"), PS_LINES),
+        cl.service_row("worker1", attrs("worker1", "exited", 0), WORKER_LINES),
+        cl.service_row("worker2", attrs("worker2", "restarting", 1, restarts=2), []),
+        cl.service_row("worker3", None, []),
+    ]
+    assert cl.format_status(rows) == [
+        "SERVICE    STATE                  EXIT    STEP     LOSS ACCURACY",
+        "ps         running (healthy)         -     220   0.1243   0.9666",
+        "worker1    exited                    0     110   0.0795        -",
+        "worker2    restarting x2             1       -        -        -",
+        "worker3    no container              -       -        -        -",
+    ]
+
+
+def test_parse_accuracy_takes_the_last_line_start_match():
+    log = ("ps | Update: 50 | Accuracy: 0.7799\n"
+           "Accuracy: 0.5\n"
+           "ps | Update: 200 | Accuracy: 0.9554\n"
+           "Accuracy: 0.9666\nTime: 1.60 seconds\n")
+    assert cl.parse_accuracy(log) == 0.9666
+    assert cl.parse_accuracy("ps | Update: 500 | Accuracy: 0.85\n") is None
+
+
+def test_judge():
+    ok = [cl.container_state(attrs(s, "exited")) for s in ("ps", "worker1", "worker2")]
+    expected = ["ps", "worker1", "worker2"]
+    assert cl.judge(expected, ok, 0.95, 0.90) == []
+    assert cl.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
+    assert cl.judge(expected, ok, None, 0.90) == ["the PS printed no `Accuracy:` line"]
+    bad = [cl.container_state(attrs("ps", "exited")), cl.container_state(attrs("worker1", "exited", 1)),
+           cl.container_state(attrs("worker2", "running"))]
+    assert cl.judge(expected + ["worker3"], bad, 0.95, 0.90) == [
+        "worker1: exit status 1", "worker2: still running", "worker3: no container"]
+
+
+CUDA = """
+name: gpu
+image: {base: pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime, device: cuda}
+train: {model: cnn, dataset: synthetic, batch_size: 8, lr: 0.1, epochs: 1}
+workers: {count: 2}
+"""
+
+
+def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
+    t = parse(CUDA, "configs/gpu.yaml")
+    with pytest.raises(UsageError, match="no NVIDIA runtime.*nothing was started.*CONFIG=configs/cpu-smoke.yaml"):
+        cl.preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}}})
+    cl.preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}, "nvidia": {}}})
+
+
+def test_preflight_stops_when_the_data_is_missing():
+    t = parse(CUDA.replace("device: cuda", "device: cpu").replace(
+        "dataset: synthetic", "dataset: imagefolder, data_dir: ./no/such/dir"), "x.yaml")
+    with pytest.raises(UsageError, match="train.data_dir: ./no/such/dir is not a directory"):
+        cl.preflight(t, "x.yaml", {"Runtimes": {}})
+
+
+def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(cl, "RUNS", tmp_path)
+    monkeypatch.setattr(cl, "CURRENT", tmp_path / "current.json")
+    smoke = cl.target("configs/cpu-smoke.yaml", 3)
+    assert smoke.project.name == "cpu-smoke"
+    assert smoke.project.file == str(tmp_path / "cpu-smoke" / "compose.yaml")
+    assert cl.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is True
+    assert cl.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is False
+    cl._remember(smoke)
+    last = cl.target(None, None)
+    assert last.project == smoke.project and last.topology is None
+    assert cl._services(last) == ["ps", "worker1", "worker2", "worker3"]
+    assert json.loads((tmp_path / "current.json").read_text())["config"] == "configs/cpu-smoke.yaml"
+    # An explicit -c wins over the last `up`.
+    assert cl.target("configs/default.yaml", None).project.name == "resnet18-imagenette"

@@ -1,0 +1,61 @@
+"""The image recipe and the build's progress stream. No engine needed."""
+
+import io
+import re
+import subprocess
+import sys
+
+import pytest
+from docker.utils.build import exclude_paths
+
+from orchestrator import images
+from orchestrator.compose import EngineError
+from orchestrator.topology import load
+
+ROOT = images.ROOT
+
+
+def test_dockerfile_default_base_is_the_default_topologys():
+    text = (ROOT / "images" / "Dockerfile").read_text()
+    default = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.MULTILINE).group(1)
+    assert default == load(ROOT / "configs" / "default.yaml").image.base
+    assert 'ENTRYPOINT ["python", "-m", "app"]' in text
+    assert "USER psc" in text
+
+
+def test_build_context_is_small():
+    files = exclude_paths(str(ROOT), (ROOT / ".dockerignore").read_text().splitlines())
+    assert "pyproject.toml" in files and "app/__main__.py" in files
+    assert not [f for f in files if f.startswith((".venv", "runs/", ".git/", "tests/"))]
+    assert not [f for f in files if "__pycache__" in f]
+
+
+def test_requirements_are_the_app_extra():
+    out = subprocess.run([sys.executable, str(ROOT / "images" / "requirements.py"),
+                          str(ROOT / "pyproject.toml"), "app"], capture_output=True, text=True, check=True)
+    names = [re.split(r"[<>=!~ ;\[]", line)[0] for line in out.stdout.split()]
+    assert {"torch", "numpy", "scikit-learn"} <= set(names)
+
+
+def test_source_per_topology():
+    smoke = load(ROOT / "configs" / "cpu-smoke.yaml")
+    default = load(ROOT / "configs" / "default.yaml")
+    assert images.source(smoke) == ("ps-compose-base:bookworm", "wheelhouse")
+    assert images.source(default) == (default.image.base, "index")
+    assert images.source(default, offline=True) == ("ps-compose-base:bookworm", "wheelhouse")
+
+
+def test_follow_build_prints_steps_and_returns_the_id():
+    stream = [{"stream": "Step 1/2 : FROM x\n"}, {"stream": " ---> abc\n"},
+              {"stream": "Step 2/2 : RUN pip install\n"}, {"stream": "Collecting torch\n"},
+              {"aux": {"ID": "sha256:1234"}}, {"stream": "Successfully built 1234\n"}]
+    out = io.StringIO()
+    assert images.follow_build(stream, out) == "sha256:1234"
+    assert out.getvalue() == "    Step 1/2 : FROM x\n    Step 2/2 : RUN pip install\n"
+
+
+def test_follow_build_error_shows_the_failing_steps_output():
+    stream = [{"stream": "Step 8/14 : RUN pip install\n"}, {"stream": "ERROR: No matching distribution for torch\n"},
+              {"error": "The command returned a non-zero code: 1", "errorDetail": {"message": "non-zero code: 1"}}]
+    with pytest.raises(EngineError, match=r"(?s)image build failed: The command.*No matching distribution"):
+        images.follow_build(stream, io.StringIO())
