@@ -1,0 +1,55 @@
+"""`python -m app ps|worker|health [flags]`: exit 0 done, 2 bad input, 1 run-time failure."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from app.config import Config, UsageError, parse
+
+HEALTH_TIMEOUT = 2.0
+
+
+def health(config: Config) -> int:
+    """0 when the PS's rendezvous port accepts a TCP connection on 127.0.0.1."""
+    try:
+        with socket.create_connection(("127.0.0.1", config.master_port), timeout=HEALTH_TIMEOUT):
+            return 0
+    except OSError:
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse(sys.argv[1:] if argv is None else argv, os.environ)
+    except UsageError as error:
+        print(f"app: error: {error}", file=sys.stderr)
+        return 2
+    if config.role == "health":
+        return health(config)
+
+    from app import runtime  # imports torch: only for the roles that need it
+
+    runtime.setup_logging()
+    runtime.handle_sigterm(grace=min(config.rpc_timeout, 5.0))
+    runtime.set_threads(config.world_size)
+    try:
+        if config.role == "ps":
+            from app.ps import serve
+            return serve(config)
+        from app.worker import run
+        return run(config)
+    except UsageError as error:
+        print(f"app: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # a failure at run time: one line, status 1
+        first_line = (str(error).strip().splitlines() or ["no message"])[0]
+        runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, first_line)
+        runtime.log.debug("traceback", exc_info=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

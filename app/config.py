@@ -1,0 +1,130 @@
+"""Command line and PSC_* environment: one frozen Config, flag > env > default.
+
+Pure: no torch import, so `python -m app health` and bad-flag errors are fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+ROLES = ("ps", "worker", "health")
+DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
+ENV_PREFIX = "PSC_"
+
+
+class UsageError(Exception):
+    """Bad input (flag, model, dataset, data dir, device): one line on stderr, exit 2."""
+
+
+def _flag(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a process of the app needs; one field per flag of docs/design.md."""
+
+    role: str
+    model: str = _flag("resnet18", "`cnn` (built in) or a torchvision classification model")
+    dataset: str = _flag("imagefolder", "where the samples come from", DATASETS)
+    data_dir: str = _flag("./imagenette2/val", "data root (unused by digits and synthetic)")
+    rank: int = _flag(1, "worker rank, 1..world_size-1 (the PS is always 0)")
+    world_size: int = _flag(3, "PS + workers")
+    master_addr: str = _flag("localhost", "the PS's address")
+    master_port: int = _flag(6100, "the PS's rendezvous port")
+    batch_size: int = _flag(256, "samples per batch, per worker")
+    lr: float = _flag(0.01, "SGD learning rate (applied on the PS)")
+    momentum: float = _flag(0.0, "SGD momentum (on the PS)")
+    num_epochs: int = _flag(150, "epochs per worker over its shard")
+    max_steps: int = _flag(0, "stop a worker after this many pushes (0: no cap)")
+    device: str = _flag("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", ("cpu", "cuda"))
+    strategy: str = _flag("async", "how the PS applies gradients", ("async",))
+    checkpoint_dir: str = _flag("./checkpoints", "the PS writes final.pt here")
+    metrics_dir: str = _flag("./metrics", "JSON lines, one file per process")
+    rpc_timeout: float = _flag(60.0, "seconds for every RPC and every wait")
+    seed: int = _flag(0, "model init, shuffling, synthetic data")
+    eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
+    log_every: int = _flag(10, "a worker prints every K batches")
+    num_workers: int = _flag(0, "DataLoader worker processes")
+
+    @property
+    def num_trainers(self) -> int:
+        """How many workers the PS serves."""
+        return self.world_size - 1
+
+    @property
+    def name(self) -> str:
+        """This process's RPC name: `ps` or `worker<rank>`."""
+        return "ps" if self.role == "ps" else f"worker{self.rank}"
+
+
+# (field, smallest allowed value, whether the bound itself is allowed)
+_LOWER_BOUNDS = (
+    ("world_size", 2, True), ("batch_size", 1, True), ("lr", 0.0, False),
+    ("momentum", 0.0, True), ("num_epochs", 1, True), ("max_steps", 0, True),
+    ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
+    ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="python -m app", allow_abbrev=False,
+                     description="Parameter-Server training over PyTorch RPC. "
+                     "Every --flag may also be set as PSC_FLAG in the environment.")
+    parser.add_argument("role", choices=ROLES)
+    for f in dataclasses.fields(Config)[1:]:
+        parser.add_argument(f"--{f.name}", type=str, default=None, metavar=f.type.upper(),
+                            help=f"{f.metadata['help']} (default {f.default!r}, env {ENV_PREFIX}{f.name.upper()})")
+    return parser
+
+
+def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
+    kind = {"int": int, "float": float, "str": str}[f.type]
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise UsageError(f"{source}: {raw!r} is not a valid {f.type}") from None
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise UsageError(f"{source}: {raw!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
+    """Build the Config from argv (role first) and env; raise UsageError on bad input."""
+    args = vars(_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {"role": args.pop("role")}
+    for f in dataclasses.fields(Config)[1:]:
+        env_name = ENV_PREFIX + f.name.upper()
+        if args[f.name] is not None:
+            values[f.name] = _convert(f, args[f.name], f"--{f.name}")
+        elif env.get(env_name, "") != "":
+            values[f.name] = _convert(f, env[env_name], env_name)
+    config = Config(**values)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Range checks that argparse cannot express; raise UsageError naming the flag."""
+    for name, low, inclusive in _LOWER_BOUNDS:
+        value = getattr(config, name)
+        if value < low or (value == low and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise UsageError(f"--{name}: {value} must be {relation} {low}")
+    if config.master_port > 65535:
+        raise UsageError(f"--master_port: {config.master_port} must be <= 65535")
+    if config.momentum >= 1:
+        raise UsageError(f"--momentum: {config.momentum} must be < 1")
+    if config.role == "worker" and not 1 <= config.rank < config.world_size:
+        raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
+                         f"for a worker (--world_size {config.world_size})")

@@ -1,0 +1,203 @@
+"""Datasets by name, each with a held-out split for the PS, and per-worker shards.
+
+Nothing is downloaded: mnist and cifar10 read the files torchvision would have
+saved, digits ships inside scikit-learn, synthetic is generated from the seed.
+Held-out splits are fixed (they do not depend on --seed), so accuracies of
+different runs compare.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+
+from app.config import DATASETS, UsageError
+from app.imagefolder import ImageFolderData, find_samples
+
+SPLITS = ("train", "test")
+FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
+HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
+SPLIT_SEED = 0
+
+
+class InMemoryData(Dataset):
+    """Samples in one tensor, normalised per batch; indexed by a list of indices."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, mean: Sequence[float],
+                 std: Sequence[float], scale: float = 1.0) -> None:
+        self.x, self.y = x, y.long()
+        self.scale = scale
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.x[index].float().mul_(self.scale)
+        return (batch - self.mean) / self.std, self.y[index]
+
+
+@dataclass(frozen=True)
+class LabeledData:
+    """One split of a dataset, and what a model needs to know about it."""
+
+    data: Dataset
+    channels: int
+    num_classes: int
+
+
+def check_data_dir(dataset: str, data_dir: str) -> None:
+    """UsageError naming the path when a file dataset's directory is missing or empty."""
+    if dataset not in DATASETS:
+        raise UsageError(f"unknown dataset {dataset!r}; datasets that exist: {', '.join(DATASETS)}")
+    if dataset not in FILE_DATASETS:
+        return
+    path = Path(data_dir)
+    if not path.is_dir():
+        raise UsageError(f"data dir not found: {data_dir}")
+    if not any(path.iterdir()):
+        raise UsageError(f"data dir is empty: {data_dir}")
+
+
+def load(dataset: str, data_dir: str, split: str, seed: int) -> LabeledData:
+    """The `train` split (workers shard it) or the held-out `test` split (the PS's)."""
+    check_data_dir(dataset, data_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    loader = {"imagefolder": _imagefolder, "mnist": _mnist, "cifar10": _cifar10,
+              "digits": _digits, "synthetic": _synthetic}[dataset]
+    return loader(Path(data_dir), split == "train", seed)
+
+
+def _held_out_mask(n: int, fraction: float) -> torch.Tensor:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[perm[:max(1, round(n * fraction))]] = True
+    return mask
+
+
+def _digits(root: Path, train: bool, seed: int) -> LabeledData:
+    from sklearn.datasets import load_digits  # ships its data inside the package
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.data.astype(np.float32)).view(-1, 1, 8, 8)
+    y = torch.from_numpy(bunch.target)
+    keep = _held_out_mask(len(y), HELD_OUT) ^ train
+    return LabeledData(InMemoryData(x[keep], y[keep], [0.3], [0.4], scale=1 / 16), 1, 10)
+
+
+def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
+    """10 classes of 3x32x32 images: a fixed random pattern per class plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    n = 5120
+    patterns = torch.randn(10, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    x = patterns[y] + torch.randn(n, 3, 32, 32, generator=g)
+    keep = _held_out_mask(n, HELD_OUT) ^ train
+    return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
+
+
+def _imagefolder(root: Path, train: bool, seed: int) -> LabeledData:
+    classes, samples = find_samples(root)
+    held_out = _held_out_mask(len(samples), 0.1)
+    chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
+    return LabeledData(ImageFolderData(chosen, train), 3, len(classes))
+
+
+def _find(root: Path, names: Sequence[str], what: str) -> Path:
+    for folder in (root, root / "raw", root / "MNIST" / "raw", root / "cifar-10-batches-py"):
+        for name in names:
+            if (folder / name).is_file():
+                return folder / name
+    raise UsageError(f"no {what} file ({' or '.join(names)}) under {root}")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _mnist(root: Path, train: bool, seed: int) -> LabeledData:
+    prefix = "train" if train else "t10k"
+    images = _read_idx(_find(root, [f"{prefix}-images-idx3-ubyte", f"{prefix}-images-idx3-ubyte.gz"], "MNIST"))
+    labels = _read_idx(_find(root, [f"{prefix}-labels-idx1-ubyte", f"{prefix}-labels-idx1-ubyte.gz"], "MNIST"))
+    x = torch.from_numpy(images.copy()).unsqueeze(1)
+    return LabeledData(InMemoryData(x, torch.from_numpy(labels.astype(np.int64)), [0.1307], [0.3081], 1 / 255), 1, 10)
+
+
+def _cifar10(root: Path, train: bool, seed: int) -> LabeledData:
+    names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+    xs, ys = [], []
+    for name in names:
+        with open(_find(root, [name], "CIFAR-10"), "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
+    x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+    return LabeledData(InMemoryData(x, y, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616], 1 / 255), 3, 10)
+
+
+class ShardSampler(Sampler[int]):
+    """This worker's disjoint share of one permutation per epoch (DistributedSampler
+    without the padding: shards differ by at most one sample, and together they
+    cover the data exactly once)."""
+
+    def __init__(self, size: int, num_shards: int, shard: int, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
+        self.size, self.num_shards, self.shard = size, num_shards, shard
+        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g)
+        else:
+            order = torch.arange(self.size)
+        return iter(order[self.shard::self.num_shards].tolist())
+
+    def __len__(self) -> int:
+        return len(range(self.shard, self.size, self.num_shards))
+
+
+def train_loader(data: Dataset, sampler: ShardSampler, batch_size: int,
+                 num_workers: int, pin_memory: bool) -> DataLoader:
+    """Batches of this worker's shard; the last short batch is dropped when the shard
+    holds at least one full batch (BatchNorm cannot train on a batch of one)."""
+    drop_last = len(sampler) >= batch_size
+    return _loader(data, sampler, batch_size, drop_last, num_workers, pin_memory)
+
+
+def eval_loader(data: Dataset, batch_size: int, num_workers: int) -> DataLoader:
+    sampler = ShardSampler(len(data), 1, 0, shuffle=False)  # type: ignore[arg-type]
+    return _loader(data, sampler, batch_size, False, num_workers, False)
+
+
+def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool,
+            num_workers: int, pin_memory: bool) -> DataLoader:
+    common = dict(num_workers=num_workers, pin_memory=pin_memory,
+                  persistent_workers=num_workers > 0)
+    if isinstance(data, InMemoryData):  # one indexing op per batch, no per-sample collate
+        batches = BatchSampler(sampler, batch_size, drop_last)
+        return DataLoader(data, sampler=batches, batch_size=None, **common)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
+
+
+def describe(data: LabeledData) -> str:
+    return f"{len(data.data)} samples, {data.channels} channel(s), {data.num_classes} classes"  # type: ignore[arg-type]

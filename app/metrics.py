@@ -1,0 +1,39 @@
+"""JSON-lines metrics: one object a line with time, role, rank, event, step (design.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends events to `<metrics_dir>/<name>.jsonl`, flushed line by line."""
+
+    def __init__(self, metrics_dir: str, name: str, role: str, rank: int) -> None:
+        directory = Path(metrics_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{name}.jsonl"
+        self.role, self.rank = role, rank
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, event: str, step: int, **fields: Any) -> None:
+        record = {"time": round(time.time(), 3), "role": self.role, "rank": self.rank,
+                  "event": event, "step": step, **fields}
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of one metrics file (for tests and tools)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,82 @@
+"""Models by name: the built-in `cnn`, and torchvision's classifiers when it imports.
+
+Model code knows nothing about RPC or devices.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from app.config import UsageError
+
+BUILT_IN = ("cnn",)
+AUX_LOGITS = ("googlenet", "inception_v3")
+
+
+class SmallCNN(nn.Module):
+    """Two conv layers and two linear ones; any input size, any channel count."""
+
+    def __init__(self, channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class GrayToRGB(nn.Module):
+    """Feeds one-channel images to a model built for three."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.expand(-1, 3, -1, -1)
+
+
+def _torchvision_models() -> ModuleType | None:
+    try:
+        return importlib.import_module("torchvision.models")
+    except Exception:  # not installed, or a build that does not match this torch
+        return None
+
+
+def available() -> list[str]:
+    """Every model name this process can build."""
+    tv = _torchvision_models()
+    return list(BUILT_IN) + (sorted(tv.list_models(module=tv)) if tv else [])
+
+
+def check(name: str) -> None:
+    """Raise UsageError for a name that cannot be built here, listing what exists."""
+    if name in BUILT_IN:
+        return
+    tv = _torchvision_models()
+    if tv is None:
+        raise UsageError(f"unknown model {name!r}: torchvision is not installed, "
+                         f"so the models that exist are: {', '.join(BUILT_IN)}")
+    if name not in tv.list_models(module=tv):
+        raise UsageError(f"unknown model {name!r}; models that exist: {', '.join(available())}")
+
+
+def build(name: str, channels: int, num_classes: int, seed: int) -> nn.Module:
+    """A freshly initialised model (same seed, same weights); no weights are downloaded."""
+    check(name)
+    torch.manual_seed(seed)
+    if name == "cnn":
+        return SmallCNN(channels, num_classes)
+    tv = _torchvision_models()
+    assert tv is not None  # check() above
+    # Auxiliary heads change the output type in training mode; the loop wants logits.
+    extra = {"aux_logits": False} if name in AUX_LOGITS else {}
+    model = tv.get_model(name, weights=None, num_classes=num_classes, **extra)
+    return nn.Sequential(GrayToRGB(), model) if channels == 1 else model

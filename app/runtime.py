@@ -1,0 +1,158 @@
+"""Process plumbing: logging, threads, device choice, and the one RPC session.
+
+Everything about starting and stopping torch.distributed.rpc lives in
+`rpc_session`, so failure handling (issue 5) changes one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import torch
+import torch.distributed.rpc as rpc
+
+from app.config import Config, UsageError
+
+log = logging.getLogger("app")
+# The seed's lines (`worker1 | Epoch: ...`, `Accuracy: ...`, `Time: ...`) go
+# through this logger to stdout, bare; diagnostics go through `app` to stderr.
+progress = logging.getLogger("app.progress")
+
+# TensorPipe: the `uv` (TCP) transport only. The default `shm` transport spins a
+# core while idle; `cuda_ipc` crashes with one GPU per container (pytorch#95487),
+# so the channels are listed explicitly and tensors cross on CPU.
+TRANSPORTS = ["uv"]
+CHANNELS = ["mpt_uv", "basic"]
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Bare progress lines on line-buffered stdout; timestamped diagnostics on stderr."""
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    out = logging.StreamHandler(sys.stdout)
+    out.setFormatter(logging.Formatter("%(message)s"))
+    progress.handlers[:] = [out]
+    progress.propagate = False
+    progress.setLevel(logging.INFO)
+    err = logging.StreamHandler(sys.stderr)
+    err.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [err]
+    log.setLevel(level)
+    # torch's own RPC shutdown uses a deprecated ProcessGroup path; not ours to fix.
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+
+
+def set_threads(world_size: int) -> int:
+    """Share the host's cores between the job's processes (unless OMP_NUM_THREADS says)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or parallel work already ran
+        pass
+    return threads
+
+
+def choose_device(name: str) -> torch.device:
+    """`cpu`, or `cuda:0` (the one GPU a container sees); UsageError when there is none."""
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible to this process "
+                             "(torch.cuda.is_available() is False); use --device cpu")
+        return torch.device("cuda:0")
+    return torch.device("cpu")
+
+
+def handle_sigterm(grace: float) -> None:
+    """SIGTERM ends the process even as PID 1 and even while blocked inside torch.
+
+    Python runs signal handlers only between bytecodes of the main thread,
+    which may sit in a C++ wait (rendezvous, an RPC). The handler raises
+    SystemExit for the normal path; a watcher thread, woken through the
+    signal wakeup fd, ends the process with 143 if it is still alive `grace`
+    seconds later.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    threading.Thread(target=_exit_after_sigterm, args=(read_fd, grace),
+                     name="sigterm-watch", daemon=True).start()
+
+
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_after_sigterm(read_fd: int, grace: float) -> None:
+    while signal.SIGTERM not in os.read(read_fd, 64):
+        pass
+    log.info("SIGTERM: stopping (at most %.0f s)", grace)
+    time.sleep(grace)
+    _hard_exit(f"still running {grace:.0f} s after SIGTERM", 128 + signal.SIGTERM)
+
+
+@contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """End the process with status 1 and one line if the block outlives `seconds`."""
+    timer = threading.Timer(seconds, _hard_exit, args=(f"{what} did not finish within {seconds:.0f} s", 1))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def backend_options(config: Config) -> rpc.TensorPipeRpcBackendOptions:
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rpc_timeout=config.rpc_timeout,
+        num_worker_threads=max(8, 2 * config.world_size),
+        _transports=TRANSPORTS,
+        _channels=CHANNELS,
+    )
+
+
+@contextmanager
+def rpc_session(config: Config, rank: int) -> Iterator[None]:
+    """Join the job as `config.name`; leave it gracefully, within a bounded time.
+
+    On a clean exit every peer is expected to reach shutdown within
+    rpc_timeout (the worker waits for the PS to say training is over first);
+    a watchdog ends the process with status 1 if shutdown still hangs. On an
+    exception the agent is shut down locally, without waiting for peers.
+    """
+    if config.master_addr in LOOPBACK:
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    # torch waits for the other ranks to join with no bound of its own.
+    with deadline(config.rpc_timeout, f"{config.name}: joining the job at "
+                  f"{config.master_addr}:{config.master_port} ({config.world_size} processes)"):
+        rpc.init_rpc(config.name, rank=rank, world_size=config.world_size,
+                     rpc_backend_options=backend_options(config))
+    log.info("%s joined the job (%d processes)", config.name, config.world_size)
+    try:
+        yield
+    except BaseException:
+        rpc.shutdown(graceful=False)
+        raise
+    with deadline(config.rpc_timeout + 10, f"{config.name}: RPC shutdown"):
+        rpc.shutdown(graceful=True, timeout=config.rpc_timeout)
+
+
+def _hard_exit(message: str, status: int) -> None:
+    log.error("%s; exiting with status %d", message, status)
+    logging.shutdown()
+    os._exit(status)

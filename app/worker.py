@@ -1,0 +1,142 @@
+"""A worker: pull parameters, forward, backward, push the flat gradient, receive
+fresh parameters; on its own shard of the data, for its epochs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from app import data, models, ps
+from app.config import Config
+from app.flat import FlatModel
+from app.metrics import MetricsWriter
+from app.runtime import choose_device, progress, rpc_session
+
+log = logging.getLogger("app.worker")
+PS_NAME = "ps"
+POLL_SECONDS = 0.5
+
+
+class PSUnreachable(RuntimeError):
+    """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
+
+
+class PSClient:
+    """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout."""
+
+    def __init__(self, rank: int, timeout: float, address: str) -> None:
+        self.rank, self.timeout, self.address = rank, timeout, address
+
+    def pull(self) -> tuple[torch.Tensor, int]:
+        return self._call(ps.rpc_pull, self.rank)
+
+    def push(self, message: torch.Tensor, version: int) -> tuple[torch.Tensor, int, int]:
+        return self._call(ps.rpc_push, self.rank, message, version)
+
+    def finish(self, pushes: int) -> None:
+        self._call(ps.rpc_finish, self.rank, pushes)
+
+    def wait_all_finished(self) -> None:
+        """Poll until every worker is done, so all processes reach shutdown together."""
+        while not self._call(ps.rpc_all_finished):
+            time.sleep(POLL_SECONDS)
+
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return rpc.rpc_sync(PS_NAME, function, args=args, timeout=self.timeout)
+        except RuntimeError as error:
+            reason = (str(error).strip().splitlines() or ["no reason given"])[0]
+            raise PSUnreachable(f"lost the parameter server at {self.address} "
+                                f"during {function.__name__}: {reason}") from error
+
+
+class Trainer:
+    """The training loop of one worker; `train()` returns the number of pushes."""
+
+    def __init__(self, config: Config, model: nn.Module, loader: torch.utils.data.DataLoader,
+                 sampler: data.ShardSampler, device: torch.device, client: PSClient,
+                 metrics: MetricsWriter) -> None:
+        self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
+        self.device, self.client, self.metrics = device, client, metrics
+        self.flat = FlatModel(model)
+        self.loss_fn = nn.CrossEntropyLoss()
+        # RPC carries CPU tensors only: a GPU worker stages its message here.
+        self.staging = (torch.empty(self.flat.size, pin_memory=True)
+                        if device.type == "cuda" else None)
+        self.pushes = 0
+        self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
+        self._samples = 0
+
+    def train(self) -> int:
+        self.model.train()
+        vector, version = self.client.pull()
+        self.flat.load(vector)
+        for epoch in range(1, self.config.num_epochs + 1):
+            self.sampler.set_epoch(epoch)
+            for batch, (x, y) in enumerate(self.loader, start=1):
+                loss = self.compute_gradients(x, y)
+                version, staleness = self.push_and_pull(version)
+                self._samples += len(y)
+                if batch % self.config.log_every == 0 or batch == len(self.loader):
+                    self.report(epoch, batch, loss, staleness)
+                if self.reached_max_steps():
+                    return self.pushes
+        return self.pushes
+
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward; the gradient lands in self.flat.grads."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.flat.zero_grads()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss.item()
+
+    def push_and_pull(self, version: int) -> tuple[int, int]:
+        """Send [grads | buffers] as one tensor; load the fresh state the PS answers."""
+        message = self.flat.pack_message()
+        if self.staging is not None:
+            message = self.staging.copy_(message)
+        vector, version, staleness = self.client.push(message, version)
+        self.flat.load(vector)
+        self.pushes += 1
+        return version, staleness
+
+    def reached_max_steps(self) -> bool:
+        return 0 < self.config.max_steps <= self.pushes
+
+    def report(self, epoch: int, batch: int, loss: float, staleness: int) -> None:
+        now = time.monotonic()
+        then, samples_then = self._mark
+        rate = (self._samples - samples_then) / max(now - then, 1e-9)
+        self._mark = (now, self._samples)
+        progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
+        self.metrics.write("train", self.pushes, epoch=epoch, batch=batch, loss=round(loss, 4),
+                           samples_per_s=round(rate, 1), staleness=staleness)
+
+
+def run(config: Config) -> int:
+    """The worker process: check input, join, train, report, leave."""
+    device = choose_device(config.device)
+    models.check(config.model)
+    train = data.load(config.dataset, config.data_dir, "train", config.seed)
+    sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]
+    loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,
+                               pin_memory=device.type == "cuda")
+    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), data.describe(train))
+    model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}")
+    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
+        start = time.monotonic()
+        with rpc_session(config, rank=config.rank):
+            trainer = Trainer(config, model, loader, sampler, device, client, metrics)
+            pushes = trainer.train()
+            client.finish(pushes)
+            metrics.write("end", pushes, seconds=round(time.monotonic() - start, 2))
+            client.wait_all_finished()
+    return 0

@@ -1,0 +1,71 @@
+"""Helpers for the app's tests: free ports, `python -m app` runs, PS + worker processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without PSC_* (so defaults are the app's own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSC_")}
+    env.update(PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def run_app(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True,
+                          env=app_env() if env is None else env, timeout=timeout, cwd=REPO)
+
+
+@dataclass
+class Process:
+    name: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float) -> dict[str, Process]:
+    """Start `ps` and `worker1..N` on 127.0.0.1; wait for all, killing every one at `timeout`."""
+    common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port()), "--metrics_dir", str(tmp_path / "metrics"),
+              "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
+    roles = {"ps": ["ps"]} | {f"worker{r}": ["worker", "--rank", str(r)] for r in range(1, workers + 1)}
+    procs = {}
+    for name, role in roles.items():
+        out = open(tmp_path / f"{name}.out", "w")
+        err = open(tmp_path / f"{name}.err", "w")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "app", *role, *common],
+                                       stdout=out, stderr=err, env=app_env(), cwd=REPO)
+        out.close()
+        err.close()
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"cluster did not finish within {timeout} s")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {name: Process(name, proc.returncode, (tmp_path / f"{name}.out").read_text(),
+                          (tmp_path / f"{name}.err").read_text())
+            for name, proc in procs.items()}

@@ -1,0 +1,74 @@
+"""`python -m app` as a subprocess: bad input exits 2 with one line on stderr, before any RPC."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from app_testkit import app_env, free_port, run_app
+
+pytestmark = pytest.mark.slow  # each test starts `python -m app` (no RPC, a second or two)
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("app: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["ps", "--batch_size", "x"], "--batch_size: 'x' is not a valid int"),
+    (["worker", "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    (["ps", "--model", "no_such_net", "--dataset", "digits"], "unknown model 'no_such_net'"),
+    (["ps", "--model", "cnn", "--dataset", "no_such_set"], "--dataset: 'no_such_set' is not one of"),
+    (["worker", "--model", "cnn", "--dataset", "imagefolder", "--data_dir", "/no/such/dir"],
+     "data dir not found: /no/such/dir"),
+])
+def test_bad_input_exits_2_with_one_line(args, expected):
+    result = run_app(*args, "--master_port", str(free_port()))
+    assert result.returncode == 2
+    assert expected in _one_error_line(result)
+    assert result.stdout == ""
+
+
+def test_empty_data_dir_exits_2_naming_it(tmp_path):
+    result = run_app("ps", "--model", "cnn", "--dataset", "mnist", "--data_dir", str(tmp_path))
+    assert result.returncode == 2
+    assert _one_error_line(result) == f"app: error: data dir is empty: {tmp_path}"
+
+
+def test_bad_env_value_exits_2():
+    result = run_app("worker", env=app_env(PSC_LR="fast"))
+    assert result.returncode == 2
+    assert "PSC_LR: 'fast' is not a valid float" in _one_error_line(result)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_cuda_without_gpu_exits_2():
+    result = run_app("worker", "--device", "cuda", "--model", "cnn", "--dataset", "digits")
+    assert result.returncode == 2
+    assert "--device cuda: no CUDA GPU is visible" in _one_error_line(result)
+
+
+def test_torchvision_model_without_torchvision_names_what_exists():
+    try:
+        import torchvision  # noqa: F401
+        pytest.skip("torchvision is installed here")
+    except Exception:
+        pass
+    result = run_app("ps", "--model", "resnet18", "--dataset", "digits")
+    assert result.returncode == 2
+    line = _one_error_line(result)
+    assert "torchvision is not installed" in line and line.endswith(": cnn")
+
+
+def test_health_is_0_when_the_port_listens_and_1_when_not():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert run_app("health", "--master_port", str(port)).returncode == 0
+    assert run_app("health", env=app_env(PSC_MASTER_PORT=str(free_port()))).returncode == 1

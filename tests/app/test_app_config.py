@@ -1,0 +1,56 @@
+"""Flags, PSC_* environment and defaults: flag > env > default; bad input names the source."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import Config, UsageError, parse
+
+
+def test_defaults_are_the_seeds():
+    config = parse(["worker"], {})
+    assert (config.model, config.dataset, config.data_dir) == ("resnet18", "imagefolder", "./imagenette2/val")
+    assert (config.rank, config.world_size, config.batch_size, config.lr, config.num_epochs) == (1, 3, 256, 0.01, 150)
+    assert (config.master_addr, config.master_port) == ("localhost", 6100)
+
+
+def test_env_overrides_default_and_flag_overrides_env():
+    env = {"PSC_BATCH_SIZE": "64", "PSC_LR": "0.5", "PSC_MODEL": "cnn", "PSC_DATA_DIR": "/data"}
+    config = parse(["worker", "--lr", "0.25"], env)
+    assert config.batch_size == 64          # env over default
+    assert config.lr == 0.25                # flag over env
+    assert config.model == "cnn" and config.data_dir == "/data"
+
+
+def test_empty_env_value_means_unset():
+    assert parse(["ps"], {"PSC_LR": ""}).lr == Config.lr
+
+
+def test_other_env_vars_are_ignored():
+    assert parse(["ps"], {"LR": "9", "PSC_UNKNOWN": "1"}).lr == 0.01
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["ps", "--lr", "abc"], {}, "--lr: 'abc' is not a valid float"),
+    (["ps"], {"PSC_BATCH_SIZE": "many"}, "PSC_BATCH_SIZE: 'many' is not a valid int"),
+    (["ps"], {"PSC_DEVICE": "gpu"}, "PSC_DEVICE: 'gpu' is not one of cpu, cuda"),
+    (["ps", "--dataset", "imagenet"], {}, "--dataset: 'imagenet' is not one of"),
+    (["ps", "--bogus", "1"], {}, "unrecognized arguments: --bogus 1"),
+    (["ps", "--batch"], {}, "unrecognized arguments: --batch"),
+    (["trainer"], {}, "invalid choice: 'trainer'"),
+    (["ps", "--world_size", "1"], {}, "--world_size: 1 must be >= 2"),
+    (["ps", "--lr", "0"], {}, "--lr: 0.0 must be > 0"),
+    (["ps", "--momentum", "1"], {}, "--momentum: 1.0 must be < 1"),
+    (["ps", "--master_port", "70000"], {}, "--master_port: 70000 must be <= 65535"),
+    (["worker", "--rank", "3", "--world_size", "3"], {}, "--rank: 3 must be in 1..2"),
+    (["worker", "--rank", "0"], {}, "--rank: 0 must be in 1..2"),
+])
+def test_bad_input_raises_usage_error_naming_it(argv, env, message):
+    with pytest.raises(UsageError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        parse(argv, env)
+
+
+def test_ps_ignores_worker_rank_and_names_itself_ps():
+    config = parse(["ps", "--world_size", "5"], {"PSC_RANK": "9"})
+    assert (config.name, config.num_trainers) == ("ps", 4)
+    assert parse(["worker", "--rank", "2"], {}).name == "worker2"

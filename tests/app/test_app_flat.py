@@ -1,0 +1,54 @@
+"""One flat vector per model: parameters, grads and BatchNorm buffers as views."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from app.flat import FlatModel
+from app.models import SmallCNN
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def test_vector_holds_params_then_float_buffers():
+    model = _bn_model()
+    expected = torch.cat([parameters_to_vector(model.parameters()),
+                          model[1].running_mean, model[1].running_var])
+    flat = FlatModel(model)
+    assert flat.num_params == sum(p.numel() for p in model.parameters())
+    assert flat.num_buffers == 8                     # running_mean + running_var, not the counter
+    assert torch.equal(flat.vector, expected)
+    assert flat.vector.data_ptr() == flat.vector.untyped_storage().data_ptr()  # owns its storage
+
+
+def test_load_round_trip_changes_the_model():
+    model = SmallCNN(1, 10)
+    flat = FlatModel(model)
+    new = torch.randn(flat.size)
+    flat.load(new)
+    assert torch.equal(parameters_to_vector(model.parameters()), new)
+    flat.vector.zero_()
+    assert all(p.abs().sum() == 0 for p in model.parameters())
+
+
+def test_backward_writes_the_gradient_into_the_message():
+    model = _bn_model()
+    reference = _bn_model()
+    flat = FlatModel(model)
+    x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])
+    for _ in range(2):                               # the second step must not accumulate
+        flat.zero_grads()
+        nn.functional.cross_entropy(model(x), y).backward()
+    reference.zero_grad()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    message = flat.pack_message()
+    assert message.data_ptr() == flat.message.data_ptr()  # no copy of the gradient
+    assert torch.allclose(message[:flat.num_params],
+                          parameters_to_vector(p.grad for p in reference.parameters()))
+    assert torch.equal(message[flat.num_params:], flat.vector[flat.num_params:])
+    assert not torch.equal(message[flat.num_params:], torch.cat([torch.zeros(4), torch.ones(4)]))

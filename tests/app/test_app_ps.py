@@ -1,0 +1,120 @@
+"""The ParameterServer object without RPC: the lock, SGD, staleness, checkpoints; models."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from app import models
+from app.config import UsageError
+from app.ps import ParameterServer, save_atomically
+
+
+def _linear(size: int) -> nn.Module:
+    model = nn.Linear(size, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def test_concurrent_pushes_are_all_applied_exactly():
+    # Integer gradients and lr 1: the exact result does not depend on the order,
+    # and a lost or torn update shows. The vector is large so that an unlocked
+    # read-modify-write would overlap between threads.
+    threads, pushes, size = 8, 40, 1 << 20
+    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_workers=threads)
+    start = threading.Barrier(threads)
+
+    def worker(rank: int) -> None:
+        grad = torch.full((size,), float(rank))
+        start.wait()
+        version = 0
+        for _ in range(pushes):
+            _, version, staleness = server.push(rank, grad, version)
+            assert staleness >= 0
+
+    pool = [threading.Thread(target=worker, args=(r,)) for r in range(1, threads + 1)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=120)
+    expected = -float(pushes * sum(range(1, threads + 1)))
+    vector, version = server.pull(rank=0)
+    assert version == threads * pushes
+    assert torch.equal(vector, torch.full((size,), expected))
+    assert server.pushes == {r: pushes for r in range(1, threads + 1)}
+
+
+def test_staleness_is_versions_since_the_pull():
+    server = ParameterServer(_linear(4), lr=0.5, momentum=0.0, num_workers=2)
+    grad = torch.ones(4)
+    assert server.push(1, grad, 0)[1:] == (1, 0)
+    assert server.push(2, grad, 0)[1:] == (2, 1)
+    assert server.push(1, grad, 1)[1:] == (3, 1)
+    assert server.stats()["staleness_max"] == 1
+
+
+def test_flat_sgd_with_momentum_matches_torch_sgd_on_the_model():
+    torch.manual_seed(0)
+    reference = models.build("cnn", 1, 10, seed=0)
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_workers=1)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in reference.parameters()]
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        vector, _, _ = server.push(1, torch.cat([g.flatten() for g in grads]), step)
+    expected = torch.nn.utils.parameters_to_vector(reference.parameters())
+    assert torch.allclose(vector, expected, atol=1e-6)
+
+
+def test_buffers_in_a_push_replace_the_global_ones():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    server = ParameterServer(model, lr=0.1, momentum=0.0, num_workers=1)
+    message = torch.zeros(server.flat.size)
+    message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # running_mean, running_var
+    vector, _, _ = server.push(1, message, 0)
+    assert torch.equal(model[1].running_mean, torch.tensor([1.0, 2.0]))
+    assert torch.equal(vector[-4:], message[-4:])
+
+
+def test_a_push_of_the_wrong_size_is_refused_and_changes_nothing():
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    with pytest.raises(ValueError, match="worker3 pushed 5"):
+        server.push(3, torch.ones(5), 0)
+    assert server.version == 0
+
+
+def test_all_finished_after_every_worker_reports():
+    server = ParameterServer(_linear(2), lr=1.0, momentum=0.0, num_workers=2)
+    server.finish(1, 10)
+    server.wait(until_version=100, timeout=0.01)
+    assert not server.all_finished
+    server.finish(2, 12)
+    server.wait(until_version=100, timeout=5)
+    assert server.all_finished and server.finished == {1: 10, 2: 12}
+
+
+def test_checkpoint_is_written_atomically_and_loads(tmp_path):
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_workers=1)
+    server.push(1, torch.ones(server.flat.size), 0)
+    path = tmp_path / "checkpoints" / "final.pt"
+    save_atomically(server.checkpoint(), path)
+    assert [p.name for p in path.parent.iterdir()] == ["final.pt"]
+    state = torch.load(path)
+    assert state["version"] == 1
+    restored = models.build("cnn", 1, 10, seed=1)
+    restored.load_state_dict(state["model"])
+    assert torch.equal(torch.nn.utils.parameters_to_vector(restored.parameters()), server.flat.params)
+    assert "momentum_buffer" in state["optimizer"]["state"][0]
+
+
+def test_model_names():
+    assert "cnn" in models.available()
+    with pytest.raises(UsageError, match="unknown model 'nope'"):
+        models.check("nope")
+    out = models.build("cnn", 3, 7, seed=0)(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 7)
