@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from app.config import Config, UsageError, parse
 
 HEALTH_TIMEOUT = 2.0
+PS_SIGTERM_GRACE = 20.0
 
 
 def health(config: Config) -> int:
@@ -30,14 +31,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.role == "health":
         return health(config)
 
+    # TensorPipe warns on stderr each time a peer's connection closes, which is
+    # every normal exit in a job whose members leave without waiting.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from app import runtime  # imports torch: only for the roles that need it
 
     runtime.setup_logging()
-    runtime.handle_sigterm(grace=min(config.rpc_timeout, 5.0))
+    # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
+    runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
     runtime.set_threads(config.world_size)
     try:
         if config.role == "ps":
-            from app.ps import serve
+            from app.serve import serve
             return serve(config)
         from app.worker import run
         return run(config)
@@ -48,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         first_line = (str(error).strip().splitlines() or ["no message"])[0]
         runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, first_line)
         runtime.log.debug("traceback", exc_info=True)
+        # Exit now: tearing torch's RPC and threads down after a lost peer takes
+        # seconds (5 s measured in a container), and nothing is left to save.
+        runtime.exit_now(1)
         return 1
 
 

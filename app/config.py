@@ -43,9 +43,11 @@ class Config:
     max_steps: int = _flag(0, "stop a worker after this many pushes (0: no cap)")
     device: str = _flag("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", ("cpu", "cuda"))
     strategy: str = _flag("async", "how the PS applies gradients", ("async",))
-    checkpoint_dir: str = _flag("./checkpoints", "the PS writes final.pt here")
+    checkpoint_dir: str = _flag("./checkpoints", "the PS writes its checkpoints and final.pt here")
+    checkpoint_every: int = _flag(1000, "the PS checkpoints every K updates (and on SIGTERM); 0: only at the end")
     metrics_dir: str = _flag("./metrics", "JSON lines, one file per process")
     rpc_timeout: float = _flag(60.0, "seconds for every RPC and every wait")
+    join_timeout: float = _flag(300.0, "seconds the PS waits for a missing worker to join or rejoin")
     seed: int = _flag(0, "model init, shuffling, synthetic data")
     eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
     log_every: int = _flag(10, "a worker prints every K batches")
@@ -68,6 +70,7 @@ _LOWER_BOUNDS = (
     ("momentum", 0.0, True), ("num_epochs", 1, True), ("max_steps", 0, True),
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
     ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
+    ("checkpoint_every", 0, True), ("join_timeout", 0.0, False),
 )
 
 

@@ -159,10 +159,11 @@ class ShardSampler(Sampler[int]):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
         self.size, self.num_shards, self.shard = size, num_shards, shard
-        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+        self.seed, self.shuffle, self.epoch, self.skip = seed, shuffle, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Shuffle for `epoch`; leave out its first `skip` samples (already trained on)."""
+        self.epoch, self.skip = epoch, skip
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -170,7 +171,7 @@ class ShardSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=g)
         else:
             order = torch.arange(self.size)
-        return iter(order[self.shard::self.num_shards].tolist())
+        return iter(order[self.shard::self.num_shards][self.skip:].tolist())
 
     def __len__(self) -> int:
         return len(range(self.shard, self.size, self.num_shards))

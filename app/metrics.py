@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ class MetricsWriter:
         self.path = directory / f"{name}.jsonl"
         self.role, self.rank = role, rank
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()  # the PS writes from RPC threads too
 
     def write(self, event: str, step: int, **fields: Any) -> None:
         record = {"time": round(time.time(), 3), "role": self.role, "rank": self.rank,
                   "event": event, "step": step, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -1,29 +1,25 @@
-"""The Parameter Server: global model, SGD under a lock, version and staleness.
+"""The Parameter Server: global model, SGD under a lock, version, staleness, roster.
 
 `ParameterServer` is plain Python (tested without RPC); `rpc_*` are the entry
-points workers call; `serve` is the PS process. The PS never calls a worker:
-workers pull, push and report, so a dead worker can only stop calling.
+points workers call. The PS process itself is `app.serve`. Workers join,
+pull, push and report; the PS calls a worker only to ping it
+(app.liveness).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from app import data, models
-from app.config import Config
 from app.flat import FlatModel
-from app.metrics import MetricsWriter
-from app.runtime import choose_device, progress, rpc_session
+from app.roster import FINISHED, LIVE, Roster
 
 log = logging.getLogger("app.ps")
 
@@ -35,22 +31,27 @@ class ParameterServer:
     and the buffers (BatchNorm running stats) replace the global ones. Every
     worker starts each forward from the buffers it received, so the running
     stats form one moving average over all workers' batches, delayed like the
-    parameters.
+    parameters. The roster (who trains, and how far each rank got) changes
+    under the same lock, so a checkpoint's progress matches its version.
     """
 
     def __init__(self, model: nn.Module, lr: float, momentum: float, num_workers: int,
-                 notify_every: int = 0) -> None:
+                 join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
         self.flat = FlatModel(model, with_grads=False)
         self._param = nn.Parameter(self.flat.params)  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum)
         self.num_workers = num_workers
-        self.notify_every = notify_every
+        self.roster = Roster(range(1, num_workers + 1), join_timeout, clock)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._events = 0  # joins, finishes, drops: they wake `wait`
+        self._wake_at = 0
+        self.applied = 0  # pushes applied by this process (the version may start from a checkpoint)
+        self.first_join: float | None = None  # monotonic time training started
+        # Called (outside the lock) when a dropped process calls again: app.liveness logs it.
+        self.on_back: Callable[[int, str], None] = lambda rank, name: None
         self.version = 0
-        self.pushes: dict[int, int] = {}
-        self.finished: dict[int, int] = {}  # rank -> pushes the worker counted
         self.staleness_sum = 0
         self.staleness_max = 0
 
@@ -59,59 +60,131 @@ class ParameterServer:
         with self._lock:
             return self.flat.vector.clone(), self.version
 
-    def push(self, rank: int, message: torch.Tensor, pulled_version: int) -> tuple[torch.Tensor, int, int]:
-        """Apply one worker's `[grads | buffers]`; return (fresh state, version, staleness)."""
+    def join(self, rank: int, name: str) -> tuple[torch.Tensor, int, dict[str, int]]:
+        """`name` becomes rank's process: the state, its version and where the rank resumes."""
+        with self._lock:
+            member = self.roster.join(rank, name)
+            self.first_join = self.first_join or time.monotonic()
+            self._event()
+            return self.flat.vector.clone(), self.version, member.progress()
+
+    def push(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
+             epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
+        """Apply one worker's `[grads | buffers]`; return (fresh state, version, staleness).
+
+        `epoch` and `batch` are the worker's progress once this push is applied.
+        """
         if message.numel() != self.flat.size or message.dtype != self.flat.vector.dtype:
             raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
                              f"the model has {self.flat.size} {self.flat.vector.dtype}")
         n = self.flat.num_params
+        name = name or f"worker{rank}"
         with self._lock:
+            readmitted = self.roster.seen(rank, name)
             self._param.grad = message[:n]
             self.optimizer.step()
             self._param.grad = None
             self.flat.vector[n:].copy_(message[n:])
             staleness = self.version - pulled_version
             self.version += 1
-            self.pushes[rank] = self.pushes.get(rank, 0) + 1
+            self.roster.record_push(rank, epoch, batch)
+            self.applied += 1
             self.staleness_sum += staleness
             self.staleness_max = max(self.staleness_max, staleness)
-            if self.notify_every and self.version % self.notify_every == 0:
+            if self.version >= self._wake_at or readmitted:
                 self._changed.notify_all()
-            return self.flat.vector.clone(), self.version, staleness
+            answer = self.flat.vector.clone(), self.version, staleness
+        if readmitted:
+            self.on_back(rank, name)
+        return answer
 
-    def finish(self, rank: int, pushes: int) -> None:
+    def finish(self, rank: int, pushes: int, name: str = "") -> None:
         """A worker has run all its epochs."""
         with self._lock:
-            self.finished[rank] = pushes
-            self._changed.notify_all()
-        log.info("worker%d finished after %d pushes (%d/%d done)", rank, pushes,
-                 len(self.finished), self.num_workers)
+            self.roster.finish(rank, name or f"worker{rank}")
+            self._event()
+            counts = self.roster.counts()
+        log.info("%s finished after %d pushes (%s)", name or f"worker{rank}", pushes, counts)
+
+    def drop(self, rank: int, name: str) -> bool:
+        """Stop waiting for `name`; False when it is not rank's live process (any more)."""
+        with self._lock:
+            dropped = self.roster.drop(rank, name)
+            if dropped:
+                self._event()
+            return dropped
+
+    def live_name(self, rank: int) -> str | None:
+        """The RPC name of rank's live process, if one is live."""
+        with self._lock:
+            member = self.roster[rank]
+            return member.name if member.state == LIVE else None
+
+    def live_members(self) -> list[tuple[int, str, float]]:
+        """(rank, name, last call time) of every live process."""
+        with self._lock:
+            return [(m.rank, m.name, m.last_seen) for m in self.roster.live()]
+
+    def counts(self) -> str:
+        with self._lock:
+            return self.roster.counts()
+
+    def _event(self) -> None:
+        self._events += 1
+        self._changed.notify_all()
+
+    @property
+    def pushes(self) -> dict[int, int]:
+        return {r: m.pushes for r, m in self.roster.members.items() if m.pushes}
+
+    @property
+    def finished(self) -> dict[int, int]:
+        return {r: m.pushes for r, m in self.roster.members.items() if m.state == FINISHED}
 
     @property
     def all_finished(self) -> bool:
-        return len(self.finished) >= self.num_workers
+        with self._lock:
+            return self.roster.all_finished
+
+    def done(self) -> bool:
+        """Every rank finished, or no one trains and the missing ones are past join_timeout."""
+        with self._lock:
+            return self.roster.done()
 
     def wait(self, until_version: int, timeout: float) -> None:
-        """Block until every worker finished, the version reaches `until_version`, or timeout."""
+        """Block until the version reaches `until_version`, a worker joins, finishes or
+        is dropped, or timeout."""
         with self._changed:
-            self._changed.wait_for(lambda: self.all_finished or self.version >= until_version, timeout)
+            events, self._wake_at = self._events, until_version
+            self._changed.wait_for(lambda: self._events != events or self.version >= until_version
+                                   or self.roster.all_finished, timeout)
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         return self.pull(rank=0)
 
     def checkpoint(self) -> dict[str, Any]:
-        """Model, optimizer and version, copied under the lock."""
+        """Model, optimizer, version and each rank's progress, copied under the lock."""
         with self._lock:
             return {
                 "version": self.version,
                 "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": _clone_tree(self.optimizer.state_dict()),
-                "pushes": dict(self.pushes),
+                "progress": self.roster.state(),
+                "pushes": self.pushes,
+                "finished": self.roster.all_finished,
             }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint (written by `checkpoint`)."""
+        with self._lock:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            self.roster.restore(state["progress"])
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            mean = self.staleness_sum / self.version if self.version else 0.0
+            mean = self.staleness_sum / self.applied if self.applied else 0.0
             return {"pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
                     "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max}
 
@@ -131,19 +204,22 @@ class _Endpoint:
 
     RPC runs plain functions by name, so the serving object has to be
     reachable from them: this holder is the app's one piece of process-wide
-    state, set only for the duration of `serving()`.
+    state, set only for the duration of `serving()`. `join` admits a worker
+    (app.liveness.Watch.join in the PS process).
     """
 
     def __init__(self) -> None:
         self._server: ParameterServer | None = None
+        self.join: Callable[[int, str], dict[str, Any]] | None = None
 
     @contextmanager
-    def serving(self, server: ParameterServer) -> Iterator[ParameterServer]:
-        self._server = server
+    def serving(self, server: ParameterServer,
+                join: Callable[[int, str], dict[str, Any]] | None = None) -> Iterator[ParameterServer]:
+        self._server, self.join = server, join
         try:
             yield server
         finally:
-            self._server = None
+            self._server, self.join = None, None
 
     def get(self) -> ParameterServer:
         if self._server is None:
@@ -154,101 +230,27 @@ class _Endpoint:
 _ENDPOINT = _Endpoint()
 
 
+def rpc_join(rank: int, name: str) -> dict[str, Any]:
+    """A worker process starts: the state to start from and its rank's progress (or `taken`)."""
+    server = _ENDPOINT.get()
+    if _ENDPOINT.join is not None:
+        return _ENDPOINT.join(rank, name)
+    vector, version, progress = server.join(rank, name)
+    return {"vector": vector, "version": version, **progress}
+
+
 def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
     return _ENDPOINT.get().pull(rank)
 
 
-def rpc_push(rank: int, message: torch.Tensor, pulled_version: int) -> tuple[torch.Tensor, int, int]:
-    return _ENDPOINT.get().push(rank, message, pulled_version)
+def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
+             epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
+    return _ENDPOINT.get().push(rank, message, pulled_version, name, epoch, batch)
 
 
-def rpc_finish(rank: int, pushes: int) -> None:
-    _ENDPOINT.get().finish(rank, pushes)
+def rpc_finish(rank: int, pushes: int, name: str = "") -> None:
+    _ENDPOINT.get().finish(rank, pushes, name)
 
 
 def rpc_all_finished() -> bool:
     return _ENDPOINT.get().all_finished
-
-
-class Evaluator:
-    """Accuracy and loss of a state vector on the held-out split, on its own model copy."""
-
-    def __init__(self, build: Callable[[], nn.Module], loader: torch.utils.data.DataLoader,
-                 device: torch.device) -> None:
-        self.model = build().to(device).eval()
-        self.flat = FlatModel(self.model, with_grads=False)
-        self.loader, self.device = loader, device
-
-    @torch.no_grad()
-    def __call__(self, vector: torch.Tensor) -> tuple[float, float]:
-        self.flat.load(vector)
-        correct, total, loss = 0, 0, 0.0
-        for x, y in self.loader:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            logits = self.model(x)
-            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.argmax(1) == y).sum().item())
-            total += len(y)
-        return correct / total, loss / total
-
-
-def save_atomically(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def serve(config: Config) -> int:
-    """The PS process: serve pushes until every worker finished, then evaluate and save."""
-    device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
-    models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
-    log.info("held-out split: %s", data.describe(held_out))
-
-    def build() -> nn.Module:
-        return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
-
-    server = ParameterServer(build(), config.lr, config.momentum, config.num_trainers,
-                             notify_every=config.eval_every)
-    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.num_workers), device)
-    log.info("model %s: %d parameters, %d buffer values", config.model,
-             server.flat.num_params, server.flat.num_buffers)
-    with MetricsWriter(config.metrics_dir, "ps", "ps", 0) as metrics:
-        with _ENDPOINT.serving(server), rpc_session(config, rank=0):
-            start = time.monotonic()
-            next_eval = config.eval_every
-            while not server.all_finished:
-                server.wait(next_eval, timeout=5.0)
-                if server.version >= next_eval and not server.all_finished:
-                    vector, version = server.snapshot()
-                    accuracy, loss = evaluate(vector)
-                    progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-                    metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4))
-                    next_eval = (version // config.eval_every + 1) * config.eval_every
-            state = server.checkpoint()
-            state.update(model_name=config.model, dataset=config.dataset,
-                         channels=held_out.channels, num_classes=held_out.num_classes)
-            final = Path(config.checkpoint_dir) / "final.pt"
-            save_atomically(state, final)
-            log.info("saved %s (version %d)", final, state["version"])
-        vector, version = server.snapshot()
-        accuracy, loss = evaluate(vector)
-        seconds = time.monotonic() - start
-        progress.info("Accuracy: %.4f", accuracy)
-        progress.info("Time: %.2f seconds", seconds)
-        metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                      seconds=round(seconds, 2), **server.stats())
-    return 0

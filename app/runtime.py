@@ -127,32 +127,38 @@ def backend_options(config: Config) -> rpc.TensorPipeRpcBackendOptions:
 
 
 @contextmanager
-def rpc_session(config: Config, rank: int) -> Iterator[None]:
-    """Join the job as `config.name`; leave it gracefully, within a bounded time.
+def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[None]:
+    """Be in the job's RPC group as `name` (default config.name) with RPC id `rank`.
 
-    On a clean exit every peer is expected to reach shutdown within
-    rpc_timeout (the worker waits for the PS to say training is over first);
-    a watchdog ends the process with status 1 if shutdown still hangs. On an
-    exception the agent is shut down locally, without waiting for peers.
+    The group is dynamic (`world_size=None`): the PS (id 0) starts it, workers
+    join and leave at any time (app.membership says why each piece is as it
+    is). Joining is bounded by rpc_timeout. Leaving never waits for peers
+    (`graceful=False`): a graceful shutdown waits for every member, so one
+    dead member would hang it, and a graceful leave of a dynamic group calls
+    every member. Every RPC a process cares about has returned by then.
     """
+    name = name or config.name
     if config.master_addr in LOOPBACK:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    # torch waits for the other ranks to join with no bound of its own.
-    with deadline(config.rpc_timeout, f"{config.name}: joining the job at "
-                  f"{config.master_addr}:{config.master_port} ({config.world_size} processes)"):
-        rpc.init_rpc(config.name, rank=rank, world_size=config.world_size,
-                     rpc_backend_options=backend_options(config))
-    log.info("%s joined the job (%d processes)", config.name, config.world_size)
+    with deadline(config.rpc_timeout, f"{name}: joining the job at "
+                  f"{config.master_addr}:{config.master_port}"):
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=backend_options(config))
+    log.info("%s joined the job", name)
     try:
         yield
-    except BaseException:
-        rpc.shutdown(graceful=False)
-        raise
-    with deadline(config.rpc_timeout + 10, f"{config.name}: RPC shutdown"):
-        rpc.shutdown(graceful=True, timeout=config.rpc_timeout)
+    finally:
+        with deadline(config.rpc_timeout + 10, f"{name}: RPC shutdown"):
+            rpc.shutdown(graceful=False)
 
 
 def _hard_exit(message: str, status: int) -> None:
     log.error("%s; exiting with status %d", message, status)
+    exit_now(status)
+
+
+def exit_now(status: int) -> None:
+    """End the process at once, logs and stdout flushed (no interpreter teardown)."""
     logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(status)

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from app import data, models, ps
-from app.config import Config
+from app import data, membership, models, ps
+from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
+from app.roster import StaleIncarnation
 from app.runtime import choose_device, progress, rpc_session
 
 log = logging.getLogger("app.worker")
@@ -27,33 +28,53 @@ class PSUnreachable(RuntimeError):
     """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
 
 
+class DataUnavailable(RuntimeError):
+    """Reading the data failed mid-run (the data directory vanished, a file went bad)."""
+
+
 class PSClient:
     """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout."""
 
-    def __init__(self, rank: int, timeout: float, address: str) -> None:
+    def __init__(self, rank: int, timeout: float, address: str, name: str = "") -> None:
         self.rank, self.timeout, self.address = rank, timeout, address
+        self.name = name or f"worker{rank}"
+
+    def join(self) -> dict[str, Any]:
+        """The state to start from and this rank's progress; UsageError if the rank is taken."""
+        answer = self._call(ps.rpc_join, self.rank, self.name)
+        if "taken" in answer:
+            raise UsageError(answer["taken"])
+        return answer
 
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(ps.rpc_pull, self.rank)
 
-    def push(self, message: torch.Tensor, version: int) -> tuple[torch.Tensor, int, int]:
-        return self._call(ps.rpc_push, self.rank, message, version)
+    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
+        return self._call(ps.rpc_push, self.rank, message, version, self.name, epoch, batch)
 
     def finish(self, pushes: int) -> None:
-        self._call(ps.rpc_finish, self.rank, pushes)
+        self._call(ps.rpc_finish, self.rank, pushes, self.name)
 
     def wait_all_finished(self) -> None:
-        """Poll until every worker is done, so all processes reach shutdown together."""
+        """Poll until every worker is done (the app's workers leave without waiting)."""
         while not self._call(ps.rpc_all_finished):
             time.sleep(POLL_SECONDS)
 
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(PS_NAME, function, args=args, timeout=self.timeout)
+        except StaleIncarnation as error:  # raised by the PS, re-raised here
+            raise UsageError(_reason(error)) from None
         except RuntimeError as error:
-            reason = (str(error).strip().splitlines() or ["no reason given"])[0]
             raise PSUnreachable(f"lost the parameter server at {self.address} "
-                                f"during {function.__name__}: {reason}") from error
+                                f"during {function.__name__}: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of an error that says something (not torch's `On WorkerInfo(...)`)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("On WorkerInfo")]
+    return lines[0] if lines else "no reason given"
 
 
 class Trainer:
@@ -73,21 +94,35 @@ class Trainer:
         self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
         self._samples = 0
 
-    def train(self) -> int:
+    def train(self, start: dict[str, Any]) -> int:
+        """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
-        vector, version = self.client.pull()
-        self.flat.load(vector)
-        for epoch in range(1, self.config.num_epochs + 1):
-            self.sampler.set_epoch(epoch)
-            for batch, (x, y) in enumerate(self.loader, start=1):
+        self.flat.load(start["vector"])
+        version, self.pushes = start["version"], start["pushes"]
+        for epoch in range(start["epoch"], self.config.num_epochs + 1):
+            done = start["batch"] if epoch == start["epoch"] else 0  # batches already pushed
+            self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
+            for batch, (x, y) in enumerate(self.batches(), start=done + 1):
                 loss = self.compute_gradients(x, y)
-                version, staleness = self.push_and_pull(version)
+                version, staleness = self.push_and_pull(version, epoch, batch)
                 self._samples += len(y)
                 if batch % self.config.log_every == 0 or batch == len(self.loader):
                     self.report(epoch, batch, loss, staleness)
                 if self.reached_max_steps():
                     return self.pushes
         return self.pushes
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This epoch's batches; a read that fails mid-run is one clear error."""
+        iterator = iter(self.loader)
+        while True:
+            try:
+                yield next(iterator)
+            except StopIteration:
+                return
+            except OSError as error:
+                raise DataUnavailable(f"reading the data under {self.config.data_dir} failed "
+                                      f"(did it vanish?): {error}") from error
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward; the gradient lands in self.flat.grads."""
@@ -97,12 +132,13 @@ class Trainer:
         loss.backward()
         return loss.item()
 
-    def push_and_pull(self, version: int) -> tuple[int, int]:
-        """Send [grads | buffers] as one tensor; load the fresh state the PS answers."""
+    def push_and_pull(self, version: int, epoch: int = 1, batch: int = 0) -> tuple[int, int]:
+        """Send [grads | buffers] as one tensor (and where this worker is: `batch` of
+        `epoch` done); load the fresh state the PS answers."""
         message = self.flat.pack_message()
         if self.staging is not None:
             message = self.staging.copy_(message)
-        vector, version, staleness = self.client.push(message, version)
+        vector, version, staleness = self.client.push(message, version, epoch, batch)
         self.flat.load(vector)
         self.pushes += 1
         return version, staleness
@@ -121,7 +157,7 @@ class Trainer:
 
 
 def run(config: Config) -> int:
-    """The worker process: check input, join, train, report, leave."""
+    """The worker process: check input, join (or rejoin) the job, train, report, leave."""
     device = choose_device(config.device)
     models.check(config.model)
     train = data.load(config.dataset, config.data_dir, "train", config.seed)
@@ -130,13 +166,16 @@ def run(config: Config) -> int:
                                pin_memory=device.type == "cuda")
     log.info("%s: shard of %d samples (%s)", config.name, len(sampler), data.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
-    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}")
+    name, rpc_id = membership.claim_identity(config.rank, config.master_addr, config.master_port,
+                                             config.rpc_timeout)
+    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
-        start = time.monotonic()
-        with rpc_session(config, rank=config.rank):
+        started = time.monotonic()
+        with rpc_session(config, rank=rpc_id, name=name):
+            start = client.join()
+            metrics.write("join", start["pushes"], worker=name, epoch=start["epoch"], batch=start["batch"])
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
-            pushes = trainer.train()
+            pushes = trainer.train(start)
             client.finish(pushes)
-            metrics.write("end", pushes, seconds=round(time.monotonic() - start, 2))
-            client.wait_all_finished()
+            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2))
     return 0

@@ -1,0 +1,123 @@
+"""Checkpoints on disk: written whole or not at all, verified before they are loaded.
+
+A checkpoint is `ckpt-<version>-<digest>.pt`, a plain `torch.save` file whose
+name carries the first 16 hex digits of its SHA-256: a truncated or damaged
+file no longer matches its name and is skipped with a warning, never loaded.
+Writes go to a temp file in the same directory, are fsynced, then renamed
+(and the directory fsynced), so a crash or a full disk leaves the previous
+checkpoints as they were. The newest few are kept; "newest" is the write
+time, so a new run on an old directory resumes from its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("app.checkpoint")
+KEEP = 3
+_NAME = re.compile(r"^ckpt-(\d+)-([0-9a-f]{16})\.pt$")
+REQUIRED = ("version", "model", "optimizer", "progress", "finished")
+
+
+def write_atomically(data: bytes, path: Path) -> None:
+    """`data` at `path`, or (on any error) `path` as it was: temp file, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """torch.save `obj` to `path` atomically (final.pt: a plain file for users)."""
+    write_atomically(_serialize(obj), path)
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def listing(directory: str | Path) -> list[Path]:
+    """Checkpoint files, newest first (write time, then version)."""
+    found = []
+    for path in Path(directory).glob("ckpt-*.pt"):
+        m = _NAME.match(path.name)
+        if m:
+            try:
+                found.append((path.stat().st_mtime_ns, int(m.group(1)), path))
+            except FileNotFoundError:  # pruned meanwhile
+                continue
+    return [p for _, _, p in sorted(found, reverse=True)]
+
+
+def save(state: dict[str, Any], directory: str | Path, keep: int = KEEP) -> Path:
+    """Write a checkpoint of `state` (which has `version`); keep the newest `keep`.
+
+    Raises OSError (disk full, read-only...) with every earlier checkpoint intact.
+    """
+    data = _serialize(state)
+    path = Path(directory) / f"ckpt-{state['version']:08d}-{_digest(data)}.pt"
+    write_atomically(data, path)
+    for old in listing(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The checkpoint's state; ValueError when it is truncated, damaged or incomplete."""
+    m = _NAME.match(path.name)
+    if not m:
+        raise ValueError("not a checkpoint file name")
+    data = path.read_bytes()
+    if _digest(data) != m.group(2):
+        raise ValueError(f"its {len(data)} bytes do not match the checksum in its name (truncated or damaged)")
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means "do not use"
+        raise ValueError(f"torch.load failed: {error}") from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
+        raise ValueError(f"it lacks one of {', '.join(REQUIRED)}")
+    return state
+
+
+def newest_good(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies; each bad one on the way is skipped with a warning."""
+    for path in listing(directory):
+        try:
+            return path, verify(path)
+        except (ValueError, OSError) as error:
+            log.warning("skipping checkpoint %s: %s", path, error)
+    return None
+
+
+def remove_temp_files(directory: str | Path) -> int:
+    """Delete temp files a killed writer left behind (one PS writes a directory)."""
+    count = 0
+    for tmp in Path(directory).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+        count += 1
+    return count

@@ -1,0 +1,122 @@
+"""The PS's side of membership: joins (one process per rank), pings, drops.
+
+A worker calls the PS all the time (pull, push); one that has been quiet for
+QUIET_SECONDS is pinged. A killed worker's ping fails at once (its
+connection is gone), a frozen one's at the RPC timeout: either way it is
+dropped, with one log line naming it, and the PS stops waiting for it. A
+new process of the same rank may then join and resume the rank's progress;
+while the old process still answers, the rank is taken and the newcomer is
+refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from app import membership
+from app.ps import ParameterServer
+
+log = logging.getLogger("app.ps")
+QUIET_SECONDS = 1.0
+TAKEN_PING_SECONDS = 5.0
+TICK_UNLIST_SECONDS = 1.0
+
+Event = Callable[..., None]  # (event, **fields): a metrics line
+
+
+class Watch:
+    def __init__(self, server: ParameterServer, rpc_timeout: float, record: Event) -> None:
+        self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
+        self._pinging: set[str] = set()
+        self._lock = threading.Lock()
+        self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
+        self._last_tick = 0.0
+        server.on_back = self.back
+
+    def join(self, rank: int, name: str) -> dict[str, Any]:
+        """Admit `name` as rank's process, or say the rank is taken."""
+        old = self.server.live_name(rank)
+        if old and old != name:
+            error = self._ping(old, min(self.rpc_timeout, TAKEN_PING_SECONDS))
+            if error is None:
+                return {"taken": f"rank {rank} is already taken by {old}, which is running "
+                                 f"(start each rank once; this process is {name})"}
+            self.drop(rank, old, f"replaced by {name} ({error})")
+        if not membership.unlist([name], self.rpc_timeout):
+            log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
+        vector, version, progress = self.server.join(rank, name)
+        where = "from the start" if progress["epoch"] == 1 and progress["batch"] == 0 else \
+            f"at epoch {progress['epoch']} after batch {progress['batch']}"
+        log.info("%s (rank %d) joined at version %d, resuming %s", name, rank, version, where)
+        self.record("join", version, worker=name, worker_rank=rank, **progress)
+        return {"vector": vector, "version": version, **progress}
+
+    def drop(self, rank: int, name: str, reason: str) -> None:
+        if self.server.drop(rank, name):
+            log.warning("dropped %s (rank %d): %s; training goes on without it (%s)",
+                        name, rank, reason, self.server.counts())
+            self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason)
+
+    def back(self, rank: int, name: str) -> None:
+        log.warning("%s (rank %d) is back: it called again after it was dropped (%s)",
+                    name, rank, self.server.counts())
+        self.record("back", self.server.version, worker=name, worker_rank=rank)
+
+    def tick(self) -> None:
+        """Ping quiet workers; keep the store's member list and join token healthy."""
+        now = time.monotonic()
+        if now - self._last_tick < QUIET_SECONDS / 2:
+            return
+        self._last_tick = now
+        for rank, name, last_seen in self.server.live_members():
+            if now - last_seen >= QUIET_SECONDS:
+                self._ping_async(rank, name)
+        self._sweep(now)
+
+    def _ping_async(self, rank: int, name: str) -> None:
+        with self._lock:
+            if name in self._pinging:
+                return
+            self._pinging.add(name)
+        future = rpc.rpc_async(name, membership.pong, timeout=self.rpc_timeout)
+        future.add_done_callback(lambda f: self._pinged(rank, name, f))
+
+    def _pinged(self, rank: int, name: str, future: Any) -> None:
+        try:
+            future.wait()
+        except Exception as error:  # noqa: BLE001 - any failure: the process is gone or stuck
+            self.drop(rank, name, f"no answer to a ping ({_first_line(error)})")
+        finally:
+            with self._lock:
+                self._pinging.discard(name)
+
+    def _ping(self, name: str, timeout: float) -> str | None:
+        """None when `name` answers within `timeout`, else why not."""
+        try:
+            rpc.rpc_sync(name, membership.pong, timeout=timeout)
+            return None
+        except Exception as error:  # noqa: BLE001
+            return _first_line(error)
+
+    def _sweep(self, now: float) -> None:
+        """Take joined workers off the store's member list (see app.membership) and free
+        the join token if a process died holding it for longer than the RPC timeout."""
+        extra = [n for n in membership.listed() if n != "ps"]
+        if extra:
+            membership.unlist(extra, TICK_UNLIST_SECONDS)
+        holder = membership.token_holder()
+        if not holder or holder != self._token[0]:
+            self._token = (holder, now)
+        elif now - self._token[1] > self.rpc_timeout:
+            membership.release_stuck_token(holder)
+            self._token = ("", now)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

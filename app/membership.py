@@ -1,0 +1,134 @@
+"""Joining and leaving a running job: torch RPC's dynamic membership, made crash-safe.
+
+The job is a dynamic RPC group (`init_rpc(world_size=None)`): the PS (RPC id
+0) starts it and holds its TCP store; workers join and leave at any time.
+Measured on torch 2.13, three things break it after a crash, and each has
+its answer here:
+
+- Names and ids must be new for each process: a worker that rejoins under
+  its old name breaks calls to it. `claim_identity` draws them from the
+  store: `worker1` first, then `worker1_r2`, ... (no '-': torch splits its
+  member list on it), and a fresh RPC id every time.
+- A joining process calls every member listed in the store; one dead member
+  makes the join fail and leaves the store's join/leave token held for
+  good. So the PS takes each worker off that list as soon as it registers
+  (`unlist`): joiners only ever call the PS. If a joiner dies holding the
+  token anyway, `release_stuck_token` frees it.
+- A graceful leave calls every member and takes that token too: processes
+  leave with `rpc.shutdown(graceful=False)` (runtime.rpc_session).
+
+Store calls run while holding the GIL, so nothing here blocks in
+`store.wait`: the token is polled with short sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+log = logging.getLogger("app.membership")
+TOKEN_KEY = "RpcGroupManagementToken"   # torch.distributed.rpc._utils
+LISTING_KEY = "_ALL_WORKER_INFOS"       # "name-id,name-id," under the agent's "names/" prefix
+POLL_SECONDS = 0.05
+
+
+class StoreUnreachable(RuntimeError):
+    """The PS's store did not answer within the timeout (no PS, or a frozen one)."""
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> None:
+    """Until the PS's store accepts connections (torch's own retry logs a C++ stack trace)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return
+        except OSError as error:
+            if time.monotonic() + POLL_SECONDS * 10 > deadline:
+                raise StoreUnreachable(f"cannot reach the parameter server at {host}:{port} "
+                                       f"within {timeout:.0f} s: {error.strerror or error}") from None
+            time.sleep(POLL_SECONDS * 10)
+
+
+def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
+    """This process's (RPC name, RPC id), new for every process of a rank."""
+    wait_for_port(master_addr, master_port, timeout)
+    try:
+        store = dist.TCPStore(master_addr, master_port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        incarnation = store.add(f"psc/incarnation/{rank}", 1)
+        rpc_id = store.add("psc/rpc_ids", 1)
+    except (RuntimeError, ValueError) as error:  # DistError subclasses RuntimeError
+        reason = (str(error).strip().splitlines() or ["no answer"])[0]
+        raise StoreUnreachable(f"cannot reach the parameter server at {master_addr}:{master_port} "
+                               f"within {timeout:.0f} s: {reason}") from None
+    return incarnation_name(rank, incarnation), rpc_id
+
+
+def incarnation_name(rank: int, incarnation: int) -> str:
+    return f"worker{rank}" if incarnation == 1 else f"worker{rank}_r{incarnation}"
+
+
+def _stores() -> tuple[dist.Store, dist.Store]:
+    agent = rpc.api._get_current_rpc_agent()
+    return agent.store, dist.PrefixStore("names", agent.store)
+
+
+def _take_token(store: dist.Store, mine: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while store.compare_set(TOKEN_KEY, "", mine).decode() != mine:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def _give_token(store: dist.Store, mine: str) -> None:
+    store.set(TOKEN_KEY, "")
+    store.set(mine, "Done")  # what torch's waiters wait for
+
+
+def unlist(names: list[str], timeout: float) -> bool:
+    """Take `names` off the store's member list (on the PS); False if the token stayed busy."""
+    store, listing_store = _stores()
+    mine = f"Token_for_ps_unlist_{os.getpid()}"
+    if not _take_token(store, mine, timeout):
+        return False
+    try:
+        entries = listing_store.get(LISTING_KEY).decode().split(",")
+        kept = [e for e in entries if e and e.rsplit("-", 1)[0] not in names]
+        listing_store.set(LISTING_KEY, "".join(f"{e}," for e in kept))
+    finally:
+        _give_token(store, mine)
+    return True
+
+
+def listed() -> list[str]:
+    """Names on the store's member list."""
+    _, listing_store = _stores()
+    entries = listing_store.get(LISTING_KEY).decode().split(",")
+    return [e.rsplit("-", 1)[0] for e in entries if e]
+
+
+def token_holder() -> str:
+    store, _ = _stores()
+    return store.get(TOKEN_KEY).decode() if store.check([TOKEN_KEY]) else ""
+
+
+def release_stuck_token(holder: str) -> None:
+    """Free the join/leave token of a process that died holding it."""
+    store, _ = _stores()
+    if store.compare_set(TOKEN_KEY, holder, "").decode() == "":
+        store.set(holder, "Done")
+        log.warning("released the RPC join token held by a process that died (%s)", holder)
+
+
+def pong() -> int:
+    """What the PS calls to see that a worker is alive."""
+    return os.getpid()

@@ -1,0 +1,180 @@
+"""The PS process: resume, serve workers, evaluate, checkpoint, end.
+
+    resume from the newest good checkpoint (or start fresh)
+    join the job (rank 0 starts the RPC group)
+    until every worker finished (or the missing ones are past --join_timeout):
+        wait for pushes; ping quiet workers; evaluate every --eval_every updates;
+        checkpoint every --checkpoint_every updates
+    save final.pt, print Accuracy and Time
+
+On SIGTERM (or any failure) the PS checkpoints before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from app import checkpoint, data, models
+from app.config import Config
+from app.flat import FlatModel
+from app.liveness import Watch
+from app.metrics import MetricsWriter
+from app.ps import _ENDPOINT, ParameterServer
+from app.runtime import choose_device, progress, rpc_session
+
+log = logging.getLogger("app.ps")
+TICK_SECONDS = 1.0
+
+
+class Evaluator:
+    """Accuracy and loss of a state vector on the held-out split, on its own model copy."""
+
+    def __init__(self, build: Callable[[], nn.Module], loader: torch.utils.data.DataLoader,
+                 device: torch.device) -> None:
+        self.model = build().to(device).eval()
+        self.flat = FlatModel(self.model, with_grads=False)
+        self.loader, self.device = loader, device
+
+    @torch.no_grad()
+    def __call__(self, vector: torch.Tensor) -> tuple[float, float]:
+        self.flat.load(vector)
+        correct, total, loss = 0, 0, 0.0
+        for x, y in self.loader:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            logits = self.model(x)
+            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(1) == y).sum().item())
+            total += len(y)
+        return correct / total, loss / total
+
+
+class Checkpointer:
+    """Periodic, on-exit and final checkpoints of one ParameterServer."""
+
+    def __init__(self, server: ParameterServer, config: Config, identity: dict[str, Any],
+                 metrics: MetricsWriter) -> None:
+        self.server, self.config, self.identity, self.metrics = server, config, identity, metrics
+        self.directory = Path(config.checkpoint_dir)
+        self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
+        self.saved_version = -1  # the version on disk already (written or resumed from)
+
+    def resume(self) -> None:
+        """Continue from the newest good checkpoint of an unfinished run of this model."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if checkpoint.remove_temp_files(self.directory):
+            log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
+        found = checkpoint.newest_good(self.directory)
+        if found is None:
+            return
+        path, state = found
+        mismatch = {k: state.get(k) for k, v in self.identity.items() if state.get(k) != v}
+        if state["finished"] or mismatch:
+            why = "it ended a finished run" if state["finished"] else f"it is of another job ({mismatch})"
+            log.info("not resuming from %s: %s; starting a new run", path.name, why)
+            return
+        self.server.restore(state)
+        self.saved_version = self.server.version
+        log.info("resumed from %s: version %d", path, state["version"])
+        self.metrics.write("resume", self.server.version, checkpoint=path.name)
+        if self.config.checkpoint_every:
+            self.next_version = self.server.version + self.config.checkpoint_every
+
+    def due(self) -> bool:
+        return 0 < self.next_version <= self.server.version
+
+    def save(self, why: str) -> None:
+        """A periodic or on-exit checkpoint; a failure (disk full...) is a warning, and
+        the checkpoints already written stay as they were."""
+        state = {**self.server.checkpoint(), **self.identity}
+        if state["version"] == self.saved_version:
+            return
+        if self.config.checkpoint_every:
+            self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
+        start = time.monotonic()
+        try:
+            path = checkpoint.save(state, self.directory)
+        except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
+            log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
+                        state["version"], why, error)
+            return
+        seconds = time.monotonic() - start
+        self.saved_version = state["version"]
+        log.info("checkpoint %s (%s, %.2f s)", path.name, why, seconds)
+        self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
+
+    def final(self) -> None:
+        """The last checkpoint (marked finished) and final.pt; raises OSError if they fail."""
+        state = {**self.server.checkpoint(), **self.identity}
+        checkpoint.save(state, self.directory)
+        final = self.directory / "final.pt"
+        checkpoint.save_atomically(state, final)
+        log.info("saved %s (version %d)", final, state["version"])
+
+
+def serve(config: Config) -> int:
+    """The PS process; 0 when training ended, 1 when no worker ever finished."""
+    device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
+    models.check(config.model)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
+    log.info("held-out split: %s", data.describe(held_out))
+
+    def build() -> nn.Module:
+        return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+
+    server = ParameterServer(build(), config.lr, config.momentum, config.num_trainers, config.join_timeout)
+    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.num_workers), device)
+    log.info("model %s: %d parameters, %d buffer values", config.model,
+             server.flat.num_params, server.flat.num_buffers)
+    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
+                    num_classes=held_out.num_classes, world_size=config.world_size)
+    with MetricsWriter(config.metrics_dir, "ps", "ps", 0) as metrics:
+        checkpoints = Checkpointer(server, config, identity, metrics)
+        checkpoints.resume()
+        watch = Watch(server, config.rpc_timeout, metrics.write)
+        with _ENDPOINT.serving(server, join=watch.join), rpc_session(config, rank=0):
+            start = time.monotonic()
+            try:
+                train_until_done(server, watch, checkpoints, evaluate, metrics, config)
+            except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
+                checkpoints.save("on exit")
+                raise
+            if not server.roster.all_finished:
+                log.warning("ending without %s: not back within --join_timeout %.0f s",
+                            ", ".join(f"rank {m.rank}" for m in server.roster.missing()), config.join_timeout)
+            if not server.finished:
+                log.error("no worker finished its epochs; nothing to save as final")
+                return 1
+            checkpoints.final()
+        vector, version = server.snapshot()
+        accuracy, loss = evaluate(vector)
+        seconds = time.monotonic() - (server.first_join or start)
+        progress.info("Accuracy: %.4f", accuracy)
+        progress.info("Time: %.2f seconds", seconds)
+        metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                      seconds=round(seconds, 2), **server.stats())
+    return 0
+
+
+def train_until_done(server: ParameterServer, watch: Watch, checkpoints: Checkpointer,
+                     evaluate: Evaluator, metrics: MetricsWriter, config: Config) -> None:
+    """Serve until every worker finished, or the missing ones are past --join_timeout."""
+    next_eval = (server.version // config.eval_every + 1) * config.eval_every
+    while not server.done():
+        wake_at = min(next_eval, checkpoints.next_version or next_eval)
+        server.wait(wake_at, timeout=TICK_SECONDS)
+        watch.tick()
+        if server.version >= next_eval and not server.all_finished:
+            vector, version = server.snapshot()
+            accuracy, loss = evaluate(vector)
+            progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
+            metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4))
+            next_eval = (version // config.eval_every + 1) * config.eval_every
+        if checkpoints.due():
+            checkpoints.save("every %d updates" % config.checkpoint_every)

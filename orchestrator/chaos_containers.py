@@ -1,0 +1,190 @@
+"""The chaos scenarios in real containers (the offline cpu-smoke image, compose).
+
+A crash is simulated by SIGKILL of the app process inside the container (what
+the kernel's OOM killer or a segfault does): the container exits 137 and
+Docker applies its restart policy (`restart: on-failure`). `docker kill`
+would not do: Docker counts it as a manual stop and never restarts the
+container after it (checked on Docker 20.10).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from orchestrator import cluster, images
+from orchestrator import compose as cp
+from orchestrator import render as rd
+from orchestrator.chaos import RUN_TIMEOUT, THRESHOLD, Outcome, Timeout, chaos_topology, wait_until
+from orchestrator.topology import Topology
+
+# Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
+_KILL_APP = ("import os, signal\n"
+             "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+             "    try:\n"
+             "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+             "    except OSError:\n"
+             "        continue\n"
+             "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid():\n"
+             "        os.kill(int(pid), signal.SIGKILL)\n")
+
+
+class ContainerJob:
+    """One compose project of the chaos topology, on the real engine."""
+
+    def __init__(self, t: Topology, project: str) -> None:
+        self.t, self.client, self.compose = t, images.client(), cp.detect()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{project}-"))
+        self.project = cp.Project(project, str(self.tmp / "compose.yaml"), str(images.ROOT))
+        rd.write_atomic(self.project.file, rd.dump(rd.render(t), t.name))
+
+    def up(self) -> None:
+        cp.run(cp.up_argv(self.compose, self.project), capture=True)
+
+    def down(self, volumes: bool) -> float:
+        start = time.monotonic()
+        cp.run(cp.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self.down(volumes=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def containers(self) -> dict[str, Any]:
+        found = self.client.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={self.project.name}"})
+        return {c.labels.get(cp.LABEL_SERVICE, c.name): c for c in found}
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for service, c in self.containers().items():
+            c.reload()
+            st = c.attrs["State"]
+            out[service] = {"status": st["Status"], "exit_code": st["ExitCode"], "restarts": c.attrs["RestartCount"]}
+        return out
+
+    def kill_app(self, service: str) -> float:
+        self.containers()[service].exec_run(["python", "-c", _KILL_APP])
+        return time.time()
+
+    def events(self, name: str, event: str, since: float = 0.0) -> list[dict[str, Any]]:
+        files = cluster.read_metrics(self.client, self.project.name, list(self.containers().values()))
+        records = [json.loads(line) for line in files.get(f"{name}.jsonl", []) if line.strip().endswith("}")]
+        return [r for r in records if r["event"] == event and r["time"] >= since]
+
+    def wait_done(self, timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:
+        """Every container exited and stays so (not restarting)."""
+        expected = set(rd.service_names(self.t))
+
+        def done() -> Optional[dict[str, dict[str, Any]]]:
+            s = self.states()
+            return s if set(s) == expected and all(v["status"] == "exited" for v in s.values()) else None
+        return wait_until("every container exited", done, timeout)
+
+    def logs(self) -> str:
+        return "".join(f"----- {s}\n" + c.logs().decode("utf-8", "replace") for s, c in self.containers().items())
+
+
+def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str, Any]]], bool]) -> Outcome:
+    states = job.wait_done()
+    out.details["states"] = states
+    ends = job.events("ps", "end")
+    out.accuracy = ends[-1]["accuracy"] if ends else None
+    ok = all(s["exit_code"] == 0 for s in states.values()) and (out.accuracy or 0) >= THRESHOLD
+    out.recovered = ok and extra(states)
+    return out
+
+
+def _scenario(fault: str, project: str, body: Callable[[ContainerJob, Outcome], Outcome],
+              run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    t = t or chaos_topology()
+    base, pip_source = images.source(t, offline=True)
+    images.build(t.image_tag, base, pip_source, out=io.StringIO())
+    job = ContainerJob(t, project)
+    out = Outcome(fault, False, None, None, None)
+    try:
+        job.down(volumes=True)  # leftovers of an interrupted run
+        job.up()
+        return body(job, out)
+    except Timeout as error:
+        out.notes = str(error)
+        return out
+    finally:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "containers.log").write_text(job.logs(), encoding="utf-8")
+        job.close()
+
+
+def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "worker2") -> Outcome:
+    """SIGKILL a worker's app in its container: Docker restarts it, it rejoins, the run completes."""
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        wait_until(f"{victim} at epoch 5",
+                   lambda: any(r["epoch"] >= 5 for r in job.events(victim, "train")), RUN_TIMEOUT)
+        wall = job.kill_app(victim)
+        drop = wait_until("the PS drops it", lambda: job.events("ps", "drop", wall), job.t.ps.rpc_timeout + 10)
+        out.detected_s = drop[0]["time"] - wall
+        join = wait_until("the restarted container rejoins", lambda: job.events("ps", "join", wall), RUN_TIMEOUT)
+        out.recovered_s = join[0]["time"] - wall
+        out.notes = f"Docker restarted {victim}; {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
+        return _judge(job, out, lambda states: states[victim]["restarts"] >= 1)
+    return _scenario("kill the app in a worker container (Docker restarts it)", "psc-chaos-worker", body, run_dir, t)
+
+
+def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """SIGKILL the PS's app: every worker exits non-zero within rpc_timeout + 10 s; Docker
+    restarts the PS (and the workers), it resumes from its newest checkpoint."""
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        wait_until("a checkpoint at version >= 200",
+                   lambda: [r for r in job.events("ps", "checkpoint") if r["step"] >= 200], RUN_TIMEOUT)
+        workers = [s for s in rd.service_names(job.t) if s != rd.PS_SERVICE]
+        wall = job.kill_app(rd.PS_SERVICE)
+        exits: dict[str, float] = {}
+
+        def all_exited() -> bool:
+            for service, s in job.states().items():
+                if service in workers and service not in exits and (
+                        s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"] != 0)):
+                    exits[service] = round(time.time() - wall, 2)
+            return len(exits) == len(workers)
+        wait_until("every worker exits non-zero", all_exited, job.t.ps.rpc_timeout + 10)
+        out.detected_s = max(exits.values())
+        out.details["worker_exits_s"] = exits
+        resume = wait_until("the PS resumes", lambda: job.events("ps", "resume", wall), RUN_TIMEOUT)
+        push = wait_until("a worker trains again",
+                          lambda: [r for w in workers for r in job.events(w, "train", resume[0]["time"])], RUN_TIMEOUT)
+        out.recovered_s = min(r["time"] for r in push) - wall
+        out.details["resumed_version"] = resume[0]["step"]
+        out.notes = (f"workers exited non-zero within {out.detected_s:.1f} s; Docker restarted the PS; "
+                     f"resumed from version {resume[0]['step']}")
+        return _judge(job, out, lambda states: resume[0]["step"] > 0 and states["ps"]["restarts"] >= 1)
+    return _scenario("kill the app in the PS container (Docker restarts it)", "psc-chaos-ps", body, run_dir, t)
+
+
+def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """`make down` mid-run (SIGTERM): it stops in seconds, the PS checkpoints on the way
+    out; `make up` again resumes from that checkpoint and finishes."""
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        wait_until("a checkpoint at version >= 200",
+                   lambda: [r for r in job.events("ps", "checkpoint") if r["step"] >= 200], RUN_TIMEOUT)
+        wall = time.time()
+        out.detected_s = job.down(volumes=False)
+        job.up()
+        resume = wait_until("the PS resumes", lambda: job.events("ps", "resume", wall), RUN_TIMEOUT)
+        on_exit = [r for r in job.events("ps", "checkpoint", wall - 60) if r.get("why") == "on exit"]
+        out.recovered_s = resume[0]["time"] - wall
+        out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
+        out.notes = (f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
+                     f"{on_exit[-1]['step'] if on_exit else '?'}; resumed from version {resume[0]['step']}")
+        return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
+    return _scenario("make down mid-run, make up again", "psc-chaos-stop", body, run_dir, t)
+
+
+SCENARIOS: dict[str, Callable[[Path], Outcome]] = {
+    "container-worker-kill": worker_kill,
+    "container-ps-kill": ps_kill,
+    "container-stop-up": stop_and_up,
+}

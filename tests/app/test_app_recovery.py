@@ -1,0 +1,214 @@
+"""Failure handling without processes: roster, checkpoints (corrupt, truncated, disk full),
+resume, shard skipping, a data directory that vanishes mid-run."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from app import checkpoint, data, membership, models
+from app.config import UsageError, parse
+from app.ps import ParameterServer
+from app.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_dropped_rank_resumes_in_a_new_process_and_the_old_one_is_refused():
+    clock = Clock()
+    roster = Roster([1, 2], join_timeout=30, clock=clock)
+    roster.join(1, "worker1")
+    roster.join(2, "worker2")
+    roster.seen(2, "worker2")
+    roster.record_push(2, epoch=3, batch=7)
+    assert roster.drop(2, "worker2") and roster[2].state == DROPPED
+    assert not roster.drop(2, "worker2")  # once
+    assert roster.join(2, "worker2_r2").progress() == {"epoch": 3, "batch": 7, "pushes": 1}
+    with pytest.raises(StaleIncarnation, match="worker2 was replaced by worker2_r2"):
+        roster.seen(2, "worker2")
+    assert roster[2].state == LIVE
+
+
+def test_a_dropped_process_that_calls_again_is_readmitted():
+    roster = Roster([1], join_timeout=30, clock=Clock())
+    roster.join(1, "worker1")
+    roster.drop(1, "worker1")
+    assert roster.seen(1, "worker1") is True and roster[1].state == LIVE
+    assert roster.seen(1, "worker1") is False
+
+
+def test_the_job_ends_when_all_finished_or_the_missing_are_past_join_timeout():
+    clock = Clock()
+    roster = Roster([1, 2], join_timeout=30, clock=clock)
+    assert not roster.done()                       # nobody joined yet
+    roster.join(1, "worker1")
+    roster.join(2, "worker2")
+    roster.drop(2, "worker2")
+    clock.now = 100
+    assert not roster.done()                       # worker1 still trains
+    roster.finish(1, "worker1")
+    assert roster.done() and [m.rank for m in roster.missing()] == [2]
+    roster.join(2, "worker2_r2")
+    assert not roster.done()                       # back in time: wait for it
+    roster.finish(2, "worker2_r2")
+    assert roster.done() and roster.all_finished
+
+
+def test_a_finished_rank_stays_finished_across_a_checkpoint():
+    roster = Roster([1, 2], join_timeout=30, clock=Clock())
+    roster.join(1, "worker1")
+    roster.record_push(1, 10, 15)
+    roster.finish(1, "worker1")
+    restored = Roster([1, 2], join_timeout=30, clock=Clock())
+    restored.restore(roster.state())
+    assert restored[1].state == FINISHED and restored[1].progress() == {"epoch": 10, "batch": 15, "pushes": 1}
+
+
+def _server(seed: int = 0) -> ParameterServer:
+    return ParameterServer(models.build("cnn", 1, 10, seed=seed), lr=0.1, momentum=0.9, num_workers=2)
+
+
+def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
+    server = _server()
+    server.join(1, "worker1")
+    for batch in (1, 2, 3):
+        server.push(1, torch.ones(server.flat.size), server.version, "worker1", epoch=2, batch=batch)
+    path = checkpoint.save(server.checkpoint(), tmp_path)
+    assert path.name.startswith("ckpt-00000003-")
+    restored = _server(seed=1)
+    restored.restore(checkpoint.verify(path))
+    assert restored.version == 3 and torch.equal(restored.flat.vector, server.flat.vector)
+    assert torch.equal(restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       server.optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert restored.join(1, "worker1_r2")[2] == {"epoch": 2, "batch": 3, "pushes": 3}
+
+
+def _three_checkpoints(directory) -> list:
+    server = _server()
+    paths = []
+    for _ in range(3):
+        server.push(1, torch.ones(server.flat.size), server.version)
+        paths.append(checkpoint.save(server.checkpoint(), directory))
+    return paths
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "empty"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog, damage):
+    paths = _three_checkpoints(tmp_path)
+    raw = bytearray(paths[-1].read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip a byte":
+        raw[len(raw) // 2] ^= 0xFF
+    else:
+        raw = bytearray()
+    paths[-1].write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="app.checkpoint"):
+        path, state = checkpoint.newest_good(tmp_path)
+    assert path == paths[-2] and state["version"] == 2
+    assert f"skipping checkpoint {paths[-1]}" in caplog.text
+
+
+def test_only_the_newest_few_are_kept(tmp_path):
+    server = _server()
+    for _ in range(checkpoint.KEEP + 2):
+        server.push(1, torch.ones(server.flat.size), server.version)
+        checkpoint.save(server.checkpoint(), tmp_path)
+    assert [int(p.name[5:13]) for p in checkpoint.listing(tmp_path)] == [5, 4, 3]
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_one(tmp_path, monkeypatch):
+    paths = _three_checkpoints(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_fsync = checkpoint.os.fsync
+
+    def full(fd: int) -> None:  # the data reached the file, the disk has no room for it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    server = _server()
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(server.checkpoint(), tmp_path)
+    monkeypatch.setattr(checkpoint.os, "fsync", real_fsync)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file either
+    assert checkpoint.newest_good(tmp_path)[0] == paths[-1]
+
+
+def test_killed_writers_temp_files_are_removed(tmp_path):
+    (tmp_path / ".ckpt-00000009-0123456789abcdef.pt.77.tmp").write_bytes(b"half")
+    assert checkpoint.remove_temp_files(tmp_path) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_resumed_shard_skips_the_batches_already_pushed():
+    sampler = data.ShardSampler(100, 3, 1, seed=0)
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    sampler.set_epoch(4, skip=10)
+    assert list(sampler) == whole[10:] and len(sampler) == len(whole)
+
+
+def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
+    from PIL import Image
+
+    from app.worker import DataUnavailable, Trainer
+
+    root = tmp_path / "data"
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (8, 8), color=(i * 40, 0, 0)).save(root / c / f"{i}.png")
+    config = parse(["worker", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "2",
+                    "--world_size", "2"], {})
+    train = data.load(config.dataset, config.data_dir, "train", 0)
+    sampler = data.ShardSampler(len(train.data), 1, 0)
+    loader = data.train_loader(train.data, sampler, 2, 0, pin_memory=False)
+    trainer = Trainer(config, nn.Linear(1, 1), loader, sampler, torch.device("cpu"), None, None)  # type: ignore[arg-type]
+    shutil.rmtree(root)
+    with pytest.raises(DataUnavailable, match=f"reading the data under {root} failed \\(did it vanish\\?\\)"):
+        next(trainer.batches())
+
+
+def test_incarnation_names_never_repeat_and_have_no_dash():
+    names = [membership.incarnation_name(3, n) for n in (1, 2, 3)]
+    assert names == ["worker3", "worker3_r2", "worker3_r3"] and not any("-" in n for n in names)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["ps", "--checkpoint_every", "-1"], "--checkpoint_every: -1 must be >= 0"),
+    (["ps", "--join_timeout", "0"], "--join_timeout: 0.0 must be > 0"),
+])
+def test_failure_knobs_are_checked(argv, message):
+    with pytest.raises(UsageError, match=message.replace(".", r"\.")):
+        parse(argv, {})
+
+
+def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch, caplog):
+    from app.metrics import MetricsWriter
+    from app.serve import Checkpointer
+
+    config = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1"], {})
+    server = _server()
+    with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
+        saver = Checkpointer(server, config, {"model_name": "cnn"}, metrics)
+        server.push(1, torch.ones(server.flat.size), 0)
+        saver.save("every 1 updates")
+        def full(*args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.os, "replace", full)
+        server.push(1, torch.ones(server.flat.size), 1)
+        with caplog.at_level(logging.WARNING, logger="app.ps"):
+            saver.save("every 1 updates")
+    assert "checkpoint at version 2 (every 1 updates) not written: [Errno 28] No space left on device" in caplog.text
+    assert [p.name[:13] for p in checkpoint.listing(tmp_path / "ck")] == ["ckpt-00000001"]

@@ -1,0 +1,33 @@
+"""Faults in real containers (orchestrator/chaos_containers.py, the offline cpu-smoke
+image): a crashed worker is restarted by Docker and rejoins; a crashed PS makes the
+workers exit non-zero in time, and once restarted resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import chaos, chaos_containers
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+
+def test_a_crashed_worker_container_is_restarted_and_the_run_completes(docker_engine, tmp_path):
+    out = chaos_containers.worker_kill(tmp_path)
+
+    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    states = out.details["states"]
+    assert states["worker2"]["restarts"] >= 1
+    assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
+    assert out.accuracy >= 0.90
+
+
+def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_path):
+    t = chaos.chaos_topology()
+    out = chaos_containers.ps_kill(tmp_path, t)
+
+    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    assert max(out.details["worker_exits_s"].values()) <= t.ps.rpc_timeout + 10
+    assert out.details["resumed_version"] >= 200
+    assert out.details["states"]["ps"]["exit_code"] == 0 and out.accuracy >= 0.90
+    log = (tmp_path / "containers.log").read_text()
+    assert log.count("worker1 failed: PSUnreachable: lost the parameter server at ps:") == 1

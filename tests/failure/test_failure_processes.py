@@ -1,0 +1,71 @@
+"""Faults as processes on 127.0.0.1 (the scenarios of `make chaos`, orchestrator/chaos.py):
+a killed worker, a killed PS, kills during checkpoint writes, a rank started twice."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from orchestrator import chaos
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path):
+    out = chaos.worker_kill(tmp_path)
+
+    assert out.recovered, out
+    assert out.accuracy >= 0.90
+    assert out.details["exit_codes"] == {"ps": 0, "worker1": 0, "worker2": 0, "worker3": 0}
+    assert out.details["drop"]["worker"] == "worker2" and out.detected_s < 10 + 5
+    assert out.details["rejoin"]["worker"] == "worker2_r2" and out.details["rejoin"]["epoch"] >= 5
+    assert out.details["pushes_after_rejoin"] > 0
+    ps_log = (tmp_path / "logs" / "ps.1.err").read_text()
+    assert len(re.findall(r"WARNING app.ps: dropped worker2 \(rank 2\): ", ps_log)) == 1, ps_log
+    assert "worker2_r2 (rank 2) joined at version" in ps_log
+
+
+def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tmp_path):
+    t = chaos.chaos_topology()
+    out = chaos.ps_kill(tmp_path, t)
+
+    assert out.recovered, out
+    for name, (code, seconds) in out.details["worker_exits"].items():
+        assert code == 1 and seconds <= t.ps.rpc_timeout + 10, (name, code, seconds)
+        errors = [line for line in (tmp_path / "logs" / f"{name}.1.err").read_text().splitlines()
+                  if " ERROR " in line]
+        assert len(errors) == 1 and "lost the parameter server at 127.0.0.1:" in errors[0], errors
+    assert out.details["resumed_version"] >= 200
+    assert out.accuracy >= 0.90  # the uninterrupted run's target
+
+
+def test_kills_during_checkpoint_writes_never_leave_a_bad_checkpoint(tmp_path):
+    out = chaos.checkpoint_kill_loop(tmp_path, rounds=8)
+
+    assert out.recovered, out.details["problems"]
+    assert out.details["mid_write"] >= 2  # the kills did land inside writes
+
+
+def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path):
+    t = chaos.chaos_topology(workers=1)
+    t = t.model_copy(update={"train": t.train.model_copy(update={"epochs": 500})})
+    job = chaos.ProcessJob(t, tmp_path)
+    try:
+        job.start()
+        first = job.procs["worker1"]
+        chaos.wait_until("worker1 trains", lambda: job.events("worker1", "train"), 120)
+        job.start("worker1")
+        assert job.wait_exit("worker1", 60) == 2
+        err = job.log("worker1", 2)
+        assert "app: error: rank 1 is already taken by worker1, which is running" in err, err
+        assert first.poll() is None  # the first one trains on
+
+        job.signal("ps", signal.SIGTERM)
+        assert job.wait_exit("ps", 25) == 143
+        on_exit = [r for r in job.events("ps", "checkpoint") if r["why"] == "on exit"]
+        assert len(on_exit) == 1 and (tmp_path / "checkpoints" / on_exit[0]["file"]).is_file()
+        assert first.wait(timeout=t.ps.rpc_timeout + 10) == 1  # lost its PS
+    finally:
+        job.close()
