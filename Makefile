@@ -11,7 +11,8 @@ ORCH    := $(PY) -m orchestrator
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean
+.PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean \
+        doctor stack-up stack-down stack-logs stack-status stack-smoke chaos
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -67,3 +68,35 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
+
+chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers); print how each recovered
+	$(ORCH) chaos $(if $(NO_CONTAINERS),--no-containers)
+
+doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack)
+	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET))
+
+# The same topology on Docker Swarm (orchestrator/swarm.py, docs/multi-host.md).
+# stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
+stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy
+	$(ORCH) stack-up $(CFG)
+
+stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
+	$(ORCH) stack-down $(LAST)
+
+stack-logs: host-setup ## follow every service's log of the stack
+	$(ORCH) stack-logs $(LAST)
+
+stack-status: host-setup ## one line per service: newest task's state, exit code, retries
+	$(ORCH) stack-status $(LAST)
+
+stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
+	$(ORCH) stack-smoke
+
+# Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
+# e.g. make bench BENCH_ARGS="--quick --json bench.json".
+.PHONY: bench bench-containers
+bench: setup ## PS throughput: app vs tutorial-style PS vs Gloo vs memcpy, 1-2 workers, 3 models
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
+	$(PY) -m bench containers $(BENCH_ARGS)

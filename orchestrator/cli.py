@@ -10,13 +10,15 @@ the parsed arguments and returns the exit status; see `_add_verbs`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
 from orchestrator import UsageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
-DEFAULT_OUTPUT = "compose.yaml"
+DEFAULT_OUTPUT = {"compose": "compose.yaml", "swarm": "stack.yaml"}
+TARGETS = ("compose", "swarm")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,18 +60,34 @@ def run_render(args: argparse.Namespace) -> int:
     from orchestrator import render as r
 
     t = load_topology(args)
-    text = r.dump(r.render(t), t.name)
+    if args.target == "swarm":
+        from orchestrator import render_swarm as rs
+        # A relative train.data_dir is taken from the current directory (absolute in the stack file).
+        text = rs.dump(rs.render(t, data_root=os.getcwd()), t.name)
+    else:
+        text = r.dump(r.render(t), t.name)
     for warning in r.security_warnings(t):
         print(f"warning: {warning}", file=sys.stderr)
-    if args.output == "-":
+    output = args.output or DEFAULT_OUTPUT[args.target]
+    if output == "-":
         sys.stdout.write(text)
         return 0
     try:
-        r.write_atomic(args.output, text)
+        r.write_atomic(output, text)
     except OSError as e:
-        raise UsageError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
-    print(f"wrote {args.output}: ps + {t.workers.count} workers, image {t.image_tag}, project {r.project_name(t)}")
+        raise UsageError(f"-o {output}: cannot write: {e.strerror or e}") from None
+    what = "stack" if args.target == "swarm" else "project"
+    print(f"wrote {output}: ps + {t.workers.count} workers, image {t.image_tag}, {what} {r.project_name(t)}")
     return 0
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from orchestrator import doctor
+
+    t = load_topology(args)
+    print(f"doctor: {args.config}, ps + {t.workers.count} workers, target {args.target}")
+    ok = doctor.report(doctor.run_checks(t, args.target, doctor.gather(t, args.target)), sys.stdout)
+    return 0 if ok else 1
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -79,11 +97,18 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("render", help="write the compose file of a topology")
+    p = sub.add_parser("render", help="write the compose file (or the swarm stack file) of a topology")
     add_topology_args(p)
-    p.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="FILE",
-                   help=f"output file, '-' for stdout (default: {DEFAULT_OUTPUT})")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="output file, '-' for stdout (default: compose.yaml, or stack.yaml with --target swarm)")
+    p.add_argument("--target", choices=TARGETS, default="compose",
+                   help="compose (docker compose, one host) or swarm (docker stack deploy, one or more hosts)")
     p.set_defaults(run=run_render)
+
+    p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
+    add_topology_args(p)
+    p.add_argument("--target", choices=TARGETS, default="compose", help="what the run uses (default: compose)")
+    p.set_defaults(run=run_doctor)
 
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)
@@ -125,6 +150,53 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=900, metavar="SECONDS")
     p.set_defaults(run=lambda a: cluster().smoke(a.config, a.workers, timeout=a.timeout))
+    _add_stack_verbs(sub)
+    _add_chaos_verb(sub)
+
+
+def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
+    """The Swarm verbs (orchestrator/swarm.py): the same topology as a `docker stack`.
+    stack-logs, stack-status and stack-down without -c act on the last stack-up."""
+    def swarm():
+        from orchestrator import swarm as s
+        return s
+
+    p = sub.add_parser("stack-up", help="doctor, render stack.yaml, build if missing, docker stack deploy")
+    add_topology_args(p)
+    p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
+    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline))
+    for verb, text in (("stack-down", "docker stack rm, and wait until its containers and network are gone"),
+                       ("stack-logs", "every service's log (docker service logs), following"),
+                       ("stack-status", "one line per service: its newest task's state, exit code, retries")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last stack-up)")
+        p.add_argument("--workers", type=_positive_int, metavar="N")
+    sub.choices["stack-down"].add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
+    sub.choices["stack-down"].set_defaults(run=lambda a: swarm().stack_down(a.config, a.workers, volumes=a.volumes))
+    sub.choices["stack-logs"].add_argument("--no-follow", action="store_true", help="print and return")
+    sub.choices["stack-logs"].set_defaults(
+        run=lambda a: swarm().stack_logs(a.config, a.workers, follow=not a.no_follow))
+    sub.choices["stack-status"].set_defaults(run=lambda a: swarm().stack_status(a.config, a.workers))
+    p = sub.add_parser("stack-smoke", help="the CPU topology as a swarm stack: accuracy and every task's exit state")
+    p.add_argument("-c", "--config", default="configs/cpu-smoke.yaml", metavar="CONFIG")
+    p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
+    p.add_argument("--timeout", type=_positive_int, default=600, metavar="SECONDS")
+    p.set_defaults(run=lambda a: swarm().stack_smoke(a.config, a.workers, timeout=a.timeout))
+
+
+def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
+    """Faults injected into a CPU run (orchestrator/chaos.py), then a table of how it recovered."""
+    def run_chaos(a: argparse.Namespace) -> int:
+        from pathlib import Path
+
+        from orchestrator import chaos
+        return chaos.run(a.scenario, Path(a.runs), containers=not a.no_containers)
+
+    p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
+    p.add_argument("scenario", nargs="*", help="scenarios to run (default: all)")
+    p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
+    p.add_argument("--runs", default="runs/chaos", metavar="DIR", help="logs and metrics of each scenario")
+    p.set_defaults(run=run_chaos)
 
 
 def build_parser() -> argparse.ArgumentParser:

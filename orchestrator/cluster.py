@@ -28,9 +28,8 @@ from typing import Any, Callable, Iterable, Optional, TextIO
 
 import yaml
 
-from orchestrator import UsageError
 from orchestrator import compose as cp
-from orchestrator import images
+from orchestrator import doctor, images
 from orchestrator import render as rd
 from orchestrator.topology import Topology, load
 
@@ -95,19 +94,12 @@ def render_if_needed(t: Topology, path: Path) -> bool:
     return True
 
 
-def preflight(t: Topology, config: str, info: dict[str, Any]) -> None:
-    """Stop before starting anything when the host cannot run `t` (UsageError, one line)."""
-    if t.cuda and "nvidia" not in (info.get("Runtimes") or {}):
-        raise UsageError(
-            f"{config}: image.device is cuda, but this Docker engine has no NVIDIA runtime "
-            "(install the NVIDIA Container Toolkit, then `nvidia-ctk runtime configure --runtime=docker` "
-            f"and restart dockerd); nothing was started. {CPU_HINT}"
-        )
-    if t.reads_files and t.train.data_dir and not (ROOT / t.train.data_dir).is_dir():
-        raise UsageError(
-            f"{config}: train.data_dir: {t.train.data_dir} is not a directory on this host "
-            f"(dataset {t.train.dataset} reads it); nothing was started. {CPU_HINT}"
-        )
+def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
+    """The doctor's checks (orchestrator/doctor.py); stop before starting anything
+    when one fails (UsageError: the first problem and its fix, one line)."""
+    checks = doctor.run_checks(t, "compose", doctor.gather(t, "compose", client=client))
+    doctor.stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
+    print(f"==> doctor: {len(checks)} checks passed (python -m orchestrator doctor lists them)", file=out, flush=True)
 
 
 # --- verbs ----------------------------------------------------------------
@@ -128,7 +120,7 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
     t = tg.topology
     assert t is not None
     client = images.client()
-    preflight(t, config, client.info())
+    preflight(t, config, client, out)
     compose = cp.detect()
     path = Path(tg.project.file)
     wrote = render_if_needed(t, path)

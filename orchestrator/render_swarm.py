@@ -1,0 +1,131 @@
+"""Topology -> stack file for `docker stack deploy` (Docker Swarm, one or more hosts).
+
+Pure, like `render.render`: it takes the compose document of the same
+topology and rewrites what Swarm does differently (facts checked on Docker
+20.10 with the 28.x CLI):
+
+- no `build` (a stack deploys images already on each node), no `depends_on`
+  (Swarm has no start order: a worker that cannot join the PS in time exits
+  1, and `restart_policy: on-failure` starts it again after a delay, a few
+  times at most); `restart: on-failure` becomes that restart policy, no
+  `restart` becomes `condition: none` (tasks are one-shot: never restarted
+  after success, which Swarm's default policy `any` would do);
+- `shm_size` is ignored by Swarm: a tmpfs of the same size at /dev/shm;
+- GPUs: `reservations.devices` is rejected; each GPU service reserves one
+  generic resource of kind `swarm.gpu_resource`, which the node's dockerd
+  advertises (`node-generic-resources`); the NVIDIA runtime reads the assigned
+  id from DOCKER_RESOURCE_<KIND> (docs/multi-host.md). `workers.gpus` does not
+  apply: Swarm picks a free GPU of the node;
+- `endpoint_mode: dnsrr`: `ps` resolves to the PS task's own address (the
+  overlay's virtual-IP routing fails on some kernels, and the PS is one task);
+- no healthcheck: nothing waits on it without `depends_on`, a task's name
+  resolves only once it is healthy (the PS resolves its own name to join), and
+  Swarm kills a task that turns unhealthy (a PS still loading a big dataset);
+- a published RPC port (only when asked) is in `mode: host` (ingress needs VIP);
+- `security_opt` is ignored by Swarm (no-new-privileges is then the daemon's
+  `"no-new-privileges": true`); the rest of the hardening stays (non-root
+  user, `cap_drop: [ALL]`, `init`);
+- placement: `swarm.ps` / `swarm.workers` become `deploy.placement.constraints`;
+- relative bind sources (`train.data_dir`) become absolute under `data_root`:
+  `docker stack deploy` sends them to other nodes as they are.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from typing import Any
+
+from orchestrator import render as rd
+from orchestrator.topology import Topology
+
+STACK_VERSION = "3.8"  # the newest 3.x schema Docker 20.10's `docker stack` knows
+SHM_DIR = "/dev/shm"
+# compose `restart: on-failure` -> this; no `restart` -> never restarted. Never after success.
+ON_FAILURE = {"condition": "on-failure", "delay": "10s", "max_attempts": 3, "window": "30s"}
+NO_RESTART = {"condition": "none"}
+# Compose keys `docker stack deploy` ignores or rejects; replaced below.
+_NOT_IN_SWARM = ("build", "depends_on", "restart", "shm_size", "security_opt", "ports", "deploy", "healthcheck")
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
+
+
+def stack_name(t: Topology) -> str:
+    """The stack's name: services are <stack>_ps, <stack>_worker1, ..."""
+    return t.name
+
+
+def render(t: Topology, *, data_root: str) -> dict[str, Any]:
+    """The whole stack document for `t` (pure: no I/O). `data_root` is the
+    absolute directory a relative `train.data_dir` is taken from."""
+    doc = rd.render(t)
+    services = {}
+    for name, svc in doc["services"].items():
+        rank = int(svc["labels"][rd.LABEL_RANK])
+        services[name] = _service(t, svc, rank, data_root)
+    return {
+        "version": STACK_VERSION,
+        "services": services,
+        "networks": {rd.NETWORK: {"driver": "overlay", "labels": {rd.LABEL_PROJECT: t.name}}},
+        "volumes": doc["volumes"],
+    }
+
+
+def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str) -> dict[str, Any]:
+    svc = {k: v for k, v in compose_svc.items() if k not in _NOT_IN_SWARM}
+    shm = compose_svc["shm_size"]
+    svc["volumes"] = [_absolute(v, data_root) for v in svc["volumes"]] + [
+        {"type": "tmpfs", "target": SHM_DIR, "tmpfs": {"size": size_bytes(shm)}},
+    ]
+    deploy: dict[str, Any] = {
+        "mode": "replicated",
+        "replicas": 1,
+        "endpoint_mode": "dnsrr",
+        "restart_policy": dict(ON_FAILURE if compose_svc.get("restart") == "on-failure" else NO_RESTART),
+        "labels": dict(svc["labels"]),
+    }
+    node = t.swarm.ps if rank == 0 else t.worker_nodes()[rank - 1]
+    if node is not None:
+        deploy["placement"] = {"constraints": [constraint(node)]}
+    gpu = t.ps_gpu() is not None if rank == 0 else t.cuda
+    if gpu:
+        deploy["resources"] = {"reservations": {"generic_resources": [
+            {"discrete_resource_spec": {"kind": t.swarm.gpu_resource, "value": 1}},
+        ]}}
+    svc["deploy"] = deploy
+    if rank == 0 and t.network.publish_rpc_port:
+        svc["ports"] = [{"target": t.ps.rpc_port, "published": t.ps.rpc_port, "protocol": "tcp", "mode": "host"}]
+    return svc
+
+
+def constraint(node: str) -> str:
+    """`swarm.ps`/`swarm.workers` entry -> placement constraint: key=value is a node label."""
+    if "=" in node:
+        key, value = node.split("=", 1)
+        return f"node.labels.{key}=={value}"
+    return f"node.hostname=={node}"
+
+
+def size_bytes(size: int | str) -> int:
+    """A size as the topology takes it (bytes, '256m', '2g', '1gb') in bytes."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(size.strip().lower())
+    if m is None:
+        raise ValueError(f"not a size: {size!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _absolute(volume: dict[str, Any], data_root: str) -> dict[str, Any]:
+    if volume["type"] != "bind" or posixpath.isabs(volume["source"]):
+        return volume
+    return {**volume, "source": posixpath.normpath(posixpath.join(data_root, volume["source"]))}
+
+
+def dump(doc: dict[str, Any], name: str) -> str:
+    """The stack file as text (same document, same bytes)."""
+    header = (
+        f"# Stack file for `docker stack deploy`, rendered from the topology {name!r}\n"
+        "# by `python -m orchestrator render --target swarm`. Do not edit: change configs/*.yaml.\n"
+    )
+    return header + rd.yaml_text(doc)

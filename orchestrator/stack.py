@@ -1,0 +1,173 @@
+"""Thin adapter over Docker Swarm: `docker stack` command lines and the reads
+of services, tasks and logs (Docker SDK).
+
+Pure functions build argv lists and turn task records into states; the rest
+only asks Docker. Facts it relies on (Docker 20.10 daemon, 28.x CLI):
+- `docker stack deploy --resolve-image never` uses the image already on each
+  node (no registry is asked for a digest);
+- a stack's services, networks, volumes and containers carry the label
+  `com.docker.stack.namespace=<stack>`;
+- a one-shot task ends in state `complete` (exit 0) or `failed` (its exit
+  code in Status.ContainerStatus.ExitCode); a retry is a new task of the same
+  slot; `stack rm` returns before the containers and the network are gone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from orchestrator.compose import EngineError
+
+LABEL_STACK = "com.docker.stack.namespace"
+DOCKER = "docker"
+# Task states after which a task never runs again (a retry is a new task).
+TERMINAL = frozenset({"complete", "failed", "shutdown", "rejected", "orphaned", "remove"})
+
+
+# --- command lines (pure) -------------------------------------------------
+
+def deploy_argv(stack: str, file: str) -> list[str]:
+    return [DOCKER, "stack", "deploy", "--resolve-image", "never", "--prune", "-c", file, stack]
+
+
+def rm_argv(stack: str) -> list[str]:
+    return [DOCKER, "stack", "rm", stack]
+
+
+def logs_argv(stack: str, service: str, *, follow: bool) -> list[str]:
+    """One service's log, each line prefixed `<stack>_<service>.<slot>@<node> |`."""
+    return [DOCKER, "service", "logs", "--no-task-ids", *(["-f"] if follow else []), service_name(stack, service)]
+
+
+def config_argv(file: str) -> list[str]:
+    """`docker stack config` (CLI 25+): validates the file against the stack schema."""
+    return [DOCKER, "stack", "config", "-c", file]
+
+
+def service_name(stack: str, service: str) -> str:
+    return f"{stack}_{service}"
+
+
+def ignored_options(output: str) -> list[str]:
+    """The lines where `docker stack deploy` says it ignores keys of the stack file."""
+    return [line.strip() for line in output.splitlines() if "Ignoring" in line]
+
+
+def swarm_state(info: dict[str, Any]) -> dict[str, Any]:
+    """From `docker info`: is this engine in a swarm, and a manager of it?"""
+    sw = info.get("Swarm") or {}
+    return {
+        "state": sw.get("LocalNodeState") or "inactive",
+        "manager": bool(sw.get("ControlAvailable")),
+        "nodes": sw.get("Nodes") or 0,
+        "error": sw.get("Error") or "",
+    }
+
+
+def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A service's state from its tasks (newest last counts): the shape of
+    `cluster.container_state`, so `cluster.judge` judges it. A terminal task is
+    `exited` with its exit code; `restarts` counts the failed tasks before it."""
+    if not tasks:
+        return {"service": service, "status": "no task", "exit_code": None, "health": None,
+                "restarts": 0, "task": None, "error": ""}
+    ordered = sorted(tasks, key=lambda t: (t.get("CreatedAt") or "", (t.get("Version") or {}).get("Index", 0)))
+    last = ordered[-1]
+    st = last.get("Status") or {}
+    task = st.get("State") or "unknown"
+    exit_code = (st.get("ContainerStatus") or {}).get("ExitCode")
+    if task == "complete":
+        exit_code = 0
+    return {
+        "service": service,
+        "status": "exited" if task in TERMINAL else task,
+        "exit_code": exit_code if task in TERMINAL else None,
+        "health": None,
+        "restarts": len(ordered) - 1,
+        "task": task,
+        "error": st.get("Err") or "",
+    }
+
+
+# --- Docker reads (SDK) ---------------------------------------------------
+
+def services(client: Any, stack: str) -> dict[str, Any]:
+    """The stack's services by their name in the stack file (`ps`, `worker1`, ...)."""
+    found = client.services.list(filters={"label": f"{LABEL_STACK}={stack}"})
+    prefix = f"{stack}_"
+    return {s.name[len(prefix):] if s.name.startswith(prefix) else s.name: s for s in found}
+
+
+def states(client: Any, stack: str) -> dict[str, dict[str, Any]]:
+    """The state of each service of the stack, by service name."""
+    return {name: task_state(name, svc.tasks()) for name, svc in services(client, stack).items()}
+
+
+def service_log(client: Any, stack: str, service: str) -> str:
+    """A service's whole log (every task), raw lines."""
+    svc = services(client, stack).get(service)
+    if svc is None:
+        return ""
+    chunks = client.api.service_logs(svc.id, stdout=True, stderr=True, follow=False)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def leftovers(client: Any, stack: str) -> list[str]:
+    """What of the stack still exists: services, containers, networks (not volumes)."""
+    label = {"label": f"{LABEL_STACK}={stack}"}
+    return ([f"service {s.name}" for s in client.services.list(filters=label)]
+            + [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
+            + [f"network {n.name}" for n in client.networks.list(filters=label)])
+
+
+def wait_gone(client: Any, stack: str, timeout: float = 120, every: float = 1.0) -> list[str]:
+    """After `stack rm`: wait until no service, container or network of the stack
+    is left (then its volume can go); what is left at the timeout."""
+    deadline = time.monotonic() + timeout
+    left = leftovers(client, stack)
+    while left and time.monotonic() < deadline:
+        time.sleep(every)
+        left = leftovers(client, stack)
+    return left
+
+
+def remove_volumes(client: Any, stack: str) -> list[str]:
+    """Remove the stack's volumes on this node; their names."""
+    removed = []
+    for v in client.volumes.list(filters={"label": f"{LABEL_STACK}={stack}"}):
+        try:
+            v.remove()
+        except Exception as e:  # noqa: BLE001 - in use: say which
+            raise EngineError(f"cannot remove volume {v.name}: {e}") from None
+        removed.append(v.name)
+    return removed
+
+
+def nodes(client: Any) -> list[dict[str, Any]]:
+    """Every node of the swarm (a manager is asked): hostname, role, state, labels, GPUs."""
+    out = []
+    for n in client.nodes.list():
+        a = n.attrs
+        desc = a.get("Description") or {}
+        out.append({
+            "hostname": desc.get("Hostname", "?"),
+            "role": (a.get("Spec") or {}).get("Role", "?"),
+            "availability": (a.get("Spec") or {}).get("Availability", "?"),
+            "state": (a.get("Status") or {}).get("State", "?"),
+            "labels": (a.get("Spec") or {}).get("Labels") or {},
+            "resources": generic_resources((desc.get("Resources") or {}).get("GenericResources") or []),
+        })
+    return out
+
+
+def generic_resources(specs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """{kind: count} of a node's advertised generic resources (named ones count 1 each)."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        named, discrete = spec.get("NamedResourceSpec"), spec.get("DiscreteResourceSpec")
+        if named:
+            out[named["Kind"]] = out.get(named["Kind"], 0) + 1
+        elif discrete:
+            out[discrete["Kind"]] = out.get(discrete["Kind"], 0) + int(discrete.get("Value", 0))
+    return out
