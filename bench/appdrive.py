@@ -1,0 +1,127 @@
+"""The app's own PS and worker code paths, driven by the bench.
+
+What is the app's: the PS's update (`app.ps.ParameterServer` behind the
+`app.ps.rpc_*` entry points the workers call), the worker's step
+(`app.worker.Trainer.compute_gradients` and `push_and_pull` through
+`app.worker.PSClient`), the flat buffers (`app.flat`), the TensorPipe
+options (`app.runtime.backend_options`) and thread count
+(`app.runtime.set_threads`). What is the bench's: the model (bench.models),
+a fixed synthetic batch, and the lifecycle of the RPC group (a static group
+with a graceful end), so that changes to the app's membership and failure
+handling do not change what is measured. Every use of the app's interfaces
+is in this file: when they change, this file is adapted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from bench import loop
+from bench.models import SPECS
+
+ADDR = "127.0.0.1"
+RPC_TIMEOUT = 120
+_DONE = {"event": threading.Event(), "count": 0, "expected": 0}
+
+
+def rpc_done(rank: int) -> None:
+    """A worker of the bench has finished (called on the PS process)."""
+    _DONE["count"] += 1
+    if _DONE["count"] >= _DONE["expected"]:
+        _DONE["event"].set()
+
+
+def _config(role: str, p: dict[str, Any]):
+    from app.config import parse
+    argv = [role, "--world_size", str(p["world_size"]), "--master_addr", ADDR,
+            "--master_port", str(p["port"]), "--model", "cnn", "--dataset", "synthetic",
+            "--batch_size", str(SPECS[p["model"]].batch_size), "--rpc_timeout", str(RPC_TIMEOUT)]
+    if role == "worker":
+        argv += ["--rank", str(p["rank"])]
+    return parse(argv, {})
+
+
+def _init(config: Any, name: str, rank: int) -> None:
+    from app import runtime
+    runtime.set_threads(config.world_size)
+    rpc.init_rpc(name, rank=rank, world_size=config.world_size,
+                 rpc_backend_options=runtime.backend_options(config))
+
+
+def ps_main(p: dict[str, Any]) -> dict[str, Any]:
+    from app import ps, worker
+    config = _config("ps", p)
+    server = ps.ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
+                                num_workers=config.world_size - 1)
+    _DONE["expected"] = config.world_size - 1
+    with ps._ENDPOINT.serving(server):
+        _init(config, worker.PS_NAME, 0)
+        if not _DONE["event"].wait(timeout=p["timeout"]):
+            raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
+        rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+    return {"version": server.version, "state_floats": server.flat.size}
+
+
+def _start(client: Any) -> tuple[torch.Tensor, int]:
+    """The first state: `join` where the app has it (issue 5), else `pull`."""
+    if hasattr(client, "join"):
+        answer = client.join()
+        return answer["vector"], answer["version"]
+    return client.pull()
+
+
+def worker_main(p: dict[str, Any]) -> dict[str, Any]:
+    from app import ps, worker
+    config = _config("worker", p)
+    spec = SPECS[p["model"]]
+    x, y = spec.batch(seed=p["rank"])
+    client = worker.PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
+    _init(config, f"worker{config.rank}", config.rank)
+    trainer = worker.Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
+    vector, version = _start(client)
+    trainer.flat.load(vector)
+    compute_only = loop.time_compute(lambda: trainer.compute_gradients(x, y), p["compute_seconds"])
+    state: dict[str, Any] = {"version": version}
+
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        if p["compute"]:
+            trainer.compute_gradients(x, y)
+        t1 = time.perf_counter()
+        state["version"], _ = trainer.push_and_pull(state["version"])
+        return t1 - t0, time.perf_counter() - t1
+
+    def overlapped_step() -> tuple[float, float]:
+        """PROTOTYPE of a proposed app change (not the app's loop): push this gradient
+        asynchronously and compute the next one while it travels; the worker waits for
+        the previous reply only after its backward (one more step of staleness)."""
+        t0 = time.perf_counter()
+        trainer.compute_gradients(x, y)
+        t1 = time.perf_counter()
+        if "future" in state:
+            vector, state["version"], _ = state.pop("future").wait()
+            trainer.flat.load(vector)
+        message = trainer.flat.pack_message().clone()  # backward reuses the grads buffer
+        state["future"] = rpc.rpc_async(worker.PS_NAME, ps.rpc_push,
+                                        args=(config.rank, message, state["version"]),
+                                        timeout=config.rpc_timeout)
+        return t1 - t0, time.perf_counter() - t1
+
+    result = loop.run_window(overlapped_step if p.get("overlap") else step,
+                             p["warmup"], p["seconds"], p["tail"])
+    if "future" in state:
+        state.pop("future").wait()
+    if p.get("idle_marker"):
+        Path(p["idle_marker"]).touch()
+        time.sleep(p["idle_seconds"])
+    rpc.rpc_sync(worker.PS_NAME, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
+    rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+    floats = trainer.flat.size
+    result.update(compute_only_s=compute_only, push_bytes=4 * floats, pull_bytes=4 * floats)
+    return result

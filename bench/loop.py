@@ -1,0 +1,49 @@
+"""Timing a worker's step loop: warm-up, a measured window, then a tail.
+
+Every worker of a case measures the same wall-clock window length; the tail
+keeps it working after its own window so that the other workers' windows
+see the same contention (they start a little later or earlier).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+Step = Callable[[], tuple[float, float]]  # one step: (compute seconds, communication seconds)
+
+
+def time_compute(compute: Callable[[], None], seconds: float, min_steps: int = 3) -> float:
+    """Median seconds of `compute` alone, run for about `seconds` (at least min_steps times)."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < min_steps or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        compute()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_window(step: Step, warmup: int, seconds: float, tail: float) -> dict[str, Any]:
+    """Steps completed in a window of `seconds` after `warmup` steps; medians per step."""
+    for _ in range(warmup):
+        step()
+    records: list[tuple[float, float, float]] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        compute, comm = step()
+        records.append((compute, comm, time.perf_counter() - t0))
+    window = time.perf_counter() - start
+    end = time.perf_counter() + tail
+    while time.perf_counter() < end:
+        step()
+    return {
+        "steps": len(records),
+        "window_s": window,
+        "compute_s": statistics.median(r[0] for r in records),
+        "comm_s": statistics.median(r[1] for r in records),
+        "step_s": statistics.median(r[2] for r in records),
+    }

@@ -1,0 +1,31 @@
+"""One process of a bench case: `python -m bench.node SYSTEM ROLE PARAMS_JSON OUT_JSON`."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import warnings
+
+APP_PATH_ENV = "BENCH_APP_PATH"  # a directory holding another copy of `app/` to measure
+
+SYSTEMS = {"app": "bench.appdrive", "app-comm": "bench.appdrive", "app-overlap": "bench.appdrive",
+           "ref": "bench.reference", "ref-tuned": "bench.reference", "gloo": "bench.gloo"}
+
+
+def main(argv: list[str]) -> int:
+    system, role, params, out = argv
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    if os.environ.get(APP_PATH_ENV):
+        sys.path.insert(0, os.environ[APP_PATH_ENV])
+    module = importlib.import_module(SYSTEMS[system])
+    entry = module.ps_main if role == "ps" else module.worker_main
+    result = entry(json.loads(params))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
