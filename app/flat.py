@@ -3,9 +3,9 @@
 Layout of every vector and message: [parameters | floating-point buffers].
 Parameters (and their .grad) and buffers (BatchNorm running stats) become
 views into two flat tensors, so sending or loading the state is one tensor and
-one copy, never a list of tensors or a pickled module. Integer buffers
-(BatchNorm's num_batches_tracked) stay local: they do not affect the math
-when momentum is set, as it is in every torchvision model.
+at most one copy (none for `adopt`), never a list of tensors or a pickled
+module. Integer buffers (BatchNorm's num_batches_tracked) stay local: they do
+not affect the math when momentum is set, as it is in every torchvision model.
 """
 
 from __future__ import annotations
@@ -40,21 +40,37 @@ class FlatModel:
         self.num_buffers = sum(b.numel() for _, _, b in buffers)
         device = params[0].device if params else torch.device("cpu")
         size = self.num_params + self.num_buffers
+        self._params = params
+        self._buffers = [(module, name, buf.shape) for module, name, buf in buffers]
         self.vector = torch.empty(size, device=device)
         self.message = torch.zeros(size if with_grads else 0, device=device)
-        offset = 0
-        for p in params:
-            view = self.vector[offset:offset + p.numel()].view_as(p)
-            view.copy_(p.detach())
+        state = params + [buf for _, _, buf in buffers]
+        for view, tensor in zip(self._views(self.vector, [t.shape for t in state]), state):
+            view.copy_(tensor.detach())
+        self._point_at(self.vector)
+        if with_grads:
+            for p, view in zip(params, self._views(self.message, [p.shape for p in params])):
+                p.grad = view
+
+    @staticmethod
+    def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Consecutive views of `flat`, one per shape."""
+        views, offset = [], 0
+        for shape in shapes:
+            n = shape.numel()
+            views.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return views
+
+    def _point_at(self, vector: torch.Tensor) -> None:
+        """Make the params and float buffers views into `vector` (no copy)."""
+        shapes = [p.shape for p in self._params] + [shape for _, _, shape in self._buffers]
+        views = self._views(vector, shapes)
+        for p, view in zip(self._params, views):
             p.data = view
-            if with_grads:
-                p.grad = self.message[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        for module, name, buf in buffers:
-            view = self.vector[offset:offset + buf.numel()].view_as(buf)
-            view.copy_(buf)
+        for (module, name, _), view in zip(self._buffers, views[len(self._params):]):
             module._buffers[name] = view
-            offset += buf.numel()
+        self.vector = vector
 
     @property
     def size(self) -> int:
@@ -83,3 +99,12 @@ class FlatModel:
         if vector.numel() != self.size:
             raise ValueError(f"state has {vector.numel()} values, this model needs {self.size}")
         self.vector.copy_(vector, non_blocking=True)
+
+    def adopt(self, vector: torch.Tensor) -> None:
+        """Make a received vector the model's state, without copying it when it can be
+        (same device and dtype, contiguous): the caller gives it up. Grads stay put."""
+        if (vector.device != self.vector.device or vector.dtype != self.vector.dtype
+                or not vector.is_contiguous() or vector.numel() != self.size):
+            self.load(vector)
+        else:
+            self._point_at(vector)

@@ -54,6 +54,10 @@ class ParameterServer:
         self.version = 0
         self.staleness_sum = 0
         self.staleness_max = 0
+        # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
+        # memory after `push` returns, and a rank pushes again only once it has received
+        # the reply; the second buffer keeps even a reply still in flight then intact.
+        self._replies: dict[int, list[torch.Tensor]] = {}
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -72,7 +76,9 @@ class ParameterServer:
              epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
         """Apply one worker's `[grads | buffers]`; return (fresh state, version, staleness).
 
-        `epoch` and `batch` are the worker's progress once this push is applied.
+        `epoch` and `batch` are the worker's progress once this push is applied. The
+        state returned is one of rank's two reply buffers, not a fresh copy: it stays
+        unchanged until rank's next-but-one push.
         """
         if message.numel() != self.flat.size or message.dtype != self.flat.vector.dtype:
             raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
@@ -93,10 +99,18 @@ class ParameterServer:
             self.staleness_max = max(self.staleness_max, staleness)
             if self.version >= self._wake_at or readmitted:
                 self._changed.notify_all()
-            answer = self.flat.vector.clone(), self.version, staleness
+            answer = self._reply(rank).copy_(self.flat.vector), self.version, staleness
         if readmitted:
             self.on_back(rank, name)
         return answer
+
+    def _reply(self, rank: int) -> torch.Tensor:
+        """Rank's reply buffer for this push (the other one holds its previous reply)."""
+        buffers = self._replies.setdefault(rank, [])
+        if len(buffers) < 2:
+            buffers.append(torch.empty_like(self.flat.vector))
+        buffers.reverse()
+        return buffers[0]
 
     def finish(self, rank: int, pushes: int, name: str = "") -> None:
         """A worker has run all its epochs."""

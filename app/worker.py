@@ -97,7 +97,7 @@ class Trainer:
     def train(self, start: dict[str, Any]) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
-        self.flat.load(start["vector"])
+        self.flat.adopt(start["vector"])
         version, self.pushes = start["version"], start["pushes"]
         for epoch in range(start["epoch"], self.config.num_epochs + 1):
             done = start["batch"] if epoch == start["epoch"] else 0  # batches already pushed
@@ -139,7 +139,7 @@ class Trainer:
         if self.staging is not None:
             message = self.staging.copy_(message)
         vector, version, staleness = self.client.push(message, version, epoch, batch)
-        self.flat.load(vector)
+        self.flat.adopt(vector)  # the received tensor is ours: no copy
         self.pushes += 1
         return version, staleness
 

@@ -52,3 +52,21 @@ def test_backward_writes_the_gradient_into_the_message():
                           parameters_to_vector(p.grad for p in reference.parameters()))
     assert torch.equal(message[flat.num_params:], flat.vector[flat.num_params:])
     assert not torch.equal(message[flat.num_params:], torch.cat([torch.zeros(4), torch.ones(4)]))
+
+
+def test_adopt_repoints_the_model_without_a_copy():
+    model = _bn_model()
+    flat = FlatModel(model)
+    grads = [p.grad for p in model.parameters()]
+    new = torch.randn(flat.size)
+    flat.adopt(new)
+    assert flat.vector is new
+    assert torch.equal(parameters_to_vector(model.parameters()), new[:flat.num_params])
+    new.zero_()                                      # the model lives in the adopted tensor
+    assert all(p.abs().sum() == 0 for p in model.parameters())
+    assert all(b.abs().sum() == 0 for b in model.buffers() if b.is_floating_point())
+    x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])
+    flat.zero_grads()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # still views of message
+    assert flat.pack_message()[flat.num_params:].equal(new[flat.num_params:])  # BN stats updated there

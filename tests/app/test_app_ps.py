@@ -119,3 +119,15 @@ def test_model_names():
         models.check("nope")
     out = models.build("cnn", 3, 7, seed=0)(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 7)
+
+
+def test_replies_alternate_between_two_buffers_per_rank():
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2)
+    first, _, _ = server.push(1, torch.ones(4), 0)
+    second, _, _ = server.push(1, torch.ones(4), 1)
+    assert torch.equal(first, torch.full((4,), -1.0))  # not overwritten by the next reply
+    assert torch.equal(second, torch.full((4,), -2.0))
+    other, _, _ = server.push(2, torch.ones(4), 2)
+    third, _, _ = server.push(1, torch.ones(4), 3)
+    assert third.data_ptr() == first.data_ptr() and other.data_ptr() not in (first.data_ptr(), second.data_ptr())
+    assert torch.equal(third, torch.full((4,), -4.0)) and torch.equal(second, torch.full((4,), -2.0))
