@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 ROLES = ("ps", "worker", "health")
+STRATEGIES = ("async", "sync", "ssp", "allreduce")
+COMPRESSIONS = ("none", "bf16", "fp16")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 ENV_PREFIX = "PSC_"
 
@@ -42,7 +45,15 @@ class Config:
     num_epochs: int = _flag(150, "epochs per worker over its shard")
     max_steps: int = _flag(0, "stop a worker after this many pushes (0: no cap)")
     device: str = _flag("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", ("cpu", "cuda"))
-    strategy: str = _flag("async", "how the PS applies gradients", ("async",))
+    strategy: str = _flag("async", "async: apply each gradient as it comes; sync: average one gradient per "
+                          "worker per update; ssp: async, but no worker runs more than --staleness pushes "
+                          "ahead of the slowest; allreduce: DDP, no PS", STRATEGIES)
+    staleness: int = _flag(4, "ssp: how many pushes a worker may run ahead of the slowest live worker")
+    staleness_lr: bool = _flag(False, "async/ssp: divide the lr of each push by its staleness (Zhang et al. 2016)")
+    overlap: bool = _flag(False, "async/ssp: compute the next batch while the push and pull are on the wire "
+                          "(one more step of staleness)")
+    compress: str = _flag("none", "gradients on the wire: none (float32), bf16 or fp16, with error feedback",
+                          COMPRESSIONS)
     checkpoint_dir: str = _flag("./checkpoints", "the PS writes its checkpoints and final.pt here")
     checkpoint_every: int = _flag(1000, "the PS checkpoints every K updates (and on SIGTERM); 0: only at the end")
     metrics_dir: str = _flag("./metrics", "JSON lines, one file per process")
@@ -70,7 +81,7 @@ _LOWER_BOUNDS = (
     ("momentum", 0.0, True), ("num_epochs", 1, True), ("max_steps", 0, True),
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
     ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
-    ("checkpoint_every", 0, True), ("join_timeout", 0.0, False),
+    ("checkpoint_every", 0, True), ("join_timeout", 0.0, False), ("staleness", 0, True),
 )
 
 
@@ -91,6 +102,10 @@ def _parser() -> _Parser:
 
 
 def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
+    if f.type == "bool":
+        if raw.strip().lower() not in _BOOLS:
+            raise UsageError(f"{source}: {raw!r} is not one of true, false (or 1, 0)")
+        return _BOOLS[raw.strip().lower()]
     kind = {"int": int, "float": float, "str": str}[f.type]
     try:
         value = kind(raw)
@@ -128,6 +143,9 @@ def validate(config: Config) -> None:
         raise UsageError(f"--master_port: {config.master_port} must be <= 65535")
     if config.momentum >= 1:
         raise UsageError(f"--momentum: {config.momentum} must be < 1")
+    if config.overlap and config.strategy in ("sync", "allreduce"):
+        raise UsageError(f"--overlap: true is for strategies async and ssp; {config.strategy} "
+                         "waits for every worker's gradient each step")
     if config.role == "worker" and not 1 <= config.rank < config.world_size:
         raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
                          f"for a worker (--world_size {config.world_size})")

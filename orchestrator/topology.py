@@ -103,8 +103,16 @@ class Train(_Section):
     """SGD momentum, on the PS."""
     epochs: int = Field(gt=0)
     """Epochs each worker runs over its shard."""
-    strategy: Literal["async"] = "async"
-    """async: the PS applies each gradient as it arrives (seed 000). More when the app has them."""
+    strategy: Literal["async", "sync", "ssp", "allreduce"] = "async"
+    """async: the PS applies each gradient as it arrives (seed 000); sync: one averaged update per round of one gradient from every worker; ssp: async, but no worker gets more than `staleness` pushes ahead of the slowest; allreduce: a DDP job (seeds 001-003), no PS service."""
+    staleness: int = Field(default=4, ge=0)
+    """ssp only: how many pushes a worker may run ahead of the slowest live worker before it waits."""
+    staleness_lr: bool = False
+    """async and ssp: divide each push's learning rate by its staleness (Zhang et al. 2016)."""
+    overlap: bool = False
+    """async and ssp: compute the next batch while the gradient and the fresh parameters are on the wire (one more step of staleness)."""
+    compress: Literal["none", "bf16", "fp16"] = "none"
+    """Gradients on the wire: none (float32), bf16 or fp16, with error feedback on the worker."""
     seed: int = Field(default=0, ge=0)
     """Model init, shuffling and synthetic data."""
     eval_every: int = Field(default=100, gt=0)
@@ -266,6 +274,9 @@ def check(t: Topology, source: str) -> None:
             source, "workers.gpus",
             f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker (or leave it out for 0..{t.workers.count - 1})",
         )
+    if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
+        raise TopologyError(source, "train.overlap", f"got True; allowed only with strategy async or ssp "
+                            f"({t.train.strategy} waits for every worker's gradient each step)")
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(
