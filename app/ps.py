@@ -4,6 +4,20 @@
 points workers call. The PS process itself is `app.serve`. Workers join,
 pull, push and report; the PS calls a worker only to ping it
 (app.liveness).
+
+Three strategies decide when a push is applied and when its reply goes out
+(`submit` returns a future; `rpc_push` is `async_execution`, so a reply held
+back ties up no RPC thread):
+
+- async: applied at once, answered at once (seed 000).
+- ssp:   applied at once; answered once the pusher is at most `staleness`
+         pushes ahead of the slowest rank still training (Ho et al. 2013).
+- sync:  held until every rank still training pushed once; their average is
+         applied as one update and every pusher gets the same answer.
+
+Every piece of shared state (the sum of a round, the held replies, the
+roster) changes under the one lock; futures are completed after it is
+released, so sending replies never holds up a push.
 """
 
 from __future__ import annotations
@@ -11,17 +25,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
+from torch.futures import Future
 
 from app.flat import FlatModel
-from app.roster import FINISHED, LIVE, Roster
+from app.roster import ABSENT, FINISHED, LIVE, Roster
+
+STRATEGIES = ("async", "ssp", "sync")
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 log = logging.getLogger("app.ps")
+
+
+class Reply(NamedTuple):
+    """The PS's answer to a push."""
+
+    vector: torch.Tensor  # the state to continue from: [params | buffers]
+    version: int          # its version
+    staleness: int        # updates applied between the pusher's pull and its push
+    lead: int             # pushes the pusher is ahead of the slowest rank still training
+
+
+class _Held(NamedTuple):
+    """A push whose reply waits (ssp: for the slowest rank; sync: for the round)."""
+
+    future: Future
+    message: torch.Tensor | None  # sync: the pushed [grads | buffers]
+    epoch: int
+    batch: int
+    staleness: int
 
 
 class ParameterServer:
@@ -36,7 +75,11 @@ class ParameterServer:
     """
 
     def __init__(self, model: nn.Module, lr: float, momentum: float, num_workers: int,
-                 join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
+                 join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
+                 strategy: str = "async", staleness: int = 0, staleness_lr: bool = False) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(STRATEGIES)}")
+        self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self.model = model
         self.flat = FlatModel(model, with_grads=False)
         self._param = nn.Parameter(self.flat.params)  # shares storage with the model
@@ -54,6 +97,9 @@ class ParameterServer:
         self.version = 0
         self.staleness_sum = 0
         self.staleness_max = 0
+        self.staleness_hist: Counter[int] = Counter()
+        self.samples = 0  # training samples behind the updates applied by this process
+        self._held: dict[int, _Held] = {}  # rank -> its push whose reply waits
         # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
         # memory after `push` returns, and a rank pushes again only once it has received
         # the reply; the second buffer keeps even a reply still in flight then intact.
@@ -73,36 +119,115 @@ class ParameterServer:
             return self.flat.vector.clone(), self.version, member.progress()
 
     def push(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
-        """Apply one worker's `[grads | buffers]`; return (fresh state, version, staleness).
+             epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply:
+        """`submit`, waiting for the reply (tests, and callers that may block)."""
+        return self.submit(rank, message, pulled_version, name, epoch, batch, samples).wait()
 
-        `epoch` and `batch` are the worker's progress once this push is applied. The
-        state returned is one of rank's two reply buffers, not a fresh copy: it stays
-        unchanged until rank's next-but-one push.
+    def submit(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
+               epoch: int = 1, batch: int = 0, samples: int = 0) -> Future:
+        """Take one worker's `[grads | buffers]`; a future of its Reply.
+
+        `epoch` and `batch` are the worker's progress once this push is applied;
+        `samples` the batch's size. A reply's vector is one of rank's (or the
+        round's) two reply buffers, not a fresh copy: it stays unchanged until
+        rank's next-but-one push.
         """
-        if message.numel() != self.flat.size or message.dtype != self.flat.vector.dtype:
-            raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
-                             f"the model has {self.flat.size} {self.flat.vector.dtype}")
-        n = self.flat.num_params
+        message = self._check(rank, message)
         name = name or f"worker{rank}"
+        future: Future = Future()
         with self._lock:
             readmitted = self.roster.seen(rank, name)
-            self._param.grad = message[:n]
-            self.optimizer.step()
-            self._param.grad = None
-            self.flat.vector[n:].copy_(message[n:])
-            staleness = self.version - pulled_version
-            self.version += 1
-            self.roster.record_push(rank, epoch, batch)
-            self.applied += 1
-            self.staleness_sum += staleness
-            self.staleness_max = max(self.staleness_max, staleness)
-            if self.version >= self._wake_at or readmitted:
+            self.samples += samples
+            if self.strategy == "sync":
+                self._hold(rank, _Held(future, message, epoch, batch, 0))
+                ready = self._close_round()
+            else:
+                staleness = self.version - pulled_version
+                self._apply(message, self._lr_for(staleness))
+                self._count(rank, epoch, batch, staleness)
+                self._hold(rank, _Held(future, None, epoch, batch, staleness))
+                ready = self._release()
+            if readmitted:
                 self._changed.notify_all()
-            answer = self._reply(rank).copy_(self.flat.vector), self.version, staleness
+        _complete(ready)
         if readmitted:
             self.on_back(rank, name)
-        return answer
+        return future
+
+    def _check(self, rank: int, message: torch.Tensor) -> torch.Tensor:
+        """The pushed message as float32; ValueError when it is not this model's."""
+        if message.numel() != self.flat.size or message.dtype not in WIRE_DTYPES:
+            raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
+                             f"the model has {self.flat.size} float32 (or bfloat16/float16) values")
+        return message.float()  # no copy when it is float32 already
+
+    def _lr_for(self, staleness: int) -> float:
+        """Zhang et al. 2016: a push `staleness` updates late takes lr / staleness."""
+        return self.lr / max(1, staleness) if self.staleness_lr else self.lr
+
+    def _apply(self, message: torch.Tensor, lr: float) -> None:
+        """One SGD step with `message`'s grads; its buffers become the global ones."""
+        n = self.flat.num_params
+        group = self.optimizer.param_groups[0]
+        group["lr"] = lr
+        self._param.grad = message[:n]
+        self.optimizer.step()
+        self._param.grad = None
+        group["lr"] = self.lr
+        self.flat.vector[n:].copy_(message[n:])
+        self.version += 1
+        if self.version >= self._wake_at:
+            self._changed.notify_all()
+
+    def _count(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
+        self.roster.record_push(rank, epoch, batch)
+        self.applied += 1
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_hist[staleness] += 1
+
+    def _hold(self, rank: int, held: _Held) -> None:
+        old = self._held.pop(rank, None)
+        if old is not None:  # its earlier process died waiting; this one replaces it
+            old.future.set_exception(RuntimeError(f"worker{rank} pushed again from a new process"))
+        self._held[rank] = held
+
+    def _training(self) -> list[int]:
+        """Ranks ssp and sync wait for: live ones, and those yet to join within join_timeout
+        (not finished, not dropped)."""
+        missing = {m.rank for m in self.roster.missing()}
+        return [m.rank for m in self.roster.members.values()
+                if m.state == LIVE or (m.state == ABSENT and m.rank not in missing)]
+
+    def lead(self, rank: int) -> int:
+        """How many pushes rank is ahead of the slowest rank still training."""
+        pushes = [self.roster.members[r].pushes for r in self._training()]
+        return self.roster.members[rank].pushes - min(pushes) if pushes else 0
+
+    def _release(self) -> list[tuple[Future, Reply]]:
+        """ssp/async: the held replies that may go now (every one, for async)."""
+        ready = []
+        for rank, held in list(self._held.items()):
+            lead = self.lead(rank)
+            if self.strategy == "async" or lead <= self.bound or rank not in self._training():
+                del self._held[rank]
+                vector = self._reply(rank).copy_(self.flat.vector)
+                ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
+        return ready
+
+    def _close_round(self) -> list[tuple[Future, Reply]]:
+        """sync: once every rank still training pushed, apply their average; answer them all."""
+        waiting_for = [r for r in self._training() if r not in self._held]
+        if waiting_for or not self._held:
+            return []
+        held = self._held
+        self._held = {}
+        total = torch.stack([h.message for h in held.values()]).mean(0)
+        self._apply(total, self.lr)
+        for rank, h in held.items():
+            self._count(rank, h.epoch, h.batch, 0)
+        vector = self._reply(0).copy_(self.flat.vector)  # one buffer pair for the whole round
+        return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
 
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one holds its previous reply)."""
@@ -118,6 +243,8 @@ class ParameterServer:
             self.roster.finish(rank, name or f"worker{rank}")
             self._event()
             counts = self.roster.counts()
+            ready = self._unblock()
+        _complete(ready)
         log.info("%s finished after %d pushes (%s)", name or f"worker{rank}", pushes, counts)
 
     def drop(self, rank: int, name: str) -> bool:
@@ -126,7 +253,21 @@ class ParameterServer:
             dropped = self.roster.drop(rank, name)
             if dropped:
                 self._event()
-            return dropped
+                self._held.pop(rank, None)  # nobody is there to answer
+            ready = self._unblock() if dropped else []
+        _complete(ready)
+        return dropped
+
+    def unblock(self) -> None:
+        """Answer held pushes that no longer wait for anyone (a rank past join_timeout);
+        the PS process calls it every tick."""
+        with self._lock:
+            ready = self._unblock()
+        _complete(ready)
+
+    def _unblock(self) -> list[tuple[Future, Reply]]:
+        """A rank stopped training: the others may no longer have to wait for it."""
+        return self._close_round() if self.strategy == "sync" else self._release()
 
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""
@@ -200,7 +341,14 @@ class ParameterServer:
         with self._lock:
             mean = self.staleness_sum / self.applied if self.applied else 0.0
             return {"pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
-                    "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max}
+                    "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
+                    "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+
+
+def _complete(ready: list[tuple[Future, Reply]]) -> None:
+    """Send held replies (outside the lock: completing a future runs RPC's callbacks)."""
+    for future, reply in ready:
+        future.set_result(reply)
 
 
 def _clone_tree(obj: Any) -> Any:
@@ -257,9 +405,16 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
     return _ENDPOINT.get().pull(rank)
 
 
+@rpc.functions.async_execution
 def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
-    return _ENDPOINT.get().push(rank, message, pulled_version, name, epoch, batch)
+             epoch: int = 1, batch: int = 0, samples: int = 0) -> Future:
+    """A Future of the Reply: ssp and sync answer once the others have caught up."""
+    try:
+        return _ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples)
+    except Exception as error:  # noqa: BLE001 - travels to the worker as the same exception
+        failed: Future = Future()
+        failed.set_exception(error)
+        return failed
 
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> None:

@@ -128,7 +128,9 @@ def serve(config: Config) -> int:
     def build() -> nn.Module:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
-    server = ParameterServer(build(), config.lr, config.momentum, config.num_trainers, config.join_timeout)
+    server = ParameterServer(build(), config.lr, config.momentum, config.num_trainers, config.join_timeout,
+                             strategy=config.strategy, staleness=config.staleness,
+                             staleness_lr=config.staleness_lr)
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.num_workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model,
              server.flat.num_params, server.flat.num_buffers)
@@ -158,7 +160,8 @@ def serve(config: Config) -> int:
         progress.info("Accuracy: %.4f", accuracy)
         progress.info("Time: %.2f seconds", seconds)
         metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                      seconds=round(seconds, 2), **server.stats())
+                      seconds=round(seconds, 2), samples=server.samples, strategy=config.strategy,
+                      **server.stats())
     return 0
 
 
@@ -170,11 +173,13 @@ def train_until_done(server: ParameterServer, watch: Watch, checkpoints: Checkpo
         wake_at = min(next_eval, checkpoints.next_version or next_eval)
         server.wait(wake_at, timeout=TICK_SECONDS)
         watch.tick()
+        server.unblock()
         if server.version >= next_eval and not server.all_finished:
             vector, version = server.snapshot()
             accuracy, loss = evaluate(vector)
             progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-            metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4))
+            metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                          samples=server.samples)
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
             checkpoints.save("every %d updates" % config.checkpoint_every)

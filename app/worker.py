@@ -1,5 +1,11 @@
 """A worker: pull parameters, forward, backward, push the flat gradient, receive
-fresh parameters; on its own shard of the data, for its epochs."""
+fresh parameters; on its own shard of the data, for its epochs.
+
+With --overlap (async, ssp) the push of batch t and the pull of the fresh
+state travel while batch t+1 runs on the state the worker has; with
+--compress bf16|fp16 the gradient crosses the wire in 16 bits and what the
+rounding lost is added to the next gradient (error feedback).
+"""
 
 from __future__ import annotations
 
@@ -33,11 +39,14 @@ class DataUnavailable(RuntimeError):
 
 
 class PSClient:
-    """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout."""
+    """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout
+    (a push under ssp or sync may also wait `push_wait` for the slowest worker)."""
 
-    def __init__(self, rank: int, timeout: float, address: str, name: str = "") -> None:
+    def __init__(self, rank: int, timeout: float, address: str, name: str = "",
+                 push_wait: float = 0.0) -> None:
         self.rank, self.timeout, self.address = rank, timeout, address
         self.name = name or f"worker{rank}"
+        self.push_timeout = timeout + push_wait
 
     def join(self) -> dict[str, Any]:
         """The state to start from and this rank's progress; UsageError if the rank is taken."""
@@ -49,8 +58,19 @@ class PSClient:
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(ps.rpc_pull, self.rank)
 
-    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0) -> tuple[torch.Tensor, int, int]:
-        return self._call(ps.rpc_push, self.rank, message, version, self.name, epoch, batch)
+    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
+             samples: int = 0) -> ps.Reply:
+        return self.push_async(message, version, epoch, batch, samples).wait()
+
+    def push_async(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
+                   samples: int = 0) -> "PendingPush":
+        """Send a push now; `.wait()` on the result gives the Reply."""
+        args = (self.rank, message, version, self.name, epoch, batch, samples)
+        try:
+            future = rpc.rpc_async(PS_NAME, ps.rpc_push, args=args, timeout=self.push_timeout)
+        except RuntimeError as error:
+            raise self._lost(ps.rpc_push, error) from error
+        return PendingPush(self, future, message)
 
     def finish(self, pushes: int) -> None:
         self._call(ps.rpc_finish, self.rank, pushes, self.name)
@@ -66,8 +86,45 @@ class PSClient:
         except StaleIncarnation as error:  # raised by the PS, re-raised here
             raise UsageError(_reason(error)) from None
         except RuntimeError as error:
-            raise PSUnreachable(f"lost the parameter server at {self.address} "
-                                f"during {function.__name__}: {_reason(error)}") from error
+            raise self._lost(function, error) from error
+
+    def _lost(self, function: Callable[..., Any], error: BaseException) -> PSUnreachable:
+        return PSUnreachable(f"lost the parameter server at {self.address} "
+                             f"during {function.__name__}: {_reason(error)}")
+
+
+class PendingPush:
+    """A push on the wire; holds its message until the reply came (RPC sends from it)."""
+
+    def __init__(self, client: PSClient, future: Any, message: torch.Tensor) -> None:
+        self.client, self.future, self.message = client, future, message
+
+    def wait(self) -> ps.Reply:
+        try:
+            return self.future.wait()
+        except StaleIncarnation as error:
+            raise UsageError(_reason(error)) from None
+        except RuntimeError as error:
+            raise self.client._lost(ps.rpc_push, error) from error
+
+
+class Compressor:
+    """Casts the message to bf16/fp16 for the wire; the rounding error of the
+    gradient part is kept and added to the next gradient (error feedback)."""
+
+    DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def __init__(self, kind: str, num_params: int, device: torch.device) -> None:
+        self.dtype = self.DTYPES[kind]
+        self.num_params = num_params
+        self.residual = torch.zeros(num_params, device=device)
+
+    def __call__(self, message: torch.Tensor) -> torch.Tensor:
+        grads = message[:self.num_params]
+        grads.add_(self.residual)
+        wire = message.to(self.dtype)
+        torch.sub(grads, wire[:self.num_params].float(), out=self.residual)
+        return wire
 
 
 def _reason(error: BaseException) -> str:
@@ -87,9 +144,15 @@ class Trainer:
         self.device, self.client, self.metrics = device, client, metrics
         self.flat = FlatModel(model)
         self.loss_fn = nn.CrossEntropyLoss()
-        # RPC carries CPU tensors only: a GPU worker stages its message here.
-        self.staging = (torch.empty(self.flat.size, pin_memory=True)
+        self.compress = (Compressor(config.compress, self.flat.num_params, device)
+                         if config.compress != "none" else None)
+        wire_dtype = self.compress.dtype if self.compress else torch.float32
+        # RPC carries CPU tensors only: a GPU worker stages its message here
+        # (two buffers: with --overlap one is on the wire while the next fills).
+        self.staging = ([torch.empty(self.flat.size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
                         if device.type == "cuda" else None)
+        self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
+        self.version = 0
         self.pushes = 0
         self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
         self._samples = 0
@@ -98,19 +161,19 @@ class Trainer:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
         self.flat.adopt(start["vector"])
-        version, self.pushes = start["version"], start["pushes"]
+        self.version, self.pushes = start["version"], start["pushes"]
         for epoch in range(start["epoch"], self.config.num_epochs + 1):
             done = start["batch"] if epoch == start["epoch"] else 0  # batches already pushed
             self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
             for batch, (x, y) in enumerate(self.batches(), start=done + 1):
                 loss = self.compute_gradients(x, y)
-                version, staleness = self.push_and_pull(version, epoch, batch)
+                reply = self.push_and_pull(epoch, batch, len(y))
                 self._samples += len(y)
                 if batch % self.config.log_every == 0 or batch == len(self.loader):
-                    self.report(epoch, batch, loss, staleness)
+                    self.report(epoch, batch, loss, reply)
                 if self.reached_max_steps():
-                    return self.pushes
-        return self.pushes
+                    return self.last_reply()
+        return self.last_reply()
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This epoch's batches; a read that fails mid-run is one clear error."""
@@ -132,28 +195,55 @@ class Trainer:
         loss.backward()
         return loss.item()
 
-    def push_and_pull(self, version: int, epoch: int = 1, batch: int = 0) -> tuple[int, int]:
+    def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> ps.Reply | None:
         """Send [grads | buffers] as one tensor (and where this worker is: `batch` of
-        `epoch` done); load the fresh state the PS answers."""
+        `epoch` done); continue from the fresh state the PS answers.
+
+        With --overlap, the reply waited for is the previous push's, and this push
+        stays on the wire while the next batch runs; None on the first push.
+        """
         message = self.flat.pack_message()
+        if self.compress is not None:
+            message = self.compress(message)
         if self.staging is not None:
-            message = self.staging.copy_(message)
-        vector, version, staleness = self.client.push(message, version, epoch, batch)
-        self.flat.adopt(vector)  # the received tensor is ours: no copy
+            message = self.staging[self.pushes % 2].copy_(message)
+        elif self.config.overlap and message is self.flat.message:
+            message = message.clone()  # the next backward writes into flat.message
+        if not self.config.overlap:
+            return self._take(self.client.push(message, self.version, epoch, batch, samples))
+        computed_on = self.version  # the state this gradient comes from, before the reply below
+        reply = self._wait_in_flight()
+        self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples)
+        return reply
+
+    def last_reply(self) -> int:
+        """The end of training: take the reply still on the wire (--overlap); the pushes made."""
+        self._wait_in_flight()
+        return self.pushes
+
+    def _wait_in_flight(self) -> ps.Reply | None:
+        pending, self.in_flight = self.in_flight, None
+        return self._take(pending.wait()) if pending is not None else None
+
+    def _take(self, reply: ps.Reply) -> ps.Reply:
+        self.flat.adopt(reply.vector)  # the received tensor is ours: no copy
+        self.version = reply.version
         self.pushes += 1
-        return version, staleness
+        return reply
 
     def reached_max_steps(self) -> bool:
-        return 0 < self.config.max_steps <= self.pushes
+        sent = self.pushes + (self.in_flight is not None)
+        return 0 < self.config.max_steps <= sent
 
-    def report(self, epoch: int, batch: int, loss: float, staleness: int) -> None:
+    def report(self, epoch: int, batch: int, loss: float, reply: ps.Reply | None) -> None:
         now = time.monotonic()
         then, samples_then = self._mark
         rate = (self._samples - samples_then) / max(now - then, 1e-9)
         self._mark = (now, self._samples)
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
+        fields = {"staleness": reply.staleness, "lead": reply.lead} if reply is not None else {}
         self.metrics.write("train", self.pushes, epoch=epoch, batch=batch, loss=round(loss, 4),
-                           samples_per_s=round(rate, 1), staleness=staleness)
+                           samples_per_s=round(rate, 1), **fields)
 
 
 def run(config: Config) -> int:
@@ -168,7 +258,11 @@ def run(config: Config) -> int:
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
     name, rpc_id = membership.claim_identity(config.rank, config.master_addr, config.master_port,
                                              config.rpc_timeout)
-    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name)
+    # Under ssp and sync a push waits for the slowest worker, which may be a rank the
+    # PS waits join_timeout for.
+    push_wait = config.join_timeout if config.strategy in ("ssp", "sync") else 0.0
+    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name,
+                      push_wait)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):

@@ -51,14 +51,15 @@ def run_main(args: argparse.Namespace) -> int:
     for repeat in range(1, args.repeats + 1):
         for model in models:
             for n in workers:
-                systems = ["app", "app-overlap", "ref", "ref-tuned", "gloo"] + (
-                    ["app-comm"] if model == "resnet18" else [])
+                systems = ["app", "app-overlap", "app-bf16", "ref", "ref-tuned", "gloo"] + (
+                    ["app-comm", "app-comm-bf16"] if model == "resnet18" else [])
                 for system in systems:
                     case = Case(system, model, n)
                     idle = args.idle_seconds if (model == models[0] and n == workers[0]
                                                  and system in ("app", "ref")) else 0.0
-                    p = dict(params, floats=floats[model], compute=system != "app-comm",
-                             overlap=system == "app-overlap", tuned=system == "ref-tuned")
+                    p = dict(params, floats=floats[model], compute=not system.startswith("app-comm"),
+                             overlap=system == "app-overlap", tuned=system == "ref-tuned",
+                             compress="bf16" if system.endswith("bf16") else "none")
                     label = f"[{repeat}/{args.repeats}] {model} x{n} {system}"
                     print(f"bench: {label} ...", file=sys.stderr, flush=True)
                     try:

@@ -41,7 +41,8 @@ def _config(role: str, p: dict[str, Any]):
     from app.config import parse
     argv = [role, "--world_size", str(p["world_size"]), "--master_addr", ADDR,
             "--master_port", str(p["port"]), "--model", "cnn", "--dataset", "synthetic",
-            "--batch_size", str(SPECS[p["model"]].batch_size), "--rpc_timeout", str(RPC_TIMEOUT)]
+            "--batch_size", str(SPECS[p["model"]].batch_size), "--rpc_timeout", str(RPC_TIMEOUT),
+            "--overlap", str(bool(p.get("overlap"))), "--compress", p.get("compress", "none")]
     if role == "worker":
         argv += ["--rank", str(p["rank"])]
     return parse(argv, {})
@@ -87,41 +88,24 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     vector, version = _start(client)
     trainer.flat.load(vector)
     compute_only = loop.time_compute(lambda: trainer.compute_gradients(x, y), p["compute_seconds"])
-    state: dict[str, Any] = {"version": version}
+    trainer.version = version
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         if p["compute"]:
             trainer.compute_gradients(x, y)
         t1 = time.perf_counter()
-        state["version"], _ = trainer.push_and_pull(state["version"])
+        trainer.push_and_pull(samples=len(y))  # --overlap: waits for the previous push only
         return t1 - t0, time.perf_counter() - t1
 
-    def overlapped_step() -> tuple[float, float]:
-        """PROTOTYPE of a proposed app change (not the app's loop): push this gradient
-        asynchronously and compute the next one while it travels; the worker waits for
-        the previous reply only after its backward (one more step of staleness)."""
-        t0 = time.perf_counter()
-        trainer.compute_gradients(x, y)
-        t1 = time.perf_counter()
-        if "future" in state:
-            vector, state["version"], _ = state.pop("future").wait()
-            trainer.flat.load(vector)
-        message = trainer.flat.pack_message().clone()  # backward reuses the grads buffer
-        state["future"] = rpc.rpc_async(worker.PS_NAME, ps.rpc_push,
-                                        args=(config.rank, message, state["version"]),
-                                        timeout=config.rpc_timeout)
-        return t1 - t0, time.perf_counter() - t1
-
-    result = loop.run_window(overlapped_step if p.get("overlap") else step,
-                             p["warmup"], p["seconds"], p["tail"])
-    if "future" in state:
-        state.pop("future").wait()
+    result = loop.run_window(step, p["warmup"], p["seconds"], p["tail"])
+    trainer.last_reply()
     if p.get("idle_marker"):
         Path(p["idle_marker"]).touch()
         time.sleep(p["idle_seconds"])
     rpc.rpc_sync(worker.PS_NAME, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
     floats = trainer.flat.size
-    result.update(compute_only_s=compute_only, push_bytes=4 * floats, pull_bytes=4 * floats)
+    push_bytes = floats * (2 if p.get("compress", "none") != "none" else 4)
+    result.update(compute_only_s=compute_only, push_bytes=push_bytes, pull_bytes=4 * floats)
     return result

@@ -11,6 +11,7 @@ import warnings
 APP_PATH_ENV = "BENCH_APP_PATH"  # a directory holding another copy of `app/` to measure
 
 SYSTEMS = {"app": "bench.appdrive", "app-comm": "bench.appdrive", "app-overlap": "bench.appdrive",
+           "app-bf16": "bench.appdrive", "app-comm-bf16": "bench.appdrive",
            "ref": "bench.reference", "ref-tuned": "bench.reference", "gloo": "bench.gloo"}
 
 

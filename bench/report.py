@@ -6,22 +6,25 @@ import statistics
 from collections import defaultdict
 from typing import Any, Optional
 
-SYSTEMS = ("app", "app-comm", "app-overlap", "ref", "ref-tuned", "gloo", "memcpy")
-LABELS = {"app": "app PS", "app-comm": "app PS, no compute", "app-overlap": "proto: app+overlap",
+SYSTEMS = ("app", "app-comm", "app-overlap", "app-bf16", "app-comm-bf16", "ref", "ref-tuned", "gloo", "memcpy")
+LABELS = {"app": "app PS", "app-comm": "app PS, no compute", "app-overlap": "app PS --overlap",
+          "app-bf16": "app PS --compress bf16", "app-comm-bf16": "app bf16, no compute",
           "ref": "reference PS", "ref-tuned": "reference, app opts", "gloo": "Gloo send+recv",
           "memcpy": "memcpy"}
-TRAINING = ("app", "app-overlap", "ref", "ref-tuned")  # the systems that train a model
+TRAINING = ("app", "app-overlap", "app-bf16", "ref", "ref-tuned")  # the systems that train a model
 GOALS = {  # ratio name -> (comparison, bound, what it says)
     "app_vs_ref_updates": (">=", 3.0, "app updates/s / reference updates/s"),
     "pushpull_vs_gloo": ("<=", 1.0, "app push+pull s / Gloo send+recv s (resnet18, no compute)"),
     "pushpull_vs_memcpy": ("<=", 4.0, "app push+pull s / memcpy s (resnet18, no compute)"),
-    "comm_overhead": ("<=", 0.15, "(app step s - compute-only step s) / compute-only step s"),
+    "comm_overhead": ("<=", 0.15, "(app --overlap step s - compute-only step s) / compute-only step s"),
     "idle_cpu_percent": ("<", 5.0, "% of a core, idle app PS and worker"),
 }
 INFO = {  # figures that explain the goals' ones; no bound
     "app_vs_ref_tuned_updates": "app updates/s / reference-with-the-app's-options updates/s",
-    "overlap_comm_overhead": "comm_overhead of the overlap prototype (a proposed change)",
-    "overlap_vs_app_updates": "overlap prototype updates/s / app updates/s",
+    "comm_overhead_no_overlap": "the same without --overlap: (app step s - compute-only s) / compute-only s",
+    "overlap_vs_app_updates": "app --overlap updates/s / app updates/s",
+    "bf16_vs_app_updates": "app --compress bf16 updates/s / app updates/s",
+    "pushpull_bf16_vs_gloo": "push+pull s with a bf16 push / Gloo send+recv s of the float32 bytes",
 }
 
 
@@ -101,21 +104,27 @@ def ratios(rows: list[dict[str, Any]], big: str = "resnet18") -> dict[str, dict[
         if app and ref:
             out["app_vs_ref_updates"][where] = app["updates_per_s"] / ref["updates_per_s"]
         if app and app["compute_only_s"] and model != big:
-            out["comm_overhead"][where] = (app["step_s"] - app["compute_only_s"]) / app["compute_only_s"]
+            out["comm_overhead_no_overlap"][where] = (app["step_s"] - app["compute_only_s"]) / app["compute_only_s"]
         tuned, over = _find(rows, model, workers, "ref-tuned"), _find(rows, model, workers, "app-overlap")
         if app and tuned:
             out["app_vs_ref_tuned_updates"][where] = app["updates_per_s"] / tuned["updates_per_s"]
         if over and app:
             out["overlap_vs_app_updates"][where] = over["updates_per_s"] / app["updates_per_s"]
         if over and app and app["compute_only_s"] and model != big:
-            out["overlap_comm_overhead"][where] = ((1 / (over["updates_per_s"] / workers) - app["compute_only_s"])
-                                                   / app["compute_only_s"])
+            out["comm_overhead"][where] = ((1 / (over["updates_per_s"] / workers) - app["compute_only_s"])
+                                           / app["compute_only_s"])
+        bf16 = _find(rows, model, workers, "app-bf16")
+        if bf16 and app:
+            out["bf16_vs_app_updates"][where] = bf16["updates_per_s"] / app["updates_per_s"]
         comm = _find(rows, model, workers, "app-comm")
         gloo, mem = _find(rows, model, workers, "gloo"), _find(rows, model, workers, "memcpy")
         if comm and gloo:
             out["pushpull_vs_gloo"][where] = comm["push_pull_s"] / gloo["push_pull_s"]
         if comm and mem:
             out["pushpull_vs_memcpy"][where] = comm["push_pull_s"] / mem["push_pull_s"]
+        comm16 = _find(rows, model, workers, "app-comm-bf16")
+        if comm16 and gloo:
+            out["pushpull_bf16_vs_gloo"][where] = comm16["push_pull_s"] / gloo["push_pull_s"]
         for system in ("app", "ref"):
             row = _find(rows, model, workers, system)
             if row and row.get("idle_cpu_percent"):

@@ -41,14 +41,17 @@ class Process:
     stderr: str
 
 
-def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float) -> dict[str, Process]:
-    """Start `ps` and `worker1..N` on 127.0.0.1; wait for all, killing every one at `timeout`."""
+def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
+                delays: dict[str, float] | None = None) -> dict[str, Process]:
+    """Start `ps` and `worker1..N` on 127.0.0.1 (`delays`: seconds to wait before starting
+    that process); wait for all, killing every one at `timeout`."""
     common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1",
               "--master_port", str(free_port()), "--metrics_dir", str(tmp_path / "metrics"),
               "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
     roles = {"ps": ["ps"]} | {f"worker{r}": ["worker", "--rank", str(r)] for r in range(1, workers + 1)}
     procs = {}
     for name, role in roles.items():
+        time.sleep((delays or {}).get(name, 0.0))
         out = open(tmp_path / f"{name}.out", "w")
         err = open(tmp_path / f"{name}.err", "w")
         procs[name] = subprocess.Popen([sys.executable, "-m", "app", *role, *common],

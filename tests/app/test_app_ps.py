@@ -33,7 +33,7 @@ def test_concurrent_pushes_are_all_applied_exactly():
         start.wait()
         version = 0
         for _ in range(pushes):
-            _, version, staleness = server.push(rank, grad, version)
+            _, version, staleness, _ = server.push(rank, grad, version)
             assert staleness >= 0
 
     pool = [threading.Thread(target=worker, args=(r,)) for r in range(1, threads + 1)]
@@ -51,9 +51,9 @@ def test_concurrent_pushes_are_all_applied_exactly():
 def test_staleness_is_versions_since_the_pull():
     server = ParameterServer(_linear(4), lr=0.5, momentum=0.0, num_workers=2)
     grad = torch.ones(4)
-    assert server.push(1, grad, 0)[1:] == (1, 0)
-    assert server.push(2, grad, 0)[1:] == (2, 1)
-    assert server.push(1, grad, 1)[1:] == (3, 1)
+    assert server.push(1, grad, 0)[1:3] == (1, 0)
+    assert server.push(2, grad, 0)[1:3] == (2, 1)
+    assert server.push(1, grad, 1)[1:3] == (3, 1)
     assert server.stats()["staleness_max"] == 1
 
 
@@ -67,7 +67,7 @@ def test_flat_sgd_with_momentum_matches_torch_sgd_on_the_model():
         for p, g in zip(reference.parameters(), grads):
             p.grad = g
         optimizer.step()
-        vector, _, _ = server.push(1, torch.cat([g.flatten() for g in grads]), step)
+        vector = server.push(1, torch.cat([g.flatten() for g in grads]), step).vector
     expected = torch.nn.utils.parameters_to_vector(reference.parameters())
     assert torch.allclose(vector, expected, atol=1e-6)
 
@@ -77,7 +77,7 @@ def test_buffers_in_a_push_replace_the_global_ones():
     server = ParameterServer(model, lr=0.1, momentum=0.0, num_workers=1)
     message = torch.zeros(server.flat.size)
     message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # running_mean, running_var
-    vector, _, _ = server.push(1, message, 0)
+    vector = server.push(1, message, 0).vector
     assert torch.equal(model[1].running_mean, torch.tensor([1.0, 2.0]))
     assert torch.equal(vector[-4:], message[-4:])
 
@@ -123,11 +123,11 @@ def test_model_names():
 
 def test_replies_alternate_between_two_buffers_per_rank():
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2)
-    first, _, _ = server.push(1, torch.ones(4), 0)
-    second, _, _ = server.push(1, torch.ones(4), 1)
+    first = server.push(1, torch.ones(4), 0).vector
+    second = server.push(1, torch.ones(4), 1).vector
     assert torch.equal(first, torch.full((4,), -1.0))  # not overwritten by the next reply
     assert torch.equal(second, torch.full((4,), -2.0))
-    other, _, _ = server.push(2, torch.ones(4), 2)
-    third, _, _ = server.push(1, torch.ones(4), 3)
+    other = server.push(2, torch.ones(4), 2).vector
+    third = server.push(1, torch.ones(4), 3).vector
     assert third.data_ptr() == first.data_ptr() and other.data_ptr() not in (first.data_ptr(), second.data_ptr())
     assert torch.equal(third, torch.full((4,), -4.0)) and torch.equal(second, torch.full((4,), -2.0))

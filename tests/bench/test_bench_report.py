@@ -58,6 +58,7 @@ def test_aggregate_idle_cpu_is_a_median_per_role_and_skips_missing():
 def _rows() -> list[dict]:
     runs = [
         report.case_row("app", "cnn", 1, 32, raw(300, 1.0, 0.0005, 0.003, 0.003, idle={"ps": 0.0, "worker": 1.0})),
+        report.case_row("app-overlap", "cnn", 1, 32, raw(300 / 1.17, 1.0, 0.0001, 0.003, 0.003)),
         report.case_row("ref", "cnn", 1, 32, raw(50, 1.0, 0.01, 0.01, 0.01, idle={"ps": 99.0, "worker": 98.0})),
         report.case_row("app-comm", "resnet18", 1, 32, raw(20, 1.0, 0.05, 0.0, 0.1)),
         report.case_row("gloo", "resnet18", 1, 32, raw(25, 1.0, 0.04, 0.0, None)),
@@ -69,7 +70,10 @@ def _rows() -> list[dict]:
 def test_ratios_per_goal_and_setting():
     rs = report.ratios(_rows())
     assert rs["app_vs_ref_updates"] == {"cnn/1": pytest.approx(6.0)}
-    assert rs["comm_overhead"]["cnn/1"] == pytest.approx(0.0005 / 0.003)
+    # the goal is judged on --overlap: per-worker step time from its update rate
+    assert rs["comm_overhead"]["cnn/1"] == pytest.approx((1.17 / 300 - 0.003) / 0.003)
+    assert rs["comm_overhead_no_overlap"]["cnn/1"] == pytest.approx(0.0005 / 0.003)
+    assert rs["overlap_vs_app_updates"]["cnn/1"] == pytest.approx(1 / 1.17)
     assert rs["pushpull_vs_gloo"] == {"resnet18/1": pytest.approx(1.25)}
     assert rs["pushpull_vs_memcpy"] == {"resnet18/1": pytest.approx(0.05 / 0.015)}
     assert rs["idle_cpu_percent"]["ps"] == 0.0
@@ -82,7 +86,7 @@ def test_verdicts_judge_the_app_only_and_say_when_unmeasured():
     assert ok["app_vs_ref_updates"] is True
     assert ok["pushpull_vs_gloo"] is False  # 1.25 > 1
     assert ok["pushpull_vs_memcpy"] is True
-    assert ok["comm_overhead"] is False  # 0.17 > 0.15
+    assert ok["comm_overhead"] is False  # 0.30 > 0.15
     assert ok["idle_cpu_percent"] is True  # the reference's 99 % is contrast, not judged
     assert report.verdicts({name: {} for name in report.GOALS})["comm_overhead"] is None
 

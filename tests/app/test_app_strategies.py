@@ -1,0 +1,223 @@
+"""The PS strategies (sync, ssp, staleness-aware lr), overlap and gradient compression.
+
+Unit tests drive `ParameterServer.submit` directly (its futures show who waits);
+the slow ones run real PS + worker processes over RPC on digits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from app import data, models
+from app.flat import FlatModel
+from app.metrics import read
+from app.ps import ParameterServer
+from app.worker import Compressor
+
+from app_testkit import run_cluster
+
+
+def _linear(size: int) -> nn.Module:
+    model = nn.Linear(size, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def _server(strategy: str, workers: int = 2, size: int = 4, **kw) -> ParameterServer:
+    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_workers=workers,
+                             strategy=strategy, **kw)
+    for rank in range(1, workers + 1):
+        server.join(rank, f"worker{rank}")
+    return server
+
+
+# --- sync -------------------------------------------------------------------------
+
+def test_sync_holds_each_push_until_every_worker_pushed_then_applies_the_average():
+    server = _server("sync", workers=3)
+    first = server.submit(1, torch.full((4,), 1.0), 0)
+    second = server.submit(2, torch.full((4,), 2.0), 0)
+    assert not first.done() and not second.done() and server.version == 0
+    third = server.submit(3, torch.full((4,), 6.0), 0)
+    replies = [f.wait() for f in (first, second, third)]
+    assert [r.version for r in replies] == [1, 1, 1]
+    assert all(torch.equal(r.vector, torch.full((4,), -3.0)) for r in replies)  # 0 - 1.0 * mean(1, 2, 6)
+    assert server.pushes == {1: 1, 2: 1, 3: 1} and server.stats()["staleness_max"] == 0
+
+
+def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
+    server = _server("sync", workers=3)
+    server.finish(3, pushes=0)
+    first = server.submit(1, torch.full((4,), 2.0), 0)
+    assert not first.done()
+    second = server.submit(2, torch.full((4,), 4.0), 0)
+    assert second.wait().version == 1 and first.done()
+    # worker2 dies before its next push: dropping it answers worker1 alone
+    alone = server.submit(1, torch.full((4,), 1.0), 1)
+    assert not alone.done()
+    server.drop(2, "worker2")
+    reply = alone.wait()
+    assert reply.version == 2 and torch.equal(reply.vector, torch.full((4,), -4.0))
+
+
+def test_sync_waits_for_a_rank_that_has_not_joined_yet():
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, strategy="sync")
+    server.join(1, "worker1")
+    early = server.submit(1, torch.ones(4), 0)
+    assert not early.done()
+    server.join(2, "worker2")
+    server.submit(2, torch.ones(4), 0)
+    assert early.wait().version == 1
+
+
+# --- ssp --------------------------------------------------------------------------
+
+def test_ssp_answers_a_worker_only_within_the_staleness_bound_of_the_slowest():
+    server = _server("ssp", workers=2, staleness=1)
+    assert server.submit(1, torch.ones(4), 0).wait().lead == 1  # 1 ahead of worker2: allowed
+    held = server.submit(1, torch.ones(4), 1)                    # 2 ahead: waits
+    assert not held.done() and server.version == 2               # applied at once all the same
+    reply = server.submit(2, torch.ones(4), 0).wait()
+    assert reply.staleness == 2 and reply.lead == 0
+    released = held.wait()
+    assert released.lead == 1 and released.version == 3  # the state when it was let go
+
+
+def test_async_never_holds_a_reply():
+    server = _server("async", workers=2)
+    for step in range(5):
+        assert server.submit(1, torch.ones(4), step).done()
+    assert server.lead(1) == 5
+
+
+def test_staleness_aware_lr_divides_the_step_by_the_staleness():
+    server = _server("ssp", workers=2, staleness=10, staleness_lr=True)
+    server.push(1, torch.ones(4), 0)        # staleness 0: full lr, w = -1
+    server.push(1, torch.ones(4), 1)        # staleness 0: w = -2
+    server.push(2, torch.ones(4), 0)        # staleness 2: lr / 2, w = -2.5
+    vector, version = server.pull(0)
+    assert version == 3 and torch.allclose(vector, torch.full((4,), -2.5))
+    assert server.optimizer.param_groups[0]["lr"] == 1.0
+
+
+# --- compression --------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_compression_error_feedback_carries_what_rounding_lost(kind):
+    torch.manual_seed(0)
+    num_params, steps = 1000, 50
+    compress = Compressor(kind, num_params, torch.device("cpu"))
+    sent, true = torch.zeros(num_params), torch.zeros(num_params)
+    for _ in range(steps):
+        grads = torch.randn(num_params) * 1e-3 + 1e-6
+        message = torch.cat([grads.clone(), torch.tensor([0.5, 2.0])])  # + two buffer values
+        wire = compress(message)
+        assert wire.dtype == Compressor.DTYPES[kind] and wire.numel() == num_params + 2
+        sent += wire[:num_params].float()
+        true += grads
+    # what was sent plus what is still owed is exactly what was computed
+    assert torch.allclose(sent + compress.residual, true, atol=1e-7)
+    assert compress.residual.abs().max() < 1e-4
+
+
+def test_the_ps_takes_a_16_bit_push():
+    server = _server("async", workers=1)
+    reply = server.push(1, torch.full((4,), 0.5, dtype=torch.bfloat16), 0)
+    assert reply.vector.dtype == torch.float32 and torch.equal(reply.vector, torch.full((4,), -0.5))
+
+
+# --- real processes ---------------------------------------------------------------
+
+DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
+          "--rpc_timeout", "30", "--seed", "3", "--log_every", "1", "--eval_every", "1000"]
+
+
+def _ok(procs):
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+
+
+def _train_records(tmp_path, rank):
+    return [r for r in read(tmp_path / "metrics" / f"worker{rank}.jsonl") if r["event"] == "train"]
+
+
+@pytest.mark.slow
+def test_sync_final_parameters_match_one_process_applying_the_averaged_gradients(tmp_path):
+    steps, workers, lr, momentum = 6, 2, 0.1, 0.9
+    args = DIGITS + ["--strategy", "sync", "--momentum", str(momentum), "--max_steps", str(steps),
+                     "--num_epochs", "1"]
+    procs = run_cluster(tmp_path, workers=workers, args=args, timeout=120)
+    _ok(procs)
+    end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
+    assert end["pushes"] == {"worker1": steps, "worker2": steps} and end["staleness_max"] == 0
+    assert end["step"] == steps  # one update per round
+    for rank in (1, 2):
+        assert [r["step"] for r in _train_records(tmp_path, rank)] == list(range(1, steps + 1))
+
+    # The same run in one process: each worker's batches, gradients at the same state, averaged.
+    train = data.load("digits", "", "train", 3)
+    ranks = []
+    for rank in range(1, workers + 1):
+        sampler = data.ShardSampler(len(train.data), workers, rank - 1, 3)
+        sampler.set_epoch(1)
+        loader = data.train_loader(train.data, sampler, 32, 0, pin_memory=False)
+        model = models.build("cnn", train.channels, train.num_classes, 3)
+        model.train()
+        ranks.append((FlatModel(model), model, iter(loader)))
+    reference = models.build("cnn", train.channels, train.num_classes, 3)
+    global_flat = FlatModel(reference, with_grads=False)
+    param = nn.Parameter(global_flat.params)
+    optimizer = torch.optim.SGD([param], lr=lr, momentum=momentum)
+    n = global_flat.num_params
+    for _ in range(steps):
+        messages = []
+        for flat, model, batches in ranks:
+            flat.load(global_flat.vector)
+            x, y = next(batches)
+            flat.zero_grads()
+            nn.functional.cross_entropy(model(x), y).backward()
+            messages.append(flat.pack_message().clone())
+        mean = torch.stack(messages).mean(0)
+        param.grad = mean[:n]
+        optimizer.step()
+        global_flat.vector[n:].copy_(mean[n:])
+
+    final = torch.load(tmp_path / "checkpoints" / "final.pt")
+    trained = models.build("cnn", train.channels, train.num_classes, 0)
+    trained.load_state_dict(final["model"])
+    got = FlatModel(trained, with_grads=False).vector
+    assert final["version"] == steps
+    assert torch.allclose(got, global_flat.vector, rtol=1e-4, atol=1e-5), \
+        f"max difference {(got - global_flat.vector).abs().max():.2e}"
+
+
+@pytest.mark.slow
+def test_ssp_never_lets_a_worker_run_more_than_s_pushes_ahead(tmp_path):
+    # worker2 starts 4 s late: under async worker1 would be dozens of pushes ahead by then.
+    bound = 2
+    args = DIGITS + ["--strategy", "ssp", "--staleness", str(bound), "--num_epochs", "2"]
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=150, delays={"worker2": 4.0})
+    _ok(procs)
+    leads = {rank: [r["lead"] for r in _train_records(tmp_path, rank)] for rank in (1, 2)}
+    assert max(leads[1] + leads[2]) <= bound
+    assert max(leads[1]) == bound  # the bound was reached, and held, while worker2 was away
+    first_push_2 = _train_records(tmp_path, 2)[0]["time"]
+    before = [r for r in _train_records(tmp_path, 1) if r["time"] < first_push_2 - 0.5]
+    assert len(before) <= bound + 1
+    end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
+    assert end["strategy"] == "ssp" and end["accuracy"] >= 0.80
+
+
+@pytest.mark.slow
+def test_overlap_and_bf16_compression_still_learn_digits(tmp_path):
+    args = DIGITS + ["--overlap", "true", "--compress", "bf16", "--num_epochs", "6", "--log_every", "5"]
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=150)
+    _ok(procs)
+    end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
+    assert end["accuracy"] >= 0.90
+    # overlap: every gradient after the first is at least one update late
+    staleness = [r["staleness"] for rank in (1, 2) for r in _train_records(tmp_path, rank)]
+    assert min(staleness) >= 1
+    assert sum(end["pushes"].values()) == end["step"]
