@@ -152,14 +152,14 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':<10} {'wk':>2} {'system':<19} {'updates/s':>10} {'samples/s':>9} "
+    head = (f"{'model':<10} {'wk':>2} {'system':<22} {'updates/s':>10} {'samples/s':>9} "
             f"{'push+pull ms':>12} {'compute ms':>10} {'GB/s':>6} {'MB/update':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lo, hi = r["updates_per_s_range"]
         spread = f" ({lo:.0f}-{hi:.0f})" if r["repeats"] > 1 and r["system"] != "memcpy" else ""
         lines.append(
-            f"{r['model']:<10} {r['workers']:>2} {LABELS[r['system']]:<19} "
+            f"{r['model']:<10} {r['workers']:>2} {LABELS[r['system']]:<22} "
             f"{r['updates_per_s']:>10.1f} {_num(r['samples_per_s'], '9.0f'):>9} "
             f"{r['push_pull_s'] * 1e3:>12.2f} {_num(r['compute_s'] and r['compute_s'] * 1e3, '10.1f'):>10} "
             f"{r['gb_per_s']:>6.2f} {r['bytes_per_update'] / 1e6:>9.2f}{spread}")
