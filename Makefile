@@ -7,12 +7,13 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 CONFIG  ?= configs/default.yaml
 WORKERS ?=
+STRATEGY ?=
 ORCH    := $(PY) -m orchestrator
-CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS))
+CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean \
-        doctor stack-up stack-down stack-logs stack-status stack-smoke chaos
+        doctor stack-up stack-down stack-logs stack-status stack-smoke chaos check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -46,7 +47,8 @@ local: setup ## PS + workers as local processes (CONFIG, WORKERS)
 
 # The cluster in containers (orchestrator/cluster.py). logs, status and down act
 # on the cluster `up` started last, unless CONFIG or WORKERS is given.
-LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS))
+LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
+           $(if $(STRATEGY),--strategy $(STRATEGY))
 
 engine: ## install and start Debian's Docker engine if missing (root or sudo)
 	.ci/engine.sh
@@ -68,6 +70,10 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
+
+# The connectivity check (orchestrator/check.py): LOCAL=1 as processes, TIMEOUT=S.
+check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
+	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers); print how each recovered
 	$(ORCH) chaos $(if $(NO_CONTAINERS),--no-containers)
@@ -91,6 +97,17 @@ stack-status: host-setup ## one line per service: newest task's state, exit code
 
 stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
 	$(ORCH) stack-smoke
+
+# Plots of runs' metrics (orchestrator/report.py) and the strategies side by side
+# (orchestrator/compare.py). RUN: run directories (default: the last `up`);
+# OUT: where the PNGs go. compare: STRATEGIES=async,sync EPOCHS=N (WORKERS: 2).
+.PHONY: report compare
+report: host-setup ## PNG plots (loss, accuracy, samples/s, staleness) and a summary; RUN="runs/a runs/b"
+	$(ORCH) report $(RUN) $(if $(OUT),-o $(OUT))
+
+compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one report of all four, a table
+	$(ORCH) compare $(if $(STRATEGIES),--strategies $(STRATEGIES)) $(if $(WORKERS),--workers $(WORKERS)) \
+		$(if $(EPOCHS),--epochs $(EPOCHS))
 
 # Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
 # e.g. make bench BENCH_ARGS="--quick --json bench.json".

@@ -1,4 +1,4 @@
-"""`python -m app ps|worker|health [flags]`: exit 0 done, 2 bad input, 1 run-time failure."""
+"""`python -m app ps|worker|health|check [flags]`: exit 0 done, 2 bad input, 1 run-time failure."""
 
 from __future__ import annotations
 
@@ -39,11 +39,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.setup_logging()
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
     runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
-    runtime.set_threads(config.world_size)
+    runtime.set_threads(config.world_size + config.shards - 1)  # PS shards are processes too
     try:
+        if config.role == "check":  # the connectivity check (app/check.py)
+            from app.check import run as check
+            return check(config)
         if config.role == "ps":
             from app.serve import serve
             return serve(config)
+        if config.strategy == "allreduce":  # DDP, no PS (app/ddp.py)
+            from app.ddp import run as run_ddp
+            return run_ddp(config)
         from app.worker import run
         return run(config)
     except UsageError as error:

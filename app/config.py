@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-ROLES = ("ps", "worker", "health")
+ROLES = ("ps", "worker", "health", "check")
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 COMPRESSIONS = ("none", "bf16", "fp16")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -54,6 +54,8 @@ class Config:
                           "(one more step of staleness)")
     compress: str = _flag("none", "gradients on the wire: none (float32), bf16 or fp16, with error feedback",
                           COMPRESSIONS)
+    shards: int = _flag(1, "split the PS's state across this many PS processes (every role needs it)")
+    shard: int = _flag(0, "ps: which shard this process serves; 0 is the main PS at --master_addr")
     checkpoint_dir: str = _flag("./checkpoints", "the PS writes its checkpoints and final.pt here")
     checkpoint_every: int = _flag(1000, "the PS checkpoints every K updates (and on SIGTERM); 0: only at the end")
     metrics_dir: str = _flag("./metrics", "JSON lines, one file per process")
@@ -72,7 +74,9 @@ class Config:
     @property
     def name(self) -> str:
         """This process's RPC name: `ps` or `worker<rank>`."""
-        return "ps" if self.role == "ps" else f"worker{self.rank}"
+        if self.role == "ps":
+            return f"ps{self.shard}" if self.shard else "ps"
+        return f"worker{self.rank}"
 
 
 # (field, smallest allowed value, whether the bound itself is allowed)
@@ -82,6 +86,7 @@ _LOWER_BOUNDS = (
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
     ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
     ("checkpoint_every", 0, True), ("join_timeout", 0.0, False), ("staleness", 0, True),
+    ("shards", 1, True), ("shard", 0, True),
 )
 
 
@@ -143,9 +148,19 @@ def validate(config: Config) -> None:
         raise UsageError(f"--master_port: {config.master_port} must be <= 65535")
     if config.momentum >= 1:
         raise UsageError(f"--momentum: {config.momentum} must be < 1")
+    if config.shards > 8:
+        raise UsageError(f"--shards: {config.shards} must be <= 8")
+    if config.shard and (config.role != "ps" or config.shard >= config.shards):
+        raise UsageError(f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} "
+                         f"(--shards {config.shards})")
+    if config.shards > 1 and config.strategy == "allreduce":
+        raise UsageError(f"--shards: {config.shards} needs a parameter server; strategy allreduce has none")
     if config.overlap and config.strategy in ("sync", "allreduce"):
         raise UsageError(f"--overlap: true is for strategies async and ssp; {config.strategy} "
                          "waits for every worker's gradient each step")
+    if config.role == "check" and not 0 <= config.rank < config.world_size:
+        raise UsageError(f"--rank: {config.rank} must be in 0..{config.world_size - 1} "
+                         f"for the check (--world_size {config.world_size})")
     if config.role == "worker" and not 1 <= config.rank < config.world_size:
         raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
                          f"for a worker (--world_size {config.world_size})")

@@ -38,6 +38,8 @@ class Watch:
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
         server.on_back = self.back
+        # Called after a drop: a sharded PS forwards it to its other shards (app.shards).
+        self.on_drop: Callable[[int, str], None] = lambda rank, name: None
 
     def join(self, rank: int, name: str) -> dict[str, Any]:
         """Admit `name` as rank's process, or say the rank is taken."""
@@ -62,6 +64,7 @@ class Watch:
             log.warning("dropped %s (rank %d): %s; training goes on without it (%s)",
                         name, rank, reason, self.server.counts())
             self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason)
+            self.on_drop(rank, name)
 
     def back(self, rank: int, name: str) -> None:
         log.warning("%s (rank %d) is back: it called again after it was dropped (%s)",
@@ -105,9 +108,10 @@ class Watch:
             return _first_line(error)
 
     def _sweep(self, now: float) -> None:
-        """Take joined workers off the store's member list (see app.membership) and free
+        """Take joined workers (not PS shards) off the store's member list (see app.membership) and free
         the join token if a process died holding it for longer than the RPC timeout."""
-        extra = [n for n in membership.listed() if n != "ps"]
+        # PS shards stay listed: every joiner must learn them (app.shards).
+        extra = [n for n in membership.listed() if n != "ps" and not membership.is_shard_name(n)]
         if extra:
             membership.unlist(extra, TICK_UNLIST_SECONDS)
         holder = membership.token_holder()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -58,21 +59,44 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
 
 def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
     """This process's (RPC name, RPC id), new for every process of a rank."""
+    incarnation, rpc_id = _claim(f"psc/incarnation/{rank}", master_addr, master_port, timeout)
+    return incarnation_name(rank, incarnation), rpc_id
+
+
+def claim_shard_identity(index: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
+    """A PS shard's (RPC name, RPC id): `ps<index>`, then `ps<index>_r2`, ... (app.shards)."""
+    incarnation, rpc_id = _claim(f"psc/incarnation/ps{index}", master_addr, master_port, timeout)
+    return shard_name(index, incarnation), rpc_id
+
+
+def _claim(key: str, master_addr: str, master_port: int, timeout: float) -> tuple[int, int]:
+    """(incarnation under `key`, a fresh RPC id), both drawn from the PS's store."""
     wait_for_port(master_addr, master_port, timeout)
     try:
-        store = dist.TCPStore(master_addr, master_port, is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        incarnation = store.add(f"psc/incarnation/{rank}", 1)
-        rpc_id = store.add("psc/rpc_ids", 1)
+        store = connect(master_addr, master_port, timeout)
+        return store.add(key, 1), store.add("psc/rpc_ids", 1)
     except (RuntimeError, ValueError) as error:  # DistError subclasses RuntimeError
         reason = (str(error).strip().splitlines() or ["no answer"])[0]
         raise StoreUnreachable(f"cannot reach the parameter server at {master_addr}:{master_port} "
                                f"within {timeout:.0f} s: {reason}") from None
-    return incarnation_name(rank, incarnation), rpc_id
+
+
+def connect(master_addr: str, master_port: int, timeout: float) -> dist.TCPStore:
+    """A client of the PS's store."""
+    return dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
 def incarnation_name(rank: int, incarnation: int) -> str:
     return f"worker{rank}" if incarnation == 1 else f"worker{rank}_r{incarnation}"
+
+
+def shard_name(index: int, incarnation: int) -> str:
+    return f"ps{index}" if incarnation == 1 else f"ps{index}_r{incarnation}"
+
+
+def is_shard_name(name: str) -> bool:
+    """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.shards)."""
+    return re.fullmatch(r"ps\d+(_r\d+)?", name) is not None
 
 
 def _stores() -> tuple[dist.Store, dist.Store]:

@@ -15,6 +15,9 @@ back ties up no RPC thread):
 - sync:  held until every rank still training pushed once; their average is
          applied as one update and every pusher gets the same answer.
 
+A sharded PS (app.shards) runs one ParameterServer per process over a slice
+`part` of the state vector: pushes, replies and checkpoints are that slice.
+
 Every piece of shared state (the sum of a round, the held replies, the
 roster) changes under the one lock; futures are completed after it is
 released, so sending replies never holds up a push.
@@ -76,13 +79,24 @@ class ParameterServer:
 
     def __init__(self, model: nn.Module, lr: float, momentum: float, num_workers: int,
                  join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
-                 strategy: str = "async", staleness: int = 0, staleness_lr: bool = False) -> None:
+                 strategy: str = "async", staleness: int = 0, staleness_lr: bool = False,
+                 part: tuple[int, int] | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self.model = model
         self.flat = FlatModel(model, with_grads=False)
-        self._param = nn.Parameter(self.flat.params)  # shares storage with the model
+        # `state` is what this process serves: the whole vector, or (a PS shard, app.shards)
+        # the slice `part` of it, a view: pushes carry and replies hold exactly its values.
+        start, end = (0, self.flat.size) if part is None else part
+        if not 0 <= start <= end <= self.flat.size:
+            raise ValueError(f"part {part} is not a slice of the model's {self.flat.size} values")
+        self.part, self.sliced = (start, end), part is not None and (start, end) != (0, self.flat.size)
+        self.state = self.flat.vector[start:end] if self.sliced else self.flat.vector
+        self.size = end - start
+        # The parameter values in the slice (it may hold buffers only, or straddle both).
+        self.num_params = min(max(self.flat.num_params - start, 0), self.size)
+        self._param = nn.Parameter(self.state[:self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum)
         self.num_workers = num_workers
         self.roster = Roster(range(1, num_workers + 1), join_timeout, clock)
@@ -108,7 +122,7 @@ class ParameterServer:
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
         with self._lock:
-            return self.flat.vector.clone(), self.version
+            return self.state.clone(), self.version
 
     def join(self, rank: int, name: str) -> tuple[torch.Tensor, int, dict[str, int]]:
         """`name` becomes rank's process: the state, its version and where the rank resumes."""
@@ -116,7 +130,7 @@ class ParameterServer:
             member = self.roster.join(rank, name)
             self.first_join = self.first_join or time.monotonic()
             self._event()
-            return self.flat.vector.clone(), self.version, member.progress()
+            return self.state.clone(), self.version, member.progress()
 
     def push(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
              epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply:
@@ -156,9 +170,10 @@ class ParameterServer:
 
     def _check(self, rank: int, message: torch.Tensor) -> torch.Tensor:
         """The pushed message as float32; ValueError when it is not this model's."""
-        if message.numel() != self.flat.size or message.dtype not in WIRE_DTYPES:
+        if message.numel() != self.size or message.dtype not in WIRE_DTYPES:
+            holds = f"values {self.part[0]}..{self.part[1]} of the model" if self.sliced else "the model"
             raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
-                             f"the model has {self.flat.size} float32 (or bfloat16/float16) values")
+                             f"{holds} has {self.size} float32 (or bfloat16/float16) values")
         return message.float()  # no copy when it is float32 already
 
     def _lr_for(self, staleness: int) -> float:
@@ -167,14 +182,14 @@ class ParameterServer:
 
     def _apply(self, message: torch.Tensor, lr: float) -> None:
         """One SGD step with `message`'s grads; its buffers become the global ones."""
-        n = self.flat.num_params
+        n = self.num_params
         group = self.optimizer.param_groups[0]
         group["lr"] = lr
         self._param.grad = message[:n]
         self.optimizer.step()
         self._param.grad = None
         group["lr"] = self.lr
-        self.flat.vector[n:].copy_(message[n:])
+        self.state[n:].copy_(message[n:])
         self.version += 1
         if self.version >= self._wake_at:
             self._changed.notify_all()
@@ -211,7 +226,7 @@ class ParameterServer:
             lead = self.lead(rank)
             if self.strategy == "async" or lead <= self.bound or rank not in self._training():
                 del self._held[rank]
-                vector = self._reply(rank).copy_(self.flat.vector)
+                vector = self._reply(rank).copy_(self.state)
                 ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
         return ready
 
@@ -226,14 +241,14 @@ class ParameterServer:
         self._apply(total, self.lr)
         for rank, h in held.items():
             self._count(rank, h.epoch, h.batch, 0)
-        vector = self._reply(0).copy_(self.flat.vector)  # one buffer pair for the whole round
+        vector = self._reply(0).copy_(self.state)  # one buffer pair for the whole round
         return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
 
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one holds its previous reply)."""
         buffers = self._replies.setdefault(rank, [])
         if len(buffers) < 2:
-            buffers.append(torch.empty_like(self.flat.vector))
+            buffers.append(torch.empty_like(self.state))
         buffers.reverse()
         return buffers[0]
 
@@ -318,21 +333,32 @@ class ParameterServer:
         return self.pull(rank=0)
 
     def checkpoint(self) -> dict[str, Any]:
-        """Model, optimizer, version and each rank's progress, copied under the lock."""
+        """Model, optimizer, version and each rank's progress, copied under the lock.
+
+        A shard's holds its slice as `vector` (with `part`), and no `model`'s values."""
         with self._lock:
-            return {
+            model = {} if self.sliced else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state = {
                 "version": self.version,
-                "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "model": model,
                 "optimizer": _clone_tree(self.optimizer.state_dict()),
                 "progress": self.roster.state(),
                 "pushes": self.pushes,
                 "finished": self.roster.all_finished,
             }
+            if self.sliced:
+                state.update(vector=self.state.clone(), part=list(self.part))
+            return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint (written by `checkpoint`)."""
         with self._lock:
-            self.model.load_state_dict(state["model"])
+            if self.sliced:
+                if list(state.get("part", [])) != list(self.part):
+                    raise ValueError(f"the checkpoint holds values {state.get('part')}, this shard {list(self.part)}")
+                self.state.copy_(state["vector"])
+            else:
+                self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.version = int(state["version"])
             self.roster.restore(state["progress"])

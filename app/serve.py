@@ -12,6 +12,7 @@ On SIGTERM (or any failure) the PS checkpoints before it exits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app import checkpoint, data, models
+from app import checkpoint, data, models, shards
 from app.config import Config
 from app.flat import FlatModel
 from app.liveness import Watch
@@ -54,6 +55,11 @@ class Evaluator:
             total += len(y)
         return correct / total, loss / total
 
+    def state_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's state dict (on CPU) holding `vector`."""
+        self.flat.load(vector)
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
 
 class Checkpointer:
     """Periodic, on-exit and final checkpoints of one ParameterServer."""
@@ -74,7 +80,10 @@ class Checkpointer:
         if found is None:
             return
         path, state = found
-        mismatch = {k: state.get(k) for k, v in self.identity.items() if state.get(k) != v}
+        defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.shards)
+        expected = {**defaults, **self.identity}
+        mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items()
+                    if state.get(k, defaults.get(k)) != v}
         if state["finished"] or mismatch:
             why = "it ended a finished run" if state["finished"] else f"it is of another job ({mismatch})"
             log.info("not resuming from %s: %s; starting a new run", path.name, why)
@@ -109,17 +118,24 @@ class Checkpointer:
         log.info("checkpoint %s (%s, %.2f s)", path.name, why, seconds)
         self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
 
-    def final(self) -> None:
-        """The last checkpoint (marked finished) and final.pt; raises OSError if they fail."""
+    def final(self, model: dict[str, torch.Tensor] | None = None) -> None:
+        """The last checkpoint (marked finished) and final.pt; raises OSError if they fail.
+
+        `model`: the whole model's state dict, for a sharded PS whose own state is a slice."""
         state = {**self.server.checkpoint(), **self.identity}
         checkpoint.save(state, self.directory)
         final = self.directory / "final.pt"
+        if model is not None:
+            state = {k: v for k, v in state.items() if k not in ("vector", "part", "optimizer")}
+            state["model"] = model
         checkpoint.save_atomically(state, final)
         log.info("saved %s (version %d)", final, state["version"])
 
 
 def serve(config: Config) -> int:
     """The PS process; 0 when training ended, 1 when no worker ever finished."""
+    if config.shard:
+        return shards.serve_shard(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
     held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
@@ -128,22 +144,34 @@ def serve(config: Config) -> int:
     def build() -> nn.Module:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
-    server = ParameterServer(build(), config.lr, config.momentum, config.num_trainers, config.join_timeout,
+    model = build()
+    part = shards.bounds(shards.state_size(model), config.shards)[0] if config.shards > 1 else None
+    server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
-                             staleness_lr=config.staleness_lr)
+                             staleness_lr=config.staleness_lr, part=part)
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.num_workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model,
              server.flat.num_params, server.flat.num_buffers)
+    # `trainer: ps` keeps a PS from resuming an allreduce job's checkpoint (app.ddp).
     identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
-                    num_classes=held_out.num_classes, world_size=config.world_size)
+                    num_classes=held_out.num_classes, world_size=config.world_size, trainer="ps")
+    if part is not None:
+        identity.update(shards=config.shards, shard=0)
+        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
     with MetricsWriter(config.metrics_dir, "ps", "ps", 0) as metrics:
         checkpoints = Checkpointer(server, config, identity, metrics)
         checkpoints.resume()
         watch = Watch(server, config.rpc_timeout, metrics.write)
-        with _ENDPOINT.serving(server, join=watch.join), rpc_session(config, rank=0):
+        others = shards.ShardSet(config.shards, server.flat.size, config, metrics.write) \
+            if part is not None else None
+        join = watch.join
+        if others is not None:
+            watch.on_drop = others.drop
+            join = functools.partial(others.join, watch.join)
+        with _ENDPOINT.serving(server, join=join), shards.main_serving(others), rpc_session(config, rank=0):
             start = time.monotonic()
             try:
-                train_until_done(server, watch, checkpoints, evaluate, metrics, config)
+                train_until_done(server, watch, checkpoints, evaluate, metrics, config, others)
             except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
                 checkpoints.save("on exit")
                 raise
@@ -152,9 +180,17 @@ def serve(config: Config) -> int:
                             ", ".join(f"rank {m.rank}" for m in server.roster.missing()), config.join_timeout)
             if not server.finished:
                 log.error("no worker finished its epochs; nothing to save as final")
+                if others is not None:
+                    others.end(finished=False)
                 return 1
-            checkpoints.final()
-        vector, version = server.snapshot()
+            if others is None:
+                checkpoints.final()
+            else:
+                vector, version = _gather_final(server, others, config.rpc_timeout)
+                checkpoints.final(evaluate.state_dict(vector))
+                others.end(finished=server.all_finished)
+        if others is None:
+            vector, version = server.snapshot()
         accuracy, loss = evaluate(vector)
         seconds = time.monotonic() - (server.first_join or start)
         progress.info("Accuracy: %.4f", accuracy)
@@ -165,21 +201,41 @@ def serve(config: Config) -> int:
     return 0
 
 
+def _gather_final(server: ParameterServer, others: shards.ShardSet, timeout: float) -> tuple[torch.Tensor, int]:
+    """The whole trained vector from every shard, retried for up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        own, version = server.snapshot()
+        vector = others.gather(own)
+        if vector is not None:
+            return vector, version
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shards' values could not be gathered within {timeout:.0f} s; "
+                               "final.pt not written")
+        time.sleep(1.0)
+
+
 def train_until_done(server: ParameterServer, watch: Watch, checkpoints: Checkpointer,
-                     evaluate: Evaluator, metrics: MetricsWriter, config: Config) -> None:
+                     evaluate: Evaluator, metrics: MetricsWriter, config: Config,
+                     others: shards.ShardSet | None = None) -> None:
     """Serve until every worker finished, or the missing ones are past --join_timeout."""
     next_eval = (server.version // config.eval_every + 1) * config.eval_every
     while not server.done():
         wake_at = min(next_eval, checkpoints.next_version or next_eval)
         server.wait(wake_at, timeout=TICK_SECONDS)
         watch.tick()
+        if others is not None:
+            others.tick()
         server.unblock()
         if server.version >= next_eval and not server.all_finished:
             vector, version = server.snapshot()
-            accuracy, loss = evaluate(vector)
-            progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-            metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                          samples=server.samples)
+            if others is not None:
+                vector = others.gather(vector)  # None: a shard did not answer (one warning)
+            if vector is not None:
+                accuracy, loss = evaluate(vector)
+                progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
+                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                              samples=server.samples)
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
             checkpoints.save("every %d updates" % config.checkpoint_every)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from app import data, membership, models, ps
+from app import data, membership, models, ps, shards
 from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
@@ -261,8 +261,11 @@ def run(config: Config) -> int:
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
     push_wait = config.join_timeout if config.strategy in ("ssp", "sync") else 0.0
-    client = PSClient(config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name,
-                      push_wait)
+    client: PSClient | shards.ShardedClient = PSClient(
+        config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name, push_wait)
+    if config.shards > 1:  # join the RPC group once every PS shard is in it (app.shards)
+        shards.wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
+        client = shards.ShardedClient(client)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):

@@ -52,12 +52,14 @@ def run_main(args: argparse.Namespace) -> int:
         for model in models:
             for n in workers:
                 systems = ["app", "app-overlap", "app-bf16", "ref", "ref-tuned", "gloo"] + (
-                    ["app-comm", "app-comm-bf16"] if model == "resnet18" else [])
+                    ["app-comm", "app-comm-bf16", "app-sharded"] if model == "resnet18" else [])
                 for system in systems:
                     case = Case(system, model, n)
                     idle = args.idle_seconds if (model == models[0] and n == workers[0]
                                                  and system in ("app", "ref")) else 0.0
-                    p = dict(params, floats=floats[model], compute=not system.startswith("app-comm"),
+                    p = dict(params, floats=floats[model],
+                             compute=not system.startswith("app-comm") and system != "app-sharded",
+                             shards=2 if system == "app-sharded" else 1,
                              overlap=system == "app-overlap", tuned=system == "ref-tuned",
                              compress="bf16" if system.endswith("bf16") else "none")
                     label = f"[{repeat}/{args.repeats}] {model} x{n} {system}"

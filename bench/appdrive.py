@@ -45,24 +45,39 @@ def _config(role: str, p: dict[str, Any]):
             "--overlap", str(bool(p.get("overlap"))), "--compress", p.get("compress", "none")]
     if role == "worker":
         argv += ["--rank", str(p["rank"])]
+    if p.get("shards", 1) > 1:  # app-sharded: PS shards at RPC ranks world_size.. (bench.procs)
+        argv += ["--shards", str(p["shards"])]
     return parse(argv, {})
 
 
 def _init(config: Any, name: str, rank: int) -> None:
     from app import runtime
-    runtime.set_threads(config.world_size)
-    rpc.init_rpc(name, rank=rank, world_size=config.world_size,
-                 rpc_backend_options=runtime.backend_options(config))
+    world = config.world_size + config.shards - 1
+    runtime.set_threads(world)
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=runtime.backend_options(config))
 
 
-def ps_main(p: dict[str, Any]) -> dict[str, Any]:
+def _part(p: dict[str, Any], index: int) -> tuple[int, int] | None:
+    """Shard `index`'s slice of the state vector (app.shards), or None unsharded."""
+    if p.get("shards", 1) == 1:
+        return None
+    from app import shards
+    return shards.bounds(shards.state_size(SPECS[p["model"]].model()), p["shards"])[index]
+
+
+def shard_main(p: dict[str, Any]) -> dict[str, Any]:
+    """app-sharded: PS shard `rank - workers` (the main PS is ps_main, shard 0)."""
+    return ps_main(p, index=p["rank"] - (p["world_size"] - 1))
+
+
+def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app import ps, worker
     config = _config("ps", p)
     server = ps.ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
-                                num_workers=config.world_size - 1)
+                                num_workers=config.world_size - 1, part=_part(p, index))
     _DONE["expected"] = config.world_size - 1
     with ps._ENDPOINT.serving(server):
-        _init(config, worker.PS_NAME, 0)
+        _init(config, f"ps{index}" if index else worker.PS_NAME, p["rank"])
         if not _DONE["event"].wait(timeout=p["timeout"]):
             raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
         rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
@@ -84,8 +99,16 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     x, y = spec.batch(seed=p["rank"])
     client = worker.PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
     _init(config, f"worker{config.rank}", config.rank)
+    shard_names = [f"ps{i}" for i in range(1, config.shards)]
+    if shard_names:  # app-sharded: the worker's side of app.shards, its shards listed here
+        from app import shards
+        client = shards.ShardedClient(client)
+        client.parts = [(worker.PS_NAME if i == 0 else f"ps{i}", *_part(p, i)) for i in range(config.shards)]
+        pulled = [rpc.rpc_sync(name, ps.rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
+        vector, version = torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled)
     trainer = worker.Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
-    vector, version = _start(client)
+    if not shard_names:
+        vector, version = _start(client)
     trainer.flat.load(vector)
     compute_only = loop.time_compute(lambda: trainer.compute_gradients(x, y), p["compute_seconds"])
     trainer.version = version
@@ -103,7 +126,8 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     if p.get("idle_marker"):
         Path(p["idle_marker"]).touch()
         time.sleep(p["idle_seconds"])
-    rpc.rpc_sync(worker.PS_NAME, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
+    for name in [worker.PS_NAME, *shard_names]:
+        rpc.rpc_sync(name, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
     floats = trainer.flat.size
     push_bytes = floats * (2 if p.get("compress", "none") != "none" else 4)

@@ -62,10 +62,13 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
         procs: dict[str, subprocess.Popen] = {}
         logs: dict[str, Any] = {}
         try:
-            for rank in range(case.workers + 1):
-                name = "ps" if rank == 0 else f"worker{rank}"
+            # PS shards (`shards` > 1) come after the workers in RPC rank: ps1 is workers + 1
+            extra = params.get("shards", 1) - 1
+            for rank in range(case.workers + 1 + extra):
+                role = "ps" if rank == 0 else "worker" if rank <= case.workers else "shard"
+                name = {"ps": "ps", "worker": f"worker{rank}", "shard": f"ps{rank - case.workers}"}[role]
                 logs[name] = open(Path(tmp) / f"{name}.log", "w+b")
-                argv = [sys.executable, "-m", "bench.node", case.system, "ps" if rank == 0 else "worker",
+                argv = [sys.executable, "-m", "bench.node", case.system, role,
                         json.dumps(dict(base, rank=rank)), str(Path(tmp) / f"{name}.json")]
                 procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT,
                                                env=env, start_new_session=True)

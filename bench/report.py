@@ -6,9 +6,11 @@ import statistics
 from collections import defaultdict
 from typing import Any, Optional
 
-SYSTEMS = ("app", "app-comm", "app-overlap", "app-bf16", "app-comm-bf16", "ref", "ref-tuned", "gloo", "memcpy")
+SYSTEMS = ("app", "app-comm", "app-overlap", "app-bf16", "app-comm-bf16", "app-sharded", "ref", "ref-tuned",
+           "gloo", "memcpy")
 LABELS = {"app": "app PS", "app-comm": "app PS, no compute", "app-overlap": "app PS --overlap",
           "app-bf16": "app PS --compress bf16", "app-comm-bf16": "app bf16, no compute",
+          "app-sharded": "app 2 shards, no comp",
           "ref": "reference PS", "ref-tuned": "reference, app opts", "gloo": "Gloo send+recv",
           "memcpy": "memcpy"}
 TRAINING = ("app", "app-overlap", "app-bf16", "ref", "ref-tuned")  # the systems that train a model
@@ -25,6 +27,7 @@ INFO = {  # figures that explain the goals' ones; no bound
     "overlap_vs_app_updates": "app --overlap updates/s / app updates/s",
     "bf16_vs_app_updates": "app --compress bf16 updates/s / app updates/s",
     "pushpull_bf16_vs_gloo": "push+pull s with a bf16 push / Gloo send+recv s of the float32 bytes",
+    "sharded_vs_app_updates": "app with 2 PS shards updates/s / app updates/s (resnet18, no compute)",
 }
 
 
@@ -122,6 +125,9 @@ def ratios(rows: list[dict[str, Any]], big: str = "resnet18") -> dict[str, dict[
             out["pushpull_vs_gloo"][where] = comm["push_pull_s"] / gloo["push_pull_s"]
         if comm and mem:
             out["pushpull_vs_memcpy"][where] = comm["push_pull_s"] / mem["push_pull_s"]
+        sharded = _find(rows, model, workers, "app-sharded")
+        if sharded and comm:
+            out["sharded_vs_app_updates"][where] = sharded["updates_per_s"] / comm["updates_per_s"]
         comm16 = _find(rows, model, workers, "app-comm-bf16")
         if comm16 and gloo:
             out["pushpull_bf16_vs_gloo"][where] = comm16["push_pull_s"] / gloo["push_pull_s"]

@@ -39,21 +39,29 @@ def _positive_int(text: str) -> int:
 
 
 def add_topology_args(p: argparse.ArgumentParser) -> None:
-    """`-c CONFIG` and `--workers N`: every verb that works on a topology takes them."""
+    """`-c CONFIG`, `--workers N` and `--strategy S`: every verb that works on a topology takes them."""
     p.add_argument("-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG",
                    help=f"topology file (default: {DEFAULT_CONFIG})")
     p.add_argument("--workers", type=_positive_int, metavar="N",
                    help="number of workers, overriding workers.count (GPUs 0..N-1 unless listed)")
+    add_strategy_arg(p)
+
+
+def add_strategy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", metavar="S",
+                   help="async, sync, ssp or allreduce (DDP, no PS), overriding train.strategy")
 
 
 def load_topology(args: argparse.Namespace):
-    """The topology named by `-c`, with `--workers` applied."""
+    """The topology named by `-c`, with `--workers` and `--strategy` applied."""
     from orchestrator.topology import load
 
     t = load(args.config)
-    if args.workers is None:
-        return t
-    return t.with_workers(args.workers, source=f"{args.config} with --workers {args.workers}")
+    if args.workers is not None:
+        t = t.with_workers(args.workers, source=f"{args.config} with --workers {args.workers}")
+    if getattr(args, "strategy", None) is not None:
+        t = t.with_strategy(args.strategy, source=f"{args.config} with --strategy {args.strategy}")
+    return t
 
 
 def run_render(args: argparse.Namespace) -> int:
@@ -77,7 +85,7 @@ def run_render(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"-o {output}: cannot write: {e.strerror or e}") from None
     what = "stack" if args.target == "swarm" else "project"
-    print(f"wrote {output}: ps + {t.workers.count} workers, image {t.image_tag}, {what} {r.project_name(t)}")
+    print(f"wrote {output}: {r.describe(t)}, image {t.image_tag}, {what} {r.project_name(t)}")
     return 0
 
 
@@ -85,7 +93,9 @@ def run_doctor(args: argparse.Namespace) -> int:
     from orchestrator import doctor
 
     t = load_topology(args)
-    print(f"doctor: {args.config}, ps + {t.workers.count} workers, target {args.target}")
+    from orchestrator.render import describe
+
+    print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
     ok = doctor.report(doctor.run_checks(t, args.target, doctor.gather(t, args.target)), sys.stdout)
     return 0 if ok else 1
 
@@ -131,7 +141,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="render if needed, build if the image is missing, start detached")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    p.set_defaults(run=lambda a: cluster().up(a.config, a.workers, offline=a.offline))
+    p.set_defaults(run=lambda a: cluster().up(a.config, a.workers, offline=a.offline, strategy=a.strategy))
 
     for verb, text in (("down", "stop and remove the cluster (the volume with checkpoints and metrics stays)"),
                        ("logs", "follow every service's log, prefixed by service"),
@@ -139,19 +149,51 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(verb, help=text)
         p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last `up`)")
         p.add_argument("--workers", type=_positive_int, metavar="N")
+        add_strategy_arg(p)
     sub.choices["down"].add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-    sub.choices["down"].set_defaults(run=lambda a: cluster().down(a.config, a.workers, volumes=a.volumes))
+    sub.choices["down"].set_defaults(
+        run=lambda a: cluster().down(a.config, a.workers, volumes=a.volumes, strategy=a.strategy))
     sub.choices["logs"].add_argument("--no-follow", action="store_true", help="print and return")
-    sub.choices["logs"].set_defaults(run=lambda a: cluster().logs(a.config, a.workers, follow=not a.no_follow))
-    sub.choices["status"].set_defaults(run=lambda a: cluster().status(a.config, a.workers))
+    sub.choices["logs"].set_defaults(
+        run=lambda a: cluster().logs(a.config, a.workers, follow=not a.no_follow, strategy=a.strategy))
+    sub.choices["status"].set_defaults(run=lambda a: cluster().status(a.config, a.workers, strategy=a.strategy))
 
     p = sub.add_parser("smoke", help="the CPU cluster end to end in containers; checks accuracy and exit codes")
     p.add_argument("-c", "--config", default="configs/cpu-smoke.yaml", metavar="CONFIG")
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=900, metavar="SECONDS")
-    p.set_defaults(run=lambda a: cluster().smoke(a.config, a.workers, timeout=a.timeout))
+    add_strategy_arg(p)
+    p.set_defaults(run=lambda a: cluster().smoke(a.config, a.workers, timeout=a.timeout, strategy=a.strategy))
+    _add_check_verb(sub)
     _add_stack_verbs(sub)
     _add_chaos_verb(sub)
+    _add_report_verbs(sub)
+
+
+def _add_check_verb(sub: argparse._SubParsersAction) -> None:
+    """The connectivity check (orchestrator/check.py, app/check.py)."""
+    def run_check(a: argparse.Namespace) -> int:
+        from orchestrator import check
+        from orchestrator.compose import EngineError
+
+        try:
+            return check.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
+                             build=a.build, offline=a.offline)
+        except EngineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    p = sub.add_parser("check", help="send a tensor from rank 0 to every rank and back over the cluster's "
+                       "network; one line per rank (round trip, GB/s); a missing rank fails with its name")
+    add_topology_args(p)
+    p.add_argument("--local", action="store_true", help="as processes on 127.0.0.1 instead of containers")
+    p.add_argument("--timeout", type=_positive_int, default=30, metavar="SECONDS",
+                   help="how long rank 0 waits for every rank to register (default: 30)")
+    p.add_argument("--without", action="append", metavar="SERVICE",
+                   help="leave this service out (the check then fails naming it); repeatable")
+    p.add_argument("--build", action="store_true", help="(re)build the image first (else only when missing)")
+    p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
+    p.set_defaults(run=run_check)
 
 
 def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
@@ -164,13 +206,14 @@ def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stack-up", help="doctor, render stack.yaml, build if missing, docker stack deploy")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline))
+    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline, strategy=a.strategy))
     for verb, text in (("stack-down", "docker stack rm, and wait until its containers and network are gone"),
                        ("stack-logs", "every service's log (docker service logs), following"),
                        ("stack-status", "one line per service: its newest task's state, exit code, retries")):
         p = sub.add_parser(verb, help=text)
         p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last stack-up)")
         p.add_argument("--workers", type=_positive_int, metavar="N")
+        add_strategy_arg(p)  # the stack's name does not depend on it (accepted for the Makefile's LAST)
     sub.choices["stack-down"].add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
     sub.choices["stack-down"].set_defaults(run=lambda a: swarm().stack_down(a.config, a.workers, volumes=a.volumes))
     sub.choices["stack-logs"].add_argument("--no-follow", action="store_true", help="print and return")
@@ -197,6 +240,24 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
     p.add_argument("--runs", default="runs/chaos", metavar="DIR", help="logs and metrics of each scenario")
     p.set_defaults(run=run_chaos)
+
+
+def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
+    """Plots of runs' metrics (orchestrator/report.py) and the strategies side by side (compare.py)."""
+    def report():
+        from orchestrator import report as r
+        return r
+
+    def compare():
+        from orchestrator import compare as c
+        return c
+
+    p = sub.add_parser("report", help="PNG plots (loss, accuracy, samples/s, staleness) and a summary of runs' metrics")
+    report().add_arguments(p)
+    p.set_defaults(run=lambda a: report().run_cli(a))
+    p = sub.add_parser("compare", help="the CPU job under each strategy as local processes; one report, one table")
+    compare().add_arguments(p, _positive_int)
+    p.set_defaults(run=lambda a: compare().run_cli(a))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,16 +70,19 @@ def compose_file(project: str) -> Path:
     return RUNS / project / "compose.yaml"
 
 
-def target(config: Optional[str], workers: Optional[int], *, project: Optional[str] = None) -> Target:
-    """The cluster named by `-c/--workers`; with neither, the one `up` started last
-    (runs/current.json), else the default topology."""
-    if config is None and workers is None and project is None and CURRENT.is_file():
+def target(config: Optional[str], workers: Optional[int], *, project: Optional[str] = None,
+           strategy: Optional[str] = None) -> Target:
+    """The cluster named by `-c/--workers/--strategy`; with none, the one `up` started
+    last (runs/current.json), else the default topology."""
+    if config is None and workers is None and strategy is None and project is None and CURRENT.is_file():
         rec = json.loads(CURRENT.read_text(encoding="utf-8"))
         return Target(cp.Project(rec["project"], rec["compose_file"], str(ROOT)), config=rec.get("config"))
     config = config or "configs/default.yaml"
     t = load(config)
     if workers is not None:
         t = t.with_workers(workers)
+    if strategy is not None:
+        t = t.with_strategy(strategy)
     name = project or rd.project_name(t)
     return Target(cp.Project(name, str(compose_file(name)), str(ROOT)), t, config)
 
@@ -115,8 +118,9 @@ def build(config: str, workers: Optional[int] = None, *, offline: bool = False, 
 
 @engine_errors
 def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
-       project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout) -> int:
-    tg = target(config, workers, project=project)
+       project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout,
+       strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
     t = tg.topology
     assert t is not None
     client = images.client()
@@ -124,7 +128,7 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
     compose = cp.detect()
     path = Path(tg.project.file)
     wrote = render_if_needed(t, path)
-    print(f"==> {'rendered' if wrote else 'up to date:'} {_rel(path)}: ps + {t.workers.count} workers, "
+    print(f"==> {'rendered' if wrote else 'up to date:'} {_rel(path)}: {rd.describe(t)}, "
           f"project {tg.project.name}", file=out, flush=True)
     if images.image_exists(client, t.image_tag):
         print(f"==> image {t.image_tag} present (make build rebuilds it)", file=out, flush=True)
@@ -141,8 +145,8 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
 
 @engine_errors
 def down(config: Optional[str] = None, workers: Optional[int] = None, *,
-         volumes: bool = False, project: Optional[str] = None) -> int:
-    tg = target(config, workers, project=project)
+         volumes: bool = False, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
     images.client()
     if tg.topology is not None:
         render_if_needed(tg.topology, Path(tg.project.file))
@@ -154,8 +158,8 @@ def down(config: Optional[str] = None, workers: Optional[int] = None, *,
 
 @engine_errors
 def logs(config: Optional[str] = None, workers: Optional[int] = None, *,
-         follow: bool = True, project: Optional[str] = None) -> int:
-    tg = target(config, workers, project=project)
+         follow: bool = True, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
     images.client()
     if tg.topology is not None:
         render_if_needed(tg.topology, Path(tg.project.file))
@@ -165,8 +169,8 @@ def logs(config: Optional[str] = None, workers: Optional[int] = None, *,
 
 @engine_errors
 def status(config: Optional[str] = None, workers: Optional[int] = None, *,
-           project: Optional[str] = None, out: TextIO = sys.stdout) -> int:
-    tg = target(config, workers, project=project)
+           project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
     client = images.client()
     services = _services(tg)
     found = {c.labels.get(cp.LABEL_SERVICE, c.name): c for c in _containers(client, tg.project.name)}
@@ -181,12 +185,15 @@ def status(config: Optional[str] = None, workers: Optional[int] = None, *,
 
 @engine_errors
 def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900, threshold: float = 0.90,
-          project: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+          project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
     """The CPU cluster end to end in real containers: offline image, up, wait for
-    every container to exit, check the PS's `Accuracy:` and every exit status,
-    print every log on failure, always tear down (volume included)."""
+    every container to exit, check rank 0's `Accuracy:` (the PS's, or worker1's
+    for allreduce) and every exit status, print every log on failure, always tear
+    down (volume included)."""
     t0 = time.monotonic()
     t = load(config).with_workers(workers)
+    if strategy is not None:
+        t = t.with_strategy(strategy)
     name = project or f"{rd.project_name(t)}-smoke"
     client = images.client()
     compose = cp.detect()
@@ -200,15 +207,17 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
         images.build(t.image_tag, base, pip_source, out=out)
         timings["image"] = time.monotonic() - start
         cp.run(cp.down_argv(compose, proj, volumes=True), capture=True, check=False)  # a former run's leftovers
-        print(f"==> smoke: project {name}, ps + {workers} workers, with {compose}", file=out, flush=True)
+        print(f"==> smoke: project {name}, {rd.describe(t)}, with {compose}", file=out, flush=True)
         start = time.monotonic()
         cp.run(cp.up_argv(compose, proj))
         expected = rd.service_names(t)
         finished = wait_exited(client, name, len(expected), timeout, out)
         timings["run"] = time.monotonic() - start
         states = [container_state(c.attrs) for c in _containers(client, name)]
-        ps_log = _log_text(client, name, rd.PS_SERVICE)
-        problems = judge(expected, states, parse_accuracy(ps_log), threshold)
+        rank0 = rd.rendezvous_service(t)
+        ps_log = _log_text(client, name, rank0)
+        problems = judge(expected, states, parse_accuracy(ps_log), threshold,
+                         who="the PS" if rank0 == rd.PS_SERVICE else rank0)
         if finished is None:
             problems.insert(0, f"not every container exited within {timeout:.0f} s")
         if problems:
@@ -245,6 +254,10 @@ def _services(tg: Target) -> list[str]:
 
 
 def _metrics_file(service: str) -> str:
+    """The metrics file a service writes: its name, but `ps<i>.jsonl` for a PS shard
+    `ps-shard<i>` (the app names files after RPC names)."""
+    if service.startswith("ps-shard"):
+        return f"ps{service.removeprefix('ps-shard')}.jsonl"
     return f"{service}.jsonl"
 
 
@@ -252,6 +265,7 @@ def read_metrics(client: Any, project: str, containers: list[Any]) -> dict[str, 
     """The lines of every metrics file in the project's /state volume, by file name.
     Read from a container of the project (running or stopped); after `down`, from a
     container created (never started) on the volume for the purpose."""
+    # The PS's container, else any (allreduce has no PS): they all mount the volume.
     source = next((c for c in containers if c.labels.get(cp.LABEL_SERVICE) == rd.PS_SERVICE),
                   containers[0] if containers else None)
     scratch = None
@@ -410,8 +424,8 @@ def parse_accuracy(log: str) -> Optional[float]:
 
 
 def judge(expected: list[str], states: list[dict[str, Any]], accuracy: Optional[float],
-          threshold: float) -> list[str]:
-    """What went wrong in a smoke run (empty: it passed)."""
+          threshold: float, who: str = "the PS") -> list[str]:
+    """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
     problems = []
     by_service = {s["service"]: s for s in states}
     for service in expected:
@@ -425,7 +439,7 @@ def judge(expected: list[str], states: list[dict[str, Any]], accuracy: Optional[
         elif s["restarts"]:
             problems.append(f"{service}: restarted {s['restarts']} time(s)")
     if accuracy is None:
-        problems.append("the PS printed no `Accuracy:` line")
+        problems.append(f"{who} printed no `Accuracy:` line")
     elif accuracy < threshold:
-        problems.append(f"the PS's Accuracy {accuracy:.4f} < {threshold:.2f}")
+        problems.append(f"{who}'s Accuracy {accuracy:.4f} < {threshold:.2f}")
     return problems

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from orchestrator import UsageError
-from orchestrator.render import app_environment, service_names
+from orchestrator.render import PS_SERVICE, app_environment, describe, service_names
 from orchestrator.topology import Topology, TopologyError
 
 LOCALHOST = "127.0.0.1"
@@ -54,12 +54,17 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
 
 
 def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable) -> list[ProcessSpec]:
-    """One process per service, in rank order (the PS first)."""
-    return [
-        ProcessSpec(name, [python, "-m", "app", "ps" if rank == 0 else "worker"],
-                    local_environment(t, rank, port=port, run_dir=run_dir, ifname=ifname))
-        for rank, name in enumerate(service_names(t))
-    ]
+    """One process per service, in rank order (the PS first; for allreduce, no PS and
+    worker1, DDP rank 0, first)."""
+    specs = []
+    for name in service_names(t):
+        shard = int(name.removeprefix("ps-shard")) if name.startswith("ps-shard") else 0  # ps.shards
+        rank = 0 if name == PS_SERVICE or shard else int(name.removeprefix("worker"))
+        env = local_environment(t, rank, port=port, run_dir=run_dir, ifname=ifname)
+        if shard:
+            env["PSC_SHARD"] = str(shard)
+        specs.append(ProcessSpec(name, [python, "-m", "app", "ps" if rank == 0 else "worker"], env))
+    return specs
 
 
 def check_host(t: Topology, source: str) -> None:
@@ -92,7 +97,7 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
     except OSError as e:
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
     specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname())
-    print(f"local: {t.name}: ps + {t.workers.count} workers on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, "
+    print(f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, "
           f"state in {run_dir}/", flush=True)
     return Supervisor(specs, keep_going=keep_going).run()
 

@@ -5,7 +5,11 @@ and touches nothing. `dump(doc)` turns it into YAML bytes that depend only on
 the document. `write_atomic` is the one function here that touches the disk.
 
 The names the container adapter relies on are the constants below and
-`project_name` / `service_names`.
+`project_name` / `service_names` / `rendezvous_service`.
+
+Strategy `allreduce` (a DDP job, app/ddp.py) has no PS: services worker1..N
+only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
+checkpoints.
 """
 
 from __future__ import annotations
@@ -54,9 +58,35 @@ def worker_service(rank: int) -> str:
     return f"worker{rank}"
 
 
+def has_ps(t: Topology) -> bool:
+    """Every strategy but allreduce runs a PS."""
+    return t.train.strategy != "allreduce"
+
+
+def rendezvous_service(t: Topology) -> str:
+    """The service that hosts rank 0 and the rendezvous (PSC_MASTER_ADDR): `ps`, or
+    `worker1` for allreduce. It prints the job's final `Accuracy:` and `Time:`."""
+    return PS_SERVICE if has_ps(t) else worker_service(1)
+
+
+def shard_service(index: int) -> str:
+    """The PS shard `index` >= 1 (`ps.shards`); the PS itself is shard 0."""
+    return f"ps-shard{index}"
+
+
 def service_names(t: Topology) -> list[str]:
-    """`ps`, then `worker1..workerN`, in rank order."""
-    return [PS_SERVICE] + [worker_service(r) for r in range(1, t.workers.count + 1)]
+    """`ps` (unless allreduce) and its shards `ps-shard1..`, then `worker1..workerN`, in rank order."""
+    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
+    shards = [shard_service(i) for i in range(1, t.ps.shards)]
+    return [PS_SERVICE] + shards + workers if has_ps(t) else workers
+
+
+def describe(t: Topology) -> str:
+    """`ps + 3 workers`, or `3 workers (allreduce, no ps)`, for the verbs' messages."""
+    if has_ps(t):
+        shards = f" + {t.ps.shards - 1} shard{'s' * (t.ps.shards > 2)}" if t.ps.shards > 1 else ""
+        return f"ps{shards} + {t.workers.count} workers"
+    return f"{t.workers.count} workers (allreduce, no ps)"
 
 
 def app_environment(
@@ -114,12 +144,16 @@ def app_environment(
         "PSC_METRICS_DIR": metrics_dir,
         "TP_SOCKET_IFNAME": ifname,
     })
+    if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
+        env["PSC_SHARDS"] = str(t.ps.shards)
     return env
 
 
 def render(t: Topology) -> dict[str, Any]:
     """The whole compose document for `t` (pure: no I/O)."""
-    services = {PS_SERVICE: _ps(t)}
+    services = {PS_SERVICE: _ps(t)} if has_ps(t) else {}
+    for index in range(1, t.ps.shards if has_ps(t) else 1):
+        services[shard_service(index)] = _shard(t, index)
     for rank in range(1, t.workers.count + 1):
         services[worker_service(rank)] = _worker(t, rank)
     return {
@@ -130,14 +164,7 @@ def render(t: Topology) -> dict[str, Any]:
 
 
 def _ps(t: Topology) -> dict[str, Any]:
-    svc = _common(t, 0, "ps", t.ps.shm_size, t.ps_gpu())
-    # Only the PS builds: the workers use the image it tags (`docker compose build`
-    # builds once; compose does not try to pull an image another service builds).
-    svc = {
-        "image": svc.pop("image"),
-        "build": {"context": ".", "dockerfile": DOCKERFILE, "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source}},
-        **svc,
-    }
+    svc = _builds(t, _common(t, 0, "ps", t.ps.shm_size, t.ps_gpu()))
     svc["healthcheck"] = dict(HEALTHCHECK)
     # Time to write a checkpoint on SIGTERM before compose sends SIGKILL.
     svc["stop_grace_period"] = "30s"
@@ -148,9 +175,41 @@ def _ps(t: Topology) -> dict[str, Any]:
     return svc
 
 
+def _shard(t: Topology, index: int) -> dict[str, Any]:
+    """PS shard `index`: the PS's image and environment, its own slice of the model."""
+    svc = _common(t, 0, "ps", t.ps.shm_size, t.ps_gpu())
+    svc["environment"]["PSC_SHARD"] = str(index)
+    svc["depends_on"] = {PS_SERVICE: {"condition": "service_healthy"}}
+    svc["stop_grace_period"] = "30s"  # it checkpoints its slice on SIGTERM
+    svc["restart"] = "on-failure"
+    return svc
+
+
+def _builds(t: Topology, svc: dict[str, Any]) -> dict[str, Any]:
+    """`svc` with the image's `build`. Only rank 0 builds: the others use the image it
+    tags (`docker compose build` builds once; compose does not try to pull an image
+    another service builds)."""
+    return {
+        "image": svc.pop("image"),
+        "build": {"context": ".", "dockerfile": DOCKERFILE, "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source}},
+        **svc,
+    }
+
+
 def _worker(t: Topology, rank: int) -> dict[str, Any]:
     svc = _common(t, rank, "worker", t.workers.shm_size, t.worker_gpus()[rank - 1] if t.cuda else None)
-    svc["depends_on"] = {PS_SERVICE: {"condition": "service_healthy"}}
+    if has_ps(t):
+        svc["depends_on"] = {PS_SERVICE: {"condition": "service_healthy"}}
+    elif rank == 1:
+        # Rank 0 of the DDP job: it hosts the rendezvous and writes the checkpoints.
+        svc = _builds(t, svc)
+        if t.network.publish_rpc_port:
+            svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]
+    else:
+        # No healthcheck to wait for: the rendezvous waits (up to rpc_timeout) for all.
+        svc["depends_on"] = {worker_service(1): {"condition": "service_started"}}
+    # A lost peer fails every rank's step: each exits 1, comes back, and the job
+    # resumes from rank 0's newest checkpoint.
     svc["restart"] = "on-failure"
     return svc
 
@@ -158,7 +217,7 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
 def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optional[int]) -> dict[str, Any]:
     env = app_environment(
         t, rank,
-        master_addr=PS_SERVICE, master_port=t.ps.rpc_port,
+        master_addr=rendezvous_service(t), master_port=t.ps.rpc_port,
         data_dir=DATA_DIR, checkpoint_dir=CHECKPOINT_DIR, metrics_dir=METRICS_DIR,
         ifname=t.network.ifname,
     )
@@ -198,8 +257,11 @@ def security_warnings(t: Topology) -> list[str]:
     out = []
     if t.network.publish_rpc_port:
         out.append(
-            f"network.publish_rpc_port: the PS's port {t.ps.rpc_port} is published on every host address; "
-            "PyTorch RPC has no authentication (whoever reaches it can run code): firewall it"
+            f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_service(1)}'s port {t.ps.rpc_port} "
+            "is published on every host address; "
+            + ("PyTorch RPC has no authentication (whoever reaches it can run code)" if has_ps(t)
+               else "the DDP rendezvous (a c10d TCPStore) has no authentication")
+            + ": firewall it"
         )
     return out
 

@@ -18,6 +18,7 @@ topology and rewrites what Swarm does differently (facts checked on Docker
   apply: Swarm picks a free GPU of the node;
 - `endpoint_mode: dnsrr`: `ps` resolves to the PS task's own address (the
   overlay's virtual-IP routing fails on some kernels, and the PS is one task);
+  the same for `worker1`, the rendezvous of strategy allreduce (no PS);
 - no healthcheck: nothing waits on it without `depends_on`, a task's name
   resolves only once it is healthy (the PS resolves its own name to join), and
   Swarm kills a task that turns unhealthy (a PS still loading a big dataset);
@@ -62,7 +63,7 @@ def render(t: Topology, *, data_root: str) -> dict[str, Any]:
     services = {}
     for name, svc in doc["services"].items():
         rank = int(svc["labels"][rd.LABEL_RANK])
-        services[name] = _service(t, svc, rank, data_root)
+        services[name] = _service(t, svc, rank, data_root, name == rd.rendezvous_service(t))
     return {
         "version": STACK_VERSION,
         "services": services,
@@ -71,7 +72,8 @@ def render(t: Topology, *, data_root: str) -> dict[str, Any]:
     }
 
 
-def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str) -> dict[str, Any]:
+def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str,
+             rendezvous: bool) -> dict[str, Any]:
     svc = {k: v for k, v in compose_svc.items() if k not in _NOT_IN_SWARM}
     shm = compose_svc["shm_size"]
     svc["volumes"] = [_absolute(v, data_root) for v in svc["volumes"]] + [
@@ -93,7 +95,7 @@ def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str
             {"discrete_resource_spec": {"kind": t.swarm.gpu_resource, "value": 1}},
         ]}}
     svc["deploy"] = deploy
-    if rank == 0 and t.network.publish_rpc_port:
+    if rendezvous and t.network.publish_rpc_port:
         svc["ports"] = [{"target": t.ps.rpc_port, "published": t.ps.rpc_port, "protocol": "tcp", "mode": "host"}]
     return svc
 

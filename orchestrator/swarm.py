@@ -42,9 +42,10 @@ def render_text(t: Topology) -> str:
     return rs.dump(rs.render(t, data_root=str(cl.ROOT)), t.name)
 
 
-def _topology(config: str, workers: Optional[int]) -> Topology:
+def _topology(config: str, workers: Optional[int], strategy: Optional[str] = None) -> Topology:
     t = load(config)
-    return t.with_workers(workers) if workers is not None else t
+    t = t.with_workers(workers) if workers is not None else t
+    return t.with_strategy(strategy) if strategy is not None else t
 
 
 def _stack(config: Optional[str], workers: Optional[int], stack: Optional[str]) -> str:
@@ -73,7 +74,7 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
     else:
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
-    print(f"==> deploying stack {name}: ps + {t.workers.count} workers", file=out, flush=True)
+    print(f"==> deploying stack {name}: {rd.describe(t)}", file=out, flush=True)
     r = cp.run(st.deploy_argv(name, str(path)), capture=True)
     ignored = st.ignored_options(r.stdout + r.stderr)
     for line in ignored:
@@ -82,8 +83,9 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
 
 
 @cl.engine_errors
-def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout) -> int:
-    t = _topology(config, workers)
+def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
+             strategy: Optional[str] = None) -> int:
+    t = _topology(config, workers, strategy)
     client = images.client()
     checks = doctor.run_checks(t, "swarm", doctor.gather(t, "swarm", client=client))
     doctor.stop_on_problems(checks, config, "", target="swarm")
@@ -216,9 +218,10 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
         states = wait_done(client, name, expected, timeout, out)
         timings["run"] = time.monotonic() - start
         final = states if states is not None else st.states(client, name)
-        ps_log = st.service_log(client, name, rd.PS_SERVICE)
-        accuracy = cl.parse_accuracy(ps_log)
-        problems = cl.judge(expected, list(final.values()), accuracy, threshold)
+        rank0 = rd.rendezvous_service(t)
+        accuracy = cl.parse_accuracy(st.service_log(client, name, rank0))
+        problems = cl.judge(expected, list(final.values()), accuracy, threshold,
+                            who="the PS" if rank0 == rd.PS_SERVICE else rank0)
         if states is None:
             problems.insert(0, f"not every task ended within {timeout:.0f} s")
         problems += [f"docker stack deploy: {line}" for line in ignored]

@@ -1,7 +1,7 @@
 """The typed topology: one pydantic model per section of configs/*.yaml.
 
 `load(path)` reads, parses and validates a file; `Topology.with_workers(n)`
-applies the `--workers` override. Every problem raises one `TopologyError`
+and `Topology.with_strategy(name)` apply the `--workers` and `--strategy` overrides. Every problem raises one `TopologyError`
 whose message is a single line: the file, the YAML path of the field, the
 value found and what is allowed, e.g.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
@@ -145,6 +145,8 @@ class PS(_Section):
     """Seconds for every RPC and every wait, in every process."""
     join_timeout: int = Field(default=300, gt=0)
     """Seconds the PS waits for a missing worker to join or rejoin before it ends without it."""
+    shards: int = Field(default=1, ge=1, le=8)
+    """PS processes the model's state is split across (services ps, ps-shard1..); helps when they sit on several hosts or NICs."""
 
 
 class Workers(_Section):
@@ -200,6 +202,9 @@ class Swarm(_Section):
         if not _RESOURCE_KIND.match(v):
             raise ValueError("must be a resource kind like gpu or NVIDIA-GPU")
         return v
+
+
+STRATEGIES: tuple[str, ...] = get_args(Train.model_fields["strategy"].annotation)
 
 
 class Topology(_Section):
@@ -261,6 +266,14 @@ class Topology(_Section):
         check(t, source)
         return t
 
+    def with_strategy(self, name: str, source: str = "--strategy") -> Topology:
+        """The same topology trained with strategy `name` (`--strategy`), validated again."""
+        if name not in STRATEGIES:
+            raise TopologyError(source, "train.strategy", f"got {name!r}; must be one of {', '.join(STRATEGIES)}")
+        t = self.model_copy(update={"train": self.train.model_copy(update={"strategy": name})})
+        check(t, source)
+        return t
+
 
 def check(t: Topology, source: str) -> None:
     """The checks that span fields (pydantic has checked each field)."""
@@ -277,6 +290,9 @@ def check(t: Topology, source: str) -> None:
     if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
         raise TopologyError(source, "train.overlap", f"got True; allowed only with strategy async or ssp "
                             f"({t.train.strategy} waits for every worker's gradient each step)")
+    if t.ps.shards > 1 and t.train.strategy == "allreduce":
+        raise TopologyError(source, "ps.shards", f"got {t.ps.shards}; allowed only with a parameter server "
+                            "(strategy async, sync or ssp); allreduce has none")
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(

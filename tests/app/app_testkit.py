@@ -42,13 +42,15 @@ class Process:
 
 
 def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
-                delays: dict[str, float] | None = None) -> dict[str, Process]:
-    """Start `ps` and `worker1..N` on 127.0.0.1 (`delays`: seconds to wait before starting
-    that process); wait for all, killing every one at `timeout`."""
+                delays: dict[str, float] | None = None, shards: int = 1) -> dict[str, Process]:
+    """Start `ps`, its shards `ps1..ps<shards-1>` and `worker1..N` on 127.0.0.1 (`delays`:
+    seconds to wait before starting that process); wait for all, killing every one at `timeout`.
+    `args` must hold `--shards` when `shards` > 1."""
     common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1",
               "--master_port", str(free_port()), "--metrics_dir", str(tmp_path / "metrics"),
               "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
-    roles = {"ps": ["ps"]} | {f"worker{r}": ["worker", "--rank", str(r)] for r in range(1, workers + 1)}
+    roles = {"ps": ["ps"]} | {f"ps{i}": ["ps", "--shard", str(i)] for i in range(1, shards)} \
+        | {f"worker{r}": ["worker", "--rank", str(r)] for r in range(1, workers + 1)}
     procs = {}
     for name, role in roles.items():
         time.sleep((delays or {}).get(name, 0.0))

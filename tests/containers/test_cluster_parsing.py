@@ -130,3 +130,8 @@ def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "current.json").read_text())["config"] == "configs/cpu-smoke.yaml"
     # An explicit -c wins over the last `up`.
     assert cl.target("configs/default.yaml", None).project.name == "resnet18-imagenette"
+
+
+def test_status_reads_a_ps_shards_metrics_under_its_rpc_name():
+    from orchestrator.cluster import _metrics_file
+    assert [_metrics_file(s) for s in ("ps", "ps-shard2", "worker3")] == ["ps.jsonl", "ps2.jsonl", "worker3.jsonl"]

@@ -1,0 +1,275 @@
+"""`python -m app check`: the cluster's connectivity check (seed 004's message passing).
+
+Every rank 0..world_size-1 runs it. Rank 0 hosts a TCPStore at
+master_addr:master_port; every other rank connects and registers its name,
+host and address. Rank 0 waits up to `rpc_timeout` seconds; a rank that never
+registered fails the check with one line naming it. Then a plain Gloo process
+group over that store (no RPC, no TensorPipe): rank 0 sends the seed's
+`tensor([42.])` and an 8 MiB tensor to each rank in turn, the rank sends them
+back, rank 0 checks they came back unchanged and prints one line per rank:
+name, host, address, round-trip times and GB/s (bytes both ways / round trip).
+
+Rank names are the cluster's process names: `ps`, the PS's shards
+`ps-shard1..` (`--shards`), `worker1..N`; with strategy `allreduce` there is
+no PS and rank r is `worker<r+1>`.
+
+Exit status: 0 passed; 1 failed (one line on stderr starting `check failed:`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from app import runtime
+from app.config import Config
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+SMALL = torch.tensor([42.0])  # seed 004's message
+LARGE_BYTES = 8 << 20
+SMALL_REPS = 5  # round trips per size (after one warm-up); the median is reported
+LARGE_REPS = 3
+POLL = 0.05
+ACK_WAIT = 3.0  # how long rank 0 keeps the store up for the others to read its verdict
+
+KEY_CLAIM = "check/claim/{rank}"
+KEY_RANK = "check/rank/{rank}"
+KEY_VERDICT = "check/verdict"
+KEY_DONE = "check/done"
+
+
+class CheckFailed(Exception):
+    """The check failed: the message is the one line printed after `check failed: `."""
+
+
+@dataclass(frozen=True)
+class Member:
+    rank: int
+    name: str
+    host: str
+    addr: str
+
+    def label(self) -> str:
+        return f"{self.name} (rank {self.rank})"
+
+
+def rank_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
+    """The cluster's process names in rank order (the compose service names): `ps`, its
+    shards `ps-shard1..`, then the workers."""
+    if strategy == "allreduce":
+        return [f"worker{r + 1}" for r in range(world_size)]
+    ps = ["ps"] + [f"ps-shard{i}" for i in range(1, shards)]
+    return ps + [f"worker{r}" for r in range(1, world_size - len(ps) + 1)]
+
+
+def local_addr(master_addr: str, port: int) -> str:
+    """The address this host uses to reach `master_addr` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "?"
+
+
+def set_gloo_interface(config: Config) -> None:
+    """Gloo binds to GLOO_SOCKET_IFNAME: the loopback for a loopback master, else TP_SOCKET_IFNAME (eth0)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    if config.master_addr in LOOPBACK:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    elif os.environ.get("TP_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"]
+
+
+def run(config: Config) -> int:
+    """Run the check as `config.rank` and end the process with its exit status (at
+    once: the interpreter's teardown of torch takes seconds, longer than the check)."""
+    status = _run(config)
+    runtime.exit_now(status)
+    return status
+
+
+def _run(config: Config) -> int:
+    names = rank_names(config.world_size, config.strategy, config.shards)
+    me = Member(config.rank, names[config.rank], socket.gethostname(),
+                local_addr(config.master_addr, config.master_port))
+    set_gloo_interface(config)
+    try:
+        if config.rank == 0:
+            _rank0(config, names, me)
+        else:
+            _other(config, names, me)
+    except CheckFailed as error:
+        print(f"check failed: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _where(config: Config) -> str:
+    return f"{config.master_addr}:{config.master_port}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# --- rank 0 ----------------------------------------------------------------
+
+def _rank0(config: Config, names: list[str], me: Member) -> None:
+    start = time.monotonic()
+    timeout = timedelta(seconds=config.rpc_timeout)
+    try:
+        store = dist.TCPStore("127.0.0.1", config.master_port, None, True, timeout, wait_for_workers=False)
+    except Exception as error:  # noqa: BLE001 - port taken, no permission...
+        raise CheckFailed(f"{me.label()} cannot host the store on port {config.master_port}: "
+                          f"{_first_line(error)}") from None
+    print(f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
+          f"at {_where(config)} (at most {config.rpc_timeout:g} s)", flush=True)
+    members = _wait_registered(store, config, names)
+    missing = [r for r in range(1, config.world_size) if r not in members]
+    if missing:
+        who = ", ".join(f"{names[r]} (rank {r})" for r in missing)
+        message = (f"{who} did not reach {_where(config)} within {config.rpc_timeout:g} s "
+                   f"({len(members) + 1} of {config.world_size} ranks registered)")
+        _abort(store, message, registered=len(members))
+        raise CheckFailed(message)
+    print(f"check: all {config.world_size} ranks registered in {time.monotonic() - start:.2f} s", flush=True)
+    store.set(KEY_VERDICT, "go")
+    _init_group(store, config, me)
+    large = torch.arange(LARGE_BYTES // 4, dtype=torch.float32)
+    print(f"check: round trips from {me.name} over gloo (median of {SMALL_REPS} for 4 B, "
+          f"of {LARGE_REPS} for {LARGE_BYTES >> 20} MiB; GB/s = bytes both ways / round trip):", flush=True)
+    for rank in range(1, config.world_size):
+        m = members[rank]
+        try:
+            small_ms = _round_trips(SMALL, rank, SMALL_REPS)
+            large_ms = _round_trips(large, rank, LARGE_REPS)
+        except CheckFailed as error:
+            raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - gloo: connection reset, timeout
+            raise CheckFailed(f"no round trip with {m.label()} on {m.host} {m.addr}: "
+                              f"{_first_line(error)}") from None
+        gbps = 2 * LARGE_BYTES / (large_ms / 1e3) / 1e9
+        print(f"check: {m.name:<8} rank {rank:<2} host {m.host} {m.addr}: 4 B {small_ms:.2f} ms, "
+              f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s", flush=True)
+    _wait_count(store, KEY_DONE, config.world_size - 1, ACK_WAIT)
+    print(f"check passed: {config.world_size} ranks, every tensor came back unchanged "
+          f"({time.monotonic() - start:.1f} s)", flush=True)
+
+
+def _wait_registered(store: dist.TCPStore, config: Config, names: list[str]) -> dict[int, Member]:
+    deadline = time.monotonic() + config.rpc_timeout
+    members: dict[int, Member] = {}
+    while True:
+        for rank in range(1, config.world_size):
+            key = KEY_RANK.format(rank=rank)
+            if rank not in members and store.check([key]):
+                info = json.loads(store.get(key))
+                members[rank] = Member(rank, names[rank], info["host"], info["addr"])
+        if len(members) == config.world_size - 1 or time.monotonic() >= deadline:
+            return members
+        time.sleep(POLL)
+
+
+def _abort(store: dist.TCPStore, message: str, registered: int) -> None:
+    """Tell the ranks that did register, and give them a moment to read it."""
+    store.set(KEY_VERDICT, "abort: " + message)
+    _wait_count(store, KEY_DONE, registered, ACK_WAIT)
+
+
+def _wait_count(store: dist.TCPStore, key: str, count: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(POLL)
+
+
+def _round_trips(tensor: torch.Tensor, rank: int, reps: int) -> float:
+    """Median round trip in ms of `tensor` to `rank` and back (after one warm-up)."""
+    back = torch.empty_like(tensor)
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        dist.send(tensor, dst=rank)
+        dist.recv(back, src=rank)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+        if not torch.equal(back, tensor):
+            raise CheckFailed(f"the {tensor.numel() * 4} B tensor came back changed")
+    return statistics.median(times)
+
+
+# --- ranks 1..N -------------------------------------------------------------
+
+def _reach(config: Config, names: list[str], me: Member) -> None:
+    """Wait until rank 0's port accepts a TCP connection (plain sockets: a clear reason
+    when it never does, and none of c10d's retry logs); CheckFailed at rpc_timeout."""
+    deadline = time.monotonic() + config.rpc_timeout
+    while True:
+        try:
+            with socket.create_connection((config.master_addr, config.master_port),
+                                          timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            reason = (f"cannot resolve {config.master_addr}" if isinstance(error, socket.gaierror)
+                      else error.strerror or str(error) or type(error).__name__)
+        if time.monotonic() + 0.2 >= deadline:
+            raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
+                              f"within {config.rpc_timeout:g} s: {reason}")
+        time.sleep(0.2)
+
+
+def _other(config: Config, names: list[str], me: Member) -> None:
+    timeout = timedelta(seconds=config.rpc_timeout)
+    _reach(config, names, me)
+    try:
+        store = dist.TCPStore(config.master_addr, config.master_port, None, False, timeout)
+    except Exception as error:  # noqa: BLE001 - refused, unknown host, timeout
+        raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
+                          f"within {config.rpc_timeout:g} s: {_first_line(error)}") from None
+    if store.add(KEY_CLAIM.format(rank=me.rank), 1) > 1:
+        raise CheckFailed(f"{me.label()}: another process already registered as rank {me.rank}")
+    store.set(KEY_RANK.format(rank=me.rank), json.dumps({"host": me.host, "addr": me.addr}))
+    # Rank 0 decides within rpc_timeout of its start; it may have started after us.
+    try:
+        store.wait([KEY_VERDICT], timedelta(seconds=2 * config.rpc_timeout + 5))
+        verdict = store.get(KEY_VERDICT).decode()
+    except Exception as error:  # noqa: BLE001
+        raise CheckFailed(f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: "
+                          f"{_first_line(error)}") from None
+    if verdict != "go":
+        store.add(KEY_DONE, 1)
+        raise CheckFailed(f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: '):]}")
+    _init_group(store, config, me)
+    large = torch.empty(LARGE_BYTES // 4, dtype=torch.float32)
+    small = torch.empty_like(SMALL)
+    try:
+        for buf, reps in ((small, SMALL_REPS), (large, LARGE_REPS)):
+            for _ in range(reps + 1):
+                dist.recv(buf, src=0)
+                dist.send(buf, dst=0)
+    except Exception as error:  # noqa: BLE001
+        raise CheckFailed(f"{me.label()}: exchange with {names[0]} (rank 0) broke: {_first_line(error)}") from None
+    print(f"check: {me.label()} on {me.host} {me.addr} received {small} from {names[0]} "
+          f"and sent back both tensors", flush=True)
+    store.add(KEY_DONE, 1)
+
+
+def _init_group(store: dist.TCPStore, config: Config, me: Member) -> None:
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("check/pg", store), rank=me.rank,
+                                world_size=config.world_size, timeout=timedelta(seconds=config.rpc_timeout))
+    except Exception as error:  # noqa: BLE001
+        raise CheckFailed(f"{me.label()}: the gloo group did not form: {_first_line(error)}") from None

@@ -1,0 +1,403 @@
+"""`--strategy allreduce`: the workers train one model with DistributedDataParallel; no PS.
+
+Seed 002's job: a DistributedSampler with `set_epoch`, gradients averaged by
+DDP's allreduce, rank-0 checkpoints, Gloo on CPU and NCCL on GPU. The world is
+the workers alone: DDP rank = --rank - 1 and world size = --world_size - 1 (the
+config counts a PS slot), rendezvous at --master_addr:--master_port (worker1's
+service in compose). Under torchrun, its RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT (and LOCAL_RANK) win.
+
+    rendezvous (init_process_group, bounded by --rpc_timeout)
+    rank 0 resumes from its newest good checkpoint; DDP broadcasts rank 0's
+        parameters, rank 0 broadcasts the optimizer state and the progress
+    each epoch: set_epoch; forward, backward (DDP averages the gradients), SGD step;
+        rank 0 evaluates every --eval_every steps, checkpoints every --checkpoint_every
+    rank 0: the last checkpoint, final.pt, `Accuracy:` and `Time:`
+
+A peer that dies fails the step's allreduce on every other rank: one error line,
+exit 1. Compose restarts the containers (`restart: on-failure`) and the job
+resumes from rank 0's newest checkpoint (written on the way out, too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from app import data, models, runtime
+from app.config import Config, UsageError
+from app.metrics import MetricsWriter
+from app.runtime import choose_device, progress
+from app.serve import Checkpointer
+from app.worker import DataUnavailable
+
+log = logging.getLogger("app.ddp")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class PeerLost(RuntimeError):
+    """A collective failed: another rank died, or did not answer within --rpc_timeout."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the DDP job."""
+
+    rank: int        # 0..size-1; rank 0 is worker1
+    size: int        # the number of workers
+    addr: str
+    port: int
+    local_rank: int  # torchrun's LOCAL_RANK: the GPU of this process on a multi-GPU node
+    torchrun: bool   # the rendezvous comes from torchrun's environment (init_method env://)
+
+
+def world_of(config: Config, env: Mapping[str, str]) -> World:
+    """torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT when all are set, else the config's."""
+    if all(env.get(k) for k in TORCHRUN_ENV):
+        try:
+            rank, size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+            local_rank = int(env.get("LOCAL_RANK") or 0)
+        except ValueError:
+            raise UsageError("torchrun's RANK, WORLD_SIZE, MASTER_PORT and LOCAL_RANK must be whole numbers, "
+                             f"got {', '.join(f'{k}={env.get(k)!r}' for k in (*TORCHRUN_ENV, 'LOCAL_RANK'))}") from None
+        if not 0 <= rank < size:
+            raise UsageError(f"RANK {rank} must be in 0..{size - 1} (WORLD_SIZE {size})")
+        return World(rank, size, env["MASTER_ADDR"], port, local_rank, True)
+    return World(config.rank - 1, config.num_trainers, config.master_addr, config.master_port, 0, False)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the job is: optimizer steps, the last batch done of `epoch`, samples of all ranks."""
+
+    step: int = 0
+    epoch: int = 1
+    batch: int = 0
+    samples: int = 0
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler (padded: every rank gets as many samples, so every rank takes
+    as many steps), which can also leave out an epoch's first `skip` indices: those a
+    resumed job trained on before it stopped."""
+
+    def __init__(self, dataset: Dataset, world: World, seed: int) -> None:
+        super().__init__(dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+
+class JobState:
+    """The model, optimizer and progress in the shape serve.Checkpointer saves and restores
+    (`version`, `checkpoint()`, `restore()`); tensors are written on CPU."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.progress = Progress()
+        self.finished = False
+
+    @property
+    def version(self) -> int:
+        return self.progress.step
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {
+            "version": self.progress.step,
+            "model": _to_cpu(self.module.state_dict()),
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            # Not per rank (the PS's shape): every rank of a DDP job is at the same place.
+            "progress": dataclasses.asdict(self.progress),
+            "finished": self.finished,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.progress = Progress(**state["progress"])
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """Accuracy and mean loss of `module` on the held-out split (what serve.Evaluator does)."""
+    module.eval()
+    correct, total, loss = 0, 0, 0.0
+    try:
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = module(x)
+            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(1) == y).sum().item())
+            total += len(y)
+    finally:
+        module.train()
+    return correct / total, loss / total
+
+
+class Trainer:
+    """The loop of one rank; rank 0 also evaluates and checkpoints (`rank0` is not None)."""
+
+    def __init__(self, config: Config, world: World, model: DistributedDataParallel,
+                 optimizer: torch.optim.Optimizer, state: JobState, loader: DataLoader,
+                 sampler: EpochSampler, device: torch.device, metrics: MetricsWriter,
+                 rank0: Optional[tuple[Checkpointer, DataLoader]]) -> None:
+        self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
+        self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
+        self.metrics, self.rank0 = metrics, rank0
+        self.loss_fn = nn.CrossEntropyLoss()
+        self._mark = (time.monotonic(), 0)  # (time, this rank's samples) at the last report
+        self._samples = 0
+
+    def train(self) -> None:
+        """From `state.progress` to the last epoch (or --max_steps)."""
+        self.model.train()
+        start = self.state.progress
+        for epoch in range(start.epoch, self.config.num_epochs + 1):
+            done = start.batch if epoch == start.epoch else 0  # batches already trained on
+            self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
+            for batch, (x, y) in enumerate(self.batches(), start=done + 1):
+                loss = self.step(x, y)
+                p = self.state.progress
+                self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
+                self._samples += len(y)
+                if batch % self.config.log_every == 0 or batch == len(self.loader):
+                    self.report(epoch, batch, loss)
+                self.rank0_duties()
+                if 0 < self.config.max_steps <= self.state.progress.step:
+                    return
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        iterator = iter(self.loader)
+        while True:
+            try:
+                yield next(iterator)
+            except StopIteration:
+                return
+            except OSError as error:
+                raise DataUnavailable(f"reading the data under {self.config.data_dir} failed "
+                                      f"(did it vanish?): {error}") from error
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        try:
+            loss.backward()
+        except RuntimeError as error:  # gloo/NCCL: a peer died or timed out
+            raise self.lost(error) from error
+        self.optimizer.step()
+        return loss.item()
+
+    def lost(self, error: BaseException) -> PeerLost:
+        return PeerLost(f"lost a peer of the allreduce job ({self.world.size} workers, rendezvous "
+                        f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
+                        f"{_reason(error)}")
+
+    def rank0_duties(self) -> None:
+        if self.rank0 is None:
+            return
+        checkpoints, held_out = self.rank0
+        step = self.state.progress.step
+        if step % self.config.eval_every == 0:
+            accuracy, loss = evaluate(self.model.module, held_out, self.device)
+            progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, step, accuracy)
+            self.metrics.write("eval", step, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                               samples=self.state.progress.samples)
+        if checkpoints.due():
+            checkpoints.save(f"every {self.config.checkpoint_every} steps")
+
+    def report(self, epoch: int, batch: int, loss: float) -> None:
+        now = time.monotonic()
+        then, samples_then = self._mark
+        rate = (self._samples - samples_then) / max(now - then, 1e-9)
+        self._mark = (now, self._samples)
+        progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
+        self.metrics.write("train", self.state.progress.step, epoch=epoch, batch=batch,
+                           loss=round(loss, 4), samples_per_s=round(rate, 1))
+
+
+def _reason(error: BaseException) -> str:
+    """The gist of a gloo/NCCL error: its first sentence, without the source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
+    return first.split(". ")[0]
+
+
+def rendezvous(world: World, device: torch.device, timeout: float) -> str:
+    """Join the process group (every rank waits for all); the backend's name."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # Gloo binds the interface of this host's name unless told; use TensorPipe's
+    # setting (the render's network.ifname, loopback for local runs).
+    if world.addr in runtime.LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif os.environ.get("TP_SOCKET_IFNAME"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["TP_SOCKET_IFNAME"])
+    init = "env://" if world.torchrun else f"tcp://{world.addr}:{world.port}"
+    where = f"{world.addr}:{world.port}"
+    with runtime.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
+        try:
+            dist.init_process_group(backend, init_method=init, rank=world.rank, world_size=world.size,
+                                    timeout=timedelta(seconds=timeout))
+        except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError...
+            raise PeerLost(f"the rendezvous of {world.size} workers at {where} failed "
+                           f"within --rpc_timeout {timeout:.0f} s: {_reason(error)}") from error
+    return backend
+
+
+def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> None:
+    """Rank 0 resumes from its checkpoint, then tells every rank where the job is and
+    the optimizer's state (DDP itself broadcasts rank 0's parameters and buffers)."""
+    if checkpoints is not None:
+        checkpoints.resume()
+    box: list[Any] = [None]
+    if checkpoints is not None:
+        box = [{"progress": dataclasses.asdict(state.progress),
+                "optimizer": _to_cpu(state.optimizer.state_dict())}]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if checkpoints is None:
+        state.progress = Progress(**box[0]["progress"])
+        state.optimizer.load_state_dict(box[0]["optimizer"])
+
+
+def compress_hook(name: str, backend: str) -> Any:
+    """DDP's fp16_compress_hook / bf16_compress_hook (registered with state None). torch's
+    bf16 hook refuses anything but NCCL, though Gloo reduces bfloat16: on Gloo, the same
+    hook written out (`bf16_gloo_hook`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if name == "fp16":
+        return default_hooks.fp16_compress_hook
+    return default_hooks.bf16_compress_hook if backend == "nccl" else bf16_gloo_hook
+
+
+def bf16_gloo_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """What bf16_compress_hook does: the bucket cast to bfloat16, divided by the world size,
+    allreduced, cast back into the bucket. (No annotations: register_comm_hook compares them
+    with the real classes, and this module's are strings.)"""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut):  # type: ignore[no-untyped-def]
+        return buffer.copy_(fut.value()[0])
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
+    """One rank of the DDP job: check input, rendezvous, (resume,) train, report, leave.
+    Raises on bad input or a failure; at the end the process exits 0 (see below)."""
+    world = world_of(config, os.environ if env is None else env)
+    # The rest of the app knows a worker by rank 1..N and a world with a PS slot.
+    config = dataclasses.replace(config, rank=world.rank + 1, world_size=world.size + 1,
+                                 master_addr=world.addr, master_port=world.port)
+    device = choose_device(config.device)
+    if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
+        device = torch.device(f"cuda:{world.local_rank}")  # torchrun, several GPUs per node
+        torch.cuda.set_device(device)
+    models.check(config.model)
+    runtime.set_threads(world.size)
+    train = data.load(config.dataset, config.data_dir, "train", config.seed)
+    sampler = EpochSampler(train.data, world, config.seed)
+    loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,  # type: ignore[arg-type]
+                               pin_memory=device.type == "cuda")
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed) if world.rank == 0 else None
+    log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
+             len(sampler), data.describe(train))
+    module = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
+    state = JobState(module, optimizer)
+
+    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
+        checkpoints = None
+        if world.rank == 0:
+            identity = dict(model_name=config.model, dataset=config.dataset, channels=train.channels,
+                            num_classes=train.num_classes, world_size=config.world_size, strategy="allreduce")
+            checkpoints = Checkpointer(state, config, identity, metrics)  # type: ignore[arg-type]
+        backend = rendezvous(world, device, config.rpc_timeout)
+        log.info("%s joined the allreduce job at %s:%d (%d workers, %s)", config.name, world.addr,
+                 world.port, world.size, backend)
+        start_state(state, checkpoints, device)
+        p = state.progress
+        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch)
+        model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        if config.compress != "none":
+            model.register_comm_hook(None, compress_hook(config.compress, backend))
+        rank0 = None
+        if checkpoints is not None and held_out is not None:
+            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, config.num_workers))
+        trainer = Trainer(config, world, model, optimizer, state, loader, sampler, device, metrics, rank0)
+        started = time.monotonic()
+        try:
+            trainer.train()
+        except BaseException:  # a lost peer, SIGTERM: keep what was learned (the last whole step)
+            if checkpoints is not None:
+                checkpoints.save("on exit")
+            raise
+        seconds = time.monotonic() - started
+        leave_together(world)
+        if rank0 is None:
+            metrics.write("end", state.progress.step, seconds=round(seconds, 2))
+        else:
+            finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
+    # Leave without tearing torch down: destroying DDP's Gloo process group can
+    # deadlock (seen in containers, torch 2.13: the main thread, holding the GIL,
+    # joins Gloo's run-loop thread, which needs the GIL to free its last work).
+    # Everything is written; the job ended for every rank (leave_together).
+    runtime.exit_now(0)
+    return 0
+
+
+def finish_rank0(state: JobState, checkpoints: Checkpointer, held_out: DataLoader, device: torch.device,
+                 metrics: MetricsWriter, eval_every: int, seconds: float) -> None:
+    """The last checkpoint (finished) and final.pt; the held-out accuracy, printed as the PS does."""
+    state.finished = True
+    checkpoints.final()
+    accuracy, loss = evaluate(state.module, held_out, device)
+    progress.info("Accuracy: %.4f", accuracy)
+    progress.info("Time: %.2f seconds", seconds)
+    p = state.progress
+    if p.step % eval_every:  # not evaluated at this step yet
+        metrics.write("eval", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=p.samples)
+    metrics.write("end", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), seconds=round(seconds, 2),
+                  samples=p.samples)
+
+
+def leave_together(world: World) -> None:
+    """A last barrier: every rank is past its last step before any of them exits
+    (an exit while a peer still reads from it would fail that peer's step)."""
+    try:
+        dist.barrier()
+    except RuntimeError as error:  # every step was done: the job's result stands
+        log.warning("rank %d: a peer left before the final barrier (%s); every step was done",
+                    world.rank, _reason(error))

@@ -1,0 +1,429 @@
+"""A parameter server sharded across K processes (`--shards K`): no process carries every byte.
+
+The state vector [params | float buffers] (app.flat) is cut into K contiguous,
+balanced slices (`bounds`). SGD with momentum is elementwise, so each shard
+applies to its slice exactly the update one PS would; buffers slice the same
+way. Every shard runs the same `ParameterServer` (`part=bounds[i]`) and
+strategy, and sees every worker's push of its slice.
+
+- Shard 0 is the main PS (`ps`, at master_addr): it starts the RPC group, holds
+  the store, admits and pings workers, evaluates and writes final.pt. It waits
+  for the K-1 other shards before it admits a worker (`ShardSet.join` answers
+  `wait`; workers wait for READY_KEY in the store before they even join the
+  RPC group, so they learn every shard's name), answers a join with the
+  shards' names and bounds, forwards worker drops to them, gathers their
+  slices to evaluate and for final.pt, and tells them when training ended.
+- Shard I>0 (`python -m app ps --shard I`, `serve_shard`) claims `ps<I>`
+  (`ps<I>_r2`, ... after a restart) through the store, joins the group (it
+  stays on the store's member list, so every later joiner learns it),
+  registers with the main PS, serves its slice, checkpoints it under
+  `<checkpoint_dir>/shard<I>/`, exits 0 when told training ended and 1 when
+  it loses the main PS.
+- A worker (`ShardedClient`) joins every shard, pushes each its slice (a
+  contiguous copy: TensorPipe sends a view's whole storage when the view is
+  more than half of it) in parallel and assembles the replies with one copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from app import checkpoint, data, membership, models, ps
+from app.config import Config, UsageError
+from app.flat import _float_buffers
+from app.metrics import MetricsWriter
+from app.roster import StaleIncarnation
+
+log = logging.getLogger("app.ps")
+MAIN = "ps"
+READY_KEY = "psc/shards_ready"
+PING_SECONDS = 1.0
+TICK_SECONDS = 0.25
+POLL_SECONDS = 0.1
+
+
+def bounds(size: int, k: int) -> list[tuple[int, int]]:
+    """K contiguous slices of range(size), lengths differing by at most one."""
+    if k < 1:
+        raise ValueError(f"{k} shards: must be at least 1")
+    step, extra = divmod(size, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + step + (i < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def state_size(model: nn.Module) -> int:
+    """Values in the model's state vector (app.flat): parameters and float buffers."""
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for _, _, b in _float_buffers(model))
+
+
+class MainPSLost(RuntimeError):
+    """A shard lost the main PS (it died, or did not answer within rpc_timeout)."""
+
+
+# --- the main PS's side ----------------------------------------------------------
+
+class ShardSet:
+    """On the main PS: the other shards, by index; readiness, gather, drops, end."""
+
+    def __init__(self, k: int, size: int, config: Config, record: Callable[..., None]) -> None:
+        self.k, self.size, self.timeout, self.record = k, size, config.rpc_timeout, record
+        self.address = (config.master_addr, config.master_port)
+        self._store: Any = None  # a client of this process's own store, as workers see it
+        self.bounds = bounds(size, k)
+        self.names: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._pinging: set[str] = set()
+        self._last_tick = 0.0
+        self._warned = False
+
+    def register(self, index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
+        """Shard `index` serves as `name`; an error line when it is not one of this job's."""
+        if k != self.k or not 1 <= index < self.k or tuple(part) != self.bounds[index]:
+            return (f"{name} (--shard {index} of --shards {k}, values {tuple(part)}) does not match the main "
+                    f"parameter server (--shards {self.k}, shard {index}: values "
+                    f"{self.bounds[index] if 1 <= index < self.k else 'none'})")
+        with self._lock:
+            old = self.names.get(index)
+            self.names[index] = name
+            ready = self.ready
+        log.info("shard %d (%s) registered, values %d..%d%s%s", index, name, *part,
+                 f", replacing {old}" if old and old != name else "",
+                 f"; all {self.k} shards are up" if ready else "")
+        self.record("shard", 0, shard=index, name=name)
+        if ready:
+            self._ready_key(True)
+        return None
+
+    def _ready_key(self, ready: bool) -> None:
+        """READY_KEY in the store (RPC's own keys carry a prefix, so through a plain client)."""
+        if self._store is None:
+            self._store = membership.connect(*self.address, self.timeout)
+        if ready:
+            self._store.set(READY_KEY, "1")
+        else:
+            self._store.delete_key(READY_KEY)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.names) == self.k - 1
+
+    def join(self, admit: Callable[[int, str], dict[str, Any]], rank: int, name: str) -> dict[str, Any]:
+        """A worker's join (app.liveness.Watch.join), once every shard is up; with the shards' names."""
+        with self._lock:
+            listing = [(self.names[i], *self.bounds[i]) for i in sorted(self.names)]
+        if len(listing) < self.k - 1:
+            return {"wait": f"the parameter server's shards are not all up ({len(listing)} of {self.k - 1})"}
+        answer = admit(rank, name)
+        if "taken" not in answer:
+            answer.update(part=self.bounds[0], shards=listing)
+        return answer
+
+    def _shards(self) -> list[tuple[int, str]]:
+        with self._lock:
+            return sorted(self.names.items())
+
+    def gather(self, own: torch.Tensor) -> torch.Tensor | None:
+        """The full state vector: `own` slice and every other shard's; None (one warning) when
+        a shard does not answer."""
+        full = torch.empty(self.size)
+        start, end = self.bounds[0]
+        full[start:end] = own
+        shards = self._shards()
+        if len(shards) < self.k - 1:
+            return self._skip("not every shard is up")
+        futures = [(i, name, rpc.rpc_async(name, ps.rpc_pull, args=(0,), timeout=self.timeout))
+                   for i, name in shards]
+        for i, name, future in futures:
+            try:
+                vector, _ = future.wait()
+            except Exception as error:  # noqa: BLE001 - any failure: that shard is gone or stuck
+                return self._skip(f"{name} did not answer ({_first_line(error)})")
+            start, end = self.bounds[i]
+            full[start:end] = vector
+        self._warned = False
+        return full
+
+    def _skip(self, why: str) -> None:
+        if not self._warned:
+            log.warning("cannot gather the shards' values: %s; skipping this evaluation", why)
+            self._warned = True
+        return None
+
+    def drop(self, rank: int, name: str) -> None:
+        """Forward a worker's drop, so no shard waits for it (sync rounds, ssp leads)."""
+        for _, shard in self._shards():
+            try:
+                future = rpc.rpc_async(shard, rpc_drop, args=(rank, name), timeout=self.timeout)
+                future.add_done_callback(_ignore)
+            except RuntimeError:
+                pass
+
+    def end(self, finished: bool) -> None:
+        """Training ended: every shard writes its last checkpoint and exits 0."""
+        for _, name in self._shards():
+            try:
+                rpc.rpc_sync(name, rpc_end, args=(finished,), timeout=self.timeout)
+            except Exception as error:  # noqa: BLE001
+                log.warning("could not tell %s that training ended: %s", name, _first_line(error))
+
+    def tick(self) -> None:
+        """Ping every shard (once a second); a lost one leaves the store's list, and workers
+        wait for its next process."""
+        now = time.monotonic()
+        if now - self._last_tick < PING_SECONDS:
+            return
+        self._last_tick = now
+        for index, name in self._shards():
+            with self._lock:
+                if name in self._pinging:
+                    continue
+                self._pinging.add(name)
+            future = rpc.rpc_async(name, membership.pong, timeout=self.timeout)
+            future.add_done_callback(lambda f, i=index, n=name: self._pinged(i, n, f))
+
+    def _pinged(self, index: int, name: str, future: Any) -> None:
+        try:
+            future.wait()
+        except Exception as error:  # noqa: BLE001
+            self._lost(index, name, _first_line(error))
+        finally:
+            with self._lock:
+                self._pinging.discard(name)
+
+    def _lost(self, index: int, name: str, why: str) -> None:
+        with self._lock:
+            if self.names.get(index) != name:
+                return
+            del self.names[index]
+        log.warning("lost shard %d (%s): %s; workers wait for its next process", index, name, why)
+        self.record("shard_lost", 0, shard=index, name=name, reason=why)
+        try:
+            self._ready_key(False)
+            membership.unlist([name], self.timeout)
+        except Exception as error:  # noqa: BLE001
+            log.warning("could not take %s off the store's member list: %s", name, _first_line(error))
+
+
+class _Main:
+    """Where `rpc_register` finds the main PS's ShardSet (set while it serves)."""
+
+    shards: ShardSet | None = None
+
+
+@contextmanager
+def main_serving(shards: ShardSet | None) -> Iterator[None]:
+    _Main.shards = shards
+    try:
+        yield
+    finally:
+        _Main.shards = None
+
+
+def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
+    """A shard announces itself to the main PS; an error line, or None."""
+    if _Main.shards is None:
+        return "the main parameter server runs with --shards 1"
+    return _Main.shards.register(index, name, k, part)
+
+
+# --- a shard's side --------------------------------------------------------------
+
+class _Ended:
+    event = threading.Event()
+    finished = False
+
+
+def rpc_drop(rank: int, name: str) -> bool:
+    return ps._ENDPOINT.get().drop(rank, name)
+
+
+def rpc_end(finished: bool) -> None:
+    _Ended.finished = finished
+    _Ended.event.set()
+
+
+def serve_shard(config: Config) -> int:
+    """Shard `config.shard` of `config.shards`: serve its slice until the main PS says the end."""
+    from app.serve import Checkpointer  # serve imports this module
+
+    index, k = config.shard, config.shards
+    models.check(config.model)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
+    model = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+    part = bounds(state_size(model), k)[index]
+    server = ps.ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
+                                strategy=config.strategy, staleness=config.staleness,
+                                staleness_lr=config.staleness_lr, part=part)
+    log.info("shard %d of %d: values %d..%d of %d (%d parameter values)", index, k, *part,
+             server.flat.size, server.num_params)
+    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
+                    num_classes=held_out.num_classes, world_size=config.world_size, shards=k, shard=index)
+    own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
+    address = f"{config.master_addr}:{config.master_port}"
+    _Ended.event.clear()
+    with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
+        checkpoints = Checkpointer(server, own, identity, metrics)
+        checkpoints.resume()
+        name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
+                                                       config.rpc_timeout)
+        from app.runtime import rpc_session
+        with ps._ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
+            try:
+                error = rpc.rpc_sync(MAIN, rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout)
+            except RuntimeError as lost:
+                raise MainPSLost(f"lost the main parameter server at {address}: {_first_line(lost)}") from None
+            if error:
+                raise UsageError(error)
+            try:
+                _serve_until_ended(server, checkpoints, config, address)
+            except BaseException:
+                checkpoints.save("on exit")
+                raise
+            state = {**server.checkpoint(), **identity, "finished": _Ended.finished}
+            path = checkpoint.save(state, own.checkpoint_dir)
+            log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
+        metrics.write("end", server.version, **server.stats())
+    return 0
+
+
+def _serve_until_ended(server: ps.ParameterServer, checkpoints: Any, config: Config, address: str) -> None:
+    last_ping = time.monotonic()
+    while not _Ended.event.is_set():
+        server.wait(checkpoints.next_version or server.version + (1 << 62), timeout=TICK_SECONDS)
+        server.unblock()
+        if time.monotonic() - last_ping >= PING_SECONDS and not _Ended.event.is_set():
+            try:
+                rpc.rpc_sync(MAIN, membership.pong, timeout=config.rpc_timeout)
+            except RuntimeError as error:
+                if _Ended.event.is_set():
+                    return
+                raise MainPSLost(f"lost the main parameter server at {address}: {_first_line(error)}") from None
+            last_ping = time.monotonic()
+        if checkpoints.due():
+            checkpoints.save("every %d updates" % config.checkpoint_every)
+
+
+# --- a worker's side -------------------------------------------------------------
+
+def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None:
+    """Before a worker joins the RPC group: until every shard has registered with the main PS
+    (so the join makes this process known to every shard, and them to it)."""
+    store = membership.connect(master_addr, master_port, timeout)
+    deadline = time.monotonic() + timeout
+    while not store.check([READY_KEY]):
+        if time.monotonic() > deadline:
+            raise membership.StoreUnreachable(
+                f"the parameter server at {master_addr}:{master_port} did not get all its shards "
+                f"within {timeout:.0f} s")
+        time.sleep(POLL_SECONDS)
+
+
+class ShardedClient:
+    """PSClient's interface over K PS processes; a version is a tuple, one per shard."""
+
+    def __init__(self, main: Any) -> None:  # an app.worker.PSClient
+        self.main = main
+        self.rank, self.name = main.rank, main.name
+        self.parts: list[tuple[str, int, int]] = []
+
+    def join(self) -> dict[str, Any]:
+        """Join every shard; the main PS's answer (the authority on progress) with the whole
+        vector and one version per shard."""
+        answer = self.main.join()
+        if "wait" in answer:  # a shard restarts: start again once it is back
+            raise self.main._lost(ps.rpc_join, RuntimeError(answer["wait"]))
+        self.parts = [(MAIN, *answer["part"])] + [tuple(s) for s in answer["shards"]]
+        slices, versions = [answer["vector"]], [answer["version"]]
+        for name, _, _ in self.parts[1:]:
+            got = self._call(name, ps.rpc_join, self.rank, self.name)
+            if "taken" in got:
+                raise UsageError(got["taken"])
+            slices.append(got["vector"])
+            versions.append(got["version"])
+        return {**answer, "vector": torch.cat(slices), "version": tuple(versions)}
+
+    def push(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
+             samples: int = 0) -> ps.Reply:
+        return self.push_async(message, version, epoch, batch, samples).wait()
+
+    def push_async(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
+                   samples: int = 0) -> "ShardedPush":
+        futures = []
+        for (name, start, end), pulled in zip(self.parts, version):
+            part = message[start:end].clone()  # contiguous: only its own bytes go on the wire
+            args = (self.rank, part, pulled, self.name, epoch, batch, samples)
+            try:
+                futures.append((name, rpc.rpc_async(name, ps.rpc_push, args=args,
+                                                    timeout=self.main.push_timeout)))
+            except RuntimeError as error:
+                raise self._lost(name, ps.rpc_push, error) from error
+        return ShardedPush(self, futures)
+
+    def finish(self, pushes: int) -> None:
+        """The other shards first: once the main PS hears the last finish, it ends them."""
+        for name, _, _ in self.parts[1:]:
+            self._call(name, ps.rpc_finish, self.rank, pushes, self.name)
+        self.main.finish(pushes)
+
+    def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)
+        except StaleIncarnation as error:
+            raise UsageError(_first_line(error)) from None
+        except RuntimeError as error:
+            raise self._lost(name, function, error) from error
+
+    def _lost(self, name: str, function: Callable[..., Any], error: BaseException) -> Exception:
+        if name == MAIN:
+            return self.main._lost(function, error)
+        from app.worker import PSUnreachable
+        return PSUnreachable(f"lost parameter server shard {name} (job at {self.main.address}) "
+                             f"during {function.__name__}: {_first_line(error)}")
+
+
+class ShardedPush:
+    """A push on the wire to every shard; `wait` gives one Reply for the whole vector
+    (staleness and lead: the main PS's)."""
+
+    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]]) -> None:
+        self.client, self.futures = client, futures
+
+    def wait(self) -> ps.Reply:
+        replies = []
+        for name, future in self.futures:
+            try:
+                replies.append(future.wait())
+            except StaleIncarnation as error:
+                raise UsageError(_first_line(error)) from None
+            except RuntimeError as error:
+                raise self.client._lost(name, ps.rpc_push, error) from error
+        vector = torch.cat([r.vector for r in replies])
+        return ps.Reply(vector, tuple(r.version for r in replies), replies[0].staleness, replies[0].lead)
+
+
+def _ignore(future: Any) -> None:
+    try:
+        future.wait()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("On WorkerInfo")]
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,221 @@
+"""Strategy allreduce (app/ddp.py): DDP workers, no PS. Units without processes,
+then 2 real processes on 127.0.0.1 (CPU, Gloo, the built-in CNN on digits)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from app import checkpoint, data, ddp, models
+from app.config import UsageError, parse
+from app.metrics import read
+
+from app_testkit import REPO, Process, app_env, free_port
+
+# As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
+EPOCHS, STEPS_PER_EPOCH = 10, 22
+STEPS = EPOCHS * STEPS_PER_EPOCH
+DIGITS = ["--strategy", "allreduce", "--model", "cnn", "--dataset", "digits", "--batch_size", "32",
+          "--lr", "0.1", "--num_epochs", str(EPOCHS), "--eval_every", "100", "--checkpoint_every", "100",
+          "--rpc_timeout", "30", "--seed", "1"]
+CAP_SECONDS = 90
+
+
+def config(*args: str, env: dict[str, str] | None = None):
+    return parse(["worker", "--strategy", "allreduce", *args], env or {})
+
+
+# --- units ------------------------------------------------------------------
+
+def test_world_is_the_workers_or_torchrun():
+    w = ddp.world_of(config("--rank", "3", "--world_size", "4", "--master_addr", "w1", "--master_port", "7"), {})
+    assert (w.rank, w.size, w.addr, w.port, w.torchrun) == (2, 3, "w1", 7, False)
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "LOCAL_RANK": "1"}
+    w = ddp.world_of(config(), env)
+    assert (w.rank, w.size, w.addr, w.port, w.local_rank, w.torchrun) == (1, 2, "10.0.0.1", 29400, 1, True)
+    assert ddp.world_of(config(), {"RANK": "1"}).torchrun is False  # only all four together
+    with pytest.raises(UsageError, match="RANK 2 must be in 0..1"):
+        ddp.world_of(config(), {**env, "RANK": "2"})
+
+
+def test_every_rank_takes_as_many_steps_and_a_resumed_epoch_skips_what_it_trained():
+    train = data.load("digits", "", "train", 0).data  # 1438 samples: not divisible by 3
+    worlds = [ddp.World(r, 3, "x", 1, 0, False) for r in range(3)]
+    samplers = [ddp.EpochSampler(train, w, seed=5) for w in worlds]
+    for s in samplers:
+        s.set_epoch(2)
+    orders = [list(s) for s in samplers]
+    assert len({len(o) for o in orders}) == 1 == len({len(s) for s in samplers})
+    assert set().union(*orders) == set(range(len(train)))  # together: the whole epoch
+    samplers[0].set_epoch(2, skip=64)
+    assert list(samplers[0]) == orders[0][64:]
+    samplers[0].set_epoch(3)
+    assert list(samplers[0]) != orders[0]  # set_epoch reshuffles
+
+
+def test_job_state_round_trips_through_a_verified_checkpoint(tmp_path):
+    model = models.build("cnn", 1, 10, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    opt.step()
+    state = ddp.JobState(model, opt)
+    state.progress = ddp.Progress(step=7, epoch=2, batch=3, samples=448)
+    path = checkpoint.save({**state.checkpoint(), "strategy": "allreduce"}, tmp_path)
+    loaded = checkpoint.verify(path)  # weights_only load: plain tensors and numbers
+    other = models.build("cnn", 1, 10, seed=1)
+    other_state = ddp.JobState(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    other_state.restore(loaded)
+    assert other_state.progress == state.progress and loaded["finished"] is False
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(other_state.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_compression_hooks():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    assert ddp.compress_hook("fp16", "gloo") is default_hooks.fp16_compress_hook
+    assert ddp.compress_hook("bf16", "nccl") is default_hooks.bf16_compress_hook
+    assert ddp.compress_hook("bf16", "gloo") is ddp.bf16_gloo_hook  # torch's refuses Gloo
+
+
+def test_evaluate_leaves_the_model_training():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.BatchNorm1d(10))
+    held_out = data.load("digits", "", "test", 0)
+    accuracy, loss = ddp.evaluate(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
+    assert 0 <= accuracy <= 1 and loss > 0 and model.training
+
+
+# --- processes ----------------------------------------------------------------
+
+def start(tmp_path: Path, workers: int, args: list[str], tag: str = "") -> dict[str, subprocess.Popen]:
+    common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
+    procs = {}
+    for rank in range(1, workers + 1):
+        name = f"worker{rank}"
+        with open(tmp_path / f"{name}{tag}.out", "w") as out, open(tmp_path / f"{name}{tag}.err", "w") as err:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "app", "worker", "--rank", str(rank), *common],
+                                           stdout=out, stderr=err, env=app_env(), cwd=REPO)
+    return procs
+
+
+def finish(tmp_path: Path, procs: dict[str, subprocess.Popen], timeout: float, tag: str = "") -> dict[str, Process]:
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the DDP job did not finish within {timeout} s")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {n: Process(n, p.returncode, (tmp_path / f"{n}{tag}.out").read_text(), (tmp_path / f"{n}{tag}.err").read_text())
+            for n, p in procs.items()}
+
+
+def final_accuracy(stdout: str) -> float:
+    lines = [line for line in stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert len(lines) == 1, stdout
+    return float(lines[0].split()[1])
+
+
+@pytest.mark.slow
+def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
+    procs = finish(tmp_path, start(tmp_path, 2, DIGITS), CAP_SECONDS)
+
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    out = procs["worker1"].stdout
+    accuracy = final_accuracy(out)
+    assert accuracy >= 0.90
+    assert re.search(r"^Time: \d+\.\d\d seconds$", out, re.M), out
+    assert "Accuracy" not in procs["worker2"].stdout  # rank 0 evaluates
+    for name in ("worker1", "worker2"):
+        assert re.search(rf"^{name} \| Epoch: {EPOCHS} \| Batch: 22 \| Loss: \d+\.\d\d$", procs[name].stdout, re.M)
+
+    metrics = tmp_path / "metrics"
+    w1, w2 = read(metrics / "worker1.jsonl"), read(metrics / "worker2.jsonl")
+    steps = STEPS
+    assert [r["event"] for r in w1 if r["event"] in ("join", "end")] == ["join", "end"]
+    assert w1[0]["step"] == 0 and w1[-1]["step"] == w2[-1]["step"] == steps
+    assert w1[-1]["accuracy"] == accuracy and w1[-1]["seconds"] > 0
+    train = [r for r in w1 + w2 if r["event"] == "train"]
+    assert train and all(r["samples_per_s"] > 0 and r["loss"] >= 0 for r in train)
+    evals = [r for r in w1 if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [100, 200, steps]
+    assert [r["samples"] for r in evals] == [100 * 64, 200 * 64, steps * 64]  # both ranks' samples
+    assert [r for r in w2 if r["event"] == "eval"] == []
+
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name.split("-")[1] for p in checkpoint.listing(ckpts)) == ["00000100", "00000200", f"{steps:08d}"]
+    final = torch.load(ckpts / "final.pt", weights_only=True)
+    assert final["finished"] is True and final["version"] == steps and final["strategy"] == "allreduce"
+    assert final["progress"] == {"step": steps, "epoch": EPOCHS, "batch": 22, "samples": steps * 64}
+
+
+def _wait_for_checkpoint(tmp_path: Path, procs: dict[str, subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not checkpoint.listing(tmp_path / "checkpoints"):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            errors = {n: (tmp_path / f"{n}.err").read_text()[-2000:] for n in procs}
+            pytest.fail(f"no checkpoint while the job ran: {errors}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_lost_peer_stops_the_job_and_a_restart_resumes_from_the_checkpoint(tmp_path):
+    args = [a if a != "100" else "20" for a in DIGITS]  # checkpoint (and evaluate) every 20 steps
+    procs = start(tmp_path, 2, args)
+    _wait_for_checkpoint(tmp_path, procs, CAP_SECONDS)
+    procs["worker2"].kill()
+    first = finish(tmp_path, procs, 30)
+    assert first["worker1"].returncode == 1, first["worker1"].stderr
+    errors = [line for line in first["worker1"].stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "worker1 failed: PeerLost: lost a peer of the allreduce job" in errors[0], errors
+    # On the way out worker1 saves its last whole step (unless its periodic checkpoint has it).
+    saved = [r for r in read(tmp_path / "metrics" / "worker1.jsonl") if r["event"] == "checkpoint"]
+    last_train = [r for r in read(tmp_path / "metrics" / "worker1.jsonl") if r["event"] == "train"][-1]
+    stopped_at = saved[-1]["step"]
+    assert stopped_at >= last_train["step"] and (saved[-1]["why"] == "on exit" or stopped_at % 20 == 0), saved
+
+    second = finish(tmp_path, start(tmp_path, 2, args, tag="-2"), CAP_SECONDS, tag="-2")
+    assert {p.name: p.returncode for p in second.values()} == {"worker1": 0, "worker2": 0}, second["worker1"].stderr
+    assert final_accuracy(second["worker1"].stdout) >= 0.90
+    for name in ("worker1", "worker2"):
+        records = read(tmp_path / "metrics" / f"{name}.jsonl")
+        join = [r for r in records if r["event"] == "join"][-1]
+        assert join["step"] == stopped_at > 0, (name, join)
+        after = [r["step"] for r in records if r["event"] == "train" and r["time"] > join["time"]]
+        assert after and min(after) > stopped_at and records[-1]["step"] == STEPS
+    assert "resumed from" in second["worker1"].stderr
+
+
+@pytest.mark.slow
+def test_torchrun_launches_the_same_job(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("no torchrun next to this python")
+    args = [a if a != str(EPOCHS) else "2" for a in DIGITS]
+    p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                        "--master_port", str(free_port()), "-m", "app", "worker",
+                        "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"),
+                        *args], env=app_env(), cwd=REPO, capture_output=True, text=True, timeout=CAP_SECONDS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"^Accuracy: 0\.\d{4}$", p.stdout, re.M), p.stdout
+    assert read(tmp_path / "metrics" / "worker2.jsonl")[-1]["step"] == 2 * 22
+    assert (tmp_path / "checkpoints" / "final.pt").is_file()

@@ -1,0 +1,168 @@
+"""A PS sharded across K processes (app/shards.py): slicing, sliced servers, a real cluster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from app import models, shards
+from app.config import UsageError, parse
+from app.metrics import read
+from app.ps import ParameterServer
+
+from app_testkit import run_cluster
+
+
+@pytest.mark.parametrize("size,k", [(10, 1), (10, 3), (11, 2), (7, 7), (3, 5), (0, 2), (11_689_512, 8)])
+def test_bounds_are_contiguous_balanced_and_cover_everything(size, k):
+    parts = shards.bounds(size, k)
+    assert len(parts) == k and parts[0][0] == 0 and parts[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    lengths = [end - start for start, end in parts]
+    assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
+
+
+def test_bounds_refuse_zero_shards():
+    with pytest.raises(ValueError):
+        shards.bounds(4, 0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3), nn.BatchNorm1d(3))
+
+
+def _servers(strategy: str, k: int, workers: int = 2) -> tuple[ParameterServer, list[ParameterServer]]:
+    kw = dict(lr=0.1, momentum=0.9, num_workers=workers, strategy=strategy)
+    whole = ParameterServer(_model(), **kw)
+    parts = shards.bounds(whole.flat.size, k)
+    sliced = [ParameterServer(_model(), part=part, **kw) for part in parts]
+    for server in [whole, *sliced]:
+        for rank in range(1, workers + 1):
+            server.join(rank, f"worker{rank}")
+    return whole, sliced
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 40])  # 40: slices of buffers only, of a few values
+def test_sharded_async_pushes_give_exactly_the_unsliced_vector(k):
+    whole, sliced = _servers("async", k)
+    assert whole.flat.num_buffers > 0 and sum(s.num_params for s in sliced) == whole.flat.num_params
+    assert any(s.num_params == 0 for s in sliced) == (k >= 5)  # 53 parameter values of 67
+    generator = torch.Generator().manual_seed(0)
+    for step in range(12):
+        rank = 1 + step % 2
+        message = torch.randn(whole.flat.size, generator=generator)
+        expected = whole.push(rank, message, step).vector
+        replies = [s.push(rank, message[s.part[0]:s.part[1]].clone(), step) for s in sliced]
+        assert torch.equal(torch.cat([r.vector for r in replies]), expected)
+        assert {r.version for r in replies} == {step + 1}
+    assert torch.equal(torch.cat([s.pull(0)[0] for s in sliced]), whole.flat.vector)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_sharded_sync_rounds_give_exactly_the_unsliced_vector(k):
+    whole, sliced = _servers("sync", k)
+    generator = torch.Generator().manual_seed(1)
+    for round_ in range(4):
+        messages = {rank: torch.randn(whole.flat.size, generator=generator) for rank in (1, 2)}
+        futures = {rank: whole.submit(rank, m, round_) for rank, m in messages.items()}
+        parts = {rank: [s.submit(rank, m[s.part[0]:s.part[1]].clone(), round_) for s in sliced]
+                 for rank, m in messages.items()}
+        expected = futures[1].wait().vector
+        for rank in (1, 2):
+            assert torch.equal(torch.cat([f.wait().vector for f in parts[rank]]), expected)
+    # a drop forwarded to every shard closes rounds without the dropped rank
+    for server in [whole, *sliced]:
+        server.drop(2, "worker2")
+    message = torch.randn(whole.flat.size, generator=generator)
+    expected = whole.push(1, message, 4).vector
+    got = torch.cat([s.push(1, message[s.part[0]:s.part[1]].clone(), 4).vector for s in sliced])
+    assert torch.equal(got, expected)
+
+
+def test_a_shard_refuses_a_push_of_the_whole_vector():
+    _, sliced = _servers("async", 2)
+    with pytest.raises(ValueError, match=r"worker1 pushed \d+ .* values \d+\.\.\d+ of the model"):
+        sliced[1].push(1, torch.ones(sliced[1].flat.size), 0)
+
+
+def test_a_shards_checkpoint_holds_its_slice_and_restores_only_into_the_same_slice():
+    _, sliced = _servers("async", 3)
+    shard = sliced[1]
+    shard.push(1, torch.ones(shard.size), 0)
+    state = shard.checkpoint()
+    assert state["model"] == {} and state["part"] == list(shard.part) and state["vector"].numel() == shard.size
+    fresh = ParameterServer(_model(), lr=0.1, momentum=0.9, num_workers=2, part=shard.part)
+    fresh.restore(state)
+    assert fresh.version == 1 and torch.equal(fresh.state, shard.state)
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       shard.optimizer.state_dict()["state"][0]["momentum_buffer"])
+    other = ParameterServer(_model(), lr=0.1, momentum=0.9, num_workers=2, part=sliced[2].part)
+    with pytest.raises(ValueError, match="this shard"):
+        other.restore(state)
+
+
+def test_one_shard_is_the_unsliced_server():
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.0, num_workers=1,
+                             part=(0, shards.state_size(models.build("cnn", 1, 10, seed=0))))
+    assert not server.sliced and server.state is server.flat.vector
+
+
+def test_shard_flags():
+    config = parse(["ps", "--shards", "3", "--shard", "2"], {})
+    assert (config.shards, config.shard, config.name) == (3, 2, "ps2")
+    assert parse(["worker", "--world_size", "3"], {"PSC_SHARDS": "2"}).shards == 2
+    for argv, match in [(["ps", "--shards", "2", "--shard", "2"], "--shard: 2"),
+                        (["worker", "--shards", "2", "--shard", "1"], "--shard: 1 is for the ps role"),
+                        (["ps", "--shards", "9"], "--shards: 9 must be <= 8"),
+                        (["ps", "--shards", "0"], "--shards: 0 must be >= 1"),
+                        (["ps", "--shards", "2", "--strategy", "allreduce"], "allreduce has none")]:
+        with pytest.raises(UsageError, match=match):
+            parse(argv, {})
+
+
+DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
+          "--num_epochs", "10", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1",
+          "--momentum", "0.5", "--checkpoint_every", "200"]
+
+
+@pytest.mark.slow
+def test_ps_and_one_shard_and_two_workers_learn_digits(tmp_path):
+    procs = run_cluster(tmp_path, workers=2, args=DIGITS + ["--shards", "2"], timeout=90, shards=2)
+
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    assert set(procs) == {"ps", "ps1", "worker1", "worker2"}
+    lines = [line for line in procs["ps"].stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert len(lines) == 1 and float(lines[0].split()[1]) >= 0.90, procs["ps"].stdout
+    assert "ps | Update: 100 | Accuracy: " in procs["ps"].stdout
+    metrics = tmp_path / "metrics"
+    end = read(metrics / "ps.jsonl")[-1]
+    shard_end = read(metrics / "ps1.jsonl")[-1]
+    pushes = sum(read(metrics / f"worker{r}.jsonl")[-1]["step"] for r in (1, 2))
+    assert end["event"] == shard_end["event"] == "end" and end["step"] == shard_end["step"] == pushes
+    final = torch.load(tmp_path / "checkpoints" / "final.pt")
+    model = models.build("cnn", 1, 10, seed=0)
+    model.load_state_dict(final["model"])  # the whole model, every shard's values
+    trained = torch.nn.utils.parameters_to_vector(model.parameters())
+    initial = torch.nn.utils.parameters_to_vector(models.build("cnn", 1, 10, seed=1).parameters())
+    (_, start), (_, end) = shards.bounds(trained.numel(), 2)  # cnn: parameters only
+    assert not torch.equal(trained[start:end], initial[start:end])  # shard 1's trained values
+    assert final["shards"] == 2 and "vector" not in final
+    shard_checkpoints = list((tmp_path / "checkpoints" / "shard1").glob("ckpt-*.pt"))
+    assert shard_checkpoints, "the shard wrote no checkpoint"
+
+
+@pytest.mark.slow
+def test_sync_with_two_shards_applies_the_same_rounds_on_every_shard(tmp_path):
+    args = DIGITS[:-2] + ["--num_epochs", "2", "--strategy", "sync", "--shards", "3", "--checkpoint_every", "0"]
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=90, shards=3)
+
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "ps1": 0, "ps2": 0, "worker1": 0, "worker2": 0}
+    metrics = tmp_path / "metrics"
+    ends = [read(metrics / f"{name}.jsonl")[-1] for name in ("ps", "ps1", "ps2")]
+    pushes = [read(metrics / f"worker{r}.jsonl")[-1]["step"] for r in (1, 2)]
+    assert pushes[0] == pushes[1] > 0
+    assert {e["step"] for e in ends} == {pushes[0]}  # one update per round, on every shard
+    assert all(e["staleness_max"] == 0 for e in ends)

