@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from app import runtime  # imports torch: only for the roles that need it
 
     runtime.setup_logging()
+    runtime.keep_freed_memory()
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
     runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
     runtime.set_threads(config.world_size + config.shards - 1)  # PS shards are processes too

@@ -6,6 +6,7 @@ Everything about starting and stopping torch.distributed.rpc lives in
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -49,6 +50,32 @@ def setup_logging(level: int = logging.INFO) -> None:
     log.setLevel(level)
     # torch's own RPC shutdown uses a deprecated ProcessGroup path; not ours to fix.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+
+
+def keep_freed_memory() -> bool:
+    """Serve big tensors from the heap and keep freed memory for the next one.
+
+    Every message TensorPipe receives is a fresh tensor: with glibc's defaults an
+    allocation over 32 MB is its own mmap, unmapped again when freed, so each
+    ResNet-18 push (47 MB) lands on newly mapped memory and each free is a
+    munmap. With mmap off and no trimming, freed memory stays in the heap for the
+    next message. py-spy had the PS's reply copy and SGD step (both writing big
+    tensors) at 80% of its CPU; with this, push+pull of ResNet-18 went from
+    ~60 to ~40 ms here (Gloo send+recv of the same bytes: ~39 ms). The price: a
+    process keeps its peak heap. False where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in
+               ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20)))
 
 
 def set_threads(world_size: int) -> int:

@@ -52,6 +52,8 @@ def _config(role: str, p: dict[str, Any]):
 
 def _init(config: Any, name: str, rank: int) -> None:
     from app import runtime
+    if hasattr(runtime, "keep_freed_memory"):  # what `python -m app` does at start
+        runtime.keep_freed_memory()
     world = config.world_size + config.shards - 1
     runtime.set_threads(world)
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=runtime.backend_options(config))
