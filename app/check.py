@@ -122,10 +122,6 @@ def _where(config: Config) -> str:
     return f"{config.master_addr}:{config.master_port}"
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 # --- rank 0 ----------------------------------------------------------------
 
 def _rank0(config: Config, names: list[str], me: Member) -> None:
@@ -135,7 +131,7 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
         store = dist.TCPStore("127.0.0.1", config.master_port, None, True, timeout, wait_for_workers=False)
     except Exception as error:  # noqa: BLE001 - port taken, no permission...
         raise CheckFailed(f"{me.label()} cannot host the store on port {config.master_port}: "
-                          f"{_first_line(error)}") from None
+                          f"{runtime.first_line(error)}") from None
     print(f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
           f"at {_where(config)} (at most {config.rpc_timeout:g} s)", flush=True)
     members = _wait_registered(store, config, names)
@@ -161,7 +157,7 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
             raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}") from None
         except Exception as error:  # noqa: BLE001 - gloo: connection reset, timeout
             raise CheckFailed(f"no round trip with {m.label()} on {m.host} {m.addr}: "
-                              f"{_first_line(error)}") from None
+                              f"{runtime.first_line(error)}") from None
         gbps = 2 * LARGE_BYTES / (large_ms / 1e3) / 1e9
         print(f"check: {m.name:<8} rank {rank:<2} host {m.host} {m.addr}: 4 B {small_ms:.2f} ms, "
               f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s", flush=True)
@@ -238,7 +234,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
         store = dist.TCPStore(config.master_addr, config.master_port, None, False, timeout)
     except Exception as error:  # noqa: BLE001 - refused, unknown host, timeout
         raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-                          f"within {config.rpc_timeout:g} s: {_first_line(error)}") from None
+                          f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}") from None
     if store.add(KEY_CLAIM.format(rank=me.rank), 1) > 1:
         raise CheckFailed(f"{me.label()}: another process already registered as rank {me.rank}")
     store.set(KEY_RANK.format(rank=me.rank), json.dumps({"host": me.host, "addr": me.addr}))
@@ -248,7 +244,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
         verdict = store.get(KEY_VERDICT).decode()
     except Exception as error:  # noqa: BLE001
         raise CheckFailed(f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: "
-                          f"{_first_line(error)}") from None
+                          f"{runtime.first_line(error)}") from None
     if verdict != "go":
         store.add(KEY_DONE, 1)
         raise CheckFailed(f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: '):]}")
@@ -261,7 +257,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
                 dist.recv(buf, src=0)
                 dist.send(buf, dst=0)
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(f"{me.label()}: exchange with {names[0]} (rank 0) broke: {_first_line(error)}") from None
+        raise CheckFailed(f"{me.label()}: exchange with {names[0]} (rank 0) broke: {runtime.first_line(error)}") from None
     print(f"check: {me.label()} on {me.host} {me.addr} received {small} from {names[0]} "
           f"and sent back both tensors", flush=True)
     store.add(KEY_DONE, 1)
@@ -272,4 +268,4 @@ def _init_group(store: dist.TCPStore, config: Config, me: Member) -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore("check/pg", store), rank=me.rank,
                                 world_size=config.world_size, timeout=timedelta(seconds=config.rpc_timeout))
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(f"{me.label()}: the gloo group did not form: {_first_line(error)}") from None
+        raise CheckFailed(f"{me.label()}: the gloo group did not form: {runtime.first_line(error)}") from None

@@ -27,6 +27,23 @@ HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
 SPLIT_SEED = 0
 
 
+class DataUnavailable(RuntimeError):
+    """Reading the data failed mid-run (the data directory vanished, a file went bad)."""
+
+
+def batches(loader: DataLoader, data_dir: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of `loader`'s batches; a read that fails mid-run is one clear error."""
+    iterator = iter(loader)
+    while True:
+        try:
+            yield next(iterator)
+        except StopIteration:
+            return
+        except OSError as error:
+            raise DataUnavailable(f"reading the data under {data_dir} failed "
+                                  f"(did it vanish?): {error}") from error
+
+
 class InMemoryData(Dataset):
     """Samples in one tensor, normalised per batch; indexed by a list of indices."""
 

@@ -42,8 +42,7 @@ from app import data, models, runtime
 from app.config import Config, UsageError
 from app.metrics import MetricsWriter
 from app.runtime import choose_device, progress
-from app.serve import Checkpointer
-from app.worker import DataUnavailable
+from app.serve import Checkpointer, held_out_accuracy
 
 log = logging.getLogger("app.ddp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -146,23 +145,6 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-@torch.no_grad()
-def evaluate(module: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """Accuracy and mean loss of `module` on the held-out split (what serve.Evaluator does)."""
-    module.eval()
-    correct, total, loss = 0, 0, 0.0
-    try:
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = module(x)
-            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.argmax(1) == y).sum().item())
-            total += len(y)
-    finally:
-        module.train()
-    return correct / total, loss / total
-
-
 class Trainer:
     """The loop of one rank; rank 0 also evaluates and checkpoints (`rank0` is not None)."""
 
@@ -184,7 +166,7 @@ class Trainer:
         for epoch in range(start.epoch, self.config.num_epochs + 1):
             done = start.batch if epoch == start.epoch else 0  # batches already trained on
             self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
-            for batch, (x, y) in enumerate(self.batches(), start=done + 1):
+            for batch, (x, y) in enumerate(data.batches(self.loader, self.config.data_dir), start=done + 1):
                 loss = self.step(x, y)
                 p = self.state.progress
                 self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
@@ -194,17 +176,6 @@ class Trainer:
                 self.rank0_duties()
                 if 0 < self.config.max_steps <= self.state.progress.step:
                     return
-
-    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        iterator = iter(self.loader)
-        while True:
-            try:
-                yield next(iterator)
-            except StopIteration:
-                return
-            except OSError as error:
-                raise DataUnavailable(f"reading the data under {self.config.data_dir} failed "
-                                      f"(did it vanish?): {error}") from error
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step."""
@@ -229,7 +200,7 @@ class Trainer:
         checkpoints, held_out = self.rank0
         step = self.state.progress.step
         if step % self.config.eval_every == 0:
-            accuracy, loss = evaluate(self.model.module, held_out, self.device)
+            accuracy, loss = held_out_accuracy(self.model.module, held_out, self.device)
             progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, step, accuracy)
             self.metrics.write("eval", step, accuracy=round(accuracy, 4), loss=round(loss, 4),
                                samples=self.state.progress.samples)
@@ -383,7 +354,7 @@ def finish_rank0(state: JobState, checkpoints: Checkpointer, held_out: DataLoade
     """The last checkpoint (finished) and final.pt; the held-out accuracy, printed as the PS does."""
     state.finished = True
     checkpoints.final()
-    accuracy, loss = evaluate(state.module, held_out, device)
+    accuracy, loss = held_out_accuracy(state.module, held_out, device)
     progress.info("Accuracy: %.4f", accuracy)
     progress.info("Time: %.2f seconds", seconds)
     p = state.progress

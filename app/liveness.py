@@ -21,6 +21,7 @@ import torch.distributed.rpc as rpc
 
 from app import membership
 from app.ps import ParameterServer
+from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
 QUIET_SECONDS = 1.0
@@ -94,7 +95,7 @@ class Watch:
         try:
             future.wait()
         except Exception as error:  # noqa: BLE001 - any failure: the process is gone or stuck
-            self.drop(rank, name, f"no answer to a ping ({_first_line(error)})")
+            self.drop(rank, name, f"no answer to a ping ({first_line(error)})")
         finally:
             with self._lock:
                 self._pinging.discard(name)
@@ -105,7 +106,7 @@ class Watch:
             rpc.rpc_sync(name, membership.pong, timeout=timeout)
             return None
         except Exception as error:  # noqa: BLE001
-            return _first_line(error)
+            return first_line(error)
 
     def _sweep(self, now: float) -> None:
         """Take joined workers (not PS shards) off the store's member list (see app.membership) and free
@@ -122,5 +123,3 @@ class Watch:
             self._token = ("", now)
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -36,6 +36,14 @@ CHANNELS = ["mpt_uv", "basic"]
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
+def first_line(error: BaseException) -> str:
+    """What an error says, in one line: its first non-empty line that is not torch's
+    `On WorkerInfo(...)` preamble, else the exception's type name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("On WorkerInfo")]
+    return lines[0] if lines else type(error).__name__
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Bare progress lines on line-buffered stdout; timestamped diagnostics on stderr."""
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]

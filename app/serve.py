@@ -34,6 +34,24 @@ log = logging.getLogger("app.ps")
 TICK_SECONDS = 1.0
 
 
+@torch.no_grad()
+def held_out_accuracy(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> tuple[float, float]:
+    """Accuracy and mean loss of `model` on the held-out split (in eval mode; its mode is restored)."""
+    was_training = model.training
+    model.eval()
+    correct, total, loss = 0, 0, 0.0
+    try:
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(1) == y).sum().item())
+            total += len(y)
+    finally:
+        model.train(was_training)
+    return correct / total, loss / total
+
+
 class Evaluator:
     """Accuracy and loss of a state vector on the held-out split, on its own model copy."""
 
@@ -43,17 +61,9 @@ class Evaluator:
         self.flat = FlatModel(self.model, with_grads=False)
         self.loader, self.device = loader, device
 
-    @torch.no_grad()
     def __call__(self, vector: torch.Tensor) -> tuple[float, float]:
         self.flat.load(vector)
-        correct, total, loss = 0, 0, 0.0
-        for x, y in self.loader:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            logits = self.model(x)
-            loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.argmax(1) == y).sum().item())
-            total += len(y)
-        return correct / total, loss / total
+        return held_out_accuracy(self.model, self.loader, self.device)
 
     def state_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's state dict (on CPU) holding `vector`."""

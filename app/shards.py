@@ -44,6 +44,7 @@ from app.config import Config, UsageError
 from app.flat import _float_buffers
 from app.metrics import MetricsWriter
 from app.roster import StaleIncarnation
+from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
 MAIN = "ps"
@@ -152,7 +153,7 @@ class ShardSet:
             try:
                 vector, _ = future.wait()
             except Exception as error:  # noqa: BLE001 - any failure: that shard is gone or stuck
-                return self._skip(f"{name} did not answer ({_first_line(error)})")
+                return self._skip(f"{name} did not answer ({first_line(error)})")
             start, end = self.bounds[i]
             full[start:end] = vector
         self._warned = False
@@ -179,7 +180,7 @@ class ShardSet:
             try:
                 rpc.rpc_sync(name, rpc_end, args=(finished,), timeout=self.timeout)
             except Exception as error:  # noqa: BLE001
-                log.warning("could not tell %s that training ended: %s", name, _first_line(error))
+                log.warning("could not tell %s that training ended: %s", name, first_line(error))
 
     def tick(self) -> None:
         """Ping every shard (once a second); a lost one leaves the store's list, and workers
@@ -200,7 +201,7 @@ class ShardSet:
         try:
             future.wait()
         except Exception as error:  # noqa: BLE001
-            self._lost(index, name, _first_line(error))
+            self._lost(index, name, first_line(error))
         finally:
             with self._lock:
                 self._pinging.discard(name)
@@ -216,7 +217,7 @@ class ShardSet:
             self._ready_key(False)
             membership.unlist([name], self.timeout)
         except Exception as error:  # noqa: BLE001
-            log.warning("could not take %s off the store's member list: %s", name, _first_line(error))
+            log.warning("could not take %s off the store's member list: %s", name, first_line(error))
 
 
 class _Main:
@@ -286,7 +287,7 @@ def serve_shard(config: Config) -> int:
             try:
                 error = rpc.rpc_sync(MAIN, rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout)
             except RuntimeError as lost:
-                raise MainPSLost(f"lost the main parameter server at {address}: {_first_line(lost)}") from None
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
             if error:
                 raise UsageError(error)
             try:
@@ -312,7 +313,7 @@ def _serve_until_ended(server: ps.ParameterServer, checkpoints: Any, config: Con
             except RuntimeError as error:
                 if _Ended.event.is_set():
                     return
-                raise MainPSLost(f"lost the main parameter server at {address}: {_first_line(error)}") from None
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
             last_ping = time.monotonic()
         if checkpoints.due():
             checkpoints.save("every %d updates" % config.checkpoint_every)
@@ -384,7 +385,7 @@ class ShardedClient:
         try:
             return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)
         except StaleIncarnation as error:
-            raise UsageError(_first_line(error)) from None
+            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(name, function, error) from error
 
@@ -393,7 +394,7 @@ class ShardedClient:
             return self.main._lost(function, error)
         from app.worker import PSUnreachable
         return PSUnreachable(f"lost parameter server shard {name} (job at {self.main.address}) "
-                             f"during {function.__name__}: {_first_line(error)}")
+                             f"during {function.__name__}: {first_line(error)}")
 
 
 class ShardedPush:
@@ -409,7 +410,7 @@ class ShardedPush:
             try:
                 replies.append(future.wait())
             except StaleIncarnation as error:
-                raise UsageError(_first_line(error)) from None
+                raise UsageError(first_line(error)) from None
             except RuntimeError as error:
                 raise self.client._lost(name, ps.rpc_push, error) from error
         vector = torch.cat([r.vector for r in replies])
@@ -423,7 +424,3 @@ def _ignore(future: Any) -> None:
         pass
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("On WorkerInfo")]
-    return lines[0] if lines else type(error).__name__

@@ -23,7 +23,7 @@ from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
 from app.roster import StaleIncarnation
-from app.runtime import choose_device, progress, rpc_session
+from app.runtime import choose_device, first_line, progress, rpc_session
 
 log = logging.getLogger("app.worker")
 PS_NAME = "ps"
@@ -32,10 +32,6 @@ POLL_SECONDS = 0.5
 
 class PSUnreachable(RuntimeError):
     """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
-
-
-class DataUnavailable(RuntimeError):
-    """Reading the data failed mid-run (the data directory vanished, a file went bad)."""
 
 
 class PSClient:
@@ -84,13 +80,13 @@ class PSClient:
         try:
             return rpc.rpc_sync(PS_NAME, function, args=args, timeout=self.timeout)
         except StaleIncarnation as error:  # raised by the PS, re-raised here
-            raise UsageError(_reason(error)) from None
+            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(function, error) from error
 
     def _lost(self, function: Callable[..., Any], error: BaseException) -> PSUnreachable:
         return PSUnreachable(f"lost the parameter server at {self.address} "
-                             f"during {function.__name__}: {_reason(error)}")
+                             f"during {function.__name__}: {first_line(error)}")
 
 
 class PendingPush:
@@ -103,7 +99,7 @@ class PendingPush:
         try:
             return self.future.wait()
         except StaleIncarnation as error:
-            raise UsageError(_reason(error)) from None
+            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self.client._lost(ps.rpc_push, error) from error
 
@@ -125,13 +121,6 @@ class Compressor:
         wire = message.to(self.dtype)
         torch.sub(grads, wire[:self.num_params].float(), out=self.residual)
         return wire
-
-
-def _reason(error: BaseException) -> str:
-    """The first line of an error that says something (not torch's `On WorkerInfo(...)`)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("On WorkerInfo")]
-    return lines[0] if lines else "no reason given"
 
 
 class Trainer:
@@ -177,15 +166,7 @@ class Trainer:
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This epoch's batches; a read that fails mid-run is one clear error."""
-        iterator = iter(self.loader)
-        while True:
-            try:
-                yield next(iterator)
-            except StopIteration:
-                return
-            except OSError as error:
-                raise DataUnavailable(f"reading the data under {self.config.data_dir} failed "
-                                      f"(did it vanish?): {error}") from error
+        return data.batches(self.loader, self.config.data_dir)
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward; the gradient lands in self.flat.grads."""

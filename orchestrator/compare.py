@@ -32,6 +32,7 @@ from typing import Optional, Sequence, TextIO
 
 from orchestrator import UsageError
 from orchestrator import report as rp
+from orchestrator import run_metrics as rm
 from orchestrator.topology import Topology, load
 
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
@@ -80,8 +81,8 @@ class Outcome:
     run_dir: Path
     code: Optional[int]               # exit status of the run; None: not run
     seconds: float                    # wall time of the whole run, process start-up included
-    summary: Optional[rp.Summary] = None
-    run: Optional[rp.Run] = None
+    summary: Optional[rm.Summary] = None
+    run: Optional[rm.Run] = None
 
 
 def run_one(t: Topology, runs_dir: Path, *, source: str, verbose: bool, out: TextIO) -> Outcome:
@@ -114,15 +115,15 @@ def _write_json(path: Path, doc: dict) -> None:
 def attach_summary(o: Outcome, threshold: float) -> Outcome:
     """The run's records and summary, when it left any."""
     try:
-        o.run = rp.load_run(o.run_dir)
+        o.run = rm.load_run(o.run_dir)
     except UsageError:
         return o
     o.run.label = o.strategy
-    o.summary = rp.summarize(o.run, threshold)
+    o.summary = rm.summarize(o.run, threshold)
     return o
 
 
-def format_table(outcomes: Sequence[Outcome], threshold: float = rp.THRESHOLD) -> list[str]:
+def format_table(outcomes: Sequence[Outcome], threshold: float = rm.THRESHOLD) -> list[str]:
     """strategy, time to `threshold`, final accuracy, samples/s (+ samples to it, wall time, status)."""
     th = f"{threshold:.2f}"
     w = max([10] + [len(o.strategy) for o in outcomes])
@@ -139,9 +140,9 @@ def format_table(outcomes: Sequence[Outcome], threshold: float = rp.THRESHOLD) -
         if s is not None and o.code == 0 and s.time_to is None:
             status = f"ok, never reached {th}"
         lines.append(
-            f"{o.strategy:<{w}} {rp._fmt(s and s.time_to, '.1f', ' s'):>12} "
-            f"{rp._fmt(s and s.final_accuracy, '.4f'):>9} {rp._fmt(s and s.samples_per_s, '.0f'):>9} "
-            f"{rp._fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}")
+            f"{o.strategy:<{w}} {rm.fmt(s and s.time_to, '.1f', ' s'):>12} "
+            f"{rm.fmt(s and s.final_accuracy, '.4f'):>9} {rm.fmt(s and s.samples_per_s, '.0f'):>9} "
+            f"{rm.fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}")
     return lines
 
 
@@ -154,7 +155,7 @@ def _tail(path: Path, n: int) -> list[str]:
 
 def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOCHS, eval_every: int = EVAL_EVERY,
         config: str = BASE_CONFIG, runs_dir: str = RUNS_DIR, verbose: bool = False,
-        threshold: float = rp.THRESHOLD, out: Optional[TextIO] = None) -> int:
+        threshold: float = rm.THRESHOLD, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
     base = load(config)
     topologies = [topology_for(base, s, workers=workers, epochs=epochs, eval_every=eval_every, source=config)
@@ -171,7 +172,7 @@ def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOC
             for line in _tail(o.run_dir / "output.log", LOG_TAIL):
                 print(f"    | {line}", file=out)
         else:
-            acc = rp._fmt(o.summary and o.summary.final_accuracy, ".4f")
+            acc = rm.fmt(o.summary and o.summary.final_accuracy, ".4f")
             print(f"    {o.strategy}: done in {o.seconds:.0f} s, final accuracy {acc}", file=out, flush=True)
         if o.code is not None and o.code >= 128:  # a signal (Ctrl-C): stop here
             return o.code

@@ -41,6 +41,35 @@ class Process:
     stderr: str
 
 
+def start_app(tmp_path: Path, stem: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m app ARGV` in the background, its output in tmp_path/STEM.out and .err."""
+    with open(tmp_path / f"{stem}.out", "w") as out, open(tmp_path / f"{stem}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "app", *argv], stdout=out, stderr=err,
+                                env=app_env() if env is None else env, cwd=REPO)
+
+
+def wait_for(procs: dict, timeout: float, what: str = "cluster") -> None:
+    """Wait for every process; at `timeout` fail the test, and never leave one running."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish within {timeout} s")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def finished(tmp_path: Path, name: str, proc: subprocess.Popen, stem: str | None = None) -> Process:
+    """An ended process with the output start_app saved under `stem` (default `name`)."""
+    stem = stem or name
+    return Process(name, proc.returncode, (tmp_path / f"{stem}.out").read_text(),
+                   (tmp_path / f"{stem}.err").read_text())
+
+
 def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
                 delays: dict[str, float] | None = None, shards: int = 1) -> dict[str, Process]:
     """Start `ps`, its shards `ps1..ps<shards-1>` and `worker1..N` on 127.0.0.1 (`delays`:
@@ -54,23 +83,6 @@ def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
     procs = {}
     for name, role in roles.items():
         time.sleep((delays or {}).get(name, 0.0))
-        out = open(tmp_path / f"{name}.out", "w")
-        err = open(tmp_path / f"{name}.err", "w")
-        procs[name] = subprocess.Popen([sys.executable, "-m", "app", *role, *common],
-                                       stdout=out, stderr=err, env=app_env(), cwd=REPO)
-        out.close()
-        err.close()
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"cluster did not finish within {timeout} s")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return {name: Process(name, proc.returncode, (tmp_path / f"{name}.out").read_text(),
-                          (tmp_path / f"{name}.err").read_text())
-            for name, proc in procs.items()}
+        procs[name] = start_app(tmp_path, name, [*role, *common])
+    wait_for(procs, timeout)
+    return {name: finished(tmp_path, name, proc) for name, proc in procs.items()}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from app.check import rank_names
 from app.config import UsageError, parse
-from app_testkit import REPO, app_env, free_port
+from app_testkit import app_env, finished, free_port, start_app, wait_for
 
 ROUND_TRIP = re.compile(r"^check: (\S+)\s+rank (\d+)\s+host (\S+) (\S+): 4 B ([0-9.]+) ms, 8 MiB ([0-9.]+) ms, "
                         r"([0-9.]+) GB/s$", re.MULTILINE)
@@ -44,25 +43,13 @@ def start_ranks(tmp_path: Path, ranks: list[int], world_size: int, timeout: floa
 
 
 def _popen(tmp_path: Path, rank: int, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    with open(tmp_path / f"{rank}.out", "w") as out, open(tmp_path / f"{rank}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "app", "check", *args],
-                                stdout=out, stderr=err, env=env, cwd=REPO)
+    return start_app(tmp_path, str(rank), ["check", *args], env)
 
 
 def wait_all(tmp_path: Path, procs: dict[int, subprocess.Popen], within: float) -> dict[int, tuple[int, str, str]]:
-    deadline = time.monotonic() + within
-    try:
-        for p in procs.values():
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the check did not end within {within} s")
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return {r: (p.returncode, (tmp_path / f"{r}.out").read_text(), (tmp_path / f"{r}.err").read_text())
-            for r, p in procs.items()}
+    wait_for(procs, within, "the check")
+    ended = {r: finished(tmp_path, str(r), p) for r, p in procs.items()}
+    return {r: (e.returncode, e.stdout, e.stderr) for r, e in ended.items()}
 
 
 @pytest.mark.slow

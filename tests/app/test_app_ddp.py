@@ -18,7 +18,7 @@ from app import checkpoint, data, ddp, models
 from app.config import UsageError, parse
 from app.metrics import read
 
-from app_testkit import REPO, Process, app_env, free_port
+from app_testkit import REPO, Process, app_env, finished, free_port, start_app, wait_for
 
 # As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
 EPOCHS, STEPS_PER_EPOCH = 10, 22
@@ -91,7 +91,7 @@ def test_compression_hooks():
 def test_evaluate_leaves_the_model_training():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.BatchNorm1d(10))
     held_out = data.load("digits", "", "test", 0)
-    accuracy, loss = ddp.evaluate(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
+    accuracy, loss = ddp.held_out_accuracy(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
     assert 0 <= accuracy <= 1 and loss > 0 and model.training
 
 
@@ -100,29 +100,13 @@ def test_evaluate_leaves_the_model_training():
 def start(tmp_path: Path, workers: int, args: list[str], tag: str = "") -> dict[str, subprocess.Popen]:
     common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
               "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
-    procs = {}
-    for rank in range(1, workers + 1):
-        name = f"worker{rank}"
-        with open(tmp_path / f"{name}{tag}.out", "w") as out, open(tmp_path / f"{name}{tag}.err", "w") as err:
-            procs[name] = subprocess.Popen([sys.executable, "-m", "app", "worker", "--rank", str(rank), *common],
-                                           stdout=out, stderr=err, env=app_env(), cwd=REPO)
-    return procs
+    return {f"worker{rank}": start_app(tmp_path, f"worker{rank}{tag}", ["worker", "--rank", str(rank), *common])
+            for rank in range(1, workers + 1)}
 
 
 def finish(tmp_path: Path, procs: dict[str, subprocess.Popen], timeout: float, tag: str = "") -> dict[str, Process]:
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the DDP job did not finish within {timeout} s")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return {n: Process(n, p.returncode, (tmp_path / f"{n}{tag}.out").read_text(), (tmp_path / f"{n}{tag}.err").read_text())
-            for n, p in procs.items()}
+    wait_for(procs, timeout, "the DDP job")
+    return {n: finished(tmp_path, n, p, f"{n}{tag}") for n, p in procs.items()}
 
 
 def final_accuracy(stdout: str) -> float:

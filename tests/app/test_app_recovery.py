@@ -161,7 +161,8 @@ def test_a_resumed_shard_skips_the_batches_already_pushed():
 def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     from PIL import Image
 
-    from app.worker import DataUnavailable, Trainer
+    from app.data import DataUnavailable
+    from app.worker import Trainer
 
     root = tmp_path / "data"
     for c in ("a", "b"):
