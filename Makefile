@@ -2,9 +2,11 @@
 PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# The CPU build of torch for the test venv; on a machine without this file on
-# disk, pip takes it from PyPI. Override to pin another build.
-TORCH   ?= torch==2.13.0
+# The torch + torchvision pair (images/torch-pair.txt) for the dev venv and the
+# offline image; TORCH_INDEX: an extra index that holds it (e.g. PyTorch's CPU one).
+TORCH_SPEC  ?= $(shell grep -v '^\s*\#' images/torch-pair.txt)
+TORCH_INDEX ?=
+export TORCH_SPEC TORCH_INDEX
 CONFIG  ?= configs/default.yaml
 WORKERS ?=
 STRATEGY ?=
@@ -25,8 +27,8 @@ $(VENV)/.host: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[orchestrator]'
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.host
-	$(VENV)/bin/pip install -q '$(TORCH)'
+$(VENV)/.dev: $(VENV)/.host images/torch-pair.txt
+	$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(TORCH_SPEC)
 	$(VENV)/bin/pip install -q -e '.[app,orchestrator,dev]'
 	touch $@
 

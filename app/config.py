@@ -65,6 +65,8 @@ class Config:
     eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
     log_every: int = _flag(10, "a worker prints every K batches")
     num_workers: int = _flag(0, "DataLoader worker processes")
+    image_size: int = _flag(224, "imagefolder: the side of the square training crop, in pixels "
+                            "(the shorter side is first resized to 8/7 of it, 256 for 224)")
 
     @property
     def num_trainers(self) -> int:
@@ -86,7 +88,7 @@ _LOWER_BOUNDS = (
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
     ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
     ("checkpoint_every", 0, True), ("join_timeout", 0.0, False), ("staleness", 0, True),
-    ("shards", 1, True), ("shard", 0, True),
+    ("shards", 1, True), ("shard", 0, True), ("image_size", 8, True),
 )
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from app.config import DATASETS, UsageError
-from app.imagefolder import ImageFolderData, find_samples
+from app.imagefolder import CROP, ImageFolderData, find_samples
 
 SPLITS = ("train", "test")
 FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
@@ -84,13 +84,15 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
         raise UsageError(f"data dir is empty: {data_dir}")
 
 
-def load(dataset: str, data_dir: str, split: str, seed: int) -> LabeledData:
-    """The `train` split (workers shard it) or the held-out `test` split (the PS's)."""
+def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = CROP) -> LabeledData:
+    """The `train` split (workers shard it) or the held-out `test` split (the PS's).
+    `image_size`: the crop side of imagefolder's images (the others have their own size)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
-    loader = {"imagefolder": _imagefolder, "mnist": _mnist, "cifar10": _cifar10,
-              "digits": _digits, "synthetic": _synthetic}[dataset]
+    if dataset == "imagefolder":
+        return _imagefolder(Path(data_dir), split == "train", image_size)
+    loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
 
 
@@ -122,11 +124,22 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
     return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
 
 
-def _imagefolder(root: Path, train: bool, seed: int) -> LabeledData:
+def _imagefolder(root: Path, train: bool, crop: int) -> LabeledData:
+    """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
+    train/, the PS evaluates on val/. Class folders directly under the root: 10% of
+    the images, fixed, are held out."""
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        classes, samples = find_samples(root / "train")
+        if not train:
+            val_classes, samples = find_samples(root / "val")
+            if val_classes != classes:
+                raise UsageError(f"{root}: val/ has classes {val_classes[:5]}..., train/ has {classes[:5]}...; "
+                                 "both must hold the same class folders")
+        return LabeledData(ImageFolderData(samples, train, crop), 3, len(classes))
     classes, samples = find_samples(root)
     held_out = _held_out_mask(len(samples), 0.1)
     chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
-    return LabeledData(ImageFolderData(chosen, train), 3, len(classes))
+    return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
 
 
 def _find(root: Path, names: Sequence[str], what: str) -> Path:

@@ -1,9 +1,9 @@
 """An ImageFolder-compatible dataset (class folders of images) decoded with Pillow.
 
-Same class order and sample order as torchvision.datasets.ImageFolder, without
-needing torchvision. Transforms: shorter side to 256, then a random 224 crop
-and a horizontal flip for training, the centre crop for evaluation, and
-ImageNet normalisation.
+Same class order and sample order as torchvision.datasets.ImageFolder.
+Transforms, for a crop size S (224 by default): shorter side to 8/7 S (256),
+then a random S crop and a horizontal flip for training, the centre crop for
+evaluation, and ImageNet normalisation.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from app.config import UsageError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-RESIZE, CROP = 256, 224
+CROP = 224
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
@@ -43,11 +43,12 @@ def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
 
 
 class ImageFolderData(Dataset):
-    """(image tensor 3x224x224, label) per sample; random crop and flip when `train`."""
+    """(image tensor 3xSxS, label) per sample; random crop and flip when `train`."""
 
-    def __init__(self, samples: list[tuple[str, int]], train: bool) -> None:
+    def __init__(self, samples: list[tuple[str, int]], train: bool, crop: int = CROP) -> None:
         self.samples = samples
         self.train = train
+        self.crop, self.resize = crop, round(crop * 8 / 7)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -58,15 +59,16 @@ class ImageFolderData(Dataset):
         path, label = self.samples[index]
         with Image.open(path) as img:
             img = img.convert("RGB")
-            scale = RESIZE / min(img.size)
-            size = (max(CROP, round(img.width * scale)), max(CROP, round(img.height * scale)))
+            crop = self.crop
+            scale = self.resize / min(img.size)
+            size = (max(crop, round(img.width * scale)), max(crop, round(img.height * scale)))
             img = img.resize(size, Image.BILINEAR)
             if self.train:
-                left = int(torch.randint(0, img.width - CROP + 1, ()).item())
-                top = int(torch.randint(0, img.height - CROP + 1, ()).item())
+                left = int(torch.randint(0, img.width - crop + 1, ()).item())
+                top = int(torch.randint(0, img.height - crop + 1, ()).item())
             else:
-                left, top = (img.width - CROP) // 2, (img.height - CROP) // 2
-            img = img.crop((left, top, left + CROP, top + CROP))
+                left, top = (img.width - crop) // 2, (img.height - crop) // 2
+            img = img.crop((left, top, left + crop, top + crop))
             if self.train and torch.rand(()).item() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
             array = np.asarray(img, dtype=np.uint8)

@@ -148,7 +148,7 @@ def serve(config: Config) -> int:
         return shards.serve_shard(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
     log.info("held-out split: %s", data.describe(held_out))
 
     def build() -> nn.Module:

@@ -264,7 +264,7 @@ def serve_shard(config: Config) -> int:
 
     index, k = config.shard, config.shards
     models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
     model = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
     part = bounds(state_size(model), k)[index]
     server = ps.ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,

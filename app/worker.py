@@ -231,7 +231,7 @@ def run(config: Config) -> int:
     """The worker process: check input, join (or rejoin) the job, train, report, leave."""
     device = choose_device(config.device)
     models.check(config.model)
-    train = data.load(config.dataset, config.data_dir, "train", config.seed)
+    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size)
     sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]
     loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,
                                pin_memory=device.type == "cuda")

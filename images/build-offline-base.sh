@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Builds the base image for hosts with no container registry, from Debian's
-# package mirror only: debootstrap a minimal bookworm with python3, make a venv
-# at /opt/venv (so `python` and `pip` are on PATH, as on the official PyTorch
-# image the Dockerfile defaults to) and `docker import` the tree.
+# package mirror and the Python package index only: debootstrap a minimal
+# bookworm with python3, make a venv at /opt/venv (so `python` and `pip` are on
+# PATH, as on the official PyTorch image the Dockerfile defaults to), install
+# the torch + torchvision pair of images/torch-pair.txt into it (as the official
+# image has its own pair), and `docker import` the tree.
 #
-#   images/build-offline-base.sh            # skips when the image exists
+#   images/build-offline-base.sh            # skips when the image exists with this pair
 #   FORCE=1 images/build-offline-base.sh    # rebuilds
+#   TORCH_SPEC="torch==X torchvision==Y" TORCH_INDEX=URL images/build-offline-base.sh
 #
-# Needs root (debootstrap, chroot) and a running Docker daemon.
+# Needs root (debootstrap, chroot) and a running Docker daemon; pip on the host
+# (the project's .venv, or PIP=...) downloads the pair's wheels.
 set -euo pipefail
 
 IMAGE=${OFFLINE_BASE_IMAGE:-ps-compose-base:bookworm}
@@ -15,11 +19,18 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOTFS=$HERE/rootfs
 CACHE=$HERE/.cache/debootstrap
+ROOT=$(dirname "$HERE")
+SPEC=${TORCH_SPEC:-$(grep -v '^[[:space:]]*#' "$HERE/torch-pair.txt" | xargs)}
+LABEL=ps-compose.torch
+PIP=${PIP:-$ROOT/.venv/bin/pip}
+[ -x "$PIP" ] || PIP="python3 -m pip"
 
-if [ -z "${FORCE:-}" ] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-    echo "base image $IMAGE exists: nothing to do (FORCE=1 rebuilds it)"
+have=$(docker image inspect -f "{{ index .Config.Labels \"$LABEL\" }}" "$IMAGE" 2>/dev/null || true)
+if [ -z "${FORCE:-}" ] && [ "$have" = "$SPEC" ]; then
+    echo "base image $IMAGE exists with $SPEC: nothing to do (FORCE=1 rebuilds it)"
     exit 0
 fi
+[ -z "$have" ] || echo "base image $IMAGE has '$have', not '$SPEC': rebuilding it"
 if [ "$(id -u)" != 0 ]; then
     echo "error: debootstrap needs root; run: sudo $0" >&2
     exit 2
@@ -37,17 +48,46 @@ debootstrap --variant=minbase --include=python3,python3-venv --cache-dir="$CACHE
 echo "debootstrap: $((SECONDS - start)) s"
 
 chroot "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
+
+# The pair's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
+# downloaded once per spec, then installed offline inside the tree.
+WHEELS=$HERE/.cache/torch-wheels/$(printf '%s %s' "$SPEC" "${TORCH_INDEX:-}" | sha256sum | cut -c1-12)
+if [ ! -f "$WHEELS/.complete" ]; then
+    mkdir -p "$WHEELS"
+    target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
+            --platform manylinux2014_x86_64)
+    for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_x86_64"); done
+    index=()
+    [ -z "${TORCH_INDEX:-}" ] || index=(--extra-index-url "$TORCH_INDEX")
+    # shellcheck disable=SC2086 # PIP may be "python3 -m pip"; SPEC is a list of requirements
+    $PIP download -q -d "$WHEELS" "${target[@]}" "${index[@]}" $SPEC
+    touch "$WHEELS/.complete"
+fi
+echo "torch wheels: $(du -sm "$WHEELS" | cut -f1) MB, after $((SECONDS - start)) s"
+mkdir -p "$ROOTFS/tmp/wheels"
+cp -l "$WHEELS"/*.whl "$ROOTFS/tmp/wheels/" 2>/dev/null || cp "$WHEELS"/*.whl "$ROOTFS/tmp/wheels/"
+# The tree's pip sees none of the host's pip settings (PIP_* variables, config files).
+in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null chroot "$ROOTFS" "$@"; }
+# shellcheck disable=SC2086
+in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels $SPEC
+# Triton serves torch.compile's GPU kernels only; importing torch does not need it (0.9 GB).
+in_tree pip uninstall -q -y triton 2>/dev/null || true
+rm -rf "$ROOTFS/tmp/wheels"
+echo "torch pair installed: $((SECONDS - start)) s"
 # Keep it small: no package lists, caches, docs or translations in the image.
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* \
        "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* \
        "$ROOTFS"/usr/share/locale/* "$ROOTFS"/var/log/*
-find "$ROOTFS" -name __pycache__ -prune -exec rm -rf {} +
+# (torch's own bytecode stays: without it every process would compile torch at import.)
+find "$ROOTFS" -path "$ROOTFS/opt/venv" -prune -o -name __pycache__ -prune -exec rm -rf {} +
 
 tar -C "$ROOTFS" -c . | docker import \
     --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["python"]' \
-    --message "debootstrap --variant=minbase bookworm + python3 venv" \
+    --change "LABEL $LABEL=\"$SPEC\"" \
+    --message "debootstrap --variant=minbase bookworm + python3 venv + $SPEC" \
     - "$IMAGE" >/dev/null
-docker run --rm "$IMAGE" python -c 'import sys, ensurepip; print("python", sys.version.split()[0], "ok")'
+docker run --rm "$IMAGE" python -c 'import sys, torch, torchvision
+print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__, "ok")'
 echo "base image $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'), built in $((SECONDS - start)) s"

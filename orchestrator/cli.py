@@ -164,10 +164,21 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=_positive_int, default=900, metavar="SECONDS")
     add_strategy_arg(p)
     p.set_defaults(run=lambda a: cluster().smoke(a.config, a.workers, timeout=a.timeout, strategy=a.strategy))
+    p = sub.add_parser("sample-data", help="write a small Imagenette-layout image tree (train/, val/) from "
+                       "scikit-learn's digits, for configs/cpu-resnet.yaml")
+    p.add_argument("-o", "--out", default="data/sample-imagenette", metavar="DIR",
+                   help="where the tree goes (default: data/sample-imagenette)")
+    p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
+    p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
     _add_check_verb(sub)
     _add_stack_verbs(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
+
+
+def _sample_data():
+    from orchestrator import sample_data
+    return sample_data
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:

@@ -1,11 +1,12 @@
 """Image builds with the Docker SDK for Python, progress printed as it streams.
 
-Two paths (images/Dockerfile):
+Two paths (images/Dockerfile), each keeping its base's torch + torchvision:
 - default: FROM the topology's `image.base` (an official PyTorch image, from a
-  registry), the rest from PyPI;
+  registry, with its own pair), the rest from PyPI;
 - offline: FROM `ps-compose-base:bookworm` (images/build-offline-base.sh:
-  debootstrap + docker import, no registry) with every wheel from
-  images/wheelhouse/ (images/wheelhouse.sh) and `pip install --no-index`.
+  debootstrap, the pair of images/torch-pair.txt, docker import; no registry)
+  with the rest from images/wheelhouse/ (images/wheelhouse.sh) and
+  `pip install --no-index`.
 A topology picks its path with `image.base` and `image.pip_source`;
 `source(t, offline=True)` forces the offline one (`make smoke`, CI).
 """
@@ -13,6 +14,7 @@ A topology picks its path with `image.base` and `image.pip_source`;
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,6 +124,9 @@ def build(
     return image_id
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def follow_build(stream: Iterable[dict[str, Any]], out: TextIO, *, verbose: bool = False) -> str:
     """Print a build's progress; the image id, or EngineError with the failing step's output."""
     image_id = ""
@@ -129,8 +134,12 @@ def follow_build(stream: Iterable[dict[str, Any]], out: TextIO, *, verbose: bool
     for chunk in stream:
         if "error" in chunk or "errorDetail" in chunk:
             message = chunk.get("error") or chunk["errorDetail"].get("message", "")
+            # A step that explains itself (`error: ...`, as the Dockerfile's checks do) is the message.
+            plain = [_ANSI.sub("", line).strip() for line in recent]  # stderr comes coloured
+            said = [line[len("error: "):] for line in plain if line.startswith("error: ")]
             tail = "".join(f"    | {line}\n" for line in recent[-30:])
-            raise EngineError(f"image build failed: {message.strip()}" + (f"\n{tail}" if tail else ""))
+            raise EngineError(f"image build failed: {said[-1] if said else message.strip()}"
+                              + (f"\n{tail}" if tail else ""))
         aux = chunk.get("aux") or {}
         if "ID" in aux:
             image_id = aux["ID"]

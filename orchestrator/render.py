@@ -146,6 +146,8 @@ def app_environment(
     })
     if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
         env["PSC_SHARDS"] = str(t.ps.shards)
+    if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
+        env["PSC_IMAGE_SIZE"] = str(tr.image_size)
     return env
 
 

@@ -94,7 +94,7 @@ class Train(_Section):
     dataset: Literal["imagefolder", "mnist", "cifar10", "digits", "synthetic"]
     """imagefolder, mnist, cifar10 read data_dir; digits and synthetic need no files."""
     data_dir: Optional[str] = Field(default=None, min_length=1)
-    """Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted read-only at /data."""
+    """Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class folders (Imagenette's layout: the PS evaluates on val/)."""
     batch_size: int = Field(gt=0)
     """Samples per batch, per worker."""
     lr: Float = Field(gt=0)
@@ -123,6 +123,8 @@ class Train(_Section):
     """A worker prints a line every this many batches."""
     loader_workers: int = Field(default=0, ge=0)
     """DataLoader worker processes in each container (needs shm_size)."""
+    image_size: int = Field(default=224, ge=8, le=4096)
+    """imagefolder: side of the square training crop in pixels; the shorter side is resized to 8/7 of it first (256 for 224)."""
 
     @field_validator("model")
     @classmethod

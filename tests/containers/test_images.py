@@ -59,3 +59,13 @@ def test_follow_build_error_shows_the_failing_steps_output():
               {"error": "The command returned a non-zero code: 1", "errorDetail": {"message": "non-zero code: 1"}}]
     with pytest.raises(EngineError, match=r"(?s)image build failed: The command.*No matching distribution"):
         images.follow_build(stream, io.StringIO())
+
+
+def test_follow_build_error_is_the_steps_own_error_line():
+    stream = [{"stream": "Step 5/15 : RUN set -eu; if ! python -c 'import torch, torchvision'...\n"},
+              {"stream": "\x1b[91merror: the base image x has no torch + torchvision pair that imports (boom)\n\x1b[0m"},
+              {"error": "The command '/bin/sh -c set -eu; ...' returned a non-zero code: 1"}]
+    with pytest.raises(EngineError) as failed:
+        images.follow_build(stream, io.StringIO())
+    assert str(failed.value).splitlines()[0] == (
+        "image build failed: the base image x has no torch + torchvision pair that imports (boom)")

@@ -26,6 +26,7 @@ CASES = [
     ("cpu-smoke.yaml", "configs/cpu-smoke.yaml", None),
     ("cpu-smoke-workers1.yaml", "configs/cpu-smoke.yaml", 1),
     ("cpu-smoke-workers8.yaml", "configs/cpu-smoke.yaml", 8),
+    ("cpu-resnet.yaml", "configs/cpu-resnet.yaml", None),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -225,3 +226,11 @@ def test_failed_write_leaves_no_temp_and_old_file(monkeypatch: pytest.MonkeyPatc
         r.write_atomic(target, "new\n")
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["compose.yaml"]
+
+
+def test_image_size_is_rendered_only_when_it_is_not_the_apps_default() -> None:
+    resnet = yaml.safe_load(rendered("configs/cpu-resnet.yaml", None)[1])
+    assert resnet["services"]["worker1"]["environment"]["PSC_IMAGE_SIZE"] == "32"
+    assert resnet["services"]["ps"]["environment"]["PSC_IMAGE_SIZE"] == "32"
+    default = yaml.safe_load(rendered("configs/default.yaml", None)[1])
+    assert "PSC_IMAGE_SIZE" not in default["services"]["worker1"]["environment"]  # 224, the app's own

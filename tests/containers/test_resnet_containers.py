@@ -1,0 +1,51 @@
+"""`make up CONFIG=configs/cpu-resnet.yaml WORKERS=2` in real containers: torchvision's
+ResNet-18 on an Imagenette-layout tree (what `make sample-data` writes), to the
+accuracy the processes reach, every container exiting 0."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import yaml
+
+from orchestrator import cluster
+from orchestrator import compose
+from orchestrator import images
+from orchestrator import sample_data
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+CONFIG = images.ROOT / "configs" / "cpu-resnet.yaml"
+THRESHOLD = 0.60  # measured 0.70-0.77 (tests/app/test_app_resnet.py)
+
+
+def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
+    tree = tmp_path / "sample-imagenette"
+    sample_data.write_tree(tree, size=32)
+    topology = yaml.safe_load(CONFIG.read_text())
+    topology["train"]["data_dir"] = str(tree)
+    config = tmp_path / "cpu-resnet.yaml"
+    config.write_text(yaml.safe_dump(topology))
+    monkeypatch.setattr(cluster, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(cluster, "CURRENT", tmp_path / "current.json")
+    project = "psc-test-resnet"
+    cluster.down(str(config), 2, volumes=True, project=project)
+    try:
+        out = io.StringIO()
+        # The image is built on first use, as `make up` does (FROM the offline base).
+        assert cluster.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, out.getvalue()
+        states = cluster.wait_exited(engine, project, 3, timeout=900, out=io.StringIO())
+        assert states is not None, "the cluster did not finish within 900 s"
+        containers = engine.containers.list(all=True, filters={"label": f"{compose.LABEL_PROJECT}={project}"})
+        logs = {c.labels[compose.LABEL_SERVICE]: c.logs().decode() for c in containers}
+        exits = {c.labels[compose.LABEL_SERVICE]: c.attrs["State"]["ExitCode"] for c in containers}
+        assert exits == {"ps": 0, "worker1": 0, "worker2": 0}, logs.get("ps", "")[-3000:]
+        assert "model resnet18: 11181642 parameters" in logs["ps"]
+        assert re.search(r"^worker1 \| Epoch: 6 \| Batch: \d+ \| Loss: ", logs["worker1"], re.MULTILINE)
+        accuracy = float(re.search(r"^Accuracy: ([0-9.]+)$", logs["ps"], re.MULTILINE).group(1))
+        print(f"cpu-resnet in containers: Accuracy {accuracy:.4f}")
+        assert accuracy >= THRESHOLD, logs["ps"][-3000:]
+    finally:
+        cluster.down(str(config), 2, volumes=True, project=project)
