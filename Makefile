@@ -78,8 +78,8 @@ check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank an
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers); print how each recovered
 	$(ORCH) chaos $(if $(NO_CONTAINERS),--no-containers)
 
-doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack)
-	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET))
+doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
+	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
 # The same topology on Docker Swarm (orchestrator/swarm.py, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.

@@ -96,7 +96,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     from orchestrator.render import describe
 
     print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
-    ok = doctor.report(doctor.run_checks(t, args.target, doctor.gather(t, args.target)), sys.stdout)
+    facts = doctor.gather(t, args.target, probe=not args.no_probe)
+    ok = doctor.report(doctor.run_checks(t, args.target, facts), sys.stdout)
     return 0 if ok else 1
 
 
@@ -118,6 +119,8 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
     p.add_argument("--target", choices=TARGETS, default="compose", help="what the run uses (default: compose)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)")
     p.set_defaults(run=run_doctor)
 
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
