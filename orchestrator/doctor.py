@@ -81,7 +81,8 @@ class Facts:
     nodes: list[dict[str, Any]] = field(default_factory=list)  # swarm nodes (stack.nodes)
     hooks: list[str] = field(default_factory=list)  # NVIDIA_HOOKS found on this host (local daemon only)
     cdi_specs: list[str] = field(default_factory=list)  # files in the engine's CDISpecDirs naming nvidia.com/gpu
-    probe: Optional[Probe] = None  # None: not run (--no-probe, or `up`'s preflight)
+    probe: Optional[Probe] = None  # None: not run (--no-probe, `up`'s preflight, no image yet)
+    probe_note: str = ""  # why the probe did not run, when asked for
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def check_probe(t: Topology, target: str, f: Facts) -> Check:
     if f.daemon_error is not None or not gpu_paths(f):
         return Check("probe", None, "not run: no way to give it a GPU (see nvidia)")
     if f.probe is None:
-        return Check("probe", True, "not run (--no-probe); `make gpu-check` runs it")
+        return Check("probe", True, f.probe_note or "not run (--no-probe); `make gpu-check` runs it")
     p = f.probe
     if p.error:
         return Check("probe", False, p.error, p.fix)
@@ -510,9 +511,11 @@ def gather(t: Topology, target: str, *, client: Any = None, probe: bool = False)
             facts["hooks"] = _hooks()
             facts["cdi_specs"] = _cdi_specs(facts["info"].get("CDISpecDirs") or [])
         if probe and target == "compose" and client is not None and gpu_paths(Facts(**facts)):
-            facts["probe"] = run_probe(client, t) if facts["image_present"] else Probe(
-                wanted_gpus(t), error=f"the probe runs in the image {t.image_tag}, which is not built yet",
-                fix="`make build CONFIG=...` first, or --no-probe")
+            if facts["image_present"]:
+                facts["probe"] = run_probe(client, t)
+            else:
+                facts["probe_note"] = (f"not run: it runs in the image {t.image_tag}, not built yet "
+                                       "(`make build`; `make gpu-check` builds it and probes)")
     if t.reads_files and t.train.data_dir:
         path = data_path(t.train.data_dir)
         facts.update(data_dir=str(path), data_problem=dir_problem(path))
