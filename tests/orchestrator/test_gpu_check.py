@@ -95,7 +95,8 @@ def _engine_without_gpu() -> bool:
 def test_gpu_check_on_a_host_without_gpu_stops_with_the_doctors_line() -> None:
     if not _engine_without_gpu():
         pytest.skip("needs a Docker engine with no GPU path")
-    before = subprocess.run(["docker", "ps", "-aq"], capture_output=True, text=True).stdout
+    ours = ["docker", "ps", "-aq", "--filter", "label=com.docker.compose.project=gpu-check"]
+    probes = ["docker", "ps", "-aq", "--filter", "label=ps-compose.probe"]
     p = subprocess.run([sys.executable, "-m", "orchestrator", "gpu-check"], cwd=REPO, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 1, p.stdout + p.stderr
@@ -104,7 +105,8 @@ def test_gpu_check_on_a_host_without_gpu_stops_with_the_doctors_line() -> None:
             "no CDI nvidia.com/gpu device, no NVIDIA hook -> fix: install the NVIDIA Container Toolkit") in p.stdout
     assert lines[-1].startswith("gpu-check: stopped:") and lines[-1].endswith("nothing was started")
     assert "==>" not in p.stdout  # no build, no run
-    assert subprocess.run(["docker", "ps", "-aq"], capture_output=True, text=True).stdout == before
+    for argv in (ours, probes):  # no run, no probe container was created
+        assert subprocess.run(argv, capture_output=True, text=True).stdout == ""
 
 
 def test_gpu_check_refuses_a_cpu_topology_and_bad_seconds() -> None:
