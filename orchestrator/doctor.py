@@ -575,11 +575,14 @@ def run_probe(client: Any, t: Topology) -> Probe:
         container.start()
         code = container.wait(timeout=300).get("StatusCode", -1)
         output = container.logs(stdout=True, stderr=True).decode("utf-8", "replace")
-    except docker.errors.DockerException as e:
+    except (docker.errors.DockerException, OSError) as e:  # OSError: requests' timeouts and resets
         return probe_error(e)
     finally:
         if container is not None:
-            container.remove(force=True)
+            try:
+                container.remove(force=True)
+            except docker.errors.DockerException:
+                pass
     return parse_probe(requested, output, code)
 
 
