@@ -15,7 +15,7 @@ CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),-
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean \
-        doctor stack-up stack-down stack-logs stack-status stack-smoke chaos check
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -80,8 +80,11 @@ check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank an
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers); print how each recovered
 	$(ORCH) chaos $(if $(NO_CONTAINERS),--no-containers)
 
-doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack)
-	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET))
+gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a minute, one worker per GPU: samples/s, GPU, UUID
+	$(ORCH) gpu-check -c $(CONFIG)
+
+doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
+	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
 # The same topology on Docker Swarm (orchestrator/swarm.py, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.

@@ -320,7 +320,8 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
                  world.port, world.size, backend)
         start_state(state, checkpoints, device)
         p = state.progress
-        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch)
+        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch,
+                      **runtime.gpu_identity(device))
         model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         if config.compress != "none":
             model.register_comm_hook(None, compress_hook(config.compress, backend))

@@ -110,6 +110,15 @@ def choose_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_identity(device: torch.device) -> dict[str, str]:
+    """The GPU a process trains on, for its metrics' `join` record: {gpu: name, gpu_uuid:
+    GPU-<uuid> as nvidia-smi -L prints it}; empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    p = torch.cuda.get_device_properties(device)
+    return {"gpu": p.name, "gpu_uuid": f"GPU-{p.uuid}"}
+
+
 def handle_sigterm(grace: float) -> None:
     """SIGTERM ends the process even as PID 1 and even while blocked inside torch.
 

@@ -23,7 +23,7 @@ from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
 from app.roster import StaleIncarnation
-from app.runtime import choose_device, first_line, progress, rpc_session
+from app.runtime import choose_device, first_line, gpu_identity, progress, rpc_session
 
 log = logging.getLogger("app.worker")
 PS_NAME = "ps"
@@ -251,7 +251,8 @@ def run(config: Config) -> int:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):
             start = client.join()
-            metrics.write("join", start["pushes"], worker=name, epoch=start["epoch"], batch=start["batch"])
+            metrics.write("join", start["pushes"], worker=name, epoch=start["epoch"], batch=start["batch"],
+                          **gpu_identity(device))
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
             pushes = trainer.train(start)
             client.finish(pushes)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from orchestrator.local import free_port, local_environment, loopback_ifname
-from orchestrator.render import service_names
+from orchestrator.local import free_port, loopback_ifname, service_environment
+from orchestrator.services import by_name
 from orchestrator.topology import Topology, load
 
 CONFIG = "configs/cpu-smoke.yaml"
@@ -80,14 +80,15 @@ class ProcessJob:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, *names: str) -> None:
-        for name in names or service_names(self.t):
-            rank = 0 if name == "ps" else int(name.removeprefix("worker"))
-            env = local_environment(self.t, rank, port=self.port, run_dir=self.run_dir, ifname=self.ifname)
+        known = by_name(self.t)
+        for name in names or list(known):
+            service = known[name]
+            env = service_environment(self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname)
             n = self.starts[name] = self.starts.get(name, 0) + 1
             with open(self.run_dir / "logs" / f"{name}.{n}.out", "w") as out, \
                     open(self.run_dir / "logs" / f"{name}.{n}.err", "w") as err:
                 self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "app", "ps" if rank == 0 else "worker"],
+                    [sys.executable, "-m", "app", service.role],
                     env={**os.environ, **env}, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
 
     def signal(self, name: str, sig: int) -> float:
@@ -106,7 +107,7 @@ class ProcessJob:
 
     def events(self, name: str, event: str, since: float = 0.0) -> list[dict[str, Any]]:
         """Metrics records of one process (`ps`, `worker2`) with this event, written after `since` (unix time)."""
-        path = self.run_dir / "metrics" / f"{name}.jsonl"
+        path = self.run_dir / "metrics" / by_name(self.t)[name].metrics_file
         if not path.is_file():
             return []
         with open(path, encoding="utf-8") as f:

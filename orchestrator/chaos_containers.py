@@ -21,6 +21,7 @@ from orchestrator import cluster, images
 from orchestrator import compose as cp
 from orchestrator import render as rd
 from orchestrator.chaos import RUN_TIMEOUT, THRESHOLD, Outcome, Timeout, chaos_topology, wait_until
+from orchestrator.services import by_name
 from orchestrator.topology import Topology
 
 # Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
@@ -73,7 +74,7 @@ class ContainerJob:
 
     def events(self, name: str, event: str, since: float = 0.0) -> list[dict[str, Any]]:
         files = cluster.read_metrics(self.client, self.project.name, list(self.containers().values()))
-        records = [json.loads(line) for line in files.get(f"{name}.jsonl", []) if line.strip().endswith("}")]
+        records = [json.loads(line) for line in files.get(by_name(self.t)[name].metrics_file, []) if line.strip().endswith("}")]
         return [r for r in records if r["event"] == event and r["time"] >= since]
 
     def wait_done(self, timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from orchestrator import UsageError
 from orchestrator import render as rd
+from orchestrator.services import services
 from orchestrator.topology import Topology
 
 DEFAULT_TIMEOUT = 30.0
@@ -53,7 +54,7 @@ class Result:
 
 def rank_names(t: Topology) -> list[str]:
     """The services in rank order; rank 0 hosts the check (the PS, or worker1 for allreduce)."""
-    return rd.service_names(t)
+    return [s.name for s in services(t)]
 
 
 def project_name(t: Topology) -> str:
@@ -78,6 +79,7 @@ def check_environment(t: Topology, rank: int, *, master_addr: str, master_port: 
         "PSC_MASTER_PORT": str(master_port),
         "PSC_STRATEGY": t.train.strategy,
         "PSC_SHARDS": str(t.ps.shards),
+        "PSC_SHARD": "0",  # a shard's PSC_SHARD is for its ps role; the check knows it by rank
         "PSC_RPC_TIMEOUT": f"{timeout:g}",
     }
 
@@ -117,19 +119,18 @@ class LocalRank:
 def plan_local(t: Topology, *, port: int, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
                run_dir: Path = Path("runs"), ifname: str = "lo", python: str = sys.executable) -> list[LocalRank]:
     """One `python -m app check --rank R` process per service on 127.0.0.1, in rank order."""
-    from orchestrator.local import LOCALHOST, local_environment
+    from orchestrator.local import LOCALHOST, service_environment
 
     check_without(t, without)
     plan = []
-    for rank, name in enumerate(rank_names(t)):
-        if name in without:
+    for rank, service in enumerate(services(t)):
+        if service.name in without:
             continue
-        # The training environment of the service (numbered by name: worker<k> is k, the PS 0).
-        number = 0 if name == rd.PS_SERVICE else int(name.removeprefix("worker"))
-        env = local_environment(t, number, port=port, run_dir=run_dir, ifname=ifname)
+        # The service's training environment, under the check's own rank and world.
+        env = service_environment(t, service, port=port, run_dir=run_dir, ifname=ifname)
         env.update(check_environment(t, rank, master_addr=LOCALHOST, master_port=port, timeout=timeout))
         env["GLOO_SOCKET_IFNAME"] = ifname
-        plan.append(LocalRank(name, rank, [python, "-m", "app", ROLE, "--rank", str(rank)], env))
+        plan.append(LocalRank(service.name, rank, [python, "-m", "app", ROLE, "--rank", str(rank)], env))
     return plan
 
 

@@ -96,8 +96,16 @@ def run_doctor(args: argparse.Namespace) -> int:
     from orchestrator.render import describe
 
     print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
-    ok = doctor.report(doctor.run_checks(t, args.target, doctor.gather(t, args.target)), sys.stdout)
+    facts = doctor.gather(t, args.target, probe=not args.no_probe)
+    ok = doctor.report(doctor.run_checks(t, args.target, facts), sys.stdout)
     return 0 if ok else 1
+
+
+def run_gpu_check(args: argparse.Namespace) -> int:
+    from orchestrator import gpu_check
+    from orchestrator.cluster import engine_errors
+
+    return engine_errors(gpu_check.run)(args.config, seconds=args.seconds)
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -118,7 +126,17 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
     p.add_argument("--target", choices=TARGETS, default="compose", help="what the run uses (default: compose)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)")
     p.set_defaults(run=run_doctor)
+
+    p = sub.add_parser("gpu-check", help="doctor with the probe, then a one-minute cnn run with one worker per GPU: "
+                                         "samples/s, GPU name and UUID per worker")
+    p.add_argument("-c", "--config", default="configs/default.yaml",
+                   help="the cuda topology whose image and group_add to use (default: configs/default.yaml)")
+    p.add_argument("--seconds", type=_positive_int, default=60, metavar="SECONDS",
+                   help="how long the run trains (default: 60)")
+    p.set_defaults(run=run_gpu_check)
 
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)

@@ -24,13 +24,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TextIO
+from typing import Any, Callable, Iterable, Optional, Sequence, TextIO
 
 import yaml
 
 from orchestrator import compose as cp
 from orchestrator import doctor, images
 from orchestrator import render as rd
+from orchestrator import services as sv
 from orchestrator.topology import Topology, load
 
 ROOT = images.ROOT
@@ -172,11 +173,10 @@ def status(config: Optional[str] = None, workers: Optional[int] = None, *,
            project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
     tg = target(config, workers, project=project, strategy=strategy)
     client = images.client()
-    services = _services(tg)
-    found = {c.labels.get(cp.LABEL_SERVICE, c.name): c for c in _containers(client, tg.project.name)}
-    metrics = read_metrics(client, tg.project.name, list(found.values()))
-    rows = [service_row(s, found[s].attrs if s in found else None, metrics.get(_metrics_file(s), []))
-            for s in services]
+    containers = _containers(client, tg.project.name)
+    listed = status_services(_configured(tg), [c.attrs for c in containers])
+    metrics = read_metrics(client, tg.project.name, containers)
+    rows = [service_row(s.name, attrs, metrics.get(s.metrics_file, [])) for s, attrs in listed]
     print(f"project {tg.project.name} ({_rel(Path(tg.project.file))})", file=out)
     for line in format_status(rows):
         print(line, file=out)
@@ -243,22 +243,16 @@ def _containers(client: Any, project: str) -> list[Any]:
     return client.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={project}"})
 
 
-def _services(tg: Target) -> list[str]:
+def _configured(tg: Target) -> list[sv.Service]:
+    """The services the cluster is configured with: the topology's, else those of the
+    compose file `up` rendered (none when it cannot be read)."""
     if tg.topology is not None:
-        return rd.service_names(tg.topology)
+        return sv.services(tg.topology)
     try:
         doc = yaml.safe_load(Path(tg.project.file).read_text(encoding="utf-8"))
-        return list(doc["services"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return [rd.PS_SERVICE]
-
-
-def _metrics_file(service: str) -> str:
-    """The metrics file a service writes: its name, but `ps<i>.jsonl` for a PS shard
-    `ps-shard<i>` (the app names files after RPC names)."""
-    if service.startswith("ps-shard"):
-        return f"ps{service.removeprefix('ps-shard')}.jsonl"
-    return f"{service}.jsonl"
+        return sv.from_compose(doc)
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return []
 
 
 def read_metrics(client: Any, project: str, containers: list[Any]) -> dict[str, list[str]]:
@@ -390,6 +384,30 @@ def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
             if rec.get(key) is not None:
                 out[key] = rec[key]
     return out
+
+
+def status_services(configured: Sequence[sv.Service], containers: Sequence[dict[str, Any]],
+                    ) -> list[tuple[sv.Service, Optional[dict[str, Any]]]]:
+    """What `status` lists: every container of the project (`docker inspect` attrs),
+    described by its own labels and environment, and every configured service that
+    has no container (attrs None); one entry per service name, in rank order.
+
+    Of several containers of one service, a one-off (`compose run`) counts only when
+    there is no other; among equals, the newest (`Created`) counts."""
+    chosen: dict[str, tuple[sv.Service, dict[str, Any]]] = {}
+    ranked = sorted(containers, key=lambda a: (not _one_off(a), a.get("Created") or ""))
+    for attrs in ranked:  # the best last: it overwrites
+        s = sv.from_container(attrs, cp.LABEL_SERVICE)
+        if s is not None:
+            chosen[s.name] = (s, attrs)
+    listed: list[tuple[sv.Service, Optional[dict[str, Any]]]] = list(chosen.values())
+    listed += [(s, None) for s in configured if s.name not in chosen]
+    return sorted(listed, key=lambda pair: sv.sort_key(pair[0]))
+
+
+def _one_off(attrs: dict[str, Any]) -> bool:
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    return str(labels.get("com.docker.compose.oneoff", "False")).lower() == "true"
 
 
 def service_row(service: str, attrs: Optional[dict[str, Any]], metric_lines: list[str]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ run the same checks first and start nothing when one fails.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, TextIO
 
 from orchestrator import UsageError
 from orchestrator import render_swarm as rs
+from orchestrator.render import APP_USER
 from orchestrator.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +36,15 @@ GIB = 1024 ** 3
 DISK_FOR_BUILD = {"cpu": 4 * GIB, "cuda": 20 * GIB}
 DISK_FOR_RUN = 1 * GIB
 SHM_FOR_LOADER = 256 * 1024 ** 2  # DataLoader worker processes pass batches through /dev/shm
-NVIDIA_FIX = ("install the NVIDIA Container Toolkit, then `nvidia-ctk runtime configure --runtime=docker` "
-              "and restart dockerd")
+NVIDIA_FIX = ("install the NVIDIA Container Toolkit, then `sudo nvidia-ctk runtime configure --runtime=docker "
+              "&& sudo systemctl restart docker`")
+DRIVER_FIX = "install the NVIDIA driver (`nvidia-smi -L` lists the GPUs)"
+# dockerd registers its `nvidia` device driver when one of these is on its PATH (moby#50228:
+# the CDI one first, else the prestart hook); compose's `driver: nvidia` needs no runtime then.
+NVIDIA_HOOKS = ("nvidia-cdi-hook", "nvidia-container-runtime-hook")
+HOOK_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/sbin", "/usr/local/sbin")
+CDI_GPU_KIND = "nvidia.com/gpu"
+PROBE_MARK = "ps-compose-probe "
 _GPU_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
 
@@ -70,6 +79,29 @@ class Facts:
     image_present: bool = False
     port_in_use: Optional[bool] = None  # the RPC port on this host, when published
     nodes: list[dict[str, Any]] = field(default_factory=list)  # swarm nodes (stack.nodes)
+    hooks: list[str] = field(default_factory=list)  # NVIDIA_HOOKS found on this host (local daemon only)
+    cdi_specs: list[str] = field(default_factory=list)  # files in the engine's CDISpecDirs naming nvidia.com/gpu
+    probe: Optional[Probe] = None  # None: not run (--no-probe, `up`'s preflight, no image yet)
+    probe_note: str = ""  # why the probe did not run, when asked for
+
+
+@dataclass(frozen=True)
+class ProbeGPU:
+    id: int  # the host GPU id requested (workers.gpus / ps.gpu)
+    name: str
+    uuid: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe container saw (`parse_probe`); `error` set: it did not get that far."""
+
+    requested: list[int]
+    gpus: list[ProbeGPU] = field(default_factory=list)
+    uid: Optional[int] = None
+    denied: list[tuple[str, str, int]] = field(default_factory=list)  # (device node, why, its group id)
+    error: str = ""
+    fix: str = ""
 
 
 # --- the checks (pure) ----------------------------------------------------
@@ -104,15 +136,61 @@ def check_nvidia(t: Topology, target: str, f: Facts) -> Check:
     if f.daemon_error is not None:
         return Check("nvidia", None, "not checked: no daemon")
     runtimes = f.info.get("Runtimes") or {}
-    if "nvidia" not in runtimes:
-        if target == "swarm" and not _this_node_gpus(t, f):
-            return Check("nvidia", True, "this node gives no GPUs; each GPU node needs the NVIDIA runtime "
-                                         "as its default (docs/multi-host.md)")
-        return Check("nvidia", False, "image.device is cuda, but this Docker engine has no NVIDIA runtime", NVIDIA_FIX)
-    if target == "swarm" and f.info.get("DefaultRuntime") != "nvidia":
-        return Check("nvidia", False, "the NVIDIA runtime is not dockerd's default (Swarm services cannot pick a runtime)",
-                     'set "default-runtime": "nvidia" in /etc/docker/daemon.json and restart dockerd')
-    return Check("nvidia", True, "NVIDIA runtime present" + (" (default)" if target == "swarm" else ""))
+    if target == "swarm":
+        if "nvidia" not in runtimes:
+            if not _this_node_gpus(t, f):
+                return Check("nvidia", True, "this node gives no GPUs; each GPU node needs the NVIDIA runtime "
+                                             "as its default (docs/multi-host.md)")
+            return Check("nvidia", False, "image.device is cuda, but this Docker engine has no NVIDIA runtime",
+                         NVIDIA_FIX)
+        if f.info.get("DefaultRuntime") != "nvidia":
+            return Check("nvidia", False,
+                         "the NVIDIA runtime is not dockerd's default (Swarm services cannot pick a runtime)",
+                         'set "default-runtime": "nvidia" in /etc/docker/daemon.json and restart dockerd')
+        return Check("nvidia", True, "NVIDIA runtime present (default)")
+    paths = gpu_paths(f)
+    if not paths:
+        return Check("nvidia", False, "image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime, "
+                                      f"no CDI {CDI_GPU_KIND} device, no NVIDIA hook", NVIDIA_FIX)
+    return Check("nvidia", True, "GPUs reach containers through " + "; ".join(paths))
+
+
+def gpu_paths(f: Facts) -> list[str]:
+    """Every way this engine can honour compose's `driver: nvidia` device request (empty: none).
+
+    Any one suffices: the `nvidia` runtime registered; CDI devices nvidia.com/gpu=* the
+    engine discovered (API >= 1.50), or a CDI spec for them in its CDISpecDirs; an NVIDIA
+    hook on the daemon's host (moby registers the `nvidia` driver then); Docker Desktop's
+    WSL 2 backend (GPU paravirtualisation, no runtime)."""
+    info = f.info
+    paths = []
+    if "nvidia" in (info.get("Runtimes") or {}):
+        paths.append("the nvidia runtime")
+    devices = cdi_gpus(info)
+    if devices:
+        paths.append(f"CDI devices {CDI_GPU_KIND}={','.join(devices)}")
+    elif f.cdi_specs:
+        paths.append(f"the CDI spec {f.cdi_specs[0]}")
+    if f.hooks:
+        paths.append(" and ".join(f.hooks) + " on the daemon's host")
+    if docker_desktop_wsl(info):
+        paths.append("Docker Desktop's WSL 2 GPU support")
+    return paths
+
+
+def cdi_gpus(info: dict[str, Any]) -> list[str]:
+    """The names (after `nvidia.com/gpu=`) of the CDI GPU devices the engine reports."""
+    out = []
+    for d in info.get("DiscoveredDevices") or []:
+        ident = str((d or {}).get("ID") or "")
+        if (d or {}).get("Source") == "cdi" and ident.startswith(CDI_GPU_KIND + "="):
+            out.append(ident.split("=", 1)[1])
+    return out
+
+
+def docker_desktop_wsl(info: dict[str, Any]) -> bool:
+    return info.get("OperatingSystem") == "Docker Desktop" and "microsoft-standard-wsl2" in str(
+        info.get("KernelVersion", "")).lower()
 
 
 def check_gpus(t: Topology, target: str, f: Facts) -> Check:
@@ -120,15 +198,56 @@ def check_gpus(t: Topology, target: str, f: Facts) -> Check:
         return Check("gpus", True, "not needed")
     if target == "swarm":
         return _check_gpu_resources(t, f)
-    wanted = sorted(set(t.worker_gpus() + ([t.ps_gpu()] if t.ps_gpu() is not None else [])))
-    if f.gpus is None:
-        return Check("gpus", False, "nvidia-smi not found: cannot list this host's GPUs (no NVIDIA driver?)",
-                     "install the NVIDIA driver (nvidia-smi -L lists the GPUs)")
-    missing = [g for g in wanted if g not in f.gpus]
+    wanted = wanted_gpus(t)
+    have, source = host_gpus(f)
+    if have is None:
+        if f.probe is not None and not f.probe.error and len(f.probe.gpus) == len(wanted):
+            return Check("gpus", True, f"GPU ids {wanted} given to the probe container (no nvidia-smi here)")
+        return Check("gpus", False, "cannot list this host's GPUs: no nvidia-smi, no CDI GPU devices "
+                                    "(no NVIDIA driver?)", DRIVER_FIX)
+    missing = [g for g in wanted if g not in have]
     if missing:
-        return Check("gpus", False, f"GPU id(s) {missing} not on this host (nvidia-smi -L lists {f.gpus})",
+        return Check("gpus", False, f"GPU id(s) {missing} not on this host ({source} lists {have})",
                      "list existing ids in workers.gpus / ps.gpu, or use fewer workers")
-    return Check("gpus", True, f"GPU ids {wanted} present (host has {f.gpus})")
+    return Check("gpus", True, f"GPU ids {wanted} present (host has {have}, from {source})")
+
+
+def wanted_gpus(t: Topology) -> list[int]:
+    """The host GPU ids the topology reserves (workers.gpus and ps.gpu), sorted."""
+    return sorted(set(t.worker_gpus() + ([t.ps_gpu()] if t.ps_gpu() is not None else [])))
+
+
+def host_gpus(f: Facts) -> tuple[Optional[list[int]], str]:
+    """This host's GPU ids and where they came from: `nvidia-smi -L`, else the engine's CDI
+    devices named by index; (None, "") when neither tells."""
+    if f.gpus is not None:
+        return f.gpus, "nvidia-smi -L"
+    indices = sorted(int(n) for n in cdi_gpus(f.info) if n.isdigit())
+    if indices:
+        return indices, "the engine's CDI devices"
+    return None, ""
+
+
+def check_probe(t: Topology, target: str, f: Facts) -> Check:
+    """The probe container: the project's image, the GPUs the topology reserves, uid 1000."""
+    if not _wants_gpu(t):
+        return Check("probe", True, "not needed")
+    if f.daemon_error is not None or not gpu_paths(f):
+        return Check("probe", None, "not run: no way to give it a GPU (see nvidia)")
+    if f.probe is None:
+        return Check("probe", True, f.probe_note or "not run (--no-probe); `make gpu-check` runs it")
+    p = f.probe
+    if p.error:
+        return Check("probe", False, p.error, p.fix)
+    if p.denied:
+        node, why, gid = p.denied[0]
+        return Check("probe", False, f"uid {p.uid} cannot open {node} in the container ({why}; its group is {gid})",
+                     f"add image.group_add: [{gid}] to the topology (the host group of {node})")
+    if len(p.gpus) != len(p.requested):
+        return Check("probe", False, f"the probe asked for GPU ids {p.requested} and saw {len(p.gpus)} GPU(s)",
+                     "check workers.gpus / ps.gpu against `nvidia-smi -L`")
+    seen = ", ".join(f"{g.id}: {g.name} ({g.uuid})" for g in p.gpus)
+    return Check("probe", True, f"uid {p.uid} in {t.image_tag} sees GPU {seen}")
 
 
 def _check_gpu_resources(t: Topology, f: Facts) -> Check:
@@ -235,7 +354,8 @@ def check_placement(t: Topology, target: str, f: Facts) -> Check:
 
 
 CHECKS: dict[str, list[Callable[[Topology, str, Facts], Check]]] = {
-    "compose": [check_daemon, check_client, check_nvidia, check_gpus, check_shm, check_data, check_disk, check_port],
+    "compose": [check_daemon, check_client, check_nvidia, check_gpus, check_probe, check_shm, check_data, check_disk,
+                check_port],
     "swarm": [check_daemon, check_client, check_swarm, check_placement, check_nvidia, check_gpus, check_shm,
               check_data, check_disk, check_port],
 }
@@ -275,6 +395,57 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+# --- the probe (its output parsed here, pure; run by `run_probe`) ---------
+
+# Run as the image's user (uid 1000) with the topology's GPUs and group_add: opens every
+# NVIDIA device node, then asks torch for each GPU's name and UUID. One marked JSON line.
+PROBE_SCRIPT = """
+import glob, json, os, stat
+out = {"uid": os.getuid(), "groups": os.getgroups(), "denied": [], "gpus": [], "error": ""}
+for node in sorted(glob.glob("/dev/nvidia*")):
+    if not os.path.exists(node) or not stat.S_ISCHR(os.stat(node).st_mode):
+        continue
+    try:
+        os.close(os.open(node, os.O_RDWR))
+    except OSError as e:
+        out["denied"].append([node, e.strerror or str(e), os.stat(node).st_gid])
+try:
+    import torch
+    if not torch.cuda.is_available():
+        out["error"] = "torch.cuda.is_available() is False"
+    for i in range(torch.cuda.device_count() if not out["error"] else 0):
+        p = torch.cuda.get_device_properties(i)
+        out["gpus"].append({"name": p.name, "uuid": "GPU-" + str(p.uuid)})
+except Exception as e:
+    out["error"] = (type(e).__name__ + ": " + " ".join(str(e).split()))[:200]
+print("%s" + json.dumps(out), flush=True)
+""" % PROBE_MARK
+
+
+def parse_probe(requested: list[int], output: str, exit_code: int) -> Probe:
+    """The probe's verdict from its output (`requested`: the host GPU ids it was given,
+    sorted; the container sees them as cuda:0.. in that order, CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    line = next((ln for ln in output.splitlines() if ln.startswith(PROBE_MARK)), None)
+    if line is None:
+        last = next((ln.strip() for ln in reversed(output.splitlines()) if ln.strip()), "no output")
+        return Probe(requested, error=f"the probe container exited {exit_code} without a report: {last[:160]}",
+                     fix="see `docker logs` of the probe, or run with --no-probe")
+    data = json.loads(line[len(PROBE_MARK):])
+    denied = [(str(n), str(why), int(gid)) for n, why, gid in data.get("denied") or []]
+    gpus = [ProbeGPU(gid, g["name"], g["uuid"]) for gid, g in zip(requested, data.get("gpus") or [])]
+    probe = Probe(requested, gpus, data.get("uid"), denied)
+    if data.get("error") and not denied:
+        return Probe(requested, gpus, data.get("uid"), denied, error=f"in the probe container: {data['error']}",
+                     fix="check the driver (`nvidia-smi` on the host) and that image.base is a CUDA build of torch")
+    return probe
+
+
+def probe_error(e: BaseException) -> Probe:
+    """A probe the engine refused to start (e.g. no `nvidia` device driver, an unknown GPU id)."""
+    text = " ".join(str(getattr(e, "explanation", None) or e).split())[:200]
+    return Probe([], error=f"the engine did not start the probe container: {text}", fix=NVIDIA_FIX)
+
+
 # --- the report -----------------------------------------------------------
 
 def report(checks: list[Check], out: TextIO) -> bool:
@@ -304,8 +475,9 @@ def stop_on_problems(checks: list[Check], config: str, hint: str, target: str = 
 
 # --- gathering the facts (thin: asks, never judges) -----------------------
 
-def gather(t: Topology, target: str, *, client: Any = None) -> Facts:
-    """Ask the host. `client`: a Docker client that already answered (else one is made)."""
+def gather(t: Topology, target: str, *, client: Any = None, probe: bool = False) -> Facts:
+    """Ask the host. `client`: a Docker client that already answered (else one is made).
+    `probe`: run the probe container (compose target, cuda topologies, daemon up)."""
     import docker
 
     from orchestrator import compose as cp
@@ -335,6 +507,15 @@ def gather(t: Topology, target: str, *, client: Any = None) -> Facts:
         facts["stack_cli"] = _stack_cli()
     if _wants_gpu(t):
         facts["gpus"] = _nvidia_smi_gpus()
+        if host.startswith("unix://") and client is not None:
+            facts["hooks"] = _hooks()
+            facts["cdi_specs"] = _cdi_specs(facts["info"].get("CDISpecDirs") or [])
+        if probe and target == "compose" and client is not None and gpu_paths(Facts(**facts)):
+            if facts["image_present"]:
+                facts["probe"] = run_probe(client, t)
+            else:
+                facts["probe_note"] = (f"not run: it runs in the image {t.image_tag}, not built yet "
+                                       "(`make build`; `make gpu-check` builds it and probes)")
     if t.reads_files and t.train.data_dir:
         path = data_path(t.train.data_dir)
         facts.update(data_dir=str(path), data_problem=dir_problem(path))
@@ -375,6 +556,53 @@ def _disk_free(root: Optional[str], host: str) -> Optional[int]:
     if not root or not host.startswith("unix://") or not os.path.isdir(root):
         return None
     return shutil.disk_usage(root).free
+
+
+def run_probe(client: Any, t: Topology) -> Probe:
+    """Run PROBE_SCRIPT in the topology's image with its GPUs and group_add (the container
+    is removed); what it saw."""
+    import docker
+
+    requested = wanted_gpus(t)
+    request = docker.types.DeviceRequest(driver="nvidia", device_ids=[str(g) for g in requested],
+                                         capabilities=[["gpu"]])
+    container = None
+    try:
+        container = client.containers.create(
+            t.image_tag, entrypoint=["python", "-c", PROBE_SCRIPT], user=APP_USER,
+            environment={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, device_requests=[request],
+            group_add=[str(g) for g in t.image.group_add], labels={"ps-compose.probe": t.name})
+        container.start()
+        code = container.wait(timeout=300).get("StatusCode", -1)
+        output = container.logs(stdout=True, stderr=True).decode("utf-8", "replace")
+    except (docker.errors.DockerException, OSError) as e:  # OSError: requests' timeouts and resets
+        return probe_error(e)
+    finally:
+        if container is not None:
+            try:
+                container.remove(force=True)
+            except docker.errors.DockerException:
+                pass
+    return parse_probe(requested, output, code)
+
+
+def _hooks() -> list[str]:
+    """The NVIDIA hooks on this host's usual binary dirs (dockerd's PATH is not ours)."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), *HOOK_DIRS])
+    return [h for h in NVIDIA_HOOKS if shutil.which(h, path=path)]
+
+
+def _cdi_specs(dirs: list[str]) -> list[str]:
+    """Spec files in the engine's CDI dirs that define nvidia.com/gpu devices."""
+    found = []
+    for d in dirs:
+        for p in sorted(Path(d).glob("*")) if Path(d).is_dir() else []:
+            try:
+                if p.suffix in (".yaml", ".json") and CDI_GPU_KIND in p.read_text(encoding="utf-8", errors="replace"):
+                    found.append(str(p))
+            except OSError:
+                continue
+    return found
 
 
 def _nvidia_smi_gpus() -> Optional[list[int]]:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import IO, Optional
 
 from orchestrator import UsageError
-from orchestrator.render import PS_SERVICE, app_environment, describe, service_names
+from orchestrator.render import app_environment, describe
+from orchestrator.services import Service, services
 from orchestrator.topology import Topology, TopologyError
 
 LOCALHOST = "127.0.0.1"
@@ -53,17 +54,21 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
     return env
 
 
+def service_environment(t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str) -> dict[str, str]:
+    """`local_environment` of one service: its rank's, plus PSC_SHARD for a PS shard."""
+    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname)
+    if service.shard:
+        env["PSC_SHARD"] = str(service.shard)
+    return env
+
+
 def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable) -> list[ProcessSpec]:
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first)."""
     specs = []
-    for name in service_names(t):
-        shard = int(name.removeprefix("ps-shard")) if name.startswith("ps-shard") else 0  # ps.shards
-        rank = 0 if name == PS_SERVICE or shard else int(name.removeprefix("worker"))
-        env = local_environment(t, rank, port=port, run_dir=run_dir, ifname=ifname)
-        if shard:
-            env["PSC_SHARD"] = str(shard)
-        specs.append(ProcessSpec(name, [python, "-m", "app", "ps" if rank == 0 else "worker"], env))
+    for s in services(t):
+        env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname)
+        specs.append(ProcessSpec(s.name, [python, "-m", "app", s.role], env))
     return specs
 
 

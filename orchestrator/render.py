@@ -144,6 +144,8 @@ def app_environment(
         "PSC_METRICS_DIR": metrics_dir,
         "TP_SOCKET_IFNAME": ifname,
     })
+    if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
+        env["NCCL_SOCKET_IFNAME"] = ifname
     if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
@@ -241,9 +243,15 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         "volumes": volumes,
     }
     if gpu is not None:
+        if t.image.group_add:  # device nodes restricted to a group on the host
+            svc["group_add"] = list(t.image.group_add)
         svc["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]},
         ]}}}
+    elif t.cuda:
+        # The CUDA base image says NVIDIA_VISIBLE_DEVICES=all: on a host whose default
+        # runtime is nvidia, a service without a GPU would otherwise see every GPU.
+        env["NVIDIA_VISIBLE_DEVICES"] = "void"
     return svc
 
 

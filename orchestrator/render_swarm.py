@@ -46,7 +46,9 @@ SHM_DIR = "/dev/shm"
 ON_FAILURE = {"condition": "on-failure", "delay": "10s", "max_attempts": 3, "window": "30s"}
 NO_RESTART = {"condition": "none"}
 # Compose keys `docker stack deploy` ignores or rejects; replaced below.
-_NOT_IN_SWARM = ("build", "depends_on", "restart", "shm_size", "security_opt", "ports", "deploy", "healthcheck")
+# group_add too: `docker stack deploy` rejects it (docker/cli#3777); docs/gpu.md says what to do instead.
+_NOT_IN_SWARM = ("build", "depends_on", "restart", "shm_size", "security_opt", "ports", "deploy", "healthcheck",
+                 "group_add")
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 

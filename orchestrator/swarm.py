@@ -22,12 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from orchestrator import UsageError
 from orchestrator import cluster as cl
 from orchestrator import compose as cp
 from orchestrator import doctor, images
 from orchestrator import render as rd
 from orchestrator import render_swarm as rs
 from orchestrator import stack as st
+from orchestrator.services import order
 from orchestrator.topology import Topology, load
 
 RECORD_NAME = "stack.json"
@@ -96,7 +98,8 @@ def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = Fals
     print(f"==> {'rendered' if wrote else 'up to date:'} {cl._rel(path)}", file=out, flush=True)
     _deploy(client, t, name, path, offline, out)
     cl.RUNS.mkdir(parents=True, exist_ok=True)
-    rd.write_atomic(cl.RUNS / RECORD_NAME, json.dumps({"stack": name, "stack_file": str(path), "config": config},
+    rd.write_atomic(cl.RUNS / RECORD_NAME, json.dumps({"stack": name, "stack_file": str(path), "config": config,
+                                                      "workers": workers, "strategy": strategy},
                                                       indent=2) + "\n")
     print(f"==> up: stack {name}. Next: make stack-logs | make stack-status | make stack-down", file=out, flush=True)
     return 0
@@ -123,7 +126,7 @@ def stack_logs(config: Optional[str] = None, workers: Optional[int] = None, *, f
     """Every service's log at once (`docker service logs` each), prefixed by task and node."""
     name = _stack(config, workers, stack)
     client = images.client()
-    names = sorted(st.services(client, name), key=_rank)
+    names = order(st.services(client, name), _known(config, workers, stack))
     if not names:
         raise cp.EngineError(f"no stack {name} (make stack-up first)")
     procs = [subprocess.Popen(st.logs_argv(name, s, follow=follow)) for s in names]
@@ -157,7 +160,7 @@ def stack_status(config: Optional[str] = None, workers: Optional[int] = None, *,
     client = images.client()
     states = st.states(client, name)
     print(f"stack {name}", file=out)
-    for line in format_states([states[s] for s in sorted(states, key=_rank)]):
+    for line in format_states([states[s] for s in order(states, _known(config, workers, stack))]):
         print(line, file=out)
     return 0
 
@@ -255,9 +258,18 @@ def _remove(client: Any, name: str) -> None:
     st.remove_volumes(client, name)
 
 
-def _rank(service: str) -> int:
-    """ps, worker1, worker2, ..., worker10 in that order."""
-    if service == rd.PS_SERVICE:
-        return 0
-    digits = service.removeprefix("worker")
-    return int(digits) if digits.isdigit() else 10 ** 6
+def _known(config: Optional[str], workers: Optional[int], stack: Optional[str]) -> Optional[Topology]:
+    """The topology of the stack acted on, when known: from -c/--workers, else from the
+    record of the last stack-up (when it names the stack); None otherwise."""
+    if config is not None or workers is not None:
+        return _topology(config or "configs/default.yaml", workers)
+    record = cl.RUNS / RECORD_NAME
+    if not record.is_file():
+        return None
+    rec = json.loads(record.read_text(encoding="utf-8"))
+    if rec.get("config") is None or (stack is not None and stack != rec.get("stack")):
+        return None
+    try:
+        return _topology(rec["config"], rec.get("workers"), rec.get("strategy"))
+    except UsageError:  # the file changed since: order by name
+        return None

@@ -26,6 +26,7 @@ FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 _FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
@@ -61,7 +62,17 @@ def _size(value: Any) -> Any:
     raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
 
 
+def _group(value: Any) -> Any:
+    """A group for group_add: a numeric gid or a group name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and _GROUP.match(value):
+        return value
+    raise ValueError("must be a group id (a number >= 0, e.g. 44) or a group name like video")
+
+
 Float = Annotated[float, BeforeValidator(_yaml_float)]
+GroupId = Annotated[Union[int, str], BeforeValidator(lambda v: _group(v))]
 Size = Annotated[Union[int, str], BeforeValidator(_size)]
 
 
@@ -79,6 +90,8 @@ class Image(_Section):
     """Name of the built image; default ps-compose-<name>:latest."""
     pip_source: Literal["index", "wheelhouse"] = "index"
     """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse (images/wheelhouse/, offline)."""
+    group_add: list[GroupId] = Field(default_factory=list)
+    """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the image, not on the host. `doctor`'s probe checks it."""
 
     @field_validator("tag")
     @classmethod
@@ -164,7 +177,7 @@ class Network(_Section):
     publish_rpc_port: bool = False
     """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is firewalled."""
     ifname: str = "eth0"
-    """Interface TensorPipe binds inside the containers (TP_SOCKET_IFNAME)."""
+    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it; NCCL_SOCKET_IFNAME on cuda)."""
 
     @field_validator("ifname")
     @classmethod
@@ -289,6 +302,9 @@ def check(t: Topology, source: str) -> None:
             source, "workers.gpus",
             f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker (or leave it out for 0..{t.workers.count - 1})",
         )
+    if t.image.group_add and not t.cuda:
+        raise TopologyError(source, "image.group_add", f"got {list(t.image.group_add)}; allowed only with "
+                            "image.device cuda (it is for the GPU device nodes)")
     if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
         raise TopologyError(source, "train.overlap", f"got True; allowed only with strategy async or ssp "
                             f"({t.train.strategy} waits for every worker's gradient each step)")

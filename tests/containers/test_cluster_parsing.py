@@ -1,15 +1,18 @@
 """status and smoke: the pure parts (metrics, states, verdicts). No engine needed."""
 
+import copy
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from orchestrator import UsageError
 from orchestrator import cluster as cl
 from orchestrator import doctor
-from orchestrator.topology import parse
+from orchestrator.services import services
+from orchestrator.topology import load, parse
 
 PS_LINES = [
     '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',
@@ -126,12 +129,66 @@ def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):
     cl._remember(smoke)
     last = cl.target(None, None)
     assert last.project == smoke.project and last.topology is None
-    assert cl._services(last) == ["ps", "worker1", "worker2", "worker3"]
+    assert [s.name for s in cl._configured(last)] == ["ps", "worker1", "worker2", "worker3"]
     assert json.loads((tmp_path / "current.json").read_text())["config"] == "configs/cpu-smoke.yaml"
     # An explicit -c wins over the last `up`.
     assert cl.target("configs/default.yaml", None).project.name == "resnet18-imagenette"
 
 
+RECORDED = Path(__file__).parent / "recorded"
+
+
+def _recorded(name):
+    return json.loads((RECORDED / name).read_text())
+
+
+def _listed(configured, containers):
+    return [(s.name, s.metrics_file, a["State"]["Status"] if a else None)
+            for s, a in cl.status_services(configured, containers)]
+
+
+def test_status_lists_containers_beyond_the_configured_count():
+    # `make up WORKERS=3`, then `make status CONFIG=configs/cpu-smoke.yaml` (2 workers configured).
+    t = load("configs/cpu-smoke.yaml")
+    assert _listed(services(t), _recorded("status-workers3.json")) == [
+        ("ps", "ps.jsonl", "running"), ("worker1", "worker1.jsonl", "exited"),
+        ("worker2", "worker2.jsonl", "restarting"), ("worker3", "worker3.jsonl", "running")]
+
+
+def test_status_lists_configured_services_without_a_container():
+    containers = [c for c in _recorded("status-workers3.json") if c["Name"] != "/cpu-smoke-worker1-1"]
+    t = load("configs/cpu-smoke.yaml").with_workers(4)
+    assert _listed(services(t), containers) == [
+        ("ps", "ps.jsonl", "running"), ("worker1", "worker1.jsonl", None), ("worker2", "worker2.jsonl", "restarting"),
+        ("worker3", "worker3.jsonl", "running"), ("worker4", "worker4.jsonl", None)]
+    assert _listed(services(t), []) == [(s.name, s.metrics_file, None) for s in services(t)]
+
+
 def test_status_reads_a_ps_shards_metrics_under_its_rpc_name():
-    from orchestrator.cluster import _metrics_file
-    assert [_metrics_file(s) for s in ("ps", "ps-shard2", "worker3")] == ["ps.jsonl", "ps2.jsonl", "worker3.jsonl"]
+    ps = next(c for c in _recorded("status-workers3.json") if c["Name"] == "/cpu-smoke-ps-1")
+    shard = copy.deepcopy(ps)
+    shard["Name"] = "/cpu-smoke-ps-shard2-1"
+    shard["Config"]["Labels"]["com.docker.compose.service"] = "ps-shard2"
+    shard["Config"]["Env"].append("PSC_SHARD=2")
+    assert _listed([], [shard, ps]) == [("ps", "ps.jsonl", "running"), ("ps-shard2", "ps2.jsonl", "running")]
+
+
+def test_status_prefers_the_service_container_to_a_one_off_and_skips_foreign_ones():
+    worker1 = next(c for c in _recorded("status-workers3.json") if c["Name"] == "/cpu-smoke-worker1-1")
+    one_off = copy.deepcopy(worker1)
+    one_off["Config"]["Labels"]["com.docker.compose.oneoff"] = "True"
+    one_off["Created"] = "2026-11-23T15:00:00Z"
+    one_off["State"]["Status"] = "running"
+    scratch = {"Name": "/scratch", "State": {"Status": "created"}, "Config": {"Labels": {"ps-compose.scratch": "x"}}}
+    assert _listed([], [worker1, one_off, scratch]) == [("worker1", "worker1.jsonl", "exited")]
+    assert _listed([], [one_off]) == [("worker1", "worker1.jsonl", "running")]
+
+
+def test_status_rows_from_recorded_containers():
+    listed = cl.status_services(services(load("configs/cpu-smoke.yaml")), _recorded("status-workers3.json"))
+    rows = [cl.service_row(s.name, a, {"ps.jsonl": PS_LINES}.get(s.metrics_file, [])) for s, a in listed]
+    assert cl.format_status(rows)[1:] == [
+        "ps         running (healthy)         -     220   0.1243   0.9666",
+        "worker1    exited                    0       -        -        -",
+        "worker2    restarting x2             1       -        -        -",
+        "worker3    running                   -       -        -        -"]

@@ -71,6 +71,15 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
             assert row[1:3] == ["exited", "0"], lines
             assert row[3].isdigit() and float(row[4]) >= 0, lines  # last step and loss from the metrics
         float(rows["ps"][5])  # the PS logged an accuracy (the threshold is test_smoke's)
+        # Status with fewer workers configured than started lists the containers all the same,
+        # and a configured service without one as such.
+        for count, expected in ((1, ["ps", "worker1", "worker2"]), (3, ["ps", "worker1", "worker2", "worker3"])):
+            out = io.StringIO()
+            assert cl.status(CONFIG, count, out=out, **kw) == 0
+            listed = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:]}
+            assert sorted(listed) == expected, out.getvalue()
+            assert listed["worker2"][1:3] == ["exited", "0"], out.getvalue()
+        assert listed["worker3"][1:3] == ["no", "container"], out.getvalue()
 
         assert cl.logs(CONFIG, 2, follow=False, **kw) == 0
         text = capfd.readouterr().out

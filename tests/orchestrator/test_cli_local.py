@@ -23,7 +23,7 @@ from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal.
 HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
-                 "PSC_METRICS_DIR", "TP_SOCKET_IFNAME"}
+                 "PSC_METRICS_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
 
 
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])
@@ -31,7 +31,10 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
     t = load(REPO / config).with_workers(4)
     services = r.render(t)["services"]
     for rank, name in enumerate(r.service_names(t)):
-        container = services[name]["environment"]
+        container = dict(services[name]["environment"])
+        # For the nvidia runtime only; locally, CUDA_VISIBLE_DEVICES="" hides the GPUs.
+        void = container.pop("NVIDIA_VISIBLE_DEVICES", None)
+        assert void == ("void" if t.cuda and rank == 0 else None)
         local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo")
         cuda = local.pop("CUDA_VISIBLE_DEVICES", None)
         assert set(local) == set(container)
@@ -41,6 +44,7 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
         assert local["PSC_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
         assert local["PSC_METRICS_DIR"] == str(tmp_path / "run" / "metrics")
         assert local["TP_SOCKET_IFNAME"] == "lo"
+        assert local.get("NCCL_SOCKET_IFNAME") == ("lo" if t.cuda else None)
         if t.reads_files:
             assert local["PSC_DATA_DIR"] == str((Path.cwd() / t.train.data_dir).resolve())
         if t.cuda:  # the worker sees its own GPU as cuda:0; the PS none (it runs on CPU)

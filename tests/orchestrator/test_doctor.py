@@ -65,7 +65,7 @@ def test_compose_and_docker_stack() -> None:
 def test_nvidia_runtime() -> None:
     assert only(d.check_nvidia, topo(), facts()).text.startswith("not needed")
     c = only(d.check_nvidia, topo(GPU), facts())
-    assert c.ok is False and c.text == "image.device is cuda, but this Docker engine has no NVIDIA runtime"
+    assert c.ok is False and c.text.startswith("image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime")
     assert "nvidia-ctk runtime configure" in c.fix
     with_nvidia = dict(INFO, Runtimes={"runc": {}, "nvidia": {}})
     assert only(d.check_nvidia, topo(GPU), facts(info=with_nvidia)).ok
@@ -82,7 +82,7 @@ def test_gpu_ids_from_nvidia_smi() -> None:
     c = only(d.check_gpus, topo(GPU), facts(gpus=[0, 1]))
     assert c.ok is False and "GPU id(s) [2] not on this host" in c.text
     c = only(d.check_gpus, topo(GPU), facts(gpus=None))
-    assert c.ok is False and "nvidia-smi not found" in c.text
+    assert c.ok is False and "no nvidia-smi" in c.text
     assert only(d.check_gpus, topo(), facts(gpus=None)).ok  # cpu
 
 
@@ -174,8 +174,9 @@ def test_stop_on_problems_names_the_first_one() -> None:
     checks = d.run_checks(topo(GPU), "compose", facts(gpus=None, data_dir="/x"))
     with pytest.raises(UsageError) as e:
         d.stop_on_problems(checks, "configs/default.yaml", "CONFIG=x runs anywhere")
-    assert str(e.value).startswith("configs/default.yaml: image.device is cuda, but this Docker engine has no "
-                                   "NVIDIA runtime (install the NVIDIA Container Toolkit")
+    assert str(e.value).startswith("configs/default.yaml: image.device is cuda, but this Docker engine offers no "
+                                   "GPU: no NVIDIA runtime, no CDI nvidia.com/gpu device, no NVIDIA hook "
+                                   "(install the NVIDIA Container Toolkit")
     assert "(and 1 more: python -m orchestrator doctor -c configs/default.yaml); nothing was started. " \
            "CONFIG=x runs anywhere" in str(e.value)
     d.stop_on_problems(d.run_checks(topo(), "compose", facts()), "c.yaml", "")
@@ -242,4 +243,4 @@ def test_cli_all_pass_on_this_engine() -> None:
     if "PROBLEM  daemon" in p.stdout and not ci():
         pytest.skip("no Docker engine")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.rstrip().endswith("doctor: all 8 checks passed")
+    assert p.stdout.rstrip().endswith("doctor: all 9 checks passed")

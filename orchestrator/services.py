@@ -1,0 +1,125 @@
+"""The services of a topology, derived once: name, role, rank, shard, GPU, metrics file.
+
+Every verb that needs to know what a service is (local, check, chaos, swarm,
+cluster) reads it from `services(t)` instead of parsing the service's name.
+Names follow `render`: `ps`, `ps-shard1..` (RPC name and metrics file `ps1..`),
+`worker1..workerN`; allreduce has no PS, and worker1 is its rank 0 host.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Mapping, Optional
+
+from orchestrator import render as rd
+from orchestrator.topology import Topology
+
+Role = Literal["ps", "worker"]
+
+
+@dataclass(frozen=True)
+class Service:
+    """One process of the job.
+
+    Invariants: `rank` is the app's PSC_RANK (0 for the PS and every shard; k for
+    worker k); `shard` is 0 except for `ps-shard<i>` (then i, its PSC_SHARD);
+    `gpu` is the host GPU id the service reserves (None: CPU); `metrics_file` is
+    the file the app writes under the metrics directory (named after the RPC name).
+    """
+
+    name: str
+    role: Role
+    rank: int
+    shard: int
+    gpu: Optional[int]
+    metrics_file: str
+
+    @property
+    def rpc_name(self) -> str:
+        """The name the process registers under (first incarnation): ps, ps1.., worker1.."""
+        return self.metrics_file.removesuffix(".jsonl")
+
+
+def services(t: Topology) -> list[Service]:
+    """The services of `t` in `render.service_names` order (rank order, shards after the PS)."""
+    out: list[Service] = []
+    if rd.has_ps(t):
+        out.append(Service(rd.PS_SERVICE, "ps", 0, 0, t.ps_gpu(), metrics_file("ps", 0, 0)))
+        for index in range(1, t.ps.shards):
+            out.append(Service(rd.shard_service(index), "ps", 0, index, t.ps_gpu(), metrics_file("ps", 0, index)))
+    gpus = t.worker_gpus()
+    for rank in range(1, t.workers.count + 1):
+        out.append(Service(rd.worker_service(rank), "worker", rank, 0, gpus[rank - 1] if gpus else None,
+                           metrics_file("worker", rank, 0)))
+    return out
+
+
+def metrics_file(role: Role, rank: int, shard: int) -> str:
+    """The file the app names after its RPC name: ps.jsonl, ps<shard>.jsonl, worker<rank>.jsonl."""
+    if role == "ps":
+        return f"ps{shard or ''}.jsonl"
+    return f"worker{rank}.jsonl"
+
+
+def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu: Optional[int]) -> Optional[Service]:
+    """The service a rendered service or its container describes by its labels (role,
+    rank) and environment (PSC_SHARD); None when it carries no ps-compose labels
+    (a scratch or foreign container)."""
+    role, rank = labels.get(rd.LABEL_ROLE), labels.get(rd.LABEL_RANK)
+    if role not in ("ps", "worker") or rank is None or not str(rank).isdigit():
+        return None
+    shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
+    return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))
+
+
+def from_compose(doc: Mapping[str, Any]) -> list[Service]:
+    """The services of a rendered compose document (a compose.yaml `up` wrote)."""
+    out = []
+    for name, svc in (doc.get("services") or {}).items():
+        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+        ids = [i for d in devices for i in d.get("device_ids") or []]
+        s = described(name, svc.get("labels") or {}, svc.get("environment") or {}, int(ids[0]) if ids else None)
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def from_container(attrs: Mapping[str, Any], service_label: str) -> Optional[Service]:
+    """The service a container (`docker inspect` attrs) runs; its name is the compose
+    service label `service_label`."""
+    config = attrs.get("Config") or {}
+    labels = config.get("Labels") or {}
+    name = labels.get(service_label)
+    if name is None:
+        return None
+    env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
+    requests = (attrs.get("HostConfig") or {}).get("DeviceRequests") or []
+    ids = [i for r in requests for i in r.get("DeviceIDs") or []]
+    return described(name, labels, env, int(ids[0]) if ids and ids[0].isdigit() else None)
+
+
+def sort_key(s: Service) -> tuple:
+    """Rank order as the render lists services: the PS, its shards, then workers by rank."""
+    return (s.role != "ps", s.shard, s.rank, s.name)
+
+
+def by_name(t: Topology) -> dict[str, Service]:
+    """`services(t)` keyed by service name (insertion order is rank order)."""
+    return {s.name: s for s in services(t)}
+
+
+def order(names: Iterable[str], t: Optional[Topology] = None) -> list[str]:
+    """`names` (services found on an engine) in rank order: those of `t` first, in
+    `services(t)` order; then the others (or all, without `t`) in natural order,
+    `ps` first (ps, ps-shard1, worker2, worker10)."""
+    names = list(dict.fromkeys(names))
+    known = [s.name for s in services(t)] if t is not None else []
+    first = [n for n in known if n in names]
+    rest = sorted((n for n in names if n not in first), key=_natural)
+    return first + rest
+
+
+def _natural(name: str) -> tuple:
+    parts = re.split(r"(\d+)", name)
+    return (name != rd.PS_SERVICE, [int(p) if p.isdigit() else p for p in parts])
