@@ -185,7 +185,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sample-data", help="write a small Imagenette-layout image tree (train/, val/) from "
                        "scikit-learn's digits, for configs/cpu-resnet.yaml")
     p.add_argument("-o", "--out", default="data/sample-imagenette", metavar="DIR",
-                   help="where the tree goes (default: data/sample-imagenette)")
+                   help="where the tree goes (default: data/sample-imagenette, configs/cpu-resnet.yaml's data_dir)")
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
     _add_check_verb(sub)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from orchestrator import UsageError
+from orchestrator import UsageError, sample_data
 from orchestrator import render_swarm as rs
 from orchestrator.render import APP_USER
 from orchestrator.topology import Topology
@@ -286,9 +286,10 @@ def check_data(t: Topology, target: str, f: Facts) -> Check:
     if not t.reads_files:
         return Check("data", True, f"not needed (dataset {t.train.dataset} ships in a package)")
     if f.data_problem is not None:
+        sample = Path(t.train.data_dir).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
         return Check("data", False, f"train.data_dir: {t.train.data_dir} {f.data_problem} "
                                     f"(dataset {t.train.dataset} reads it)",
-                     "put the data there, or change train.data_dir")
+                     "make sample-data writes it" if sample else "put the data there, or change train.data_dir")
     where = "; every node that runs a worker needs it at the same path" if target == "swarm" else ""
     return Check("data", True, f"{f.data_dir} readable{where}")
 

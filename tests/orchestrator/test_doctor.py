@@ -244,3 +244,12 @@ def test_cli_all_pass_on_this_engine() -> None:
         pytest.skip("no Docker engine")
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.rstrip().endswith("doctor: all 9 checks passed")
+
+
+def test_missing_data_dir_says_how_to_get_it():
+    resnet = topo((REPO / "configs/cpu-resnet.yaml").read_text())
+    check = d.check_data(resnet, "compose", facts(data_problem="is not a directory on this host: it does not exist"))
+    assert check.ok is False and check.fix == "make sample-data writes it", check.line()
+    other = topo(GPU)
+    check = d.check_data(other, "compose", facts(data_problem="is not a directory on this host: it does not exist"))
+    assert check.ok is False and check.fix == "put the data there, or change train.data_dir", check.line()
