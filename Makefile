@@ -14,7 +14,7 @@ ORCH    := $(PY) -m orchestrator
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean \
+.PHONY: help setup host-setup test test-fast render docs local build up logs status down smoke engine clean \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
 
 help: ## list the targets
@@ -43,6 +43,9 @@ test-fast: setup ## unit tests only (no processes, no containers)
 
 render: host-setup ## write compose.yaml from CONFIG (and WORKERS)
 	$(ORCH) render $(CFG) -o compose.yaml
+
+docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
+	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
 
 local: setup ## PS + workers as local processes (CONFIG, WORKERS)
 	$(ORCH) local $(CFG)

@@ -108,6 +108,17 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     return engine_errors(gpu_check.run)(args.config, seconds=args.seconds)
 
 
+def run_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator import reference
+    from orchestrator.topology import Topology
+
+    text = reference.topology_reference_markdown() if args.markdown else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
+    sys.stdout.write(text)
+    return 0
+
+
 def run_local(args: argparse.Namespace) -> int:
     from orchestrator.local import run
 
@@ -188,6 +199,9 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
                    help="where the tree goes (default: data/sample-imagenette)")
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
+    p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
+    p.add_argument("--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings")
+    p.set_defaults(run=run_schema)
     _add_check_verb(sub)
     _add_stack_verbs(sub)
     _add_chaos_verb(sub)
