@@ -14,7 +14,7 @@ ORCH    := $(PY) -m orchestrator
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast render docs local build up logs status down smoke engine clean \
+.PHONY: help setup host-setup test test-fast render local build up logs status down smoke engine clean \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
 
 help: ## list the targets
@@ -43,9 +43,6 @@ test-fast: setup ## unit tests only (no processes, no containers)
 
 render: host-setup ## write compose.yaml from CONFIG (and WORKERS)
 	$(ORCH) render $(CFG) -o compose.yaml
-
-docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
-	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
 
 local: setup ## PS + workers as local processes (CONFIG, WORKERS)
 	$(ORCH) local $(CFG)
@@ -125,3 +122,9 @@ bench: setup ## PS throughput: app vs tutorial-style PS vs Gloo vs memcpy, 1-2 w
 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
+
+# docs/topology.md is generated from the field docstrings of orchestrator/topology.py
+# (a test fails when it is out of date).
+.PHONY: docs
+docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
+	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
