@@ -134,6 +134,10 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
                    help="compose (docker compose, one host) or swarm (docker stack deploy, one or more hosts)")
     p.set_defaults(run=run_render)
 
+    p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
+    p.add_argument("--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings")
+    p.set_defaults(run=run_schema)
+
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
     p.add_argument("--target", choices=TARGETS, default="compose", help="what the run uses (default: compose)")
@@ -199,9 +203,6 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
                    help="where the tree goes (default: data/sample-imagenette)")
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
-    p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
-    p.add_argument("--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings")
-    p.set_defaults(run=run_schema)
     _add_check_verb(sub)
     _add_stack_verbs(sub)
     _add_chaos_verb(sub)
