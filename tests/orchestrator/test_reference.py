@@ -62,3 +62,15 @@ def test_cli_schema_prints_the_reference_and_the_json_schema(cli):
     status, out, _ = cli("schema")
     assert status == 0
     assert json.loads(out) == Topology.model_json_schema()
+
+
+def test_the_readme_minimal_topology_is_valid():
+    import re
+
+    from orchestrator.topology import parse
+
+    readme = (DOC.parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## A minimal topology\n\n```yaml\n(.*?)```", readme, re.S)
+    assert block, "README.md has no '## A minimal topology' section with a yaml block"
+    t = parse(block.group(1), "README.md")
+    assert t.workers.count >= 1
