@@ -125,3 +125,9 @@ bench: setup ## PS throughput: app vs tutorial-style PS vs Gloo vs memcpy, 1-2 w
 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
+
+# docs/topology.md is generated from the field docstrings of orchestrator/topology.py
+# (a test fails when it is out of date).
+.PHONY: docs
+docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
+	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md

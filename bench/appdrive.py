@@ -87,7 +87,7 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
 
 
 def _start(client: Any) -> tuple[torch.Tensor, int]:
-    """The first state: `join` where the app has it (issue 5), else `pull`."""
+    """The first state: `join` where the app has it (a worker that can rejoin), else `pull`."""
     if hasattr(client, "join"):
         answer = client.join()
         return answer["vector"], answer["version"]

@@ -3,7 +3,7 @@
 `cnn` is the app's own built-in model (the cpu-smoke run: 8x8 digits);
 `mnist-cnn` is pytorch/examples' MNIST `Net` (4.8 MB, the size the RPC
 tutorials train); `resnet18` is ResNet-18 itself (11.7M parameters, 46.8 MB,
-the seed's model), written here because torchvision is not installed, fed
+the model of configs/default.yaml), written here so the bench needs no torchvision, fed
 3x32x32 inputs so its compute stays short next to its bytes on a CPU.
 """
 

@@ -108,6 +108,17 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     return engine_errors(gpu_check.run)(args.config, seconds=args.seconds)
 
 
+def run_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator import reference
+    from orchestrator.topology import Topology
+
+    text = reference.topology_reference_markdown() if args.markdown else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
+    sys.stdout.write(text)
+    return 0
+
+
 def run_local(args: argparse.Namespace) -> int:
     from orchestrator.local import run
 
@@ -122,6 +133,10 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", choices=TARGETS, default="compose",
                    help="compose (docker compose, one host) or swarm (docker stack deploy, one or more hosts)")
     p.set_defaults(run=run_render)
+
+    p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
+    p.add_argument("--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings")
+    p.set_defaults(run=run_schema)
 
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)

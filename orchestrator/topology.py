@@ -82,6 +82,8 @@ class _Section(BaseModel):
 
 
 class Image(_Section):
+    """The one image the PS and every worker run (images/Dockerfile)."""
+
     base: str = Field(min_length=1, pattern=r"^\S+$")
     """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g. pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
     device: Literal["cuda", "cpu"]
@@ -102,6 +104,8 @@ class Image(_Section):
 
 
 class Train(_Section):
+    """The training job: model, data, optimizer and strategy."""
+
     model: str
     """cnn (built in) or a torchvision classification model, e.g. resnet18."""
     dataset: Literal["imagefolder", "mnist", "cifar10", "digits", "synthetic"]
@@ -117,7 +121,7 @@ class Train(_Section):
     epochs: int = Field(gt=0)
     """Epochs each worker runs over its shard."""
     strategy: Literal["async", "sync", "ssp", "allreduce"] = "async"
-    """async: the PS applies each gradient as it arrives (seed 000); sync: one averaged update per round of one gradient from every worker; ssp: async, but no worker gets more than `staleness` pushes ahead of the slowest; allreduce: a DDP job (seeds 001-003), no PS service."""
+    """async: the PS applies each gradient as it arrives; sync: one averaged update per round of one gradient from every worker; ssp: async, but no worker gets more than `staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with DistributedDataParallel (docs/strategies.md)."""
     staleness: int = Field(default=4, ge=0)
     """ssp only: how many pushes a worker may run ahead of the slowest live worker before it waits."""
     staleness_lr: bool = False
@@ -148,6 +152,8 @@ class Train(_Section):
 
 
 class PS(_Section):
+    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port and checkpoints every checkpoint_every steps."""
+
     shm_size: Size = "1g"
     """/dev/shm of the PS container."""
     checkpoint_every: int = Field(default=1000, ge=0)
@@ -165,6 +171,8 @@ class PS(_Section):
 
 
 class Workers(_Section):
+    """The training workers, ranks 1..count; on cuda each has one GPU, seen as cuda:0."""
+
     count: int = Field(gt=0)
     """Number of workers (ranks 1..count); `--workers N` overrides it."""
     gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None
@@ -174,6 +182,8 @@ class Workers(_Section):
 
 
 class Network(_Section):
+    """The cluster's private network (a bridge with compose, an overlay on Swarm)."""
+
     publish_rpc_port: bool = False
     """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is firewalled."""
     ifname: str = "eth0"
