@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from app import plugins
 from app.config import DATASETS, UsageError
 from app.imagefolder import ImageFolderData, find_samples
 
@@ -73,6 +74,8 @@ class LabeledData:
 
 def check_data_dir(dataset: str, data_dir: str) -> None:
     """UsageError naming the path when a file dataset's directory is missing or empty."""
+    if plugins.is_entry_point(dataset):
+        return  # the user's factory reads (or ignores) its root itself
     if dataset not in DATASETS:
         raise UsageError(f"unknown dataset {dataset!r}; datasets that exist: {', '.join(DATASETS)}")
     if dataset not in FILE_DATASETS:
@@ -89,6 +92,9 @@ def load(dataset: str, data_dir: str, split: str, seed: int) -> LabeledData:
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    if plugins.is_entry_point(dataset):
+        got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
+        return LabeledData(got.data, got.channels, got.num_classes)
     loader = {"imagefolder": _imagefolder, "mnist": _mnist, "cifar10": _cifar10,
               "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)

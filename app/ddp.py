@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import data, models, runtime
+from app import data, models, plugins, runtime
 from app.config import Config, UsageError
 from app.metrics import MetricsWriter
 from app.runtime import choose_device, progress
@@ -305,7 +305,10 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     held_out = data.load(config.dataset, config.data_dir, "test", config.seed) if world.rank == 0 else None
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
              len(sampler), data.describe(train))
-    module = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    module = models.build(config.model, train.channels, train.num_classes, config.seed)
+    if config.init_weights:  # every rank, so no rank starts from other weights than rank 0's
+        plugins.load_weights(module, config.init_weights)
+    module = module.to(device)
     optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
     state = JobState(module, optimizer)
 
