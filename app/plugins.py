@@ -122,7 +122,8 @@ def read_weights(path: str) -> Mapping[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - not a torch file, truncated, pickled code
-        raise UsageError(f"{where}: not a readable state dict: {_one_line(error)}") from None
+        raise UsageError(f"{where}: not a readable state dict ({type(error).__name__}): must be a file of "
+                         "torch.save(model.state_dict()) or a final.pt, loadable with weights_only") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping) and obj["model"]:
         obj = obj["model"]  # final.pt / a checkpoint: {"model": state_dict, "version": ...}
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -26,6 +26,7 @@ CASES = [
     ("cpu-smoke.yaml", "configs/cpu-smoke.yaml", None),
     ("cpu-smoke-workers1.yaml", "configs/cpu-smoke.yaml", 1),
     ("cpu-smoke-workers8.yaml", "configs/cpu-smoke.yaml", 8),
+    ("custom-example.yaml", "examples/custom/topology.yaml", None),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -152,7 +153,7 @@ def test_safe_defaults() -> None:
             assert svc["shm_size"]
             for v in svc["volumes"]:
                 if v["type"] == "bind":
-                    assert v["read_only"] is True and v["target"] == "/data"
+                    assert v["read_only"] is True and v["target"] in ("/data", "/code", "/init/weights.pt")
             if name == "ps":
                 assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "app", "health"]
                 assert "build" in svc
