@@ -223,5 +223,12 @@ def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bo
     return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
 
 
+def skipped(dataset: Dataset) -> dict[str, int]:
+    """`{"skipped_images": n}` for a dataset that skips undecodable files (imagefolder), else {}:
+    the field of the metrics records that counts them."""
+    count = getattr(dataset, "skipped_images", None)
+    return {} if count is None else {"skipped_images": int(count)}
+
+
 def describe(data: LabeledData) -> str:
     return f"{len(data.data)} samples, {data.channels} channel(s), {data.num_classes} classes"  # type: ignore[arg-type]

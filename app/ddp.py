@@ -214,7 +214,7 @@ class Trainer:
         self._mark = (now, self._samples)
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
         self.metrics.write("train", self.state.progress.step, epoch=epoch, batch=batch,
-                           loss=round(loss, 4), samples_per_s=round(rate, 1))
+                           loss=round(loss, 4), samples_per_s=round(rate, 1), **data.skipped(self.loader.dataset))
 
 
 def _reason(error: BaseException) -> str:
@@ -341,7 +341,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         seconds = time.monotonic() - started
         leave_together(world)
         if rank0 is None:
-            metrics.write("end", state.progress.step, seconds=round(seconds, 2))
+            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(train.data))
         else:
             finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
     # Leave without tearing torch down: destroying DDP's Gloo process group can

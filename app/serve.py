@@ -209,7 +209,7 @@ def serve(config: Config) -> int:
         progress.info("Time: %.2f seconds", seconds)
         metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
                       seconds=round(seconds, 2), samples=server.samples, strategy=config.strategy,
-                      **server.stats())
+                      **server.stats(), **data.skipped(held_out.data))
     return 0
 
 
