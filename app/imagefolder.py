@@ -69,15 +69,14 @@ def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     UsageError (one line) when there is no class folder, or a class folder has no image."""
     with os.scandir(root) as entries:
         classes = sorted(entry.name for entry in entries if entry.is_dir())
-    if not classes:
+    files = [class_files(os.path.join(root, name)) for name in classes]
+    if not any(files):
         raise UsageError(f"data dir has no class folders with images ({', '.join(IMG_EXTENSIONS)}): {root}")
-    samples: list[tuple[str, int]] = []
-    for index, name in enumerate(classes):
-        files = class_files(os.path.join(root, name))
-        if not files:
-            raise UsageError(f"data dir: class folder {name!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
-                             f"put images in it or remove it: {root}")
-        samples.extend((path, index) for path in files)
+    empty = next((name for name, found in zip(classes, files) if not found), None)
+    if empty is not None:
+        raise UsageError(f"data dir: class folder {empty!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                         f"put images in it or remove it: {root}")
+    samples = [(path, index) for index, found in enumerate(files) for path in found]
     return classes, samples
 
 
