@@ -169,6 +169,19 @@ def test_the_ps_starts_from_init_weights_and_allreduce_from_a_final_pt(tmp_path)
 
 
 @pytest.mark.slow
+def test_every_ps_shard_starts_from_its_slice_of_init_weights(tmp_path):
+    start = {k: v * 0.5 for k, v in models.build("cnn", 1, 10, seed=123).state_dict().items()}
+    weights = tmp_path / "start.pt"
+    torch.save(start, weights)
+    args = [*DIGITS, "--lr", "1e-6", "--max_steps", "1", "--seed", "0", "--init_weights", str(weights),
+            "--shards", "2"]
+    procs = run_cluster(tmp_path, workers=1, args=args, timeout=120, shards=2)
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "ps1": 0, "worker1": 0}, procs["ps"].stderr
+    # final.pt is gathered from both shards: both slices must be the file's values.
+    assert _max_diff(torch.load(tmp_path / "checkpoints" / "final.pt")["model"], start) < 1e-3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("change, expected", [
     ("shape", "key 'classifier.3.weight' has shape [7, 128] in the file, [10, 128] in the model"),
     ("missing", "key 'classifier.3.bias' (shape [10] in the model) is missing from the file"),
