@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -17,6 +18,8 @@ COMPRESSIONS = ("none", "bf16", "fp16")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 ENV_PREFIX = "PSC_"
+# The user's own model or dataset (app/plugins.py): package.module:factory.
+ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class UsageError(Exception):
@@ -32,8 +35,10 @@ class Config:
     """Everything a process of the app needs; one field per flag of docs/design.md."""
 
     role: str
-    model: str = _flag("resnet18", "`cnn` (built in) or a torchvision classification model")
-    dataset: str = _flag("imagefolder", "where the samples come from", DATASETS)
+    model: str = _flag("resnet18", "`cnn` (built in), a torchvision classification model, "
+                       "or your own as package.module:factory")
+    dataset: str = _flag("imagefolder", f"where the samples come from: {', '.join(DATASETS)}, "
+                         "or your own as package.module:factory")
     data_dir: str = _flag("./imagenette2/val", "data root (unused by digits and synthetic)")
     rank: int = _flag(1, "worker rank, 1..world_size-1 (the PS is always 0)")
     world_size: int = _flag(3, "PS + workers")
@@ -67,6 +72,7 @@ class Config:
     num_workers: int = _flag(0, "DataLoader worker processes")
     image_size: int = _flag(224, "imagefolder: the side of the square training crop, in pixels "
                             "(the shorter side is first resized to 8/7 of it, 256 for 224)")
+    init_weights: str = _flag("", "a state dict file (or a final.pt) the model starts from; empty: none")
 
     @property
     def num_trainers(self) -> int:
@@ -141,6 +147,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
 
 def validate(config: Config) -> None:
     """Range checks that argparse cannot express; raise UsageError naming the flag."""
+    if config.dataset not in DATASETS and not ENTRY_POINT.match(config.dataset):
+        raise UsageError(f"--dataset: {config.dataset!r} is not one of {', '.join(DATASETS)}, "
+                         "nor an entry point package.module:factory")
+    if ":" in config.model and not ENTRY_POINT.match(config.model):
+        raise UsageError(f"--model: {config.model!r} is not an entry point package.module:factory")
     for name, low, inclusive in _LOWER_BOUNDS:
         value = getattr(config, name)
         if value < low or (value == low and not inclusive):

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from app import plugins
 from app.config import DATASETS, UsageError
 from app.imagefolder import CROP, ImageFolderData, find_samples
 
@@ -73,6 +74,8 @@ class LabeledData:
 
 def check_data_dir(dataset: str, data_dir: str) -> None:
     """UsageError naming the path when a file dataset's directory is missing or empty."""
+    if plugins.is_entry_point(dataset):
+        return  # the user's factory reads (or ignores) its root itself
     if dataset not in DATASETS:
         raise UsageError(f"unknown dataset {dataset!r}; datasets that exist: {', '.join(DATASETS)}")
     if dataset not in FILE_DATASETS:
@@ -90,6 +93,9 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    if plugins.is_entry_point(dataset):
+        got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
+        return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
         return _imagefolder(Path(data_dir), split == "train", image_size)
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
@@ -228,6 +234,13 @@ def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bo
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(data, sampler=batches, batch_size=None, **common)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
+
+
+def skipped(dataset: Dataset) -> dict[str, int]:
+    """`{"skipped_images": n}` for a dataset that skips undecodable files (imagefolder), else {}:
+    the field of the metrics records that counts them."""
+    count = getattr(dataset, "skipped_images", None)
+    return {} if count is None else {"skipped_images": int(count)}
 
 
 def describe(data: LabeledData) -> str:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import data, models, runtime
+from app import data, models, plugins, runtime
 from app.config import Config, UsageError
 from app.metrics import MetricsWriter
 from app.runtime import choose_device, progress
@@ -214,7 +214,7 @@ class Trainer:
         self._mark = (now, self._samples)
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
         self.metrics.write("train", self.state.progress.step, epoch=epoch, batch=batch,
-                           loss=round(loss, 4), samples_per_s=round(rate, 1))
+                           loss=round(loss, 4), samples_per_s=round(rate, 1), **data.skipped(self.loader.dataset))
 
 
 def _reason(error: BaseException) -> str:
@@ -305,7 +305,10 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size) if world.rank == 0 else None
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
              len(sampler), data.describe(train))
-    module = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    module = models.build(config.model, train.channels, train.num_classes, config.seed)
+    if config.init_weights:  # every rank, so no rank starts from other weights than rank 0's
+        plugins.load_weights(module, config.init_weights)
+    module = module.to(device)
     optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
     state = JobState(module, optimizer)
 
@@ -339,7 +342,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         seconds = time.monotonic() - started
         leave_together(world)
         if rank0 is None:
-            metrics.write("end", state.progress.step, seconds=round(seconds, 2))
+            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(train.data))
         else:
             finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
     # Leave without tearing torch down: destroying DDP's Gloo process group can

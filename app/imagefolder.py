@@ -1,13 +1,26 @@
 """An ImageFolder-compatible dataset (class folders of images) decoded with Pillow.
 
-Same class order and sample order as torchvision.datasets.ImageFolder.
-Transforms, for a crop size S (224 by default): shorter side to 8/7 S (256),
-then a random S crop and a horizontal flip for training, the centre crop for
-evaluation, and ImageNet normalisation.
+Same class order and sample order as torchvision.datasets.ImageFolder, without
+needing torchvision: classes sorted, then each class's directories in sorted
+path order (as torchvision sorts os.walk's tuples) and the files of each
+directory sorted. Transforms, for a crop size S (224 by default): shorter side
+to 8/7 S (256), then a random S crop and a horizontal flip for training, the
+centre crop for evaluation, and ImageNet normalisation.
+
+Real folders: grayscale, palette (with or without transparency), RGBA and CMYK
+images become RGB (transparent pixels over white). A file Pillow cannot decode
+(corrupt, truncated, not an image) is skipped: it is logged once, counted, and
+the next decodable sample of the dataset stands in for it, so every index
+still yields a sample. The record of bad files lives in a shared-memory tensor
+(one flag per sample), so DataLoader worker processes, forked or spawned, mark
+the same flags the training process reads for its `skipped_images` metric.
+A file that disappears is not skipped: that is the data dir vanishing
+(FileNotFoundError, app.data.DataUnavailable).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -21,25 +34,67 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 CROP = 224
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+BACKGROUND = (255, 255, 255)  # under transparent pixels
+
+log = logging.getLogger(__name__)
+
+
+def _scan(directory: str, found: list[tuple[str, list[str]]]) -> None:
+    """Append (dirpath, its image file names sorted) for `directory` and every directory
+    below it (symlinks followed, as os.walk(followlinks=True)). No stat per file: the
+    dirent type tells directories from the rest, and the rest counts as files, as in os.walk."""
+    files: list[str] = []
+    subdirs: list[str] = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_dir():
+                subdirs.append(entry.path)
+            elif entry.name.lower().endswith(IMG_EXTENSIONS):
+                files.append(entry.name)
+    found.append((directory, sorted(files)))
+    for sub in subdirs:
+        _scan(sub, found)
+
+
+def class_files(class_dir: str) -> list[str]:
+    """The image paths of one class folder, in torchvision's order."""
+    found: list[tuple[str, list[str]]] = []
+    _scan(class_dir, found)
+    found.sort(key=lambda item: item[0])  # torchvision: sorted(os.walk(...)), i.e. by dirpath
+    return [os.path.join(dirpath, name) for dirpath, names in found for name in names]
 
 
 def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """(class names, [(path, class index)]), both sorted as torchvision sorts them."""
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    samples: list[tuple[str, int]] = []
-    kept: list[str] = []
-    for name in classes:
-        files = sorted(
-            os.path.join(dirpath, f)
-            for dirpath, _, filenames in os.walk(root / name, followlinks=True)
-            for f in filenames if f.lower().endswith(IMG_EXTENSIONS)
-        )
-        if files:
-            samples.extend((path, len(kept)) for path in files)
-            kept.append(name)
-    if not samples:
+    """(class names, [(path, class index)]), both sorted as torchvision sorts them.
+    UsageError (one line) when there is no class folder, or a class folder has no image."""
+    with os.scandir(root) as entries:
+        classes = sorted(entry.name for entry in entries if entry.is_dir())
+    files = [class_files(os.path.join(root, name)) for name in classes]
+    if not any(files):
         raise UsageError(f"data dir has no class folders with images ({', '.join(IMG_EXTENSIONS)}): {root}")
-    return kept, samples
+    empty = next((name for name, found in zip(classes, files) if not found), None)
+    if empty is not None:
+        raise UsageError(f"data dir: class folder {empty!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                         f"put images in it or remove it: {root}")
+    samples = [(path, index) for index, found in enumerate(files) for path in found]
+    return classes, samples
+
+
+def to_rgb(img):  # PIL.Image.Image -> PIL.Image.Image
+    """Any Pillow mode as RGB: alpha (RGBA, LA, PA, a palette or grayscale image with a
+    transparent colour) composited over BACKGROUND; CMYK, grayscale, palette, 16-bit
+    converted by Pillow."""
+    from PIL import Image
+
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grayscale: scale to 8 bits first
+        array = np.asarray(img, dtype=np.float64)
+        peak = 65535.0 if img.mode.startswith("I;16") else max(float(array.max()), 1.0)
+        return Image.fromarray(np.clip(array * 255.0 / peak, 0, 255).astype(np.uint8), "L").convert("RGB")
+    return img.convert("RGB")
 
 
 class ImageFolderData(Dataset):
@@ -49,16 +104,45 @@ class ImageFolderData(Dataset):
         self.samples = samples
         self.train = train
         self.crop, self.resize = crop, round(crop * 8 / 7)
+        # One flag per sample, 1 once its file failed to decode; in shared memory, so
+        # DataLoader worker processes set the flags this process counts.
+        self.bad = torch.zeros(len(samples), dtype=torch.uint8).share_memory_()
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def skipped_images(self) -> int:
+        """How many distinct files failed to decode so far (in any loader process)."""
+        return int(self.bad.sum().item())
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample `index`, or, when its file does not decode, the next one that does."""
+        for step in range(len(self.samples)):
+            i = (index + step) % len(self.samples)
+            if self.bad[i]:
+                continue
+            try:
+                return self._load(i)
+            except FileNotFoundError:
+                raise  # the data dir vanished: not a bad file (app.data.batches)
+            except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
+                self._mark_bad(i, error)
+        raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")
+
+    def _mark_bad(self, i: int, error: Exception) -> None:
+        # A sample is fetched by one loader process at a time, so set-once needs no lock.
+        self.bad[i] = 1
+        first = (str(error).strip().splitlines() or [""])[0]
+        log.warning("skipping %s: cannot decode it (%s: %s); the next image stands in for it "
+                    "(%d skipped)", self.samples[i][0], type(error).__name__, first, self.skipped_images)
+
+    def _load(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image  # imported here: only this dataset needs Pillow
 
         path, label = self.samples[index]
         with Image.open(path) as img:
-            img = img.convert("RGB")
+            img = to_rgb(img)
             crop = self.crop
             scale = self.resize / min(img.size)
             size = (max(crop, round(img.width * scale)), max(crop, round(img.height * scale)))

@@ -1,4 +1,5 @@
-"""Models by name: the built-in `cnn`, and torchvision's classifiers when it imports.
+"""Models by name: the built-in `cnn`, torchvision's classifiers when it imports, and
+the user's own (`pkg.module:factory`, app/plugins.py).
 
 Model code knows nothing about RPC or devices.
 """
@@ -11,6 +12,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from app import plugins
 from app.config import UsageError
 
 BUILT_IN = ("cnn",)
@@ -60,6 +62,9 @@ def check(name: str) -> None:
     """Raise UsageError for a name that cannot be built here, listing what exists."""
     if name in BUILT_IN:
         return
+    if plugins.is_entry_point(name):
+        plugins.resolve("model", name)
+        return
     tv = _torchvision_models()
     if tv is None:
         raise UsageError(f"unknown model {name!r}: torchvision is not installed, "
@@ -74,6 +79,8 @@ def build(name: str, channels: int, num_classes: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if name == "cnn":
         return SmallCNN(channels, num_classes)
+    if plugins.is_entry_point(name):
+        return plugins.build_model(name, channels, num_classes)
     tv = _torchvision_models()
     assert tv is not None  # check() above
     # Auxiliary heads change the output type in training mode; the loop wants logits.

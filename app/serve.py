@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app import checkpoint, data, models, shards
+from app import checkpoint, data, models, plugins, shards
 from app.config import Config
 from app.flat import FlatModel
 from app.liveness import Watch
@@ -155,6 +155,8 @@ def serve(config: Config) -> int:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
     model = build()
+    if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
+        plugins.load_weights(model, config.init_weights)
     part = shards.bounds(shards.state_size(model), config.shards)[0] if config.shards > 1 else None
     server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
@@ -207,7 +209,7 @@ def serve(config: Config) -> int:
         progress.info("Time: %.2f seconds", seconds)
         metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
                       seconds=round(seconds, 2), samples=server.samples, strategy=config.strategy,
-                      **server.stats())
+                      **server.stats(), **data.skipped(held_out.data))
     return 0
 
 

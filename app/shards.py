@@ -39,7 +39,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from app import checkpoint, data, membership, models, ps
+from app import checkpoint, data, membership, models, plugins, ps
 from app.config import Config, UsageError
 from app.flat import _float_buffers
 from app.metrics import MetricsWriter
@@ -266,6 +266,8 @@ def serve_shard(config: Config) -> int:
     models.check(config.model)
     held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
     model = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+    if config.init_weights:  # this shard's slice starts from the same weights as the main PS's
+        plugins.load_weights(model, config.init_weights)
     part = bounds(state_size(model), k)[index]
     server = ps.ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                                 strategy=config.strategy, staleness=config.staleness,

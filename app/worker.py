@@ -224,7 +224,7 @@ class Trainer:
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
         fields = {"staleness": reply.staleness, "lead": reply.lead} if reply is not None else {}
         self.metrics.write("train", self.pushes, epoch=epoch, batch=batch, loss=round(loss, 4),
-                           samples_per_s=round(rate, 1), **fields)
+                           samples_per_s=round(rate, 1), **fields, **data.skipped(self.loader.dataset))
 
 
 def run(config: Config) -> int:
@@ -256,5 +256,5 @@ def run(config: Config) -> int:
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
             pushes = trainer.train(start)
             client.finish(pushes)
-            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2))
+            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2), **data.skipped(train.data))
     return 0

@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--json FILE]` and `python -m bench containers`."""
+"""`python -m bench [--quick] [--json FILE]`, `python -m bench containers` and `python -m bench scan`."""
 
 from __future__ import annotations
 
@@ -111,7 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
+    from bench import imagefolder_scan
+    imagefolder_scan.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "scan":
+        return imagefolder_scan.main(args)
     if args.command == "containers":
         from bench.containers import main as containers_main
         return containers_main(args)

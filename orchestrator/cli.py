@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from orchestrator import UsageError
@@ -68,6 +69,8 @@ def run_render(args: argparse.Namespace) -> int:
     from orchestrator import render as r
 
     t = load_topology(args)
+    from orchestrator.usercode import check_paths
+    check_paths(t, args.config, Path.cwd())  # `code` and train.init_weights: before anything is written
     if args.target == "swarm":
         from orchestrator import render_swarm as rs
         # A relative train.data_dir is taken from the current directory (absolute in the stack file).

@@ -33,6 +33,7 @@ from orchestrator import doctor, images
 from orchestrator import render as rd
 from orchestrator import services as sv
 from orchestrator.topology import Topology, load
+from orchestrator.usercode import check_paths
 
 ROOT = images.ROOT
 RUNS = ROOT / "runs"
@@ -101,6 +102,7 @@ def render_if_needed(t: Topology, path: Path) -> bool:
 def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
     """The doctor's checks (orchestrator/doctor.py); stop before starting anything
     when one fails (UsageError: the first problem and its fix, one line)."""
+    check_paths(t, config, ROOT)  # `code`, train.init_weights: relative to the repository, as compose mounts them
     checks = doctor.run_checks(t, "compose", doctor.gather(t, "compose", client=client))
     doctor.stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
     print(f"==> doctor: {len(checks)} checks passed (python -m orchestrator doctor lists them)", file=out, flush=True)

@@ -284,7 +284,8 @@ def check_shm(t: Topology, target: str, f: Facts) -> Check:
 
 def check_data(t: Topology, target: str, f: Facts) -> Check:
     if not t.reads_files:
-        return Check("data", True, f"not needed (dataset {t.train.dataset} ships in a package)")
+        what = "your code reads no train.data_dir" if ":" in t.train.dataset else "ships in a package"
+        return Check("data", True, f"not needed (dataset {t.train.dataset}: {what})")
     if f.data_problem is not None:
         sample = Path(t.train.data_dir).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
         return Check("data", False, f"train.data_dir: {t.train.data_dir} {f.data_problem} "

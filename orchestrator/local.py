@@ -24,6 +24,7 @@ from orchestrator import UsageError
 from orchestrator.render import app_environment, describe
 from orchestrator.services import Service, services
 from orchestrator.topology import Topology, TopologyError
+from orchestrator.usercode import check_paths
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
@@ -40,13 +41,18 @@ class ProcessSpec:
 def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`)."""
     data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
+    weights = t.train.init_weights
     env = app_environment(
         t, rank,
         master_addr=LOCALHOST, master_port=port, data_dir=data_dir,
         checkpoint_dir=str(run_dir.resolve() / "checkpoints"),
         metrics_dir=str(run_dir.resolve() / "metrics"),
         ifname=ifname,
+        init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
     )
+    if t.code is not None:  # the user's code first on sys.path, then what the caller had
+        inherited = os.environ.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(t.code).expanduser().resolve()), inherited]))
     if t.cuda:
         # What the container's device reservation does: the process sees one GPU, as cuda:0.
         gpu = t.ps_gpu() if rank == 0 else t.worker_gpus()[rank - 1]
@@ -74,6 +80,7 @@ def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sy
 
 def check_host(t: Topology, source: str) -> None:
     """Bad input that only the host can reveal (the render does not look)."""
+    check_paths(t, source, Path.cwd())
     if t.reads_files:
         path = Path(t.train.data_dir).expanduser()
         if not path.is_dir():

@@ -39,6 +39,9 @@ DATA_DIR = "/data"
 STATE_DIR = "/state"
 CHECKPOINT_DIR = "/state/checkpoints"
 METRICS_DIR = "/state/metrics"
+CODE_DIR = "/code"  # the user's Python code (`code`), read-only, on PYTHONPATH
+INIT_WEIGHTS = "/init/weights.pt"  # train.init_weights, read-only
+APP_DIR = "/opt/ps-compose"  # the app in the image (images/Dockerfile's PYTHONPATH)
 
 HEALTHCHECK = {
     "test": ["CMD", "python", "-m", "app", "health"],
@@ -99,12 +102,14 @@ def app_environment(
     checkpoint_dir: str,
     metrics_dir: str,
     ifname: str,
+    init_weights: Optional[str] = None,
 ) -> dict[str, str]:
     """The environment `python -m app` reads for `rank` (0: the PS).
 
     The one mapping from topology to the app's PSC_* variables; the render
     and `orchestrator local` both call it, with container or host paths.
-    `data_dir` is left out when the dataset reads no files.
+    `data_dir` is left out when the dataset reads no files, `init_weights` when
+    the topology has none.
     """
     tr = t.train
     if rank == 0:
@@ -150,6 +155,8 @@ def app_environment(
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
         env["PSC_IMAGE_SIZE"] = str(tr.image_size)
+    if t.train.init_weights is not None and init_weights is not None:
+        env["PSC_INIT_WEIGHTS"] = init_weights
     return env
 
 
@@ -223,11 +230,18 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         t, rank,
         master_addr=rendezvous_service(t), master_port=t.ps.rpc_port,
         data_dir=DATA_DIR, checkpoint_dir=CHECKPOINT_DIR, metrics_dir=METRICS_DIR,
-        ifname=t.network.ifname,
+        ifname=t.network.ifname, init_weights=INIT_WEIGHTS,
     )
     volumes: list[dict[str, Any]] = []
     if t.reads_files:
         volumes.append({"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True})
+    if t.code is not None:
+        # Mounted, not copied into the image: edit and run again without a rebuild.
+        volumes.append({"type": "bind", "source": _bind_source(t.code), "target": CODE_DIR, "read_only": True})
+        env["PYTHONPATH"] = f"{APP_DIR}:{CODE_DIR}"
+    if t.train.init_weights is not None:
+        volumes.append({"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS,
+                        "read_only": True})
     volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
     svc: dict[str, Any] = {
         "image": t.image_tag,

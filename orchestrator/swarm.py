@@ -31,6 +31,7 @@ from orchestrator import render_swarm as rs
 from orchestrator import stack as st
 from orchestrator.services import order
 from orchestrator.topology import Topology, load
+from orchestrator.usercode import check_paths
 
 RECORD_NAME = "stack.json"
 SMOKE_CONFIG = cl.SMOKE_CONFIG
@@ -88,6 +89,7 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
 def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
              strategy: Optional[str] = None) -> int:
     t = _topology(config, workers, strategy)
+    check_paths(t, config, cl.ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)
     client = images.client()
     checks = doctor.run_checks(t, "swarm", doctor.gather(t, "swarm", client=client))
     doctor.stop_on_problems(checks, config, "", target="swarm")

@@ -27,6 +27,9 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+# The user's own model or dataset: package.module:factory, imported from `code`.
+ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 _FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
@@ -107,11 +110,13 @@ class Train(_Section):
     """The training job: model, data, optimizer and strategy."""
 
     model: str
-    """cnn (built in) or a torchvision classification model, e.g. resnet18."""
-    dataset: Literal["imagefolder", "mnist", "cifar10", "digits", "synthetic"]
-    """imagefolder, mnist, cifar10 read data_dir; digits and synthetic need no files."""
+    """cnn (built in), a torchvision classification model, e.g. resnet18, or your own as package.module:factory (needs `code`)."""
+    dataset: str
+    """imagefolder, mnist, cifar10 read data_dir; digits and synthetic need no files; or your own as package.module:factory (needs `code`; it reads data_dir when given)."""
     data_dir: Optional[str] = Field(default=None, min_length=1)
     """Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class folders (Imagenette's layout: the PS evaluates on val/)."""
+    init_weights: Optional[str] = Field(default=None, min_length=1)
+    """A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). Mounted read-only."""
     batch_size: int = Field(gt=0)
     """Samples per batch, per worker."""
     lr: Float = Field(gt=0)
@@ -146,8 +151,15 @@ class Train(_Section):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
-        if not _MODEL.match(v):
-            raise ValueError("must be a model name like cnn or resnet18")
+        if not (_MODEL.match(v) or ENTRY_POINT.match(v)):
+            raise ValueError("must be a model name like cnn or resnet18, or an entry point package.module:factory")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, v: str) -> str:
+        if v not in DATASETS and not ENTRY_POINT.match(v):
+            raise ValueError(f"must be one of {', '.join(DATASETS)}, or an entry point package.module:factory")
         return v
 
 
@@ -241,6 +253,8 @@ class Topology(_Section):
     workers: Workers
     network: Network = Field(default_factory=Network)
     swarm: Swarm = Field(default_factory=Swarm)
+    code: Optional[str] = Field(default=None, min_length=1)
+    """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
 
     @field_validator("name")
     @classmethod
@@ -263,8 +277,13 @@ class Topology(_Section):
 
     @property
     def reads_files(self) -> bool:
-        """True when the dataset is read from train.data_dir."""
-        return self.train.dataset in FILE_DATASETS
+        """True when the dataset is read from train.data_dir (your own dataset: when one is given)."""
+        return self.train.dataset in FILE_DATASETS or (is_entry_point(self.train.dataset) and self.train.data_dir is not None)
+
+    def entry_points(self) -> list[tuple[str, str]]:
+        """(YAML path, value) of train.model and train.dataset when they name the user's code."""
+        fields = (("train.model", self.train.model), ("train.dataset", self.train.dataset))
+        return [(path, v) for path, v in fields if is_entry_point(v)]
 
     def worker_gpus(self) -> list[int]:
         """The GPU id of each worker, in rank order; empty on CPU."""
@@ -300,8 +319,17 @@ class Topology(_Section):
         return t
 
 
+def is_entry_point(value: str) -> bool:
+    """`package.module:factory` (the user's code) rather than a built-in name."""
+    return ":" in value
+
+
 def check(t: Topology, source: str) -> None:
     """The checks that span fields (pydantic has checked each field)."""
+    for path, value in t.entry_points():
+        if t.code is None:
+            raise TopologyError(source, path, f"got {value!r}; an entry point needs the top-level `code` "
+                                "(the directory of your Python code)")
     if t.reads_files and t.train.data_dir is None:
         raise TopologyError(source, "train.data_dir", f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)")
     gpus = t.workers.gpus

@@ -71,10 +71,11 @@ def finished(tmp_path: Path, name: str, proc: subprocess.Popen, stem: str | None
 
 
 def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
-                delays: dict[str, float] | None = None, shards: int = 1) -> dict[str, Process]:
+                delays: dict[str, float] | None = None, shards: int = 1,
+                env: dict[str, str] | None = None) -> dict[str, Process]:
     """Start `ps`, its shards `ps1..ps<shards-1>` and `worker1..N` on 127.0.0.1 (`delays`:
     seconds to wait before starting that process); wait for all, killing every one at `timeout`.
-    `args` must hold `--shards` when `shards` > 1."""
+    `args` must hold `--shards` when `shards` > 1; `env`: every process's environment (default app_env())."""
     common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1",
               "--master_port", str(free_port()), "--metrics_dir", str(tmp_path / "metrics"),
               "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
@@ -83,6 +84,6 @@ def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
     procs = {}
     for name, role in roles.items():
         time.sleep((delays or {}).get(name, 0.0))
-        procs[name] = start_app(tmp_path, name, [*role, *common])
+        procs[name] = start_app(tmp_path, name, [*role, *common], env)
     wait_for(procs, timeout)
     return {name: finished(tmp_path, name, proc) for name, proc in procs.items()}

@@ -67,7 +67,6 @@ def test_imagefolder_reads_class_folders_like_torchvision(tmp_path):
         _write_png(tmp_path / "n02_cat" / f"{i}.png", (200, 0, 0))
         _write_png(tmp_path / "n01_dog" / f"{i}.PNG", (0, 0, 200), size=(9, 14))
     (tmp_path / "n01_dog" / "notes.txt").write_text("not an image")
-    (tmp_path / "zz_empty").mkdir()
 
     classes, samples = data.find_samples(tmp_path)
     assert classes == ["n01_dog", "n02_cat"]

@@ -27,6 +27,7 @@ CASES = [
     ("cpu-smoke-workers1.yaml", "configs/cpu-smoke.yaml", 1),
     ("cpu-smoke-workers8.yaml", "configs/cpu-smoke.yaml", 8),
     ("cpu-resnet.yaml", "configs/cpu-resnet.yaml", None),
+    ("custom-example.yaml", "examples/custom/topology.yaml", None),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -153,7 +154,7 @@ def test_safe_defaults() -> None:
             assert svc["shm_size"]
             for v in svc["volumes"]:
                 if v["type"] == "bind":
-                    assert v["read_only"] is True and v["target"] == "/data"
+                    assert v["read_only"] is True and v["target"] in ("/data", "/code", "/init/weights.pt")
             if name == "ps":
                 assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "app", "health"]
                 assert "build" in svc

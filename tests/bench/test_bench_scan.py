@@ -1,0 +1,22 @@
+"""`python -m bench scan`: the generated tree and the printed line (no timing asserted)."""
+
+from __future__ import annotations
+
+import re
+
+from bench.__main__ import main
+from bench.imagefolder_scan import make_tree, scan_seconds
+
+
+def test_make_tree_is_what_the_scan_finds(tmp_path):
+    make_tree(tmp_path, 250, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"class{c:03d}" for c in range(5)]
+    seconds, found = scan_seconds(tmp_path)
+    assert found == 250 and seconds >= 0
+
+
+def test_scan_prints_files_and_seconds(capsys):
+    assert main(["scan", "--files", "300", "--classes", "3", "--repeats", "1"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"scan: 300 files in 3 classes \(\d+\.\d s to create\): find_samples \d+\.\d\d s "
+                        r"\(best of 1; [\d,]+ files/s\) on \d+ CPU\(s\)", line), line
