@@ -52,6 +52,21 @@ def _torchvision_models() -> ModuleType | None:
         return None
 
 
+def _why_no_torchvision() -> str:
+    """Why torchvision does not import, in a few words (its error's first line)."""
+    try:
+        importlib.import_module("torchvision.models")
+    except ModuleNotFoundError as error:
+        if error.name == "torchvision":
+            return "torchvision is not installed"
+        return f"torchvision does not import ({type(error).__name__}: {error})"
+    except Exception as error:  # noqa: BLE001 - any import failure is reported as it is
+        first = (str(error).strip().splitlines() or [""])[0]
+        return (f"torchvision does not import beside torch {torch.__version__} ({type(error).__name__}: {first}); "
+                "install torch and torchvision as a matching pair (images/torch-pair.txt)")
+    return "torchvision imports"
+
+
 def available() -> list[str]:
     """Every model name this process can build."""
     tv = _torchvision_models()
@@ -67,7 +82,7 @@ def check(name: str) -> None:
         return
     tv = _torchvision_models()
     if tv is None:
-        raise UsageError(f"unknown model {name!r}: torchvision is not installed, "
+        raise UsageError(f"unknown model {name!r}: {_why_no_torchvision()}, "
                          f"so the models that exist are: {', '.join(BUILT_IN)}")
     if name not in tv.list_models(module=tv):
         raise UsageError(f"unknown model {name!r}; models that exist: {', '.join(available())}")

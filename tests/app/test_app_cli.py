@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -53,16 +54,32 @@ def test_cuda_without_gpu_exits_2():
     assert "--device cuda: no CUDA GPU is visible" in _one_error_line(result)
 
 
-def test_torchvision_model_without_torchvision_names_what_exists():
-    try:
-        import torchvision  # noqa: F401
-        pytest.skip("torchvision is installed here")
-    except Exception:
-        pass
-    result = run_app("ps", "--model", "resnet18", "--dataset", "digits")
+def _without_torchvision(tmp_path, body: str) -> dict[str, str]:
+    """The app's environment with a `torchvision` package in front whose import runs `body`."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(body)
+    env = app_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    return env
+
+
+def test_torchvision_model_with_a_mismatched_torchvision_says_so(tmp_path):
+    # What PyPI's torchvision does beside a torch it was not built for.
+    env = _without_torchvision(tmp_path, 'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    result = run_app("ps", "--model", "resnet18", "--dataset", "digits", env=env)
     assert result.returncode == 2
     line = _one_error_line(result)
-    assert "torchvision is not installed" in line and line.endswith(": cnn")
+    assert "torchvision does not import beside torch" in line, line
+    assert "RuntimeError: operator torchvision::nms does not exist" in line and "images/torch-pair.txt" in line
+    assert line.endswith(": cnn"), line
+
+
+def test_torchvision_model_without_torchvision_names_what_exists(tmp_path):
+    env = _without_torchvision(tmp_path, 'raise ModuleNotFoundError("No module named \'torchvision\'", name="torchvision")\n')
+    result = run_app("ps", "--model", "resnet18", "--dataset", "digits", env=env)
+    assert result.returncode == 2
+    line = _one_error_line(result)
+    assert "torchvision is not installed" in line and line.endswith(": cnn"), line
 
 
 def test_health_is_0_when_the_port_listens_and_1_when_not():
