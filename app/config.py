@@ -70,6 +70,8 @@ class Config:
     eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
     log_every: int = _flag(10, "a worker prints every K batches")
     num_workers: int = _flag(0, "DataLoader worker processes")
+    image_cache: bool = _flag(False, "imagefolder: decode each image once into a uint8 cache in shared memory; "
+                              "crop, flip and normalise on --device")
     init_weights: str = _flag("", "a state dict file (or a final.pt) the model starts from; empty: none")
 
     @property

@@ -87,14 +87,17 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
         raise UsageError(f"data dir is empty: {data_dir}")
 
 
-def load(dataset: str, data_dir: str, split: str, seed: int) -> LabeledData:
-    """The `train` split (workers shard it) or the held-out `test` split (the PS's)."""
+def load(dataset: str, data_dir: str, split: str, seed: int, image_cache: bool = False) -> LabeledData:
+    """The `train` split (workers shard it) or the held-out `test` split (the PS's).
+    `image_cache`: imagefolder decodes each file once into uint8 (app/imagecache.py)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     if plugins.is_entry_point(dataset):
         got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
         return LabeledData(got.data, got.channels, got.num_classes)
+    if dataset == "imagefolder" and image_cache:
+        return _imagefolder_cached(Path(data_dir), split == "train")
     loader = {"imagefolder": _imagefolder, "mnist": _mnist, "cifar10": _cifar10,
               "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
@@ -133,6 +136,23 @@ def _imagefolder(root: Path, train: bool, seed: int) -> LabeledData:
     held_out = _held_out_mask(len(samples), 0.1)
     chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
     return LabeledData(ImageFolderData(chosen, train), 3, len(classes))
+
+
+def _imagefolder_cached(root: Path, train: bool) -> LabeledData:
+    from app.imagecache import CachedImageFolder
+
+    classes, samples = find_samples(root)
+    held_out = _held_out_mask(len(samples), 0.1)
+    chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
+    return LabeledData(CachedImageFolder(chosen, train), 3, len(classes))
+
+
+def to_device(x: torch.Tensor, dataset: Dataset, device: torch.device) -> torch.Tensor:
+    """A batch's input on `device`, turned into the model's input there when the dataset
+    hands over raw uint8 (CachedImageFolder.on_device: crop, flip, normalise)."""
+    x = x.to(device, non_blocking=True)
+    prepare = getattr(dataset, "on_device", None)
+    return prepare(x) if prepare is not None else x
 
 
 def _find(root: Path, names: Sequence[str], what: str) -> Path:
@@ -217,7 +237,7 @@ def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bo
             num_workers: int, pin_memory: bool) -> DataLoader:
     common = dict(num_workers=num_workers, pin_memory=pin_memory,
                   persistent_workers=num_workers > 0)
-    if isinstance(data, InMemoryData):  # one indexing op per batch, no per-sample collate
+    if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(data, sampler=batches, batch_size=None, **common)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)

@@ -1,6 +1,6 @@
 """ImageFolder decoded once: a uint8 cache at training resolution, augmented as tensor ops.
 
-Not wired into the worker or the PS yet (the bench uses it: `python -m bench data`).
+Used for `imagefolder` when --image_cache is on (train.image_cache); `python -m bench data` measures it.
 
 - `CachedImageFolder` decodes each image once (Pillow, `to_rgb`, shorter side to
   `size`, the centre `size` x `size`) into one uint8 tensor in shared memory, filled
@@ -15,10 +15,14 @@ Not wired into the worker or the PS yet (the bench uses it: `python -m bench dat
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils.data import Dataset
 
 from app.imagefolder import CROP, MEAN, RESIZE, STD, to_rgb
+
+log = logging.getLogger(__name__)
 
 
 def decode(path: str, size: int = RESIZE) -> torch.Tensor:
@@ -39,25 +43,61 @@ def decode(path: str, size: int = RESIZE) -> torch.Tensor:
 
 
 class CachedImageFolder(Dataset):
-    """(uint8 batch B x 3 x size x size, labels) for a list of indices; each file decoded once."""
+    """(uint8 batch B x 3 x size x size, labels) for a list of indices; each file decoded once.
 
-    def __init__(self, samples: list[tuple[str, int]], size: int = RESIZE) -> None:
-        self.samples, self.size = samples, size
+    A file that does not decode is skipped as ImageFolderData skips it (one warning,
+    counted in `skipped_images`): the next decodable image, and its label, stand in.
+    `on_device` turns a batch, once on the training device, into the model's input."""
+
+    def __init__(self, samples: list[tuple[str, int]], train: bool, size: int = RESIZE) -> None:
+        self.samples, self.train, self.size = samples, train, size
         n = len(samples)
         storage = torch.UntypedStorage._new_shared(max(1, n * 3 * size * size))  # untouched until written
         self.images = torch.empty(0, dtype=torch.uint8).set_(storage)[: n * 3 * size * size].view(n, 3, size, size)
         self.filled = torch.zeros(n, dtype=torch.uint8).share_memory_()
-        self.labels = torch.tensor([label for _, label in samples], dtype=torch.long)
+        self.bad = torch.zeros(n, dtype=torch.uint8).share_memory_()
+        # A skipped file's slot takes its stand-in's label too.
+        self.labels = torch.tensor([label for _, label in samples], dtype=torch.long).share_memory_()
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def skipped_images(self) -> int:
+        return int(self.bad.sum().item())
+
     def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices, dtype=torch.long)
         for i in index[self.filled[index] == 0].tolist():
-            self.images[i] = decode(self.samples[i][0], self.size)
-            self.filled[i] = 1  # after the pixels: a reader never sees a half-written image as filled
-        return self.images.index_select(0, index), self.labels[index]  # index_select: ~10x [index] for uint8
+            self._fill(i)
+        return self.images.index_select(0, index), self.labels.index_select(0, index)  # ~10x [index] for uint8
+
+    def _fill(self, i: int) -> None:
+        n = len(self.samples)
+        for step in range(n):
+            j = (i + step) % n
+            if self.bad[j]:
+                continue
+            if self.filled[j]:
+                image = self.images[j].clone()
+            else:
+                try:
+                    image = decode(self.samples[j][0], self.size)
+                except FileNotFoundError:
+                    raise  # the data dir vanished (app.data.batches)
+                except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
+                    self.bad[j] = 1
+                    log.warning("skipping %s: cannot decode it (%s); the next image stands in for it "
+                                "(%d skipped)", self.samples[j][0], type(error).__name__, self.skipped_images)
+                    continue
+            self.images[i] = image
+            self.labels[i] = self.labels[j]
+            self.filled[i] = 1  # last: a reader never sees a half-written image as filled
+            return
+        raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")
+
+    def on_device(self, batch: torch.Tensor) -> torch.Tensor:
+        return augment(batch, self.train)
 
 
 def augment(batch: torch.Tensor, train: bool, crop: int = CROP,

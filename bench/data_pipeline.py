@@ -51,7 +51,7 @@ def measure(root: Path, batch: int) -> dict[str, float]:
     _, samples = find_samples(root)
     n = len(samples)
     today = DataLoader(ImageFolderData(samples, train=True), batch_size=batch, num_workers=0)
-    cached = CachedImageFolder(samples)
+    cached = CachedImageFolder(samples, train=True)
     loader = DataLoader(cached, sampler=BatchSampler(SequentialSampler(range(n)), batch, False), batch_size=None)
     g = torch.Generator().manual_seed(0)
     rates = {"today": _rate(today, n)}

@@ -151,6 +151,8 @@ def app_environment(
     })
     if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
         env["PSC_SHARDS"] = str(t.ps.shards)
+    if tr.image_cache:  # only when on: renders without it stay as they were
+        env["PSC_IMAGE_CACHE"] = "true"
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
     return env

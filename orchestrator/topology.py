@@ -128,6 +128,8 @@ class Train(_Section):
     """A worker prints a line every this many batches."""
     loader_workers: int = Field(default=0, ge=0)
     """DataLoader worker processes in each container (needs shm_size)."""
+    image_cache: bool = False
+    """imagefolder: decode each image once into a uint8 cache in /dev/shm (the split a process reads, 196 KB an image: size shm_size for it); crop, flip and normalise on the training device."""
 
     @field_validator("model")
     @classmethod

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from app.imagecache import CachedImageFolder, augment
 from app.imagefolder import ImageFolderData, find_samples
+from app.metrics import read
+
+from app_testkit import run_cluster
 
 
 def _tree(root: Path) -> list[tuple[str, int]]:
@@ -25,7 +29,7 @@ def _tree(root: Path) -> list[tuple[str, int]]:
 def test_eval_batches_equal_imagefolder_eval_samples(tmp_path):
     samples = _tree(tmp_path)
     reference = ImageFolderData(samples, train=False)
-    cached = CachedImageFolder(samples)
+    cached = CachedImageFolder(samples, train=False)
     x, y = cached[[0, 3, 7]]
     assert x.dtype == torch.uint8 and x.shape == (3, 3, 256, 256)
     out = augment(x, train=False)
@@ -52,7 +56,7 @@ def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
 
 def test_each_file_is_decoded_once_and_loader_processes_fill_one_cache(tmp_path):
     samples = _tree(tmp_path)
-    cached = CachedImageFolder(samples)
+    cached = CachedImageFolder(samples, train=True)
     loader = DataLoader(cached, sampler=BatchSampler(SequentialSampler(range(len(samples))), 4, False),
                         batch_size=None, num_workers=2)
     first = torch.cat([x for x, _ in loader])
@@ -61,3 +65,32 @@ def test_each_file_is_decoded_once_and_loader_processes_fill_one_cache(tmp_path)
         Path(path).unlink()  # a second epoch reads the cache only
     second = torch.cat([x for x, _ in loader])
     assert torch.equal(first, second)
+
+
+def test_an_undecodable_file_gets_a_stand_in_and_its_label(tmp_path):
+    samples = _tree(tmp_path)
+    bad = samples[4][0]
+    Path(bad).write_bytes(b"not a png")
+    cached = CachedImageFolder(samples, train=False)
+    x, y = cached[list(range(len(samples)))]
+    assert cached.skipped_images == 1
+    assert torch.equal(x[4], x[5]) and y[4] == y[5] == samples[5][1]
+
+
+@pytest.mark.slow
+def test_a_cluster_trains_from_the_cache(tmp_path):
+    root = tmp_path / "data"
+    for c, colour in (("a", (250, 0, 0)), ("b", (0, 0, 250))):
+        (root / c).mkdir(parents=True)
+        for i in range(24):
+            Image.new("RGB", (64, 48), colour).save(root / c / f"{i}.png")
+    (root / "a" / "00-bad.png").write_bytes(b"")
+    args = ["--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--image_cache", "true",
+            "--batch_size", "8", "--lr", "0.05", "--num_epochs", "3", "--num_workers", "1", "--rpc_timeout", "30"]
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=240)
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
+        procs["ps"].stderr[-3000:]
+    end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
+    assert end["event"] == "end" and end["accuracy"] >= 0.9
+    ends = [read(tmp_path / "metrics" / f"worker{r}.jsonl")[-1] for r in (1, 2)]
+    assert end["skipped_images"] + sum(e["skipped_images"] for e in ends) >= 1
