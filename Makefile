@@ -119,7 +119,7 @@ compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one re
 
 # Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
 # e.g. make bench BENCH_ARGS="--quick --json bench.json".
-.PHONY: bench bench-containers
+.PHONY: bench bench-containers bench-data
 bench: setup ## PS throughput: app vs tutorial-style PS vs Gloo vs memcpy, 1-2 workers, 3 models
 	$(PY) -m bench $(BENCH_ARGS)
 
@@ -131,3 +131,6 @@ bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): 
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
+
+bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
+	$(PY) -m bench data $(BENCH_ARGS)

@@ -72,6 +72,8 @@ class Config:
     num_workers: int = _flag(0, "DataLoader worker processes")
     image_size: int = _flag(224, "imagefolder: the side of the square training crop, in pixels "
                             "(the shorter side is first resized to 8/7 of it, 256 for 224)")
+    image_cache: bool = _flag(False, "imagefolder: decode each image once into a uint8 cache in shared memory; "
+                              "crop, flip and normalise on --device")
     init_weights: str = _flag("", "a state dict file (or a final.pt) the model starts from; empty: none")
 
     @property

@@ -87,9 +87,11 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
         raise UsageError(f"data dir is empty: {data_dir}")
 
 
-def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = CROP) -> LabeledData:
+def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = CROP,
+         image_cache: bool = False) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
-    `image_size`: the crop side of imagefolder's images (the others have their own size)."""
+    `image_size`: the crop side of imagefolder's images (the others have their own size);
+    `image_cache`: imagefolder decodes each file once into uint8 (app/imagecache.py)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -97,7 +99,7 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
         got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
         return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
-        return _imagefolder(Path(data_dir), split == "train", image_size)
+        return _imagefolder(Path(data_dir), split == "train", image_size, image_cache)
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
 
@@ -130,22 +132,33 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
     return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
 
 
-def _imagefolder(root: Path, train: bool, crop: int) -> LabeledData:
+def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
-    the images, fixed, are held out."""
+    the images, fixed, are held out. `cache`: decoded once into uint8 (app/imagecache.py)."""
     if (root / "train").is_dir() and (root / "val").is_dir():
-        classes, samples = find_samples(root / "train")
+        classes, chosen = find_samples(root / "train")
         if not train:
-            val_classes, samples = find_samples(root / "val")
+            val_classes, chosen = find_samples(root / "val")
             if val_classes != classes:
                 raise UsageError(f"{root}: val/ has classes {val_classes[:5]}..., train/ has {classes[:5]}...; "
                                  "both must hold the same class folders")
-        return LabeledData(ImageFolderData(samples, train, crop), 3, len(classes))
-    classes, samples = find_samples(root)
-    held_out = _held_out_mask(len(samples), 0.1)
-    chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
+    else:
+        classes, samples = find_samples(root)
+        held_out = _held_out_mask(len(samples), 0.1)
+        chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
+    if cache:
+        from app.imagecache import CachedImageFolder
+        return LabeledData(CachedImageFolder(chosen, train, crop=crop), 3, len(classes))
     return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+
+
+def to_device(x: torch.Tensor, dataset: Dataset, device: torch.device) -> torch.Tensor:
+    """A batch's input on `device`, turned into the model's input there when the dataset
+    hands over raw uint8 (CachedImageFolder.on_device: crop, flip, normalise)."""
+    x = x.to(device, non_blocking=True)
+    prepare = getattr(dataset, "on_device", None)
+    return prepare(x) if prepare is not None else x
 
 
 def _find(root: Path, names: Sequence[str], what: str) -> Path:
@@ -230,7 +243,7 @@ def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bo
             num_workers: int, pin_memory: bool) -> DataLoader:
     common = dict(num_workers=num_workers, pin_memory=pin_memory,
                   persistent_workers=num_workers > 0)
-    if isinstance(data, InMemoryData):  # one indexing op per batch, no per-sample collate
+    if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(data, sampler=batches, batch_size=None, **common)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)

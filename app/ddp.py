@@ -179,7 +179,7 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step."""
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = data.to_device(x, self.loader.dataset, self.device), y.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         try:
@@ -298,11 +298,11 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         torch.cuda.set_device(device)
     models.check(config.model)
     runtime.set_threads(world.size)
-    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size)
+    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
     sampler = EpochSampler(train.data, world, config.seed)
     loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,  # type: ignore[arg-type]
                                pin_memory=device.type == "cuda")
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size) if world.rank == 0 else None
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache) if world.rank == 0 else None
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
              len(sampler), data.describe(train))
     module = models.build(config.model, train.channels, train.num_classes, config.seed)

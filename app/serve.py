@@ -42,7 +42,7 @@ def held_out_accuracy(model: nn.Module, loader: torch.utils.data.DataLoader, dev
     correct, total, loss = 0, 0, 0.0
     try:
         for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = data.to_device(x, loader.dataset, device), y.to(device, non_blocking=True)
             logits = model(x)
             loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
             correct += int((logits.argmax(1) == y).sum().item())
@@ -148,7 +148,7 @@ def serve(config: Config) -> int:
         return shards.serve_shard(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache)
     log.info("held-out split: %s", data.describe(held_out))
 
     def build() -> nn.Module:

@@ -170,7 +170,7 @@ class Trainer:
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward; the gradient lands in self.flat.grads."""
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = data.to_device(x, self.loader.dataset, self.device), y.to(self.device, non_blocking=True)
         self.flat.zero_grads()
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
@@ -231,7 +231,7 @@ def run(config: Config) -> int:
     """The worker process: check input, join (or rejoin) the job, train, report, leave."""
     device = choose_device(config.device)
     models.check(config.model)
-    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size)
+    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
     sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]
     loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,
                                pin_memory=device.type == "cuda")

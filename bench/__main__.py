@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--json FILE]`, `python -m bench containers` and `python -m bench scan`."""
+"""`python -m bench [--quick] [--json FILE]`, `python -m bench containers|scan|data`."""
 
 from __future__ import annotations
 
@@ -111,9 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import imagefolder_scan
+    from bench import data_pipeline, imagefolder_scan
     imagefolder_scan.add_parser(sub)
+    data_pipeline.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "data":
+        return data_pipeline.main(args)
     if args.command == "scan":
         return imagefolder_scan.main(args)
     if args.command == "containers":

@@ -155,6 +155,8 @@ def app_environment(
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
         env["PSC_IMAGE_SIZE"] = str(tr.image_size)
+    if tr.image_cache:  # only when on: renders without it stay as they were
+        env["PSC_IMAGE_CACHE"] = "true"
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
     return env

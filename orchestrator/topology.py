@@ -147,6 +147,8 @@ class Train(_Section):
     """DataLoader worker processes in each container (needs shm_size)."""
     image_size: int = Field(default=224, ge=8, le=4096)
     """imagefolder: side of the square training crop in pixels; the shorter side is resized to 8/7 of it first (256 for 224)."""
+    image_cache: bool = False
+    """imagefolder: decode each image once into a uint8 cache in /dev/shm (the split a process reads, 196 KB an image: size shm_size for it); crop, flip and normalise on the training device."""
 
     @field_validator("model")
     @classmethod

@@ -1,4 +1,4 @@
-"""`python -m bench scan`: the generated tree and the printed line (no timing asserted)."""
+"""`python -m bench scan` and `python -m bench data`: generated trees and printed lines (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,12 @@ def test_scan_prints_files_and_seconds(capsys):
     line = capsys.readouterr().out.strip()
     assert re.fullmatch(r"scan: 300 files in 3 classes \(\d+\.\d s to create\): find_samples \d+\.\d\d s "
                         r"\(best of 1; [\d,]+ files/s\) on \d+ CPU\(s\)", line), line
+
+
+def test_bench_data_prints_four_rates(capsys):
+    assert main(["data", "--images", "24", "--batch", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "data: 24 JPEGs of 224 px, batch 8, one core; images/s per worker:"
+    names = [re.match(r"^  (.+?)\s+[\d,]+$", line).group(1) for line in lines[1:]]
+    assert names == ["today", "first epoch (decode + augment)", "cached epoch (uint8 batches)",
+                     "cached epoch + augment on CPU"]

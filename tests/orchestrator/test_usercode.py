@@ -117,3 +117,11 @@ def test_the_example_topology_is_valid_and_its_paths_exist() -> None:
     t = load(REPO / "examples" / "custom" / "topology.yaml")
     check_paths(t, "examples/custom/topology.yaml", REPO)
     assert t.reads_files and t.code == "./examples/custom"
+
+
+def test_image_cache_reaches_every_process_only_when_on() -> None:
+    on = parse(yaml.safe_dump(topology(train={"image_cache": True})))
+    off = parse(yaml.safe_dump(topology()))
+    for t, expected in ((on, "true"), (off, None)):
+        for svc in rs.rd.render(t)["services"].values():
+            assert svc["environment"].get("PSC_IMAGE_CACHE") == expected
