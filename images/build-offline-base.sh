@@ -25,6 +25,12 @@ LABEL=ps-compose.torch
 PIP=${PIP:-$ROOT/.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
 
+# One build at a time (CI starts one early, in the background): a second waits,
+# then finds the image built.
+mkdir -p "$HERE/.cache"
+exec 9>"$HERE/.cache/base.lock"
+flock 9
+
 have=$(docker image inspect -f "{{ index .Config.Labels \"$LABEL\" }}" "$IMAGE" 2>/dev/null || true)
 if [ -z "${FORCE:-}" ] && [ "$have" = "$SPEC" ]; then
     echo "base image $IMAGE exists with $SPEC: nothing to do (FORCE=1 rebuilds it)"
