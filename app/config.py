@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -139,6 +140,10 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
 
 def validate(config: Config) -> None:
     """Range checks that argparse cannot express; raise UsageError naming the flag."""
+    for f in dataclasses.fields(Config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{f.name}: {value} is not a finite number")
     for name, low, inclusive in _LOWER_BOUNDS:
         value = getattr(config, name)
         if value < low or (value == low and not inclusive):
@@ -164,3 +169,10 @@ def validate(config: Config) -> None:
     if config.role == "worker" and not 1 <= config.rank < config.world_size:
         raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
                          f"for a worker (--world_size {config.world_size})")
+
+
+def check_threads_env(env: Mapping[str, str]) -> None:
+    """OMP_NUM_THREADS, when set, must be one positive integer (torch takes no list)."""
+    raw = env.get("OMP_NUM_THREADS", "")
+    if raw and not (raw.strip().isdigit() and int(raw) >= 1):
+        raise UsageError(f"OMP_NUM_THREADS: {raw!r} is not a positive integer (threads per process)")

@@ -43,7 +43,6 @@ from app import checkpoint, data, membership, models, ps
 from app.config import Config, UsageError
 from app.flat import _float_buffers
 from app.metrics import MetricsWriter
-from app.roster import StaleIncarnation
 from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
@@ -335,12 +334,17 @@ def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None
 
 
 class ShardedClient:
-    """PSClient's interface over K PS processes; a version is a tuple, one per shard."""
+    """PSClient's interface over K PS processes; a version is a tuple, one per shard.
 
-    def __init__(self, main: Any) -> None:  # an app.worker.PSClient
-        self.main = main
+    `chained` (--staleness_lr): a push goes to the main PS first; the other slices
+    follow once its reply came, carrying the staleness the main PS computed, so
+    every slice of a push is scaled alike. Otherwise every slice goes at once."""
+
+    def __init__(self, main: Any, chained: bool = False) -> None:  # an app.worker.PSClient
+        self.main, self.chained = main, chained
         self.rank, self.name = main.rank, main.name
         self.parts: list[tuple[str, int, int]] = []
+        self.num_params = 0  # where a compressed message's float32 buffers start
 
     def join(self) -> dict[str, Any]:
         """Join every shard; the main PS's answer (the authority on progress) with the whole
@@ -363,29 +367,44 @@ class ShardedClient:
         return self.push_async(message, version, epoch, batch, samples).wait()
 
     def push_async(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
-                   samples: int = 0) -> "ShardedPush":
-        futures = []
-        for (name, start, end), pulled in zip(self.parts, version):
-            part = message[start:end].clone()  # contiguous: only its own bytes go on the wire
-            args = (self.rank, part, pulled, self.name, epoch, batch, samples)
-            try:
-                futures.append((name, rpc.rpc_async(name, ps.rpc_push, args=args,
-                                                    timeout=self.main.push_timeout)))
-            except RuntimeError as error:
-                raise self._lost(name, ps.rpc_push, error) from error
-        return ShardedPush(self, futures)
+                   samples: int = 0) -> "ShardedPush | ps.Refusal":
+        """Send every slice (the main PS's only, when chained); a non-finite message is
+        refused here, before any shard applies a slice of it."""
+        if not bool(torch.isfinite(message[:self.num_params] if message.dtype != torch.float32
+                                   else message).all()):
+            return _Refused(ps.Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); "
+                                       "the push was not sent"))
+        sends = [(name, self._part(message, start, end), pulled)
+                 for (name, start, end), pulled in zip(self.parts, version)]
+        rest = sends[1:] if self.chained else []
+        return ShardedPush(self, [self._send(*s, epoch, batch, samples) for s in sends[:len(sends) - len(rest)]],
+                           rest, (epoch, batch, samples))
+
+    def _part(self, message: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Values start..end of the message, contiguous: only its own bytes go on the wire."""
+        if message.dtype != torch.float32:  # --compress (app.worker.Compressor)
+            from app.worker import Compressor
+            return Compressor.slice(message, self.num_params, start, end).clone()
+        return message[start:end].clone()
+
+    def _send(self, name: str, part: torch.Tensor, pulled: int, epoch: int, batch: int, samples: int,
+              staleness: int | None = None) -> tuple[str, Any]:
+        args = (self.rank, part, pulled, self.name, epoch, batch, samples, staleness)
+        try:
+            return name, rpc.rpc_async(name, ps.rpc_push, args=args, timeout=self.main.push_timeout)
+        except RuntimeError as error:
+            raise self._lost(name, ps.rpc_push, error) from error
 
     def finish(self, pushes: int) -> None:
         """The other shards first: once the main PS hears the last finish, it ends them."""
+        from app.worker import refused
         for name, _, _ in self.parts[1:]:
-            self._call(name, ps.rpc_finish, self.rank, pushes, self.name)
+            refused(self._call(name, ps.rpc_finish, self.rank, pushes, self.name))
         self.main.finish(pushes)
 
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)
-        except StaleIncarnation as error:
-            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(name, function, error) from error
 
@@ -397,24 +416,47 @@ class ShardedClient:
                              f"during {function.__name__}: {first_line(error)}")
 
 
+class _Refused:
+    """A push refused before it was sent; `wait` gives the Refusal."""
+
+    def __init__(self, refusal: ps.Refusal) -> None:
+        self.refusal = refusal
+
+    def wait(self) -> ps.Refusal:
+        return self.refusal
+
+
 class ShardedPush:
     """A push on the wire to every shard; `wait` gives one Reply for the whole vector
-    (staleness and lead: the main PS's)."""
+    (staleness and lead: the main PS's). `rest`: the slices still to send once the
+    main PS answered, with its staleness (ShardedClient.chained)."""
 
-    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]]) -> None:
-        self.client, self.futures = client, futures
+    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]],
+                 rest: list[tuple[str, torch.Tensor, int]] | None = None,
+                 progress: tuple[int, int, int] = (1, 0, 0)) -> None:
+        self.client, self.futures, self.rest, self.progress = client, futures, rest or [], progress
 
-    def wait(self) -> ps.Reply:
-        replies = []
-        for name, future in self.futures:
-            try:
-                replies.append(future.wait())
-            except StaleIncarnation as error:
-                raise UsageError(first_line(error)) from None
-            except RuntimeError as error:
-                raise self.client._lost(name, ps.rpc_push, error) from error
+    def wait(self) -> ps.Reply | ps.Refusal:
+        from app.worker import refused
+        replies = [self._wait(*self.futures[0])]
+        if isinstance(replies[0], ps.Refusal):
+            return replies[0]
+        sent = [self.client._send(name, part, pulled, *self.progress, staleness=replies[0].staleness)
+                for name, part, pulled in self.rest]
+        for name, future in self.futures[1:] + sent:
+            replies.append(self._wait(name, future))
+        for reply in replies:
+            if isinstance(refused(reply), ps.Refusal):
+                return reply
         vector = torch.cat([r.vector for r in replies])
         return ps.Reply(vector, tuple(r.version for r in replies), replies[0].staleness, replies[0].lead)
+
+    def _wait(self, name: str, future: Any) -> ps.Reply | ps.Refusal:
+        from app.worker import refused
+        try:
+            return refused(future.wait())
+        except RuntimeError as error:
+            raise self.client._lost(name, ps.rpc_push, error) from error
 
 
 def _ignore(future: Any) -> None:

@@ -4,7 +4,14 @@ fresh parameters; on its own shard of the data, for its epochs.
 With --overlap (async, ssp) the push of batch t and the pull of the fresh
 state travel while batch t+1 runs on the state the worker has; with
 --compress bf16|fp16 the gradient crosses the wire in 16 bits and what the
-rounding lost is added to the next gradient (error feedback).
+rounding lost is added to the next gradient (error feedback); the buffers
+(BatchNorm running stats) cross in float32.
+
+A push the PS refuses because it holds NaN or inf changes nothing: the worker
+counts it, keeps its state and goes on with the next batch; after
+MAX_REFUSED_IN_A_ROW refusals in a row it gives up (exit 1, one line: the
+training diverged). A refusal because a newer process replaced this one ends
+the worker with exit 2.
 """
 
 from __future__ import annotations
@@ -22,12 +29,12 @@ from app import data, membership, models, ps, shards
 from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
-from app.roster import StaleIncarnation
 from app.runtime import choose_device, first_line, progress, rpc_session
 
 log = logging.getLogger("app.worker")
 PS_NAME = "ps"
 POLL_SECONDS = 0.5
+MAX_REFUSED_IN_A_ROW = 20
 
 
 class PSUnreachable(RuntimeError):
@@ -69,7 +76,7 @@ class PSClient:
         return PendingPush(self, future, message)
 
     def finish(self, pushes: int) -> None:
-        self._call(ps.rpc_finish, self.rank, pushes, self.name)
+        refused(self._call(ps.rpc_finish, self.rank, pushes, self.name))
 
     def wait_all_finished(self) -> None:
         """Poll until every worker is done (the app's workers leave without waiting)."""
@@ -79,8 +86,6 @@ class PSClient:
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(PS_NAME, function, args=args, timeout=self.timeout)
-        except StaleIncarnation as error:  # raised by the PS, re-raised here
-            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(function, error) from error
 
@@ -89,24 +94,33 @@ class PSClient:
                              f"during {function.__name__}: {first_line(error)}")
 
 
+def refused(answer: Any) -> Any:
+    """The PS's answer, unless it refused because a newer process replaced this one
+    (UsageError: exit 2); a `nonfinite` Refusal is returned for the caller to skip."""
+    if isinstance(answer, ps.Refusal) and answer.kind == "stale":
+        raise UsageError(answer.message)
+    return answer
+
+
 class PendingPush:
     """A push on the wire; holds its message until the reply came (RPC sends from it)."""
 
     def __init__(self, client: PSClient, future: Any, message: torch.Tensor) -> None:
         self.client, self.future, self.message = client, future, message
 
-    def wait(self) -> ps.Reply:
+    def wait(self) -> ps.Reply | ps.Refusal:
         try:
-            return self.future.wait()
-        except StaleIncarnation as error:
-            raise UsageError(first_line(error)) from None
+            answer = self.future.wait()
         except RuntimeError as error:
             raise self.client._lost(ps.rpc_push, error) from error
+        return refused(answer)
 
 
 class Compressor:
-    """Casts the message to bf16/fp16 for the wire; the rounding error of the
-    gradient part is kept and added to the next gradient (error feedback)."""
+    """The message for the wire as one 16-bit tensor: the gradients cast to bf16/fp16
+    (their rounding error is kept and added to the next gradient: error feedback),
+    then the float32 buffers bit for bit, each as two 16-bit values (the PS reads
+    them back: ParameterServer._check)."""
 
     DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,11 +130,21 @@ class Compressor:
         self.residual = torch.zeros(num_params, device=device)
 
     def __call__(self, message: torch.Tensor) -> torch.Tensor:
-        grads = message[:self.num_params]
+        n = self.num_params
+        grads = message[:n]
         grads.add_(self.residual)
-        wire = message.to(self.dtype)
-        torch.sub(grads, wire[:self.num_params].float(), out=self.residual)
+        wire = torch.empty(n + 2 * (message.numel() - n), dtype=self.dtype, device=message.device)
+        wire[:n].copy_(grads)
+        wire[n:].copy_(message[n:].view(self.dtype))
+        torch.sub(grads, wire[:n].float(), out=self.residual)
         return wire
+
+    @staticmethod
+    def slice(wire: torch.Tensor, num_params: int, start: int, end: int) -> torch.Tensor:
+        """Values start..end of the state vector in a compressed message (a PS shard's part)."""
+        def at(i: int) -> int:
+            return i if i <= num_params else num_params + 2 * (i - num_params)
+        return wire[at(start):at(end)]
 
 
 class Trainer:
@@ -137,12 +161,17 @@ class Trainer:
                          if config.compress != "none" else None)
         wire_dtype = self.compress.dtype if self.compress else torch.float32
         # RPC carries CPU tensors only: a GPU worker stages its message here
-        # (two buffers: with --overlap one is on the wire while the next fills).
-        self.staging = ([torch.empty(self.flat.size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
+        # (two buffers, used by pushes sent in turn: with --overlap one is on the wire
+        # while the next fills).
+        wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
+        self.staging = ([torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
                         if device.type == "cuda" else None)
         self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
         self.version = 0
-        self.pushes = 0
+        self.pushes = 0   # pushes answered (this process and the rank's earlier ones)
+        self.sent = 0     # pushes sent by this process
+        self.refused = 0  # pushes the PS refused (non-finite values)
+        self._refused_in_a_row = 0
         self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
         self._samples = 0
 
@@ -186,10 +215,11 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        if self.staging is not None:
-            message = self.staging[self.pushes % 2].copy_(message)
+        if self.staging is not None:  # the other buffer may still be on the wire
+            message = self.staging[self.sent % 2].copy_(message)
         elif self.config.overlap and message is self.flat.message:
             message = message.clone()  # the next backward writes into flat.message
+        self.sent += 1
         if not self.config.overlap:
             return self._take(self.client.push(message, self.version, epoch, batch, samples))
         computed_on = self.version  # the state this gradient comes from, before the reply below
@@ -206,11 +236,27 @@ class Trainer:
         pending, self.in_flight = self.in_flight, None
         return self._take(pending.wait()) if pending is not None else None
 
-    def _take(self, reply: ps.Reply) -> ps.Reply:
+    def _take(self, reply: ps.Reply | ps.Refusal) -> ps.Reply | None:
+        """Continue from the reply's state; a refused push (non-finite) is skipped: None."""
+        if isinstance(reply, ps.Refusal):
+            return self._skip(reply)
+        self._refused_in_a_row = 0
         self.flat.adopt(reply.vector)  # the received tensor is ours: no copy
         self.version = reply.version
         self.pushes += 1
         return reply
+
+    def _skip(self, refusal: ps.Refusal) -> None:
+        self.refused += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise RuntimeError(f"{self._refused_in_a_row} pushes in a row were refused ({refusal.message}): "
+                               "training diverged; try a lower --lr")
+        if self.refused == 1:
+            log.warning("%s; skipping that batch (refusals are counted in the metrics)", refusal.message)
+        if self.metrics is not None:
+            self.metrics.write("refused", self.pushes, refused=self.refused)
+        return None
 
     def reached_max_steps(self) -> bool:
         sent = self.pushes + (self.in_flight is not None)
@@ -246,7 +292,8 @@ def run(config: Config) -> int:
         config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name, push_wait)
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.shards)
         shards.wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
-        client = shards.ShardedClient(client)
+        client = shards.ShardedClient(client, chained=config.staleness_lr)
+        client.num_params = sum(p.numel() for p in model.parameters())
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):
