@@ -127,8 +127,31 @@ def handle_sigterm(grace: float) -> None:
                      name="sigterm-watch", daemon=True).start()
 
 
+class _Sigterm:
+    deferring = False  # inside `sigterm_deferred`
+    pending = False    # a SIGTERM came meanwhile
+
+
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    if _Sigterm.deferring:
+        _Sigterm.pending = True
+        return
     raise SystemExit(128 + signum)
+
+
+@contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """A SIGTERM during the block takes effect (SystemExit) at its end, so the block's
+    state changes happen all or none (a step and the step count that labels it).
+    The watcher thread's hard exit still comes `grace` seconds after the signal."""
+    _Sigterm.deferring = True
+    try:
+        yield
+    finally:
+        _Sigterm.deferring = False
+        if _Sigterm.pending:
+            _Sigterm.pending = False
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 def _exit_after_sigterm(read_fd: int, grace: float) -> None:
