@@ -82,6 +82,9 @@ class Checkpointer:
         self.directory = Path(config.checkpoint_dir)
         self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
         self.saved_version = -1  # the version on disk already (written or resumed from)
+        # A sharded main PS: the other shards write theirs, labelled with this version, before
+        # this one is written (app.shards); raises if one could not.
+        self.before_save: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
 
     def resume(self) -> None:
@@ -130,6 +133,7 @@ class Checkpointer:
             self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
         start = time.monotonic()
         try:
+            self.before_save(state["version"])
             path = checkpoint.save(state, self.directory)
         except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
             log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
@@ -199,7 +203,10 @@ def serve(config: Config) -> int:
         if others is not None:
             watch.on_drop = others.drop
             join = functools.partial(others.join, watch.join)
-        with _ENDPOINT.serving(server, join=join), shards.main_serving(others), rpc_session(config, rank=0):
+            checkpoints.before_save = others.checkpoint
+        resumed = checkpoints.saved_version if checkpoints.saved_version >= 0 else None
+        with _ENDPOINT.serving(server, join=join), shards.main_serving(others, resumed), \
+                rpc_session(config, rank=0):
             try:
                 train_until_done(server, watch, checkpoints, evaluate, metrics, config, others)
             except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned

@@ -19,6 +19,25 @@ strategy, and sees every worker's push of its slice.
   registers with the main PS, serves its slice, checkpoints it under
   `<checkpoint_dir>/shard<I>/`, exits 0 when told training ended and 1 when
   it loses the main PS.
+- Checkpoints are driven by the main PS: before it writes its own at version
+  V, every other shard writes its slice labelled V (`rpc_checkpoint`); if one
+  cannot, the main PS writes none. The main PS's newest checkpoint therefore
+  has a partner labelled V in every shard's directory, and a (re)starting
+  shard asks the main PS which V it resumed from (`rpc_resumed`) and restores
+  its checkpoint labelled V (`checkpoint_labelled`), never a newer one of its
+  own. A shard restarted while the main PS runs on restores the main PS's
+  last checkpoint label too: its slice is then older than the others' until
+  training moves on (the price of not stopping the whole job).
+- What is identical to one PS: every shard applies the same SGD elementwise,
+  so the assembled vector equals one PS's bit for bit whenever every shard
+  applied the same pushes in the same order: always for sync (a round's
+  gradients are averaged in rank order), and for async/ssp when pushes do not
+  overlap in time. RPC does not order overlapping pushes across shards, so
+  then slices may apply them in different orders (with momentum, different
+  bits). A push's staleness is the main PS's, for every slice: with
+  --staleness_lr a worker sends the other slices once the main PS answered,
+  with its staleness (`ShardedClient.chained`); the reply's staleness and lead
+  are the main PS's.
 - A worker (`ShardedClient`) joins every shard, pushes each its slice (a
   contiguous copy: TensorPipe sends a view's whole storage when the view is
   more than half of it) in parallel and assembles the replies with one copy.
@@ -27,6 +46,7 @@ strategy, and sees every worker's push of its slice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -173,6 +193,19 @@ class ShardSet:
             except RuntimeError:
                 pass
 
+    def checkpoint(self, version: int) -> None:
+        """Every other shard writes its checkpoint labelled `version` (the main PS's, about to
+        be written); RuntimeError naming the first that could not."""
+        for _, name in self._shards():
+            try:
+                error = rpc.rpc_sync(name, rpc_checkpoint, args=(version,), timeout=self.timeout)
+            except Exception as lost:  # noqa: BLE001
+                error = first_line(lost)
+            if error:
+                raise RuntimeError(f"{name} did not write its checkpoint labelled {version}: {error}")
+        if len(self._shards()) < self.k - 1:
+            raise RuntimeError("not every shard is up")
+
     def end(self, finished: bool) -> None:
         """Training ended: every shard writes its last checkpoint and exits 0."""
         for _, name in self._shards():
@@ -220,18 +253,25 @@ class ShardSet:
 
 
 class _Main:
-    """Where `rpc_register` finds the main PS's ShardSet (set while it serves)."""
+    """Where `rpc_register` finds the main PS's ShardSet (set while it serves), and the
+    version of the checkpoint the main PS resumed from (None: a new run)."""
 
     shards: ShardSet | None = None
+    resumed: int | None = None
 
 
 @contextmanager
-def main_serving(shards: ShardSet | None) -> Iterator[None]:
-    _Main.shards = shards
+def main_serving(shards: ShardSet | None, resumed: int | None = None) -> Iterator[None]:
+    _Main.shards, _Main.resumed = shards, resumed
     try:
         yield
     finally:
-        _Main.shards = None
+        _Main.shards, _Main.resumed = None, None
+
+
+def rpc_resumed() -> int | None:
+    """The version of the main PS's checkpoint every shard resumes from (None: a new run)."""
+    return _Main.resumed
 
 
 def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
@@ -246,6 +286,46 @@ def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | 
 class _Ended:
     event = threading.Event()
     finished = False
+
+
+class _Shard:
+    """Where `rpc_checkpoint` finds this shard's checkpoint writer (set while it serves)."""
+
+    save: Callable[[int], str | None] | None = None
+
+
+def rpc_checkpoint(version: int) -> str | None:
+    """Write this shard's checkpoint labelled `version`; an error line, or None."""
+    if _Shard.save is None:
+        return "this shard is not serving yet"
+    return _Shard.save(version)
+
+
+def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint in `directory` labelled `version` by the main PS."""
+    for path in checkpoint.listing(directory):
+        try:
+            state = checkpoint.verify(path)
+        except (ValueError, OSError) as error:
+            log.warning("skipping checkpoint %s: %s", path, error)
+            continue
+        if state.get("label") == version:
+            return path, state
+    return None
+
+
+def resume_shard(server: ps.ParameterServer, directory: str | Path, version: int | None) -> str:
+    """Restore the shard's checkpoint labelled `version` (the main PS's); what was done, for the log.
+    UsageError-free: a missing partner is a run-time failure (RuntimeError)."""
+    if version is None:
+        return "the main parameter server starts a new run: starting from the initial values"
+    found = checkpoint_labelled(directory, version)
+    if found is None:
+        raise RuntimeError(f"no checkpoint labelled {version} in {directory}: cannot resume with the "
+                           "main parameter server's checkpoint at that version")
+    path, state = found
+    server.restore(state)
+    return f"resumed from {path.name} (the main parameter server's version {version})"
 
 
 def rpc_drop(rank: int, name: str) -> bool:
@@ -276,13 +356,21 @@ def serve_shard(config: Config) -> int:
     own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
     address = f"{config.master_addr}:{config.master_port}"
     _Ended.event.clear()
+    own = dataclasses.replace(own, checkpoint_every=0)  # the main PS says when (rpc_checkpoint)
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
-        checkpoints.resume()
+        Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_temp_files(own.checkpoint_dir)
         name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
                                                        config.rpc_timeout)
         from app.runtime import rpc_session
         with ps._ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
+            try:
+                resumed = rpc.rpc_sync(MAIN, rpc_resumed, timeout=config.rpc_timeout)
+            except RuntimeError as lost:
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
+            log.info("%s: %s", name, resume_shard(server, own.checkpoint_dir, resumed))
+            _Shard.save = functools.partial(_save_labelled, server, identity, own.checkpoint_dir)
             try:
                 error = rpc.rpc_sync(MAIN, rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout)
             except RuntimeError as lost:
@@ -291,9 +379,8 @@ def serve_shard(config: Config) -> int:
                 raise UsageError(error)
             try:
                 _serve_until_ended(server, checkpoints, config, address)
-            except BaseException:
-                checkpoints.save("on exit")
-                raise
+            finally:
+                _Shard.save = None
             state = {**server.checkpoint(), **identity, "finished": _Ended.finished}
             path = checkpoint.save(state, own.checkpoint_dir)
             log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
@@ -314,8 +401,17 @@ def _serve_until_ended(server: ps.ParameterServer, checkpoints: Any, config: Con
                     return
                 raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
             last_ping = time.monotonic()
-        if checkpoints.due():
-            checkpoints.save("every %d updates" % config.checkpoint_every)
+
+
+def _save_labelled(server: ps.ParameterServer, identity: dict[str, Any], directory: str, version: int) -> str | None:
+    """This shard's checkpoint, labelled with the main PS's `version`; an error line, or None."""
+    try:
+        path = checkpoint.save({**server.checkpoint(), **identity, "label": version}, directory)
+    except OSError as error:
+        log.warning("checkpoint labelled %d not written: %s", version, error)
+        return first_line(error)
+    log.info("checkpoint %s (labelled %d by the main parameter server)", path.name, version)
+    return None
 
 
 # --- a worker's side -------------------------------------------------------------

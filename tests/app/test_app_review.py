@@ -354,3 +354,41 @@ def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it
     release.set()
     trainer.wait_for_evaluation()
     assert len(evaluated) == 1 and evaluated[0] is not trainer.model.module  # a copy of the weights
+
+
+# 10. shard checkpoints: written at the main PS's version, resumed at the version every shard has
+
+def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(tmp_path):
+    config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"], {})
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    asked = []
+
+    def shard_fails(version: int) -> None:
+        asked.append(version)
+        raise RuntimeError("ps1 did not write its checkpoint labelled 1: disk full")
+
+    with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
+        checkpoints = Checkpointer(server, config, {}, metrics)
+        checkpoints.before_save = shard_fails
+        server.push(1, torch.ones(4), 0)
+        checkpoints.save("every 1 updates")
+        assert asked == [1] and checkpoint.listing(tmp_path) == []
+        checkpoints.before_save = asked.append
+        server.push(1, torch.ones(4), 1)
+        checkpoints.save("every 1 updates")
+    assert asked == [1, 2] and [checkpoint.verify(p)["version"] for p in checkpoint.listing(tmp_path)] == [2]
+
+
+def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
+    from app import shards
+    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1, part=(2, 4))
+    for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
+        shard.push(1, torch.ones(2), shard.version)
+        checkpoint.save({**shard.checkpoint(), "label": label}, tmp_path)
+    restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1, part=(2, 4))
+    assert "labelled" not in shards.resume_shard(restarted, tmp_path, None)
+    assert restarted.version == 0
+    shards.resume_shard(restarted, tmp_path, 2)  # the main PS resumed from its version 2
+    assert restarted.version == 2 and torch.equal(restarted.state, torch.full((2,), -2.0))
+    with pytest.raises(RuntimeError, match="no checkpoint labelled 7"):
+        shards.resume_shard(restarted, tmp_path, 7)
