@@ -176,20 +176,21 @@ class ParameterServer:
         message = self._check(rank, message)
         name = name or f"worker{rank}"
         future: Future = Future()
-        if not bool(torch.isfinite(message).all()):
-            future.set_result(self._refuse_nonfinite(rank, name))
-            return future
+        finite = bool(torch.isfinite(message).all())
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
             except StaleIncarnation as error:
                 future.set_result(Refusal("stale", str(error)))
                 return future
-            self.samples += samples
-            if self.strategy == "sync":
+            if not finite:
+                refusal, ready = self._refuse_nonfinite(rank, name), []
+            elif self.strategy == "sync":
+                self.samples += samples
                 self._hold(rank, _Held(future, message, epoch, batch, 0))
                 ready = self._close_round()
             else:
+                self.samples += samples
                 if staleness is None:
                     staleness = self.version - pulled_version
                 self._apply(message, self._scale_for(staleness))
@@ -198,6 +199,8 @@ class ParameterServer:
                 ready = self._release()
             if readmitted:
                 self._changed.notify_all()
+        if not finite:
+            future.set_result(refusal)
         _complete(ready)
         if readmitted:
             self.on_back(rank, name)
@@ -219,11 +222,10 @@ class ParameterServer:
         return torch.cat([message[:n].float(), message[n:].clone().view(torch.float32)])
 
     def _refuse_nonfinite(self, rank: int, name: str) -> Refusal:
-        """Count a push holding NaN or inf (nothing of it is applied); warn once per worker."""
-        with self._lock:
-            self.refused[rank] += 1
-            first = self.refused[rank] == 1
-        if first:
+        """Count a push holding NaN or inf (nothing of it is applied); warn once per worker.
+        Called under the lock."""
+        self.refused[rank] += 1
+        if self.refused[rank] == 1:
             log.warning("%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
                         "(further refusals of it are counted, not logged)", name)
         return Refusal("nonfinite", f"{name} pushed non-finite values (NaN or inf); the push was refused")
