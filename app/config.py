@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 ROLES = ("ps", "worker", "health", "check")
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 COMPRESSIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 ENV_PREFIX = "PSC_"
@@ -55,6 +56,9 @@ class Config:
                           "(one more step of staleness)")
     compress: str = _flag("none", "gradients on the wire: none (float32), bf16 or fp16, with error feedback",
                           COMPRESSIONS)
+    precision: str = _flag("fp32", "forward/backward under autocast: fp32 (off), bf16 (CPU or CUDA) or fp16 "
+                           "(CUDA, with loss scaling); parameters and pushed gradients stay float32", PRECISIONS)
+    channels_last: bool = _flag(False, "CUDA: images (and, under allreduce, the model) in channels-last memory format")
     shards: int = _flag(1, "split the PS's state across this many PS processes (every role needs it)")
     shard: int = _flag(0, "ps: which shard this process serves; 0 is the main PS at --master_addr")
     checkpoint_dir: str = _flag("./checkpoints", "the PS writes its checkpoints and final.pt here")
@@ -158,6 +162,9 @@ def validate(config: Config) -> None:
     if config.shard and (config.role != "ps" or config.shard >= config.shards):
         raise UsageError(f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} "
                          f"(--shards {config.shards})")
+    if config.precision == "fp16" and config.device != "cuda" and config.role == "worker":
+        raise UsageError("--precision: fp16 needs --device cuda (loss scaling runs on the GPU); "
+                         "on CPU use bf16")
     if config.shards > 1 and config.strategy == "allreduce":
         raise UsageError(f"--shards: {config.shards} needs a parameter server; strategy allreduce has none")
     if config.overlap and config.strategy in ("sync", "allreduce"):

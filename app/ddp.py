@@ -23,10 +23,10 @@ resumes from rank 0's newest checkpoint (written on the way out, too).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
-import copy
 import os
 import re
 import threading
@@ -160,6 +160,8 @@ class Trainer:
         self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
         self.metrics, self.rank0 = metrics, rank0
         self.loss_fn = nn.CrossEntropyLoss()
+        self.format = runtime.memory_format(config, device)
+        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
         self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
         self._mark = (time.monotonic(), 0)  # (time, this rank's samples) at the last report
         self._samples = 0
@@ -184,14 +186,21 @@ class Trainer:
         """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step, and
         the progress that labels it: a SIGTERM lands before both or after both."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.format)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(x), y)
+        with runtime.autocast(self.config.precision, self.device):
+            loss = self.loss_fn(self.model(x), y)
         try:
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         except RuntimeError as error:  # gloo/NCCL: a peer died or timed out
             raise self.lost(error) from error
         with runtime.sigterm_deferred():
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:  # skips the step when the gradient overflowed (every rank alike: it is averaged)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             p = self.state.progress
             self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
         return loss.item()
@@ -313,6 +322,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     config = dataclasses.replace(config, rank=world.rank + 1, world_size=world.size + 1,
                                  master_addr=world.addr, master_port=world.port)
     device = choose_device(config.device)
+    runtime.tune_for(device)
     if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
         device = torch.device(f"cuda:{world.local_rank}")  # torchrun, several GPUs per node
         torch.cuda.set_device(device)
@@ -326,6 +336,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
              len(sampler), data.describe(train))
     module = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    module = module.to(memory_format=runtime.memory_format(config, device))
     optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
     state = JobState(module, optimizer)
 

@@ -6,6 +6,7 @@ Everything about starting and stopping torch.distributed.rpc lives in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -17,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -98,6 +100,24 @@ def set_threads(world_size: int) -> int:
     except RuntimeError:  # already set, or parallel work already ran
         pass
     return threads
+
+
+def autocast(precision: str, device: torch.device) -> Any:
+    """The forward's autocast context for --precision (none for fp32); bf16 runs on CPU too."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def tune_for(device: torch.device) -> None:
+    """CUDA: let cuDNN pick the fastest kernels for the (fixed) input shapes."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def memory_format(config: Config, device: torch.device) -> torch.memory_format:
+    """--channels_last on CUDA; the default (contiguous) elsewhere."""
+    return torch.channels_last if config.channels_last and device.type == "cuda" else torch.contiguous_format
 
 
 def choose_device(name: str) -> torch.device:

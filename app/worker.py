@@ -25,7 +25,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from app import data, membership, models, ps, shards
+from app import data, membership, models, ps, runtime, shards
 from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
@@ -157,6 +157,13 @@ class Trainer:
         self.device, self.client, self.metrics = device, client, metrics
         self.flat = FlatModel(model)
         self.loss_fn = nn.CrossEntropyLoss()
+        self.format = runtime.memory_format(config, device)
+        # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
+        # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
+        # The scaler needs an optimizer to unscale through: a local one, never stepped.
+        self.scaler = (torch.amp.GradScaler("cuda") if config.precision == "fp16" else None)
+        self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
+        self.skipped = 0  # fp16: batches not pushed (gradient overflow)
         self.compress = (Compressor(config.compress, self.flat.num_params, device)
                          if config.compress != "none" else None)
         wire_dtype = self.compress.dtype if self.compress else torch.float32
@@ -185,6 +192,8 @@ class Trainer:
             self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
             for batch, (x, y) in enumerate(self.batches(), start=done + 1):
                 loss = self.compute_gradients(x, y)
+                if loss is None:  # fp16: the gradient overflowed; the scale is halved
+                    continue
                 reply = self.push_and_pull(epoch, batch, len(y))
                 self._samples += len(y)
                 if batch % self.config.log_every == 0 or batch == len(self.loader):
@@ -197,12 +206,25 @@ class Trainer:
         """This epoch's batches; a read that fails mid-run is one clear error."""
         return data.batches(self.loader, self.config.data_dir)
 
-    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward; the gradient lands in self.flat.grads."""
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Forward (under --precision's autocast) and backward; the float32 gradient lands in
+        self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.format)
         self.flat.zero_grads()
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        with runtime.autocast(self.config.precision, self.device):
+            loss = self.loss_fn(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            return loss.item()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self._unscaler)
+        overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())
+        self.scaler.update()
+        if overflow:
+            self.skipped += 1
+            return None
         return loss.item()
 
     def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> ps.Reply | None:
@@ -276,6 +298,7 @@ class Trainer:
 def run(config: Config) -> int:
     """The worker process: check input, join (or rejoin) the job, train, report, leave."""
     device = choose_device(config.device)
+    runtime.tune_for(device)
     models.check(config.model)
     train = data.load(config.dataset, config.data_dir, "train", config.seed)
     sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]

@@ -146,6 +146,10 @@ def app_environment(
     })
     if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
         env["PSC_SHARDS"] = str(t.ps.shards)
+    if tr.precision != "fp32":  # rendered only when set: fp32 files render as before
+        env["PSC_PRECISION"] = tr.precision
+    if tr.channels_last:
+        env["PSC_CHANNELS_LAST"] = "true"
     return env
 
 
