@@ -128,6 +128,7 @@ class ParameterServer:
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
         self.on_finish: Callable[[int], None] = lambda rank: None
         self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
+        self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
         self.version = 0
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -314,12 +315,17 @@ class ParameterServer:
                 self.roster.finish(rank, name or f"worker{rank}")
             except StaleIncarnation as error:
                 return Refusal("stale", str(error))
-            self._event()
+            self._finishing += 1
             counts = self.roster.counts()
             ready = self._unblock()
         _complete(ready)
         log.info("%s finished after %d pushes (%s)", name or f"worker{rank}", pushes, counts)
-        self.on_finish(rank)
+        try:
+            self.on_finish(rank)
+        finally:
+            with self._lock:
+                self._finishing -= 1
+                self._event()
         return None
 
     def drop(self, rank: int, name: str) -> bool:
@@ -405,7 +411,7 @@ class ParameterServer:
     def done(self) -> bool:
         """Every rank finished, or no one trains and the missing ones are past join_timeout."""
         with self._lock:
-            return self.roster.done()
+            return self._finishing == 0 and self.roster.done()
 
     def wait(self, until_version: int, timeout: float) -> None:
         """Block until the version reaches `until_version`, a worker joins, finishes or
@@ -413,7 +419,7 @@ class ParameterServer:
         with self._changed:
             events, self._wake_at = self._events, until_version
             self._changed.wait_for(lambda: self._events != events or self.version >= until_version
-                                   or self.roster.all_finished, timeout)
+                                   or (self.roster.all_finished and not self._finishing), timeout)
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         return self.pull(rank=0)

@@ -392,3 +392,12 @@ def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(t
     assert restarted.version == 2 and torch.equal(restarted.state, torch.full((2,), -2.0))
     with pytest.raises(RuntimeError, match="no checkpoint labelled 7"):
         shards.resume_shard(restarted, tmp_path, 7)
+
+
+def test_the_job_is_not_done_while_the_last_finish_is_being_recorded():
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    seen = []
+    server.on_finish = lambda rank: seen.append(server.done())
+    server.join(1, "worker1")
+    server.finish(1, 0, "worker1")
+    assert seen == [False] and server.done()
