@@ -316,7 +316,7 @@ def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict
 
 def resume_shard(server: ps.ParameterServer, directory: str | Path, version: int | None) -> str:
     """Restore the shard's checkpoint labelled `version` (the main PS's); what was done, for the log.
-    UsageError-free: a missing partner is a run-time failure (RuntimeError)."""
+    RuntimeError (exit 1) when this shard has none labelled so."""
     if version is None:
         return "the main parameter server starts a new run: starting from the initial values"
     found = checkpoint_labelled(directory, version)

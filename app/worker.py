@@ -325,5 +325,6 @@ def run(config: Config) -> int:
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
             pushes = trainer.train(start)
             client.finish(pushes)
-            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2))
+            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2), refused=trainer.refused,
+                          skipped=trainer.skipped)
     return 0
