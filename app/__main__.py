@@ -7,7 +7,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from app.config import Config, UsageError, parse
+from app.config import Config, UsageError, check_threads_env, parse
 
 HEALTH_TIMEOUT = 2.0
 PS_SIGTERM_GRACE = 20.0
@@ -25,6 +25,7 @@ def health(config: Config) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse(sys.argv[1:] if argv is None else argv, os.environ)
+        check_threads_env(os.environ)
     except UsageError as error:
         print(f"app: error: {error}", file=sys.stderr)
         return 2

@@ -1,10 +1,10 @@
-"""`python -m app check`: the cluster's connectivity check (seed 004's message passing).
+"""`python -m app check`: the cluster's connectivity check (a message-passing test of every rank).
 
 Every rank 0..world_size-1 runs it. Rank 0 hosts a TCPStore at
 master_addr:master_port; every other rank connects and registers its name,
 host and address. Rank 0 waits up to `rpc_timeout` seconds; a rank that never
 registered fails the check with one line naming it. Then a plain Gloo process
-group over that store (no RPC, no TensorPipe): rank 0 sends the seed's
+group over that store (no RPC, no TensorPipe): rank 0 sends the classic
 `tensor([42.])` and an 8 MiB tensor to each rank in turn, the rank sends them
 back, rank 0 checks they came back unchanged and prints one line per rank:
 name, host, address, round-trip times and GB/s (bytes both ways / round trip).
@@ -34,7 +34,7 @@ from app import runtime
 from app.config import Config
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
-SMALL = torch.tensor([42.0])  # seed 004's message
+SMALL = torch.tensor([42.0])  # the message of the classic torchrun message-passing check
 LARGE_BYTES = 8 << 20
 SMALL_REPS = 5  # round trips per size (after one warm-up); the median is reported
 LARGE_REPS = 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 ROLES = ("ps", "worker", "health", "check")
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 COMPRESSIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 ENV_PREFIX = "PSC_"
@@ -59,6 +61,9 @@ class Config:
                           "(one more step of staleness)")
     compress: str = _flag("none", "gradients on the wire: none (float32), bf16 or fp16, with error feedback",
                           COMPRESSIONS)
+    precision: str = _flag("fp32", "forward/backward under autocast: fp32 (off), bf16 (CPU or CUDA) or fp16 "
+                           "(CUDA, with loss scaling); parameters and pushed gradients stay float32", PRECISIONS)
+    channels_last: bool = _flag(False, "CUDA: images (and, under allreduce, the model) in channels-last memory format")
     shards: int = _flag(1, "split the PS's state across this many PS processes (every role needs it)")
     shard: int = _flag(0, "ps: which shard this process serves; 0 is the main PS at --master_addr")
     checkpoint_dir: str = _flag("./checkpoints", "the PS writes its checkpoints and final.pt here")
@@ -154,6 +159,10 @@ def validate(config: Config) -> None:
                          "nor an entry point package.module:factory")
     if ":" in config.model and not ENTRY_POINT.match(config.model):
         raise UsageError(f"--model: {config.model!r} is not an entry point package.module:factory")
+    for f in dataclasses.fields(Config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{f.name}: {value} is not a finite number")
     for name, low, inclusive in _LOWER_BOUNDS:
         value = getattr(config, name)
         if value < low or (value == low and not inclusive):
@@ -168,6 +177,9 @@ def validate(config: Config) -> None:
     if config.shard and (config.role != "ps" or config.shard >= config.shards):
         raise UsageError(f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} "
                          f"(--shards {config.shards})")
+    if config.precision == "fp16" and config.device != "cuda" and config.role == "worker":
+        raise UsageError("--precision: fp16 needs --device cuda (loss scaling runs on the GPU); "
+                         "on CPU use bf16")
     if config.shards > 1 and config.strategy == "allreduce":
         raise UsageError(f"--shards: {config.shards} needs a parameter server; strategy allreduce has none")
     if config.overlap and config.strategy in ("sync", "allreduce"):
@@ -179,3 +191,10 @@ def validate(config: Config) -> None:
     if config.role == "worker" and not 1 <= config.rank < config.world_size:
         raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
                          f"for a worker (--world_size {config.world_size})")
+
+
+def check_threads_env(env: Mapping[str, str]) -> None:
+    """OMP_NUM_THREADS, when set, must be one positive integer (torch takes no list)."""
+    raw = env.get("OMP_NUM_THREADS", "")
+    if raw and not (raw.strip().isdigit() and int(raw) >= 1):
+        raise UsageError(f"OMP_NUM_THREADS: {raw!r} is not a positive integer (threads per process)")

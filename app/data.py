@@ -153,7 +153,7 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> Lab
     return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
 
 
-def to_device(x: torch.Tensor, dataset: Dataset, device: torch.device) -> torch.Tensor:
+def to_device(x: torch.Tensor, dataset: Dataset | None, device: torch.device) -> torch.Tensor:
     """A batch's input on `device`, turned into the model's input there when the dataset
     hands over raw uint8 (CachedImageFolder.on_device: crop, flip, normalise)."""
     x = x.to(device, non_blocking=True)

@@ -1,6 +1,6 @@
 """`--strategy allreduce`: the workers train one model with DistributedDataParallel; no PS.
 
-Seed 002's job: a DistributedSampler with `set_epoch`, gradients averaged by
+The usual DDP job: a DistributedSampler with `set_epoch`, gradients averaged by
 DDP's allreduce, rank-0 checkpoints, Gloo on CPU and NCCL on GPU. The world is
 the workers alone: DDP rank = --rank - 1 and world size = --world_size - 1 (the
 config counts a PS slot), rendezvous at --master_addr:--master_port (worker1's
@@ -11,7 +11,9 @@ MASTER_PORT (and LOCAL_RANK) win.
     rank 0 resumes from its newest good checkpoint; DDP broadcasts rank 0's
         parameters, rank 0 broadcasts the optimizer state and the progress
     each epoch: set_epoch; forward, backward (DDP averages the gradients), SGD step;
-        rank 0 evaluates every --eval_every steps, checkpoints every --checkpoint_every
+        rank 0 evaluates every --eval_every steps (in a background thread, on a copy of
+        the weights, so the others never wait for it in their next allreduce),
+        checkpoints every --checkpoint_every
     rank 0: the last checkpoint, final.pt, `Accuracy:` and `Time:`
 
 A peer that dies fails the step's allreduce on every other rank: one error line,
@@ -21,11 +23,13 @@ resumes from rank 0's newest checkpoint (written on the way out, too).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -156,6 +160,9 @@ class Trainer:
         self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
         self.metrics, self.rank0 = metrics, rank0
         self.loss_fn = nn.CrossEntropyLoss()
+        self.format = runtime.memory_format(config, device)
+        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
+        self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
         self._mark = (time.monotonic(), 0)  # (time, this rank's samples) at the last report
         self._samples = 0
 
@@ -167,9 +174,7 @@ class Trainer:
             done = start.batch if epoch == start.epoch else 0  # batches already trained on
             self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
             for batch, (x, y) in enumerate(data.batches(self.loader, self.config.data_dir), start=done + 1):
-                loss = self.step(x, y)
-                p = self.state.progress
-                self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
+                loss = self.step(x, y, epoch, batch)
                 self._samples += len(y)
                 if batch % self.config.log_every == 0 or batch == len(self.loader):
                     self.report(epoch, batch, loss)
@@ -177,16 +182,27 @@ class Trainer:
                 if 0 < self.config.max_steps <= self.state.progress.step:
                     return
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step."""
-        x, y = data.to_device(x, self.loader.dataset, self.device), y.to(self.device, non_blocking=True)
+    def step(self, x: torch.Tensor, y: torch.Tensor, epoch: int = 1, batch: int = 0) -> float:
+        """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step, and
+        the progress that labels it: a SIGTERM lands before both or after both."""
+        x, y = data.to_device(x, getattr(self.loader, "dataset", None), self.device), y.to(self.device, non_blocking=True)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.format)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(x), y)
+        with runtime.autocast(self.config.precision, self.device):
+            loss = self.loss_fn(self.model(x), y)
         try:
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         except RuntimeError as error:  # gloo/NCCL: a peer died or timed out
             raise self.lost(error) from error
-        self.optimizer.step()
+        with runtime.sigterm_deferred():
+            if self.scaler is None:
+                self.optimizer.step()
+            else:  # skips the step when the gradient overflowed (every rank alike: it is averaged)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            p = self.state.progress
+            self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
         return loss.item()
 
     def lost(self, error: BaseException) -> PeerLost:
@@ -199,13 +215,26 @@ class Trainer:
             return
         checkpoints, held_out = self.rank0
         step = self.state.progress.step
-        if step % self.config.eval_every == 0:
-            accuracy, loss = held_out_accuracy(self.model.module, held_out, self.device)
-            progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, step, accuracy)
-            self.metrics.write("eval", step, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                               samples=self.state.progress.samples)
+        if step % self.config.eval_every == 0 and not self.evaluating():
+            model = copy.deepcopy(self.model.module)  # this step's weights; training goes on
+            self.evaluation = threading.Thread(target=self._evaluate, args=(model, held_out, self.state.progress),
+                                               name="evaluation", daemon=True)
+            self.evaluation.start()
         if checkpoints.due():
             checkpoints.save(f"every {self.config.checkpoint_every} steps")
+
+    def evaluating(self) -> bool:
+        """A periodic evaluation still runs (the next one is skipped, not queued)."""
+        return self.evaluation is not None and self.evaluation.is_alive()
+
+    def wait_for_evaluation(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.join()
+
+    def _evaluate(self, model: nn.Module, held_out: DataLoader, at: Progress) -> None:
+        accuracy, loss = held_out_accuracy(model, held_out, self.device)
+        progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, at.step, accuracy)
+        self.metrics.write("eval", at.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=at.samples)
 
     def report(self, epoch: int, batch: int, loss: float) -> None:
         now = time.monotonic()
@@ -293,6 +322,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     config = dataclasses.replace(config, rank=world.rank + 1, world_size=world.size + 1,
                                  master_addr=world.addr, master_port=world.port)
     device = choose_device(config.device)
+    runtime.tune_for(device)
     if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
         device = torch.device(f"cuda:{world.local_rank}")  # torchrun, several GPUs per node
         torch.cuda.set_device(device)
@@ -309,6 +339,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     if config.init_weights:  # every rank, so no rank starts from other weights than rank 0's
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
+    module = module.to(memory_format=runtime.memory_format(config, device))
     optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
     state = JobState(module, optimizer)
 
@@ -340,6 +371,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
                 checkpoints.save("on exit")
             raise
         seconds = time.monotonic() - started
+        trainer.wait_for_evaluation()
         leave_together(world)
         if rank0 is None:
             metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(train.data))

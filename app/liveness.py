@@ -7,6 +7,11 @@ dropped, with one log line naming it, and the PS stops waiting for it. A
 new process of the same rank may then join and resume the rank's progress;
 while the old process still answers, the rank is taken and the newcomer is
 refused.
+
+Under ssp and sync one stuck worker holds up every other, and a process can
+answer pings yet never push (a dead DataLoader child, a stuck collective):
+one with no call for FROZEN_PERIODS x rpc_timeout, and no push waiting for an
+answer, is reported (a log line and a `frozen` metrics record) and dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ Event = Callable[..., None]  # (event, **fields): a metrics line
 
 
 class Watch:
+    FROZEN_PERIODS = 3  # rpc_timeout periods without a push before ssp/sync drop a live worker
+
     def __init__(self, server: ParameterServer, rpc_timeout: float, record: Event) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
         self._pinging: set[str] = set()
@@ -81,7 +88,17 @@ class Watch:
         for rank, name, last_seen in self.server.live_members():
             if now - last_seen >= QUIET_SECONDS:
                 self._ping_async(rank, name)
+        self.check_frozen()
         self._sweep(now)
+
+    def check_frozen(self) -> None:
+        """ssp/sync: report and drop live workers that stopped pushing (they answer pings)."""
+        limit = self.FROZEN_PERIODS * self.rpc_timeout
+        for rank, name, quiet in self.server.frozen(limit):
+            log.warning("%s (rank %d) answers pings but sent no push for %.0f s (%d x --rpc_timeout)",
+                        name, rank, quiet, self.FROZEN_PERIODS)
+            self.record("frozen", self.server.version, worker=name, worker_rank=rank, seconds=round(quiet, 1))
+            self.drop(rank, name, f"no push for {quiet:.0f} s")
 
     def _ping_async(self, rank: int, name: str) -> None:
         with self._lock:

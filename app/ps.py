@@ -9,7 +9,7 @@ Three strategies decide when a push is applied and when its reply goes out
 (`submit` returns a future; `rpc_push` is `async_execution`, so a reply held
 back ties up no RPC thread):
 
-- async: applied at once, answered at once (seed 000).
+- async: applied at once, answered at once (asynchronous SGD).
 - ssp:   applied at once; answered once the pusher is at most `staleness`
          pushes ahead of the slowest rank still training (Ho et al. 2013).
 - sync:  held until every rank still training pushed once; their average is
@@ -17,6 +17,12 @@ back ties up no RPC thread):
 
 A sharded PS (app.shards) runs one ParameterServer per process over a slice
 `part` of the state vector: pushes, replies and checkpoints are that slice.
+
+A push the PS will not apply is answered with a `Refusal` value, never an
+exception (RPC would carry an exception set on the future back as a plain
+value): `stale` (a newer process of the rank replaced the pusher: it exits)
+or `nonfinite` (NaN/inf in the push: nothing applied, the worker skips the
+batch).
 
 Every piece of shared state (the sum of a round, the held replies, the
 roster) changes under the one lock; futures are completed after it is
@@ -39,7 +45,7 @@ from torch import nn
 from torch.futures import Future
 
 from app.flat import FlatModel
-from app.roster import ABSENT, FINISHED, LIVE, Roster
+from app.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 
 STRATEGIES = ("async", "ssp", "sync")
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,6 +60,13 @@ class Reply(NamedTuple):
     version: int          # its version
     staleness: int        # updates applied between the pusher's pull and its push
     lead: int             # pushes the pusher is ahead of the slowest rank still training
+
+
+class Refusal(NamedTuple):
+    """The PS's answer to a call it will not carry out (a value: RPC carries it as it is)."""
+
+    kind: str     # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
+    message: str  # one line, naming the worker
 
 
 class _Held(NamedTuple):
@@ -105,9 +118,17 @@ class ParameterServer:
         self._events = 0  # joins, finishes, drops: they wake `wait`
         self._wake_at = 0
         self.applied = 0  # pushes applied by this process (the version may start from a checkpoint)
-        self.first_join: float | None = None  # monotonic time training started
+        self.clock = clock
+        self.first_join: float | None = None  # clock time of the first join
+        self.all_joined: float | None = None  # clock time every rank had joined (or finished)
+        self.last_applied: float | None = None  # clock time of the last update applied
         # Called (outside the lock) when a dropped process calls again: app.liveness logs it.
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
+        # Called (outside the lock, before the finishing worker gets its answer) after a rank
+        # finished: the PS process checkpoints then, so a finish outlives a PS crash.
+        self.on_finish: Callable[[int], None] = lambda rank: None
+        self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
+        self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
         self.version = 0
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -128,69 +149,103 @@ class ParameterServer:
         """`name` becomes rank's process: the state, its version and where the rank resumes."""
         with self._lock:
             member = self.roster.join(rank, name)
-            self.first_join = self.first_join or time.monotonic()
+            member.last_seen = self.clock()
+            self.first_join = self.first_join or self.clock()
+            if self.all_joined is None and all(m.joins or m.state == FINISHED
+                                               for m in self.roster.members.values()):
+                self.all_joined = self.clock()
             self._event()
             return self.state.clone(), self.version, member.progress()
 
     def push(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply:
+             epoch: int = 1, batch: int = 0, samples: int = 0,
+             staleness: int | None = None) -> Reply | Refusal:
         """`submit`, waiting for the reply (tests, and callers that may block)."""
-        return self.submit(rank, message, pulled_version, name, epoch, batch, samples).wait()
+        return self.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness).wait()
 
     def submit(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-               epoch: int = 1, batch: int = 0, samples: int = 0) -> Future:
-        """Take one worker's `[grads | buffers]`; a future of its Reply.
+               epoch: int = 1, batch: int = 0, samples: int = 0,
+               staleness: int | None = None) -> Future:
+        """Take one worker's `[grads | buffers]`; a future of its Reply (or Refusal).
 
         `epoch` and `batch` are the worker's progress once this push is applied;
         `samples` the batch's size. A reply's vector is one of rank's (or the
         round's) two reply buffers, not a fresh copy: it stays unchanged until
-        rank's next-but-one push.
+        rank's next-but-one push. `staleness`: the push's staleness as the main
+        PS computed it (a PS shard, app.shards); by default this PS's own.
         """
         message = self._check(rank, message)
         name = name or f"worker{rank}"
         future: Future = Future()
+        finite = bool(torch.isfinite(message).all())
         with self._lock:
-            readmitted = self.roster.seen(rank, name)
-            self.samples += samples
-            if self.strategy == "sync":
+            try:
+                readmitted = self.roster.seen(rank, name)
+            except StaleIncarnation as error:
+                future.set_result(Refusal("stale", str(error)))
+                return future
+            if not finite:
+                refusal, ready = self._refuse_nonfinite(rank, name), []
+            elif self.strategy == "sync":
+                self.samples += samples
                 self._hold(rank, _Held(future, message, epoch, batch, 0))
                 ready = self._close_round()
             else:
-                staleness = self.version - pulled_version
-                self._apply(message, self._lr_for(staleness))
+                self.samples += samples
+                if staleness is None:
+                    staleness = self.version - pulled_version
+                self._apply(message, self._scale_for(staleness))
                 self._count(rank, epoch, batch, staleness)
                 self._hold(rank, _Held(future, None, epoch, batch, staleness))
                 ready = self._release()
             if readmitted:
                 self._changed.notify_all()
+        if not finite:
+            future.set_result(refusal)
         _complete(ready)
         if readmitted:
             self.on_back(rank, name)
         return future
 
     def _check(self, rank: int, message: torch.Tensor) -> torch.Tensor:
-        """The pushed message as float32; ValueError when it is not this model's."""
-        if message.numel() != self.size or message.dtype not in WIRE_DTYPES:
+        """The pushed message as float32; ValueError when it is not this model's.
+
+        A 16-bit message (--compress) carries the gradients in 16 bits and the
+        buffers in float32, each float32 as two 16-bit values (app.worker.Compressor)."""
+        n = self.num_params
+        wire_size = self.size if message.dtype == torch.float32 else n + 2 * (self.size - n)
+        if message.numel() != wire_size or message.dtype not in WIRE_DTYPES:
             holds = f"values {self.part[0]}..{self.part[1]} of the model" if self.sliced else "the model"
             raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
-                             f"{holds} has {self.size} float32 (or bfloat16/float16) values")
-        return message.float()  # no copy when it is float32 already
+                             f"{holds} has {self.size} float32 values ({wire_size} as sent compressed)")
+        if message.dtype == torch.float32:
+            return message
+        return torch.cat([message[:n].float(), message[n:].clone().view(torch.float32)])
 
-    def _lr_for(self, staleness: int) -> float:
-        """Zhang et al. 2016: a push `staleness` updates late takes lr / staleness."""
-        return self.lr / max(1, staleness) if self.staleness_lr else self.lr
+    def _refuse_nonfinite(self, rank: int, name: str) -> Refusal:
+        """Count a push holding NaN or inf (nothing of it is applied); warn once per worker.
+        Called under the lock."""
+        self.refused[rank] += 1
+        if self.refused[rank] == 1:
+            log.warning("%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
+                        "(further refusals of it are counted, not logged)", name)
+        return Refusal("nonfinite", f"{name} pushed non-finite values (NaN or inf); the push was refused")
 
-    def _apply(self, message: torch.Tensor, lr: float) -> None:
-        """One SGD step with `message`'s grads; its buffers become the global ones."""
+    def _scale_for(self, staleness: int) -> float:
+        """Zhang et al. 2016: a push `staleness` updates late counts 1 / staleness as much
+        (its gradient is scaled, so momentum carries the scaled gradient too)."""
+        return 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+
+    def _apply(self, message: torch.Tensor, scale: float = 1.0) -> None:
+        """One SGD step with `message`'s grads times `scale`; its buffers become the global ones."""
         n = self.num_params
-        group = self.optimizer.param_groups[0]
-        group["lr"] = lr
-        self._param.grad = message[:n]
+        grads = message[:n]
+        self._param.grad = grads if scale == 1.0 else grads * scale
         self.optimizer.step()
         self._param.grad = None
-        group["lr"] = self.lr
         self.state[n:].copy_(message[n:])
         self.version += 1
+        self.last_applied = self.clock()
         if self.version >= self._wake_at:
             self._changed.notify_all()
 
@@ -204,7 +259,7 @@ class ParameterServer:
     def _hold(self, rank: int, held: _Held) -> None:
         old = self._held.pop(rank, None)
         if old is not None:  # its earlier process died waiting; this one replaces it
-            old.future.set_exception(RuntimeError(f"worker{rank} pushed again from a new process"))
+            old.future.set_result(Refusal("stale", f"worker{rank} pushed again from a new process; exiting"))
         self._held[rank] = held
 
     def _training(self) -> list[int]:
@@ -235,10 +290,10 @@ class ParameterServer:
         waiting_for = [r for r in self._training() if r not in self._held]
         if waiting_for or not self._held:
             return []
-        held = self._held
+        held = dict(sorted(self._held.items()))  # summed in rank order: the same bits every time
         self._held = {}
         total = torch.stack([h.message for h in held.values()]).mean(0)
-        self._apply(total, self.lr)
+        self._apply(total)
         for rank, h in held.items():
             self._count(rank, h.epoch, h.batch, 0)
         vector = self._reply(0).copy_(self.state)  # one buffer pair for the whole round
@@ -252,26 +307,63 @@ class ParameterServer:
         buffers.reverse()
         return buffers[0]
 
-    def finish(self, rank: int, pushes: int, name: str = "") -> None:
-        """A worker has run all its epochs."""
+    def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
+        """A worker has run all its epochs; recorded durably (on_finish) before it returns.
+        A Refusal when a newer process replaced `name`."""
         with self._lock:
-            self.roster.finish(rank, name or f"worker{rank}")
-            self._event()
+            try:
+                self.roster.finish(rank, name or f"worker{rank}")
+            except StaleIncarnation as error:
+                return Refusal("stale", str(error))
+            self._finishing += 1
             counts = self.roster.counts()
             ready = self._unblock()
         _complete(ready)
         log.info("%s finished after %d pushes (%s)", name or f"worker{rank}", pushes, counts)
+        try:
+            self.on_finish(rank)
+        finally:
+            with self._lock:
+                self._finishing -= 1
+                self._event()
+        return None
 
     def drop(self, rank: int, name: str) -> bool:
-        """Stop waiting for `name`; False when it is not rank's live process (any more)."""
+        """Stop waiting for `name`; False when it is not rank's live process (any more).
+
+        Its held push is answered with the current state (ssp: it was applied; sync:
+        it was not, and the round goes on without it): if the process is alive after
+        all, it continues, and its next call readmits it."""
         with self._lock:
             dropped = self.roster.drop(rank, name)
+            ready = []
             if dropped:
                 self._event()
-                self._held.pop(rank, None)  # nobody is there to answer
-            ready = self._unblock() if dropped else []
+                held = self._held.pop(rank, None)
+                ready = self._unblock()
+                if held is not None:
+                    vector = self._reply(rank).copy_(self.state)
+                    ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
         _complete(ready)
         return dropped
+
+    def frozen(self, limit: float) -> list[tuple[int, str, float]]:
+        """ssp/sync: (rank, name, seconds quiet) of live ranks that have not called for
+        `limit` seconds and are not waiting for an answer to a push (async waits for no one)."""
+        if self.strategy == "async":
+            return []
+        with self._lock:
+            now = self.clock()
+            return [(m.rank, m.name, now - m.last_seen) for m in self.roster.live()
+                    if m.rank not in self._held and now - m.last_seen >= limit]
+
+    def training_seconds(self) -> float | None:
+        """From every rank joined (or, if one never did, the first join) to the last update."""
+        with self._lock:
+            start = self.all_joined if self.all_joined is not None else self.first_join
+            if start is None or self.last_applied is None:
+                return None
+            return max(0.0, self.last_applied - start)
 
     def unblock(self) -> None:
         """Answer held pushes that no longer wait for anyone (a rank past join_timeout);
@@ -319,7 +411,7 @@ class ParameterServer:
     def done(self) -> bool:
         """Every rank finished, or no one trains and the missing ones are past join_timeout."""
         with self._lock:
-            return self.roster.done()
+            return self._finishing == 0 and self.roster.done()
 
     def wait(self, until_version: int, timeout: float) -> None:
         """Block until the version reaches `until_version`, a worker joins, finishes or
@@ -327,7 +419,7 @@ class ParameterServer:
         with self._changed:
             events, self._wake_at = self._events, until_version
             self._changed.wait_for(lambda: self._events != events or self.version >= until_version
-                                   or self.roster.all_finished, timeout)
+                                   or (self.roster.all_finished and not self._finishing), timeout)
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         return self.pull(rank=0)
@@ -368,7 +460,8 @@ class ParameterServer:
             mean = self.staleness_sum / self.applied if self.applied else 0.0
             return {"pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
                     "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
-                    "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+                    "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                    "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())}}
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:
@@ -433,18 +526,14 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
 
 @rpc.functions.async_execution
 def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0, samples: int = 0) -> Future:
-    """A Future of the Reply: ssp and sync answer once the others have caught up."""
-    try:
-        return _ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples)
-    except Exception as error:  # noqa: BLE001 - travels to the worker as the same exception
-        failed: Future = Future()
-        failed.set_exception(error)
-        return failed
+             epoch: int = 1, batch: int = 0, samples: int = 0, staleness: int | None = None) -> Future:
+    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
+    Any other error is raised here, and RPC hands it to the caller as an error."""
+    return _ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
 
 
-def rpc_finish(rank: int, pushes: int, name: str = "") -> None:
-    _ENDPOINT.get().finish(rank, pushes, name)
+def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
+    return _ENDPOINT.get().finish(rank, pushes, name)
 
 
 def rpc_all_finished() -> bool:

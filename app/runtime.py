@@ -1,11 +1,12 @@
 """Process plumbing: logging, threads, device choice, and the one RPC session.
 
 Everything about starting and stopping torch.distributed.rpc lives in
-`rpc_session`, so failure handling (issue 5) changes one place.
+`rpc_session`, so failure handling changes one place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -17,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -24,7 +26,7 @@ import torch.distributed.rpc as rpc
 from app.config import Config, UsageError
 
 log = logging.getLogger("app")
-# The seed's lines (`worker1 | Epoch: ...`, `Accuracy: ...`, `Time: ...`) go
+# The progress lines (`worker1 | Epoch: ...`, `Accuracy: ...`, `Time: ...`) go
 # through this logger to stdout, bare; diagnostics go through `app` to stderr.
 progress = logging.getLogger("app.progress")
 
@@ -100,6 +102,24 @@ def set_threads(world_size: int) -> int:
     return threads
 
 
+def autocast(precision: str, device: torch.device) -> Any:
+    """The forward's autocast context for --precision (none for fp32); bf16 runs on CPU too."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def tune_for(device: torch.device) -> None:
+    """CUDA: let cuDNN pick the fastest kernels for the (fixed) input shapes."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def memory_format(config: Config, device: torch.device) -> torch.memory_format:
+    """--channels_last on CUDA; the default (contiguous) elsewhere."""
+    return torch.channels_last if config.channels_last and device.type == "cuda" else torch.contiguous_format
+
+
 def choose_device(name: str) -> torch.device:
     """`cpu`, or `cuda:0` (the one GPU a container sees); UsageError when there is none."""
     if name == "cuda":
@@ -136,8 +156,31 @@ def handle_sigterm(grace: float) -> None:
                      name="sigterm-watch", daemon=True).start()
 
 
+class _Sigterm:
+    deferring = False  # inside `sigterm_deferred`
+    pending = False    # a SIGTERM came meanwhile
+
+
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    if _Sigterm.deferring:
+        _Sigterm.pending = True
+        return
     raise SystemExit(128 + signum)
+
+
+@contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """A SIGTERM during the block takes effect (SystemExit) at its end, so the block's
+    state changes happen all or none (a step and the step count that labels it).
+    The watcher thread's hard exit still comes `grace` seconds after the signal."""
+    _Sigterm.deferring = True
+    try:
+        yield
+    finally:
+        _Sigterm.deferring = False
+        if _Sigterm.pending:
+            _Sigterm.pending = False
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 def _exit_after_sigterm(read_fd: int, grace: float) -> None:

@@ -5,7 +5,8 @@
     until every worker finished (or the missing ones are past --join_timeout):
         wait for pushes; ping quiet workers; evaluate every --eval_every updates;
         checkpoint every --checkpoint_every updates
-    save final.pt, print Accuracy and Time
+    save final.pt, print Accuracy, Time (training: from every worker joined to
+    the last update applied) and Evaluation (the final evaluation's seconds)
 
 On SIGTERM (or any failure) the PS checkpoints before it exits.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +82,10 @@ class Checkpointer:
         self.directory = Path(config.checkpoint_dir)
         self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
         self.saved_version = -1  # the version on disk already (written or resumed from)
+        # A sharded main PS: the other shards write theirs, labelled with this version, before
+        # this one is written (app.shards); raises if one could not.
+        self.before_save: Callable[[int], None] = lambda version: None
+        self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint of an unfinished run of this model."""
@@ -108,16 +114,26 @@ class Checkpointer:
     def due(self) -> bool:
         return 0 < self.next_version <= self.server.version
 
-    def save(self, why: str) -> None:
-        """A periodic or on-exit checkpoint; a failure (disk full...) is a warning, and
-        the checkpoints already written stay as they were."""
+    def finished(self, rank: int) -> None:
+        """Rank finished: checkpoint now (before it hears back), so a PS that crashes
+        before the next periodic checkpoint does not wait for it again."""
+        self.save(f"worker{rank} finished", always=True)
+
+    def save(self, why: str, always: bool = False) -> None:
+        """A periodic or on-exit checkpoint (`always`: even at the version on disk); a
+        failure (disk full...) is a warning, and the checkpoints already written stay."""
+        with self._lock:
+            self._save(why, always)
+
+    def _save(self, why: str, always: bool) -> None:
         state = {**self.server.checkpoint(), **self.identity}
-        if state["version"] == self.saved_version:
+        if state["version"] == self.saved_version and not always:
             return
         if self.config.checkpoint_every:
             self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
         start = time.monotonic()
         try:
+            self.before_save(state["version"])
             path = checkpoint.save(state, self.directory)
         except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
             log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
@@ -129,17 +145,25 @@ class Checkpointer:
         self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
 
     def final(self, model: dict[str, torch.Tensor] | None = None) -> None:
-        """The last checkpoint (marked finished) and final.pt; raises OSError if they fail.
+        """final.pt, then the last checkpoint (marked finished); OSError naming the file
+        if one fails. A finished checkpoint therefore always has its final.pt; if only
+        final.pt was written, a restart resumes the (unfinished) run and writes both.
 
         `model`: the whole model's state dict, for a sharded PS whose own state is a slice."""
         state = {**self.server.checkpoint(), **self.identity}
-        checkpoint.save(state, self.directory)
         final = self.directory / "final.pt"
+        saved = state
         if model is not None:
-            state = {k: v for k, v in state.items() if k not in ("vector", "part", "optimizer")}
-            state["model"] = model
-        checkpoint.save_atomically(state, final)
-        log.info("saved %s (version %d)", final, state["version"])
+            saved = {k: v for k, v in state.items() if k not in ("vector", "part", "optimizer")}
+            saved["model"] = model
+        with self._lock:
+            try:
+                checkpoint.save_atomically(saved, final)
+            except OSError as error:
+                raise OSError(f"{final} not written ({error.strerror or error}); "
+                              "no checkpoint was marked finished") from None
+            log.info("saved %s (version %d)", final, state["version"])
+            checkpoint.save(state, self.directory)
 
 
 def serve(config: Config) -> int:
@@ -173,6 +197,7 @@ def serve(config: Config) -> int:
     with MetricsWriter(config.metrics_dir, "ps", "ps", 0) as metrics:
         checkpoints = Checkpointer(server, config, identity, metrics)
         checkpoints.resume()
+        server.on_finish = checkpoints.finished
         watch = Watch(server, config.rpc_timeout, metrics.write)
         others = shards.ShardSet(config.shards, server.flat.size, config, metrics.write) \
             if part is not None else None
@@ -180,8 +205,10 @@ def serve(config: Config) -> int:
         if others is not None:
             watch.on_drop = others.drop
             join = functools.partial(others.join, watch.join)
-        with _ENDPOINT.serving(server, join=join), shards.main_serving(others), rpc_session(config, rank=0):
-            start = time.monotonic()
+            checkpoints.before_save = others.checkpoint
+        resumed = checkpoints.saved_version if checkpoints.saved_version >= 0 else None
+        with _ENDPOINT.serving(server, join=join), shards.main_serving(others, resumed), \
+                rpc_session(config, rank=0):
             try:
                 train_until_done(server, watch, checkpoints, evaluate, metrics, config, others)
             except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
@@ -203,13 +230,16 @@ def serve(config: Config) -> int:
                 others.end(finished=server.all_finished)
         if others is None:
             vector, version = server.snapshot()
+        evaluated = time.monotonic()
         accuracy, loss = evaluate(vector)
-        seconds = time.monotonic() - (server.first_join or start)
+        eval_seconds = time.monotonic() - evaluated
+        seconds = server.training_seconds() or 0.0
         progress.info("Accuracy: %.4f", accuracy)
         progress.info("Time: %.2f seconds", seconds)
+        progress.info("Evaluation: %.2f seconds", eval_seconds)
         metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                      seconds=round(seconds, 2), samples=server.samples, strategy=config.strategy,
-                      **server.stats(), **data.skipped(held_out.data))
+                      seconds=round(seconds, 2), eval_seconds=round(eval_seconds, 2),
+                      samples=server.samples, strategy=config.strategy, **server.stats(), **data.skipped(held_out.data))
     return 0
 
 

@@ -19,6 +19,25 @@ strategy, and sees every worker's push of its slice.
   registers with the main PS, serves its slice, checkpoints it under
   `<checkpoint_dir>/shard<I>/`, exits 0 when told training ended and 1 when
   it loses the main PS.
+- Checkpoints are driven by the main PS: before it writes its own at version
+  V, every other shard writes its slice labelled V (`rpc_checkpoint`); if one
+  cannot, the main PS writes none. The main PS's newest checkpoint therefore
+  has a partner labelled V in every shard's directory, and a (re)starting
+  shard asks the main PS which V it resumed from (`rpc_resumed`) and restores
+  its checkpoint labelled V (`checkpoint_labelled`), never a newer one of its
+  own. A shard restarted while the main PS runs on restores the main PS's
+  last checkpoint label too: its slice is then older than the others' until
+  training moves on (the price of not stopping the whole job).
+- What is identical to one PS: every shard applies the same SGD elementwise,
+  so the assembled vector equals one PS's bit for bit whenever every shard
+  applied the same pushes in the same order: always for sync (a round's
+  gradients are averaged in rank order), and for async/ssp when pushes do not
+  overlap in time. RPC does not order overlapping pushes across shards, so
+  then slices may apply them in different orders (with momentum, different
+  bits). A push's staleness is the main PS's, for every slice: with
+  --staleness_lr a worker sends the other slices once the main PS answered,
+  with its staleness (`ShardedClient.chained`); the reply's staleness and lead
+  are the main PS's.
 - A worker (`ShardedClient`) joins every shard, pushes each its slice (a
   contiguous copy: TensorPipe sends a view's whole storage when the view is
   more than half of it) in parallel and assembles the replies with one copy.
@@ -27,6 +46,7 @@ strategy, and sees every worker's push of its slice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -43,7 +63,6 @@ from app import checkpoint, data, membership, models, plugins, ps
 from app.config import Config, UsageError
 from app.flat import _float_buffers
 from app.metrics import MetricsWriter
-from app.roster import StaleIncarnation
 from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
@@ -174,6 +193,19 @@ class ShardSet:
             except RuntimeError:
                 pass
 
+    def checkpoint(self, version: int) -> None:
+        """Every other shard writes its checkpoint labelled `version` (the main PS's, about to
+        be written); RuntimeError naming the first that could not."""
+        for _, name in self._shards():
+            try:
+                error = rpc.rpc_sync(name, rpc_checkpoint, args=(version,), timeout=self.timeout)
+            except Exception as lost:  # noqa: BLE001
+                error = first_line(lost)
+            if error:
+                raise RuntimeError(f"{name} did not write its checkpoint labelled {version}: {error}")
+        if len(self._shards()) < self.k - 1:
+            raise RuntimeError("not every shard is up")
+
     def end(self, finished: bool) -> None:
         """Training ended: every shard writes its last checkpoint and exits 0."""
         for _, name in self._shards():
@@ -221,18 +253,25 @@ class ShardSet:
 
 
 class _Main:
-    """Where `rpc_register` finds the main PS's ShardSet (set while it serves)."""
+    """Where `rpc_register` finds the main PS's ShardSet (set while it serves), and the
+    version of the checkpoint the main PS resumed from (None: a new run)."""
 
     shards: ShardSet | None = None
+    resumed: int | None = None
 
 
 @contextmanager
-def main_serving(shards: ShardSet | None) -> Iterator[None]:
-    _Main.shards = shards
+def main_serving(shards: ShardSet | None, resumed: int | None = None) -> Iterator[None]:
+    _Main.shards, _Main.resumed = shards, resumed
     try:
         yield
     finally:
-        _Main.shards = None
+        _Main.shards, _Main.resumed = None, None
+
+
+def rpc_resumed() -> int | None:
+    """The version of the main PS's checkpoint every shard resumes from (None: a new run)."""
+    return _Main.resumed
 
 
 def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
@@ -247,6 +286,46 @@ def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | 
 class _Ended:
     event = threading.Event()
     finished = False
+
+
+class _Shard:
+    """Where `rpc_checkpoint` finds this shard's checkpoint writer (set while it serves)."""
+
+    save: Callable[[int], str | None] | None = None
+
+
+def rpc_checkpoint(version: int) -> str | None:
+    """Write this shard's checkpoint labelled `version`; an error line, or None."""
+    if _Shard.save is None:
+        return "this shard is not serving yet"
+    return _Shard.save(version)
+
+
+def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint in `directory` labelled `version` by the main PS."""
+    for path in checkpoint.listing(directory):
+        try:
+            state = checkpoint.verify(path)
+        except (ValueError, OSError) as error:
+            log.warning("skipping checkpoint %s: %s", path, error)
+            continue
+        if state.get("label") == version:
+            return path, state
+    return None
+
+
+def resume_shard(server: ps.ParameterServer, directory: str | Path, version: int | None) -> str:
+    """Restore the shard's checkpoint labelled `version` (the main PS's); what was done, for the log.
+    RuntimeError (exit 1) when this shard has none labelled so."""
+    if version is None:
+        return "the main parameter server starts a new run: starting from the initial values"
+    found = checkpoint_labelled(directory, version)
+    if found is None:
+        raise RuntimeError(f"no checkpoint labelled {version} in {directory}: cannot resume with the "
+                           "main parameter server's checkpoint at that version")
+    path, state = found
+    server.restore(state)
+    return f"resumed from {path.name} (the main parameter server's version {version})"
 
 
 def rpc_drop(rank: int, name: str) -> bool:
@@ -279,13 +358,21 @@ def serve_shard(config: Config) -> int:
     own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
     address = f"{config.master_addr}:{config.master_port}"
     _Ended.event.clear()
+    own = dataclasses.replace(own, checkpoint_every=0)  # the main PS says when (rpc_checkpoint)
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
-        checkpoints.resume()
+        Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_temp_files(own.checkpoint_dir)
         name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
                                                        config.rpc_timeout)
         from app.runtime import rpc_session
         with ps._ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
+            try:
+                resumed = rpc.rpc_sync(MAIN, rpc_resumed, timeout=config.rpc_timeout)
+            except RuntimeError as lost:
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
+            log.info("%s: %s", name, resume_shard(server, own.checkpoint_dir, resumed))
+            _Shard.save = functools.partial(_save_labelled, server, identity, own.checkpoint_dir)
             try:
                 error = rpc.rpc_sync(MAIN, rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout)
             except RuntimeError as lost:
@@ -294,9 +381,8 @@ def serve_shard(config: Config) -> int:
                 raise UsageError(error)
             try:
                 _serve_until_ended(server, checkpoints, config, address)
-            except BaseException:
-                checkpoints.save("on exit")
-                raise
+            finally:
+                _Shard.save = None
             state = {**server.checkpoint(), **identity, "finished": _Ended.finished}
             path = checkpoint.save(state, own.checkpoint_dir)
             log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
@@ -317,8 +403,17 @@ def _serve_until_ended(server: ps.ParameterServer, checkpoints: Any, config: Con
                     return
                 raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
             last_ping = time.monotonic()
-        if checkpoints.due():
-            checkpoints.save("every %d updates" % config.checkpoint_every)
+
+
+def _save_labelled(server: ps.ParameterServer, identity: dict[str, Any], directory: str, version: int) -> str | None:
+    """This shard's checkpoint, labelled with the main PS's `version`; an error line, or None."""
+    try:
+        path = checkpoint.save({**server.checkpoint(), **identity, "label": version}, directory)
+    except OSError as error:
+        log.warning("checkpoint labelled %d not written: %s", version, error)
+        return first_line(error)
+    log.info("checkpoint %s (labelled %d by the main parameter server)", path.name, version)
+    return None
 
 
 # --- a worker's side -------------------------------------------------------------
@@ -337,12 +432,17 @@ def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None
 
 
 class ShardedClient:
-    """PSClient's interface over K PS processes; a version is a tuple, one per shard."""
+    """PSClient's interface over K PS processes; a version is a tuple, one per shard.
 
-    def __init__(self, main: Any) -> None:  # an app.worker.PSClient
-        self.main = main
+    `chained` (--staleness_lr): a push goes to the main PS first; the other slices
+    follow once its reply came, carrying the staleness the main PS computed, so
+    every slice of a push is scaled alike. Otherwise every slice goes at once."""
+
+    def __init__(self, main: Any, chained: bool = False) -> None:  # an app.worker.PSClient
+        self.main, self.chained = main, chained
         self.rank, self.name = main.rank, main.name
         self.parts: list[tuple[str, int, int]] = []
+        self.num_params = 0  # where a compressed message's float32 buffers start
 
     def join(self) -> dict[str, Any]:
         """Join every shard; the main PS's answer (the authority on progress) with the whole
@@ -365,29 +465,44 @@ class ShardedClient:
         return self.push_async(message, version, epoch, batch, samples).wait()
 
     def push_async(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
-                   samples: int = 0) -> "ShardedPush":
-        futures = []
-        for (name, start, end), pulled in zip(self.parts, version):
-            part = message[start:end].clone()  # contiguous: only its own bytes go on the wire
-            args = (self.rank, part, pulled, self.name, epoch, batch, samples)
-            try:
-                futures.append((name, rpc.rpc_async(name, ps.rpc_push, args=args,
-                                                    timeout=self.main.push_timeout)))
-            except RuntimeError as error:
-                raise self._lost(name, ps.rpc_push, error) from error
-        return ShardedPush(self, futures)
+                   samples: int = 0) -> "ShardedPush | ps.Refusal":
+        """Send every slice (the main PS's only, when chained); a non-finite message is
+        refused here, before any shard applies a slice of it."""
+        if not bool(torch.isfinite(message[:self.num_params] if message.dtype != torch.float32
+                                   else message).all()):
+            return _Refused(ps.Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); "
+                                       "the push was not sent"))
+        sends = [(name, self._part(message, start, end), pulled)
+                 for (name, start, end), pulled in zip(self.parts, version)]
+        rest = sends[1:] if self.chained else []
+        return ShardedPush(self, [self._send(*s, epoch, batch, samples) for s in sends[:len(sends) - len(rest)]],
+                           rest, (epoch, batch, samples))
+
+    def _part(self, message: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Values start..end of the message, contiguous: only its own bytes go on the wire."""
+        if message.dtype != torch.float32:  # --compress (app.worker.Compressor)
+            from app.worker import Compressor
+            return Compressor.slice(message, self.num_params, start, end).clone()
+        return message[start:end].clone()
+
+    def _send(self, name: str, part: torch.Tensor, pulled: int, epoch: int, batch: int, samples: int,
+              staleness: int | None = None) -> tuple[str, Any]:
+        args = (self.rank, part, pulled, self.name, epoch, batch, samples, staleness)
+        try:
+            return name, rpc.rpc_async(name, ps.rpc_push, args=args, timeout=self.main.push_timeout)
+        except RuntimeError as error:
+            raise self._lost(name, ps.rpc_push, error) from error
 
     def finish(self, pushes: int) -> None:
         """The other shards first: once the main PS hears the last finish, it ends them."""
+        from app.worker import refused
         for name, _, _ in self.parts[1:]:
-            self._call(name, ps.rpc_finish, self.rank, pushes, self.name)
+            refused(self._call(name, ps.rpc_finish, self.rank, pushes, self.name))
         self.main.finish(pushes)
 
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)
-        except StaleIncarnation as error:
-            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(name, function, error) from error
 
@@ -399,24 +514,47 @@ class ShardedClient:
                              f"during {function.__name__}: {first_line(error)}")
 
 
+class _Refused:
+    """A push refused before it was sent; `wait` gives the Refusal."""
+
+    def __init__(self, refusal: ps.Refusal) -> None:
+        self.refusal = refusal
+
+    def wait(self) -> ps.Refusal:
+        return self.refusal
+
+
 class ShardedPush:
     """A push on the wire to every shard; `wait` gives one Reply for the whole vector
-    (staleness and lead: the main PS's)."""
+    (staleness and lead: the main PS's). `rest`: the slices still to send once the
+    main PS answered, with its staleness (ShardedClient.chained)."""
 
-    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]]) -> None:
-        self.client, self.futures = client, futures
+    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]],
+                 rest: list[tuple[str, torch.Tensor, int]] | None = None,
+                 progress: tuple[int, int, int] = (1, 0, 0)) -> None:
+        self.client, self.futures, self.rest, self.progress = client, futures, rest or [], progress
 
-    def wait(self) -> ps.Reply:
-        replies = []
-        for name, future in self.futures:
-            try:
-                replies.append(future.wait())
-            except StaleIncarnation as error:
-                raise UsageError(first_line(error)) from None
-            except RuntimeError as error:
-                raise self.client._lost(name, ps.rpc_push, error) from error
+    def wait(self) -> ps.Reply | ps.Refusal:
+        from app.worker import refused
+        replies = [self._wait(*self.futures[0])]
+        if isinstance(replies[0], ps.Refusal):
+            return replies[0]
+        sent = [self.client._send(name, part, pulled, *self.progress, staleness=replies[0].staleness)
+                for name, part, pulled in self.rest]
+        for name, future in self.futures[1:] + sent:
+            replies.append(self._wait(name, future))
+        for reply in replies:
+            if isinstance(refused(reply), ps.Refusal):
+                return reply
         vector = torch.cat([r.vector for r in replies])
         return ps.Reply(vector, tuple(r.version for r in replies), replies[0].staleness, replies[0].lead)
+
+    def _wait(self, name: str, future: Any) -> ps.Reply | ps.Refusal:
+        from app.worker import refused
+        try:
+            return refused(future.wait())
+        except RuntimeError as error:
+            raise self.client._lost(name, ps.rpc_push, error) from error
 
 
 def _ignore(future: Any) -> None:

@@ -4,7 +4,14 @@ fresh parameters; on its own shard of the data, for its epochs.
 With --overlap (async, ssp) the push of batch t and the pull of the fresh
 state travel while batch t+1 runs on the state the worker has; with
 --compress bf16|fp16 the gradient crosses the wire in 16 bits and what the
-rounding lost is added to the next gradient (error feedback).
+rounding lost is added to the next gradient (error feedback); the buffers
+(BatchNorm running stats) cross in float32.
+
+A push the PS refuses because it holds NaN or inf changes nothing: the worker
+counts it, keeps its state and goes on with the next batch; after
+MAX_REFUSED_IN_A_ROW refusals in a row it gives up (exit 1, one line: the
+training diverged). A refusal because a newer process replaced this one ends
+the worker with exit 2.
 """
 
 from __future__ import annotations
@@ -18,16 +25,16 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from app import data, membership, models, ps, shards
+from app import data, membership, models, ps, runtime, shards
 from app.config import Config, UsageError
 from app.flat import FlatModel
 from app.metrics import MetricsWriter
-from app.roster import StaleIncarnation
 from app.runtime import choose_device, first_line, gpu_identity, progress, rpc_session
 
 log = logging.getLogger("app.worker")
 PS_NAME = "ps"
 POLL_SECONDS = 0.5
+MAX_REFUSED_IN_A_ROW = 20
 
 
 class PSUnreachable(RuntimeError):
@@ -69,7 +76,7 @@ class PSClient:
         return PendingPush(self, future, message)
 
     def finish(self, pushes: int) -> None:
-        self._call(ps.rpc_finish, self.rank, pushes, self.name)
+        refused(self._call(ps.rpc_finish, self.rank, pushes, self.name))
 
     def wait_all_finished(self) -> None:
         """Poll until every worker is done (the app's workers leave without waiting)."""
@@ -79,8 +86,6 @@ class PSClient:
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(PS_NAME, function, args=args, timeout=self.timeout)
-        except StaleIncarnation as error:  # raised by the PS, re-raised here
-            raise UsageError(first_line(error)) from None
         except RuntimeError as error:
             raise self._lost(function, error) from error
 
@@ -89,24 +94,33 @@ class PSClient:
                              f"during {function.__name__}: {first_line(error)}")
 
 
+def refused(answer: Any) -> Any:
+    """The PS's answer, unless it refused because a newer process replaced this one
+    (UsageError: exit 2); a `nonfinite` Refusal is returned for the caller to skip."""
+    if isinstance(answer, ps.Refusal) and answer.kind == "stale":
+        raise UsageError(answer.message)
+    return answer
+
+
 class PendingPush:
     """A push on the wire; holds its message until the reply came (RPC sends from it)."""
 
     def __init__(self, client: PSClient, future: Any, message: torch.Tensor) -> None:
         self.client, self.future, self.message = client, future, message
 
-    def wait(self) -> ps.Reply:
+    def wait(self) -> ps.Reply | ps.Refusal:
         try:
-            return self.future.wait()
-        except StaleIncarnation as error:
-            raise UsageError(first_line(error)) from None
+            answer = self.future.wait()
         except RuntimeError as error:
             raise self.client._lost(ps.rpc_push, error) from error
+        return refused(answer)
 
 
 class Compressor:
-    """Casts the message to bf16/fp16 for the wire; the rounding error of the
-    gradient part is kept and added to the next gradient (error feedback)."""
+    """The message for the wire as one 16-bit tensor: the gradients cast to bf16/fp16
+    (their rounding error is kept and added to the next gradient: error feedback),
+    then the float32 buffers bit for bit, each as two 16-bit values (the PS reads
+    them back: ParameterServer._check)."""
 
     DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,11 +130,21 @@ class Compressor:
         self.residual = torch.zeros(num_params, device=device)
 
     def __call__(self, message: torch.Tensor) -> torch.Tensor:
-        grads = message[:self.num_params]
+        n = self.num_params
+        grads = message[:n]
         grads.add_(self.residual)
-        wire = message.to(self.dtype)
-        torch.sub(grads, wire[:self.num_params].float(), out=self.residual)
+        wire = torch.empty(n + 2 * (message.numel() - n), dtype=self.dtype, device=message.device)
+        wire[:n].copy_(grads)
+        wire[n:].copy_(message[n:].view(self.dtype))
+        torch.sub(grads, wire[:n].float(), out=self.residual)
         return wire
+
+    @staticmethod
+    def slice(wire: torch.Tensor, num_params: int, start: int, end: int) -> torch.Tensor:
+        """Values start..end of the state vector in a compressed message (a PS shard's part)."""
+        def at(i: int) -> int:
+            return i if i <= num_params else num_params + 2 * (i - num_params)
+        return wire[at(start):at(end)]
 
 
 class Trainer:
@@ -133,16 +157,28 @@ class Trainer:
         self.device, self.client, self.metrics = device, client, metrics
         self.flat = FlatModel(model)
         self.loss_fn = nn.CrossEntropyLoss()
+        self.format = runtime.memory_format(config, device)
+        # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
+        # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
+        # The scaler needs an optimizer to unscale through: a local one, never stepped.
+        self.scaler = (torch.amp.GradScaler("cuda") if config.precision == "fp16" else None)
+        self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
+        self.skipped = 0  # fp16: batches not pushed (gradient overflow)
         self.compress = (Compressor(config.compress, self.flat.num_params, device)
                          if config.compress != "none" else None)
         wire_dtype = self.compress.dtype if self.compress else torch.float32
         # RPC carries CPU tensors only: a GPU worker stages its message here
-        # (two buffers: with --overlap one is on the wire while the next fills).
-        self.staging = ([torch.empty(self.flat.size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
+        # (two buffers, used by pushes sent in turn: with --overlap one is on the wire
+        # while the next fills).
+        wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
+        self.staging = ([torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
                         if device.type == "cuda" else None)
         self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
         self.version = 0
-        self.pushes = 0
+        self.pushes = 0   # pushes answered (this process and the rank's earlier ones)
+        self.sent = 0     # pushes sent by this process
+        self.refused = 0  # pushes the PS refused (non-finite values)
+        self._refused_in_a_row = 0
         self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
         self._samples = 0
 
@@ -156,6 +192,8 @@ class Trainer:
             self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
             for batch, (x, y) in enumerate(self.batches(), start=done + 1):
                 loss = self.compute_gradients(x, y)
+                if loss is None:  # fp16: the gradient overflowed; the scale is halved
+                    continue
                 reply = self.push_and_pull(epoch, batch, len(y))
                 self._samples += len(y)
                 if batch % self.config.log_every == 0 or batch == len(self.loader):
@@ -168,12 +206,25 @@ class Trainer:
         """This epoch's batches; a read that fails mid-run is one clear error."""
         return data.batches(self.loader, self.config.data_dir)
 
-    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward; the gradient lands in self.flat.grads."""
-        x, y = data.to_device(x, self.loader.dataset, self.device), y.to(self.device, non_blocking=True)
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Forward (under --precision's autocast) and backward; the float32 gradient lands in
+        self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
+        x, y = data.to_device(x, getattr(self.loader, "dataset", None), self.device), y.to(self.device, non_blocking=True)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.format)
         self.flat.zero_grads()
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        with runtime.autocast(self.config.precision, self.device):
+            loss = self.loss_fn(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            return loss.item()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self._unscaler)
+        overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())
+        self.scaler.update()
+        if overflow:
+            self.skipped += 1
+            return None
         return loss.item()
 
     def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> ps.Reply | None:
@@ -186,10 +237,11 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        if self.staging is not None:
-            message = self.staging[self.pushes % 2].copy_(message)
+        if self.staging is not None:  # the other buffer may still be on the wire
+            message = self.staging[self.sent % 2].copy_(message)
         elif self.config.overlap and message is self.flat.message:
             message = message.clone()  # the next backward writes into flat.message
+        self.sent += 1
         if not self.config.overlap:
             return self._take(self.client.push(message, self.version, epoch, batch, samples))
         computed_on = self.version  # the state this gradient comes from, before the reply below
@@ -206,11 +258,27 @@ class Trainer:
         pending, self.in_flight = self.in_flight, None
         return self._take(pending.wait()) if pending is not None else None
 
-    def _take(self, reply: ps.Reply) -> ps.Reply:
+    def _take(self, reply: ps.Reply | ps.Refusal) -> ps.Reply | None:
+        """Continue from the reply's state; a refused push (non-finite) is skipped: None."""
+        if isinstance(reply, ps.Refusal):
+            return self._skip(reply)
+        self._refused_in_a_row = 0
         self.flat.adopt(reply.vector)  # the received tensor is ours: no copy
         self.version = reply.version
         self.pushes += 1
         return reply
+
+    def _skip(self, refusal: ps.Refusal) -> None:
+        self.refused += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise RuntimeError(f"{self._refused_in_a_row} pushes in a row were refused ({refusal.message}): "
+                               "training diverged; try a lower --lr")
+        if self.refused == 1:
+            log.warning("%s; skipping that batch (refusals are counted in the metrics)", refusal.message)
+        if self.metrics is not None:
+            self.metrics.write("refused", self.pushes, refused=self.refused)
+        return None
 
     def reached_max_steps(self) -> bool:
         sent = self.pushes + (self.in_flight is not None)
@@ -230,6 +298,7 @@ class Trainer:
 def run(config: Config) -> int:
     """The worker process: check input, join (or rejoin) the job, train, report, leave."""
     device = choose_device(config.device)
+    runtime.tune_for(device)
     models.check(config.model)
     train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
     sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]
@@ -246,7 +315,8 @@ def run(config: Config) -> int:
         config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name, push_wait)
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.shards)
         shards.wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
-        client = shards.ShardedClient(client)
+        client = shards.ShardedClient(client, chained=config.staleness_lr)
+        client.num_params = sum(p.numel() for p in model.parameters())
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):
@@ -256,5 +326,6 @@ def run(config: Config) -> int:
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
             pushes = trainer.train(start)
             client.finish(pushes)
-            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2), **data.skipped(train.data))
+            metrics.write("end", pushes, seconds=round(time.monotonic() - started, 2), refused=trainer.refused,
+                          skipped=trainer.skipped, **data.skipped(train.data))
     return 0

@@ -159,6 +159,10 @@ def app_environment(
         env["PSC_IMAGE_CACHE"] = "true"
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
+    if tr.precision != "fp32":  # rendered only when set: fp32 files render as before
+        env["PSC_PRECISION"] = tr.precision
+    if tr.channels_last:
+        env["PSC_CHANNELS_LAST"] = "true"
     return env
 
 

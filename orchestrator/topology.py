@@ -135,6 +135,10 @@ class Train(_Section):
     """async and ssp: compute the next batch while the gradient and the fresh parameters are on the wire (one more step of staleness)."""
     compress: Literal["none", "bf16", "fp16"] = "none"
     """Gradients on the wire: none (float32), bf16 or fp16, with error feedback on the worker."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Forward/backward under autocast: fp32 (off), bf16 (CPU or GPU) or fp16 (GPU workers only, with loss scaling). Parameters and pushed gradients stay float32."""
+    channels_last: bool = False
+    """GPU workers: images (and, under allreduce, the model) in channels-last memory format."""
     seed: int = Field(default=0, ge=0)
     """Model init, shuffling and synthetic data."""
     eval_every: int = Field(default=100, gt=0)
@@ -348,6 +352,9 @@ def check(t: Topology, source: str) -> None:
     if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
         raise TopologyError(source, "train.overlap", f"got True; allowed only with strategy async or ssp "
                             f"({t.train.strategy} waits for every worker's gradient each step)")
+    if t.train.precision == "fp16" and not t.cuda:
+        raise TopologyError(source, "train.precision", "got 'fp16'; needs a GPU image (loss scaling runs on "
+                            "the GPU); on CPU use bf16")
     if t.ps.shards > 1 and t.train.strategy == "allreduce":
         raise TopologyError(source, "ps.shards", f"got {t.ps.shards}; allowed only with a parameter server "
                             "(strategy async, sync or ssp); allreduce has none")

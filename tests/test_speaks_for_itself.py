@@ -57,8 +57,6 @@ def test_no_file_outside_tests_and_app_names_what_a_reader_does_not_have():
     assert not hits, "these lines refer to documents, issues or machines the reader does not have:\n" + "\n".join(hits)
 
 
-@pytest.mark.xfail(strict=False, reason="app/ docstrings still name source documents and issue numbers; "
-                   "they are fixed when app/ is reorganised into packages (remove this mark then)")
 def test_no_file_in_app_names_what_a_reader_does_not_have():
     hits = _hits(include_app=True)
     assert not hits, "these lines refer to documents, issues or machines the reader does not have:\n" + "\n".join(hits)

@@ -32,12 +32,14 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     ps_out = procs["ps"].stdout
     assert _final_accuracy(ps_out) >= 0.90
     assert re.search(r"^Time: \d+\.\d\d seconds$", ps_out, re.M), ps_out
+    assert re.search(r"^Evaluation: \d+\.\d\d seconds$", ps_out, re.M), ps_out
     assert re.search(r"^ps \| Update: \d+ \| Accuracy: 0\.\d{4}$", ps_out, re.M), ps_out
     for rank in (1, 2):
         assert re.search(rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$",
                          procs[f"worker{rank}"].stdout, re.M)
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert end["event"] == "end" and end["accuracy"] == _final_accuracy(ps_out)
+    assert 0 < end["seconds"] and end["eval_seconds"] >= 0  # training time; evaluation apart
     final = torch.load(tmp_path / "checkpoints" / "final.pt")
     assert final["version"] == end["step"] > 0
     assert set(final["model"]) == {"features.0.weight", "features.0.bias", "features.3.weight",

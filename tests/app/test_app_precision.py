@@ -1,0 +1,84 @@
+"""`--precision` / `train.precision`: autocast on the workers; parameters and pushes stay float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from app import models, runtime, worker
+from app.config import UsageError, parse
+from orchestrator import render as r
+from orchestrator.topology import TopologyError, load
+from orchestrator.topology import parse as parse_topology
+
+from app_testkit import REPO, finished, free_port, run_cluster, start_app, wait_for
+
+
+def test_precision_flag_and_fp16_needs_cuda():
+    assert parse(["worker"], {}).precision == "fp32"
+    assert parse(["worker", "--precision", "bf16"], {}).precision == "bf16"
+    assert parse(["ps", "--precision", "fp16"], {}).precision == "fp16"  # the PS runs no forward
+    with pytest.raises(UsageError, match="--precision: fp16 needs --device cuda"):
+        parse(["worker", "--precision", "fp16"], {})
+    with pytest.raises(UsageError, match="--precision: 'fp8' is not one of fp32, bf16, fp16"):
+        parse(["worker", "--precision", "fp8"], {})
+
+
+def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32():
+    config = parse(["worker", "--precision", "bf16"], {})
+    model = models.build("cnn", 1, 10, seed=0)
+    trainer = worker.Trainer(config, model, None, None, torch.device("cpu"), None, None)
+    with runtime.autocast("bf16", torch.device("cpu")):
+        assert model(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16  # autocast is on
+    loss = trainer.compute_gradients(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))
+    assert loss > 0 and trainer.flat.message.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert trainer.flat.grads.abs().sum() > 0
+
+
+def test_precision_renders_only_when_not_fp32():
+    smoke = load(REPO / "configs/cpu-smoke.yaml")
+    doc = yaml.safe_load(r.dump(r.render(smoke), "cpu-smoke"))
+    assert all("PSC_PRECISION" not in s.get("environment", {}) for s in doc["services"].values())
+    bf16 = smoke.model_copy(update={"train": smoke.train.model_copy(update={"precision": "bf16"})})
+    doc = yaml.safe_load(r.dump(r.render(bf16), "cpu-smoke"))
+    assert {s["environment"]["PSC_PRECISION"] for s in doc["services"].values() if "environment" in s} == {"bf16"}
+
+
+def test_fp16_on_a_cpu_image_is_refused():
+    doc = yaml.safe_load((REPO / "configs/cpu-smoke.yaml").read_text())
+    doc["train"]["precision"] = "fp16"
+    with pytest.raises(TopologyError, match="train.precision: got 'fp16'; needs a GPU image"):
+        parse_topology(yaml.safe_dump(doc), "t.yaml")
+
+
+DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
+          "--num_epochs", "10", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1"]
+
+
+def _accuracy(stdout: str) -> float:
+    lines = [line for line in stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert len(lines) == 1, stdout
+    return float(lines[0].split()[1])
+
+
+@pytest.mark.slow
+def test_bf16_ps_and_workers_learn_digits_as_fp32_does(tmp_path):
+    procs = run_cluster(tmp_path, workers=2, args=DIGITS + ["--precision", "bf16"], timeout=180)
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    assert _accuracy(procs["ps"].stdout) >= 0.90  # the fp32 cluster test's threshold
+
+
+@pytest.mark.slow
+def test_bf16_allreduce_learns_digits_as_fp32_does(tmp_path):
+    common = ["--world_size", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"),
+              "--strategy", "allreduce", "--precision", "bf16", "--checkpoint_every", "100", *DIGITS]
+    procs = {f"worker{r}": start_app(tmp_path, f"worker{r}", ["worker", "--rank", str(r), *common]) for r in (1, 2)}
+    wait_for(procs, 180, "the DDP job")
+    done = {n: finished(tmp_path, n, p) for n, p in procs.items()}
+    for p in done.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    assert _accuracy(done["worker1"].stdout) >= 0.90  # the fp32 DDP test's threshold
