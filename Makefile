@@ -36,7 +36,7 @@ host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
 setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 
 test: setup ## the whole test suite, containers included
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
