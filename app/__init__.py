@@ -1,4 +1,4 @@
 """The training app: one Parameter Server and N workers over torch.distributed.rpc.
 
-`python -m app ps|worker|health [flags]`; docs/design.md holds the contracts.
+`python -m app ps|worker|health|check [flags]`; docs/design.md holds the layout and the contracts.
 """

@@ -44,25 +44,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.set_threads(config.world_size + config.shards - 1)  # PS shards are processes too
     try:
         if config.role == "check":  # the connectivity check (app/check.py)
-            from app.check import run as check
-            return check(config)
+            from app import check
+            return check.run(config)
         if config.role == "ps":
-            from app.serve import serve
-            return serve(config)
+            from app.ps import process as ps_process
+            return ps_process.run(config)
         if config.strategy == "allreduce":  # DDP, no PS (app/ddp.py)
-            from app.ddp import run as run_ddp
-            return run_ddp(config)
-        from app.worker import run
-        return run(config)
+            from app import ddp
+            return ddp.run(config)
+        from app.worker import process as worker_process
+        return worker_process.run(config)
     except UsageError as error:
         print(f"app: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:  # a failure at run time: one line, status 1
-        first_line = (str(error).strip().splitlines() or ["no message"])[0]
-        runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, first_line)
+        runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, runtime.first_line(error))
         runtime.log.debug("traceback", exc_info=True)
         # Exit now: tearing torch's RPC and threads down after a lost peer takes
-        # seconds (5 s measured in a container), and nothing is left to save.
+        # seconds, and nothing is left to save.
         runtime.exit_now(1)
         return 1
 

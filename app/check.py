@@ -19,7 +19,6 @@ Exit status: 0 passed; 1 failed (one line on stderr starting `check failed:`).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import sys
@@ -32,8 +31,7 @@ import torch.distributed as dist
 
 from app import runtime
 from app.config import Config
-
-LOOPBACK = ("localhost", "127.0.0.1", "::1")
+from app.contract import service_names
 SMALL = torch.tensor([42.0])  # the message of the classic torchrun message-passing check
 LARGE_BYTES = 8 << 20
 SMALL_REPS = 5  # round trips per size (after one warm-up); the median is reported
@@ -65,10 +63,7 @@ class Member:
 def rank_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
     """The cluster's process names in rank order (the compose service names): `ps`, its
     shards `ps-shard1..`, then the workers."""
-    if strategy == "allreduce":
-        return [f"worker{r + 1}" for r in range(world_size)]
-    ps = ["ps"] + [f"ps-shard{i}" for i in range(1, shards)]
-    return ps + [f"worker{r}" for r in range(1, world_size - len(ps) + 1)]
+    return service_names(world_size, strategy, shards)
 
 
 def local_addr(master_addr: str, port: int) -> str:
@@ -79,16 +74,6 @@ def local_addr(master_addr: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return "?"
-
-
-def set_gloo_interface(config: Config) -> None:
-    """Gloo binds to GLOO_SOCKET_IFNAME: the loopback for a loopback master, else TP_SOCKET_IFNAME (eth0)."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return
-    if config.master_addr in LOOPBACK:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    elif os.environ.get("TP_SOCKET_IFNAME"):
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"]
 
 
 def run(config: Config) -> int:
@@ -103,7 +88,7 @@ def _run(config: Config) -> int:
     names = rank_names(config.world_size, config.strategy, config.shards)
     me = Member(config.rank, names[config.rank], socket.gethostname(),
                 local_addr(config.master_addr, config.master_port))
-    set_gloo_interface(config)
+    runtime.set_gloo_interface(config.master_addr)
     try:
         if config.rank == 0:
             _rank0(config, names, me)
@@ -210,21 +195,12 @@ def _round_trips(tensor: torch.Tensor, rank: int, reps: int) -> float:
 # --- ranks 1..N -------------------------------------------------------------
 
 def _reach(config: Config, names: list[str], me: Member) -> None:
-    """Wait until rank 0's port accepts a TCP connection (plain sockets: a clear reason
-    when it never does, and none of c10d's retry logs); CheckFailed at rpc_timeout."""
-    deadline = time.monotonic() + config.rpc_timeout
-    while True:
-        try:
-            with socket.create_connection((config.master_addr, config.master_port),
-                                          timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return
-        except OSError as error:
-            reason = (f"cannot resolve {config.master_addr}" if isinstance(error, socket.gaierror)
-                      else error.strerror or str(error) or type(error).__name__)
-        if time.monotonic() + 0.2 >= deadline:
-            raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-                              f"within {config.rpc_timeout:g} s: {reason}")
-        time.sleep(0.2)
+    """Wait until rank 0's port accepts a TCP connection; CheckFailed at rpc_timeout."""
+    try:
+        runtime.wait_for_port(config.master_addr, config.master_port, config.rpc_timeout)
+    except runtime.PortUnreachable as error:
+        raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
+                          f"within {config.rpc_timeout:g} s: {error}") from None
 
 
 def _other(config: Config, names: list[str], me: Member) -> None:

@@ -13,14 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-ROLES = ("ps", "worker", "health", "check")
-STRATEGIES = ("async", "sync", "ssp", "allreduce")
-COMPRESSIONS = ("none", "bf16", "fp16")
-PRECISIONS = ("fp32", "bf16", "fp16")
+from app.contract import (COMPRESSIONS, DATASETS, DEVICES, ENV_PREFIX, PRECISIONS, ROLES, STRATEGIES,
+                          ps_name, worker_name)
+
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
-ENV_PREFIX = "PSC_"
-# The user's own model or dataset (app/plugins.py): package.module:factory.
+# The user's own model or dataset (app/common/plugins.py): package.module:factory.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -51,7 +48,7 @@ class Config:
     momentum: float = _flag(0.0, "SGD momentum (on the PS)")
     num_epochs: int = _flag(150, "epochs per worker over its shard")
     max_steps: int = _flag(0, "stop a worker after this many pushes (0: no cap)")
-    device: str = _flag("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", ("cpu", "cuda"))
+    device: str = _flag("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", DEVICES)
     strategy: str = _flag("async", "async: apply each gradient as it comes; sync: average one gradient per "
                           "worker per update; ssp: async, but no worker runs more than --staleness pushes "
                           "ahead of the slowest; allreduce: DDP, no PS", STRATEGIES)
@@ -74,7 +71,7 @@ class Config:
     seed: int = _flag(0, "model init, shuffling, synthetic data")
     eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
     log_every: int = _flag(10, "a worker prints every K batches")
-    num_workers: int = _flag(0, "DataLoader worker processes")
+    loader_workers: int = _flag(0, "DataLoader worker processes")
     image_size: int = _flag(224, "imagefolder: the side of the square training crop, in pixels "
                             "(the shorter side is first resized to 8/7 of it, 256 for 224)")
     image_cache: bool = _flag(False, "imagefolder: decode each image once into a uint8 cache in shared memory; "
@@ -88,10 +85,8 @@ class Config:
 
     @property
     def name(self) -> str:
-        """This process's RPC name: `ps` or `worker<rank>`."""
-        if self.role == "ps":
-            return f"ps{self.shard}" if self.shard else "ps"
-        return f"worker{self.rank}"
+        """This process's RPC name: `ps`, `ps<shard>` or `worker<rank>`."""
+        return ps_name(self.shard) if self.role == "ps" else worker_name(self.rank)
 
 
 # (field, smallest allowed value, whether the bound itself is allowed)
@@ -99,7 +94,7 @@ _LOWER_BOUNDS = (
     ("world_size", 2, True), ("batch_size", 1, True), ("lr", 0.0, False),
     ("momentum", 0.0, True), ("num_epochs", 1, True), ("max_steps", 0, True),
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
-    ("log_every", 1, True), ("num_workers", 0, True), ("seed", 0, True),
+    ("log_every", 1, True), ("loader_workers", 0, True), ("seed", 0, True),
     ("checkpoint_every", 0, True), ("join_timeout", 0.0, False), ("staleness", 0, True),
     ("shards", 1, True), ("shard", 0, True), ("image_size", 8, True),
 )

@@ -42,11 +42,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import data, models, plugins, runtime
+from app import runtime
+from app.common import data, loop, models, plugins
+from app.common.checkpoint import cpu_copy
+from app.common.checkpointer import Checkpointer
+from app.common.evaluate import held_out_accuracy
+from app.common.metrics import MetricsWriter
 from app.config import Config, UsageError
-from app.metrics import MetricsWriter
 from app.runtime import choose_device, progress
-from app.serve import Checkpointer, held_out_accuracy
 
 log = logging.getLogger("app.ddp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -111,7 +114,7 @@ class EpochSampler(DistributedSampler):
 
 
 class JobState:
-    """The model, optimizer and progress in the shape serve.Checkpointer saves and restores
+    """The model, optimizer and progress in the shape a Checkpointer saves and restores
     (`version`, `checkpoint()`, `restore()`); tensors are written on CPU."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -126,8 +129,8 @@ class JobState:
     def checkpoint(self) -> dict[str, Any]:
         return {
             "version": self.progress.step,
-            "model": _to_cpu(self.module.state_dict()),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "model": cpu_copy(self.module.state_dict()),
+            "optimizer": cpu_copy(self.optimizer.state_dict()),
             # Not per rank (the PS's shape): every rank of a DDP job is at the same place.
             "progress": dataclasses.asdict(self.progress),
             "finished": self.finished,
@@ -137,16 +140,6 @@ class JobState:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.progress = Progress(**state["progress"])
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
 
 
 class Trainer:
@@ -163,31 +156,25 @@ class Trainer:
         self.format = runtime.memory_format(config, device)
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
         self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
-        self._mark = (time.monotonic(), 0)  # (time, this rank's samples) at the last report
-        self._samples = 0
+        self.reporter = loop.Reporter(config.name, config.log_every, metrics)
 
     def train(self) -> None:
         """From `state.progress` to the last epoch (or --max_steps)."""
         self.model.train()
         start = self.state.progress
-        for epoch in range(start.epoch, self.config.num_epochs + 1):
-            done = start.batch if epoch == start.epoch else 0  # batches already trained on
-            self.sampler.set_epoch(epoch, skip=done * self.config.batch_size)
-            for batch, (x, y) in enumerate(data.batches(self.loader, self.config.data_dir), start=done + 1):
-                loss = self.step(x, y, epoch, batch)
-                self._samples += len(y)
-                if batch % self.config.log_every == 0 or batch == len(self.loader):
-                    self.report(epoch, batch, loss)
-                self.rank0_duties()
-                if 0 < self.config.max_steps <= self.state.progress.step:
-                    return
+        for epoch, batch, x, y in loop.resume_batches(self.loader, self.sampler, self.config.data_dir,
+                                                      start.epoch, start.batch,
+                                                      self.config.num_epochs, self.config.batch_size):
+            loss = self.step(x, y, epoch, batch)
+            self.reporter.batch_done(self.loader, self.state.progress.step, epoch, batch, len(y), loss)
+            self.rank0_duties()
+            if 0 < self.config.max_steps <= self.state.progress.step:
+                return
 
     def step(self, x: torch.Tensor, y: torch.Tensor, epoch: int = 1, batch: int = 0) -> float:
         """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step, and
         the progress that labels it: a SIGTERM lands before both or after both."""
-        x, y = data.to_device(x, getattr(self.loader, "dataset", None), self.device), y.to(self.device, non_blocking=True)
-        if x.dim() == 4:
-            x = x.contiguous(memory_format=self.format)
+        x, y = loop.on_device(x, y, self.loader, self.device, self.format)
         self.optimizer.zero_grad(set_to_none=True)
         with runtime.autocast(self.config.precision, self.device):
             loss = self.loss_fn(self.model(x), y)
@@ -236,32 +223,16 @@ class Trainer:
         progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, at.step, accuracy)
         self.metrics.write("eval", at.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=at.samples)
 
-    def report(self, epoch: int, batch: int, loss: float) -> None:
-        now = time.monotonic()
-        then, samples_then = self._mark
-        rate = (self._samples - samples_then) / max(now - then, 1e-9)
-        self._mark = (now, self._samples)
-        progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.config.name, epoch, batch, loss)
-        self.metrics.write("train", self.state.progress.step, epoch=epoch, batch=batch,
-                           loss=round(loss, 4), samples_per_s=round(rate, 1), **data.skipped(self.loader.dataset))
-
 
 def _reason(error: BaseException) -> str:
     """The gist of a gloo/NCCL error: its first sentence, without the source location."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
-    return first.split(". ")[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", runtime.first_line(error)).split(". ")[0]
 
 
 def rendezvous(world: World, device: torch.device, timeout: float) -> str:
     """Join the process group (every rank waits for all); the backend's name."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # Gloo binds the interface of this host's name unless told; use TensorPipe's
-    # setting (the render's network.ifname, loopback for local runs).
-    if world.addr in runtime.LOOPBACK:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    elif os.environ.get("TP_SOCKET_IFNAME"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["TP_SOCKET_IFNAME"])
+    runtime.set_gloo_interface(world.addr)
     init = "env://" if world.torchrun else f"tcp://{world.addr}:{world.port}"
     where = f"{world.addr}:{world.port}"
     with runtime.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
@@ -282,7 +253,7 @@ def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: to
     box: list[Any] = [None]
     if checkpoints is not None:
         box = [{"progress": dataclasses.asdict(state.progress),
-                "optimizer": _to_cpu(state.optimizer.state_dict())}]
+                "optimizer": cpu_copy(state.optimizer.state_dict())}]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     if checkpoints is None:
         state.progress = Progress(**box[0]["progress"])
@@ -330,7 +301,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     runtime.set_threads(world.size)
     train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
     sampler = EpochSampler(train.data, world, config.seed)
-    loader = data.train_loader(train.data, sampler, config.batch_size, config.num_workers,  # type: ignore[arg-type]
+    loader = data.train_loader(train.data, sampler, config.batch_size, config.loader_workers,  # type: ignore[arg-type]
                                pin_memory=device.type == "cuda")
     held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache) if world.rank == 0 else None
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
@@ -354,6 +325,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
                  world.port, world.size, backend)
         start_state(state, checkpoints, device)
         p = state.progress
+        metrics.start(config, p.step)
         metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch,
                       **runtime.gpu_identity(device))
         model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -361,7 +333,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
             model.register_comm_hook(None, compress_hook(config.compress, backend))
         rank0 = None
         if checkpoints is not None and held_out is not None:
-            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, config.num_workers))
+            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, config.loader_workers))
         trainer = Trainer(config, world, model, optimizer, state, loader, sampler, device, metrics, rank0)
         started = time.monotonic()
         try:

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,6 +47,38 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+class PortUnreachable(RuntimeError):
+    """A TCP port did not accept a connection in time; the message is the last reason."""
+
+
+def wait_for_port(host: str, port: int, timeout: float, poll: float = 0.2) -> None:
+    """Until `host:port` accepts a TCP connection (plain sockets: a clear reason when it
+    never does, and none of c10d's retry logs); PortUnreachable after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            reason = (f"cannot resolve {host}" if isinstance(error, socket.gaierror)
+                      else error.strerror or str(error) or type(error).__name__)
+        if time.monotonic() + poll >= deadline:
+            raise PortUnreachable(reason)
+        time.sleep(poll)
+
+
+def set_gloo_interface(master_addr: str) -> None:
+    """Gloo binds the interface of this host's name unless told: the loopback for a loopback
+    master, else TensorPipe's TP_SOCKET_IFNAME (the render's network.ifname); an explicit
+    GLOO_SOCKET_IFNAME wins."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    if master_addr in LOOPBACK:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    elif os.environ.get("TP_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"]
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Bare progress lines on line-buffered stdout; timestamped diagnostics on stderr."""
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
@@ -70,13 +103,11 @@ def keep_freed_memory() -> bool:
     """Serve big tensors from the heap and keep freed memory for the next one.
 
     Every message TensorPipe receives is a fresh tensor: with glibc's defaults an
-    allocation over 32 MB is its own mmap, unmapped again when freed, so each
-    ResNet-18 push (47 MB) lands on newly mapped memory and each free is a
-    munmap. With mmap off and no trimming, freed memory stays in the heap for the
-    next message. py-spy had the PS's reply copy and SGD step (both writing big
-    tensors) at 80% of its CPU; with this, push+pull of ResNet-18 went from
-    ~60 to ~40 ms here (Gloo send+recv of the same bytes: ~39 ms). The price: a
-    process keeps its peak heap. False where the C library is not glibc.
+    allocation over 32 MB is its own mmap, unmapped again when freed, so each big
+    push lands on newly mapped memory (page faults) and each free is a munmap.
+    With mmap off and no trimming, freed memory stays in the heap for the next
+    message. The price: a process keeps its peak heap. False where the C library
+    is not glibc.
     """
     try:
         libc = ctypes.CDLL(None)
@@ -218,7 +249,7 @@ def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[
     """Be in the job's RPC group as `name` (default config.name) with RPC id `rank`.
 
     The group is dynamic (`world_size=None`): the PS (id 0) starts it, workers
-    join and leave at any time (app.membership says why each piece is as it
+    join and leave at any time (app.ps.membership says why each piece is as it
     is). Joining is bounded by rpc_timeout. Leaving never waits for peers
     (`graceful=False`): a graceful shutdown waits for every member, so one
     dead member would hang it, and a graceful leave of a dynamic group calls

@@ -1,9 +1,9 @@
 """The app's own PS and worker code paths, driven by the bench.
 
-What is the app's: the PS's update (`app.ps.ParameterServer` behind the
-`app.ps.rpc_*` entry points the workers call), the worker's step
-(`app.worker.Trainer.compute_gradients` and `push_and_pull` through
-`app.worker.PSClient`), the flat buffers (`app.flat`), the TensorPipe
+What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
+`app.ps.endpoints.rpc_*` entry points the workers call), the worker's step
+(`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
+`app.worker.client.PSClient`), the flat buffers (`app.common.flat`), the TensorPipe
 options (`app.runtime.backend_options`) and thread count
 (`app.runtime.set_threads`). What is the bench's: the model (bench.models),
 a fixed synthetic batch, and the lifecycle of the RPC group (a static group
@@ -52,19 +52,19 @@ def _config(role: str, p: dict[str, Any]):
 
 def _init(config: Any, name: str, rank: int) -> None:
     from app import runtime
-    if hasattr(runtime, "keep_freed_memory"):  # what `python -m app` does at start
-        runtime.keep_freed_memory()
+    runtime.keep_freed_memory()  # what `python -m app` does at start
     world = config.world_size + config.shards - 1
     runtime.set_threads(world)
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=runtime.backend_options(config))
 
 
 def _part(p: dict[str, Any], index: int) -> tuple[int, int] | None:
-    """Shard `index`'s slice of the state vector (app.shards), or None unsharded."""
+    """Shard `index`'s slice of the state vector (app.ps.shards), or None unsharded."""
     if p.get("shards", 1) == 1:
         return None
-    from app import shards
-    return shards.bounds(shards.state_size(SPECS[p["model"]].model()), p["shards"])[index]
+    from app.common.flat import state_size
+    from app.ps.shards import bounds
+    return bounds(state_size(SPECS[p["model"]].model()), p["shards"])[index]
 
 
 def shard_main(p: dict[str, Any]) -> dict[str, Any]:
@@ -73,13 +73,15 @@ def shard_main(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
-    from app import ps, worker
+    from app.contract import ps_name
+    from app.ps.endpoints import ENDPOINT
+    from app.ps.server import ParameterServer
     config = _config("ps", p)
-    server = ps.ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
-                                num_workers=config.world_size - 1, part=_part(p, index))
+    server = ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
+                             num_trainers=config.world_size - 1, part=_part(p, index))
     _DONE["expected"] = config.world_size - 1
-    with ps._ENDPOINT.serving(server):
-        _init(config, f"ps{index}" if index else worker.PS_NAME, p["rank"])
+    with ENDPOINT.serving(server):
+        _init(config, ps_name(index), p["rank"])
         if not _DONE["event"].wait(timeout=p["timeout"]):
             raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
         rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
@@ -95,20 +97,23 @@ def _start(client: Any) -> tuple[torch.Tensor, int]:
 
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
-    from app import ps, worker
+    from app.contract import PS, ps_name, worker_name
+    from app.ps.endpoints import rpc_pull
+    from app.worker.client import PSClient
+    from app.worker.sharded import ShardedClient
+    from app.worker.trainer import Trainer
     config = _config("worker", p)
     spec = SPECS[p["model"]]
     x, y = spec.batch(seed=p["rank"])
-    client = worker.PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
-    _init(config, f"worker{config.rank}", config.rank)
-    shard_names = [f"ps{i}" for i in range(1, config.shards)]
-    if shard_names:  # app-sharded: the worker's side of app.shards, its shards listed here
-        from app import shards
-        client = shards.ShardedClient(client)
-        client.parts = [(worker.PS_NAME if i == 0 else f"ps{i}", *_part(p, i)) for i in range(config.shards)]
-        pulled = [rpc.rpc_sync(name, ps.rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
+    client = PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
+    _init(config, worker_name(config.rank), config.rank)
+    shard_names = [ps_name(i) for i in range(1, config.shards)]
+    if shard_names:  # app-sharded: the worker's side of app.ps.shards, its shards listed here
+        client = ShardedClient(client)
+        client.parts = [(ps_name(i), *_part(p, i)) for i in range(config.shards)]
+        pulled = [rpc.rpc_sync(name, rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
         vector, version = torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled)
-    trainer = worker.Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
+    trainer = Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
     if not shard_names:
         vector, version = _start(client)
     trainer.flat.load(vector)
@@ -128,7 +133,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     if p.get("idle_marker"):
         Path(p["idle_marker"]).touch()
         time.sleep(p["idle_seconds"])
-    for name in [worker.PS_NAME, *shard_names]:
+    for name in [PS, *shard_names]:
         rpc.rpc_sync(name, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
     rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
     floats = trainer.flat.size

@@ -62,30 +62,28 @@ def run_processes(workers: int, timeout: float) -> dict[str, float]:
 
 
 def run_compose(workers: int, timeout: float) -> dict[str, float]:
-    from orchestrator import cluster, images
-    from orchestrator import compose as cp
-    from orchestrator import render as rd
+    from orchestrator import cluster, compose, images, render
     from orchestrator.topology import load
 
     t = load(str(CONFIG)).with_workers(workers)
     client = images.client()
-    compose = cp.detect()
+    engine = compose.detect()
     name = f"bench-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="bench-compose-") as tmp:
-        proj = cp.Project(name, str(Path(tmp) / "compose.yaml"), str(ROOT))
+        proj = compose.Project(name, str(Path(tmp) / "compose.yaml"), str(ROOT))
         try:
-            rd.write_atomic(proj.file, rd.dump(rd.render(t), t.name))
+            render.write_atomic(proj.file, render.dump(render.render(t), t.name))
             base, pip_source = images.source(t, offline=True)
             images.build(t.image_tag, base, pip_source, out=io.StringIO())
-            cp.run(cp.up_argv(compose, proj), capture=True)
-            finished = cluster.wait_exited(client, name, len(rd.service_names(t)), timeout, io.StringIO())
+            compose.run(compose.up_argv(engine, proj), capture=True)
+            finished = cluster.wait_exited(client, name, len(render.service_names(t)), timeout, io.StringIO())
             if finished is None:
                 raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
             containers = cluster._containers(client, name)
             lines = cluster.read_metrics(client, name, containers).get("ps.jsonl", [])
             return _throughput(lines)
         finally:
-            cp.run(cp.down_argv(compose, proj, volumes=True), capture=True, check=False)
+            compose.run(compose.down_argv(engine, proj, volumes=True), capture=True, check=False)
 
 
 def _throughput(lines: list[str]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """kill -9 a process while it writes checkpoints, again and again (`make chaos`, tests/failure).
 
-The writer is the PS's own checkpoint code (app.checkpoint.save) in a child
+The writer is the PS's own checkpoint code (app.common.checkpoint.save) in a child
 process that announces each file write, so that each kill lands inside one.
 After every kill, every checkpoint file left must verify (its bytes match the
 checksum in its name) and the newest must load: a crash never leaves only a
@@ -24,7 +24,7 @@ from orchestrator.chaos import Outcome
 # when each file write begins, so that the kill can land inside one.
 _WRITER = """
 import sys, time, torch
-from app import checkpoint
+from app.common import checkpoint
 directory, mb = sys.argv[1], int(sys.argv[2])
 write = checkpoint.write_atomically
 def announced(data, path):
@@ -76,7 +76,7 @@ def kill_loop(run_dir: Path, rounds: int = 10, mb: int = 16, seed: int = 0) -> O
 
 
 def _check_checkpoints(directory: Path) -> list[str]:
-    from app import checkpoint  # torch: only for this scenario
+    from app.common import checkpoint  # torch: only for this scenario
 
     files = checkpoint.listing(directory)
     if not files:

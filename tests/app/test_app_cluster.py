@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from app.metrics import read
+from app.common.metrics import read
 
-from app_testkit import run_cluster
+from app_testkit import app_env, run_cluster
 
 # Chosen so a run takes seconds on 2 cores: 10 epochs of ~700 samples per worker.
 DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
@@ -25,7 +25,7 @@ def _final_accuracy(ps_stdout: str) -> float:
 
 @pytest.mark.slow
 def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
-    procs = run_cluster(tmp_path, workers=2, args=DIGITS, timeout=CAP_SECONDS)
+    procs = run_cluster(tmp_path, workers=2, args=DIGITS, timeout=CAP_SECONDS, env=app_env(PSC_RUN_ID="run-1"))
 
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
@@ -37,6 +37,12 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     for rank in (1, 2):
         assert re.search(rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$",
                          procs[f"worker{rank}"].stdout, re.M)
+    for name in ("ps", "worker1", "worker2"):  # what the process trains, written as it starts
+        [start] = [r for r in read(tmp_path / "metrics" / f"{name}.jsonl") if r["event"] == "start"]
+        assert {k: start[k] for k in ("name", "strategy", "batch_size", "world_size", "shards", "model",
+                                      "dataset", "precision", "run_id")} == {
+            "name": name, "strategy": "async", "batch_size": 32, "world_size": 3, "shards": 1,
+            "model": "cnn", "dataset": "digits", "precision": "fp32", "run_id": "run-1"}
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert end["event"] == "end" and end["accuracy"] == _final_accuracy(ps_out)
     assert 0 < end["seconds"] and end["eval_seconds"] >= 0  # training time; evaluation apart

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from app import data
+from app.common import data
 from app.config import UsageError
 
 
@@ -51,7 +51,7 @@ def test_digits_train_and_held_out_split_the_dataset():
 def test_in_memory_loader_batches_the_shard():
     train = data.load("synthetic", "", "train", seed=0)
     sampler = data.ShardSampler(len(train.data), 2, 0)
-    loader = data.train_loader(train.data, sampler, 100, num_workers=0, pin_memory=False)
+    loader = data.train_loader(train.data, sampler, 100, loader_workers=0, pin_memory=False)
     sizes = [len(y) for _, y in loader]
     assert sizes == [100] * (len(sampler) // 100)        # the short last batch is dropped
 

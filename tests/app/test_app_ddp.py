@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from app import checkpoint, data, ddp, models
+from app import ddp
+from app.common import checkpoint, data, models
+from app.common.evaluate import held_out_accuracy
+from app.common.metrics import read
 from app.config import UsageError, parse
-from app.metrics import read
 
 from app_testkit import REPO, Process, app_env, finished, free_port, start_app, wait_for
 
@@ -91,7 +93,7 @@ def test_compression_hooks():
 def test_evaluate_leaves_the_model_training():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.BatchNorm1d(10))
     held_out = data.load("digits", "", "test", 0)
-    accuracy, loss = ddp.held_out_accuracy(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
+    accuracy, loss = held_out_accuracy(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
     assert 0 <= accuracy <= 1 and loss > 0 and model.training
 
 
@@ -132,7 +134,8 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     metrics = tmp_path / "metrics"
     w1, w2 = read(metrics / "worker1.jsonl"), read(metrics / "worker2.jsonl")
     steps = STEPS
-    assert [r["event"] for r in w1 if r["event"] in ("join", "end")] == ["join", "end"]
+    assert [r["event"] for r in w1 if r["event"] in ("start", "join", "end")] == ["start", "join", "end"]
+    assert [(r["strategy"], r["world_size"], r["workers"]) for r in w2 if r["event"] == "start"] == [("allreduce", 3, 2)]
     assert w1[0]["step"] == 0 and w1[-1]["step"] == w2[-1]["step"] == steps
     assert w1[-1]["accuracy"] == accuracy and w1[-1]["seconds"] > 0
     train = [r for r in w1 + w2 if r["event"] == "train"]

@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from app.imagecache import CachedImageFolder, augment
-from app.imagefolder import ImageFolderData, find_samples
-from app.metrics import read
+from app.common.imagecache import CachedImageFolder, augment
+from app.common.imagefolder import ImageFolderData, find_samples
+from app.common.metrics import read
 
 from app_testkit import run_cluster
 
@@ -42,7 +42,7 @@ def test_eval_batches_equal_imagefolder_eval_samples(tmp_path):
 def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
     batch = torch.randint(0, 256, (16, 3, 40, 40), dtype=torch.uint8)
     out = augment(batch, train=True, crop=24, generator=torch.Generator().manual_seed(1))
-    from app.imagefolder import MEAN, STD
+    from app.common.imagefolder import MEAN, STD
     back = ((out * STD + MEAN) * 255).round().to(torch.uint8)
     flipped = 0
     for i in range(16):
@@ -86,7 +86,7 @@ def test_a_cluster_trains_from_the_cache(tmp_path):
             Image.new("RGB", (64, 48), colour).save(root / c / f"{i}.png")
     (root / "a" / "00-bad.png").write_bytes(b"")
     args = ["--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--image_cache", "true",
-            "--batch_size", "8", "--lr", "0.05", "--num_epochs", "3", "--num_workers", "1", "--rpc_timeout", "30"]
+            "--batch_size", "8", "--lr", "0.05", "--num_epochs", "3", "--loader_workers", "1", "--rpc_timeout", "30"]
     procs = run_cluster(tmp_path, workers=2, args=args, timeout=240)
     assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
         procs["ps"].stderr[-3000:]

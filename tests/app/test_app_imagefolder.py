@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app import data
+from app.common import data
+from app.common.imagefolder import MEAN, STD, ImageFolderData, find_samples, to_rgb
+from app.common.metrics import read
 from app.config import UsageError
-from app.imagefolder import MEAN, STD, ImageFolderData, find_samples, to_rgb
-from app.metrics import read
 
 from app_testkit import run_app, run_cluster
 
@@ -104,7 +104,7 @@ def test_skipped_files_are_counted_across_dataloader_processes(tmp_path):
     _tree_with_bad_files(tmp_path)
     _, samples = find_samples(tmp_path)
     dataset = ImageFolderData(samples, train=False)
-    loader = data.eval_loader(dataset, 4, num_workers=2)  # every index, in two loader processes
+    loader = data.eval_loader(dataset, 4, loader_workers=2)  # every index, in two loader processes
     for _ in range(2):
         seen = sum(len(y) for _, y in data.batches(loader, str(tmp_path)))
         assert seen == len(dataset)
@@ -172,7 +172,7 @@ def test_a_run_with_undecodable_files_ends_well_and_counts_them(tmp_path):
             Image.new("RGB", (16, 16), (250, 0, 0) if c == "a" else (0, 0, 250)).save(root / c / f"{i}.png")
     held_out = {p for p, _ in data.load("imagefolder", str(root), "test", seed=0).data.samples}  # type: ignore[attr-defined]
     args = ["--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "4",
-            "--lr", "0.01", "--num_epochs", "2", "--num_workers", "1", "--rpc_timeout", "30"]
+            "--lr", "0.01", "--num_epochs", "2", "--loader_workers", "1", "--rpc_timeout", "30"]
     procs = run_cluster(tmp_path, workers=2, args=args, timeout=180)
     assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
         procs["ps"].stderr[-3000:]

@@ -6,8 +6,10 @@ import pytest
 import torch
 import yaml
 
-from app import models, runtime, worker
+from app import runtime
+from app.common import models
 from app.config import UsageError, parse
+from app.worker.trainer import Trainer
 from orchestrator import render as r
 from orchestrator.topology import TopologyError, load
 from orchestrator.topology import parse as parse_topology
@@ -28,7 +30,7 @@ def test_precision_flag_and_fp16_needs_cuda():
 def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32():
     config = parse(["worker", "--precision", "bf16"], {})
     model = models.build("cnn", 1, 10, seed=0)
-    trainer = worker.Trainer(config, model, None, None, torch.device("cpu"), None, None)
+    trainer = Trainer(config, model, None, None, torch.device("cpu"), None, None)
     with runtime.autocast("bf16", torch.device("cpu")):
         assert model(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16  # autocast is on
     loss = trainer.compute_gradients(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))

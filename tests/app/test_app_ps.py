@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from app import models
+from app.common import models
+from app.common.checkpoint import save_atomically
 from app.config import UsageError
-from app.checkpoint import save_atomically
-from app.ps import ParameterServer
+from app.ps.server import ParameterServer
 
 
 def _linear(size: int) -> nn.Module:
@@ -25,7 +25,7 @@ def test_concurrent_pushes_are_all_applied_exactly():
     # and a lost or torn update shows. The vector is large so that an unlocked
     # read-modify-write would overlap between threads.
     threads, pushes, size = 8, 40, 1 << 20
-    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_workers=threads)
+    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=threads)
     start = threading.Barrier(threads)
 
     def worker(rank: int) -> None:
@@ -49,7 +49,7 @@ def test_concurrent_pushes_are_all_applied_exactly():
 
 
 def test_staleness_is_versions_since_the_pull():
-    server = ParameterServer(_linear(4), lr=0.5, momentum=0.0, num_workers=2)
+    server = ParameterServer(_linear(4), lr=0.5, momentum=0.0, num_trainers=2)
     grad = torch.ones(4)
     assert server.push(1, grad, 0)[1:3] == (1, 0)
     assert server.push(2, grad, 0)[1:3] == (2, 1)
@@ -60,7 +60,7 @@ def test_staleness_is_versions_since_the_pull():
 def test_flat_sgd_with_momentum_matches_torch_sgd_on_the_model():
     torch.manual_seed(0)
     reference = models.build("cnn", 1, 10, seed=0)
-    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_workers=1)
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_trainers=1)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         grads = [torch.randn_like(p) for p in reference.parameters()]
@@ -74,7 +74,7 @@ def test_flat_sgd_with_momentum_matches_torch_sgd_on_the_model():
 
 def test_buffers_in_a_push_replace_the_global_ones():
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    server = ParameterServer(model, lr=0.1, momentum=0.0, num_workers=1)
+    server = ParameterServer(model, lr=0.1, momentum=0.0, num_trainers=1)
     message = torch.zeros(server.flat.size)
     message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # running_mean, running_var
     vector = server.push(1, message, 0).vector
@@ -83,14 +83,14 @@ def test_buffers_in_a_push_replace_the_global_ones():
 
 
 def test_a_push_of_the_wrong_size_is_refused_and_changes_nothing():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     with pytest.raises(ValueError, match="worker3 pushed 5"):
         server.push(3, torch.ones(5), 0)
     assert server.version == 0
 
 
 def test_all_finished_after_every_worker_reports():
-    server = ParameterServer(_linear(2), lr=1.0, momentum=0.0, num_workers=2)
+    server = ParameterServer(_linear(2), lr=1.0, momentum=0.0, num_trainers=2)
     server.finish(1, 10)
     server.wait(until_version=100, timeout=0.01)
     assert not server.all_finished
@@ -100,7 +100,7 @@ def test_all_finished_after_every_worker_reports():
 
 
 def test_checkpoint_is_written_atomically_and_loads(tmp_path):
-    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_workers=1)
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_trainers=1)
     server.push(1, torch.ones(server.flat.size), 0)
     path = tmp_path / "checkpoints" / "final.pt"
     save_atomically(server.checkpoint(), path)
@@ -122,7 +122,7 @@ def test_model_names():
 
 
 def test_replies_alternate_between_two_buffers_per_rank():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2)
     first = server.push(1, torch.ones(4), 0).vector
     second = server.push(1, torch.ones(4), 1).vector
     assert torch.equal(first, torch.full((4,), -1.0))  # not overwritten by the next reply

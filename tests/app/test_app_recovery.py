@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
-from app import checkpoint, data, membership, models
+from app.common import checkpoint, data, models
 from app.config import UsageError, parse
-from app.ps import ParameterServer
-from app.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
+from app.ps import membership
+from app.ps.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
+from app.ps.server import ParameterServer
 
 
 class Clock:
@@ -76,7 +76,7 @@ def test_a_finished_rank_stays_finished_across_a_checkpoint():
 
 
 def _server(seed: int = 0) -> ParameterServer:
-    return ParameterServer(models.build("cnn", 1, 10, seed=seed), lr=0.1, momentum=0.9, num_workers=2)
+    return ParameterServer(models.build("cnn", 1, 10, seed=seed), lr=0.1, momentum=0.9, num_trainers=2)
 
 
 def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
@@ -161,8 +161,8 @@ def test_a_resumed_shard_skips_the_batches_already_pushed():
 def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     from PIL import Image
 
-    from app.data import DataUnavailable
-    from app.worker import Trainer
+    from app.common import loop
+    from app.common.data import DataUnavailable
 
     root = tmp_path / "data"
     for c in ("a", "b"):
@@ -174,10 +174,10 @@ def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     train = data.load(config.dataset, config.data_dir, "train", 0)
     sampler = data.ShardSampler(len(train.data), 1, 0)
     loader = data.train_loader(train.data, sampler, 2, 0, pin_memory=False)
-    trainer = Trainer(config, nn.Linear(1, 1), loader, sampler, torch.device("cpu"), None, None)  # type: ignore[arg-type]
     shutil.rmtree(root)
+    batches = loop.resume_batches(loader, sampler, config.data_dir, 1, 0, config.num_epochs, config.batch_size)
     with pytest.raises(DataUnavailable, match=f"reading the data under {root} failed \\(did it vanish\\?\\)"):
-        next(trainer.batches())
+        next(batches)
 
 
 def test_incarnation_names_never_repeat_and_have_no_dash():
@@ -195,8 +195,8 @@ def test_failure_knobs_are_checked(argv, message):
 
 
 def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch, caplog):
-    from app.metrics import MetricsWriter
-    from app.serve import Checkpointer
+    from app.common.checkpointer import Checkpointer
+    from app.common.metrics import MetricsWriter
 
     config = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1"], {})
     server = _server()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from app import data, models
+from app.common import data, models
 from orchestrator import sample_data
 
 from app_testkit import REPO, app_env

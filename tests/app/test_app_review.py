@@ -1,5 +1,5 @@
 """Regression tests for defects found in review (each failed on the code before its fix):
-the ParameterServer, Trainer, Checkpointer and Watch driven in-process, without RPC."""
+the ParameterServer, Trainer, Checkpointer and LivenessMonitor driven in-process, without RPC."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from app import checkpoint, ps, worker
+from app.common import checkpoint
+from app.common.checkpointer import Checkpointer
+from app.common.metrics import MetricsWriter
 from app.config import UsageError, check_threads_env, parse
-from app.liveness import Watch
-from app.metrics import MetricsWriter
-from app.ps import ParameterServer, Refusal, Reply
-from app.serve import Checkpointer
+from app.ps import endpoints
+from app.ps.liveness import LivenessMonitor
+from app.ps.server import ParameterServer, Refusal, Reply
+from app.worker.client import PendingPush
+from app.worker.compress import Compressor
+from app.worker.trainer import MAX_REFUSED_IN_A_ROW, Trainer
 
 
 class Clock:
@@ -52,7 +56,7 @@ class _FakeClient:
 def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire():
     config = parse(["worker", "--overlap", "true"], {})
     client = _FakeClient()
-    trainer = worker.Trainer(config, _linear(4), None, None, torch.device("cpu"), client, None)
+    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), client, None)
     trainer.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
     for _ in range(5):
         trainer.push_and_pull()
@@ -63,7 +67,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
 # 2. staleness_lr scales the gradient, so momentum does not carry it at full weight
 
 def _displacement(staleness: int) -> float:
-    server = ParameterServer(_linear(1), lr=1.0, momentum=0.9, num_workers=2, staleness_lr=True)
+    server = ParameterServer(_linear(1), lr=1.0, momentum=0.9, num_trainers=2, staleness_lr=True)
     for version in range(staleness):
         server.push(2, torch.zeros(1), version)  # other pushes: the state moves on, not the weights
     server.push(1, torch.ones(1), 0)
@@ -79,14 +83,14 @@ def test_staleness_lr_with_momentum_moves_a_stale_gradient_a_quarter_as_far():
 # 3. sharded PS: one version and one staleness per push, from the main PS
 
 def test_a_shard_takes_the_staleness_the_main_ps_computed():
-    whole = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, staleness_lr=True)
-    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, staleness_lr=True, part=(2, 4))
+    whole = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True)
+    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
     for server in (whole, shard):
         server.push(2, torch.zeros(server.size), 0)
         server.push(2, torch.zeros(server.size), 1)
     reply = whole.push(1, torch.ones(4), 0)   # staleness 2 on the main PS
     # the shard got rank 1's push before rank 2's: by its own count the push is fresh
-    fresh = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, staleness_lr=True, part=(2, 4))
+    fresh = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
     got = fresh.push(1, torch.ones(2), 0, staleness=reply.staleness)
     assert got.staleness == reply.staleness == 2
     assert torch.equal(got.vector, reply.vector[2:4])
@@ -112,7 +116,7 @@ def test_a_bad_omp_num_threads_is_refused(value):
 
 @pytest.mark.parametrize("strategy", ["async", "ssp", "sync"])
 def test_a_non_finite_push_is_refused_counted_and_changes_nothing(strategy, caplog):
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1, strategy=strategy)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, strategy=strategy)
     before = server.state.clone()
     with caplog.at_level(logging.WARNING, logger="app.ps"):
         for bad in (float("nan"), float("inf"), float("nan")):
@@ -132,11 +136,11 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
             self.sent.append(message)
             return Refusal("nonfinite", "worker1 pushed non-finite values")
 
-    trainer = worker.Trainer(config, _linear(4), None, None, torch.device("cpu"), Refusing(), None)
-    for _ in range(worker.MAX_REFUSED_IN_A_ROW - 1):
+    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), Refusing(), None)
+    for _ in range(MAX_REFUSED_IN_A_ROW - 1):
         assert trainer.push_and_pull() is None
-    assert trainer.refused == worker.MAX_REFUSED_IN_A_ROW - 1 and trainer.pushes == 0
-    with pytest.raises(RuntimeError, match=f"{worker.MAX_REFUSED_IN_A_ROW} pushes in a row were refused"):
+    assert trainer.refused == MAX_REFUSED_IN_A_ROW - 1 and trainer.pushes == 0
+    with pytest.raises(RuntimeError, match=f"{MAX_REFUSED_IN_A_ROW} pushes in a row were refused"):
         trainer.push_and_pull()
 
 
@@ -144,50 +148,50 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_compressed_pushes_carry_the_buffers_in_float32(kind):
-    server = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_workers=1)
+    server = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
     n = server.num_params
     message = torch.zeros(server.flat.size)
     message[:n] = 0.5
     message[n:] = torch.tensor([1.0001, 0.3333333, 1.0009, 7.123457])  # not 16-bit values
     buffers = message[n:].clone()
-    wire = worker.Compressor(kind, n, torch.device("cpu"))(message)
+    wire = Compressor(kind, n, torch.device("cpu"))(message)
     reply = server.push(1, wire, 0)
     assert torch.equal(reply.vector[n:], buffers)
 
 
 def test_a_compressed_push_to_a_shard_straddling_params_and_buffers_decodes():
-    whole = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_workers=1)
+    whole = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
     n, size = whole.num_params, whole.flat.size
     message = torch.arange(size, dtype=torch.float32) / 7 + 1
     expected = message[n:].clone()
-    wire = worker.Compressor("bf16", n, torch.device("cpu"))(message)
+    wire = Compressor("bf16", n, torch.device("cpu"))(message)
     start, end = n - 2, size
-    shard = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_workers=1, part=(start, end))
-    reply = shard.push(1, worker.Compressor.slice(wire, n, start, end), 0)
+    shard = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1, part=(start, end))
+    reply = shard.push(1, Compressor.slice(wire, n, start, end), 0)
     assert torch.equal(reply.vector[2:], expected)
 
 
 # 6. a replaced incarnation's push is answered with a refusal the worker understands
 
 def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_usage_error():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
-    with ps._ENDPOINT.serving(server):
-        future = ps.rpc_push(1, torch.ones(4), 0, "worker1")
+    with endpoints.ENDPOINT.serving(server):
+        future = endpoints.rpc_push(1, torch.ones(4), 0, "worker1")
         answer = future.wait()  # a value: what RPC carries back is a normal reply
         assert isinstance(answer, Refusal) and answer.kind == "stale"
         assert "worker1 was replaced by worker1_r2" in answer.message
-        assert isinstance(ps.rpc_finish(1, 3, "worker1"), Refusal)
-    client = SimpleNamespace(_lost=None)
+        assert isinstance(endpoints.rpc_finish(1, 3, "worker1"), Refusal)
+    client = SimpleNamespace(lost=None)
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
-        worker.PendingPush(client, future, None).wait()
+        PendingPush(client, future, None).wait()
 
 
 # 7. drop answers the held push (sync and ssp)
 
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, strategy=strategy, staleness=0)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy=strategy, staleness=0)
     server.join(1, "worker1")
     server.join(2, "worker2")
     future = server.submit(2, torch.ones(4), 0, "worker2")  # ssp: one ahead of worker1, waits
@@ -204,7 +208,7 @@ def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1000"], {})
 
     def server() -> ParameterServer:
-        return ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, join_timeout=300)
+        return ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, join_timeout=300)
 
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         first = server()
@@ -223,7 +227,7 @@ def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
 
 def test_a_failed_final_write_leaves_no_finished_checkpoint(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path)], {})
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1")
     server.push(1, torch.ones(4), 0)
     server.finish(1, 1, "worker1")
@@ -239,19 +243,19 @@ def test_a_failed_final_write_leaves_no_finished_checkpoint(tmp_path):
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(strategy, caplog):
     clock = Clock()
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, clock=clock,
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock,
                              strategy=strategy, staleness=0)
     records = []
-    watch = Watch(server, rpc_timeout=10, record=lambda event, step, **f: records.append((event, f)))
+    liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda event, step, **f: records.append((event, f)))
     server.join(1, "worker1")
     server.join(2, "worker2")
     pending = server.submit(1, torch.ones(4), 0, "worker1")  # waits for worker2
-    clock.now = 10 * watch.FROZEN_PERIODS - 1
-    watch.check_frozen()
+    clock.now = 10 * liveness.FROZEN_PERIODS - 1
+    liveness.check_frozen()
     assert not pending.done() and not records
-    clock.now = 10 * watch.FROZEN_PERIODS + 1
+    clock.now = 10 * liveness.FROZEN_PERIODS + 1
     with caplog.at_level(logging.WARNING, logger="app.ps"):
-        watch.check_frozen()
+        liveness.check_frozen()
     assert pending.done() and isinstance(pending.wait(), Reply)
     assert [e for e, _ in records] == ["frozen", "drop"] and records[0][1]["worker"] == "worker2"
     assert any("worker2" in r.getMessage() and "no push" in r.getMessage() for r in caplog.records)
@@ -259,11 +263,11 @@ def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(str
 
 def test_async_does_not_drop_a_quiet_worker():
     clock = Clock()
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, clock=clock)
-    watch = Watch(server, rpc_timeout=10, record=lambda *a, **f: None)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
+    liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda *a, **f: None)
     server.join(2, "worker2")
     clock.now = 1000
-    watch.check_frozen()
+    liveness.check_frozen()
     assert server.live_name(2) == "worker2"
 
 
@@ -271,7 +275,7 @@ def test_async_does_not_drop_a_quiet_worker():
 
 def test_training_time_runs_from_all_joined_to_the_last_push_applied():
     clock = Clock()
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, clock=clock)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
     server.join(1, "worker1")
     clock.now = 5.0
     server.join(2, "worker2")
@@ -360,7 +364,7 @@ def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it
 
 def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"], {})
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     asked = []
 
     def shard_fails(version: int) -> None:
@@ -380,22 +384,22 @@ def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(t
 
 
 def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
-    from app import shards
-    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1, part=(2, 4))
+    from app.ps.shard_process import resume_shard
+    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
         shard.push(1, torch.ones(2), shard.version)
         checkpoint.save({**shard.checkpoint(), "label": label}, tmp_path)
-    restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1, part=(2, 4))
-    assert "labelled" not in shards.resume_shard(restarted, tmp_path, None)
+    restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
+    assert "labelled" not in resume_shard(restarted, tmp_path, None)
     assert restarted.version == 0
-    shards.resume_shard(restarted, tmp_path, 2)  # the main PS resumed from its version 2
+    resume_shard(restarted, tmp_path, 2)  # the main PS resumed from its version 2
     assert restarted.version == 2 and torch.equal(restarted.state, torch.full((2,), -2.0))
     with pytest.raises(RuntimeError, match="no checkpoint labelled 7"):
-        shards.resume_shard(restarted, tmp_path, 7)
+        resume_shard(restarted, tmp_path, 7)
 
 
 def test_the_job_is_not_done_while_the_last_finish_is_being_recorded():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=1)
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     seen = []
     server.on_finish = lambda rank: seen.append(server.done())
     server.join(1, "worker1")

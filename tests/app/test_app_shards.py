@@ -1,4 +1,4 @@
-"""A PS sharded across K processes (app/shards.py): slicing, sliced servers, a real cluster."""
+"""A PS sharded across K processes (app/ps/shards.py): slicing, sliced servers, a real cluster."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from app import models, shards
+from app.common import models
+from app.common.flat import state_size
+from app.common.metrics import read
 from app.config import UsageError, parse
-from app.metrics import read
-from app.ps import ParameterServer
+from app.ps import shards
+from app.ps.server import ParameterServer
 
 from app_testkit import run_cluster
 
@@ -34,7 +36,7 @@ def _model() -> nn.Module:
 
 
 def _servers(strategy: str, k: int, workers: int = 2) -> tuple[ParameterServer, list[ParameterServer]]:
-    kw = dict(lr=0.1, momentum=0.9, num_workers=workers, strategy=strategy)
+    kw = dict(lr=0.1, momentum=0.9, num_trainers=workers, strategy=strategy)
     whole = ParameterServer(_model(), **kw)
     parts = shards.bounds(whole.flat.size, k)
     sliced = [ParameterServer(_model(), part=part, **kw) for part in parts]
@@ -93,19 +95,19 @@ def test_a_shards_checkpoint_holds_its_slice_and_restores_only_into_the_same_sli
     shard.push(1, torch.ones(shard.size), 0)
     state = shard.checkpoint()
     assert state["model"] == {} and state["part"] == list(shard.part) and state["vector"].numel() == shard.size
-    fresh = ParameterServer(_model(), lr=0.1, momentum=0.9, num_workers=2, part=shard.part)
+    fresh = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=shard.part)
     fresh.restore(state)
     assert fresh.version == 1 and torch.equal(fresh.state, shard.state)
     assert torch.equal(fresh.optimizer.state_dict()["state"][0]["momentum_buffer"],
                        shard.optimizer.state_dict()["state"][0]["momentum_buffer"])
-    other = ParameterServer(_model(), lr=0.1, momentum=0.9, num_workers=2, part=sliced[2].part)
+    other = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=sliced[2].part)
     with pytest.raises(ValueError, match="this shard"):
         other.restore(state)
 
 
 def test_one_shard_is_the_unsliced_server():
-    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.0, num_workers=1,
-                             part=(0, shards.state_size(models.build("cnn", 1, 10, seed=0))))
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.0, num_trainers=1,
+                             part=(0, state_size(models.build("cnn", 1, 10, seed=0))))
     assert not server.sliced and server.state is server.flat.vector
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from app import data, models
-from app.flat import FlatModel
-from app.metrics import read
-from app.ps import ParameterServer
-from app.worker import Compressor
+from app.common import data, models
+from app.common.flat import FlatModel
+from app.common.metrics import read
+from app.ps.server import ParameterServer
+from app.worker.compress import Compressor
 
 from app_testkit import run_cluster
 
@@ -26,7 +26,7 @@ def _linear(size: int) -> nn.Module:
 
 
 def _server(strategy: str, workers: int = 2, size: int = 4, **kw) -> ParameterServer:
-    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_workers=workers,
+    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=workers,
                              strategy=strategy, **kw)
     for rank in range(1, workers + 1):
         server.join(rank, f"worker{rank}")
@@ -63,7 +63,7 @@ def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
 
 
 def test_sync_waits_for_a_rank_that_has_not_joined_yet():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_workers=2, strategy="sync")
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
     server.join(1, "worker1")
     early = server.submit(1, torch.ones(4), 0)
     assert not early.done()

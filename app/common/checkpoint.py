@@ -27,6 +27,18 @@ _NAME = re.compile(r"^ckpt-(\d+)-([0-9a-f]{16})\.pt$")
 REQUIRED = ("version", "model", "optimizer", "progress", "finished")
 
 
+def cpu_copy(obj: Any) -> Any:
+    """A copy of a (nested dict/list) state on CPU, detached: what a checkpoint holds, safe
+    from later in-place updates."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v) for v in obj]
+    return obj
+
+
 def write_atomically(data: bytes, path: Path) -> None:
     """`data` at `path`, or (on any error) `path` as it was: temp file, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)

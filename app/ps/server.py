@@ -1,9 +1,9 @@
-"""The Parameter Server: global model, SGD under a lock, version, staleness, roster.
+"""The Parameter Server's state machine: global model, SGD under a lock, version, staleness, roster.
 
-`ParameterServer` is plain Python (tested without RPC); `rpc_*` are the entry
-points workers call. The PS process itself is `app.serve`. Workers join,
-pull, push and report; the PS calls a worker only to ping it
-(app.liveness).
+`ParameterServer` is plain Python (tested without RPC); the RPC entry points
+workers call are in app.ps.endpoints, the PS process in app.ps.process.
+Workers join, pull, push and report; the PS calls a worker only to ping it
+(app.ps.liveness).
 
 Three strategies decide when a push is applied and when its reply goes out
 (`submit` returns a future; `rpc_push` is `async_execution`, so a reply held
@@ -15,7 +15,7 @@ back ties up no RPC thread):
 - sync:  held until every rank still training pushed once; their average is
          applied as one update and every pusher gets the same answer.
 
-A sharded PS (app.shards) runs one ParameterServer per process over a slice
+A sharded PS (app.ps.shards) runs one ParameterServer per process over a slice
 `part` of the state vector: pushes, replies and checkpoints are that slice.
 
 A push the PS will not apply is answered with a `Refusal` value, never an
@@ -35,19 +35,18 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from app.flat import FlatModel
-from app.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
+from app.common.checkpoint import cpu_copy
+from app.common.flat import FlatModel
+from app.contract import PS_STRATEGIES, worker_name
+from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 
-STRATEGIES = ("async", "ssp", "sync")
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 log = logging.getLogger("app.ps")
@@ -90,16 +89,16 @@ class ParameterServer:
     under the same lock, so a checkpoint's progress matches its version.
     """
 
-    def __init__(self, model: nn.Module, lr: float, momentum: float, num_workers: int,
+    def __init__(self, model: nn.Module, lr: float, momentum: float, num_trainers: int,
                  join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
                  strategy: str = "async", staleness: int = 0, staleness_lr: bool = False,
                  part: tuple[int, int] | None = None) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(STRATEGIES)}")
+        if strategy not in PS_STRATEGIES:
+            raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self.model = model
         self.flat = FlatModel(model, with_grads=False)
-        # `state` is what this process serves: the whole vector, or (a PS shard, app.shards)
+        # `state` is what this process serves: the whole vector, or (a PS shard, app.ps.shards)
         # the slice `part` of it, a view: pushes carry and replies hold exactly its values.
         start, end = (0, self.flat.size) if part is None else part
         if not 0 <= start <= end <= self.flat.size:
@@ -111,8 +110,8 @@ class ParameterServer:
         self.num_params = min(max(self.flat.num_params - start, 0), self.size)
         self._param = nn.Parameter(self.state[:self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum)
-        self.num_workers = num_workers
-        self.roster = Roster(range(1, num_workers + 1), join_timeout, clock)
+        self.num_trainers = num_trainers
+        self.roster = Roster(range(1, num_trainers + 1), join_timeout, clock)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
@@ -122,7 +121,7 @@ class ParameterServer:
         self.first_join: float | None = None  # clock time of the first join
         self.all_joined: float | None = None  # clock time every rank had joined (or finished)
         self.last_applied: float | None = None  # clock time of the last update applied
-        # Called (outside the lock) when a dropped process calls again: app.liveness logs it.
+        # Called (outside the lock) when a dropped process calls again: app.ps.liveness logs it.
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
         # Called (outside the lock, before the finishing worker gets its answer) after a rank
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
@@ -172,10 +171,10 @@ class ParameterServer:
         `samples` the batch's size. A reply's vector is one of rank's (or the
         round's) two reply buffers, not a fresh copy: it stays unchanged until
         rank's next-but-one push. `staleness`: the push's staleness as the main
-        PS computed it (a PS shard, app.shards); by default this PS's own.
+        PS computed it (a PS shard, app.ps.shards); by default this PS's own.
         """
         message = self._check(rank, message)
-        name = name or f"worker{rank}"
+        name = name or worker_name(rank)
         future: Future = Future()
         finite = bool(torch.isfinite(message).all())
         with self._lock:
@@ -211,7 +210,7 @@ class ParameterServer:
         """The pushed message as float32; ValueError when it is not this model's.
 
         A 16-bit message (--compress) carries the gradients in 16 bits and the
-        buffers in float32, each float32 as two 16-bit values (app.worker.Compressor)."""
+        buffers in float32, each float32 as two 16-bit values (app.worker.compress.Compressor)."""
         n = self.num_params
         wire_size = self.size if message.dtype == torch.float32 else n + 2 * (self.size - n)
         if message.numel() != wire_size or message.dtype not in WIRE_DTYPES:
@@ -312,14 +311,14 @@ class ParameterServer:
         A Refusal when a newer process replaced `name`."""
         with self._lock:
             try:
-                self.roster.finish(rank, name or f"worker{rank}")
+                self.roster.finish(rank, name or worker_name(rank))
             except StaleIncarnation as error:
                 return Refusal("stale", str(error))
             self._finishing += 1
             counts = self.roster.counts()
             ready = self._unblock()
         _complete(ready)
-        log.info("%s finished after %d pushes (%s)", name or f"worker{rank}", pushes, counts)
+        log.info("%s finished after %d pushes (%s)", name or worker_name(rank), pushes, counts)
         try:
             self.on_finish(rank)
         finally:
@@ -433,7 +432,7 @@ class ParameterServer:
             state = {
                 "version": self.version,
                 "model": model,
-                "optimizer": _clone_tree(self.optimizer.state_dict()),
+                "optimizer": cpu_copy(self.optimizer.state_dict()),
                 "progress": self.roster.state(),
                 "pushes": self.pushes,
                 "finished": self.roster.all_finished,
@@ -468,73 +467,3 @@ def _complete(ready: list[tuple[Future, Reply]]) -> None:
     """Send held replies (outside the lock: completing a future runs RPC's callbacks)."""
     for future, reply in ready:
         future.set_result(reply)
-
-
-def _clone_tree(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_tree(v) for v in obj]
-    return obj
-
-
-class _Endpoint:
-    """Where RPC calls find this process's ParameterServer.
-
-    RPC runs plain functions by name, so the serving object has to be
-    reachable from them: this holder is the app's one piece of process-wide
-    state, set only for the duration of `serving()`. `join` admits a worker
-    (app.liveness.Watch.join in the PS process).
-    """
-
-    def __init__(self) -> None:
-        self._server: ParameterServer | None = None
-        self.join: Callable[[int, str], dict[str, Any]] | None = None
-
-    @contextmanager
-    def serving(self, server: ParameterServer,
-                join: Callable[[int, str], dict[str, Any]] | None = None) -> Iterator[ParameterServer]:
-        self._server, self.join = server, join
-        try:
-            yield server
-        finally:
-            self._server, self.join = None, None
-
-    def get(self) -> ParameterServer:
-        if self._server is None:
-            raise RuntimeError("no parameter server is serving in this process")
-        return self._server
-
-
-_ENDPOINT = _Endpoint()
-
-
-def rpc_join(rank: int, name: str) -> dict[str, Any]:
-    """A worker process starts: the state to start from and its rank's progress (or `taken`)."""
-    server = _ENDPOINT.get()
-    if _ENDPOINT.join is not None:
-        return _ENDPOINT.join(rank, name)
-    vector, version, progress = server.join(rank, name)
-    return {"vector": vector, "version": version, **progress}
-
-
-def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
-    return _ENDPOINT.get().pull(rank)
-
-
-@rpc.functions.async_execution
-def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0, samples: int = 0, staleness: int | None = None) -> Future:
-    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
-    Any other error is raised here, and RPC hands it to the caller as an error."""
-    return _ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
-
-
-def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
-    return _ENDPOINT.get().finish(rank, pushes, name)
-
-
-def rpc_all_finished() -> bool:
-    return _ENDPOINT.get().all_finished

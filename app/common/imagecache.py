@@ -20,7 +20,7 @@ import logging
 import torch
 from torch.utils.data import Dataset
 
-from app.imagefolder import CROP, MEAN, STD, to_rgb
+from app.common.imagefolder import CROP, MEAN, STD, to_rgb
 
 RESIZE = round(CROP * 8 / 7)  # 256: the size ImageFolderData resizes a 224 crop's image to
 
@@ -88,7 +88,7 @@ class CachedImageFolder(Dataset):
                 try:
                     image = decode(self.samples[j][0], self.size)
                 except FileNotFoundError:
-                    raise  # the data dir vanished (app.data.batches)
+                    raise  # the data dir vanished (app.common.data.batches)
                 except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                     self.bad[j] = 1
                     log.warning("skipping %s: cannot decode it (%s); the next image stands in for it "

@@ -1,5 +1,5 @@
 """Models by name: the built-in `cnn`, torchvision's classifiers when it imports, and
-the user's own (`pkg.module:factory`, app/plugins.py).
+the user's own (`pkg.module:factory`, app/common/plugins.py).
 
 Model code knows nothing about RPC or devices.
 """
@@ -12,8 +12,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from app import plugins
+from app.common import plugins
 from app.config import UsageError
+from app.runtime import first_line
 
 BUILT_IN = ("cnn",)
 AUX_LOGITS = ("googlenet", "inception_v3")
@@ -61,8 +62,8 @@ def _why_no_torchvision() -> str:
             return "torchvision is not installed"
         return f"torchvision does not import ({type(error).__name__}: {error})"
     except Exception as error:  # noqa: BLE001 - any import failure is reported as it is
-        first = (str(error).strip().splitlines() or [""])[0]
-        return (f"torchvision does not import beside torch {torch.__version__} ({type(error).__name__}: {first}); "
+        return (f"torchvision does not import beside torch {torch.__version__} "
+                f"({type(error).__name__}: {first_line(error)}); "
                 "install torch and torchvision as a matching pair (images/torch-pair.txt)")
     return "torchvision imports"
 

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from app import plugins
-from app.config import DATASETS, UsageError
-from app.imagefolder import CROP, ImageFolderData, find_samples
+from app.common import plugins
+from app.common.imagefolder import CROP, ImageFolderData, find_samples
+from app.config import UsageError
+from app.contract import DATASETS
 
 SPLITS = ("train", "test")
 FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
@@ -91,7 +92,7 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
          image_cache: bool = False) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
-    `image_cache`: imagefolder decodes each file once into uint8 (app/imagecache.py)."""
+    `image_cache`: imagefolder decodes each file once into uint8 (app/common/imagecache.py)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -135,7 +136,7 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
 def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
-    the images, fixed, are held out. `cache`: decoded once into uint8 (app/imagecache.py)."""
+    the images, fixed, are held out. `cache`: decoded once into uint8 (app/common/imagecache.py)."""
     if (root / "train").is_dir() and (root / "val").is_dir():
         classes, chosen = find_samples(root / "train")
         if not train:
@@ -148,7 +149,7 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> Lab
         held_out = _held_out_mask(len(samples), 0.1)
         chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
     if cache:
-        from app.imagecache import CachedImageFolder
+        from app.common.imagecache import CachedImageFolder
         return LabeledData(CachedImageFolder(chosen, train, crop=crop), 3, len(classes))
     return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
 
@@ -227,22 +228,22 @@ class ShardSampler(Sampler[int]):
 
 
 def train_loader(data: Dataset, sampler: ShardSampler, batch_size: int,
-                 num_workers: int, pin_memory: bool) -> DataLoader:
+                 loader_workers: int, pin_memory: bool) -> DataLoader:
     """Batches of this worker's shard; the last short batch is dropped when the shard
     holds at least one full batch (BatchNorm cannot train on a batch of one)."""
     drop_last = len(sampler) >= batch_size
-    return _loader(data, sampler, batch_size, drop_last, num_workers, pin_memory)
+    return _loader(data, sampler, batch_size, drop_last, loader_workers, pin_memory)
 
 
-def eval_loader(data: Dataset, batch_size: int, num_workers: int) -> DataLoader:
+def eval_loader(data: Dataset, batch_size: int, loader_workers: int) -> DataLoader:
     sampler = ShardSampler(len(data), 1, 0, shuffle=False)  # type: ignore[arg-type]
-    return _loader(data, sampler, batch_size, False, num_workers, False)
+    return _loader(data, sampler, batch_size, False, loader_workers, False)
 
 
 def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool,
-            num_workers: int, pin_memory: bool) -> DataLoader:
-    common = dict(num_workers=num_workers, pin_memory=pin_memory,
-                  persistent_workers=num_workers > 0)
+            loader_workers: int, pin_memory: bool) -> DataLoader:
+    common = dict(num_workers=loader_workers, pin_memory=pin_memory,
+                  persistent_workers=loader_workers > 0)
     if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(data, sampler=batches, batch_size=None, **common)

@@ -15,7 +15,7 @@ still yields a sample. The record of bad files lives in a shared-memory tensor
 (one flag per sample), so DataLoader worker processes, forked or spawned, mark
 the same flags the training process reads for its `skipped_images` metric.
 A file that disappears is not skipped: that is the data dir vanishing
-(FileNotFoundError, app.data.DataUnavailable).
+(FileNotFoundError, app.common.data.DataUnavailable).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from app.config import UsageError
+from app.runtime import first_line
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CROP = 224
@@ -125,7 +126,7 @@ class ImageFolderData(Dataset):
             try:
                 return self._load(i)
             except FileNotFoundError:
-                raise  # the data dir vanished: not a bad file (app.data.batches)
+                raise  # the data dir vanished: not a bad file (app.common.data.batches)
             except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                 self._mark_bad(i, error)
         raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")
@@ -133,9 +134,8 @@ class ImageFolderData(Dataset):
     def _mark_bad(self, i: int, error: Exception) -> None:
         # A sample is fetched by one loader process at a time, so set-once needs no lock.
         self.bad[i] = 1
-        first = (str(error).strip().splitlines() or [""])[0]
         log.warning("skipping %s: cannot decode it (%s: %s); the next image stands in for it "
-                    "(%d skipped)", self.samples[i][0], type(error).__name__, first, self.skipped_images)
+                    "(%d skipped)", self.samples[i][0], type(error).__name__, first_line(error), self.skipped_images)
 
     def _load(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image  # imported here: only this dataset needs Pillow

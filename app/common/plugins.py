@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from app.config import ENTRY_POINT, UsageError
+from app.runtime import first_line
 
 
 class DatasetSpec(NamedTuple):
@@ -45,8 +46,8 @@ def is_entry_point(name: str) -> bool:
 
 
 def _one_line(error: BaseException) -> str:
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = first_line(error)
+    return text if text == type(error).__name__ else f"{type(error).__name__}: {text}"
 
 
 def resolve(flag: str, spec: str) -> Callable[..., Any]:

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 
-def _float_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+def float_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, buffer) of each floating-point buffer, each tensor once: the buffer
+    part of the state vector, in order."""
     found = []
     seen: set[int] = set()
     for module in model.modules():
@@ -23,6 +25,11 @@ def _float_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]
                 seen.add(id(buf))
                 found.append((module, name, buf))
     return found
+
+
+def state_size(model: nn.Module) -> int:
+    """Values in the model's state vector: parameters and float buffers."""
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for _, _, b in float_buffers(model))
 
 
 class FlatModel:
@@ -35,7 +42,7 @@ class FlatModel:
 
     def __init__(self, model: nn.Module, with_grads: bool = True) -> None:
         params = [p for p in model.parameters()]
-        buffers = _float_buffers(model)
+        buffers = float_buffers(model)
         self.num_params = sum(p.numel() for p in params)
         self.num_buffers = sum(b.numel() for _, _, b in buffers)
         device = params[0].device if params else torch.device("cpu")

@@ -2,7 +2,7 @@
 
 The job is a dynamic RPC group (`init_rpc(world_size=None)`): the PS (RPC id
 0) starts it and holds its TCP store; workers join and leave at any time.
-Measured on torch 2.13, three things break it after a crash, and each has
+On torch 2.13 three things break it after a crash, and each has
 its answer here:
 
 - Names and ids must be new for each process: a worker that rejoins under
@@ -15,7 +15,7 @@ its answer here:
   (`unlist`): joiners only ever call the PS. If a joiner dies holding the
   token anyway, `release_stuck_token` frees it.
 - A graceful leave calls every member and takes that token too: processes
-  leave with `rpc.shutdown(graceful=False)` (runtime.rpc_session).
+  leave with `rpc.shutdown(graceful=False)` (app.runtime.rpc_session).
 
 Store calls run while holding the GIL, so nothing here blocks in
 `store.wait`: the token is polled with short sleeps.
@@ -26,12 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+
+from app import runtime
+from app.contract import ps_name, worker_name
 
 log = logging.getLogger("app.membership")
 TOKEN_KEY = "RpcGroupManagementToken"   # torch.distributed.rpc._utils
@@ -45,16 +47,11 @@ class StoreUnreachable(RuntimeError):
 
 def wait_for_port(host: str, port: int, timeout: float) -> None:
     """Until the PS's store accepts connections (torch's own retry logs a C++ stack trace)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
-                return
-        except OSError as error:
-            if time.monotonic() + POLL_SECONDS * 10 > deadline:
-                raise StoreUnreachable(f"cannot reach the parameter server at {host}:{port} "
-                                       f"within {timeout:.0f} s: {error.strerror or error}") from None
-            time.sleep(POLL_SECONDS * 10)
+    try:
+        runtime.wait_for_port(host, port, timeout)
+    except runtime.PortUnreachable as error:
+        raise StoreUnreachable(f"cannot reach the parameter server at {host}:{port} "
+                               f"within {timeout:.0f} s: {error}") from None
 
 
 def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
@@ -64,7 +61,7 @@ def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float
 
 
 def claim_shard_identity(index: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
-    """A PS shard's (RPC name, RPC id): `ps<index>`, then `ps<index>_r2`, ... (app.shards)."""
+    """A PS shard's (RPC name, RPC id): `ps<index>`, then `ps<index>_r2`, ... (app.ps.shards)."""
     incarnation, rpc_id = _claim(f"psc/incarnation/ps{index}", master_addr, master_port, timeout)
     return shard_name(index, incarnation), rpc_id
 
@@ -76,9 +73,8 @@ def _claim(key: str, master_addr: str, master_port: int, timeout: float) -> tupl
         store = connect(master_addr, master_port, timeout)
         return store.add(key, 1), store.add("psc/rpc_ids", 1)
     except (RuntimeError, ValueError) as error:  # DistError subclasses RuntimeError
-        reason = (str(error).strip().splitlines() or ["no answer"])[0]
         raise StoreUnreachable(f"cannot reach the parameter server at {master_addr}:{master_port} "
-                               f"within {timeout:.0f} s: {reason}") from None
+                               f"within {timeout:.0f} s: {runtime.first_line(error)}") from None
 
 
 def connect(master_addr: str, master_port: int, timeout: float) -> dist.TCPStore:
@@ -87,15 +83,15 @@ def connect(master_addr: str, master_port: int, timeout: float) -> dist.TCPStore
 
 
 def incarnation_name(rank: int, incarnation: int) -> str:
-    return f"worker{rank}" if incarnation == 1 else f"worker{rank}_r{incarnation}"
+    return worker_name(rank) if incarnation == 1 else f"{worker_name(rank)}_r{incarnation}"
 
 
 def shard_name(index: int, incarnation: int) -> str:
-    return f"ps{index}" if incarnation == 1 else f"ps{index}_r{incarnation}"
+    return ps_name(index) if incarnation == 1 else f"{ps_name(index)}_r{incarnation}"
 
 
 def is_shard_name(name: str) -> bool:
-    """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.shards)."""
+    """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.ps.shards)."""
     return re.fullmatch(r"ps\d+(_r\d+)?", name) is not None
 
 

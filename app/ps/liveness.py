@@ -24,8 +24,9 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from app import membership
-from app.ps import ParameterServer
+from app.contract import PS
+from app.ps import membership
+from app.ps.server import ParameterServer
 from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
@@ -36,17 +37,45 @@ TICK_UNLIST_SECONDS = 1.0
 Event = Callable[..., None]  # (event, **fields): a metrics line
 
 
-class Watch:
+class Pinger:
+    """Pings by RPC name without waiting, at most one in flight per name."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pinging: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ping(self, name: str, lost: Callable[[str], None]) -> None:
+        """Ping `name` (unless a ping of it is in flight); `lost(why)` when it fails."""
+        with self._lock:
+            if name in self._pinging:
+                return
+            self._pinging.add(name)
+        future = rpc.rpc_async(name, membership.pong, timeout=self.timeout)
+        future.add_done_callback(lambda f: self._answered(name, f, lost))
+
+    def _answered(self, name: str, future: Any, lost: Callable[[str], None]) -> None:
+        try:
+            future.wait()
+        except Exception as error:  # noqa: BLE001 - any failure: the process is gone or stuck
+            lost(first_line(error))
+        finally:
+            with self._lock:
+                self._pinging.discard(name)
+
+
+class LivenessMonitor:
+    """Admits workers (one live process per rank), pings quiet ones and drops the dead and the frozen."""
+
     FROZEN_PERIODS = 3  # rpc_timeout periods without a push before ssp/sync drop a live worker
 
     def __init__(self, server: ParameterServer, rpc_timeout: float, record: Event) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
-        self._pinging: set[str] = set()
-        self._lock = threading.Lock()
+        self._pinger = Pinger(rpc_timeout)
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
         server.on_back = self.back
-        # Called after a drop: a sharded PS forwards it to its other shards (app.shards).
+        # Called after a drop: a sharded PS forwards it to its other shards (app.ps.shardset).
         self.on_drop: Callable[[int, str], None] = lambda rank, name: None
 
     def join(self, rank: int, name: str) -> dict[str, Any]:
@@ -101,21 +130,7 @@ class Watch:
             self.drop(rank, name, f"no push for {quiet:.0f} s")
 
     def _ping_async(self, rank: int, name: str) -> None:
-        with self._lock:
-            if name in self._pinging:
-                return
-            self._pinging.add(name)
-        future = rpc.rpc_async(name, membership.pong, timeout=self.rpc_timeout)
-        future.add_done_callback(lambda f: self._pinged(rank, name, f))
-
-    def _pinged(self, rank: int, name: str, future: Any) -> None:
-        try:
-            future.wait()
-        except Exception as error:  # noqa: BLE001 - any failure: the process is gone or stuck
-            self.drop(rank, name, f"no answer to a ping ({first_line(error)})")
-        finally:
-            with self._lock:
-                self._pinging.discard(name)
+        self._pinger.ping(name, lambda why: self.drop(rank, name, f"no answer to a ping ({why})"))
 
     def _ping(self, name: str, timeout: float) -> str | None:
         """None when `name` answers within `timeout`, else why not."""
@@ -126,10 +141,10 @@ class Watch:
             return first_line(error)
 
     def _sweep(self, now: float) -> None:
-        """Take joined workers (not PS shards) off the store's member list (see app.membership) and free
+        """Take joined workers (not PS shards) off the store's member list (see app.ps.membership) and free
         the join token if a process died holding it for longer than the RPC timeout."""
-        # PS shards stay listed: every joiner must learn them (app.shards).
-        extra = [n for n in membership.listed() if n != "ps" and not membership.is_shard_name(n)]
+        # PS shards stay listed: every joiner must learn them (app.ps.shards).
+        extra = [n for n in membership.listed() if n != PS and not membership.is_shard_name(n)]
         if extra:
             membership.unlist(extra, TICK_UNLIST_SECONDS)
         holder = membership.token_holder()

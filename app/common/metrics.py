@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from app.config import Config
+from app.contract import RUN_ID_ENV, metrics_file
 
 
 class MetricsWriter:
@@ -15,7 +19,7 @@ class MetricsWriter:
     def __init__(self, metrics_dir: str, name: str, role: str, rank: int) -> None:
         directory = Path(metrics_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{name}.jsonl"
+        self.path = directory / metrics_file(name)
         self.role, self.rank = role, rank
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
         self._lock = threading.Lock()  # the PS writes from RPC threads too
@@ -25,6 +29,14 @@ class MetricsWriter:
                   "event": event, "step": step, **fields}
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
+
+    def start(self, config: Config, step: int = 0) -> None:
+        """The `start` record: what this process trains, as it starts (so a reader of the
+        metrics need not guess the run's settings)."""
+        self.write("start", step, name=config.name, strategy=config.strategy, batch_size=config.batch_size,
+                   world_size=config.world_size, workers=config.num_trainers, shards=config.shards,
+                   model=config.model, dataset=config.dataset, precision=config.precision,
+                   compress=config.compress, run_id=os.environ.get(RUN_ID_ENV, ""))
 
     def close(self) -> None:
         self._file.close()

@@ -1,0 +1,1 @@
+"""Pieces every role uses: data, models, the flat state vector, metrics, checkpoints, evaluation, the loop."""

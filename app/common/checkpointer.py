@@ -1,0 +1,127 @@
+"""A training state's checkpoints: resume from the newest good one, periodic, on exit, on a finish, final.
+
+Used by the PS (app.ps.process), a PS shard (app.ps.shard_process) and a DDP
+job's rank 0 (app.ddp): anything `Checkpointable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from app.common import checkpoint
+from app.common.metrics import MetricsWriter
+from app.config import Config
+from app.contract import worker_name
+
+log = logging.getLogger("app.ps")
+
+
+class Checkpointable(Protocol):
+    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.ddp.JobState)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def checkpoint(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Periodic, on-exit and final checkpoints of one training state (`server`)."""
+
+    def __init__(self, server: Checkpointable, config: Config, identity: dict[str, Any],
+                 metrics: MetricsWriter) -> None:
+        self.server, self.config, self.identity, self.metrics = server, config, identity, metrics
+        self.directory = Path(config.checkpoint_dir)
+        self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
+        self.saved_version = -1  # the version on disk already (written or resumed from)
+        # A sharded main PS: the other shards write theirs, labelled with this version, before
+        # this one is written (app.ps.shardset); raises if one could not.
+        self.before_save: Callable[[int], None] = lambda version: None
+        self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
+
+    def resume(self) -> None:
+        """Continue from the newest good checkpoint of an unfinished run of this model."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if checkpoint.remove_temp_files(self.directory):
+            log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
+        found = checkpoint.newest_good(self.directory)
+        if found is None:
+            return
+        path, state = found
+        defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.shards)
+        expected = {**defaults, **self.identity}
+        mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items()
+                    if state.get(k, defaults.get(k)) != v}
+        if state["finished"] or mismatch:
+            why = "it ended a finished run" if state["finished"] else f"it is of another job ({mismatch})"
+            log.info("not resuming from %s: %s; starting a new run", path.name, why)
+            return
+        self.server.restore(state)
+        self.saved_version = self.server.version
+        log.info("resumed from %s: version %d", path, state["version"])
+        self.metrics.write("resume", self.server.version, checkpoint=path.name)
+        if self.config.checkpoint_every:
+            self.next_version = self.server.version + self.config.checkpoint_every
+
+    def due(self) -> bool:
+        return 0 < self.next_version <= self.server.version
+
+    def finished(self, rank: int) -> None:
+        """Rank finished: checkpoint now (before it hears back), so a PS that crashes
+        before the next periodic checkpoint does not wait for it again."""
+        self.save(f"{worker_name(rank)} finished", always=True)
+
+    def save(self, why: str, always: bool = False) -> None:
+        """A periodic or on-exit checkpoint (`always`: even at the version on disk); a
+        failure (disk full...) is a warning, and the checkpoints already written stay."""
+        with self._lock:
+            self._save(why, always)
+
+    def _save(self, why: str, always: bool) -> None:
+        state = {**self.server.checkpoint(), **self.identity}
+        if state["version"] == self.saved_version and not always:
+            return
+        if self.config.checkpoint_every:
+            self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
+        start = time.monotonic()
+        try:
+            self.before_save(state["version"])
+            path = checkpoint.save(state, self.directory)
+        except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
+            log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
+                        state["version"], why, error)
+            return
+        seconds = time.monotonic() - start
+        self.saved_version = state["version"]
+        log.info("checkpoint %s (%s, %.2f s)", path.name, why, seconds)
+        self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
+
+    def final(self, model: dict[str, torch.Tensor] | None = None) -> None:
+        """final.pt, then the last checkpoint (marked finished); OSError naming the file
+        if one fails. A finished checkpoint therefore always has its final.pt; if only
+        final.pt was written, a restart resumes the (unfinished) run and writes both.
+
+        `model`: the whole model's state dict, for a sharded PS whose own state is a slice."""
+        state = {**self.server.checkpoint(), **self.identity}
+        final = self.directory / "final.pt"
+        saved = state
+        if model is not None:
+            saved = {k: v for k, v in state.items() if k not in ("vector", "part", "optimizer")}
+            saved["model"] = model
+        with self._lock:
+            try:
+                checkpoint.save_atomically(saved, final)
+            except OSError as error:
+                raise OSError(f"{final} not written ({error.strerror or error}); "
+                              "no checkpoint was marked finished") from None
+            log.info("saved %s (version %d)", final, state["version"])
+            checkpoint.save(state, self.directory)

@@ -1,0 +1,55 @@
+"""The values the app and the orchestrator must agree on, in one torch-free module.
+
+Choices of the app's flags, the names of a job's processes (RPC, metrics file
+and compose service) and the metrics' file names and events. Pure: standard
+library only, so the orchestrator imports it without torch.
+"""
+
+from __future__ import annotations
+
+ROLES = ("ps", "worker", "health", "check")
+STRATEGIES = ("async", "sync", "ssp", "allreduce")
+PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
+COMPRESSIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
+DEVICES = ("cpu", "cuda")
+
+ENV_PREFIX = "PSC_"          # every flag --x is also PSC_X in the environment
+RUN_ID_ENV = "PSC_RUN_ID"    # the run's id, written into the `start` record when set
+
+PS = "ps"                    # the main PS: RPC name, metrics file and compose service
+SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
+METRICS_SUFFIX = ".jsonl"
+# Metrics events (docs/design.md): what a process writes, one JSON object a line.
+EVENTS = ("start", "join", "train", "eval", "end", "checkpoint", "resume", "drop", "back",
+          "frozen", "refused", "shard", "shard_lost")
+
+
+def worker_name(rank: int) -> str:
+    """Worker `rank`'s name (1..N): its first RPC name, metrics file and compose service."""
+    return f"worker{rank}"
+
+
+def ps_name(shard: int = 0) -> str:
+    """PS shard `shard`'s RPC and metrics file name: `ps` for the main PS, else `ps<shard>`."""
+    return f"ps{shard}" if shard else PS
+
+
+def shard_service(index: int) -> str:
+    """The compose service of PS shard `index` >= 1."""
+    return SHARD_SERVICE.format(index=index)
+
+
+def metrics_file(name: str) -> str:
+    """The metrics file of the process named `name` (ps, ps1, worker2...)."""
+    return f"{name}{METRICS_SUFFIX}"
+
+
+def service_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
+    """The job's compose services in rank order: `ps`, its shards `ps-shard1..`, then the
+    workers; under allreduce the workers alone (rank r is `worker<r+1>`)."""
+    if strategy == "allreduce":
+        return [worker_name(r + 1) for r in range(world_size)]
+    ps = [PS] + [shard_service(i) for i in range(1, shards)]
+    return ps + [worker_name(r) for r in range(1, world_size - len(ps) + 1)]

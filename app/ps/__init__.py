@@ -1,0 +1,1 @@
+"""The parameter server: its state machine, RPC endpoints, members, checkpoints, shards and process."""

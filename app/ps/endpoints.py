@@ -1,0 +1,131 @@
+"""The RPC entry points of a PS process (`rpc_*`) and where they find what it serves.
+
+RPC runs plain functions by name, so what a process serves has to be reachable
+from them: `ENDPOINT` is the app's one piece of process-wide state, set only
+for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
+
+- Every PS process (the main PS and each shard): `rpc_join`, `rpc_pull`,
+  `rpc_push`, `rpc_finish` (workers call them), `rpc_drop` (the main PS
+  forwards a worker's drop to the shards).
+- The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
+- A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from app.ps.server import ParameterServer, Refusal
+
+Admit = Callable[[int, str], dict[str, Any]]          # (rank, name) -> the answer to a join
+Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
+SaveLabelled = Callable[[int], "str | None"]          # a shard writes its checkpoint labelled V
+
+
+class Endpoint:
+    """What this process serves; set while it serves, None otherwise."""
+
+    def __init__(self) -> None:
+        self.server: ParameterServer | None = None
+        self.join: Admit | None = None             # app.ps.liveness.LivenessMonitor.join on the main PS
+        self.register: Register | None = None      # the main PS of a sharded PS: ShardSet.register
+        self.resumed: int | None = None            # ... and the version of the checkpoint it resumed from
+        self.save_labelled: SaveLabelled | None = None  # a shard's checkpoint writer
+        self.ended = threading.Event()             # a shard: the main PS said training ended
+        self.finished = False                      # ... and whether every worker finished
+
+    @contextmanager
+    def serving(self, server: ParameterServer, join: Admit | None = None) -> Iterator[ParameterServer]:
+        self.server, self.join = server, join
+        try:
+            yield server
+        finally:
+            self.server, self.join = None, None
+
+    @contextmanager
+    def serving_main(self, register: Register | None, resumed: int | None = None) -> Iterator[None]:
+        """The main PS: shards register through `register` (None: --shards 1) and resume from
+        the checkpoint labelled `resumed` (None: a new run)."""
+        self.register, self.resumed = register, resumed
+        try:
+            yield
+        finally:
+            self.register, self.resumed = None, None
+
+    @contextmanager
+    def serving_shard(self, save_labelled: SaveLabelled) -> Iterator[None]:
+        """A shard: the main PS asks it to checkpoint through `save_labelled`."""
+        self.save_labelled = save_labelled
+        try:
+            yield
+        finally:
+            self.save_labelled = None
+
+    def get(self) -> ParameterServer:
+        if self.server is None:
+            raise RuntimeError("no parameter server is serving in this process")
+        return self.server
+
+
+ENDPOINT = Endpoint()
+
+
+def rpc_join(rank: int, name: str) -> dict[str, Any]:
+    """A worker process starts: the state to start from and its rank's progress (or `taken`)."""
+    server = ENDPOINT.get()
+    if ENDPOINT.join is not None:
+        return ENDPOINT.join(rank, name)
+    vector, version, progress = server.join(rank, name)
+    return {"vector": vector, "version": version, **progress}
+
+
+def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
+    return ENDPOINT.get().pull(rank)
+
+
+@rpc.functions.async_execution
+def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
+             epoch: int = 1, batch: int = 0, samples: int = 0, staleness: int | None = None) -> Future:
+    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
+    Any other error is raised here, and RPC hands it to the caller as an error."""
+    return ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
+
+
+def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
+    return ENDPOINT.get().finish(rank, pushes, name)
+
+
+def rpc_drop(rank: int, name: str) -> bool:
+    return ENDPOINT.get().drop(rank, name)
+
+
+def rpc_resumed() -> int | None:
+    """The version of the main PS's checkpoint every shard resumes from (None: a new run)."""
+    return ENDPOINT.resumed
+
+
+def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
+    """A shard announces itself to the main PS; an error line, or None."""
+    if ENDPOINT.register is None:
+        return "the main parameter server runs with --shards 1"
+    return ENDPOINT.register(index, name, k, part)
+
+
+def rpc_checkpoint(version: int) -> str | None:
+    """Write this shard's checkpoint labelled `version`; an error line, or None."""
+    if ENDPOINT.save_labelled is None:
+        return "this shard is not serving yet"
+    return ENDPOINT.save_labelled(version)
+
+
+def rpc_end(finished: bool) -> None:
+    """Training ended (`finished`: every worker finished): the shard saves and exits."""
+    ENDPOINT.finished = finished
+    ENDPOINT.ended.set()

@@ -1,0 +1,157 @@
+"""The PS process: resume, serve workers, evaluate, checkpoint, end.
+
+    resume from the newest good checkpoint (or start fresh)
+    join the job (rank 0 starts the RPC group)
+    until every worker finished (or the missing ones are past --join_timeout):
+        wait for pushes; ping quiet workers; evaluate every --eval_every updates;
+        checkpoint every --checkpoint_every updates
+    save final.pt, print Accuracy, Time (training: from every worker joined to
+    the last update applied) and Evaluation (the final evaluation's seconds)
+
+On SIGTERM (or any failure) the PS checkpoints before it exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from torch import nn
+
+from app.common import data, models, plugins
+from app.common.checkpointer import Checkpointer
+from app.common.evaluate import Evaluator
+from app.common.flat import state_size
+from app.common.metrics import MetricsWriter
+from app.config import Config
+from app.contract import PS
+from app.ps import shard_process
+from app.ps.endpoints import ENDPOINT
+from app.ps.liveness import LivenessMonitor
+from app.ps.server import ParameterServer
+from app.ps.shards import bounds
+from app.ps.shardset import ShardSet
+from app.runtime import choose_device, progress, rpc_session
+
+log = logging.getLogger("app.ps")
+TICK_SECONDS = 1.0
+
+
+def run(config: Config) -> int:
+    """The PS process; 0 when training ended, 1 when no worker ever finished."""
+    if config.shard:
+        return shard_process.run(config)
+    device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
+    models.check(config.model)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache)
+    log.info("held-out split: %s", data.describe(held_out))
+
+    def build() -> nn.Module:
+        return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+
+    model = build()
+    if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
+        plugins.load_weights(model, config.init_weights)
+    part = bounds(state_size(model), config.shards)[0] if config.shards > 1 else None
+    server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
+                             strategy=config.strategy, staleness=config.staleness,
+                             staleness_lr=config.staleness_lr, part=part)
+    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.loader_workers), device)
+    log.info("model %s: %d parameters, %d buffer values", config.model,
+             server.flat.num_params, server.flat.num_buffers)
+    # `trainer: ps` keeps a PS from resuming an allreduce job's checkpoint (app.ddp).
+    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
+                    num_classes=held_out.num_classes, world_size=config.world_size, trainer="ps")
+    if part is not None:
+        identity.update(shards=config.shards, shard=0)
+        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
+    with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
+        checkpoints = Checkpointer(server, config, identity, metrics)
+        checkpoints.resume()
+        metrics.start(config, server.version)
+        server.on_finish = checkpoints.finished
+        liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write)
+        others = ShardSet(config.shards, server.flat.size, config, metrics.write) if part is not None else None
+        join = liveness.join
+        if others is not None:
+            liveness.on_drop = others.drop
+            join = functools.partial(others.join, liveness.join)
+            checkpoints.before_save = others.checkpoint
+        resumed = checkpoints.saved_version if checkpoints.saved_version >= 0 else None
+        with ENDPOINT.serving(server, join=join), \
+                ENDPOINT.serving_main(others.register if others is not None else None, resumed), \
+                rpc_session(config, rank=0):
+            try:
+                train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
+            except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
+                checkpoints.save("on exit")
+                raise
+            if not server.roster.all_finished:
+                log.warning("ending without %s: not back within --join_timeout %.0f s",
+                            ", ".join(f"rank {m.rank}" for m in server.roster.missing()), config.join_timeout)
+            if not server.finished:
+                log.error("no worker finished its epochs; nothing to save as final")
+                if others is not None:
+                    others.end(finished=False)
+                return 1
+            if others is None:
+                checkpoints.final()
+            else:
+                vector, version = _gather_final(server, others, config.rpc_timeout)
+                checkpoints.final(evaluate.state_dict(vector))
+                others.end(finished=server.all_finished)
+        if others is None:
+            vector, version = server.snapshot()
+        evaluated = time.monotonic()
+        accuracy, loss = evaluate(vector)
+        eval_seconds = time.monotonic() - evaluated
+        seconds = server.training_seconds() or 0.0
+        progress.info("Accuracy: %.4f", accuracy)
+        progress.info("Time: %.2f seconds", seconds)
+        progress.info("Evaluation: %.2f seconds", eval_seconds)
+        metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                      seconds=round(seconds, 2), eval_seconds=round(eval_seconds, 2),
+                      samples=server.samples, strategy=config.strategy, **server.stats(), **data.skipped(held_out.data))
+    return 0
+
+
+def _gather_final(server: ParameterServer, others: ShardSet, timeout: float) -> tuple[torch.Tensor, int]:
+    """The whole trained vector from every shard, retried for up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        own, version = server.snapshot()
+        vector = others.gather(own)
+        if vector is not None:
+            return vector, version
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shards' values could not be gathered within {timeout:.0f} s; "
+                               "final.pt not written")
+        time.sleep(1.0)
+
+
+def train_until_done(server: ParameterServer, liveness: LivenessMonitor, checkpoints: Checkpointer,
+                     evaluate: Evaluator, metrics: MetricsWriter, config: Config,
+                     others: ShardSet | None = None) -> None:
+    """Serve until every worker finished, or the missing ones are past --join_timeout."""
+    next_eval = (server.version // config.eval_every + 1) * config.eval_every
+    while not server.done():
+        wake_at = min(next_eval, checkpoints.next_version or next_eval)
+        server.wait(wake_at, timeout=TICK_SECONDS)
+        liveness.tick()
+        if others is not None:
+            others.tick()
+        server.unblock()
+        if server.version >= next_eval and not server.all_finished:
+            vector, version = server.snapshot()
+            if others is not None:
+                vector = others.gather(vector)  # None: a shard did not answer (one warning)
+            if vector is not None:
+                accuracy, loss = evaluate(vector)
+                progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
+                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
+                              samples=server.samples)
+            next_eval = (version // config.eval_every + 1) * config.eval_every
+        if checkpoints.due():
+            checkpoints.save("every %d updates" % config.checkpoint_every)

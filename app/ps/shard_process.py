@@ -1,0 +1,133 @@
+"""A PS shard's process (`python -m app ps --shard I`, app.ps.shards): claim a name, join,
+resume from the checkpoint the main PS names, register, serve its slice until the main PS
+says training ended."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from app.common import checkpoint, data, models, plugins
+from app.common.checkpointer import Checkpointer
+from app.common.flat import state_size
+from app.common.metrics import MetricsWriter
+from app.config import Config, UsageError
+from app.contract import PS
+from app.ps import endpoints, membership
+from app.ps.endpoints import ENDPOINT
+from app.ps.server import ParameterServer
+from app.ps.shards import MainPSLost, bounds
+from app.runtime import first_line, rpc_session
+
+log = logging.getLogger("app.ps")
+PING_SECONDS = 1.0
+TICK_SECONDS = 0.25
+
+
+def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint in `directory` labelled `version` by the main PS."""
+    for path in checkpoint.listing(directory):
+        try:
+            state = checkpoint.verify(path)
+        except (ValueError, OSError) as error:
+            log.warning("skipping checkpoint %s: %s", path, error)
+            continue
+        if state.get("label") == version:
+            return path, state
+    return None
+
+
+def resume_shard(server: ParameterServer, directory: str | Path, version: int | None) -> str:
+    """Restore the shard's checkpoint labelled `version` (the main PS's); what was done, for the log.
+    RuntimeError (exit 1) when this shard has none labelled so."""
+    if version is None:
+        return "the main parameter server starts a new run: starting from the initial values"
+    found = checkpoint_labelled(directory, version)
+    if found is None:
+        raise RuntimeError(f"no checkpoint labelled {version} in {directory}: cannot resume with the "
+                           "main parameter server's checkpoint at that version")
+    path, state = found
+    server.restore(state)
+    return f"resumed from {path.name} (the main parameter server's version {version})"
+
+
+def run(config: Config) -> int:
+    """Shard `config.shard` of `config.shards`: serve its slice until the main PS says the end."""
+    index, k = config.shard, config.shards
+    models.check(config.model)
+    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
+    model = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+    if config.init_weights:  # this shard's slice starts from the same weights as the main PS's
+        plugins.load_weights(model, config.init_weights)
+    part = bounds(state_size(model), k)[index]
+    server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
+                             strategy=config.strategy, staleness=config.staleness,
+                             staleness_lr=config.staleness_lr, part=part)
+    log.info("shard %d of %d: values %d..%d of %d (%d parameter values)", index, k, *part,
+             server.flat.size, server.num_params)
+    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
+                    num_classes=held_out.num_classes, world_size=config.world_size, shards=k, shard=index)
+    own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
+    address = f"{config.master_addr}:{config.master_port}"
+    ENDPOINT.ended.clear()
+    ENDPOINT.finished = False
+    own = dataclasses.replace(own, checkpoint_every=0)  # the main PS says when (rpc_checkpoint)
+    with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
+        checkpoints = Checkpointer(server, own, identity, metrics)
+        Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_temp_files(own.checkpoint_dir)
+        name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
+                                                       config.rpc_timeout)
+        metrics.start(config)
+        with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
+            try:
+                resumed = rpc.rpc_sync(PS, endpoints.rpc_resumed, timeout=config.rpc_timeout)
+            except RuntimeError as lost:
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
+            log.info("%s: %s", name, resume_shard(server, own.checkpoint_dir, resumed))
+            with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
+                try:
+                    error = rpc.rpc_sync(PS, endpoints.rpc_register, args=(index, name, k, part),
+                                         timeout=config.rpc_timeout)
+                except RuntimeError as lost:
+                    raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
+                if error:
+                    raise UsageError(error)
+                _serve_until_ended(server, checkpoints, config, address)
+            state = {**server.checkpoint(), **identity, "finished": ENDPOINT.finished}
+            path = checkpoint.save(state, own.checkpoint_dir)
+            log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
+        metrics.write("end", server.version, **server.stats())
+    return 0
+
+
+def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, config: Config, address: str) -> None:
+    last_ping = time.monotonic()
+    while not ENDPOINT.ended.is_set():
+        server.wait(checkpoints.next_version or server.version + (1 << 62), timeout=TICK_SECONDS)
+        server.unblock()
+        if time.monotonic() - last_ping >= PING_SECONDS and not ENDPOINT.ended.is_set():
+            try:
+                rpc.rpc_sync(PS, membership.pong, timeout=config.rpc_timeout)
+            except RuntimeError as error:
+                if ENDPOINT.ended.is_set():
+                    return
+                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
+            last_ping = time.monotonic()
+
+
+def _save_labelled(server: ParameterServer, identity: dict[str, Any], directory: str, version: int) -> str | None:
+    """This shard's checkpoint, labelled with the main PS's `version`; an error line, or None."""
+    try:
+        path = checkpoint.save({**server.checkpoint(), **identity, "label": version}, directory)
+    except OSError as error:
+        log.warning("checkpoint labelled %d not written: %s", version, error)
+        return first_line(error)
+    log.info("checkpoint %s (labelled %d by the main parameter server)", path.name, version)
+    return None

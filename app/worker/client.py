@@ -1,0 +1,90 @@
+"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from app.config import UsageError
+from app.contract import PS, worker_name
+from app.ps import endpoints
+from app.ps.server import Refusal, Reply
+from app.runtime import first_line
+
+
+class PSUnreachable(RuntimeError):
+    """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
+
+
+class PSClient:
+    """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout
+    (a push under ssp or sync may also wait `push_wait` for the slowest worker)."""
+
+    def __init__(self, rank: int, timeout: float, address: str, name: str = "",
+                 push_wait: float = 0.0) -> None:
+        self.rank, self.timeout, self.address = rank, timeout, address
+        self.name = name or worker_name(rank)
+        self.push_timeout = timeout + push_wait
+
+    def join(self) -> dict[str, Any]:
+        """The state to start from and this rank's progress; UsageError if the rank is taken."""
+        answer = self._call(endpoints.rpc_join, self.rank, self.name)
+        if "taken" in answer:
+            raise UsageError(answer["taken"])
+        return answer
+
+    def pull(self) -> tuple[torch.Tensor, int]:
+        return self._call(endpoints.rpc_pull, self.rank)
+
+    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
+             samples: int = 0) -> Reply:
+        return self.push_async(message, version, epoch, batch, samples).wait()
+
+    def push_async(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
+                   samples: int = 0) -> "PendingPush":
+        """Send a push now; `.wait()` on the result gives the Reply."""
+        args = (self.rank, message, version, self.name, epoch, batch, samples)
+        try:
+            future = rpc.rpc_async(PS, endpoints.rpc_push, args=args, timeout=self.push_timeout)
+        except RuntimeError as error:
+            raise self.lost(endpoints.rpc_push, error) from error
+        return PendingPush(self, future, message)
+
+    def finish(self, pushes: int) -> None:
+        refused(self._call(endpoints.rpc_finish, self.rank, pushes, self.name))
+
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return rpc.rpc_sync(PS, function, args=args, timeout=self.timeout)
+        except RuntimeError as error:
+            raise self.lost(function, error) from error
+
+    def lost(self, function: Callable[..., Any], error: BaseException) -> PSUnreachable:
+        """The error to raise when `function` failed: the PS is gone, or did not answer in time."""
+        return PSUnreachable(f"lost the parameter server at {self.address} "
+                             f"during {function.__name__}: {first_line(error)}")
+
+
+def refused(answer: Any) -> Any:
+    """The PS's answer, unless it refused because a newer process replaced this one
+    (UsageError: exit 2); a `nonfinite` Refusal is returned for the caller to skip."""
+    if isinstance(answer, Refusal) and answer.kind == "stale":
+        raise UsageError(answer.message)
+    return answer
+
+
+class PendingPush:
+    """A push on the wire; holds its message until the reply came (RPC sends from it)."""
+
+    def __init__(self, client: PSClient, future: Any, message: torch.Tensor) -> None:
+        self.client, self.future, self.message = client, future, message
+
+    def wait(self) -> Reply | Refusal:
+        try:
+            answer = self.future.wait()
+        except RuntimeError as error:
+            raise self.client.lost(endpoints.rpc_push, error) from error
+        return refused(answer)

@@ -1,0 +1,155 @@
+"""A worker's client of a sharded PS (app.ps.shards): PSClient's interface over K PS processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from app.config import UsageError
+from app.contract import PS
+from app.ps import endpoints, membership
+from app.ps.server import Refusal, Reply
+from app.ps.shards import READY_KEY
+from app.runtime import first_line
+from app.worker.client import PSClient, PSUnreachable, refused
+from app.worker.compress import Compressor
+
+POLL_SECONDS = 0.1
+
+
+def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None:
+    """Before a worker joins the RPC group: until every shard has registered with the main PS
+    (so the join makes this process known to every shard, and them to it)."""
+    store = membership.connect(master_addr, master_port, timeout)
+    deadline = time.monotonic() + timeout
+    while not store.check([READY_KEY]):
+        if time.monotonic() > deadline:
+            raise membership.StoreUnreachable(
+                f"the parameter server at {master_addr}:{master_port} did not get all its shards "
+                f"within {timeout:.0f} s")
+        time.sleep(POLL_SECONDS)
+
+
+class ShardedClient:
+    """PSClient's interface over K PS processes; a version is a tuple, one per shard.
+
+    `chained` (--staleness_lr): a push goes to the main PS first; the other slices
+    follow once its reply came, carrying the staleness the main PS computed, so
+    every slice of a push is scaled alike. Otherwise every slice goes at once."""
+
+    def __init__(self, main: PSClient, chained: bool = False) -> None:
+        self.main, self.chained = main, chained
+        self.rank, self.name = main.rank, main.name
+        self.parts: list[tuple[str, int, int]] = []
+        self.num_params = 0  # where a compressed message's float32 buffers start
+
+    def join(self) -> dict[str, Any]:
+        """Join every shard; the main PS's answer (the authority on progress) with the whole
+        vector and one version per shard."""
+        answer = self.main.join()
+        if "wait" in answer:  # a shard restarts: start again once it is back
+            raise self.main.lost(endpoints.rpc_join, RuntimeError(answer["wait"]))
+        self.parts = [(PS, *answer["part"])] + [tuple(s) for s in answer["shards"]]
+        slices, versions = [answer["vector"]], [answer["version"]]
+        for name, _, _ in self.parts[1:]:
+            got = self._call(name, endpoints.rpc_join, self.rank, self.name)
+            if "taken" in got:
+                raise UsageError(got["taken"])
+            slices.append(got["vector"])
+            versions.append(got["version"])
+        return {**answer, "vector": torch.cat(slices), "version": tuple(versions)}
+
+    def push(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
+             samples: int = 0) -> Reply:
+        return self.push_async(message, version, epoch, batch, samples).wait()
+
+    def push_async(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
+                   samples: int = 0) -> "ShardedPush | Refusal":
+        """Send every slice (the main PS's only, when chained); a non-finite message is
+        refused here, before any shard applies a slice of it."""
+        if not bool(torch.isfinite(message[:self.num_params] if message.dtype != torch.float32
+                                   else message).all()):
+            return _Refused(Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); "
+                                       "the push was not sent"))
+        sends = [(name, self._part(message, start, end), pulled)
+                 for (name, start, end), pulled in zip(self.parts, version)]
+        rest = sends[1:] if self.chained else []
+        return ShardedPush(self, [self.send(*s, epoch, batch, samples) for s in sends[:len(sends) - len(rest)]],
+                           rest, (epoch, batch, samples))
+
+    def _part(self, message: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Values start..end of the message, contiguous: only its own bytes go on the wire."""
+        if message.dtype != torch.float32:  # --compress (app.worker.compress.Compressor)
+            return Compressor.slice(message, self.num_params, start, end).clone()
+        return message[start:end].clone()
+
+    def send(self, name: str, part: torch.Tensor, pulled: int, epoch: int, batch: int, samples: int,
+             staleness: int | None = None) -> tuple[str, Any]:
+        args = (self.rank, part, pulled, self.name, epoch, batch, samples, staleness)
+        try:
+            return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
+        except RuntimeError as error:
+            raise self.lost(name, endpoints.rpc_push, error) from error
+
+    def finish(self, pushes: int) -> None:
+        """The other shards first: once the main PS hears the last finish, it ends them."""
+        for name, _, _ in self.parts[1:]:
+            refused(self._call(name, endpoints.rpc_finish, self.rank, pushes, self.name))
+        self.main.finish(pushes)
+
+    def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)
+        except RuntimeError as error:
+            raise self.lost(name, function, error) from error
+
+    def lost(self, name: str, function: Callable[..., Any], error: BaseException) -> Exception:
+        if name == PS:
+            return self.main.lost(function, error)
+        return PSUnreachable(f"lost parameter server shard {name} (job at {self.main.address}) "
+                             f"during {function.__name__}: {first_line(error)}")
+
+
+class _Refused:
+    """A push refused before it was sent; `wait` gives the Refusal."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+
+    def wait(self) -> Refusal:
+        return self.refusal
+
+
+class ShardedPush:
+    """A push on the wire to every shard; `wait` gives one Reply for the whole vector
+    (staleness and lead: the main PS's). `rest`: the slices still to send once the
+    main PS answered, with its staleness (ShardedClient.chained)."""
+
+    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]],
+                 rest: list[tuple[str, torch.Tensor, int]] | None = None,
+                 progress: tuple[int, int, int] = (1, 0, 0)) -> None:
+        self.client, self.futures, self.rest, self.progress = client, futures, rest or [], progress
+
+    def wait(self) -> Reply | Refusal:
+        replies = [self._wait(*self.futures[0])]
+        if isinstance(replies[0], Refusal):
+            return replies[0]
+        sent = [self.client.send(name, part, pulled, *self.progress, staleness=replies[0].staleness)
+                for name, part, pulled in self.rest]
+        for name, future in self.futures[1:] + sent:
+            replies.append(self._wait(name, future))
+        for reply in replies:
+            if isinstance(refused(reply), Refusal):
+                return reply
+        vector = torch.cat([r.vector for r in replies])
+        return Reply(vector, tuple(r.version for r in replies), replies[0].staleness, replies[0].lead)
+
+    def _wait(self, name: str, future: Any) -> Reply | Refusal:
+        try:
+            return refused(future.wait())
+        except RuntimeError as error:
+            raise self.client.lost(name, endpoints.rpc_push, error) from error

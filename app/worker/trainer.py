@@ -1,0 +1,164 @@
+"""A worker: pull parameters, forward, backward, push the flat gradient, receive
+fresh parameters; on its own shard of the data, for its epochs.
+
+With --overlap (async, ssp) the push of batch t and the pull of the fresh
+state travel while batch t+1 runs on the state the worker has; with
+--compress bf16|fp16 the gradient crosses the wire in 16 bits and what the
+rounding lost is added to the next gradient (error feedback); the buffers
+(BatchNorm running stats) cross in float32.
+
+A push the PS refuses because it holds NaN or inf changes nothing: the worker
+counts it, keeps its state and goes on with the next batch; after
+MAX_REFUSED_IN_A_ROW refusals in a row it gives up (exit 1, one line: the
+training diverged). A refusal because a newer process replaced this one ends
+the worker with exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from app import runtime
+from app.common import data, loop
+from app.common.flat import FlatModel
+from app.common.metrics import MetricsWriter
+from app.config import Config
+from app.ps.server import Refusal, Reply
+from app.worker.client import PendingPush, PSClient
+from app.worker.compress import Compressor
+
+log = logging.getLogger("app.worker")
+MAX_REFUSED_IN_A_ROW = 20
+
+
+class Trainer:
+    """The training loop of one worker; `train()` returns the number of pushes."""
+
+    def __init__(self, config: Config, model: nn.Module, loader: torch.utils.data.DataLoader,
+                 sampler: data.ShardSampler, device: torch.device, client: PSClient,
+                 metrics: MetricsWriter) -> None:
+        self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
+        self.device, self.client, self.metrics = device, client, metrics
+        self.flat = FlatModel(model)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.format = runtime.memory_format(config, device)
+        # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
+        # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
+        # The scaler needs an optimizer to unscale through: a local one, never stepped.
+        self.scaler = (torch.amp.GradScaler("cuda") if config.precision == "fp16" else None)
+        self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
+        self.skipped = 0  # fp16: batches not pushed (gradient overflow)
+        self.compress = (Compressor(config.compress, self.flat.num_params, device)
+                         if config.compress != "none" else None)
+        wire_dtype = self.compress.dtype if self.compress else torch.float32
+        # RPC carries CPU tensors only: a GPU worker stages its message here
+        # (two buffers, used by pushes sent in turn: with --overlap one is on the wire
+        # while the next fills).
+        wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
+        self.staging = ([torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
+                        if device.type == "cuda" else None)
+        self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
+        self.version = 0
+        self.pushes = 0   # pushes answered (this process and the rank's earlier ones)
+        self.sent = 0     # pushes sent by this process
+        self.refused = 0  # pushes the PS refused (non-finite values)
+        self._refused_in_a_row = 0
+        self.reporter = loop.Reporter(config.name, config.log_every, metrics)
+
+    def train(self, start: dict[str, Any]) -> int:
+        """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
+        self.model.train()
+        self.flat.adopt(start["vector"])
+        self.version, self.pushes = start["version"], start["pushes"]
+        for epoch, batch, x, y in loop.resume_batches(self.loader, self.sampler, self.config.data_dir,
+                                                      start["epoch"], start["batch"],
+                                                      self.config.num_epochs, self.config.batch_size):
+            loss = self.compute_gradients(x, y)
+            if loss is None:  # fp16: the gradient overflowed; the scale is halved
+                continue
+            reply = self.push_and_pull(epoch, batch, len(y))
+            fields = {"staleness": reply.staleness, "lead": reply.lead} if reply is not None else {}
+            self.reporter.batch_done(self.loader, self.pushes, epoch, batch, len(y), loss, **fields)
+            if self.reached_max_steps():
+                break
+        return self.last_reply()
+
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Forward (under --precision's autocast) and backward; the float32 gradient lands in
+        self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
+        x, y = loop.on_device(x, y, self.loader, self.device, self.format)
+        self.flat.zero_grads()
+        with runtime.autocast(self.config.precision, self.device):
+            loss = self.loss_fn(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            return loss.item()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self._unscaler)
+        overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())
+        self.scaler.update()
+        if overflow:
+            self.skipped += 1
+            return None
+        return loss.item()
+
+    def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply | None:
+        """Send [grads | buffers] as one tensor (and where this worker is: `batch` of
+        `epoch` done); continue from the fresh state the PS answers.
+
+        With --overlap, the reply waited for is the previous push's, and this push
+        stays on the wire while the next batch runs; None on the first push.
+        """
+        message = self.flat.pack_message()
+        if self.compress is not None:
+            message = self.compress(message)
+        if self.staging is not None:  # the other buffer may still be on the wire
+            message = self.staging[self.sent % 2].copy_(message)
+        elif self.config.overlap and message is self.flat.message:
+            message = message.clone()  # the next backward writes into flat.message
+        self.sent += 1
+        if not self.config.overlap:
+            return self._take(self.client.push(message, self.version, epoch, batch, samples))
+        computed_on = self.version  # the state this gradient comes from, before the reply below
+        reply = self._wait_in_flight()
+        self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples)
+        return reply
+
+    def last_reply(self) -> int:
+        """The end of training: take the reply still on the wire (--overlap); the pushes made."""
+        self._wait_in_flight()
+        return self.pushes
+
+    def _wait_in_flight(self) -> Reply | None:
+        pending, self.in_flight = self.in_flight, None
+        return self._take(pending.wait()) if pending is not None else None
+
+    def _take(self, reply: Reply | Refusal) -> Reply | None:
+        """Continue from the reply's state; a refused push (non-finite) is skipped: None."""
+        if isinstance(reply, Refusal):
+            return self._skip(reply)
+        self._refused_in_a_row = 0
+        self.flat.adopt(reply.vector)  # the received tensor is ours: no copy
+        self.version = reply.version
+        self.pushes += 1
+        return reply
+
+    def _skip(self, refusal: Refusal) -> None:
+        self.refused += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise RuntimeError(f"{self._refused_in_a_row} pushes in a row were refused ({refusal.message}): "
+                               "training diverged; try a lower --lr")
+        if self.refused == 1:
+            log.warning("%s; skipping that batch (refusals are counted in the metrics)", refusal.message)
+        if self.metrics is not None:
+            self.metrics.write("refused", self.pushes, refused=self.refused)
+        return None
+
+    def reached_max_steps(self) -> bool:
+        sent = self.pushes + (self.in_flight is not None)
+        return 0 < self.config.max_steps <= sent

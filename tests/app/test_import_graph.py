@@ -1,0 +1,156 @@
+"""The app's layout: the import graph of app.* has no cycle (imports inside functions count),
+no module uses another app module's private names, and the contract module is torch-free."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "app"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def app_modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(APP.rglob("*.py"))}
+
+
+def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The absolute module a `from X import ...` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(modules: dict[str, tuple[Path, ast.Module]]) -> dict[str, list[tuple[str, str, int]]]:
+    """{module: [(imported app module, name imported from it or "", line)]}, from every
+    import statement anywhere in the module (functions, TYPE_CHECKING blocks...)."""
+    found: dict[str, list[tuple[str, str, int]]] = {m: [] for m in modules}
+    for name, (path, tree) in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = alias.name
+                    while target and target not in modules:
+                        target = target.rpartition(".")[0]
+                    if target:
+                        found[name].append((target, "", node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                source = resolve(node, name, path.name == "__init__.py")
+                if source not in modules:
+                    continue
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    if submodule in modules:
+                        found[name].append((submodule, "", node.lineno))
+                    else:
+                        found[name].append((source, alias.name, node.lineno))
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_app_import_graph_has_no_cycle():
+    modules = app_modules()
+    assert {"app.contract", "app.common.loop", "app.ps.server", "app.worker.trainer"} <= set(modules)
+    edges = imports(modules)
+    graph = {m: {target for target, _, _ in found if target != m} for m, found in edges.items()}
+    assert sum(len(targets) for targets in graph.values()) > 50  # the walk sees the imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_app_module_uses_another_ones_private_names():
+    modules = app_modules()
+    offences = []
+    for name, found in imports(modules).items():
+        offences += [f"{name}:{line} imports {target}.{imported}" for target, imported, line in found
+                     if imported.startswith("_") and target != name]
+        path, tree = modules[name]
+        bound = {}  # local name -> the app module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = resolve(node, name, path.name == "__init__.py")
+                for alias in node.names:
+                    if f"{source}.{alias.name}" in modules:
+                        bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in modules:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound and node.attr.startswith("_") and not node.attr.startswith("__")):
+                offences.append(f"{name}:{node.lineno} uses {bound[node.value.id]}.{node.attr}")
+    assert offences == [], "\n".join(offences)
+
+
+def test_no_two_letter_aliases_of_the_project_modules_in_app_and_bench():
+    aliases = []
+    for path in sorted([*APP.rglob("*.py"), *(REPO / "bench").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("app", "orchestrator", "bench"):
+                aliases += [f"{path.name}: {a.name} as {a.asname}" for a in node.names if a.asname and len(a.asname) <= 2]
+            elif isinstance(node, ast.Import):
+                aliases += [f"{path.name}: {a.name} as {a.asname}" for a in node.names
+                            if a.name.split(".")[0] in ("app", "orchestrator", "bench") and a.asname and len(a.asname) <= 2]
+    assert aliases == [], "\n".join(aliases)
+
+
+@pytest.mark.parametrize("module", ["app.contract", "app.config"])
+def test_the_contract_and_the_config_import_without_torch(module):
+    tree = ast.parse((APP / (module.split(".")[1] + ".py")).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] in ("torch", "torchvision", "numpy")]
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_contract_module_imports_nothing_of_the_app():
+    tree = ast.parse((APP / "contract.py").read_text())
+    sources = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    sources += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert [s for s in sources if s != "__future__"] == []
