@@ -32,28 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from orchestrator import UsageError
+from orchestrator.errors import UsageError
+from orchestrator.metrics.records import Record, read_jsonl
 
 THRESHOLD = 0.90
 GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
 
-Record = dict[str, Any]
-
-
 # --- reading --------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[Record]:
-    """The records of one metrics file; bad or partial lines (a crash mid-write) are skipped."""
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("time"), (int, float)):
-            out.append(rec)
-    return out
-
 
 def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[Record], int]:
     """The records of the file's last run, and how many earlier records were left out."""
