@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional
 
+from orchestrator.spec.contract import NO_PS_STRATEGY, rpc_name
 from orchestrator.spec.topology import Topology
 
 Role = Literal["ps", "worker"]
@@ -29,7 +30,7 @@ def worker_service(rank: int) -> str:
 
 def has_ps(t: Topology) -> bool:
     """Every strategy but allreduce runs a PS."""
-    return t.train.strategy != "allreduce"
+    return t.train.strategy != NO_PS_STRATEGY
 
 
 def rendezvous_service(t: Topology) -> str:
@@ -97,9 +98,7 @@ def services(t: Topology) -> list[Service]:
 
 def metrics_file(role: Role, rank: int, shard: int) -> str:
     """The file the app names after its RPC name: ps.jsonl, ps<shard>.jsonl, worker<rank>.jsonl."""
-    if role == "ps":
-        return f"ps{shard or ''}.jsonl"
-    return f"worker{rank}.jsonl"
+    return f"{rpc_name(role, rank, shard)}.jsonl"
 
 
 def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu: Optional[int]) -> Optional[Service]:
