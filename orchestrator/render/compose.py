@@ -99,7 +99,7 @@ def app_environment(
         "PSC_SEED": str(tr.seed),
         "PSC_EVAL_EVERY": str(tr.eval_every),
         "PSC_LOG_EVERY": str(tr.log_every),
-        "PSC_NUM_WORKERS": str(tr.loader_workers),
+        "PSC_LOADER_WORKERS": str(tr.loader_workers),
         "PSC_RPC_TIMEOUT": str(t.ps.rpc_timeout),
         "PSC_JOIN_TIMEOUT": str(t.ps.join_timeout),
         "PSC_CHECKPOINT_EVERY": str(t.ps.checkpoint_every),
@@ -109,15 +109,15 @@ def app_environment(
     })
     if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
         env["NCCL_SOCKET_IFNAME"] = ifname
-    if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
+    if t.ps.shards > 1:  # every process must know; absent for an unsharded PS
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
         env["PSC_IMAGE_SIZE"] = str(tr.image_size)
-    if tr.image_cache:  # only when on: renders without it stay as they were
+    if tr.image_cache:  # absent when off (the app's default)
         env["PSC_IMAGE_CACHE"] = "true"
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
-    if tr.precision != "fp32":  # rendered only when set: fp32 files render as before
+    if tr.precision != "fp32":  # absent for fp32 (the app's default)
         env["PSC_PRECISION"] = tr.precision
     if tr.channels_last:
         env["PSC_CHANNELS_LAST"] = "true"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from orchestrator.metrics.records import parse_lines
-from orchestrator.spec import services as sv
+from orchestrator.spec.services import Service, from_container, sort_key
 
 # Labels compose (v1 and v2) puts on every container it creates.
 LABEL_PROJECT = "com.docker.compose.project"
@@ -52,23 +52,23 @@ def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def status_services(configured: Sequence[sv.Service], containers: Sequence[dict[str, Any]],
-                    ) -> list[tuple[sv.Service, Optional[dict[str, Any]]]]:
+def status_services(configured: Sequence[Service], containers: Sequence[dict[str, Any]],
+                    ) -> list[tuple[Service, Optional[dict[str, Any]]]]:
     """What `status` lists: every container of the project (`docker inspect` attrs),
     described by its own labels and environment, and every configured service that
     has no container (attrs None); one entry per service name, in rank order.
 
     Of several containers of one service, a one-off (`compose run`) counts only when
     there is no other; among equals, the newest (`Created`) counts."""
-    chosen: dict[str, tuple[sv.Service, dict[str, Any]]] = {}
+    chosen: dict[str, tuple[Service, dict[str, Any]]] = {}
     ranked = sorted(containers, key=lambda a: (not _one_off(a), a.get("Created") or ""))
     for attrs in ranked:  # the best last: it overwrites
-        s = sv.from_container(attrs, LABEL_SERVICE)
+        s = from_container(attrs, LABEL_SERVICE)
         if s is not None:
             chosen[s.name] = (s, attrs)
-    listed: list[tuple[sv.Service, Optional[dict[str, Any]]]] = list(chosen.values())
+    listed: list[tuple[Service, Optional[dict[str, Any]]]] = list(chosen.values())
     listed += [(s, None) for s in configured if s.name not in chosen]
-    return sorted(listed, key=lambda pair: sv.sort_key(pair[0]))
+    return sorted(listed, key=lambda pair: sort_key(pair[0]))
 
 
 def _one_off(attrs: dict[str, Any]) -> bool:

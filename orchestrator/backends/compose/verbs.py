@@ -27,14 +27,14 @@ import yaml
 from orchestrator import doctor, images
 from orchestrator.backends import smoke as smoke_run
 from orchestrator.backends.compose import adapter
-from orchestrator.backends.compose.status import (
-    container_state, format_status, service_row, status_services,
-)
+from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
 from orchestrator.errors import engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
-from orchestrator.spec import services as sv
+from orchestrator.spec.services import (
+    PS_SERVICE, Service, describe, from_compose, rendezvous_service, service_names, services,
+)
 from orchestrator.spec.topology import Topology, load_with
 from orchestrator.spec.usercode import check_paths
 
@@ -107,7 +107,7 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
     found = adapter.detect()
     path = Path(tg.project.file)
     wrote = render_if_needed(t, path)
-    print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}: {sv.describe(t)}, "
+    print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}: {describe(t)}, "
           f"project {tg.project.name}", file=out, flush=True)
     if images.image_exists(client, t.image_tag):
         print(f"==> image {t.image_tag} present (make build rebuilds it)", file=out, flush=True)
@@ -182,16 +182,16 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
         with timings.step("image"):
             images.build(t.image_tag, base, pip_source, out=out)
         adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)  # a former run's leftovers
-        print(f"==> smoke: project {name}, {sv.describe(t)}, with {found}", file=out, flush=True)
-        expected = sv.service_names(t)
+        print(f"==> smoke: project {name}, {describe(t)}, with {found}", file=out, flush=True)
+        expected = service_names(t)
         with timings.step("run"):
             adapter.run(adapter.up_argv(found, proj))
             finished = adapter.wait_exited(client, name, len(expected), timeout, out)
         states = [container_state(c.attrs) for c in adapter.containers(client, name)]
-        rank0 = sv.rendezvous_service(t)
+        rank0 = rendezvous_service(t)
         accuracy = smoke_run.parse_accuracy(adapter.log_text(client, name, rank0))
         problems = smoke_run.judge(expected, states, accuracy, threshold,
-                                   who="the PS" if rank0 == sv.PS_SERVICE else rank0)
+                                   who="the PS" if rank0 == PS_SERVICE else rank0)
         if finished is None:
             problems.insert(0, f"not every container exited within {timeout:.0f} s")
         if problems:
@@ -211,14 +211,14 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
 
 # --- reads ----------------------------------------------------------------
 
-def _configured(tg: Target) -> list[sv.Service]:
+def _configured(tg: Target) -> list[Service]:
     """The services the cluster is configured with: the topology's, else those of the
     compose file `up` rendered (none when it cannot be read)."""
     if tg.topology is not None:
-        return sv.services(tg.topology)
+        return services(tg.topology)
     try:
         doc = yaml.safe_load(Path(tg.project.file).read_text(encoding="utf-8"))
-        return sv.from_compose(doc)
+        return from_compose(doc)
     except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
         return []
 
