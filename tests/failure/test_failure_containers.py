@@ -3,10 +3,10 @@ image): a crashed worker is restarted by Docker and rejoins; a crashed PS makes 
 workers exit non-zero in time, and once restarted resumes from its checkpoint."""
 
 from __future__ import annotations
-from orchestrator.chaos import common as chaos_common, containers as chaos_containers
 
 import pytest
 
+from orchestrator.chaos import common as chaos_common, containers as chaos_containers
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

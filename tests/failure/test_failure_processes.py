@@ -2,13 +2,13 @@
 a killed worker, a killed PS, kills during checkpoint writes, a rank started twice."""
 
 from __future__ import annotations
-from orchestrator.chaos import checkpoints as chaos_checkpoints, common as chaos_common, processes as chaos_processes
 
 import re
 import signal
 
 import pytest
 
+from orchestrator.chaos import checkpoints as chaos_checkpoints, common as chaos_common, processes as chaos_processes
 
 pytestmark = pytest.mark.slow
 
