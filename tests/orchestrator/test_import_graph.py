@@ -116,3 +116,33 @@ def test_no_private_name_from_another_module() -> None:
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")]
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+# What a package may import besides itself: the graph is a tree from cli/__main__ down.
+ALLOWED = {
+    "orchestrator.spec": ("orchestrator.errors", "orchestrator.paths"),
+    "orchestrator.render": ("orchestrator.errors", "orchestrator.paths", "orchestrator.spec"),
+    "orchestrator.metrics.records": (),
+}
+NO_IO_IN_RENDER = ("os", "subprocess", "socket", "docker", "shutil")
+
+
+def test_nothing_imports_upward() -> None:
+    edges = graph()
+    bad = []
+    for module, targets in edges.items():
+        for target in targets:
+            if target == "orchestrator.cli" and module != "orchestrator.__main__":
+                bad.append(f"{module} -> {target}")
+            if target.startswith("orchestrator.chaos") and not module.startswith(("orchestrator.chaos", "orchestrator.cli")):
+                bad.append(f"{module} -> {target}")
+            for package, allowed in ALLOWED.items():
+                if module.startswith(package) and not target.startswith((package, *allowed)):
+                    bad.append(f"{module} -> {target}")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_the_compose_and_swarm_renders_do_no_io() -> None:
+    for name in ("orchestrator.render.compose", "orchestrator.render.swarm"):
+        found = [m for m, _, _ in imports(name, modules()[name]) if m.split(".")[0] in NO_IO_IN_RENDER]
+        assert not found, f"{name} imports {found}"
