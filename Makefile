@@ -50,7 +50,7 @@ sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) f
 local: setup ## PS + workers as local processes (CONFIG, WORKERS)
 	$(ORCH) local $(CFG)
 
-# The cluster in containers (orchestrator/cluster.py). logs, status and down act
+# The cluster in containers (orchestrator/backends/compose/verbs.py). logs, status and down act
 # on the cluster `up` started last, unless CONFIG or WORKERS is given.
 LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
            $(if $(STRATEGY),--strategy $(STRATEGY))
@@ -89,7 +89,7 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
 	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
-# The same topology on Docker Swarm (orchestrator/swarm.py, docs/multi-host.md).
+# The same topology on Docker Swarm (orchestrator/backends/swarm/verbs.py, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy
 	$(ORCH) stack-up $(CFG)
@@ -106,8 +106,8 @@ stack-status: host-setup ## one line per service: newest task's state, exit code
 stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
 	$(ORCH) stack-smoke
 
-# Plots of runs' metrics (orchestrator/report.py) and the strategies side by side
-# (orchestrator/compare.py). RUN: run directories (default: the last `up`);
+# Plots of runs' metrics (orchestrator/metrics/report.py) and the strategies side by side
+# (orchestrator/metrics/compare.py). RUN: run directories (default: the last `up`);
 # OUT: where the PNGs go. compare: STRATEGIES=async,sync EPOCHS=N (WORKERS: 2).
 .PHONY: report compare
 report: host-setup ## PNG plots (loss, accuracy, samples/s, staleness) and a summary; RUN="runs/a runs/b"
@@ -126,7 +126,7 @@ bench: setup ## PS throughput: app vs tutorial-style PS vs Gloo vs memcpy, 1-2 w
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
 
-# docs/topology.md is generated from the field docstrings of orchestrator/topology.py
+# docs/topology.md is generated from the field docstrings of orchestrator/spec/topology.py
 # (a test fails when it is out of date).
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings

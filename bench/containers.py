@@ -62,28 +62,32 @@ def run_processes(workers: int, timeout: float) -> dict[str, float]:
 
 
 def run_compose(workers: int, timeout: float) -> dict[str, float]:
-    from orchestrator import cluster, compose, images, render
-    from orchestrator.topology import load
+    from orchestrator import images
+    from orchestrator.backends.compose import adapter
+    from orchestrator.render import compose
+    from orchestrator.render.yamlio import write_atomic
+    from orchestrator.spec.services import service_names
+    from orchestrator.spec.topology import load_with
 
-    t = load(str(CONFIG)).with_workers(workers)
+    t = load_with(str(CONFIG), workers=workers)
     client = images.client()
-    engine = compose.detect()
+    found = adapter.detect()
     name = f"bench-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="bench-compose-") as tmp:
-        proj = compose.Project(name, str(Path(tmp) / "compose.yaml"), str(ROOT))
+        proj = adapter.Project(name, str(Path(tmp) / "compose.yaml"), str(ROOT))
         try:
-            render.write_atomic(proj.file, render.dump(render.render(t), t.name))
+            write_atomic(proj.file, compose.dump(compose.render(t), t.name))
             base, pip_source = images.source(t, offline=True)
             images.build(t.image_tag, base, pip_source, out=io.StringIO())
-            compose.run(compose.up_argv(engine, proj), capture=True)
-            finished = cluster.wait_exited(client, name, len(render.service_names(t)), timeout, io.StringIO())
+            adapter.run(adapter.up_argv(found, proj), capture=True)
+            finished = adapter.wait_exited(client, name, len(service_names(t)), timeout, io.StringIO())
             if finished is None:
                 raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
-            containers = cluster._containers(client, name)
-            lines = cluster.read_metrics(client, name, containers).get("ps.jsonl", [])
+            containers = adapter.containers(client, name)
+            lines = adapter.read_metrics(client, name, containers).get("ps.jsonl", [])
             return _throughput(lines)
         finally:
-            compose.run(compose.down_argv(engine, proj, volumes=True), capture=True, check=False)
+            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
 
 
 def _throughput(lines: list[str]) -> dict[str, float]:

@@ -1,11 +1,7 @@
 """ps-compose orchestrator: a typed YAML topology, rendered to a compose file.
 
-`python -m orchestrator render|local ...` (see `orchestrator.cli`).
+`python -m orchestrator render|local ...` (see `orchestrator.cli`). The layout:
+`spec/` (the topology and its services), `render/` (pure: topology -> document),
+`backends/` (compose and swarm: Docker calls and their verbs), `chaos/`,
+`metrics/`; `errors.py` holds every error the CLI turns into an exit status.
 """
-
-
-class UsageError(Exception):
-    """Bad input from the user (a flag, a config, a path): exit status 2.
-
-    The message is one line, printed after ``error: `` on stderr.
-    """

@@ -20,7 +20,6 @@ and `run_local` do the work.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -30,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
 
-from orchestrator import UsageError
-from orchestrator import render as rd
-from orchestrator.services import services
-from orchestrator.topology import Topology
+from orchestrator.errors import UsageError
+from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, spawn
+from orchestrator.paths import ROOT
+from orchestrator.render import compose
+from orchestrator.render.yamlio import write_atomic
+from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, services
+from orchestrator.spec.topology import Topology
 
 DEFAULT_TIMEOUT = 30.0
 # What a service of the check keeps from the training render: who runs it, where, how safely.
@@ -58,7 +60,7 @@ def rank_names(t: Topology) -> list[str]:
 
 
 def project_name(t: Topology) -> str:
-    return f"{rd.project_name(t)}-check"
+    return f"{compose.project_name(t)}-check"
 
 
 def check_without(t: Topology, without: Sequence[str]) -> None:
@@ -90,7 +92,7 @@ def check_document(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
     (healthcheck, depends_on), restarts, mounts or reserves a GPU. The services in
     `without` are left out (the world size stays: the check then fails naming them)."""
     check_without(t, without)
-    doc = rd.render(t)
+    doc = compose.render(t)
     names = rank_names(t)
     services: dict[str, Any] = {}
     for rank, name in enumerate(names):
@@ -100,7 +102,7 @@ def check_document(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
         svc["command"] = [ROLE, "--rank", str(rank)]
         svc["environment"] = {**svc.get("environment", {}), **check_environment(
             t, rank, master_addr=names[0], master_port=t.ps.rpc_port, timeout=timeout)}
-        svc["labels"] = {**svc.get("labels", {}), rd.LABEL_ROLE: ROLE, rd.LABEL_RANK: str(rank)}
+        svc["labels"] = {**svc.get("labels", {}), LABEL_ROLE: ROLE, LABEL_RANK: str(rank)}
         services[name] = svc
     out: dict[str, Any] = {"services": services}
     if "networks" in doc:
@@ -119,8 +121,6 @@ class LocalRank:
 def plan_local(t: Topology, *, port: int, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
                run_dir: Path = Path("runs"), ifname: str = "lo", python: str = sys.executable) -> list[LocalRank]:
     """One `python -m app check --rank R` process per service on 127.0.0.1, in rank order."""
-    from orchestrator.local import LOCALHOST, service_environment
-
     check_without(t, without)
     plan = []
     for rank, service in enumerate(services(t)):
@@ -130,7 +130,7 @@ def plan_local(t: Topology, *, port: int, timeout: float = DEFAULT_TIMEOUT, with
         env = service_environment(t, service, port=port, run_dir=run_dir, ifname=ifname)
         env.update(check_environment(t, rank, master_addr=LOCALHOST, master_port=port, timeout=timeout))
         env["GLOO_SOCKET_IFNAME"] = ifname
-        plan.append(LocalRank(service.name, rank, [python, "-m", "app", ROLE, "--rank", str(rank)], env))
+        plan.append(LocalRank(service.name, rank, app_argv(ROLE, "--rank", str(rank), python=python), env))
     return plan
 
 
@@ -211,8 +211,6 @@ def _summary(names: Sequence[str], v: Verdict, where: str, seconds: float) -> st
 
 def run_local(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
               out: TextIO = sys.stdout) -> int:
-    from orchestrator.local import LOCALHOST, free_port, loopback_ifname
-
     start = time.monotonic()
     port = free_port()
     names = rank_names(t)
@@ -224,8 +222,7 @@ def run_local(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequenc
     try:
         for spec in plan:
             log = open(tmp / f"{spec.name}.log", "w+", encoding="utf-8")
-            p = subprocess.Popen(spec.argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            p = spawn(spec.argv, spec.env, stdout=log)
             procs[spec.name] = (spec, p, log)
         deadline = time.monotonic() + 2 * timeout + EXIT_MARGIN
         for _, p, _ in procs.values():
@@ -265,42 +262,42 @@ def _print_verdict(names: Sequence[str], results: Sequence[Result], without: Seq
 def run_containers(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
                    build: bool = False, offline: bool = False, project: Optional[str] = None,
                    out: TextIO = sys.stdout) -> int:
-    from orchestrator import cluster
-    from orchestrator import compose as cp
     from orchestrator import images
+    from orchestrator.backends.compose import adapter
+    from orchestrator.backends.compose.status import container_state
 
     start = time.monotonic()
     names = rank_names(t)
     doc = check_document(t, timeout=timeout, without=without)
     client = images.client()
-    compose = cp.detect()
+    found = adapter.detect()
     if build or not images.image_exists(client, t.image_tag):
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
     name = project or project_name(t)
     tmp = Path(tempfile.mkdtemp(prefix="ps-compose-check-"))
-    proj = cp.Project(name, str(tmp / "compose.yaml"), str(cluster.ROOT))
+    proj = adapter.Project(name, str(tmp / "compose.yaml"), str(ROOT))
     try:
-        rd.write_atomic(proj.file, rd.dump(doc, t.name))
-        cp.run(cp.down_argv(compose, proj, volumes=True), capture=True, check=False)  # a former check's leftovers
+        write_atomic(proj.file, compose.dump(doc, t.name))
+        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)  # a former check's leftovers
         print(f"==> check: {len(names)} ranks ({', '.join(names)}) in containers of {t.image_tag}, "
               f"project {name}, timeout {timeout:g} s", file=out, flush=True)
-        cp.run(cp.up_argv(compose, proj), capture=True)
-        states = cluster.wait_exited(client, name, len(doc["services"]), 2 * timeout + EXIT_MARGIN, out, every=0.5)
+        adapter.run(adapter.up_argv(found, proj), capture=True)
+        states = adapter.wait_exited(client, name, len(doc["services"]), 2 * timeout + EXIT_MARGIN, out, every=0.5)
         results = []
-        for c in cluster._containers(client, name):
-            st = cluster.container_state(c.attrs)
-            svc = st["service"]
-            done = st["status"] in ("exited", "dead")
+        for c in adapter.containers(client, name):
+            state = container_state(c.attrs)
+            svc = state["service"]
+            done = state["status"] in ("exited", "dead")
             results.append(Result(svc, names.index(svc) if svc in names else -1,
-                                  st["exit_code"] if done else None,
+                                  state["exit_code"] if done else None,
                                   c.logs(stdout=True, stderr=True).decode("utf-8", "replace")))
         if states is None:
             print(f"    not every container exited within {2 * timeout + EXIT_MARGIN:.0f} s", file=out)
         _hint_stale_image(results, t, out)
         return _print_verdict(names, results, without, f"containers, project {name}", time.monotonic() - start, out)
     finally:
-        cp.run(cp.down_argv(compose, proj, volumes=True), capture=True, check=False)
+        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from orchestrator import UsageError
-
-DEFAULT_CONFIG = "configs/default.yaml"
+from orchestrator.errors import UsageError, engine_errors
+from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
 DEFAULT_OUTPUT = {"compose": "compose.yaml", "swarm": "stack.yaml"}
 TARGETS = ("compose", "swarm")
 
@@ -55,49 +54,44 @@ def add_strategy_arg(p: argparse.ArgumentParser) -> None:
 
 def load_topology(args: argparse.Namespace):
     """The topology named by `-c`, with `--workers` and `--strategy` applied."""
-    from orchestrator.topology import load
+    from orchestrator.spec.topology import load_with
 
-    t = load(args.config)
-    if args.workers is not None:
-        t = t.with_workers(args.workers, source=f"{args.config} with --workers {args.workers}")
-    if getattr(args, "strategy", None) is not None:
-        t = t.with_strategy(args.strategy, source=f"{args.config} with --strategy {args.strategy}")
-    return t
+    return load_with(args.config, workers=args.workers, strategy=getattr(args, "strategy", None))
 
 
 def run_render(args: argparse.Namespace) -> int:
-    from orchestrator import render as r
+    from orchestrator.render import compose, swarm
+    from orchestrator.render.yamlio import write_atomic
+    from orchestrator.spec.services import describe
+    from orchestrator.spec.usercode import check_paths
 
     t = load_topology(args)
-    from orchestrator.usercode import check_paths
     check_paths(t, args.config, Path.cwd())  # `code` and train.init_weights: before anything is written
     if args.target == "swarm":
-        from orchestrator import render_swarm as rs
         # A relative train.data_dir is taken from the current directory (absolute in the stack file).
-        text = rs.dump(rs.render(t, data_root=os.getcwd()), t.name)
+        text = swarm.dump(swarm.render(t, data_root=os.getcwd()), t.name)
     else:
-        text = r.dump(r.render(t), t.name)
-    for warning in r.security_warnings(t):
+        text = compose.dump(compose.render(t), t.name)
+    for warning in compose.security_warnings(t):
         print(f"warning: {warning}", file=sys.stderr)
     output = args.output or DEFAULT_OUTPUT[args.target]
     if output == "-":
         sys.stdout.write(text)
         return 0
     try:
-        r.write_atomic(output, text)
+        write_atomic(output, text)
     except OSError as e:
         raise UsageError(f"-o {output}: cannot write: {e.strerror or e}") from None
     what = "stack" if args.target == "swarm" else "project"
-    print(f"wrote {output}: {r.describe(t)}, image {t.image_tag}, {what} {r.project_name(t)}")
+    print(f"wrote {output}: {describe(t)}, image {t.image_tag}, {what} {compose.project_name(t)}")
     return 0
 
 
 def run_doctor(args: argparse.Namespace) -> int:
     from orchestrator import doctor
+    from orchestrator.spec.services import describe
 
     t = load_topology(args)
-    from orchestrator.render import describe
-
     print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
     facts = doctor.gather(t, args.target, probe=not args.no_probe)
     ok = doctor.report(doctor.run_checks(t, args.target, facts), sys.stdout)
@@ -106,7 +100,6 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def run_gpu_check(args: argparse.Namespace) -> int:
     from orchestrator import gpu_check
-    from orchestrator.cluster import engine_errors
 
     return engine_errors(gpu_check.run)(args.config, seconds=args.seconds)
 
@@ -114,8 +107,8 @@ def run_gpu_check(args: argparse.Namespace) -> int:
 def run_schema(args: argparse.Namespace) -> int:
     import json
 
-    from orchestrator import reference
-    from orchestrator.topology import Topology
+    from orchestrator.spec import reference
+    from orchestrator.spec.topology import Topology
 
     text = reference.topology_reference_markdown() if args.markdown else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
     sys.stdout.write(text)
@@ -150,8 +143,8 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("gpu-check", help="doctor with the probe, then a one-minute cnn run with one worker per GPU: "
                                          "samples/s, GPU name and UUID per worker")
-    p.add_argument("-c", "--config", default="configs/default.yaml",
-                   help="the cuda topology whose image and group_add to use (default: configs/default.yaml)")
+    p.add_argument("-c", "--config", default=DEFAULT_CONFIG,
+                   help=f"the cuda topology whose image and group_add to use (default: {DEFAULT_CONFIG})")
     p.add_argument("--seconds", type=_positive_int, default=60, metavar="SECONDS",
                    help="how long the run trains (default: 60)")
     p.set_defaults(run=run_gpu_check)
@@ -162,11 +155,11 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
                    help="do not stop the other processes when one fails")
     p.set_defaults(run=run_local)
 
-    # The container verbs: parse here, run in orchestrator/cluster.py. logs, status
-    # and down without -c act on the cluster `up` started last (runs/current.json).
+    # The container verbs: parse here, run in orchestrator/backends/compose/verbs.py. logs,
+    # status and down without -c act on the cluster `up` started last (runs/current.json).
     def cluster():  # imported on use: `render` and `local` need no Docker SDK
-        from orchestrator import cluster as c
-        return c
+        from orchestrator.backends.compose import verbs
+        return verbs
 
     p = sub.add_parser("build", help="build the topology's image (Docker SDK, progress streamed)")
     add_topology_args(p)
@@ -195,7 +188,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     sub.choices["status"].set_defaults(run=lambda a: cluster().status(a.config, a.workers, strategy=a.strategy))
 
     p = sub.add_parser("smoke", help="the CPU cluster end to end in containers; checks accuracy and exit codes")
-    p.add_argument("-c", "--config", default="configs/cpu-smoke.yaml", metavar="CONFIG")
+    p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=900, metavar="SECONDS")
     add_strategy_arg(p)
@@ -219,16 +212,12 @@ def _sample_data():
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
     """The connectivity check (orchestrator/check.py, app/check.py)."""
+    @engine_errors
     def run_check(a: argparse.Namespace) -> int:
         from orchestrator import check
-        from orchestrator.compose import EngineError
 
-        try:
-            return check.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
-                             build=a.build, offline=a.offline)
-        except EngineError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        return check.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
+                         build=a.build, offline=a.offline)
 
     p = sub.add_parser("check", help="send a tensor from rank 0 to every rank and back over the cluster's "
                        "network; one line per rank (round trip, GB/s); a missing rank fails with its name")
@@ -244,11 +233,11 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
-    """The Swarm verbs (orchestrator/swarm.py): the same topology as a `docker stack`.
+    """The Swarm verbs (orchestrator/backends/swarm/verbs.py): the same topology as a `docker stack`.
     stack-logs, stack-status and stack-down without -c act on the last stack-up."""
     def swarm():
-        from orchestrator import swarm as s
-        return s
+        from orchestrator.backends.swarm import verbs
+        return verbs
 
     p = sub.add_parser("stack-up", help="doctor, render stack.yaml, build if missing, docker stack deploy")
     add_topology_args(p)
@@ -268,19 +257,18 @@ def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
         run=lambda a: swarm().stack_logs(a.config, a.workers, follow=not a.no_follow))
     sub.choices["stack-status"].set_defaults(run=lambda a: swarm().stack_status(a.config, a.workers))
     p = sub.add_parser("stack-smoke", help="the CPU topology as a swarm stack: accuracy and every task's exit state")
-    p.add_argument("-c", "--config", default="configs/cpu-smoke.yaml", metavar="CONFIG")
+    p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=600, metavar="SECONDS")
     p.set_defaults(run=lambda a: swarm().stack_smoke(a.config, a.workers, timeout=a.timeout))
 
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
-    """Faults injected into a CPU run (orchestrator/chaos.py), then a table of how it recovered."""
+    """Faults injected into a CPU run (orchestrator/chaos/), then a table of how it recovered."""
     def run_chaos(a: argparse.Namespace) -> int:
-        from pathlib import Path
+        from orchestrator.chaos import registry
 
-        from orchestrator import chaos
-        return chaos.run(a.scenario, Path(a.runs), containers=not a.no_containers)
+        return registry.run(a.scenario, Path(a.runs), containers=not a.no_containers)
 
     p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
     p.add_argument("scenario", nargs="*", help="scenarios to run (default: all)")
@@ -290,14 +278,14 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
-    """Plots of runs' metrics (orchestrator/report.py) and the strategies side by side (compare.py)."""
+    """Plots of runs' metrics and the strategies side by side (orchestrator/metrics/)."""
     def report():
-        from orchestrator import report as r
-        return r
+        from orchestrator.metrics import report
+        return report
 
     def compare():
-        from orchestrator import compare as c
-        return c
+        from orchestrator.metrics import compare
+        return compare
 
     p = sub.add_parser("report", help="PNG plots (loss, accuracy, samples/s, staleness) and a summary of runs' metrics")
     report().add_arguments(p)

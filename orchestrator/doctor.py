@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from orchestrator import UsageError, sample_data
-from orchestrator import render_swarm as rs
-from orchestrator.render import APP_USER
-from orchestrator.topology import Topology
-
-ROOT = Path(__file__).resolve().parent.parent
+from orchestrator import sample_data
+from orchestrator.errors import EngineError, UsageError, daemon_reason
+from orchestrator.paths import ROOT
+from orchestrator.render.compose import APP_USER
+from orchestrator.spec.topology import Topology, size_bytes
 TARGETS = ("compose", "swarm")
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
 GIB = 1024 ** 3
@@ -78,7 +77,7 @@ class Facts:
     disk_free: Optional[int] = None  # bytes under DockerRootDir; None: remote daemon / unknown
     image_present: bool = False
     port_in_use: Optional[bool] = None  # the RPC port on this host, when published
-    nodes: list[dict[str, Any]] = field(default_factory=list)  # swarm nodes (stack.nodes)
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # swarm nodes (backends.swarm.adapter.nodes)
     hooks: list[str] = field(default_factory=list)  # NVIDIA_HOOKS found on this host (local daemon only)
     cdi_specs: list[str] = field(default_factory=list)  # files in the engine's CDISpecDirs naming nvidia.com/gpu
     probe: Optional[Probe] = None  # None: not run (--no-probe, `up`'s preflight, no image yet)
@@ -265,7 +264,7 @@ def _check_gpu_resources(t: Topology, f: Facts) -> Check:
 
 
 def check_shm(t: Topology, target: str, f: Facts) -> Check:
-    ps, worker = rs.size_bytes(t.ps.shm_size), rs.size_bytes(t.workers.shm_size)
+    ps, worker = size_bytes(t.ps.shm_size), size_bytes(t.workers.shm_size)
     total = ps + t.workers.count * worker
     where = "/dev/shm" if target == "compose" else "tmpfs /dev/shm"
     if t.train.loader_workers and worker < SHM_FOR_LOADER:
@@ -482,8 +481,9 @@ def gather(t: Topology, target: str, *, client: Any = None, probe: bool = False)
     `probe`: run the probe container (compose target, cuda topologies, daemon up)."""
     import docker
 
-    from orchestrator import compose as cp
-    from orchestrator import images, stack
+    from orchestrator import images
+    from orchestrator.backends.compose import adapter as compose_adapter
+    from orchestrator.backends.swarm import adapter as swarm_adapter
 
     host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
     facts: dict[str, Any] = {"docker_host": host}
@@ -498,12 +498,12 @@ def gather(t: Topology, target: str, *, client: Any = None, probe: bool = False)
         facts.update(info=info, api_version=client.version().get("ApiVersion", ""),
                      image_present=images.image_exists(client, t.image_tag),
                      disk_free=_disk_free(info.get("DockerRootDir"), host))
-        if target == "swarm" and stack.swarm_state(info)["manager"]:
-            facts["nodes"] = stack.nodes(client)
+        if target == "swarm" and swarm_adapter.swarm_state(info)["manager"]:
+            facts["nodes"] = swarm_adapter.nodes(client)
     if target == "compose":
         try:
-            facts["compose"] = str(cp.detect())
-        except cp.EngineError as e:
+            facts["compose"] = str(compose_adapter.detect())
+        except EngineError as e:
             facts["compose_error"] = str(e)
     else:
         facts["stack_cli"] = _stack_cli()
@@ -627,15 +627,3 @@ def _stack_cli() -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return docker if r.returncode == 0 and "deploy" in r.stdout else None
-
-
-def daemon_reason(e: BaseException) -> str:
-    """Why the daemon did not answer, in a few words."""
-    text = " ".join(str(e).split())
-    for marker, reason in (("FileNotFoundError", "no socket"), ("No such file", "no socket"),
-                           ("ConnectionRefused", "connection refused"), ("Connection refused", "connection refused"),
-                           ("PermissionError", "permission denied"), ("Permission denied", "permission denied"),
-                           ("timed out", "timed out"), ("Name or service not known", "unknown host")):
-        if marker in text:
-            return reason
-    return text[:160]

@@ -15,7 +15,6 @@ The choice of the run's topology and the summary of its metrics are pure functio
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -24,11 +23,13 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import UsageError
 from orchestrator import doctor
-from orchestrator.topology import Topology, load, parse
+from orchestrator.errors import UsageError
+from orchestrator.metrics.records import parse_lines
+from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
+from orchestrator.spec.services import describe, worker_service
+from orchestrator.spec.topology import Topology, load, parse
 
-SMOKE_CONFIG = "configs/cpu-smoke.yaml"
 PROJECT = "gpu-check"
 RUN_SECONDS = 60.0
 JOIN_TIMEOUT = 900.0  # the first start of a CUDA image can take minutes
@@ -64,7 +65,7 @@ def summarize(files: dict[str, list[str]], workers: list[str], since: float) -> 
     `join` record names, and the median samples/s of its `train` records written after `since`."""
     rows = []
     for w in workers:
-        records = [r for r in (_json(line) for line in files.get(f"{w}.jsonl", [])) if r is not None]
+        records = parse_lines(files.get(f"{w}.jsonl", []))
         join = next((r for r in reversed(records) if r.get("event") == "join"), {})
         rates = [r["samples_per_s"] for r in records
                  if r.get("event") == "train" and r.get("time", 0) >= since and r.get("samples_per_s") is not None]
@@ -93,14 +94,6 @@ def format_rows(rows: list[WorkerRow]) -> list[str]:
     return lines
 
 
-def _json(line: str) -> Optional[dict[str, Any]]:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
 # --- the command (thin: asks Docker) ------------------------------------------
 
 def preflight(t: Topology, config: str, facts: doctor.Facts, out: TextIO) -> bool:
@@ -117,14 +110,14 @@ def preflight(t: Topology, config: str, facts: doctor.Facts, out: TextIO) -> boo
     return True
 
 
-def run(config: str = "configs/default.yaml", *, seconds: float = RUN_SECONDS, out: TextIO = sys.stdout) -> int:
-    from orchestrator import cluster, images
+def run(config: str = DEFAULT_CONFIG, *, seconds: float = RUN_SECONDS, out: TextIO = sys.stdout) -> int:
+    from orchestrator import images
 
     t = load(config)
     if not t.cuda:
         raise UsageError(f"{config}: image.device: got 'cpu'; gpu-check needs a cuda topology (configs/default.yaml)")
     client = images.client()
-    smoke = load(cluster.ROOT / SMOKE_CONFIG)
+    smoke = load(ROOT / SMOKE_CONFIG)
     # First without the probe: the host's GPUs (one worker each), or CONFIG's ids when it cannot list them.
     facts = doctor.gather(check_topology(t, t.worker_gpus(), smoke), "compose", client=client)
     gpus, _ = doctor.host_gpus(facts)
@@ -142,30 +135,29 @@ def run(config: str = "configs/default.yaml", *, seconds: float = RUN_SECONDS, o
 
 
 def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
-    from orchestrator import cluster
-    from orchestrator import compose as cp
-    from orchestrator import render as rd
+    from orchestrator.backends.compose import adapter
+    from orchestrator.render import compose
+    from orchestrator.render.yamlio import write_if_changed
 
-    compose = cp.detect()
-    path = cluster.RUNS / PROJECT / "compose.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rd.write_atomic(path, rd.dump(rd.render(t), t.name))
-    project = cp.Project(PROJECT, str(path), str(cluster.ROOT))
-    workers = [rd.worker_service(r) for r in range(1, t.workers.count + 1)]
-    cp.run(cp.down_argv(compose, project, volumes=True), capture=True, check=False)
+    found = adapter.detect()
+    path = RUNS / PROJECT / "compose.yaml"
+    write_if_changed(path, compose.dump(compose.render(t), t.name))
+    project = adapter.Project(PROJECT, str(path), str(ROOT))
+    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
+    adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     try:
-        print(f"==> gpu-check: {rd.describe(t)} on GPUs {t.worker_gpus()}, {seconds:.0f} s", file=out, flush=True)
-        cp.run(cp.up_argv(compose, project))
+        print(f"==> gpu-check: {describe(t)} on GPUs {t.worker_gpus()}, {seconds:.0f} s", file=out, flush=True)
+        adapter.run(adapter.up_argv(found, project))
         joined = _wait_joined(client, workers)
         if joined is None:
-            cluster.print_logs(client, PROJECT, out)
+            adapter.print_logs(client, PROJECT, out)
             print(f"gpu-check: FAILED: not every worker joined within {JOIN_TIMEOUT:.0f} s", file=out)
             return 1
         time.sleep(seconds)
-        files = cluster.read_metrics(client, PROJECT, cluster._containers(client, PROJECT))
+        files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
         rows = summarize(files, workers, joined + WARMUP_SECONDS)
     finally:
-        cp.run(cp.down_argv(compose, project, volumes=True), capture=True, check=False)
+        adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     for line in format_rows(rows):
         print(line, file=out)
     problems = verdict(rows)
@@ -178,12 +170,12 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
 
 def _wait_joined(client: Any, workers: list[str]) -> Optional[float]:
     """The time (unix) the last worker wrote its `join` record; None at the timeout."""
-    from orchestrator import cluster
+    from orchestrator.backends.compose import adapter
 
     deadline = time.monotonic() + JOIN_TIMEOUT
     while time.monotonic() < deadline:
-        files = cluster.read_metrics(client, PROJECT, cluster._containers(client, PROJECT))
-        joins = [next((r["time"] for r in map(_json, files.get(f"{w}.jsonl", [])) if r and r.get("event") == "join"),
+        files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
+        joins = [next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"),
                       None) for w in workers]
         if all(j is not None for j in joins):
             return max(joins)

@@ -18,16 +18,14 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 import docker
 import docker.errors
 
-from orchestrator.compose import EngineError
+from orchestrator.errors import EngineError, daemon_reason
+from orchestrator.paths import DOCKERFILE, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILE = "images/Dockerfile"
 OFFLINE_BASE = "ps-compose-base:bookworm"
 BASE_SCRIPT = ROOT / "images" / "build-offline-base.sh"
 WHEELHOUSE_SCRIPT = ROOT / "images" / "wheelhouse.sh"
@@ -40,20 +38,14 @@ def client(timeout: int = 600) -> docker.DockerClient:
         c = docker.from_env(timeout=timeout)
         c.ping()
     except docker.errors.DockerException as e:
+        reason = daemon_reason(e)
+        if reason == "permission denied":
+            reason += ": add yourself to the docker group or use sudo"
         raise EngineError(
-            f"cannot reach the Docker daemon at {where} ({_reason(e)}); "
+            f"cannot reach the Docker daemon at {where} ({reason}); "
             "start it (`sudo dockerd &`, `sudo systemctl start docker`) or run `make engine`"
         ) from None
     return c
-
-
-def _reason(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    for marker in ("FileNotFoundError", "ConnectionRefusedError", "PermissionError"):
-        if marker in text:
-            return {"FileNotFoundError": "no socket", "ConnectionRefusedError": "connection refused",
-                    "PermissionError": "permission denied: add yourself to the docker group or use sudo"}[marker]
-    return text[:200]
 
 
 def image_exists(c: docker.DockerClient, tag: str) -> bool:

@@ -2,7 +2,7 @@
 
 The same cluster as the compose file, without Docker: each service becomes a
 `python -m app ps|worker` process with the environment the render gives its
-container (`render.app_environment`), except the address (127.0.0.1, a free
+container (`orchestrator.render.compose.app_environment`), except the address (127.0.0.1, a free
 port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
 metrics) and the interface (loopback). Output is prefixed by service name, as
 compose prints it. Ctrl-C or SIGTERM stops every process.
@@ -18,13 +18,13 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
-from orchestrator import UsageError
-from orchestrator.render import app_environment, describe
-from orchestrator.services import Service, services
-from orchestrator.topology import Topology, TopologyError
-from orchestrator.usercode import check_paths
+from orchestrator.errors import UsageError
+from orchestrator.render.compose import app_environment
+from orchestrator.spec.services import Service, describe, services
+from orchestrator.spec.topology import Topology, TopologyError
+from orchestrator.spec.usercode import check_paths
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
@@ -74,8 +74,21 @@ def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sy
     specs = []
     for s in services(t):
         env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname)
-        specs.append(ProcessSpec(s.name, [python, "-m", "app", s.role], env))
+        specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env))
     return specs
+
+
+def app_argv(*args: str, python: str = sys.executable) -> list[str]:
+    """`python -m app ARGS` with this interpreter (the app's venv when run from it)."""
+    return [python, "-m", "app", *args]
+
+
+def spawn(argv: list[str], env: dict[str, str], *, stdout: Any, stderr: Any = subprocess.STDOUT,
+          new_session: bool = False) -> subprocess.Popen:
+    """The one way a local process of the job starts: `env` over this process's environment,
+    unbuffered output, no stdin; `new_session` puts it (and its children) in its own group."""
+    return subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdin=subprocess.DEVNULL,
+                            stdout=stdout, stderr=stderr, start_new_session=new_session)
 
 
 def check_host(t: Topology, source: str) -> None:
@@ -137,11 +150,8 @@ class Supervisor:
             for spec in self.specs:
                 if self._stop.is_set():
                     break
-                p = subprocess.Popen(
-                    spec.argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # our signals, not the terminal's, stop it
-                )
+                # Its own session: our signals, not the terminal's, stop it.
+                p = spawn(spec.argv, spec.env, stdout=subprocess.PIPE, new_session=True)
                 procs[spec.name] = p
                 readers.append(threading.Thread(target=self._pump, args=(spec.name, p.stdout), daemon=True))
                 readers[-1].start()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator import UsageError
+from orchestrator.errors import UsageError
 
 CLASSES = tuple(f"digit_{d}" for d in range(10))
 VAL_EVERY = 4  # every 4th image is held out: ~450 val, ~1,350 train

@@ -10,9 +10,8 @@ from app import runtime
 from app.common import models
 from app.config import UsageError, parse
 from app.worker.trainer import Trainer
-from orchestrator import render as r
-from orchestrator.topology import TopologyError, load
-from orchestrator.topology import parse as parse_topology
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.topology import TopologyError, load, parse as parse_topology
 
 from app_testkit import REPO, finished, free_port, run_cluster, start_app, wait_for
 
@@ -41,10 +40,10 @@ def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32()
 
 def test_precision_renders_only_when_not_fp32():
     smoke = load(REPO / "configs/cpu-smoke.yaml")
-    doc = yaml.safe_load(r.dump(r.render(smoke), "cpu-smoke"))
+    doc = yaml.safe_load(render_compose.dump(render_compose.render(smoke), "cpu-smoke"))
     assert all("PSC_PRECISION" not in s.get("environment", {}) for s in doc["services"].values())
     bf16 = smoke.model_copy(update={"train": smoke.train.model_copy(update={"precision": "bf16"})})
-    doc = yaml.safe_load(r.dump(r.render(bf16), "cpu-smoke"))
+    doc = yaml.safe_load(render_compose.dump(render_compose.render(bf16), "cpu-smoke"))
     assert {s["environment"]["PSC_PRECISION"] for s in doc["services"].values() if "environment" in s} == {"bf16"}
 
 

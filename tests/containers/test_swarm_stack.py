@@ -10,17 +10,15 @@ tests `docker swarm init` one and `docker swarm leave --force` it at the end
 import io
 import re
 import subprocess
+from orchestrator.backends.swarm import adapter as swarm_adapter, verbs as swarm_verbs
+from orchestrator.paths import ROOT
 
 import pytest
 
-from orchestrator import cluster as cl
-from orchestrator import images
-from orchestrator import stack as st
-from orchestrator import swarm as sw
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
-CPU = images.ROOT / "configs" / "cpu-smoke.yaml"
+CPU = ROOT / "configs" / "cpu-smoke.yaml"
 GWBRIDGE = "docker_gwbridge"  # the bridge `docker swarm init` adds for tasks' outside traffic
 
 
@@ -35,7 +33,7 @@ def _init_swarm() -> None:
 
 @pytest.fixture(scope="module")
 def swarm(engine, offline_image):
-    state = st.swarm_state(engine.info())
+    state = swarm_adapter.swarm_state(engine.info())
     created = state["state"] == "inactive"
     bridge_before = bool(engine.networks.list(names=[GWBRIDGE]))
     if created:
@@ -50,14 +48,14 @@ def swarm(engine, offline_image):
 
 
 def assert_gone(engine, stack: str) -> None:
-    assert st.leftovers(engine, stack) == []
-    assert engine.volumes.list(filters={"label": f"{st.LABEL_STACK}={stack}"}) == []
+    assert swarm_adapter.leftovers(engine, stack) == []
+    assert engine.volumes.list(filters={"label": f"{swarm_adapter.LABEL_STACK}={stack}"}) == []
 
 
 def test_stack_smoke(swarm):
     """`python -m orchestrator stack-smoke` (make stack-smoke): accuracy >= 0.90, every task complete with exit 0."""
     out = io.StringIO()
-    status = sw.stack_smoke(str(CPU), 2, stack="psc-test-stack-smoke", out=out)
+    status = swarm_verbs.stack_smoke(str(CPU), 2, stack="psc-test-stack-smoke", out=out)
     text = out.getvalue()
     print(text[-5000:])
     assert status == 0
@@ -69,28 +67,29 @@ def test_stack_smoke(swarm):
 
 
 def test_stack_up_status_logs_down(swarm, tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(cl, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
+    monkeypatch.setattr(swarm_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
+    monkeypatch.setattr(swarm_verbs, "RECORD", tmp_path / "stack.json")
     stack = "psc-test-stack"
     config = tmp_path / "t.yaml"  # cpu-smoke under a stack name of its own, on the same image
     config.write_text(CPU.read_text().replace("name: cpu-smoke", f"name: {stack}")
                       .replace("  device: cpu", "  device: cpu\n  tag: ps-compose-cpu-smoke:latest"))
-    sw.stack_down(stack=stack, volumes=True, out=io.StringIO())
+    swarm_verbs.stack_down(stack=stack, volumes=True, out=io.StringIO())
     try:
         out = io.StringIO()
-        assert sw.stack_up(str(config), 3, out=out) == 0
+        assert swarm_verbs.stack_up(str(config), 3, out=out) == 0
         assert "==> doctor: 10 checks passed (target swarm)" in out.getvalue()
         assert (tmp_path / stack / "stack.yaml").is_file() and (tmp_path / "stack.json").is_file()
 
-        states = sw.wait_done(swarm, stack, ["ps", "worker1", "worker2", "worker3"], 300, io.StringIO())
+        states = swarm_verbs.wait_done(swarm, stack, ["ps", "worker1", "worker2", "worker3"], 300, io.StringIO())
         assert states is not None, "the stack's tasks did not end within 300 s"
         capfd.readouterr()
 
         out = io.StringIO()
-        assert sw.stack_status(out=out) == 0  # the last stack-up, from runs/stack.json
+        assert swarm_verbs.stack_status(out=out) == 0  # the last stack-up, from runs/stack.json
         rows = [line.split() for line in out.getvalue().splitlines()[2:]]
         assert rows == [[s, "complete", "0", "0"] for s in ("ps", "worker1", "worker2", "worker3")], out.getvalue()
 
-        assert sw.stack_logs(follow=False) == 0
+        assert swarm_verbs.stack_logs(follow=False) == 0
         logs = capfd.readouterr().out
         assert re.search(rf"^{stack}_worker3\.1@\S+\s+\| worker3 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs,
                          re.MULTILINE), logs[-3000:]
@@ -98,9 +97,9 @@ def test_stack_up_status_logs_down(swarm, tmp_path, monkeypatch, capfd):
         assert m and float(m[-1]) >= 0.90, logs[-3000:]
 
         out = io.StringIO()
-        assert sw.stack_down(out=out) == 0
-        assert st.leftovers(swarm, stack) == []
+        assert swarm_verbs.stack_down(out=out) == 0
+        assert swarm_adapter.leftovers(swarm, stack) == []
         swarm.volumes.get(f"{stack}_state")  # kept: checkpoints and metrics survive stack-down
     finally:
-        sw.stack_down(stack=stack, volumes=True, out=io.StringIO())
+        swarm_verbs.stack_down(stack=stack, volumes=True, out=io.StringIO())
     assert_gone(swarm, stack)

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def docker_engine():
     from orchestrator import images
-    from orchestrator.compose import EngineError
+    from orchestrator.errors import EngineError
 
     try:
         return images.client(timeout=600)

@@ -1,4 +1,4 @@
-"""Faults in real containers (orchestrator/chaos_containers.py, the offline cpu-smoke
+"""Faults in real containers (orchestrator/chaos/containers.py, the offline cpu-smoke
 image): a crashed worker is restarted by Docker and rejoins; a crashed PS makes the
 workers exit non-zero in time, and once restarted resumes from its checkpoint."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import chaos, chaos_containers
+from orchestrator.chaos import common as chaos_common, containers as chaos_containers
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -22,7 +22,7 @@ def test_a_crashed_worker_container_is_restarted_and_the_run_completes(docker_en
 
 
 def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_path):
-    t = chaos.chaos_topology()
+    t = chaos_common.chaos_topology()
     out = chaos_containers.ps_kill(tmp_path, t)
 
     assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])

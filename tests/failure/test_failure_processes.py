@@ -1,4 +1,4 @@
-"""Faults as processes on 127.0.0.1 (the scenarios of `make chaos`, orchestrator/chaos.py):
+"""Faults as processes on 127.0.0.1 (the scenarios of `make chaos`, orchestrator/chaos/):
 a killed worker, a killed PS, kills during checkpoint writes, a rank started twice."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import signal
 
 import pytest
 
-from orchestrator import chaos
+from orchestrator.chaos import checkpoints as chaos_checkpoints, common as chaos_common, processes as chaos_processes
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path):
-    out = chaos.worker_kill(tmp_path)
+    out = chaos_processes.worker_kill(tmp_path)
 
     assert out.recovered, out
     assert out.accuracy >= 0.90
@@ -28,8 +28,8 @@ def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path)
 
 
 def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tmp_path):
-    t = chaos.chaos_topology()
-    out = chaos.ps_kill(tmp_path, t)
+    t = chaos_common.chaos_topology()
+    out = chaos_processes.ps_kill(tmp_path, t)
 
     assert out.recovered, out
     for name, (code, seconds) in out.details["worker_exits"].items():
@@ -42,20 +42,20 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
 
 
 def test_kills_during_checkpoint_writes_never_leave_a_bad_checkpoint(tmp_path):
-    out = chaos.checkpoint_kill_loop(tmp_path, rounds=8)
+    out = chaos_checkpoints.kill_loop(tmp_path, rounds=8)
 
     assert out.recovered, out.details["problems"]
     assert out.details["mid_write"] >= 2  # the kills did land inside writes
 
 
 def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path):
-    t = chaos.chaos_topology(workers=1)
+    t = chaos_common.chaos_topology(workers=1)
     t = t.model_copy(update={"train": t.train.model_copy(update={"epochs": 500})})
-    job = chaos.ProcessJob(t, tmp_path)
+    job = chaos_processes.ProcessJob(t, tmp_path)
     try:
         job.start()
         first = job.procs["worker1"]
-        chaos.wait_until("worker1 trains", lambda: job.events("worker1", "train"), 120)
+        chaos_common.wait_until("worker1 trains", lambda: job.events("worker1", "train"), 120)
         job.start("worker1")
         assert job.wait_exit("worker1", 60) == 2
         err = job.log("worker1", 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import render as r
-from orchestrator.topology import load
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.topology import load
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["configs/default.yaml", "configs/cpu-smoke.yaml"]
@@ -17,7 +17,7 @@ CONFIGS = ["configs/default.yaml", "configs/cpu-smoke.yaml"]
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_service_restarts_on_failure_and_the_ps_has_time_to_checkpoint(config):
-    doc = r.render(load(REPO / config))
+    doc = render_compose.render(load(REPO / config))
     for name, svc in doc["services"].items():
         assert svc["restart"] == "on-failure", name
         assert svc["init"] is True  # SIGTERM reaches Python: `make down` stops in seconds
@@ -27,7 +27,7 @@ def test_every_service_restarts_on_failure_and_the_ps_has_time_to_checkpoint(con
 @pytest.mark.parametrize("config", CONFIGS)
 def test_timeouts_and_checkpoints_reach_every_process(config):
     t = load(REPO / config)
-    for svc in r.render(t)["services"].values():
+    for svc in render_compose.render(t)["services"].values():
         env = svc["environment"]
         assert env["PSC_RPC_TIMEOUT"] == str(t.ps.rpc_timeout)
         assert env["PSC_JOIN_TIMEOUT"] == str(t.ps.join_timeout)
@@ -37,7 +37,7 @@ def test_timeouts_and_checkpoints_reach_every_process(config):
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_no_host_namespaces_devices_or_extra_privileges(config):
-    for name, svc in r.render(load(REPO / config))["services"].items():
+    for name, svc in render_compose.render(load(REPO / config))["services"].items():
         for key in ("privileged", "network_mode", "pid", "ipc", "devices", "cap_add", "ports", "userns_mode"):
             assert key not in svc, (name, key)
         assert svc["user"] != "root" and not svc["user"].startswith("0")
@@ -49,7 +49,7 @@ def test_no_secret_reaches_the_compose_file(config, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak-1234")
     monkeypatch.setenv("PSC_PASSWORD", "do-not-leak-5678")
     t = load(REPO / config)
-    text = r.dump(r.render(t), t.name)
+    text = render_compose.dump(render_compose.render(t), t.name)
     assert "do-not-leak" not in text
     doc = yaml.safe_load(text)
     assert "secrets" not in doc

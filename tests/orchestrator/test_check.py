@@ -9,11 +9,12 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import check as ck
-from orchestrator import render as r
+from orchestrator import check
 from orchestrator.check import Result, check_document, judge, plan_local
 from orchestrator.cli import build_parser, main
-from orchestrator.topology import load
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
+from orchestrator.spec.topology import load
 
 from orch_helpers import HERE, REPO, topology
 
@@ -46,20 +47,20 @@ def test_without_an_unknown_service_is_bad_input(capsys) -> None:
 def test_check_document_runs_check_per_rank_and_nothing_that_waits() -> None:
     t = load(SMOKE).with_workers(3)
     doc = check_document(t, timeout=7)
-    train = r.render(t)
+    train = render_compose.render(t)
     assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3"]
     assert doc["networks"] == train["networks"] and "volumes" not in doc
     for rank, (name, svc) in enumerate(doc["services"].items()):
         assert svc["command"] == ["check", "--rank", str(rank)]
-        assert svc["image"] == t.image_tag and svc["networks"] == [r.NETWORK]
-        assert svc["user"] == r.APP_USER and svc["cap_drop"] == ["ALL"]
+        assert svc["image"] == t.image_tag and svc["networks"] == [render_compose.NETWORK]
+        assert svc["user"] == render_compose.APP_USER and svc["cap_drop"] == ["ALL"]
         for key in ("healthcheck", "depends_on", "restart", "volumes", "build", "deploy", "ports"):
             assert key not in svc, (name, key)
         env = svc["environment"]
         assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"], env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"],
                 env["PSC_RPC_TIMEOUT"], env["PSC_STRATEGY"]) == (str(rank), "4", "ps", str(t.ps.rpc_port), "7", "async")
         assert env["TP_SOCKET_IFNAME"] == train["services"][name]["environment"]["TP_SOCKET_IFNAME"]
-        assert svc["labels"][r.LABEL_ROLE] == "check" and svc["labels"][r.LABEL_RANK] == str(rank)
+        assert svc["labels"][LABEL_ROLE] == "check" and svc["labels"][LABEL_RANK] == str(rank)
 
 
 def test_check_document_of_a_gpu_topology_reserves_no_gpu() -> None:
@@ -75,27 +76,26 @@ def test_without_leaves_the_service_out_but_keeps_the_world_size() -> None:
 
 def test_check_document_is_valid_compose() -> None:
     schema = json.loads((HERE / "compose-spec.json").read_text())
-    doc = yaml.safe_load(r.dump(check_document(load(SMOKE).with_workers(2)), "cpu-smoke"))
+    doc = yaml.safe_load(render_compose.dump(check_document(load(SMOKE).with_workers(2)), "cpu-smoke"))
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
               for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
     assert errors == []
 
 
 def test_check_runs_as_its_own_project() -> None:
-    assert ck.project_name(load(SMOKE)) == "cpu-smoke-check"
+    assert check.project_name(load(SMOKE)) == "cpu-smoke-check"
 
 
 def test_rank_0_is_the_first_service(write_config) -> None:
     # allreduce has no PS: rank 0 is whatever service comes first (worker1 there).
     for strategy in ("async", "sync", "allreduce"):
         t = load(write_config(topology(train={"strategy": strategy})))
-        names = r.service_names(t)
+        names = service_names(t)
         doc = check_document(t)
         assert list(doc["services"]) == names
         assert {s["environment"]["PSC_MASTER_ADDR"] for s in doc["services"].values()} == {names[0]}
         assert {s["environment"]["PSC_STRATEGY"] for s in doc["services"].values()} == {strategy}
-        if hasattr(r, "rendezvous_service"):
-            assert names[0] == r.rendezvous_service(t)
+        assert names[0] == rendezvous_service(t)
         plan = plan_local(t, port=1, python="/py")
         assert [(p.name, p.env["PSC_RANK"]) for p in plan] == [(n, str(k)) for k, n in enumerate(names)]
 

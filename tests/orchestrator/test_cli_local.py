@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import render as r
 from orchestrator.local import ProcessSpec, Supervisor, local_environment, plan
-from orchestrator.topology import load, parse
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.services import service_names
+from orchestrator.spec.topology import load, parse
 
 from orch_helpers import REPO, topology
 
@@ -29,8 +30,8 @@ HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHEC
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])
 def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path: Path) -> None:
     t = load(REPO / config).with_workers(4)
-    services = r.render(t)["services"]
-    for rank, name in enumerate(r.service_names(t)):
+    services = render_compose.render(t)["services"]
+    for rank, name in enumerate(service_names(t)):
         container = dict(services[name]["environment"])
         # For the nvidia runtime only; locally, CUDA_VISIBLE_DEVICES="" hides the GPUs.
         void = container.pop("NVIDIA_VISIBLE_DEVICES", None)

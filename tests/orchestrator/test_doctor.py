@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import UsageError
 from orchestrator import doctor as d
-from orchestrator.topology import Topology, parse
+from orchestrator.errors import UsageError
+from orchestrator.spec.topology import Topology, parse
 
 from orch_helpers import REPO, ci
 

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from orchestrator import doctor as d
-from orchestrator import render as r
-from orchestrator import render_swarm as rs
-from orchestrator.topology import Topology, TopologyError, parse
+from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.spec.topology import Topology, TopologyError, parse
 
 from orch_helpers import HERE, REPO
 
@@ -41,46 +40,46 @@ def info(name: str) -> dict:
 # --- the rendered GPU file ---------------------------------------------------------
 
 def test_the_ps_without_a_gpu_sees_none_and_workers_keep_theirs() -> None:
-    services = r.render(gpu_topology())["services"]
+    services = render_compose.render(gpu_topology())["services"]
     assert services["ps"]["environment"]["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert "deploy" not in services["ps"]
     for name in ("worker1", "worker2", "worker3"):
         assert "NVIDIA_VISIBLE_DEVICES" not in services[name]["environment"]
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     # A PS with a GPU of its own reserves it and is not voided.
-    ps = r.render(gpu_topology(ps_gpu=True))["services"]["ps"]
+    ps = render_compose.render(gpu_topology(ps_gpu=True))["services"]["ps"]
     assert "NVIDIA_VISIBLE_DEVICES" not in ps["environment"]
     assert ps["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["3"]
 
 
 def test_cpu_topologies_get_no_gpu_variables() -> None:
-    for svc in r.render(parse(CPU, "c.yaml"))["services"].values():
+    for svc in render_compose.render(parse(CPU, "c.yaml"))["services"].values():
         assert "NVIDIA_VISIBLE_DEVICES" not in svc["environment"] and "NCCL_SOCKET_IFNAME" not in svc["environment"]
 
 
 def test_nccl_follows_network_ifname_like_tensorpipe() -> None:
     t = gpu_topology(ifname="ens5")
-    for doc in (r.render(t), rs.render(t, data_root="/srv")):
+    for doc in (render_compose.render(t), render_swarm.render(t, data_root="/srv")):
         for svc in doc["services"].values():
             env = svc["environment"]
             assert env["NCCL_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "ens5"
     allreduce = parse(GPU.replace("strategy: async", "strategy: allreduce"), "a.yaml")
-    assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in r.render(allreduce)["services"].values()} == {"eth0"}
+    assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in render_compose.render(allreduce)["services"].values()} == {"eth0"}
 
 
 def test_group_add_goes_to_every_gpu_container_only() -> None:
-    services = r.render(gpu_topology(group_add="[44, render]"))["services"]
+    services = render_compose.render(gpu_topology(group_add="[44, render]"))["services"]
     assert "group_add" not in services["ps"]
     assert [services[f"worker{k}"]["group_add"] for k in (1, 2, 3)] == [[44, "render"]] * 3
-    assert r.render(gpu_topology(group_add="[44]", ps_gpu=True))["services"]["ps"]["group_add"] == [44]
-    assert "group_add" not in r.render(gpu_topology())["services"]["worker1"]  # unset: as before
+    assert render_compose.render(gpu_topology(group_add="[44]", ps_gpu=True))["services"]["ps"]["group_add"] == [44]
+    assert "group_add" not in render_compose.render(gpu_topology())["services"]["worker1"]  # unset: as before
 
 
 def test_group_add_is_valid_compose_and_left_out_of_the_stack() -> None:
     t = gpu_topology(group_add="[44, render]", ps_gpu=True)
     schema = json.loads((HERE / "compose-spec.json").read_text())
-    jsonschema.Draft7Validator(schema).validate(yaml.safe_load(r.dump(r.render(t), t.name)))
-    stack = rs.render(t, data_root="/srv")
+    jsonschema.Draft7Validator(schema).validate(yaml.safe_load(render_compose.dump(render_compose.render(t), t.name)))
+    stack = render_swarm.render(t, data_root="/srv")
     assert all("group_add" not in svc for svc in stack["services"].values())  # docker stack deploy rejects it
     assert stack["services"]["ps"]["environment"]["NCCL_SOCKET_IFNAME"] == "eth0"
 

@@ -14,8 +14,8 @@ import torch
 
 from app import runtime
 from orchestrator import gpu_check as g
-from orchestrator import render as r
-from orchestrator.topology import load, parse
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.topology import load, parse
 
 from orch_helpers import REPO
 
@@ -30,7 +30,7 @@ def test_the_run_is_cpu_smoke_on_the_projects_image_one_worker_per_gpu() -> None
         ("gpu-check", "ps-compose-resnet18-imagenette:latest", t.image.base, [44])
     assert (run.train.model, run.train.dataset, run.train.batch_size) == ("cnn", "digits", smoke.train.batch_size)
     assert run.cuda and run.worker_gpus() == [0, 2, 5] and run.ps_gpu() is None
-    services = r.render(run)["services"]
+    services = render_compose.render(run)["services"]
     assert [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
             for n, s in services.items() if n != "ps"] == [["0"], ["2"], ["5"]]
     assert services["ps"]["environment"]["NVIDIA_VISIBLE_DEVICES"] == "void"

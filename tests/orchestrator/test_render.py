@@ -12,8 +12,10 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import render as r
-from orchestrator.topology import Topology, load, parse
+from orchestrator.render import compose as render_compose
+from orchestrator.render.yamlio import write_atomic
+from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
+from orchestrator.spec.topology import Topology, load, parse
 
 from orch_helpers import HERE, REPO, topology
 
@@ -36,7 +38,7 @@ def rendered(config: str, workers: int | None) -> tuple[Topology, str]:
     t = load(REPO / config)
     if workers is not None:
         t = t.with_workers(workers)
-    return t, r.dump(r.render(t), t.name)
+    return t, render_compose.dump(render_compose.render(t), t.name)
 
 
 @pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
@@ -78,7 +80,7 @@ def test_schema_rejects_garbage(schema_validator) -> None:
 
 def test_same_topology_same_bytes(tmp_path: Path) -> None:
     t = load(REPO / "configs/default.yaml")
-    assert r.dump(r.render(t), t.name) == r.dump(r.render(load(REPO / "configs/default.yaml")), t.name)
+    assert render_compose.dump(render_compose.render(t), t.name) == render_compose.dump(render_compose.render(load(REPO / "configs/default.yaml")), t.name)
     # And across processes (hash seeds differ), through the CLI.
     outs = []
     for seed in ("1", "2"):
@@ -101,7 +103,7 @@ def test_no_anchors_no_name_no_version() -> None:
 def test_services_ranks_and_env() -> None:
     t, text = rendered("configs/default.yaml", 4)
     doc = yaml.safe_load(text)
-    assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3", "worker4"] == r.service_names(t)
+    assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
     for rank, (name, svc) in enumerate(doc["services"].items()):
         env = svc["environment"]
         assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
@@ -110,11 +112,11 @@ def test_services_ranks_and_env() -> None:
         assert env["PSC_CHECKPOINT_DIR"] == "/state/checkpoints" and env["PSC_METRICS_DIR"] == "/state/metrics"
         assert all(isinstance(v, str) for v in env.values())
         assert svc["command"] == (["ps"] if rank == 0 else ["worker"])
-        assert svc["labels"] == {r.LABEL_PROJECT: t.name, r.LABEL_ROLE: "ps" if rank == 0 else "worker",
-                                 r.LABEL_RANK: str(rank)}
-        assert svc["networks"] == [r.NETWORK]
+        assert svc["labels"] == {LABEL_PROJECT: t.name, LABEL_ROLE: "ps" if rank == 0 else "worker",
+                                 LABEL_RANK: str(rank)}
+        assert svc["networks"] == [render_compose.NETWORK]
         assert svc["image"] == "ps-compose-resnet18-imagenette:latest"
-    assert doc["networks"] == {"cluster": {"driver": "bridge", "labels": {r.LABEL_PROJECT: t.name}}}
+    assert doc["networks"] == {"cluster": {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}}
 
 
 def test_gpu_mode() -> None:
@@ -130,7 +132,7 @@ def test_gpu_mode() -> None:
 
 def test_gpu_for_ps_when_asked_and_listed_gpus() -> None:
     t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7}, workers={"count": 2, "gpus": [4, 2]})))
-    doc = r.render(t)
+    doc = render_compose.render(t)
     ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
     assert ids == {"ps": ["7"], "worker1": ["4"], "worker2": ["2"]}
     assert doc["services"]["ps"]["environment"]["PSC_DEVICE"] == "cuda"
@@ -161,7 +163,7 @@ def test_safe_defaults() -> None:
             else:
                 assert svc["depends_on"] == {"ps": {"condition": "service_healthy"}}
                 assert svc["restart"] == "on-failure" and "build" not in svc
-        assert doc["volumes"] == {"state": {"labels": {r.LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}}
+        assert doc["volumes"] == {"state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}}
 
 
 def test_data_mount() -> None:
@@ -169,7 +171,7 @@ def test_data_mount() -> None:
     assert doc["services"]["worker2"]["volumes"][0] == {
         "type": "bind", "source": "./data/imagenette2/val", "target": "/data", "read_only": True}
     t = parse(yaml.safe_dump(topology(train={"dataset": "mnist", "data_dir": "data/mnist"})))
-    assert r.render(t)["services"]["ps"]["volumes"][0]["source"] == "./data/mnist"
+    assert render_compose.render(t)["services"]["ps"]["volumes"][0]["source"] == "./data/mnist"
 
 
 def test_build_args() -> None:
@@ -181,8 +183,8 @@ def test_build_args() -> None:
 
 def test_publish_rpc_port_when_asked(cli, write_config) -> None:
     t = parse(yaml.safe_dump(topology(network={"publish_rpc_port": True}, ps={"rpc_port": 29600})))
-    assert r.render(t)["services"]["ps"]["ports"] == ["29600:29600"]
-    assert all("ports" not in s for n, s in r.render(t)["services"].items() if n != "ps")
+    assert render_compose.render(t)["services"]["ps"]["ports"] == ["29600:29600"]
+    assert all("ports" not in s for n, s in render_compose.render(t)["services"].items() if n != "ps")
     status, out, err = cli("render", "-c", str(write_config(topology(network={"publish_rpc_port": True}))), "-o", "-")
     assert status == 0 and "ports:" in out
     assert err.startswith("warning: network.publish_rpc_port:") and "no authentication" in err
@@ -195,11 +197,11 @@ def test_render_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("render touched the disk")
     monkeypatch.setattr("builtins.open", no_io)
     monkeypatch.setattr(os, "stat", no_io)
-    r.dump(r.render(t), t.name)
+    render_compose.dump(render_compose.render(t), t.name)
 
 
 def test_project_name() -> None:
-    assert r.project_name(load(REPO / "configs/cpu-smoke.yaml")) == "cpu-smoke"
+    assert render_compose.project_name(load(REPO / "configs/cpu-smoke.yaml")) == "cpu-smoke"
 
 
 def test_cli_render_writes_whole_file(cli, tmp_path: Path) -> None:
@@ -224,7 +226,7 @@ def test_failed_write_leaves_no_temp_and_old_file(monkeypatch: pytest.MonkeyPatc
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        r.write_atomic(target, "new\n")
+        write_atomic(target, "new\n")
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["compose.yaml"]
 

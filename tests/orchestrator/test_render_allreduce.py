@@ -13,11 +13,12 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import cluster as cl
 from orchestrator import local
-from orchestrator import render as r
-from orchestrator import render_swarm as rs
-from orchestrator.topology import TopologyError, load, parse
+from orchestrator.backends import smoke
+from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.spec.services import rendezvous_service, service_names
+from orchestrator.spec.topology import TopologyError, load, parse
 
 from orch_helpers import HERE, REPO, topology
 from test_compose_config import check, compose_v1, compose_v2, need
@@ -33,11 +34,11 @@ def allreduce(config: Path = SMOKE, workers: int = 3):
 
 def compose_text() -> str:
     t = allreduce()
-    return r.dump(r.render(t), t.name)
+    return render_compose.dump(render_compose.render(t), t.name)
 
 
 def stack_text() -> str:
-    return rs.dump(rs.render(allreduce(), data_root=DATA_ROOT), "cpu-smoke")
+    return render_swarm.dump(render_swarm.render(allreduce(), data_root=DATA_ROOT), "cpu-smoke")
 
 
 @pytest.mark.parametrize("golden,text", [("cpu-smoke-allreduce-workers3.yaml", compose_text),
@@ -72,9 +73,9 @@ def test_docker_stack_config(tmp_path: Path) -> None:
 
 def test_no_ps_worker1_is_the_rendezvous() -> None:
     t = allreduce()
-    doc = r.render(t)
-    assert list(doc["services"]) == ["worker1", "worker2", "worker3"] == r.service_names(t)
-    assert r.rendezvous_service(t) == "worker1" and r.rendezvous_service(load(SMOKE)) == "ps"
+    doc = render_compose.render(t)
+    assert list(doc["services"]) == ["worker1", "worker2", "worker3"] == service_names(t)
+    assert rendezvous_service(t) == "worker1" and rendezvous_service(load(SMOKE)) == "ps"
     for rank, (name, svc) in enumerate(doc["services"].items(), start=1):
         env = svc["environment"]
         assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"]) == (str(rank), "4")  # the app counts a PS slot
@@ -92,11 +93,11 @@ def test_no_ps_worker1_is_the_rendezvous() -> None:
 def test_gpu_reservations_as_for_ps_workers() -> None:
     t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7},
                                       train={"strategy": "allreduce"}, workers={"count": 2, "gpus": [4, 2]})))
-    doc = r.render(t)
+    doc = render_compose.render(t)
     ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
     assert ids == {"worker1": ["4"], "worker2": ["2"]}  # no PS: ps.gpu is unused
     assert all(s["environment"]["PSC_DEVICE"] == "cuda" for s in doc["services"].values())
-    swarm = rs.render(t, data_root=DATA_ROOT)["services"]
+    swarm = render_swarm.render(t, data_root=DATA_ROOT)["services"]
     assert set(swarm) == {"worker1", "worker2"}
     assert all("generic_resources" in s["deploy"]["resources"]["reservations"] for s in swarm.values())
 
@@ -104,9 +105,9 @@ def test_gpu_reservations_as_for_ps_workers() -> None:
 def test_published_port_is_on_worker1(cli, write_config) -> None:
     doc = topology(train={"strategy": "allreduce"}, network={"publish_rpc_port": True}, ps={"rpc_port": 29600})
     t = parse(yaml.safe_dump(doc))
-    services = r.render(t)["services"]
+    services = render_compose.render(t)["services"]
     assert services["worker1"]["ports"] == ["29600:29600"] and "ports" not in services["worker2"]
-    assert rs.render(t, data_root=DATA_ROOT)["services"]["worker1"]["ports"] == [
+    assert render_swarm.render(t, data_root=DATA_ROOT)["services"]["worker1"]["ports"] == [
         {"target": 29600, "published": 29600, "protocol": "tcp", "mode": "host"}]
     status, out, err = cli("render", "-c", str(write_config(doc)), "-o", "-")
     assert status == 0 and err.startswith("warning: network.publish_rpc_port: worker1's port 29600")
@@ -147,11 +148,11 @@ def test_local_plan_has_no_ps() -> None:
 
 
 def test_cluster_target_and_judge() -> None:
-    tg = cl.target(str(SMOKE), 3, strategy="allreduce", project="p")
-    assert tg.topology is not None and r.service_names(tg.topology) == ["worker1", "worker2", "worker3"]
+    tg = compose_verbs.target(str(SMOKE), 3, strategy="allreduce", project="p")
+    assert tg.topology is not None and service_names(tg.topology) == ["worker1", "worker2", "worker3"]
     ok = [{"service": s, "status": "exited", "exit_code": 0, "restarts": 0} for s in ("worker1", "worker2")]
-    assert cl.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
-    assert cl.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 printed no `Accuracy:` line"]
+    assert smoke.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
+    assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 printed no `Accuracy:` line"]
 
 
 def test_make_passes_strategy() -> None:

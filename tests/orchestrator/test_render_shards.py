@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from orchestrator import local
-from orchestrator import render as r
-from orchestrator.topology import Topology, TopologyError, load, parse
+from orchestrator.render import compose as render_compose
+from orchestrator.spec.services import describe, service_names
+from orchestrator.spec.topology import Topology, TopologyError, load, parse
 
 from orch_helpers import HERE, REPO, topology
 
@@ -26,7 +27,7 @@ def _smoke(shards: int) -> Topology:
 
 def test_golden_with_two_shards() -> None:
     t = _smoke(2)
-    text = r.dump(r.render(t), t.name)
+    text = render_compose.dump(render_compose.render(t), t.name)
     if os.environ.get("UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), f"render differs from {GOLDEN}; if intended: UPDATE_GOLDEN=1"
@@ -34,8 +35,8 @@ def test_golden_with_two_shards() -> None:
 
 def test_shard_services_share_the_ps_image_env_and_volume() -> None:
     t = _smoke(3)
-    doc = r.render(t)
-    assert list(doc["services"]) == r.service_names(t) == ["ps", "ps-shard1", "ps-shard2", "worker1", "worker2"]
+    doc = render_compose.render(t)
+    assert list(doc["services"]) == service_names(t) == ["ps", "ps-shard1", "ps-shard2", "worker1", "worker2"]
     ps = doc["services"]["ps"]
     for index in (1, 2):
         svc = doc["services"][f"ps-shard{index}"]
@@ -47,19 +48,19 @@ def test_shard_services_share_the_ps_image_env_and_volume() -> None:
     for name in ("ps", "worker1", "worker2"):
         assert doc["services"][name]["environment"]["PSC_SHARDS"] == "3"
         assert "PSC_SHARD" not in doc["services"][name]["environment"]
-    assert r.describe(t) == "ps + 2 shards + 2 workers"
+    assert describe(t) == "ps + 2 shards + 2 workers"
 
 
 def test_one_shard_renders_as_before() -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
     assert t.ps.shards == 1
-    assert r.render(t) == r.render(_smoke(1))
-    assert all("PSC_SHARDS" not in s["environment"] for s in r.render(t)["services"].values())
+    assert render_compose.render(t) == render_compose.render(_smoke(1))
+    assert all("PSC_SHARDS" not in s["environment"] for s in render_compose.render(t)["services"].values())
 
 
 def test_schema_accepts_shard_services() -> None:
     schema = json.loads((HERE / "compose-spec.json").read_text())
-    doc = yaml.safe_load(r.dump(r.render(_smoke(2)), "cpu-smoke"))
+    doc = yaml.safe_load(render_compose.dump(render_compose.render(_smoke(2)), "cpu-smoke"))
     assert list(jsonschema.Draft7Validator(schema).iter_errors(doc)) == []
 
 

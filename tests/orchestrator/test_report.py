@@ -1,4 +1,4 @@
-"""`report` (orchestrator/report.py) and `compare` (orchestrator/compare.py).
+"""`report` (orchestrator/metrics/report.py) and `compare` (orchestrator/metrics/compare.py).
 
 Fast tests write metrics files by hand in the format of app/metrics.py, with
 known figures; the slow ones read the metrics of real runs (`local`, `compare`).
@@ -15,10 +15,9 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from orchestrator import compare as cmp
-from orchestrator import report as rp
-from orchestrator import run_metrics as rm
-from orchestrator.topology import load
+from orchestrator.errors import UsageError
+from orchestrator.metrics import compare, records, report, run_metrics
+from orchestrator.spec.topology import load
 
 from orch_helpers import REPO, topology
 
@@ -87,8 +86,8 @@ def read_png(path: Path):
 # --- summary figures --------------------------------------------------------
 
 def test_summary_of_known_records(tmp_path: Path) -> None:
-    run = rm.load_run(make_run(tmp_path / "r"))
-    s = rm.summarize(run)
+    run = run_metrics.load_run(make_run(tmp_path / "r"))
+    s = run_metrics.summarize(run)
     assert (run.strategy, run.workers, run.batch_size) == ("async", 2, 32)
     assert s.final_accuracy == 0.96 and s.final_loss == pytest.approx(0.04)
     assert s.time_to == pytest.approx(2.0)       # the first eval at >= 0.90 (a later dip does not count)
@@ -96,45 +95,45 @@ def test_summary_of_known_records(tmp_path: Path) -> None:
     assert s.samples_per_s == pytest.approx(2560 / 4.0)
     assert (s.staleness_mean, s.staleness_max) == (0.5, 2)
     assert s.notes == []
-    lines = rm.format_summary([s])
+    lines = run_metrics.format_summary([s])
     assert lines[0].split()[:3] == ["RUN", "STRATEGY", "WORKERS"]
     assert lines[1].split() == ["r", "async", "2", "0.9600", "2.0", "s", "1280", "640", "0.50/2"]
 
 
 def test_threshold_never_reached_and_other_threshold(tmp_path: Path) -> None:
-    run = rm.load_run(make_run(tmp_path / "r", accuracies=(0.5, 0.6), final=0.7))
-    s = rm.summarize(run)
+    run = run_metrics.load_run(make_run(tmp_path / "r", accuracies=(0.5, 0.6), final=0.7))
+    s = run_metrics.summarize(run)
     assert s.time_to is None and s.samples_to is None and s.final_accuracy == 0.7
-    assert "-" in rm.format_summary([s])[1].split()
-    assert rm.summarize(run, threshold=0.55).time_to == pytest.approx(2.0)
+    assert "-" in run_metrics.format_summary([s])[1].split()
+    assert run_metrics.summarize(run, threshold=0.55).time_to == pytest.approx(2.0)
 
 
 def test_samples_estimated_from_train_records_without_samples_fields(tmp_path: Path) -> None:
     """No `samples` and no run.json: the batch size comes from samples/s x interval / steps."""
-    run = rm.load_run(make_run(tmp_path / "r", samples=False, strategy=None, hist=False))
+    run = run_metrics.load_run(make_run(tmp_path / "r", samples=False, strategy=None, hist=False))
     assert run.batch_size == 32 and run.batch_estimated
     assert run.strategy is None
-    points = rm.eval_points(run)
+    points = run_metrics.eval_points(run)
     # at t0+2 each worker has pushed 20 batches: 2 x 20 x 32
     assert [p.samples for p in points] == pytest.approx([640, 1280, 1920, 2560])
-    s = rm.summarize(run)
+    s = run_metrics.summarize(run)
     assert s.samples_to == pytest.approx(1280) and s.samples_per_s == pytest.approx(640)
     assert any("estimated" in n for n in s.notes)
     # staleness from the workers' train records: i % 3 for i = 1..4, twice
-    counts, source = rm.staleness_counts(run)
+    counts, source = run_metrics.staleness_counts(run)
     assert counts == {1: 4, 2: 2, 0: 2} and "sampled" in source
     assert (s.staleness_mean, s.staleness_max) == (0.5, 2)  # the PS's figures over every push win
     for r in run.files["ps"]:
         r.pop("staleness_mean", None)
-    assert rm.summarize(run).staleness_mean == pytest.approx(1.0)
+    assert run_metrics.summarize(run).staleness_mean == pytest.approx(1.0)
 
 
 def test_run_json_gives_strategy_and_batch(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "r", samples=False, strategy=None)
     (run_dir / "run.json").write_text(json.dumps({"strategy": "ssp", "workers": 2, "batch_size": 16}))
-    run = rm.load_run(run_dir)
+    run = run_metrics.load_run(run_dir)
     assert (run.strategy, run.batch_size, run.batch_estimated) == ("ssp", 16, False)
-    assert rm.eval_points(run)[1].samples == pytest.approx(2 * 20 * 16)
+    assert run_metrics.eval_points(run)[1].samples == pytest.approx(2 * 20 * 16)
 
 
 def test_compose_file_gives_strategy_and_batch(tmp_path: Path) -> None:
@@ -143,7 +142,7 @@ def test_compose_file_gives_strategy_and_batch(tmp_path: Path) -> None:
     doc = {"services": {"ps": {"environment": env}, "worker1": {"environment": env},
                         "worker2": {"environment": env}}}
     (run_dir / "compose.yaml").write_text(yaml.safe_dump(doc))
-    run = rm.load_run(run_dir)
+    run = run_metrics.load_run(run_dir)
     assert (run.strategy, run.batch_size, run.info_from) == ("sync", 64, "compose.yaml")
 
 
@@ -151,10 +150,10 @@ def test_only_the_last_run_of_appended_files(tmp_path: Path) -> None:
     """Every run of a name appends to the same files: an earlier 3-worker run is left out."""
     make_run(tmp_path / "r", T0, workers=3, accuracies=(0.2, 0.3), final=0.4)
     make_run(tmp_path / "r", T0 + 100, append=True)
-    run = rm.load_run(tmp_path / "r")
+    run = run_metrics.load_run(tmp_path / "r")
     assert sorted(run.files) == ["ps", "worker1", "worker2"] and run.workers == 2
     assert all(r["time"] >= T0 + 100 for recs in run.files.values() for r in recs)
-    s = rm.summarize(run)
+    s = run_metrics.summarize(run)
     assert s.final_accuracy == 0.96 and s.time_to == pytest.approx(2.0)
     assert run.dropped == 3 * len(worker_records(1)) + len(ps_records(accuracies=(0.2, 0.3)))
     assert any("earlier runs" in n for n in s.notes)
@@ -165,18 +164,18 @@ def test_a_crashed_run_then_a_fresh_one(tmp_path: Path) -> None:
     m = tmp_path / "r" / "metrics"
     write(m / "worker1.jsonl", worker_records(1, T0, steps=2, end=False))
     write(m / "worker1.jsonl", worker_records(1, T0 + 0.5), append=True)
-    seg, dropped = rm.last_segment(rm.read_jsonl(m / "worker1.jsonl"))
+    seg, dropped = run_metrics.last_segment(records.read_jsonl(m / "worker1.jsonl"))
     assert dropped == 3 and seg[0]["event"] == "join" and seg[0]["time"] == T0 + 0.5
     # a chaos-style rejoin (the worker resumes at its step count) stays in the same run
     rejoin = worker_records(1, T0, steps=2, end=False) + [rec(T0 + 9, "worker", 1, "join", 20)]
-    assert rm.last_segment(rejoin) == (rejoin, 0)
+    assert run_metrics.last_segment(rejoin) == (rejoin, 0)
 
 
 def test_bad_lines_are_skipped(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "r")
     with open(run_dir / "metrics" / "worker1.jsonl", "a") as f:
         f.write('{"time": 1000010.0, "role": "wor')  # killed mid-write
-    assert rm.summarize(rm.load_run(run_dir)).final_accuracy == 0.96
+    assert run_metrics.summarize(run_metrics.load_run(run_dir)).final_accuracy == 0.96
 
 
 def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
@@ -189,29 +188,29 @@ def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
         r.pop("staleness_max", None)
     write(m / "worker1.jsonl", sorted(w1, key=lambda r: r["time"]))
     write(m / "worker2.jsonl", worker_records(2))
-    run = rm.load_run(tmp_path / "allreduce")
+    run = run_metrics.load_run(tmp_path / "allreduce")
     assert run.strategy == "allreduce" and run.workers == 2
-    s = rm.summarize(run)
+    s = run_metrics.summarize(run)
     assert s.final_accuracy == 0.96 and s.time_to == pytest.approx(2.0)
     assert s.staleness_mean is None and s.staleness_max is None
-    written = rp.write_report([run], tmp_path / "out")
+    written = report.write_report([run], tmp_path / "out")
     assert not (tmp_path / "out" / "staleness.png").exists()
     assert {p.name for p in written} == {"loss.png", "accuracy.png", "throughput.png", "summary.txt"}
 
 
 def test_no_metrics_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "empty" / "metrics").mkdir(parents=True)
-    with pytest.raises(rp.UsageError, match="no metrics"):
-        rm.load_run(tmp_path / "empty")
-    with pytest.raises(rp.UsageError, match="no such directory"):
-        rm.load_run(tmp_path / "missing")
+    with pytest.raises(UsageError, match="no metrics"):
+        run_metrics.load_run(tmp_path / "empty")
+    with pytest.raises(UsageError, match="no such directory"):
+        run_metrics.load_run(tmp_path / "missing")
 
 
 # --- plots ------------------------------------------------------------------
 
 def test_pngs_are_written_and_decodable(tmp_path: Path) -> None:
-    run = rm.load_run(make_run(tmp_path / "r"))
-    written = rp.write_report([run], tmp_path / "out")
+    run = run_metrics.load_run(make_run(tmp_path / "r"))
+    written = report.write_report([run], tmp_path / "out")
     assert [p.name for p in written] == ["loss.png", "accuracy.png", "throughput.png", "staleness.png", "summary.txt"]
     for p in written[:-1]:
         image = read_png(p)
@@ -221,16 +220,16 @@ def test_pngs_are_written_and_decodable(tmp_path: Path) -> None:
 
 def test_several_runs_on_one_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     figures: dict[str, Any] = {}
-    real_save = rp._save
+    real_save = report._save
 
     def keep(fig: Any, path: Path) -> Path:
         figures[path.name] = fig
         return real_save(fig, path)
 
-    monkeypatch.setattr(rp, "_save", keep)
-    runs = [rm.load_run(make_run(tmp_path / name, T0 + 50 * i, strategy=name))
+    monkeypatch.setattr(report, "_save", keep)
+    runs = [run_metrics.load_run(make_run(tmp_path / name, T0 + 50 * i, strategy=name))
             for i, name in enumerate(("async", "sync", "ssp"))]
-    rp.write_report(runs, tmp_path / "out")
+    report.write_report(runs, tmp_path / "out")
 
     def labels(name: str, panel: int) -> list[str]:
         return figures[name].axes[panel].get_legend_handles_labels()[1]
@@ -250,8 +249,8 @@ def test_several_runs_on_one_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_one_run_one_line_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     figures: dict[str, Any] = {}
-    monkeypatch.setattr(rp, "_save", lambda fig, path: figures.setdefault(path.name, fig) and path)
-    rp.write_report([rm.load_run(make_run(tmp_path / "r"))], tmp_path / "out")
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.setdefault(path.name, fig) and path)
+    report.write_report([run_metrics.load_run(make_run(tmp_path / "r"))], tmp_path / "out")
     assert figures["loss.png"].axes[0].get_legend_handles_labels()[1] == ["worker1", "worker2", "held-out"]
     assert figures["throughput.png"].axes[0].get_legend_handles_labels()[1] == ["worker1", "worker2"]
 
@@ -283,38 +282,38 @@ def test_last_run_picks_the_newer_metrics(tmp_path: Path, monkeypatch: pytest.Mo
             return dest
         return copy
 
-    monkeypatch.setattr(rp, "copy_volume_metrics", lambda project, dest, out: None)  # no engine
-    assert rp.last_run(runs) == run_dir / "metrics"
-    monkeypatch.setattr(rp, "copy_volume_metrics", volume(newer=True))
-    assert rp.last_run(runs) == run_dir / "state-metrics"
-    monkeypatch.setattr(rp, "copy_volume_metrics", volume(newer=False))
-    assert rp.last_run(runs) == run_dir / "metrics"
-    run = rm.load_run(run_dir / "state-metrics")
+    monkeypatch.setattr(report, "copy_volume_metrics", lambda project, dest, out: None)  # no engine
+    assert report.last_run(runs) == run_dir / "metrics"
+    monkeypatch.setattr(report, "copy_volume_metrics", volume(newer=True))
+    assert report.last_run(runs) == run_dir / "state-metrics"
+    monkeypatch.setattr(report, "copy_volume_metrics", volume(newer=False))
+    assert report.last_run(runs) == run_dir / "metrics"
+    run = run_metrics.load_run(run_dir / "state-metrics")
     assert run.path == run_dir  # compose.yaml and run.json are looked up next to it
-    with pytest.raises(rp.UsageError, match="current.json"):
-        rp.last_run(tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match="current.json"):
+        report.last_run(tmp_path / "elsewhere")
 
 
 # --- compare ------------------------------------------------------------------
 
 def test_topology_for_changes_only_strategy_epochs_eval_and_workers() -> None:
     base = load(REPO / "configs/cpu-smoke.yaml")
-    t = cmp.topology_for(base, "sync", workers=3, epochs=2, eval_every=5)
+    t = compare.topology_for(base, "sync", workers=3, epochs=2, eval_every=5)
     assert (t.name, t.train.strategy, t.train.epochs, t.train.eval_every, t.workers.count) == ("sync", "sync", 2, 5, 3)
     assert t.train.model_copy(update={"strategy": "async", "epochs": 10, "eval_every": 100}) == base.train
     assert t.image == base.image and t.ps == base.ps
 
 
-def _summary(label: str, time_to: Optional[float], acc: float) -> rm.Summary:
-    return rm.Summary(label, label, 2, acc, 0.1, time_to, None if time_to is None else 1280.0, 640.0,
+def _summary(label: str, time_to: Optional[float], acc: float) -> run_metrics.Summary:
+    return run_metrics.Summary(label, label, 2, acc, 0.1, time_to, None if time_to is None else 1280.0, 640.0,
                       None, None, 4.0)
 
 
 def test_compare_table() -> None:
-    lines = cmp.format_table([
-        cmp.Outcome("async", Path("a"), 0, 13.2, _summary("async", 1.25, 0.9805)),
-        cmp.Outcome("sync", Path("s"), 0, 15.0, _summary("sync", None, 0.85)),
-        cmp.Outcome("allreduce", Path("r"), 1, 6.0),
+    lines = compare.format_table([
+        compare.Outcome("async", Path("a"), 0, 13.2, _summary("async", 1.25, 0.9805)),
+        compare.Outcome("sync", Path("s"), 0, 15.0, _summary("sync", None, 0.85)),
+        compare.Outcome("allreduce", Path("r"), 1, 6.0),
     ])
     assert lines[0].split()[:7] == ["STRATEGY", "TIME", "TO", "0.90", "FINAL", "ACC", "SAMPLES/S"]
     assert lines[1].split() == ["async", "1.2", "s", "0.9805", "640", "1280", "13s", "ok"]
@@ -327,17 +326,17 @@ def test_compare_runs_each_strategy_then_one_report(tmp_path: Path, monkeypatch:
     """run_one faked: sync leaves metrics, allreduce fails; one report, the table, exit 1."""
     ran = []
 
-    def fake_run_one(t, runs_dir: Path, *, source: str, verbose: bool, out) -> cmp.Outcome:
+    def fake_run_one(t, runs_dir: Path, *, source: str, verbose: bool, out) -> compare.Outcome:
         ran.append((t.train.strategy, t.workers.count, t.train.epochs))
         if t.train.strategy == "allreduce":
             (runs_dir / t.name).mkdir(parents=True)
             (runs_dir / t.name / "output.log").write_text("worker1 | boom\n")
-            return cmp.Outcome(t.name, runs_dir / t.name, 1, 2.0)
+            return compare.Outcome(t.name, runs_dir / t.name, 1, 2.0)
         make_run(runs_dir / t.name, strategy=t.train.strategy)
-        return cmp.Outcome(t.name, runs_dir / t.name, 0, 10.0)
+        return compare.Outcome(t.name, runs_dir / t.name, 0, 10.0)
 
-    monkeypatch.setattr(cmp, "run_one", fake_run_one)
-    status = cmp.run(["sync", "allreduce"], workers=2, epochs=3, config=str(REPO / "configs/cpu-smoke.yaml"),
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    status = compare.run(["sync", "allreduce"], workers=2, epochs=3, config=str(REPO / "configs/cpu-smoke.yaml"),
                      runs_dir=str(tmp_path / "cmp"))
     out = capsys.readouterr().out
     assert status == 1
@@ -351,11 +350,11 @@ def test_compare_runs_each_strategy_then_one_report(tmp_path: Path, monkeypatch:
 
 def test_compare_entries_take_plus_options() -> None:
     base = load(REPO / "configs/cpu-smoke.yaml")
-    assert cmp.parse_entry("ssp+s2+slr") == ("ssp", {"staleness": 2, "staleness_lr": True})
-    t = cmp.topology_for(base, "async+bf16+overlap", workers=2, epochs=2, eval_every=5)
+    assert compare.parse_entry("ssp+s2+slr") == ("ssp", {"staleness": 2, "staleness_lr": True})
+    t = compare.topology_for(base, "async+bf16+overlap", workers=2, epochs=2, eval_every=5)
     assert (t.name, t.train.strategy, t.train.compress, t.train.overlap) == ("async-bf16-overlap", "async", "bf16", True)
     with pytest.raises(ValueError, match="'zip'"):
-        cmp.parse_entry("async+zip")
+        compare.parse_entry("async+zip")
 
 
 def test_compare_refuses_an_option_the_strategy_cannot_take(cli) -> None:
@@ -377,16 +376,16 @@ def test_report_of_a_real_local_run(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", "t.yaml"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = rm.load_run(tmp_path / "runs" / "rep")
+    run = run_metrics.load_run(tmp_path / "runs" / "rep")
     assert run.workers == 2 and run.strategy == "async" and run.batch_size
-    s = rm.summarize(run)
-    points = rm.eval_points(run)
+    s = run_metrics.summarize(run)
+    points = run_metrics.eval_points(run)
     assert s.final_accuracy is not None and s.final_accuracy == points[-1].accuracy
     assert all(p.samples is not None for p in points)
     assert [p.seconds for p in points] == sorted(p.seconds for p in points) and points[0].seconds >= 0
     reached = [p for p in points if p.accuracy >= 0.90]
     assert s.time_to == (reached[0].seconds if reached else None)
-    written = rp.write_report([run], tmp_path / "out")
+    written = report.write_report([run], tmp_path / "out")
     for p in written[:-1]:
         assert read_png(p).ndim == 3
 
@@ -402,6 +401,6 @@ def test_compare_async_for_real(cli, tmp_path: Path) -> None:
     assert info["exit_code"] == 0 and info["strategy"] == "async" and info["topology"]["train"]["epochs"] == 2
     for name in ("loss.png", "accuracy.png", "throughput.png", "staleness.png"):
         assert read_png(tmp_path / "cmp" / "report" / name).ndim == 3
-    s = rm.summarize(rm.load_run(tmp_path / "cmp" / "async"))
+    s = run_metrics.summarize(run_metrics.load_run(tmp_path / "cmp" / "async"))
     assert s.final_accuracy is not None and s.workers == 2
     assert f"{s.final_accuracy:.4f}" in table[1].split()

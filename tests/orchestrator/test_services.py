@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import render as r
-from orchestrator import services as sv
-from orchestrator.chaos import ProcessJob
+from orchestrator.chaos.processes import ProcessJob
 from orchestrator.check import check_document, plan_local
 from orchestrator.local import plan
-from orchestrator.services import Service
-from orchestrator.topology import load
+from orchestrator.render import compose as render_compose
+from orchestrator.spec import services as spec_services
+from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, Service, service_names
+from orchestrator.spec.topology import load
 
 from orch_helpers import REPO, topology
 
@@ -30,14 +30,14 @@ def _shards(k: int):
 
 
 def test_services_of_a_sharded_ps() -> None:
-    assert sv.services(_shards(3)) == [
+    assert spec_services.services(_shards(3)) == [
         Service("ps", "ps", 0, 0, None, "ps.jsonl"),
         Service("ps-shard1", "ps", 0, 1, None, "ps1.jsonl"),
         Service("ps-shard2", "ps", 0, 2, None, "ps2.jsonl"),
         Service("worker1", "worker", 1, 0, None, "worker1.jsonl"),
         Service("worker2", "worker", 2, 0, None, "worker2.jsonl"),
     ]
-    assert [s.rpc_name for s in sv.services(_shards(2))] == ["ps", "ps1", "worker1", "worker2"]
+    assert [s.rpc_name for s in spec_services.services(_shards(2))] == ["ps", "ps1", "worker1", "worker2"]
 
 
 def test_services_follow_the_render(write_config) -> None:
@@ -46,28 +46,28 @@ def test_services_follow_the_render(write_config) -> None:
                 topology(image={"base": "b", "device": "cuda"}, workers={"count": 3, "gpus": [2, 0, 5]},
                          ps={"gpu": 1})):
         t = load(write_config(doc))
-        rendered = r.render(t)["services"]
-        assert [s.name for s in sv.services(t)] == r.service_names(t) == list(rendered)
-        for s in sv.services(t):
+        rendered = render_compose.render(t)["services"]
+        assert [s.name for s in spec_services.services(t)] == service_names(t) == list(rendered)
+        for s in spec_services.services(t):
             svc = rendered[s.name]
-            assert (s.role, str(s.rank)) == (svc["labels"][r.LABEL_ROLE], svc["labels"][r.LABEL_RANK])
+            assert (s.role, str(s.rank)) == (svc["labels"][LABEL_ROLE], svc["labels"][LABEL_RANK])
             assert str(s.rank) == svc["environment"]["PSC_RANK"]
             assert str(s.shard) == svc["environment"].get("PSC_SHARD", "0")
             devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
             assert s.gpu == (int(devices[0]["device_ids"][0]) if devices else None)
-        assert sv.from_compose(yaml.safe_load(r.dump(r.render(t), t.name))) == sv.services(t)
+        assert spec_services.from_compose(yaml.safe_load(render_compose.dump(render_compose.render(t), t.name))) == spec_services.services(t)
 
 
 def test_gpus_in_rank_order(write_config) -> None:
     t = load(write_config(topology(image={"base": "b", "device": "cuda"}, workers={"count": 3, "gpus": [2, 0, 5]})))
-    assert [(s.name, s.gpu) for s in sv.services(t)] == [("ps", None), ("worker1", 2), ("worker2", 0), ("worker3", 5)]
+    assert [(s.name, s.gpu) for s in spec_services.services(t)] == [("ps", None), ("worker1", 2), ("worker2", 0), ("worker3", 5)]
 
 
 def test_order_puts_the_topology_first_then_natural_order() -> None:
     t = load(SMOKE)
-    assert sv.order(["worker10", "worker2", "ps-shard1", "worker1", "ps"]) == \
+    assert spec_services.order(["worker10", "worker2", "ps-shard1", "worker1", "ps"]) == \
         ["ps", "ps-shard1", "worker1", "worker2", "worker10"]
-    assert sv.order(["worker3", "worker1", "ps", "worker2"], t) == ["ps", "worker1", "worker2", "worker3"]
+    assert spec_services.order(["worker3", "worker1", "ps", "worker2"], t) == ["ps", "worker1", "worker2", "worker3"]
 
 
 def test_local_plan_of_a_sharded_ps(tmp_path: Path) -> None:

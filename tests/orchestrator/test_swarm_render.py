@@ -14,9 +14,10 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import render as r
-from orchestrator import render_swarm as rs
-from orchestrator.topology import Topology, load, parse
+from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.render.yamlio import yaml_text
+from orchestrator.spec.services import service_names
+from orchestrator.spec.topology import Topology, load, parse, size_bytes
 
 from orch_helpers import HERE, REPO, ci
 
@@ -50,7 +51,7 @@ def topo(config: str, workers: Optional[int] = None) -> Topology:
 
 def rendered(config: str, workers: Optional[int] = None) -> str:
     t = topo(config, workers)
-    return rs.dump(rs.render(t, data_root=DATA_ROOT), t.name)
+    return render_swarm.dump(render_swarm.render(t, data_root=DATA_ROOT), t.name)
 
 
 @pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
@@ -104,10 +105,10 @@ def test_docker_stack_config(tmp_path: Path, golden: str, config: str, workers: 
 def test_docker_stack_config_rejects_the_compose_render(tmp_path: Path) -> None:
     # Why a second render: Swarm's schema has no reservations.devices (GPUs in compose).
     t = load(REPO / "configs/default.yaml")
-    doc = r.render(t)
+    doc = render_compose.render(t)
     for svc in doc["services"].values():
         svc.pop("depends_on", None)  # the 3.x schema wants a list here; it is not the point
-    p = stack_config("version: '3.8'\n" + r.yaml_text(doc), tmp_path)
+    p = stack_config("version: '3.8'\n" + yaml_text(doc), tmp_path)
     assert p.returncode != 0 and "devices" in p.stderr, p.stderr
 
 
@@ -131,7 +132,7 @@ def test_every_service_is_dnsrr_one_replica_and_one_shot() -> None:
         assert (d["mode"], d["replicas"], d["endpoint_mode"]) == ("replicated", 1, "dnsrr"), name
     # Never restarted after success (Swarm's default would): compose's `restart: on-failure`
     # becomes a few delayed attempts, no `restart` becomes none.
-    compose = r.render(load(REPO / "configs/cpu-smoke.yaml"))["services"]
+    compose = render_compose.render(load(REPO / "configs/cpu-smoke.yaml"))["services"]
     for name, svc in svcs.items():
         policy = svc["deploy"]["restart_policy"]
         if compose[name].get("restart") == "on-failure":
@@ -146,9 +147,9 @@ def test_shm_size_becomes_a_tmpfs_at_dev_shm() -> None:
     svcs = services("configs/default.yaml")
     for name, size in (("ps", t.ps.shm_size), ("worker1", t.workers.shm_size)):
         tmpfs = [v for v in svcs[name]["volumes"] if v["type"] == "tmpfs"]
-        assert tmpfs == [{"type": "tmpfs", "target": "/dev/shm", "tmpfs": {"size": rs.size_bytes(size)}}]
-    assert rs.size_bytes("2g") == 2 * 1024 ** 3 and rs.size_bytes("256m") == 256 * 1024 ** 2
-    assert rs.size_bytes("1.5gb") == 3 * 1024 ** 3 // 2 and rs.size_bytes(1000) == 1000
+        assert tmpfs == [{"type": "tmpfs", "target": "/dev/shm", "tmpfs": {"size": size_bytes(size)}}]
+    assert size_bytes("2g") == 2 * 1024 ** 3 and size_bytes("256m") == 256 * 1024 ** 2
+    assert size_bytes("1.5gb") == 3 * 1024 ** 3 // 2 and size_bytes(1000) == 1000
 
 
 def test_gpus_are_generic_resources_one_per_gpu_service() -> None:
@@ -166,7 +167,7 @@ def test_placement_by_hostname_and_by_label() -> None:
     assert got == {"ps": ["node.hostname==ps-host"], "worker1": ["node.hostname==gpu-a"],
                    "worker2": ["node.hostname==gpu-a"], "worker3": ["node.labels.zone==b"]}
     one = parse((REPO / "configs/cpu-smoke.yaml").read_text() + "swarm: {workers: [gpu=true]}\n")
-    assert rs.render(one.with_workers(4), data_root="/x")["services"]["worker4"]["deploy"]["placement"] == {
+    assert render_swarm.render(one.with_workers(4), data_root="/x")["services"]["worker4"]["deploy"]["placement"] == {
         "constraints": ["node.labels.gpu==true"]}
     assert all("placement" not in s["deploy"] for s in services().values())
 
@@ -184,9 +185,9 @@ def test_relative_data_dir_becomes_absolute() -> None:
 
 def test_overlay_network_and_the_same_app_environment() -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
-    doc, compose = rs.render(t, data_root="/x"), r.render(t)
+    doc, compose = render_swarm.render(t, data_root="/x"), render_compose.render(t)
     assert doc["networks"]["cluster"]["driver"] == "overlay"
-    for name in r.service_names(t):
+    for name in service_names(t):
         assert doc["services"][name]["environment"] == compose["services"][name]["environment"]
         assert doc["services"][name]["user"] == "1000:1000" and doc["services"][name]["cap_drop"] == ["ALL"]
 
@@ -215,4 +216,4 @@ def test_cli_render_target_swarm(cli, tmp_path: Path) -> None:
 def test_compose_render_is_unchanged_by_the_swarm_section() -> None:
     t = topo(PLACED)
     plain = t.model_copy(update={"swarm": type(t.swarm)()})
-    assert r.render(t) == r.render(plain)
+    assert render_compose.render(t) == render_compose.render(plain)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import render_swarm as rs
 from orchestrator.local import local_environment
-from orchestrator.topology import TopologyError, load, parse
+from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.spec.topology import TopologyError, load, parse
 
 from orch_helpers import REPO, topology
 
@@ -96,7 +96,7 @@ def test_the_image_stays_free_of_user_code() -> None:
 
 def test_swarm_makes_code_and_weights_absolute() -> None:
     t = parse(yaml.safe_dump(topology(**{**CUSTOM, "train": {**CUSTOM["train"], "init_weights": "w.pt"}})))
-    doc = rs.render(t, data_root="/srv/psc")
+    doc = render_swarm.render(t, data_root="/srv/psc")
     for svc in doc["services"].values():
         sources = {v["target"]: v["source"] for v in svc["volumes"] if v["type"] == "bind"}
         assert sources == {"/code": "/srv/psc/mycode", "/init/weights.pt": "/srv/psc/w.pt"}
@@ -112,7 +112,7 @@ def test_local_puts_code_first_on_pythonpath_and_weights_absolute(tmp_path: Path
 
 
 def test_the_example_topology_is_valid_and_its_paths_exist() -> None:
-    from orchestrator.usercode import check_paths
+    from orchestrator.spec.usercode import check_paths
 
     t = load(REPO / "examples" / "custom" / "topology.yaml")
     check_paths(t, "examples/custom/topology.yaml", REPO)
@@ -123,5 +123,5 @@ def test_image_cache_reaches_every_process_only_when_on() -> None:
     on = parse(yaml.safe_dump(topology(train={"image_cache": True})))
     off = parse(yaml.safe_dump(topology()))
     for t, expected in ((on, "true"), (off, None)):
-        for svc in rs.rd.render(t)["services"].values():
+        for svc in render_compose.render(t)["services"].values():
             assert svc["environment"].get("PSC_IMAGE_CACHE") == expected

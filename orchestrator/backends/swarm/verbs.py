@@ -1,10 +1,10 @@
 """The Swarm verbs: stack-up, stack-down, stack-logs, stack-status, stack-smoke.
 
 The same topology as `up`, deployed with `docker stack deploy` (render:
-`orchestrator.render_swarm`, Docker: `orchestrator.stack`). `stack-up`
-runs the doctor (target swarm) first, writes runs/<name>/stack.yaml and
-records the stack in runs/stack.json, so `stack-logs`, `stack-status` and
-`stack-down` without `-c` act on the stack deployed last.
+`orchestrator.render.swarm`, Docker: `adapter`). `stack-up` runs the doctor
+(target swarm) first, writes runs/<name>/stack.yaml and records the stack in
+runs/stack.json, so `stack-logs`, `stack-status` and `stack-down` without `-c`
+act on the stack deployed last.
 
 A stack's tasks are one-shot: done when every service's newest task has
 ended; judged like `smoke` (every service exited 0, no retry, the PS's last
@@ -22,51 +22,38 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from orchestrator import UsageError
-from orchestrator import cluster as cl
-from orchestrator import compose as cp
 from orchestrator import doctor, images
-from orchestrator import render as rd
-from orchestrator import render_swarm as rs
-from orchestrator import stack as st
-from orchestrator.services import order
-from orchestrator.topology import Topology, load
-from orchestrator.usercode import check_paths
+from orchestrator.backends import smoke as smoke_run
+from orchestrator.backends.compose.adapter import run as run_argv
+from orchestrator.backends.swarm import adapter
+from orchestrator.errors import EngineError, UsageError, engine_errors
+from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
+from orchestrator.render import swarm as render_swarm
+from orchestrator.render.compose import STATE_VOLUME
+from orchestrator.render.yamlio import write_atomic, write_if_changed
+from orchestrator.spec.services import PS_SERVICE, describe, order, rendezvous_service, service_names
+from orchestrator.spec.topology import Topology, load_with
+from orchestrator.spec.usercode import check_paths
 
-RECORD_NAME = "stack.json"
-SMOKE_CONFIG = cl.SMOKE_CONFIG
+RECORD = RUNS / "stack.json"
+GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers and network
 
 
 def stack_file(name: str) -> Path:
-    return cl.RUNS / name / "stack.yaml"
+    return RUNS / name / "stack.yaml"
 
 
 def render_text(t: Topology) -> str:
-    return rs.dump(rs.render(t, data_root=str(cl.ROOT)), t.name)
-
-
-def _topology(config: str, workers: Optional[int], strategy: Optional[str] = None) -> Topology:
-    t = load(config)
-    t = t.with_workers(workers) if workers is not None else t
-    return t.with_strategy(strategy) if strategy is not None else t
+    return render_swarm.dump(render_swarm.render(t, data_root=str(ROOT)), t.name)
 
 
 def _stack(config: Optional[str], workers: Optional[int], stack: Optional[str]) -> str:
     """The stack named by `stack` or -c, else the one `stack-up` deployed last, else the default topology's."""
     if stack is not None:
         return stack
-    record = cl.RUNS / RECORD_NAME
-    if config is None and workers is None and record.is_file():
-        return json.loads(record.read_text(encoding="utf-8"))["stack"]
-    return rs.stack_name(_topology(config or "configs/default.yaml", workers))
-
-
-def _write(path: Path, text: str) -> bool:
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rd.write_atomic(path, text)
-    return True
+    if config is None and workers is None and RECORD.is_file():
+        return json.loads(RECORD.read_text(encoding="utf-8"))["stack"]
+    return render_swarm.stack_name(load_with(config or DEFAULT_CONFIG, workers=workers))
 
 
 def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out: TextIO) -> list[str]:
@@ -77,67 +64,64 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
     else:
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
-    print(f"==> deploying stack {name}: {rd.describe(t)}", file=out, flush=True)
-    r = cp.run(st.deploy_argv(name, str(path)), capture=True)
-    ignored = st.ignored_options(r.stdout + r.stderr)
+    print(f"==> deploying stack {name}: {describe(t)}", file=out, flush=True)
+    r = run_argv(adapter.deploy_argv(name, str(path)), capture=True)
+    ignored = adapter.ignored_options(r.stdout + r.stderr)
     for line in ignored:
         print(f"warning: docker stack deploy: {line}", file=out, flush=True)
     return ignored
 
 
-@cl.engine_errors
+@engine_errors
 def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
              strategy: Optional[str] = None) -> int:
-    t = _topology(config, workers, strategy)
-    check_paths(t, config, cl.ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)
+    t = load_with(config, workers=workers, strategy=strategy)
+    check_paths(t, config, ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)
     client = images.client()
     checks = doctor.run_checks(t, "swarm", doctor.gather(t, "swarm", client=client))
     doctor.stop_on_problems(checks, config, "", target="swarm")
     print(f"==> doctor: {len(checks)} checks passed (target swarm)", file=out, flush=True)
-    name = rs.stack_name(t)
+    name = render_swarm.stack_name(t)
     path = stack_file(name)
-    wrote = _write(path, render_text(t))
-    print(f"==> {'rendered' if wrote else 'up to date:'} {cl._rel(path)}", file=out, flush=True)
+    wrote = write_if_changed(path, render_text(t))
+    print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}", file=out, flush=True)
     _deploy(client, t, name, path, offline, out)
-    cl.RUNS.mkdir(parents=True, exist_ok=True)
-    rd.write_atomic(cl.RUNS / RECORD_NAME, json.dumps({"stack": name, "stack_file": str(path), "config": config,
-                                                      "workers": workers, "strategy": strategy},
-                                                      indent=2) + "\n")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    write_atomic(RECORD, json.dumps({"stack": name, "stack_file": str(path), "config": config,
+                                     "workers": workers, "strategy": strategy}, indent=2) + "\n")
     print(f"==> up: stack {name}. Next: make stack-logs | make stack-status | make stack-down", file=out, flush=True)
     return 0
 
 
-@cl.engine_errors
+@engine_errors
 def stack_down(config: Optional[str] = None, workers: Optional[int] = None, *, volumes: bool = False,
                stack: Optional[str] = None, out: TextIO = sys.stdout) -> int:
     name = _stack(config, workers, stack)
     client = images.client()
-    cp.run(st.rm_argv(name), capture=True)
-    left = st.wait_gone(client, name)
-    if left:
-        raise cp.EngineError(f"stack {name}: still there after 120 s: {', '.join(left)}")
-    kept = f"volumes removed: {', '.join(st.remove_volumes(client, name)) or 'none'}" if volumes else \
-        f"checkpoints and metrics kept in volume {name}_{rd.STATE_VOLUME} on each node"
+    run_argv(adapter.rm_argv(name), capture=True)
+    _wait_gone(client, name)
+    kept = f"volumes removed: {', '.join(adapter.remove_volumes(client, name)) or 'none'}" if volumes else \
+        f"checkpoints and metrics kept in volume {name}_{STATE_VOLUME} on each node"
     print(f"==> down: stack {name} removed (services, containers, network); {kept}", file=out)
     return 0
 
 
-@cl.engine_errors
+@engine_errors
 def stack_logs(config: Optional[str] = None, workers: Optional[int] = None, *, follow: bool = True,
                stack: Optional[str] = None) -> int:
     """Every service's log at once (`docker service logs` each), prefixed by task and node."""
     name = _stack(config, workers, stack)
     client = images.client()
-    names = order(st.services(client, name), _known(config, workers, stack))
+    names = order(adapter.services(client, name), _known(config, workers, stack))
     if not names:
-        raise cp.EngineError(f"no stack {name} (make stack-up first)")
-    procs = [subprocess.Popen(st.logs_argv(name, s, follow=follow)) for s in names]
+        raise EngineError(f"no stack {name} (make stack-up first)")
+    procs = [subprocess.Popen(adapter.logs_argv(name, s, follow=follow)) for s in names]
     try:
         # `docker service logs -f` never ends by itself: stop following once every
         # task has ended (on two polls in a row: a failed task's retry comes a moment later).
         ended_before = False
         while any(p.poll() is None for p in procs):
-            ended = follow and _all_ended(client, name, names)
+            ended = follow and adapter.all_ended(adapter.states(client, name), names)
             if ended and ended_before:
                 break
             ended_before = ended
@@ -150,17 +134,12 @@ def stack_logs(config: Optional[str] = None, workers: Optional[int] = None, *, f
                 p.wait()
 
 
-def _all_ended(client: Any, stack: str, names: list[str]) -> bool:
-    states = st.states(client, stack)
-    return all(s in states and states[s]["status"] == "exited" for s in names)
-
-
-@cl.engine_errors
+@engine_errors
 def stack_status(config: Optional[str] = None, workers: Optional[int] = None, *, stack: Optional[str] = None,
                  out: TextIO = sys.stdout) -> int:
     name = _stack(config, workers, stack)
     client = images.client()
-    states = st.states(client, name)
+    states = adapter.states(client, name)
     print(f"stack {name}", file=out)
     for line in format_states([states[s] for s in order(states, _known(config, workers, stack))]):
         print(line, file=out)
@@ -180,53 +159,43 @@ def wait_done(client: Any, stack: str, expected: list[str], timeout: float, out:
               every: float = 2.0) -> Optional[dict[str, dict[str, Any]]]:
     """Poll until every expected service's newest task has ended, on two polls in
     a row (a failed task's retry appears a moment later); the states, or None."""
-    start = last_report = time.monotonic()
-    ended_before = False
-    while time.monotonic() - start < timeout:
-        states = st.states(client, stack)
-        ended = all(s in states and states[s]["status"] == "exited" for s in expected)
-        if ended and ended_before:
-            return states
-        ended_before = ended
-        if time.monotonic() - last_report >= 15:
-            last_report = time.monotonic()
-            summary = ", ".join(f"{s} {states[s]['task']}" for s in expected if s in states)
-            print(f"    {time.monotonic() - start:4.0f} s: {summary}", file=out, flush=True)
-        time.sleep(every)
-    return None
+    def read() -> list[dict[str, Any]]:
+        states = adapter.states(client, stack)
+        return [states[s] for s in expected if s in states]
+
+    final = smoke_run.wait(read, lambda states: len(states) == len(expected) and adapter.all_ended(
+        {s["service"]: s for s in states}, expected), timeout, out, every=every, settle=True)
+    return None if final is None else {s["service"]: s for s in final}
 
 
-@cl.engine_errors
+@engine_errors
 def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 600, threshold: float = 0.90,
                 stack: Optional[str] = None, out: TextIO = sys.stdout) -> int:
     """The CPU topology as a swarm stack on this engine (a swarm manager): offline
     image, deploy, wait for every task to end, judge the tasks' exit states and
     the PS's `Accuracy:`; print every log on failure; always remove the stack,
     wait for its containers and network to go, and remove its volume."""
-    t0 = time.monotonic()
-    t = _topology(config, workers)
-    name = stack or f"{rs.stack_name(t)}-stack-smoke"
+    timings = smoke_run.Timings("stack-smoke")
+    t = load_with(config, workers=workers)
+    name = stack or f"{render_swarm.stack_name(t)}-stack-smoke"
     client = images.client()
-    expected = rd.service_names(t)
-    timings: dict[str, float] = {}
+    expected = service_names(t)
     tmp = Path(tempfile.mkdtemp(prefix="ps-compose-stack-smoke-"))
     path = tmp / "stack.yaml"
     try:
-        _write(path, render_text(t))
+        write_if_changed(path, render_text(t))
         base, pip_source = images.source(t, offline=True)
-        start = time.monotonic()
-        images.build(t.image_tag, base, pip_source, out=out)
-        timings["image"] = time.monotonic() - start
+        with timings.step("image"):
+            images.build(t.image_tag, base, pip_source, out=out)
         _remove(client, name)  # a former run's leftovers
-        start = time.monotonic()
-        ignored = _deploy(client, t, name, path, True, out)
-        states = wait_done(client, name, expected, timeout, out)
-        timings["run"] = time.monotonic() - start
-        final = states if states is not None else st.states(client, name)
-        rank0 = rd.rendezvous_service(t)
-        accuracy = cl.parse_accuracy(st.service_log(client, name, rank0))
-        problems = cl.judge(expected, list(final.values()), accuracy, threshold,
-                            who="the PS" if rank0 == rd.PS_SERVICE else rank0)
+        with timings.step("run"):
+            ignored = _deploy(client, t, name, path, True, out)
+            states = wait_done(client, name, expected, timeout, out)
+        final = states if states is not None else adapter.states(client, name)
+        rank0 = rendezvous_service(t)
+        accuracy = smoke_run.parse_accuracy(adapter.service_log(client, name, rank0))
+        problems = smoke_run.judge(expected, list(final.values()), accuracy, threshold,
+                                   who="the PS" if rank0 == PS_SERVICE else rank0)
         if states is None:
             problems.insert(0, f"not every task ended within {timeout:.0f} s")
         problems += [f"docker stack deploy: {line}" for line in ignored]
@@ -234,7 +203,7 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
             print(f"    {line}", file=out)
         if problems:
             for s in expected:
-                for line in st.service_log(client, name, s).splitlines():
+                for line in adapter.service_log(client, name, s).splitlines():
                     print(f"{s} | {line}", file=out)
             for p in problems:
                 print(f"stack-smoke: FAILED: {p}", file=out)
@@ -243,35 +212,36 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
               f"complete, exit 0, no retry ({', '.join(expected)})", file=out)
         return 0
     finally:
-        start = time.monotonic()
-        _remove(client, name)
-        timings["down"] = time.monotonic() - start
+        with timings.step("down"):
+            _remove(client, name)
         shutil.rmtree(tmp, ignore_errors=True)
-        steps = ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-        print(f"stack-smoke: {steps}; total {time.monotonic() - t0:.0f} s", file=out, flush=True)
+        print(timings.line(), file=out, flush=True)
+
+
+def _wait_gone(client: Any, name: str) -> None:
+    left = adapter.wait_gone(client, name, timeout=GONE_TIMEOUT)
+    if left:
+        raise EngineError(f"stack {name}: still there after {GONE_TIMEOUT:.0f} s: {', '.join(left)}")
 
 
 def _remove(client: Any, name: str) -> None:
     """Remove the stack, wait for it to be gone, remove its volume (EngineError if it stays)."""
-    cp.run(st.rm_argv(name), capture=True, check=False)
-    left = st.wait_gone(client, name)
-    if left:
-        raise cp.EngineError(f"stack {name}: still there after 120 s: {', '.join(left)}")
-    st.remove_volumes(client, name)
+    run_argv(adapter.rm_argv(name), capture=True, check=False)
+    _wait_gone(client, name)
+    adapter.remove_volumes(client, name)
 
 
 def _known(config: Optional[str], workers: Optional[int], stack: Optional[str]) -> Optional[Topology]:
     """The topology of the stack acted on, when known: from -c/--workers, else from the
     record of the last stack-up (when it names the stack); None otherwise."""
     if config is not None or workers is not None:
-        return _topology(config or "configs/default.yaml", workers)
-    record = cl.RUNS / RECORD_NAME
-    if not record.is_file():
+        return load_with(config or DEFAULT_CONFIG, workers=workers)
+    if not RECORD.is_file():
         return None
-    rec = json.loads(record.read_text(encoding="utf-8"))
+    rec = json.loads(RECORD.read_text(encoding="utf-8"))
     if rec.get("config") is None or (stack is not None and stack != rec.get("stack")):
         return None
     try:
-        return _topology(rec["config"], rec.get("workers"), rec.get("strategy"))
+        return load_with(rec["config"], workers=rec.get("workers"), strategy=rec.get("strategy"))
     except UsageError:  # the file changed since: order by name
         return None

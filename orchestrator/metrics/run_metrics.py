@@ -13,13 +13,14 @@ is). From any file of the metrics directory:
 
 A metrics file is appended to by every run of the same name: only each file's
 last run is read (it starts after an `end` followed by a record more than
-GAP_SECONDS later, or at a `join` at step 0 after training had started), and
-files whose last run ended before the others' began are left out.
+GAP_SECONDS later, or at a `start` or a `join` at step 0 after training had
+started), and files whose last run ended before the others' began are left out.
 
-Strategy, workers and batch size come from the records when they carry them,
-else `run.json` (written by `compare`), else the run's `compose.yaml` (written
-by `up`), else what the files show (no ps.jsonl: allreduce). Time is wall time
-from the run's first `join` (the PS's `Time:` counts from there too).
+Strategy, workers and batch size come from the `start` record every app
+process writes first (strategy, batch_size, world_size, shards, model,
+dataset, run_id, precision). Metrics written before the app wrote one are
+read with `infer_info`. Time is wall time from the run's first `join` (the
+PS's `Time:` counts from there too).
 """
 
 from __future__ import annotations
@@ -32,28 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from orchestrator import UsageError
+from orchestrator.errors import UsageError
+from orchestrator.metrics.records import Record, read_jsonl
 
 THRESHOLD = 0.90
 GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
 
-Record = dict[str, Any]
-
-
 # --- reading --------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[Record]:
-    """The records of one metrics file; bad or partial lines (a crash mid-write) are skipped."""
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("time"), (int, float)):
-            out.append(rec)
-    return out
-
 
 def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[Record], int]:
     """The records of the file's last run, and how many earlier records were left out."""
@@ -61,8 +47,8 @@ def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[
     ended_at: Optional[float] = None
     trained = False
     for i, rec in enumerate(records):
-        fresh_join = rec.get("event") == "join" and rec.get("step") == 0 and trained
-        if (ended_at is not None and rec["time"] > ended_at + gap) or fresh_join:
+        fresh = rec.get("event") in ("start", "join") and rec.get("step") == 0 and trained
+        if (ended_at is not None and rec["time"] > ended_at + gap) or fresh:
             start, ended_at, trained = i, None, False
         if rec.get("event") == "end":
             ended_at = rec["time"]
@@ -103,7 +89,8 @@ class Run:
     workers: int = 0
     batch_size: Optional[int] = None
     batch_estimated: bool = False
-    info_from: str = "metrics"
+    info_from: str = "metrics"       # where strategy, workers and batch size came from
+    start: Optional[Record] = None   # the run's `start` record (None: metrics older than it)
     dropped: int = 0
     label: str = ""
 
@@ -149,12 +136,37 @@ def load_run(path: str | Path) -> Run:
     if not any(r.get("event") in ("train", "eval", "end") for recs in files.values() for r in recs):
         raise UsageError(f"{mdir}: no train, eval or end records yet")
     run = Run(run_dir, mdir, files, dropped=dropped)
-    _fill_info(run)
+    run.start = start_record(run)
+    if run.start is not None:
+        info_from_start(run, run.start)
+    else:
+        infer_info(run)
     return run
 
 
-def _fill_info(run: Run) -> None:
-    """Strategy, workers and batch size: records > run.json > compose.yaml > the files."""
+def start_record(run: Run) -> Optional[Record]:
+    """The `start` record that describes the run: the PS's when it wrote one, else the first."""
+    starts = run.records("start")
+    return next((r for r in starts if r.get("role") == "ps"), starts[0] if starts else None)
+
+
+def info_from_start(run: Run, start: Record) -> None:
+    """Strategy, workers and batch size as the app wrote them: workers are the ranks that
+    wrote a start record as workers (else world_size - 1)."""
+    worker_ranks = {r.get("rank") for r in run.records("start") if r.get("role") == "worker"}
+    run.strategy = start.get("strategy")
+    run.workers = len(worker_ranks) or max(0, int(start.get("world_size") or 1) - 1)
+    batch = start.get("batch_size")
+    if batch:
+        run.batch_size = int(batch)
+    else:
+        run.batch_size, run.batch_estimated = estimate_batch(run), True
+    run.info_from = "start records"
+
+
+def infer_info(run: Run) -> None:
+    """For metrics without a `start` record (written by an older app): strategy, workers and
+    batch size from the records that carry them > run.json > compose.yaml > the files."""
     found: dict[str, Any] = {}
     sources = []
     for rec in run.records("join", "train", "eval", "end"):

@@ -30,13 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-from orchestrator import UsageError
-from orchestrator import report as rp
-from orchestrator import run_metrics as rm
-from orchestrator.topology import Topology, load
+from orchestrator import local
+from orchestrator.errors import UsageError
+from orchestrator.metrics import run_metrics
+from orchestrator.metrics.report import write_report
+from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
+from orchestrator.paths import SMOKE_CONFIG
+from orchestrator.spec.contract import STRATEGIES
+from orchestrator.spec.topology import Topology, load
 
-STRATEGIES = ("async", "sync", "ssp", "allreduce")
-BASE_CONFIG = "configs/cpu-smoke.yaml"
+BASE_CONFIG = SMOKE_CONFIG
 RUNS_DIR = "runs/compare"
 WORKERS = 2
 EPOCHS = 10
@@ -81,14 +84,12 @@ class Outcome:
     run_dir: Path
     code: Optional[int]               # exit status of the run; None: not run
     seconds: float                    # wall time of the whole run, process start-up included
-    summary: Optional[rm.Summary] = None
-    run: Optional[rm.Run] = None
+    summary: Optional[Summary] = None
+    run: Optional[Run] = None
 
 
 def run_one(t: Topology, runs_dir: Path, *, source: str, verbose: bool, out: TextIO) -> Outcome:
     """Run `t` as local processes in a fresh <runs_dir>/<strategy>/; its output to output.log."""
-    from orchestrator import local
-
     strategy = t.name  # the entry: async, async-bf16, ...
     run_dir = runs_dir / t.name
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics files are appended to: start clean
@@ -115,15 +116,15 @@ def _write_json(path: Path, doc: dict) -> None:
 def attach_summary(o: Outcome, threshold: float) -> Outcome:
     """The run's records and summary, when it left any."""
     try:
-        o.run = rm.load_run(o.run_dir)
+        o.run = run_metrics.load_run(o.run_dir)
     except UsageError:
         return o
     o.run.label = o.strategy
-    o.summary = rm.summarize(o.run, threshold)
+    o.summary = run_metrics.summarize(o.run, threshold)
     return o
 
 
-def format_table(outcomes: Sequence[Outcome], threshold: float = rm.THRESHOLD) -> list[str]:
+def format_table(outcomes: Sequence[Outcome], threshold: float = THRESHOLD) -> list[str]:
     """strategy, time to `threshold`, final accuracy, samples/s (+ samples to it, wall time, status)."""
     th = f"{threshold:.2f}"
     w = max([10] + [len(o.strategy) for o in outcomes])
@@ -140,9 +141,9 @@ def format_table(outcomes: Sequence[Outcome], threshold: float = rm.THRESHOLD) -
         if s is not None and o.code == 0 and s.time_to is None:
             status = f"ok, never reached {th}"
         lines.append(
-            f"{o.strategy:<{w}} {rm.fmt(s and s.time_to, '.1f', ' s'):>12} "
-            f"{rm.fmt(s and s.final_accuracy, '.4f'):>9} {rm.fmt(s and s.samples_per_s, '.0f'):>9} "
-            f"{rm.fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}")
+            f"{o.strategy:<{w}} {fmt(s and s.time_to, '.1f', ' s'):>12} "
+            f"{fmt(s and s.final_accuracy, '.4f'):>9} {fmt(s and s.samples_per_s, '.0f'):>9} "
+            f"{fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}")
     return lines
 
 
@@ -155,7 +156,7 @@ def _tail(path: Path, n: int) -> list[str]:
 
 def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOCHS, eval_every: int = EVAL_EVERY,
         config: str = BASE_CONFIG, runs_dir: str = RUNS_DIR, verbose: bool = False,
-        threshold: float = rm.THRESHOLD, out: Optional[TextIO] = None) -> int:
+        threshold: float = THRESHOLD, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
     base = load(config)
     topologies = [topology_for(base, s, workers=workers, epochs=epochs, eval_every=eval_every, source=config)
@@ -172,13 +173,13 @@ def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOC
             for line in _tail(o.run_dir / "output.log", LOG_TAIL):
                 print(f"    | {line}", file=out)
         else:
-            acc = rm.fmt(o.summary and o.summary.final_accuracy, ".4f")
+            acc = fmt(o.summary and o.summary.final_accuracy, ".4f")
             print(f"    {o.strategy}: done in {o.seconds:.0f} s, final accuracy {acc}", file=out, flush=True)
         if o.code is not None and o.code >= 128:  # a signal (Ctrl-C): stop here
             return o.code
     runs = [o.run for o in outcomes if o.run is not None]
     if runs:
-        written = rp.write_report(runs, root / "report", threshold)
+        written = write_report(runs, root / "report", threshold)
         print(f"==> report: {', '.join(p.name for p in written)} in {root / 'report'}", file=out)
     print(f"compare: {len(outcomes)} strategies, {workers} workers, {epochs} epochs "
           f"({config}), {time.monotonic() - started:.0f} s in all", file=out)

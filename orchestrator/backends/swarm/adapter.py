@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from orchestrator.compose import EngineError
+from orchestrator.errors import EngineError
 
 LABEL_STACK = "com.docker.stack.namespace"
 DOCKER = "docker"
@@ -38,11 +38,6 @@ def rm_argv(stack: str) -> list[str]:
 def logs_argv(stack: str, service: str, *, follow: bool) -> list[str]:
     """One service's log, each line prefixed `<stack>_<service>.<slot>@<node> |`."""
     return [DOCKER, "service", "logs", "--no-task-ids", *(["-f"] if follow else []), service_name(stack, service)]
-
-
-def config_argv(file: str) -> list[str]:
-    """`docker stack config` (CLI 25+): validates the file against the stack schema."""
-    return [DOCKER, "stack", "config", "-c", file]
 
 
 def service_name(stack: str, service: str) -> str:
@@ -67,16 +62,16 @@ def swarm_state(info: dict[str, Any]) -> dict[str, Any]:
 
 def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A service's state from its tasks (newest last counts): the shape of
-    `cluster.container_state`, so `cluster.judge` judges it. A terminal task is
+    `status.container_state`, so `smoke.judge` judges it. A terminal task is
     `exited` with its exit code; `restarts` counts the failed tasks before it."""
     if not tasks:
         return {"service": service, "status": "no task", "exit_code": None, "health": None,
                 "restarts": 0, "task": None, "error": ""}
     ordered = sorted(tasks, key=lambda t: (t.get("CreatedAt") or "", (t.get("Version") or {}).get("Index", 0)))
     last = ordered[-1]
-    st = last.get("Status") or {}
-    task = st.get("State") or "unknown"
-    exit_code = (st.get("ContainerStatus") or {}).get("ExitCode")
+    status = last.get("Status") or {}
+    task = status.get("State") or "unknown"
+    exit_code = (status.get("ContainerStatus") or {}).get("ExitCode")
     if task == "complete":
         exit_code = 0
     return {
@@ -86,7 +81,7 @@ def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "health": None,
         "restarts": len(ordered) - 1,
         "task": task,
-        "error": st.get("Err") or "",
+        "error": status.get("Err") or "",
     }
 
 
@@ -171,3 +166,8 @@ def generic_resources(specs: Sequence[dict[str, Any]]) -> dict[str, int]:
         elif discrete:
             out[discrete["Kind"]] = out.get(discrete["Kind"], 0) + int(discrete.get("Value", 0))
     return out
+
+
+def all_ended(states: dict[str, dict[str, Any]], names: Sequence[str]) -> bool:
+    """Every named service's newest task has ended."""
+    return all(s in states and states[s]["status"] == "exited" for s in names)

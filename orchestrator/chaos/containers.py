@@ -10,22 +10,26 @@ container after it (checked on Docker 20.10).
 from __future__ import annotations
 
 import io
-import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from orchestrator import cluster, images
-from orchestrator import compose as cp
-from orchestrator import render as rd
-from orchestrator.chaos import RUN_TIMEOUT, THRESHOLD, Outcome, Timeout, chaos_topology, wait_until
-from orchestrator.services import by_name
-from orchestrator.topology import Topology
+from orchestrator import images
+from orchestrator.backends.compose import adapter
+from orchestrator.chaos.common import (
+    CHECKPOINT_VERSION, RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until,
+)
+from orchestrator.metrics.records import Record, events, parse_lines
+from orchestrator.paths import ROOT
+from orchestrator.render import compose
+from orchestrator.render.yamlio import write_atomic
+from orchestrator.spec.services import PS_SERVICE, by_name, service_names
+from orchestrator.spec.topology import Topology
 
 # Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
-_KILL_APP = ("import os, signal\n"
+KILL_APP = ("import os, signal\n"
              "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
              "    try:\n"
              "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
@@ -39,17 +43,17 @@ class ContainerJob:
     """One compose project of the chaos topology, on the real engine."""
 
     def __init__(self, t: Topology, project: str) -> None:
-        self.t, self.client, self.compose = t, images.client(), cp.detect()
+        self.t, self.client, self.compose = t, images.client(), adapter.detect()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{project}-"))
-        self.project = cp.Project(project, str(self.tmp / "compose.yaml"), str(images.ROOT))
-        rd.write_atomic(self.project.file, rd.dump(rd.render(t), t.name))
+        self.project = adapter.Project(project, str(self.tmp / "compose.yaml"), str(ROOT))
+        write_atomic(self.project.file, compose.dump(compose.render(t), t.name))
 
     def up(self) -> None:
-        cp.run(cp.up_argv(self.compose, self.project), capture=True)
+        adapter.run(adapter.up_argv(self.compose, self.project), capture=True)
 
     def down(self, volumes: bool) -> float:
         start = time.monotonic()
-        cp.run(cp.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
+        adapter.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
         return time.monotonic() - start
 
     def close(self) -> None:
@@ -57,29 +61,29 @@ class ContainerJob:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def containers(self) -> dict[str, Any]:
-        found = self.client.containers.list(all=True, filters={"label": f"{cp.LABEL_PROJECT}={self.project.name}"})
-        return {c.labels.get(cp.LABEL_SERVICE, c.name): c for c in found}
+        found = adapter.containers(self.client, self.project.name)
+        return {c.labels.get(adapter.LABEL_SERVICE, c.name): c for c in found}
 
     def states(self) -> dict[str, dict[str, Any]]:
         out = {}
         for service, c in self.containers().items():
             c.reload()
-            st = c.attrs["State"]
-            out[service] = {"status": st["Status"], "exit_code": st["ExitCode"], "restarts": c.attrs["RestartCount"]}
+            state = c.attrs["State"]
+            out[service] = {"status": state["Status"], "exit_code": state["ExitCode"],
+                            "restarts": c.attrs["RestartCount"]}
         return out
 
     def kill_app(self, service: str) -> float:
-        self.containers()[service].exec_run(["python", "-c", _KILL_APP])
+        self.containers()[service].exec_run(["python", "-c", KILL_APP])
         return time.time()
 
-    def events(self, name: str, event: str, since: float = 0.0) -> list[dict[str, Any]]:
-        files = cluster.read_metrics(self.client, self.project.name, list(self.containers().values()))
-        records = [json.loads(line) for line in files.get(by_name(self.t)[name].metrics_file, []) if line.strip().endswith("}")]
-        return [r for r in records if r["event"] == event and r["time"] >= since]
+    def events(self, name: str, event: str, since: float = 0.0) -> list[Record]:
+        files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))
+        return events(parse_lines(files.get(by_name(self.t)[name].metrics_file, [])), event, since)
 
     def wait_done(self, timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:
         """Every container exited and stays so (not restarting)."""
-        expected = set(rd.service_names(self.t))
+        expected = set(service_names(self.t))
 
         def done() -> Optional[dict[str, dict[str, Any]]]:
             s = self.states()
@@ -93,11 +97,17 @@ class ContainerJob:
 def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str, Any]]], bool]) -> Outcome:
     states = job.wait_done()
     out.details["states"] = states
-    ends = job.events("ps", "end")
+    ends = job.events(PS_SERVICE, "end")
     out.accuracy = ends[-1]["accuracy"] if ends else None
     ok = all(s["exit_code"] == 0 for s in states.values()) and (out.accuracy or 0) >= THRESHOLD
     out.recovered = ok and extra(states)
     return out
+
+
+def _wait_checkpoint(job: ContainerJob) -> None:
+    wait_until(f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+               lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+               RUN_TIMEOUT)
 
 
 def _scenario(fault: str, project: str, body: Callable[[ContainerJob, Outcome], Outcome],
@@ -106,7 +116,7 @@ def _scenario(fault: str, project: str, body: Callable[[ContainerJob, Outcome], 
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source, out=io.StringIO())
     job = ContainerJob(t, project)
-    out = Outcome(fault, False, None, None, None)
+    out = Outcome(fault)
     try:
         job.down(volumes=True)  # leftovers of an interrupted run
         job.up()
@@ -126,9 +136,9 @@ def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "work
         wait_until(f"{victim} at epoch 5",
                    lambda: any(r["epoch"] >= 5 for r in job.events(victim, "train")), RUN_TIMEOUT)
         wall = job.kill_app(victim)
-        drop = wait_until("the PS drops it", lambda: job.events("ps", "drop", wall), job.t.ps.rpc_timeout + 10)
+        drop = wait_until("the PS drops it", lambda: job.events(PS_SERVICE, "drop", wall), job.t.ps.rpc_timeout + 10)
         out.detected_s = drop[0]["time"] - wall
-        join = wait_until("the restarted container rejoins", lambda: job.events("ps", "join", wall), RUN_TIMEOUT)
+        join = wait_until("the restarted container rejoins", lambda: job.events(PS_SERVICE, "join", wall), RUN_TIMEOUT)
         out.recovered_s = join[0]["time"] - wall
         out.notes = f"Docker restarted {victim}; {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
         return _judge(job, out, lambda states: states[victim]["restarts"] >= 1)
@@ -139,10 +149,9 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """SIGKILL the PS's app: every worker exits non-zero within rpc_timeout + 10 s; Docker
     restarts the PS (and the workers), it resumes from its newest checkpoint."""
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        wait_until("a checkpoint at version >= 200",
-                   lambda: [r for r in job.events("ps", "checkpoint") if r["step"] >= 200], RUN_TIMEOUT)
-        workers = [s for s in rd.service_names(job.t) if s != rd.PS_SERVICE]
-        wall = job.kill_app(rd.PS_SERVICE)
+        _wait_checkpoint(job)
+        workers = [s for s in service_names(job.t) if s != PS_SERVICE]
+        wall = job.kill_app(PS_SERVICE)
         exits: dict[str, float] = {}
 
         def all_exited() -> bool:
@@ -154,14 +163,14 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         wait_until("every worker exits non-zero", all_exited, job.t.ps.rpc_timeout + 10)
         out.detected_s = max(exits.values())
         out.details["worker_exits_s"] = exits
-        resume = wait_until("the PS resumes", lambda: job.events("ps", "resume", wall), RUN_TIMEOUT)
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
         push = wait_until("a worker trains again",
                           lambda: [r for w in workers for r in job.events(w, "train", resume[0]["time"])], RUN_TIMEOUT)
         out.recovered_s = min(r["time"] for r in push) - wall
         out.details["resumed_version"] = resume[0]["step"]
         out.notes = (f"workers exited non-zero within {out.detected_s:.1f} s; Docker restarted the PS; "
                      f"resumed from version {resume[0]['step']}")
-        return _judge(job, out, lambda states: resume[0]["step"] > 0 and states["ps"]["restarts"] >= 1)
+        return _judge(job, out, lambda states: resume[0]["step"] > 0 and states[PS_SERVICE]["restarts"] >= 1)
     return _scenario("kill the app in the PS container (Docker restarts it)", "psc-chaos-ps", body, run_dir, t)
 
 
@@ -169,13 +178,12 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """`make down` mid-run (SIGTERM): it stops in seconds, the PS checkpoints on the way
     out; `make up` again resumes from that checkpoint and finishes."""
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        wait_until("a checkpoint at version >= 200",
-                   lambda: [r for r in job.events("ps", "checkpoint") if r["step"] >= 200], RUN_TIMEOUT)
+        _wait_checkpoint(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up()
-        resume = wait_until("the PS resumes", lambda: job.events("ps", "resume", wall), RUN_TIMEOUT)
-        on_exit = [r for r in job.events("ps", "checkpoint", wall - 60) if r.get("why") == "on exit"]
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
+        on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
         out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
         out.notes = (f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
@@ -184,7 +192,7 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     return _scenario("make down mid-run, make up again", "psc-chaos-stop", body, run_dir, t)
 
 
-SCENARIOS: dict[str, Callable[[Path], Outcome]] = {
+SCENARIOS: dict[str, Scenario] = {
     "container-worker-kill": worker_kill,
     "container-ps-kill": ps_kill,
     "container-stop-up": stop_and_up,

@@ -1,6 +1,6 @@
 """Topology -> stack file for `docker stack deploy` (Docker Swarm, one or more hosts).
 
-Pure, like `render.render`: it takes the compose document of the same
+Pure, like `orchestrator.render.compose.render`: it takes the compose document of the same
 topology and rewrites what Swarm does differently (facts checked on Docker
 20.10 with the 28.x CLI):
 
@@ -34,11 +34,12 @@ topology and rewrites what Swarm does differently (facts checked on Docker
 from __future__ import annotations
 
 import posixpath
-import re
 from typing import Any
 
-from orchestrator import render as rd
-from orchestrator.topology import Topology
+from orchestrator.render import compose
+from orchestrator.render.yamlio import yaml_text
+from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, rendezvous_service
+from orchestrator.spec.topology import Topology, size_bytes
 
 STACK_VERSION = "3.8"  # the newest 3.x schema Docker 20.10's `docker stack` knows
 SHM_DIR = "/dev/shm"
@@ -49,8 +50,6 @@ NO_RESTART = {"condition": "none"}
 # group_add too: `docker stack deploy` rejects it (docker/cli#3777); docs/gpu.md says what to do instead.
 _NOT_IN_SWARM = ("build", "depends_on", "restart", "shm_size", "security_opt", "ports", "deploy", "healthcheck",
                  "group_add")
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
-_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 
 
 def stack_name(t: Topology) -> str:
@@ -61,15 +60,15 @@ def stack_name(t: Topology) -> str:
 def render(t: Topology, *, data_root: str) -> dict[str, Any]:
     """The whole stack document for `t` (pure: no I/O). `data_root` is the
     absolute directory a relative `train.data_dir` is taken from."""
-    doc = rd.render(t)
+    doc = compose.render(t)
     services = {}
     for name, svc in doc["services"].items():
-        rank = int(svc["labels"][rd.LABEL_RANK])
-        services[name] = _service(t, svc, rank, data_root, name == rd.rendezvous_service(t))
+        rank = int(svc["labels"][LABEL_RANK])
+        services[name] = _service(t, svc, rank, data_root, name == rendezvous_service(t))
     return {
         "version": STACK_VERSION,
         "services": services,
-        "networks": {rd.NETWORK: {"driver": "overlay", "labels": {rd.LABEL_PROJECT: t.name}}},
+        "networks": {compose.NETWORK: {"driver": "overlay", "labels": {LABEL_PROJECT: t.name}}},
         "volumes": doc["volumes"],
     }
 
@@ -110,16 +109,6 @@ def constraint(node: str) -> str:
     return f"node.hostname=={node}"
 
 
-def size_bytes(size: int | str) -> int:
-    """A size as the topology takes it (bytes, '256m', '2g', '1gb') in bytes."""
-    if isinstance(size, int):
-        return size
-    m = _SIZE.match(size.strip().lower())
-    if m is None:
-        raise ValueError(f"not a size: {size!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
 def _absolute(volume: dict[str, Any], data_root: str) -> dict[str, Any]:
     if volume["type"] != "bind" or posixpath.isabs(volume["source"]):
         return volume
@@ -132,4 +121,4 @@ def dump(doc: dict[str, Any], name: str) -> str:
         f"# Stack file for `docker stack deploy`, rendered from the topology {name!r}\n"
         "# by `python -m orchestrator render --target swarm`. Do not edit: change configs/*.yaml.\n"
     )
-    return header + rd.yaml_text(doc)
+    return header + yaml_text(doc)

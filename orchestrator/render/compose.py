@@ -1,11 +1,11 @@
 """Topology -> compose document.
 
 `render(topology)` is pure: it builds the whole compose file as plain data
-and touches nothing. `dump(doc)` turns it into YAML bytes that depend only on
-the document. `write_atomic` is the one function here that touches the disk.
+and touches nothing. `dump(doc)` turns it into YAML text that depends only on
+the document (`orchestrator.render.yamlio` writes it).
 
 The names the container adapter relies on are the constants below and
-`project_name` / `service_names` / `rendezvous_service`.
+`project_name`; the service names are in `orchestrator.spec.services`.
 
 Strategy `allreduce` (a DDP job, app/ddp.py) has no PS: services worker1..N
 only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
@@ -14,25 +14,18 @@ checkpoints.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
+from orchestrator.paths import DOCKERFILE
+from orchestrator.render.yamlio import yaml_text
+from orchestrator.spec.services import (
+    LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PS_SERVICE, has_ps, rendezvous_service, shard_service, worker_service,
+)
+from orchestrator.spec.topology import Topology
 
-from orchestrator.topology import Topology
-
-# Labels on every service (and so on every container), for status by filter.
-LABEL_PROJECT = "ps-compose.project"
-LABEL_ROLE = "ps-compose.role"
-LABEL_RANK = "ps-compose.rank"
-
-PS_SERVICE = "ps"
 NETWORK = "cluster"
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
 APP_USER = "1000:1000"  # psc, created by images/Dockerfile
-DOCKERFILE = "images/Dockerfile"
 
 # Paths inside the containers (docs/design.md).
 DATA_DIR = "/data"
@@ -55,41 +48,6 @@ HEALTHCHECK = {
 def project_name(t: Topology) -> str:
     """The compose project name (`-p`); the file has no top-level `name:`."""
     return t.name
-
-
-def worker_service(rank: int) -> str:
-    return f"worker{rank}"
-
-
-def has_ps(t: Topology) -> bool:
-    """Every strategy but allreduce runs a PS."""
-    return t.train.strategy != "allreduce"
-
-
-def rendezvous_service(t: Topology) -> str:
-    """The service that hosts rank 0 and the rendezvous (PSC_MASTER_ADDR): `ps`, or
-    `worker1` for allreduce. It prints the job's final `Accuracy:` and `Time:`."""
-    return PS_SERVICE if has_ps(t) else worker_service(1)
-
-
-def shard_service(index: int) -> str:
-    """The PS shard `index` >= 1 (`ps.shards`); the PS itself is shard 0."""
-    return f"ps-shard{index}"
-
-
-def service_names(t: Topology) -> list[str]:
-    """`ps` (unless allreduce) and its shards `ps-shard1..`, then `worker1..workerN`, in rank order."""
-    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
-    shards = [shard_service(i) for i in range(1, t.ps.shards)]
-    return [PS_SERVICE] + shards + workers if has_ps(t) else workers
-
-
-def describe(t: Topology) -> str:
-    """`ps + 3 workers`, or `3 workers (allreduce, no ps)`, for the verbs' messages."""
-    if has_ps(t):
-        shards = f" + {t.ps.shards - 1} shard{'s' * (t.ps.shards > 2)}" if t.ps.shards > 1 else ""
-        return f"ps{shards} + {t.workers.count} workers"
-    return f"{t.workers.count} workers (allreduce, no ps)"
 
 
 def app_environment(
@@ -141,7 +99,7 @@ def app_environment(
         "PSC_SEED": str(tr.seed),
         "PSC_EVAL_EVERY": str(tr.eval_every),
         "PSC_LOG_EVERY": str(tr.log_every),
-        "PSC_NUM_WORKERS": str(tr.loader_workers),
+        "PSC_LOADER_WORKERS": str(tr.loader_workers),
         "PSC_RPC_TIMEOUT": str(t.ps.rpc_timeout),
         "PSC_JOIN_TIMEOUT": str(t.ps.join_timeout),
         "PSC_CHECKPOINT_EVERY": str(t.ps.checkpoint_every),
@@ -151,15 +109,15 @@ def app_environment(
     })
     if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
         env["NCCL_SOCKET_IFNAME"] = ifname
-    if t.ps.shards > 1:  # every process must know (only then: K=1 renders as before)
+    if t.ps.shards > 1:  # every process must know; absent for an unsharded PS
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
         env["PSC_IMAGE_SIZE"] = str(tr.image_size)
-    if tr.image_cache:  # only when on: renders without it stay as they were
+    if tr.image_cache:  # absent when off (the app's default)
         env["PSC_IMAGE_CACHE"] = "true"
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
-    if tr.precision != "fp32":  # rendered only when set: fp32 files render as before
+    if tr.precision != "fp32":  # absent for fp32 (the app's default)
         env["PSC_PRECISION"] = tr.precision
     if tr.channels_last:
         env["PSC_CHANNELS_LAST"] = "true"
@@ -296,29 +254,6 @@ def security_warnings(t: Topology) -> list[str]:
     return out
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style, no anchors/aliases (a value used twice is written twice)."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def _list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
-    # Short lists of scalars on one line: `command: [ps]`, `capabilities: [gpu]`.
-    flow = all(isinstance(x, (str, int, float, bool)) for x in data)
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
-
-
-def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
-    # Quote "1000:1000" and the like: YAML 1.1 readers may take a:b for a number.
-    style = '"' if ":" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_Dumper.add_representer(list, _list)
-_Dumper.add_representer(str, _str)
-
-
 def dump(doc: dict[str, Any], name: str) -> str:
     """The compose file as text; the same document gives the same bytes."""
     header = (
@@ -326,28 +261,3 @@ def dump(doc: dict[str, Any], name: str) -> str:
         "# Do not edit: change configs/*.yaml and render again.\n"
     )
     return header + yaml_text(doc)
-
-
-def yaml_text(doc: dict[str, Any]) -> str:
-    """`doc` as block-style YAML, keys in document order (no header)."""
-    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True, width=1000, indent=2)
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (temp file + rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

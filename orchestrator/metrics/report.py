@@ -1,6 +1,6 @@
 """`python -m orchestrator report [RUN_DIR ...]`: PNG plots and a summary of runs.
 
-The records and figures come from orchestrator/run_metrics.py. With no
+The records and figures come from orchestrator/metrics/run_metrics.py. With no
 RUN_DIR: the cluster `up` started last (runs/current.json), its metrics copied
 from the project's state volume into `runs/<name>/state-metrics/` (Docker), or
 `runs/<name>/metrics/` from `orchestrator local`, whichever holds the newer
@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, TextIO
 
-from orchestrator import UsageError
-from orchestrator.run_metrics import (
-    THRESHOLD, Run, SamplesAt, eval_points, format_summary, load_run, rank_key, read_jsonl,
-    staleness_counts, start_time, summarize, worker_rate,
+from orchestrator.errors import UsageError
+from orchestrator.metrics.records import read_jsonl
+from orchestrator.metrics.run_metrics import (
+    THRESHOLD, Run, SamplesAt, eval_points, format_summary, load_run, rank_key, staleness_counts, start_time,
+    summarize, worker_rate,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "runs"
+from orchestrator.paths import RUNS
 STALENESS_STRATEGIES = ("async", "ssp")
 SMOOTH = 5  # records in the trailing mean of the samples/s lines
 PLOTS = ("loss.png", "accuracy.png", "throughput.png", "staleness.png")
@@ -217,9 +216,10 @@ def copy_volume_metrics(project: str, dest: Path, out: TextIO) -> Optional[Path]
     """The *.jsonl of the project's state volume copied to `dest` (via `status`'s reader);
     None when the engine, the volume or the files are not there."""
     try:
-        from orchestrator import cluster, images
+        from orchestrator import images
+        from orchestrator.backends.compose import adapter
 
-        files = cluster.read_metrics(images.client(timeout=30), project, [])
+        files = adapter.read_metrics(images.client(timeout=30), project, [])
     except Exception as e:  # noqa: BLE001 - no Docker SDK or engine: fall back to the host's files
         print(f"report: state volume of {project} not read ({' '.join(str(e).split())[:120]})", file=out)
         return None

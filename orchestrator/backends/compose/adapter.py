@@ -1,7 +1,9 @@
-"""Thin adapter over the compose command line, v2 or v1.
+"""Thin adapter over Docker Compose: its command line (v2 or v1) and the SDK reads of a project.
 
 Pure functions build the argv lists (`up_argv`, `logs_argv`, ...); `run` is
-the one function that executes one. `detect` finds the compose to use:
+the one function that executes one. The reads (`containers`, `read_metrics`,
+`log_text`) take a Docker client and a project name. `detect` finds the
+compose to use:
 
 1. `$PS_COMPOSE_CMD` if set (e.g. `docker-compose`, to force v1);
 2. the `docker compose` CLI plugin (v2);
@@ -24,17 +26,16 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TextIO
+
+from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, container_state, metrics_from_tar
+from orchestrator.backends.smoke import wait
+from orchestrator.errors import EngineError, last_line
+from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME
+from orchestrator.spec.services import PS_SERVICE
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
 
-# Labels compose (v1 and v2) puts on every container it creates.
-LABEL_PROJECT = "com.docker.compose.project"
-LABEL_SERVICE = "com.docker.compose.service"
-
-
-class EngineError(RuntimeError):
-    """The Docker engine or compose is missing or unreachable (exit status 1)."""
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,6 @@ def logs_argv(c: Compose, p: Project, *, follow: bool = True, color: bool = True
     if not color:
         argv.append("--no-color")
     return argv
-
-
-def ps_argv(c: Compose, p: Project) -> list[str]:
-    """Every container of the project, stopped ones too (v2 `ps` alone shows running ones)."""
-    return base_argv(c, p) + ["ps", "-a"]
 
 
 def down_argv(c: Compose, p: Project, *, volumes: bool = False) -> list[str]:
@@ -180,6 +176,88 @@ def run(argv: Sequence[str], *, check: bool = True, capture: bool = False) -> su
     except OSError as e:
         raise EngineError(f"cannot run {argv[0]}: {e.strerror or e}") from None
     if check and r.returncode != 0:
-        detail = f": {(r.stderr or '').strip().splitlines()[-1]}" if capture and (r.stderr or "").strip() else ""
+        detail = f": {last_line(r.stderr)}" if capture and last_line(r.stderr) else ""
         raise EngineError(f"`{shlex.join(argv)}` failed with exit status {r.returncode}{detail}")
     return r
+
+
+# --- Docker reads (SDK) ---------------------------------------------------
+
+def containers(client: Any, project: str) -> list[Any]:
+    """Every container of the compose project, stopped ones too."""
+    return client.containers.list(all=True, filters={"label": f"{LABEL_PROJECT}={project}"})
+
+
+def service_of(container: Any) -> str:
+    """The compose service a container runs (its name when it has no compose label)."""
+    return container.labels.get(LABEL_SERVICE, container.name)
+
+
+def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[str]]:
+    """The lines of every metrics file in the project's /state volume, by file name.
+    Read from a container of the project in `found` (running or stopped); with none, from
+    a container created (never started) on the volume for the purpose."""
+    # The PS's container, else any (allreduce has no PS): they all mount the volume.
+    source = next((c for c in found if c.labels.get(LABEL_SERVICE) == PS_SERVICE), found[0] if found else None)
+    scratch = None
+    try:
+        if source is None:
+            volume = f"{project}_{STATE_VOLUME}"
+            image = _any_image(client)
+            if image is None or not _volume_exists(client, volume):
+                return {}
+            scratch = source = client.containers.create(
+                image, command=["true"], volumes={volume: {"bind": STATE_DIR, "mode": "ro"}},
+                labels={"ps-compose.scratch": project})
+        stream, _ = source.get_archive(METRICS_DIR)
+        return metrics_from_tar(b"".join(stream))
+    except Exception:  # noqa: BLE001 - no metrics yet is not an error for `status`
+        return {}
+    finally:
+        if scratch is not None:
+            scratch.remove(force=True)
+
+
+def _any_image(client: Any) -> Optional[str]:
+    for img in client.images.list(filters={"dangling": False}):
+        if any(tag.startswith("ps-compose-") for tag in img.tags):
+            return img.id
+    return None
+
+
+def _volume_exists(client: Any, name: str) -> bool:
+    try:
+        client.volumes.get(name)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def log_text(client: Any, project: str, service: str) -> str:
+    """The whole log of the service's container ('' when it has none)."""
+    for c in containers(client, project):
+        if c.labels.get(LABEL_SERVICE) == service:
+            return c.logs(stdout=True, stderr=True).decode("utf-8", "replace")
+    return ""
+
+
+def print_logs(client: Any, project: str, out: TextIO) -> None:
+    """Every container's log, each line prefixed by its service."""
+    for c in sorted(containers(client, project), key=service_of):
+        service = service_of(c)
+        print(f"----- logs of {service} ({c.name}) -----", file=out)
+        for line in c.logs(stdout=True, stderr=True).decode("utf-8", "replace").splitlines():
+            print(f"{service} | {line}", file=out)
+    out.flush()
+
+
+def wait_exited(client: Any, project: str, count: int, timeout: float, out: TextIO,
+                every: float = 2.0) -> Optional[list[dict[str, Any]]]:
+    """Poll until the project's `count` containers have all exited; their states,
+    or None at the timeout. A container restarting again and again ends the wait."""
+    def done(states: list[dict[str, Any]]) -> bool:
+        exited = len(states) >= count and all(s["status"] in ("exited", "dead") for s in states)
+        return exited or any(s["restarts"] >= 3 for s in states)
+
+    return wait(lambda: [container_state(c.attrs) for c in containers(client, project)],
+                done, timeout, out, every=every)

@@ -2,7 +2,7 @@
 
 Every verb that needs to know what a service is (local, check, chaos, swarm,
 cluster) reads it from `services(t)` instead of parsing the service's name.
-Names follow `render`: `ps`, `ps-shard1..` (RPC name and metrics file `ps1..`),
+Names (the render uses them): `ps`, `ps-shard1..` (RPC name and metrics file `ps1..`),
 `worker1..workerN`; allreduce has no PS, and worker1 is its rank 0 host.
 """
 
@@ -12,10 +12,51 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional
 
-from orchestrator import render as rd
-from orchestrator.topology import Topology
+from orchestrator.spec.contract import NO_PS_STRATEGY, ROLES, rpc_name
+from orchestrator.spec.topology import Topology
 
 Role = Literal["ps", "worker"]
+
+PS_SERVICE = "ps"
+# Labels on every rendered service (and so on every container), for status by filter.
+LABEL_PROJECT = "ps-compose.project"
+LABEL_ROLE = "ps-compose.role"
+LABEL_RANK = "ps-compose.rank"
+
+
+def worker_service(rank: int) -> str:
+    return f"worker{rank}"
+
+
+def has_ps(t: Topology) -> bool:
+    """Every strategy but allreduce runs a PS."""
+    return t.train.strategy != NO_PS_STRATEGY
+
+
+def rendezvous_service(t: Topology) -> str:
+    """The service that hosts rank 0 and the rendezvous (PSC_MASTER_ADDR): `ps`, or
+    `worker1` for allreduce. It prints the job's final `Accuracy:` and `Time:`."""
+    return PS_SERVICE if has_ps(t) else worker_service(1)
+
+
+def shard_service(index: int) -> str:
+    """The PS shard `index` >= 1 (`ps.shards`); the PS itself is shard 0."""
+    return f"ps-shard{index}"
+
+
+def service_names(t: Topology) -> list[str]:
+    """`ps` (unless allreduce) and its shards `ps-shard1..`, then `worker1..workerN`, in rank order."""
+    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
+    shards = [shard_service(i) for i in range(1, t.ps.shards)]
+    return [PS_SERVICE] + shards + workers if has_ps(t) else workers
+
+
+def describe(t: Topology) -> str:
+    """`ps + 3 workers`, or `3 workers (allreduce, no ps)`, for the verbs' messages."""
+    if has_ps(t):
+        shards = f" + {t.ps.shards - 1} shard{'s' * (t.ps.shards > 2)}" if t.ps.shards > 1 else ""
+        return f"ps{shards} + {t.workers.count} workers"
+    return f"{t.workers.count} workers (allreduce, no ps)"
 
 
 @dataclass(frozen=True)
@@ -42,32 +83,30 @@ class Service:
 
 
 def services(t: Topology) -> list[Service]:
-    """The services of `t` in `render.service_names` order (rank order, shards after the PS)."""
+    """The services of `t` in `service_names` order (rank order, shards after the PS)."""
     out: list[Service] = []
-    if rd.has_ps(t):
-        out.append(Service(rd.PS_SERVICE, "ps", 0, 0, t.ps_gpu(), metrics_file("ps", 0, 0)))
+    if has_ps(t):
+        out.append(Service(PS_SERVICE, "ps", 0, 0, t.ps_gpu(), metrics_file("ps", 0, 0)))
         for index in range(1, t.ps.shards):
-            out.append(Service(rd.shard_service(index), "ps", 0, index, t.ps_gpu(), metrics_file("ps", 0, index)))
+            out.append(Service(shard_service(index), "ps", 0, index, t.ps_gpu(), metrics_file("ps", 0, index)))
     gpus = t.worker_gpus()
     for rank in range(1, t.workers.count + 1):
-        out.append(Service(rd.worker_service(rank), "worker", rank, 0, gpus[rank - 1] if gpus else None,
+        out.append(Service(worker_service(rank), "worker", rank, 0, gpus[rank - 1] if gpus else None,
                            metrics_file("worker", rank, 0)))
     return out
 
 
 def metrics_file(role: Role, rank: int, shard: int) -> str:
     """The file the app names after its RPC name: ps.jsonl, ps<shard>.jsonl, worker<rank>.jsonl."""
-    if role == "ps":
-        return f"ps{shard or ''}.jsonl"
-    return f"worker{rank}.jsonl"
+    return f"{rpc_name(role, rank, shard)}.jsonl"
 
 
 def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu: Optional[int]) -> Optional[Service]:
     """The service a rendered service or its container describes by its labels (role,
     rank) and environment (PSC_SHARD); None when it carries no ps-compose labels
     (a scratch or foreign container)."""
-    role, rank = labels.get(rd.LABEL_ROLE), labels.get(rd.LABEL_RANK)
-    if role not in ("ps", "worker") or rank is None or not str(rank).isdigit():
+    role, rank = labels.get(LABEL_ROLE), labels.get(LABEL_RANK)
+    if role not in ROLES or rank is None or not str(rank).isdigit():
         return None
     shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
     return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))
@@ -122,4 +161,4 @@ def order(names: Iterable[str], t: Optional[Topology] = None) -> list[str]:
 
 def _natural(name: str) -> tuple:
     parts = re.split(r"(\d+)", name)
-    return (name != rd.PS_SERVICE, [int(p) if p.isdigit() else p for p in parts])
+    return (name != PS_SERVICE, [int(p) if p.isdigit() else p for p in parts])

@@ -1,7 +1,8 @@
 """The typed topology: one pydantic model per section of configs/*.yaml.
 
 `load(path)` reads, parses and validates a file; `Topology.with_workers(n)`
-and `Topology.with_strategy(name)` apply the `--workers` and `--strategy` overrides. Every problem raises one `TopologyError`
+and `Topology.with_strategy(name)` apply the `--workers` and `--strategy`
+overrides (`load_with` does all three). Every problem raises one `TopologyError`
 whose message is a single line: the file, the YAML path of the field, the
 value found and what is allowed, e.g.
 
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from orchestrator import UsageError
-
-# Datasets the app reads from files under data_dir (the others ship in a
-# package or are generated, and need no mount).
-FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
+from orchestrator.errors import UsageError
+from orchestrator.spec.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, PRECISIONS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
@@ -29,9 +27,9 @@ _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 # The user's own model or dataset: package.module:factory, imported from `code`.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 _FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
 
 
@@ -63,6 +61,16 @@ def _size(value: Any) -> Any:
         if m and float(m.group(1)) > 0:
             return value.strip().lower()
     raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
+
+
+def size_bytes(size: int | str) -> int:
+    """A size as the topology takes it (bytes, '256m', '2g', '1gb') in bytes."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(size.strip().lower())
+    if m is None:
+        raise ValueError(f"not a size: {size!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def _group(value: Any) -> Any:
@@ -125,7 +133,7 @@ class Train(_Section):
     """SGD momentum, on the PS."""
     epochs: int = Field(gt=0)
     """Epochs each worker runs over its shard."""
-    strategy: Literal["async", "sync", "ssp", "allreduce"] = "async"
+    strategy: Literal[STRATEGIES] = "async"
     """async: the PS applies each gradient as it arrives; sync: one averaged update per round of one gradient from every worker; ssp: async, but no worker gets more than `staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with DistributedDataParallel (docs/strategies.md)."""
     staleness: int = Field(default=4, ge=0)
     """ssp only: how many pushes a worker may run ahead of the slowest live worker before it waits."""
@@ -133,9 +141,9 @@ class Train(_Section):
     """async and ssp: divide each push's learning rate by its staleness (Zhang et al. 2016)."""
     overlap: bool = False
     """async and ssp: compute the next batch while the gradient and the fresh parameters are on the wire (one more step of staleness)."""
-    compress: Literal["none", "bf16", "fp16"] = "none"
+    compress: Literal[COMPRESSIONS] = "none"
     """Gradients on the wire: none (float32), bf16 or fp16, with error feedback on the worker."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal[PRECISIONS] = "fp32"
     """Forward/backward under autocast: fp32 (off), bf16 (CPU or GPU) or fp16 (GPU workers only, with loss scaling). Parameters and pushed gradients stay float32."""
     channels_last: bool = False
     """GPU workers: images (and, under allreduce, the model) in channels-last memory format."""
@@ -245,9 +253,6 @@ class Swarm(_Section):
         if not _RESOURCE_KIND.match(v):
             raise ValueError("must be a resource kind like gpu or NVIDIA-GPU")
         return v
-
-
-STRATEGIES: tuple[str, ...] = get_args(Train.model_fields["strategy"].annotation)
 
 
 class Topology(_Section):
@@ -378,6 +383,17 @@ def load(path: str | Path) -> Topology:
     except (OSError, UnicodeDecodeError) as e:
         raise TopologyError(source, "", f"cannot read: {_one_line(e)}") from None
     return parse(text, source)
+
+
+def load_with(path: str | Path, *, workers: Optional[int] = None, strategy: Optional[str] = None) -> Topology:
+    """`load(path)` with the `--workers` and `--strategy` overrides applied (None: as in the file);
+    an error names the file and the flag."""
+    t = load(path)
+    if workers is not None:
+        t = t.with_workers(workers, source=f"{path} with --workers {workers}")
+    if strategy is not None:
+        t = t.with_strategy(strategy, source=f"{path} with --strategy {strategy}")
+    return t
 
 
 def parse(text: str, source: str = "<topology>") -> Topology:

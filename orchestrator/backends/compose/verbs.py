@@ -1,0 +1,229 @@
+"""The container verbs: build, up, down, logs, status, smoke.
+
+Each verb is a function returning an exit status; the CLI only parses and
+calls them. Docker is reached through `orchestrator.images` (SDK: builds) and
+`adapter` (the compose command line, container reads); the parsing is in
+`status` and the smoke run's judging in `orchestrator.backends.smoke`, pure
+functions with unit tests.
+
+Files: `up` renders the topology to runs/<project>/compose.yaml (compose.yaml at
+the top stays the rendered default, kept in git) and records the project in
+runs/current.json, so `logs`, `status` and `down` without `-c` act on the
+cluster `up` started last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import yaml
+
+from orchestrator import doctor, images
+from orchestrator.backends import smoke as smoke_run
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
+from orchestrator.errors import engine_errors
+from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
+from orchestrator.render import compose
+from orchestrator.render.yamlio import write_atomic, write_if_changed
+from orchestrator.spec.services import (
+    PS_SERVICE, Service, describe, from_compose, rendezvous_service, service_names, services,
+)
+from orchestrator.spec.topology import Topology, load_with
+from orchestrator.spec.usercode import check_paths
+
+CURRENT = RUNS / "current.json"
+CPU_HINT = f"CONFIG={SMOKE_CONFIG} runs anywhere: make up CONFIG={SMOKE_CONFIG} WORKERS=3"
+
+
+# --- which cluster --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    """A cluster to act on: its compose project, and its topology when known."""
+
+    project: adapter.Project
+    topology: Optional[Topology] = None
+    config: Optional[str] = None
+
+
+def compose_file(project: str) -> Path:
+    return RUNS / project / "compose.yaml"
+
+
+def target(config: Optional[str], workers: Optional[int], *, project: Optional[str] = None,
+           strategy: Optional[str] = None) -> Target:
+    """The cluster named by `-c/--workers/--strategy`; with none, the one `up` started
+    last (runs/current.json), else the default topology."""
+    if config is None and workers is None and strategy is None and project is None and CURRENT.is_file():
+        rec = json.loads(CURRENT.read_text(encoding="utf-8"))
+        return Target(adapter.Project(rec["project"], rec["compose_file"], str(ROOT)), config=rec.get("config"))
+    config = config or DEFAULT_CONFIG
+    t = load_with(config, workers=workers, strategy=strategy)
+    name = project or compose.project_name(t)
+    return Target(adapter.Project(name, str(compose_file(name)), str(ROOT)), t, config)
+
+
+def render_if_needed(t: Topology, path: Path) -> bool:
+    """Write the compose file of `t` to `path` unless it already holds exactly that."""
+    return write_if_changed(path, compose.dump(compose.render(t), t.name))
+
+
+def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
+    """The doctor's checks (orchestrator/doctor.py); stop before starting anything
+    when one fails (UsageError: the first problem and its fix, one line)."""
+    check_paths(t, config, ROOT)  # `code`, train.init_weights: relative to the repository, as compose mounts them
+    checks = doctor.run_checks(t, "compose", doctor.gather(t, "compose", client=client))
+    doctor.stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
+    print(f"==> doctor: {len(checks)} checks passed (python -m orchestrator doctor lists them)", file=out, flush=True)
+
+
+# --- verbs ----------------------------------------------------------------
+
+@engine_errors
+def build(config: str, workers: Optional[int] = None, *, offline: bool = False, verbose: bool = False) -> int:
+    t = target(config, workers).topology
+    assert t is not None
+    base, pip_source = images.source(t, offline)
+    images.build(t.image_tag, base, pip_source, verbose=verbose)
+    return 0
+
+
+@engine_errors
+def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
+       project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout,
+       strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
+    t = tg.topology
+    assert t is not None
+    client = images.client()
+    preflight(t, config, client, out)
+    found = adapter.detect()
+    path = Path(tg.project.file)
+    wrote = render_if_needed(t, path)
+    print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}: {describe(t)}, "
+          f"project {tg.project.name}", file=out, flush=True)
+    if images.image_exists(client, t.image_tag):
+        print(f"==> image {t.image_tag} present (make build rebuilds it)", file=out, flush=True)
+    else:
+        base, pip_source = images.source(t, offline)
+        images.build(t.image_tag, base, pip_source, out=out)
+    print(f"==> starting with {found}", file=out, flush=True)
+    adapter.run(adapter.up_argv(found, tg.project))
+    if remember:
+        _remember(tg)
+    print(f"==> up: project {tg.project.name}. Next: make logs | make status | make down", file=out, flush=True)
+    return 0
+
+
+@engine_errors
+def down(config: Optional[str] = None, workers: Optional[int] = None, *,
+         volumes: bool = False, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
+    images.client()
+    if tg.topology is not None:
+        render_if_needed(tg.topology, Path(tg.project.file))
+    adapter.run(adapter.down_argv(adapter.detect(), tg.project, volumes=volumes))
+    kept = "volume removed" if volumes else \
+        f"checkpoints and metrics kept in volume {tg.project.name}_{compose.STATE_VOLUME}"
+    print(f"==> down: project {tg.project.name} stopped and removed; {kept}")
+    return 0
+
+
+@engine_errors
+def logs(config: Optional[str] = None, workers: Optional[int] = None, *,
+         follow: bool = True, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
+    images.client()
+    if tg.topology is not None:
+        render_if_needed(tg.topology, Path(tg.project.file))
+    argv = adapter.logs_argv(adapter.detect(), tg.project, follow=follow, color=sys.stdout.isatty())
+    return adapter.run(argv, check=False).returncode
+
+
+@engine_errors
+def status(config: Optional[str] = None, workers: Optional[int] = None, *,
+           project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+    tg = target(config, workers, project=project, strategy=strategy)
+    client = images.client()
+    found = adapter.containers(client, tg.project.name)
+    listed = status_services(_configured(tg), [c.attrs for c in found])
+    metrics = adapter.read_metrics(client, tg.project.name, found)
+    rows = [service_row(s.name, attrs, metrics.get(s.metrics_file, [])) for s, attrs in listed]
+    print(f"project {tg.project.name} ({relative(Path(tg.project.file))})", file=out)
+    for line in format_status(rows):
+        print(line, file=out)
+    return 0
+
+
+@engine_errors
+def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900, threshold: float = 0.90,
+          project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+    """The CPU cluster end to end in real containers: offline image, up, wait for
+    every container to exit, check rank 0's `Accuracy:` (the PS's, or worker1's
+    for allreduce) and every exit status, print every log on failure, always tear
+    down (volume included)."""
+    timings = smoke_run.Timings("smoke")
+    t = load_with(config, workers=workers, strategy=strategy)
+    name = project or f"{compose.project_name(t)}-smoke"
+    client = images.client()
+    found = adapter.detect()
+    tmp = Path(tempfile.mkdtemp(prefix="ps-compose-smoke-"))
+    proj = adapter.Project(name, str(tmp / "compose.yaml"), str(ROOT))
+    try:
+        write_atomic(proj.file, compose.dump(compose.render(t), t.name))
+        base, pip_source = images.source(t, offline=True)
+        with timings.step("image"):
+            images.build(t.image_tag, base, pip_source, out=out)
+        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)  # a former run's leftovers
+        print(f"==> smoke: project {name}, {describe(t)}, with {found}", file=out, flush=True)
+        expected = service_names(t)
+        with timings.step("run"):
+            adapter.run(adapter.up_argv(found, proj))
+            finished = adapter.wait_exited(client, name, len(expected), timeout, out)
+        states = [container_state(c.attrs) for c in adapter.containers(client, name)]
+        rank0 = rendezvous_service(t)
+        accuracy = smoke_run.parse_accuracy(adapter.log_text(client, name, rank0))
+        problems = smoke_run.judge(expected, states, accuracy, threshold,
+                                   who="the PS" if rank0 == PS_SERVICE else rank0)
+        if finished is None:
+            problems.insert(0, f"not every container exited within {timeout:.0f} s")
+        if problems:
+            adapter.print_logs(client, name, out)
+            for p in problems:
+                print(f"smoke: FAILED: {p}", file=out)
+            return 1
+        print(f"smoke: passed: Accuracy {accuracy:.4f} >= {threshold:.2f}; "
+              f"{len(expected)} containers exited 0 ({', '.join(expected)})", file=out)
+        return 0
+    finally:
+        with timings.step("down"):
+            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(timings.line(), file=out, flush=True)
+
+
+# --- reads ----------------------------------------------------------------
+
+def _configured(tg: Target) -> list[Service]:
+    """The services the cluster is configured with: the topology's, else those of the
+    compose file `up` rendered (none when it cannot be read)."""
+    if tg.topology is not None:
+        return services(tg.topology)
+    try:
+        doc = yaml.safe_load(Path(tg.project.file).read_text(encoding="utf-8"))
+        return from_compose(doc)
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def _remember(tg: Target) -> None:
+    RUNS.mkdir(parents=True, exist_ok=True)
+    rec = {"project": tg.project.name, "compose_file": tg.project.file, "config": tg.config}
+    write_atomic(CURRENT, json.dumps(rec, indent=2) + "\n")

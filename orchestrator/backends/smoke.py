@@ -1,0 +1,86 @@
+"""What the compose and swarm smoke runs share: waiting for a cluster to finish,
+timing its steps, and judging its end (pure: `parse_accuracy`, `judge`).
+
+A state is a dict with at least `service`, `status`, `exit_code` and `restarts`
+(`status.container_state` for a container, `adapter.task_state` for a swarm task).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, TextIO
+
+State = dict[str, Any]
+REPORT_EVERY = 15.0  # seconds between two progress lines while waiting
+_ACCURACY = re.compile(r"^Accuracy:\s*([0-9]*\.?[0-9]+)", re.MULTILINE)
+
+
+def wait(read: Callable[[], list[State]], done: Callable[[list[State]], bool], timeout: float, out: TextIO, *,
+         every: float = 2.0, settle: bool = False) -> Optional[list[State]]:
+    """Poll `read` until `done` holds (on two polls in a row with `settle`: a failed swarm
+    task's retry appears a moment later); the states, or None at the timeout. A progress
+    line (each service's status) every REPORT_EVERY seconds."""
+    start = last_report = time.monotonic()
+    done_before = False
+    while time.monotonic() - start < timeout:
+        states = read()
+        now_done = done(states)
+        if now_done and (done_before or not settle):
+            return states
+        done_before = now_done
+        if time.monotonic() - last_report >= REPORT_EVERY:
+            last_report = time.monotonic()
+            summary = ", ".join(f"{s['service']} {s.get('task') or s['status']}"
+                                for s in sorted(states, key=lambda s: s["service"]))
+            print(f"    {time.monotonic() - start:4.0f} s: {summary}", file=out, flush=True)
+        time.sleep(every)
+    return None
+
+
+class Timings:
+    """Seconds per step of a smoke run, printed as one line at the end."""
+
+    def __init__(self, verb: str) -> None:
+        self.verb, self.start, self.steps = verb, time.monotonic(), {}
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.steps[name] = time.monotonic() - start
+
+    def line(self) -> str:
+        steps = ", ".join(f"{k} {v:.0f} s" for k, v in self.steps.items())
+        return f"{self.verb}: {steps}; total {time.monotonic() - self.start:.0f} s"
+
+
+def parse_accuracy(log: str) -> Optional[float]:
+    """The PS's final accuracy: the last `Accuracy: X` at the start of a line."""
+    found = _ACCURACY.findall(log)
+    return float(found[-1]) if found else None
+
+
+def judge(expected: list[str], states: list[State], accuracy: Optional[float],
+          threshold: float, who: str = "the PS") -> list[str]:
+    """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
+    problems = []
+    by_service = {s["service"]: s for s in states}
+    for service in expected:
+        s = by_service.get(service)
+        if s is None:
+            problems.append(f"{service}: no container")
+        elif s["status"] not in ("exited", "dead"):
+            problems.append(f"{service}: still {s['status']}")
+        elif s["exit_code"] != 0:
+            problems.append(f"{service}: exit status {s['exit_code']}")
+        elif s["restarts"]:
+            problems.append(f"{service}: restarted {s['restarts']} time(s)")
+    if accuracy is None:
+        problems.append(f"{who} printed no `Accuracy:` line")
+    elif accuracy < threshold:
+        problems.append(f"{who}'s Accuracy {accuracy:.4f} < {threshold:.2f}")
+    return problems

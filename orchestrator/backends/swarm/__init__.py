@@ -1,0 +1,1 @@
+"""Docker Swarm: `adapter` (`docker stack` and the SDK reads), `verbs` (stack-up, ...)."""

@@ -1,0 +1,58 @@
+"""The kit every chaos scenario shares: its topology, its outcome, polling.
+
+A scenario runs the cpu-smoke topology (3 workers, more epochs so that a
+fault lands mid-run, short timeouts) and returns an `Outcome`: did the run
+recover, how long until the PS noticed, how long until the job was whole
+again, the final held-out accuracy. Nothing here imports a scenario.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from orchestrator.paths import SMOKE_CONFIG
+from orchestrator.spec.topology import Topology, load_with
+
+THRESHOLD = 0.90
+RUN_TIMEOUT = 300.0  # seconds for a whole scenario's run
+POLL = 0.2
+CHECKPOINT_VERSION = 200  # the PS scenarios strike once a checkpoint this new exists
+
+
+def chaos_topology(config: str = SMOKE_CONFIG, workers: int = 3) -> Topology:
+    """The smoke topology with runs long enough to be hit mid-run, and short timeouts."""
+    t = load_with(config, workers=workers)
+    train = t.train.model_copy(update={"epochs": 30, "eval_every": 500, "log_every": 5})
+    ps = t.ps.model_copy(update={"rpc_timeout": 10, "join_timeout": 60, "checkpoint_every": 100})
+    return t.model_copy(update={"train": train, "ps": ps})
+
+
+@dataclass
+class Outcome:
+    fault: str
+    recovered: bool = False
+    detected_s: Optional[float] = None   # fault -> the PS (or the workers) noticed
+    recovered_s: Optional[float] = None  # fault -> the job is whole and training again
+    accuracy: Optional[float] = None
+    notes: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Timeout(Exception):
+    pass
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float) -> Any:
+    """Poll `check` until it returns something truthy; Timeout naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(POLL)
+    raise Timeout(f"{what}: not within {timeout:.0f} s")
+
+
+Scenario = Callable[..., Outcome]  # (run_dir, ...) -> Outcome

@@ -1,0 +1,42 @@
+"""The one reader of the app's JSON-lines metrics (app/metrics.py).
+
+A record is one JSON object a line with at least `time` (unix seconds),
+`role`, `rank`, `event` and `step`. A bad or partial line (a crash mid-write)
+is skipped, never an error: readers see the records that were whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+Record = dict[str, Any]
+
+
+def parse_line(line: str) -> Optional[Record]:
+    """One record, or None for a line that is not a whole JSON object with a numeric `time`."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(rec, dict) and isinstance(rec.get("time"), (int, float)) and not isinstance(rec["time"], bool):
+        return rec
+    return None
+
+
+def parse_lines(lines: Iterable[str]) -> list[Record]:
+    """The whole records among `lines`, in order."""
+    return [rec for rec in map(parse_line, lines) if rec is not None]
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    """The records of one metrics file ([] when it does not exist)."""
+    if not path.is_file():
+        return []
+    return parse_lines(path.read_text(encoding="utf-8", errors="replace").splitlines())
+
+
+def events(records: Iterable[Record], event: str, since: float = 0.0) -> list[Record]:
+    """The records of this event written at or after `since` (unix time)."""
+    return [r for r in records if r.get("event") == event and r["time"] >= since]

@@ -1,0 +1,1 @@
+"""What a run is: the typed topology, its services, the values shared with the app."""
