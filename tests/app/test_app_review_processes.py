@@ -43,7 +43,10 @@ def test_a_replaced_incarnations_push_ends_it_with_status_2_and_one_line(tmp_pat
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
     try:
         _wait_for_text(tmp_path / "ps.err", "ps joined the job", 60)
-        procs["old"] = start_app(tmp_path, "old", ["worker", "--rank", "1", *common])
+        # The old process's own timeout is long: a push in flight when it is stopped must
+        # not time out on resuming (that is "lost the PS", exit 1); what it meets is the
+        # PS's refusal of a replaced process.
+        procs["old"] = start_app(tmp_path, "old", ["worker", "--rank", "1", *common, "--rpc_timeout", "60"])
         _wait_for_text(tmp_path / "old.out", "Epoch: 1 | Batch: 10 |", 60)
         procs["old"].send_signal(signal.SIGSTOP)  # frozen: its ping times out, the PS drops it
         _wait_for_text(tmp_path / "ps.err", "dropped worker1 (rank 1)", 30)
