@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from app.contract import (COMPRESSIONS, DATASETS, DEVICES, ENV_PREFIX, PRECISIONS, ROLES, STRATEGIES,
-                          ps_name, worker_name)
+from app.contract import (COMPRESSIONS, DATASETS, DEVICES, ENV_PREFIX, IMAGE_CACHES, PRECISIONS, ROLES,
+                          STRATEGIES, ps_name, worker_name)
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 # The user's own model or dataset (app/common/plugins.py): package.module:factory.
@@ -71,11 +71,16 @@ class Config:
     seed: int = _flag(0, "model init, shuffling, synthetic data")
     eval_every: int = _flag(100, "the PS evaluates every K updates (and at the end)")
     log_every: int = _flag(10, "a worker prints every K batches")
-    loader_workers: int = _flag(0, "DataLoader worker processes")
+    loader_workers: str = _flag("auto", "DataLoader worker processes: a number, or auto (the container's CPUs / "
+                                "--host_workers, minus 1 for training, at most 8; app/common/host.py)")
+    host_workers: int = _flag(1, "workers of this job sharing this host's CPUs (--loader_workers auto divides by it)")
     image_size: int = _flag(224, "imagefolder: the side of the square training crop, in pixels "
                             "(the shorter side is first resized to 8/7 of it, 256 for 224)")
-    image_cache: bool = _flag(False, "imagefolder: decode each image once into a uint8 cache in shared memory; "
-                              "crop, flip and normalise on --device")
+    image_cache: str = _flag("auto", "imagefolder: decode each image of the process's shard once into uint8, "
+                             "kept in shared memory (memory), in a file under --cache_dir (file), or not at all "
+                             "(off); auto: memory when it fits, else off (true/false: memory/off); "
+                             "crop, flip and normalise on --device", IMAGE_CACHES)
+    cache_dir: str = _flag("./cache", "--image_cache file: where the decoded shards are kept")
     init_weights: str = _flag("", "a state dict file (or a final.pt) the model starts from; empty: none")
 
     @property
@@ -94,7 +99,7 @@ _LOWER_BOUNDS = (
     ("world_size", 2, True), ("batch_size", 1, True), ("lr", 0.0, False),
     ("momentum", 0.0, True), ("num_epochs", 1, True), ("max_steps", 0, True),
     ("master_port", 1, True), ("rpc_timeout", 0.0, False), ("eval_every", 1, True),
-    ("log_every", 1, True), ("loader_workers", 0, True), ("seed", 0, True),
+    ("log_every", 1, True), ("host_workers", 1, True), ("seed", 0, True),
     ("checkpoint_every", 0, True), ("join_timeout", 0.0, False), ("staleness", 0, True),
     ("shards", 1, True), ("shard", 0, True), ("image_size", 8, True),
 )
@@ -117,6 +122,13 @@ def _parser() -> _Parser:
 
 
 def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
+    if f.name == "image_cache" and raw.strip().lower() in _BOOLS:  # the boolean it was before: on is memory
+        return "memory" if _BOOLS[raw.strip().lower()] else "off"
+    if f.name == "loader_workers":
+        value = raw.strip().lower()
+        if value != "auto" and not value.isdigit():
+            raise UsageError(f"{source}: {raw!r} is not auto or a whole number >= 0")
+        return value
     if f.type == "bool":
         if raw.strip().lower() not in _BOOLS:
             raise UsageError(f"{source}: {raw!r} is not one of true, false (or 1, 0)")

@@ -14,6 +14,7 @@ COMPRESSIONS = ("none", "bf16", "fp16")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
 DEVICES = ("cpu", "cuda")
+IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/common/imagecache.py)
 
 ENV_PREFIX = "PSC_"          # every flag --x is also PSC_X in the environment
 RUN_ID_ENV = "PSC_RUN_ID"    # the run's id, written into the `start` record when set

@@ -299,11 +299,14 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         torch.cuda.set_device(device)
     models.check(config.model)
     runtime.set_threads(world.size)
-    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
-    sampler = EpochSampler(train.data, world, config.seed)
-    loader = data.train_loader(train.data, sampler, config.batch_size, config.loader_workers,  # type: ignore[arg-type]
+    workers = data.loader_processes(config, config.name)
+    # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
+    train = data.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
+    sampler = EpochSampler(train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world,
+                           config.seed)
+    loader = data.train_loader(train.data, sampler, config.batch_size, workers,  # type: ignore[arg-type]
                                pin_memory=device.type == "cuda")
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache) if world.rank == 0 else None
+    held_out = data.load_for(config, "test", workers) if world.rank == 0 else None
     log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
              len(sampler), data.describe(train))
     module = models.build(config.model, train.channels, train.num_classes, config.seed)
@@ -333,7 +336,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
             model.register_comm_hook(None, compress_hook(config.compress, backend))
         rank0 = None
         if checkpoints is not None and held_out is not None:
-            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, config.loader_workers))
+            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, workers))
         trainer = Trainer(config, world, model, optimizer, state, loader, sampler, device, metrics, rank0)
         started = time.monotonic()
         try:

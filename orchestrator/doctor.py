@@ -267,7 +267,7 @@ def check_shm(t: Topology, target: str, f: Facts) -> Check:
     ps, worker = size_bytes(t.ps.shm_size), size_bytes(t.workers.shm_size)
     total = ps + t.workers.count * worker
     where = "/dev/shm" if target == "compose" else "tmpfs /dev/shm"
-    if t.train.loader_workers and worker < SHM_FOR_LOADER:
+    if t.train.loader_workers != "auto" and t.train.loader_workers and worker < SHM_FOR_LOADER:
         return Check("shm", False, f"workers.shm_size {t.workers.shm_size} is too small for "
                                    f"{t.train.loader_workers} DataLoader worker(s)",
                      "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)")

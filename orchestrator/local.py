@@ -47,6 +47,7 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
         master_addr=LOCALHOST, master_port=port, data_dir=data_dir,
         checkpoint_dir=str(run_dir.resolve() / "checkpoints"),
         metrics_dir=str(run_dir.resolve() / "metrics"),
+        cache_dir=str(run_dir.resolve() / "cache"),
         ifname=ifname,
         init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
     )

@@ -9,6 +9,7 @@ different runs compare.
 from __future__ import annotations
 
 import gzip
+import logging
 import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,15 +19,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from app.common import plugins
+from app.common import host, plugins
 from app.common.imagefolder import CROP, ImageFolderData, find_samples
-from app.config import UsageError
+from app.config import Config, UsageError
 from app.contract import DATASETS
 
 SPLITS = ("train", "test")
 FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
+IN_MEMORY = ("mnist", "cifar10", "digits", "synthetic")  # InMemoryData: no decoding to spread over processes
 HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
 SPLIT_SEED = 0
+
+log = logging.getLogger(__name__)
 
 
 class DataUnavailable(RuntimeError):
@@ -71,6 +75,7 @@ class LabeledData:
     data: Dataset
     channels: int
     num_classes: int
+    sharded: bool = False  # `data` holds one worker's shard only (`stable_shard`), not the split
 
 
 def check_data_dir(dataset: str, data_dir: str) -> None:
@@ -89,10 +94,15 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
 
 
 def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = CROP,
-         image_cache: bool = False) -> LabeledData:
+         image_cache: str | bool = "off", shard: tuple[int, int] | None = None,
+         cache_dir: str = "./cache", threads: int = 1, pad: bool = False) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
-    `image_cache`: imagefolder decodes each file once into uint8 (app/common/imagecache.py)."""
+    `image_cache`: off | memory | file | auto (True/False: memory/off): imagefolder
+    decodes each file once into uint8 (app/common/imagecache.py), in /dev/shm or in
+    a file under `cache_dir` (decoded with `threads` threads);
+    `shard`: (index, count) of a worker's shard: with the cache on, the data holds
+    only that shard's samples (`stable_shard`, `pad`ded to equal sizes) and says so (`sharded`)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -100,9 +110,48 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
         got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
         return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
-        return _imagefolder(Path(data_dir), split == "train", image_size, image_cache)
+        mode = {True: "memory", False: "off"}.get(image_cache, image_cache)  # type: ignore[call-overload]
+        return _imagefolder(Path(data_dir), split == "train", image_size,
+                            ImageCache(str(mode), cache_dir, shard, seed, threads, pad))
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
+
+
+@dataclass(frozen=True)
+class ImageCache:
+    """How imagefolder caches: `mode` (off | memory | file | auto), the file cache's
+    directory, the worker's shard (index, count) or None (the whole split), the shard's
+    seed, the file cache's decoding threads, and whether shards are padded to one size."""
+
+    mode: str = "off"
+    directory: str = "./cache"
+    shard: tuple[int, int] | None = None
+    seed: int = 0
+    threads: int = 1
+    pad: bool = False
+
+
+def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: bool = False) -> list[int]:
+    """Shard `shard`'s indices of 0..size-1, in increasing order: the same every epoch (one
+    permutation of `seed`, not of the epoch), disjoint, together all of them, sizes
+    differing by at most one. `pad` (DDP: every rank must take as many steps): the
+    permutation is extended by its own start, as DistributedSampler pads, so every shard
+    has ceil(size / num_shards) indices (one may repeat another shard's). With the image cache a worker keeps its shard, so it decodes
+    and holds ~1/num_shards of the images once; ShardSampler(len, 1, 0) then shuffles
+    within it each epoch.
+
+    Membership: the shard depends on (size, num_shards, shard, seed) only. A worker that
+    leaves and comes back (same rank, same world size) gets the same shard, and the file
+    cache it wrote; a run with another number of workers repartitions: every rank gets a
+    new shard (a new file cache key: decoded again, the old files stay). While a rank is
+    away its shard is not trained on (without the cache, a different 1/num_shards of
+    each epoch is missed instead)."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    if pad:
+        order = torch.cat([order, order[: -size % num_shards]])
+    return sorted(order[shard::num_shards].tolist())
 
 
 def _held_out_mask(n: int, fraction: float) -> torch.Tensor:
@@ -133,7 +182,7 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
     return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
 
 
-def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> LabeledData:
+def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCache = ImageCache()) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
     the images, fixed, are held out. `cache`: decoded once into uint8 (app/common/imagecache.py)."""
@@ -148,10 +197,22 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: bool = False) -> Lab
         classes, samples = find_samples(root)
         held_out = _held_out_mask(len(samples), 0.1)
         chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
-    if cache:
-        from app.common.imagecache import CachedImageFolder
-        return LabeledData(CachedImageFolder(chosen, train, crop=crop), 3, len(classes))
-    return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+    if cache.mode == "off":
+        return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+    from app.common import imagecache
+
+    mine = chosen
+    if cache.shard is not None:
+        index, count = cache.shard
+        mine = [chosen[i] for i in stable_shard(len(chosen), count, index, cache.seed, cache.pad)]
+    mode, why = imagecache.choose_mode(cache.mode, imagecache.cache_bytes(len(mine), crop),
+                                       host.shm_free(), host.memory_available())
+    log.info("image cache %s for %d images (%s)", mode, len(mine), why)
+    if mode == "off":
+        return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+    directory = cache.directory if mode == "file" else None
+    data = imagecache.CachedImageFolder(mine, train, crop=crop, cache_dir=directory, threads=cache.threads)
+    return LabeledData(data, 3, len(classes), sharded=cache.shard is not None)
 
 
 def to_device(x: torch.Tensor, dataset: Dataset | None, device: torch.device) -> torch.Tensor:
@@ -227,6 +288,15 @@ class ShardSampler(Sampler[int]):
         return len(range(self.shard, self.size, self.num_shards))
 
 
+def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) -> ShardSampler:
+    """The sampler of worker `shard`'s share: a permutation of the whole split per epoch
+    (ShardSampler), or, when the data holds the worker's stable shard already (the image
+    cache), a permutation of that shard per epoch."""
+    if train.sharded:
+        return ShardSampler(len(train.data), 1, 0, seed)  # type: ignore[arg-type]
+    return ShardSampler(len(train.data), num_shards, shard, seed)  # type: ignore[arg-type]
+
+
 def train_loader(data: Dataset, sampler: ShardSampler, batch_size: int,
                  loader_workers: int, pin_memory: bool) -> DataLoader:
     """Batches of this worker's shard; the last short batch is dropped when the shard
@@ -255,6 +325,26 @@ def skipped(dataset: Dataset) -> dict[str, int]:
     the field of the metrics records that counts them."""
     count = getattr(dataset, "skipped_images", None)
     return {} if count is None else {"skipped_images": int(count)}
+
+
+def loader_processes(config: Config, name: str) -> int:
+    """DataLoader processes for --loader_workers (a number, or auto from the host's CPUs:
+    app.common.host; auto is 0 for the datasets held in one tensor, whose batches are
+    one indexing op), logged in one line with the reason."""
+    if config.loader_workers == "auto" and config.dataset in IN_MEMORY:
+        workers, why = 0, f"auto: {config.dataset} is held in memory, a batch is one indexing op"
+    else:
+        workers, why = host.loader_workers(config.loader_workers, config.host_workers)
+    log.info("%s: %d DataLoader process(es) (%s)", name, workers, why)
+    return workers
+
+
+def load_for(config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None,
+             pad: bool = False) -> LabeledData:
+    """`load` with the process's flags: the image cache in --cache_dir, decoded by the
+    CPUs the process took (its loader processes and itself)."""
+    return load(config.dataset, config.data_dir, split, config.seed, config.image_size, config.image_cache,
+                shard=shard, cache_dir=config.cache_dir, threads=loader_workers + 1, pad=pad)
 
 
 def describe(data: LabeledData) -> str:

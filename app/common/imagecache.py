@@ -1,28 +1,47 @@
 """ImageFolder decoded once: a uint8 cache at training resolution, augmented as tensor ops.
 
-Used for `imagefolder` when --image_cache is on (train.image_cache); `python -m bench data` measures it.
+Used for `imagefolder` by --image_cache (train.image_cache); `python -m bench data` measures it.
 
 - `CachedImageFolder` decodes each image once (Pillow, `to_rgb`, shorter side to
-  `size`, the centre `size` x `size`) into one uint8 tensor in shared memory, filled
-  on first access; the pages of images not yet decoded are never touched, so memory
-  grows with what was read. DataLoader worker processes fill the same cache (forked
-  or spawned: it is a shared torch storage). Indexed by a list of indices: one
-  gather per batch (use it with a BatchSampler and batch_size=None).
+  `size`, the centre `size` x `size`) into one uint8 tensor. It holds the samples it
+  is given: a worker gives it its own shard (app.common.data.stable_shard), so it
+  decodes and holds ~1/N of the training images.
+  - memory: a tensor in shared memory (/dev/shm), filled on first access; the pages
+    of images not yet decoded are never touched, so memory grows with what was read.
+    DataLoader worker processes fill the same cache (forked or spawned: it is a
+    shared torch storage).
+  - file: the whole shard decoded once, up front, into a file under the cache dir
+    named by `cache_key` (the files' paths, sizes and mtimes, and the decode size),
+    written to a temporary name and renamed: a file with that name is complete. A
+    restarted worker, or a new run on the same files, maps it (page cache, not
+    /dev/shm) and decodes nothing; a changed file list or size is a new name. Old
+    files are never deleted: writing a new one logs what else the directory holds.
+  Indexed by a list of indices: one gather per batch (use it with a BatchSampler and
+  batch_size=None).
 - `augment` crops, flips and normalises a uint8 batch as tensor ops on whatever
   device the batch is on: only uint8 crosses /dev/shm and pinned memory, 4x
   less than float32, and the float work runs on the training device.
+- `choose_mode` turns `auto` into memory or off, from the cache's size and the
+  container's free /dev/shm and RAM.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from app.common.imagefolder import CROP, MEAN, STD, to_rgb
 
 RESIZE = round(CROP * 8 / 7)  # 256: the size ImageFolderData resizes a 224 crop's image to
+SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
+SUFFIX = ".u8"
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +63,62 @@ def decode(path: str, size: int = RESIZE) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
+def decoded_size(crop: int) -> int:
+    """The side images are decoded at for crop side `crop`: 8/7 of it (256 for 224)."""
+    return round(crop * 8 / 7)
+
+
+def cache_bytes(images: int, crop: int) -> int:
+    """Bytes of the uint8 cache of `images` images for crop side `crop`."""
+    return images * 3 * decoded_size(crop) ** 2
+
+
+def choose_mode(mode: str, nbytes: int, shm_free: int | None, memory_available: int | None) -> tuple[str, str]:
+    """(memory | file | off, why) for --image_cache `mode` and a cache of `nbytes`.
+    `auto` is memory when the cache takes at most SHM_FRACTION of the free /dev/shm and
+    of the available RAM (a host that does not say counts as enough), else off."""
+    if mode != "auto":
+        return mode, f"--image_cache {mode}"
+    gib = nbytes / 2**30
+    for what, free, setting in (("/dev/shm", shm_free, "shm_size"), ("available memory", memory_available, "memory")):
+        if free is not None and nbytes > SHM_FRACTION * free:
+            return "off", (f"auto: the decoded images ({gib:.2f} GiB) would take more than half of the free "
+                           f"{what} ({free / 2**30:.2f} GiB); raise the container's {setting}, or set "
+                           "train.image_cache: file (kept on the state volume)")
+    return "memory", f"auto: the decoded images ({gib:.2f} GiB) fit in half of the free /dev/shm and memory"
+
+
+def cache_key(samples: list[tuple[str, int]], size: int) -> str:
+    """A name for the decoded cache of `samples` at `size`: a hash of every file's path,
+    label, size and mtime, and of the size; any change to one of them changes it."""
+    digest = hashlib.sha256(f"uint8 3x{size}x{size} v1\n".encode())
+    for path, label in samples:
+        st = os.stat(path)
+        digest.update(f"{path}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"images-{size}px-{len(samples)}-{digest.hexdigest()[:24]}"
+
+
 class CachedImageFolder(Dataset):
     """(uint8 batch B x 3 x size x size, labels) for a list of indices; each file decoded once.
 
     A file that does not decode is skipped as ImageFolderData skips it (one warning,
     counted in `skipped_images`): the next decodable image, and its label, stand in.
-    `on_device` turns a batch, once on the training device, into the model's input."""
+    `on_device` turns a batch, once on the training device, into the model's input.
+    `cache_dir` given: the file cache (see the module); else the memory cache.
+    `threads`: decoding threads for the file cache's one pass (Pillow releases the GIL)."""
 
-    def __init__(self, samples: list[tuple[str, int]], train: bool, crop: int = CROP) -> None:
-        # Decoded at the size ImageFolderData resizes to (8/7 of the crop: 256 for 224).
-        size = round(crop * 8 / 7)
+    def __init__(self, samples: list[tuple[str, int]], train: bool, crop: int = CROP,
+                 cache_dir: str | Path | None = None, threads: int = 1) -> None:
+        size = decoded_size(crop)
         self.samples, self.train, self.size, self.crop = samples, train, size, crop
+        self.path: Path | None = None
         n = len(samples)
+        if cache_dir is not None:
+            self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
+            if not self.path.exists():
+                _write_cache_file(self.path, samples, size, threads)
+            self._map()
+            return
         storage = torch.UntypedStorage._new_shared(max(1, n * 3 * size * size))  # untouched until written
         self.images = torch.empty(0, dtype=torch.uint8).set_(storage)[: n * 3 * size * size].view(n, 3, size, size)
         self.filled = torch.zeros(n, dtype=torch.uint8).share_memory_()
@@ -63,12 +126,36 @@ class CachedImageFolder(Dataset):
         # A skipped file's slot takes its stand-in's label too.
         self.labels = torch.tensor([label for _, label in samples], dtype=torch.long).share_memory_()
 
+    def _map(self) -> None:
+        """Map the cache file (copy-on-write, lazily paged): labels, bad flags, images."""
+        assert self.path is not None
+        n, size = len(self.samples), self.size
+        whole = torch.from_file(str(self.path), shared=False, size=_file_bytes(n, size), dtype=torch.uint8)
+        self.labels = whole[: 8 * n].view(torch.int64)
+        self.bad = whole[8 * n: 9 * n]
+        self.images = whole[9 * n:].view(n, 3, size, size)
+        self.filled = torch.ones(n, dtype=torch.uint8)
+
+    def __getstate__(self) -> dict:
+        if self.path is None:
+            return self.__dict__  # shared-memory tensors: torch pickles them by handle
+        return {k: v for k, v in self.__dict__.items() if k not in ("labels", "bad", "images", "filled")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.path is not None:  # a spawned loader process maps the file itself
+            self._map()
+
     def __len__(self) -> int:
         return len(self.samples)
 
     @property
     def skipped_images(self) -> int:
         return int(self.bad.sum().item())
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.numel()
 
     def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices, dtype=torch.long)
@@ -91,8 +178,7 @@ class CachedImageFolder(Dataset):
                     raise  # the data dir vanished (app.common.data.batches)
                 except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                     self.bad[j] = 1
-                    log.warning("skipping %s: cannot decode it (%s); the next image stands in for it "
-                                "(%d skipped)", self.samples[j][0], type(error).__name__, self.skipped_images)
+                    _warn_bad(self.samples[j][0], error, self.skipped_images)
                     continue
             self.images[i] = image
             self.labels[i] = self.labels[j]
@@ -128,3 +214,61 @@ def augment(batch: torch.Tensor, train: bool, crop: int = CROP,
     scale = (1.0 / (255.0 * STD)).to(device)
     shift = (MEAN / STD).to(device)
     return x.float().mul_(scale).sub_(shift)
+
+
+def _warn_bad(path: str, error: Exception, skipped: int) -> None:
+    log.warning("skipping %s: cannot decode it (%s); the next image stands in for it (%d skipped)",
+                path, type(error).__name__, skipped)
+
+
+def _file_bytes(n: int, size: int) -> int:
+    return 9 * n + n * 3 * size * size  # int64 labels, uint8 bad flags, uint8 images
+
+
+def _decode_or_none(path: str, size: int) -> tuple[torch.Tensor | None, Exception | None]:
+    try:
+        return decode(path, size), None
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
+        return None, error
+
+
+def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, threads: int) -> None:
+    """Decode every sample into `path`: written as a temporary file in the same directory,
+    then renamed, so a file at `path` is always whole. A bad file's slot holds the next
+    decodable image and its label, as in the memory cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = len(samples)
+    others = [p for p in path.parent.glob("*" + SUFFIX) if p != path]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    out = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(_file_bytes(n, size),))
+    try:
+        labels = out[: 8 * n].view(np.int64)
+        bad = out[8 * n: 9 * n]
+        images = out[9 * n:].reshape(n, 3, size, size)
+        labels[:] = [label for _, label in samples]
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for i, (image, error) in enumerate(pool.map(lambda s: _decode_or_none(s[0], size), samples)):
+                if image is None:
+                    bad[i] = 1
+                    _warn_bad(samples[i][0], error, int(bad.sum()))  # type: ignore[arg-type]
+                else:
+                    images[i] = image.numpy()
+        good = np.flatnonzero(bad == 0)
+        if len(good) == 0:
+            raise OSError(f"no image under the data dir decodes (the first: {samples[0][0]})")
+        for i in np.flatnonzero(bad):  # the next decodable image stands in, wrapping round
+            j = good[np.searchsorted(good, i) % len(good)]
+            images[i], labels[i] = images[j], labels[j]
+        out.flush()
+        del out, labels, bad, images
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("image cache: wrote %s (%d images, %.2f GiB)", path, n, path.stat().st_size / 2**30)
+    if others:
+        held = sum(p.stat().st_size for p in others if p.exists())
+        log.info("image cache: %s also holds %d other cache file(s), %.2f GiB, kept (other shards or "
+                 "older file lists); delete the ones no run needs", path.parent, len(others), held / 2**30)

@@ -45,7 +45,8 @@ def run(config: Config) -> int:
         return shard_process.run(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size, config.image_cache)
+    workers = data.loader_processes(config, PS)
+    held_out = data.load_for(config, "test", workers)
     log.info("held-out split: %s", data.describe(held_out))
 
     def build() -> nn.Module:
@@ -58,7 +59,7 @@ def run(config: Config) -> int:
     server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
                              staleness_lr=config.staleness_lr, part=part)
-    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, config.loader_workers), device)
+    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model,
              server.flat.num_params, server.flat.num_buffers)
     # `trainer: ps` keeps a PS from resuming an allreduce job's checkpoint (app.ddp).

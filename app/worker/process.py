@@ -23,9 +23,10 @@ def run(config: Config) -> int:
     device = choose_device(config.device)
     runtime.tune_for(device)
     models.check(config.model)
-    train = data.load(config.dataset, config.data_dir, "train", config.seed, config.image_size, config.image_cache)
-    sampler = data.ShardSampler(len(train.data), config.num_trainers, config.rank - 1, config.seed)  # type: ignore[arg-type]
-    loader = data.train_loader(train.data, sampler, config.batch_size, config.loader_workers,
+    workers = data.loader_processes(config, config.name)
+    train = data.load_for(config, "train", workers, shard=(config.rank - 1, config.num_trainers))
+    sampler = data.shard_sampler(train, config.num_trainers, config.rank - 1, config.seed)
+    loader = data.train_loader(train.data, sampler, config.batch_size, workers,
                                pin_memory=device.type == "cuda")
     log.info("%s: shard of %d samples (%s)", config.name, len(sampler), data.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)

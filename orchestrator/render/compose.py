@@ -32,6 +32,7 @@ DATA_DIR = "/data"
 STATE_DIR = "/state"
 CHECKPOINT_DIR = "/state/checkpoints"
 METRICS_DIR = "/state/metrics"
+CACHE_DIR = "/state/cache"  # train.image_cache: file
 CODE_DIR = "/code"  # the user's Python code (`code`), read-only, on PYTHONPATH
 INIT_WEIGHTS = "/init/weights.pt"  # train.init_weights, read-only
 APP_DIR = "/opt/ps-compose"  # the app in the image (images/Dockerfile's PYTHONPATH)
@@ -61,13 +62,14 @@ def app_environment(
     metrics_dir: str,
     ifname: str,
     init_weights: Optional[str] = None,
+    cache_dir: Optional[str] = None,
 ) -> dict[str, str]:
     """The environment `python -m app` reads for `rank` (0: the PS).
 
     The one mapping from topology to the app's PSC_* variables; the render
     and `orchestrator local` both call it, with container or host paths.
     `data_dir` is left out when the dataset reads no files, `init_weights` when
-    the topology has none.
+    the topology has none, `cache_dir` (the image cache's files) unless imagefolder.
     """
     tr = t.train
     if rank == 0:
@@ -113,8 +115,12 @@ def app_environment(
         env["PSC_SHARDS"] = str(t.ps.shards)
     if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
         env["PSC_IMAGE_SIZE"] = str(tr.image_size)
-    if tr.image_cache:  # absent when off (the app's default)
-        env["PSC_IMAGE_CACHE"] = "true"
+    if tr.loader_workers == "auto":  # what auto divides the host's CPUs by: the workers on one host
+        env["PSC_HOST_WORKERS"] = str(t.workers.count)
+    if tr.image_cache != "auto":  # absent for auto (the app's default)
+        env["PSC_IMAGE_CACHE"] = tr.image_cache
+    if tr.dataset == "imagefolder" and cache_dir is not None:
+        env["PSC_CACHE_DIR"] = cache_dir
     if t.train.init_weights is not None and init_weights is not None:
         env["PSC_INIT_WEIGHTS"] = init_weights
     if tr.precision != "fp32":  # absent for fp32 (the app's default)
@@ -194,7 +200,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         t, rank,
         master_addr=rendezvous_service(t), master_port=t.ps.rpc_port,
         data_dir=DATA_DIR, checkpoint_dir=CHECKPOINT_DIR, metrics_dir=METRICS_DIR,
-        ifname=t.network.ifname, init_weights=INIT_WEIGHTS,
+        ifname=t.network.ifname, init_weights=INIT_WEIGHTS, cache_dir=CACHE_DIR,
     )
     volumes: list[dict[str, Any]] = []
     if t.reads_files:

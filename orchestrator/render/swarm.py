@@ -88,6 +88,10 @@ def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str
         "labels": dict(svc["labels"]),
     }
     node = t.swarm.ps if rank == 0 else t.worker_nodes()[rank - 1]
+    if "PSC_HOST_WORKERS" in svc["environment"] and node is not None and "=" not in node:
+        # A named node holds only the workers placed on it; a label or no placement: all may land together.
+        on_node = max(1, t.worker_nodes().count(node))
+        svc["environment"] = {**svc["environment"], "PSC_HOST_WORKERS": str(on_node)}
     if node is not None:
         deploy["placement"] = {"constraints": [constraint(node)]}
     gpu = t.ps_gpu() is not None if rank == 0 else t.cuda

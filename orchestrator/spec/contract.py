@@ -11,6 +11,7 @@ STRATEGIES = ("async", "sync", "ssp", "allreduce")
 COMPRESSIONS = ("none", "bf16", "fp16")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")
+IMAGE_CACHES = ("auto", "off", "memory", "file")  # train.image_cache (the app's --image_cache)
 # Datasets the app reads from files under data_dir (the others ship in a
 # package or are generated, and need no mount).
 FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})

@@ -19,7 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.errors import UsageError
-from orchestrator.spec.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, PRECISIONS, STRATEGIES
+from orchestrator.spec.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, IMAGE_CACHES, PRECISIONS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
@@ -82,7 +82,21 @@ def _group(value: Any) -> Any:
     raise ValueError("must be a group id (a number >= 0, e.g. 44) or a group name like video")
 
 
+def _loader_workers(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError("must be auto or a whole number >= 0")
+
+
+def _image_cache(value: Any) -> Any:
+    # The field was a boolean (and YAML reads a bare off/on as one): true is memory.
+    if isinstance(value, bool):
+        return "memory" if value else "off"
+    return value
+
+
 Float = Annotated[float, BeforeValidator(_yaml_float)]
+LoaderWorkers = Annotated[Union[Literal["auto"], int], BeforeValidator(_loader_workers)]
 GroupId = Annotated[Union[int, str], BeforeValidator(lambda v: _group(v))]
 Size = Annotated[Union[int, str], BeforeValidator(_size)]
 
@@ -155,12 +169,12 @@ class Train(_Section):
     """Stop each worker after this many pushes; 0: no cap."""
     log_every: int = Field(default=10, gt=0)
     """A worker prints a line every this many batches."""
-    loader_workers: int = Field(default=0, ge=0)
-    """DataLoader worker processes in each container (needs shm_size)."""
+    loader_workers: LoaderWorkers = "auto"
+    """DataLoader processes in each container (they pass batches through /dev/shm: shm_size): a number, or auto: the CPUs the container may use (affinity, cgroup cpu.max) / the workers on its host, minus 1 for training, at most 8 (2 CPUs and 2 workers: 0). The PS's evaluation follows the same rule. Each process logs the figure and why."""
     image_size: int = Field(default=224, ge=8, le=4096)
     """imagefolder: side of the square training crop in pixels; the shorter side is resized to 8/7 of it first (256 for 224)."""
-    image_cache: bool = False
-    """imagefolder: decode each image once into a uint8 cache in /dev/shm (the split a process reads, 196 KB an image: size shm_size for it); crop, flip and normalise on the training device."""
+    image_cache: Annotated[Literal[IMAGE_CACHES], BeforeValidator(_image_cache)] = "auto"
+    """imagefolder: decode each image once into uint8 at 8/7 of image_size (196 KB an image at 256 px); crop, flip and normalise on the training device. A worker then keeps one shard of the images for all epochs (shuffled within it each epoch) and holds only that; the PS caches its held-out set. memory: in /dev/shm (size shm_size for it); file: decoded once into a file on the state volume keyed by the file list and the size, mapped again by a restarted worker or a later run on the same data (old files are kept: delete them from the volume); off: decode every image every epoch. auto (the default): memory when the decoded images take at most half of the container's free /dev/shm and of its available RAM, else off with one log line saying what to set; so the fast path is on wherever it fits, and never makes a container run out of shm. true/false mean memory/off."""
 
     @field_validator("model")
     @classmethod

@@ -37,6 +37,7 @@ def test_choices_are_the_apps(app_config: ModuleType) -> None:
     assert contract.COMPRESSIONS == tuple(app_config.COMPRESSIONS)
     assert contract.PRECISIONS == tuple(app_config.PRECISIONS)
     assert contract.DATASETS == tuple(app_config.DATASETS)
+    assert contract.IMAGE_CACHES == tuple(app_config.IMAGE_CACHES)
     assert set(contract.ROLES) <= set(app_config.ROLES)
 
 
@@ -47,7 +48,7 @@ def test_file_datasets_are_the_apps() -> None:
 
 def test_the_topology_accepts_exactly_these() -> None:
     for field, values in (("strategy", contract.STRATEGIES), ("compress", contract.COMPRESSIONS),
-                          ("precision", contract.PRECISIONS)):
+                          ("precision", contract.PRECISIONS), ("image_cache", contract.IMAGE_CACHES)):
         assert Train.model_fields[field].annotation.__args__ == values
 
 
