@@ -44,6 +44,12 @@ BAD = [
     ("bad-name", topology(name="My Run"), [], "name: got 'My Run'; must be lowercase"),
     ("bad-tag", topology(image={"tag": "Ps Compose"}), [], "image.tag: got 'Ps Compose'"),
     ("bad-ifname", topology(network={"ifname": "eth 0"}), [], "network.ifname: got 'eth 0'"),
+    ("loader-workers-negative", topology(train={"loader_workers": -1}), [],
+     "train.loader_workers: got -1; must be auto or a whole number >= 0"),
+    ("loader-workers-word", topology(train={"loader_workers": "many"}), [],
+     "train.loader_workers: got 'many'; must be auto or a whole number >= 0"),
+    ("image-cache-bad", topology(train={"image_cache": "disk"}), [],
+     "train.image_cache: got 'disk'; must be 'auto', 'off', 'memory' or 'file'"),
     ("workers-zero-flag", topology(), ["--workers", "0"], "--workers: got 0; must be at least 1"),
     ("workers-not-number", topology(), ["--workers", "two"], "--workers: got 'two'"),
 ]

@@ -119,9 +119,30 @@ def test_the_example_topology_is_valid_and_its_paths_exist() -> None:
     assert t.reads_files and t.code == "./examples/custom"
 
 
-def test_image_cache_reaches_every_process_only_when_on() -> None:
-    on = parse(yaml.safe_dump(topology(train={"image_cache": True})))
-    off = parse(yaml.safe_dump(topology()))
-    for t, expected in ((on, "true"), (off, None)):
+def test_image_cache_reaches_every_process_unless_auto() -> None:
+    cases = ((topology(train={"image_cache": True}), "memory"), (topology(train={"image_cache": "file"}), "file"),
+             ("off", "off"), (topology(), None))
+    for doc, expected in cases:
+        text = yaml.safe_dump(topology(train={"image_cache": False})).replace("image_cache: false", "image_cache: off") \
+            if doc == "off" else yaml.safe_dump(doc)  # a bare YAML off (a boolean to PyYAML) is off
+        t = parse(text)
+        assert t.train.image_cache == (expected or "auto")
         for svc in render_compose.render(t)["services"].values():
             assert svc["environment"].get("PSC_IMAGE_CACHE") == expected
+
+
+def test_loader_workers_auto_is_told_the_workers_on_the_host_and_the_cache_dir_is_on_the_state_volume(
+        tmp_path: Path) -> None:
+    images = topology(train={"dataset": "imagefolder", "data_dir": "./data"}, workers={"count": 3})
+    auto = parse(yaml.safe_dump(images))
+    for svc in render_compose.render(auto)["services"].values():
+        env = svc["environment"]
+        assert (env["PSC_LOADER_WORKERS"], env["PSC_HOST_WORKERS"]) == ("auto", "3")
+        assert env["PSC_CACHE_DIR"] == render_compose.CACHE_DIR
+        assert render_compose.CACHE_DIR.startswith(render_compose.STATE_DIR + "/")
+    fixed = parse(yaml.safe_dump(topology(train={"loader_workers": 2})))
+    for svc in render_compose.render(fixed)["services"].values():
+        assert svc["environment"]["PSC_LOADER_WORKERS"] == "2" and "PSC_HOST_WORKERS" not in svc["environment"]
+        assert "PSC_CACHE_DIR" not in svc["environment"]  # no image cache for digits
+    env = local_environment(auto, 1, port=1234, run_dir=tmp_path / "run", ifname="lo")
+    assert env["PSC_CACHE_DIR"] == str((tmp_path / "run" / "cache").resolve())
