@@ -6,10 +6,11 @@ Used for `imagefolder` by --image_cache (train.image_cache); `python -m bench da
   `size`, the centre `size` x `size`) into one uint8 tensor. It holds the samples it
   is given: a worker gives it its own shard (app.common.data.stable_shard), so it
   decodes and holds ~1/N of the training images.
-  - memory: a tensor in shared memory (/dev/shm), filled on first access; the pages
-    of images not yet decoded are never touched, so memory grows with what was read.
-    DataLoader worker processes fill the same cache (forked or spawned: it is a
-    shared torch storage).
+  - memory: a tensor in shared memory (/dev/shm), filled on first access. torch
+    reserves a shared storage's whole size in /dev/shm when it is made (the pages
+    count as Shmem at once, touched or not), so the cache is sized for the samples
+    given, the shard, not the split. DataLoader worker processes fill the same cache
+    (forked or spawned: it is a shared torch storage).
   - file: the whole shard decoded once, up front, into a file under the cache dir
     named by `cache_key` (the files' paths, sizes and mtimes, and the decode size),
     written to a temporary name and renamed: a file with that name is complete. A
@@ -119,7 +120,7 @@ class CachedImageFolder(Dataset):
                 _write_cache_file(self.path, samples, size, threads)
             self._map()
             return
-        storage = torch.UntypedStorage._new_shared(max(1, n * 3 * size * size))  # untouched until written
+        storage = torch.UntypedStorage._new_shared(max(1, n * 3 * size * size))  # all of it in /dev/shm at once
         self.images = torch.empty(0, dtype=torch.uint8).set_(storage)[: n * 3 * size * size].view(n, 3, size, size)
         self.filled = torch.zeros(n, dtype=torch.uint8).share_memory_()
         self.bad = torch.zeros(n, dtype=torch.uint8).share_memory_()

@@ -24,7 +24,7 @@ from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal.
 HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
-                 "PSC_METRICS_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+                 "PSC_METRICS_DIR", "PSC_CACHE_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
 
 
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])
