@@ -4,7 +4,10 @@ pipeline on one core, on generated 224 px JPEGs:
 - today: ImageFolderData (decode, resize, crop, flip, normalise per image, float32 out);
 - first epoch: CachedImageFolder decoding into its uint8 cache, then `augment`;
 - cached epoch: the cache only (the uint8 batches a loader hands over), and with
-  `augment` on this CPU (on a GPU host it runs on the GPU instead).
+  `augment` on this CPU (on a GPU host it runs on the GPU instead);
+- file cache: writing it (decode, one thread), then a cached epoch of a second
+  dataset object that maps the file (a restarted worker; the file is in the page
+  cache, as it is right after it was written).
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def measure(root: Path, batch: int) -> dict[str, float]:
     rates["first epoch (decode + augment)"] = _rate(((augment(x, True, generator=g), y) for x, y in loader), n)
     rates["cached epoch (uint8 batches)"] = _rate(loader, n)
     rates["cached epoch + augment on CPU"] = _rate(((augment(x, True, generator=g), y) for x, y in loader), n)
+    cache_dir = root.parent / (root.name + "-cache")
+    start = time.perf_counter()
+    CachedImageFolder(samples, train=True, cache_dir=cache_dir, threads=1)
+    rates["file cache: write it (decode)"] = n / (time.perf_counter() - start)
+    mapped = CachedImageFolder(samples, train=True, cache_dir=cache_dir)  # finds the file: decodes nothing
+    from_file = DataLoader(mapped, sampler=BatchSampler(SequentialSampler(range(n)), batch, False), batch_size=None)
+    rates["file cache: cached epoch (uint8)"] = _rate(from_file, n)
     return rates
 
 
@@ -71,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {name:<32} {rate:>9,.0f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.parent / (tmp.name + "-cache"), ignore_errors=True)
     return 0
 
 

@@ -22,10 +22,11 @@ def test_scan_prints_files_and_seconds(capsys):
                         r"\(best of 1; [\d,]+ files/s\) on \d+ CPU\(s\)", line), line
 
 
-def test_bench_data_prints_four_rates(capsys):
+def test_bench_data_prints_six_rates(capsys):
     assert main(["data", "--images", "24", "--batch", "8"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "data: 24 JPEGs of 224 px, batch 8, one core; images/s per worker:"
     names = [re.match(r"^  (.+?)\s+[\d,]+$", line).group(1) for line in lines[1:]]
     assert names == ["today", "first epoch (decode + augment)", "cached epoch (uint8 batches)",
-                     "cached epoch + augment on CPU"]
+                     "cached epoch + augment on CPU", "file cache: write it (decode)",
+                     "file cache: cached epoch (uint8)"]
