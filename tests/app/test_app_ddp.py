@@ -209,3 +209,25 @@ def test_torchrun_launches_the_same_job(tmp_path):
     assert re.search(r"^Accuracy: 0\.\d{4}$", p.stdout, re.M), p.stdout
     assert read(tmp_path / "metrics" / "worker2.jsonl")[-1]["step"] == 2 * 22
     assert (tmp_path / "checkpoints" / "final.pt").is_file()
+
+
+@pytest.mark.slow
+def test_with_the_file_cache_each_rank_holds_an_equal_padded_shard_and_takes_as_many_steps(tmp_path):
+    """47 training images: unpadded shards of 24 and 23 would take 6 and 5 steps of 4 (a hang)."""
+    from PIL import Image
+
+    root = tmp_path / "data"
+    for c, colour in enumerate(((250, 0, 0), (0, 0, 250))):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(26):
+            Image.new("RGB", (20, 18), tuple(max(0, v - i) for v in colour)).save(root / f"c{c}" / f"{i:02d}.png")
+    args = ["--strategy", "allreduce", "--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root),
+            "--image_size", "16", "--image_cache", "file", "--cache_dir", str(tmp_path / "cache"),
+            "--batch_size", "4", "--lr", "0.05", "--num_epochs", "2", "--loader_workers", "0", "--rpc_timeout", "30"]
+    procs = finish(tmp_path, start(tmp_path, 2, args), CAP_SECONDS)
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr[-3000:]}"
+    ends = [read(tmp_path / "metrics" / f"worker{r}.jsonl")[-1] for r in (1, 2)]
+    assert ends[0]["step"] == ends[1]["step"] == 12
+    sizes = sorted(f.name.split("-")[2] for f in (tmp_path / "cache").glob("*.u8"))
+    assert sizes == ["24", "24", "5"]  # two padded shards and rank 0's held-out set
