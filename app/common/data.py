@@ -134,11 +134,11 @@ class ImageCache:
 def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: bool = False) -> list[int]:
     """Shard `shard`'s indices of 0..size-1, in increasing order: the same every epoch (one
     permutation of `seed`, not of the epoch), disjoint, together all of them, sizes
-    differing by at most one. `pad` (DDP: every rank must take as many steps): the
-    permutation is extended by its own start, as DistributedSampler pads, so every shard
-    has ceil(size / num_shards) indices (one may repeat another shard's). With the image cache a worker keeps its shard, so it decodes
-    and holds ~1/num_shards of the images once; ShardSampler(len, 1, 0) then shuffles
-    within it each epoch.
+    differing by at most one. With the image cache a worker keeps its shard, so it
+    decodes and holds ~1/num_shards of the images once; ShardSampler(len, 1, 0) then
+    shuffles within it each epoch. `pad` (DDP: every rank must take as many steps): the
+    permutation is extended by its own start, as DistributedSampler pads, so every
+    shard has ceil(size / num_shards) indices (one may repeat another shard's).
 
     Membership: the shard depends on (size, num_shards, shard, seed) only. A worker that
     leaves and comes back (same rank, same world size) gets the same shard, and the file
