@@ -114,7 +114,7 @@ class CachedImageFolder(Dataset):
         self.samples, self.train, self.size, self.crop = samples, train, size, crop
         self.path: Path | None = None
         n = len(samples)
-        if cache_dir is not None:
+        if cache_dir is not None and n:  # an empty shard (more workers than images) needs no file
             self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
             if not self.path.exists():
                 _write_cache_file(self.path, samples, size, threads)
