@@ -39,6 +39,8 @@ import torch
 from torch.utils.data import Dataset
 
 from app.common.imagefolder import CROP, MEAN, STD, to_rgb
+from app.config import UsageError
+from app.runtime import first_line
 
 RESIZE = round(CROP * 8 / 7)  # 256: the size ImageFolderData resizes a 224 crop's image to
 SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
@@ -120,7 +122,7 @@ class CachedImageFolder(Dataset):
                 _write_cache_file(self.path, samples, size, threads)
             self._map()
             return
-        storage = torch.UntypedStorage._new_shared(max(1, n * 3 * size * size))  # all of it in /dev/shm at once
+        storage = _shared_storage(max(1, n * 3 * size * size))
         self.images = torch.empty(0, dtype=torch.uint8).set_(storage)[: n * 3 * size * size].view(n, 3, size, size)
         self.filled = torch.zeros(n, dtype=torch.uint8).share_memory_()
         self.bad = torch.zeros(n, dtype=torch.uint8).share_memory_()
@@ -215,6 +217,17 @@ def augment(batch: torch.Tensor, train: bool, crop: int = CROP,
     scale = (1.0 / (255.0 * STD)).to(device)
     shift = (MEAN / STD).to(device)
     return x.float().mul_(scale).sub_(shift)
+
+
+def _shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """`nbytes` of shared memory, all reserved in /dev/shm at once; UsageError (one line,
+    what to set) when /dev/shm cannot hold them."""
+    try:
+        return torch.UntypedStorage._new_shared(nbytes)
+    except RuntimeError as error:
+        raise UsageError(f"--image_cache memory: cannot reserve {nbytes / 2**30:.2f} GiB in /dev/shm "
+                         f"({first_line(error)}); raise the container's shm_size, or set train.image_cache "
+                         "to file or auto") from None
 
 
 def _warn_bad(path: str, error: Exception, skipped: int) -> None:

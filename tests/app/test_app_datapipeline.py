@@ -236,3 +236,17 @@ def test_cache_files_are_named_by_the_file_list_and_the_size(tmp_path):
     assert key != imagecache.cache_key(samples[1:], 18)
     os.utime(samples[0][0], ns=(0, 10**9))
     assert key != imagecache.cache_key(samples, 18)
+
+
+def test_a_memory_cache_that_does_not_fit_in_shm_is_one_line_saying_what_to_set(tmp_path, monkeypatch):
+    samples = find_samples(_tree(tmp_path / "data", per_class=2))[1]
+
+    def full(nbytes: int) -> torch.UntypedStorage:
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1>: No space left on device (28)")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", full)
+    with pytest.raises(UsageError) as error:
+        CachedImageFolder(samples, train=True, crop=SIZE)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("--image_cache memory: cannot reserve 0.00 GiB in /dev/shm")
+    assert "shm_size" in message and "file or auto" in message
