@@ -27,6 +27,8 @@ topology and rewrites what Swarm does differently (facts checked on Docker
   `"no-new-privileges": true`); the rest of the hardening stays (non-root
   user, `cap_drop: [ALL]`, `init`);
 - placement: `swarm.ps` / `swarm.workers` become `deploy.placement.constraints`;
+  `PSC_HOST_WORKERS` (what `loader_workers: auto` divides a host's CPUs by) is
+  the number of workers placed on a named node, all of them otherwise;
 - relative bind sources (`train.data_dir`) become absolute under `data_root`:
   `docker stack deploy` sends them to other nodes as they are.
 """
