@@ -206,3 +206,142 @@ def test_a_run_id_that_cannot_name_a_directory_is_one_line(value):
 def test_run_id_and_resume_come_from_the_environment_too():
     config = parse(["ps"], {"PSC_RUN_ID": "r1", "PSC_RESUME": "1"})
     assert config.run_id == "r1" and config.resume is True
+
+
+# --- real processes: the defect, a fresh start and --resume ----------------
+
+DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1",
+          "--world_size", "5", "--eval_every", "1000", "--log_every", "1", "--rpc_timeout", "60",
+          "--join_timeout", "60", "--master_addr", "127.0.0.1"]
+TIMEOUT = 240
+
+
+class Job:
+    """PS and workers of one run (4 workers) on 127.0.0.1, started one by one."""
+
+    def __init__(self, tmp_path, state, run_id: str, *ps_args: str) -> None:
+        self.dir, self.run_id = tmp_path / run_id, run_id
+        self.dir.mkdir()
+        self.common = [*DIGITS, "--master_port", str(free_port()), "--checkpoint_dir", str(state),
+                       "--metrics_dir", str(self.dir / "metrics"), "--run_id", run_id]
+        self.procs = {"ps": start_app(self.dir, "ps", ["ps", *self.common, *ps_args])}
+
+    def worker(self, rank: int, *args: str) -> None:
+        name = f"worker{rank}"
+        self.procs[name] = start_app(self.dir, name, ["worker", "--rank", str(rank), *self.common, *args])
+
+    def records(self, name: str, event: str) -> list[dict]:
+        path = self.dir / "metrics" / f"{name}.jsonl"
+        return [r for r in read(path) if r["event"] == event] if path.exists() else []
+
+    def wait_until(self, what: str, check, timeout: float = TIMEOUT) -> None:
+        import time
+        deadline = time.monotonic() + timeout
+        while not check():
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+            if dead or time.monotonic() > deadline:
+                self.close()
+                pytest.fail(f"{what}: not reached ({'exited: ' + str(dead) if dead else 'timeout'})\n"
+                            + (self.dir / "ps.err").read_text())
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def ended(self, timeout: float = TIMEOUT) -> dict:
+        wait_for(self.procs, timeout, f"run {self.run_id}")
+        return {name: finished(self.dir, name, proc) for name, proc in self.procs.items()}
+
+
+@pytest.fixture(scope="module")
+def unfinished_run(tmp_path_factory):
+    """The state an interrupted run leaves: ranks 2 and 4 finished (1 epoch), ranks 1 and 3
+    never came, the PS stopped (SIGTERM). Its last checkpoint is not final."""
+    import signal
+
+    tmp = tmp_path_factory.mktemp("old")
+    state = tmp / "state"
+    job = Job(tmp, state, "run-old")
+    for rank in (2, 4):
+        job.worker(rank, "--num_epochs", "1")
+    job.wait_until("ranks 2 and 4 finished", lambda: all(job.procs[f"worker{r}"].poll() == 0 for r in (2, 4)))
+    job.procs["ps"].send_signal(signal.SIGTERM)
+    job.ended()
+    found = checkpoint.newest_good(state)
+    assert found is not None, (tmp / "run-old" / "ps.err").read_text()
+    _, saved = found
+    assert saved["run_id"] == "run-old" and not saved["finished"]
+    assert {r: p["finished"] for r, p in saved["progress"].items()} == {1: 0, 2: 1, 3: 0, 4: 1}
+    return state, saved["version"]
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_ps_up_while_rejoined_finished_ranks_train(unfinished_run, tmp_path):
+    """The defect, reproduced: the PS resumes a checkpoint in which ranks 2 and 4 finished; new
+    processes of ranks 2 and 4 rejoin and train (more epochs this time), ranks 1 and 3 finish.
+    The PS used to count "4 finished of 4" and end, and 2 and 4 failed with PSUnreachable."""
+    import shutil
+    import signal
+
+    old, version = unfinished_run
+    state = tmp_path / "state"
+    shutil.copytree(old, state)
+    job = Job(tmp_path, state, "run-new", "--resume", "true")
+    try:
+        for rank in (2, 4):
+            job.worker(rank, "--num_epochs", "6")
+        job.wait_until("ranks 2 and 4 train again", lambda: all(
+            any(r["epoch"] >= 2 for r in job.records(f"worker{rank}", "train")) for rank in (2, 4)))
+        for rank in (2, 4):  # held mid-epoch: still training when 1 and 3 finish
+            job.procs[f"worker{rank}"].send_signal(signal.SIGSTOP)
+        for rank in (1, 3):
+            job.worker(rank, "--num_epochs", "6", "--max_steps", "3")
+        job.wait_until("ranks 1 and 3 finished", lambda: all(job.procs[f"worker{r}"].poll() == 0 for r in (1, 3)))
+        assert job.procs["ps"].poll() is None, (job.dir / "ps.err").read_text()
+        for rank in (2, 4):
+            job.procs[f"worker{rank}"].send_signal(signal.SIGCONT)
+        procs = job.ended()
+    finally:
+        job.close()
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    ps_log = procs["ps"].stderr
+    assert f": version {version} (run run-old, continued by --resume)" in ps_log, ps_log
+    finishes = re.findall(r"(worker\d(?:_r\d)?) finished after \d+ pushes \((.*)\)", ps_log)
+    assert [f[1] for f in finishes][:2] == ["2 live, 1 finished of 4", "2 live, 2 finished of 4"], finishes
+    assert finishes[-1][1] == "0 live, 4 finished of 4"
+    for rank in (2, 4):
+        [join] = job.records(f"worker{rank}", "join")
+        assert join["epoch"] == 1 and join["batch"] > 0  # resumed where its finished process stopped
+        assert max(r["epoch"] for r in job.records(f"worker{rank}", "train")) == 6
+        assert "PSUnreachable" not in procs[f"worker{rank}"].stderr
+
+
+@pytest.mark.slow
+def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfinished_run, tmp_path):
+    import shutil
+
+    old, version = unfinished_run
+    state = tmp_path / "state"
+    shutil.copytree(old, state)
+    before = {p.name for p in state.glob("*.pt")}
+    job = Job(tmp_path, state, "run-new")
+    for rank in (1, 2, 3, 4):
+        job.worker(rank, "--num_epochs", "1", "--max_steps", "3")
+    procs = job.ended()
+    for p in procs.values():
+        assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
+    aside = state / checkpoint.PREVIOUS / "run-old"
+    assert re.search(rf"not resuming from ckpt-\S+ \(version {version}\): it is of run run-old, this is run "
+                     rf"run-new .*; starting a new run at version 0; its files moved to {re.escape(str(aside))}$",
+                     procs["ps"].stderr, re.M), procs["ps"].stderr
+    assert {p.name for p in aside.glob("*.pt")} == before  # the old run's files, whole
+    [start] = job.records("ps", "start")
+    assert start["step"] == 0 and not job.records("ps", "resume")
+    for rank in (1, 2, 3, 4):
+        [join] = job.records(f"worker{rank}", "join")
+        assert (join["epoch"], join["batch"], join["step"]) == (1, 0, 0)
+    assert {checkpoint.verify(p)["run_id"] for p in checkpoint.listing(state)} == {"run-new"}
