@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -235,7 +238,6 @@ class Job:
         return [r for r in read(path) if r["event"] == event] if path.exists() else []
 
     def wait_until(self, what: str, check, timeout: float = TIMEOUT) -> None:
-        import time
         deadline = time.monotonic() + timeout
         while not check():
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
@@ -260,8 +262,6 @@ class Job:
 def unfinished_run(tmp_path_factory):
     """The state an interrupted run leaves: ranks 2 and 4 finished (1 epoch), ranks 1 and 3
     never came, the PS stopped (SIGTERM). Its last checkpoint is not final."""
-    import signal
-
     tmp = tmp_path_factory.mktemp("old")
     state = tmp / "state"
     job = Job(tmp, state, "run-old")
@@ -283,9 +283,6 @@ def test_resume_keeps_the_ps_up_while_rejoined_finished_ranks_train(unfinished_r
     """The defect, reproduced: the PS resumes a checkpoint in which ranks 2 and 4 finished; new
     processes of ranks 2 and 4 rejoin and train (more epochs this time), ranks 1 and 3 finish.
     The PS used to count "4 finished of 4" and end, and 2 and 4 failed with PSUnreachable."""
-    import shutil
-    import signal
-
     old, version = unfinished_run
     state = tmp_path / "state"
     shutil.copytree(old, state)
@@ -322,9 +319,6 @@ def test_resume_keeps_the_ps_up_while_rejoined_finished_ranks_train(unfinished_r
 
 @pytest.mark.slow
 def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfinished_run, tmp_path):
-    import shutil
-    import signal
-
     old, version = unfinished_run
     state = tmp_path / "state"
     shutil.copytree(old, state)
