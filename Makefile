@@ -12,6 +12,9 @@ WORKERS ?=
 STRATEGY ?=
 ORCH    := $(PY) -m orchestrator
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY))
+# RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
+RESUME  ?=
+RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup test test-fast render sample-data local build up logs status down smoke engine clean \
@@ -47,8 +50,8 @@ render: host-setup ## write compose.yaml from CONFIG (and WORKERS)
 sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) from scikit-learn's digits, for configs/cpu-resnet.yaml
 	$(ORCH) sample-data
 
-local: setup ## PS + workers as local processes (CONFIG, WORKERS)
-	$(ORCH) local $(CFG)
+local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
+	$(ORCH) local $(CFG) $(RESUMING)
 
 # The cluster in containers (orchestrator/backends/compose/verbs.py). logs, status and down act
 # on the cluster `up` started last, unless CONFIG or WORKERS is given.
@@ -61,8 +64,8 @@ engine: ## install and start Debian's Docker engine if missing (root or sudo)
 build: host-setup ## build CONFIG's image (Docker SDK, progress streamed)
 	$(ORCH) build $(CFG)
 
-up: host-setup ## render, build if missing, start PS + WORKERS workers detached
-	$(ORCH) up $(CFG)
+up: host-setup ## render, build if missing, start PS + WORKERS workers detached (a new run; RESUME=1 continues the newest checkpoint)
+	$(ORCH) up $(CFG) $(RESUMING)
 
 logs: host-setup ## follow every service's log, prefixed by service
 	$(ORCH) logs $(LAST)
@@ -91,8 +94,8 @@ doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swa
 
 # The same topology on Docker Swarm (orchestrator/backends/swarm/verbs.py, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
-stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy
-	$(ORCH) stack-up $(CFG)
+stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
+	$(ORCH) stack-up $(CFG) $(RESUMING)
 
 stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
 	$(ORCH) stack-down $(LAST)

@@ -19,6 +19,8 @@ from app.contract import (COMPRESSIONS, DATASETS, DEVICES, ENV_PREFIX, IMAGE_CAC
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 # The user's own model or dataset (app/common/plugins.py): package.module:factory.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+# A run id names a directory (checkpoints set aside: <checkpoint_dir>/previous/<run id>/).
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class UsageError(Exception):
@@ -82,6 +84,10 @@ class Config:
                              "crop, flip and normalise on --device", IMAGE_CACHES)
     cache_dir: str = _flag("./cache", "--image_cache file: where the decoded shards are kept")
     init_weights: str = _flag("", "a state dict file (or a final.pt) the model starts from; empty: none")
+    run_id: str = _flag("", "this run's identity, written into every checkpoint: a PS resumes only its own "
+                        "run's checkpoints (a new run sets older ones aside); empty: resume any")
+    resume: bool = _flag(False, "a new run continues the newest checkpoint of an unfinished run (another "
+                         "run id's) instead of starting at version 0")
 
     @property
     def num_trainers(self) -> int:
@@ -175,6 +181,9 @@ def validate(config: Config) -> None:
         if value < low or (value == low and not inclusive):
             relation = ">=" if inclusive else ">"
             raise UsageError(f"--{name}: {value} must be {relation} {low}")
+    if config.run_id and not RUN_ID.match(config.run_id):
+        raise UsageError(f"--run_id: {config.run_id!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
     if config.master_port > 65535:
         raise UsageError(f"--master_port: {config.master_port} must be <= 65535")
     if config.momentum >= 1:

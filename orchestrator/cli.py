@@ -118,7 +118,13 @@ def run_schema(args: argparse.Namespace) -> int:
 def run_local(args: argparse.Namespace) -> int:
     from orchestrator.local import run
 
-    return run(load_topology(args), source=args.config, keep_going=args.keep_going)
+    return run(load_topology(args), source=args.config, keep_going=args.keep_going, resume=args.resume)
+
+
+def add_resume_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", action="store_true",
+                   help="continue the newest unfinished checkpoint (default: a new run starts at version 0 "
+                        "and moves older checkpoints to checkpoints/previous/)")
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
@@ -153,6 +159,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     add_topology_args(p)
     p.add_argument("--keep-going", action="store_true",
                    help="do not stop the other processes when one fails")
+    add_resume_arg(p)
     p.set_defaults(run=run_local)
 
     # The container verbs: parse here, run in orchestrator/backends/compose/verbs.py. logs,
@@ -170,7 +177,9 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="render if needed, build if the image is missing, start detached")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    p.set_defaults(run=lambda a: cluster().up(a.config, a.workers, offline=a.offline, strategy=a.strategy))
+    add_resume_arg(p)
+    p.set_defaults(run=lambda a: cluster().up(a.config, a.workers, offline=a.offline, strategy=a.strategy,
+                                              resume=a.resume))
 
     for verb, text in (("down", "stop and remove the cluster (the volume with checkpoints and metrics stays)"),
                        ("logs", "follow every service's log, prefixed by service"),
@@ -242,7 +251,9 @@ def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stack-up", help="doctor, render stack.yaml, build if missing, docker stack deploy")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline, strategy=a.strategy))
+    add_resume_arg(p)
+    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline, strategy=a.strategy,
+                                                  resume=a.resume))
     for verb, text in (("stack-down", "docker stack rm, and wait until its containers and network are gone"),
                        ("stack-logs", "every service's log (docker service logs), following"),
                        ("stack-status", "one line per service: its newest task's state, exit code, retries")):

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, TextIO
 from orchestrator import sample_data
 from orchestrator.errors import EngineError, UsageError, daemon_reason
 from orchestrator.paths import ROOT
+from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import APP_USER
 from orchestrator.spec.topology import Topology, size_bytes
 TARGETS = ("compose", "swarm")
@@ -354,10 +355,34 @@ def check_placement(t: Topology, target: str, f: Facts) -> Check:
     return Check("placement", True, f"every constraint matches a ready node ({len(wanted)} checked)")
 
 
+def check_state(t: Topology, target: str, f: Facts) -> Check:
+    """Where the PS's checkpoints live on Swarm, and why the PS runs where it does
+    (orchestrator.render.swarm pins it to the manager on a swarm of several nodes)."""
+    volume = f"volume {t.name}_state"
+    if t.state.shared:
+        return Check("state", True, f"{volume} on driver {t.state.volume_driver} (shared): a PS moved to "
+                                    "another node resumes from its checkpoints")
+    if t.swarm.ps is not None:
+        return Check("state", True, f"the PS runs on swarm.ps {t.swarm.ps}: its checkpoints stay in that node's {volume}")
+    if not render_swarm.pins_state(t, len(f.nodes)):
+        if not f.nodes:
+            return Check("state", True, f"{volume}: one node, or not known yet (stack-up asks the engine)")
+        return Check("state", True, f"one node: the PS's checkpoints stay in its {volume}")
+    managers = [n for n in f.nodes if n.get("role") == "manager"]
+    if f.nodes and not _ready(managers):
+        return Check("state", False, f"the PS is pinned to the manager ({len(f.nodes)} nodes, no swarm.ps) but no "
+                     "manager is ready and active", "`docker node update --availability active MANAGER`, or set "
+                     "swarm.ps, or a shared state.volume_driver (docs/multi-host.md)")
+    several = f"; {len(managers)} managers: set swarm.ps to keep it on one" if len(managers) > 1 else ""
+    return Check("state", True, f"the PS is pinned to the manager (node.role==manager): {volume} is local "
+                                "to each node, so a PS moved elsewhere would start from nothing (swarm.ps or a "
+                                f"shared state.volume_driver choose otherwise){several}")
+
+
 CHECKS: dict[str, list[Callable[[Topology, str, Facts], Check]]] = {
     "compose": [check_daemon, check_client, check_nvidia, check_gpus, check_probe, check_shm, check_data, check_disk,
                 check_port],
-    "swarm": [check_daemon, check_client, check_swarm, check_placement, check_nvidia, check_gpus, check_shm,
+    "swarm": [check_daemon, check_client, check_swarm, check_placement, check_state, check_nvidia, check_gpus, check_shm,
               check_data, check_disk, check_port],
 }
 

@@ -22,6 +22,7 @@ from typing import IO, Any, Optional
 
 from orchestrator.errors import UsageError
 from orchestrator.render.compose import app_environment
+from orchestrator.spec import runs
 from orchestrator.spec.services import Service, describe, services
 from orchestrator.spec.topology import Topology, TopologyError
 from orchestrator.spec.usercode import check_paths
@@ -38,8 +39,10 @@ class ProcessSpec:
     env: dict[str, str]  # added to this process's environment
 
 
-def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str) -> dict[str, str]:
-    """The app's environment for `rank` on this host (see `app_environment`)."""
+def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str,
+                      run_id: str = "", resume: bool = False) -> dict[str, str]:
+    """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
+    (orchestrator.spec.runs; empty: the app resumes any checkpoint)."""
     data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
     weights = t.train.init_weights
     env = app_environment(
@@ -51,6 +54,7 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
         ifname=ifname,
         init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
     )
+    env.update(runs.environment(run_id, resume))
     if t.code is not None:  # the user's code first on sys.path, then what the caller had
         inherited = os.environ.get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(t.code).expanduser().resolve()), inherited]))
@@ -61,20 +65,23 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
     return env
 
 
-def service_environment(t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str) -> dict[str, str]:
+def service_environment(t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str,
+                        run_id: str = "", resume: bool = False) -> dict[str, str]:
     """`local_environment` of one service: its rank's, plus PSC_SHARD for a PS shard."""
-    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname)
+    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname,
+                            run_id=run_id, resume=resume)
     if service.shard:
         env["PSC_SHARD"] = str(service.shard)
     return env
 
 
-def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable) -> list[ProcessSpec]:
+def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable,
+         run_id: str = "", resume: bool = False) -> list[ProcessSpec]:
     """One process per service, in rank order (the PS first; for allreduce, no PS and
-    worker1, DDP rank 0, first)."""
+    worker1, DDP rank 0, first), every one in run `run_id`."""
     specs = []
     for s in services(t):
-        env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname)
+        env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
         specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env))
     return specs
 
@@ -113,8 +120,10 @@ def loopback_ifname() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR) -> int:
-    """Run the cluster of `t` as processes; the exit status of the whole run."""
+def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR,
+        resume: bool = False) -> int:
+    """Run the cluster of `t` as processes, as a new run (orchestrator.spec.runs; `resume`: it
+    continues the newest unfinished checkpoint); the exit status of the whole run."""
     check_host(t, source)
     run_dir = Path(runs_dir) / t.name
     try:
@@ -122,9 +131,11 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
-    specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname())
+    run_id = runs.new_id()
+    specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
     print(f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, "
           f"state in {run_dir}/", flush=True)
+    print(f"local: {runs.describe(run_id, resume)}", flush=True)
     return Supervisor(specs, keep_going=keep_going).run()
 
 

@@ -6,7 +6,9 @@ file no longer matches its name and is skipped with a warning, never loaded.
 Writes go to a temp file in the same directory, are fsynced, then renamed
 (and the directory fsynced), so a crash or a full disk leaves the previous
 checkpoints as they were. The newest few are kept; "newest" is the write
-time, so a new run on an old directory resumes from its own checkpoints.
+time. A new run that does not continue the files it finds moves them, whole
+and unchanged, to `previous/<run id>/` (`set_aside`): out of its way and out
+of reach of its pruning, never deleted.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 log = logging.getLogger("app.checkpoint")
 KEEP = 3
+PREVIOUS = "previous"  # <directory>/previous/<run id>/: the files of runs a new run did not continue
 _NAME = re.compile(r"^ckpt-(\d+)-([0-9a-f]{16})\.pt$")
 REQUIRED = ("version", "model", "optimizer", "progress", "finished")
 
@@ -133,3 +136,26 @@ def remove_temp_files(directory: str | Path) -> int:
         tmp.unlink(missing_ok=True)
         count += 1
     return count
+
+
+def set_aside(directory: str | Path, label: str) -> tuple[Path, int] | None:
+    """Move every checkpoint, final.pt and PS shard checkpoint (`shard<i>/`) of `directory`
+    to `<directory>/previous/<label>/` (made unique with -2, -3... when taken), keeping
+    their names; (that directory, files moved), or None when there was nothing to move.
+    A rename within one filesystem: nothing is copied, nothing is deleted."""
+    root = Path(directory)
+    files = [p for p in [*root.glob("ckpt-*.pt"), root / "final.pt", *root.glob("shard*/ckpt-*.pt")]
+             if _NAME.match(p.name) or p.name == "final.pt"]
+    files = [p for p in files if p.is_file()]
+    if not files:
+        return None
+    target = root / PREVIOUS / label
+    n = 1
+    while target.exists():
+        n += 1
+        target = root / PREVIOUS / f"{label}-{n}"
+    for path in files:
+        dest = target / path.relative_to(root)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+    return target, len(files)

@@ -49,7 +49,12 @@ class Checkpointer:
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
 
     def resume(self) -> None:
-        """Continue from the newest good checkpoint of an unfinished run of this model."""
+        """Continue from the newest good checkpoint of an unfinished run of this job, when it
+        is this run's (same --run_id: a restarted PS), or --resume, or no run id was given.
+
+        Otherwise this is a new run: it starts at version 0 and sets the files it found aside
+        (`checkpoint.set_aside`, one log line saying where), so they are neither resumed nor
+        pruned by this run's checkpoints."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if checkpoint.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
@@ -57,20 +62,41 @@ class Checkpointer:
         if found is None:
             return
         path, state = found
+        why = self._not_resumable(state)
+        if why:
+            self._start_fresh(path, state, why)
+            return
+        self.server.restore(state)
+        self.saved_version = self.server.version
+        run = state.get("run_id", "")
+        how = "" if run == self.config.run_id else f" (run {run or 'without an id'}, continued by --resume)"
+        log.info("resumed from %s: version %d%s", path, state["version"], how)
+        self.metrics.write("resume", self.server.version, checkpoint=path.name, run_id=run)
+        if self.config.checkpoint_every:
+            self.next_version = self.server.version + self.config.checkpoint_every
+
+    def _not_resumable(self, state: dict[str, Any]) -> str:
+        """Why `state` is not continued by this run ('' when it is)."""
         defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.shards)
         expected = {**defaults, **self.identity}
         mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items()
                     if state.get(k, defaults.get(k)) != v}
-        if state["finished"] or mismatch:
-            why = "it ended a finished run" if state["finished"] else f"it is of another job ({mismatch})"
-            log.info("not resuming from %s: %s; starting a new run", path.name, why)
-            return
-        self.server.restore(state)
-        self.saved_version = self.server.version
-        log.info("resumed from %s: version %d", path, state["version"])
-        self.metrics.write("resume", self.server.version, checkpoint=path.name)
-        if self.config.checkpoint_every:
-            self.next_version = self.server.version + self.config.checkpoint_every
+        if mismatch:
+            return f"it is of another job ({mismatch})"
+        if state["finished"]:
+            return "it ended a finished run"
+        run = state.get("run_id", "")
+        if self.config.run_id and run != self.config.run_id and not self.config.resume:
+            return (f"it is of run {run or 'without an id'}, this is run {self.config.run_id} "
+                    "(--resume, make up RESUME=1, continues it)")
+        return ""
+
+    def _start_fresh(self, path: Path, state: dict[str, Any], why: str) -> None:
+        label = state.get("run_id") or f"version-{state['version']}"
+        moved = checkpoint.set_aside(self.directory, label)
+        where = f"; its files moved to {moved[0]}" if moved else ""
+        log.info("not resuming from %s (version %d): %s; starting a new run at version 0%s",
+                 path.name, state["version"], why, where)
 
     def due(self) -> bool:
         return 0 < self.next_version <= self.server.version
@@ -86,8 +112,12 @@ class Checkpointer:
         with self._lock:
             self._save(why, always)
 
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds: the training state, the job's identity and this run's id."""
+        return {**self.server.checkpoint(), **self.identity, "run_id": self.config.run_id}
+
     def _save(self, why: str, always: bool) -> None:
-        state = {**self.server.checkpoint(), **self.identity}
+        state = self._state()
         if state["version"] == self.saved_version and not always:
             return
         if self.config.checkpoint_every:
@@ -111,7 +141,7 @@ class Checkpointer:
         final.pt was written, a restart resumes the (unfinished) run and writes both.
 
         `model`: the whole model's state dict, for a sharded PS whose own state is a slice."""
-        state = {**self.server.checkpoint(), **self.identity}
+        state = self._state()
         final = self.directory / "final.pt"
         saved = state
         if model is not None:

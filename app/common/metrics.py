@@ -36,7 +36,7 @@ class MetricsWriter:
         self.write("start", step, name=config.name, strategy=config.strategy, batch_size=config.batch_size,
                    world_size=config.world_size, workers=config.num_trainers, shards=config.shards,
                    model=config.model, dataset=config.dataset, precision=config.precision,
-                   compress=config.compress, run_id=os.environ.get(RUN_ID_ENV, ""))
+                   compress=config.compress, run_id=config.run_id or os.environ.get(RUN_ID_ENV, ""))
 
     def close(self) -> None:
         self._file.close()

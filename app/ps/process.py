@@ -59,6 +59,7 @@ def run(config: Config) -> int:
     server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
                              staleness_lr=config.staleness_lr, part=part)
+    server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model,
              server.flat.num_params, server.flat.num_buffers)

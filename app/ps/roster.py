@@ -6,6 +6,12 @@ checkpoint. A rank is `absent` (not joined yet), `live`, `finished` or
 `dropped` (its incarnation died or stopped answering). A restarted process
 of the same rank joins under a new RPC name (`worker1`, `worker1_r2`, ...)
 and resumes the rank's progress.
+
+Invariant: a rank is `finished` only while the process that finished its
+epochs in this run is its latest one. A join or a call from the rank makes it
+`live` again (a new process of a finished rank resumes at its recorded
+progress: it trains what is left, or finishes at once), and a checkpoint of
+another run restores each rank's progress but never its finish.
 """
 
 from __future__ import annotations
@@ -55,16 +61,18 @@ class Roster:
         """`name` is now rank's incarnation; it resumes the rank's progress."""
         m = self[rank]
         m.name, m.joins = name, m.joins + 1
-        self._set(m, FINISHED if m.state == FINISHED else LIVE)
+        self._set(m, LIVE)
         return m
 
     def seen(self, rank: int, name: str) -> bool:
-        """A call from `name`: refuse a replaced incarnation; True when it readmits a dropped one."""
+        """A call from `name`: refuse a replaced incarnation; True when it readmits a dropped
+        (or finished: it trains after all) one."""
         m = self[rank]
         if m.name and m.name != name:
             raise StaleIncarnation(f"{name} was replaced by {m.name} for rank {rank}; exiting")
         m.last_seen = self.clock()
-        if m.state == DROPPED:
+        if m.state in (DROPPED, FINISHED):
+            m.name = name
             self._set(m, LIVE)
             return True
         return False
@@ -114,13 +122,15 @@ class Roster:
         """Per-rank progress for a checkpoint."""
         return {r: {**m.progress(), "finished": int(m.state == FINISHED)} for r, m in self.members.items()}
 
-    def restore(self, state: dict[int, dict[str, int]]) -> None:
-        """Progress from a checkpoint; every rank must join again (finished ones stay finished)."""
+    def restore(self, state: dict[int, dict[str, int]], same_run: bool = True) -> None:
+        """Progress from a checkpoint; every rank must join again. A rank finished in it stays
+        finished only when the checkpoint is of this run (`same_run`: a restarted PS, whose
+        finished workers have exited and will not join again)."""
         for rank, p in state.items():
             if rank in self.members:
                 m = self.members[rank]
                 m.epoch, m.batch, m.pushes = p["epoch"], p["batch"], p["pushes"]
-                if p.get("finished"):
+                if p.get("finished") and same_run:
                     self._set(m, FINISHED)
 
     def _set(self, m: Member, state: str) -> None:

@@ -127,6 +127,8 @@ class ParameterServer:
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
         self.on_finish: Callable[[int], None] = lambda rank: None
         self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
+        # The run this PS serves (--run_id): a checkpoint of another run restores no finish.
+        self.run_id = ""
         self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
         self.version = 0
         self.staleness_sum = 0
@@ -452,7 +454,7 @@ class ParameterServer:
                 self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.version = int(state["version"])
-            self.roster.restore(state["progress"])
+            self.roster.restore(state["progress"], same_run=state.get("run_id", "") == self.run_id)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

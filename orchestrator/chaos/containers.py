@@ -25,6 +25,7 @@ from orchestrator.metrics.records import Record, events, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
+from orchestrator.spec import runs
 from orchestrator.spec.services import PS_SERVICE, by_name, service_names
 from orchestrator.spec.topology import Topology
 
@@ -48,8 +49,10 @@ class ContainerJob:
         self.project = adapter.Project(project, str(self.tmp / "compose.yaml"), str(ROOT))
         write_atomic(self.project.file, compose.dump(compose.render(t), t.name))
 
-    def up(self) -> None:
-        adapter.run(adapter.up_argv(self.compose, self.project), capture=True)
+    def up(self, resume: bool = False) -> None:
+        """`make up` (`resume`: `make up RESUME=1`): a new run, with its own id."""
+        adapter.run(adapter.up_argv(self.compose, self.project), capture=True,
+                    env=runs.environment(runs.new_id(), resume))
 
     def down(self, volumes: bool) -> float:
         start = time.monotonic()
@@ -176,12 +179,12 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
 
 def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """`make down` mid-run (SIGTERM): it stops in seconds, the PS checkpoints on the way
-    out; `make up` again resumes from that checkpoint and finishes."""
+    out; `make up RESUME=1` resumes from that checkpoint and finishes."""
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         _wait_checkpoint(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
-        job.up()
+        job.up(resume=True)
         resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
         on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
@@ -189,7 +192,7 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         out.notes = (f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
                      f"{on_exit[-1]['step'] if on_exit else '?'}; resumed from version {resume[0]['step']}")
         return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
-    return _scenario("make down mid-run, make up again", "psc-chaos-stop", body, run_dir, t)
+    return _scenario("make down mid-run, make up RESUME=1", "psc-chaos-stop", body, run_dir, t)
 
 
 SCENARIOS: dict[str, Scenario] = {

@@ -19,15 +19,18 @@ from orchestrator.chaos.common import (
 )
 from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
+from orchestrator.spec import runs
 from orchestrator.spec.services import PS_SERVICE, by_name
 from orchestrator.spec.topology import Topology
 
 
 class ProcessJob:
-    """The PS and workers of a topology as local processes, started and hit one by one."""
+    """The PS and workers of a topology as local processes, started and hit one by one: one
+    run (one run id), so a PS started again resumes, as a restarted container does."""
 
     def __init__(self, t: Topology, run_dir: Path) -> None:
         self.t, self.run_dir = t, run_dir
+        self.run_id = runs.new_id()
         self.port = free_port()
         self.ifname = loopback_ifname()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -38,7 +41,8 @@ class ProcessJob:
         known = by_name(self.t)
         for name in names or list(known):
             service = known[name]
-            env = service_environment(self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname)
+            env = service_environment(self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname,
+                                      run_id=self.run_id)
             n = self.starts[name] = self.starts.get(name, 0) + 1
             with open(self.run_dir / "logs" / f"{name}.{n}.out", "w") as out, \
                     open(self.run_dir / "logs" / f"{name}.{n}.err", "w") as err:

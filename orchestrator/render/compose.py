@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render.yamlio import yaml_text
+from orchestrator.spec import runs
 from orchestrator.spec.services import (
     LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PS_SERVICE, has_ps, rendezvous_service, shard_service, worker_service,
 )
@@ -140,8 +141,20 @@ def render(t: Topology) -> dict[str, Any]:
     return {
         "services": services,
         "networks": {NETWORK: {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}},
-        "volumes": {STATE_VOLUME: {"labels": {LABEL_PROJECT: t.name}}},
+        "volumes": {STATE_VOLUME: state_volume(t)},
     }
+
+
+def state_volume(t: Topology) -> dict[str, Any]:
+    """The named volume `state`: Docker's local driver by default, or `state.volume_driver`
+    with its `driver_opts` (a shared volume, e.g. NFS: docs/multi-host.md)."""
+    volume: dict[str, Any] = {}
+    if t.state.volume_driver is not None:
+        volume["driver"] = t.state.volume_driver
+        if t.state.driver_opts:
+            volume["driver_opts"] = dict(t.state.driver_opts)
+    volume["labels"] = {LABEL_PROJECT: t.name}
+    return volume
 
 
 def _ps(t: Topology) -> dict[str, Any]:
@@ -213,6 +226,9 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         volumes.append({"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS,
                         "read_only": True})
     volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
+    # The run's id and --resume, from the environment of the compose / stack call (orchestrator.spec.runs):
+    # the file stays the same from run to run.
+    env.update(runs.interpolated())
     svc: dict[str, Any] = {
         "image": t.image_tag,
         "command": [role],

@@ -29,6 +29,16 @@ topology and rewrites what Swarm does differently (facts checked on Docker
 - placement: `swarm.ps` / `swarm.workers` become `deploy.placement.constraints`;
   `PSC_HOST_WORKERS` (what `loader_workers: auto` divides a host's CPUs by) is
   the number of workers placed on a named node, all of them otherwise;
+- the state: the volume `state` is local to each node (unless `state.volume_driver`
+  makes it a share), so a PS moved to another node would start from nothing. When the
+  swarm has more than one node (the topology names several, or `nodes`, the engine's
+  count at stack-up, says so), the services that write it (the PS and its shards; under
+  allreduce worker1) without a placement of their own get `node.role==manager`:
+  the node that deploys, since only a manager deploys. For a single-manager swarm that
+  is exactly one node, known before deploying and the same in every render (a hostname
+  would tie the file to one engine, and both nodes of a swarm on one machine may report
+  the same hostname); with several managers it may be any of them, and `doctor` says to
+  set `swarm.ps`;
 - relative bind sources (`train.data_dir`) become absolute under `data_root`:
   `docker stack deploy` sends them to other nodes as they are.
 """
@@ -40,9 +50,11 @@ from typing import Any
 
 from orchestrator.render import compose
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, rendezvous_service
+from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, has_ps, rendezvous_service
+from orchestrator.spec.services import services as service_list
 from orchestrator.spec.topology import Topology, size_bytes
 
+MANAGER = "node.role==manager"  # where the state's writer goes on a multi-node swarm (see above)
 STACK_VERSION = "3.8"  # the newest 3.x schema Docker 20.10's `docker stack` knows
 SHM_DIR = "/dev/shm"
 # compose `restart: on-failure` -> this; no `restart` -> never restarted. Never after success.
@@ -59,14 +71,30 @@ def stack_name(t: Topology) -> str:
     return t.name
 
 
-def render(t: Topology, *, data_root: str) -> dict[str, Any]:
+def pins_state(t: Topology, nodes: int = 0) -> bool:
+    """The state's writers go to the manager: a swarm of several nodes (`t` names several,
+    or `nodes`, the engine's count, is > 1; 0: unknown), and no shared state volume."""
+    return not t.state.shared and (t.spans_nodes() or nodes > 1)
+
+
+def state_writers(t: Topology) -> list[str]:
+    """The services that write the state volume's checkpoints: the PS and its shards, or
+    (allreduce) worker1, DDP's rank 0."""
+    if not has_ps(t):
+        return [rendezvous_service(t)]
+    return [s.name for s in service_list(t) if s.rank == 0]
+
+
+def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
     """The whole stack document for `t` (pure: no I/O). `data_root` is the
-    absolute directory a relative `train.data_dir` is taken from."""
+    absolute directory a relative `train.data_dir` is taken from; `nodes` the swarm's
+    node count when known (stack-up asks the engine; 0: decide from `t` alone)."""
     doc = compose.render(t)
+    pinned = state_writers(t) if pins_state(t, nodes) else []
     services = {}
     for name, svc in doc["services"].items():
         rank = int(svc["labels"][LABEL_RANK])
-        services[name] = _service(t, svc, rank, data_root, name == rendezvous_service(t))
+        services[name] = _service(t, svc, rank, data_root, name == rendezvous_service(t), name in pinned)
     return {
         "version": STACK_VERSION,
         "services": services,
@@ -76,7 +104,7 @@ def render(t: Topology, *, data_root: str) -> dict[str, Any]:
 
 
 def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str,
-             rendezvous: bool) -> dict[str, Any]:
+             rendezvous: bool, pinned: bool) -> dict[str, Any]:
     svc = {k: v for k, v in compose_svc.items() if k not in _NOT_IN_SWARM}
     shm = compose_svc["shm_size"]
     svc["volumes"] = [_absolute(v, data_root) for v in svc["volumes"]] + [
@@ -96,6 +124,8 @@ def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str
         svc["environment"] = {**svc["environment"], "PSC_HOST_WORKERS": str(on_node)}
     if node is not None:
         deploy["placement"] = {"constraints": [constraint(node)]}
+    elif pinned:
+        deploy["placement"] = {"constraints": [MANAGER]}
     gpu = t.ps_gpu() is not None if rank == 0 else t.cuda
     if gpu:
         deploy["resources"] = {"reservations": {"generic_resources": [

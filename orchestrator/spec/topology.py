@@ -255,7 +255,7 @@ class Swarm(_Section):
     """Read only by `render --target swarm` (docker stack deploy); compose ignores it."""
 
     ps: Optional[Node] = None
-    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add). Default: any node."""
+    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add). Default: any node of a one-node swarm; on several nodes the manager (node.role==manager), since the PS's checkpoints are in that node's volume, unless state.volume_driver is a shared one."""
     workers: Optional[list[Node]] = Field(default=None, min_length=1)
     """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any node."""
     gpu_resource: str = "gpu"
@@ -269,6 +269,43 @@ class Swarm(_Section):
         return v
 
 
+_DRIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
+_DRIVER_OPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SHARED_TYPES = ("nfs", "nfs4", "cifs")  # driver_opts `type` of Docker's local driver that mount a share
+
+
+class State(_Section):
+    """The named volume `state` (/state in every container: the PS's checkpoints, final.pt, the metrics)."""
+
+    volume_driver: Optional[str] = None
+    """Volume driver of the state volume; default: Docker's local driver, a directory on each host, so on Swarm a PS that moves to another node starts from nothing (unless pinned: docs/multi-host.md). A shared volume lets it resume anywhere: local with driver_opts type nfs, or a volume plugin."""
+    driver_opts: dict[str, str] = Field(default_factory=dict)
+    """Options for volume_driver (docker volume create -o), as strings, e.g. for NFS with the local driver: {type: nfs, o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}. Only with volume_driver."""
+
+    @field_validator("volume_driver")
+    @classmethod
+    def _driver(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _DRIVER.match(v):
+            raise ValueError("must be a volume driver name like local or a plugin name like vieux/sshfs")
+        return v
+
+    @field_validator("driver_opts")
+    @classmethod
+    def _opts(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not _DRIVER_OPT.match(k)]
+        if bad:
+            raise ValueError(f"option name {bad[0]!r} must be letters, digits, '.', '_' or '-' (like type, o, device)")
+        return v
+
+    @property
+    def shared(self) -> bool:
+        """The volume is one share every node mounts (an NFS/CIFS mount of the local driver, or
+        a volume plugin), not a directory of each host."""
+        if self.volume_driver is None:
+            return False
+        return self.volume_driver != "local" or self.driver_opts.get("type") in SHARED_TYPES
+
+
 class Topology(_Section):
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
@@ -278,6 +315,7 @@ class Topology(_Section):
     workers: Workers
     network: Network = Field(default_factory=Network)
     swarm: Swarm = Field(default_factory=Swarm)
+    state: State = Field(default_factory=State)
     code: Optional[str] = Field(default=None, min_length=1)
     """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
 
@@ -326,6 +364,12 @@ class Topology(_Section):
         if w is None or len(w) == 1:
             return [w[0] if w else None] * self.workers.count
         return list(w[: self.workers.count])
+
+    def spans_nodes(self) -> bool:
+        """The topology itself places services on more than one node (distinct swarm.ps /
+        swarm.workers entries); False when it cannot tell (no placement, or one entry)."""
+        named = {n for n in [self.swarm.ps, *(self.swarm.workers or [])] if n is not None}
+        return len(named) > 1
 
     def with_workers(self, count: int, source: str = "--workers") -> Topology:
         """The same topology with `count` workers (GPUs 0..count-1 unless listed)."""
@@ -377,6 +421,13 @@ def check(t: Topology, source: str) -> None:
     if t.ps.shards > 1 and t.train.strategy == "allreduce":
         raise TopologyError(source, "ps.shards", f"got {t.ps.shards}; allowed only with a parameter server "
                             "(strategy async, sync or ssp); allreduce has none")
+    opts = t.state.driver_opts
+    if opts and t.state.volume_driver is None:
+        raise TopologyError(source, "state.driver_opts", f"got {_show(dict(opts))}; allowed only with "
+                            "state.volume_driver (e.g. local, with type: nfs)")
+    if opts.get("type") in SHARED_TYPES and not (opts.get("device") and "addr=" in opts.get("o", "")):
+        raise TopologyError(source, "state.driver_opts", f"got {_show(dict(opts))}; type {opts['type']} needs "
+                            "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')")
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(

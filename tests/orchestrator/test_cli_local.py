@@ -22,9 +22,11 @@ from orchestrator.spec.topology import load, parse
 
 from orch_helpers import REPO, topology
 
-# What differs between a container and a local process; everything else is equal.
+# What differs between a container and a local process; everything else is equal. The run's
+# variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.spec.runs).
 HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
-                 "PSC_METRICS_DIR", "PSC_CACHE_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+                 "PSC_METRICS_DIR", "PSC_CACHE_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PSC_RUN_ID",
+                 "PSC_RESUME"}
 
 
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])

@@ -34,8 +34,22 @@ swarm:
 """
 PLACED = PLACED.replace("  # gpu: 0 ", "  gpu: 0 ").replace("publish_rpc_port: false", "publish_rpc_port: true")
 
+# Two workers on two named nodes, no swarm.ps: the PS (its checkpoints) is pinned to the manager;
+# the same with the state on NFS: not pinned, the volume is a share.
+SPREAD = (REPO / "configs/cpu-smoke.yaml").read_text() + """
+swarm:
+  workers: [node-a, node-b]
+"""
+SHARED = SPREAD + """
+state:
+  volume_driver: local
+  driver_opts: {type: nfs, o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}
+"""
+
 # (golden file, config or YAML text, --workers)
 CASES = [
+    ("swarm-spread.yaml", SPREAD, None),
+    ("swarm-shared-state.yaml", SHARED, None),
     ("swarm-cpu-smoke.yaml", "configs/cpu-smoke.yaml", None),
     ("swarm-cpu-smoke-workers8.yaml", "configs/cpu-smoke.yaml", 8),
     ("swarm-default.yaml", "configs/default.yaml", None),

@@ -169,10 +169,13 @@ def detect(
 
 # --- running --------------------------------------------------------------
 
-def run(argv: Sequence[str], *, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
-    """Run one compose command line; EngineError when it fails and `check`."""
+def run(argv: Sequence[str], *, check: bool = True, capture: bool = False,
+        env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run one compose command line (`env`: added to this process's environment, e.g. the
+    run's id the compose file interpolates); EngineError when it fails and `check`."""
     try:
-        r = subprocess.run(list(argv), text=True, capture_output=capture)
+        r = subprocess.run(list(argv), text=True, capture_output=capture,
+                           env={**os.environ, **env} if env else None)
     except OSError as e:
         raise EngineError(f"cannot run {argv[0]}: {e.strerror or e}") from None
     if check and r.returncode != 0:
@@ -186,6 +189,18 @@ def run(argv: Sequence[str], *, check: bool = True, capture: bool = False) -> su
 def containers(client: Any, project: str) -> list[Any]:
     """Every container of the compose project, stopped ones too."""
     return client.containers.list(all=True, filters={"label": f"{LABEL_PROJECT}={project}"})
+
+
+def running_env(client: Any, project: str, names: Sequence[str]) -> dict[str, str]:
+    """The variables `names` as a running (or restarting) container of the project has them
+    ({} when none runs): an `up` while a run goes on keeps its id, so compose recreates nothing."""
+    for c in containers(client, project):
+        if (c.attrs.get("State") or {}).get("Status") not in ("running", "restarting"):
+            continue
+        env = dict(e.split("=", 1) for e in (c.attrs.get("Config") or {}).get("Env") or [] if "=" in e)
+        if env.get(names[0]):
+            return {n: env.get(n, "") for n in names}
+    return {}
 
 
 def service_of(container: Any) -> str:

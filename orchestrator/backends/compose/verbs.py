@@ -32,6 +32,7 @@ from orchestrator.errors import engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
+from orchestrator.spec import runs
 from orchestrator.spec.services import (
     PS_SERVICE, Service, describe, from_compose, rendezvous_service, service_names, services,
 )
@@ -98,7 +99,9 @@ def build(config: str, workers: Optional[int] = None, *, offline: bool = False, 
 @engine_errors
 def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
        project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout,
-       strategy: Optional[str] = None) -> int:
+       strategy: Optional[str] = None, resume: bool = False) -> int:
+    """A new run (orchestrator.spec.runs: its own id; `resume`: the PS continues the newest
+    unfinished checkpoint), or, while the project's run goes on, that run unchanged."""
     tg = target(config, workers, project=project, strategy=strategy)
     t = tg.topology
     assert t is not None
@@ -114,8 +117,10 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
     else:
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
+    env, line = runs.start(adapter.running_env(client, tg.project.name, runs.VARIABLES), resume)
+    print(f"==> {line}", file=out, flush=True)
     print(f"==> starting with {found}", file=out, flush=True)
-    adapter.run(adapter.up_argv(found, tg.project))
+    adapter.run(adapter.up_argv(found, tg.project), env=env)
     if remember:
         _remember(tg)
     print(f"==> up: project {tg.project.name}. Next: make logs | make status | make down", file=out, flush=True)
@@ -185,7 +190,7 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
         print(f"==> smoke: project {name}, {describe(t)}, with {found}", file=out, flush=True)
         expected = service_names(t)
         with timings.step("run"):
-            adapter.run(adapter.up_argv(found, proj))
+            adapter.run(adapter.up_argv(found, proj), env=runs.environment(runs.new_id(), False))
             finished = adapter.wait_exited(client, name, len(expected), timeout, out)
         states = [container_state(c.attrs) for c in adapter.containers(client, name)]
         rank0 = rendezvous_service(t)

@@ -99,6 +99,21 @@ def states(client: Any, stack: str) -> dict[str, dict[str, Any]]:
     return {name: task_state(name, svc.tasks()) for name, svc in services(client, stack).items()}
 
 
+def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]:
+    """The variables `names` as the stack's services have them, while one of its tasks has
+    not ended ({} otherwise): a `stack-up` while a run goes on keeps its id, so Swarm
+    restarts no task."""
+    found = services(client, stack)
+    if not found or all_ended(states(client, stack), list(found)):
+        return {}
+    for svc in found.values():
+        spec = ((svc.attrs.get("Spec") or {}).get("TaskTemplate") or {}).get("ContainerSpec") or {}
+        env = dict(e.split("=", 1) for e in spec.get("Env") or [] if "=" in e)
+        if env.get(names[0]):
+            return {n: env.get(n, "") for n in names}
+    return {}
+
+
 def service_log(client: Any, stack: str, service: str) -> str:
     """A service's whole log (every task), raw lines."""
     svc = services(client, stack).get(service)

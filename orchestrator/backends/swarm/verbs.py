@@ -31,6 +31,7 @@ from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relativ
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_atomic, write_if_changed
+from orchestrator.spec import runs
 from orchestrator.spec.services import PS_SERVICE, describe, order, rendezvous_service, service_names
 from orchestrator.spec.topology import Topology, load_with
 from orchestrator.spec.usercode import check_paths
@@ -43,8 +44,9 @@ def stack_file(name: str) -> Path:
     return RUNS / name / "stack.yaml"
 
 
-def render_text(t: Topology) -> str:
-    return render_swarm.dump(render_swarm.render(t, data_root=str(ROOT)), t.name)
+def render_text(t: Topology, nodes: int = 0) -> str:
+    """The stack file; `nodes`: the swarm's node count (render_swarm.render), 0 when unknown."""
+    return render_swarm.dump(render_swarm.render(t, data_root=str(ROOT), nodes=nodes), t.name)
 
 
 def _stack(config: Optional[str], workers: Optional[int], stack: Optional[str]) -> str:
@@ -56,8 +58,10 @@ def _stack(config: Optional[str], workers: Optional[int], stack: Optional[str]) 
     return render_swarm.stack_name(load_with(config or DEFAULT_CONFIG, workers=workers))
 
 
-def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out: TextIO) -> list[str]:
-    """Build the image if missing, deploy; the options `docker stack deploy` said it ignored."""
+def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out: TextIO,
+            env: dict[str, str]) -> list[str]:
+    """Build the image if missing, deploy with `env` (the run's variables, which the stack
+    file interpolates); the options `docker stack deploy` said it ignored."""
     if images.image_exists(client, t.image_tag):
         print(f"==> image {t.image_tag} present on this node; every node that runs a task needs it "
               "(docs/multi-host.md: docker save | ssh NODE docker load)", file=out, flush=True)
@@ -65,7 +69,7 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
     print(f"==> deploying stack {name}: {describe(t)}", file=out, flush=True)
-    r = run_argv(adapter.deploy_argv(name, str(path)), capture=True)
+    r = run_argv(adapter.deploy_argv(name, str(path)), capture=True, env=env)
     ignored = adapter.ignored_options(r.stdout + r.stderr)
     for line in ignored:
         print(f"warning: docker stack deploy: {line}", file=out, flush=True)
@@ -74,18 +78,23 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
 
 @engine_errors
 def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
-             strategy: Optional[str] = None) -> int:
+             strategy: Optional[str] = None, resume: bool = False) -> int:
+    """Deploy a new run (orchestrator.spec.runs; `resume`: the PS continues the newest unfinished
+    checkpoint), or, while the stack's run goes on, that run unchanged."""
     t = load_with(config, workers=workers, strategy=strategy)
     check_paths(t, config, ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)
     client = images.client()
-    checks = doctor.run_checks(t, "swarm", doctor.gather(t, "swarm", client=client))
+    facts = doctor.gather(t, "swarm", client=client)
+    checks = doctor.run_checks(t, "swarm", facts)
     doctor.stop_on_problems(checks, config, "", target="swarm")
     print(f"==> doctor: {len(checks)} checks passed (target swarm)", file=out, flush=True)
     name = render_swarm.stack_name(t)
     path = stack_file(name)
-    wrote = write_if_changed(path, render_text(t))
+    wrote = write_if_changed(path, render_text(t, nodes=len(facts.nodes)))
     print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}", file=out, flush=True)
-    _deploy(client, t, name, path, offline, out)
+    env, line = runs.start(adapter.running_env(client, name, runs.VARIABLES), resume)
+    print(f"==> {line}", file=out, flush=True)
+    _deploy(client, t, name, path, offline, out, env)
     RUNS.mkdir(parents=True, exist_ok=True)
     write_atomic(RECORD, json.dumps({"stack": name, "stack_file": str(path), "config": config,
                                      "workers": workers, "strategy": strategy}, indent=2) + "\n")
@@ -183,13 +192,13 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
     tmp = Path(tempfile.mkdtemp(prefix="ps-compose-stack-smoke-"))
     path = tmp / "stack.yaml"
     try:
-        write_if_changed(path, render_text(t))
+        write_if_changed(path, render_text(t, nodes=_node_count(client)))
         base, pip_source = images.source(t, offline=True)
         with timings.step("image"):
             images.build(t.image_tag, base, pip_source, out=out)
         _remove(client, name)  # a former run's leftovers
         with timings.step("run"):
-            ignored = _deploy(client, t, name, path, True, out)
+            ignored = _deploy(client, t, name, path, True, out, runs.environment(runs.new_id(), False))
             states = wait_done(client, name, expected, timeout, out)
         final = states if states is not None else adapter.states(client, name)
         rank0 = rendezvous_service(t)
@@ -216,6 +225,15 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
             _remove(client, name)
         shutil.rmtree(tmp, ignore_errors=True)
         print(timings.line(), file=out, flush=True)
+
+
+def _node_count(client: Any) -> int:
+    """How many nodes the swarm has; 0 when this engine cannot tell (not a manager: the
+    deploy then says so)."""
+    try:
+        return len(adapter.nodes(client))
+    except Exception:  # noqa: BLE001 - docker.errors.APIError and the like
+        return 0
 
 
 def _wait_gone(client: Any, name: str) -> None:
