@@ -12,7 +12,9 @@ APP_PATH_ENV = "BENCH_APP_PATH"  # a directory holding another copy of `app/` to
 
 SYSTEMS = {"app": "bench.appdrive", "app-comm": "bench.appdrive", "app-overlap": "bench.appdrive",
            "app-bf16": "bench.appdrive", "app-comm-bf16": "bench.appdrive", "app-sharded": "bench.appdrive",
-           "ref": "bench.reference", "ref-tuned": "bench.reference", "gloo": "bench.gloo"}
+           "app-sync": "bench.appdrive", "ref": "bench.reference", "ref-uv": "bench.reference",
+           "ref-tuned": "bench.reference", "gloo": "bench.gloo", "compute": "bench.baselines",
+           "allreduce": "bench.baselines"}
 
 
 def main(argv: list[str]) -> int:

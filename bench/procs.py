@@ -59,6 +59,8 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
                     idle_marker=marker, idle_seconds=idle_seconds + 1.0, timeout=timeout)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TP_SOCKET_IFNAME="lo")
         env.pop("OMP_NUM_THREADS", None)
+        if params.get("threads"):  # the headline table: one thread per process
+            env["OMP_NUM_THREADS"] = str(params["threads"])
         procs: dict[str, subprocess.Popen] = {}
         logs: dict[str, Any] = {}
         try:
