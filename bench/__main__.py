@@ -1,6 +1,7 @@
 """`python -m bench [--json FILE]`: the headline table (each strategy's step against compute
 alone, a few minutes); `python -m bench full [--quick] [--json FILE]`: the full matrix;
-`python -m bench compare OLD.json NEW.json`; `python -m bench containers|scan|data`."""
+`python -m bench compare OLD.json NEW.json`; `python -m bench constants`: the step model's
+constants (docs/performance.md); `python -m bench containers|scan|data`."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def machine() -> dict[str, Any]:
 def headline_params(system: str, model: str, steps: int | None) -> dict[str, Any]:
     """A headline case's parameters: one thread per process, a fixed step count."""
     warmup, count = HEADLINE_STEPS.get(model, (5, 30))
-    return dict(warmup=warmup, steps=steps or count, threads=1, compute=True, compute_seconds=0.0,
+    return dict(warmup=warmup, steps=steps or count, threads=1, compute=True, compute_seconds=None,
                 tail=HEADLINE_TAIL_S if system in ("app", "app-overlap") else 0.0,
                 floats=_state_floats(model), shards=1, compress="none",
                 overlap=system == "app-overlap", strategy="sync" if system == "app-sync" else "async",
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import data_pipeline, imagefolder_scan
+    from bench import constants, data_pipeline, imagefolder_scan
+    constants.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
     return parser
@@ -209,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from bench import data_pipeline, imagefolder_scan
+    if args.command == "constants":
+        from bench import constants
+        return constants.main(args)
     if args.command == "data":
         return data_pipeline.main(args)
     if args.command == "scan":

@@ -15,8 +15,11 @@ from typing import Any
 Step = Callable[[], tuple[float, float]]  # one step: (compute seconds, communication seconds)
 
 
-def time_compute(compute: Callable[[], None], seconds: float, min_steps: int = 3) -> float:
-    """Median seconds of `compute` alone, run for about `seconds` (at least min_steps times)."""
+def time_compute(compute: Callable[[], None], seconds: float | None, min_steps: int = 3) -> float | None:
+    """Median seconds of `compute` alone, run for about `seconds` (at least min_steps times);
+    None without running it when `seconds` is None (the headline has a compute-only case)."""
+    if seconds is None:
+        return None
     times: list[float] = []
     end = time.perf_counter() + seconds
     while len(times) < min_steps or time.perf_counter() < end:
