@@ -181,3 +181,10 @@ def test_a_tiny_headline_runs_every_system_to_its_count(tmp_path, capsys):
     assert [r["system"] for r in doc["rows"]] == list(headline.SYSTEMS)
     assert all(r["steps"] == 2 and r["step_s"] > 0 for r in doc["rows"])
     assert doc["machine"]["cores"] >= 1
+
+
+def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
+    from bench import constants
+    text = constants.lines({"gloo_s": 0.04, "state_mb": 44.8})
+    assert [line.split()[0] for line in text.splitlines()] == ["state_mb", "gloo_s"]
+    assert constants.MEASURES["gloo_s"] in text
