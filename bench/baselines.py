@@ -1,4 +1,4 @@
-"""The two baselines of the headline table, workers only (rank 0 does nothing).
+"""The two baselines of the headline table, workers only (no rank 0 process: `workers_only`).
 
 `compute`: each worker runs forward + backward on its fixed batch and nothing
 else, all workers at once: the step a PS strategy is compared against.
@@ -19,10 +19,6 @@ from torch import nn
 
 from bench import loop
 from bench.models import SPECS
-
-
-def ps_main(p: dict[str, Any]) -> dict[str, Any]:
-    return {}
 
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     if os.environ.get(APP_PATH_ENV):
         sys.path.insert(0, os.environ[APP_PATH_ENV])
     module = importlib.import_module(SYSTEMS[system])
-    entry = {"ps": module.ps_main, "shard": getattr(module, "shard_main", None)}.get(role, module.worker_main)
+    entry = {"ps": getattr(module, "ps_main", None),
+             "shard": getattr(module, "shard_main", None)}.get(role, module.worker_main)
     result = entry(json.loads(params))
     with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -139,6 +139,8 @@ def test_headline_params_one_thread_fixed_steps_and_no_tail_where_workers_wait()
     assert headline_params("ref-uv", "cnn", None)["transports"] == "uv"
     assert headline_params("ref", "cnn", None)["transports"] is None
     assert headline_params("allreduce", "cnn", None)["allreduce"] is True
+    assert [s for s in headline.SYSTEMS if headline_params(s, "cnn", None)["workers_only"]] == [
+        "compute", "allreduce"]  # no PS process: it would only take a core's share
 
 
 def test_run_steps_times_exactly_the_count_after_warmup():
