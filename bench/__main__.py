@@ -1,4 +1,7 @@
-"""`python -m bench [--quick] [--json FILE]`, `python -m bench containers|scan|data`."""
+"""`python -m bench [--json FILE]`: the headline table (each strategy's step against compute
+alone, a few minutes); `python -m bench full [--quick] [--json FILE]`: the full matrix;
+`python -m bench compare OLD.json NEW.json`; `python -m bench constants`: the step model's
+constants (docs/performance.md); `python -m bench containers|scan|data`."""
 
 from __future__ import annotations
 
@@ -6,15 +9,20 @@ import argparse
 import ctypes
 import json
 import os
+import platform
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench import report
-from bench.models import SPECS
+from bench import headline, report
+from bench.models import FULL_MODELS, HEADLINE_MODELS, SPECS
 from bench.node import APP_PATH_ENV
+
+# Warm-up and timed steps per worker of a headline case: a 2-6 s window on an idle 2-core CPU VM.
+HEADLINE_STEPS = {"resnet18-10": (3, 16), "mnist-cnn": (4, 30)}
+HEADLINE_TAIL_S = 1.0  # async cases only: keep stepping while the other worker ends its count
 
 
 def memcpy_seconds(floats: int, repeats: int) -> float:
@@ -36,6 +44,78 @@ def _state_floats(model: str) -> int:
     from bench.models import state_floats
     params, buffers = state_floats(SPECS[model].model())
     return params + buffers
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from: cores this process may use, torch, the load average."""
+    import torch
+    return {"cores": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "loadavg_start": os.getloadavg()}
+
+
+def headline_params(system: str, model: str, steps: int | None) -> dict[str, Any]:
+    """A headline case's parameters: one thread per process, a fixed step count."""
+    warmup, count = HEADLINE_STEPS.get(model, (5, 30))
+    return dict(warmup=warmup, steps=steps or count, threads=1, compute=True, compute_seconds=None,
+                tail=HEADLINE_TAIL_S if system in ("app", "app-overlap") else 0.0,
+                floats=_state_floats(model), shards=1, compress="none",
+                overlap=system == "app-overlap", strategy="sync" if system == "app-sync" else "async",
+                transports="uv" if system == "ref-uv" else None, allreduce=system == "allreduce",
+                workers_only=system in ("compute", "allreduce"))
+
+
+def run_headline(args: argparse.Namespace) -> int:
+    from bench.procs import Case, CaseFailed, run_case
+    started = time.monotonic()
+    where = machine()
+    runs: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for repeat in range(1, args.repeats + 1):
+        for model in args.models.split(","):
+            for system in args.systems.split(","):
+                label = f"[{repeat}/{args.repeats}] {model} x{args.workers} {system}"
+                print(f"bench: {label} ...", file=sys.stderr, flush=True)
+                try:
+                    raw = run_case(Case(system, model, args.workers), headline_params(system, model, args.steps),
+                                   timeout=args.timeout)
+                except CaseFailed as error:
+                    failures.append(f"{label}: {error}")
+                    print(f"bench: {label}: FAILED: {error}", file=sys.stderr, flush=True)
+                    continue
+                runs.append(headline.case_row(system, model, args.workers, raw))
+    rows = headline.aggregate(runs)
+    wall = time.monotonic() - started
+    where["loadavg_end"] = os.getloadavg()
+    print(headline.table(rows))
+    print(f"\nsteady state: the timed steps after the warm-up ones, one thread per process; "
+          f"{args.repeats} repeat(s); {wall:.0f} s on {where['cores']} cores; load average "
+          f"{where['loadavg_start'][0]:.1f} at the start, {where['loadavg_end'][0]:.1f} at the end")
+    if failures:
+        print("failed cases:\n  " + "\n  ".join(failures))
+    if args.json:
+        doc = headline.document(rows, runs, vars(args), where, failures, wall)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json}")
+    return 1 if failures else 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    docs = []
+    for path in (args.old, args.new):
+        try:
+            with open(path, encoding="utf-8") as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as error:
+            print(f"compare: {path}: not a bench JSON file ({error})", file=sys.stderr)
+            return 2
+    try:
+        print(headline.compare_table(headline.compare(*docs)))
+    except (ValueError, KeyError) as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -84,37 +164,58 @@ def run_main(args: argparse.Namespace) -> int:
         print("failed cases:\n  " + "\n  ".join(failures))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows, "ratios": rs, "goals_met": report.verdicts(rs),
-                       "settings": vars(args), "runs": runs, "failures": failures}, f, indent=2)
+            json.dump({"schema": headline.SCHEMA, "kind": "full", "rows": rows, "ratios": rs,
+                       "goals_met": report.verdicts(rs), "settings": vars(args), "runs": runs,
+                       "failures": failures}, f, indent=2)
         print(f"wrote {args.json}")
     return 1 if failures else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    parser.set_defaults(command="run")
-    for p in (parser, sub.add_parser("run", help="the PS bench (default)")):
-        p.add_argument("--quick", action="store_true", help="one repeat of short windows")
-        p.add_argument("--json", metavar="FILE", help="write rows, ratios and raw runs here")
-        p.add_argument("--models", default=",".join(SPECS), help="comma-separated: %(default)s")
-        p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
-        p.add_argument("--repeats", type=int, default=3)
-        p.add_argument("--seconds", type=float, default=4.0, help="measured window per case")
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--idle-seconds", type=float, default=3.0)
-        p.add_argument("--app-path", metavar="DIR",
-                       help="measure the app/ under DIR (e.g. `git archive HEAD app | tar -x -C DIR`) "
-                            "instead of this checkout's")
+    parser.set_defaults(command="headline")
+    for p in (parser, sub.add_parser("headline", help="each strategy's step against compute alone (default)")):
+        p.add_argument("--json", metavar="FILE", help="write rows, settings and raw runs here")
+        p.add_argument("--models", default=",".join(HEADLINE_MODELS), help="comma-separated: %(default)s")
+        p.add_argument("--systems", default=",".join(headline.SYSTEMS), help="comma-separated: %(default)s")
+        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--steps", type=int, help="timed steps per worker (default: per model, "
+                       + ", ".join(f"{m} {s}" for m, (_, s) in HEADLINE_STEPS.items()) + ")")
+        p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+        _app_path(p)
+    f = sub.add_parser("full", help="the full matrix: systems x models x worker counts")
+    f.add_argument("--quick", action="store_true", help="one repeat of short windows")
+    f.add_argument("--json", metavar="FILE", help="write rows, ratios and raw runs here")
+    f.add_argument("--models", default=",".join(FULL_MODELS), help="comma-separated: %(default)s")
+    f.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--seconds", type=float, default=4.0, help="measured window per case")
+    f.add_argument("--warmup", type=int, default=3)
+    f.add_argument("--idle-seconds", type=float, default=3.0)
+    _app_path(f)
+    cmp = sub.add_parser("compare", help="two --json files side by side (headline or full)")
+    cmp.add_argument("old")
+    cmp.add_argument("new")
     c = sub.add_parser("containers", help="cpu-smoke as processes vs in compose (needs Docker)")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import data_pipeline, imagefolder_scan
+    from bench import constants, data_pipeline, imagefolder_scan
+    constants.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench import data_pipeline, imagefolder_scan
+    if args.command == "constants":
+        from bench import constants
+        return constants.main(args)
     if args.command == "data":
         return data_pipeline.main(args)
     if args.command == "scan":
@@ -122,12 +223,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "containers":
         from bench.containers import main as containers_main
         return containers_main(args)
-    if args.quick:
-        args.repeats, args.seconds, args.warmup, args.idle_seconds = 1, 1.5, 2, 2.0
+    if args.command == "compare":
+        return run_compare(args)
+    problem = _check(args)
+    if problem:
+        print(f"python -m bench: {problem}", file=sys.stderr)
+        return 2
     if args.app_path:
         os.environ[APP_PATH_ENV] = os.path.abspath(args.app_path)
         sys.path.insert(0, os.environ[APP_PATH_ENV])
+    if args.command == "headline":
+        return run_headline(args)
+    if args.quick:
+        args.repeats, args.seconds, args.warmup, args.idle_seconds = 1, 1.5, 2, 2.0
     return run_main(args)
+
+
+def _app_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--app-path", metavar="DIR",
+                   help="measure the app/ under DIR (e.g. `git archive HEAD app | tar -x -C DIR`) "
+                        "instead of this checkout's")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first bad model or system named, as one line; None when all are known."""
+    for model in args.models.split(","):
+        if model not in SPECS:
+            return f"--models: {model!r} is not one of {', '.join(SPECS)}"
+    for system in getattr(args, "systems", "").split(",") if args.command == "headline" else []:
+        if system not in headline.SYSTEMS:
+            return f"--systems: {system!r} is not one of {', '.join(headline.SYSTEMS)}"
+    return None
 
 
 if __name__ == "__main__":

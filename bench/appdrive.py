@@ -42,7 +42,8 @@ def _config(role: str, p: dict[str, Any]):
     argv = [role, "--world_size", str(p["world_size"]), "--master_addr", ADDR,
             "--master_port", str(p["port"]), "--model", "cnn", "--dataset", "synthetic",
             "--batch_size", str(SPECS[p["model"]].batch_size), "--rpc_timeout", str(RPC_TIMEOUT),
-            "--overlap", str(bool(p.get("overlap"))), "--compress", p.get("compress", "none")]
+            "--overlap", str(bool(p.get("overlap"))), "--compress", p.get("compress", "none"),
+            "--strategy", p.get("strategy", "async")]
     if role == "worker":
         argv += ["--rank", str(p["rank"])]
     if p.get("shards", 1) > 1:  # app-sharded: PS shards at RPC ranks world_size.. (bench.procs)
@@ -78,7 +79,8 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.ps.server import ParameterServer
     config = _config("ps", p)
     server = ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
-                             num_trainers=config.world_size - 1, part=_part(p, index))
+                             num_trainers=config.world_size - 1, part=_part(p, index),
+                             strategy=config.strategy)
     _DONE["expected"] = config.world_size - 1
     with ENDPOINT.serving(server):
         _init(config, ps_name(index), p["rank"])
@@ -128,7 +130,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         trainer.push_and_pull(samples=len(y))  # --overlap: waits for the previous push only
         return t1 - t0, time.perf_counter() - t1
 
-    result = loop.run_window(step, p["warmup"], p["seconds"], p["tail"])
+    result = loop.run(step, p, lockstep=config.strategy == "sync")
     trainer.last_reply()
     if p.get("idle_marker"):
         Path(p["idle_marker"]).touch()

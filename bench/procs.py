@@ -59,12 +59,15 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
                     idle_marker=marker, idle_seconds=idle_seconds + 1.0, timeout=timeout)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TP_SOCKET_IFNAME="lo")
         env.pop("OMP_NUM_THREADS", None)
+        if params.get("threads"):  # the headline table: one thread per process
+            env["OMP_NUM_THREADS"] = str(params["threads"])
         procs: dict[str, subprocess.Popen] = {}
         logs: dict[str, Any] = {}
         try:
             # PS shards (`shards` > 1) come after the workers in RPC rank: ps1 is workers + 1
             extra = params.get("shards", 1) - 1
-            for rank in range(case.workers + 1 + extra):
+            first = 1 if params.get("workers_only") else 0  # compute, allreduce: no rank 0 needed
+            for rank in range(first, case.workers + 1 + extra):
                 role = "ps" if rank == 0 else "worker" if rank <= case.workers else "shard"
                 name = {"ps": "ps", "worker": f"worker{rank}", "shard": f"ps{rank - case.workers}"}[role]
                 logs[name] = open(Path(tmp) / f"{name}.log", "w+b")
@@ -90,7 +93,7 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
     if case.system.startswith("ref"):  # the reference PS returns its trainers' results
         results.update({f"worker{r}": w for r, w in results["ps"]["workers"].items()})
     return {"workers": [results[f"worker{r}"] for r in range(1, case.workers + 1)],
-            "ps": results["ps"], "idle_cpu_percent": idle}
+            "ps": results.get("ps", {}), "idle_cpu_percent": idle}
 
 
 def _measure_idle(procs: dict[str, subprocess.Popen], marker: str, seconds: float,

@@ -1,15 +1,23 @@
 """A reference PS written the way the PyTorch RPC batch example does it.
 
-pytorch/examples distributed/rpc/batch/parameter_server.py, kept as it is
-(with `batch_update_size` 1, so every push is an update, as in the app's
-async SGD): the PS object lives behind an RRef, a push is a list of
-gradient tensors pickled over RPC, `p.grad += g` outside the lock, the
-optimizer steps, and the whole `nn.Module` is pickled back to the worker;
-the PS drives the trainers with `rpc_async`; TensorPipe default options
-(shm transport included) and torch's default thread count. Only the timing
-and the model/batch (bench.models) are the bench's. `ref-tuned` runs the
-same code with the app's process settings (uv transport, cores/world threads),
-to separate what the code costs from what the defaults cost.
+pytorch/examples distributed/rpc/batch/parameter_server.py, kept as it is:
+the PS object lives behind an RRef; `batch_update_size` is the number of
+trainers (the example runs `world_size = batch_update_size + 1`), so one
+update averages one gradient of every trainer, a sync round; a push is a
+list of gradient tensors pickled over RPC, `p.grad += g` outside the lock,
+the optimizer steps, and the whole `nn.Module` is pickled back to every
+trainer of the round; the PS drives the trainers with `rpc_async`; 16 RPC
+threads. What is the bench's: the timing, the model and batch (bench.models),
+plain SGD at lr 0.01 as the app's PS runs it (the example: momentum 0.9, lr
+0.001), and `leave`, called after a trainer's last step so that a trainer
+still stepping (the full matrix's time windows) is not left waiting for a
+round that cannot fill.
+
+Transports: `ref` runs TensorPipe's defaults (shm included: its reader spins
+a core while idle) and torch's thread count (OMP_NUM_THREADS if set);
+`ref-uv` the same code with `_transports=["uv"]` only, so the shm spin is
+not counted against it; `ref-tuned` with the app's options (uv, its channels,
+cores/world threads).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ RPC_TIMEOUT = 300
 
 
 class BatchUpdateParameterServer:
-    def __init__(self, model: nn.Module, batch_update_size: int = 1) -> None:
+    def __init__(self, model: nn.Module, batch_update_size: int) -> None:
         self.model = model
         self.lock = threading.Lock()
         self.future_model = torch.futures.Future()
@@ -54,14 +62,27 @@ class BatchUpdateParameterServer:
             self.curr_update_size += 1
             fut = self.future_model
             if self.curr_update_size >= self.batch_update_size:
-                for p in self.model.parameters():
-                    p.grad /= self.batch_update_size
-                self.curr_update_size = 0
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=False)
-                fut.set_result(self.model)
-                self.future_model = torch.futures.Future()
+                self._update()
         return fut
+
+    def _update(self) -> None:
+        """The example's update, under the lock: average, step, answer the round."""
+        for p in self.model.parameters():
+            p.grad /= self.curr_update_size  # == batch_update_size but for a round `leave` closed
+        self.curr_update_size = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.future_model.set_result(self.model)
+        self.future_model = torch.futures.Future()
+
+    @staticmethod
+    def leave(ps_rref: rpc.RRef) -> None:
+        """The bench's: a trainer is done; later rounds count one trainer fewer."""
+        self = ps_rref.local_value()
+        with self.lock:
+            self.batch_update_size -= 1
+            if self.curr_update_size and self.curr_update_size >= self.batch_update_size:
+                self._update()
 
 
 def run_trainer(ps_rref: rpc.RRef, p: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +108,8 @@ def run_trainer(ps_rref: rpc.RRef, p: dict[str, Any]) -> dict[str, Any]:
                          args=(ps_rref, [q.grad for q in m.cpu().parameters()]))
         return t1 - t0, time.perf_counter() - t1
 
-    result = loop.run_window(step, p["warmup"], p["seconds"], p["tail"])
+    result = loop.run(step, p, lockstep=True)
+    rpc.rpc_sync(ps_rref.owner(), BatchUpdateParameterServer.leave, args=(ps_rref,))
     if p.get("idle_marker"):
         Path(p["idle_marker"]).touch()
         time.sleep(p["idle_seconds"])
@@ -101,6 +123,9 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(p["port"])
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT)
+    if p.get("transports") == "uv":  # `ref-uv`: no shm transport, nothing else changed
+        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
+                                                  _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
                                                   _transports=["uv"], _channels=["mpt_uv", "basic"])
@@ -110,7 +135,8 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
 
 def ps_main(p: dict[str, Any]) -> dict[str, Any]:
     _init("ps", 0, p)
-    ps_rref = rpc.RRef(BatchUpdateParameterServer(SPECS[p["model"]].model()))
+    trainers = p["world_size"] - 1
+    ps_rref = rpc.RRef(BatchUpdateParameterServer(SPECS[p["model"]].model(), batch_update_size=trainers))
     futs = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(ps_rref, dict(p, rank=r, idle_marker=p["idle_marker"] if r == 1 else None)))
             for r in range(1, p["world_size"])]
     results = torch.futures.wait_all(futs)

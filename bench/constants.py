@@ -1,0 +1,149 @@
+"""`python -m bench constants [--model M] [--json FILE]`: the constants of the step model
+in docs/performance.md, each measured on its own, one thread per process.
+
+In one process: the compute step (forward + backward), a memcpy of the state, the PS's
+SGD step and a sync round's average of two pushes over the state, the bf16 packing of
+a push (the worker's Compressor) and its widening back on the PS, and RPC's
+serialisation of the reference PS's messages (a list of gradients, the module). Between
+processes (bench.procs): a Gloo send + recv of the state's bytes, and the app's push +
+pull without compute (PS update and copies included), one worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.models import SPECS, state_floats
+
+MEASURES = {  # figure -> what it is; the order of the printed list
+    "state_mb": "state vector: parameters + float buffers, MB (float32)",
+    "compute_s": "compute step: forward + backward, one worker alone, s",
+    "memcpy_s": "one memcpy of the state, s",
+    "memcpy_gb_s": "memcpy bandwidth, GB/s",
+    "sgd_s": "PS: one SGD step over the parameters (p -= lr * g), s",
+    "sync_mean_s": "PS, sync: average of two pushes as today (stack + mean), s",
+    "sync_inplace_s": "PS, sync: the same summed in place into one buffer, s",
+    "bf16_pack_s": "worker, --compress bf16: Compressor (cast + error feedback), s",
+    "bf16_widen_s": "PS, --compress bf16: widening the push back to float32, s",
+    "pickle_grads_s": "reference: RPC serialisation of the list of gradients, s",
+    "pickle_module_s": "reference: RPC serialisation of the module, s",
+    "gloo_s": "Gloo send + recv of the state's bytes each way, two processes, s",
+    "gloo_gb_s": "Gloo: bytes both ways / send + recv time, GB/s",
+    "app_pushpull_s": "app: push + pull without compute, one worker (copies, wire, PS update), s",
+}
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def in_process(model_name: str, repeats: int) -> dict[str, float]:
+    """The figures measured in this process (see MEASURES)."""
+    from app import runtime
+    runtime.keep_freed_memory()  # as the app's processes do: no fresh mmap per 45 MB buffer
+    torch.set_num_threads(1)
+    spec = SPECS[model_name]
+    model, loss_fn = spec.model(), nn.CrossEntropyLoss()
+    x, y = spec.batch()
+    params, buffers = state_floats(model)
+    floats = params + buffers
+    state, other = torch.randn(floats), torch.randn(floats)
+    copy_into = torch.empty(floats)
+    out: dict[str, float] = {"state_mb": 4 * floats / 1e6}
+
+    def compute() -> None:
+        model.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+
+    out["compute_s"] = timed(compute, max(3, repeats // 4))
+    out["memcpy_s"] = timed(lambda: ctypes.memmove(copy_into.data_ptr(), state.data_ptr(), 4 * floats), repeats)
+    out["memcpy_gb_s"] = 4 * floats / out["memcpy_s"] / 1e9
+    p, g = state[:params], other[:params]
+    out["sgd_s"] = timed(lambda: p.add_(g, alpha=-1e-6), repeats)
+    out["sync_mean_s"] = timed(lambda: torch.stack([state, other]).mean(0), repeats)
+    out["sync_inplace_s"] = timed(lambda: copy_into.copy_(state).add_(other).mul_(0.5), repeats)
+    out.update(_bf16(params, floats, other, repeats))
+    out.update(_pickling(model, repeats))
+    return out
+
+
+def _bf16(params: int, floats: int, message: torch.Tensor, repeats: int) -> dict[str, float]:
+    from app.worker.compress import Compressor
+    pack = Compressor("bf16", params, torch.device("cpu"))
+    wire = pack(message.clone())
+    n = params
+
+    def widen() -> torch.Tensor:  # what the PS does with a 16-bit push (app.ps.server)
+        return torch.cat([wire[:n].float(), wire[n:].clone().view(torch.float32)])
+
+    return {"bf16_pack_s": timed(lambda: pack(message), repeats), "bf16_widen_s": timed(widen, repeats)}
+
+
+def _pickling(model: nn.Module, repeats: int) -> dict[str, float]:
+    """RPC's own pickler: tensors go to a side table (sent as they are), the rest is pickled."""
+    from torch.distributed.rpc.internal import _internal_rpc_pickler
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    grads = [q.grad for q in model.parameters()]
+    return {"pickle_grads_s": timed(lambda: _internal_rpc_pickler.serialize(grads), repeats),
+            "pickle_module_s": timed(lambda: _internal_rpc_pickler.serialize(model), repeats)}
+
+
+def between_processes(model_name: str, seconds: float) -> dict[str, float]:
+    """Gloo send+recv and the app's push+pull (no compute) of the state, one worker."""
+    from bench.procs import Case, run_case
+    params, buffers = state_floats(SPECS[model_name].model())
+    p = dict(warmup=3, seconds=seconds, tail=0.0, threads=1, compute=False, compute_seconds=None,
+             floats=params + buffers, shards=1, compress="none", overlap=False, strategy="async")
+    gloo = run_case(Case("gloo", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
+    app = run_case(Case("app-comm", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
+    both_ways = 2 * 4 * (params + buffers)
+    return {"gloo_s": gloo["comm_s"], "gloo_gb_s": both_ways / gloo["comm_s"] / 1e9,
+            "app_pushpull_s": app["comm_s"]}
+
+
+def lines(figures: dict[str, float]) -> str:
+    """One line per figure measured, in MEASURES order."""
+    return "\n".join(f"{name:<16} {figures[name]:>10.4g}  {what}"
+                     for name, what in MEASURES.items() if name in figures)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("constants", help="the step model's constants (docs/performance.md)")
+    p.add_argument("--model", default="resnet18-10", choices=sorted(SPECS))
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per in-process figure")
+    p.add_argument("--seconds", type=float, default=3.0, help="window of the two-process figures")
+    p.add_argument("--json", metavar="FILE")
+
+
+def main(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    figures = in_process(args.model, args.repeats)
+    figures.update(between_processes(args.model, args.seconds))
+    print(f"{args.model}, one thread per process:")
+    print(lines(figures))
+    print(f"{time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"kind": "constants", "model": args.model, "figures": figures,
+                       "loadavg": os.getloadavg()}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
