@@ -18,7 +18,8 @@ from orchestrator.backends.swarm import adapter as swarm_adapter, verbs as swarm
 from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# The first test also waits for the two-node setup: a cold one loads a 5 GB image (about 4 min on 2 cores).
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1200)]
 
 CPU = ROOT / "configs" / "cpu-smoke.yaml"
 N1, N2 = chaos_swarm.MANAGER, chaos_swarm.LOST
