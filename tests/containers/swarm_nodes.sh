@@ -30,6 +30,7 @@
 #
 #   PSC_NODES_DIR=/var/lib/psc-nodes   data roots, logs, daemon.json of the nodes
 #   PSC_NODES_TIMEOUT=60               seconds to wait for a dockerd to answer
+#   PSC_NODES_DEBUG=1                  a failed `up` leaves the nodes as they are, to look at them
 set -uo pipefail
 
 NODES=(1 2)
@@ -208,7 +209,14 @@ status() {
 }
 
 case "${1:-}" in
-    up) shift; if ! up "$@"; then [ -n "${PSC_NODES_DEBUG:-}" ] && exit 1; say "up failed: tearing down" >&2; down >&2; exit 1; fi ;;
+    up)
+        shift
+        if ! up "$@"; then
+            [ -n "${PSC_NODES_DEBUG:-}" ] && exit 1
+            say "up failed: tearing down" >&2
+            down >&2
+            exit 1
+        fi ;;
     down) down "${2:-}" ;;
     status) status ;;
     *) echo "usage: $0 up [IMAGE...] | down [--all] | status" >&2; exit 2 ;;
