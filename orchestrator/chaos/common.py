@@ -37,6 +37,7 @@ class Outcome:
     recovered_s: Optional[float] = None  # fault -> the job is whole and training again
     accuracy: Optional[float] = None
     notes: str = ""
+    skipped: bool = False  # what it needs is not here (notes say what); neither recovered nor failed
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -41,3 +41,42 @@ def offline_image(engine):
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source)
     return t.image_tag
+
+
+NODES_SCRIPT = os.path.join(os.path.dirname(__file__), "swarm_nodes.sh")
+
+
+def _nodes_script(*args: str, timeout: float) -> None:
+    import subprocess
+    import time
+
+    start = time.monotonic()
+    r = subprocess.run(["bash", NODES_SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+    print(r.stdout + r.stderr, end="")
+    print(f"swarm-nodes: `{' '.join(args[:1])}` took {time.monotonic() - start:.1f} s")
+    if r.returncode != 0:
+        pytest.fail(f"swarm_nodes.sh {' '.join(args)} failed (status {r.returncode}): {r.stderr.strip()[-2000:]}",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(offline_image):
+    """A two-node swarm on this host (tests/containers/swarm_nodes.sh): psc-n1 (manager,
+    unix:///var/run/docker-n1.sock) and psc-n2, each a dockerd in a network namespace of its
+    own, the offline image on both; the image's tag. Torn down after the module, even after a
+    failed test or setup. DOCKER_HOST is left alone (the other tests use this host's engine).
+    It needs root, iproute2, util-linux and dockerd: without them it fails under CI=true,
+    else skips."""
+    import shutil
+
+    missing = [c for c in ("ip", "nsenter", "unshare", "dockerd") if shutil.which(c) is None]
+    why = "needs root" if os.geteuid() != 0 else f"missing {', '.join(missing)}" if missing else None
+    if why:
+        if in_ci():
+            pytest.fail(f"CI=true and the two-node swarm cannot be made: {why}", pytrace=False)
+        pytest.skip(f"two-node swarm: {why}")
+    try:
+        _nodes_script("up", offline_image, timeout=1200)
+        yield offline_image
+    finally:
+        _nodes_script("down", timeout=300)

@@ -1,6 +1,8 @@
 """The cpu-smoke topology as a Docker Swarm stack on this engine (a single-node
-swarm): deploy, every task's exit state, the PS's `Accuracy:` line, and a clean
-end (stack removed, its containers, network and volume gone).
+swarm): `stack-smoke` deploys, judges every task's exit state and the PS's
+`Accuracy:` line, and ends clean (stack removed, its containers, network and
+volume gone). stack-up, stack-status, stack-logs and stack-down are tested on
+the two-node swarm (test_swarm_nodes.py).
 
 The swarm: used as it is when this engine is already a manager; otherwise the
 tests `docker swarm init` one and `docker swarm leave --force` it at the end
@@ -64,42 +66,3 @@ def test_stack_smoke(swarm):
     assert m and float(m.group(1)) >= 0.90
     assert "warning: docker stack deploy" not in text  # Swarm ignored no key of the stack file
     assert_gone(swarm, "psc-test-stack-smoke")
-
-
-def test_stack_up_status_logs_down(swarm, tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(swarm_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
-    monkeypatch.setattr(swarm_verbs, "RECORD", tmp_path / "stack.json")
-    stack = "psc-test-stack"
-    config = tmp_path / "t.yaml"  # cpu-smoke under a stack name of its own, on the same image
-    config.write_text(CPU.read_text().replace("name: cpu-smoke", f"name: {stack}")
-                      .replace("  device: cpu", "  device: cpu\n  tag: ps-compose-cpu-smoke:latest"))
-    swarm_verbs.stack_down(stack=stack, volumes=True, out=io.StringIO())
-    try:
-        out = io.StringIO()
-        assert swarm_verbs.stack_up(str(config), 3, out=out) == 0
-        assert "==> doctor: 10 checks passed (target swarm)" in out.getvalue()
-        assert (tmp_path / stack / "stack.yaml").is_file() and (tmp_path / "stack.json").is_file()
-
-        states = swarm_verbs.wait_done(swarm, stack, ["ps", "worker1", "worker2", "worker3"], 300, io.StringIO())
-        assert states is not None, "the stack's tasks did not end within 300 s"
-        capfd.readouterr()
-
-        out = io.StringIO()
-        assert swarm_verbs.stack_status(out=out) == 0  # the last stack-up, from runs/stack.json
-        rows = [line.split() for line in out.getvalue().splitlines()[2:]]
-        assert rows == [[s, "complete", "0", "0"] for s in ("ps", "worker1", "worker2", "worker3")], out.getvalue()
-
-        assert swarm_verbs.stack_logs(follow=False) == 0
-        logs = capfd.readouterr().out
-        assert re.search(rf"^{stack}_worker3\.1@\S+\s+\| worker3 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs,
-                         re.MULTILINE), logs[-3000:]
-        m = re.findall(rf"^{stack}_ps\.1@\S+\s+\| Accuracy: ([0-9.]+)$", logs, re.MULTILINE)
-        assert m and float(m[-1]) >= 0.90, logs[-3000:]
-
-        out = io.StringIO()
-        assert swarm_verbs.stack_down(out=out) == 0
-        assert swarm_adapter.leftovers(swarm, stack) == []
-        swarm.volumes.get(f"{stack}_state")  # kept: checkpoints and metrics survive stack-down
-    finally:
-        swarm_verbs.stack_down(stack=stack, volumes=True, out=io.StringIO())
-    assert_gone(swarm, stack)
