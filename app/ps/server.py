@@ -138,6 +138,7 @@ class ParameterServer:
         # memory after `push` returns, and a rank pushes again only once it has received
         # the reply; the second buffer keeps even a reply still in flight then intact.
         self._replies: dict[int, list[torch.Tensor]] = {}
+        self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -176,7 +177,7 @@ class ParameterServer:
         message = self._check(rank, message)
         name = name or worker_name(rank)
         future: Future = Future()
-        finite = bool(torch.isfinite(message).all())
+        finite = all_finite(message)
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
@@ -291,12 +292,23 @@ class ParameterServer:
             return []
         held = dict(sorted(self._held.items()))  # summed in rank order: the same bits every time
         self._held = {}
-        total = torch.stack([h.message for h in held.values()]).mean(0)
-        self._apply(total)
+        self._apply(self._average([h.message for h in held.values()]))
         for rank, h in held.items():
             self._count(rank, h.epoch, h.batch, 0)
         vector = self._reply(0).copy_(self.state)  # one buffer pair for the whole round
         return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
+
+    def _average(self, messages: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of a round's messages, summed in the order given into one buffer the PS
+        keeps (the pushed tensors stay untouched); a round of one is its message itself."""
+        if len(messages) == 1:
+            return messages[0]
+        if self._sum is None:
+            self._sum = torch.empty_like(self.state)
+        torch.add(messages[0], messages[1], out=self._sum)
+        for message in messages[2:]:
+            self._sum.add_(message)
+        return self._sum.div_(len(messages))
 
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one holds its previous reply)."""
@@ -461,6 +473,13 @@ class ParameterServer:
                     "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
                     "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                     "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())}}
+
+
+def all_finite(message: torch.Tensor) -> bool:
+    """No NaN or inf in `message`. One pass summing it decides when the sum is finite (a NaN
+    or inf in the message makes it NaN or inf); only then is each value checked, as the sum
+    of finite values can overflow."""
+    return bool(torch.isfinite(message.sum())) or bool(torch.isfinite(message).all())
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:
