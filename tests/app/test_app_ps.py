@@ -172,3 +172,37 @@ def test_finite_values_whose_sum_overflows_are_applied_and_nan_or_inf_refused():
     assert server.push(1, huge, 0).version == 1
     refused = server.push(1, torch.tensor([1.0, float("nan"), 0.0, 0.0]), 1)
     assert isinstance(refused, Refusal) and refused.kind == "nonfinite" and server.version == 1
+
+
+@pytest.mark.parametrize("strategy", ["async", "ssp", "sync"])
+def test_the_ps_step_is_torch_sgd_value_for_value_and_the_checkpoint_resumes_it(strategy):
+    lr, momentum = 0.1, 0.9
+    reference = _bn_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum)
+    server = ParameterServer(_bn_model(), lr=lr, momentum=momentum, num_trainers=1, strategy=strategy)
+    server.join(1, "worker1")
+    n = server.num_params
+    torch.manual_seed(2)
+    replies = []
+    for step in range(4):
+        message = torch.randn(server.size)
+        grads = message[:n].split([p.numel() for p in reference.parameters()])
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g.view_as(p).clone()
+        optimizer.step()
+        replies.append(server.push(1, message, step).vector.clone())
+        expected = torch.nn.utils.parameters_to_vector(reference.parameters())
+        assert torch.equal(replies[-1][:n], expected)
+        assert torch.equal(replies[-1][n:], message[n:])
+        assert torch.equal(server.snapshot()[0], replies[-1])  # the reply is the state
+        if step == 1:                                # resume here: same momentum, same model
+            state = server.checkpoint()
+    resumed = ParameterServer(_bn_model(), lr=lr, momentum=momentum, num_trainers=1, strategy=strategy)
+    resumed.restore(state)
+    resumed.join(1, "worker1")
+    torch.manual_seed(2)
+    for step in range(4):
+        message = torch.randn(server.size)
+        if step >= 2:
+            assert torch.equal(resumed.push(1, message, step).vector, replies[step])
+    assert torch.equal(torch.nn.utils.parameters_to_vector(resumed.model.parameters()), replies[-1][:n])
