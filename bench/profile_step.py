@@ -154,9 +154,85 @@ def run_compute(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_s_per_step": [round(cpu, 4) for _, cpu in times]}
 
 
+def _cpu_ms(f: Any, repeats: int) -> float:
+    """CPU milliseconds of one call of `f` (median of `repeats`, after one warm-up call)."""
+    f()
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        f()
+        times.append(time.process_time() - c0)
+    return round(1000 * sorted(times)[len(times) // 2], 2)
+
+
+def run_parts(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU milliseconds of each piece of a step, in this process on one thread: the worker's
+    and the PS's copies and arithmetic as the app has them now, and as they were (`was:`)."""
+    import torch
+    from app import runtime
+    from app.common import models
+    from app.common.flat import FlatModel
+    from app.ps.server import ParameterServer, all_finite
+    runtime.keep_freed_memory()
+    torch.set_num_threads(1)
+    model = models.build(args.model, 3, 10, 0)
+    model.train()
+    flat = FlatModel(model)
+    x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
+
+    def compute() -> None:
+        flat.zero_grads()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    server = ParameterServer(models.build(args.model, 3, 10, 0), lr=0.01, momentum=args.momentum,
+                             num_trainers=args.workers, strategy="sync")
+    for rank in range(1, args.workers + 1):
+        server.join(rank, f"worker{rank}")
+    messages = [torch.randn(flat.size) * 1e-3 for _ in range(args.workers)]
+    reply = torch.empty(flat.size)
+    n, r = flat.num_params, args.repeats
+
+    def old_step() -> None:  # what a sync round did: stack + mean, optimizer.step, copy for the reply
+        mean = torch.stack(messages).mean(0)
+        server._param.grad = mean[:n]
+        server.optimizer.step()
+        server._param.grad = None
+        server.state[n:].copy_(mean[n:])
+        reply.copy_(server.state)
+
+    def locked(f: Any) -> Any:
+        def call() -> None:
+            with server._lock:
+                f()
+        return call
+
+    def round_() -> None:
+        futures = [server.submit(rank, m, server.version) for rank, m in enumerate(messages, start=1)]
+        futures[-1].wait()
+
+    return {"threads": torch.get_num_threads(), "floats": flat.size, "cpu_ms": {
+        "worker: forward+backward": _cpu_ms(compute, max(3, r // 4)),
+        "worker: zero grads": _cpu_ms(flat.zero_grads, r),
+        "worker: pack message (buffers behind grads)": _cpu_ms(flat.pack_message, r),
+        "worker --overlap: flip message buffers": _cpu_ms(flat.flip, r),
+        "worker --overlap was: clone the message": _cpu_ms(flat.message.clone, r),
+        "worker: adopt the reply": _cpu_ms(lambda: flat.adopt(torch.empty(flat.size)), r),
+        "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
+        "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
+        f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
+        f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
+        "ps: SGD into the reply buffer": _cpu_ms(locked(lambda: server._apply(messages[0], into=server._reply(0))), r),
+        "ps was: SGD in place + reply copy": _cpu_ms(locked(lambda: (server._apply(messages[0]),
+                                                                      reply.copy_(server.state))), r),
+        f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
+        f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(
+            lambda: ([bool(torch.isfinite(m).all()) for m in messages], old_step()), r),
+    }}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["app", "compute"])
+    parser.add_argument("mode", choices=["app", "compute", "parts"])
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2)
@@ -170,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="compute: timed steps")
     parser.add_argument("--pyspy", default="", help="a directory for py-spy's raw profiles of ps and worker1")
     parser.add_argument("--spy-seconds", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=12, help="parts: calls timed per piece")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--app-path", default=str(HERE))
     args = parser.parse_args(argv)
-    result = run_app(args) if args.mode == "app" else run_compute(args)
+    result = {"app": run_app, "compute": run_compute, "parts": run_parts}[args.mode](args)
     print(json.dumps({"mode": args.mode, "strategy": args.strategy, "overlap": args.overlap,
                       "model": args.model, "app": args.app_path, **result}))
     return 0
