@@ -137,6 +137,8 @@ class ParameterServer:
         # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
         # memory after `push` returns, and a rank pushes again only once it has received
         # the reply; the second buffer keeps even a reply still in flight then intact.
+        # Unsliced async and sync write each new state into one of them (`_apply`'s `into`):
+        # the state itself lives there, and the reply is that buffer, not a copy.
         self._replies: dict[int, list[torch.Tensor]] = {}
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
 
@@ -241,8 +243,8 @@ class ParameterServer:
     def _apply(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
         """One SGD step with `message`'s grads times `scale`; its buffers become the global ones.
 
-        `into` (a reply buffer no reply in flight uses, never the state): the new state is
-        written there and becomes the state (the model's views and the optimizer's
+        `into` (a reply buffer no reply in flight uses; it may be the state itself): the new
+        state is written there and becomes the state (the model's views and the optimizer's
         parameter move to it), so that reply needs no copy of the state. The step is
         torch.optim.SGD's, value for value, and its momentum buffer stays the optimizer's."""
         n = self.num_params
@@ -507,9 +509,9 @@ class ParameterServer:
 
 
 def all_finite(message: torch.Tensor) -> bool:
-    """No NaN or inf in `message`. One pass summing it decides when the sum is finite (a NaN
-    or inf in the message makes it NaN or inf); only then is each value checked, as the sum
-    of finite values can overflow."""
+    """No NaN or inf in `message`. A finite sum decides it in one pass (a NaN or inf in the
+    message makes the sum NaN or inf); only when the sum is not finite is each value checked,
+    as a sum of finite values can overflow."""
     return bool(torch.isfinite(message.sum())) or bool(torch.isfinite(message).all())
 
 
