@@ -37,7 +37,9 @@ class FlatModel:
 
     `vector` holds [params | buffers]; `message` holds [grads | buffers] and is
     what a worker pushes (`grads` is its first part, where backward accumulates).
-    Both own their whole storage, so RPC sends exactly these bytes.
+    Both own their whole storage, so RPC sends exactly these bytes. Every param's
+    .grad stays a view into `message` (nothing may set it to None or replace it:
+    the gradients are zeroed in place by `zero_grads`).
     """
 
     def __init__(self, model: nn.Module, with_grads: bool = True) -> None:
@@ -51,13 +53,13 @@ class FlatModel:
         self._buffers = [(module, name, buf.shape) for module, name, buf in buffers]
         self.vector = torch.empty(size, device=device)
         self.message = torch.zeros(size if with_grads else 0, device=device)
+        self._spare: torch.Tensor | None = None  # the other message buffer, once `flip` needs one
         state = params + [buf for _, _, buf in buffers]
         for view, tensor in zip(self._views(self.vector, [t.shape for t in state]), state):
             view.copy_(tensor.detach())
         self._point_at(self.vector)
         if with_grads:
-            for p, view in zip(params, self._views(self.message, [p.shape for p in params])):
-                p.grad = view
+            self._grads_into(self.message)
 
     @staticmethod
     def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -68,6 +70,20 @@ class FlatModel:
             views.append(flat[offset:offset + n].view(shape))
             offset += n
         return views
+
+    def _grads_into(self, message: torch.Tensor) -> None:
+        """Make each param's .grad a view into the grads part of `message`."""
+        for p, view in zip(self._params, self._views(message, [p.shape for p in self._params])):
+            p.grad = view
+
+    def flip(self) -> None:
+        """Swap `message` for a second buffer of its own and point the grads into it (the
+        first call allocates it): the next backward fills that one, and the message just
+        sent stays intact, without a copy, until the flip after next."""
+        if self._spare is None:
+            self._spare = torch.zeros_like(self.message)
+        self.message, self._spare = self._spare, self.message
+        self._grads_into(self.message)
 
     def _point_at(self, vector: torch.Tensor) -> None:
         """Make the params and float buffers views into `vector` (no copy)."""

@@ -139,7 +139,10 @@ class ParameterServer:
         # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
         # memory after `push` returns, and a rank pushes again only once it has received
         # the reply; the second buffer keeps even a reply still in flight then intact.
+        # Unsliced async and sync write each new state into one of them (`_apply`'s `into`):
+        # the state itself lives there, and the reply is that buffer, not a copy.
         self._replies: dict[int, list[torch.Tensor]] = {}
+        self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -178,7 +181,7 @@ class ParameterServer:
         message = self._check(rank, message)
         name = name or worker_name(rank)
         future: Future = Future()
-        finite = bool(torch.isfinite(message).all())
+        finite = all_finite(message)
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
@@ -195,10 +198,12 @@ class ParameterServer:
                 self.samples += samples
                 if staleness is None:
                     staleness = self.version - pulled_version
-                self._apply(message, self._scale_for(staleness))
+                # async answers at once: the new state is written where its reply goes
+                into = self._reply(rank) if self.strategy == "async" and not self.sliced else None
+                self._apply(message, self._scale_for(staleness), into)
                 self._count(rank, epoch, batch, staleness)
                 self._hold(rank, _Held(future, None, epoch, batch, staleness))
-                ready = self._release()
+                ready = self._release(fresh=rank if into is not None else None)
             if readmitted:
                 self._changed.notify_all()
         if not finite:
@@ -237,18 +242,44 @@ class ParameterServer:
         (its gradient is scaled, so momentum carries the scaled gradient too)."""
         return 1.0 / max(1, staleness) if self.staleness_lr else 1.0
 
-    def _apply(self, message: torch.Tensor, scale: float = 1.0) -> None:
-        """One SGD step with `message`'s grads times `scale`; its buffers become the global ones."""
+    def _apply(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
+        """One SGD step with `message`'s grads times `scale`; its buffers become the global ones.
+
+        `into` (a reply buffer no reply in flight uses; it may be the state itself): the new
+        state is written there and becomes the state (the model's views and the optimizer's
+        parameter move to it), so that reply needs no copy of the state. The step is
+        torch.optim.SGD's, value for value, and its momentum buffer stays the optimizer's."""
         n = self.num_params
-        grads = message[:n]
-        self._param.grad = grads if scale == 1.0 else grads * scale
-        self.optimizer.step()
-        self._param.grad = None
-        self.state[n:].copy_(message[n:])
+        grads = message[:n] if scale == 1.0 else message[:n] * scale
+        if into is None:
+            self._param.grad = grads
+            self.optimizer.step()
+            self._param.grad = None
+            self.state[n:].copy_(message[n:])
+        else:
+            torch.add(self.state[:n], self._direction(grads), alpha=-self.lr, out=into[:n])
+            into[n:].copy_(message[n:])
+            self.flat.adopt(into)
+            self.state = self.flat.vector
+            self._param.data = self.state[:n]
         self.version += 1
         self.last_applied = self.clock()
         if self.version >= self._wake_at:
             self._changed.notify_all()
+
+    def _direction(self, grads: torch.Tensor) -> torch.Tensor:
+        """What SGD subtracts `lr` times: the gradient, or with momentum the optimizer's
+        momentum buffer updated with it (torch.optim.SGD's rule, no dampening or nesterov)."""
+        momentum = self.optimizer.param_groups[0]["momentum"]
+        if not momentum:
+            return grads
+        state = self.optimizer.state[self._param]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = grads.detach().clone()
+        else:
+            buf.mul_(momentum).add_(grads)
+        return buf
 
     def _count(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
         self.roster.record_push(rank, epoch, batch)
@@ -275,14 +306,15 @@ class ParameterServer:
         pushes = [self.roster.members[r].pushes for r in self._training()]
         return self.roster.members[rank].pushes - min(pushes) if pushes else 0
 
-    def _release(self) -> list[tuple[Future, Reply]]:
-        """ssp/async: the held replies that may go now (every one, for async)."""
+    def _release(self, fresh: int | None = None) -> list[tuple[Future, Reply]]:
+        """ssp/async: the held replies that may go now (every one, for async). `fresh`: the
+        rank whose reply buffer the state was just written into (it is answered with it)."""
         ready = []
         for rank, held in list(self._held.items()):
             lead = self.lead(rank)
             if self.strategy == "async" or lead <= self.bound or rank not in self._training():
                 del self._held[rank]
-                vector = self._reply(rank).copy_(self.state)
+                vector = self.state if rank == fresh else self._reply(rank).copy_(self.state)
                 ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
         return ready
 
@@ -293,12 +325,25 @@ class ParameterServer:
             return []
         held = dict(sorted(self._held.items()))  # summed in rank order: the same bits every time
         self._held = {}
-        total = torch.stack([h.message for h in held.values()]).mean(0)
-        self._apply(total)
+        vector = self._reply(0)  # one buffer pair for the whole round
+        self._apply(self._average([h.message for h in held.values()]), into=None if self.sliced else vector)
+        if self.sliced:
+            vector.copy_(self.state)
         for rank, h in held.items():
             self._count(rank, h.epoch, h.batch, 0)
-        vector = self._reply(0).copy_(self.state)  # one buffer pair for the whole round
         return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
+
+    def _average(self, messages: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of a round's messages, summed in the order given into one buffer the PS
+        keeps (the pushed tensors stay untouched); a round of one is its message itself."""
+        if len(messages) == 1:
+            return messages[0]
+        if self._sum is None:
+            self._sum = torch.empty_like(self.state)
+        torch.add(messages[0], messages[1], out=self._sum)
+        for message in messages[2:]:
+            self._sum.add_(message)
+        return self._sum.div_(len(messages))
 
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one holds its previous reply)."""
@@ -463,6 +508,13 @@ class ParameterServer:
                     "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
                     "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                     "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())}}
+
+
+def all_finite(message: torch.Tensor) -> bool:
+    """No NaN or inf in `message`. A finite sum decides it in one pass (a NaN or inf in the
+    message makes the sum NaN or inf); only when the sum is not finite is each value checked,
+    as a sum of finite values can overflow."""
+    return bool(torch.isfinite(message.sum())) or bool(torch.isfinite(message).all())
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:

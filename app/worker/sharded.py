@@ -12,7 +12,7 @@ import torch.distributed.rpc as rpc
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
-from app.ps.server import Refusal, Reply
+from app.ps.server import Refusal, Reply, all_finite
 from app.ps.shards import READY_KEY
 from app.runtime import first_line
 from app.worker.client import PSClient, PSUnreachable, refused
@@ -71,8 +71,7 @@ class ShardedClient:
                    samples: int = 0) -> "ShardedPush | Refusal":
         """Send every slice (the main PS's only, when chained); a non-finite message is
         refused here, before any shard applies a slice of it."""
-        if not bool(torch.isfinite(message[:self.num_params] if message.dtype != torch.float32
-                                   else message).all()):
+        if not all_finite(message[:self.num_params] if message.dtype != torch.float32 else message):
             return _Refused(Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); "
                                        "the push was not sent"))
         sends = [(name, self._part(message, start, end), pulled)

@@ -119,7 +119,7 @@ class Trainer:
         if self.staging is not None:  # the other buffer may still be on the wire
             message = self.staging[self.sent % 2].copy_(message)
         elif self.config.overlap and message is self.flat.message:
-            message = message.clone()  # the next backward writes into flat.message
+            self.flat.flip()  # the next backward writes into the other buffer, not the one sent
         self.sent += 1
         if not self.config.overlap:
             return self._take(self.client.push(message, self.version, epoch, batch, samples))

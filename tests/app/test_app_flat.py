@@ -70,3 +70,30 @@ def test_adopt_repoints_the_model_without_a_copy():
     nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # still views of message
     assert flat.pack_message()[flat.num_params:].equal(new[flat.num_params:])  # BN stats updated there
+
+
+def test_grads_stay_views_of_the_message_through_steps_and_flips():
+    model = _bn_model()
+    flat = FlatModel(model)
+    x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])
+
+    def step() -> torch.Tensor:
+        flat.zero_grads()
+        nn.functional.cross_entropy(model(x), y).backward()
+        return flat.pack_message()
+
+    def views_of(message: torch.Tensor) -> bool:
+        start, end = message.data_ptr(), message.data_ptr() + message.numel() * message.element_size()
+        return all(start <= p.grad.data_ptr() < end for p in model.parameters())
+
+    sent = step()
+    assert views_of(sent)
+    kept = sent.clone()
+    flat.flip()                                      # --overlap: `sent` is on the wire
+    assert flat.message.data_ptr() != sent.data_ptr() and views_of(flat.message)
+    x = torch.randn(5, 1, 8, 8)
+    second = step()
+    assert torch.equal(sent, kept)                   # the next backward did not touch it
+    assert not torch.equal(second[:flat.num_params], kept[:flat.num_params])
+    flat.flip()
+    assert flat.message.data_ptr() == sent.data_ptr() and views_of(sent)

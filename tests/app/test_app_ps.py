@@ -131,3 +131,78 @@ def test_replies_alternate_between_two_buffers_per_rank():
     third = server.push(1, torch.ones(4), 3).vector
     assert third.data_ptr() == first.data_ptr() and other.data_ptr() not in (first.data_ptr(), second.data_ptr())
     assert torch.equal(third, torch.full((4,), -4.0)) and torch.equal(second, torch.full((4,), -2.0))
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(workers):
+    from app.common.flat import FlatModel
+    server = ParameterServer(_bn_model(), lr=0.1, momentum=0.9, num_trainers=workers, strategy="sync")
+    reference = FlatModel(_bn_model(), with_grads=False)
+    param = nn.Parameter(reference.params)
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    n = reference.num_params
+    torch.manual_seed(1)
+    for round_ in range(3):
+        messages = [torch.randn(reference.size) for _ in range(workers)]
+        pushed = [m.clone() for m in messages]
+        futures = [server.submit(rank, m, round_) for rank, m in enumerate(messages, start=1)]
+        replies = [f.wait() for f in futures]
+        mean = torch.stack(pushed).mean(0)
+        param.grad = mean[:n]
+        optimizer.step()
+        reference.vector[n:].copy_(mean[n:])         # the buffers: the average of the pushed ones
+        assert all(r.vector is replies[0].vector for r in replies)  # one snapshot for the round
+        assert torch.allclose(replies[0].vector, reference.vector, rtol=1e-6, atol=1e-7)
+        assert all(torch.equal(m, p) for m, p in zip(messages, pushed))  # the pushes are untouched
+
+
+def test_finite_values_whose_sum_overflows_are_applied_and_nan_or_inf_refused():
+    from app.ps.server import Refusal, all_finite
+    huge = torch.full((4,), 3e38)
+    assert huge.sum().isinf() and all_finite(huge)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not all_finite(torch.tensor([1.0, bad, 2.0, 3.0]))
+    server = ParameterServer(_linear(4), lr=1e-38, momentum=0.0, num_trainers=1)
+    server.join(1, "worker1")
+    assert server.push(1, huge, 0).version == 1
+    refused = server.push(1, torch.tensor([1.0, float("nan"), 0.0, 0.0]), 1)
+    assert isinstance(refused, Refusal) and refused.kind == "nonfinite" and server.version == 1
+
+
+@pytest.mark.parametrize("strategy", ["async", "ssp", "sync"])
+def test_the_ps_step_is_torch_sgd_value_for_value_and_the_checkpoint_resumes_it(strategy):
+    lr, momentum = 0.1, 0.9
+    reference = _bn_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum)
+    server = ParameterServer(_bn_model(), lr=lr, momentum=momentum, num_trainers=1, strategy=strategy)
+    server.join(1, "worker1")
+    n = server.num_params
+    torch.manual_seed(2)
+    replies = []
+    for step in range(4):
+        message = torch.randn(server.size)
+        grads = message[:n].split([p.numel() for p in reference.parameters()])
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g.view_as(p).clone()
+        optimizer.step()
+        replies.append(server.push(1, message, step).vector.clone())
+        expected = torch.nn.utils.parameters_to_vector(reference.parameters())
+        assert torch.equal(replies[-1][:n], expected)
+        assert torch.equal(replies[-1][n:], message[n:])
+        assert torch.equal(server.snapshot()[0], replies[-1])  # the reply is the state
+        if step == 1:                                # resume here: same momentum, same model
+            state = server.checkpoint()
+    resumed = ParameterServer(_bn_model(), lr=lr, momentum=momentum, num_trainers=1, strategy=strategy)
+    resumed.restore(state)
+    resumed.join(1, "worker1")
+    torch.manual_seed(2)
+    for step in range(4):
+        message = torch.randn(server.size)
+        if step >= 2:
+            assert torch.equal(resumed.push(1, message, step).vector, replies[step])
+    assert torch.equal(torch.nn.utils.parameters_to_vector(resumed.model.parameters()), replies[-1][:n])

@@ -224,3 +224,42 @@ def test_overlap_and_bf16_compression_still_learn_digits(tmp_path):
     staleness = [r["staleness"] for rank in (1, 2) for r in _train_records(tmp_path, rank)]
     assert min(staleness) >= 1
     assert sum(end["pushes"].values()) == end["step"]
+
+
+class _CheckingClient:
+    """Takes pushes; on each reply it is waited for, checks its message is as it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.intact: list[bool] = []
+
+    def push_async(self, message, version, epoch=1, batch=0, samples=0):
+        from types import SimpleNamespace
+        from app.ps.server import Reply
+        kept = message.clone()
+        self.sent.append(message)
+
+        def wait():
+            self.intact.append(torch.equal(message, kept))
+            return Reply(torch.zeros(message.numel()) + len(self.sent), version + 1, 0, 0)
+        return SimpleNamespace(wait=wait)
+
+
+def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
+    from app.config import parse
+    from app.worker.trainer import Trainer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    client = _CheckingClient()
+    trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"),
+                      client, None)
+    for _ in range(5):
+        trainer.compute_gradients(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+        trainer.push_and_pull()
+        on_wire = client.sent[-1]
+        assert all(not (on_wire.data_ptr() <= p.grad.data_ptr() < on_wire.data_ptr() + 4 * on_wire.numel())
+                   for p in model.parameters())  # the next backward lands elsewhere
+    trainer.last_reply()
+    assert client.intact == [True] * 5
+    pointers = [m.data_ptr() for m in client.sent]
+    assert all(a != b for a, b in zip(pointers, pointers[1:])) and len(set(pointers)) == 2  # two buffers, no copy
