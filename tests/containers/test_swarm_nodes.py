@@ -18,7 +18,7 @@ from orchestrator.backends.swarm import adapter as swarm_adapter, verbs as swarm
 from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
 
-# The first test also waits for the two-node setup: a cold one loads a 5 GB image (about 4 min on 2 cores).
+# The first test also waits for the two-node setup: seconds when the image links in, minutes when it must be loaded.
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1200)]
 
 CPU = ROOT / "configs" / "cpu-smoke.yaml"
