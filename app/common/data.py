@@ -327,16 +327,19 @@ def skipped(dataset: Dataset) -> dict[str, int]:
     return {} if count is None else {"skipped_images": int(count)}
 
 
-def loader_processes(config: Config, name: str) -> int:
-    """DataLoader processes for --loader_workers (a number, or auto from the host's CPUs:
-    app.common.host; auto is 0 for the datasets held in one tensor, whose batches are
-    one indexing op), logged in one line with the reason."""
+def loader_choice(config: Config) -> tuple[int, str]:
+    """(DataLoader processes, why) for --loader_workers (a number, or auto from the host's
+    CPUs: app.common.host; auto is 0 for the datasets held in one tensor, whose batches
+    are one indexing op)."""
     if config.loader_workers == "auto" and config.dataset in IN_MEMORY:
-        workers, why = 0, f"auto: {config.dataset} is held in memory, a batch is one indexing op"
-    else:
-        workers, why = host.loader_workers(config.loader_workers, config.host_workers)
-    log.info("%s: %d DataLoader process(es) (%s)", name, workers, why)
-    return workers
+        return 0, f"auto: {config.dataset} is held in memory, a batch is one indexing op"
+    return host.loader_workers(config.loader_workers, config.host_workers)
+
+
+def log_loader(name: str, choice: tuple[int, str]) -> None:
+    """The one line saying how many DataLoader processes `name` runs and why; logged once
+    the data has loaded, so bad input stays the only line on stderr."""
+    log.info("%s: %d DataLoader process(es) (%s)", name, *choice)
 
 
 def load_for(config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None,

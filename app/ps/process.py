@@ -45,8 +45,10 @@ def run(config: Config) -> int:
         return shard_process.run(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    workers = data.loader_processes(config, PS)
+    choice = data.loader_choice(config)
+    workers = choice[0]
     held_out = data.load_for(config, "test", workers)
+    data.log_loader(PS, choice)
     log.info("held-out split: %s", data.describe(held_out))
 
     def build() -> nn.Module:
