@@ -4,7 +4,6 @@ then 2 real processes on 127.0.0.1 (CPU, Gloo, the built-in CNN on digits)."""
 from __future__ import annotations
 
 import re
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from app.common.evaluate import held_out_accuracy
 from app.common.metrics import read
 from app.config import UsageError, parse
 
+from needs import unavailable
 from app_testkit import REPO, Process, app_env, finished, free_port, start_app, wait_for
 
 # As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
@@ -197,9 +197,7 @@ def test_a_lost_peer_stops_the_job_and_a_restart_resumes_from_the_checkpoint(tmp
 def test_torchrun_launches_the_same_job(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI=true and no torchrun next to this python (torch installs it)", pytrace=False)
-        pytest.skip("no torchrun next to this python")
+        unavailable("no torchrun next to this python (torch installs it)")
     args = [a if a != str(EPOCHS) else "2" for a in DIGITS]
     p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                         "--master_port", str(free_port()), "-m", "app", "worker",

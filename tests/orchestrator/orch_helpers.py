@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +54,3 @@ def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
         out, err = capsys.readouterr()
         return status, out, err
     return run
-
-
-def ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -17,7 +17,8 @@ from orchestrator import gpu_check as g
 from orchestrator.render import compose as render_compose
 from orchestrator.spec.topology import load, parse
 
-from orch_helpers import REPO, ci
+from needs import unavailable
+from orch_helpers import REPO
 
 GPU = (REPO / "configs/default.yaml").read_text()
 
@@ -104,8 +105,8 @@ def _engine_answers() -> bool:
 @pytest.mark.docker
 def test_gpu_check_on_a_host_without_gpu_stops_with_the_doctors_line() -> None:
     if not _engine_without_gpu():
-        if ci() and not _engine_answers():
-            pytest.fail("CI=true and no Docker engine answers: make engine starts one", pytrace=False)
+        if not _engine_answers():
+            unavailable("no Docker engine answers: make engine starts one")
         pytest.skip("needs a Docker engine with no GPU path (this host has one with a GPU)")
     ours = ["docker", "ps", "-aq", "--filter", "label=com.docker.compose.project=gpu-check"]
     probes = ["docker", "ps", "-aq", "--filter", "label=ps-compose.probe"]

@@ -1,0 +1,19 @@
+"""What a test needs from its host: under CI=true (`.ci/run`) a missing Docker
+engine, compose binary or torchrun fails the test; elsewhere it skips with the
+same line. Importable from every test directory (`pythonpath = ["tests"]`)."""
+
+import os
+
+import pytest
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def unavailable(what: str) -> None:
+    """Stop the test: `what` (e.g. "no Docker engine answers: ...") fails it in CI
+    and skips it elsewhere."""
+    if in_ci():
+        pytest.fail(f"CI=true and {what}", pytrace=False)
+    pytest.skip(what)
