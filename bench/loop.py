@@ -37,28 +37,22 @@ def run_steps(step: Step, warmup: int, steps: int, tail: float = 0.0) -> dict[st
     (only for workers that never wait for each other) keep the contention on
     while another worker finishes its count.
     """
-    for _ in range(warmup):
-        step()
-    records: list[tuple[float, float, float]] = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        compute, comm = step()
-        records.append((compute, comm, time.perf_counter() - t0))
-    window = time.perf_counter() - start
-    end = time.perf_counter() + tail
-    while time.perf_counter() < end:
-        step()
-    return _summary(records, window)
+    return _timed_steps(step, warmup, lambda done, _elapsed: done < steps, tail)
 
 
 def run_window(step: Step, warmup: int, seconds: float, tail: float) -> dict[str, Any]:
     """Steps completed in a window of `seconds` after `warmup` steps; medians per step."""
+    return _timed_steps(step, warmup, lambda _done, elapsed: elapsed < seconds, tail)
+
+
+def _timed_steps(step: Step, warmup: int, more: Callable[[int, float], bool], tail: float) -> dict[str, Any]:
+    """`warmup` untimed steps, then timed ones while `more(steps done, seconds elapsed)`,
+    then untimed ones for `tail` seconds."""
     for _ in range(warmup):
         step()
     records: list[tuple[float, float, float]] = []
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while more(len(records), time.perf_counter() - start):
         t0 = time.perf_counter()
         compute, comm = step()
         records.append((compute, comm, time.perf_counter() - t0))
