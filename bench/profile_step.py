@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.constants import timed
 from bench.procs import cpu_seconds, free_port
 
 HERE = Path(__file__).resolve().parent.parent
@@ -156,13 +157,7 @@ def run_compute(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cpu_ms(f: Any, repeats: int) -> float:
     """CPU milliseconds of one call of `f` (median of `repeats`, after one warm-up call)."""
-    f()
-    times = []
-    for _ in range(repeats):
-        c0 = time.process_time()
-        f()
-        times.append(time.process_time() - c0)
-    return round(1000 * sorted(times)[len(times) // 2], 2)
+    return round(1000 * timed(f, repeats, clock=time.process_time), 2)
 
 
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,7 +167,8 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from app import runtime
     from app.common import models
     from app.common.flat import FlatModel
-    from app.ps.server import ParameterServer, all_finite
+    from app.ps.server import ParameterServer
+    from app.ps.update import all_finite
     runtime.keep_freed_memory()
     torch.set_num_threads(1)
     model = models.build(args.model, 3, 10, 0)

@@ -1,6 +1,7 @@
 """The Parameter Server's state machine: global model, SGD under a lock, version, staleness, roster.
 
-`ParameterServer` is plain Python (tested without RPC); the RPC entry points
+`ParameterServer` is plain Python (tested without RPC); the arithmetic of a push
+(wire format, NaN/inf check, mean, SGD direction) is app.ps.update; the RPC entry points
 workers call are in app.ps.endpoints, the PS process in app.ps.process.
 Workers join, pull, push and report; the PS calls a worker only to ping it
 (app.ps.liveness).
@@ -46,8 +47,7 @@ from app.common.checkpoint import cpu_copy
 from app.common.flat import FlatModel
 from app.contract import PS_STRATEGIES, worker_name
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
-
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
 
 log = logging.getLogger("app.ps")
 
@@ -218,15 +218,12 @@ class ParameterServer:
 
         A 16-bit message (--compress) carries the gradients in 16 bits and the
         buffers in float32, each float32 as two 16-bit values (app.worker.compress.Compressor)."""
-        n = self.num_params
-        wire_size = self.size if message.dtype == torch.float32 else n + 2 * (self.size - n)
-        if message.numel() != wire_size or message.dtype not in WIRE_DTYPES:
+        expected = wire_size(message.dtype, self.num_params, self.size)
+        if message.numel() != expected or message.dtype not in WIRE_DTYPES:
             holds = f"values {self.part[0]}..{self.part[1]} of the model" if self.sliced else "the model"
             raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
-                             f"{holds} has {self.size} float32 values ({wire_size} as sent compressed)")
-        if message.dtype == torch.float32:
-            return message
-        return torch.cat([message[:n].float(), message[n:].clone().view(torch.float32)])
+                             f"{holds} has {self.size} float32 values ({expected} as sent compressed)")
+        return to_float32(message, self.num_params)
 
     def _refuse_nonfinite(self, rank: int, name: str) -> Refusal:
         """Count a push holding NaN or inf (nothing of it is applied); warn once per worker.
@@ -257,7 +254,8 @@ class ParameterServer:
             self._param.grad = None
             self.state[n:].copy_(message[n:])
         else:
-            torch.add(self.state[:n], self._direction(grads), alpha=-self.lr, out=into[:n])
+            torch.add(self.state[:n], sgd_direction(self.optimizer, self._param, grads), alpha=-self.lr,
+                      out=into[:n])
             into[n:].copy_(message[n:])
             self.flat.adopt(into)
             self.state = self.flat.vector
@@ -266,20 +264,6 @@ class ParameterServer:
         self.last_applied = self.clock()
         if self.version >= self._wake_at:
             self._changed.notify_all()
-
-    def _direction(self, grads: torch.Tensor) -> torch.Tensor:
-        """What SGD subtracts `lr` times: the gradient, or with momentum the optimizer's
-        momentum buffer updated with it (torch.optim.SGD's rule, no dampening or nesterov)."""
-        momentum = self.optimizer.param_groups[0]["momentum"]
-        if not momentum:
-            return grads
-        state = self.optimizer.state[self._param]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = state["momentum_buffer"] = grads.detach().clone()
-        else:
-            buf.mul_(momentum).add_(grads)
-        return buf
 
     def _count(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
         self.roster.record_push(rank, epoch, batch)
@@ -340,10 +324,7 @@ class ParameterServer:
             return messages[0]
         if self._sum is None:
             self._sum = torch.empty_like(self.state)
-        torch.add(messages[0], messages[1], out=self._sum)
-        for message in messages[2:]:
-            self._sum.add_(message)
-        return self._sum.div_(len(messages))
+        return mean_into(messages, self._sum)
 
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one holds its previous reply)."""
@@ -508,13 +489,6 @@ class ParameterServer:
                     "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
                     "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                     "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())}}
-
-
-def all_finite(message: torch.Tensor) -> bool:
-    """No NaN or inf in `message`. A finite sum decides it in one pass (a NaN or inf in the
-    message makes the sum NaN or inf); only when the sum is not finite is each value checked,
-    as a sum of finite values can overflow."""
-    return bool(torch.isfinite(message.sum())) or bool(torch.isfinite(message).all())
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:
