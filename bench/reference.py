@@ -128,7 +128,7 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
                                                   _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
-                                                  _transports=["uv"], _channels=["mpt_uv", "basic"])
+                                                  _transports=["uv"], _channels=["cma", "mpt_uv", "basic"])
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // p["world_size"]))
     rpc.init_rpc(name, rank=rank, world_size=p["world_size"], rpc_backend_options=options)
 
