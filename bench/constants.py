@@ -6,7 +6,9 @@ SGD step and a sync round's average of two pushes over the state, the bf16 packi
 a push (the worker's Compressor) and its widening back on the PS, and RPC's
 serialisation of the reference PS's messages (a list of gradients, the module). Between
 processes (bench.procs): a Gloo send + recv of the state's bytes, and the app's push +
-pull without compute (PS update and copies included), one worker.
+pull without compute (PS update and copies included), one worker; and an RPC round trip
+of the state over each TensorPipe channel the app lists (`cma`, taken between processes
+of one PID namespace, and `mpt_uv`, taken between containers), in CPU of both sides.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ MEASURES = {  # figure -> what it is; the order of the printed list
     "gloo_s": "Gloo send + recv of the state's bytes each way, two processes, s",
     "gloo_gb_s": "Gloo: bytes both ways / send + recv time, GB/s",
     "app_pushpull_s": "app: push + pull without compute, one worker (copies, wire, PS update), s",
+    "rpc_cma_cpu_s": "RPC round trip of the state, TensorPipe uv + cma (local processes): CPU of both sides, s",
+    "rpc_mpt_uv_cpu_s": "the same over uv + mpt_uv (between containers): CPU of both sides, s",
 }
+ECHO_CHANNELS = {"rpc_cma_cpu_s": ["cma", "basic"], "rpc_mpt_uv_cpu_s": ["mpt_uv", "basic"]}
 
 
 def timed(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -120,6 +125,54 @@ def between_processes(model_name: str, seconds: float) -> dict[str, float]:
             "app_pushpull_s": app["comm_s"]}
 
 
+def _echo(message: torch.Tensor) -> torch.Tensor:
+    return message
+
+
+def _cpu_now() -> float:
+    return time.process_time()
+
+
+def _echo_process(rank: int, floats: int, channels: list[str], port: int, repeats: int, out: Any) -> None:
+    """RPC id `rank` of two; rank 0 sends the state to rank 1 and back `repeats` times and
+    puts the CPU seconds per round trip of both processes into `out`."""
+    import warnings
+
+    import torch.distributed.rpc as rpc
+    from app import runtime
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, at init and shutdown
+    runtime.keep_freed_memory()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, _transports=["uv"], _channels=channels)
+    rpc.init_rpc(f"echo{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        message = torch.randn(floats)
+        for _ in range(3):
+            message = rpc.rpc_sync("echo1", _echo, (message,))
+        peer, mine = rpc.rpc_sync("echo1", _cpu_now), time.process_time()
+        for _ in range(repeats):
+            message = rpc.rpc_sync("echo1", _echo, (message,))
+        peer, mine = rpc.rpc_sync("echo1", _cpu_now) - peer, time.process_time() - mine
+        out.put((mine + peer) / repeats)
+    rpc.shutdown()
+
+
+def rpc_round_trips(model_name: str, repeats: int) -> dict[str, float]:
+    """CPU seconds of an RPC round trip of the state, per channel of ECHO_CHANNELS."""
+    import torch.multiprocessing as mp
+    from bench.procs import free_port
+    params, buffers = state_floats(SPECS[model_name].model())
+    context = mp.get_context("spawn")
+    figures = {}
+    for name, channels in ECHO_CHANNELS.items():
+        out = context.SimpleQueue()
+        mp.start_processes(_echo_process, args=(params + buffers, channels, free_port(), repeats, out),
+                           nprocs=2, start_method="spawn")
+        figures[name] = out.get()
+    return figures
+
+
 def lines(figures: dict[str, float]) -> str:
     """One line per figure measured, in MEASURES order."""
     return "\n".join(f"{name:<16} {figures[name]:>10.4g}  {what}"
@@ -138,6 +191,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     figures = in_process(args.model, args.repeats)
     figures.update(between_processes(args.model, args.seconds))
+    figures.update(rpc_round_trips(args.model, args.repeats))
     print(f"{args.model}, one thread per process:")
     print(lines(figures))
     print(f"{time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.1f}")

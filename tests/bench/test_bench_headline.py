@@ -190,3 +190,19 @@ def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
     text = constants.lines({"gloo_s": 0.04, "state_mb": 44.8})
     assert [line.split()[0] for line in text.splitlines()] == ["state_mb", "gloo_s"]
     assert constants.MEASURES["gloo_s"] in text
+
+
+def test_constants_time_each_channel_the_app_lists_and_name_each_figure():
+    from app import runtime
+    from bench import constants
+    measured = {channels[0] for channels in constants.ECHO_CHANNELS.values()}
+    assert measured == set(runtime.CHANNELS) - {"basic"}
+    assert set(constants.ECHO_CHANNELS) <= set(constants.MEASURES)
+
+
+@pytest.mark.slow
+def test_constants_rpc_round_trip_runs_two_processes_per_channel_and_reports_each():
+    from bench import constants
+    figures = constants.rpc_round_trips("mnist-cnn", repeats=2)
+    assert set(figures) == set(constants.ECHO_CHANNELS)
+    assert all(0 < seconds < 60 for seconds in figures.values()), figures
