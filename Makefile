@@ -123,7 +123,7 @@ compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one re
 # Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
 # e.g. make bench BENCH_ARGS="--json bench.json", make bench-full BENCH_ARGS="--quick".
 .PHONY: bench bench-full bench-containers bench-data
-bench: setup ## s/step per strategy vs compute alone, ResNet-18 and MNIST CNN, 2 workers (2-7 min)
+bench: setup ## s/step per strategy vs compute alone, ResNet-18 and MNIST CNN, 2 workers (3-4 min)
 	$(PY) -m bench $(BENCH_ARGS)
 
 bench-full: setup ## the full matrix: app vs official-example PS vs Gloo vs memcpy, 1-2 workers, 3 models
