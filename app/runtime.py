@@ -35,9 +35,9 @@ progress = logging.getLogger("app.progress")
 # core while idle; `cuda_ipc` crashes with one GPU per container (pytorch#95487),
 # so the channels are listed explicitly and tensors cross on CPU. `cma` (one
 # process_vm_readv copy) is taken between processes of one PID namespace, the
-# local runs; it costs a third less CPU than `mpt_uv` per tensor (38 against
-# 61 ms for a 45 MB round trip on a 2-core CPU VM). Containers have a PID
-# namespace each, so TensorPipe passes over it there and takes `mpt_uv`.
+# local runs; it costs ~40% less CPU than `mpt_uv` per tensor (`python -m bench
+# constants`: rpc_cma_cpu_s, rpc_mpt_uv_cpu_s). Containers have a PID namespace
+# each, so TensorPipe passes over it there and takes `mpt_uv`.
 TRANSPORTS = ["uv"]
 CHANNELS = ["cma", "mpt_uv", "basic"]
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
