@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -138,7 +140,10 @@ def test_ps_and_one_shard_and_two_workers_learn_digits(tmp_path):
     assert set(procs) == {"ps", "ps1", "worker1", "worker2"}
     lines = [line for line in procs["ps"].stdout.splitlines() if line.startswith("Accuracy: ")]
     assert len(lines) == 1 and float(lines[0].split()[1]) >= 0.90, procs["ps"].stdout
-    assert "ps | Update: 100 | Accuracy: " in procs["ps"].stdout
+    # The PS evaluates the gathered vector once its version reaches 100 (--eval_every), as
+    # of the snapshot it takes then: pushes landing meanwhile may put it a few past 100.
+    evals = [int(m) for m in re.findall(r"^ps \| Update: (\d+) \| Accuracy: ", procs["ps"].stdout, re.M)]
+    assert evals and 100 <= evals[0] < 200, procs["ps"].stdout
     metrics = tmp_path / "metrics"
     end = read(metrics / "ps.jsonl")[-1]
     shard_end = read(metrics / "ps1.jsonl")[-1]
