@@ -299,11 +299,10 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         torch.cuda.set_device(device)
     models.check(config.model)
     runtime.set_threads(world.size)
-    choice = data.loader_choice(config)
-    workers = choice[0]
+    workers, why = data.loader_choice(config)
     # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
     train = data.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
-    data.log_loader(config.name, choice)
+    data.log_loader(config.name, workers, why)
     sampler = EpochSampler(train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world,
                            config.seed)
     loader = data.train_loader(train.data, sampler, config.batch_size, workers,  # type: ignore[arg-type]

@@ -91,15 +91,12 @@ def in_process(model_name: str, repeats: int) -> dict[str, float]:
 
 
 def _bf16(params: int, floats: int, message: torch.Tensor, repeats: int) -> dict[str, float]:
+    from app.ps.update import to_float32
     from app.worker.compress import Compressor
     pack = Compressor("bf16", params, torch.device("cpu"))
     wire = pack(message.clone())
-    n = params
-
-    def widen() -> torch.Tensor:  # what the PS does with a 16-bit push (app.ps.server)
-        return torch.cat([wire[:n].float(), wire[n:].clone().view(torch.float32)])
-
-    return {"bf16_pack_s": timed(lambda: pack(message), repeats), "bf16_widen_s": timed(widen, repeats)}
+    return {"bf16_pack_s": timed(lambda: pack(message), repeats),
+            "bf16_widen_s": timed(lambda: to_float32(wire, params), repeats)}
 
 
 def _pickling(model: nn.Module, repeats: int) -> dict[str, float]:

@@ -127,8 +127,9 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
                                                   _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
+        from app.runtime import CHANNELS, TRANSPORTS
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
-                                                  _transports=["uv"], _channels=["cma", "mpt_uv", "basic"])
+                                                  _transports=TRANSPORTS, _channels=CHANNELS)
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // p["world_size"]))
     rpc.init_rpc(name, rank=rank, world_size=p["world_size"], rpc_backend_options=options)
 

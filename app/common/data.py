@@ -336,10 +336,10 @@ def loader_choice(config: Config) -> tuple[int, str]:
     return host.loader_workers(config.loader_workers, config.host_workers)
 
 
-def log_loader(name: str, choice: tuple[int, str]) -> None:
+def log_loader(name: str, workers: int, why: str) -> None:
     """The one line saying how many DataLoader processes `name` runs and why; logged once
     the data has loaded, so bad input stays the only line on stderr."""
-    log.info("%s: %d DataLoader process(es) (%s)", name, *choice)
+    log.info("%s: %d DataLoader process(es) (%s)", name, workers, why)
 
 
 def load_for(config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None,

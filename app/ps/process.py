@@ -45,10 +45,9 @@ def run(config: Config) -> int:
         return shard_process.run(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    choice = data.loader_choice(config)
-    workers = choice[0]
+    workers, why = data.loader_choice(config)
     held_out = data.load_for(config, "test", workers)
-    data.log_loader(PS, choice)
+    data.log_loader(PS, workers, why)
     log.info("held-out split: %s", data.describe(held_out))
 
     def build() -> nn.Module:

@@ -23,10 +23,9 @@ def run(config: Config) -> int:
     device = choose_device(config.device)
     runtime.tune_for(device)
     models.check(config.model)
-    choice = data.loader_choice(config)
-    workers = choice[0]
+    workers, why = data.loader_choice(config)
     train = data.load_for(config, "train", workers, shard=(config.rank - 1, config.num_trainers))
-    data.log_loader(config.name, choice)
+    data.log_loader(config.name, workers, why)
     sampler = data.shard_sampler(train, config.num_trainers, config.rank - 1, config.seed)
     loader = data.train_loader(train.data, sampler, config.batch_size, workers,
                                pin_memory=device.type == "cuda")

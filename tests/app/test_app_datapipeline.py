@@ -92,9 +92,9 @@ def test_loader_workers_flag_takes_auto_or_a_number():
 def test_auto_is_no_loader_process_for_data_held_in_memory(caplog):
     config = parse(["worker", "--dataset", "digits", "--host_workers", "1"], {})
     with caplog.at_level(logging.INFO, logger="app.common.data"):
-        choice = data.loader_choice(config)
-        data.log_loader("worker1", choice)
-    assert choice[0] == 0
+        workers, why = data.loader_choice(config)
+        data.log_loader("worker1", workers, why)
+    assert workers == 0
     assert "worker1: 0 DataLoader process(es) (auto: digits is held in memory" in caplog.text
 
 
