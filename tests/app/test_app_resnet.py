@@ -18,8 +18,12 @@ from orchestrator import sample_data
 from app_testkit import REPO, app_env
 
 CPU_RESNET = REPO / "configs" / "cpu-resnet.yaml"
-# Measured: 0.70-0.77 after 6 epochs of 2 async workers (a 2-core CPU VM).
-CPU_RESNET_THRESHOLD = 0.60
+# Measured after 6 epochs of 2 async workers on a 2-core CPU VM: 0.70-0.79 on a
+# quiet machine, 0.588 once in a CI run (its own evaluations at versions 200 and
+# 250 read 0.63: plain SGD at lr 0.05 moves the last model by a few points).
+# Chance is 0.10; the test asks that the workload's code path learns, with room
+# for that spread.
+CPU_RESNET_THRESHOLD = 0.45
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from orchestrator.paths import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 CONFIG = ROOT / "configs" / "cpu-resnet.yaml"
-THRESHOLD = 0.60  # measured 0.70-0.77 (tests/app/test_app_resnet.py)
+THRESHOLD = 0.45  # as tests/app/test_app_resnet.py, whose comment gives the measured spread
 
 
 def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
