@@ -12,6 +12,9 @@
 #   DOCKERD_OPTS=...   extra dockerd options (e.g. --storage-driver=vfs)
 #   DOCKERD_LOG=/var/log/dockerd.log
 set -euo pipefail
+# dockerd, ip and debootstrap live in /usr/sbin or /sbin, which a non-login
+# PATH (/usr/bin:/bin) does not search.
+PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 TIMEOUT=${ENGINE_TIMEOUT:-60}
 LOG=${DOCKERD_LOG:-/var/log/dockerd.log}

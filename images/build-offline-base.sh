@@ -13,6 +13,9 @@
 # Needs root (debootstrap, chroot) and a running Docker daemon; pip on the host
 # (the project's .venv, or PIP=...) downloads the pair's wheels.
 set -euo pipefail
+# debootstrap and chroot live in /usr/sbin on Debian and Ubuntu, which a
+# non-login PATH (/usr/bin:/bin) does not search.
+PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 IMAGE=${OFFLINE_BASE_IMAGE:-ps-compose-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -41,19 +44,22 @@ if [ "$(id -u)" != 0 ]; then
     echo "error: debootstrap needs root; run: sudo $0" >&2
     exit 2
 fi
-command -v debootstrap >/dev/null || { echo "error: debootstrap missing; run: make engine (or apt-get install debootstrap)" >&2; exit 2; }
+# Every host tool by its full path, found before any `env -i` clears PATH.
+need() { command -v "$1" || { echo "error: $1 missing; run: make engine (or apt-get install $2)" >&2; exit 2; }; }
+DEBOOTSTRAP=$(need debootstrap debootstrap)
+CHROOT=$(need chroot coreutils)
 
 start=$SECONDS
 rm -rf "$ROOTFS"
 trap 'rm -rf "$ROOTFS"' EXIT
 mkdir -p "$CACHE"
 # python3-venv brings ensurepip's pip wheel; nothing else is needed to install wheels.
-debootstrap --variant=minbase --include=python3,python3-venv --cache-dir="$CACHE" \
+"$DEBOOTSTRAP" --variant=minbase --include=python3,python3-venv --cache-dir="$CACHE" \
     bookworm "$ROOTFS" "$MIRROR" >"$HERE/.cache/debootstrap.log" 2>&1 \
     || { tail -20 "$HERE/.cache/debootstrap.log" >&2; exit 1; }
 echo "debootstrap: $((SECONDS - start)) s"
 
-chroot "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
+"$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
 
 # The pair's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
 # downloaded once per spec, then installed offline inside the tree.
@@ -73,7 +79,7 @@ echo "torch wheels: $(du -sm "$WHEELS" | cut -f1) MB, after $((SECONDS - start))
 mkdir -p "$ROOTFS/tmp/wheels"
 cp -l "$WHEELS"/*.whl "$ROOTFS/tmp/wheels/" 2>/dev/null || cp "$WHEELS"/*.whl "$ROOTFS/tmp/wheels/"
 # The tree's pip sees none of the host's pip settings (PIP_* variables, config files).
-in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null chroot "$ROOTFS" "$@"; }
+in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null "$CHROOT" "$ROOTFS" "$@"; }
 # shellcheck disable=SC2086
 in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels $SPEC
 # Triton serves torch.compile's GPU kernels only; importing torch does not need it (0.9 GB).
