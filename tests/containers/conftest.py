@@ -65,7 +65,9 @@ def two_nodes(offline_image):
     else skips."""
     import shutil
 
-    missing = [c for c in ("ip", "nsenter", "unshare", "dockerd") if shutil.which(c) is None]
+    # swarm_nodes.sh adds the sbin directories to its PATH, so they are searched here too.
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])
+    missing = [c for c in ("ip", "nsenter", "unshare", "dockerd") if shutil.which(c, path=path) is None]
     why = "needs root" if os.geteuid() != 0 else f"missing {', '.join(missing)}" if missing else None
     if why:
         unavailable(f"the two-node swarm cannot be made: {why}")

@@ -33,6 +33,8 @@
 #   PSC_NODES_TIMEOUT=60               seconds to wait for a dockerd to answer
 #   PSC_NODES_DEBUG=1                  a failed `up` leaves the nodes as they are, to look at them
 set -uo pipefail
+# ip and dockerd live in /usr/sbin or /sbin, which a non-login PATH (/usr/bin:/bin) does not search.
+PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 NODES=(1 2)
 DIR=${PSC_NODES_DIR:-/var/lib/psc-nodes}
