@@ -17,8 +17,9 @@ from typing import NoReturn, Optional, Sequence
 
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
-DEFAULT_OUTPUT = {"compose": "compose.yaml", "swarm": "stack.yaml"}
+DEFAULT_OUTPUT = {"compose": "compose.yaml", "swarm": "stack.yaml", "kubernetes": "kubernetes.yaml"}
 TARGETS = ("compose", "swarm")
+RENDER_TARGETS = (*TARGETS, "kubernetes")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +61,7 @@ def load_topology(args: argparse.Namespace):
 
 
 def run_render(args: argparse.Namespace) -> int:
-    from orchestrator.render import compose, swarm
+    from orchestrator.render import compose, kubernetes, swarm
     from orchestrator.render.yamlio import write_atomic
     from orchestrator.spec.services import describe
     from orchestrator.spec.usercode import check_paths
@@ -70,6 +71,8 @@ def run_render(args: argparse.Namespace) -> int:
     if args.target == "swarm":
         # A relative train.data_dir is taken from the current directory (absolute in the stack file).
         text = swarm.dump(swarm.render(t, data_root=os.getcwd()), t.name)
+    elif args.target == "kubernetes":
+        text = kubernetes.dump(kubernetes.render(t, data_root=os.getcwd()), t.name)
     else:
         text = compose.dump(compose.render(t), t.name)
     for warning in compose.security_warnings(t):
@@ -132,8 +135,9 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     add_topology_args(p)
     p.add_argument("-o", "--output", metavar="FILE",
                    help="output file, '-' for stdout (default: compose.yaml, or stack.yaml with --target swarm)")
-    p.add_argument("--target", choices=TARGETS, default="compose",
-                   help="compose (docker compose, one host) or swarm (docker stack deploy, one or more hosts)")
+    p.add_argument("--target", choices=RENDER_TARGETS, default="compose",
+                   help="compose (docker compose, one host), swarm (docker stack deploy, one or more hosts) "
+                        "or kubernetes (manifests for kubectl apply -f)")
     p.set_defaults(run=run_render)
 
     p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")

@@ -306,6 +306,45 @@ class State(_Section):
         return self.volume_driver != "local" or self.driver_opts.get("type") in SHARED_TYPES
 
 
+_LABEL_KEY = re.compile(r"^(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _node_selector(v: dict[str, str]) -> dict[str, str]:
+    for key, value in v.items():
+        if not _LABEL_KEY.match(key):
+            raise ValueError(f"label key {key!r} must be a Kubernetes label key like kubernetes.io/hostname or gpu")
+        if not _LABEL_VALUE.match(value):
+            raise ValueError(f"label value {value!r} (of {key}) must be at most 63 letters, digits, '-', '_' or '.'")
+    return v
+
+
+NodeSelector = Annotated[dict[str, str], AfterValidator(_node_selector)]
+
+
+class Kubernetes(_Section):
+    """Read only by `render --target kubernetes` (kubectl apply -f); compose and Swarm ignore it."""
+
+    state_size: Size = "10g"
+    """Storage the PS's PersistentVolumeClaim asks for (its checkpoints, final.pt and metrics at /state)."""
+    storage_class: Optional[str] = None
+    """storageClassName of that claim; default: the cluster's default storage class. Strategy allreduce needs one with ReadWriteMany (every rank reads rank 0's checkpoints)."""
+    data_claim: Optional[str] = None
+    """A PersistentVolumeClaim holding the data, mounted read-only at /data; default: train.data_dir as a hostPath, which must then exist at that path on every node."""
+    ps_node_selector: NodeSelector = Field(default_factory=dict)
+    """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
+    worker_node_selector: NodeSelector = Field(default_factory=dict)
+    """nodeSelector of every worker, e.g. {nvidia.com/gpu.present: "true"}."""
+
+    @field_validator("storage_class", "data_claim")
+    @classmethod
+    def _object_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _CLAIM.match(v):
+            raise ValueError("must be a Kubernetes object name: lowercase letters, digits, '-' and '.'")
+        return v
+
+
 class Topology(_Section):
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
@@ -316,6 +355,7 @@ class Topology(_Section):
     network: Network = Field(default_factory=Network)
     swarm: Swarm = Field(default_factory=Swarm)
     state: State = Field(default_factory=State)
+    kubernetes: Kubernetes = Field(default_factory=Kubernetes)
     code: Optional[str] = Field(default=None, min_length=1)
     """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
 
