@@ -222,7 +222,7 @@ def test_cli_render_target_swarm(cli, tmp_path: Path) -> None:
     assert (tmp_path / "stack.yaml").read_text() == rendered("configs/cpu-smoke.yaml")
     status, out, _ = cli("render", "-c", str(REPO / "configs/cpu-smoke.yaml"), "--target", "swarm", "-o", "-")
     assert status == 0 and out == rendered("configs/cpu-smoke.yaml")
-    status, _, err = cli("render", "--target", "kubernetes")
+    status, _, err = cli("render", "--target", "nomad")
     assert status == 2 and "invalid choice" in err
 
 
