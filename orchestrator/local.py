@@ -11,7 +11,7 @@ A worker that fails (exits non-zero, or is killed) is started again with the sam
 environment, as compose's `restart: on-failure` does, at most WORKER_RESTARTS times
 (each one logged); it rejoins the running job as a restarted container does. Exit
 status 2 (bad input, or its rank taken by a process that still answers) is not
-retried. A PS or PS shard that fails, a worker out of restarts, and under
+retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a worker out of restarts, and under
 `allreduce` (no PS: a lost peer fails every rank) any failure stop every process.
 """
 
@@ -195,7 +195,10 @@ class Supervisor:
                         continue
                     code, spec = p.returncode, by_name[name]
                     n = restarted.get(name, 0)
-                    if code not in (0, 2) and n < spec.restarts and not self._stop.is_set():
+                    # Not once a process that is never restarted (the PS) has ended: nothing to rejoin.
+                    anchors = [q for m, q in procs.items() if by_name[m].restarts == 0]
+                    if code not in (0, 2) and n < spec.restarts and not self._stop.is_set() \
+                            and all(q.poll() is None for q in anchors):
                         restarted[name] = n + 1
                         self._say(name, f"exited with code {code}; restarting ({n + 1} of {spec.restarts})")
                         if self._stop.wait(self.restart_delay):

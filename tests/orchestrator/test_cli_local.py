@@ -136,6 +136,18 @@ def test_supervisor_does_not_restart_bad_input() -> None:
     assert "restarting" not in out.getvalue() and "worker1 | exited with code 2" in out.getvalue()
 
 
+def test_supervisor_does_not_restart_a_worker_once_the_ps_has_ended(tmp_path: Path) -> None:
+    # The PS ends (0) first; worker1 fails after it: there is nothing to rejoin.
+    ps_done = tmp_path / "ps-done"
+    worker = (f"import pathlib, sys, time\nwhile not pathlib.Path({str(ps_done)!r}).exists(): time.sleep(0.05)\n"
+              "time.sleep(0.5); sys.exit(1)")  # the PS exits right after writing the file
+    out = io.StringIO()
+    specs = [ProcessSpec("ps", _py(f"import pathlib; pathlib.Path({str(ps_done)!r}).touch()"), {}),
+             ProcessSpec("worker1", _py(worker), {}, restarts=3)]
+    assert Supervisor(specs, out=out, restart_delay=0).run() == 1
+    assert "restarting" not in out.getvalue() and "worker1 | exited with code 1" in out.getvalue()
+
+
 def test_plan_restarts_workers_only_and_not_under_allreduce(tmp_path: Path) -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
     assert [(s.name, s.restarts) for s in plan(t, port=1, run_dir=tmp_path, ifname="lo")] == [
