@@ -162,7 +162,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)
     p.add_argument("--keep-going", action="store_true",
-                   help="do not stop the other processes when one fails")
+                   help="do not stop the other processes when one fails for good (a worker: after its restarts)")
     add_resume_arg(p)
     p.set_defaults(run=run_local)
 

@@ -54,9 +54,18 @@ class Check:
     ok: Optional[bool]  # None: not checked (something it needs failed above)
     text: str
     fix: str = ""
+    ran: bool = True  # False (with ok True): not run by choice or not yet possible; `text` says why
+
+    @property
+    def passed(self) -> bool:
+        return self.ok is True and self.ran
+
+    @property
+    def not_run(self) -> bool:
+        return self.ok is True and not self.ran
 
     def line(self) -> str:
-        status = {True: "ok", False: "PROBLEM", None: "skipped"}[self.ok]
+        status = "not run" if self.not_run else {True: "ok", False: "PROBLEM", None: "skipped"}[self.ok]
         fix = f" -> fix: {self.fix}" if self.ok is False and self.fix else ""
         return f"{status:<8} {self.name:<13} {self.text}{fix}"
 
@@ -235,7 +244,7 @@ def check_probe(t: Topology, target: str, f: Facts) -> Check:
     if f.daemon_error is not None or not gpu_paths(f):
         return Check("probe", None, "not run: no way to give it a GPU (see nvidia)")
     if f.probe is None:
-        return Check("probe", True, f.probe_note or "not run (--no-probe); `make gpu-check` runs it")
+        return Check("probe", True, f.probe_note or "--no-probe; `make gpu-check` runs it", ran=False)
     p = f.probe
     if p.error:
         return Check("probe", False, p.error, p.fix)
@@ -474,14 +483,26 @@ def probe_error(e: BaseException) -> Probe:
 
 # --- the report -----------------------------------------------------------
 
+def summary(checks: list[Check]) -> str:
+    """`N checks passed`, and the checks not run by name: never counted as passed."""
+    passed = sum(c.passed for c in checks)
+    not_run = [c.name for c in checks if c.not_run]
+    return f"{passed} checks passed" + (f", {len(not_run)} not run ({', '.join(not_run)})" if not_run else "")
+
+
 def report(checks: list[Check], out: TextIO) -> bool:
-    """Print one line per check and a summary; True when every check passed."""
+    """Print one line per check and a summary; True when no check found a problem or was
+    skipped (a check not run, e.g. the probe under --no-probe, is listed as such, not passed)."""
     for c in checks:
         print(c.line(), file=out)
     problems = sum(c.ok is False for c in checks)
     skipped = sum(c.ok is None for c in checks)
+    not_run = sum(c.not_run for c in checks)
     if problems or skipped:
-        print(f"doctor: {problems} problem(s), {skipped} not checked, {len(checks) - problems - skipped} ok", file=out)
+        print(f"doctor: {problems} problem(s), {skipped} not checked, {sum(c.passed for c in checks)} ok"
+              + (f", {not_run} not run" if not_run else ""), file=out)
+    elif not_run:
+        print(f"doctor: {summary(checks)}", file=out)
     else:
         print(f"doctor: all {len(checks)} checks passed", file=out)
     out.flush()
@@ -541,7 +562,7 @@ def gather(t: Topology, target: str, *, client: Any = None, probe: bool = False)
             if facts["image_present"]:
                 facts["probe"] = run_probe(client, t)
             else:
-                facts["probe_note"] = (f"not run: it runs in the image {t.image_tag}, not built yet "
+                facts["probe_note"] = (f"it runs in the image {t.image_tag}, not built yet "
                                        "(`make build`; `make gpu-check` builds it and probes)")
     if t.reads_files and t.train.data_dir:
         path = data_path(t.train.data_dir)

@@ -6,6 +6,13 @@ container (`orchestrator.render.compose.app_environment`), except the address (1
 port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
 metrics) and the interface (loopback). Output is prefixed by service name, as
 compose prints it. Ctrl-C or SIGTERM stops every process.
+
+A worker that fails (exits non-zero, or is killed) is started again with the same
+environment, as compose's `restart: on-failure` does, at most WORKER_RESTARTS times
+(each one logged); it rejoins the running job as a restarted container does. Exit
+status 2 (bad input, or its rank taken by a process that still answers) is not
+retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a worker out of restarts, and under
+`allreduce` (no PS: a lost peer fails every rank) any failure stop every process.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from typing import IO, Any, Optional
 from orchestrator.errors import UsageError
 from orchestrator.render.compose import app_environment
 from orchestrator.spec import runs
-from orchestrator.spec.services import Service, describe, services
+from orchestrator.spec.services import Service, describe, has_ps, services
 from orchestrator.spec.topology import Topology, TopologyError
 from orchestrator.spec.usercode import check_paths
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
 STOP_GRACE_SECONDS = 15.0
+WORKER_RESTARTS = 3  # as the swarm render's max_attempts
+RESTART_DELAY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class ProcessSpec:
     name: str
     argv: list[str]
     env: dict[str, str]  # added to this process's environment
+    restarts: int = 0  # times it is started again after failing (exit status other than 0 and 2)
 
 
 def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str,
@@ -80,9 +90,11 @@ def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sy
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first), every one in run `run_id`."""
     specs = []
+    restarts = WORKER_RESTARTS if has_ps(t) else 0
     for s in services(t):
         env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
-        specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env))
+        specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env,
+                                 restarts=restarts if s.role == "worker" else 0))
     return specs
 
 
@@ -140,14 +152,17 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
 
 
 class Supervisor:
-    """Starts processes, prefixes their output, stops them all on failure or signal."""
+    """Starts processes, prefixes their output, starts a failed one again while its spec's
+    `restarts` last, stops them all on any other failure or on a signal."""
 
     def __init__(self, specs: list[ProcessSpec], *, keep_going: bool = False,
-                 out: Optional[IO[str]] = None, grace: float = STOP_GRACE_SECONDS) -> None:
+                 out: Optional[IO[str]] = None, grace: float = STOP_GRACE_SECONDS,
+                 restart_delay: float = RESTART_DELAY_SECONDS) -> None:
         self.specs = specs
         self.keep_going = keep_going
         self.out = out or sys.stdout
         self.grace = grace
+        self.restart_delay = restart_delay
         self.width = max(len(s.name) for s in specs)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -158,22 +173,42 @@ class Supervisor:
         procs: dict[str, subprocess.Popen] = {}
         readers: list[threading.Thread] = []
         codes: dict[str, int] = {}
+        by_name = {spec.name: spec for spec in self.specs}
+        restarted: dict[str, int] = {}
+
+        def start(spec: ProcessSpec) -> None:
+            # Its own session: our signals, not the terminal's, stop it.
+            p = spawn(spec.argv, spec.env, stdout=subprocess.PIPE, new_session=True)
+            procs[spec.name] = p
+            readers.append(threading.Thread(target=self._pump, args=(spec.name, p.stdout), daemon=True))
+            readers[-1].start()
+
         try:
             for spec in self.specs:
                 if self._stop.is_set():
                     break
-                # Its own session: our signals, not the terminal's, stop it.
-                p = spawn(spec.argv, spec.env, stdout=subprocess.PIPE, new_session=True)
-                procs[spec.name] = p
-                readers.append(threading.Thread(target=self._pump, args=(spec.name, p.stdout), daemon=True))
-                readers[-1].start()
+                start(spec)
             failed = False
             while len(codes) < len(procs):
-                for name, p in procs.items():
-                    if name not in codes and p.poll() is not None:
-                        codes[name] = p.returncode
-                        self._say(name, f"exited with code {p.returncode}")
-                        failed = failed or p.returncode != 0
+                for name, p in list(procs.items()):
+                    if name in codes or p.poll() is None:
+                        continue
+                    code, spec = p.returncode, by_name[name]
+                    n = restarted.get(name, 0)
+                    # Not once a process that is never restarted (the PS) has ended: nothing to rejoin.
+                    anchors = [q for m, q in procs.items() if by_name[m].restarts == 0]
+                    if code not in (0, 2) and n < spec.restarts and not self._stop.is_set() \
+                            and all(q.poll() is None for q in anchors):
+                        restarted[name] = n + 1
+                        self._say(name, f"exited with code {code}; restarting ({n + 1} of {spec.restarts})")
+                        if self._stop.wait(self.restart_delay):
+                            codes[name] = code
+                            break
+                        start(spec)
+                        continue
+                    codes[name] = code
+                    self._say(name, f"exited with code {code}")
+                    failed = failed or code != 0
                 if self._stop.is_set() or (failed and not self.keep_going):
                     break
                 self._stop.wait(0.1)

@@ -27,20 +27,30 @@ def test_concurrent_pushes_are_all_applied_exactly():
     threads, pushes, size = 8, 40, 1 << 20
     server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=threads)
     start = threading.Barrier(threads)
+    # What each thread saw, asserted below in the test's own thread (an assert or an
+    # exception inside a thread would only be printed, never fail the test).
+    stalenesses: dict[int, list[int]] = {r: [] for r in range(1, threads + 1)}
+    errors: dict[int, BaseException] = {}
 
     def worker(rank: int) -> None:
-        grad = torch.full((size,), float(rank))
-        start.wait()
-        version = 0
-        for _ in range(pushes):
-            _, version, staleness, _ = server.push(rank, grad, version)
-            assert staleness >= 0
+        try:
+            grad = torch.full((size,), float(rank))
+            start.wait(timeout=60)
+            version = 0
+            for _ in range(pushes):
+                _, version, staleness, _ = server.push(rank, grad, version)
+                stalenesses[rank].append(staleness)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors[rank] = e
 
     pool = [threading.Thread(target=worker, args=(r,)) for r in range(1, threads + 1)]
     for t in pool:
         t.start()
     for t in pool:
         t.join(timeout=120)
+    assert not [t.name for t in pool if t.is_alive()], "pushing threads still running after 120 s"
+    assert errors == {}, errors
+    assert all(len(seen) == pushes and min(seen) >= 0 for seen in stalenesses.values()), stalenesses
     expected = -float(pushes * sum(range(1, threads + 1)))
     vector, version = server.pull(rank=0)
     assert version == threads * pushes

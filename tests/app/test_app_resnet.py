@@ -16,14 +16,22 @@ from app.common import data, models
 from orchestrator import sample_data
 
 from app_testkit import REPO, app_env
+from ps_log import last_evaluations
 
 CPU_RESNET = REPO / "configs" / "cpu-resnet.yaml"
-# Measured after 6 epochs of 2 async workers on a 2-core CPU VM: 0.70-0.79 on a
-# quiet machine, 0.588 once in a CI run (its own evaluations at versions 200 and
-# 250 read 0.63: plain SGD at lr 0.05 moves the last model by a few points).
-# Chance is 0.10; the test asks that the workload's code path learns, with room
-# for that spread.
-CPU_RESNET_THRESHOLD = 0.45
+# The config as shipped (seed 0, 6 epochs, 2 async workers, plain SGD at lr 0.05),
+# which evaluates the model on val/ every 50 updates and at the end. The figure is the
+# mean of the last two evaluations (at update 250 and of the final model, ~252): the
+# final one alone moves by a few points with the last pushes' order. Measured as
+# processes on a 2-core CPU VM (the two; their mean):
+#   seed 0: 0.739 0.739 (0.74) | 0.722 0.717 (0.72) | 0.757 0.784 (0.77) | 0.711 0.677 (0.69)
+#           0.784 0.780 (0.78)
+#   seed 1: 0.682 0.746 (0.71) | seed 2: 0.697 0.690 (0.69) | seed 3: 0.742 0.733 (0.74)
+#   a loaded CI run: 0.63 0.588 (0.61)
+# Earlier final figures on the same VM: 0.71, 0.79, 0.73. Momentum 0.5 at lr 0.025 was
+# no steadier (finals 0.77, 0.78, 0.64, 0.72, 0.81). Chance is 0.10; a run that learns
+# much less than these fails.
+CPU_RESNET_THRESHOLD = 0.60
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +39,15 @@ def sample_tree(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sample") / "tree"
     sample_data.write_tree(out, size=32)
     return out
+
+
+def test_last_evaluations_reads_the_periodic_ones_then_the_final():
+    local = "ps      | ps | Update: 200 | Accuracy: 0.6000\nps      | ps | Update: 250 | Accuracy: 0.7000\n" \
+            "ps      | Accuracy: 0.6500\nps      | Time: 30.00 seconds\n"
+    assert last_evaluations(local) == [0.6, 0.7, 0.65]
+    container = "ps | Update: 50 | Accuracy: 0.3000\nps | Update: 100 | Accuracy: 0.5000\n" \
+                "ps | Update: 150 | Accuracy: 0.6000\nAccuracy: 0.7000\n"
+    assert last_evaluations(container) == [0.5, 0.6, 0.7]
 
 
 def test_torchvision_models_are_available():
@@ -88,7 +105,10 @@ def test_cpu_resnet_trains_as_local_processes(tmp_path, sample_tree):
                        cwd=tmp_path, env=app_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert re.search(r"^worker2 +\| worker2 \| Epoch: 6 \| Batch: \d+ \| Loss: ", r.stdout, re.MULTILINE), r.stdout[-2000:]
-    accuracy = float(re.search(r"^ps +\| Accuracy: ([0-9.]+)", r.stdout, re.MULTILINE).group(1))
-    print(f"cpu-resnet as processes: Accuracy {accuracy:.4f}")
-    assert accuracy >= CPU_RESNET_THRESHOLD, r.stdout[-3000:]
+    ps_log = "\n".join(line for line in r.stdout.splitlines() if re.match(r"ps +\| ", line))
+    final = float(re.search(r"^ps +\| Accuracy: ([0-9.]+)$", ps_log, re.MULTILINE).group(1))
+    last = last_evaluations(ps_log, 2)
+    print(f"cpu-resnet as processes: last two evaluations {last}, final {final:.4f}")
+    assert len(last) == 2 and last[-1] == final, ps_log[-3000:]
+    assert sum(last) / 2 >= CPU_RESNET_THRESHOLD, ps_log[-3000:]
     assert (tmp_path / "runs" / "cpu-resnet" / "checkpoints" / "final.pt").is_file()

@@ -6,6 +6,9 @@ the slow ones run real PS + worker processes over RPC on digits.
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -16,7 +19,7 @@ from app.common.metrics import read
 from app.ps.server import ParameterServer
 from app.worker.compress import Compressor
 
-from app_testkit import run_cluster
+from app_testkit import finished, free_port, run_cluster, start_app, wait_for
 
 
 def _linear(size: int) -> nn.Module:
@@ -195,22 +198,60 @@ def test_sync_final_parameters_match_one_process_applying_the_averaged_gradients
 
 @pytest.mark.slow
 def test_ssp_never_lets_a_worker_run_more_than_s_pushes_ahead(tmp_path):
-    # worker2 starts 4 s late: under async worker1 would be dozens of pushes ahead by then.
+    # worker2 is held back by the test, not by a sleep: it starts only once worker1 has
+    # been answered `bound` pushes ahead (its metrics say lead == bound). From then on
+    # worker1 must wait for worker2: under async it would push on at once.
     bound = 2
     args = DIGITS + ["--strategy", "ssp", "--staleness", str(bound), "--num_epochs", "2"]
-    procs = run_cluster(tmp_path, workers=2, args=args, timeout=150, delays={"worker2": 4.0})
-    _ok(procs)
+    common = ["--world_size", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
+    procs["worker1"] = start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common])
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r.get("lead") == bound for r in _train_records_so_far(tmp_path, 1)):
+            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            assert not ended, (ended, (tmp_path / "ps.err").read_text()[-2000:])
+            assert time.monotonic() < deadline, "worker1 was not answered at lead == bound within 120 s"
+            time.sleep(0.05)
+        worker2_started = time.time()
+        procs["worker2"] = start_app(tmp_path, "worker2", ["worker", "--rank", "2", *common])
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        raise
+    wait_for(procs, 150)
+    _ok({name: finished(tmp_path, name, proc) for name, proc in procs.items()})
     records = {rank: _train_records(tmp_path, rank) for rank in (1, 2)}
     leads = {rank: [r["lead"] for r in records[rank]] for rank in (1, 2)}
     assert max(leads[1] + leads[2]) <= bound
-    # The worker that trained first (worker1, unless a loaded host started it later
-    # than worker2) reached the bound, and was held there, while the other was away.
-    early, late = sorted((1, 2), key=lambda rank: records[rank][0]["time"])
-    assert max(leads[early]) == bound
-    before = [r for r in records[early] if r["time"] < records[late][0]["time"] - 0.5]
-    assert len(before) <= bound + 1
+    # worker1 reached the bound alone and was held there until worker2 existed: every
+    # answer it got after its first at lead == bound came after worker2 was started.
+    at_bound = leads[1].index(bound)
+    assert at_bound == bound - 1, leads[1][:10]  # its pushes 1..bound, each 1 more ahead
+    assert all(r["time"] >= worker2_started for r in records[1][at_bound + 1:]), \
+        ([r["time"] for r in records[1][:bound + 2]], worker2_started)
+    # Before worker2's first answer, worker1 had at most bound + 1 (the push worker2's first released).
+    first2 = records[2][0]["time"]
+    assert len([r for r in records[1] if r["time"] < first2]) <= bound + 1
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert end["strategy"] == "ssp" and end["accuracy"] >= 0.80
+
+
+def _train_records_so_far(tmp_path, rank):
+    """worker<rank>'s train records written so far (none before the file exists; a line
+    being written is left for the next look)."""
+    path = tmp_path / "metrics" / f"worker{rank}.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if record.get("event") == "train":
+            records.append(record)
+    return records
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ The slow test runs a tiny headline end to end (every system, 2 steps) and checks
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -205,4 +206,4 @@ def test_constants_rpc_round_trip_runs_two_processes_per_channel_and_reports_eac
     from bench import constants
     figures = constants.rpc_round_trips("mnist-cnn", repeats=2)
     assert set(figures) == set(constants.ECHO_CHANNELS)
-    assert all(0 < seconds < 60 for seconds in figures.values()), figures
+    assert all(math.isfinite(seconds) and seconds > 0 for seconds in figures.values()), figures

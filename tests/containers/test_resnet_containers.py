@@ -14,10 +14,15 @@ from orchestrator import sample_data
 from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
 from orchestrator.paths import ROOT
 
+from ps_log import last_evaluations
+
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 CONFIG = ROOT / "configs" / "cpu-resnet.yaml"
-THRESHOLD = 0.45  # as tests/app/test_app_resnet.py, whose comment gives the measured spread
+# The mean of the PS's last two evaluations, as tests/app/test_app_resnet.py (whose
+# comment gives the measured spread; the same config and seed in containers, where one
+# run on a 2-core CPU VM read 0.755 0.780 (0.77)).
+THRESHOLD = 0.60
 
 
 def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
@@ -43,8 +48,10 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
         assert exits == {"ps": 0, "worker1": 0, "worker2": 0}, logs.get("ps", "")[-3000:]
         assert "model resnet18: 11181642 parameters" in logs["ps"]
         assert re.search(r"^worker1 \| Epoch: 6 \| Batch: \d+ \| Loss: ", logs["worker1"], re.MULTILINE)
-        accuracy = float(re.search(r"^Accuracy: ([0-9.]+)$", logs["ps"], re.MULTILINE).group(1))
-        print(f"cpu-resnet in containers: Accuracy {accuracy:.4f}")
-        assert accuracy >= THRESHOLD, logs["ps"][-3000:]
+        final = float(re.search(r"^Accuracy: ([0-9.]+)$", logs["ps"], re.MULTILINE).group(1))
+        last = last_evaluations(logs["ps"], 2)
+        print(f"cpu-resnet in containers: last two evaluations {last}, final {final:.4f}")
+        assert len(last) == 2 and last[-1] == final, logs["ps"][-3000:]
+        assert sum(last) / 2 >= THRESHOLD, logs["ps"][-3000:]
     finally:
         compose_verbs.down(str(config), 2, volumes=True, project=project)

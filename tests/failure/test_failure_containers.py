@@ -26,6 +26,10 @@ def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_p
     out = chaos_containers.ps_kill(tmp_path, t)
 
     assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    # A bound that is the behaviour: workers that lose the PS exit within the RPC timeout
+    # (10 s) instead of hanging, so Docker restarts them; + 10 s for a loaded host.
+    # Measured 0.8-1.8 s on a 2-core CPU VM (docs/failure.md).
+    print(f"PS container killed: workers exited after {out.details['worker_exits_s']}")
     assert max(out.details["worker_exits_s"].values()) <= t.ps.rpc_timeout + 10
     assert out.details["resumed_version"] >= 200
     assert out.details["states"]["ps"]["exit_code"] == 0 and out.accuracy >= 0.90

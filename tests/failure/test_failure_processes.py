@@ -15,10 +15,14 @@ pytestmark = pytest.mark.slow
 
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path):
     out = chaos_processes.worker_kill(tmp_path)
+    print(f"worker killed: dropped after {out.detected_s:.1f} s")
 
     assert out.recovered, out
     assert out.accuracy >= 0.90
     assert out.details["exit_codes"] == {"ps": 0, "worker1": 0, "worker2": 0, "worker3": 0}
+    # A bound that is the behaviour: the PS drops a dead worker within its RPC timeout
+    # (chaos_topology: 10 s) instead of waiting on it; + 5 s for a loaded host.
+    # Measured 1.1 s on a 2-core CPU VM (docs/testing.md lists these bounds).
     assert out.details["drop"]["worker"] == "worker2" and out.detected_s < 10 + 5
     assert out.details["rejoin"]["worker"] == "worker2_r2" and out.details["rejoin"]["epoch"] >= 5
     assert out.details["pushes_after_rejoin"] > 0
@@ -30,8 +34,11 @@ def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path)
 def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tmp_path):
     t = chaos_common.chaos_topology()
     out = chaos_processes.ps_kill(tmp_path, t)
+    print(f"PS killed: workers exited after {out.details['worker_exits']}")
 
     assert out.recovered, out
+    # A bound that is the behaviour: workers that lose the PS exit within the RPC timeout
+    # (10 s) instead of hanging; + 10 s for a loaded host. Measured 0.07-0.1 s.
     for name, (code, seconds) in out.details["worker_exits"].items():
         assert code == 1 and seconds <= t.ps.rpc_timeout + 10, (name, code, seconds)
         errors = [line for line in (tmp_path / "logs" / f"{name}.1.err").read_text().splitlines()
@@ -62,10 +69,14 @@ def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path
         assert "app: error: rank 1 is already taken by worker1, which is running" in err, err
         assert first.poll() is None  # the first one trains on
 
+        # A bound that is the behaviour: on SIGTERM the PS checkpoints and exits inside
+        # compose's stop_grace_period (30 s) before SIGKILL would cut the checkpoint short.
         job.signal("ps", signal.SIGTERM)
         assert job.wait_exit("ps", 25) == 143
         on_exit = [r for r in job.events("ps", "checkpoint") if r["why"] == "on exit"]
         assert len(on_exit) == 1 and (tmp_path / "checkpoints" / on_exit[0]["file"]).is_file()
-        assert first.wait(timeout=t.ps.rpc_timeout + 10) == 1  # lost its PS
+        # A bound that is the behaviour (as above): the worker exits 1 once its PS is gone,
+        # within the RPC timeout (+ 10 s), instead of hanging.
+        assert first.wait(timeout=t.ps.rpc_timeout + 10) == 1
     finally:
         job.close()

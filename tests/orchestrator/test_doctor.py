@@ -171,6 +171,32 @@ def test_report_one_line_per_check() -> None:
     assert d.report(d.run_checks(topo(), "compose", facts()), io.StringIO()) is True
 
 
+def test_a_probe_not_run_is_listed_as_such_and_not_counted_as_passed() -> None:
+    # A GPU topology on a host whose engine has the nvidia runtime (the recorded payload),
+    # every other check fine, the probe not run (--no-probe, as `up`'s preflight).
+    import json
+    nvidia = json.loads((REPO / "tests/orchestrator/docker_info/nvidia-runtime.json").read_text())
+    t = topo(GPU)
+    f = facts(info=nvidia, api_version="1.51", gpus=[0, 1, 2, 3], data_dir=str(REPO))
+    checks = d.run_checks(t, "compose", f)
+    probe = next(c for c in checks if c.name == "probe")
+    assert probe.not_run and not probe.passed
+    others = [c for c in checks if c.name != "probe"]
+    assert all(c.passed for c in others), [c.line() for c in others]
+    out = io.StringIO()
+    assert d.report(checks, out) is True  # not a problem: `up` starts, gpu-check runs the probe
+    lines = out.getvalue().splitlines()
+    assert "not run  probe         --no-probe; `make gpu-check` runs it" in lines
+    assert lines[-1] == f"doctor: {len(others)} checks passed, 1 not run (probe)"
+    assert d.summary(checks) == f"{len(others)} checks passed, 1 not run (probe)"
+    # Beside a problem, the count of checks passed leaves it out too.
+    checks = d.run_checks(t, "compose", facts(info=nvidia, api_version="1.51", gpus=None, data_dir=str(REPO)))
+    out = io.StringIO()
+    assert d.report(checks, out) is False
+    passed = sum(c.ok is True for c in checks) - 1
+    assert out.getvalue().splitlines()[-1].endswith(f" {passed} ok, 1 not run"), out.getvalue()
+
+
 def test_stop_on_problems_names_the_first_one() -> None:
     checks = d.run_checks(topo(GPU), "compose", facts(gpus=None, data_dir="/x"))
     with pytest.raises(UsageError) as e:

@@ -205,9 +205,12 @@ def test_probe_failures_are_one_line_each() -> None:
 
 
 def test_probe_not_run_and_not_needed() -> None:
-    assert d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime")).text.startswith("not run (--no-probe)")
-    note = "not run: it runs in the image x:latest, not built yet (`make build`; `make gpu-check` builds it and probes)"
-    assert d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime", probe_note=note)).text == note
+    c = d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime"))
+    assert c.not_run and not c.passed and c.text == "--no-probe; `make gpu-check` runs it"
+    assert c.line() == "not run  probe         --no-probe; `make gpu-check` runs it"
+    note = "it runs in the image x:latest, not built yet (`make build`; `make gpu-check` builds it and probes)"
+    c = d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime", probe_note=note))
+    assert c.not_run and c.text == note
     assert d.check_probe(parse(CPU, "c.yaml"), "compose", facts("no-gpu")).text == "not needed"
     c = d.check_probe(gpu_topology(), "compose", facts("no-gpu"))
     assert c.ok is None and c.text == "not run: no way to give it a GPU (see nvidia)"

@@ -82,7 +82,7 @@ def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
     check_paths(t, config, ROOT)  # `code`, train.init_weights: relative to the repository, as compose mounts them
     checks = doctor.run_checks(t, "compose", doctor.gather(t, "compose", client=client))
     doctor.stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
-    print(f"==> doctor: {len(checks)} checks passed (python -m orchestrator doctor lists them)", file=out, flush=True)
+    print(f"==> doctor: {doctor.summary(checks)} (python -m orchestrator doctor lists them)", file=out, flush=True)
 
 
 # --- verbs ----------------------------------------------------------------

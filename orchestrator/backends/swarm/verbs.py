@@ -87,7 +87,7 @@ def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = Fals
     facts = doctor.gather(t, "swarm", client=client)
     checks = doctor.run_checks(t, "swarm", facts)
     doctor.stop_on_problems(checks, config, "", target="swarm")
-    print(f"==> doctor: {len(checks)} checks passed (target swarm)", file=out, flush=True)
+    print(f"==> doctor: {doctor.summary(checks)} (target swarm)", file=out, flush=True)
     name = render_swarm.stack_name(t)
     path = stack_file(name)
     wrote = write_if_changed(path, render_text(t, nodes=len(facts.nodes)))
