@@ -79,7 +79,7 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
 
-# The connectivity check (orchestrator/check.py): LOCAL=1 as processes, TIMEOUT=S.
+# The connectivity check (orchestrator/connectivity.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
 	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
@@ -132,7 +132,7 @@ bench-full: setup ## the full matrix: app vs official-example PS vs Gloo vs memc
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
 
-# docs/topology.md is generated from the field docstrings of orchestrator/spec/topology.py
+# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py
 # (a test fails when it is out of date).
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings

@@ -43,9 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
     runtime.set_threads(config.world_size + config.shards - 1)  # PS shards are processes too
     try:
-        if config.role == "check":  # the connectivity check (app/check.py)
-            from app import check
-            return check.run(config)
+        if config.role == "check":  # the connectivity check (app/connectivity.py)
+            from app import connectivity
+            return connectivity.run(config)
         if config.role == "ps":
             from app.ps import process as ps_process
             return ps_process.run(config)

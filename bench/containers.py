@@ -66,8 +66,8 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
-    from orchestrator.spec.services import service_names
-    from orchestrator.spec.topology import load_with
+    from orchestrator.topology.services import service_names
+    from orchestrator.topology.model import load_with
 
     t = load_with(str(CONFIG), workers=workers)
     client = images.client()

@@ -55,7 +55,7 @@ def add_strategy_arg(p: argparse.ArgumentParser) -> None:
 
 def load_topology(args: argparse.Namespace):
     """The topology named by `-c`, with `--workers` and `--strategy` applied."""
-    from orchestrator.spec.topology import load_with
+    from orchestrator.topology.model import load_with
 
     return load_with(args.config, workers=args.workers, strategy=getattr(args, "strategy", None))
 
@@ -63,8 +63,8 @@ def load_topology(args: argparse.Namespace):
 def run_render(args: argparse.Namespace) -> int:
     from orchestrator.render import compose, kubernetes, swarm
     from orchestrator.render.yamlio import write_atomic
-    from orchestrator.spec.services import describe
-    from orchestrator.spec.usercode import check_paths
+    from orchestrator.topology.services import describe
+    from orchestrator.host_paths import check_paths
 
     t = load_topology(args)
     check_paths(t, args.config, Path.cwd())  # `code` and train.init_weights: before anything is written
@@ -92,7 +92,7 @@ def run_render(args: argparse.Namespace) -> int:
 
 def run_doctor(args: argparse.Namespace) -> int:
     from orchestrator import doctor
-    from orchestrator.spec.services import describe
+    from orchestrator.topology.services import describe
 
     t = load_topology(args)
     print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
@@ -101,17 +101,17 @@ def run_doctor(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def run_gpu_check(args: argparse.Namespace) -> int:
-    from orchestrator import gpu_check
+def run_gpu_trial(args: argparse.Namespace) -> int:
+    from orchestrator import gpu_trial
 
-    return engine_errors(gpu_check.run)(args.config, seconds=args.seconds)
+    return engine_errors(gpu_trial.run)(args.config, seconds=args.seconds)
 
 
 def run_schema(args: argparse.Namespace) -> int:
     import json
 
-    from orchestrator.spec import reference
-    from orchestrator.spec.topology import Topology
+    from orchestrator import reference_doc as reference
+    from orchestrator.topology.model import Topology
 
     text = reference.topology_reference_markdown() if args.markdown else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
     sys.stdout.write(text)
@@ -157,7 +157,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
                    help=f"the cuda topology whose image and group_add to use (default: {DEFAULT_CONFIG})")
     p.add_argument("--seconds", type=_positive_int, default=60, metavar="SECONDS",
                    help="how long the run trains (default: 60)")
-    p.set_defaults(run=run_gpu_check)
+    p.set_defaults(run=run_gpu_trial)
 
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)
@@ -224,12 +224,12 @@ def _sample_data():
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
-    """The connectivity check (orchestrator/check.py, app/check.py)."""
+    """The connectivity check (orchestrator/connectivity.py, app/connectivity.py)."""
     @engine_errors
     def run_check(a: argparse.Namespace) -> int:
-        from orchestrator import check
+        from orchestrator import connectivity
 
-        return check.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
+        return connectivity.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
                          build=a.build, offline=a.offline)
 
     p = sub.add_parser("check", help="send a tensor from rank 0 to every rank and back over the cluster's "

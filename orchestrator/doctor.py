@@ -27,7 +27,7 @@ from orchestrator.errors import EngineError, UsageError, daemon_reason
 from orchestrator.paths import ROOT
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import APP_USER
-from orchestrator.spec.topology import Topology, size_bytes
+from orchestrator.topology.model import Topology, size_bytes
 TARGETS = ("compose", "swarm")
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
 GIB = 1024 ** 3

@@ -29,10 +29,10 @@ from typing import IO, Any, Optional
 
 from orchestrator.errors import UsageError
 from orchestrator.render.compose import app_environment
-from orchestrator.spec import runs
-from orchestrator.spec.services import Service, describe, has_ps, services
-from orchestrator.spec.topology import Topology, TopologyError
-from orchestrator.spec.usercode import check_paths
+from orchestrator import runs
+from orchestrator.topology.services import Service, describe, has_ps, services
+from orchestrator.topology.model import Topology, TopologyError
+from orchestrator.host_paths import check_paths
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
@@ -52,7 +52,7 @@ class ProcessSpec:
 def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str,
                       run_id: str = "", resume: bool = False) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
-    (orchestrator.spec.runs; empty: the app resumes any checkpoint)."""
+    (orchestrator.runs; empty: the app resumes any checkpoint)."""
     data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
     weights = t.train.init_weights
     env = app_environment(
@@ -134,7 +134,7 @@ def loopback_ifname() -> str:
 
 def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR,
         resume: bool = False) -> int:
-    """Run the cluster of `t` as processes, as a new run (orchestrator.spec.runs; `resume`: it
+    """Run the cluster of `t` as processes, as a new run (orchestrator.runs; `resume`: it
     continues the newest unfinished checkpoint); the exit status of the whole run."""
     check_host(t, source)
     run_dir = Path(runs_dir) / t.name

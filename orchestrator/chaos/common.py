@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from orchestrator.paths import SMOKE_CONFIG
-from orchestrator.spec.topology import Topology, load_with
+from orchestrator.topology.model import Topology, load_with
 
 THRESHOLD = 0.90
 RUN_TIMEOUT = 300.0  # seconds for a whole scenario's run

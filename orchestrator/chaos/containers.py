@@ -25,9 +25,9 @@ from orchestrator.metrics.records import Record, events, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.spec import runs
-from orchestrator.spec.services import PS_SERVICE, by_name, service_names
-from orchestrator.spec.topology import Topology
+from orchestrator import runs
+from orchestrator.topology.services import PS_SERVICE, by_name, service_names
+from orchestrator.topology.model import Topology
 
 # Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
 KILL_APP = ("import os, signal\n"

@@ -19,9 +19,9 @@ from orchestrator.chaos.common import (
 )
 from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
-from orchestrator.spec import runs
-from orchestrator.spec.services import PS_SERVICE, by_name
-from orchestrator.spec.topology import Topology
+from orchestrator import runs
+from orchestrator.topology.services import PS_SERVICE, by_name
+from orchestrator.topology.model import Topology
 
 
 class ProcessJob:

@@ -33,8 +33,8 @@ from orchestrator.chaos.common import RUN_TIMEOUT, THRESHOLD, Outcome, Scenario,
 from orchestrator.paths import ROOT
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.spec.services import PS_SERVICE, service_names
-from orchestrator.spec.topology import Topology
+from orchestrator.topology.services import PS_SERVICE, service_names
+from orchestrator.topology.model import Topology
 
 MANAGER, LOST = "psc-n1", "psc-n2"  # hostnames of the harness's nodes
 SOCKETS = {MANAGER: "unix:///var/run/docker-n1.sock", LOST: "unix:///var/run/docker-n2.sock"}

@@ -36,8 +36,8 @@ from orchestrator.metrics import run_metrics
 from orchestrator.metrics.report import write_report
 from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
 from orchestrator.paths import SMOKE_CONFIG
-from orchestrator.spec.contract import STRATEGIES
-from orchestrator.spec.topology import Topology, load
+from orchestrator.topology.contract import STRATEGIES
+from orchestrator.topology.model import Topology, load
 
 BASE_CONFIG = SMOKE_CONFIG
 RUNS_DIR = "runs/compare"

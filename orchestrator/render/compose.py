@@ -5,7 +5,7 @@ and touches nothing. `dump(doc)` turns it into YAML text that depends only on
 the document (`orchestrator.render.yamlio` writes it).
 
 The names the container adapter relies on are the constants below and
-`project_name`; the service names are in `orchestrator.spec.services`.
+`project_name`; the service names are in `orchestrator.topology.services`.
 
 Strategy `allreduce` (a DDP job, app/ddp.py) has no PS: services worker1..N
 only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
@@ -18,11 +18,11 @@ from typing import Any, Optional
 
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.spec import runs
-from orchestrator.spec.services import (
+from orchestrator import runs
+from orchestrator.topology.services import (
     LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PS_SERVICE, has_ps, rendezvous_service, shard_service, worker_service,
 )
-from orchestrator.spec.topology import Topology
+from orchestrator.topology.model import Topology
 
 NETWORK = "cluster"
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
@@ -226,7 +226,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         volumes.append({"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS,
                         "read_only": True})
     volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
-    # The run's id and --resume, from the environment of the compose / stack call (orchestrator.spec.runs):
+    # The run's id and --resume, from the environment of the compose / stack call (orchestrator.runs):
     # the file stays the same from run to run.
     env.update(runs.interpolated())
     svc: dict[str, Any] = {

@@ -45,9 +45,9 @@ from typing import Any, Optional
 
 from orchestrator.render import compose
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.spec import runs
-from orchestrator.spec.services import LABEL_PROJECT, LABEL_ROLE, has_ps
-from orchestrator.spec.topology import Topology, size_bytes
+from orchestrator import runs
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
+from orchestrator.topology.model import Topology, size_bytes
 
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"

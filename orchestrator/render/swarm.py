@@ -50,9 +50,9 @@ from typing import Any
 
 from orchestrator.render import compose
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, has_ps, rendezvous_service
-from orchestrator.spec.services import services as service_list
-from orchestrator.spec.topology import Topology, size_bytes
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, has_ps, rendezvous_service
+from orchestrator.topology.services import services as service_list
+from orchestrator.topology.model import Topology, size_bytes
 
 MANAGER = "node.role==manager"  # where the state's writer goes on a multi-node swarm (see above)
 STACK_VERSION = "3.8"  # the newest 3.x schema Docker 20.10's `docker stack` knows

@@ -11,7 +11,7 @@ from app.common import models
 from app.config import UsageError, parse
 from app.worker.trainer import Trainer
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.topology import TopologyError, load, parse as parse_topology
+from orchestrator.topology.model import TopologyError, load, parse as parse_topology
 
 from app_testkit import REPO, finished, free_port, run_cluster, start_app, wait_for
 

@@ -31,7 +31,7 @@ def offline_image(engine):
     so a warm machine never runs an image of older app code."""
     from orchestrator import images
     from orchestrator.paths import ROOT
-    from orchestrator.spec.topology import load
+    from orchestrator.topology.model import load
 
     t = load(os.path.join(ROOT, SMOKE_CONFIG))
     base, pip_source = images.source(t, offline=True)

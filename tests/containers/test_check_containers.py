@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from orchestrator import check
+from orchestrator import connectivity
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.paths import ROOT
-from orchestrator.spec.topology import load
+from orchestrator.topology.model import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -26,7 +26,7 @@ def _left(engine) -> list:
 
 def test_check_passes_and_reports_every_rank(engine, offline_image):
     out = io.StringIO()
-    code = check.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
+    code = connectivity.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
     text = out.getvalue()
     assert code == 0, text
     rows = ROW.findall(text)
@@ -39,7 +39,7 @@ def test_check_passes_and_reports_every_rank(engine, offline_image):
 
 def test_check_with_a_rank_missing_fails_naming_it(engine, offline_image):
     out = io.StringIO()
-    code = check.run_containers(load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out)
+    code = connectivity.run_containers(load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out)
     text = out.getvalue()
     assert code == 1, text
     assert "check failed: worker2 (rank 2) did not reach ps:29500 within 5 s" in text

@@ -12,8 +12,8 @@ from orchestrator import doctor
 from orchestrator.backends import smoke
 from orchestrator.backends.compose import status as compose_status, verbs as compose_verbs
 from orchestrator.errors import UsageError
-from orchestrator.spec.services import services
-from orchestrator.spec.topology import load, parse
+from orchestrator.topology.services import services
+from orchestrator.topology.model import load, parse
 
 PS_LINES = [
     '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',

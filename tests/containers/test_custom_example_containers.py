@@ -12,7 +12,7 @@ from orchestrator import images
 from orchestrator.backends import smoke
 from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
 from orchestrator.paths import ROOT
-from orchestrator.spec.topology import load
+from orchestrator.topology.model import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

@@ -11,7 +11,7 @@ from docker.utils.build import exclude_paths
 from orchestrator import images
 from orchestrator.errors import EngineError
 from orchestrator.paths import ROOT
-from orchestrator.spec.topology import load
+from orchestrator.topology.model import load
 
 ROOT = ROOT
 

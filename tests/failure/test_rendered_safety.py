@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.topology import load
+from orchestrator.topology.model import load
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["configs/default.yaml", "configs/cpu-smoke.yaml"]

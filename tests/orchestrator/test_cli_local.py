@@ -17,13 +17,13 @@ import yaml
 
 from orchestrator.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.services import service_names
-from orchestrator.spec.topology import load, parse
+from orchestrator.topology.services import service_names
+from orchestrator.topology.model import load, parse
 
 from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal. The run's
-# variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.spec.runs).
+# variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.runs).
 HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
                  "PSC_METRICS_DIR", "PSC_CACHE_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PSC_RUN_ID",
                  "PSC_RESUME"}

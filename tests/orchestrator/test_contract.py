@@ -1,4 +1,4 @@
-"""The values the orchestrator and the app must agree on (orchestrator/spec/contract.py)
+"""The values the orchestrator and the app must agree on (orchestrator/topology/contract.py)
 are the app's own: strategies, compressions, precisions, datasets, roles, RPC names.
 
 The orchestrator keeps torch-free copies; this test imports the app's side (a test may)."""
@@ -11,9 +11,9 @@ from types import ModuleType
 
 import pytest
 
-from orchestrator.spec import contract
-from orchestrator.spec.services import metrics_file, services
-from orchestrator.spec.topology import Train, load
+from orchestrator.topology import contract
+from orchestrator.topology.services import metrics_file, services
+from orchestrator.topology.model import Train, load
 from orch_helpers import REPO
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator import doctor as d
 from orchestrator.errors import UsageError
-from orchestrator.spec.topology import Topology, parse
+from orchestrator.topology.model import Topology, parse
 
 from needs import unavailable
 from orch_helpers import REPO

@@ -12,7 +12,7 @@ import yaml
 
 from orchestrator import doctor as d
 from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator.spec.topology import Topology, TopologyError, parse
+from orchestrator.topology.model import Topology, TopologyError, parse
 
 from orch_helpers import HERE, REPO
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from orchestrator.render import compose as render_compose, kubernetes as render_k8s
-from orchestrator.spec.topology import Topology, load, parse
+from orchestrator.topology.model import Topology, load, parse
 
 from orch_helpers import HERE, REPO
 
@@ -210,7 +210,7 @@ def test_node_selectors_claims_and_shards() -> None:
 
 
 def test_a_bad_kubernetes_key_is_one_line_naming_it() -> None:
-    from orchestrator.spec.topology import TopologyError
+    from orchestrator.topology.model import TopologyError
 
     text = (REPO / "configs/cpu-smoke.yaml").read_text() + "kubernetes:\n  data_claim: Not_A_Name\n"
     with pytest.raises(TopologyError) as e:

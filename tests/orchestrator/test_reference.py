@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from orchestrator.spec.reference import REGENERATE, topology_reference_markdown
-from orchestrator.spec.topology import Topology
+from orchestrator.reference_doc import REGENERATE, topology_reference_markdown
+from orchestrator.topology.model import Topology
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "topology.md"
 
@@ -27,7 +27,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]
 
 def test_docs_topology_md_is_the_generated_reference():
     assert DOC.read_text(encoding="utf-8") == topology_reference_markdown(), (
-        f"docs/topology.md is out of date with orchestrator/spec/topology.py; regenerate it: {REGENERATE}")
+        f"docs/topology.md is out of date with orchestrator/topology/model.py; regenerate it: {REGENERATE}")
 
 
 def test_every_key_of_every_section_has_a_row_with_its_docstring():
@@ -38,7 +38,7 @@ def test_every_key_of_every_section_has_a_row_with_its_docstring():
     assert len(leaves) > 20
     for key, field in leaves:
         assert key in rows, f"{key} has no row in the reference"
-        assert field.description, f"{key} has no docstring in orchestrator/spec/topology.py (it is the reference's text)"
+        assert field.description, f"{key} has no docstring in orchestrator/topology/model.py (it is the reference's text)"
         assert " ".join(field.description.split()).replace("|", "\\|") in rows[key]
     for section in ("image", "train", "ps", "workers", "network", "swarm"):
         assert f"## `{section}`" in text
@@ -67,7 +67,7 @@ def test_cli_schema_prints_the_reference_and_the_json_schema(cli):
 def test_the_readme_minimal_topology_is_valid():
     import re
 
-    from orchestrator.spec.topology import parse
+    from orchestrator.topology.model import parse
 
     readme = (DOC.parents[1] / "README.md").read_text(encoding="utf-8")
     block = re.search(r"## A minimal topology\n\n```yaml\n(.*?)```", readme, re.S)

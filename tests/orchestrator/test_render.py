@@ -14,8 +14,8 @@ import yaml
 
 from orchestrator.render import compose as render_compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.spec.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
-from orchestrator.spec.topology import Topology, load, parse
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
+from orchestrator.topology.model import Topology, load, parse
 
 from orch_helpers import HERE, REPO, topology
 

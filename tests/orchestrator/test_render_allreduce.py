@@ -17,8 +17,8 @@ from orchestrator import local
 from orchestrator.backends import smoke
 from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator.spec.services import rendezvous_service, service_names
-from orchestrator.spec.topology import TopologyError, load, parse
+from orchestrator.topology.services import rendezvous_service, service_names
+from orchestrator.topology.model import TopologyError, load, parse
 
 from orch_helpers import HERE, REPO, topology
 from test_compose_config import check, compose_v1, compose_v2, need

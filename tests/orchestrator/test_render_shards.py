@@ -12,8 +12,8 @@ import yaml
 
 from orchestrator import local
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.services import describe, service_names
-from orchestrator.spec.topology import Topology, TopologyError, load, parse
+from orchestrator.topology.services import describe, service_names
+from orchestrator.topology.model import Topology, TopologyError, load, parse
 
 from orch_helpers import HERE, REPO, topology
 

@@ -17,7 +17,7 @@ import yaml
 
 from orchestrator.errors import UsageError
 from orchestrator.metrics import compare, records, report, run_metrics
-from orchestrator.spec.topology import load
+from orchestrator.topology.model import load
 
 from orch_helpers import REPO, topology
 

@@ -17,8 +17,8 @@ from orchestrator import doctor as d
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.swarm import adapter as swarm_adapter
 from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator.spec import runs
-from orchestrator.spec.topology import Topology, parse
+from orchestrator import runs
+from orchestrator.topology.model import Topology, parse
 
 from orch_helpers import REPO, topology
 

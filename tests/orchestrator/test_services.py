@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from orchestrator.chaos.processes import ProcessJob
-from orchestrator.check import check_document, plan_local
+from orchestrator.connectivity import check_document, plan_local
 from orchestrator.local import plan
 from orchestrator.render import compose as render_compose
-from orchestrator.spec import services as spec_services
-from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, Service, service_names
-from orchestrator.spec.topology import load
+from orchestrator.backends.compose import inspect as compose_inspect
+from orchestrator.topology import services as spec_services
+from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, Service, service_names
+from orchestrator.topology.model import load
 
 from orch_helpers import REPO, topology
 
@@ -55,7 +56,7 @@ def test_services_follow_the_render(write_config) -> None:
             assert str(s.shard) == svc["environment"].get("PSC_SHARD", "0")
             devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
             assert s.gpu == (int(devices[0]["device_ids"][0]) if devices else None)
-        assert spec_services.from_compose(yaml.safe_load(render_compose.dump(render_compose.render(t), t.name))) == spec_services.services(t)
+        assert compose_inspect.from_compose(yaml.safe_load(render_compose.dump(render_compose.render(t), t.name))) == spec_services.services(t)
 
 
 def test_gpus_in_rank_order(write_config) -> None:

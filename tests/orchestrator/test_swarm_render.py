@@ -16,8 +16,8 @@ import yaml
 
 from orchestrator.render import compose as render_compose, swarm as render_swarm
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.spec.services import service_names
-from orchestrator.spec.topology import Topology, load, parse, size_bytes
+from orchestrator.topology.services import service_names
+from orchestrator.topology.model import Topology, load, parse, size_bytes
 
 from needs import unavailable
 from orch_helpers import HERE, REPO

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.spec.topology import TopologyError, load, parse
+from orchestrator.topology.model import TopologyError, load, parse
 
 from orch_helpers import REPO, topology
 
@@ -147,7 +147,7 @@ def test_defaults_and_descriptions() -> None:
     assert t.network.publish_rpc_port is False
     assert t.image_tag == "ps-compose-t:latest"
     assert t.train.data_dir is None
-    from orchestrator.spec.topology import Train, Workers
+    from orchestrator.topology.model import Train, Workers
     assert "GPU id" in Workers.model_fields["gpus"].description
     assert Train.model_fields["lr"].description
 

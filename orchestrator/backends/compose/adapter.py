@@ -32,7 +32,7 @@ from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, c
 from orchestrator.backends.smoke import wait
 from orchestrator.errors import EngineError, last_line
 from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME
-from orchestrator.spec.services import PS_SERVICE
+from orchestrator.topology.services import PS_SERVICE
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from orchestrator.metrics.records import parse_lines
-from orchestrator.spec.services import Service, from_container, sort_key
+from orchestrator.backends.compose.inspect import from_container
+from orchestrator.topology.services import Service, sort_key
 
 # Labels compose (v1 and v2) puts on every container it creates.
 LABEL_PROJECT = "com.docker.compose.project"

@@ -27,17 +27,18 @@ import yaml
 from orchestrator import doctor, images
 from orchestrator.backends import smoke as smoke_run
 from orchestrator.backends.compose import adapter
+from orchestrator.backends.compose.inspect import from_compose
 from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
 from orchestrator.errors import engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
-from orchestrator.spec import runs
-from orchestrator.spec.services import (
-    PS_SERVICE, Service, describe, from_compose, rendezvous_service, service_names, services,
+from orchestrator import runs
+from orchestrator.topology.services import (
+    PS_SERVICE, Service, describe, rendezvous_service, service_names, services,
 )
-from orchestrator.spec.topology import Topology, load_with
-from orchestrator.spec.usercode import check_paths
+from orchestrator.topology.model import Topology, load_with
+from orchestrator.host_paths import check_paths
 
 CURRENT = RUNS / "current.json"
 CPU_HINT = f"CONFIG={SMOKE_CONFIG} runs anywhere: make up CONFIG={SMOKE_CONFIG} WORKERS=3"
@@ -100,7 +101,7 @@ def build(config: str, workers: Optional[int] = None, *, offline: bool = False, 
 def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
        project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout,
        strategy: Optional[str] = None, resume: bool = False) -> int:
-    """A new run (orchestrator.spec.runs: its own id; `resume`: the PS continues the newest
+    """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
     unfinished checkpoint), or, while the project's run goes on, that run unchanged."""
     tg = target(config, workers, project=project, strategy=strategy)
     t = tg.topology

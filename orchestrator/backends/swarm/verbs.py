@@ -31,10 +31,10 @@ from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relativ
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_atomic, write_if_changed
-from orchestrator.spec import runs
-from orchestrator.spec.services import PS_SERVICE, describe, order, rendezvous_service, service_names
-from orchestrator.spec.topology import Topology, load_with
-from orchestrator.spec.usercode import check_paths
+from orchestrator import runs
+from orchestrator.topology.services import PS_SERVICE, describe, order, rendezvous_service, service_names
+from orchestrator.topology.model import Topology, load_with
+from orchestrator.host_paths import check_paths
 
 RECORD = RUNS / "stack.json"
 GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers and network
@@ -79,7 +79,7 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
 @engine_errors
 def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
              strategy: Optional[str] = None, resume: bool = False) -> int:
-    """Deploy a new run (orchestrator.spec.runs; `resume`: the PS continues the newest unfinished
+    """Deploy a new run (orchestrator.runs; `resume`: the PS continues the newest unfinished
     checkpoint), or, while the stack's run goes on, that run unchanged."""
     t = load_with(config, workers=workers, strategy=strategy)
     check_paths(t, config, ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)

@@ -9,12 +9,12 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import check
-from orchestrator.check import Result, check_document, judge, plan_local
+from orchestrator import connectivity
+from orchestrator.connectivity import Result, check_document, judge, plan_local
 from orchestrator.cli import build_parser, main
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
-from orchestrator.spec.topology import load
+from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
+from orchestrator.topology.model import load
 
 from orch_helpers import HERE, REPO, topology
 
@@ -83,7 +83,7 @@ def test_check_document_is_valid_compose() -> None:
 
 
 def test_check_runs_as_its_own_project() -> None:
-    assert check.project_name(load(SMOKE)) == "cpu-smoke-check"
+    assert connectivity.project_name(load(SMOKE)) == "cpu-smoke-check"
 
 
 def test_rank_0_is_the_first_service(write_config) -> None:
@@ -167,7 +167,7 @@ def test_judge_rank_0_silent_is_a_failure() -> None:
 
 
 def test_check_names_ps_shards_as_the_app_does() -> None:
-    from app.check import rank_names as app_rank_names
+    from app.connectivity import rank_names as app_rank_names
 
     base = load(SMOKE)
     t = base.model_copy(update={"ps": base.ps.model_copy(update={"shards": 2})})

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app import runtime
-from orchestrator import gpu_check as g
+from orchestrator import gpu_trial as g
 from orchestrator.render import compose as render_compose
-from orchestrator.spec.topology import load, parse
+from orchestrator.topology.model import load, parse
 
 from needs import unavailable
 from orch_helpers import REPO

@@ -10,7 +10,7 @@ import yaml
 
 from orchestrator.local import local_environment
 from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator.spec.topology import TopologyError, load, parse
+from orchestrator.topology.model import TopologyError, load, parse
 
 from orch_helpers import REPO, topology
 
@@ -112,7 +112,7 @@ def test_local_puts_code_first_on_pythonpath_and_weights_absolute(tmp_path: Path
 
 
 def test_the_example_topology_is_valid_and_its_paths_exist() -> None:
-    from orchestrator.spec.usercode import check_paths
+    from orchestrator.host_paths import check_paths
 
     t = load(REPO / "examples" / "custom" / "topology.yaml")
     check_paths(t, "examples/custom/topology.yaml", REPO)

@@ -19,7 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.errors import UsageError
-from orchestrator.spec.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, IMAGE_CACHES, PRECISIONS, STRATEGIES
+from orchestrator.topology.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, IMAGE_CACHES, PRECISIONS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.check import rank_names
+from app.connectivity import rank_names
 from app.config import UsageError, parse
 from app_testkit import app_env, finished, free_port, start_app, wait_for
 

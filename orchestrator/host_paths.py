@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.spec.topology import Topology, TopologyError
+from orchestrator.topology.model import Topology, TopologyError
 
 
 def resolve(path: str, base: Path) -> Path:

@@ -1,6 +1,6 @@
 """`python -m orchestrator check`: the cluster's connectivity check, before training.
 
-Every service of the topology runs `python -m app check` (app/check.py) with
+Every service of the topology runs `python -m app check` (app/connectivity.py) with
 its own rank instead of its training role: rank 0 (the PS, or worker1 for
 allreduce) hosts a store that every other rank registers with, then sends a
 4 B and an 8 MiB tensor to each rank over Gloo and gets them back. Rank 0's
@@ -34,8 +34,8 @@ from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, 
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.spec.services import LABEL_RANK, LABEL_ROLE, services
-from orchestrator.spec.topology import Topology
+from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
+from orchestrator.topology.model import Topology
 
 DEFAULT_TIMEOUT = 30.0
 # What a service of the check keeps from the training render: who runs it, where, how safely.

@@ -27,8 +27,8 @@ from orchestrator import doctor
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
-from orchestrator.spec.services import describe, worker_service
-from orchestrator.spec.topology import Topology, load, parse
+from orchestrator.topology.services import describe, worker_service
+from orchestrator.topology.model import Topology, load, parse
 
 PROJECT = "gpu-check"
 RUN_SECONDS = 60.0

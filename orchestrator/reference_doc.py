@@ -1,4 +1,4 @@
-"""The topology reference (docs/topology.md), generated from orchestrator.spec.topology.
+"""The topology reference (docs/topology.md), generated from orchestrator.topology.model.
 
 `topology_reference_markdown()` walks the pydantic models of the topology and
 writes one table per section: each key with its type, default, allowed values
@@ -18,14 +18,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from orchestrator.spec.topology import Topology
+from orchestrator.topology.model import Topology
 
 REGENERATE = "make docs  (python -m orchestrator schema --markdown > docs/topology.md)"
 
 _HEADER = """\
 # Topology reference
 
-<!-- Generated from the field docstrings of orchestrator/spec/topology.py by
+<!-- Generated from the field docstrings of orchestrator/topology/model.py by
      `python -m orchestrator schema --markdown`; `make docs` rewrites this file. -->
 
 A topology is one YAML file (`configs/*.yaml`) that describes a whole run: the

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional
 
-from orchestrator.spec.contract import NO_PS_STRATEGY, ROLES, rpc_name
-from orchestrator.spec.topology import Topology
+from orchestrator.topology.contract import NO_PS_STRATEGY, ROLES, rpc_name
+from orchestrator.topology.model import Topology
 
 Role = Literal["ps", "worker"]
 
@@ -110,32 +110,6 @@ def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu:
         return None
     shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
     return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))
-
-
-def from_compose(doc: Mapping[str, Any]) -> list[Service]:
-    """The services of a rendered compose document (a compose.yaml `up` wrote)."""
-    out = []
-    for name, svc in (doc.get("services") or {}).items():
-        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
-        ids = [i for d in devices for i in d.get("device_ids") or []]
-        s = described(name, svc.get("labels") or {}, svc.get("environment") or {}, int(ids[0]) if ids else None)
-        if s is not None:
-            out.append(s)
-    return out
-
-
-def from_container(attrs: Mapping[str, Any], service_label: str) -> Optional[Service]:
-    """The service a container (`docker inspect` attrs) runs; its name is the compose
-    service label `service_label`."""
-    config = attrs.get("Config") or {}
-    labels = config.get("Labels") or {}
-    name = labels.get(service_label)
-    if name is None:
-        return None
-    env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
-    requests = (attrs.get("HostConfig") or {}).get("DeviceRequests") or []
-    ids = [i for r in requests for i in r.get("DeviceIDs") or []]
-    return described(name, labels, env, int(ids[0]) if ids and ids[0].isdigit() else None)
 
 
 def sort_key(s: Service) -> tuple:

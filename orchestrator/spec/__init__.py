@@ -1,1 +1,0 @@
-"""What a run is: the typed topology, its services, the values shared with the app."""
