@@ -44,8 +44,8 @@ test: setup ## the whole test suite, containers included
 test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
 
-render: host-setup ## write compose.yaml from CONFIG (and WORKERS)
-	$(ORCH) render $(CFG) -o compose.yaml
+render: host-setup ## write compose.yaml from CONFIG (and WORKERS); TARGET=swarm writes stack.yaml, TARGET=kubernetes kubernetes.yaml
+	$(ORCH) render $(CFG) $(if $(TARGET),--target $(TARGET))
 
 sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) from scikit-learn's digits, for configs/cpu-resnet.yaml
 	$(ORCH) sample-data

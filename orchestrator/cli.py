@@ -17,9 +17,6 @@ from typing import NoReturn, Optional, Sequence
 
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
-DEFAULT_OUTPUT = {"compose": "compose.yaml", "swarm": "stack.yaml", "kubernetes": "kubernetes.yaml"}
-TARGETS = ("compose", "swarm")
-RENDER_TARGETS = (*TARGETS, "kubernetes")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,24 +57,26 @@ def load_topology(args: argparse.Namespace):
     return load_with(args.config, workers=args.workers, strategy=getattr(args, "strategy", None))
 
 
+def targets():
+    """The registry of targets (orchestrator/backends/registry.py), imported on use."""
+    from orchestrator.backends import registry
+
+    return registry
+
+
 def run_render(args: argparse.Namespace) -> int:
-    from orchestrator.render import compose, kubernetes, swarm
+    from orchestrator.host_paths import check_paths
+    from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
     from orchestrator.topology.services import describe
-    from orchestrator.host_paths import check_paths
 
+    backend = targets().get(args.target)
     t = load_topology(args)
     check_paths(t, args.config, Path.cwd())  # `code` and train.init_weights: before anything is written
-    if args.target == "swarm":
-        # A relative train.data_dir is taken from the current directory (absolute in the stack file).
-        text = swarm.dump(swarm.render(t, data_root=os.getcwd()), t.name)
-    elif args.target == "kubernetes":
-        text = kubernetes.dump(kubernetes.render(t, data_root=os.getcwd()), t.name)
-    else:
-        text = compose.dump(compose.render(t), t.name)
+    text = backend.render(t, data_root=os.getcwd())
     for warning in compose.security_warnings(t):
         print(f"warning: {warning}", file=sys.stderr)
-    output = args.output or DEFAULT_OUTPUT[args.target]
+    output = args.output or backend.output
     if output == "-":
         sys.stdout.write(text)
         return 0
@@ -85,20 +84,21 @@ def run_render(args: argparse.Namespace) -> int:
         write_atomic(output, text)
     except OSError as e:
         raise UsageError(f"-o {output}: cannot write: {e.strerror or e}") from None
-    what = "stack" if args.target == "swarm" else "project"
-    print(f"wrote {output}: {describe(t)}, image {t.image_tag}, {what} {compose.project_name(t)}")
+    print(f"wrote {output}: {describe(t)}, image {t.image_tag}, {backend.noun} {backend.name_of(t)}")
     return 0
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from orchestrator import doctor
+    from orchestrator.doctor.checks import run_checks
+    from orchestrator.doctor.facts import gather
+    from orchestrator.doctor.report import report
     from orchestrator.topology.services import describe
 
+    backend = targets().get(args.target)
     t = load_topology(args)
-    print(f"doctor: {args.config}, {describe(t)}, target {args.target}")
-    facts = doctor.gather(t, args.target, probe=not args.no_probe)
-    ok = doctor.report(doctor.run_checks(t, args.target, facts), sys.stdout)
-    return 0 if ok else 1
+    print(f"doctor: {args.config}, {describe(t)}, target {backend.name}")
+    facts = gather(t, engine=backend.engine, probe=not args.no_probe, target=backend.gather_facts)
+    return 0 if report(run_checks(backend.checks(), t, facts), sys.stdout) else 1
 
 
 def run_gpu_trial(args: argparse.Namespace) -> int:
@@ -131,13 +131,13 @@ def add_resume_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("render", help="write the compose file (or the swarm stack file) of a topology")
+    registry = targets()
+    outputs = ", ".join(f"{b.output} with --target {b.name}" for b in registry.BACKENDS.values())
+    p = sub.add_parser("render", help="write the compose file (or a stack file, or Kubernetes manifests) of a topology")
     add_topology_args(p)
-    p.add_argument("-o", "--output", metavar="FILE",
-                   help="output file, '-' for stdout (default: compose.yaml, or stack.yaml with --target swarm)")
-    p.add_argument("--target", choices=RENDER_TARGETS, default="compose",
-                   help="compose (docker compose, one host), swarm (docker stack deploy, one or more hosts) "
-                        "or kubernetes (manifests for kubectl apply -f)")
+    p.add_argument("-o", "--output", metavar="FILE", help=f"output file, '-' for stdout (default: {outputs})")
+    p.add_argument("--target", choices=list(registry.BACKENDS), default=registry.DEFAULT,
+                   help=" or ".join(b.summary for b in registry.BACKENDS.values()))
     p.set_defaults(run=run_render)
 
     p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
@@ -146,7 +146,8 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
-    p.add_argument("--target", choices=TARGETS, default="compose", help="what the run uses (default: compose)")
+    p.add_argument("--target", choices=list(registry.BACKENDS), default=registry.DEFAULT,
+                   help=f"what the run uses (default: {registry.DEFAULT})")
     p.add_argument("--no-probe", action="store_true",
                    help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)")
     p.set_defaults(run=run_doctor)
@@ -166,8 +167,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     add_resume_arg(p)
     p.set_defaults(run=run_local)
 
-    # The container verbs: parse here, run in orchestrator/backends/compose/verbs.py. logs,
-    # status and down without -c act on the cluster `up` started last (runs/current.json).
+    # The container verbs: `build` here, the lifecycle verbs from each target that has them.
     def cluster():  # imported on use: `render` and `local` need no Docker SDK
         from orchestrator.backends.compose import verbs
         return verbs
@@ -177,35 +177,9 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
     p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
     p.set_defaults(run=lambda a: cluster().build(a.config, a.workers, offline=a.offline, verbose=a.verbose))
-
-    p = sub.add_parser("up", help="render if needed, build if the image is missing, start detached")
-    add_topology_args(p)
-    p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    add_resume_arg(p)
-    p.set_defaults(run=lambda a: cluster().up(a.config, a.workers, offline=a.offline, strategy=a.strategy,
-                                              resume=a.resume))
-
-    for verb, text in (("down", "stop and remove the cluster (the volume with checkpoints and metrics stays)"),
-                       ("logs", "follow every service's log, prefixed by service"),
-                       ("status", "one line per service: state, exit code, last step, loss")):
-        p = sub.add_parser(verb, help=text)
-        p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last `up`)")
-        p.add_argument("--workers", type=_positive_int, metavar="N")
-        add_strategy_arg(p)
-    sub.choices["down"].add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-    sub.choices["down"].set_defaults(
-        run=lambda a: cluster().down(a.config, a.workers, volumes=a.volumes, strategy=a.strategy))
-    sub.choices["logs"].add_argument("--no-follow", action="store_true", help="print and return")
-    sub.choices["logs"].set_defaults(
-        run=lambda a: cluster().logs(a.config, a.workers, follow=not a.no_follow, strategy=a.strategy))
-    sub.choices["status"].set_defaults(run=lambda a: cluster().status(a.config, a.workers, strategy=a.strategy))
-
-    p = sub.add_parser("smoke", help="the CPU cluster end to end in containers; checks accuracy and exit codes")
-    p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
-    p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
-    p.add_argument("--timeout", type=_positive_int, default=900, metavar="SECONDS")
-    add_strategy_arg(p)
-    p.set_defaults(run=lambda a: cluster().smoke(a.config, a.workers, timeout=a.timeout, strategy=a.strategy))
+    for backend in registry.BACKENDS.values():
+        if backend.verb_prefix is not None:
+            _add_lifecycle_verbs(sub, backend)
     p = sub.add_parser("sample-data", help="write a small Imagenette-layout image tree (train/, val/) from "
                        "scikit-learn's digits, for configs/cpu-resnet.yaml")
     p.add_argument("-o", "--out", default="data/sample-imagenette", metavar="DIR",
@@ -213,7 +187,6 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
     _add_check_verb(sub)
-    _add_stack_verbs(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
 
@@ -245,37 +218,39 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_check)
 
 
-def _add_stack_verbs(sub: argparse._SubParsersAction) -> None:
-    """The Swarm verbs (orchestrator/backends/swarm/verbs.py): the same topology as a `docker stack`.
-    stack-logs, stack-status and stack-down without -c act on the last stack-up."""
-    def swarm():
-        from orchestrator.backends.swarm import verbs
-        return verbs
+def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
+    """PREFIX + up, down, logs, status, smoke of one target (backends/base.py: `Backend`).
+    down, logs and status without -c act on the cluster PREFIX + up started last."""
+    def verb(name: str) -> argparse.ArgumentParser:
+        return sub.add_parser(backend.verb_prefix + name, help=backend.verb_help[name])
 
-    p = sub.add_parser("stack-up", help="doctor, render stack.yaml, build if missing, docker stack deploy")
+    last = f"the last {backend.verb_prefix}up"
+    p = verb("up")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     add_resume_arg(p)
-    p.set_defaults(run=lambda a: swarm().stack_up(a.config, a.workers, offline=a.offline, strategy=a.strategy,
-                                                  resume=a.resume))
-    for verb, text in (("stack-down", "docker stack rm, and wait until its containers and network are gone"),
-                       ("stack-logs", "every service's log (docker service logs), following"),
-                       ("stack-status", "one line per service: its newest task's state, exit code, retries")):
-        p = sub.add_parser(verb, help=text)
-        p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last stack-up)")
+    p.set_defaults(run=lambda a: backend.up(a.config, a.workers, strategy=a.strategy, offline=a.offline,
+                                            resume=a.resume))
+    for name in ("down", "logs", "status"):
+        p = verb(name)
+        p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
         p.add_argument("--workers", type=_positive_int, metavar="N")
-        add_strategy_arg(p)  # the stack's name does not depend on it (accepted for the Makefile's LAST)
-    sub.choices["stack-down"].add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-    sub.choices["stack-down"].set_defaults(run=lambda a: swarm().stack_down(a.config, a.workers, volumes=a.volumes))
-    sub.choices["stack-logs"].add_argument("--no-follow", action="store_true", help="print and return")
-    sub.choices["stack-logs"].set_defaults(
-        run=lambda a: swarm().stack_logs(a.config, a.workers, follow=not a.no_follow))
-    sub.choices["stack-status"].set_defaults(run=lambda a: swarm().stack_status(a.config, a.workers))
-    p = sub.add_parser("stack-smoke", help="the CPU topology as a swarm stack: accuracy and every task's exit state")
+        add_strategy_arg(p)
+        if name == "down":
+            p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
+            p.set_defaults(run=lambda a: backend.down(a.config, a.workers, strategy=a.strategy, volumes=a.volumes))
+        elif name == "logs":
+            p.add_argument("--no-follow", action="store_true", help="print and return")
+            p.set_defaults(run=lambda a: backend.logs(a.config, a.workers, strategy=a.strategy,
+                                                      follow=not a.no_follow))
+        else:
+            p.set_defaults(run=lambda a: backend.status(a.config, a.workers, strategy=a.strategy))
+    p = verb("smoke")
     p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
-    p.add_argument("--timeout", type=_positive_int, default=600, metavar="SECONDS")
-    p.set_defaults(run=lambda a: swarm().stack_smoke(a.config, a.workers, timeout=a.timeout))
+    p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
+    add_strategy_arg(p)
+    p.set_defaults(run=lambda a: backend.smoke(a.config, a.workers, strategy=a.strategy, timeout=a.timeout))
 
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
 """`python -m orchestrator gpu-check`: does this host give every GPU to its own worker, and train?
 
-1. The doctor (orchestrator/doctor.py) on CONFIG: any problem stops here with its
+1. The compose doctor (backends/compose/doctor.py) on CONFIG: any problem stops here with its
    one line (`PROBLEM ...`) and exit status 1; nothing is built or started.
 2. CONFIG's image is built if missing; the doctor's probe container runs in it with
    the GPUs the run will use.
@@ -23,7 +23,10 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import doctor
+from orchestrator.backends.compose import doctor
+from orchestrator.doctor.checks import host_gpus, run_checks
+from orchestrator.doctor.facts import Facts, gather
+from orchestrator.doctor.probe import check_probe
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
@@ -96,10 +99,10 @@ def format_rows(rows: list[WorkerRow]) -> list[str]:
 
 # --- the command (thin: asks Docker) ------------------------------------------
 
-def preflight(t: Topology, config: str, facts: doctor.Facts, out: TextIO) -> bool:
+def preflight(t: Topology, config: str, facts: Facts, out: TextIO) -> bool:
     """The doctor's checks of the run's topology `t`; on a problem, its lines and False
     (the caller exits 1)."""
-    checks = doctor.run_checks(t, "compose", facts)
+    checks = run_checks(doctor.CHECKS, t, facts)
     bad = [c for c in checks if c.ok is False]
     if bad:
         for c in bad:
@@ -119,18 +122,18 @@ def run(config: str = DEFAULT_CONFIG, *, seconds: float = RUN_SECONDS, out: Text
     client = images.client()
     smoke = load(ROOT / SMOKE_CONFIG)
     # First without the probe: the host's GPUs (one worker each), or CONFIG's ids when it cannot list them.
-    facts = doctor.gather(check_topology(t, t.worker_gpus(), smoke), "compose", client=client)
-    gpus, _ = doctor.host_gpus(facts)
+    facts = gather(check_topology(t, t.worker_gpus(), smoke), client=client, target=doctor.gather_facts)
+    gpus, _ = host_gpus(facts)
     run_t = check_topology(t, gpus or t.worker_gpus(), smoke)
     if not preflight(run_t, config, facts, out):
         return 1
     if not images.image_exists(client, t.image_tag):
         base, pip_source = images.source(t, offline=False)
         images.build(t.image_tag, base, pip_source, out=out)
-    facts = doctor.gather(run_t, "compose", client=client, probe=True)
+    facts = gather(run_t, client=client, probe=True, target=doctor.gather_facts)
     if not preflight(run_t, config, facts, out):
         return 1
-    print(f"==> doctor: passed; probe: {doctor.check_probe(run_t, 'compose', facts).text}", file=out, flush=True)
+    print(f"==> doctor: passed; probe: {check_probe(run_t, facts).text}", file=out, flush=True)
     return _train(client, run_t, seconds, out)
 
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import doctor
+from orchestrator.backends.compose import doctor as compose_doctor
+from orchestrator.doctor.checks import run_checks
+from orchestrator.doctor.facts import Facts, data_path, dir_problem
+from orchestrator.doctor.report import stop_on_problems
 from orchestrator.backends import smoke
 from orchestrator.backends.compose import status as compose_status, verbs as compose_verbs
 from orchestrator.errors import UsageError
@@ -100,9 +103,9 @@ workers: {count: 2}
 
 def _preflight(t, config, info, **facts):
     """What `up` does first (cluster.preflight), on given facts instead of the host's."""
-    f = doctor.Facts(info={"MemTotal": 2 ** 36, **info}, compose="docker compose (compose v2)",
-                     gpus=[0, 1], disk_free=2 ** 40, **facts)
-    doctor.stop_on_problems(doctor.run_checks(t, "compose", f), config, compose_verbs.CPU_HINT)
+    f = Facts(info={"MemTotal": 2 ** 36, **info}, target={"compose": "docker compose (compose v2)"},
+              gpus=[0, 1], disk_free=2 ** 40, **facts)
+    stop_on_problems(run_checks(compose_doctor.CHECKS, t, f), config, compose_verbs.CPU_HINT)
 
 
 def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
@@ -116,7 +119,7 @@ def test_preflight_stops_when_the_data_is_missing():
     t = parse(CUDA.replace("device: cuda", "device: cpu").replace(
         "dataset: synthetic", "dataset: imagefolder, data_dir: ./no/such/dir"), "x.yaml")
     with pytest.raises(UsageError, match="train.data_dir: ./no/such/dir is not a directory"):
-        _preflight(t, "x.yaml", {"Runtimes": {}}, data_problem=doctor.dir_problem(doctor.data_path("./no/such/dir")))
+        _preflight(t, "x.yaml", {"Runtimes": {}}, data_problem=dir_problem(data_path("./no/such/dir")))
 
 
 def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):

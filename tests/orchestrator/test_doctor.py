@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import doctor as d
+import doctor_kit as d
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology, parse
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import doctor as d
+import doctor_kit as d
 from orchestrator.render import compose as render_compose, swarm as render_swarm
 from orchestrator.topology.model import Topology, TopologyError, parse
 

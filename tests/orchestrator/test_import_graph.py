@@ -5,6 +5,7 @@ relative imports resolved), so a lazy import cannot hide a cycle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "orchestrator"
@@ -118,31 +119,63 @@ def test_no_private_name_from_another_module() -> None:
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
 
 
-# What a package may import besides itself: the graph is a tree from cli/__main__ down.
-ALLOWED = {
-    "orchestrator.topology": ("orchestrator.errors", "orchestrator.paths"),
-    "orchestrator.render": ("orchestrator.errors", "orchestrator.paths", "orchestrator.topology", "orchestrator.runs"),
-    "orchestrator.metrics.records": (),
-}
+DESIGN = PACKAGE.parent / "docs" / "design.md"
 NO_IO_IN_RENDER = ("os", "subprocess", "socket", "docker", "shutil")
 
 
-def test_nothing_imports_upward() -> None:
-    edges = graph()
+def layers() -> dict[str, int]:
+    """docs/design.md's layer table: unit (orchestrator.<unit>) -> layer."""
+    text = DESIGN.read_text(encoding="utf-8")
+    block = text.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    out: dict[str, int] = {}
+    for line in block.splitlines():
+        columns = re.split(r"\s{2,}", line.strip())  # layer, units, what they hold
+        if columns[0].isdigit():
+            out.update({f"orchestrator.{unit}": int(columns[0]) for unit in columns[1].split()})
+    return out
+
+
+def unit_of(module: str, table: dict[str, int]) -> str:
+    """The longest unit of the table that `module` is or lies in."""
+    found = [u for u in table if module == u or module.startswith(u + ".")]
+    assert found, f"{module} is in no unit of docs/design.md's layer table"
+    return max(found, key=len)
+
+
+def test_the_layer_table_is_read_and_names_every_module() -> None:
+    table = layers()
+    assert table["orchestrator.cli"] == 8 and table["orchestrator.metrics.records"] == 0
+    assert table["orchestrator.backends"] == 4 and table["orchestrator.topology"] == 1
+    assert len(table) == 19, sorted(table)  # every unit, and no word of the description
+    for module in modules():
+        if module != "orchestrator":
+            unit_of(module, table)
+
+
+def test_imports_go_down_the_design_map() -> None:
+    table, edges = layers(), graph()
     bad = []
     for module, targets in edges.items():
+        if module == "orchestrator":
+            continue
+        mine = unit_of(module, table)
         for target in targets:
-            if target == "orchestrator.cli" and module != "orchestrator.__main__":
-                bad.append(f"{module} -> {target}")
-            if target.startswith("orchestrator.chaos") and not module.startswith(("orchestrator.chaos", "orchestrator.cli")):
-                bad.append(f"{module} -> {target}")
-            for package, allowed in ALLOWED.items():
-                if module.startswith(package) and not target.startswith((package, *allowed)):
-                    bad.append(f"{module} -> {target}")
-    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+            if target == "orchestrator":
+                continue
+            theirs = unit_of(target, table)
+            if theirs != mine and table[theirs] >= table[mine]:
+                bad.append(f"{module} (layer {table[mine]}) -> {target} (layer {table[theirs]})")
+    assert not bad, "imports against docs/design.md's layers:\n" + "\n".join(bad)
 
 
-def test_the_compose_and_swarm_renders_do_no_io() -> None:
-    for name in ("orchestrator.render.compose", "orchestrator.render.swarm"):
+def test_a_wrong_import_is_caught_by_the_map() -> None:
+    table = layers()
+    assert table[unit_of("orchestrator.render.compose", table)] < table[unit_of("orchestrator.backends.registry", table)]
+    assert unit_of("orchestrator.metrics.records", table) == "orchestrator.metrics.records"
+    assert unit_of("orchestrator.metrics.report", table) == "orchestrator.metrics"
+
+
+def test_the_renders_do_no_io() -> None:
+    for name in ("orchestrator.render.compose", "orchestrator.render.swarm", "orchestrator.render.kubernetes"):
         found = [m for m, _, _ in imports(name, modules()[name]) if m.split(".")[0] in NO_IO_IN_RENDER]
         assert not found, f"{name} imports {found}"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from orchestrator import doctor as d
+import doctor_kit as d
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.swarm import adapter as swarm_adapter
 from orchestrator.render import compose as render_compose, swarm as render_swarm
@@ -204,4 +204,4 @@ def test_doctor_says_why_the_ps_is_pinned_in_one_line():
 def test_doctor_reports_a_pinned_ps_with_no_manager_to_run_on():
     c = _state(topo(), [{**NODE, "availability": "drain"}, WORKER])
     assert c.ok is False and "no manager is ready and active" in c.text and "--availability active" in c.fix
-    assert any(check is d.check_state for check in d.CHECKS["swarm"])
+    assert d.find("state", "swarm").__module__ == "orchestrator.backends.swarm.doctor"

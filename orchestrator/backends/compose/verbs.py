@@ -24,7 +24,11 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import doctor, images
+from orchestrator import images
+from orchestrator.backends.compose import doctor
+from orchestrator.doctor.checks import run_checks
+from orchestrator.doctor.facts import gather
+from orchestrator.doctor.report import stop_on_problems, summary
 from orchestrator.backends import smoke as smoke_run
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.inspect import from_compose
@@ -78,12 +82,12 @@ def render_if_needed(t: Topology, path: Path) -> bool:
 
 
 def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
-    """The doctor's checks (orchestrator/doctor.py); stop before starting anything
-    when one fails (UsageError: the first problem and its fix, one line)."""
+    """The doctor's checks for compose (backends/compose/doctor.py); stop before starting
+    anything when one fails (UsageError: the first problem and its fix, one line)."""
     check_paths(t, config, ROOT)  # `code`, train.init_weights: relative to the repository, as compose mounts them
-    checks = doctor.run_checks(t, "compose", doctor.gather(t, "compose", client=client))
-    doctor.stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
-    print(f"==> doctor: {doctor.summary(checks)} (python -m orchestrator doctor lists them)", file=out, flush=True)
+    checks = run_checks(doctor.CHECKS, t, gather(t, client=client, target=doctor.gather_facts))
+    stop_on_problems(checks, config, CPU_HINT if t.cuda or t.reads_files else "")
+    print(f"==> doctor: {summary(checks)} (python -m orchestrator doctor lists them)", file=out, flush=True)
 
 
 # --- verbs ----------------------------------------------------------------

@@ -22,7 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from orchestrator import doctor, images
+from orchestrator import images
+from orchestrator.backends.swarm import doctor
+from orchestrator.doctor.checks import run_checks
+from orchestrator.doctor.facts import gather
+from orchestrator.doctor.report import stop_on_problems, summary
 from orchestrator.backends import smoke as smoke_run
 from orchestrator.backends.compose.adapter import run as run_argv
 from orchestrator.backends.swarm import adapter
@@ -84,13 +88,13 @@ def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = Fals
     t = load_with(config, workers=workers, strategy=strategy)
     check_paths(t, config, ROOT)  # `code`, train.init_weights (made absolute under it in the stack file)
     client = images.client()
-    facts = doctor.gather(t, "swarm", client=client)
-    checks = doctor.run_checks(t, "swarm", facts)
-    doctor.stop_on_problems(checks, config, "", target="swarm")
-    print(f"==> doctor: {doctor.summary(checks)} (target swarm)", file=out, flush=True)
+    facts = gather(t, client=client, target=doctor.gather_facts)
+    checks = run_checks(doctor.CHECKS, t, facts)
+    stop_on_problems(checks, config, "", target="swarm")
+    print(f"==> doctor: {summary(checks)} (target swarm)", file=out, flush=True)
     name = render_swarm.stack_name(t)
     path = stack_file(name)
-    wrote = write_if_changed(path, render_text(t, nodes=len(facts.nodes)))
+    wrote = write_if_changed(path, render_text(t, nodes=len(doctor.nodes(facts))))
     print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}", file=out, flush=True)
     env, line = runs.start(adapter.running_env(client, name, runs.VARIABLES), resume)
     print(f"==> {line}", file=out, flush=True)
@@ -179,13 +183,13 @@ def wait_done(client: Any, stack: str, expected: list[str], timeout: float, out:
 
 @engine_errors
 def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 600, threshold: float = 0.90,
-                stack: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+                stack: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
     """The CPU topology as a swarm stack on this engine (a swarm manager): offline
     image, deploy, wait for every task to end, judge the tasks' exit states and
     the PS's `Accuracy:`; print every log on failure; always remove the stack,
     wait for its containers and network to go, and remove its volume."""
     timings = smoke_run.Timings("stack-smoke")
-    t = load_with(config, workers=workers)
+    t = load_with(config, workers=workers, strategy=strategy)
     name = stack or f"{render_swarm.stack_name(t)}-stack-smoke"
     client = images.client()
     expected = service_names(t)
