@@ -2,12 +2,15 @@
 
 Choices of the app's flags, the names of a job's processes (RPC, metrics file
 and compose service) and the metrics' file names and events. Pure: standard
-library only, so the orchestrator imports it without torch.
+library only. The orchestrator never imports the app (its host has no torch):
+it keeps its copy of what it needs in orchestrator/topology/contract.py, and
+tests/orchestrator/test_contract.py holds the two equal.
 """
 
 from __future__ import annotations
 
-ROLES = ("ps", "worker", "health", "check")
+ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
+TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
 COMPRESSIONS = ("none", "bf16", "fp16")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional
 
-from orchestrator.topology.contract import NO_PS_STRATEGY, ROLES, rpc_name
+from orchestrator.topology.contract import NO_PS_STRATEGY, TRAINING_ROLES, rpc_name
 from orchestrator.topology.model import Topology
 
 Role = Literal["ps", "worker"]
@@ -106,7 +106,7 @@ def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu:
     rank) and environment (PSC_SHARD); None when it carries no ps-compose labels
     (a scratch or foreign container)."""
     role, rank = labels.get(LABEL_ROLE), labels.get(LABEL_RANK)
-    if role not in ROLES or rank is None or not str(rank).isdigit():
+    if role not in TRAINING_ROLES or rank is None or not str(rank).isdigit():
         return None
     shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
     return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))

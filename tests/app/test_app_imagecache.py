@@ -1,4 +1,4 @@
-"""The uint8 image cache and the tensor-op augmentation (app/imagecache.py)."""
+"""The uint8 image cache and the tensor-op augmentation (app/common/imagecache.py)."""
 
 from __future__ import annotations
 

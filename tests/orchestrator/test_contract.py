@@ -38,7 +38,7 @@ def test_choices_are_the_apps(app_config: ModuleType) -> None:
     assert contract.PRECISIONS == tuple(app_config.PRECISIONS)
     assert contract.DATASETS == tuple(app_config.DATASETS)
     assert contract.IMAGE_CACHES == tuple(app_config.IMAGE_CACHES)
-    assert set(contract.ROLES) <= set(app_config.ROLES)
+    assert contract.TRAINING_ROLES == app_config.TRAINING_ROLES and set(app_config.TRAINING_ROLES) <= set(app_config.ROLES)
 
 
 def test_file_datasets_are_the_apps() -> None:
