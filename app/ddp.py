@@ -315,7 +315,8 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
     module = module.to(memory_format=runtime.memory_format(config, device))
-    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum)
+    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum,
+                                weight_decay=config.weight_decay)
     state = JobState(module, optimizer)
 
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:

@@ -59,7 +59,7 @@ def run(config: Config) -> int:
     part = bounds(state_size(model), config.shards)[0] if config.shards > 1 else None
     server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
-                             staleness_lr=config.staleness_lr, part=part)
+                             staleness_lr=config.staleness_lr, part=part, weight_decay=config.weight_decay)
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model,

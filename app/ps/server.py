@@ -92,7 +92,7 @@ class ParameterServer:
     def __init__(self, model: nn.Module, lr: float, momentum: float, num_trainers: int,
                  join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
                  strategy: str = "async", staleness: int = 0, staleness_lr: bool = False,
-                 part: tuple[int, int] | None = None) -> None:
+                 part: tuple[int, int] | None = None, weight_decay: float = 0.0) -> None:
         if strategy not in PS_STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
@@ -109,7 +109,7 @@ class ParameterServer:
         # The parameter values in the slice (it may hold buffers only, or straddle both).
         self.num_params = min(max(self.flat.num_params - start, 0), self.size)
         self._param = nn.Parameter(self.state[:self.num_params])  # shares storage with the model
-        self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum)
+        self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.num_trainers = num_trainers
         self.roster = Roster(range(1, num_trainers + 1), join_timeout, clock)
         self._lock = threading.Lock()

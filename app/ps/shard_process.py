@@ -68,7 +68,7 @@ def run(config: Config) -> int:
     part = bounds(state_size(model), k)[index]
     server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
                              strategy=config.strategy, staleness=config.staleness,
-                             staleness_lr=config.staleness_lr, part=part)
+                             staleness_lr=config.staleness_lr, part=part, weight_decay=config.weight_decay)
     log.info("shard %d of %d: values %d..%d of %d (%d parameter values)", index, k, *part,
              server.flat.size, server.num_params)
     identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,

@@ -43,10 +43,14 @@ def mean_into(messages: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 
 def sgd_direction(optimizer: torch.optim.SGD, param: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """What SGD subtracts `lr` times from `param`: the gradient, or with momentum the
-    optimizer's momentum buffer updated with it (torch.optim.SGD's rule, no dampening or
-    nesterov); the buffer stays in the optimizer's state, so checkpoints carry it."""
-    momentum = optimizer.param_groups[0]["momentum"]
+    """What SGD subtracts `lr` times from `param`: the gradient (plus weight_decay times
+    the parameters), or with momentum the optimizer's momentum buffer updated with it
+    (torch.optim.SGD's rule, no dampening or nesterov); the buffer stays in the
+    optimizer's state, so checkpoints carry it."""
+    group = optimizer.param_groups[0]
+    if group["weight_decay"]:
+        grads = grads.add(param.detach(), alpha=group["weight_decay"])
+    momentum = group["momentum"]
     if not momentum:
         return grads
     state = optimizer.state[param]

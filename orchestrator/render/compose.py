@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from app.options import ALWAYS, OPTIONS, Option
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render.yamlio import yaml_text
 from orchestrator import runs
@@ -72,63 +73,44 @@ def app_environment(
     `data_dir` is left out when the dataset reads no files, `init_weights` when
     the topology has none, `cache_dir` (the image cache's files) unless imagefolder.
     """
-    tr = t.train
     if rank == 0:
         device = "cuda" if t.ps_gpu() is not None else "cpu"
     else:
         device = t.image.device
-    env = {
-        "PSC_RANK": str(rank),
-        "PSC_WORLD_SIZE": str(t.world_size),
-        "PSC_MASTER_ADDR": master_addr,
-        "PSC_MASTER_PORT": str(master_port),
-        "PSC_DEVICE": device,
-        "PSC_MODEL": tr.model,
-        "PSC_DATASET": tr.dataset,
-    }
+    tr = t.train
+    # The options the render places itself (who this process is, where its files are);
+    # every other option of app/options.py comes from the topology key it names.
+    placed: dict[str, Any] = {"rank": rank, "world_size": t.world_size, "master_addr": master_addr,
+                              "master_port": master_port, "device": device,
+                              "checkpoint_dir": checkpoint_dir, "metrics_dir": metrics_dir}
     if t.reads_files and data_dir is not None:
-        env["PSC_DATA_DIR"] = data_dir
-    env.update({
-        "PSC_BATCH_SIZE": str(tr.batch_size),
-        "PSC_LR": repr(tr.lr),
-        "PSC_MOMENTUM": repr(tr.momentum),
-        "PSC_NUM_EPOCHS": str(tr.epochs),
-        "PSC_MAX_STEPS": str(tr.max_steps),
-        "PSC_STRATEGY": tr.strategy,
-        "PSC_STALENESS": str(tr.staleness),
-        "PSC_STALENESS_LR": str(tr.staleness_lr).lower(),
-        "PSC_OVERLAP": str(tr.overlap).lower(),
-        "PSC_COMPRESS": tr.compress,
-        "PSC_SEED": str(tr.seed),
-        "PSC_EVAL_EVERY": str(tr.eval_every),
-        "PSC_LOG_EVERY": str(tr.log_every),
-        "PSC_LOADER_WORKERS": str(tr.loader_workers),
-        "PSC_RPC_TIMEOUT": str(t.ps.rpc_timeout),
-        "PSC_JOIN_TIMEOUT": str(t.ps.join_timeout),
-        "PSC_CHECKPOINT_EVERY": str(t.ps.checkpoint_every),
-        "PSC_CHECKPOINT_DIR": checkpoint_dir,
-        "PSC_METRICS_DIR": metrics_dir,
-        "TP_SOCKET_IFNAME": ifname,
-    })
-    if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
-        env["NCCL_SOCKET_IFNAME"] = ifname
-    if t.ps.shards > 1:  # every process must know; absent for an unsharded PS
-        env["PSC_SHARDS"] = str(t.ps.shards)
-    if tr.dataset == "imagefolder" and tr.image_size != 224:  # the app's default
-        env["PSC_IMAGE_SIZE"] = str(tr.image_size)
+        placed["data_dir"] = data_dir
     if tr.loader_workers == "auto":  # what auto divides the host's CPUs by: the workers on one host
-        env["PSC_HOST_WORKERS"] = str(t.workers.count)
-    if tr.image_cache != "auto":  # absent for auto (the app's default)
-        env["PSC_IMAGE_CACHE"] = tr.image_cache
+        placed["host_workers"] = t.workers.count
     if tr.dataset == "imagefolder" and cache_dir is not None:
-        env["PSC_CACHE_DIR"] = cache_dir
-    if t.train.init_weights is not None and init_weights is not None:
-        env["PSC_INIT_WEIGHTS"] = init_weights
-    if tr.precision != "fp32":  # absent for fp32 (the app's default)
-        env["PSC_PRECISION"] = tr.precision
-    if tr.channels_last:
-        env["PSC_CHANNELS_LAST"] = "true"
+        placed["cache_dir"] = cache_dir
+    if tr.init_weights is not None and init_weights is not None:
+        placed["init_weights"] = init_weights
+    env: dict[str, str] = {}
+    for o in OPTIONS:
+        if o.name in placed:
+            env[o.env] = o.text(placed[o.name])
+        elif o.topology and _passed_on(o, t):
+            env[o.env] = o.text(getattr(getattr(t, o.section), o.key))
+        if o.name == "metrics_dir":
+            env["TP_SOCKET_IFNAME"] = ifname
+            if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
+                env["NCCL_SOCKET_IFNAME"] = ifname
     return env
+
+
+def _passed_on(o: Option, t: Topology) -> bool:
+    """Whether the render writes option `o` for `t`: always, or (CHANGED) only when the
+    topology's value is not the app's default, which the app then uses."""
+    if o.name == "image_size" and t.train.dataset != "imagefolder":
+        return False  # only imagefolder crops
+    value = getattr(getattr(t, o.section), o.key)
+    return o.emit == ALWAYS or value != o.default
 
 
 def render(t: Topology) -> dict[str, Any]:

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model,
+                      field_validator)
 
+from app.options import Option, in_topology
 from orchestrator.errors import UsageError
 from orchestrator.topology.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, IMAGE_CACHES, PRECISIONS, STRATEGIES
 
@@ -128,62 +130,54 @@ class Image(_Section):
         return v
 
 
-class Train(_Section):
-    """The training job: model, data, optimizer and strategy."""
+def _option_type(o: Option) -> Any:
+    """The topology's type of a declared option (app/options.py)."""
+    kind = o.topology_kind or o.kind
+    if o.choices:
+        allowed = Literal[o.choices]
+        if o.bool_aliases[0]:  # the field was a boolean (YAML reads a bare on/off as one)
+            return Annotated[allowed, BeforeValidator(
+                lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)]
+        return allowed
+    return {"int": int, "float": Float, "bool": bool, "str": str, "auto_int": LoaderWorkers}[kind]
 
-    model: str
-    """cnn (built in), a torchvision classification model, e.g. resnet18, or your own as package.module:factory (needs `code`)."""
-    dataset: str
-    """imagefolder, mnist, cifar10 read data_dir; digits and synthetic need no files; or your own as package.module:factory (needs `code`; it reads data_dir when given)."""
-    data_dir: Optional[str] = Field(default=None, min_length=1)
-    """Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class folders (Imagenette's layout: the PS evaluates on val/)."""
-    init_weights: Optional[str] = Field(default=None, min_length=1)
-    """A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). Mounted read-only."""
-    batch_size: int = Field(gt=0)
-    """Samples per batch, per worker."""
-    lr: Float = Field(gt=0)
-    """SGD learning rate, applied on the PS."""
-    momentum: Float = Field(default=0.0, ge=0, lt=1)
-    """SGD momentum, on the PS."""
-    epochs: int = Field(gt=0)
-    """Epochs each worker runs over its shard."""
-    strategy: Literal[STRATEGIES] = "async"
-    """async: the PS applies each gradient as it arrives; sync: one averaged update per round of one gradient from every worker; ssp: async, but no worker gets more than `staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with DistributedDataParallel (docs/strategies.md)."""
-    staleness: int = Field(default=4, ge=0)
-    """ssp only: how many pushes a worker may run ahead of the slowest live worker before it waits."""
-    staleness_lr: bool = False
-    """async and ssp: divide each push's learning rate by its staleness (Zhang et al. 2016)."""
-    overlap: bool = False
-    """async and ssp: compute the next batch while the gradient and the fresh parameters are on the wire (one more step of staleness)."""
-    compress: Literal[COMPRESSIONS] = "none"
-    """Gradients on the wire: none (float32), bf16 or fp16, with error feedback on the worker."""
-    precision: Literal[PRECISIONS] = "fp32"
-    """Forward/backward under autocast: fp32 (off), bf16 (CPU or GPU) or fp16 (GPU workers only, with loss scaling). Parameters and pushed gradients stay float32."""
-    channels_last: bool = False
-    """GPU workers: images (and, under allreduce, the model) in channels-last memory format."""
-    seed: int = Field(default=0, ge=0)
-    """Model init, shuffling and synthetic data."""
-    eval_every: int = Field(default=100, gt=0)
-    """The PS evaluates on the held-out split every this many updates (and at the end)."""
-    max_steps: int = Field(default=0, ge=0)
-    """Stop each worker after this many pushes; 0: no cap."""
-    log_every: int = Field(default=10, gt=0)
-    """A worker prints a line every this many batches."""
-    loader_workers: LoaderWorkers = "auto"
-    """DataLoader processes in each container (they pass batches through /dev/shm: shm_size): a number, or auto: the CPUs the container may use (affinity, cgroup cpu.max) / the workers on its host, minus 1 for training, at most 8 (2 CPUs and 2 workers: 0). The PS's evaluation follows the same rule. Each process logs the figure and why."""
-    image_size: int = Field(default=224, ge=8, le=4096)
-    """imagefolder: side of the square training crop in pixels; the shorter side is resized to 8/7 of it first (256 for 224)."""
-    image_cache: Annotated[Literal[IMAGE_CACHES], BeforeValidator(_image_cache)] = "auto"
-    """imagefolder: decode each image once into uint8 at 8/7 of image_size (196 KB an image at 256 px); crop, flip and normalise on the training device. A worker then keeps one shard of the images for all epochs (shuffled within it each epoch) and holds only that; the PS caches its held-out set. memory: in /dev/shm (size shm_size for it); file: decoded once into a file on the state volume keyed by the file list and the size, mapped again by a restarted worker or a later run on the same data (old files are kept: delete them from the volume); off: decode every image every epoch. auto (the default): memory when the decoded images take at most half of the container's free /dev/shm and of its available RAM, else off with one log line saying what to set; so the fast path is on wherever it fits, and never makes a container run out of shm. true/false mean memory/off."""
 
-    @field_validator("model")
+def _option_field(o: Option) -> Any:
+    """A declared option as a topology field: its default (none when the file must give
+    it), its bounds and its help as the field's description."""
+    bounds: dict[str, Any] = {}
+    if o.low is not None:
+        bounds["gt" if o.low_open else "ge"] = o.low
+    if o.high is not None:
+        bounds["lt" if o.high_open else "le"] = o.high
+    if o.required:
+        return Field(description=o.help, **bounds)
+    default = int(o.default) if o.topology_kind == "int" else o.default
+    return Field(default=default, description=o.help, **bounds)
+
+
+def _with_options(name: str, base: type[BaseModel], doc: str, after: Optional[dict[str, dict[str, Any]]] = None
+                  ) -> type[BaseModel]:
+    """`base` (validators, its own fields first) with one field per option of app/options.py
+    that the section `name` sets; `after`: the section's other fields, placed after an option."""
+    fields: dict[str, Any] = {}
+    for o in in_topology(name):
+        fields[o.key] = (_option_type(o), _option_field(o))
+        fields.update((after or {}).get(o.key, {}))
+    return create_model(base.__name__.lstrip("_"), __base__=base, __doc__=doc, __module__=__name__, **fields)
+
+
+class _Train(_Section):
+    """The checks of the train section's values (its fields: `Train`)."""
+
+    @field_validator("model", check_fields=False)
     @classmethod
     def _model(cls, v: str) -> str:
         if not (_MODEL.match(v) or ENTRY_POINT.match(v)):
             raise ValueError("must be a model name like cnn or resnet18, or an entry point package.module:factory")
         return v
 
-    @field_validator("dataset")
+    @field_validator("dataset", check_fields=False)
     @classmethod
     def _dataset(cls, v: str) -> str:
         if v not in DATASETS and not ENTRY_POINT.match(v):
@@ -191,23 +185,32 @@ class Train(_Section):
         return v
 
 
-class PS(_Section):
+# The host paths a topology gives beside the app's options (the render mounts them).
+_TRAIN_PATHS = {
+    "data_dir": (Optional[str], Field(default=None, min_length=1, description=(
+        "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
+        "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class folders "
+        "(Imagenette's layout: the PS evaluates on val/)."))),
+    "init_weights": (Optional[str], Field(default=None, min_length=1, description=(
+        "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
+        "Mounted read-only."))),
+}
+Train = _with_options("train", _Train, "The training job: model, data, optimizer and strategy.",
+                      after={"dataset": _TRAIN_PATHS})
+
+
+class _PS(_Section):
     """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port and checkpoints every checkpoint_every steps."""
 
     shm_size: Size = "1g"
     """/dev/shm of the PS container."""
-    checkpoint_every: int = Field(default=1000, ge=0)
-    """The PS saves a checkpoint every this many updates (and at the end); 0: only at the end."""
     gpu: Optional[int] = Field(default=None, ge=0)
     """GPU id for the PS (cuda only); default none: the PS runs on CPU."""
     rpc_port: int = Field(default=29500, ge=1024, le=65535)
     """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
-    rpc_timeout: int = Field(default=60, gt=0)
-    """Seconds for every RPC and every wait, in every process."""
-    join_timeout: int = Field(default=300, gt=0)
-    """Seconds the PS waits for a missing worker to join or rejoin before it ends without it."""
-    shards: int = Field(default=1, ge=1, le=8)
-    """PS processes the model's state is split across (services ps, ps-shard1..); helps when they sit on several hosts or NICs."""
+
+
+PS = _with_options("ps", _PS, _PS.__doc__ or "")
 
 
 class Workers(_Section):

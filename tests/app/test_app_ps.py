@@ -217,3 +217,26 @@ def test_the_ps_step_is_torch_sgd_value_for_value_and_the_checkpoint_resumes_it(
         if step >= 2:
             assert torch.equal(resumed.push(1, message, step).vector, replies[step])
     assert torch.equal(torch.nn.utils.parameters_to_vector(resumed.model.parameters()), replies[-1][:n])
+
+
+@pytest.mark.parametrize("strategy", ["async", "sync"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_weight_decay_on_the_ps_is_torch_sgds(strategy, momentum):
+    """--weight_decay (train.weight_decay): the PS's step is torch.optim.SGD's with weight_decay,
+    value for value, on both of its paths (the optimizer's step, and the one into a reply buffer)."""
+    reference = models.build("cnn", 1, 10, seed=0)
+    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=momentum, num_trainers=1,
+                             strategy=strategy, weight_decay=0.05)
+    server.join(1, "worker1")
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum, weight_decay=0.05)
+    torch.manual_seed(3)
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in reference.parameters()]
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        vector = server.submit(1, torch.cat([g.flatten() for g in grads]), step).wait().vector
+        expected = torch.nn.utils.parameters_to_vector(reference.parameters())
+        assert torch.allclose(vector[:expected.numel()], expected, atol=1e-6)
+    assert not torch.allclose(expected, torch.nn.utils.parameters_to_vector(
+        models.build("cnn", 1, 10, seed=0).parameters()))

@@ -91,11 +91,30 @@ def test_cycles_are_found() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+# The app's declarations the orchestrator reads: standard library only (held so below).
+APP_DECLARATIONS = ("app.options", "app.contract")
+
+
 def test_no_torch_and_no_app() -> None:
     bad = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}"
            for name, path in modules().items() for module, _, line in imports(name, path)
-           if module.split(".")[0] in FORBIDDEN]
+           if module.split(".")[0] in FORBIDDEN and module not in APP_DECLARATIONS]
     assert not bad, "\n".join(bad)
+
+
+def test_the_app_declarations_import_only_the_standard_library() -> None:
+    import sys
+
+    root = PACKAGE.parent
+    for name in APP_DECLARATIONS:
+        path = root / (name.replace(".", "/") + ".py")
+        for module, _, line in imports(name, path):
+            top = module.split(".")[0]
+            assert module in APP_DECLARATIONS or top in sys.stdlib_module_names or top == "__future__", \
+                f"{path.relative_to(root)}:{line}: imports {module}"
+    init = (root / "app" / "__init__.py").read_text(encoding="utf-8")
+    assert not [n for n in ast.walk(ast.parse(init)) if isinstance(n, (ast.Import, ast.ImportFrom))], \
+        "app/__init__.py imports something: the orchestrator's `import app.options` would run it"
 
 
 def test_no_private_name_from_another_module() -> None:

@@ -48,7 +48,7 @@ def test_rows_carry_type_default_and_allowed_values():
     rows = {line.split(" | ")[0].removeprefix("| ").strip("`"): line.split(" | ")
             for line in topology_reference_markdown().splitlines() if line.startswith("| `")}
     assert rows["train.strategy"][1:4] == ["string", "`async`", "`async`, `sync`, `ssp`, `allreduce`"]
-    assert rows["train.batch_size"][1:4] == ["integer", "required", "> 0"]
+    assert rows["train.batch_size"][1:4] == ["integer", "required", ">= 1"]
     assert rows["train.momentum"][3] == ">= 0, < 1"
     assert rows["ps.rpc_port"][1:4] == ["integer", "`29500`", "1024 to 65535"]
     assert rows["workers.gpus"][1:4] == ["list of integer", "unset", "each entry: >= 0"]
