@@ -17,7 +17,7 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast render sample-data local build up logs status down smoke engine clean \
+.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down smoke engine clean \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
 
 help: ## list the targets
@@ -40,6 +40,9 @@ setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 
 test: setup ## the whole test suite, containers included
 	$(PY) -m pytest --durations=25
+
+lint: setup ## ruff: lint rules and formatting of the whole tree (pyproject.toml [tool.ruff]); FIX=1 applies the fixes
+	$(if $(FIX),$(PY) -m ruff check --fix . && $(PY) -m ruff format .,$(PY) -m ruff check . && $(PY) -m ruff format --check .)
 
 test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
