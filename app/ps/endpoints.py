@@ -22,7 +22,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.ps.server import ParameterServer, Refusal
+from app.common.wire import Refusal
+from app.ps.server import ParameterServer
 
 Admit = Callable[[int, str], dict[str, Any]]          # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself

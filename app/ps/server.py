@@ -45,27 +45,12 @@ from torch.futures import Future
 
 from app.common.checkpoint import cpu_copy
 from app.common.flat import FlatModel
+from app.common.wire import Refusal, Reply
 from app.contract import PS_STRATEGIES, worker_name
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
 
 log = logging.getLogger("app.ps")
-
-
-class Reply(NamedTuple):
-    """The PS's answer to a push."""
-
-    vector: torch.Tensor  # the state to continue from: [params | buffers]
-    version: int          # its version
-    staleness: int        # updates applied between the pusher's pull and its push
-    lead: int             # pushes the pusher is ahead of the slowest rank still training
-
-
-class Refusal(NamedTuple):
-    """The PS's answer to a call it will not carry out (a value: RPC carries it as it is)."""
-
-    kind: str     # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
-    message: str  # one line, naming the worker
 
 
 class _Held(NamedTuple):

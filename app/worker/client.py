@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 from app.config import UsageError
 from app.contract import PS, worker_name
 from app.ps import endpoints
-from app.ps.server import Refusal, Reply
+from app.common.wire import Refusal, Reply
 from app.runtime import first_line
 
 

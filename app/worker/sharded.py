@@ -12,7 +12,7 @@ import torch.distributed.rpc as rpc
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
-from app.ps.server import Refusal, Reply
+from app.common.wire import Refusal, Reply
 from app.ps.update import all_finite
 from app.ps.shards import READY_KEY
 from app.runtime import first_line

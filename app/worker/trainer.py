@@ -27,7 +27,7 @@ from app.common import data, loop
 from app.common.flat import FlatModel
 from app.common.metrics import MetricsWriter
 from app.config import Config
-from app.ps.server import Refusal, Reply
+from app.common.wire import Refusal, Reply
 from app.worker.client import PendingPush, PSClient
 from app.worker.compress import Compressor
 

@@ -154,3 +154,14 @@ def test_the_contract_module_imports_nothing_of_the_app():
     sources = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     sources += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert [s for s in sources if s != "__future__"] == []
+
+
+def test_the_worker_takes_its_wire_types_from_common_not_the_ps_state_machine():
+    """docs/design.md: `worker/` uses the PS's endpoints and membership, its wire types from
+    app/common/wire.py; nothing under `ps/` or `common/` imports `worker/`; ddp uses `common/`."""
+    edges = imports(app_modules())
+    bad = [f"{name}:{line} imports {target}" for name, found in edges.items() for target, _, line in found
+           if (name.startswith("app.worker") and target == "app.ps.server")
+           or (name.startswith(("app.ps", "app.common")) and target.startswith("app.worker"))]
+    assert not bad, "\n".join(bad)
+    assert any(target == "app.common.wire" for target, _, _ in edges["app.worker.trainer"])

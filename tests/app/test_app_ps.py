@@ -172,7 +172,7 @@ def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(w
 
 
 def test_finite_values_whose_sum_overflows_are_applied_and_nan_or_inf_refused():
-    from app.ps.server import Refusal
+    from app.common.wire import Refusal
     from app.ps.update import all_finite
     huge = torch.full((4,), 3e38)
     assert huge.sum().isinf() and all_finite(huge)

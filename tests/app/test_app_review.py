@@ -16,7 +16,8 @@ from app.common.metrics import MetricsWriter
 from app.config import UsageError, check_threads_env, parse
 from app.ps import endpoints
 from app.ps.liveness import LivenessMonitor
-from app.ps.server import ParameterServer, Refusal, Reply
+from app.common.wire import Refusal, Reply
+from app.ps.server import ParameterServer
 from app.worker.client import PendingPush
 from app.worker.compress import Compressor
 from app.worker.trainer import MAX_REFUSED_IN_A_ROW, Trainer

@@ -276,7 +276,7 @@ class _CheckingClient:
 
     def push_async(self, message, version, epoch=1, batch=0, samples=0):
         from types import SimpleNamespace
-        from app.ps.server import Reply
+        from app.common.wire import Reply
         kept = message.clone()
         self.sent.append(message)
 
