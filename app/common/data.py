@@ -148,9 +148,12 @@ def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: boo
     each epoch is missed instead)."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
+    if size < 1:
+        raise ValueError("no samples to shard")
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-    if pad:
-        order = torch.cat([order, order[: -size % num_shards]])
+    if pad:  # as DistributedSampler: repeated (more than once when size < num_shards) up to a multiple
+        total = -(-size // num_shards) * num_shards
+        order = order.repeat(-(-total // size))[:total]
     return sorted(order[shard::num_shards].tolist())
 
 

@@ -131,6 +131,17 @@ def test_stable_shards_are_disjoint_cover_everything_and_do_not_depend_on_the_ep
     assert [len(s) for s in padded] == [8, 8, 8] and set().union(*map(set, padded)) == set(range(23))
 
 
+@pytest.mark.parametrize("size,ranks", [(3, 8), (1, 4), (5, 5), (7, 3), (2, 3)])
+def test_padded_shards_are_never_empty_even_with_fewer_samples_than_ranks(size, ranks):
+    """Under allreduce every rank must take as many steps: ceil(size / ranks) indices each,
+    every sample in some shard (3 samples on 8 ranks gave shards 6 and 7 nothing)."""
+    padded = [data.stable_shard(size, ranks, s, seed=1, pad=True) for s in range(ranks)]
+    assert [len(s) for s in padded] == [-(-size // ranks)] * ranks
+    assert set().union(*map(set, padded)) == set(range(size))
+    with pytest.raises(ValueError, match="no samples"):
+        data.stable_shard(0, ranks, 0, pad=True)
+
+
 def test_with_the_cache_a_worker_keeps_its_shard_every_epoch_and_holds_only_it(tmp_path):
     root = _tree(tmp_path / "data")
     whole = data.load("imagefolder", str(root), "train", 0, SIZE)
