@@ -9,7 +9,9 @@ class Compressor:
     """The message for the wire as one 16-bit tensor: the gradients cast to bf16/fp16
     (their rounding error is kept and added to the next gradient: error feedback),
     then the float32 buffers bit for bit, each as two 16-bit values (the PS reads
-    them back: app.ps.server.ParameterServer, when it checks a push)."""
+    them back: app.ps.server.ParameterServer, when it checks a push). A gradient that is
+    not finite on the wire (NaN, inf, or past fp16's range) leaves no residual: the PS
+    refuses that push, the batch is skipped, and the next push starts clean."""
 
     DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,7 +27,10 @@ class Compressor:
         wire = torch.empty(n + 2 * (message.numel() - n), dtype=self.dtype, device=message.device)
         wire[:n].copy_(grads)
         wire[n:].copy_(message[n:].view(self.dtype))
-        torch.sub(grads, wire[:n].float(), out=self.residual)
+        if torch.isfinite(wire[:n]).all():
+            torch.sub(grads, wire[:n].float(), out=self.residual)
+        else:  # NaN or inf, or a value past fp16's 65504: the PS refuses this push and the
+            self.residual.zero_()  # batch is skipped; a residual holding it would spoil every later one
         return wire
 
     @staticmethod

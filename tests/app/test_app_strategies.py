@@ -16,6 +16,7 @@ from torch import nn
 from app.common import data, models
 from app.common.flat import FlatModel
 from app.common.metrics import read
+from app.common.wire import Refusal
 from app.ps.server import ParameterServer
 from app.worker.compress import Compressor
 
@@ -304,3 +305,22 @@ def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
     assert client.intact == [True] * 5
     pointers = [m.data_ptr() for m in client.sent]
     assert all(a != b for a, b in zip(pointers, pointers[1:])) and len(set(pointers)) == 2  # two buffers, no copy
+
+
+@pytest.mark.parametrize("kind,bad", [("bf16", float("nan")), ("fp16", float("inf")), ("fp16", 70000.0)])
+def test_a_non_finite_compressed_gradient_is_refused_once_and_leaves_no_residual(kind, bad):
+    """One bad gradient (NaN, inf, or a finite value past fp16's 65504) is refused by the PS
+    and skipped; the error-feedback residual must not carry it into every later push (it
+    did: every push after it was refused, and the worker exited after 20)."""
+    n = 6
+    server = ParameterServer(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
+    server.join(1, "worker1")
+    compress = Compressor(kind, n, torch.device("cpu"))
+    first = torch.tensor([0.1, bad, 0.3, 0.4, 0.5, 0.6])
+    refused = server.push(1, compress(first), 0)
+    assert isinstance(refused, Refusal) and refused.kind == "nonfinite" and server.version == 0
+    assert torch.equal(compress.residual, torch.zeros(n))
+    for step in range(3):
+        reply = server.push(1, compress(torch.full((n,), 0.01 * (step + 1))), 0)
+        assert not isinstance(reply, Refusal) and reply.version == step + 1
+    assert torch.isfinite(compress.residual).all()
