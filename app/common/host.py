@@ -1,4 +1,4 @@
-"""What the container may use of its host: CPUs (affinity, cgroup v2 quota), shared memory, RAM.
+"""What the container may use of its host: CPUs (affinity, cgroup v2 or v1 quota), shared memory, RAM.
 
 The readers return None for what the host does not say (no cgroup v2, no /dev/shm);
 the rules (`auto_loader_workers`) are pure functions of the figures, so tests give
@@ -24,18 +24,30 @@ def affinity_cpus() -> int:
 
 
 def cpu_quota(cgroup: Path = CGROUP) -> float | None:
-    """The cgroup v2 CPU limit in CPUs (`cpu.max` quota / period, e.g. `docker run --cpus`);
-    None when unlimited (`max`) or when there is no cgroup v2 file."""
+    """The cgroup CPU limit in CPUs (e.g. `docker run --cpus`): cgroup v2's `cpu.max`
+    (quota / period), else cgroup v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us` under
+    cpu/ or cpu,cpuacct/; None when unlimited (`max`, -1) or when neither file is there."""
     try:
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
-        return None
+        return _cpu_quota_v1(cgroup)
     if quota == "max":
         return None
     try:
         return int(quota) / int(period)
     except (ValueError, ZeroDivisionError):
         return None
+
+
+def _cpu_quota_v1(cgroup: Path) -> float | None:
+    for controller in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        try:
+            quota = int((cgroup / controller / "cpu.cfs_quota_us").read_text())
+            period = int((cgroup / controller / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
 
 
 def usable_cpus(affinity: int, quota: float | None) -> int:

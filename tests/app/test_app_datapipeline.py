@@ -66,6 +66,19 @@ def test_auto_loader_workers_share_the_cpus_among_the_hosts_workers(affinity, qu
     assert ("cgroup quota" in why) == (quota is not None)
 
 
+@pytest.mark.parametrize("controller", ["cpu", "cpu,cpuacct"])
+def test_cpu_quota_is_read_from_cgroup_v1_files_too(tmp_path, controller):
+    """A cgroup v1 host (no cpu.max): cpu.cfs_quota_us / cpu.cfs_period_us; -1 is no limit."""
+    d = tmp_path / controller
+    d.mkdir()
+    (d / "cpu.cfs_period_us").write_text("100000\n")
+    (d / "cpu.cfs_quota_us").write_text("150000\n")
+    assert host.cpu_quota(tmp_path) == 1.5
+    assert host.usable_cpus(8, host.cpu_quota(tmp_path)) == 1
+    (d / "cpu.cfs_quota_us").write_text("-1\n")
+    assert host.cpu_quota(tmp_path) is None
+
+
 def test_cpu_quota_and_memory_are_read_from_cgroup_v2_files(tmp_path):
     assert host.cpu_quota(tmp_path) is None  # no cgroup v2
     (tmp_path / "cpu.max").write_text("max 100000\n")
