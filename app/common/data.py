@@ -210,7 +210,9 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCache = ImageCa
         mine = [chosen[i] for i in stable_shard(len(chosen), count, index, cache.seed, cache.pad)]
     mode, why = imagecache.choose_mode(cache.mode, imagecache.cache_bytes(len(mine), crop),
                                        host.shm_free(), host.memory_available())
-    log.info("image cache %s for %d images (%s)", mode, len(mine), why)
+    crops = ("training crops from the centre square" if mode != "off" else
+             "decoded every epoch, crops from the whole resized image")
+    log.info("image cache %s for %d images (%s); %s", mode, len(mine), why, crops)
     if mode == "off":
         return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
     directory = cache.directory if mode == "file" else None

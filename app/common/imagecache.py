@@ -28,9 +28,12 @@ Used for `imagefolder` by --image_cache (train.image_cache); `python -m bench da
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from app.runtime import first_line
 RESIZE = round(CROP * 8 / 7)  # 256: the size ImageFolderData resizes a 224 crop's image to
 SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
 SUFFIX = ".u8"
+TMP_SUFFIX = ".tmp"
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,10 @@ class CachedImageFolder(Dataset):
         n = len(samples)
         if cache_dir is not None and n:  # an empty shard (more workers than images) needs no file
             self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
+            if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
+                log.warning("image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
+                            self.path, self.path.stat().st_size, _file_bytes(n, size))
+                self.path.unlink(missing_ok=True)
             if not self.path.exists():
                 _write_cache_file(self.path, samples, size, threads)
             self._map()
@@ -219,6 +227,53 @@ def augment(batch: torch.Tensor, train: bool, crop: int = CROP,
     return x.float().mul_(scale).sub_(shift)
 
 
+def reserve(fd: int, nbytes: int, directory: Path) -> None:
+    """Give the file `fd` its `nbytes` on disk now (posix_fallocate), so that a full disk is
+    one error here and not a SIGBUS when a page of the mapping is first written; UsageError
+    (one line: where, how much is needed and free, what to set) when it does not fit."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # no room (ENOSPC, EDQUOT, EFBIG)
+            raise UsageError(_no_room(nbytes, directory, e.strerror or str(e))) from None
+    # A filesystem without fallocate: check the free space, then size the file.
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise UsageError(_no_room(nbytes, directory, "not enough free space"))
+    os.ftruncate(fd, nbytes)
+
+
+def _no_room(nbytes: int, directory: Path, why: str) -> str:
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"--image_cache file: cannot reserve {nbytes / 2**30:.2f} GiB for the cache file in {directory} "
+            f"({why}; {free}); free space there, or set train.image_cache to memory or off")
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Remove the cache's temporary files in `directory` that no writer holds (a writer
+    that died: its lock went with it); the ones removed."""
+    removed = []
+    for p in directory.glob(f".*{SUFFIX}.*{TMP_SUFFIX}"):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer holds it
+        finally:
+            os.close(fd)
+        p.unlink(missing_ok=True)
+        removed.append(p)
+        log.info("image cache: removed %s, left by a writer that did not finish", p)
+    return removed
+
+
 def _shared_storage(nbytes: int) -> torch.UntypedStorage:
     """`nbytes` of shared memory, all reserved in /dev/shm at once; UsageError (one line,
     what to set) when /dev/shm cannot hold them."""
@@ -250,14 +305,21 @@ def _decode_or_none(path: str, size: int) -> tuple[torch.Tensor | None, Exceptio
 
 def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, threads: int) -> None:
     """Decode every sample into `path`: written as a temporary file in the same directory,
-    then renamed, so a file at `path` is always whole. A bad file's slot holds the next
-    decodable image and its label, as in the memory cache."""
+    its whole size reserved first, then renamed, so a file at `path` is always whole. A
+    bad file's slot holds the next decodable image and its label, as in the memory cache.
+    The writer holds a lock on its temporary file: one nobody holds was left by a writer
+    that died, and is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(path.parent)
     n = len(samples)
+    nbytes = _file_bytes(n, size)
     others = [p for p in path.parent.glob("*" + SUFFIX) if p != path]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    out = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(_file_bytes(n, size),))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        reserve(fd, nbytes, path.parent)
+        out = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(nbytes,))
         labels = out[: 8 * n].view(np.int64)
         bad = out[8 * n: 9 * n]
         images = out[9 * n:].reshape(n, 3, size, size)
@@ -281,6 +343,8 @@ def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, thr
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
     log.info("image cache: wrote %s (%d images, %.2f GiB)", path, n, path.stat().st_size / 2**30)
     if others:
         held = sum(p.stat().st_size for p in others if p.exists())

@@ -276,3 +276,76 @@ def test_a_memory_cache_that_does_not_fit_in_shm_is_one_line_saying_what_to_set(
     message = str(error.value)
     assert "\n" not in message and message.startswith("--image_cache memory: cannot reserve 0.00 GiB in /dev/shm")
     assert "shm_size" in message and "file or auto" in message
+
+
+# --- the file cache on a full disk, a damaged file, a writer that died ------------------
+
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from app.common.imagefolder import find_samples
+from app.common.imagecache import CachedImageFolder
+from app.config import UsageError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as a full disk gives ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    CachedImageFolder(find_samples(Path(sys.argv[1]))[1], train=True, crop=16, cache_dir=sys.argv[2])
+except UsageError as e:
+    print("usage:", e)
+    sys.exit(2)
+print("no error")
+"""
+
+
+def test_a_file_cache_that_does_not_fit_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    """The file is reserved before it is mapped: no room is one line (exit 2), not a SIGBUS
+    (exit 135) on the first page written, and the temporary file goes."""
+    import subprocess
+    import sys
+
+    root = _tree(tmp_path / "data", per_class=20)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(root), str(cache_dir)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])), timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("usage:")]
+    assert len(lines) == 1 and "--image_cache file: cannot reserve" in lines[0] and "image_cache to memory or off" \
+        in lines[0], r.stdout
+    assert list(cache_dir.iterdir()) == []
+
+
+def test_a_damaged_cache_file_is_decoded_again_with_one_line(tmp_path, decodes, caplog):
+    root = _tree(tmp_path / "data", per_class=3)
+    samples = find_samples(root)[1]
+    first = CachedImageFolder(samples, train=False, crop=SIZE, cache_dir=tmp_path / "cache")
+    expected = first[list(range(len(samples)))][0].clone()
+    first.path.write_bytes(b"")  # truncated: a disk that filled, a copy cut short
+    decodes.clear()
+    with caplog.at_level(logging.WARNING, logger="app.common.imagecache"):
+        again = CachedImageFolder(samples, train=False, crop=SIZE, cache_dir=tmp_path / "cache")
+    assert len(decodes) == len(samples)
+    assert torch.equal(again[list(range(len(samples)))][0], expected)
+    damaged = [r for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 1 and "(0 bytes" in damaged[0].getMessage()
+
+
+def test_a_temporary_file_nobody_writes_is_removed_and_a_live_writers_is_kept(tmp_path):
+    import fcntl
+
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    dead = cache_dir / ".images-16px-3-abc.u8.4242.tmp"
+    dead.write_bytes(b"\0" * 100)
+    live = cache_dir / ".images-16px-3-def.u8.4343.tmp"
+    live.write_bytes(b"\0" * 100)
+    fd = os.open(live, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a writer still at work
+    try:
+        assert imagecache.remove_stale_temp_files(cache_dir) == [dead]
+        assert not dead.exists() and live.exists()
+    finally:
+        os.close(fd)
+    root = _tree(tmp_path / "data", per_class=3)
+    CachedImageFolder(find_samples(root)[1], train=False, crop=SIZE, cache_dir=cache_dir)
+    assert not live.exists() and [p.suffix for p in cache_dir.iterdir()] == [".u8"]
