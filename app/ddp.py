@@ -245,19 +245,22 @@ def rendezvous(world: World, device: torch.device, timeout: float) -> str:
     return backend
 
 
-def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> None:
+def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> str:
     """Rank 0 resumes from its checkpoint, then tells every rank where the job is and
-    the optimizer's state (DDP itself broadcasts rank 0's parameters and buffers)."""
+    the optimizer's state (DDP itself broadcasts rank 0's parameters and buffers).
+    Returns, on every rank, why there is nothing to do ('' when there is): this run
+    already finished (a restart after its end)."""
     if checkpoints is not None:
         checkpoints.resume()
     box: list[Any] = [None]
     if checkpoints is not None:
         box = [{"progress": dataclasses.asdict(state.progress),
-                "optimizer": cpu_copy(state.optimizer.state_dict())}]
+                "optimizer": cpu_copy(state.optimizer.state_dict()), "finished": checkpoints.run_finished}]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     if checkpoints is None:
         state.progress = Progress(**box[0]["progress"])
         state.optimizer.load_state_dict(box[0]["optimizer"])
+    return box[0]["finished"]
 
 
 def compress_hook(name: str, backend: str) -> Any:
@@ -328,7 +331,10 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         backend = rendezvous(world, device, config.rpc_timeout)
         log.info("%s joined the allreduce job at %s:%d (%d workers, %s)", config.name, world.addr,
                  world.port, world.size, backend)
-        start_state(state, checkpoints, device)
+        finished = start_state(state, checkpoints, device)
+        if finished:
+            log.info("%s", finished)
+            runtime.exit_now(0)
         p = state.progress
         metrics.start(config, p.step)
         metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch,
@@ -345,7 +351,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
             trainer.train()
         except BaseException:  # a lost peer, SIGTERM: keep what was learned (the last whole step)
             if checkpoints is not None:
-                checkpoints.save("on exit")
+                checkpoints.save("on exit", on_exit=True)
             raise
         seconds = time.monotonic() - started
         trainer.wait_for_evaluation()

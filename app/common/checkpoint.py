@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from app.config import UsageError
+
 log = logging.getLogger("app.checkpoint")
 KEEP = 3
 PREVIOUS = "previous"  # <directory>/previous/<run id>/: the files of runs a new run did not continue
@@ -127,6 +129,41 @@ def newest_good(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
         except (ValueError, OSError) as error:
             log.warning("skipping checkpoint %s: %s", path, error)
     return None
+
+
+def check_writable(directory: str | Path) -> None:
+    """UsageError (one line) when this process cannot create a file in `directory`: found
+    at the start, not after a whole run whose every checkpoint and final.pt failed."""
+    probe = Path(directory) / f".write-probe-{os.getpid()}.tmp"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"--checkpoint_dir {directory}: cannot write there ({error.strerror or error}); "
+                         "give the process a writable directory (the state volume: /state/checkpoints)") from None
+
+
+def set_aside_runs(directory: str | Path) -> list[tuple[Path, tuple[Path, dict[str, Any]]]]:
+    """The runs set aside under `<directory>/previous/`, newest first: (its directory, its
+    newest good checkpoint)."""
+    found = []
+    for where in (Path(directory) / PREVIOUS).glob("*"):
+        newest = newest_good(where) if where.is_dir() else None
+        if newest is not None:
+            found.append((newest[0].stat().st_mtime_ns, where, newest))
+    return [(where, newest) for _, where, newest in sorted(found, key=lambda f: f[0], reverse=True)]
+
+
+def move_back(where: Path, directory: str | Path) -> int:
+    """Move a set-aside run's files (checkpoints, final.pt, shard<i>/) back into `directory`;
+    how many. A rename: nothing copied, nothing deleted."""
+    count = 0
+    for path in sorted(p for p in where.rglob("*") if p.is_file()):
+        dest = Path(directory) / path.relative_to(where)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+        count += 1
+    return count
 
 
 def remove_temp_files(directory: str | Path) -> int:

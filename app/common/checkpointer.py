@@ -43,10 +43,12 @@ class Checkpointer:
         self.directory = Path(config.checkpoint_dir)
         self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
         self.saved_version = -1  # the version on disk already (written or resumed from)
+        self.saved_run = ""  # ... and the run id it carries
         # A sharded main PS: the other shards write theirs, labelled with this version, before
         # this one is written (app.ps.shardset); raises if one could not.
         self.before_save: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
+        self.run_finished = ""  # set by `resume` when this run id has already finished
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint of an unfinished run of this job, when it
@@ -54,26 +56,54 @@ class Checkpointer:
 
         Otherwise this is a new run: it starts at version 0 and sets the files it found aside
         (`checkpoint.set_aside`, one log line saying where), so they are neither resumed nor
-        pruned by this run's checkpoints."""
+        pruned by this run's checkpoints. With --resume and nothing to continue here, the
+        newest unfinished run set aside earlier (`previous/`) is moved back and continued.
+
+        A checkpoint directory this process cannot write to is a UsageError now, not a
+        warning at every checkpoint and a failure at the end. `run_finished` is set (one
+        line for the log) when this run id has already finished: its final.pt stays."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        checkpoint.check_writable(self.directory)
         if checkpoint.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
         found = checkpoint.newest_good(self.directory)
+        if found is not None and self._finished_here(found[1]):
+            path, state = found
+            self.run_finished = (f"run {self.config.run_id} already finished at version {state['version']} "
+                                 f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do")
+            return
+        if found is not None and self._not_resumable(found[1]):
+            self._start_fresh(*found, self._not_resumable(found[1]))
+            found = None
+        if found is None and self.config.resume:
+            found = self._from_previous()
         if found is None:
             return
         path, state = found
-        why = self._not_resumable(state)
-        if why:
-            self._start_fresh(path, state, why)
-            return
         self.server.restore(state)
         self.saved_version = self.server.version
-        run = state.get("run_id", "")
+        run = self.saved_run = state.get("run_id", "")
         how = "" if run == self.config.run_id else f" (run {run or 'without an id'}, continued by --resume)"
         log.info("resumed from %s: version %d%s", path, state["version"], how)
         self.metrics.write("resume", self.server.version, checkpoint=path.name, run_id=run)
         if self.config.checkpoint_every:
             self.next_version = self.server.version + self.config.checkpoint_every
+
+    def _finished_here(self, state: dict[str, Any]) -> bool:
+        """This run (same non-empty run id, same job) ended: a restart of its PS has nothing to do."""
+        return bool(state["finished"] and self.config.run_id and state.get("run_id") == self.config.run_id
+                    and not self._not_resumable({**state, "finished": False}))
+
+    def _from_previous(self) -> tuple[Path, dict[str, Any]] | None:
+        """--resume with nothing here to continue: the newest unfinished run of this job set
+        aside in previous/, moved back; None when there is none."""
+        for where, (path, state) in checkpoint.set_aside_runs(self.directory):
+            if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
+                moved = checkpoint.move_back(where, self.directory)
+                log.info("--resume: moved %d file(s) of run %s back from %s", moved, state.get("run_id") or
+                         "without an id", where)
+                return self.directory / path.relative_to(where), state
+        return None
 
     def _not_resumable(self, state: dict[str, Any]) -> str:
         """Why `state` is not continued by this run ('' when it is)."""
@@ -106,32 +136,43 @@ class Checkpointer:
         before the next periodic checkpoint does not wait for it again."""
         self.save(f"{worker_name(rank)} finished", always=True)
 
-    def save(self, why: str, always: bool = False) -> None:
+    def save(self, why: str, always: bool = False, on_exit: bool = False) -> None:
         """A periodic or on-exit checkpoint (`always`: even at the version on disk); a
-        failure (disk full...) is a warning, and the checkpoints already written stay."""
+        failure (disk full...) is a warning, and the checkpoints already written stay.
+        Nothing is written at version 0: a run that applied nothing has nothing to keep
+        (and would otherwise hide the run it set aside from --resume). `on_exit`: the
+        process is stopping; a sharded PS's other shards may be gone or going, and each
+        writes its own slice on its way out, so this one is written whatever they answer."""
         with self._lock:
-            self._save(why, always)
+            self._save(why, always, on_exit)
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds: the training state, the job's identity and this run's id."""
         return {**self.server.checkpoint(), **self.identity, "run_id": self.config.run_id}
 
-    def _save(self, why: str, always: bool) -> None:
+    def _save(self, why: str, always: bool, on_exit: bool = False) -> None:
         state = self._state()
-        if state["version"] == self.saved_version and not always:
+        if state["version"] == 0 or (state["version"] == self.saved_version and not always):
             return
         if self.config.checkpoint_every:
             self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
         start = time.monotonic()
         try:
-            self.before_save(state["version"])
+            try:
+                self.before_save(state["version"])
+            except Exception as error:  # noqa: BLE001 - a shard that is gone
+                if not on_exit:
+                    raise
+                log.info("checkpoint at version %d (%s): the other shards write their own slices on exit "
+                         "(%s)", state["version"], why, error)
+                state["exit"] = True
             path = checkpoint.save(state, self.directory)
         except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
             log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
                         state["version"], why, error)
             return
         seconds = time.monotonic() - start
-        self.saved_version = state["version"]
+        self.saved_version, self.saved_run = state["version"], self.config.run_id
         log.info("checkpoint %s (%s, %.2f s)", path.name, why, seconds)
         self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
 

@@ -27,6 +27,7 @@ from app.ps.server import ParameterServer
 
 Admit = Callable[[int, str], dict[str, Any]]          # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
+Resumed = "tuple[int, str] | None"  # the main PS's newest checkpoint: (version, its run id); None: none yet
 SaveLabelled = Callable[[int], "str | None"]          # a shard writes its checkpoint labelled V
 
 
@@ -37,7 +38,7 @@ class Endpoint:
         self.server: ParameterServer | None = None
         self.join: Admit | None = None             # app.ps.liveness.LivenessMonitor.join on the main PS
         self.register: Register | None = None      # the main PS of a sharded PS: ShardSet.register
-        self.resumed: int | None = None            # ... and the version of the checkpoint it resumed from
+        self.resumed: Callable[[], Resumed] = lambda: None  # ... and its newest checkpoint (version, run id)
         self.save_labelled: SaveLabelled | None = None  # a shard's checkpoint writer
         self.ended = threading.Event()             # a shard: the main PS said training ended
         self.finished = False                      # ... and whether every worker finished
@@ -51,14 +52,17 @@ class Endpoint:
             self.server, self.join = None, None
 
     @contextmanager
-    def serving_main(self, register: Register | None, resumed: int | None = None) -> Iterator[None]:
+    def serving_main(self, register: Register | None,
+                     resumed: Callable[[], Resumed] = lambda: None) -> Iterator[None]:
         """The main PS: shards register through `register` (None: --shards 1) and resume from
-        the checkpoint labelled `resumed` (None: a new run)."""
+        the checkpoint labelled `resumed()`: the main PS's newest, the one it resumed from or
+        wrote since (None: none yet, a new run), so a shard restarted mid-run gets its slice
+        back from the last checkpoint rather than the initial values."""
         self.register, self.resumed = register, resumed
         try:
             yield
         finally:
-            self.register, self.resumed = None, None
+            self.register, self.resumed = None, lambda: None
 
     @contextmanager
     def serving_shard(self, save_labelled: SaveLabelled) -> Iterator[None]:
@@ -107,9 +111,10 @@ def rpc_drop(rank: int, name: str) -> bool:
     return ENDPOINT.get().drop(rank, name)
 
 
-def rpc_resumed() -> int | None:
-    """The version of the main PS's checkpoint every shard resumes from (None: a new run)."""
-    return ENDPOINT.resumed
+def rpc_resumed() -> tuple[int, str] | None:
+    """The main PS's newest checkpoint, (version, run id), which a (re)starting shard resumes
+    from (None: none yet)."""
+    return ENDPOINT.resumed()
 
 
 def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:

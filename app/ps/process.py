@@ -73,6 +73,9 @@ def run(config: Config) -> int:
     with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
         checkpoints = Checkpointer(server, config, identity, metrics)
         checkpoints.resume()
+        if checkpoints.run_finished:  # a restart after the end (restart: on-failure): not a new run
+            log.info("%s", checkpoints.run_finished)
+            return 0
         metrics.start(config, server.version)
         server.on_finish = checkpoints.finished
         liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write)
@@ -82,14 +85,15 @@ def run(config: Config) -> int:
             liveness.on_drop = others.drop
             join = functools.partial(others.join, liveness.join)
             checkpoints.before_save = others.checkpoint
-        resumed = checkpoints.saved_version if checkpoints.saved_version >= 0 else None
+        def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard
+            return (checkpoints.saved_version, checkpoints.saved_run) if checkpoints.saved_version >= 0 else None
         with ENDPOINT.serving(server, join=join), \
                 ENDPOINT.serving_main(others.register if others is not None else None, resumed), \
                 rpc_session(config, rank=0):
             try:
                 train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
             except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
-                checkpoints.save("on exit")
+                checkpoints.save("on exit", on_exit=True)
                 raise
             if not server.roster.all_finished:
                 log.warning("ending without %s: not back within --join_timeout %.0f s",

@@ -43,18 +43,42 @@ def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict
     return None
 
 
-def resume_shard(server: ParameterServer, directory: str | Path, version: int | None) -> str:
-    """Restore the shard's checkpoint labelled `version` (the main PS's); what was done, for the log.
-    RuntimeError (exit 1) when this shard has none labelled so."""
-    if version is None:
+def newest_on_exit(directory: str | Path, run_id: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint in `directory` this shard wrote on exit in run `run_id`
+    (any run when it is '')."""
+    for path in checkpoint.listing(directory):
+        try:
+            state = checkpoint.verify(path)
+        except (ValueError, OSError) as error:
+            log.warning("skipping checkpoint %s: %s", path, error)
+            continue
+        if state.get("exit") and (not run_id or state.get("run_id", "") == run_id):
+            return path, state
+    return None
+
+
+def resume_shard(server: ParameterServer, directory: str | Path, resumed: tuple[int, str] | int | None) -> str:
+    """Restore the shard's checkpoint labelled with the main PS's version; else, when the
+    processes were stopped (each wrote its own slice on the way out, the versions a few
+    pushes apart), the newest this shard wrote on exit in the run of the main PS's
+    checkpoint. `resumed`: (version, run id) of the main PS's newest checkpoint (a bare
+    version: any run). What was done, for the log. RuntimeError (exit 1) when it has neither."""
+    if resumed is None:
         return "the main parameter server starts a new run: starting from the initial values"
+    version, run_id = resumed if isinstance(resumed, tuple) else (resumed, "")
     found = checkpoint_labelled(directory, version)
+    if found is not None:
+        path, state = found
+        server.restore(state)
+        return f"resumed from {path.name} (the main parameter server's version {version})"
+    found = newest_on_exit(directory, run_id)
     if found is None:
-        raise RuntimeError(f"no checkpoint labelled {version} in {directory}: cannot resume with the "
-                           "main parameter server's checkpoint at that version")
+        raise RuntimeError(f"no checkpoint labelled {version} in {directory}, nor one written on exit in run "
+                           f"{run_id or '(any)'}: cannot resume with the main parameter server's checkpoint")
     path, state = found
     server.restore(state)
-    return f"resumed from {path.name} (the main parameter server's version {version})"
+    return (f"resumed from {path.name}, written on exit at this shard's version {state['version']} "
+            f"(the main parameter server's: {version}; pushes in flight when they stopped)")
 
 
 def run(config: Config) -> int:
@@ -72,7 +96,8 @@ def run(config: Config) -> int:
     log.info("shard %d of %d: values %d..%d of %d (%d parameter values)", index, k, *part,
              server.flat.size, server.num_params)
     identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
-                    num_classes=held_out.num_classes, world_size=config.world_size, shards=k, shard=index)
+                    num_classes=held_out.num_classes, world_size=config.world_size, shards=k, shard=index,
+                    run_id=config.run_id)
     own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
     address = f"{config.master_addr}:{config.master_port}"
     ENDPOINT.ended.clear()
@@ -81,6 +106,7 @@ def run(config: Config) -> int:
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
         Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint.check_writable(own.checkpoint_dir)
         checkpoint.remove_temp_files(own.checkpoint_dir)
         name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
                                                        config.rpc_timeout)
@@ -99,7 +125,11 @@ def run(config: Config) -> int:
                     raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
                 if error:
                     raise UsageError(error)
-                _serve_until_ended(server, checkpoints, config, address)
+                try:
+                    _serve_until_ended(server, checkpoints, config, address)
+                except BaseException:  # SIGTERM (SystemExit), the main PS lost: keep this slice
+                    _save_on_exit(server, identity, own.checkpoint_dir)
+                    raise
             state = {**server.checkpoint(), **identity, "finished": ENDPOINT.finished}
             path = checkpoint.save(state, own.checkpoint_dir)
             log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
@@ -120,6 +150,20 @@ def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, confi
                     return
                 raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
             last_ping = time.monotonic()
+
+
+def _save_on_exit(server: ParameterServer, identity: dict[str, Any], directory: str) -> None:
+    """This shard's own checkpoint as it stops (SIGTERM, or the main PS lost): the main PS
+    cannot collect it then (it may be stopping too, or stopped first). A restart resumes
+    it when the main PS's checkpoint has no slice labelled with its version."""
+    if server.version == 0:
+        return  # nothing applied: nothing to keep
+    try:
+        path = checkpoint.save({**server.checkpoint(), **identity, "exit": True}, directory)
+    except OSError as error:
+        log.warning("checkpoint on exit at version %d not written: %s", server.version, first_line(error))
+        return
+    log.info("checkpoint %s (on exit, version %d)", path.name, server.version)
 
 
 def _save_labelled(server: ParameterServer, identity: dict[str, Any], directory: str, version: int) -> str | None:

@@ -26,7 +26,7 @@ from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator import runs
-from orchestrator.topology.services import PS_SERVICE, by_name, service_names
+from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
 from orchestrator.topology.model import Topology
 
 # Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
@@ -195,8 +195,59 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     return _scenario("make down mid-run, make up RESUME=1", "psc-chaos-stop", body, run_dir, t)
 
 
+def sharded(t: Optional[Topology] = None) -> Topology:
+    """The chaos topology with its PS split in two (ps.shards: 2)."""
+    t = t or chaos_topology()
+    return t.model_copy(update={"ps": t.ps.model_copy(update={"shards": 2})})
+
+
+def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """SIGKILL a PS shard's app (ps.shards: 2): Docker restarts it, it takes its slice back
+    from its checkpoint labelled with the PS's version; workers that lost it are restarted
+    and rejoin; the run completes."""
+    shard = shard_service(1)
+
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        _wait_checkpoint(job)
+        wall = job.kill_app(shard)
+        lost = wait_until("the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall),
+                          job.t.ps.rpc_timeout + 10)
+        out.detected_s = lost[0]["time"] - wall
+        back = wait_until("the restarted shard registers", lambda: job.events(PS_SERVICE, "shard", wall), RUN_TIMEOUT)
+        workers = [s for s in service_names(job.t) if s.startswith("worker")]
+        push = wait_until("a worker trains again",
+                          lambda: [r for w in workers for r in job.events(w, "train", back[0]["time"])], RUN_TIMEOUT)
+        out.recovered_s = min(r["time"] for r in push) - wall
+        out.notes = f"the PS lost the shard after {out.detected_s:.1f} s; Docker restarted it; it resumed its slice"
+        return _judge(job, out, lambda states: states[shard]["restarts"] >= 1)
+    return _scenario("kill the app in a PS shard container (Docker restarts it)", "psc-chaos-shard", body, run_dir,
+                     sharded(t))
+
+
+def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """`make down` of a sharded PS mid-run: compose stops the shards before the PS, and every
+    slice is written on the way out; `make up RESUME=1` continues from there."""
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        _wait_checkpoint(job)
+        wall = time.time()
+        out.detected_s = job.down(volumes=False)
+        job.up(resume=True)
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
+        on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
+        out.recovered_s = resume[0]["time"] - wall
+        out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
+        out.notes = (f"down took {out.detected_s:.1f} s; on SIGTERM the PS wrote version "
+                     f"{on_exit[-1]['step'] if on_exit else '?'} and the shard its slice; resumed from version "
+                     f"{resume[0]['step']}")
+        return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
+    return _scenario("make down of a sharded PS mid-run, make up RESUME=1", "psc-chaos-sharded-stop", body,
+                     run_dir, sharded(t))
+
+
 SCENARIOS: dict[str, Scenario] = {
     "container-worker-kill": worker_kill,
     "container-ps-kill": ps_kill,
     "container-stop-up": stop_and_up,
+    "container-ps-shard-kill": ps_shard_kill,
+    "container-sharded-stop-up": sharded_stop_and_up,
 }

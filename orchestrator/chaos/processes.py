@@ -20,7 +20,7 @@ from orchestrator.chaos.common import (
 from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
 from orchestrator import runs
-from orchestrator.topology.services import PS_SERVICE, by_name
+from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
 from orchestrator.topology.model import Topology
 
 
@@ -195,8 +195,55 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         job.close()
 
 
+def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """kill -9 one PS shard (ps.shards: 2) mid-run, after a checkpoint: the PS notices it
+    lost the shard, workers that lose it exit non-zero; the shard and those workers are
+    started again (as compose's restart: on-failure does), the shard takes its slice back
+    from its checkpoint labelled with the PS's version, and the run ends as usual."""
+    base = t or chaos_topology()
+    t = base.model_copy(update={"ps": base.ps.model_copy(update={"shards": 2})})
+    job = ProcessJob(t, run_dir)
+    shard = shard_service(1)
+    out = Outcome("kill -9 a PS shard (ps.shards: 2), start it again (processes)")
+    try:
+        job.start()
+        wait_until(f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+                   lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+                   RUN_TIMEOUT)
+        job.signal(shard, signal.SIGKILL)
+        wall = time.time()
+        job.wait_exit(shard, 10)
+        lost = wait_until("the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall),
+                          job.t.ps.rpc_timeout + 10)
+        out.detected_s = lost[0]["time"] - wall
+        job.start(shard)
+        workers = [n for n in job.procs if n not in (PS_SERVICE, shard)]
+        restarted: list[str] = []
+
+        def whole_again() -> list[Record]:
+            for name in workers:  # restart: on-failure, once each
+                if name not in restarted and job.procs[name].poll() not in (None, 0):
+                    restarted.append(name)
+                    job.start(name)
+            back = job.events(PS_SERVICE, "shard", wall)
+            trained = [r for n in workers for r in job.events(n, "train", back[0]["time"])] if back else []
+            return trained
+        trained = wait_until("the shard is back and workers train", whole_again, RUN_TIMEOUT)
+        out.recovered_s = min(r["time"] for r in trained) - wall
+        out.details.update(restarted=restarted, lost=lost[0])
+        out.notes = (f"PS lost the shard after {out.detected_s:.1f} s; "
+                     f"{len(restarted)} worker(s) exited and were started again; the shard resumed its slice")
+        return _finish(job, out, lambda: "resumed from ckpt-" in job.log(shard, 2))
+    except Timeout as error:
+        out.notes = str(error)
+        return out
+    finally:
+        job.close()
+
+
 SCENARIOS: dict[str, Scenario] = {
     "worker-kill": worker_kill,
     "worker-freeze": worker_freeze,
     "ps-kill": ps_kill,
+    "ps-shard-kill": ps_shard_kill,
 }

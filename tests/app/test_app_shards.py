@@ -133,7 +133,7 @@ DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr",
 
 @pytest.mark.slow
 def test_ps_and_one_shard_and_two_workers_learn_digits(tmp_path):
-    procs = run_cluster(tmp_path, workers=2, args=DIGITS + ["--shards", "2"], timeout=90, shards=2)
+    procs = run_cluster(tmp_path, workers=2, args=DIGITS + ["--shards", "2"], timeout=300, shards=2)
 
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
@@ -164,7 +164,7 @@ def test_ps_and_one_shard_and_two_workers_learn_digits(tmp_path):
 @pytest.mark.slow
 def test_sync_with_two_shards_applies_the_same_rounds_on_every_shard(tmp_path):
     args = DIGITS[:-2] + ["--num_epochs", "2", "--strategy", "sync", "--shards", "3", "--checkpoint_every", "0"]
-    procs = run_cluster(tmp_path, workers=2, args=args, timeout=90, shards=3)
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=300, shards=3)
 
     assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "ps1": 0, "ps2": 0, "worker1": 0, "worker2": 0}
     metrics = tmp_path / "metrics"

@@ -1,6 +1,7 @@
 """Faults in real containers (orchestrator/chaos/containers.py, the offline cpu-smoke
 image): a crashed worker is restarted by Docker and rejoins; a crashed PS makes the
-workers exit non-zero in time, and once restarted resumes from its checkpoint."""
+workers exit non-zero in time, and once restarted resumes from its checkpoint; a sharded
+PS stopped by `make down` keeps every slice, and a crashed shard takes its slice back."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_p
     assert out.details["states"]["ps"]["exit_code"] == 0 and out.accuracy >= 0.90
     log = (tmp_path / "containers.log").read_text()
     assert log.count("worker1 failed: PSUnreachable: lost the parameter server at ps:") == 1
+
+
+def test_make_down_of_a_sharded_ps_keeps_every_slice_and_resume_continues(docker_engine, tmp_path):
+    """compose stops the shard before the PS: the shard writes its slice on SIGTERM, the PS
+    its own without waiting for it, and `make up RESUME=1` continues from both (before:
+    'not written: not every shard is up', and no checkpoint at all)."""
+    out = chaos_containers.sharded_stop_and_up(tmp_path)
+
+    log = (tmp_path / "containers.log").read_text()
+    assert out.recovered, (out, log[-5000:])
+    assert out.details["resumed_version"] == out.details["on_exit"][-1]["step"] > 0
+    assert "written on exit at this shard's version" in log  # the slice the shard wrote on SIGTERM, resumed
+    assert out.accuracy >= 0.90
+
+
+def test_a_crashed_ps_shard_container_is_restarted_and_takes_its_slice_back(docker_engine, tmp_path):
+    out = chaos_containers.ps_shard_kill(tmp_path)
+
+    log = (tmp_path / "containers.log").read_text()
+    assert out.recovered, (out, log[-5000:])
+    assert out.details["states"]["ps-shard1"]["restarts"] >= 1
+    assert "(the main parameter server's version" in log  # from its labelled checkpoint, not the initial values
+    assert out.accuracy >= 0.90

@@ -1,5 +1,6 @@
 """Faults as processes on 127.0.0.1 (the scenarios of `make chaos`, orchestrator/chaos/):
-a killed worker, a killed PS, kills during checkpoint writes, a rank started twice."""
+a killed worker, a killed PS, a killed PS shard, kills during checkpoint writes, a rank
+started twice."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
         assert len(errors) == 1 and "lost the parameter server at 127.0.0.1:" in errors[0], errors
     assert out.details["resumed_version"] >= 200
     assert out.accuracy >= 0.90  # the uninterrupted run's target
+
+
+def test_a_killed_ps_shard_is_started_again_and_takes_its_slice_back_from_its_checkpoint(tmp_path):
+    """`make chaos`'s ps-shard-kill: the PS notices the lost shard, the shard started again
+    restores its slice from its checkpoint labelled with the PS's version (not the initial
+    values), the workers that lost it rejoin, and the run ends 0 at the usual accuracy."""
+    out = chaos_processes.ps_shard_kill(tmp_path)
+    print(f"PS shard killed: noticed after {out.detected_s:.1f} s, whole again after {out.recovered_s:.1f} s")
+
+    assert out.recovered, out
+    assert out.accuracy >= 0.90
+    assert set(out.details["exit_codes"].values()) == {0}
+    assert out.details["lost"]["shard"] == 1
+    shard_log = (tmp_path / "logs" / "ps-shard1.2.err").read_text()
+    resumed = re.search(r"resumed from ckpt-\d+-\w+\.pt \(the main parameter server's version (\d+)\)", shard_log)
+    assert resumed and int(resumed.group(1)) >= 200, shard_log
 
 
 def test_kills_during_checkpoint_writes_never_leave_a_bad_checkpoint(tmp_path):
