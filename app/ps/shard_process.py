@@ -117,6 +117,8 @@ def run(config: Config) -> int:
             except RuntimeError as lost:
                 raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
             log.info("%s: %s", name, resume_shard(server, own.checkpoint_dir, resumed))
+            if server.version:
+                metrics.write("resume", server.version, label=resumed[0] if isinstance(resumed, tuple) else resumed)
             with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
                 try:
                     error = rpc.rpc_sync(PS, endpoints.rpc_register, args=(index, name, k, part),

@@ -1,5 +1,6 @@
 """What the compose and swarm smoke runs share: waiting for a cluster to finish,
-timing its steps, and judging its end (pure: `parse_accuracy`, `judge`).
+timing its steps, and judging its end (pure: `judge`; the accuracy is rank 0's `end`
+record, orchestrator.metrics.records.final_accuracy).
 
 A state is a dict with at least `service`, `status`, `exit_code` and `restarts`
 (`status.container_state` for a container, `adapter.task_state` for a swarm task).
@@ -7,14 +8,12 @@ A state is a dict with at least `service`, `status`, `exit_code` and `restarts`
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TextIO
 
 State = dict[str, Any]
 REPORT_EVERY = 15.0  # seconds between two progress lines while waiting
-_ACCURACY = re.compile(r"^Accuracy:\s*([0-9]*\.?[0-9]+)", re.MULTILINE)
 
 
 def wait(read: Callable[[], list[State]], done: Callable[[list[State]], bool], timeout: float, out: TextIO, *,
@@ -58,12 +57,6 @@ class Timings:
         return f"{self.verb}: {steps}; total {time.monotonic() - self.start:.0f} s"
 
 
-def parse_accuracy(log: str) -> Optional[float]:
-    """The PS's final accuracy: the last `Accuracy: X` at the start of a line."""
-    found = _ACCURACY.findall(log)
-    return float(found[-1]) if found else None
-
-
 def judge(expected: list[str], states: list[State], accuracy: Optional[float],
           threshold: float, who: str = "the PS") -> list[str]:
     """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
@@ -80,7 +73,7 @@ def judge(expected: list[str], states: list[State], accuracy: Optional[float],
         elif s["restarts"]:
             problems.append(f"{service}: restarted {s['restarts']} time(s)")
     if accuracy is None:
-        problems.append(f"{who} printed no `Accuracy:` line")
+        problems.append(f"{who} wrote no `end` record with its accuracy")
     elif accuracy < threshold:
         problems.append(f"{who}'s Accuracy {accuracy:.4f} < {threshold:.2f}")
     return problems

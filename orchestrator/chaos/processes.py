@@ -233,7 +233,8 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         out.details.update(restarted=restarted, lost=lost[0])
         out.notes = (f"PS lost the shard after {out.detected_s:.1f} s; "
                      f"{len(restarted)} worker(s) exited and were started again; the shard resumed its slice")
-        return _finish(job, out, lambda: "resumed from ckpt-" in job.log(shard, 2))
+        out.details["shard_resume"] = job.events(shard, "resume", wall)
+        return _finish(job, out, lambda: bool(job.events(shard, "resume", wall)))
     except Timeout as error:
         out.notes = str(error)
         return out

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from orchestrator.backends.swarm import adapter
 from orchestrator.chaos.common import RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until
+from orchestrator.metrics.records import Record, events, final_accuracy, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.yamlio import write_atomic
@@ -180,8 +181,12 @@ class Stack:
                 out.append((stamp(m.group(1)), m.group(2)))
         return out
 
-    def ps_lines(self, pattern: str, since: float = 0.0) -> list[tuple[float, str]]:
-        return [(t, line) for t, line in self.log(PS_SERVICE) if t >= since and re.search(pattern, line)]
+    def records(self, service: str, event: str, since: float = 0.0, node: str = MANAGER) -> list[Record]:
+        """A service's `event` records written at or after `since`, from its metrics file as
+        its containers on `node` see it (the PS is pinned to the manager; a worker's is on
+        the node it runs on, readable while that node is reachable)."""
+        lines = adapter.read_metrics(node_client(node), self.name, service).get(f"{service}.jsonl", [])
+        return events(parse_lines(lines), event, since)
 
 
 
@@ -218,15 +223,14 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             update_node(stack.client, node, labels=dict([ANY.split("=", 1)]))
         stack.deploy(t, away_from=MANAGER)
         wait_until("every worker joined the PS",
-                   lambda: len(stack.ps_lines(r"\(rank \d+\) joined at version")) >= len(workers), RUN_TIMEOUT)
+                   lambda: len(stack.records(PS_SERVICE, "join")) >= len(workers), RUN_TIMEOUT)
         lost = wait_until(f"a worker running on {LOST}", lambda: stack.running_on(LOST), 30)
         lost = [s for s in lost if s in workers]
         if not lost:
             out.notes = f"no worker task on {LOST} (Swarm put them all on {MANAGER}): nothing to lose"
             return out
         wait_until(f"{lost[0]} past epoch {CUT_AT_EPOCH}", lambda: any(
-            int(e) > CUT_AT_EPOCH for _, line in stack.log(lost[0]) for e in re.findall(r"\| Epoch: (\d+) \|", line)),
-            RUN_TIMEOUT)
+            r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], "train", node=LOST)), RUN_TIMEOUT)
         out.details["placement"] = {r["service"]: r["node"] for r in stack.tasks()}
         cut = set_link(up=False)
         try:
@@ -235,17 +239,17 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
                 return all(nodes[s]["node"] == MANAGER and nodes[s]["state"] == "running" for s in lost)
             wait_until(f"{', '.join(lost)} running again on {MANAGER}", moved, RUN_TIMEOUT)
             out.details["reschedule_s"] = round(time.time() - cut, 1)
-            def rejoined() -> list[tuple[float, str]]:
-                joins = stack.ps_lines(r"\(rank \d+\) joined at version", cut)
+            def rejoined() -> list[Record]:
+                joins = stack.records(PS_SERVICE, "join", cut)
                 return joins if len(joins) >= len(lost) else []
             rejoin = wait_until("the moved workers rejoin the PS", rejoined, RUN_TIMEOUT)
-            out.recovered_s = out.details["rejoin_s"] = round(max(ts for ts, _ in rejoin) - cut, 1)
-            out.details["rejoined"] = [line for _, line in rejoin]
+            out.recovered_s = out.details["rejoin_s"] = round(max(r["time"] for r in rejoin) - cut, 1)
+            out.details["rejoined"] = [r.get("worker") for r in rejoin]
             time.sleep(max(0.0, cut + CUT_MIN - time.time()))
         finally:
             back = set_link(up=True)
-        drops = stack.ps_lines(r"\bdropped \S+ \(rank \d+\)", cut)
-        out.detected_s = round(drops[0][0] - cut, 1) if drops else None
+        drops = stack.records(PS_SERVICE, "drop", cut)
+        out.detected_s = round(drops[0]["time"] - cut, 1) if drops else None
         out.details["cut_s"] = round(back - cut, 1)
         wait_until(f"{LOST} ready again", lambda: LOST in {
             n["hostname"] for n in adapter.nodes(stack.client) if n["state"] == "ready"}, RUN_TIMEOUT)
@@ -255,8 +259,7 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         again = settled(stack, expected)
         out.details["tasks"] = again or stack.tasks()
         out.details["run_s"] = round(time.time() - start, 1)
-        accuracy = [line for _, line in stack.ps_lines(r"^Accuracy: ")]
-        out.accuracy = float(accuracy[-1].split()[-1]) if accuracy else None
+        out.accuracy = final_accuracy(stack.records(PS_SERVICE, "end"))
         newest = {r["service"]: r for r in (again or final)}
         ps_ok = newest[PS_SERVICE]["state"] == "complete"
         all_complete = all(r["state"] == "complete" for r in newest.values())

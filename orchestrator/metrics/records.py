@@ -7,7 +7,9 @@ is skipped, never an error: readers see the records that were whole.
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -40,3 +42,22 @@ def read_jsonl(path: Path) -> list[Record]:
 def events(records: Iterable[Record], event: str, since: float = 0.0) -> list[Record]:
     """The records of this event written at or after `since` (unix time)."""
     return [r for r in records if r.get("event") == event and r["time"] >= since]
+
+
+def final_accuracy(records: Iterable[Record]) -> Optional[float]:
+    """The held-out accuracy of a run's last `end` record (the PS's, or allreduce's rank 0);
+    None when it wrote none (the run did not get that far)."""
+    ends = [r for r in records if r.get("event") == "end" and isinstance(r.get("accuracy"), (int, float))]
+    return float(ends[-1]["accuracy"]) if ends else None
+
+
+def metrics_from_tar(data: bytes) -> dict[str, list[str]]:
+    """{file name: lines} of the *.jsonl files in a tar (what get_archive returns)."""
+    found: dict[str, list[str]] = {}
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for m in tar.getmembers():
+            if m.isfile() and m.name.endswith(".jsonl"):
+                f = tar.extractfile(m)
+                if f is not None:
+                    found[Path(m.name).name] = f.read().decode("utf-8", "replace").splitlines()
+    return found

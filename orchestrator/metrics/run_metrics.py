@@ -166,7 +166,8 @@ def info_from_start(run: Run, start: Record) -> None:
 
 def infer_info(run: Run) -> None:
     """For metrics without a `start` record (written by an older app): strategy, workers and
-    batch size from the records that carry them > run.json > compose.yaml > the files."""
+    batch size from the records that carry them > run.json (the orchestrator's own) > the
+    files; the strategy stays unknown when none says it."""
     found: dict[str, Any] = {}
     sources = []
     for rec in run.records("join", "train", "eval", "end"):
@@ -175,14 +176,13 @@ def infer_info(run: Run) -> None:
                 found[key] = rec[key]
     if found:
         sources.append("metrics")
-    for source, info in (("run.json", _run_json(run.path)), ("compose.yaml", _compose_info(run.path))):
-        new = {k: v for k, v in info.items() if v is not None and k not in found}
-        if new:
-            found.update(new)
-            sources.append(source)
+    new = {k: v for k, v in _run_json(run.path).items() if v is not None and k not in found}
+    if new:
+        found.update(new)
+        sources.append("run.json")
     workers = len([k for k, v in run.worker_files.items() if any(r.get("event") == "train" for r in v)])
     run.workers = workers or int(found.get("workers") or 0)
-    run.strategy = found.get("strategy") or _guess_strategy(run)
+    run.strategy = found.get("strategy")
     if found.get("batch_size"):
         run.batch_size = int(found["batch_size"])
     else:
@@ -200,30 +200,6 @@ def _run_json(run_dir: Path) -> dict[str, Any]:
     return {"strategy": doc.get("strategy", train.get("strategy")),
             "batch_size": doc.get("batch_size", train.get("batch_size")),
             "workers": doc.get("workers", workers.get("count"))}
-
-
-def _compose_info(run_dir: Path) -> dict[str, Any]:
-    """PSC_STRATEGY and PSC_BATCH_SIZE of the compose file `up` wrote for this run."""
-    try:
-        import yaml
-
-        doc = yaml.safe_load((run_dir / "compose.yaml").read_text(encoding="utf-8"))
-        services = doc["services"]
-    except Exception:  # noqa: BLE001 - no compose file, or not one of ours
-        return {}
-    for service in services.values():
-        env = (service or {}).get("environment") or {}
-        if isinstance(env, dict) and "PSC_STRATEGY" in env:
-            batch = env.get("PSC_BATCH_SIZE")
-            return {"strategy": env["PSC_STRATEGY"], "batch_size": int(batch) if batch else None,
-                    "workers": sum(1 for s in services if str(s).startswith("worker"))}
-    return {}
-
-
-def _guess_strategy(run: Run) -> Optional[str]:
-    if "ps" not in run.files and any(r.get("event") == "eval" for recs in run.worker_files.values() for r in recs):
-        return "allreduce"
-    return None
 
 
 # --- figures from the records --------------------------------------------

@@ -35,7 +35,7 @@ def has_ps(t: Topology) -> bool:
 
 def rendezvous_service(t: Topology) -> str:
     """The service that hosts rank 0 and the rendezvous (PSC_MASTER_ADDR): `ps`, or
-    `worker1` for allreduce. It prints the job's final `Accuracy:` and `Time:`."""
+    `worker1` for allreduce. Its `end` record carries the job's final accuracy."""
     return PS_SERVICE if has_ps(t) else worker_service(1)
 
 

@@ -13,6 +13,7 @@ from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, data_path, dir_problem
 from orchestrator.doctor.report import stop_on_problems
 from orchestrator.backends import smoke
+from orchestrator.metrics import records
 from orchestrator.backends.compose import status as compose_status, verbs as compose_verbs
 from orchestrator.errors import UsageError
 from orchestrator.topology.services import services
@@ -53,7 +54,7 @@ def test_metrics_from_tar_reads_every_jsonl_file():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert compose_status.metrics_from_tar(buf.getvalue()) == {"ps.jsonl": PS_LINES, "worker1.jsonl": WORKER_LINES}
+    assert records.metrics_from_tar(buf.getvalue()) == {"ps.jsonl": PS_LINES, "worker1.jsonl": WORKER_LINES}
 
 
 def test_status_lines():
@@ -72,13 +73,13 @@ def test_status_lines():
     ]
 
 
-def test_parse_accuracy_takes_the_last_line_start_match():
-    log = ("ps | Update: 50 | Accuracy: 0.7799\n"
-           "Accuracy: 0.5\n"
-           "ps | Update: 200 | Accuracy: 0.9554\n"
-           "Accuracy: 0.9666\nTime: 1.60 seconds\n")
-    assert smoke.parse_accuracy(log) == 0.9666
-    assert smoke.parse_accuracy("ps | Update: 500 | Accuracy: 0.85\n") is None
+def test_the_smoke_accuracy_is_rank_0s_last_end_record():
+    lines = [json.dumps({"time": 1.0, "event": "eval", "step": 50, "accuracy": 0.7799}),
+             json.dumps({"time": 2.0, "event": "end", "step": 200, "accuracy": 0.5}),
+             "{broken",
+             json.dumps({"time": 3.0, "event": "end", "step": 300, "accuracy": 0.9666})]
+    assert records.final_accuracy(records.parse_lines(lines)) == 0.9666
+    assert records.final_accuracy(records.parse_lines(lines[:1])) is None  # evaluations only: no end yet
 
 
 def test_judge():
@@ -86,7 +87,7 @@ def test_judge():
     expected = ["ps", "worker1", "worker2"]
     assert smoke.judge(expected, ok, 0.95, 0.90) == []
     assert smoke.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
-    assert smoke.judge(expected, ok, None, 0.90) == ["the PS printed no `Accuracy:` line"]
+    assert smoke.judge(expected, ok, None, 0.90) == ["the PS wrote no `end` record with its accuracy"]
     bad = [compose_status.container_state(attrs("ps", "exited")), compose_status.container_state(attrs("worker1", "exited", 1)),
            compose_status.container_state(attrs("worker2", "running"))]
     assert smoke.judge(expected + ["worker3"], bad, 0.95, 0.90) == [

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from orchestrator import images
-from orchestrator.backends import smoke
+from orchestrator.metrics import records
 from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
@@ -39,7 +39,8 @@ def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path
         codes = {s["service"]: (s["exit_code"], s["restarts"]) for s in states}
         assert codes == {"ps": (0, 0), "worker1": (0, 0), "worker2": (0, 0)}, logs.getvalue()[-6000:]
         ps_log = compose_adapter.log_text(engine, PROJECT, "ps")
-        accuracy = smoke.parse_accuracy(ps_log)
+        files = compose_adapter.read_metrics(engine, PROJECT, compose_adapter.containers(engine, PROJECT))
+        accuracy = records.final_accuracy(records.parse_lines(files.get("ps.jsonl", [])))
         assert accuracy is not None and accuracy >= THRESHOLD, ps_log[-3000:]
         assert "held-out split: 359 samples, 1 channel(s), 10 classes" in ps_log, ps_log[-3000:]
     finally:

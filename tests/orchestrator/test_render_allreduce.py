@@ -152,7 +152,7 @@ def test_cluster_target_and_judge() -> None:
     assert tg.topology is not None and service_names(tg.topology) == ["worker1", "worker2", "worker3"]
     ok = [{"service": s, "status": "exited", "exit_code": 0, "restarts": 0} for s in ("worker1", "worker2")]
     assert smoke.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
-    assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 printed no `Accuracy:` line"]
+    assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 wrote no `end` record with its accuracy"]
 
 
 def test_make_passes_strategy() -> None:

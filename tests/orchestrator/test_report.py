@@ -136,14 +136,14 @@ def test_run_json_gives_strategy_and_batch(tmp_path: Path) -> None:
     assert run_metrics.eval_points(run)[1].samples == pytest.approx(2 * 20 * 16)
 
 
-def test_compose_file_gives_strategy_and_batch(tmp_path: Path) -> None:
+def test_the_compose_file_is_not_read_back(tmp_path: Path) -> None:
+    """The app's records are the only input about a run: a compose.yaml beside old metrics
+    (no `start` record) says nothing; the strategy stays unknown."""
     run_dir = make_run(tmp_path / "r", samples=False, strategy=None)
     env = {"PSC_STRATEGY": "sync", "PSC_BATCH_SIZE": "64"}
-    doc = {"services": {"ps": {"environment": env}, "worker1": {"environment": env},
-                        "worker2": {"environment": env}}}
-    (run_dir / "compose.yaml").write_text(yaml.safe_dump(doc))
+    (run_dir / "compose.yaml").write_text(yaml.safe_dump({"services": {"ps": {"environment": env}}}))
     run = run_metrics.load_run(run_dir)
-    assert (run.strategy, run.batch_size, run.info_from) == ("sync", 64, "compose.yaml")
+    assert run.strategy is None and run.batch_size != 64 and "compose" not in run.info_from
 
 
 def test_only_the_last_run_of_appended_files(tmp_path: Path) -> None:
@@ -179,15 +179,19 @@ def test_bad_lines_are_skipped(tmp_path: Path) -> None:
 
 
 def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
-    """allreduce: worker1.jsonl holds the eval and end records; no staleness."""
+    """allreduce: worker1.jsonl holds the eval and end records; no staleness; its `start`
+    record (as every allreduce rank writes one) says the strategy."""
     m = tmp_path / "allreduce" / "metrics"
-    w1 = worker_records(1) + [r for r in ps_records(strategy=None, hist=False) if r["event"] in ("eval", "end")]
+    start = {"time": T0 - 1, "role": "worker", "rank": 1, "event": "start", "step": 0, "strategy": "allreduce",
+             "batch_size": 32, "world_size": 3, "workers": 2}
+    w1 = [start] + worker_records(1) + [r for r in ps_records(strategy=None, hist=False)
+                                        if r["event"] in ("eval", "end")]
     for r in w1:
         r.pop("staleness", None)
         r.pop("staleness_mean", None)
         r.pop("staleness_max", None)
     write(m / "worker1.jsonl", sorted(w1, key=lambda r: r["time"]))
-    write(m / "worker2.jsonl", worker_records(2))
+    write(m / "worker2.jsonl", [dict(start, rank=2)] + worker_records(2))
     run = run_metrics.load_run(tmp_path / "allreduce")
     assert run.strategy == "allreduce" and run.workers == 2
     s = run_metrics.summarize(run)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
-from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, container_state, metrics_from_tar
+from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, container_state
+from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.backends.smoke import wait
 from orchestrator.errors import EngineError, last_line
 from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME

@@ -4,9 +4,6 @@ and metrics lines in, rows out. `status` prints them; the smoke run judges them.
 
 from __future__ import annotations
 
-import io
-import tarfile
-from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from orchestrator.metrics.records import parse_lines
@@ -29,18 +26,6 @@ def container_state(attrs: dict[str, Any]) -> dict[str, Any]:
         "health": (state.get("Health") or {}).get("Status"),
         "restarts": attrs.get("RestartCount", 0) or 0,
     }
-
-
-def metrics_from_tar(data: bytes) -> dict[str, list[str]]:
-    """{file name: lines} of the *.jsonl files in a tar (what get_archive returns)."""
-    found: dict[str, list[str]] = {}
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        for m in tar.getmembers():
-            if m.isfile() and m.name.endswith(".jsonl"):
-                f = tar.extractfile(m)
-                if f is not None:
-                    found[Path(m.name).name] = f.read().decode("utf-8", "replace").splitlines()
-    return found
 
 
 def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:

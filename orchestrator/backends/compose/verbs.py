@@ -34,12 +34,13 @@ from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.inspect import from_compose
 from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
 from orchestrator.errors import engine_errors
+from orchestrator.metrics.records import final_accuracy, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
 from orchestrator import runs
 from orchestrator.topology.services import (
-    PS_SERVICE, Service, describe, rendezvous_service, service_names, services,
+    PS_SERVICE, Service, by_name, describe, rendezvous_service, service_names, services,
 )
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.host_paths import check_paths
@@ -176,8 +177,8 @@ def status(config: Optional[str] = None, workers: Optional[int] = None, *,
 def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900, threshold: float = 0.90,
           project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
     """The CPU cluster end to end in real containers: offline image, up, wait for
-    every container to exit, check rank 0's `Accuracy:` (the PS's, or worker1's
-    for allreduce) and every exit status, print every log on failure, always tear
+    every container to exit, check rank 0's accuracy (the PS's `end` record, or
+    worker1's for allreduce) and every exit status, print every log on failure, always tear
     down (volume included)."""
     timings = smoke_run.Timings("smoke")
     t = load_with(config, workers=workers, strategy=strategy)
@@ -197,9 +198,11 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
         with timings.step("run"):
             adapter.run(adapter.up_argv(found, proj), env=runs.environment(runs.new_id(), False))
             finished = adapter.wait_exited(client, name, len(expected), timeout, out)
-        states = [container_state(c.attrs) for c in adapter.containers(client, name)]
+        found_containers = adapter.containers(client, name)
+        states = [container_state(c.attrs) for c in found_containers]
         rank0 = rendezvous_service(t)
-        accuracy = smoke_run.parse_accuracy(adapter.log_text(client, name, rank0))
+        files = adapter.read_metrics(client, name, found_containers)
+        accuracy = final_accuracy(parse_lines(files.get(by_name(t)[rank0].metrics_file, [])))
         problems = smoke_run.judge(expected, states, accuracy, threshold,
                                    who="the PS" if rank0 == PS_SERVICE else rank0)
         if finished is None:

@@ -18,6 +18,8 @@ import time
 from typing import Any, Sequence
 
 from orchestrator.errors import EngineError
+from orchestrator.metrics.records import metrics_from_tar
+from orchestrator.render.compose import METRICS_DIR
 
 LABEL_STACK = "com.docker.stack.namespace"
 DOCKER = "docker"
@@ -121,6 +123,21 @@ def service_log(client: Any, stack: str, service: str) -> str:
         return ""
     chunks = client.api.service_logs(svc.id, stdout=True, stderr=True, follow=False)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+def read_metrics(client: Any, stack: str, service: str) -> dict[str, list[str]]:
+    """{file name: lines} of the metrics files a service's newest container on this engine
+    sees at /state/metrics (running or exited); {} when none is here (a task on another
+    node: ask that node's engine)."""
+    found = client.containers.list(all=True, filters={"label": f"com.docker.swarm.service.name="
+                                                                f"{service_name(stack, service)}"})
+    for container in sorted(found, key=lambda c: c.attrs.get("Created", ""), reverse=True):
+        try:
+            stream, _ = container.get_archive(METRICS_DIR)
+            return metrics_from_tar(b"".join(stream))
+        except Exception:  # noqa: BLE001 - gone meanwhile, or no metrics yet
+            continue
+    return {}
 
 
 def leftovers(client: Any, stack: str) -> list[str]:

@@ -7,8 +7,8 @@ runs/stack.json, so `stack-logs`, `stack-status` and `stack-down` without `-c`
 act on the stack deployed last.
 
 A stack's tasks are one-shot: done when every service's newest task has
-ended; judged like `smoke` (every service exited 0, no retry, the PS's last
-`Accuracy:` line at or above the threshold).
+ended; judged like `smoke` (every service exited 0, no retry, the accuracy of
+rank 0's `end` record at or above the threshold).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_atomic, write_if_changed
 from orchestrator import runs
-from orchestrator.topology.services import PS_SERVICE, describe, order, rendezvous_service, service_names
+from orchestrator.metrics.records import final_accuracy, parse_lines
+from orchestrator.topology.services import PS_SERVICE, by_name, describe, order, rendezvous_service, service_names
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.host_paths import check_paths
 
@@ -186,7 +187,7 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
                 stack: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
     """The CPU topology as a swarm stack on this engine (a swarm manager): offline
     image, deploy, wait for every task to end, judge the tasks' exit states and
-    the PS's `Accuracy:`; print every log on failure; always remove the stack,
+    rank 0's accuracy (its `end` record, read from its container on this engine); print every log on failure; always remove the stack,
     wait for its containers and network to go, and remove its volume."""
     timings = smoke_run.Timings("stack-smoke")
     t = load_with(config, workers=workers, strategy=strategy)
@@ -206,7 +207,8 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
             states = wait_done(client, name, expected, timeout, out)
         final = states if states is not None else adapter.states(client, name)
         rank0 = rendezvous_service(t)
-        accuracy = smoke_run.parse_accuracy(adapter.service_log(client, name, rank0))
+        lines = adapter.read_metrics(client, name, rank0).get(by_name(t)[rank0].metrics_file, [])
+        accuracy = final_accuracy(parse_lines(lines))
         problems = smoke_run.judge(expected, list(final.values()), accuracy, threshold,
                                    who="the PS" if rank0 == PS_SERVICE else rank0)
         if states is None:
