@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from app import runtime
 from app.common import data, loop, models, plugins
-from app.common.checkpoint import cpu_copy
+from app.common.checkpoint_files import cpu_copy
 from app.common.checkpointer import Checkpointer
 from app.common.evaluate import held_out_accuracy
 from app.common.metrics import MetricsWriter

@@ -60,11 +60,11 @@ def _init(config: Any, name: str, rank: int) -> None:
 
 
 def _part(p: dict[str, Any], index: int) -> tuple[int, int] | None:
-    """Shard `index`'s slice of the state vector (app.ps.shards), or None unsharded."""
+    """Shard `index`'s slice of the state vector (app.ps.sharding.slices), or None unsharded."""
     if p.get("shards", 1) == 1:
         return None
     from app.common.flat import state_size
-    from app.ps.shards import bounds
+    from app.ps.sharding.slices import bounds
     return bounds(state_size(SPECS[p["model"]].model()), p["shards"])[index]
 
 
@@ -102,7 +102,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     from app.contract import PS, ps_name, worker_name
     from app.ps.endpoints import rpc_pull
     from app.worker.client import PSClient
-    from app.worker.sharded import ShardedClient
+    from app.worker.sharded_client import ShardedClient
     from app.worker.trainer import Trainer
     config = _config("worker", p)
     spec = SPECS[p["model"]]
@@ -110,7 +110,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     client = PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
     _init(config, worker_name(config.rank), config.rank)
     shard_names = [ps_name(i) for i in range(1, config.shards)]
-    if shard_names:  # app-sharded: the worker's side of app.ps.shards, its shards listed here
+    if shard_names:  # app-sharded: the worker's side of app.ps.sharding.slices, its shards listed here
         client = ShardedClient(client)
         client.parts = [(ps_name(i), *_part(p, i)) for i in range(config.shards)]
         pulled = [rpc.rpc_sync(name, rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]

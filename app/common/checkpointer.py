@@ -1,6 +1,6 @@
 """A training state's checkpoints: resume from the newest good one, periodic, on exit, on a finish, final.
 
-Used by the PS (app.ps.process), a PS shard (app.ps.shard_process) and a DDP
+Used by the PS (app.ps.process), a PS shard (app.ps.sharding.shard_process) and a DDP
 job's rank 0 (app.ddp): anything `Checkpointable`.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from app.common import checkpoint
+from app.common import checkpoint_files
 from app.common.metrics import MetricsWriter
 from app.config import Config
 from app.contract import worker_name
@@ -45,7 +45,7 @@ class Checkpointer:
         self.saved_version = -1  # the version on disk already (written or resumed from)
         self.saved_run = ""  # ... and the run id it carries
         # A sharded main PS: the other shards write theirs, labelled with this version, before
-        # this one is written (app.ps.shardset); raises if one could not.
+        # this one is written (app.ps.sharding.shardset); raises if one could not.
         self.before_save: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
         self.run_finished = ""  # set by `resume` when this run id has already finished
@@ -63,10 +63,10 @@ class Checkpointer:
         warning at every checkpoint and a failure at the end. `run_finished` is set (one
         line for the log) when this run id has already finished: its final.pt stays."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        checkpoint.check_writable(self.directory)
-        if checkpoint.remove_temp_files(self.directory):
+        checkpoint_files.check_writable(self.directory)
+        if checkpoint_files.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
-        found = checkpoint.newest_good(self.directory)
+        found = checkpoint_files.newest_good(self.directory)
         if found is not None and self._finished_here(found[1]):
             path, state = found
             self.run_finished = (f"run {self.config.run_id} already finished at version {state['version']} "
@@ -97,9 +97,9 @@ class Checkpointer:
     def _from_previous(self) -> tuple[Path, dict[str, Any]] | None:
         """--resume with nothing here to continue: the newest unfinished run of this job set
         aside in previous/, moved back; None when there is none."""
-        for where, (path, state) in checkpoint.set_aside_runs(self.directory):
+        for where, (path, state) in checkpoint_files.set_aside_runs(self.directory):
             if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
-                moved = checkpoint.move_back(where, self.directory)
+                moved = checkpoint_files.move_back(where, self.directory)
                 log.info("--resume: moved %d file(s) of run %s back from %s", moved, state.get("run_id") or
                          "without an id", where)
                 return self.directory / path.relative_to(where), state
@@ -107,7 +107,7 @@ class Checkpointer:
 
     def _not_resumable(self, state: dict[str, Any]) -> str:
         """Why `state` is not continued by this run ('' when it is)."""
-        defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.shards)
+        defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.sharding.slices)
         expected = {**defaults, **self.identity}
         mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items()
                     if state.get(k, defaults.get(k)) != v}
@@ -123,7 +123,7 @@ class Checkpointer:
 
     def _start_fresh(self, path: Path, state: dict[str, Any], why: str) -> None:
         label = state.get("run_id") or f"version-{state['version']}"
-        moved = checkpoint.set_aside(self.directory, label)
+        moved = checkpoint_files.set_aside(self.directory, label)
         where = f"; its files moved to {moved[0]}" if moved else ""
         log.info("not resuming from %s (version %d): %s; starting a new run at version 0%s",
                  path.name, state["version"], why, where)
@@ -166,7 +166,7 @@ class Checkpointer:
                 log.info("checkpoint at version %d (%s): the other shards write their own slices on exit "
                          "(%s)", state["version"], why, error)
                 state["exit"] = True
-            path = checkpoint.save(state, self.directory)
+            path = checkpoint_files.save(state, self.directory)
         except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
             log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
                         state["version"], why, error)
@@ -190,9 +190,9 @@ class Checkpointer:
             saved["model"] = model
         with self._lock:
             try:
-                checkpoint.save_atomically(saved, final)
+                checkpoint_files.save_atomically(saved, final)
             except OSError as error:
                 raise OSError(f"{final} not written ({error.strerror or error}); "
                               "no checkpoint was marked finished") from None
             log.info("saved %s (version %d)", final, state["version"])
-            checkpoint.save(state, self.directory)
+            checkpoint_files.save(state, self.directory)

@@ -112,13 +112,13 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
     if dataset == "imagefolder":
         mode = {True: "memory", False: "off"}.get(image_cache, image_cache)  # type: ignore[call-overload]
         return _imagefolder(Path(data_dir), split == "train", image_size,
-                            ImageCache(str(mode), cache_dir, shard, seed, threads, pad))
+                            ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad))
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
 
 
 @dataclass(frozen=True)
-class ImageCache:
+class ImageCacheSettings:
     """How imagefolder caches: `mode` (off | memory | file | auto), the file cache's
     directory, the worker's shard (index, count) or None (the whole split), the shard's
     seed, the file cache's decoding threads, and whether shards are padded to one size."""
@@ -185,7 +185,7 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
     return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
 
 
-def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCache = ImageCache()) -> LabeledData:
+def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings = ImageCacheSettings()) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
     the images, fixed, are held out. `cache`: decoded once into uint8 (app/common/imagecache.py)."""

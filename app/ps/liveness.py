@@ -75,7 +75,7 @@ class LivenessMonitor:
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
         server.on_back = self.back
-        # Called after a drop: a sharded PS forwards it to its other shards (app.ps.shardset).
+        # Called after a drop: a sharded PS forwards it to its other shards (app.ps.sharding.shardset).
         self.on_drop: Callable[[int, str], None] = lambda rank, name: None
 
     def join(self, rank: int, name: str) -> dict[str, Any]:
@@ -143,7 +143,7 @@ class LivenessMonitor:
     def _sweep(self, now: float) -> None:
         """Take joined workers (not PS shards) off the store's member list (see app.ps.membership) and free
         the join token if a process died holding it for longer than the RPC timeout."""
-        # PS shards stay listed: every joiner must learn them (app.ps.shards).
+        # PS shards stay listed: every joiner must learn them (app.ps.sharding.slices).
         extra = [n for n in membership.listed() if n != PS and not membership.is_shard_name(n)]
         if extra:
             membership.unlist(extra, TICK_UNLIST_SECONDS)

@@ -61,7 +61,7 @@ def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float
 
 
 def claim_shard_identity(index: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
-    """A PS shard's (RPC name, RPC id): `ps<index>`, then `ps<index>_r2`, ... (app.ps.shards)."""
+    """A PS shard's (RPC name, RPC id): `ps<index>`, then `ps<index>_r2`, ... (app.ps.sharding.slices)."""
     incarnation, rpc_id = _claim(f"psc/incarnation/ps{index}", master_addr, master_port, timeout)
     return shard_name(index, incarnation), rpc_id
 
@@ -91,7 +91,7 @@ def shard_name(index: int, incarnation: int) -> str:
 
 
 def is_shard_name(name: str) -> bool:
-    """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.ps.shards)."""
+    """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.ps.sharding.slices)."""
     return re.fullmatch(r"ps\d+(_r\d+)?", name) is not None
 
 

@@ -27,12 +27,12 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter
 from app.config import Config
 from app.contract import PS
-from app.ps import shard_process
+from app.ps.sharding import shard_process
 from app.ps.endpoints import ENDPOINT
 from app.ps.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
-from app.ps.shards import bounds
-from app.ps.shardset import ShardSet
+from app.ps.sharding.slices import bounds
+from app.ps.sharding.shardset import ShardSet
 from app.runtime import choose_device, progress, rpc_session
 
 log = logging.getLogger("app.ps")

@@ -16,7 +16,7 @@ back ties up no RPC thread):
 - sync:  held until every rank still training pushed once; their average is
          applied as one update and every pusher gets the same answer.
 
-A sharded PS (app.ps.shards) runs one ParameterServer per process over a slice
+A sharded PS (app.ps.sharding.slices) runs one ParameterServer per process over a slice
 `part` of the state vector: pushes, replies and checkpoints are that slice.
 
 A push the PS will not apply is answered with a `Refusal` value, never an
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.futures import Future
 
-from app.common.checkpoint import cpu_copy
+from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
 from app.common.wire import Refusal, Reply
 from app.contract import PS_STRATEGIES, worker_name
@@ -83,7 +83,7 @@ class ParameterServer:
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self.model = model
         self.flat = FlatModel(model, with_grads=False)
-        # `state` is what this process serves: the whole vector, or (a PS shard, app.ps.shards)
+        # `state` is what this process serves: the whole vector, or (a PS shard, app.ps.sharding.slices)
         # the slice `part` of it, a view: pushes carry and replies hold exactly its values.
         start, end = (0, self.flat.size) if part is None else part
         if not 0 <= start <= end <= self.flat.size:
@@ -161,7 +161,7 @@ class ParameterServer:
         `samples` the batch's size. A reply's vector is one of rank's (or the
         round's) two reply buffers, not a fresh copy: it stays unchanged until
         rank's next-but-one push. `staleness`: the push's staleness as the main
-        PS computed it (a PS shard, app.ps.shards); by default this PS's own.
+        PS computed it (a PS shard, app.ps.sharding.slices); by default this PS's own.
         """
         message = self._check(rank, message)
         name = name or worker_name(rank)

@@ -12,7 +12,7 @@ from app.config import Config
 from app.ps import membership
 from app.runtime import choose_device, gpu_identity, rpc_session
 from app.worker.client import PSClient
-from app.worker.sharded import ShardedClient, wait_until_ready
+from app.worker.sharded_client import ShardedClient, wait_until_ready
 from app.worker.trainer import Trainer
 
 log = logging.getLogger("app.worker")
@@ -38,7 +38,7 @@ def run(config: Config) -> int:
     push_wait = config.join_timeout if config.strategy in ("ssp", "sync") else 0.0
     client: PSClient | ShardedClient = PSClient(
         config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name, push_wait)
-    if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.shards)
+    if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
         client = ShardedClient(client, chained=config.staleness_lr)
         client.num_params = sum(p.numel() for p in model.parameters())

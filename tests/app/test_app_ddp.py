@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from app import ddp
-from app.common import checkpoint, data, models
+from app.common import checkpoint_files, data, models
 from app.common.evaluate import held_out_accuracy
 from app.common.metrics import read
 from app.config import UsageError, parse
@@ -71,8 +71,8 @@ def test_job_state_round_trips_through_a_verified_checkpoint(tmp_path):
     opt.step()
     state = ddp.JobState(model, opt)
     state.progress = ddp.Progress(step=7, epoch=2, batch=3, samples=448)
-    path = checkpoint.save({**state.checkpoint(), "strategy": "allreduce"}, tmp_path)
-    loaded = checkpoint.verify(path)  # weights_only load: plain tensors and numbers
+    path = checkpoint_files.save({**state.checkpoint(), "strategy": "allreduce"}, tmp_path)
+    loaded = checkpoint_files.verify(path)  # weights_only load: plain tensors and numbers
     other = models.build("cnn", 1, 10, seed=1)
     other_state = ddp.JobState(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
     other_state.restore(loaded)
@@ -147,7 +147,7 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     assert [r for r in w2 if r["event"] == "eval"] == []
 
     ckpts = tmp_path / "checkpoints"
-    assert sorted(p.name.split("-")[1] for p in checkpoint.listing(ckpts)) == ["00000100", "00000200", f"{steps:08d}"]
+    assert sorted(p.name.split("-")[1] for p in checkpoint_files.listing(ckpts)) == ["00000100", "00000200", f"{steps:08d}"]
     final = torch.load(ckpts / "final.pt", weights_only=True)
     assert final["finished"] is True and final["version"] == steps and final["strategy"] == "allreduce"
     assert final["progress"] == {"step": steps, "epoch": EPOCHS, "batch": 22, "samples": steps * 64}
@@ -155,7 +155,7 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
 
 def _wait_for_checkpoint(tmp_path: Path, procs: dict[str, subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not checkpoint.listing(tmp_path / "checkpoints"):
+    while not checkpoint_files.listing(tmp_path / "checkpoints"):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
             for p in procs.values():
                 if p.poll() is None:

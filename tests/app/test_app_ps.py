@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from app.common import models
-from app.common.checkpoint import save_atomically
+from app.common.checkpoint_files import save_atomically
 from app.config import UsageError
 from app.ps.server import ParameterServer
 

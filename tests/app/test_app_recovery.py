@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from app.common import checkpoint, data, models
+from app.common import checkpoint_files, data, models
 from app.config import UsageError, parse
 from app.ps import membership
 from app.ps.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
@@ -84,10 +84,10 @@ def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
     server.join(1, "worker1")
     for batch in (1, 2, 3):
         server.push(1, torch.ones(server.flat.size), server.version, "worker1", epoch=2, batch=batch)
-    path = checkpoint.save(server.checkpoint(), tmp_path)
+    path = checkpoint_files.save(server.checkpoint(), tmp_path)
     assert path.name.startswith("ckpt-00000003-")
     restored = _server(seed=1)
-    restored.restore(checkpoint.verify(path))
+    restored.restore(checkpoint_files.verify(path))
     assert restored.version == 3 and torch.equal(restored.flat.vector, server.flat.vector)
     assert torch.equal(restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
                        server.optimizer.state_dict()["state"][0]["momentum_buffer"])
@@ -99,7 +99,7 @@ def _three_checkpoints(directory) -> list:
     paths = []
     for _ in range(3):
         server.push(1, torch.ones(server.flat.size), server.version)
-        paths.append(checkpoint.save(server.checkpoint(), directory))
+        paths.append(checkpoint_files.save(server.checkpoint(), directory))
     return paths
 
 
@@ -115,39 +115,39 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog,
         raw = bytearray()
     paths[-1].write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="app.checkpoint"):
-        path, state = checkpoint.newest_good(tmp_path)
+        path, state = checkpoint_files.newest_good(tmp_path)
     assert path == paths[-2] and state["version"] == 2
     assert f"skipping checkpoint {paths[-1]}" in caplog.text
 
 
 def test_only_the_newest_few_are_kept(tmp_path):
     server = _server()
-    for _ in range(checkpoint.KEEP + 2):
+    for _ in range(checkpoint_files.KEEP + 2):
         server.push(1, torch.ones(server.flat.size), server.version)
-        checkpoint.save(server.checkpoint(), tmp_path)
-    assert [int(p.name[5:13]) for p in checkpoint.listing(tmp_path)] == [5, 4, 3]
+        checkpoint_files.save(server.checkpoint(), tmp_path)
+    assert [int(p.name[5:13]) for p in checkpoint_files.listing(tmp_path)] == [5, 4, 3]
 
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_one(tmp_path, monkeypatch):
     paths = _three_checkpoints(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    real_fsync = checkpoint.os.fsync
+    real_fsync = checkpoint_files.os.fsync
 
     def full(fd: int) -> None:  # the data reached the file, the disk has no room for it
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    monkeypatch.setattr(checkpoint_files.os, "fsync", full)
     server = _server()
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save(server.checkpoint(), tmp_path)
-    monkeypatch.setattr(checkpoint.os, "fsync", real_fsync)
+        checkpoint_files.save(server.checkpoint(), tmp_path)
+    monkeypatch.setattr(checkpoint_files.os, "fsync", real_fsync)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file either
-    assert checkpoint.newest_good(tmp_path)[0] == paths[-1]
+    assert checkpoint_files.newest_good(tmp_path)[0] == paths[-1]
 
 
 def test_killed_writers_temp_files_are_removed(tmp_path):
     (tmp_path / ".ckpt-00000009-0123456789abcdef.pt.77.tmp").write_bytes(b"half")
-    assert checkpoint.remove_temp_files(tmp_path) == 1 and list(tmp_path.iterdir()) == []
+    assert checkpoint_files.remove_temp_files(tmp_path) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_a_resumed_shard_skips_the_batches_already_pushed():
@@ -207,9 +207,9 @@ def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, m
         def full(*args: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(checkpoint.os, "replace", full)
+        monkeypatch.setattr(checkpoint_files.os, "replace", full)
         server.push(1, torch.ones(server.flat.size), 1)
         with caplog.at_level(logging.WARNING, logger="app.ps"):
             saver.save("every 1 updates")
     assert "checkpoint at version 2 (every 1 updates) not written: [Errno 28] No space left on device" in caplog.text
-    assert [p.name[:13] for p in checkpoint.listing(tmp_path / "ck")] == ["ckpt-00000001"]
+    assert [p.name[:13] for p in checkpoint_files.listing(tmp_path / "ck")] == ["ckpt-00000001"]

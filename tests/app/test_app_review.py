@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import checkpoint
+from app.common import checkpoint_files
 from app.common.checkpointer import Checkpointer
 from app.common.metrics import MetricsWriter
 from app.config import UsageError, check_threads_env, parse
@@ -236,7 +236,7 @@ def test_a_failed_final_write_leaves_no_finished_checkpoint(tmp_path):
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         with pytest.raises(OSError, match="final.pt"):
             Checkpointer(server, config, {}, metrics).final()
-    assert all(not checkpoint.verify(p)["finished"] for p in checkpoint.listing(tmp_path))
+    assert all(not checkpoint_files.verify(p)["finished"] for p in checkpoint_files.listing(tmp_path))
 
 
 # 12. a frozen worker (answers pings, never pushes) is reported and dropped under sync and ssp
@@ -377,19 +377,19 @@ def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(t
         checkpoints.before_save = shard_fails
         server.push(1, torch.ones(4), 0)
         checkpoints.save("every 1 updates")
-        assert asked == [1] and checkpoint.listing(tmp_path) == []
+        assert asked == [1] and checkpoint_files.listing(tmp_path) == []
         checkpoints.before_save = asked.append
         server.push(1, torch.ones(4), 1)
         checkpoints.save("every 1 updates")
-    assert asked == [1, 2] and [checkpoint.verify(p)["version"] for p in checkpoint.listing(tmp_path)] == [2]
+    assert asked == [1, 2] and [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(tmp_path)] == [2]
 
 
 def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
-    from app.ps.shard_process import resume_shard
+    from app.ps.sharding.shard_process import resume_shard
     shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
         shard.push(1, torch.ones(2), shard.version)
-        checkpoint.save({**shard.checkpoint(), "label": label}, tmp_path)
+        checkpoint_files.save({**shard.checkpoint(), "label": label}, tmp_path)
     restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     assert "labelled" not in resume_shard(restarted, tmp_path, None)
     assert restarted.version == 0

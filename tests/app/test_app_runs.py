@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from app.common import checkpoint, models
+from app.common import checkpoint_files, models
 from app.common.checkpointer import Checkpointer
 from app.common.metrics import MetricsWriter, read
 from app.config import UsageError, parse
@@ -125,9 +125,9 @@ def test_a_new_run_starts_fresh_and_sets_an_unfinished_runs_files_aside(tmp_path
     with caplog.at_level(logging.INFO, logger="app.ps"):
         fresh = _run(tmp_path, "run-b", 0)
     assert fresh.server.version == 0 and fresh.saved_version == -1
-    aside = tmp_path / "ck" / checkpoint.PREVIOUS / "run-a"
+    aside = tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-a"
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == old  # moved whole, nothing deleted
-    assert checkpoint.listing(tmp_path / "ck") == []
+    assert checkpoint_files.listing(tmp_path / "ck") == []
     [line] = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
     assert re.fullmatch(r"not resuming from ckpt-00000003-[0-9a-f]{16}\.pt \(version 3\): it is of run run-a, "
                         r"this is run run-b \(--resume, make up RESUME=1, continues it\); starting a new run at "
@@ -140,12 +140,12 @@ def test_the_new_runs_pruning_never_reaches_the_files_set_aside(tmp_path):
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         saver = Checkpointer(_server(), config, IDENTITY, metrics)
         saver.resume()
-        for _ in range(checkpoint.KEEP + 2):
+        for _ in range(checkpoint_files.KEEP + 2):
             saver.server.push(1, torch.ones(saver.server.flat.size), saver.server.version)
             saver.save("test")
-    assert len(checkpoint.listing(tmp_path / "ck")) == checkpoint.KEEP
-    assert len(checkpoint.listing(tmp_path / "ck" / checkpoint.PREVIOUS / "run-a")) == 1
-    assert all(checkpoint.verify(p)["run_id"] == "run-b" for p in checkpoint.listing(tmp_path / "ck"))
+    assert len(checkpoint_files.listing(tmp_path / "ck")) == checkpoint_files.KEEP
+    assert len(checkpoint_files.listing(tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-a")) == 1
+    assert all(checkpoint_files.verify(p)["run_id"] == "run-b" for p in checkpoint_files.listing(tmp_path / "ck"))
 
 
 def test_resume_continues_another_runs_checkpoint_and_says_which_version(tmp_path, caplog):
@@ -177,7 +177,7 @@ def test_resume_never_continues_a_finished_run_and_keeps_its_final_model(tmp_pat
     _run(tmp_path, "run-a", 3, finish=True)
     final = (tmp_path / "ck" / "final.pt").read_bytes()
     assert _run(tmp_path, "run-b", 0, "--resume", "1").server.version == 0
-    aside = tmp_path / "ck" / checkpoint.PREVIOUS / "run-a"
+    aside = tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-a"
     assert (aside / "final.pt").read_bytes() == final and not (tmp_path / "ck" / "final.pt").exists()
 
 
@@ -187,11 +187,11 @@ def test_set_aside_takes_shard_checkpoints_too_and_never_overwrites(tmp_path):
         (tmp_path / "shard1" / f"ckpt-0000000{n}-0123456789abcdef.pt").write_bytes(b"s")
         (tmp_path / f"ckpt-0000000{n}-0123456789abcdef.pt").write_bytes(b"m")
         (tmp_path / "notes.txt").write_text("mine")
-        where, count = checkpoint.set_aside(tmp_path, "run-a")
+        where, count = checkpoint_files.set_aside(tmp_path, "run-a")
         assert where.name == ("run-a" if n == 1 else "run-a-2") and count == 2
         assert (where / "shard1" / f"ckpt-0000000{n}-0123456789abcdef.pt").is_file()
     assert (tmp_path / "notes.txt").read_text() == "mine"  # not a checkpoint: left alone
-    assert checkpoint.set_aside(tmp_path, "run-b") is None
+    assert checkpoint_files.set_aside(tmp_path, "run-b") is None
 
 
 @pytest.mark.parametrize("value", ["", "run-7", "20261123-180102-ab12cd"])
@@ -270,7 +270,7 @@ def unfinished_run(tmp_path_factory):
     job.wait_until("ranks 2 and 4 finished", lambda: all(job.procs[f"worker{r}"].poll() == 0 for r in (2, 4)))
     job.procs["ps"].send_signal(signal.SIGTERM)
     job.ended()
-    found = checkpoint.newest_good(state)
+    found = checkpoint_files.newest_good(state)
     assert found is not None, (tmp / "run-old" / "ps.err").read_text()
     _, saved = found
     assert saved["run_id"] == "run-old" and not saved["finished"]
@@ -335,7 +335,7 @@ def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfin
     finally:
         job.close()
     assert procs["worker2"].returncode == 0, procs["worker2"].stderr
-    aside = state / checkpoint.PREVIOUS / "run-old"
+    aside = state / checkpoint_files.PREVIOUS / "run-old"
     assert re.search(rf"not resuming from ckpt-\S+ \(version {version}\): it is of run run-old, this is run "
                      rf"run-new .*; starting a new run at version 0; its files moved to {re.escape(str(aside))}$",
                      procs["ps"].stderr, re.M), procs["ps"].stderr
@@ -344,5 +344,5 @@ def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfin
     assert start["step"] == 0 and not job.records("ps", "resume")
     [join] = job.records("worker2", "join")
     assert (join["epoch"], join["batch"], join["step"]) == (1, 0, 0)  # not the old run's progress
-    saved = [checkpoint.verify(p) for p in checkpoint.listing(state)]
+    saved = [checkpoint_files.verify(p) for p in checkpoint_files.listing(state)]
     assert saved and {s["run_id"] for s in saved} == {"run-new"} and max(s["version"] for s in saved) == 3

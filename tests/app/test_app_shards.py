@@ -1,4 +1,4 @@
-"""A PS sharded across K processes (app/ps/shards.py): slicing, sliced servers, a real cluster."""
+"""A PS sharded across K processes (app/ps/sharding/slices.py): slicing, sliced servers, a real cluster."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from app.common import models
 from app.common.flat import state_size
 from app.common.metrics import read
 from app.config import UsageError, parse
-from app.ps import shards
+from app.ps.sharding import slices as shards
 from app.ps.server import ParameterServer
 
 from app_testkit import run_cluster

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import checkpoint
+from app.common import checkpoint_files
 from app.common.checkpointer import Checkpointer
 from app.common.metrics import MetricsWriter
 from app.config import UsageError, parse
@@ -62,15 +62,15 @@ def test_a_run_stopped_before_any_push_writes_nothing_and_resume_continues_the_r
     m.close()
     server, ck, m = _checkpointer(tmp_path, "runB")  # a new run: A is set aside
     ck.resume()
-    assert server.version == 0 and checkpoint.listing(tmp_path / "ck") == []
+    assert server.version == 0 and checkpoint_files.listing(tmp_path / "ck") == []
     ck.save("on exit", on_exit=True)  # stopped before any push
     m.close()
-    assert checkpoint.listing(tmp_path / "ck") == []  # was: ckpt-00000000 of run B
+    assert checkpoint_files.listing(tmp_path / "ck") == []  # was: ckpt-00000000 of run B
     server, ck, m = _checkpointer(tmp_path, "runC", resume=True)
     ck.resume()
     m.close()
     assert server.version == 3  # run A's 3 updates, moved back from previous/
-    assert checkpoint.verify(checkpoint.listing(tmp_path / "ck")[0])["run_id"] == "runA"
+    assert checkpoint_files.verify(checkpoint_files.listing(tmp_path / "ck")[0])["run_id"] == "runA"
 
 
 def test_a_finished_run_restarted_has_nothing_to_do_and_keeps_its_final_pt(tmp_path):
@@ -203,8 +203,8 @@ def test_a_sharded_ps_stopped_keeps_every_slice_and_resumes(tmp_path, order):
         _stop(procs, ["worker1", "worker2"])
     finally:
         wait_for(procs, 90, "the stopped cluster")
-    main = [checkpoint.verify(p) for p in checkpoint.listing(tmp_path / "checkpoints")]
-    slices = [checkpoint.verify(p) for p in checkpoint.listing(tmp_path / "checkpoints" / "shard1")]
+    main = [checkpoint_files.verify(p) for p in checkpoint_files.listing(tmp_path / "checkpoints")]
+    slices = [checkpoint_files.verify(p) for p in checkpoint_files.listing(tmp_path / "checkpoints" / "shard1")]
     assert main and main[0]["version"] > 0 and main[0]["run_id"] == "sharded-run", \
         finished(tmp_path, "ps", procs["ps"]).stderr
     assert slices and slices[0]["version"] > 0 and slices[0]["run_id"] == "sharded-run", \

@@ -1,4 +1,4 @@
-"""A PS shard's process (`python -m app ps --shard I`, app.ps.shards): claim a name, join,
+"""A PS shard's process (`python -m app ps --shard I`, app.ps.sharding.slices): claim a name, join,
 resume from the checkpoint the main PS names, register, serve its slice until the main PS
 says training ended."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from app.common import checkpoint, data, models, plugins
+from app.common import checkpoint_files, data, models, plugins
 from app.common.checkpointer import Checkpointer
 from app.common.flat import state_size
 from app.common.metrics import MetricsWriter
@@ -22,7 +22,7 @@ from app.contract import PS
 from app.ps import endpoints, membership
 from app.ps.endpoints import ENDPOINT
 from app.ps.server import ParameterServer
-from app.ps.shards import MainPSLost, bounds
+from app.ps.sharding.slices import MainPSLost, bounds
 from app.runtime import first_line, rpc_session
 
 log = logging.getLogger("app.ps")
@@ -32,9 +32,9 @@ TICK_SECONDS = 0.25
 
 def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict[str, Any]] | None:
     """The newest good checkpoint in `directory` labelled `version` by the main PS."""
-    for path in checkpoint.listing(directory):
+    for path in checkpoint_files.listing(directory):
         try:
-            state = checkpoint.verify(path)
+            state = checkpoint_files.verify(path)
         except (ValueError, OSError) as error:
             log.warning("skipping checkpoint %s: %s", path, error)
             continue
@@ -46,9 +46,9 @@ def checkpoint_labelled(directory: str | Path, version: int) -> tuple[Path, dict
 def newest_on_exit(directory: str | Path, run_id: str) -> tuple[Path, dict[str, Any]] | None:
     """The newest good checkpoint in `directory` this shard wrote on exit in run `run_id`
     (any run when it is '')."""
-    for path in checkpoint.listing(directory):
+    for path in checkpoint_files.listing(directory):
         try:
-            state = checkpoint.verify(path)
+            state = checkpoint_files.verify(path)
         except (ValueError, OSError) as error:
             log.warning("skipping checkpoint %s: %s", path, error)
             continue
@@ -106,8 +106,8 @@ def run(config: Config) -> int:
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
         Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        checkpoint.check_writable(own.checkpoint_dir)
-        checkpoint.remove_temp_files(own.checkpoint_dir)
+        checkpoint_files.check_writable(own.checkpoint_dir)
+        checkpoint_files.remove_temp_files(own.checkpoint_dir)
         name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
                                                        config.rpc_timeout)
         metrics.start(config)
@@ -133,7 +133,7 @@ def run(config: Config) -> int:
                     _save_on_exit(server, identity, own.checkpoint_dir)
                     raise
             state = {**server.checkpoint(), **identity, "finished": ENDPOINT.finished}
-            path = checkpoint.save(state, own.checkpoint_dir)
+            path = checkpoint_files.save(state, own.checkpoint_dir)
             log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
         metrics.write("end", server.version, **server.stats())
     return 0
@@ -161,7 +161,7 @@ def _save_on_exit(server: ParameterServer, identity: dict[str, Any], directory: 
     if server.version == 0:
         return  # nothing applied: nothing to keep
     try:
-        path = checkpoint.save({**server.checkpoint(), **identity, "exit": True}, directory)
+        path = checkpoint_files.save({**server.checkpoint(), **identity, "exit": True}, directory)
     except OSError as error:
         log.warning("checkpoint on exit at version %d not written: %s", server.version, first_line(error))
         return
@@ -171,7 +171,7 @@ def _save_on_exit(server: ParameterServer, identity: dict[str, Any], directory: 
 def _save_labelled(server: ParameterServer, identity: dict[str, Any], directory: str, version: int) -> str | None:
     """This shard's checkpoint, labelled with the main PS's `version`; an error line, or None."""
     try:
-        path = checkpoint.save({**server.checkpoint(), **identity, "label": version}, directory)
+        path = checkpoint_files.save({**server.checkpoint(), **identity, "label": version}, directory)
     except OSError as error:
         log.warning("checkpoint labelled %d not written: %s", version, error)
         return first_line(error)

@@ -8,13 +8,13 @@ strategy, and sees every worker's push of its slice.
 
 - Shard 0 is the main PS (`ps`, at master_addr): it starts the RPC group, holds
   the store, admits and pings workers, evaluates and writes final.pt
-  (app.ps.shardset). It waits for the K-1 other shards before it admits a
+  (app.ps.sharding.shardset). It waits for the K-1 other shards before it admits a
   worker (`ShardSet.join` answers `wait`; workers wait for READY_KEY in the
   store before they even join the RPC group, so they learn every shard's
   name), answers a join with the
   shards' names and bounds, forwards worker drops to them, gathers their
   slices to evaluate and for final.pt, and tells them when training ended.
-- Shard I>0 (`python -m app ps --shard I`, app.ps.shard_process) claims `ps<I>`
+- Shard I>0 (`python -m app ps --shard I`, app.ps.sharding.shard_process) claims `ps<I>`
   (`ps<I>_r2`, ... after a restart) through the store, joins the group (it
   stays on the store's member list, so every later joiner learns it),
   registers with the main PS, serves its slice, checkpoints it under
@@ -39,7 +39,7 @@ strategy, and sees every worker's push of its slice.
   --staleness_lr a worker sends the other slices once the main PS answered,
   with its staleness (`ShardedClient.chained`); the reply's staleness and lead
   are the main PS's.
-- A worker (`ShardedClient`, app.worker.sharded) joins every shard, pushes
+- A worker (`ShardedClient`, app.worker.sharded_client) joins every shard, pushes
   each its slice (a contiguous copy: TensorPipe sends a view's whole storage when the view is
   more than half of it) in parallel and assembles the replies with one copy.
 """

@@ -1,4 +1,4 @@
-"""The main PS's side of a sharded PS (app.ps.shards): the other shards' registration,
+"""The main PS's side of a sharded PS (app.ps.sharding.slices): the other shards' registration,
 readiness, pings, drops forwarded, checkpoints, the gathered state and the end."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed.rpc as rpc
 from app.config import Config
 from app.ps import endpoints, membership
 from app.ps.liveness import Pinger
-from app.ps.shards import READY_KEY, bounds
+from app.ps.sharding.slices import READY_KEY, bounds
 from app.runtime import first_line
 
 log = logging.getLogger("app.ps")

@@ -1,4 +1,4 @@
-"""A worker's client of a sharded PS (app.ps.shards): PSClient's interface over K PS processes."""
+"""A worker's client of a sharded PS (app.ps.sharding.slices): PSClient's interface over K PS processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from app.contract import PS
 from app.ps import endpoints, membership
 from app.common.wire import Refusal, Reply
 from app.ps.update import all_finite
-from app.ps.shards import READY_KEY
+from app.ps.sharding.slices import READY_KEY
 from app.runtime import first_line
 from app.worker.client import PSClient, PSUnreachable, refused
 from app.worker.compress import Compressor
