@@ -45,14 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if config.role == "check":  # the connectivity check (app/connectivity.py)
             from app import connectivity
+
             return connectivity.run(config)
         if config.role == "ps":
             from app.ps import process as ps_process
+
             return ps_process.run(config)
         if config.strategy == "allreduce":  # DDP, no PS (app/ddp.py)
             from app import ddp
+
             return ddp.run(config)
         from app.worker import process as worker_process
+
         return worker_process.run(config)
     except UsageError as error:
         print(f"app: error: {error}", file=sys.stderr)

@@ -43,8 +43,11 @@ class _ConfigMethods:
 
 
 Config = dataclasses.make_dataclass(
-    "Config", [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
-    bases=(_ConfigMethods,), frozen=True)
+    "Config",
+    [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
+    bases=(_ConfigMethods,),
+    frozen=True,
+)
 Config.__module__ = __name__  # pickles as app.config.Config
 Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
 
@@ -55,14 +58,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
-    parser = _Parser(prog="python -m app", allow_abbrev=False,
-                     description="Parameter-Server training over PyTorch RPC. "
-                     "Every --flag may also be set as PSC_FLAG in the environment.")
+    parser = _Parser(
+        prog="python -m app",
+        allow_abbrev=False,
+        description="Parameter-Server training over PyTorch RPC. "
+        "Every --flag may also be set as PSC_FLAG in the environment.",
+    )
     parser.add_argument("role", choices=ROLES)
     for o in OPTIONS:
         metavar = "AUTO|N" if o.kind == "auto_int" else o.kind.upper()
-        parser.add_argument(o.flag, type=str, default=None, metavar=metavar,
-                            help=f"{o.help} (default {o.default!r}, env {o.env})")
+        parser.add_argument(
+            o.flag, type=str, default=None, metavar=metavar, help=f"{o.help} (default {o.default!r}, env {o.env})"
+        )
     return parser
 
 
@@ -106,8 +113,10 @@ def _job_index(values: dict[str, Any], env: Mapping[str, str]) -> None:
 def validate(config: Config) -> None:
     """Range checks that argparse cannot express; raise UsageError naming the flag."""
     if config.dataset not in DATASETS and not ENTRY_POINT.match(config.dataset):
-        raise UsageError(f"--dataset: {config.dataset!r} is not one of {', '.join(DATASETS)}, "
-                         "nor an entry point package.module:factory")
+        raise UsageError(
+            f"--dataset: {config.dataset!r} is not one of {', '.join(DATASETS)}, "
+            "nor an entry point package.module:factory"
+        )
     if ":" in config.model and not ENTRY_POINT.match(config.model):
         raise UsageError(f"--model: {config.model!r} is not an entry point package.module:factory")
     for o in OPTIONS:  # a Config built in code (not parsed) meets the bounds too
@@ -116,25 +125,33 @@ def validate(config: Config) -> None:
         except ValueError as e:
             raise UsageError(f"{o.flag}: {e}") from None
     if config.run_id and not RUN_ID.match(config.run_id):
-        raise UsageError(f"--run_id: {config.run_id!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
-                         "starting with a letter or digit")
+        raise UsageError(
+            f"--run_id: {config.run_id!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
     if config.shard and (config.role != "ps" or config.shard >= config.shards):
-        raise UsageError(f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} "
-                         f"(--shards {config.shards})")
+        raise UsageError(
+            f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} (--shards {config.shards})"
+        )
     if config.precision == "fp16" and config.device != "cuda" and config.role == "worker":
-        raise UsageError("--precision: fp16 needs --device cuda (loss scaling runs on the GPU); "
-                         "on CPU use bf16")
+        raise UsageError("--precision: fp16 needs --device cuda (loss scaling runs on the GPU); on CPU use bf16")
     if config.shards > 1 and config.strategy == "allreduce":
         raise UsageError(f"--shards: {config.shards} needs a parameter server; strategy allreduce has none")
     if config.overlap and config.strategy in ("sync", "allreduce"):
-        raise UsageError(f"--overlap: true is for strategies async and ssp; {config.strategy} "
-                         "waits for every worker's gradient each step")
+        raise UsageError(
+            f"--overlap: true is for strategies async and ssp; {config.strategy} "
+            "waits for every worker's gradient each step"
+        )
     if config.role == "check" and not 0 <= config.rank < config.world_size:
-        raise UsageError(f"--rank: {config.rank} must be in 0..{config.world_size - 1} "
-                         f"for the check (--world_size {config.world_size})")
+        raise UsageError(
+            f"--rank: {config.rank} must be in 0..{config.world_size - 1} "
+            f"for the check (--world_size {config.world_size})"
+        )
     if config.role == "worker" and not 1 <= config.rank < config.world_size:
-        raise UsageError(f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
-                         f"for a worker (--world_size {config.world_size})")
+        raise UsageError(
+            f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
+            f"for a worker (--world_size {config.world_size})"
+        )
 
 
 def check_threads_env(env: Mapping[str, str]) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from app import runtime
 from app.config import Config
 from app.contract import service_names
+
 SMALL = torch.tensor([42.0])  # the message of the classic torchrun message-passing check
 LARGE_BYTES = 8 << 20
 SMALL_REPS = 5  # round trips per size (after one warm-up); the median is reported
@@ -86,8 +87,9 @@ def run(config: Config) -> int:
 
 def _run(config: Config) -> int:
     names = rank_names(config.world_size, config.strategy, config.shards)
-    me = Member(config.rank, names[config.rank], socket.gethostname(),
-                local_addr(config.master_addr, config.master_port))
+    me = Member(
+        config.rank, names[config.rank], socket.gethostname(), local_addr(config.master_addr, config.master_port)
+    )
     runtime.set_gloo_interface(config.master_addr)
     try:
         if config.rank == 0:
@@ -109,30 +111,40 @@ def _where(config: Config) -> str:
 
 # --- rank 0 ----------------------------------------------------------------
 
+
 def _rank0(config: Config, names: list[str], me: Member) -> None:
     start = time.monotonic()
     timeout = timedelta(seconds=config.rpc_timeout)
     try:
         store = dist.TCPStore("127.0.0.1", config.master_port, None, True, timeout, wait_for_workers=False)
     except Exception as error:  # noqa: BLE001 - port taken, no permission...
-        raise CheckFailed(f"{me.label()} cannot host the store on port {config.master_port}: "
-                          f"{runtime.first_line(error)}") from None
-    print(f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
-          f"at {_where(config)} (at most {config.rpc_timeout:g} s)", flush=True)
+        raise CheckFailed(
+            f"{me.label()} cannot host the store on port {config.master_port}: {runtime.first_line(error)}"
+        ) from None
+    print(
+        f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
+        f"at {_where(config)} (at most {config.rpc_timeout:g} s)",
+        flush=True,
+    )
     members = _wait_registered(store, config, names)
     missing = [r for r in range(1, config.world_size) if r not in members]
     if missing:
         who = ", ".join(f"{names[r]} (rank {r})" for r in missing)
-        message = (f"{who} did not reach {_where(config)} within {config.rpc_timeout:g} s "
-                   f"({len(members) + 1} of {config.world_size} ranks registered)")
+        message = (
+            f"{who} did not reach {_where(config)} within {config.rpc_timeout:g} s "
+            f"({len(members) + 1} of {config.world_size} ranks registered)"
+        )
         _abort(store, message, registered=len(members))
         raise CheckFailed(message)
     print(f"check: all {config.world_size} ranks registered in {time.monotonic() - start:.2f} s", flush=True)
     store.set(KEY_VERDICT, "go")
     _init_group(store, config, me)
     large = torch.arange(LARGE_BYTES // 4, dtype=torch.float32)
-    print(f"check: round trips from {me.name} over gloo (median of {SMALL_REPS} for 4 B, "
-          f"of {LARGE_REPS} for {LARGE_BYTES >> 20} MiB; GB/s = bytes both ways / round trip):", flush=True)
+    print(
+        f"check: round trips from {me.name} over gloo (median of {SMALL_REPS} for 4 B, "
+        f"of {LARGE_REPS} for {LARGE_BYTES >> 20} MiB; GB/s = bytes both ways / round trip):",
+        flush=True,
+    )
     for rank in range(1, config.world_size):
         m = members[rank]
         try:
@@ -141,14 +153,20 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
         except CheckFailed as error:
             raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}") from None
         except Exception as error:  # noqa: BLE001 - gloo: connection reset, timeout
-            raise CheckFailed(f"no round trip with {m.label()} on {m.host} {m.addr}: "
-                              f"{runtime.first_line(error)}") from None
+            raise CheckFailed(
+                f"no round trip with {m.label()} on {m.host} {m.addr}: {runtime.first_line(error)}"
+            ) from None
         gbps = 2 * LARGE_BYTES / (large_ms / 1e3) / 1e9
-        print(f"check: {m.name:<8} rank {rank:<2} host {m.host} {m.addr}: 4 B {small_ms:.2f} ms, "
-              f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s", flush=True)
+        print(
+            f"check: {m.name:<8} rank {rank:<2} host {m.host} {m.addr}: 4 B {small_ms:.2f} ms, "
+            f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s",
+            flush=True,
+        )
     _wait_count(store, KEY_DONE, config.world_size - 1, ACK_WAIT)
-    print(f"check passed: {config.world_size} ranks, every tensor came back unchanged "
-          f"({time.monotonic() - start:.1f} s)", flush=True)
+    print(
+        f"check passed: {config.world_size} ranks, every tensor came back unchanged ({time.monotonic() - start:.1f} s)",
+        flush=True,
+    )
 
 
 def _wait_registered(store: dist.TCPStore, config: Config, names: list[str]) -> dict[int, Member]:
@@ -194,13 +212,16 @@ def _round_trips(tensor: torch.Tensor, rank: int, reps: int) -> float:
 
 # --- ranks 1..N -------------------------------------------------------------
 
+
 def _reach(config: Config, names: list[str], me: Member) -> None:
     """Wait until rank 0's port accepts a TCP connection; CheckFailed at rpc_timeout."""
     try:
         runtime.wait_for_port(config.master_addr, config.master_port, config.rpc_timeout)
     except runtime.PortUnreachable as error:
-        raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-                          f"within {config.rpc_timeout:g} s: {error}") from None
+        raise CheckFailed(
+            f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
+            f"within {config.rpc_timeout:g} s: {error}"
+        ) from None
 
 
 def _other(config: Config, names: list[str], me: Member) -> None:
@@ -209,8 +230,10 @@ def _other(config: Config, names: list[str], me: Member) -> None:
     try:
         store = dist.TCPStore(config.master_addr, config.master_port, None, False, timeout)
     except Exception as error:  # noqa: BLE001 - refused, unknown host, timeout
-        raise CheckFailed(f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-                          f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}") from None
+        raise CheckFailed(
+            f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
+            f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}"
+        ) from None
     if store.add(KEY_CLAIM.format(rank=me.rank), 1) > 1:
         raise CheckFailed(f"{me.label()}: another process already registered as rank {me.rank}")
     store.set(KEY_RANK.format(rank=me.rank), json.dumps({"host": me.host, "addr": me.addr}))
@@ -219,11 +242,12 @@ def _other(config: Config, names: list[str], me: Member) -> None:
         store.wait([KEY_VERDICT], timedelta(seconds=2 * config.rpc_timeout + 5))
         verdict = store.get(KEY_VERDICT).decode()
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: "
-                          f"{runtime.first_line(error)}") from None
+        raise CheckFailed(
+            f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: {runtime.first_line(error)}"
+        ) from None
     if verdict != "go":
         store.add(KEY_DONE, 1)
-        raise CheckFailed(f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: '):]}")
+        raise CheckFailed(f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: ') :]}")
     _init_group(store, config, me)
     large = torch.empty(LARGE_BYTES // 4, dtype=torch.float32)
     small = torch.empty_like(SMALL)
@@ -233,15 +257,24 @@ def _other(config: Config, names: list[str], me: Member) -> None:
                 dist.recv(buf, src=0)
                 dist.send(buf, dst=0)
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(f"{me.label()}: exchange with {names[0]} (rank 0) broke: {runtime.first_line(error)}") from None
-    print(f"check: {me.label()} on {me.host} {me.addr} received {small} from {names[0]} "
-          f"and sent back both tensors", flush=True)
+        raise CheckFailed(
+            f"{me.label()}: exchange with {names[0]} (rank 0) broke: {runtime.first_line(error)}"
+        ) from None
+    print(
+        f"check: {me.label()} on {me.host} {me.addr} received {small} from {names[0]} and sent back both tensors",
+        flush=True,
+    )
     store.add(KEY_DONE, 1)
 
 
 def _init_group(store: dist.TCPStore, config: Config, me: Member) -> None:
     try:
-        dist.init_process_group("gloo", store=dist.PrefixStore("check/pg", store), rank=me.rank,
-                                world_size=config.world_size, timeout=timedelta(seconds=config.rpc_timeout))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("check/pg", store),
+            rank=me.rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=config.rpc_timeout),
+        )
     except Exception as error:  # noqa: BLE001
         raise CheckFailed(f"{me.label()}: the gloo group did not form: {runtime.first_line(error)}") from None

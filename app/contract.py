@@ -19,15 +19,28 @@ DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built i
 DEVICES = ("cpu", "cuda")
 IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/common/imagecache.py)
 
-ENV_PREFIX = "PSC_"          # every flag --x is also PSC_X in the environment
-RUN_ID_ENV = "PSC_RUN_ID"    # the run's id, written into the `start` record when set
+ENV_PREFIX = "PSC_"  # every flag --x is also PSC_X in the environment
+RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when set
 
-PS = "ps"                    # the main PS: RPC name, metrics file and compose service
+PS = "ps"  # the main PS: RPC name, metrics file and compose service
 SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
 METRICS_SUFFIX = ".jsonl"
 # Metrics events (docs/design.md): what a process writes, one JSON object a line.
-EVENTS = ("start", "join", "train", "eval", "end", "checkpoint", "resume", "drop", "back",
-          "frozen", "refused", "shard", "shard_lost")
+EVENTS = (
+    "start",
+    "join",
+    "train",
+    "eval",
+    "end",
+    "checkpoint",
+    "resume",
+    "drop",
+    "back",
+    "frozen",
+    "refused",
+    "shard",
+    "shard_lost",
+)
 
 
 def worker_name(rank: int) -> str:

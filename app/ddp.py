@@ -63,12 +63,12 @@ class PeerLost(RuntimeError):
 class World:
     """This process's place in the DDP job."""
 
-    rank: int        # 0..size-1; rank 0 is worker1
-    size: int        # the number of workers
+    rank: int  # 0..size-1; rank 0 is worker1
+    size: int  # the number of workers
     addr: str
     port: int
     local_rank: int  # torchrun's LOCAL_RANK: the GPU of this process on a multi-GPU node
-    torchrun: bool   # the rendezvous comes from torchrun's environment (init_method env://)
+    torchrun: bool  # the rendezvous comes from torchrun's environment (init_method env://)
 
 
 def world_of(config: Config, env: Mapping[str, str]) -> World:
@@ -78,8 +78,10 @@ def world_of(config: Config, env: Mapping[str, str]) -> World:
             rank, size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
             local_rank = int(env.get("LOCAL_RANK") or 0)
         except ValueError:
-            raise UsageError("torchrun's RANK, WORLD_SIZE, MASTER_PORT and LOCAL_RANK must be whole numbers, "
-                             f"got {', '.join(f'{k}={env.get(k)!r}' for k in (*TORCHRUN_ENV, 'LOCAL_RANK'))}") from None
+            raise UsageError(
+                "torchrun's RANK, WORLD_SIZE, MASTER_PORT and LOCAL_RANK must be whole numbers, "
+                f"got {', '.join(f'{k}={env.get(k)!r}' for k in (*TORCHRUN_ENV, 'LOCAL_RANK'))}"
+            ) from None
         if not 0 <= rank < size:
             raise UsageError(f"RANK {rank} must be in 0..{size - 1} (WORLD_SIZE {size})")
         return World(rank, size, env["MASTER_ADDR"], port, local_rank, True)
@@ -145,10 +147,19 @@ class JobState:
 class Trainer:
     """The loop of one rank; rank 0 also evaluates and checkpoints (`rank0` is not None)."""
 
-    def __init__(self, config: Config, world: World, model: DistributedDataParallel,
-                 optimizer: torch.optim.Optimizer, state: JobState, loader: DataLoader,
-                 sampler: EpochSampler, device: torch.device, metrics: MetricsWriter,
-                 rank0: Optional[tuple[Checkpointer, DataLoader]]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        world: World,
+        model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        state: JobState,
+        loader: DataLoader,
+        sampler: EpochSampler,
+        device: torch.device,
+        metrics: MetricsWriter,
+        rank0: Optional[tuple[Checkpointer, DataLoader]],
+    ) -> None:
         self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
         self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
         self.metrics, self.rank0 = metrics, rank0
@@ -162,9 +173,15 @@ class Trainer:
         """From `state.progress` to the last epoch (or --max_steps)."""
         self.model.train()
         start = self.state.progress
-        for epoch, batch, x, y in loop.resume_batches(self.loader, self.sampler, self.config.data_dir,
-                                                      start.epoch, start.batch,
-                                                      self.config.num_epochs, self.config.batch_size):
+        for epoch, batch, x, y in loop.resume_batches(
+            self.loader,
+            self.sampler,
+            self.config.data_dir,
+            start.epoch,
+            start.batch,
+            self.config.num_epochs,
+            self.config.batch_size,
+        ):
             loss = self.step(x, y, epoch, batch)
             self.reporter.batch_done(self.loader, self.state.progress.step, epoch, batch, len(y), loss)
             self.rank0_duties()
@@ -193,9 +210,11 @@ class Trainer:
         return loss.item()
 
     def lost(self, error: BaseException) -> PeerLost:
-        return PeerLost(f"lost a peer of the allreduce job ({self.world.size} workers, rendezvous "
-                        f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
-                        f"{_reason(error)}")
+        return PeerLost(
+            f"lost a peer of the allreduce job ({self.world.size} workers, rendezvous "
+            f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
+            f"{_reason(error)}"
+        )
 
     def rank0_duties(self) -> None:
         if self.rank0 is None:
@@ -204,8 +223,9 @@ class Trainer:
         step = self.state.progress.step
         if step % self.config.eval_every == 0 and not self.evaluating():
             model = copy.deepcopy(self.model.module)  # this step's weights; training goes on
-            self.evaluation = threading.Thread(target=self._evaluate, args=(model, held_out, self.state.progress),
-                                               name="evaluation", daemon=True)
+            self.evaluation = threading.Thread(
+                target=self._evaluate, args=(model, held_out, self.state.progress), name="evaluation", daemon=True
+            )
             self.evaluation.start()
         if checkpoints.due():
             checkpoints.save(f"every {self.config.checkpoint_every} steps")
@@ -237,11 +257,14 @@ def rendezvous(world: World, device: torch.device, timeout: float) -> str:
     where = f"{world.addr}:{world.port}"
     with runtime.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
         try:
-            dist.init_process_group(backend, init_method=init, rank=world.rank, world_size=world.size,
-                                    timeout=timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend, init_method=init, rank=world.rank, world_size=world.size, timeout=timedelta(seconds=timeout)
+            )
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError...
-            raise PeerLost(f"the rendezvous of {world.size} workers at {where} failed "
-                           f"within --rpc_timeout {timeout:.0f} s: {_reason(error)}") from error
+            raise PeerLost(
+                f"the rendezvous of {world.size} workers at {where} failed "
+                f"within --rpc_timeout {timeout:.0f} s: {_reason(error)}"
+            ) from error
     return backend
 
 
@@ -254,8 +277,13 @@ def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: to
         checkpoints.resume()
     box: list[Any] = [None]
     if checkpoints is not None:
-        box = [{"progress": dataclasses.asdict(state.progress),
-                "optimizer": cpu_copy(state.optimizer.state_dict()), "finished": checkpoints.run_finished}]
+        box = [
+            {
+                "progress": dataclasses.asdict(state.progress),
+                "optimizer": cpu_copy(state.optimizer.state_dict()),
+                "finished": checkpoints.run_finished,
+            }
+        ]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     if checkpoints is None:
         state.progress = Progress(**box[0]["progress"])
@@ -293,8 +321,9 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     Raises on bad input or a failure; at the end the process exits 0 (see below)."""
     world = world_of(config, os.environ if env is None else env)
     # The rest of the app knows a worker by rank 1..N and a world with a PS slot.
-    config = dataclasses.replace(config, rank=world.rank + 1, world_size=world.size + 1,
-                                 master_addr=world.addr, master_port=world.port)
+    config = dataclasses.replace(
+        config, rank=world.rank + 1, world_size=world.size + 1, master_addr=world.addr, master_port=world.port
+    )
     device = choose_device(config.device)
     runtime.tune_for(device)
     if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
@@ -306,39 +335,63 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
     train = data.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
     data.log_loader(config.name, workers, why)
-    sampler = EpochSampler(train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world,
-                           config.seed)
-    loader = data.train_loader(train.data, sampler, config.batch_size, workers,  # type: ignore[arg-type]
-                               pin_memory=device.type == "cuda")
+    sampler = EpochSampler(
+        train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world, config.seed
+    )
+    loader = data.train_loader(
+        train.data,
+        sampler,
+        config.batch_size,
+        workers,  # type: ignore[arg-type]
+        pin_memory=device.type == "cuda",
+    )
     held_out = data.load_for(config, "test", workers) if world.rank == 0 else None
-    log.info("%s: rank %d of %d, %d samples a rank per epoch (%s)", config.name, world.rank, world.size,
-             len(sampler), data.describe(train))
+    log.info(
+        "%s: rank %d of %d, %d samples a rank per epoch (%s)",
+        config.name,
+        world.rank,
+        world.size,
+        len(sampler),
+        data.describe(train),
+    )
     module = models.build(config.model, train.channels, train.num_classes, config.seed)
     if config.init_weights:  # every rank, so no rank starts from other weights than rank 0's
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
     module = module.to(memory_format=runtime.memory_format(config, device))
-    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=config.momentum,
-                                weight_decay=config.weight_decay)
+    optimizer = torch.optim.SGD(
+        module.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
     state = JobState(module, optimizer)
 
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         checkpoints = None
         if world.rank == 0:
-            identity = dict(model_name=config.model, dataset=config.dataset, channels=train.channels,
-                            num_classes=train.num_classes, world_size=config.world_size, strategy="allreduce")
+            identity = dict(
+                model_name=config.model,
+                dataset=config.dataset,
+                channels=train.channels,
+                num_classes=train.num_classes,
+                world_size=config.world_size,
+                strategy="allreduce",
+            )
             checkpoints = Checkpointer(state, config, identity, metrics)  # type: ignore[arg-type]
         backend = rendezvous(world, device, config.rpc_timeout)
-        log.info("%s joined the allreduce job at %s:%d (%d workers, %s)", config.name, world.addr,
-                 world.port, world.size, backend)
+        log.info(
+            "%s joined the allreduce job at %s:%d (%d workers, %s)",
+            config.name,
+            world.addr,
+            world.port,
+            world.size,
+            backend,
+        )
         finished = start_state(state, checkpoints, device)
         if finished:
             log.info("%s", finished)
             runtime.exit_now(0)
         p = state.progress
         metrics.start(config, p.step)
-        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch,
-                      **runtime.gpu_identity(device))
+        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch, **runtime.gpu_identity(device))
         model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         if config.compress != "none":
             model.register_comm_hook(None, compress_hook(config.compress, backend))
@@ -368,8 +421,15 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     return 0
 
 
-def finish_rank0(state: JobState, checkpoints: Checkpointer, held_out: DataLoader, device: torch.device,
-                 metrics: MetricsWriter, eval_every: int, seconds: float) -> None:
+def finish_rank0(
+    state: JobState,
+    checkpoints: Checkpointer,
+    held_out: DataLoader,
+    device: torch.device,
+    metrics: MetricsWriter,
+    eval_every: int,
+    seconds: float,
+) -> None:
     """The last checkpoint (finished) and final.pt; the held-out accuracy, printed as the PS does."""
     state.finished = True
     checkpoints.final()
@@ -379,8 +439,9 @@ def finish_rank0(state: JobState, checkpoints: Checkpointer, held_out: DataLoade
     p = state.progress
     if p.step % eval_every:  # not evaluated at this step yet
         metrics.write("eval", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=p.samples)
-    metrics.write("end", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), seconds=round(seconds, 2),
-                  samples=p.samples)
+    metrics.write(
+        "end", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), seconds=round(seconds, 2), samples=p.samples
+    )
 
 
 def leave_together(world: World) -> None:
@@ -389,5 +450,6 @@ def leave_together(world: World) -> None:
     try:
         dist.barrier()
     except RuntimeError as error:  # every step was done: the job's result stands
-        log.warning("rank %d: a peer left before the final barrier (%s); every step was done",
-                    world.rank, _reason(error))
+        log.warning(
+            "rank %d: a peer left before the final barrier (%s); every step was done", world.rank, _reason(error)
+        )

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import COMPRESSIONS, DATASETS, DEVICES, ENV_PREFIX, IMAGE_CACHES, PRECISIONS, STRATEGIES
+from app.contract import COMPRESSIONS, DEVICES, ENV_PREFIX, IMAGE_CACHES, PRECISIONS, STRATEGIES
 
 KINDS = ("int", "float", "bool", "str", "auto_int")  # auto_int: `auto` or a whole number >= 0
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -116,92 +116,253 @@ def _opt(name: str, kind: str, default: Any, help: str, **kw: Any) -> Option:
 
 # In the order the render writes them into a service's environment.
 OPTIONS: tuple[Option, ...] = (
-    _opt("rank", "int", 1, "worker rank, 1..world_size-1 (the PS is always 0); under Kubernetes, "
-         "JOB_COMPLETION_INDEX + 1 when unset", low=0),
+    _opt(
+        "rank",
+        "int",
+        1,
+        "worker rank, 1..world_size-1 (the PS is always 0); under Kubernetes, JOB_COMPLETION_INDEX + 1 when unset",
+        low=0,
+    ),
     _opt("world_size", "int", 3, "PS + workers", low=2),
     _opt("master_addr", "str", "localhost", "the PS's address"),
     _opt("master_port", "int", 6100, "the PS's rendezvous port", low=1, high=65535),
     _opt("device", "str", "cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", choices=DEVICES),
-    _opt("model", "str", "resnet18", "cnn (built in), a torchvision classification model, e.g. resnet18, or your "
-         "own as package.module:factory (needs `code`).", topology="train.model", required=True),
-    _opt("dataset", "str", "imagefolder", "imagefolder, mnist, cifar10 read data_dir; digits and synthetic need "
-         "no files; or your own as package.module:factory (needs `code`; it reads data_dir when given).",
-         topology="train.dataset", required=True),
+    _opt(
+        "model",
+        "str",
+        "resnet18",
+        "cnn (built in), a torchvision classification model, e.g. resnet18, or your "
+        "own as package.module:factory (needs `code`).",
+        topology="train.model",
+        required=True,
+    ),
+    _opt(
+        "dataset",
+        "str",
+        "imagefolder",
+        "imagefolder, mnist, cifar10 read data_dir; digits and synthetic need "
+        "no files; or your own as package.module:factory (needs `code`; it reads data_dir when given).",
+        topology="train.dataset",
+        required=True,
+    ),
     _opt("data_dir", "str", "./imagenette2/val", "data root (unused by digits and synthetic)"),
-    _opt("batch_size", "int", 256, "Samples per batch, per worker.", low=1, topology="train.batch_size",
-         required=True),
-    _opt("lr", "float", 0.01, "SGD learning rate, applied on the PS.", low=0, low_open=True, topology="train.lr",
-         required=True),
-    _opt("momentum", "float", 0.0, "SGD momentum, on the PS.", low=0, high=1, high_open=True,
-         topology="train.momentum"),
-    _opt("num_epochs", "int", 150, "Epochs each worker runs over its shard.", low=1, topology="train.epochs",
-         required=True),
-    _opt("max_steps", "int", 0, "Stop each worker after this many pushes; 0: no cap.", low=0,
-         topology="train.max_steps"),
-    _opt("strategy", "str", "async", "async: the PS applies each gradient as it arrives; sync: one averaged "
-         "update per round of one gradient from every worker; ssp: async, but no worker gets more than "
-         "`staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with "
-         "DistributedDataParallel (docs/strategies.md).", choices=STRATEGIES, topology="train.strategy"),
-    _opt("staleness", "int", 4, "ssp only: how many pushes a worker may run ahead of the slowest live worker "
-         "before it waits.", low=0, topology="train.staleness"),
-    _opt("staleness_lr", "bool", False, "async and ssp: divide each push's learning rate by its staleness "
-         "(Zhang et al. 2016).", topology="train.staleness_lr"),
-    _opt("overlap", "bool", False, "async and ssp: compute the next batch while the gradient and the fresh "
-         "parameters are on the wire (one more step of staleness).", topology="train.overlap"),
-    _opt("compress", "str", "none", "Gradients on the wire: none (float32), bf16 or fp16, with error feedback "
-         "on the worker.", choices=COMPRESSIONS, topology="train.compress"),
+    _opt("batch_size", "int", 256, "Samples per batch, per worker.", low=1, topology="train.batch_size", required=True),
+    _opt(
+        "lr",
+        "float",
+        0.01,
+        "SGD learning rate, applied on the PS.",
+        low=0,
+        low_open=True,
+        topology="train.lr",
+        required=True,
+    ),
+    _opt(
+        "momentum", "float", 0.0, "SGD momentum, on the PS.", low=0, high=1, high_open=True, topology="train.momentum"
+    ),
+    _opt(
+        "num_epochs",
+        "int",
+        150,
+        "Epochs each worker runs over its shard.",
+        low=1,
+        topology="train.epochs",
+        required=True,
+    ),
+    _opt(
+        "max_steps", "int", 0, "Stop each worker after this many pushes; 0: no cap.", low=0, topology="train.max_steps"
+    ),
+    _opt(
+        "strategy",
+        "str",
+        "async",
+        "async: the PS applies each gradient as it arrives; sync: one averaged "
+        "update per round of one gradient from every worker; ssp: async, but no worker gets more than "
+        "`staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with "
+        "DistributedDataParallel (docs/strategies.md).",
+        choices=STRATEGIES,
+        topology="train.strategy",
+    ),
+    _opt(
+        "staleness",
+        "int",
+        4,
+        "ssp only: how many pushes a worker may run ahead of the slowest live worker before it waits.",
+        low=0,
+        topology="train.staleness",
+    ),
+    _opt(
+        "staleness_lr",
+        "bool",
+        False,
+        "async and ssp: divide each push's learning rate by its staleness (Zhang et al. 2016).",
+        topology="train.staleness_lr",
+    ),
+    _opt(
+        "overlap",
+        "bool",
+        False,
+        "async and ssp: compute the next batch while the gradient and the fresh "
+        "parameters are on the wire (one more step of staleness).",
+        topology="train.overlap",
+    ),
+    _opt(
+        "compress",
+        "str",
+        "none",
+        "Gradients on the wire: none (float32), bf16 or fp16, with error feedback on the worker.",
+        choices=COMPRESSIONS,
+        topology="train.compress",
+    ),
     _opt("seed", "int", 0, "Model init, shuffling and synthetic data.", low=0, topology="train.seed"),
-    _opt("eval_every", "int", 100, "The PS evaluates on the held-out split every this many updates (and at the "
-         "end).", low=1, topology="train.eval_every"),
-    _opt("log_every", "int", 10, "A worker prints a line every this many batches.", low=1,
-         topology="train.log_every"),
-    _opt("loader_workers", "auto_int", "auto", "DataLoader processes in each container (they pass batches "
-         "through /dev/shm: shm_size): a number, or auto: the CPUs the container may use (affinity, cgroup "
-         "cpu.max) / the workers on its host, minus 1 for training, at most 8 (2 CPUs and 2 workers: 0). The "
-         "PS's evaluation follows the same rule. Each process logs the figure and why.",
-         topology="train.loader_workers"),
-    _opt("rpc_timeout", "float", 60.0, "Seconds for every RPC and every wait, in every process.", low=0,
-         low_open=True, topology="ps.rpc_timeout", topology_kind="int"),
-    _opt("join_timeout", "float", 300.0, "Seconds the PS waits for a missing worker to join or rejoin before it "
-         "ends without it.", low=0, low_open=True, topology="ps.join_timeout", topology_kind="int"),
-    _opt("checkpoint_every", "int", 1000, "The PS saves a checkpoint every this many updates (and at the end, "
-         "and on SIGTERM); 0: only at the end.", low=0, topology="ps.checkpoint_every"),
+    _opt(
+        "eval_every",
+        "int",
+        100,
+        "The PS evaluates on the held-out split every this many updates (and at the end).",
+        low=1,
+        topology="train.eval_every",
+    ),
+    _opt("log_every", "int", 10, "A worker prints a line every this many batches.", low=1, topology="train.log_every"),
+    _opt(
+        "loader_workers",
+        "auto_int",
+        "auto",
+        "DataLoader processes in each container (they pass batches "
+        "through /dev/shm: shm_size): a number, or auto: the CPUs the container may use (affinity, cgroup "
+        "cpu.max) / the workers on its host, minus 1 for training, at most 8 (2 CPUs and 2 workers: 0). The "
+        "PS's evaluation follows the same rule. Each process logs the figure and why.",
+        topology="train.loader_workers",
+    ),
+    _opt(
+        "rpc_timeout",
+        "float",
+        60.0,
+        "Seconds for every RPC and every wait, in every process.",
+        low=0,
+        low_open=True,
+        topology="ps.rpc_timeout",
+        topology_kind="int",
+    ),
+    _opt(
+        "join_timeout",
+        "float",
+        300.0,
+        "Seconds the PS waits for a missing worker to join or rejoin before it ends without it.",
+        low=0,
+        low_open=True,
+        topology="ps.join_timeout",
+        topology_kind="int",
+    ),
+    _opt(
+        "checkpoint_every",
+        "int",
+        1000,
+        "The PS saves a checkpoint every this many updates (and at the end, and on SIGTERM); 0: only at the end.",
+        low=0,
+        topology="ps.checkpoint_every",
+    ),
     _opt("checkpoint_dir", "str", "./checkpoints", "the PS writes its checkpoints and final.pt here"),
     _opt("metrics_dir", "str", "./metrics", "JSON lines, one file per process"),
-    _opt("shards", "int", 1, "PS processes the model's state is split across (services ps, ps-shard1..); helps "
-         "when they sit on several hosts or NICs. Every process of the job needs it.", low=1, high=8,
-         topology="ps.shards", emit=CHANGED),
-    _opt("image_size", "int", 224, "imagefolder: side of the square training crop in pixels; the shorter side "
-         "is resized to 8/7 of it first (256 for 224).", low=8, high=4096, topology="train.image_size",
-         emit=CHANGED),
-    _opt("host_workers", "int", 1, "workers of this job sharing this host's CPUs (--loader_workers auto divides "
-         "by it)", low=1),
-    _opt("image_cache", "str", "auto", "imagefolder: decode each image once into uint8 at 8/7 of image_size "
-         "(196 KB an image at 256 px); crop, flip and normalise on the training device. A worker then keeps one "
-         "shard of the images for all epochs (shuffled within it each epoch) and holds only that; the PS caches "
-         "its held-out set. memory: in /dev/shm (size shm_size for it); file: decoded once into a file on the "
-         "state volume keyed by the file list and the size, mapped again by a restarted worker or a later run on "
-         "the same data (old files are kept: delete them from the volume); off: decode every image every epoch. "
-         "auto (the default): memory when the decoded images take at most half of the container's free "
-         "/dev/shm and of its available RAM, else off with one log line saying what to set; so the fast path is "
-         "on wherever it fits, and never makes a container run out of shm. true/false mean memory/off.",
-         choices=IMAGE_CACHES, topology="train.image_cache", emit=CHANGED, bool_aliases=("off", "memory")),
+    _opt(
+        "shards",
+        "int",
+        1,
+        "PS processes the model's state is split across (services ps, ps-shard1..); helps "
+        "when they sit on several hosts or NICs. Every process of the job needs it.",
+        low=1,
+        high=8,
+        topology="ps.shards",
+        emit=CHANGED,
+    ),
+    _opt(
+        "image_size",
+        "int",
+        224,
+        "imagefolder: side of the square training crop in pixels; the shorter side "
+        "is resized to 8/7 of it first (256 for 224).",
+        low=8,
+        high=4096,
+        topology="train.image_size",
+        emit=CHANGED,
+    ),
+    _opt(
+        "host_workers",
+        "int",
+        1,
+        "workers of this job sharing this host's CPUs (--loader_workers auto divides by it)",
+        low=1,
+    ),
+    _opt(
+        "image_cache",
+        "str",
+        "auto",
+        "imagefolder: decode each image once into uint8 at 8/7 of image_size "
+        "(196 KB an image at 256 px); crop, flip and normalise on the training device. A worker then keeps one "
+        "shard of the images for all epochs (shuffled within it each epoch) and holds only that; the PS caches "
+        "its held-out set. memory: in /dev/shm (size shm_size for it); file: decoded once into a file on the "
+        "state volume keyed by the file list and the size, mapped again by a restarted worker or a later run on "
+        "the same data (old files are kept: delete them from the volume); off: decode every image every epoch. "
+        "auto (the default): memory when the decoded images take at most half of the container's free "
+        "/dev/shm and of its available RAM, else off with one log line saying what to set; so the fast path is "
+        "on wherever it fits, and never makes a container run out of shm. true/false mean memory/off.",
+        choices=IMAGE_CACHES,
+        topology="train.image_cache",
+        emit=CHANGED,
+        bool_aliases=("off", "memory"),
+    ),
     _opt("cache_dir", "str", "./cache", "--image_cache file: where the decoded shards are kept"),
     _opt("init_weights", "str", "", "a state dict file (or a final.pt) the model starts from; empty: none"),
-    _opt("precision", "str", "fp32", "Forward/backward under autocast: fp32 (off), bf16 (CPU or GPU) or fp16 "
-         "(GPU workers only, with loss scaling). Parameters and pushed gradients stay float32.",
-         choices=PRECISIONS, topology="train.precision", emit=CHANGED),
-    _opt("channels_last", "bool", False, "GPU workers: images (and, under allreduce, the model) in channels-last "
-         "memory format.", topology="train.channels_last", emit=CHANGED),
-    _opt("weight_decay", "float", 0.0, "SGD weight decay (L2), applied on the PS with the learning rate: each "
-         "update adds weight_decay x the parameters to the gradient.", low=0, topology="train.weight_decay",
-         emit=CHANGED),
-    _opt("shard", "int", 0, "ps: which shard this process serves; 0 is the main PS at --master_addr; under "
-         "Kubernetes, JOB_COMPLETION_INDEX when unset", low=0),
-    _opt("run_id", "str", "", "this run's identity, written into every checkpoint: a PS resumes only its own "
-         "run's checkpoints (a new run sets older ones aside); empty: resume any"),
-    _opt("resume", "bool", False, "a new run continues the newest checkpoint of an unfinished run (another run "
-         "id's) instead of starting at version 0"),
+    _opt(
+        "precision",
+        "str",
+        "fp32",
+        "Forward/backward under autocast: fp32 (off), bf16 (CPU or GPU) or fp16 "
+        "(GPU workers only, with loss scaling). Parameters and pushed gradients stay float32.",
+        choices=PRECISIONS,
+        topology="train.precision",
+        emit=CHANGED,
+    ),
+    _opt(
+        "channels_last",
+        "bool",
+        False,
+        "GPU workers: images (and, under allreduce, the model) in channels-last memory format.",
+        topology="train.channels_last",
+        emit=CHANGED,
+    ),
+    _opt(
+        "weight_decay",
+        "float",
+        0.0,
+        "SGD weight decay (L2), applied on the PS with the learning rate: each "
+        "update adds weight_decay x the parameters to the gradient.",
+        low=0,
+        topology="train.weight_decay",
+        emit=CHANGED,
+    ),
+    _opt(
+        "shard",
+        "int",
+        0,
+        "ps: which shard this process serves; 0 is the main PS at --master_addr; under "
+        "Kubernetes, JOB_COMPLETION_INDEX when unset",
+        low=0,
+    ),
+    _opt(
+        "run_id",
+        "str",
+        "",
+        "this run's identity, written into every checkpoint: a PS resumes only its own "
+        "run's checkpoints (a new run sets older ones aside); empty: resume any",
+    ),
+    _opt(
+        "resume",
+        "bool",
+        False,
+        "a new run continues the newest checkpoint of an unfinished run (another run "
+        "id's) instead of starting at version 0",
+    ),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -64,8 +64,11 @@ def wait_for_port(host: str, port: int, timeout: float, poll: float = 0.2) -> No
             with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
                 return
         except OSError as error:
-            reason = (f"cannot resolve {host}" if isinstance(error, socket.gaierror)
-                      else error.strerror or str(error) or type(error).__name__)
+            reason = (
+                f"cannot resolve {host}"
+                if isinstance(error, socket.gaierror)
+                else error.strerror or str(error) or type(error).__name__
+            )
         if time.monotonic() + poll >= deadline:
             raise PortUnreachable(reason)
         time.sleep(poll)
@@ -119,8 +122,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in
-               ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20)))
+    return all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
+    )
 
 
 def set_threads(world_size: int) -> int:
@@ -159,8 +164,10 @@ def choose_device(name: str) -> torch.device:
     """`cpu`, or `cuda:0` (the one GPU a container sees); UsageError when there is none."""
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA GPU is visible to this process "
-                             "(torch.cuda.is_available() is False); use --device cpu")
+            raise UsageError(
+                "--device cuda: no CUDA GPU is visible to this process "
+                "(torch.cuda.is_available() is False); use --device cpu"
+            )
         return torch.device("cuda:0")
     return torch.device("cpu")
 
@@ -187,13 +194,12 @@ def handle_sigterm(grace: float) -> None:
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, _raise_exit)
-    threading.Thread(target=_exit_after_sigterm, args=(read_fd, grace),
-                     name="sigterm-watch", daemon=True).start()
+    threading.Thread(target=_exit_after_sigterm, args=(read_fd, grace), name="sigterm-watch", daemon=True).start()
 
 
 class _Sigterm:
     deferring = False  # inside `sigterm_deferred`
-    pending = False    # a SIGTERM came meanwhile
+    pending = False  # a SIGTERM came meanwhile
 
 
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
@@ -262,8 +268,7 @@ def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[
     name = name or config.name
     if config.master_addr in LOOPBACK:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    with deadline(config.rpc_timeout, f"{name}: joining the job at "
-                  f"{config.master_addr}:{config.master_port}"):
+    with deadline(config.rpc_timeout, f"{name}: joining the job at {config.master_addr}:{config.master_port}"):
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=backend_options(config))
     log.info("%s joined the job", name)
     try:

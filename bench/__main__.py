@@ -28,6 +28,7 @@ HEADLINE_TAIL_S = 1.0  # async cases only: keep stepping while the other worker 
 def memcpy_seconds(floats: int, repeats: int) -> float:
     """Median time of two memcpy(3) calls of 4*floats bytes: the message in, the state out."""
     import torch
+
     a, b, c = torch.randn(floats), torch.empty(floats), torch.randn(floats)
     d = torch.empty(floats)
     size = 4 * floats
@@ -42,6 +43,7 @@ def memcpy_seconds(floats: int, repeats: int) -> float:
 
 def _state_floats(model: str) -> int:
     from bench.models import state_floats
+
     params, buffers = state_floats(SPECS[model].model())
     return params + buffers
 
@@ -49,24 +51,41 @@ def _state_floats(model: str) -> int:
 def machine() -> dict[str, Any]:
     """Where the figures come from: cores this process may use, torch, the load average."""
     import torch
-    return {"cores": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_start": os.getloadavg()}
+
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def headline_params(system: str, model: str, steps: int | None) -> dict[str, Any]:
     """A headline case's parameters: one thread per process, a fixed step count."""
     warmup, count = HEADLINE_STEPS.get(model, (5, 30))
-    return dict(warmup=warmup, steps=steps or count, threads=1, compute=True, compute_seconds=None,
-                tail=HEADLINE_TAIL_S if system in ("app", "app-overlap") else 0.0,
-                floats=_state_floats(model), shards=1, compress="none",
-                overlap=system == "app-overlap", strategy="sync" if system == "app-sync" else "async",
-                transports="uv" if system == "ref-uv" else None, allreduce=system == "allreduce",
-                workers_only=system in ("compute", "allreduce"))
+    return dict(
+        warmup=warmup,
+        steps=steps or count,
+        threads=1,
+        compute=True,
+        compute_seconds=None,
+        tail=HEADLINE_TAIL_S if system in ("app", "app-overlap") else 0.0,
+        floats=_state_floats(model),
+        shards=1,
+        compress="none",
+        overlap=system == "app-overlap",
+        strategy="sync" if system == "app-sync" else "async",
+        transports="uv" if system == "ref-uv" else None,
+        allreduce=system == "allreduce",
+        workers_only=system in ("compute", "allreduce"),
+    )
 
 
 def run_headline(args: argparse.Namespace) -> int:
     from bench.procs import Case, CaseFailed, run_case
+
     started = time.monotonic()
     where = machine()
     runs: list[dict[str, Any]] = []
@@ -77,8 +96,11 @@ def run_headline(args: argparse.Namespace) -> int:
                 label = f"[{repeat}/{args.repeats}] {model} x{args.workers} {system}"
                 print(f"bench: {label} ...", file=sys.stderr, flush=True)
                 try:
-                    raw = run_case(Case(system, model, args.workers), headline_params(system, model, args.steps),
-                                   timeout=args.timeout)
+                    raw = run_case(
+                        Case(system, model, args.workers),
+                        headline_params(system, model, args.steps),
+                        timeout=args.timeout,
+                    )
                 except CaseFailed as error:
                     failures.append(f"{label}: {error}")
                     print(f"bench: {label}: FAILED: {error}", file=sys.stderr, flush=True)
@@ -88,9 +110,11 @@ def run_headline(args: argparse.Namespace) -> int:
     wall = time.monotonic() - started
     where["loadavg_end"] = os.getloadavg()
     print(headline.table(rows))
-    print(f"\nsteady state: the timed steps after the warm-up ones, one thread per process; "
-          f"{args.repeats} repeat(s); {wall:.0f} s on {where['cores']} cores; load average "
-          f"{where['loadavg_start'][0]:.1f} at the start, {where['loadavg_end'][0]:.1f} at the end")
+    print(
+        f"\nsteady state: the timed steps after the warm-up ones, one thread per process; "
+        f"{args.repeats} repeat(s); {wall:.0f} s on {where['cores']} cores; load average "
+        f"{where['loadavg_start'][0]:.1f} at the start, {where['loadavg_end'][0]:.1f} at the end"
+    )
     if failures:
         print("failed cases:\n  " + "\n  ".join(failures))
     if args.json:
@@ -120,10 +144,16 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_main(args: argparse.Namespace) -> int:
     from bench.procs import Case, CaseFailed, run_case
+
     models = args.models.split(",")
     workers = [int(w) for w in args.workers.split(",")]
-    params = dict(warmup=args.warmup, seconds=args.seconds, tail=min(1.5, args.seconds / 3),
-                  compute=True, compute_seconds=min(2.0, args.seconds / 2))
+    params = dict(
+        warmup=args.warmup,
+        seconds=args.seconds,
+        tail=min(1.5, args.seconds / 3),
+        compute=True,
+        compute_seconds=min(2.0, args.seconds / 2),
+    )
     floats = {m: _state_floats(m) for m in models}
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -132,16 +162,24 @@ def run_main(args: argparse.Namespace) -> int:
         for model in models:
             for n in workers:
                 systems = ["app", "app-overlap", "app-bf16", "ref", "ref-tuned", "gloo"] + (
-                    ["app-comm", "app-comm-bf16", "app-sharded"] if model == "resnet18" else [])
+                    ["app-comm", "app-comm-bf16", "app-sharded"] if model == "resnet18" else []
+                )
                 for system in systems:
                     case = Case(system, model, n)
-                    idle = args.idle_seconds if (model == models[0] and n == workers[0]
-                                                 and system in ("app", "ref")) else 0.0
-                    p = dict(params, floats=floats[model],
-                             compute=not system.startswith("app-comm") and system != "app-sharded",
-                             shards=2 if system == "app-sharded" else 1,
-                             overlap=system == "app-overlap", tuned=system == "ref-tuned",
-                             compress="bf16" if system.endswith("bf16") else "none")
+                    idle = (
+                        args.idle_seconds
+                        if (model == models[0] and n == workers[0] and system in ("app", "ref"))
+                        else 0.0
+                    )
+                    p = dict(
+                        params,
+                        floats=floats[model],
+                        compute=not system.startswith("app-comm") and system != "app-sharded",
+                        shards=2 if system == "app-sharded" else 1,
+                        overlap=system == "app-overlap",
+                        tuned=system == "ref-tuned",
+                        compress="bf16" if system.endswith("bf16") else "none",
+                    )
                     label = f"[{repeat}/{args.repeats}] {model} x{n} {system}"
                     print(f"bench: {label} ...", file=sys.stderr, flush=True)
                     try:
@@ -158,15 +196,28 @@ def run_main(args: argparse.Namespace) -> int:
     print(report.table(rows))
     print()
     print(report.ratio_lines(rs))
-    print(f"\n{args.repeats} repeat(s), medians; ({'lo-hi'}) is the updates/s range over repeats; "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"\n{args.repeats} repeat(s), medians; ({'lo-hi'}) is the updates/s range over repeats; "
+        f"{time.monotonic() - started:.0f} s"
+    )
     if failures:
         print("failed cases:\n  " + "\n  ".join(failures))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"schema": headline.SCHEMA, "kind": "full", "rows": rows, "ratios": rs,
-                       "goals_met": report.verdicts(rs), "settings": vars(args), "runs": runs,
-                       "failures": failures}, f, indent=2)
+            json.dump(
+                {
+                    "schema": headline.SCHEMA,
+                    "kind": "full",
+                    "rows": rows,
+                    "ratios": rs,
+                    "goals_met": report.verdicts(rs),
+                    "settings": vars(args),
+                    "runs": runs,
+                    "failures": failures,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 1 if failures else 0
 
@@ -180,8 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--models", default=",".join(HEADLINE_MODELS), help="comma-separated: %(default)s")
         p.add_argument("--systems", default=",".join(headline.SYSTEMS), help="comma-separated: %(default)s")
         p.add_argument("--workers", type=int, default=2)
-        p.add_argument("--steps", type=int, help="timed steps per worker (default: per model, "
-                       + ", ".join(f"{m} {s}" for m, (_, s) in HEADLINE_STEPS.items()) + ")")
+        p.add_argument(
+            "--steps",
+            type=int,
+            help="timed steps per worker (default: per model, "
+            + ", ".join(f"{m} {s}" for m, (_, s) in HEADLINE_STEPS.items())
+            + ")",
+        )
         p.add_argument("--repeats", type=int, default=1)
         p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
         _app_path(p)
@@ -204,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
     from bench import constants, data_pipeline, imagefolder_scan
+
     constants.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
@@ -213,8 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from bench import data_pipeline, imagefolder_scan
+
     if args.command == "constants":
         from bench import constants
+
         return constants.main(args)
     if args.command == "data":
         return data_pipeline.main(args)
@@ -222,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return imagefolder_scan.main(args)
     if args.command == "containers":
         from bench.containers import main as containers_main
+
         return containers_main(args)
     if args.command == "compare":
         return run_compare(args)
@@ -240,9 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _app_path(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--app-path", metavar="DIR",
-                   help="measure the app/ under DIR (e.g. `git archive HEAD app | tar -x -C DIR`) "
-                        "instead of this checkout's")
+    p.add_argument(
+        "--app-path",
+        metavar="DIR",
+        help="measure the app/ under DIR (e.g. `git archive HEAD app | tar -x -C DIR`) instead of this checkout's",
+    )
 
 
 def _check(args: argparse.Namespace) -> str | None:

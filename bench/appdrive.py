@@ -39,11 +39,30 @@ def rpc_done(rank: int) -> None:
 
 def _config(role: str, p: dict[str, Any]):
     from app.config import parse
-    argv = [role, "--world_size", str(p["world_size"]), "--master_addr", ADDR,
-            "--master_port", str(p["port"]), "--model", "cnn", "--dataset", "synthetic",
-            "--batch_size", str(SPECS[p["model"]].batch_size), "--rpc_timeout", str(RPC_TIMEOUT),
-            "--overlap", str(bool(p.get("overlap"))), "--compress", p.get("compress", "none"),
-            "--strategy", p.get("strategy", "async")]
+
+    argv = [
+        role,
+        "--world_size",
+        str(p["world_size"]),
+        "--master_addr",
+        ADDR,
+        "--master_port",
+        str(p["port"]),
+        "--model",
+        "cnn",
+        "--dataset",
+        "synthetic",
+        "--batch_size",
+        str(SPECS[p["model"]].batch_size),
+        "--rpc_timeout",
+        str(RPC_TIMEOUT),
+        "--overlap",
+        str(bool(p.get("overlap"))),
+        "--compress",
+        p.get("compress", "none"),
+        "--strategy",
+        p.get("strategy", "async"),
+    ]
     if role == "worker":
         argv += ["--rank", str(p["rank"])]
     if p.get("shards", 1) > 1:  # app-sharded: PS shards at RPC ranks world_size.. (bench.procs)
@@ -53,6 +72,7 @@ def _config(role: str, p: dict[str, Any]):
 
 def _init(config: Any, name: str, rank: int) -> None:
     from app import runtime
+
     runtime.keep_freed_memory()  # what `python -m app` does at start
     world = config.world_size + config.shards - 1
     runtime.set_threads(world)
@@ -65,6 +85,7 @@ def _part(p: dict[str, Any], index: int) -> tuple[int, int] | None:
         return None
     from app.common.flat import state_size
     from app.ps.sharding.slices import bounds
+
     return bounds(state_size(SPECS[p["model"]].model()), p["shards"])[index]
 
 
@@ -77,10 +98,16 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.contract import ps_name
     from app.ps.endpoints import ENDPOINT
     from app.ps.server import ParameterServer
+
     config = _config("ps", p)
-    server = ParameterServer(SPECS[p["model"]].model(), lr=0.01, momentum=0.0,
-                             num_trainers=config.world_size - 1, part=_part(p, index),
-                             strategy=config.strategy)
+    server = ParameterServer(
+        SPECS[p["model"]].model(),
+        lr=0.01,
+        momentum=0.0,
+        num_trainers=config.world_size - 1,
+        part=_part(p, index),
+        strategy=config.strategy,
+    )
     _DONE["expected"] = config.world_size - 1
     with ENDPOINT.serving(server):
         _init(config, ps_name(index), p["rank"])
@@ -104,6 +131,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     from app.worker.client import PSClient
     from app.worker.sharded_client import ShardedClient
     from app.worker.trainer import Trainer
+
     config = _config("worker", p)
     spec = SPECS[p["model"]]
     x, y = spec.batch(seed=p["rank"])

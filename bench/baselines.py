@@ -27,8 +27,13 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     model, loss_fn = spec.model(), nn.CrossEntropyLoss()
     optimizer = None
     if p.get("allreduce"):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{p['port']}", rank=p["rank"] - 1,
-                                world_size=p["world_size"] - 1, timeout=timedelta(seconds=p["timeout"]))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{p['port']}",
+            rank=p["rank"] - 1,
+            world_size=p["world_size"] - 1,
+            timeout=timedelta(seconds=p["timeout"]),
+        )
         model = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -44,6 +49,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     if optimizer is not None:
         dist.destroy_process_group()
     params = sum(q.numel() for q in model.parameters())
-    result.update(compute_only_s=None, push_bytes=4 * params if optimizer else 0,
-                  pull_bytes=4 * params if optimizer else 0)
+    result.update(
+        compute_only_s=None, push_bytes=4 * params if optimizer else 0, pull_bytes=4 * params if optimizer else 0
+    )
     return result

@@ -63,6 +63,7 @@ def timed(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time
 def in_process(model_name: str, repeats: int) -> dict[str, float]:
     """The figures measured in this process (see MEASURES)."""
     from app import runtime
+
     runtime.keep_freed_memory()  # as the app's processes do: no fresh mmap per 45 MB buffer
     torch.set_num_threads(1)
     spec = SPECS[model_name]
@@ -93,33 +94,50 @@ def in_process(model_name: str, repeats: int) -> dict[str, float]:
 def _bf16(params: int, floats: int, message: torch.Tensor, repeats: int) -> dict[str, float]:
     from app.ps.update import to_float32
     from app.worker.compress import Compressor
+
     pack = Compressor("bf16", params, torch.device("cpu"))
     wire = pack(message.clone())
-    return {"bf16_pack_s": timed(lambda: pack(message), repeats),
-            "bf16_widen_s": timed(lambda: to_float32(wire, params), repeats)}
+    return {
+        "bf16_pack_s": timed(lambda: pack(message), repeats),
+        "bf16_widen_s": timed(lambda: to_float32(wire, params), repeats),
+    }
 
 
 def _pickling(model: nn.Module, repeats: int) -> dict[str, float]:
     """RPC's own pickler: tensors go to a side table (sent as they are), the rest is pickled."""
     from torch.distributed.rpc.internal import _internal_rpc_pickler
+
     for q in model.parameters():
         q.grad = torch.zeros_like(q)
     grads = [q.grad for q in model.parameters()]
-    return {"pickle_grads_s": timed(lambda: _internal_rpc_pickler.serialize(grads), repeats),
-            "pickle_module_s": timed(lambda: _internal_rpc_pickler.serialize(model), repeats)}
+    return {
+        "pickle_grads_s": timed(lambda: _internal_rpc_pickler.serialize(grads), repeats),
+        "pickle_module_s": timed(lambda: _internal_rpc_pickler.serialize(model), repeats),
+    }
 
 
 def between_processes(model_name: str, seconds: float) -> dict[str, float]:
     """Gloo send+recv and the app's push+pull (no compute) of the state, one worker."""
     from bench.procs import Case, run_case
+
     params, buffers = state_floats(SPECS[model_name].model())
-    p = dict(warmup=3, seconds=seconds, tail=0.0, threads=1, compute=False, compute_seconds=None,
-             floats=params + buffers, shards=1, compress="none", overlap=False, strategy="async")
+    p = dict(
+        warmup=3,
+        seconds=seconds,
+        tail=0.0,
+        threads=1,
+        compute=False,
+        compute_seconds=None,
+        floats=params + buffers,
+        shards=1,
+        compress="none",
+        overlap=False,
+        strategy="async",
+    )
     gloo = run_case(Case("gloo", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
     app = run_case(Case("app-comm", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
     both_ways = 2 * 4 * (params + buffers)
-    return {"gloo_s": gloo["comm_s"], "gloo_gb_s": both_ways / gloo["comm_s"] / 1e9,
-            "app_pushpull_s": app["comm_s"]}
+    return {"gloo_s": gloo["comm_s"], "gloo_gb_s": both_ways / gloo["comm_s"] / 1e9, "app_pushpull_s": app["comm_s"]}
 
 
 def _echo(message: torch.Tensor) -> torch.Tensor:
@@ -136,7 +154,9 @@ def _echo_process(rank: int, floats: int, channels: list[str], port: int, repeat
     import warnings
 
     import torch.distributed.rpc as rpc
+
     from app import runtime
+
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, at init and shutdown
     runtime.keep_freed_memory()
     torch.set_num_threads(1)
@@ -158,22 +178,24 @@ def _echo_process(rank: int, floats: int, channels: list[str], port: int, repeat
 def rpc_round_trips(model_name: str, repeats: int) -> dict[str, float]:
     """CPU seconds of an RPC round trip of the state, per channel of ECHO_CHANNELS."""
     import torch.multiprocessing as mp
+
     from bench.procs import free_port
+
     params, buffers = state_floats(SPECS[model_name].model())
     context = mp.get_context("spawn")
     figures = {}
     for name, channels in ECHO_CHANNELS.items():
         out = context.SimpleQueue()
-        mp.start_processes(_echo_process, args=(params + buffers, channels, free_port(), repeats, out),
-                           nprocs=2, start_method="spawn")
+        mp.start_processes(
+            _echo_process, args=(params + buffers, channels, free_port(), repeats, out), nprocs=2, start_method="spawn"
+        )
         figures[name] = out.get()
     return figures
 
 
 def lines(figures: dict[str, float]) -> str:
     """One line per figure measured, in MEASURES order."""
-    return "\n".join(f"{name:<16} {figures[name]:>10.4g}  {what}"
-                     for name, what in MEASURES.items() if name in figures)
+    return "\n".join(f"{name:<16} {figures[name]:>10.4g}  {what}" for name, what in MEASURES.items() if name in figures)
 
 
 def add_parser(sub: Any) -> None:
@@ -194,8 +216,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"kind": "constants", "model": args.model, "figures": figures,
-                       "loadavg": os.getloadavg()}, f, indent=2)
+            json.dump(
+                {"kind": "constants", "model": args.model, "figures": figures, "loadavg": os.getloadavg()}, f, indent=2
+            )
         print(f"wrote {args.json}")
     return 0
-

@@ -37,8 +37,12 @@ def throughput(ps_lines: list[str], batch_size: int) -> Optional[dict[str, float
             continue
         if record.get("event") == "end" and record.get("seconds"):
             seconds, updates = float(record["seconds"]), int(record["step"])
-            return {"updates": updates, "seconds": seconds, "updates_per_s": updates / seconds,
-                    "samples_per_s": updates * batch_size / seconds}
+            return {
+                "updates": updates,
+                "seconds": seconds,
+                "updates_per_s": updates / seconds,
+                "samples_per_s": updates * batch_size / seconds,
+            }
     return None
 
 
@@ -46,8 +50,9 @@ def run_processes(workers: int, timeout: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
         argv = [sys.executable, "-m", "orchestrator", "local", "-c", str(CONFIG), "--workers", str(workers)]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -55,8 +60,10 @@ def run_processes(workers: int, timeout: float) -> dict[str, float]:
             proc.communicate()
             raise RuntimeError(f"orchestrator local did not finish within {timeout:.0f} s") from None
         if proc.returncode != 0:
-            raise RuntimeError(f"orchestrator local exited {proc.returncode}: "
-                               + " | ".join(out.decode(errors="replace").strip().splitlines()[-3:]))
+            raise RuntimeError(
+                f"orchestrator local exited {proc.returncode}: "
+                + " | ".join(out.decode(errors="replace").strip().splitlines()[-3:])
+            )
         metrics = next(Path(tmp, "runs").glob("*/metrics/ps.jsonl"))
         return _throughput(metrics.read_text().splitlines())
 
@@ -66,8 +73,8 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
-    from orchestrator.topology.services import service_names
     from orchestrator.topology.model import load_with
+    from orchestrator.topology.services import service_names
 
     t = load_with(str(CONFIG), workers=workers)
     client = images.client()
@@ -92,6 +99,7 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
 
 def _throughput(lines: list[str]) -> dict[str, float]:
     import yaml
+
     batch = yaml.safe_load(CONFIG.read_text())["train"]["batch_size"]
     result = throughput(lines, batch)
     if result is None:
@@ -115,23 +123,40 @@ def main(args: argparse.Namespace) -> int:
     for kind, rs in runs.items():
         if rs:
             sps = [r["samples_per_s"] for r in rs]
-            summary[kind] = {"samples_per_s": statistics.median(sps), "range": [min(sps), max(sps)],
-                             "updates_per_s": statistics.median(r["updates_per_s"] for r in rs),
-                             "seconds": statistics.median(r["seconds"] for r in rs), "repeats": len(rs)}
-            print(f"{kind:<10} samples/s {summary[kind]['samples_per_s']:8.0f} "
-                  f"({min(sps):.0f}-{max(sps):.0f})  updates/s {summary[kind]['updates_per_s']:7.1f}  "
-                  f"training s {summary[kind]['seconds']:5.2f}  ({len(rs)} runs)")
+            summary[kind] = {
+                "samples_per_s": statistics.median(sps),
+                "range": [min(sps), max(sps)],
+                "updates_per_s": statistics.median(r["updates_per_s"] for r in rs),
+                "seconds": statistics.median(r["seconds"] for r in rs),
+                "repeats": len(rs),
+            }
+            print(
+                f"{kind:<10} samples/s {summary[kind]['samples_per_s']:8.0f} "
+                f"({min(sps):.0f}-{max(sps):.0f})  updates/s {summary[kind]['updates_per_s']:7.1f}  "
+                f"training s {summary[kind]['seconds']:5.2f}  ({len(rs)} runs)"
+            )
     ratio = None
     if "processes" in summary and "compose" in summary:
         ratio = summary["compose"]["samples_per_s"] / summary["processes"]["samples_per_s"]
-        print(f"compose / processes throughput: {ratio:.2f} (goal >= 0.9: "
-              f"{'met' if ratio >= 0.9 else 'NOT met'}); cpu-smoke, {args.workers} workers, medians; "
-              f"{time.monotonic() - started:.0f} s")
+        print(
+            f"compose / processes throughput: {ratio:.2f} (goal >= 0.9: "
+            f"{'met' if ratio >= 0.9 else 'NOT met'}); cpu-smoke, {args.workers} workers, medians; "
+            f"{time.monotonic() - started:.0f} s"
+        )
     for f in failures:
         print(f"failed: {f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"summary": summary, "compose_vs_processes": ratio, "runs": runs,
-                       "failures": failures, "workers": args.workers}, f, indent=2)
+            json.dump(
+                {
+                    "summary": summary,
+                    "compose_vs_processes": ratio,
+                    "runs": runs,
+                    "failures": failures,
+                    "workers": args.workers,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 1 if failures or ratio is None else 0

@@ -20,8 +20,13 @@ from bench import loop
 
 def _init(p: dict[str, Any], rank: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{p['port']}", rank=rank,
-                            world_size=p["world_size"], timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{p['port']}",
+        rank=rank,
+        world_size=p["world_size"],
+        timeout=timedelta(seconds=120),
+    )
 
 
 def ps_main(p: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,10 @@ LABELS = {
     "ref": "official PS example, TP defaults",
     "ref-uv": "official PS example, uv only",
 }
-MODEL_LABELS = {"resnet18-10": "ResNet-18, 10 classes, batch 20 of 3x32x32",
-                "mnist-cnn": "MNIST-example CNN, batch 32 of 1x28x28"}
+MODEL_LABELS = {
+    "resnet18-10": "ResNet-18, 10 classes, batch 20 of 3x32x32",
+    "mnist-cnn": "MNIST-example CNN, batch 32 of 1x28x28",
+}
 # The figure `compare` sets side by side, per kind of document, and whether lower is better.
 COMPARED = {"headline": ("step_s", True), "full": ("updates_per_s", False)}
 
@@ -33,7 +35,9 @@ def case_row(system: str, model: str, workers: int, raw: dict[str, Any]) -> dict
     ws = raw["workers"]
     per_worker = [w["window_s"] / w["steps"] for w in ws]
     return {
-        "system": system, "model": model, "workers": workers,
+        "system": system,
+        "model": model,
+        "workers": workers,
         "steps": min(w["steps"] for w in ws),
         "step_s": statistics.mean(per_worker),
         "per_worker_step_s": per_worker,
@@ -56,13 +60,20 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in sorted(groups, key=lambda k: (models.index(k[0]), k[1], SYSTEMS.index(k[2]))):
         rs = groups[key]
         steps = [r["step_s"] for r in rs]
-        rows.append({
-            "model": key[0], "workers": key[1], "system": key[2], "label": LABELS[key[2]],
-            "repeats": len(rs), "steps": rs[0]["steps"],
-            "step_s": statistics.median(steps), "step_s_range": [min(steps), max(steps)],
-            "compute_s": statistics.median(r["compute_s"] for r in rs),
-            "comm_s": statistics.median(r["comm_s"] for r in rs),
-        })
+        rows.append(
+            {
+                "model": key[0],
+                "workers": key[1],
+                "system": key[2],
+                "label": LABELS[key[2]],
+                "repeats": len(rs),
+                "steps": rs[0]["steps"],
+                "step_s": statistics.median(steps),
+                "step_s_range": [min(steps), max(steps)],
+                "compute_s": statistics.median(r["compute_s"] for r in rs),
+                "comm_s": statistics.median(r["comm_s"] for r in rs),
+            }
+        )
     for row in rows:
         only = _find(rows, row["model"], row["workers"], "compute")
         row["vs_compute"] = row["step_s"] / only["step_s"] if only else None
@@ -90,11 +101,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def document(rows: list[dict[str, Any]], runs: list[dict[str, Any]], settings: dict[str, Any],
-             machine: dict[str, Any], failures: list[str], wall_s: float) -> dict[str, Any]:
+def document(
+    rows: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    settings: dict[str, Any],
+    machine: dict[str, Any],
+    failures: list[str],
+    wall_s: float,
+) -> dict[str, Any]:
     """The `--json` document: what `compare` reads back (schema, kind, rows)."""
-    return {"schema": SCHEMA, "kind": "headline", "machine": machine, "settings": settings,
-            "wall_s": wall_s, "rows": rows, "runs": runs, "failures": failures}
+    return {
+        "schema": SCHEMA,
+        "kind": "headline",
+        "machine": machine,
+        "settings": settings,
+        "wall_s": wall_s,
+        "rows": rows,
+        "runs": runs,
+        "failures": failures,
+    }
 
 
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,9 +140,18 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
         o = before.get((r["model"], r["workers"], r["system"]))
         if o is None or not o.get(figure) or r.get(figure) is None:
             continue
-        out.append({"model": r["model"], "workers": r["workers"], "system": r["system"],
-                    "figure": figure, "old": o[figure], "new": r[figure],
-                    "ratio": r[figure] / o[figure], "lower_is_better": lower_better})
+        out.append(
+            {
+                "model": r["model"],
+                "workers": r["workers"],
+                "system": r["system"],
+                "figure": figure,
+                "old": o[figure],
+                "new": r[figure],
+                "ratio": r[figure] / o[figure],
+                "lower_is_better": lower_better,
+            }
+        )
     return out
 
 
@@ -132,6 +166,8 @@ def compare_table(pairs: list[dict[str, Any]]) -> str:
         gain = (p["ratio"] < 0.95) if p["lower_is_better"] else (p["ratio"] > 1.05)
         loss = (p["ratio"] > 1.05) if p["lower_is_better"] else (p["ratio"] < 0.95)
         verdict = "better" if gain else "worse" if loss else ""
-        lines.append(f"{p['model']:<12} {p['workers']:>2} {p['system']:<14} {p['old']:>18.4g} "
-                     f"{p['new']:>10.4g} {p['ratio']:>7.2f}x {verdict}")
+        lines.append(
+            f"{p['model']:<12} {p['workers']:>2} {p['system']:<14} {p['old']:>18.4g} "
+            f"{p['new']:>10.4g} {p['ratio']:>7.2f}x {verdict}"
+        )
     return "\n".join(lines)

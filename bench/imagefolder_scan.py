@@ -45,9 +45,11 @@ def main(args: argparse.Namespace) -> int:
             seconds, found = scan_seconds(tmp)
             times.append(seconds)
         assert found == args.files, (found, args.files)
-        print(f"scan: {found} files in {args.classes} classes ({made:.1f} s to create): "
-              f"find_samples {min(times):.2f} s (best of {args.repeats}; {found / min(times):,.0f} files/s) "
-              f"on {os.cpu_count()} CPU(s)")
+        print(
+            f"scan: {found} files in {args.classes} classes ({made:.1f} s to create): "
+            f"find_samples {min(times):.2f} s (best of {args.repeats}; {found / min(times):,.0f} files/s) "
+            f"on {os.cpu_count()} CPU(s)"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -10,8 +10,8 @@ the model of configs/default.yaml), written here so the bench needs no torchvisi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -44,8 +44,11 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(out)
         self.conv2 = nn.Conv2d(out, out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out)
-        self.downsample = (nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
-                           if stride != 1 or inp != out else nn.Identity())
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+            if stride != 1 or inp != out
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
@@ -60,8 +63,7 @@ class ResNet18(nn.Module):
         self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         widths = [(64, 64, 1), (64, 128, 2), (128, 256, 2), (256, 512, 2)]
-        self.layers = nn.Sequential(*[nn.Sequential(BasicBlock(i, o, s), BasicBlock(o, o, 1))
-                                      for i, o, s in widths])
+        self.layers = nn.Sequential(*[nn.Sequential(BasicBlock(i, o, s), BasicBlock(o, o, 1)) for i, o, s in widths])
         self.fc = nn.Linear(512, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +74,14 @@ class ResNet18(nn.Module):
 
 def _app_cnn() -> nn.Module:
     from app.common import models  # the app's own model, built as the app builds it
+
     return models.build("cnn", 1, 10, seed=0)
 
 
 @dataclass(frozen=True)
 class Spec:
     """A model of the bench: how to build it and what one batch looks like."""
+
     name: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]

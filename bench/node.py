@@ -10,11 +10,21 @@ import warnings
 
 APP_PATH_ENV = "BENCH_APP_PATH"  # a directory holding another copy of `app/` to measure
 
-SYSTEMS = {"app": "bench.appdrive", "app-comm": "bench.appdrive", "app-overlap": "bench.appdrive",
-           "app-bf16": "bench.appdrive", "app-comm-bf16": "bench.appdrive", "app-sharded": "bench.appdrive",
-           "app-sync": "bench.appdrive", "ref": "bench.reference", "ref-uv": "bench.reference",
-           "ref-tuned": "bench.reference", "gloo": "bench.gloo", "compute": "bench.baselines",
-           "allreduce": "bench.baselines"}
+SYSTEMS = {
+    "app": "bench.appdrive",
+    "app-comm": "bench.appdrive",
+    "app-overlap": "bench.appdrive",
+    "app-bf16": "bench.appdrive",
+    "app-comm-bf16": "bench.appdrive",
+    "app-sharded": "bench.appdrive",
+    "app-sync": "bench.appdrive",
+    "ref": "bench.reference",
+    "ref-uv": "bench.reference",
+    "ref-tuned": "bench.reference",
+    "gloo": "bench.gloo",
+    "compute": "bench.baselines",
+    "allreduce": "bench.baselines",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -23,8 +33,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get(APP_PATH_ENV):
         sys.path.insert(0, os.environ[APP_PATH_ENV])
     module = importlib.import_module(SYSTEMS[system])
-    entry = {"ps": getattr(module, "ps_main", None),
-             "shard": getattr(module, "shard_main", None)}.get(role, module.worker_main)
+    entry = {"ps": getattr(module, "ps_main", None), "shard": getattr(module, "shard_main", None)}.get(
+        role, module.worker_main
+    )
     result = entry(json.loads(params))
     with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -39,8 +39,7 @@ def idle_cpu_percent(pids: dict[str, int], seconds: float) -> dict[str, float]:
     t0 = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - t0
-    return {name: round(100 * (cpu_seconds(pid) - before[name]) / elapsed, 1)
-            for name, pid in pids.items()}
+    return {name: round(100 * (cpu_seconds(pid) - before[name]) / elapsed, 1) for name, pid in pids.items()}
 
 
 @dataclass
@@ -50,13 +49,19 @@ class Case:
     workers: int
 
 
-def run_case(case: Case, params: dict[str, Any], timeout: float,
-             idle_seconds: float = 0.0) -> dict[str, Any]:
+def run_case(case: Case, params: dict[str, Any], timeout: float, idle_seconds: float = 0.0) -> dict[str, Any]:
     """PS + workers of one case; the PS's and each worker's result, and idle CPU if asked."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         marker = str(Path(tmp) / "idle") if idle_seconds else None
-        base = dict(params, world_size=case.workers + 1, port=free_port(), model=case.model,
-                    idle_marker=marker, idle_seconds=idle_seconds + 1.0, timeout=timeout)
+        base = dict(
+            params,
+            world_size=case.workers + 1,
+            port=free_port(),
+            model=case.model,
+            idle_marker=marker,
+            idle_seconds=idle_seconds + 1.0,
+            timeout=timeout,
+        )
         env = dict(os.environ, PYTHONUNBUFFERED="1", TP_SOCKET_IFNAME="lo")
         env.pop("OMP_NUM_THREADS", None)
         if params.get("threads"):  # the headline table: one thread per process
@@ -71,10 +76,18 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
                 role = "ps" if rank == 0 else "worker" if rank <= case.workers else "shard"
                 name = {"ps": "ps", "worker": f"worker{rank}", "shard": f"ps{rank - case.workers}"}[role]
                 logs[name] = open(Path(tmp) / f"{name}.log", "w+b")
-                argv = [sys.executable, "-m", "bench.node", case.system, role,
-                        json.dumps(dict(base, rank=rank)), str(Path(tmp) / f"{name}.json")]
-                procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT,
-                                               env=env, start_new_session=True)
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "bench.node",
+                    case.system,
+                    role,
+                    json.dumps(dict(base, rank=rank)),
+                    str(Path(tmp) / f"{name}.json"),
+                ]
+                procs[name] = subprocess.Popen(
+                    argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
             idle = _measure_idle(procs, marker, idle_seconds, timeout) if marker else None
             deadline = time.monotonic() + timeout
             for name, proc in procs.items():
@@ -83,8 +96,9 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
                     raise CaseFailed(f"{name} exited {code}: {_tail(logs[name])}")
             results = {name: json.loads((Path(tmp) / f"{name}.json").read_text()) for name in procs}
         except subprocess.TimeoutExpired:
-            raise CaseFailed(f"did not finish within {timeout:.0f} s: "
-                             + "; ".join(f"{n}: {_tail(f)}" for n, f in logs.items())) from None
+            raise CaseFailed(
+                f"did not finish within {timeout:.0f} s: " + "; ".join(f"{n}: {_tail(f)}" for n, f in logs.items())
+            ) from None
         finally:
             for proc in procs.values():
                 _kill_group(proc)
@@ -92,12 +106,16 @@ def run_case(case: Case, params: dict[str, Any], timeout: float,
                 f.close()
     if case.system.startswith("ref"):  # the reference PS returns its trainers' results
         results.update({f"worker{r}": w for r, w in results["ps"]["workers"].items()})
-    return {"workers": [results[f"worker{r}"] for r in range(1, case.workers + 1)],
-            "ps": results.get("ps", {}), "idle_cpu_percent": idle}
+    return {
+        "workers": [results[f"worker{r}"] for r in range(1, case.workers + 1)],
+        "ps": results.get("ps", {}),
+        "idle_cpu_percent": idle,
+    }
 
 
-def _measure_idle(procs: dict[str, subprocess.Popen], marker: str, seconds: float,
-                  timeout: float) -> dict[str, float] | None:
+def _measure_idle(
+    procs: dict[str, subprocess.Popen], marker: str, seconds: float, timeout: float
+) -> dict[str, float] | None:
     deadline = time.monotonic() + timeout
     while not Path(marker).exists():
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):

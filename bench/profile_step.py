@@ -33,8 +33,14 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 def _env(app_path: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(app_path), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1",
-                TP_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=str(app_path),
+        OMP_NUM_THREADS="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        TP_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 def _progress(path: Path) -> dict[int, float]:
@@ -57,12 +63,44 @@ def run_app(args: argparse.Namespace) -> dict[str, Any]:
     (then they are stopped: the run's end, evaluation and checkpoint, is not measured)."""
     tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
     port = free_port()
-    common = ["--world_size", str(args.workers + 1), "--master_addr", "127.0.0.1", "--master_port", str(port),
-              "--model", args.model, "--dataset", "synthetic", "--batch_size", str(args.batch),
-              "--strategy", args.strategy, "--overlap", str(args.overlap), "--compress", args.compress,
-              "--max_steps", str(args.end + 20), "--num_epochs", "50", "--log_every", str(args.every),
-              "--eval_every", "100000", "--checkpoint_every", "0", "--checkpoint_dir", str(tmp / "ckpt"),
-              "--metrics_dir", str(tmp / "metrics"), "--rpc_timeout", "120", "--momentum", str(args.momentum)]
+    common = [
+        "--world_size",
+        str(args.workers + 1),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--model",
+        args.model,
+        "--dataset",
+        "synthetic",
+        "--batch_size",
+        str(args.batch),
+        "--strategy",
+        args.strategy,
+        "--overlap",
+        str(args.overlap),
+        "--compress",
+        args.compress,
+        "--max_steps",
+        str(args.end + 20),
+        "--num_epochs",
+        "50",
+        "--log_every",
+        str(args.every),
+        "--eval_every",
+        "100000",
+        "--checkpoint_every",
+        "0",
+        "--checkpoint_dir",
+        str(tmp / "ckpt"),
+        "--metrics_dir",
+        str(tmp / "metrics"),
+        "--rpc_timeout",
+        "120",
+        "--momentum",
+        str(args.momentum),
+    ]
     env = _env(Path(args.app_path))
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
@@ -71,16 +109,16 @@ def run_app(args: argparse.Namespace) -> dict[str, Any]:
             role, name = ("ps", "ps") if rank == 0 else ("worker", f"worker{rank}")
             argv = [sys.executable, "-m", "app", role, *common] + (["--rank", str(rank)] if rank else [])
             logs[name] = open(tmp / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env,
-                                           cwd=tmp)
+            procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, cwd=tmp)
         metrics = tmp / "metrics" / "worker1.jsonl"
         marks: dict[int, tuple[float, dict[str, float]]] = {}
         spies: list[subprocess.Popen] = []
         deadline = time.monotonic() + args.timeout
         while len(marks) < 2:
             if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):
-                raise RuntimeError("the run failed: " + "; ".join(
-                    f"{n}: {(tmp / f'{n}.log').read_text()[-400:]}" for n in procs))
+                raise RuntimeError(
+                    "the run failed: " + "; ".join(f"{n}: {(tmp / f'{n}.log').read_text()[-400:]}" for n in procs)
+                )
             seen = _progress(metrics)
             for batch in (args.start, args.end):
                 if batch in seen and batch not in marks:
@@ -99,9 +137,12 @@ def run_app(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     (t0, cpu0), (t1, cpu1) = marks[args.start], marks[args.end]
     steps = args.end - args.start
-    return {"s_per_step": round((t1 - t0) / steps, 4),
-            "cpu_s_per_step": {n: round((cpu1[n] - cpu0[n]) / steps, 4) for n in procs
-                               if cpu0[n] is not None and cpu1[n] is not None}}
+    return {
+        "s_per_step": round((t1 - t0) / steps, 4),
+        "cpu_s_per_step": {
+            n: round((cpu1[n] - cpu0[n]) / steps, 4) for n in procs if cpu0[n] is not None and cpu1[n] is not None
+        },
+    }
 
 
 def _cpu(pid: int) -> float | None:
@@ -118,9 +159,21 @@ def _spy(args: argparse.Namespace, procs: dict[str, subprocess.Popen], marks: An
     label = args.strategy + ("-overlap" if args.overlap else "")
     spies = []
     for name in ("ps", "worker1"):
-        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "--native", "-r", "200", "-d",
-                str(args.spy_seconds), "--format", "raw", "-o", str(out / f"{label}-{name}.txt"),
-                "-p", str(procs[name].pid)]
+        argv = [
+            str(Path(sys.executable).parent / "py-spy"),
+            "record",
+            "--native",
+            "-r",
+            "200",
+            "-d",
+            str(args.spy_seconds),
+            "--format",
+            "raw",
+            "-o",
+            str(out / f"{label}-{name}.txt"),
+            "-p",
+            str(procs[name].pid),
+        ]
         spies.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return spies
 
@@ -148,11 +201,17 @@ print((time.perf_counter() - t0) / int(sys.argv[3]), (time.process_time() - c0) 
 def run_compute(args: argparse.Namespace) -> dict[str, Any]:
     """Forward + backward in args.workers processes at once: seconds per step of each."""
     env = _env(Path(args.app_path))
-    procs = [subprocess.Popen([sys.executable, "-c", COMPUTE, args.model, str(args.batch), str(args.steps)],
-                              stdout=subprocess.PIPE, env=env, text=True) for _ in range(args.workers)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", COMPUTE, args.model, str(args.batch), str(args.steps)],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for _ in range(args.workers)
+    ]
     times = [[float(v) for v in p.communicate(timeout=args.timeout)[0].split()] for p in procs]
-    return {"s_per_step": [round(wall, 4) for wall, _ in times],
-            "cpu_s_per_step": [round(cpu, 4) for _, cpu in times]}
+    return {"s_per_step": [round(wall, 4) for wall, _ in times], "cpu_s_per_step": [round(cpu, 4) for _, cpu in times]}
 
 
 def _cpu_ms(f: Any, repeats: int) -> float:
@@ -164,11 +223,13 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """CPU milliseconds of each piece of a step, in this process on one thread: the worker's
     and the PS's copies and arithmetic as the app has them now, and as they were (`was:`)."""
     import torch
+
     from app import runtime
     from app.common import models
     from app.common.flat import FlatModel
     from app.ps.server import ParameterServer
     from app.ps.update import all_finite
+
     runtime.keep_freed_memory()
     torch.set_num_threads(1)
     model = models.build(args.model, 3, 10, 0)
@@ -180,8 +241,9 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         flat.zero_grads()
         torch.nn.functional.cross_entropy(model(x), y).backward()
 
-    server = ParameterServer(models.build(args.model, 3, 10, 0), lr=0.01, momentum=args.momentum,
-                             num_trainers=args.workers, strategy="sync")
+    server = ParameterServer(
+        models.build(args.model, 3, 10, 0), lr=0.01, momentum=args.momentum, num_trainers=args.workers, strategy="sync"
+    )
     for rank in range(1, args.workers + 1):
         server.join(rank, f"worker{rank}")
     messages = [torch.randn(flat.size) * 1e-3 for _ in range(args.workers)]
@@ -200,30 +262,39 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         def call() -> None:
             with server._lock:
                 f()
+
         return call
 
     def round_() -> None:
         futures = [server.submit(rank, m, server.version) for rank, m in enumerate(messages, start=1)]
         futures[-1].wait()
 
-    return {"threads": torch.get_num_threads(), "floats": flat.size, "cpu_ms": {
-        "worker: forward+backward": _cpu_ms(compute, max(3, r // 4)),
-        "worker: zero grads": _cpu_ms(flat.zero_grads, r),
-        "worker: pack message (buffers behind grads)": _cpu_ms(flat.pack_message, r),
-        "worker --overlap: flip message buffers": _cpu_ms(flat.flip, r),
-        "worker --overlap was: clone the message": _cpu_ms(flat.message.clone, r),
-        "worker: adopt the reply": _cpu_ms(lambda: flat.adopt(torch.empty(flat.size)), r),
-        "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
-        "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
-        f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
-        f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
-        "ps: SGD into the reply buffer": _cpu_ms(locked(lambda: server._apply(messages[0], into=server._reply(0))), r),
-        "ps was: SGD in place + reply copy": _cpu_ms(locked(lambda: (server._apply(messages[0]),
-                                                                      reply.copy_(server.state))), r),
-        f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
-        f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(
-            lambda: ([bool(torch.isfinite(m).all()) for m in messages], old_step()), r),
-    }}
+    return {
+        "threads": torch.get_num_threads(),
+        "floats": flat.size,
+        "cpu_ms": {
+            "worker: forward+backward": _cpu_ms(compute, max(3, r // 4)),
+            "worker: zero grads": _cpu_ms(flat.zero_grads, r),
+            "worker: pack message (buffers behind grads)": _cpu_ms(flat.pack_message, r),
+            "worker --overlap: flip message buffers": _cpu_ms(flat.flip, r),
+            "worker --overlap was: clone the message": _cpu_ms(flat.message.clone, r),
+            "worker: adopt the reply": _cpu_ms(lambda: flat.adopt(torch.empty(flat.size)), r),
+            "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
+            "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
+            f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
+            f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
+            "ps: SGD into the reply buffer": _cpu_ms(
+                locked(lambda: server._apply(messages[0], into=server._reply(0))), r
+            ),
+            "ps was: SGD in place + reply copy": _cpu_ms(
+                locked(lambda: (server._apply(messages[0]), reply.copy_(server.state))), r
+            ),
+            f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
+            f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(
+                lambda: ([bool(torch.isfinite(m).all()) for m in messages], old_step()), r
+            ),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,8 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--app-path", default=str(HERE))
     args = parser.parse_args(argv)
     result = {"app": run_app, "compute": run_compute, "parts": run_parts}[args.mode](args)
-    print(json.dumps({"mode": args.mode, "strategy": args.strategy, "overlap": args.overlap,
-                      "model": args.model, "app": args.app_path, **result}))
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "strategy": args.strategy,
+                "overlap": args.overlap,
+                "model": args.model,
+                "app": args.app_path,
+                **result,
+            }
+        )
+    )
     return 0
 
 

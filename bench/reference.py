@@ -104,8 +104,11 @@ def run_trainer(ps_rref: rpc.RRef, p: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss_fn(m(x), y).backward()
         t1 = time.perf_counter()
-        m = rpc.rpc_sync(ps_rref.owner(), BatchUpdateParameterServer.update_and_fetch_model,
-                         args=(ps_rref, [q.grad for q in m.cpu().parameters()]))
+        m = rpc.rpc_sync(
+            ps_rref.owner(),
+            BatchUpdateParameterServer.update_and_fetch_model,
+            args=(ps_rref, [q.grad for q in m.cpu().parameters()]),
+        )
         return t1 - t0, time.perf_counter() - t1
 
     result = loop.run(step, p, lockstep=True)
@@ -124,12 +127,13 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
     os.environ["MASTER_PORT"] = str(p["port"])
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT)
     if p.get("transports") == "uv":  # `ref-uv`: no shm transport, nothing else changed
-        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
-                                                  _transports=["uv"])
+        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
         from app.runtime import CHANNELS, TRANSPORTS
-        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT,
-                                                  _transports=TRANSPORTS, _channels=CHANNELS)
+
+        options = rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=TRANSPORTS, _channels=CHANNELS
+        )
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // p["world_size"]))
     rpc.init_rpc(name, rank=rank, world_size=p["world_size"], rpc_backend_options=options)
 
@@ -138,8 +142,14 @@ def ps_main(p: dict[str, Any]) -> dict[str, Any]:
     _init("ps", 0, p)
     trainers = p["world_size"] - 1
     ps_rref = rpc.RRef(BatchUpdateParameterServer(SPECS[p["model"]].model(), batch_update_size=trainers))
-    futs = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(ps_rref, dict(p, rank=r, idle_marker=p["idle_marker"] if r == 1 else None)))
-            for r in range(1, p["world_size"])]
+    futs = [
+        rpc.rpc_async(
+            f"trainer{r}",
+            run_trainer,
+            args=(ps_rref, dict(p, rank=r, idle_marker=p["idle_marker"] if r == 1 else None)),
+        )
+        for r in range(1, p["world_size"])
+    ]
     results = torch.futures.wait_all(futs)
     rpc.shutdown()
     return {"workers": {str(r): res for r, res in enumerate(results, start=1)}}

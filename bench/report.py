@@ -6,13 +6,30 @@ import statistics
 from collections import defaultdict
 from typing import Any, Optional
 
-SYSTEMS = ("app", "app-comm", "app-overlap", "app-bf16", "app-comm-bf16", "app-sharded", "ref", "ref-tuned",
-           "gloo", "memcpy")
-LABELS = {"app": "app PS", "app-comm": "app PS, no compute", "app-overlap": "app PS --overlap",
-          "app-bf16": "app PS --compress bf16", "app-comm-bf16": "app bf16, no compute",
-          "app-sharded": "app 2 shards, no comp",
-          "ref": "reference PS", "ref-tuned": "reference, app opts", "gloo": "Gloo send+recv",
-          "memcpy": "memcpy"}
+SYSTEMS = (
+    "app",
+    "app-comm",
+    "app-overlap",
+    "app-bf16",
+    "app-comm-bf16",
+    "app-sharded",
+    "ref",
+    "ref-tuned",
+    "gloo",
+    "memcpy",
+)
+LABELS = {
+    "app": "app PS",
+    "app-comm": "app PS, no compute",
+    "app-overlap": "app PS --overlap",
+    "app-bf16": "app PS --compress bf16",
+    "app-comm-bf16": "app bf16, no compute",
+    "app-sharded": "app 2 shards, no comp",
+    "ref": "reference PS",
+    "ref-tuned": "reference, app opts",
+    "gloo": "Gloo send+recv",
+    "memcpy": "memcpy",
+}
 TRAINING = ("app", "app-overlap", "app-bf16", "ref", "ref-tuned")  # the systems that train a model
 GOALS = {  # ratio name -> (comparison, bound, what it says)
     "app_vs_ref_updates": (">=", 3.0, "app updates/s / reference updates/s"),
@@ -38,7 +55,9 @@ def case_row(system: str, model: str, workers: int, batch: int, raw: dict[str, A
     per_update = ws[0]["push_bytes"] + ws[0]["pull_bytes"]
     only = [w["compute_only_s"] for w in ws if w.get("compute_only_s") is not None]
     return {
-        "system": system, "model": model, "workers": workers,
+        "system": system,
+        "model": model,
+        "workers": workers,
         "updates_per_s": updates,
         "samples_per_s": updates * batch if system in TRAINING else None,
         "push_pull_s": statistics.mean(w["comm_s"] for w in ws),
@@ -54,10 +73,20 @@ def case_row(system: str, model: str, workers: int, batch: int, raw: dict[str, A
 def memcpy_row(model: str, workers: int, floats: int, seconds: float) -> dict[str, Any]:
     """A copy of the message in and of the state out, `seconds` for both."""
     per_update = 2 * 4 * floats
-    return {"system": "memcpy", "model": model, "workers": workers, "updates_per_s": 1 / seconds,
-            "samples_per_s": None, "push_pull_s": seconds, "compute_s": 0.0, "compute_only_s": None,
-            "step_s": seconds, "bytes_per_update": per_update, "gb_per_s": per_update / seconds / 1e9,
-            "idle_cpu_percent": None}
+    return {
+        "system": "memcpy",
+        "model": model,
+        "workers": workers,
+        "updates_per_s": 1 / seconds,
+        "samples_per_s": None,
+        "push_pull_s": seconds,
+        "compute_s": 0.0,
+        "compute_only_s": None,
+        "step_s": seconds,
+        "bytes_per_update": per_update,
+        "gb_per_s": per_update / seconds / 1e9,
+        "idle_cpu_percent": None,
+    }
 
 
 def _median(values: list[Any]) -> Any:
@@ -76,8 +105,9 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             order.append(key)
         groups[key].append(r)
     rows = []
-    for key in sorted(order, key=lambda k: (order.index(next(o for o in order if o[0] == k[0])),
-                                            k[1], SYSTEMS.index(k[2]))):
+    for key in sorted(
+        order, key=lambda k: (order.index(next(o for o in order if o[0] == k[0])), k[1], SYSTEMS.index(k[2]))
+    ):
         rs = groups[key]
         row: dict[str, Any] = {"model": key[0], "workers": key[1], "system": key[2], "repeats": len(rs)}
         for field in rs[0]:
@@ -85,7 +115,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             if field == "idle_cpu_percent":
                 idle = [r[field] for r in rs if r[field]]
-                row[field] = ({k: _median([i[k] for i in idle]) for k in idle[0]} if idle else None)
+                row[field] = {k: _median([i[k] for i in idle]) for k in idle[0]} if idle else None
             else:
                 row[field] = _median([r[field] for r in rs])
         ups = [r["updates_per_s"] for r in rs]
@@ -114,8 +144,9 @@ def ratios(rows: list[dict[str, Any]], big: str = "resnet18") -> dict[str, dict[
         if over and app:
             out["overlap_vs_app_updates"][where] = over["updates_per_s"] / app["updates_per_s"]
         if over and app and app["compute_only_s"] and model != big:
-            out["comm_overhead"][where] = ((1 / (over["updates_per_s"] / workers) - app["compute_only_s"])
-                                           / app["compute_only_s"])
+            out["comm_overhead"][where] = (1 / (over["updates_per_s"] / workers) - app["compute_only_s"]) / app[
+                "compute_only_s"
+            ]
         bf16 = _find(rows, model, workers, "app-bf16")
         if bf16 and app:
             out["bf16_vs_app_updates"][where] = bf16["updates_per_s"] / app["updates_per_s"]
@@ -148,8 +179,7 @@ def verdicts(rs: dict[str, dict[str, Any]]) -> dict[str, Optional[bool]]:
         if not values:
             result[name] = None
         else:
-            result[name] = all(v >= bound if op == ">=" else v <= bound if op == "<=" else v < bound
-                               for v in values)
+            result[name] = all(v >= bound if op == ">=" else v <= bound if op == "<=" else v < bound for v in values)
     return result
 
 
@@ -158,8 +188,10 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':<10} {'wk':>2} {'system':<22} {'updates/s':>10} {'samples/s':>9} "
-            f"{'push+pull ms':>12} {'compute ms':>10} {'GB/s':>6} {'MB/update':>9}")
+    head = (
+        f"{'model':<10} {'wk':>2} {'system':<22} {'updates/s':>10} {'samples/s':>9} "
+        f"{'push+pull ms':>12} {'compute ms':>10} {'GB/s':>6} {'MB/update':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lo, hi = r["updates_per_s_range"]
@@ -168,7 +200,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['model']:<10} {r['workers']:>2} {LABELS[r['system']]:<22} "
             f"{r['updates_per_s']:>10.1f} {_num(r['samples_per_s'], '9.0f'):>9} "
             f"{r['push_pull_s'] * 1e3:>12.2f} {_num(r['compute_s'] and r['compute_s'] * 1e3, '10.1f'):>10} "
-            f"{r['gb_per_s']:>6.2f} {r['bytes_per_update'] / 1e6:>9.2f}{spread}")
+            f"{r['gb_per_s']:>6.2f} {r['bytes_per_update'] / 1e6:>9.2f}{spread}"
+        )
     return "\n".join(lines)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import NoReturn, Optional
 
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
@@ -38,16 +39,22 @@ def _positive_int(text: str) -> int:
 
 def add_topology_args(p: argparse.ArgumentParser) -> None:
     """`-c CONFIG`, `--workers N` and `--strategy S`: every verb that works on a topology takes them."""
-    p.add_argument("-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG",
-                   help=f"topology file (default: {DEFAULT_CONFIG})")
-    p.add_argument("--workers", type=_positive_int, metavar="N",
-                   help="number of workers, overriding workers.count (GPUs 0..N-1 unless listed)")
+    p.add_argument(
+        "-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG", help=f"topology file (default: {DEFAULT_CONFIG})"
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        metavar="N",
+        help="number of workers, overriding workers.count (GPUs 0..N-1 unless listed)",
+    )
     add_strategy_arg(p)
 
 
 def add_strategy_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", metavar="S",
-                   help="async, sync, ssp or allreduce (DDP, no PS), overriding train.strategy")
+    p.add_argument(
+        "--strategy", metavar="S", help="async, sync, ssp or allreduce (DDP, no PS), overriding train.strategy"
+    )
 
 
 def load_topology(args: argparse.Namespace):
@@ -113,7 +120,11 @@ def run_schema(args: argparse.Namespace) -> int:
     from orchestrator import reference_doc as reference
     from orchestrator.topology.model import Topology
 
-    text = reference.topology_reference_markdown() if args.markdown else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
+    text = (
+        reference.topology_reference_markdown()
+        if args.markdown
+        else json.dumps(Topology.model_json_schema(), indent=2) + "\n"
+    )
     sys.stdout.write(text)
     return 0
 
@@ -125,9 +136,12 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def add_resume_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--resume", action="store_true",
-                   help="continue the newest unfinished checkpoint (default: a new run starts at version 0 "
-                        "and moves older checkpoints to checkpoints/previous/)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest unfinished checkpoint (default: a new run starts at version 0 "
+        "and moves older checkpoints to checkpoints/previous/)",
+    )
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
@@ -136,40 +150,65 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="write the compose file (or a stack file, or Kubernetes manifests) of a topology")
     add_topology_args(p)
     p.add_argument("-o", "--output", metavar="FILE", help=f"output file, '-' for stdout (default: {outputs})")
-    p.add_argument("--target", choices=list(registry.BACKENDS), default=registry.DEFAULT,
-                   help=" or ".join(b.summary for b in registry.BACKENDS.values()))
+    p.add_argument(
+        "--target",
+        choices=list(registry.BACKENDS),
+        default=registry.DEFAULT,
+        help=" or ".join(b.summary for b in registry.BACKENDS.values()),
+    )
     p.set_defaults(run=run_render)
 
     p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
-    p.add_argument("--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings")
+    p.add_argument(
+        "--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings"
+    )
     p.set_defaults(run=run_schema)
 
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
-    p.add_argument("--target", choices=list(registry.BACKENDS), default=registry.DEFAULT,
-                   help=f"what the run uses (default: {registry.DEFAULT})")
-    p.add_argument("--no-probe", action="store_true",
-                   help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)")
+    p.add_argument(
+        "--target",
+        choices=list(registry.BACKENDS),
+        default=registry.DEFAULT,
+        help=f"what the run uses (default: {registry.DEFAULT})",
+    )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)",
+    )
     p.set_defaults(run=run_doctor)
 
-    p = sub.add_parser("gpu-check", help="doctor with the probe, then a one-minute cnn run with one worker per GPU: "
-                                         "samples/s, GPU name and UUID per worker")
-    p.add_argument("-c", "--config", default=DEFAULT_CONFIG,
-                   help=f"the cuda topology whose image and group_add to use (default: {DEFAULT_CONFIG})")
-    p.add_argument("--seconds", type=_positive_int, default=60, metavar="SECONDS",
-                   help="how long the run trains (default: 60)")
+    p = sub.add_parser(
+        "gpu-check",
+        help="doctor with the probe, then a one-minute cnn run with one worker per GPU: "
+        "samples/s, GPU name and UUID per worker",
+    )
+    p.add_argument(
+        "-c",
+        "--config",
+        default=DEFAULT_CONFIG,
+        help=f"the cuda topology whose image and group_add to use (default: {DEFAULT_CONFIG})",
+    )
+    p.add_argument(
+        "--seconds", type=_positive_int, default=60, metavar="SECONDS", help="how long the run trains (default: 60)"
+    )
     p.set_defaults(run=run_gpu_trial)
 
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)
-    p.add_argument("--keep-going", action="store_true",
-                   help="do not stop the other processes when one fails for good (a worker: after its restarts)")
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="do not stop the other processes when one fails for good (a worker: after its restarts)",
+    )
     add_resume_arg(p)
     p.set_defaults(run=run_local)
 
     # The container verbs: `build` here, the lifecycle verbs from each target that has them.
     def cluster():  # imported on use: `render` and `local` need no Docker SDK
         from orchestrator.backends.compose import verbs
+
         return verbs
 
     p = sub.add_parser("build", help="build the topology's image (Docker SDK, progress streamed)")
@@ -180,10 +219,18 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     for backend in registry.BACKENDS.values():
         if backend.verb_prefix is not None:
             _add_lifecycle_verbs(sub, backend)
-    p = sub.add_parser("sample-data", help="write a small Imagenette-layout image tree (train/, val/) from "
-                       "scikit-learn's digits, for configs/cpu-resnet.yaml")
-    p.add_argument("-o", "--out", default="data/sample-imagenette", metavar="DIR",
-                   help="where the tree goes (default: data/sample-imagenette, configs/cpu-resnet.yaml's data_dir)")
+    p = sub.add_parser(
+        "sample-data",
+        help="write a small Imagenette-layout image tree (train/, val/) from "
+        "scikit-learn's digits, for configs/cpu-resnet.yaml",
+    )
+    p.add_argument(
+        "-o",
+        "--out",
+        default="data/sample-imagenette",
+        metavar="DIR",
+        help="where the tree goes (default: data/sample-imagenette, configs/cpu-resnet.yaml's data_dir)",
+    )
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
     _add_check_verb(sub)
@@ -193,26 +240,46 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
 
 def _sample_data():
     from orchestrator import sample_data
+
     return sample_data
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
     """The connectivity check (orchestrator/connectivity.py, app/connectivity.py)."""
+
     @engine_errors
     def run_check(a: argparse.Namespace) -> int:
         from orchestrator import connectivity
 
-        return connectivity.run(load_topology(a), local=a.local, timeout=a.timeout, without=a.without or (),
-                         build=a.build, offline=a.offline)
+        return connectivity.run(
+            load_topology(a),
+            local=a.local,
+            timeout=a.timeout,
+            without=a.without or (),
+            build=a.build,
+            offline=a.offline,
+        )
 
-    p = sub.add_parser("check", help="send a tensor from rank 0 to every rank and back over the cluster's "
-                       "network; one line per rank (round trip, GB/s); a missing rank fails with its name")
+    p = sub.add_parser(
+        "check",
+        help="send a tensor from rank 0 to every rank and back over the cluster's "
+        "network; one line per rank (round trip, GB/s); a missing rank fails with its name",
+    )
     add_topology_args(p)
     p.add_argument("--local", action="store_true", help="as processes on 127.0.0.1 instead of containers")
-    p.add_argument("--timeout", type=_positive_int, default=30, metavar="SECONDS",
-                   help="how long rank 0 waits for every rank to register (default: 30)")
-    p.add_argument("--without", action="append", metavar="SERVICE",
-                   help="leave this service out (the check then fails naming it); repeatable")
+    p.add_argument(
+        "--timeout",
+        type=_positive_int,
+        default=30,
+        metavar="SECONDS",
+        help="how long rank 0 waits for every rank to register (default: 30)",
+    )
+    p.add_argument(
+        "--without",
+        action="append",
+        metavar="SERVICE",
+        help="leave this service out (the check then fails naming it); repeatable",
+    )
     p.add_argument("--build", action="store_true", help="(re)build the image first (else only when missing)")
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     p.set_defaults(run=run_check)
@@ -221,6 +288,7 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
 def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     """PREFIX + up, down, logs, status, smoke of one target (backends/base.py: `Backend`).
     down, logs and status without -c act on the cluster PREFIX + up started last."""
+
     def verb(name: str) -> argparse.ArgumentParser:
         return sub.add_parser(backend.verb_prefix + name, help=backend.verb_help[name])
 
@@ -229,8 +297,9 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     add_resume_arg(p)
-    p.set_defaults(run=lambda a: backend.up(a.config, a.workers, strategy=a.strategy, offline=a.offline,
-                                            resume=a.resume))
+    p.set_defaults(
+        run=lambda a: backend.up(a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume)
+    )
     for name in ("down", "logs", "status"):
         p = verb(name)
         p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
@@ -241,8 +310,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
             p.set_defaults(run=lambda a: backend.down(a.config, a.workers, strategy=a.strategy, volumes=a.volumes))
         elif name == "logs":
             p.add_argument("--no-follow", action="store_true", help="print and return")
-            p.set_defaults(run=lambda a: backend.logs(a.config, a.workers, strategy=a.strategy,
-                                                      follow=not a.no_follow))
+            p.set_defaults(run=lambda a: backend.logs(a.config, a.workers, strategy=a.strategy, follow=not a.no_follow))
         else:
             p.set_defaults(run=lambda a: backend.status(a.config, a.workers, strategy=a.strategy))
     p = verb("smoke")
@@ -255,6 +323,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     """Faults injected into a CPU run (orchestrator/chaos/), then a table of how it recovered."""
+
     def run_chaos(a: argparse.Namespace) -> int:
         from orchestrator.chaos import registry
 
@@ -269,12 +338,15 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
 
 def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
     """Plots of runs' metrics and the strategies side by side (orchestrator/metrics/)."""
+
     def report():
         from orchestrator.metrics import report
+
         return report
 
     def compare():
         from orchestrator.metrics import compare
+
         return compare
 
     p = sub.add_parser("report", help="PNG plots (loss, accuracy, samples/s, staleness) and a summary of runs' metrics")
@@ -286,8 +358,9 @@ def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m orchestrator",
-                     description="Parameter-Server training cluster from a YAML topology.")
+    parser = _Parser(
+        prog="python -m orchestrator", description="Parameter-Server training cluster from a YAML topology."
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
     _add_verbs(sub)
     return parser

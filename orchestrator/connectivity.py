@@ -25,17 +25,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Optional, TextIO
 
 from orchestrator.errors import UsageError
 from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
 
 DEFAULT_TIMEOUT = 30.0
 # What a service of the check keeps from the training render: who runs it, where, how safely.
@@ -71,8 +72,7 @@ def check_without(t: Topology, without: Sequence[str]) -> None:
             raise UsageError(f"--without {name}: not a service of this topology ({', '.join(names)})")
 
 
-def check_environment(t: Topology, rank: int, *, master_addr: str, master_port: int,
-                      timeout: float) -> dict[str, str]:
+def check_environment(t: Topology, rank: int, *, master_addr: str, master_port: int, timeout: float) -> dict[str, str]:
     """The PSC_* variables the check reads, over the rank's training environment."""
     return {
         "PSC_RANK": str(rank),
@@ -100,8 +100,10 @@ def check_document(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
             continue
         svc = {k: doc["services"][name][k] for k in KEPT_KEYS if k in doc["services"][name]}
         svc["command"] = [ROLE, "--rank", str(rank)]
-        svc["environment"] = {**svc.get("environment", {}), **check_environment(
-            t, rank, master_addr=names[0], master_port=t.ps.rpc_port, timeout=timeout)}
+        svc["environment"] = {
+            **svc.get("environment", {}),
+            **check_environment(t, rank, master_addr=names[0], master_port=t.ps.rpc_port, timeout=timeout),
+        }
         svc["labels"] = {**svc.get("labels", {}), LABEL_ROLE: ROLE, LABEL_RANK: str(rank)}
         services[name] = svc
     out: dict[str, Any] = {"services": services}
@@ -118,8 +120,16 @@ class LocalRank:
     env: dict[str, str]
 
 
-def plan_local(t: Topology, *, port: int, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
-               run_dir: Path = Path("runs"), ifname: str = "lo", python: str = sys.executable) -> list[LocalRank]:
+def plan_local(
+    t: Topology,
+    *,
+    port: int,
+    timeout: float = DEFAULT_TIMEOUT,
+    without: Sequence[str] = (),
+    run_dir: Path = Path("runs"),
+    ifname: str = "lo",
+    python: str = sys.executable,
+) -> list[LocalRank]:
     """One `python -m app check --rank R` process per service on 127.0.0.1, in rank order."""
     check_without(t, without)
     plan = []
@@ -135,6 +145,7 @@ def plan_local(t: Topology, *, port: int, timeout: float = DEFAULT_TIMEOUT, with
 
 
 # --- judging (pure) ----------------------------------------------------------
+
 
 def _lines(output: str, prefix: str) -> list[str]:
     return [ln.strip() for ln in output.splitlines() if ln.strip().startswith(prefix)]
@@ -209,15 +220,20 @@ def _summary(names: Sequence[str], v: Verdict, where: str, seconds: float) -> st
 
 # --- as processes ----------------------------------------------------------------
 
-def run_local(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
-              out: TextIO = sys.stdout) -> int:
+
+def run_local(
+    t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (), out: TextIO = sys.stdout
+) -> int:
     start = time.monotonic()
     port = free_port()
     names = rank_names(t)
     tmp = Path(tempfile.mkdtemp(prefix="ps-compose-check-"))
     plan = plan_local(t, port=port, timeout=timeout, without=without, run_dir=tmp, ifname=loopback_ifname())
-    print(f"==> check: {len(names)} ranks ({', '.join(names)}) as processes on {LOCALHOST}:{port}, "
-          f"timeout {timeout:g} s", file=out, flush=True)
+    print(
+        f"==> check: {len(names)} ranks ({', '.join(names)}) as processes on {LOCALHOST}:{port}, timeout {timeout:g} s",
+        file=out,
+        flush=True,
+    )
     procs: dict[str, tuple[LocalRank, subprocess.Popen, Any]] = {}
     try:
         for spec in plan:
@@ -248,8 +264,9 @@ def run_local(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequenc
     return _print_verdict(names, results, without, "processes", time.monotonic() - start, out)
 
 
-def _print_verdict(names: Sequence[str], results: Sequence[Result], without: Sequence[str], where: str,
-                   seconds: float, out: TextIO) -> int:
+def _print_verdict(
+    names: Sequence[str], results: Sequence[Result], without: Sequence[str], where: str, seconds: float, out: TextIO
+) -> int:
     v = judge(names, results, without)
     for line in v.lines:
         print(line, file=out)
@@ -259,9 +276,17 @@ def _print_verdict(names: Sequence[str], results: Sequence[Result], without: Seq
 
 # --- in containers -----------------------------------------------------------------
 
-def run_containers(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
-                   build: bool = False, offline: bool = False, project: Optional[str] = None,
-                   out: TextIO = sys.stdout) -> int:
+
+def run_containers(
+    t: Topology,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    without: Sequence[str] = (),
+    build: bool = False,
+    offline: bool = False,
+    project: Optional[str] = None,
+    out: TextIO = sys.stdout,
+) -> int:
     from orchestrator import images
     from orchestrator.backends.compose import adapter
     from orchestrator.backends.compose.status import container_state
@@ -279,9 +304,15 @@ def run_containers(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
     proj = adapter.Project(name, str(tmp / "compose.yaml"), str(ROOT))
     try:
         write_atomic(proj.file, compose.dump(doc, t.name))
-        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)  # a former check's leftovers
-        print(f"==> check: {len(names)} ranks ({', '.join(names)}) in containers of {t.image_tag}, "
-              f"project {name}, timeout {timeout:g} s", file=out, flush=True)
+        adapter.run(
+            adapter.down_argv(found, proj, volumes=True), capture=True, check=False
+        )  # a former check's leftovers
+        print(
+            f"==> check: {len(names)} ranks ({', '.join(names)}) in containers of {t.image_tag}, "
+            f"project {name}, timeout {timeout:g} s",
+            file=out,
+            flush=True,
+        )
         adapter.run(adapter.up_argv(found, proj), capture=True)
         states = adapter.wait_exited(client, name, len(doc["services"]), 2 * timeout + EXIT_MARGIN, out, every=0.5)
         results = []
@@ -289,9 +320,14 @@ def run_containers(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
             state = container_state(c.attrs)
             svc = state["service"]
             done = state["status"] in ("exited", "dead")
-            results.append(Result(svc, names.index(svc) if svc in names else -1,
-                                  state["exit_code"] if done else None,
-                                  c.logs(stdout=True, stderr=True).decode("utf-8", "replace")))
+            results.append(
+                Result(
+                    svc,
+                    names.index(svc) if svc in names else -1,
+                    state["exit_code"] if done else None,
+                    c.logs(stdout=True, stderr=True).decode("utf-8", "replace"),
+                )
+            )
         if states is None:
             print(f"    not every container exited within {2 * timeout + EXIT_MARGIN:.0f} s", file=out)
         _hint_stale_image(results, t, out)
@@ -306,8 +342,16 @@ def _hint_stale_image(results: Sequence[Result], t: Topology, out: TextIO) -> No
         print(f"    the image {t.image_tag} predates the check: rebuild it (make build, or check --build)", file=out)
 
 
-def run(t: Topology, *, local: bool = False, timeout: float = DEFAULT_TIMEOUT, without: Sequence[str] = (),
-        build: bool = False, offline: bool = False, out: TextIO = sys.stdout) -> int:
+def run(
+    t: Topology,
+    *,
+    local: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    without: Sequence[str] = (),
+    build: bool = False,
+    offline: bool = False,
+    out: TextIO = sys.stdout,
+) -> int:
     """The check of `t`, as processes (`local`) or in containers; the exit status."""
     check_without(t, without)
     if len(rank_names(t)) < 2:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class UsageError(Exception):
@@ -44,10 +45,14 @@ def one_line(e: BaseException) -> str:
 
 
 _DAEMON_REASONS = (
-    ("FileNotFoundError", "no socket"), ("No such file", "no socket"),
-    ("ConnectionRefused", "connection refused"), ("Connection refused", "connection refused"),
-    ("PermissionError", "permission denied"), ("Permission denied", "permission denied"),
-    ("timed out", "timed out"), ("Name or service not known", "unknown host"),
+    ("FileNotFoundError", "no socket"),
+    ("No such file", "no socket"),
+    ("ConnectionRefused", "connection refused"),
+    ("Connection refused", "connection refused"),
+    ("PermissionError", "permission denied"),
+    ("Permission denied", "permission denied"),
+    ("timed out", "timed out"),
+    ("Name or service not known", "unknown host"),
 )
 
 

@@ -30,8 +30,8 @@ from orchestrator.doctor.probe import check_probe
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
-from orchestrator.topology.services import describe, worker_service
 from orchestrator.topology.model import Topology, load, parse
+from orchestrator.topology.services import describe, worker_service
 
 PROJECT = "gpu-check"
 RUN_SECONDS = 60.0
@@ -70,8 +70,11 @@ def summarize(files: dict[str, list[str]], workers: list[str], since: float) -> 
     for w in workers:
         records = parse_lines(files.get(f"{w}.jsonl", []))
         join = next((r for r in reversed(records) if r.get("event") == "join"), {})
-        rates = [r["samples_per_s"] for r in records
-                 if r.get("event") == "train" and r.get("time", 0) >= since and r.get("samples_per_s") is not None]
+        rates = [
+            r["samples_per_s"]
+            for r in records
+            if r.get("event") == "train" and r.get("time", 0) >= since and r.get("samples_per_s") is not None
+        ]
         rows.append(WorkerRow(w, median(rates) if rates else None, join.get("gpu", "?"), join.get("gpu_uuid", "?")))
     return rows
 
@@ -99,6 +102,7 @@ def format_rows(rows: list[WorkerRow]) -> list[str]:
 
 # --- the command (thin: asks Docker) ------------------------------------------
 
+
 def preflight(t: Topology, config: str, facts: Facts, out: TextIO) -> bool:
     """The doctor's checks of the run's topology `t`; on a problem, its lines and False
     (the caller exits 1)."""
@@ -107,8 +111,11 @@ def preflight(t: Topology, config: str, facts: Facts, out: TextIO) -> bool:
     if bad:
         for c in bad:
             print(c.line(), file=out)
-        print(f"gpu-check: stopped: {len(bad)} problem(s) on this host for {config}; nothing was started",
-              file=out, flush=True)
+        print(
+            f"gpu-check: stopped: {len(bad)} problem(s) on this host for {config}; nothing was started",
+            file=out,
+            flush=True,
+        )
         return False
     return True
 
@@ -178,8 +185,10 @@ def _wait_joined(client: Any, workers: list[str]) -> Optional[float]:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while time.monotonic() < deadline:
         files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
-        joins = [next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"),
-                      None) for w in workers]
+        joins = [
+            next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"), None)
+            for w in workers
+        ]
         if all(j is not None for j in joins):
             return max(joins)
         time.sleep(5)

@@ -32,14 +32,21 @@ def check_paths(t: Topology, source: str, base: Path) -> None:
         code = resolve(t.code, base)
         if not code.is_dir():
             what = "is a file" if code.exists() else "does not exist"
-            raise TopologyError(source, "code", f"got {t.code!r}; must be a directory of Python code on this host "
-                                f"(it {what}, from {base})")
+            raise TopologyError(
+                source,
+                "code",
+                f"got {t.code!r}; must be a directory of Python code on this host (it {what}, from {base})",
+            )
         for field, value in t.entry_points():
             candidates = module_files(value)
             if not any((code / c).is_file() for c in candidates):
-                raise TopologyError(source, field, f"got {value!r}; its module must be in code {t.code!r} "
-                                    f"as {' or '.join(candidates)}")
+                raise TopologyError(
+                    source, field, f"got {value!r}; its module must be in code {t.code!r} as {' or '.join(candidates)}"
+                )
     weights = t.train.init_weights
     if weights is not None and not resolve(weights, base).is_file():
-        raise TopologyError(source, "train.init_weights", f"got {weights!r}; must be a state dict file on this host "
-                            f"(no such file, from {base})")
+        raise TopologyError(
+            source,
+            "train.init_weights",
+            f"got {weights!r}; must be a state dict file on this host (no such file, from {base})",
+        )

@@ -18,7 +18,8 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any, Iterable, TextIO
+from collections.abc import Iterable
+from typing import Any, TextIO
 
 import docker
 import docker.errors
@@ -107,9 +108,14 @@ def build(
     print(f"==> building {tag} FROM {base} (pip packages from: {pip_source})", file=out, flush=True)
     start = time.monotonic()
     stream = c.api.build(
-        path=str(ROOT), dockerfile=DOCKERFILE, tag=tag,
+        path=str(ROOT),
+        dockerfile=DOCKERFILE,
+        tag=tag,
         buildargs={"BASE_IMAGE": base, "PIP_SOURCE": pip_source},
-        decode=True, rm=True, forcerm=True, pull=False,
+        decode=True,
+        rm=True,
+        forcerm=True,
+        pull=False,
     )
     image_id = follow_build(stream, out, verbose=verbose)
     print(f"    built {tag} ({image_id[:19]}) in {time.monotonic() - start:.0f} s", file=out, flush=True)
@@ -128,10 +134,11 @@ def follow_build(stream: Iterable[dict[str, Any]], out: TextIO, *, verbose: bool
             message = chunk.get("error") or chunk["errorDetail"].get("message", "")
             # A step that explains itself (`error: ...`, as the Dockerfile's checks do) is the message.
             plain = [_ANSI.sub("", line).strip() for line in recent]  # stderr comes coloured
-            said = [line[len("error: "):] for line in plain if line.startswith("error: ")]
+            said = [line[len("error: ") :] for line in plain if line.startswith("error: ")]
             tail = "".join(f"    | {line}\n" for line in recent[-30:])
-            raise EngineError(f"image build failed: {said[-1] if said else message.strip()}"
-                              + (f"\n{tail}" if tail else ""))
+            raise EngineError(
+                f"image build failed: {said[-1] if said else message.strip()}" + (f"\n{tail}" if tail else "")
+            )
         aux = chunk.get("aux") or {}
         if "ID" in aux:
             image_id = aux["ID"]

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from orchestrator.errors import UsageError
-from orchestrator.render.compose import app_environment
 from orchestrator import runs
-from orchestrator.topology.services import Service, describe, has_ps, services
-from orchestrator.topology.model import Topology, TopologyError
+from orchestrator.errors import UsageError
 from orchestrator.host_paths import check_paths
+from orchestrator.render.compose import app_environment
+from orchestrator.topology.model import Topology, TopologyError
+from orchestrator.topology.services import Service, describe, has_ps, services
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
@@ -49,15 +49,19 @@ class ProcessSpec:
     restarts: int = 0  # times it is started again after failing (exit status other than 0 and 2)
 
 
-def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str,
-                      run_id: str = "", resume: bool = False) -> dict[str, str]:
+def local_environment(
+    t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: bool = False
+) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
     (orchestrator.runs; empty: the app resumes any checkpoint)."""
     data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
     weights = t.train.init_weights
     env = app_environment(
-        t, rank,
-        master_addr=LOCALHOST, master_port=port, data_dir=data_dir,
+        t,
+        rank,
+        master_addr=LOCALHOST,
+        master_port=port,
+        data_dir=data_dir,
         checkpoint_dir=str(run_dir.resolve() / "checkpoints"),
         metrics_dir=str(run_dir.resolve() / "metrics"),
         cache_dir=str(run_dir.resolve() / "cache"),
@@ -75,26 +79,35 @@ def local_environment(t: Topology, rank: int, *, port: int, run_dir: Path, ifnam
     return env
 
 
-def service_environment(t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str,
-                        run_id: str = "", resume: bool = False) -> dict[str, str]:
+def service_environment(
+    t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: bool = False
+) -> dict[str, str]:
     """`local_environment` of one service: its rank's, plus PSC_SHARD for a PS shard."""
-    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname,
-                            run_id=run_id, resume=resume)
+    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
     if service.shard:
         env["PSC_SHARD"] = str(service.shard)
     return env
 
 
-def plan(t: Topology, *, port: int, run_dir: Path, ifname: str, python: str = sys.executable,
-         run_id: str = "", resume: bool = False) -> list[ProcessSpec]:
+def plan(
+    t: Topology,
+    *,
+    port: int,
+    run_dir: Path,
+    ifname: str,
+    python: str = sys.executable,
+    run_id: str = "",
+    resume: bool = False,
+) -> list[ProcessSpec]:
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first), every one in run `run_id`."""
     specs = []
     restarts = WORKER_RESTARTS if has_ps(t) else 0
     for s in services(t):
         env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
-        specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env,
-                                 restarts=restarts if s.role == "worker" else 0))
+        specs.append(
+            ProcessSpec(s.name, app_argv(s.role, python=python), env, restarts=restarts if s.role == "worker" else 0)
+        )
     return specs
 
 
@@ -103,12 +116,19 @@ def app_argv(*args: str, python: str = sys.executable) -> list[str]:
     return [python, "-m", "app", *args]
 
 
-def spawn(argv: list[str], env: dict[str, str], *, stdout: Any, stderr: Any = subprocess.STDOUT,
-          new_session: bool = False) -> subprocess.Popen:
+def spawn(
+    argv: list[str], env: dict[str, str], *, stdout: Any, stderr: Any = subprocess.STDOUT, new_session: bool = False
+) -> subprocess.Popen:
     """The one way a local process of the job starts: `env` over this process's environment,
     unbuffered output, no stdin; `new_session` puts it (and its children) in its own group."""
-    return subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdin=subprocess.DEVNULL,
-                            stdout=stdout, stderr=stderr, start_new_session=new_session)
+    return subprocess.Popen(
+        argv,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=new_session,
+    )
 
 
 def check_host(t: Topology, source: str) -> None:
@@ -117,8 +137,11 @@ def check_host(t: Topology, source: str) -> None:
     if t.reads_files:
         path = Path(t.train.data_dir).expanduser()
         if not path.is_dir():
-            raise TopologyError(source, "train.data_dir",
-                                f"got {t.train.data_dir!r}; no such directory on this host (from {os.getcwd()})")
+            raise TopologyError(
+                source,
+                "train.data_dir",
+                f"got {t.train.data_dir!r}; no such directory on this host (from {os.getcwd()})",
+            )
 
 
 def free_port() -> int:
@@ -132,8 +155,7 @@ def loopback_ifname() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR,
-        resume: bool = False) -> int:
+def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR, resume: bool = False) -> int:
     """Run the cluster of `t` as processes, as a new run (orchestrator.runs; `resume`: it
     continues the newest unfinished checkpoint); the exit status of the whole run."""
     check_host(t, source)
@@ -145,8 +167,10 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
     run_id = runs.new_id()
     specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
-    print(f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, "
-          f"state in {run_dir}/", flush=True)
+    print(
+        f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, state in {run_dir}/",
+        flush=True,
+    )
     print(f"local: {runs.describe(run_id, resume)}", flush=True)
     return Supervisor(specs, keep_going=keep_going).run()
 
@@ -155,9 +179,15 @@ class Supervisor:
     """Starts processes, prefixes their output, starts a failed one again while its spec's
     `restarts` last, stops them all on any other failure or on a signal."""
 
-    def __init__(self, specs: list[ProcessSpec], *, keep_going: bool = False,
-                 out: Optional[IO[str]] = None, grace: float = STOP_GRACE_SECONDS,
-                 restart_delay: float = RESTART_DELAY_SECONDS) -> None:
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        *,
+        keep_going: bool = False,
+        out: Optional[IO[str]] = None,
+        grace: float = STOP_GRACE_SECONDS,
+        restart_delay: float = RESTART_DELAY_SECONDS,
+    ) -> None:
         self.specs = specs
         self.keep_going = keep_going
         self.out = out or sys.stdout
@@ -197,8 +227,12 @@ class Supervisor:
                     n = restarted.get(name, 0)
                     # Not once a process that is never restarted (the PS) has ended: nothing to rejoin.
                     anchors = [q for m, q in procs.items() if by_name[m].restarts == 0]
-                    if code not in (0, 2) and n < spec.restarts and not self._stop.is_set() \
-                            and all(q.poll() is None for q in anchors):
+                    if (
+                        code not in (0, 2)
+                        and n < spec.restarts
+                        and not self._stop.is_set()
+                        and all(q.poll() is None for q in anchors)
+                    ):
                         restarted[name] = n + 1
                         self._say(name, f"exited with code {code}; restarting ({n + 1} of {spec.restarts})")
                         if self._stop.wait(self.restart_delay):

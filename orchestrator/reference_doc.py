@@ -65,8 +65,16 @@ def topology_reference_markdown() -> str:
 
 def _sections(path: str, field: FieldInfo, model: type[BaseModel]) -> list[str]:
     """The table of one section, then those of the sections nested in it."""
-    intro = " ".join(filter(None, [_clean(model.__doc__ or ""), _clean(field.description or ""),
-                                   "Optional: every key has a default." if not field.is_required() else ""]))
+    intro = " ".join(
+        filter(
+            None,
+            [
+                _clean(model.__doc__ or ""),
+                _clean(field.description or ""),
+                "Optional: every key has a default." if not field.is_required() else "",
+            ],
+        )
+    )
     leaves = [(f"{path}.{name}", f) for name, f in model.model_fields.items() if _section_model(f.annotation) is None]
     out = [_table(f"`{path}`", intro, leaves)]
     for name, f in model.model_fields.items():

@@ -17,8 +17,8 @@ import secrets
 import time
 from typing import Optional
 
-RUN_ID = "PSC_RUN_ID"   # the app's --run_id
-RESUME = "PSC_RESUME"   # the app's --resume
+RUN_ID = "PSC_RUN_ID"  # the app's --run_id
+RESUME = "PSC_RESUME"  # the app's --resume
 VARIABLES = (RUN_ID, RESUME)
 
 
@@ -45,8 +45,10 @@ def describe(run_id: str, resume: bool, kept: bool = False) -> str:
         return f"run {run_id} (still running: its id is kept, so its PS resumes its own checkpoints)"
     if resume:
         return f"run {run_id}: --resume: the PS continues the newest unfinished checkpoint (its log says which version)"
-    return (f"run {run_id}: starts fresh at version 0; older checkpoints are moved to "
-            "checkpoints/previous/<their run>/ (RESUME=1 / --resume continues the newest instead)")
+    return (
+        f"run {run_id}: starts fresh at version 0; older checkpoints are moved to "
+        "checkpoints/previous/<their run>/ (RESUME=1 / --resume continues the newest instead)"
+    )
 
 
 def start(running: dict[str, str], resume: bool) -> tuple[dict[str, str], str]:

@@ -33,8 +33,10 @@ def write_tree(out: Path, size: int = DEFAULT_SIZE, seed: int = 0) -> dict[str, 
         from PIL import Image
         from sklearn.datasets import load_digits
     except ImportError as error:
-        raise UsageError(f"sample data needs numpy, Pillow and scikit-learn ({error.name} is missing); "
-                         "run it with the dev venv: make sample-data") from None
+        raise UsageError(
+            f"sample data needs numpy, Pillow and scikit-learn ({error.name} is missing); "
+            "run it with the dev venv: make sample-data"
+        ) from None
     if size < 8:
         raise UsageError(f"--size: got {size}; must be at least 8 (pixels)")
     digits = load_digits()
@@ -75,6 +77,8 @@ def _coloured(ink, size: int, rng, np, Image):
 def run(out: str, size: int) -> int:
     """The `sample-data` verb: write the tree, print one line."""
     counts = write_tree(Path(out), size)
-    print(f"{out}: {counts['train']} train and {counts['val']} val images, "
-          f"{len(CLASSES)} classes, {size}x{size} px (JPEG and PNG)")
+    print(
+        f"{out}: {counts['train']} train and {counts['val']} val images, "
+        f"{len(CLASSES)} classes, {size}x{size} px (JPEG and PNG)"
+    )
     return 0

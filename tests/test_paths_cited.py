@@ -10,13 +10,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CITED = re.compile(r"(?<![\w/.-])((?:app|orchestrator|bench|tests|docs|images|configs|examples)/[\w./-]*\w)")
 # Placeholders and files made at run time, not paths in the tree.
-NOT_PATHS = {"configs/X.yaml", "configs/x.yaml", "configs/gpu.yaml", "docs/topology.md.tmp", "images/s",
-             "images/wheelhouse"}
+NOT_PATHS = {
+    "configs/X.yaml",
+    "configs/x.yaml",
+    "configs/gpu.yaml",
+    "docs/topology.md.tmp",
+    "images/s",
+    "images/wheelhouse",
+}
 
 
 def cited() -> dict[str, list[str]]:
-    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "Makefile", "*.sh", "*.yaml", "*.toml"],
-                           capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "Makefile", "*.sh", "*.yaml", "*.toml"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.split()
     found: dict[str, list[str]] = {}
     for name in files:
         text = (ROOT / name).read_text(encoding="utf-8", errors="replace")

@@ -9,21 +9,22 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
-PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
-    r"\bseeds? 0\d\d",                             # "seed 000", "seeds 001-003"
-    r"\bseeds? \d{3}\b",
-    r"\bseed's\b",
-    r"\bsource documents?\b",
-    r"\bissues? #?\d+",                            # "issue 5", "issue #6"
-    r"\.\./shared",
-    r"\bthis machine\b",
-    r"\bthis (?:\d+|one|two)-core\b",              # "this 2-core machine"
-    r"\b\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}",   # a dated log line
-)]
+PATTERNS = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"\bseeds? 0\d\d",  # "seed 000", "seeds 001-003"
+        r"\bseeds? \d{3}\b",
+        r"\bseed's\b",
+        r"\bsource documents?\b",
+        r"\bissues? #?\d+",  # "issue 5", "issue #6"
+        r"\.\./shared",
+        r"\bthis machine\b",
+        r"\bthis (?:\d+|one|two)-core\b",  # "this 2-core machine"
+        r"\b\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}",  # a dated log line
+    )
+]
 
 
 def _hits(include_app: bool) -> list[str]:
@@ -44,9 +45,18 @@ def _hits(include_app: bool) -> list[str]:
 
 
 def test_patterns_catch_what_they_are_for():
-    for text in ("Seed 000's run", "seeds 001-003", "the seed's model", "(issue 5)", "issue #12",
-                 "../shared/seeds/", "on this machine", "this 2-core machine", "the source documents",
-                 "2026-11-22 04:14:40,782 INFO app.ps"):
+    for text in (
+        "Seed 000's run",
+        "seeds 001-003",
+        "the seed's model",
+        "(issue 5)",
+        "issue #12",
+        "../shared/seeds/",
+        "on this machine",
+        "this 2-core machine",
+        "the source documents",
+        "2026-11-22 04:14:40,782 INFO app.ps",
+    ):
         assert any(p.search(text) for p in PATTERNS), text
     for text in ("--seed 0", "seed: 0", "pytorch/pytorch#95487", "a 2-core CPU VM", "issued to"):
         assert not any(p.search(text) for p in PATTERNS), text

@@ -139,8 +139,10 @@ def check_writable(directory: str | Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
-        raise UsageError(f"--checkpoint_dir {directory}: cannot write there ({error.strerror or error}); "
-                         "give the process a writable directory (the state volume: /state/checkpoints)") from None
+        raise UsageError(
+            f"--checkpoint_dir {directory}: cannot write there ({error.strerror or error}); "
+            "give the process a writable directory (the state volume: /state/checkpoints)"
+        ) from None
 
 
 def set_aside_runs(directory: str | Path) -> list[tuple[Path, tuple[Path, dict[str, Any]]]]:
@@ -181,8 +183,11 @@ def set_aside(directory: str | Path, label: str) -> tuple[Path, int] | None:
     their names; (that directory, files moved), or None when there was nothing to move.
     A rename within one filesystem: nothing is copied, nothing is deleted."""
     root = Path(directory)
-    files = [p for p in [*root.glob("ckpt-*.pt"), root / "final.pt", *root.glob("shard*/ckpt-*.pt")]
-             if _NAME.match(p.name) or p.name == "final.pt"]
+    files = [
+        p
+        for p in [*root.glob("ckpt-*.pt"), root / "final.pt", *root.glob("shard*/ckpt-*.pt")]
+        if _NAME.match(p.name) or p.name == "final.pt"
+    ]
     files = [p for p in files if p.is_file()]
     if not files:
         return None

@@ -37,8 +37,9 @@ class Checkpointable(Protocol):
 class Checkpointer:
     """Periodic, on-exit and final checkpoints of one training state (`server`)."""
 
-    def __init__(self, server: Checkpointable, config: Config, identity: dict[str, Any],
-                 metrics: MetricsWriter) -> None:
+    def __init__(
+        self, server: Checkpointable, config: Config, identity: dict[str, Any], metrics: MetricsWriter
+    ) -> None:
         self.server, self.config, self.identity, self.metrics = server, config, identity, metrics
         self.directory = Path(config.checkpoint_dir)
         self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
@@ -69,8 +70,10 @@ class Checkpointer:
         found = checkpoint_files.newest_good(self.directory)
         if found is not None and self._finished_here(found[1]):
             path, state = found
-            self.run_finished = (f"run {self.config.run_id} already finished at version {state['version']} "
-                                 f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do")
+            self.run_finished = (
+                f"run {self.config.run_id} already finished at version {state['version']} "
+                f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do"
+            )
             return
         if found is not None and self._not_resumable(found[1]):
             self._start_fresh(*found, self._not_resumable(found[1]))
@@ -91,8 +94,12 @@ class Checkpointer:
 
     def _finished_here(self, state: dict[str, Any]) -> bool:
         """This run (same non-empty run id, same job) ended: a restart of its PS has nothing to do."""
-        return bool(state["finished"] and self.config.run_id and state.get("run_id") == self.config.run_id
-                    and not self._not_resumable({**state, "finished": False}))
+        return bool(
+            state["finished"]
+            and self.config.run_id
+            and state.get("run_id") == self.config.run_id
+            and not self._not_resumable({**state, "finished": False})
+        )
 
     def _from_previous(self) -> tuple[Path, dict[str, Any]] | None:
         """--resume with nothing here to continue: the newest unfinished run of this job set
@@ -100,8 +107,12 @@ class Checkpointer:
         for where, (path, state) in checkpoint_files.set_aside_runs(self.directory):
             if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
                 moved = checkpoint_files.move_back(where, self.directory)
-                log.info("--resume: moved %d file(s) of run %s back from %s", moved, state.get("run_id") or
-                         "without an id", where)
+                log.info(
+                    "--resume: moved %d file(s) of run %s back from %s",
+                    moved,
+                    state.get("run_id") or "without an id",
+                    where,
+                )
                 return self.directory / path.relative_to(where), state
         return None
 
@@ -109,24 +120,30 @@ class Checkpointer:
         """Why `state` is not continued by this run ('' when it is)."""
         defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.sharding.slices)
         expected = {**defaults, **self.identity}
-        mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items()
-                    if state.get(k, defaults.get(k)) != v}
+        mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items() if state.get(k, defaults.get(k)) != v}
         if mismatch:
             return f"it is of another job ({mismatch})"
         if state["finished"]:
             return "it ended a finished run"
         run = state.get("run_id", "")
         if self.config.run_id and run != self.config.run_id and not self.config.resume:
-            return (f"it is of run {run or 'without an id'}, this is run {self.config.run_id} "
-                    "(--resume, make up RESUME=1, continues it)")
+            return (
+                f"it is of run {run or 'without an id'}, this is run {self.config.run_id} "
+                "(--resume, make up RESUME=1, continues it)"
+            )
         return ""
 
     def _start_fresh(self, path: Path, state: dict[str, Any], why: str) -> None:
         label = state.get("run_id") or f"version-{state['version']}"
         moved = checkpoint_files.set_aside(self.directory, label)
         where = f"; its files moved to {moved[0]}" if moved else ""
-        log.info("not resuming from %s (version %d): %s; starting a new run at version 0%s",
-                 path.name, state["version"], why, where)
+        log.info(
+            "not resuming from %s (version %d): %s; starting a new run at version 0%s",
+            path.name,
+            state["version"],
+            why,
+            where,
+        )
 
     def due(self) -> bool:
         return 0 < self.next_version <= self.server.version
@@ -163,13 +180,21 @@ class Checkpointer:
             except Exception as error:  # noqa: BLE001 - a shard that is gone
                 if not on_exit:
                     raise
-                log.info("checkpoint at version %d (%s): the other shards write their own slices on exit "
-                         "(%s)", state["version"], why, error)
+                log.info(
+                    "checkpoint at version %d (%s): the other shards write their own slices on exit (%s)",
+                    state["version"],
+                    why,
+                    error,
+                )
                 state["exit"] = True
             path = checkpoint_files.save(state, self.directory)
         except Exception as error:  # noqa: BLE001 - disk full, read-only...: training goes on
-            log.warning("checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
-                        state["version"], why, error)
+            log.warning(
+                "checkpoint at version %d (%s) not written: %s; the earlier ones are intact",
+                state["version"],
+                why,
+                error,
+            )
             return
         seconds = time.monotonic() - start
         self.saved_version, self.saved_run = state["version"], self.config.run_id
@@ -192,7 +217,8 @@ class Checkpointer:
             try:
                 checkpoint_files.save_atomically(saved, final)
             except OSError as error:
-                raise OSError(f"{final} not written ({error.strerror or error}); "
-                              "no checkpoint was marked finished") from None
+                raise OSError(
+                    f"{final} not written ({error.strerror or error}); no checkpoint was marked finished"
+                ) from None
             log.info("saved %s (version %d)", final, state["version"])
             checkpoint_files.save(state, self.directory)

@@ -46,15 +46,15 @@ def batches(loader: DataLoader, data_dir: str) -> Iterator[tuple[torch.Tensor, t
         except StopIteration:
             return
         except OSError as error:
-            raise DataUnavailable(f"reading the data under {data_dir} failed "
-                                  f"(did it vanish?): {error}") from error
+            raise DataUnavailable(f"reading the data under {data_dir} failed (did it vanish?): {error}") from error
 
 
 class InMemoryData(Dataset):
     """Samples in one tensor, normalised per batch; indexed by a list of indices."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, mean: Sequence[float],
-                 std: Sequence[float], scale: float = 1.0) -> None:
+    def __init__(
+        self, x: torch.Tensor, y: torch.Tensor, mean: Sequence[float], std: Sequence[float], scale: float = 1.0
+    ) -> None:
         self.x, self.y = x, y.long()
         self.scale = scale
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
@@ -93,9 +93,18 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
         raise UsageError(f"data dir is empty: {data_dir}")
 
 
-def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = CROP,
-         image_cache: str | bool = "off", shard: tuple[int, int] | None = None,
-         cache_dir: str = "./cache", threads: int = 1, pad: bool = False) -> LabeledData:
+def load(
+    dataset: str,
+    data_dir: str,
+    split: str,
+    seed: int,
+    image_size: int = CROP,
+    image_cache: str | bool = "off",
+    shard: tuple[int, int] | None = None,
+    cache_dir: str = "./cache",
+    threads: int = 1,
+    pad: bool = False,
+) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
     `image_cache`: off | memory | file | auto (True/False: memory/off): imagefolder
@@ -111,8 +120,12 @@ def load(dataset: str, data_dir: str, split: str, seed: int, image_size: int = C
         return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
         mode = {True: "memory", False: "off"}.get(image_cache, image_cache)  # type: ignore[call-overload]
-        return _imagefolder(Path(data_dir), split == "train", image_size,
-                            ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad))
+        return _imagefolder(
+            Path(data_dir),
+            split == "train",
+            image_size,
+            ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad),
+        )
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
 
@@ -160,7 +173,7 @@ def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: boo
 def _held_out_mask(n: int, fraction: float) -> torch.Tensor:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
     mask = torch.zeros(n, dtype=torch.bool)
-    mask[perm[:max(1, round(n * fraction))]] = True
+    mask[perm[: max(1, round(n * fraction))]] = True
     return mask
 
 
@@ -194,8 +207,10 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings =
         if not train:
             val_classes, chosen = find_samples(root / "val")
             if val_classes != classes:
-                raise UsageError(f"{root}: val/ has classes {val_classes[:5]}..., train/ has {classes[:5]}...; "
-                                 "both must hold the same class folders")
+                raise UsageError(
+                    f"{root}: val/ has classes {val_classes[:5]}..., train/ has {classes[:5]}...; "
+                    "both must hold the same class folders"
+                )
     else:
         classes, samples = find_samples(root)
         held_out = _held_out_mask(len(samples), 0.1)
@@ -208,10 +223,14 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings =
     if cache.shard is not None:
         index, count = cache.shard
         mine = [chosen[i] for i in stable_shard(len(chosen), count, index, cache.seed, cache.pad)]
-    mode, why = imagecache.choose_mode(cache.mode, imagecache.cache_bytes(len(mine), crop),
-                                       host.shm_free(), host.memory_available())
-    crops = ("training crops from the centre square" if mode != "off" else
-             "decoded every epoch, crops from the whole resized image")
+    mode, why = imagecache.choose_mode(
+        cache.mode, imagecache.cache_bytes(len(mine), crop), host.shm_free(), host.memory_available()
+    )
+    crops = (
+        "training crops from the centre square"
+        if mode != "off"
+        else "decoded every epoch, crops from the whole resized image"
+    )
     log.info("image cache %s for %d images (%s); %s", mode, len(mine), why, crops)
     if mode == "off":
         return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
@@ -241,7 +260,7 @@ def _read_idx(path: Path) -> np.ndarray:
     with opener(path, "rb") as f:
         raw = f.read()
     ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -270,8 +289,7 @@ class ShardSampler(Sampler[int]):
     without the padding: shards differ by at most one sample, and together they
     cover the data exactly once)."""
 
-    def __init__(self, size: int, num_shards: int, shard: int, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(self, size: int, num_shards: int, shard: int, seed: int = 0, shuffle: bool = True) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
         self.size, self.num_shards, self.shard = size, num_shards, shard
@@ -287,7 +305,7 @@ class ShardSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=g)
         else:
             order = torch.arange(self.size)
-        return iter(order[self.shard::self.num_shards][self.skip:].tolist())
+        return iter(order[self.shard :: self.num_shards][self.skip :].tolist())
 
     def __len__(self) -> int:
         return len(range(self.shard, self.size, self.num_shards))
@@ -302,8 +320,9 @@ def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) ->
     return ShardSampler(len(train.data), num_shards, shard, seed)  # type: ignore[arg-type]
 
 
-def train_loader(data: Dataset, sampler: ShardSampler, batch_size: int,
-                 loader_workers: int, pin_memory: bool) -> DataLoader:
+def train_loader(
+    data: Dataset, sampler: ShardSampler, batch_size: int, loader_workers: int, pin_memory: bool
+) -> DataLoader:
     """Batches of this worker's shard; the last short batch is dropped when the shard
     holds at least one full batch (BatchNorm cannot train on a batch of one)."""
     drop_last = len(sampler) >= batch_size
@@ -315,10 +334,10 @@ def eval_loader(data: Dataset, batch_size: int, loader_workers: int) -> DataLoad
     return _loader(data, sampler, batch_size, False, loader_workers, False)
 
 
-def _loader(data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool,
-            loader_workers: int, pin_memory: bool) -> DataLoader:
-    common = dict(num_workers=loader_workers, pin_memory=pin_memory,
-                  persistent_workers=loader_workers > 0)
+def _loader(
+    data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool, loader_workers: int, pin_memory: bool
+) -> DataLoader:
+    common = dict(num_workers=loader_workers, pin_memory=pin_memory, persistent_workers=loader_workers > 0)
     if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(data, sampler=batches, batch_size=None, **common)
@@ -347,12 +366,23 @@ def log_loader(name: str, workers: int, why: str) -> None:
     log.info("%s: %d DataLoader process(es) (%s)", name, workers, why)
 
 
-def load_for(config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None,
-             pad: bool = False) -> LabeledData:
+def load_for(
+    config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None, pad: bool = False
+) -> LabeledData:
     """`load` with the process's flags: the image cache in --cache_dir, decoded by the
     CPUs the process took (its loader processes and itself)."""
-    return load(config.dataset, config.data_dir, split, config.seed, config.image_size, config.image_cache,
-                shard=shard, cache_dir=config.cache_dir, threads=loader_workers + 1, pad=pad)
+    return load(
+        config.dataset,
+        config.data_dir,
+        split,
+        config.seed,
+        config.image_size,
+        config.image_cache,
+        shard=shard,
+        cache_dir=config.cache_dir,
+        threads=loader_workers + 1,
+        pad=pad,
+    )
 
 
 def describe(data: LabeledData) -> str:

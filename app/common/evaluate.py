@@ -12,7 +12,9 @@ from app.common.flat import FlatModel
 
 
 @torch.no_grad()
-def held_out_accuracy(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> tuple[float, float]:
+def held_out_accuracy(
+    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device
+) -> tuple[float, float]:
     """Accuracy and mean loss of `model` on the held-out split (in eval mode; its mode is restored)."""
     was_training = model.training
     model.eval()
@@ -32,8 +34,9 @@ def held_out_accuracy(model: nn.Module, loader: torch.utils.data.DataLoader, dev
 class Evaluator:
     """Accuracy and loss of a state vector on the held-out split, on its own model copy."""
 
-    def __init__(self, build: Callable[[], nn.Module], loader: torch.utils.data.DataLoader,
-                 device: torch.device) -> None:
+    def __init__(
+        self, build: Callable[[], nn.Module], loader: torch.utils.data.DataLoader, device: torch.device
+    ) -> None:
         self.model = build().to(device).eval()
         self.flat = FlatModel(self.model, with_grads=False)
         self.loader, self.device = loader, device

@@ -67,7 +67,7 @@ class FlatModel:
         views, offset = [], 0
         for shape in shapes:
             n = shape.numel()
-            views.append(flat[offset:offset + n].view(shape))
+            views.append(flat[offset : offset + n].view(shape))
             offset += n
         return views
 
@@ -91,7 +91,7 @@ class FlatModel:
         views = self._views(vector, shapes)
         for p, view in zip(self._params, views):
             p.data = view
-        for (module, name, _), view in zip(self._buffers, views[len(self._params):]):
+        for (module, name, _), view in zip(self._buffers, views[len(self._params) :]):
             module._buffers[name] = view
         self.vector = vector
 
@@ -102,19 +102,19 @@ class FlatModel:
     @property
     def params(self) -> torch.Tensor:
         """The parameter part of `vector` (a view)."""
-        return self.vector[:self.num_params]
+        return self.vector[: self.num_params]
 
     @property
     def grads(self) -> torch.Tensor:
         """The gradient part of `message` (a view): each param's .grad lives here."""
-        return self.message[:self.num_params]
+        return self.message[: self.num_params]
 
     def zero_grads(self) -> None:
         self.grads.zero_()
 
     def pack_message(self) -> torch.Tensor:
         """Copy the current buffers behind the grads; return the whole message."""
-        self.message[self.num_params:].copy_(self.vector[self.num_params:])
+        self.message[self.num_params :].copy_(self.vector[self.num_params :])
         return self.message
 
     def load(self, vector: torch.Tensor) -> None:
@@ -126,8 +126,12 @@ class FlatModel:
     def adopt(self, vector: torch.Tensor) -> None:
         """Make a received vector the model's state, without copying it when it can be
         (same device and dtype, contiguous): the caller gives it up. Grads stay put."""
-        if (vector.device != self.vector.device or vector.dtype != self.vector.dtype
-                or not vector.is_contiguous() or vector.numel() != self.size):
+        if (
+            vector.device != self.vector.device
+            or vector.dtype != self.vector.dtype
+            or not vector.is_contiguous()
+            or vector.numel() != self.size
+        ):
             self.load(vector)
         else:
             self._point_at(vector)

@@ -56,8 +56,9 @@ def usable_cpus(affinity: int, quota: float | None) -> int:
     return max(1, cpus)
 
 
-def auto_loader_workers(affinity: int, quota: float | None, host_workers: int,
-                        cap: int = LOADER_WORKERS_CAP) -> tuple[int, str]:
+def auto_loader_workers(
+    affinity: int, quota: float | None, host_workers: int, cap: int = LOADER_WORKERS_CAP
+) -> tuple[int, str]:
     """(DataLoader processes, why) for `loader_workers: auto`: the container's usable CPUs
     shared among the `host_workers` workers of this host, minus one for the training
     process itself; between 0 and `cap`. 2 CPUs and 2 workers: 0 (load in the training process)."""
@@ -65,8 +66,10 @@ def auto_loader_workers(affinity: int, quota: float | None, host_workers: int,
     share = cpus // max(1, host_workers)
     chosen = min(cap, max(0, share - 1))
     limit = f", cgroup quota {quota:g}" if quota is not None else ""
-    why = (f"auto: {cpus} CPU(s) (affinity {affinity}{limit}) / {max(1, host_workers)} worker(s) on this host "
-           f"= {share}, minus 1 for training, at most {cap}")
+    why = (
+        f"auto: {cpus} CPU(s) (affinity {affinity}{limit}) / {max(1, host_workers)} worker(s) on this host "
+        f"= {share}, minus 1 for training, at most {cap}"
+    )
     return chosen, why
 
 

@@ -89,9 +89,11 @@ def choose_mode(mode: str, nbytes: int, shm_free: int | None, memory_available: 
     gib = nbytes / 2**30
     for what, free, setting in (("/dev/shm", shm_free, "shm_size"), ("available memory", memory_available, "memory")):
         if free is not None and nbytes > SHM_FRACTION * free:
-            return "off", (f"auto: the decoded images ({gib:.2f} GiB) would take more than half of the free "
-                           f"{what} ({free / 2**30:.2f} GiB); raise the container's {setting}, or set "
-                           "train.image_cache: file (kept on the state volume)")
+            return "off", (
+                f"auto: the decoded images ({gib:.2f} GiB) would take more than half of the free "
+                f"{what} ({free / 2**30:.2f} GiB); raise the container's {setting}, or set "
+                "train.image_cache: file (kept on the state volume)"
+            )
     return "memory", f"auto: the decoded images ({gib:.2f} GiB) fit in half of the free /dev/shm and memory"
 
 
@@ -114,8 +116,14 @@ class CachedImageFolder(Dataset):
     `cache_dir` given: the file cache (see the module); else the memory cache.
     `threads`: decoding threads for the file cache's one pass (Pillow releases the GIL)."""
 
-    def __init__(self, samples: list[tuple[str, int]], train: bool, crop: int = CROP,
-                 cache_dir: str | Path | None = None, threads: int = 1) -> None:
+    def __init__(
+        self,
+        samples: list[tuple[str, int]],
+        train: bool,
+        crop: int = CROP,
+        cache_dir: str | Path | None = None,
+        threads: int = 1,
+    ) -> None:
         size = decoded_size(crop)
         self.samples, self.train, self.size, self.crop = samples, train, size, crop
         self.path: Path | None = None
@@ -123,8 +131,12 @@ class CachedImageFolder(Dataset):
         if cache_dir is not None and n:  # an empty shard (more workers than images) needs no file
             self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
             if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
-                log.warning("image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
-                            self.path, self.path.stat().st_size, _file_bytes(n, size))
+                log.warning(
+                    "image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
+                    self.path,
+                    self.path.stat().st_size,
+                    _file_bytes(n, size),
+                )
                 self.path.unlink(missing_ok=True)
             if not self.path.exists():
                 _write_cache_file(self.path, samples, size, threads)
@@ -143,8 +155,8 @@ class CachedImageFolder(Dataset):
         n, size = len(self.samples), self.size
         whole = torch.from_file(str(self.path), shared=False, size=_file_bytes(n, size), dtype=torch.uint8)
         self.labels = whole[: 8 * n].view(torch.int64)
-        self.bad = whole[8 * n: 9 * n]
-        self.images = whole[9 * n:].view(n, 3, size, size)
+        self.bad = whole[8 * n : 9 * n]
+        self.images = whole[9 * n :].view(n, 3, size, size)
         self.filled = torch.ones(n, dtype=torch.uint8)
 
     def __getstate__(self) -> dict:
@@ -201,8 +213,9 @@ class CachedImageFolder(Dataset):
         return augment(batch, self.train, self.crop)
 
 
-def augment(batch: torch.Tensor, train: bool, crop: int = CROP,
-            generator: torch.Generator | None = None) -> torch.Tensor:
+def augment(
+    batch: torch.Tensor, train: bool, crop: int = CROP, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """uint8 B x 3 x S x S -> normalised float32 B x 3 x crop x crop, on batch's device.
     Train: a random crop and a random horizontal flip per image; eval: the centre
     crop. Same statistics as ImageFolderData's transforms. The crops are uint8
@@ -215,13 +228,13 @@ def augment(batch: torch.Tensor, train: bool, crop: int = CROP,
         flip = torch.rand(b, generator=generator) < 0.5
         x = torch.empty(b, c, crop, crop, dtype=torch.uint8, device=device)
         for i, (top, left) in enumerate(zip(tops, lefts)):
-            x[i] = batch[i, :, top:top + crop, left:left + crop]
+            x[i] = batch[i, :, top : top + crop, left : left + crop]
         if bool(flip.any()):
             chosen = flip.nonzero().flatten().to(device)
             x.index_copy_(0, chosen, x.index_select(0, chosen).flip(-1))
     else:
         top, left = (h - crop) // 2, (w - crop) // 2
-        x = batch[:, :, top:top + crop, left:left + crop]
+        x = batch[:, :, top : top + crop, left : left + crop]
     scale = (1.0 / (255.0 * STD)).to(device)
     shift = (MEAN / STD).to(device)
     return x.float().mul_(scale).sub_(shift)
@@ -249,8 +262,10 @@ def _no_room(nbytes: int, directory: Path, why: str) -> str:
         free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free"
     except OSError:
         free = "free space unknown"
-    return (f"--image_cache file: cannot reserve {nbytes / 2**30:.2f} GiB for the cache file in {directory} "
-            f"({why}; {free}); free space there, or set train.image_cache to memory or off")
+    return (
+        f"--image_cache file: cannot reserve {nbytes / 2**30:.2f} GiB for the cache file in {directory} "
+        f"({why}; {free}); free space there, or set train.image_cache to memory or off"
+    )
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
@@ -280,14 +295,20 @@ def _shared_storage(nbytes: int) -> torch.UntypedStorage:
     try:
         return torch.UntypedStorage._new_shared(nbytes)
     except RuntimeError as error:
-        raise UsageError(f"--image_cache memory: cannot reserve {nbytes / 2**30:.2f} GiB in /dev/shm "
-                         f"({first_line(error)}); raise the container's shm_size, or set train.image_cache "
-                         "to file or auto") from None
+        raise UsageError(
+            f"--image_cache memory: cannot reserve {nbytes / 2**30:.2f} GiB in /dev/shm "
+            f"({first_line(error)}); raise the container's shm_size, or set train.image_cache "
+            "to file or auto"
+        ) from None
 
 
 def _warn_bad(path: str, error: Exception, skipped: int) -> None:
-    log.warning("skipping %s: cannot decode it (%s); the next image stands in for it (%d skipped)",
-                path, type(error).__name__, skipped)
+    log.warning(
+        "skipping %s: cannot decode it (%s); the next image stands in for it (%d skipped)",
+        path,
+        type(error).__name__,
+        skipped,
+    )
 
 
 def _file_bytes(n: int, size: int) -> int:
@@ -321,8 +342,8 @@ def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, thr
         reserve(fd, nbytes, path.parent)
         out = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(nbytes,))
         labels = out[: 8 * n].view(np.int64)
-        bad = out[8 * n: 9 * n]
-        images = out[9 * n:].reshape(n, 3, size, size)
+        bad = out[8 * n : 9 * n]
+        images = out[9 * n :].reshape(n, 3, size, size)
         labels[:] = [label for _, label in samples]
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for i, (image, error) in enumerate(pool.map(lambda s: _decode_or_none(s[0], size), samples)):
@@ -348,5 +369,10 @@ def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, thr
     log.info("image cache: wrote %s (%d images, %.2f GiB)", path, n, path.stat().st_size / 2**30)
     if others:
         held = sum(p.stat().st_size for p in others if p.exists())
-        log.info("image cache: %s also holds %d other cache file(s), %.2f GiB, kept (other shards or "
-                 "older file lists); delete the ones no run needs", path.parent, len(others), held / 2**30)
+        log.info(
+            "image cache: %s also holds %d other cache file(s), %.2f GiB, kept (other shards or "
+            "older file lists); delete the ones no run needs",
+            path.parent,
+            len(others),
+            held / 2**30,
+        )

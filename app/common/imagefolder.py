@@ -75,8 +75,10 @@ def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         raise UsageError(f"data dir has no class folders with images ({', '.join(IMG_EXTENSIONS)}): {root}")
     empty = next((name for name, found in zip(classes, files) if not found), None)
     if empty is not None:
-        raise UsageError(f"data dir: class folder {empty!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
-                         f"put images in it or remove it: {root}")
+        raise UsageError(
+            f"data dir: class folder {empty!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
+            f"put images in it or remove it: {root}"
+        )
     samples = [(path, index) for index, found in enumerate(files) for path in found]
     return classes, samples
 
@@ -134,8 +136,13 @@ class ImageFolderData(Dataset):
     def _mark_bad(self, i: int, error: Exception) -> None:
         # A sample is fetched by one loader process at a time, so set-once needs no lock.
         self.bad[i] = 1
-        log.warning("skipping %s: cannot decode it (%s: %s); the next image stands in for it "
-                    "(%d skipped)", self.samples[i][0], type(error).__name__, first_line(error), self.skipped_images)
+        log.warning(
+            "skipping %s: cannot decode it (%s: %s); the next image stands in for it (%d skipped)",
+            self.samples[i][0],
+            type(error).__name__,
+            first_line(error),
+            self.skipped_images,
+        )
 
     def _load(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image  # imported here: only this dataset needs Pillow

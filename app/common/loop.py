@@ -21,9 +21,15 @@ class ResumableSampler(Protocol):
     def set_epoch(self, epoch: int, skip: int = 0) -> None: ...
 
 
-def resume_batches(loader: DataLoader, sampler: ResumableSampler, data_dir: str, start_epoch: int,
-                   start_batch: int, num_epochs: int, batch_size: int
-                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+def resume_batches(
+    loader: DataLoader,
+    sampler: ResumableSampler,
+    data_dir: str,
+    start_epoch: int,
+    start_batch: int,
+    num_epochs: int,
+    batch_size: int,
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(epoch, batch, x, y) from batch `start_batch + 1` of `start_epoch` to the end of
     `num_epochs`; batches count from 1 within an epoch, and the batches a resumed rank
     already trained on are left out by its sampler (`skip`)."""
@@ -34,8 +40,9 @@ def resume_batches(loader: DataLoader, sampler: ResumableSampler, data_dir: str,
             yield epoch, batch, x, y
 
 
-def on_device(x: torch.Tensor, y: torch.Tensor, loader: Any, device: torch.device,
-              memory_format: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor]:
+def on_device(
+    x: torch.Tensor, y: torch.Tensor, loader: Any, device: torch.device, memory_format: torch.memory_format
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch on `device`; images (4-d) in `memory_format`."""
     x, y = data.to_device(x, getattr(loader, "dataset", None), device), y.to(device, non_blocking=True)
     if x.dim() == 4:
@@ -53,8 +60,9 @@ class Reporter:
         self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
         self._samples = 0
 
-    def batch_done(self, loader: DataLoader, step: int, epoch: int, batch: int, samples: int, loss: float,
-                   **fields: Any) -> None:
+    def batch_done(
+        self, loader: DataLoader, step: int, epoch: int, batch: int, samples: int, loss: float, **fields: Any
+    ) -> None:
         """Count a batch of `samples`; report it when due (`step`: the metrics record's)."""
         self._samples += samples
         if batch % self.log_every == 0 or batch == len(loader):
@@ -67,5 +75,13 @@ class Reporter:
         self._mark = (now, self._samples)
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.name, epoch, batch, loss)
         if self.metrics is not None:
-            self.metrics.write("train", step, epoch=epoch, batch=batch, loss=round(loss, 4),
-                               samples_per_s=round(rate, 1), **fields, **data.skipped(loader.dataset))
+            self.metrics.write(
+                "train",
+                step,
+                epoch=epoch,
+                batch=batch,
+                loss=round(loss, 4),
+                samples_per_s=round(rate, 1),
+                **fields,
+                **data.skipped(loader.dataset),
+            )

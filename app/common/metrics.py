@@ -25,23 +25,40 @@ class MetricsWriter:
         self._lock = threading.Lock()  # the PS writes from RPC threads too
 
     def write(self, event: str, step: int, **fields: Any) -> None:
-        record = {"time": round(time.time(), 3), "role": self.role, "rank": self.rank,
-                  "event": event, "step": step, **fields}
+        record = {
+            "time": round(time.time(), 3),
+            "role": self.role,
+            "rank": self.rank,
+            "event": event,
+            "step": step,
+            **fields,
+        }
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
 
     def start(self, config: Config, step: int = 0) -> None:
         """The `start` record: what this process trains, as it starts (so a reader of the
         metrics need not guess the run's settings)."""
-        self.write("start", step, name=config.name, strategy=config.strategy, batch_size=config.batch_size,
-                   world_size=config.world_size, workers=config.num_trainers, shards=config.shards,
-                   model=config.model, dataset=config.dataset, precision=config.precision,
-                   compress=config.compress, run_id=config.run_id or os.environ.get(RUN_ID_ENV, ""))
+        self.write(
+            "start",
+            step,
+            name=config.name,
+            strategy=config.strategy,
+            batch_size=config.batch_size,
+            world_size=config.world_size,
+            workers=config.num_trainers,
+            shards=config.shards,
+            model=config.model,
+            dataset=config.dataset,
+            precision=config.precision,
+            compress=config.compress,
+            run_id=config.run_id or os.environ.get(RUN_ID_ENV, ""),
+        )
 
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,13 +26,18 @@ class SmallCNN(nn.Module):
     def __init__(self, channels: int, num_classes: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, 32, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
             nn.AdaptiveAvgPool2d(4),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +67,11 @@ def _why_no_torchvision() -> str:
             return "torchvision is not installed"
         return f"torchvision does not import ({type(error).__name__}: {error})"
     except Exception as error:  # noqa: BLE001 - any import failure is reported as it is
-        return (f"torchvision does not import beside torch {torch.__version__} "
-                f"({type(error).__name__}: {first_line(error)}); "
-                "install torch and torchvision as a matching pair (images/torch-pair.txt)")
+        return (
+            f"torchvision does not import beside torch {torch.__version__} "
+            f"({type(error).__name__}: {first_line(error)}); "
+            "install torch and torchvision as a matching pair (images/torch-pair.txt)"
+        )
     return "torchvision imports"
 
 
@@ -83,8 +90,9 @@ def check(name: str) -> None:
         return
     tv = _torchvision_models()
     if tv is None:
-        raise UsageError(f"unknown model {name!r}: {_why_no_torchvision()}, "
-                         f"so the models that exist are: {', '.join(BUILT_IN)}")
+        raise UsageError(
+            f"unknown model {name!r}: {_why_no_torchvision()}, so the models that exist are: {', '.join(BUILT_IN)}"
+        )
     if name not in tv.list_models(module=tv):
         raise UsageError(f"unknown model {name!r}; models that exist: {', '.join(available())}")
 

@@ -59,8 +59,10 @@ def resolve(flag: str, spec: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise UsageError(f"{where}: cannot import {module_name!r}: {error} "
-                         "(is the topology's `code` directory the one that holds it?)") from None
+        raise UsageError(
+            f"{where}: cannot import {module_name!r}: {error} "
+            "(is the topology's `code` directory the one that holds it?)"
+        ) from None
     except Exception as error:  # noqa: BLE001 - the user's module failed while importing
         raise UsageError(f"{where}: importing {module_name!r} failed: {_one_line(error)}") from None
     if not hasattr(module, attr):
@@ -97,8 +99,9 @@ def load_dataset(spec: str, root: str, train: bool, seed: int) -> DatasetSpec:
         raise UsageError(f"{where}: returned {shape}; must return (Dataset, channels, num_classes)")
     data, channels, num_classes = got
     if not isinstance(data, Dataset):
-        raise UsageError(f"{where}: returned a {type(data).__name__} as the dataset; "
-                         "must be a torch.utils.data.Dataset")
+        raise UsageError(
+            f"{where}: returned a {type(data).__name__} as the dataset; must be a torch.utils.data.Dataset"
+        )
     for name, value in (("channels", channels), ("num_classes", num_classes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{where}: returned {name} {value!r}; must be an int >= 1")
@@ -114,6 +117,7 @@ def load_dataset(spec: str, root: str, train: bool, seed: int) -> DatasetSpec:
 
 # --- starting weights ------------------------------------------------------
 
+
 def read_weights(path: str) -> Mapping[str, torch.Tensor]:
     """A state dict from `path`: a plain one, or the "model" entry of the project's final.pt
     or checkpoints. Loaded with weights_only (no code runs)."""
@@ -123,13 +127,16 @@ def read_weights(path: str) -> Mapping[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - not a torch file, truncated, pickled code
-        raise UsageError(f"{where}: not a readable state dict ({type(error).__name__}): must be a file of "
-                         "torch.save(model.state_dict()) or a final.pt, loadable with weights_only") from None
+        raise UsageError(
+            f"{where}: not a readable state dict ({type(error).__name__}): must be a file of "
+            "torch.save(model.state_dict()) or a final.pt, loadable with weights_only"
+        ) from None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping) and obj["model"]:
         obj = obj["model"]  # final.pt / a checkpoint: {"model": state_dict, "version": ...}
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UsageError(f"{where}: holds a {type(obj).__name__}, not a state dict "
-                         "(a mapping of names to tensors, or final.pt)")
+        raise UsageError(
+            f"{where}: holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors, or final.pt)"
+        )
     return obj
 
 
@@ -143,10 +150,13 @@ def load_weights(model: nn.Module, path: str) -> None:
         if key not in given:
             raise UsageError(f"{where}: key {key!r} (shape {list(value.shape)} in the model) is missing from the file")
         if tuple(given[key].shape) != tuple(value.shape):
-            raise UsageError(f"{where}: key {key!r} has shape {list(given[key].shape)} in the file, "
-                             f"{list(value.shape)} in the model")
+            raise UsageError(
+                f"{where}: key {key!r} has shape {list(given[key].shape)} in the file, {list(value.shape)} in the model"
+            )
     extra = [key for key in given if key not in own]
     if extra:
-        raise UsageError(f"{where}: key {extra[0]!r} (shape {list(given[extra[0]].shape)} in the file) "
-                         f"is not in the model ({len(extra)} unexpected key(s))")
+        raise UsageError(
+            f"{where}: key {extra[0]!r} (shape {list(given[extra[0]].shape)} in the file) "
+            f"is not in the model ({len(extra)} unexpected key(s))"
+        )
     model.load_state_dict(dict(given), strict=True)

@@ -15,13 +15,13 @@ class Reply(NamedTuple):
     """The PS's answer to a push."""
 
     vector: torch.Tensor  # the state to continue from: [params | buffers]
-    version: int          # its version
-    staleness: int        # updates applied between the pusher's pull and its push
-    lead: int             # pushes the pusher is ahead of the slowest rank still training
+    version: int  # its version
+    staleness: int  # updates applied between the pusher's pull and its push
+    lead: int  # pushes the pusher is ahead of the slowest rank still training
 
 
 class Refusal(NamedTuple):
     """The PS's answer to a call it will not carry out (a value: RPC carries it as it is)."""
 
-    kind: str     # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
+    kind: str  # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
     message: str  # one line, naming the worker

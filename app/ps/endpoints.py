@@ -25,10 +25,10 @@ from torch.futures import Future
 from app.common.wire import Refusal
 from app.ps.server import ParameterServer
 
-Admit = Callable[[int, str], dict[str, Any]]          # (rank, name) -> the answer to a join
+Admit = Callable[[int, str], dict[str, Any]]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
 Resumed = "tuple[int, str] | None"  # the main PS's newest checkpoint: (version, its run id); None: none yet
-SaveLabelled = Callable[[int], "str | None"]          # a shard writes its checkpoint labelled V
+SaveLabelled = Callable[[int], "str | None"]  # a shard writes its checkpoint labelled V
 
 
 class Endpoint:
@@ -36,12 +36,12 @@ class Endpoint:
 
     def __init__(self) -> None:
         self.server: ParameterServer | None = None
-        self.join: Admit | None = None             # app.ps.liveness.LivenessMonitor.join on the main PS
-        self.register: Register | None = None      # the main PS of a sharded PS: ShardSet.register
+        self.join: Admit | None = None  # app.ps.liveness.LivenessMonitor.join on the main PS
+        self.register: Register | None = None  # the main PS of a sharded PS: ShardSet.register
         self.resumed: Callable[[], Resumed] = lambda: None  # ... and its newest checkpoint (version, run id)
         self.save_labelled: SaveLabelled | None = None  # a shard's checkpoint writer
-        self.ended = threading.Event()             # a shard: the main PS said training ended
-        self.finished = False                      # ... and whether every worker finished
+        self.ended = threading.Event()  # a shard: the main PS said training ended
+        self.finished = False  # ... and whether every worker finished
 
     @contextmanager
     def serving(self, server: ParameterServer, join: Admit | None = None) -> Iterator[ParameterServer]:
@@ -52,8 +52,7 @@ class Endpoint:
             self.server, self.join = None, None
 
     @contextmanager
-    def serving_main(self, register: Register | None,
-                     resumed: Callable[[], Resumed] = lambda: None) -> Iterator[None]:
+    def serving_main(self, register: Register | None, resumed: Callable[[], Resumed] = lambda: None) -> Iterator[None]:
         """The main PS: shards register through `register` (None: --shards 1) and resume from
         the checkpoint labelled `resumed()`: the main PS's newest, the one it resumed from or
         wrote since (None: none yet, a new run), so a shard restarted mid-run gets its slice
@@ -96,8 +95,16 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
 
 
 @rpc.functions.async_execution
-def rpc_push(rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0, samples: int = 0, staleness: int | None = None) -> Future:
+def rpc_push(
+    rank: int,
+    message: torch.Tensor,
+    pulled_version: int,
+    name: str = "",
+    epoch: int = 1,
+    batch: int = 0,
+    samples: int = 0,
+    staleness: int | None = None,
+) -> Future:
     """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
     Any other error is raised here, and RPC hands it to the caller as an error."""
     return ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)

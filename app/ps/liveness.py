@@ -84,28 +84,33 @@ class LivenessMonitor:
         if old and old != name:
             error = self._ping(old, min(self.rpc_timeout, TAKEN_PING_SECONDS))
             if error is None:
-                return {"taken": f"rank {rank} is already taken by {old}, which is running "
-                                 f"(start each rank once; this process is {name})"}
+                return {
+                    "taken": f"rank {rank} is already taken by {old}, which is running "
+                    f"(start each rank once; this process is {name})"
+                }
             self.drop(rank, old, f"replaced by {name} ({error})")
         if not membership.unlist([name], self.rpc_timeout):
             log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
         vector, version, progress = self.server.join(rank, name)
-        where = "from the start" if progress["epoch"] == 1 and progress["batch"] == 0 else \
-            f"at epoch {progress['epoch']} after batch {progress['batch']}"
+        where = (
+            "from the start"
+            if progress["epoch"] == 1 and progress["batch"] == 0
+            else f"at epoch {progress['epoch']} after batch {progress['batch']}"
+        )
         log.info("%s (rank %d) joined at version %d, resuming %s", name, rank, version, where)
         self.record("join", version, worker=name, worker_rank=rank, **progress)
         return {"vector": vector, "version": version, **progress}
 
     def drop(self, rank: int, name: str, reason: str) -> None:
         if self.server.drop(rank, name):
-            log.warning("dropped %s (rank %d): %s; training goes on without it (%s)",
-                        name, rank, reason, self.server.counts())
+            log.warning(
+                "dropped %s (rank %d): %s; training goes on without it (%s)", name, rank, reason, self.server.counts()
+            )
             self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason)
             self.on_drop(rank, name)
 
     def back(self, rank: int, name: str) -> None:
-        log.warning("%s (rank %d) is back: it called again after it was dropped (%s)",
-                    name, rank, self.server.counts())
+        log.warning("%s (rank %d) is back: it called again after it was dropped (%s)", name, rank, self.server.counts())
         self.record("back", self.server.version, worker=name, worker_rank=rank)
 
     def tick(self) -> None:
@@ -124,8 +129,13 @@ class LivenessMonitor:
         """ssp/sync: report and drop live workers that stopped pushing (they answer pings)."""
         limit = self.FROZEN_PERIODS * self.rpc_timeout
         for rank, name, quiet in self.server.frozen(limit):
-            log.warning("%s (rank %d) answers pings but sent no push for %.0f s (%d x --rpc_timeout)",
-                        name, rank, quiet, self.FROZEN_PERIODS)
+            log.warning(
+                "%s (rank %d) answers pings but sent no push for %.0f s (%d x --rpc_timeout)",
+                name,
+                rank,
+                quiet,
+                self.FROZEN_PERIODS,
+            )
             self.record("frozen", self.server.version, worker=name, worker_rank=rank, seconds=round(quiet, 1))
             self.drop(rank, name, f"no push for {quiet:.0f} s")
 
@@ -153,5 +163,3 @@ class LivenessMonitor:
         elif now - self._token[1] > self.rpc_timeout:
             membership.release_stuck_token(holder)
             self._token = ("", now)
-
-

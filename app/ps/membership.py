@@ -36,8 +36,8 @@ from app import runtime
 from app.contract import ps_name, worker_name
 
 log = logging.getLogger("app.membership")
-TOKEN_KEY = "RpcGroupManagementToken"   # torch.distributed.rpc._utils
-LISTING_KEY = "_ALL_WORKER_INFOS"       # "name-id,name-id," under the agent's "names/" prefix
+TOKEN_KEY = "RpcGroupManagementToken"  # torch.distributed.rpc._utils
+LISTING_KEY = "_ALL_WORKER_INFOS"  # "name-id,name-id," under the agent's "names/" prefix
 POLL_SECONDS = 0.05
 
 
@@ -50,8 +50,9 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
     try:
         runtime.wait_for_port(host, port, timeout)
     except runtime.PortUnreachable as error:
-        raise StoreUnreachable(f"cannot reach the parameter server at {host}:{port} "
-                               f"within {timeout:.0f} s: {error}") from None
+        raise StoreUnreachable(
+            f"cannot reach the parameter server at {host}:{port} within {timeout:.0f} s: {error}"
+        ) from None
 
 
 def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:
@@ -73,8 +74,10 @@ def _claim(key: str, master_addr: str, master_port: int, timeout: float) -> tupl
         store = connect(master_addr, master_port, timeout)
         return store.add(key, 1), store.add("psc/rpc_ids", 1)
     except (RuntimeError, ValueError) as error:  # DistError subclasses RuntimeError
-        raise StoreUnreachable(f"cannot reach the parameter server at {master_addr}:{master_port} "
-                               f"within {timeout:.0f} s: {runtime.first_line(error)}") from None
+        raise StoreUnreachable(
+            f"cannot reach the parameter server at {master_addr}:{master_port} "
+            f"within {timeout:.0f} s: {runtime.first_line(error)}"
+        ) from None
 
 
 def connect(master_addr: str, master_port: int, timeout: float) -> dist.TCPStore:

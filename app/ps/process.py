@@ -27,12 +27,12 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter
 from app.config import Config
 from app.contract import PS
-from app.ps.sharding import shard_process
 from app.ps.endpoints import ENDPOINT
 from app.ps.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
-from app.ps.sharding.slices import bounds
+from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
+from app.ps.sharding.slices import bounds
 from app.runtime import choose_device, progress, rpc_session
 
 log = logging.getLogger("app.ps")
@@ -57,16 +57,30 @@ def run(config: Config) -> int:
     if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
         plugins.load_weights(model, config.init_weights)
     part = bounds(state_size(model), config.shards)[0] if config.shards > 1 else None
-    server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
-                             strategy=config.strategy, staleness=config.staleness,
-                             staleness_lr=config.staleness_lr, part=part, weight_decay=config.weight_decay)
+    server = ParameterServer(
+        model,
+        config.lr,
+        config.momentum,
+        config.num_trainers,
+        config.join_timeout,
+        strategy=config.strategy,
+        staleness=config.staleness,
+        staleness_lr=config.staleness_lr,
+        part=part,
+        weight_decay=config.weight_decay,
+    )
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
-    log.info("model %s: %d parameters, %d buffer values", config.model,
-             server.flat.num_params, server.flat.num_buffers)
+    log.info("model %s: %d parameters, %d buffer values", config.model, server.flat.num_params, server.flat.num_buffers)
     # `trainer: ps` keeps a PS from resuming an allreduce job's checkpoint (app.ddp).
-    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
-                    num_classes=held_out.num_classes, world_size=config.world_size, trainer="ps")
+    identity = dict(
+        model_name=config.model,
+        dataset=config.dataset,
+        channels=held_out.channels,
+        num_classes=held_out.num_classes,
+        world_size=config.world_size,
+        trainer="ps",
+    )
     if part is not None:
         identity.update(shards=config.shards, shard=0)
         log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
@@ -85,19 +99,26 @@ def run(config: Config) -> int:
             liveness.on_drop = others.drop
             join = functools.partial(others.join, liveness.join)
             checkpoints.before_save = others.checkpoint
+
         def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard
             return (checkpoints.saved_version, checkpoints.saved_run) if checkpoints.saved_version >= 0 else None
-        with ENDPOINT.serving(server, join=join), \
-                ENDPOINT.serving_main(others.register if others is not None else None, resumed), \
-                rpc_session(config, rank=0):
+
+        with (
+            ENDPOINT.serving(server, join=join),
+            ENDPOINT.serving_main(others.register if others is not None else None, resumed),
+            rpc_session(config, rank=0),
+        ):
             try:
                 train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
             except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
                 checkpoints.save("on exit", on_exit=True)
                 raise
             if not server.roster.all_finished:
-                log.warning("ending without %s: not back within --join_timeout %.0f s",
-                            ", ".join(f"rank {m.rank}" for m in server.roster.missing()), config.join_timeout)
+                log.warning(
+                    "ending without %s: not back within --join_timeout %.0f s",
+                    ", ".join(f"rank {m.rank}" for m in server.roster.missing()),
+                    config.join_timeout,
+                )
             if not server.finished:
                 log.error("no worker finished its epochs; nothing to save as final")
                 if others is not None:
@@ -118,9 +139,18 @@ def run(config: Config) -> int:
         progress.info("Accuracy: %.4f", accuracy)
         progress.info("Time: %.2f seconds", seconds)
         progress.info("Evaluation: %.2f seconds", eval_seconds)
-        metrics.write("end", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                      seconds=round(seconds, 2), eval_seconds=round(eval_seconds, 2),
-                      samples=server.samples, strategy=config.strategy, **server.stats(), **data.skipped(held_out.data))
+        metrics.write(
+            "end",
+            version,
+            accuracy=round(accuracy, 4),
+            loss=round(loss, 4),
+            seconds=round(seconds, 2),
+            eval_seconds=round(eval_seconds, 2),
+            samples=server.samples,
+            strategy=config.strategy,
+            **server.stats(),
+            **data.skipped(held_out.data),
+        )
     return 0
 
 
@@ -133,14 +163,19 @@ def _gather_final(server: ParameterServer, others: ShardSet, timeout: float) -> 
         if vector is not None:
             return vector, version
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the shards' values could not be gathered within {timeout:.0f} s; "
-                               "final.pt not written")
+            raise RuntimeError(f"the shards' values could not be gathered within {timeout:.0f} s; final.pt not written")
         time.sleep(1.0)
 
 
-def train_until_done(server: ParameterServer, liveness: LivenessMonitor, checkpoints: Checkpointer,
-                     evaluate: Evaluator, metrics: MetricsWriter, config: Config,
-                     others: ShardSet | None = None) -> None:
+def train_until_done(
+    server: ParameterServer,
+    liveness: LivenessMonitor,
+    checkpoints: Checkpointer,
+    evaluate: Evaluator,
+    metrics: MetricsWriter,
+    config: Config,
+    others: ShardSet | None = None,
+) -> None:
     """Serve until every worker finished, or the missing ones are past --join_timeout."""
     next_eval = (server.version // config.eval_every + 1) * config.eval_every
     while not server.done():
@@ -157,8 +192,7 @@ def train_until_done(server: ParameterServer, liveness: LivenessMonitor, checkpo
             if vector is not None:
                 accuracy, loss = evaluate(vector)
                 progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4),
-                              samples=server.samples)
+                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=server.samples)
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
-            checkpoints.save("every %d updates" % config.checkpoint_every)
+            checkpoints.save(f"every {config.checkpoint_every} updates")

@@ -30,11 +30,11 @@ class StaleIncarnation(RuntimeError):
 @dataclass
 class Member:
     rank: int
-    name: str = ""              # RPC name of the current incarnation
+    name: str = ""  # RPC name of the current incarnation
     state: str = ABSENT
-    since: float = 0.0          # monotonic time of the last state change
-    last_seen: float = 0.0      # monotonic time of the last call from it
-    epoch: int = 1              # progress: `batch` batches of `epoch` are done
+    since: float = 0.0  # monotonic time of the last state change
+    last_seen: float = 0.0  # monotonic time of the last call from it
+    epoch: int = 1  # progress: `batch` batches of `epoch` are done
     batch: int = 0
     pushes: int = 0
     joins: int = 0
@@ -46,15 +46,16 @@ class Member:
 class Roster:
     """The workers the PS waits for, and when it may stop waiting."""
 
-    def __init__(self, ranks: Iterable[int], join_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ranks: Iterable[int], join_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock, self.join_timeout = clock, join_timeout
         now = clock()
         self.members = {r: Member(r, since=now, last_seen=now) for r in ranks}
 
     def __getitem__(self, rank: int) -> Member:
         if rank not in self.members:
-            raise ValueError(f"rank {rank} is not a worker of this job (ranks {min(self.members)}..{max(self.members)})")
+            raise ValueError(
+                f"rank {rank} is not a worker of this job (ranks {min(self.members)}..{max(self.members)})"
+            )
         return self.members[rank]
 
     def join(self, rank: int, name: str) -> Member:
@@ -103,8 +104,7 @@ class Roster:
     def missing(self) -> list[Member]:
         """Ranks that are neither live nor finished, and have been so for join_timeout."""
         now = self.clock()
-        return [m for m in self.members.values()
-                if m.state in (ABSENT, DROPPED) and now - m.since >= self.join_timeout]
+        return [m for m in self.members.values() if m.state in (ABSENT, DROPPED) and now - m.since >= self.join_timeout]
 
     def done(self) -> bool:
         """Every rank finished, or nobody trains and every unfinished rank is past join_timeout."""

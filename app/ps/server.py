@@ -74,10 +74,20 @@ class ParameterServer:
     under the same lock, so a checkpoint's progress matches its version.
     """
 
-    def __init__(self, model: nn.Module, lr: float, momentum: float, num_trainers: int,
-                 join_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
-                 strategy: str = "async", staleness: int = 0, staleness_lr: bool = False,
-                 part: tuple[int, int] | None = None, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float,
+        num_trainers: int,
+        join_timeout: float = float("inf"),
+        clock: Callable[[], float] = time.monotonic,
+        strategy: str = "async",
+        staleness: int = 0,
+        staleness_lr: bool = False,
+        part: tuple[int, int] | None = None,
+        weight_decay: float = 0.0,
+    ) -> None:
         if strategy not in PS_STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
@@ -93,7 +103,7 @@ class ParameterServer:
         self.size = end - start
         # The parameter values in the slice (it may hold buffers only, or straddle both).
         self.num_params = min(max(self.flat.num_params - start, 0), self.size)
-        self._param = nn.Parameter(self.state[:self.num_params])  # shares storage with the model
+        self._param = nn.Parameter(self.state[: self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.num_trainers = num_trainers
         self.roster = Roster(range(1, num_trainers + 1), join_timeout, clock)
@@ -140,21 +150,36 @@ class ParameterServer:
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
             self.first_join = self.first_join or self.clock()
-            if self.all_joined is None and all(m.joins or m.state == FINISHED
-                                               for m in self.roster.members.values()):
+            if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
                 self.all_joined = self.clock()
             self._event()
             return self.state.clone(), self.version, member.progress()
 
-    def push(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-             epoch: int = 1, batch: int = 0, samples: int = 0,
-             staleness: int | None = None) -> Reply | Refusal:
+    def push(
+        self,
+        rank: int,
+        message: torch.Tensor,
+        pulled_version: int,
+        name: str = "",
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        staleness: int | None = None,
+    ) -> Reply | Refusal:
         """`submit`, waiting for the reply (tests, and callers that may block)."""
         return self.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness).wait()
 
-    def submit(self, rank: int, message: torch.Tensor, pulled_version: int, name: str = "",
-               epoch: int = 1, batch: int = 0, samples: int = 0,
-               staleness: int | None = None) -> Future:
+    def submit(
+        self,
+        rank: int,
+        message: torch.Tensor,
+        pulled_version: int,
+        name: str = "",
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        staleness: int | None = None,
+    ) -> Future:
         """Take one worker's `[grads | buffers]`; a future of its Reply (or Refusal).
 
         `epoch` and `batch` are the worker's progress once this push is applied;
@@ -206,8 +231,10 @@ class ParameterServer:
         expected = wire_size(message.dtype, self.num_params, self.size)
         if message.numel() != expected or message.dtype not in WIRE_DTYPES:
             holds = f"values {self.part[0]}..{self.part[1]} of the model" if self.sliced else "the model"
-            raise ValueError(f"worker{rank} pushed {message.numel()} {message.dtype} values; "
-                             f"{holds} has {self.size} float32 values ({expected} as sent compressed)")
+            raise ValueError(
+                f"worker{rank} pushed {message.numel()} {message.dtype} values; "
+                f"{holds} has {self.size} float32 values ({expected} as sent compressed)"
+            )
         return to_float32(message, self.num_params)
 
     def _refuse_nonfinite(self, rank: int, name: str) -> Refusal:
@@ -215,8 +242,11 @@ class ParameterServer:
         Called under the lock."""
         self.refused[rank] += 1
         if self.refused[rank] == 1:
-            log.warning("%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
-                        "(further refusals of it are counted, not logged)", name)
+            log.warning(
+                "%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
+                "(further refusals of it are counted, not logged)",
+                name,
+            )
         return Refusal("nonfinite", f"{name} pushed non-finite values (NaN or inf); the push was refused")
 
     def _scale_for(self, staleness: int) -> float:
@@ -239,8 +269,7 @@ class ParameterServer:
             self._param.grad = None
             self.state[n:].copy_(message[n:])
         else:
-            torch.add(self.state[:n], sgd_direction(self.optimizer, self._param, grads), alpha=-self.lr,
-                      out=into[:n])
+            torch.add(self.state[:n], sgd_direction(self.optimizer, self._param, grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
             self.flat.adopt(into)
             self.state = self.flat.vector
@@ -267,8 +296,11 @@ class ParameterServer:
         """Ranks ssp and sync wait for: live ones, and those yet to join within join_timeout
         (not finished, not dropped)."""
         missing = {m.rank for m in self.roster.missing()}
-        return [m.rank for m in self.roster.members.values()
-                if m.state == LIVE or (m.state == ABSENT and m.rank not in missing)]
+        return [
+            m.rank
+            for m in self.roster.members.values()
+            if m.state == LIVE or (m.state == ABSENT and m.rank not in missing)
+        ]
 
     def lead(self, rank: int) -> int:
         """How many pushes rank is ahead of the slowest rank still training."""
@@ -366,8 +398,11 @@ class ParameterServer:
             return []
         with self._lock:
             now = self.clock()
-            return [(m.rank, m.name, now - m.last_seen) for m in self.roster.live()
-                    if m.rank not in self._held and now - m.last_seen >= limit]
+            return [
+                (m.rank, m.name, now - m.last_seen)
+                for m in self.roster.live()
+                if m.rank not in self._held and now - m.last_seen >= limit
+            ]
 
     def training_seconds(self) -> float | None:
         """From every rank joined (or, if one never did, the first join) to the last update."""
@@ -430,8 +465,14 @@ class ParameterServer:
         is dropped, or timeout."""
         with self._changed:
             events, self._wake_at = self._events, until_version
-            self._changed.wait_for(lambda: self._events != events or self.version >= until_version
-                                   or (self.roster.all_finished and not self._finishing), timeout)
+            self._changed.wait_for(
+                lambda: (
+                    self._events != events
+                    or self.version >= until_version
+                    or (self.roster.all_finished and not self._finishing)
+                ),
+                timeout,
+            )
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         return self.pull(rank=0)
@@ -470,10 +511,13 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             mean = self.staleness_sum / self.applied if self.applied else 0.0
-            return {"pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
-                    "staleness_mean": round(mean, 3), "staleness_max": self.staleness_max,
-                    "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-                    "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())}}
+            return {
+                "pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
+                "staleness_mean": round(mean, 3),
+                "staleness_max": self.staleness_max,
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
+            }
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:

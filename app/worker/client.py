@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+from app.common.wire import Refusal, Reply
 from app.config import UsageError
 from app.contract import PS, worker_name
 from app.ps import endpoints
-from app.common.wire import Refusal, Reply
 from app.runtime import first_line
 
 
@@ -23,8 +23,7 @@ class PSClient:
     """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout
     (a push under ssp or sync may also wait `push_wait` for the slowest worker)."""
 
-    def __init__(self, rank: int, timeout: float, address: str, name: str = "",
-                 push_wait: float = 0.0) -> None:
+    def __init__(self, rank: int, timeout: float, address: str, name: str = "", push_wait: float = 0.0) -> None:
         self.rank, self.timeout, self.address = rank, timeout, address
         self.name = name or worker_name(rank)
         self.push_timeout = timeout + push_wait
@@ -39,12 +38,12 @@ class PSClient:
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(endpoints.rpc_pull, self.rank)
 
-    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
-             samples: int = 0) -> Reply:
+    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply:
         return self.push_async(message, version, epoch, batch, samples).wait()
 
-    def push_async(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0,
-                   samples: int = 0) -> "PendingPush":
+    def push_async(
+        self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0, samples: int = 0
+    ) -> PendingPush:
         """Send a push now; `.wait()` on the result gives the Reply."""
         args = (self.rank, message, version, self.name, epoch, batch, samples)
         try:
@@ -64,8 +63,9 @@ class PSClient:
 
     def lost(self, function: Callable[..., Any], error: BaseException) -> PSUnreachable:
         """The error to raise when `function` failed: the PS is gone, or did not answer in time."""
-        return PSUnreachable(f"lost the parameter server at {self.address} "
-                             f"during {function.__name__}: {first_line(error)}")
+        return PSUnreachable(
+            f"lost the parameter server at {self.address} during {function.__name__}: {first_line(error)}"
+        )
 
 
 def refused(answer: Any) -> Any:

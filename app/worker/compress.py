@@ -36,6 +36,8 @@ class Compressor:
     @staticmethod
     def slice(wire: torch.Tensor, num_params: int, start: int, end: int) -> torch.Tensor:
         """Values start..end of the state vector in a compressed message (a PS shard's part)."""
+
         def at(i: int) -> int:
             return i if i <= num_params else num_params + 2 * (i - num_params)
-        return wire[at(start):at(end)]
+
+        return wire[at(start) : at(end)]

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+from app.common.wire import Refusal, Reply
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
-from app.common.wire import Refusal, Reply
-from app.ps.update import all_finite
 from app.ps.sharding.slices import READY_KEY
+from app.ps.update import all_finite
 from app.runtime import first_line
 from app.worker.client import PSClient, PSUnreachable, refused
 from app.worker.compress import Compressor
@@ -30,8 +30,8 @@ def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None
     while not store.check([READY_KEY]):
         if time.monotonic() > deadline:
             raise membership.StoreUnreachable(
-                f"the parameter server at {master_addr}:{master_port} did not get all its shards "
-                f"within {timeout:.0f} s")
+                f"the parameter server at {master_addr}:{master_port} did not get all its shards within {timeout:.0f} s"
+            )
         time.sleep(POLL_SECONDS)
 
 
@@ -64,22 +64,30 @@ class ShardedClient:
             versions.append(got["version"])
         return {**answer, "vector": torch.cat(slices), "version": tuple(versions)}
 
-    def push(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
-             samples: int = 0) -> Reply:
+    def push(
+        self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
+    ) -> Reply:
         return self.push_async(message, version, epoch, batch, samples).wait()
 
-    def push_async(self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0,
-                   samples: int = 0) -> "ShardedPush | Refusal":
+    def push_async(
+        self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
+    ) -> ShardedPush | Refusal:
         """Send every slice (the main PS's only, when chained); a non-finite message is
         refused here, before any shard applies a slice of it."""
-        if not all_finite(message[:self.num_params] if message.dtype != torch.float32 else message):
-            return _Refused(Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); "
-                                       "the push was not sent"))
-        sends = [(name, self._part(message, start, end), pulled)
-                 for (name, start, end), pulled in zip(self.parts, version)]
+        if not all_finite(message[: self.num_params] if message.dtype != torch.float32 else message):
+            return _Refused(
+                Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); the push was not sent")
+            )
+        sends = [
+            (name, self._part(message, start, end), pulled) for (name, start, end), pulled in zip(self.parts, version)
+        ]
         rest = sends[1:] if self.chained else []
-        return ShardedPush(self, [self.send(*s, epoch, batch, samples) for s in sends[:len(sends) - len(rest)]],
-                           rest, (epoch, batch, samples))
+        return ShardedPush(
+            self,
+            [self.send(*s, epoch, batch, samples) for s in sends[: len(sends) - len(rest)]],
+            rest,
+            (epoch, batch, samples),
+        )
 
     def _part(self, message: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Values start..end of the message, contiguous: only its own bytes go on the wire."""
@@ -87,8 +95,16 @@ class ShardedClient:
             return Compressor.slice(message, self.num_params, start, end).clone()
         return message[start:end].clone()
 
-    def send(self, name: str, part: torch.Tensor, pulled: int, epoch: int, batch: int, samples: int,
-             staleness: int | None = None) -> tuple[str, Any]:
+    def send(
+        self,
+        name: str,
+        part: torch.Tensor,
+        pulled: int,
+        epoch: int,
+        batch: int,
+        samples: int,
+        staleness: int | None = None,
+    ) -> tuple[str, Any]:
         args = (self.rank, part, pulled, self.name, epoch, batch, samples, staleness)
         try:
             return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
@@ -110,8 +126,10 @@ class ShardedClient:
     def lost(self, name: str, function: Callable[..., Any], error: BaseException) -> Exception:
         if name == PS:
             return self.main.lost(function, error)
-        return PSUnreachable(f"lost parameter server shard {name} (job at {self.main.address}) "
-                             f"during {function.__name__}: {first_line(error)}")
+        return PSUnreachable(
+            f"lost parameter server shard {name} (job at {self.main.address}) "
+            f"during {function.__name__}: {first_line(error)}"
+        )
 
 
 class _Refused:
@@ -129,17 +147,23 @@ class ShardedPush:
     (staleness and lead: the main PS's). `rest`: the slices still to send once the
     main PS answered, with its staleness (ShardedClient.chained)."""
 
-    def __init__(self, client: ShardedClient, futures: list[tuple[str, Any]],
-                 rest: list[tuple[str, torch.Tensor, int]] | None = None,
-                 progress: tuple[int, int, int] = (1, 0, 0)) -> None:
+    def __init__(
+        self,
+        client: ShardedClient,
+        futures: list[tuple[str, Any]],
+        rest: list[tuple[str, torch.Tensor, int]] | None = None,
+        progress: tuple[int, int, int] = (1, 0, 0),
+    ) -> None:
         self.client, self.futures, self.rest, self.progress = client, futures, rest or [], progress
 
     def wait(self) -> Reply | Refusal:
         replies = [self._wait(*self.futures[0])]
         if isinstance(replies[0], Refusal):
             return replies[0]
-        sent = [self.client.send(name, part, pulled, *self.progress, staleness=replies[0].staleness)
-                for name, part, pulled in self.rest]
+        sent = [
+            self.client.send(name, part, pulled, *self.progress, staleness=replies[0].staleness)
+            for name, part, pulled in self.rest
+        ]
         for name, future in self.futures[1:] + sent:
             replies.append(self._wait(name, future))
         for reply in replies:

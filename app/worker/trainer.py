@@ -26,8 +26,8 @@ from app import runtime
 from app.common import data, loop
 from app.common.flat import FlatModel
 from app.common.metrics import MetricsWriter
-from app.config import Config
 from app.common.wire import Refusal, Reply
+from app.config import Config
 from app.worker.client import PendingPush, PSClient
 from app.worker.compress import Compressor
 
@@ -38,9 +38,16 @@ MAX_REFUSED_IN_A_ROW = 20
 class Trainer:
     """The training loop of one worker; `train()` returns the number of pushes."""
 
-    def __init__(self, config: Config, model: nn.Module, loader: torch.utils.data.DataLoader,
-                 sampler: data.ShardSampler, device: torch.device, client: PSClient,
-                 metrics: MetricsWriter) -> None:
+    def __init__(
+        self,
+        config: Config,
+        model: nn.Module,
+        loader: torch.utils.data.DataLoader,
+        sampler: data.ShardSampler,
+        device: torch.device,
+        client: PSClient,
+        metrics: MetricsWriter,
+    ) -> None:
         self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
         self.device, self.client, self.metrics = device, client, metrics
         self.flat = FlatModel(model)
@@ -49,22 +56,24 @@ class Trainer:
         # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
         # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
         # The scaler needs an optimizer to unscale through: a local one, never stepped.
-        self.scaler = (torch.amp.GradScaler("cuda") if config.precision == "fp16" else None)
+        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
         self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
         self.skipped = 0  # fp16: batches not pushed (gradient overflow)
-        self.compress = (Compressor(config.compress, self.flat.num_params, device)
-                         if config.compress != "none" else None)
+        self.compress = Compressor(config.compress, self.flat.num_params, device) if config.compress != "none" else None
         wire_dtype = self.compress.dtype if self.compress else torch.float32
         # RPC carries CPU tensors only: a GPU worker stages its message here
         # (two buffers, used by pushes sent in turn: with --overlap one is on the wire
         # while the next fills).
         wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
-        self.staging = ([torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
-                        if device.type == "cuda" else None)
+        self.staging = (
+            [torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
+            if device.type == "cuda"
+            else None
+        )
         self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
         self.version = 0
-        self.pushes = 0   # pushes answered (this process and the rank's earlier ones)
-        self.sent = 0     # pushes sent by this process
+        self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
+        self.sent = 0  # pushes sent by this process
         self.refused = 0  # pushes the PS refused (non-finite values)
         self._refused_in_a_row = 0
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
@@ -74,9 +83,15 @@ class Trainer:
         self.model.train()
         self.flat.adopt(start["vector"])
         self.version, self.pushes = start["version"], start["pushes"]
-        for epoch, batch, x, y in loop.resume_batches(self.loader, self.sampler, self.config.data_dir,
-                                                      start["epoch"], start["batch"],
-                                                      self.config.num_epochs, self.config.batch_size):
+        for epoch, batch, x, y in loop.resume_batches(
+            self.loader,
+            self.sampler,
+            self.config.data_dir,
+            start["epoch"],
+            start["batch"],
+            self.config.num_epochs,
+            self.config.batch_size,
+        ):
             loss = self.compute_gradients(x, y)
             if loss is None:  # fp16: the gradient overflowed; the scale is halved
                 continue
@@ -151,8 +166,10 @@ class Trainer:
         self.refused += 1
         self._refused_in_a_row += 1
         if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
-            raise RuntimeError(f"{self._refused_in_a_row} pushes in a row were refused ({refusal.message}): "
-                               "training diverged; try a lower --lr")
+            raise RuntimeError(
+                f"{self._refused_in_a_row} pushes in a row were refused ({refusal.message}): "
+                "training diverged; try a lower --lr"
+            )
         if self.refused == 1:
             log.warning("%s; skipping that batch (refusals are counted in the metrics)", refusal.message)
         if self.metrics is not None:

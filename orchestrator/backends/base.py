@@ -55,16 +55,13 @@ class Backend:
         return {}
 
     # --- the lifecycle verbs (targets the orchestrator runs) ----------------
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool,
-           resume: bool) -> int:
+    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
         raise self._not_run("up")
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             volumes: bool) -> int:
+    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
         raise self._not_run("down")
 
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             follow: bool) -> int:
+    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
         raise self._not_run("logs")
 
     def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:

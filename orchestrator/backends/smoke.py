@@ -9,15 +9,23 @@ A state is a dict with at least `service`, `status`, `exit_code` and `restarts`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, TextIO
+from typing import Any, Optional, TextIO
 
 State = dict[str, Any]
 REPORT_EVERY = 15.0  # seconds between two progress lines while waiting
 
 
-def wait(read: Callable[[], list[State]], done: Callable[[list[State]], bool], timeout: float, out: TextIO, *,
-         every: float = 2.0, settle: bool = False) -> Optional[list[State]]:
+def wait(
+    read: Callable[[], list[State]],
+    done: Callable[[list[State]], bool],
+    timeout: float,
+    out: TextIO,
+    *,
+    every: float = 2.0,
+    settle: bool = False,
+) -> Optional[list[State]]:
     """Poll `read` until `done` holds (on two polls in a row with `settle`: a failed swarm
     task's retry appears a moment later); the states, or None at the timeout. A progress
     line (each service's status) every REPORT_EVERY seconds."""
@@ -31,8 +39,9 @@ def wait(read: Callable[[], list[State]], done: Callable[[list[State]], bool], t
         done_before = now_done
         if time.monotonic() - last_report >= REPORT_EVERY:
             last_report = time.monotonic()
-            summary = ", ".join(f"{s['service']} {s.get('task') or s['status']}"
-                                for s in sorted(states, key=lambda s: s["service"]))
+            summary = ", ".join(
+                f"{s['service']} {s.get('task') or s['status']}" for s in sorted(states, key=lambda s: s["service"])
+            )
             print(f"    {time.monotonic() - start:4.0f} s: {summary}", file=out, flush=True)
         time.sleep(every)
     return None
@@ -57,8 +66,9 @@ class Timings:
         return f"{self.verb}: {steps}; total {time.monotonic() - self.start:.0f} s"
 
 
-def judge(expected: list[str], states: list[State], accuracy: Optional[float],
-          threshold: float, who: str = "the PS") -> list[str]:
+def judge(
+    expected: list[str], states: list[State], accuracy: Optional[float], threshold: float, who: str = "the PS"
+) -> list[str]:
     """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
     problems = []
     by_service = {s["service"]: s for s in states}

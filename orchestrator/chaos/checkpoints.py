@@ -79,8 +79,12 @@ def kill_loop(run_dir: Path, rounds: int = 10, mb: int = 16, seed: int = 0) -> O
     rng = random.Random(seed)
     mid_write, problems = 0, []
     for _ in range(rounds):
-        p = spawn([sys.executable, "-c", _WRITER, CHECKPOINT_MODULE, str(directory), str(mb)], _env(),
-                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        p = spawn(
+            [sys.executable, "-c", _WRITER, CHECKPOINT_MODULE, str(directory), str(mb)],
+            _env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             p.stdout.readline()
             took = p.stdout.readline().decode().split()  # one whole write, timed
@@ -99,15 +103,21 @@ def kill_loop(run_dir: Path, rounds: int = 10, mb: int = 16, seed: int = 0) -> O
     out.recovered = not problems
     out.details.update(mid_write=mid_write, problems=problems)
     out.notes = f"{mid_write}/{rounds} kills hit a write in progress; " + (
-        "every newest checkpoint verified" if not problems else "; ".join(problems[:3]))
+        "every newest checkpoint verified" if not problems else "; ".join(problems[:3])
+    )
     return out
 
 
 def check_checkpoints(directory: Path) -> list[str]:
     """What is wrong with the checkpoint files in `directory` (empty: every one verifies),
     checked by the app's own code in a child process."""
-    r = subprocess.run([sys.executable, "-c", _CHECKER, CHECKPOINT_MODULE, str(directory)],
-                       env={**os.environ, **_env()}, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHECKER, CHECKPOINT_MODULE, str(directory)],
+        env={**os.environ, **_env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]

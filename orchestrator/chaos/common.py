@@ -9,8 +9,9 @@ again, the final held-out accuracy. Nothing here imports a scenario.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load_with
@@ -33,7 +34,7 @@ def chaos_topology(config: str = SMOKE_CONFIG, workers: int = 3) -> Topology:
 class Outcome:
     fault: str
     recovered: bool = False
-    detected_s: Optional[float] = None   # fault -> the PS (or the workers) noticed
+    detected_s: Optional[float] = None  # fault -> the PS (or the workers) noticed
     recovered_s: Optional[float] = None  # fault -> the job is whole and training again
     accuracy: Optional[float] = None
     notes: str = ""

@@ -13,31 +13,40 @@ import io
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from orchestrator import images
+from orchestrator import images, runs
 from orchestrator.backends.compose import adapter
 from orchestrator.chaos.common import (
-    CHECKPOINT_VERSION, RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until,
+    CHECKPOINT_VERSION,
+    RUN_TIMEOUT,
+    THRESHOLD,
+    Outcome,
+    Scenario,
+    Timeout,
+    chaos_topology,
+    wait_until,
 )
 from orchestrator.metrics.records import Record, events, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator import runs
-from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
 
 # Run inside a container (as its user): SIGKILL the `python -m app ROLE` process.
-KILL_APP = ("import os, signal\n"
-             "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-             "    try:\n"
-             "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-             "    except OSError:\n"
-             "        continue\n"
-             "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid():\n"
-             "        os.kill(int(pid), signal.SIGKILL)\n")
+KILL_APP = (
+    "import os, signal\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid():\n"
+    "        os.kill(int(pid), signal.SIGKILL)\n"
+)
 
 
 class ContainerJob:
@@ -51,8 +60,9 @@ class ContainerJob:
 
     def up(self, resume: bool = False) -> None:
         """`make up` (`resume`: `make up RESUME=1`): a new run, with its own id."""
-        adapter.run(adapter.up_argv(self.compose, self.project), capture=True,
-                    env=runs.environment(runs.new_id(), resume))
+        adapter.run(
+            adapter.up_argv(self.compose, self.project), capture=True, env=runs.environment(runs.new_id(), resume)
+        )
 
     def down(self, volumes: bool) -> float:
         start = time.monotonic()
@@ -72,8 +82,11 @@ class ContainerJob:
         for service, c in self.containers().items():
             c.reload()
             state = c.attrs["State"]
-            out[service] = {"status": state["Status"], "exit_code": state["ExitCode"],
-                            "restarts": c.attrs["RestartCount"]}
+            out[service] = {
+                "status": state["Status"],
+                "exit_code": state["ExitCode"],
+                "restarts": c.attrs["RestartCount"],
+            }
         return out
 
     def kill_app(self, service: str) -> float:
@@ -91,6 +104,7 @@ class ContainerJob:
         def done() -> Optional[dict[str, dict[str, Any]]]:
             s = self.states()
             return s if set(s) == expected and all(v["status"] == "exited" for v in s.values()) else None
+
         return wait_until("every container exited", done, timeout)
 
     def logs(self) -> str:
@@ -108,13 +122,20 @@ def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str,
 
 
 def _wait_checkpoint(job: ContainerJob) -> None:
-    wait_until(f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-               lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
-               RUN_TIMEOUT)
+    wait_until(
+        f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+        lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+        RUN_TIMEOUT,
+    )
 
 
-def _scenario(fault: str, project: str, body: Callable[[ContainerJob, Outcome], Outcome],
-              run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+def _scenario(
+    fault: str,
+    project: str,
+    body: Callable[[ContainerJob, Outcome], Outcome],
+    run_dir: Path,
+    t: Optional[Topology] = None,
+) -> Outcome:
     t = t or chaos_topology()
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source, out=io.StringIO())
@@ -135,9 +156,11 @@ def _scenario(fault: str, project: str, body: Callable[[ContainerJob, Outcome], 
 
 def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "worker2") -> Outcome:
     """SIGKILL a worker's app in its container: Docker restarts it, it rejoins, the run completes."""
+
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        wait_until(f"{victim} at epoch 5",
-                   lambda: any(r["epoch"] >= 5 for r in job.events(victim, "train")), RUN_TIMEOUT)
+        wait_until(
+            f"{victim} at epoch 5", lambda: any(r["epoch"] >= 5 for r in job.events(victim, "train")), RUN_TIMEOUT
+        )
         wall = job.kill_app(victim)
         drop = wait_until("the PS drops it", lambda: job.events(PS_SERVICE, "drop", wall), job.t.ps.rpc_timeout + 10)
         out.detected_s = drop[0]["time"] - wall
@@ -145,12 +168,14 @@ def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "work
         out.recovered_s = join[0]["time"] - wall
         out.notes = f"Docker restarted {victim}; {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
         return _judge(job, out, lambda states: states[victim]["restarts"] >= 1)
+
     return _scenario("kill the app in a worker container (Docker restarts it)", "psc-chaos-worker", body, run_dir, t)
 
 
 def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """SIGKILL the PS's app: every worker exits non-zero within rpc_timeout + 10 s; Docker
     restarts the PS (and the workers), it resumes from its newest checkpoint."""
+
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         _wait_checkpoint(job)
         workers = [s for s in service_names(job.t) if s != PS_SERVICE]
@@ -159,27 +184,38 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
 
         def all_exited() -> bool:
             for service, s in job.states().items():
-                if service in workers and service not in exits and (
-                        s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"] != 0)):
+                if (
+                    service in workers
+                    and service not in exits
+                    and (s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"] != 0))
+                ):
                     exits[service] = round(time.time() - wall, 2)
             return len(exits) == len(workers)
+
         wait_until("every worker exits non-zero", all_exited, job.t.ps.rpc_timeout + 10)
         out.detected_s = max(exits.values())
         out.details["worker_exits_s"] = exits
         resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
-        push = wait_until("a worker trains again",
-                          lambda: [r for w in workers for r in job.events(w, "train", resume[0]["time"])], RUN_TIMEOUT)
+        push = wait_until(
+            "a worker trains again",
+            lambda: [r for w in workers for r in job.events(w, "train", resume[0]["time"])],
+            RUN_TIMEOUT,
+        )
         out.recovered_s = min(r["time"] for r in push) - wall
         out.details["resumed_version"] = resume[0]["step"]
-        out.notes = (f"workers exited non-zero within {out.detected_s:.1f} s; Docker restarted the PS; "
-                     f"resumed from version {resume[0]['step']}")
+        out.notes = (
+            f"workers exited non-zero within {out.detected_s:.1f} s; Docker restarted the PS; "
+            f"resumed from version {resume[0]['step']}"
+        )
         return _judge(job, out, lambda states: resume[0]["step"] > 0 and states[PS_SERVICE]["restarts"] >= 1)
+
     return _scenario("kill the app in the PS container (Docker restarts it)", "psc-chaos-ps", body, run_dir, t)
 
 
 def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """`make down` mid-run (SIGTERM): it stops in seconds, the PS checkpoints on the way
     out; `make up RESUME=1` resumes from that checkpoint and finishes."""
+
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         _wait_checkpoint(job)
         wall = time.time()
@@ -189,9 +225,12 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
         out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
-        out.notes = (f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
-                     f"{on_exit[-1]['step'] if on_exit else '?'}; resumed from version {resume[0]['step']}")
+        out.notes = (
+            f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
+            f"{on_exit[-1]['step'] if on_exit else '?'}; resumed from version {resume[0]['step']}"
+        )
         return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
+
     return _scenario("make down mid-run, make up RESUME=1", "psc-chaos-stop", body, run_dir, t)
 
 
@@ -210,23 +249,30 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         _wait_checkpoint(job)
         wall = job.kill_app(shard)
-        lost = wait_until("the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall),
-                          job.t.ps.rpc_timeout + 10)
+        lost = wait_until(
+            "the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall), job.t.ps.rpc_timeout + 10
+        )
         out.detected_s = lost[0]["time"] - wall
         back = wait_until("the restarted shard registers", lambda: job.events(PS_SERVICE, "shard", wall), RUN_TIMEOUT)
         workers = [s for s in service_names(job.t) if s.startswith("worker")]
-        push = wait_until("a worker trains again",
-                          lambda: [r for w in workers for r in job.events(w, "train", back[0]["time"])], RUN_TIMEOUT)
+        push = wait_until(
+            "a worker trains again",
+            lambda: [r for w in workers for r in job.events(w, "train", back[0]["time"])],
+            RUN_TIMEOUT,
+        )
         out.recovered_s = min(r["time"] for r in push) - wall
         out.notes = f"the PS lost the shard after {out.detected_s:.1f} s; Docker restarted it; it resumed its slice"
         return _judge(job, out, lambda states: states[shard]["restarts"] >= 1)
-    return _scenario("kill the app in a PS shard container (Docker restarts it)", "psc-chaos-shard", body, run_dir,
-                     sharded(t))
+
+    return _scenario(
+        "kill the app in a PS shard container (Docker restarts it)", "psc-chaos-shard", body, run_dir, sharded(t)
+    )
 
 
 def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     """`make down` of a sharded PS mid-run: compose stops the shards before the PS, and every
     slice is written on the way out; `make up RESUME=1` continues from there."""
+
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         _wait_checkpoint(job)
         wall = time.time()
@@ -236,12 +282,16 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
         out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
-        out.notes = (f"down took {out.detected_s:.1f} s; on SIGTERM the PS wrote version "
-                     f"{on_exit[-1]['step'] if on_exit else '?'} and the shard its slice; resumed from version "
-                     f"{resume[0]['step']}")
+        out.notes = (
+            f"down took {out.detected_s:.1f} s; on SIGTERM the PS wrote version "
+            f"{on_exit[-1]['step'] if on_exit else '?'} and the shard its slice; resumed from version "
+            f"{resume[0]['step']}"
+        )
         return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
-    return _scenario("make down of a sharded PS mid-run, make up RESUME=1", "psc-chaos-sharded-stop", body,
-                     run_dir, sharded(t))
+
+    return _scenario(
+        "make down of a sharded PS mid-run, make up RESUME=1", "psc-chaos-sharded-stop", body, run_dir, sharded(t)
+    )
 
 
 SCENARIOS: dict[str, Scenario] = {

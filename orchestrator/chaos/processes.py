@@ -11,17 +11,25 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
+from orchestrator import runs
 from orchestrator.chaos.common import (
-    CHECKPOINT_VERSION, RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until,
+    CHECKPOINT_VERSION,
+    RUN_TIMEOUT,
+    THRESHOLD,
+    Outcome,
+    Scenario,
+    Timeout,
+    chaos_topology,
+    wait_until,
 )
 from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
-from orchestrator import runs
-from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
 
 
 class ProcessJob:
@@ -41,11 +49,14 @@ class ProcessJob:
         known = by_name(self.t)
         for name in names or list(known):
             service = known[name]
-            env = service_environment(self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname,
-                                      run_id=self.run_id)
+            env = service_environment(
+                self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname, run_id=self.run_id
+            )
             n = self.starts[name] = self.starts.get(name, 0) + 1
-            with open(self.run_dir / "logs" / f"{name}.{n}.out", "w") as out, \
-                    open(self.run_dir / "logs" / f"{name}.{n}.err", "w") as err:
+            with (
+                open(self.run_dir / "logs" / f"{name}.{n}.out", "w") as out,
+                open(self.run_dir / "logs" / f"{name}.{n}.err", "w") as err,
+            ):
                 self.procs[name] = spawn(app_argv(service.role), env, stdout=out, stderr=err)
 
     def signal(self, name: str, sig: int) -> float:
@@ -116,6 +127,7 @@ def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "work
             after = [r for r in job.events(victim, "train") if r["time"] > join[0]["time"]]
             out.details["pushes_after_rejoin"] = len(after)
             return bool(after)
+
         return _finish(job, out, pushed_again)
     except Timeout as error:
         out.notes = str(error)
@@ -164,9 +176,11 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     limit = job.t.ps.rpc_timeout + 10
     try:
         job.start()
-        wait_until(f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-                   lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
-                   RUN_TIMEOUT)
+        wait_until(
+            f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+            lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+            RUN_TIMEOUT,
+        )
         start, wall = job.signal(PS_SERVICE, signal.SIGKILL), time.time()
         workers = [n for n in job.procs if n != PS_SERVICE]
         exits = {}
@@ -181,12 +195,17 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         job.wait_exit(PS_SERVICE, 10)
         job.start()
         resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
-        push = wait_until("a worker trains again",
-                          lambda: [r for n in workers for r in job.events(n, "train", resume[0]["time"])], RUN_TIMEOUT)
+        push = wait_until(
+            "a worker trains again",
+            lambda: [r for n in workers for r in job.events(n, "train", resume[0]["time"])],
+            RUN_TIMEOUT,
+        )
         out.recovered_s = min(r["time"] for r in push) - wall
         out.details.update(resumed_version=resume[0]["step"], resumed_from=resume[0]["checkpoint"])
-        out.notes = (f"workers exited {sorted({c for c, _ in exits.values()})} within {out.detected_s:.1f} s; "
-                     f"resumed from version {resume[0]['step']}")
+        out.notes = (
+            f"workers exited {sorted({c for c, _ in exits.values()})} within {out.detected_s:.1f} s; "
+            f"resumed from version {resume[0]['step']}"
+        )
         return _finish(job, out, lambda: resume[0]["step"] > 0)
     except Timeout as error:
         out.notes = str(error)
@@ -207,14 +226,17 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     out = Outcome("kill -9 a PS shard (ps.shards: 2), start it again (processes)")
     try:
         job.start()
-        wait_until(f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-                   lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
-                   RUN_TIMEOUT)
+        wait_until(
+            f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+            lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+            RUN_TIMEOUT,
+        )
         job.signal(shard, signal.SIGKILL)
         wall = time.time()
         job.wait_exit(shard, 10)
-        lost = wait_until("the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall),
-                          job.t.ps.rpc_timeout + 10)
+        lost = wait_until(
+            "the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall), job.t.ps.rpc_timeout + 10
+        )
         out.detected_s = lost[0]["time"] - wall
         job.start(shard)
         workers = [n for n in job.procs if n not in (PS_SERVICE, shard)]
@@ -228,11 +250,14 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             back = job.events(PS_SERVICE, "shard", wall)
             trained = [r for n in workers for r in job.events(n, "train", back[0]["time"])] if back else []
             return trained
+
         trained = wait_until("the shard is back and workers train", whole_again, RUN_TIMEOUT)
         out.recovered_s = min(r["time"] for r in trained) - wall
         out.details.update(restarted=restarted, lost=lost[0])
-        out.notes = (f"PS lost the shard after {out.detected_s:.1f} s; "
-                     f"{len(restarted)} worker(s) exited and were started again; the shard resumed its slice")
+        out.notes = (
+            f"PS lost the shard after {out.detected_s:.1f} s; "
+            f"{len(restarted)} worker(s) exited and were started again; the shard resumed its slice"
+        )
         out.details["shard_resume"] = job.events(shard, "resume", wall)
         return _finish(job, out, lambda: bool(job.events(shard, "resume", wall)))
     except Timeout as error:

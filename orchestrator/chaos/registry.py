@@ -24,6 +24,7 @@ def scenarios(containers: bool) -> dict[str, Scenario]:
     if containers:
         from orchestrator.chaos import containers as in_containers
         from orchestrator.chaos import swarm
+
         found.update(in_containers.SCENARIOS)
         found.update(swarm.SCENARIOS)
     return found
@@ -36,8 +37,16 @@ def table(outcomes: list[Outcome]) -> list[str]:
     rows = [("FAULT", "RECOVERED", "DETECTED", "RECOVERED IN", "ACCURACY", "NOTES")]
     for o in outcomes:
         recovered = "skipped" if o.skipped else "yes" if o.recovered else "NO"
-        rows.append((o.fault, recovered, secs(o.detected_s), secs(o.recovered_s),
-                     "-" if o.accuracy is None else f"{o.accuracy:.4f}", o.notes))
+        rows.append(
+            (
+                o.fault,
+                recovered,
+                secs(o.detected_s),
+                secs(o.recovered_s),
+                "-" if o.accuracy is None else f"{o.accuracy:.4f}",
+                o.notes,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
 
@@ -58,8 +67,12 @@ def run(names: list[str], run_root: Path, containers: bool, out: TextIO = sys.st
             print(f"    skipped: {outcome.notes}", file=out, flush=True)
             outcomes.append(outcome)
             continue
-        print(f"    {'recovered' if outcome.recovered else 'NOT recovered'} in {time.monotonic() - start:.0f} s: "
-              f"{outcome.notes} (logs and metrics in {run_dir})", file=out, flush=True)
+        print(
+            f"    {'recovered' if outcome.recovered else 'NOT recovered'} in {time.monotonic() - start:.0f} s: "
+            f"{outcome.notes} (logs and metrics in {run_dir})",
+            file=out,
+            flush=True,
+        )
         outcomes.append(outcome)
     print(file=out)
     for line in table(outcomes):

@@ -34,8 +34,8 @@ from orchestrator.metrics.records import Record, events, final_accuracy, parse_l
 from orchestrator.paths import ROOT
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.topology.services import PS_SERVICE, service_names
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import PS_SERVICE, service_names
 
 MANAGER, LOST = "psc-n1", "psc-n2"  # hostnames of the harness's nodes
 SOCKETS = {MANAGER: "unix:///var/run/docker-n1.sock", LOST: "unix:///var/run/docker-n2.sock"}
@@ -53,12 +53,18 @@ def node_loss_topology(name: str = "psc-chaos-node-loss") -> Topology:
     and worker1 on the manager, worker2 and worker3 on any node (label ANY, on both)."""
     t = chaos_topology()
     place = {"ps": MANAGER, "workers": [MANAGER, ANY, ANY]}
-    return t.model_copy(update={"name": name, "image": t.image.model_copy(update={"tag": t.image_tag}),
-                                "swarm": t.swarm.model_copy(update=place)})
+    return t.model_copy(
+        update={
+            "name": name,
+            "image": t.image.model_copy(update={"tag": t.image_tag}),
+            "swarm": t.swarm.model_copy(update=place),
+        }
+    )
 
 
-def update_node(client: Any, hostname: str, *, availability: Optional[str] = None,
-                labels: Optional[dict[str, str]] = None) -> None:
+def update_node(
+    client: Any, hostname: str, *, availability: Optional[str] = None, labels: Optional[dict[str, str]] = None
+) -> None:
     """Set a node's availability (active, pause) and add labels."""
     node = next(n for n in client.nodes.list() if n.attrs["Description"]["Hostname"] == hostname)
     spec = dict(node.attrs["Spec"])
@@ -88,8 +94,9 @@ def missing_harness(image: str) -> Optional[str]:
 
 def node_docker(*args: str) -> subprocess.CompletedProcess:
     """The docker CLI against node 1 (the manager), whatever DOCKER_HOST says."""
-    return subprocess.run(list(args), env={**os.environ, "DOCKER_HOST": SOCKETS[MANAGER]},
-                          capture_output=True, text=True)
+    return subprocess.run(
+        list(args), env={**os.environ, "DOCKER_HOST": SOCKETS[MANAGER]}, capture_output=True, text=True
+    )
 
 
 def node_client(node: str) -> Any:
@@ -126,8 +133,11 @@ class Stack:
         try:
             self._deploy(t)
             if away_from:
-                wait_until("the tasks free to move placed", lambda: all(
-                    r["node"] != "?" for r in self.tasks() if r["service"] in self.free(t)), 60)
+                wait_until(
+                    "the tasks free to move placed",
+                    lambda: all(r["node"] != "?" for r in self.tasks() if r["service"] in self.free(t)),
+                    60,
+                )
         finally:
             if away_from:
                 update_node(self.client, away_from, availability="active")
@@ -159,10 +169,17 @@ class Stack:
         for service, svc in adapter.services(self.client, self.name).items():
             for task in svc.tasks():
                 status = task.get("Status") or {}
-                out.append({"service": service, "node": self.hostnames.get(task.get("NodeID"), "?"),
-                            "state": status.get("State"), "desired": task.get("DesiredState"),
-                            "exit": (status.get("ContainerStatus") or {}).get("ExitCode"),
-                            "created": task.get("CreatedAt", ""), "id": task["ID"]})
+                out.append(
+                    {
+                        "service": service,
+                        "node": self.hostnames.get(task.get("NodeID"), "?"),
+                        "state": status.get("State"),
+                        "desired": task.get("DesiredState"),
+                        "exit": (status.get("ContainerStatus") or {}).get("ExitCode"),
+                        "created": task.get("CreatedAt", ""),
+                        "id": task["ID"],
+                    }
+                )
         return sorted(out, key=lambda r: (r["service"], r["created"]))
 
     def running_on(self, node: str) -> list[str]:
@@ -187,7 +204,6 @@ class Stack:
         the node it runs on, readable while that node is reachable)."""
         lines = adapter.read_metrics(node_client(node), self.name, service).get(f"{service}.jsonl", [])
         return events(parse_lines(lines), event, since)
-
 
 
 def stamp(text: str) -> float:
@@ -222,26 +238,34 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         for node in SOCKETS:
             update_node(stack.client, node, labels=dict([ANY.split("=", 1)]))
         stack.deploy(t, away_from=MANAGER)
-        wait_until("every worker joined the PS",
-                   lambda: len(stack.records(PS_SERVICE, "join")) >= len(workers), RUN_TIMEOUT)
+        wait_until(
+            "every worker joined the PS", lambda: len(stack.records(PS_SERVICE, "join")) >= len(workers), RUN_TIMEOUT
+        )
         lost = wait_until(f"a worker running on {LOST}", lambda: stack.running_on(LOST), 30)
         lost = [s for s in lost if s in workers]
         if not lost:
             out.notes = f"no worker task on {LOST} (Swarm put them all on {MANAGER}): nothing to lose"
             return out
-        wait_until(f"{lost[0]} past epoch {CUT_AT_EPOCH}", lambda: any(
-            r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], "train", node=LOST)), RUN_TIMEOUT)
+        wait_until(
+            f"{lost[0]} past epoch {CUT_AT_EPOCH}",
+            lambda: any(r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], "train", node=LOST)),
+            RUN_TIMEOUT,
+        )
         out.details["placement"] = {r["service"]: r["node"] for r in stack.tasks()}
         cut = set_link(up=False)
         try:
+
             def moved() -> bool:
                 nodes = {r["service"]: r for r in stack.tasks()}  # newest task of each service
                 return all(nodes[s]["node"] == MANAGER and nodes[s]["state"] == "running" for s in lost)
+
             wait_until(f"{', '.join(lost)} running again on {MANAGER}", moved, RUN_TIMEOUT)
             out.details["reschedule_s"] = round(time.time() - cut, 1)
+
             def rejoined() -> list[Record]:
                 joins = stack.records(PS_SERVICE, "join", cut)
                 return joins if len(joins) >= len(lost) else []
+
             rejoin = wait_until("the moved workers rejoin the PS", rejoined, RUN_TIMEOUT)
             out.recovered_s = out.details["rejoin_s"] = round(max(r["time"] for r in rejoin) - cut, 1)
             out.details["rejoined"] = [r.get("worker") for r in rejoin]
@@ -251,8 +275,11 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         drops = stack.records(PS_SERVICE, "drop", cut)
         out.detected_s = round(drops[0]["time"] - cut, 1) if drops else None
         out.details["cut_s"] = round(back - cut, 1)
-        wait_until(f"{LOST} ready again", lambda: LOST in {
-            n["hostname"] for n in adapter.nodes(stack.client) if n["state"] == "ready"}, RUN_TIMEOUT)
+        wait_until(
+            f"{LOST} ready again",
+            lambda: LOST in {n["hostname"] for n in adapter.nodes(stack.client) if n["state"] == "ready"},
+            RUN_TIMEOUT,
+        )
         out.details["node_back_s"] = round(time.time() - back, 1)
         final = wait_until("every task ended, none active", lambda: settled(stack, expected), RUN_TIMEOUT)
         time.sleep(SETTLE)  # a failed task's retry would show up now
@@ -263,12 +290,15 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         newest = {r["service"]: r for r in (again or final)}
         ps_ok = newest[PS_SERVICE]["state"] == "complete"
         all_complete = all(r["state"] == "complete" for r in newest.values())
-        out.recovered = bool(again and len(again) == len(final) and ps_ok and all_complete
-                             and (out.accuracy or 0) >= THRESHOLD)
-        out.notes = (f"{', '.join(lost)} on {LOST}: running again on {MANAGER} after "
-                     f"{out.details['reschedule_s']:.1f} s, rejoined the PS after {out.recovered_s:.1f} s; "
-                     f"link down {out.details['cut_s']:.0f} s, {LOST} ready {out.details['node_back_s']:.1f} s "
-                     f"after it came back; {'every task complete, none restarting' if out.recovered else 'NOT settled'}")
+        out.recovered = bool(
+            again and len(again) == len(final) and ps_ok and all_complete and (out.accuracy or 0) >= THRESHOLD
+        )
+        out.notes = (
+            f"{', '.join(lost)} on {LOST}: running again on {MANAGER} after "
+            f"{out.details['reschedule_s']:.1f} s, rejoined the PS after {out.recovered_s:.1f} s; "
+            f"link down {out.details['cut_s']:.0f} s, {LOST} ready {out.details['node_back_s']:.1f} s "
+            f"after it came back; {'every task complete, none restarting' if out.recovered else 'NOT settled'}"
+        )
         return out
     except (Timeout, DeployFailed) as error:
         out.notes = str(error)
@@ -276,9 +306,10 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     finally:
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            (run_dir / "stack.log").write_text("".join(
-                f"----- {s}\n" + "".join(f"{ts:.3f} {line}\n" for ts, line in stack.log(s)) for s in expected),
-                encoding="utf-8")
+            (run_dir / "stack.log").write_text(
+                "".join(f"----- {s}\n" + "".join(f"{ts:.3f} {line}\n" for ts, line in stack.log(s)) for s in expected),
+                encoding="utf-8",
+            )
         except Exception as e:  # noqa: BLE001 - the logs are a help, the clean-up below is a must
             (run_dir / "stack.log").write_text(f"cannot read the logs: {e}\n", encoding="utf-8")
         finally:

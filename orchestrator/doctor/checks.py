@@ -8,23 +8,26 @@ reports (`docker info`) and are shared by the compose checks and `gpu-check`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from orchestrator import sample_data
 from orchestrator.doctor.facts import CDI_GPU_KIND, Facts
 from orchestrator.topology.model import Topology, size_bytes
 
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
-GIB = 1024 ** 3
+GIB = 1024**3
 # Free disk under the daemon's root dir that an image build needs (layers, build cache),
 # and the headroom a run needs when the image is already there (logs, checkpoints).
 DISK_FOR_BUILD = {"cpu": 4 * GIB, "cuda": 20 * GIB}
 DISK_FOR_RUN = 1 * GIB
-SHM_FOR_LOADER = 256 * 1024 ** 2  # DataLoader worker processes pass batches through /dev/shm
-NVIDIA_FIX = ("install the NVIDIA Container Toolkit, then `sudo nvidia-ctk runtime configure --runtime=docker "
-              "&& sudo systemctl restart docker`")
+SHM_FOR_LOADER = 256 * 1024**2  # DataLoader worker processes pass batches through /dev/shm
+NVIDIA_FIX = (
+    "install the NVIDIA Container Toolkit, then `sudo nvidia-ctk runtime configure --runtime=docker "
+    "&& sudo systemctl restart docker`"
+)
 DRIVER_FIX = "install the NVIDIA driver (`nvidia-smi -L` lists the GPUs)"
 
 
@@ -60,15 +63,24 @@ def run_checks(checks: list[CheckFn], t: Topology, f: Facts) -> list[Check]:
 
 # --- the shared checks ------------------------------------------------------
 
+
 def check_daemon(t: Topology, f: Facts) -> Check:
     if f.daemon_error is not None:
-        return Check("daemon", False, f"cannot reach the Docker daemon at {f.docker_host} ({f.daemon_error})",
-                     "start it (`sudo systemctl start docker`, or `make engine`), or fix DOCKER_HOST")
+        return Check(
+            "daemon",
+            False,
+            f"cannot reach the Docker daemon at {f.docker_host} ({f.daemon_error})",
+            "start it (`sudo systemctl start docker`, or `make engine`), or fix DOCKER_HOST",
+        )
     version = f.info.get("ServerVersion", "?")
     api = _api(f.api_version)
     if api is not None and api < MIN_API:
-        return Check("daemon", False, f"Docker {version} (API {f.api_version}) is too old; need API >= 1.40",
-                     "install Docker 20.10 or newer")
+        return Check(
+            "daemon",
+            False,
+            f"Docker {version} (API {f.api_version}) is too old; need API >= 1.40",
+            "install Docker 20.10 or newer",
+        )
     return Check("daemon", True, f"Docker {version} (API {f.api_version or '?'}) at {f.docker_host}")
 
 
@@ -76,16 +88,23 @@ def check_shm(t: Topology, f: Facts, where: str = "/dev/shm") -> Check:
     ps, worker = size_bytes(t.ps.shm_size), size_bytes(t.workers.shm_size)
     total = ps + t.workers.count * worker
     if t.train.loader_workers != "auto" and t.train.loader_workers and worker < SHM_FOR_LOADER:
-        return Check("shm", False, f"workers.shm_size {t.workers.shm_size} is too small for "
-                                   f"{t.train.loader_workers} DataLoader worker(s)",
-                     "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)")
+        return Check(
+            "shm",
+            False,
+            f"workers.shm_size {t.workers.shm_size} is too small for {t.train.loader_workers} DataLoader worker(s)",
+            "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)",
+        )
     mem = f.info.get("MemTotal")
     if not mem:
         return Check("shm", None, f"{where}: {gib(total)} in all; not checked against memory: no daemon")
     if total > mem:
-        return Check("shm", False, f"{where}: {gib(total)} in all (ps {t.ps.shm_size} + {t.workers.count} x "
-                                   f"{t.workers.shm_size}) is more than the host's {gib(mem)} of memory",
-                     "lower workers.shm_size / ps.shm_size, or run fewer workers per host")
+        return Check(
+            "shm",
+            False,
+            f"{where}: {gib(total)} in all (ps {t.ps.shm_size} + {t.workers.count} x "
+            f"{t.workers.shm_size}) is more than the host's {gib(mem)} of memory",
+            "lower workers.shm_size / ps.shm_size, or run fewer workers per host",
+        )
     return Check("shm", True, f"{where}: {gib(total)} in all, host memory {gib(mem)}")
 
 
@@ -96,9 +115,12 @@ def check_data(t: Topology, f: Facts, where: str = "") -> Check:
         return Check("data", True, f"not needed (dataset {t.train.dataset}: {what})")
     if f.data_problem is not None:
         sample = Path(t.train.data_dir).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
-        return Check("data", False, f"train.data_dir: {t.train.data_dir} {f.data_problem} "
-                                    f"(dataset {t.train.dataset} reads it)",
-                     "make sample-data writes it" if sample else "put the data there, or change train.data_dir")
+        return Check(
+            "data",
+            False,
+            f"train.data_dir: {t.train.data_dir} {f.data_problem} (dataset {t.train.dataset} reads it)",
+            "make sample-data writes it" if sample else "put the data there, or change train.data_dir",
+        )
     return Check("data", True, f"{f.data_dir} readable{'; ' + where if where else ''}")
 
 
@@ -111,8 +133,12 @@ def check_disk(t: Topology, f: Facts) -> Check:
     why = f"image {t.image_tag} present" if f.image_present else f"image {t.image_tag} to build"
     root = f.info.get("DockerRootDir", "Docker's root dir")
     if f.disk_free < need:
-        return Check("disk", False, f"{gib(f.disk_free)} free under {root}; {why}: need {gib(need)}",
-                     "free space (`docker image prune`, remove old images) or move Docker's data-root")
+        return Check(
+            "disk",
+            False,
+            f"{gib(f.disk_free)} free under {root}; {why}: need {gib(need)}",
+            "free space (`docker image prune`, remove old images) or move Docker's data-root",
+        )
     return Check("disk", True, f"{gib(f.disk_free)} free under {root} ({why}, need {gib(need)})")
 
 
@@ -121,13 +147,22 @@ def check_port(t: Topology, f: Facts) -> Check:
     if not t.network.publish_rpc_port:
         return Check("rpc port", True, f"{port} not published: reachable only on the cluster's private network")
     if f.port_in_use:
-        return Check("rpc port", False, f"{port} is published (network.publish_rpc_port) but already in use on this host",
-                     "stop what listens on it, or choose another ps.rpc_port")
-    return Check("rpc port", True, f"{port} published on every host address: PyTorch RPC has no authentication, "
-                                   "firewall it (network.publish_rpc_port: false keeps it private)")
+        return Check(
+            "rpc port",
+            False,
+            f"{port} is published (network.publish_rpc_port) but already in use on this host",
+            "stop what listens on it, or choose another ps.rpc_port",
+        )
+    return Check(
+        "rpc port",
+        True,
+        f"{port} published on every host address: PyTorch RPC has no authentication, "
+        "firewall it (network.publish_rpc_port: false keeps it private)",
+    )
 
 
 # --- GPUs as an engine reports them -------------------------------------------
+
 
 def gpu_paths(f: Facts) -> list[str]:
     """Every way this engine can honour compose's `driver: nvidia` device request (empty: none).
@@ -163,8 +198,10 @@ def cdi_gpus(info: dict[str, Any]) -> list[str]:
 
 
 def docker_desktop_wsl(info: dict[str, Any]) -> bool:
-    return info.get("OperatingSystem") == "Docker Desktop" and "microsoft-standard-wsl2" in str(
-        info.get("KernelVersion", "")).lower()
+    return (
+        info.get("OperatingSystem") == "Docker Desktop"
+        and "microsoft-standard-wsl2" in str(info.get("KernelVersion", "")).lower()
+    )
 
 
 def wanted_gpus(t: Topology) -> list[int]:

@@ -14,9 +14,10 @@ import re
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 from orchestrator.errors import daemon_reason
 from orchestrator.paths import ROOT
@@ -74,8 +75,9 @@ class Facts:
 TargetFacts = Callable[[Topology, Any, Facts, bool], dict[str, Any]]
 
 
-def gather(t: Topology, *, client: Any = None, engine: bool = True, probe: bool = False,
-           target: Optional[TargetFacts] = None) -> Facts:
+def gather(
+    t: Topology, *, client: Any = None, engine: bool = True, probe: bool = False, target: Optional[TargetFacts] = None
+) -> Facts:
     """Ask the host. `client`: a Docker client that already answered (else one is made);
     `engine`: False for a target that runs on no local Docker engine; `target`: the
     backend's own questions, asked last, with the facts so far."""
@@ -116,9 +118,12 @@ def _engine_facts(t: Topology, client: Any, host: str, facts: dict[str, Any]) ->
             client, facts["daemon_error"] = None, daemon_reason(e)
     if client is not None:
         info = client.info()
-        facts.update(info=info, api_version=client.version().get("ApiVersion", ""),
-                     image_present=images.image_exists(client, t.image_tag),
-                     disk_free=_disk_free(info.get("DockerRootDir"), host))
+        facts.update(
+            info=info,
+            api_version=client.version().get("ApiVersion", ""),
+            image_present=images.image_exists(client, t.image_tag),
+            disk_free=_disk_free(info.get("DockerRootDir"), host),
+        )
     return client
 
 

@@ -17,7 +17,9 @@ PROBE_MARK = "ps-compose-probe "
 
 # Run as the image's user (uid 1000) with the topology's GPUs and group_add: opens every
 # NVIDIA device node, then asks torch for each GPU's name and UUID. One marked JSON line.
-PROBE_SCRIPT = """
+PROBE_SCRIPT = (
+    f"MARK = {PROBE_MARK!r}\n"
+    + """
 import glob, json, os, stat
 out = {"uid": os.getuid(), "groups": os.getgroups(), "denied": [], "gpus": [], "error": ""}
 for node in sorted(glob.glob("/dev/nvidia*")):
@@ -36,8 +38,9 @@ try:
         out["gpus"].append({"name": p.name, "uuid": "GPU-" + str(p.uuid)})
 except Exception as e:
     out["error"] = (type(e).__name__ + ": " + " ".join(str(e).split()))[:200]
-print("%s" + json.dumps(out), flush=True)
-""" % PROBE_MARK
+print(MARK + json.dumps(out), flush=True)
+"""
+)
 
 
 def parse_probe(requested: list[int], output: str, exit_code: int) -> Probe:
@@ -46,15 +49,24 @@ def parse_probe(requested: list[int], output: str, exit_code: int) -> Probe:
     line = next((ln for ln in output.splitlines() if ln.startswith(PROBE_MARK)), None)
     if line is None:
         last = next((ln.strip() for ln in reversed(output.splitlines()) if ln.strip()), "no output")
-        return Probe(requested, error=f"the probe container exited {exit_code} without a report: {last[:160]}",
-                     fix="see `docker logs` of the probe, or run with --no-probe")
-    data = json.loads(line[len(PROBE_MARK):])
+        return Probe(
+            requested,
+            error=f"the probe container exited {exit_code} without a report: {last[:160]}",
+            fix="see `docker logs` of the probe, or run with --no-probe",
+        )
+    data = json.loads(line[len(PROBE_MARK) :])
     denied = [(str(n), str(why), int(gid)) for n, why, gid in data.get("denied") or []]
     gpus = [ProbeGPU(gid, g["name"], g["uuid"]) for gid, g in zip(requested, data.get("gpus") or [])]
     probe = Probe(requested, gpus, data.get("uid"), denied)
     if data.get("error") and not denied:
-        return Probe(requested, gpus, data.get("uid"), denied, error=f"in the probe container: {data['error']}",
-                     fix="check the driver (`nvidia-smi` on the host) and that image.base is a CUDA build of torch")
+        return Probe(
+            requested,
+            gpus,
+            data.get("uid"),
+            denied,
+            error=f"in the probe container: {data['error']}",
+            fix="check the driver (`nvidia-smi` on the host) and that image.base is a CUDA build of torch",
+        )
     return probe
 
 
@@ -77,11 +89,19 @@ def check_probe(t: Topology, f: Facts) -> Check:
         return Check("probe", False, p.error, p.fix)
     if p.denied:
         node, why, gid = p.denied[0]
-        return Check("probe", False, f"uid {p.uid} cannot open {node} in the container ({why}; its group is {gid})",
-                     f"add image.group_add: [{gid}] to the topology (the host group of {node})")
+        return Check(
+            "probe",
+            False,
+            f"uid {p.uid} cannot open {node} in the container ({why}; its group is {gid})",
+            f"add image.group_add: [{gid}] to the topology (the host group of {node})",
+        )
     if len(p.gpus) != len(p.requested):
-        return Check("probe", False, f"the probe asked for GPU ids {p.requested} and saw {len(p.gpus)} GPU(s)",
-                     "check workers.gpus / ps.gpu against `nvidia-smi -L`")
+        return Check(
+            "probe",
+            False,
+            f"the probe asked for GPU ids {p.requested} and saw {len(p.gpus)} GPU(s)",
+            "check workers.gpus / ps.gpu against `nvidia-smi -L`",
+        )
     seen = ", ".join(f"{g.id}: {g.name} ({g.uuid})" for g in p.gpus)
     return Check("probe", True, f"uid {p.uid} in {t.image_tag} sees GPU {seen}")
 
@@ -92,14 +112,20 @@ def run_probe(client: Any, t: Topology) -> Probe:
     import docker
 
     requested = wanted_gpus(t)
-    request = docker.types.DeviceRequest(driver="nvidia", device_ids=[str(g) for g in requested],
-                                         capabilities=[["gpu"]])
+    request = docker.types.DeviceRequest(
+        driver="nvidia", device_ids=[str(g) for g in requested], capabilities=[["gpu"]]
+    )
     container = None
     try:
         container = client.containers.create(
-            t.image_tag, entrypoint=["python", "-c", PROBE_SCRIPT], user=APP_USER,
-            environment={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, device_requests=[request],
-            group_add=[str(g) for g in t.image.group_add], labels={"ps-compose.probe": t.name})
+            t.image_tag,
+            entrypoint=["python", "-c", PROBE_SCRIPT],
+            user=APP_USER,
+            environment={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+            device_requests=[request],
+            group_add=[str(g) for g in t.image.group_add],
+            labels={"ps-compose.probe": t.name},
+        )
         container.start()
         code = container.wait(timeout=300).get("StatusCode", -1)
         output = container.logs(stdout=True, stderr=True).decode("utf-8", "replace")

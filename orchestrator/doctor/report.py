@@ -25,8 +25,11 @@ def report(checks: list[Check], out: TextIO) -> bool:
     skipped = sum(c.ok is None for c in checks)
     not_run = sum(c.not_run for c in checks)
     if problems or skipped:
-        print(f"doctor: {problems} problem(s), {skipped} not checked, {sum(c.passed for c in checks)} ok"
-              + (f", {not_run} not run" if not_run else ""), file=out)
+        print(
+            f"doctor: {problems} problem(s), {skipped} not checked, {sum(c.passed for c in checks)} ok"
+            + (f", {not_run} not run" if not_run else ""),
+            file=out,
+        )
     elif not_run:
         print(f"doctor: {summary(checks)}", file=out)
     else:

@@ -26,9 +26,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, TextIO
+from typing import Optional, TextIO
 
 from orchestrator import local
 from orchestrator.errors import UsageError
@@ -47,8 +48,12 @@ EVAL_EVERY = 20  # finer than cpu-smoke's 100: the time to 0.90 is read at eval 
 LOG_TAIL = 15
 
 
-OPTIONS = {"overlap": {"overlap": True}, "bf16": {"compress": "bf16"}, "fp16": {"compress": "fp16"},
-           "slr": {"staleness_lr": True}}
+OPTIONS = {
+    "overlap": {"overlap": True},
+    "bf16": {"compress": "bf16"},
+    "fp16": {"compress": "fp16"},
+    "slr": {"staleness_lr": True},
+}
 
 
 def parse_entry(entry: str) -> tuple[str, dict]:
@@ -67,8 +72,9 @@ def parse_entry(entry: str) -> tuple[str, dict]:
     return strategy, update
 
 
-def topology_for(base: Topology, entry: str, *, workers: int, epochs: int, eval_every: int,
-                 source: str = BASE_CONFIG) -> Topology:
+def topology_for(
+    base: Topology, entry: str, *, workers: int, epochs: int, eval_every: int, source: str = BASE_CONFIG
+) -> Topology:
     """`base` with this strategy (and + options), epoch count and eval interval, named after
     the entry (so local.run puts it in <runs>/<entry>/), with `workers` workers."""
     strategy, options = parse_entry(entry)
@@ -82,8 +88,8 @@ def topology_for(base: Topology, entry: str, *, workers: int, epochs: int, eval_
 class Outcome:
     strategy: str
     run_dir: Path
-    code: Optional[int]               # exit status of the run; None: not run
-    seconds: float                    # wall time of the whole run, process start-up included
+    code: Optional[int]  # exit status of the run; None: not run
+    seconds: float  # wall time of the whole run, process start-up included
     summary: Optional[Summary] = None
     run: Optional[Run] = None
 
@@ -94,12 +100,23 @@ def run_one(t: Topology, runs_dir: Path, *, source: str, verbose: bool, out: Tex
     run_dir = runs_dir / t.name
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics files are appended to: start clean
     run_dir.mkdir(parents=True)
-    info = {"strategy": t.train.strategy, "label": strategy, "workers": t.workers.count, "batch_size": t.train.batch_size,
-            "epochs": t.train.epochs, "config": source, "topology": t.model_dump(mode="json")}
+    info = {
+        "strategy": t.train.strategy,
+        "label": strategy,
+        "workers": t.workers.count,
+        "batch_size": t.train.batch_size,
+        "epochs": t.train.epochs,
+        "config": source,
+        "topology": t.model_dump(mode="json"),
+    }
     _write_json(run_dir / "run.json", info)
     log_path = run_dir / "output.log"
-    print(f"==> compare: {strategy}: {t.workers.count} workers, {t.train.epochs} epochs, "
-          f"batch {t.train.batch_size}, log {log_path}", file=out, flush=True)
+    print(
+        f"==> compare: {strategy}: {t.workers.count} workers, {t.train.epochs} epochs, "
+        f"batch {t.train.batch_size}, log {log_path}",
+        file=out,
+        flush=True,
+    )
     start = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         with contextlib.redirect_stdout(out if verbose else log):
@@ -128,8 +145,10 @@ def format_table(outcomes: Sequence[Outcome], threshold: float = THRESHOLD) -> l
     """strategy, time to `threshold`, final accuracy, samples/s (+ samples to it, wall time, status)."""
     th = f"{threshold:.2f}"
     w = max([10] + [len(o.strategy) for o in outcomes])
-    lines = [f"{'STRATEGY':<{w}} {'TIME TO ' + th:>12} {'FINAL ACC':>9} {'SAMPLES/S':>9} "
-             f"{'SAMPLES TO ' + th:>15} {'WALL':>6}  STATUS"]
+    lines = [
+        f"{'STRATEGY':<{w}} {'TIME TO ' + th:>12} {'FINAL ACC':>9} {'SAMPLES/S':>9} "
+        f"{'SAMPLES TO ' + th:>15} {'WALL':>6}  STATUS"
+    ]
     for o in outcomes:
         s = o.summary
         if o.code is None:
@@ -143,7 +162,8 @@ def format_table(outcomes: Sequence[Outcome], threshold: float = THRESHOLD) -> l
         lines.append(
             f"{o.strategy:<{w}} {fmt(s and s.time_to, '.1f', ' s'):>12} "
             f"{fmt(s and s.final_accuracy, '.4f'):>9} {fmt(s and s.samples_per_s, '.0f'):>9} "
-            f"{fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}")
+            f"{fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}"
+        )
     return lines
 
 
@@ -154,13 +174,24 @@ def _tail(path: Path, n: int) -> list[str]:
         return []
 
 
-def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOCHS, eval_every: int = EVAL_EVERY,
-        config: str = BASE_CONFIG, runs_dir: str = RUNS_DIR, verbose: bool = False,
-        threshold: float = THRESHOLD, out: Optional[TextIO] = None) -> int:
+def run(
+    strategies: Sequence[str],
+    *,
+    workers: int = WORKERS,
+    epochs: int = EPOCHS,
+    eval_every: int = EVAL_EVERY,
+    config: str = BASE_CONFIG,
+    runs_dir: str = RUNS_DIR,
+    verbose: bool = False,
+    threshold: float = THRESHOLD,
+    out: Optional[TextIO] = None,
+) -> int:
     out = out or sys.stdout
     base = load(config)
-    topologies = [topology_for(base, s, workers=workers, epochs=epochs, eval_every=eval_every, source=config)
-                  for s in dict.fromkeys(strategies)]  # every one checked before the first starts
+    topologies = [
+        topology_for(base, s, workers=workers, epochs=epochs, eval_every=eval_every, source=config)
+        for s in dict.fromkeys(strategies)
+    ]  # every one checked before the first starts
     root = Path(runs_dir)
     started = time.monotonic()
     outcomes: list[Outcome] = []
@@ -168,8 +199,10 @@ def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOC
         o = attach_summary(run_one(t, root, source=config, verbose=verbose, out=out), threshold)
         outcomes.append(o)
         if o.code != 0:
-            print(f"    {o.strategy}: FAILED (exit {o.code}) after {o.seconds:.0f} s; end of {o.run_dir}/output.log:",
-                  file=out)
+            print(
+                f"    {o.strategy}: FAILED (exit {o.code}) after {o.seconds:.0f} s; end of {o.run_dir}/output.log:",
+                file=out,
+            )
             for line in _tail(o.run_dir / "output.log", LOG_TAIL):
                 print(f"    | {line}", file=out)
         else:
@@ -181,8 +214,11 @@ def run(strategies: Sequence[str], *, workers: int = WORKERS, epochs: int = EPOC
     if runs:
         written = write_report(runs, root / "report", threshold)
         print(f"==> report: {', '.join(p.name for p in written)} in {root / 'report'}", file=out)
-    print(f"compare: {len(outcomes)} strategies, {workers} workers, {epochs} epochs "
-          f"({config}), {time.monotonic() - started:.0f} s in all", file=out)
+    print(
+        f"compare: {len(outcomes)} strategies, {workers} workers, {epochs} epochs "
+        f"({config}), {time.monotonic() - started:.0f} s in all",
+        file=out,
+    )
     for line in format_table(outcomes, threshold):
         print(line, file=out)
     return 0 if all(o.code == 0 for o in outcomes) else 1
@@ -201,22 +237,50 @@ def _strategies(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
-    p.add_argument("--strategies", type=_strategies, default=list(STRATEGIES), metavar="LIST",
-                   help=f"comma-separated, run in this order (default: {','.join(STRATEGIES)}); "
-                        "each may take +options: +overlap, +bf16, +fp16, +slr, +s<N> (staleness)")
-    p.add_argument("--workers", type=positive_int, default=WORKERS, metavar="N",
-                   help=f"workers of every run (default {WORKERS})")
-    p.add_argument("--epochs", type=positive_int, default=EPOCHS, metavar="N",
-                   help=f"epochs of every run (default {EPOCHS})")
-    p.add_argument("--eval-every", type=positive_int, default=EVAL_EVERY, metavar="N",
-                   help=f"held-out evaluation every N updates (default {EVAL_EVERY})")
-    p.add_argument("-c", "--config", default=BASE_CONFIG, metavar="CONFIG",
-                   help=f"the topology the runs start from (default {BASE_CONFIG})")
-    p.add_argument("--runs", default=RUNS_DIR, metavar="DIR",
-                   help=f"where each strategy's run and the report go (default {RUNS_DIR})")
+    p.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(STRATEGIES),
+        metavar="LIST",
+        help=f"comma-separated, run in this order (default: {','.join(STRATEGIES)}); "
+        "each may take +options: +overlap, +bf16, +fp16, +slr, +s<N> (staleness)",
+    )
+    p.add_argument(
+        "--workers", type=positive_int, default=WORKERS, metavar="N", help=f"workers of every run (default {WORKERS})"
+    )
+    p.add_argument(
+        "--epochs", type=positive_int, default=EPOCHS, metavar="N", help=f"epochs of every run (default {EPOCHS})"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=EVAL_EVERY,
+        metavar="N",
+        help=f"held-out evaluation every N updates (default {EVAL_EVERY})",
+    )
+    p.add_argument(
+        "-c",
+        "--config",
+        default=BASE_CONFIG,
+        metavar="CONFIG",
+        help=f"the topology the runs start from (default {BASE_CONFIG})",
+    )
+    p.add_argument(
+        "--runs",
+        default=RUNS_DIR,
+        metavar="DIR",
+        help=f"where each strategy's run and the report go (default {RUNS_DIR})",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="stream every process's output, not only to output.log")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return run(args.strategies, workers=args.workers, epochs=args.epochs, eval_every=args.eval_every,
-               config=args.config, runs_dir=args.runs, verbose=args.verbose)
+    return run(
+        args.strategies,
+        workers=args.workers,
+        epochs=args.epochs,
+        eval_every=args.eval_every,
+        config=args.config,
+        runs_dir=args.runs,
+        verbose=args.verbose,
+    )

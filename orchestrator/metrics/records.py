@@ -10,8 +10,9 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 Record = dict[str, Any]
 

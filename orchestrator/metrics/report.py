@@ -13,22 +13,34 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, TextIO
+from typing import Any, Optional, TextIO
 
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import read_jsonl
 from orchestrator.metrics.run_metrics import (
-    THRESHOLD, Run, SamplesAt, eval_points, format_summary, load_run, rank_key, staleness_counts, start_time,
-    summarize, worker_rate,
+    THRESHOLD,
+    Run,
+    SamplesAt,
+    eval_points,
+    format_summary,
+    load_run,
+    rank_key,
+    staleness_counts,
+    start_time,
+    summarize,
+    worker_rate,
 )
 from orchestrator.paths import RUNS
+
 STALENESS_STRATEGIES = ("async", "ssp")
 SMOOTH = 5  # records in the trailing mean of the samples/s lines
 PLOTS = ("loss.png", "accuracy.png", "throughput.png", "staleness.png")
 
 
 # --- plots ----------------------------------------------------------------
+
 
 def _figure(title: str, panels: int = 2):
     from matplotlib.figure import Figure  # the Agg canvas, no pyplot, no display
@@ -49,13 +61,17 @@ def _labels(runs: Sequence[Run]) -> None:
     strategies = [r.strategy for r in runs]
     unique = None not in strategies and len(set(strategies)) == len(runs)
     for r in runs:
-        r.label = r.label or (r.strategy if unique and len(runs) > 1 else
-                              (r.name if r.strategy in (None, r.name) else f"{r.name} ({r.strategy})"))
+        r.label = r.label or (
+            r.strategy
+            if unique and len(runs) > 1
+            else (r.name if r.strategy in (None, r.name) else f"{r.name} ({r.strategy})")
+        )
 
 
 def plot_loss(runs: Sequence[Run], out: Path) -> Path:
-    fig, (ax_t, ax_s) = _figure("Loss" + (": training loss per worker, held-out loss" if len(runs) == 1
-                                          else ": held-out loss per run"))
+    fig, (ax_t, ax_s) = _figure(
+        "Loss" + (": training loss per worker, held-out loss" if len(runs) == 1 else ": held-out loss per run")
+    )
     for run in runs:
         t0, samples_at = start_time(run), SamplesAt(run)
         if len(runs) == 1:
@@ -71,8 +87,14 @@ def plot_loss(runs: Sequence[Run], out: Path) -> Path:
         if points:
             ax_t.plot([p.seconds for p in points], [p.loss for p in points], marker="o", ms=3, label=label, **style)
             with_samples = [p for p in points if p.samples is not None]
-            ax_s.plot([p.samples for p in with_samples], [p.loss for p in with_samples], marker="o", ms=3,
-                      label=label, **style)
+            ax_s.plot(
+                [p.samples for p in with_samples],
+                [p.loss for p in with_samples],
+                marker="o",
+                ms=3,
+                label=label,
+                **style,
+            )
     _axes(ax_t, "wall time (s)", "loss")
     _axes(ax_s, "training samples (all workers)", "loss")
     return _save(fig, out / "loss.png")
@@ -113,8 +135,9 @@ def plot_throughput(runs: Sequence[Run], out: Path) -> Path:
             train = [r for r in recs if r.get("event") == "train" and r.get("samples_per_s") is not None]
             if train:
                 label = name if len(runs) == 1 else f"{run.label} {name}"
-                ax.plot([r["time"] - t0 for r in train], _smooth([r["samples_per_s"] for r in train]),
-                        lw=1, label=label)
+                ax.plot(
+                    [r["time"] - t0 for r in train], _smooth([r["samples_per_s"] for r in train]), lw=1, label=label
+                )
             rate = worker_rate(recs)
             if rate is not None:
                 bars.append((run.label or run.name, name, rate))
@@ -133,8 +156,11 @@ def plot_throughput(runs: Sequence[Run], out: Path) -> Path:
 
 def plot_staleness(runs: Sequence[Run], out: Path) -> Optional[Path]:
     """Histograms of the staleness of pushes, for the async and ssp runs (None: no such run)."""
-    shown = [(run, *staleness_counts(run)) for run in runs
-             if run.strategy in STALENESS_STRATEGIES or (run.strategy is None and "ps" in run.files)]
+    shown = [
+        (run, *staleness_counts(run))
+        for run in runs
+        if run.strategy in STALENESS_STRATEGIES or (run.strategy is None and "ps" in run.files)
+    ]
     shown = [(run, c, src) for run, c, src in shown if c]
     if not shown:
         return None
@@ -143,8 +169,12 @@ def plot_staleness(runs: Sequence[Run], out: Path) -> Optional[Path]:
     for i, (run, counts, source) in enumerate(shown):
         total = sum(counts.values())
         xs = sorted(counts)
-        ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], [counts[x] / total for x in xs], width=width,
-               label=f"{run.label if len(runs) > 1 else run.name} ({source})")
+        ax.bar(
+            [x - 0.4 + width * (i + 0.5) for x in xs],
+            [counts[x] / total for x in xs],
+            width=width,
+            label=f"{run.label if len(runs) > 1 else run.name} ({source})",
+        )
     _axes(ax, "staleness", "fraction of pushes")
     return _save(fig, out / "staleness.png")
 
@@ -178,6 +208,7 @@ def write_report(runs: Sequence[Run], out: Path, threshold: float = THRESHOLD) -
 
 # --- the last run ---------------------------------------------------------
 
+
 def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
     """The metrics of the cluster `up` started last: a host copy of its state volume's
     metrics (runs/<name>/state-metrics/) or runs/<name>/metrics/ of a local run of the
@@ -188,8 +219,9 @@ def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
         rec = json.loads(current.read_text(encoding="utf-8"))
         project, run_dir = rec["project"], Path(rec["compose_file"]).parent
     except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"no RUN_DIR given and no {current} (written by `up`); "
-                         "give a run directory, e.g. runs/cpu-smoke") from None
+        raise UsageError(
+            f"no RUN_DIR given and no {current} (written by `up`); give a run directory, e.g. runs/cpu-smoke"
+        ) from None
     candidates = []
     copied = copy_volume_metrics(project, run_dir / "state-metrics", out)
     if copied is not None:
@@ -199,8 +231,10 @@ def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
     if not candidates and any((run_dir / "state-metrics").glob("*.jsonl")):
         candidates.append(run_dir / "state-metrics")  # an earlier copy; the engine is not reachable now
     if not candidates:
-        raise UsageError(f"project {project}: no metrics in its state volume or in {run_dir}/metrics; "
-                         "give a run directory, e.g. runs/cpu-smoke")
+        raise UsageError(
+            f"project {project}: no metrics in its state volume or in {run_dir}/metrics; "
+            "give a run directory, e.g. runs/cpu-smoke"
+        )
     chosen = max(candidates, key=_newest_record)
     others = [str(c) for c in candidates if c != chosen]
     print(f"report: the last run: {chosen}" + (f" (newer than {others[0]})" if others else ""), file=out)
@@ -243,18 +277,33 @@ def default_out(runs: Sequence[Run]) -> Path:
 
 # --- command line ---------------------------------------------------------
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
-                   help="run directories (with metrics/*.jsonl); several: one line per run on each plot "
-                        "(default: the last `up`, or its local run)")
-    p.add_argument("-o", "--output", metavar="OUT_DIR",
-                   help="where the PNGs go (default: RUN_DIR/report; several runs: their parent's report/)")
-    p.add_argument("--threshold", type=float, default=THRESHOLD, metavar="ACC",
-                   help=f"accuracy for the 'time to' column (default {THRESHOLD})")
+    p.add_argument(
+        "run_dirs",
+        nargs="*",
+        metavar="RUN_DIR",
+        help="run directories (with metrics/*.jsonl); several: one line per run on each plot "
+        "(default: the last `up`, or its local run)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT_DIR",
+        help="where the PNGs go (default: RUN_DIR/report; several runs: their parent's report/)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=THRESHOLD,
+        metavar="ACC",
+        help=f"accuracy for the 'time to' column (default {THRESHOLD})",
+    )
 
 
-def main(run_dirs: Iterable[str], output: Optional[str] = None, threshold: float = THRESHOLD,
-         out: Optional[TextIO] = None) -> int:
+def main(
+    run_dirs: Iterable[str], output: Optional[str] = None, threshold: float = THRESHOLD, out: Optional[TextIO] = None
+) -> int:
     out = out or sys.stdout
     dirs = [Path(d) for d in run_dirs] or [last_run(out=out)]
     runs = [load_run(d) for d in dirs]

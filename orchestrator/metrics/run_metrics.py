@@ -29,9 +29,10 @@ import json
 import math
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import Record, read_jsonl
@@ -40,6 +41,7 @@ THRESHOLD = 0.90
 GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
 
 # --- reading --------------------------------------------------------------
+
 
 def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[Record], int]:
     """The records of the file's last run, and how many earlier records were left out."""
@@ -82,15 +84,15 @@ def select_run(files: dict[str, list[Record]]) -> tuple[dict[str, list[Record]],
 class Run:
     """One run's records (its last run only) and what is known about it."""
 
-    path: Path                       # the run directory
+    path: Path  # the run directory
     metrics_dir: Path
-    files: dict[str, list[Record]]   # file stem -> records, in file order
+    files: dict[str, list[Record]]  # file stem -> records, in file order
     strategy: Optional[str] = None
     workers: int = 0
     batch_size: Optional[int] = None
     batch_estimated: bool = False
-    info_from: str = "metrics"       # where strategy, workers and batch size came from
-    start: Optional[Record] = None   # the run's `start` record (None: metrics older than it)
+    info_from: str = "metrics"  # where strategy, workers and batch size came from
+    start: Optional[Record] = None  # the run's `start` record (None: metrics older than it)
     dropped: int = 0
     label: str = ""
 
@@ -100,13 +102,13 @@ class Run:
 
     @property
     def worker_files(self) -> dict[str, list[Record]]:
-        return {k: v for k, v in sorted(self.files.items(), key=lambda kv: rank_key(kv[0]))
-                if k.startswith("worker")}
+        return {k: v for k, v in sorted(self.files.items(), key=lambda kv: rank_key(kv[0])) if k.startswith("worker")}
 
     def records(self, *events: str) -> list[Record]:
         """Records of these events from every file, by time."""
-        return sorted((r for recs in self.files.values() for r in recs if r.get("event") in events),
-                      key=lambda r: r["time"])
+        return sorted(
+            (r for recs in self.files.values() for r in recs if r.get("event") in events), key=lambda r: r["time"]
+        )
 
 
 def rank_key(stem: str) -> tuple[int, str]:
@@ -122,8 +124,9 @@ def metrics_dir_of(path: Path) -> tuple[Path, Path]:
         return (path.parent if path.name in ("metrics", "state-metrics") else path), path
     if (path / "state-metrics").is_dir():
         return path, path / "state-metrics"
-    raise UsageError(f"{path}: no metrics here (expected {path}/metrics/*.jsonl); "
-                     "give the directory of a run, e.g. runs/cpu-smoke")
+    raise UsageError(
+        f"{path}: no metrics here (expected {path}/metrics/*.jsonl); give the directory of a run, e.g. runs/cpu-smoke"
+    )
 
 
 def load_run(path: str | Path) -> Run:
@@ -197,12 +200,15 @@ def _run_json(run_dir: Path) -> dict[str, Any]:
         return {}
     train = (doc.get("topology") or {}).get("train") or {}
     workers = (doc.get("topology") or {}).get("workers") or {}
-    return {"strategy": doc.get("strategy", train.get("strategy")),
-            "batch_size": doc.get("batch_size", train.get("batch_size")),
-            "workers": doc.get("workers", workers.get("count"))}
+    return {
+        "strategy": doc.get("strategy", train.get("strategy")),
+        "batch_size": doc.get("batch_size", train.get("batch_size")),
+        "workers": doc.get("workers", workers.get("count")),
+    }
 
 
 # --- figures from the records --------------------------------------------
+
 
 def start_time(run: Run) -> float:
     """The run's first `join` (else its first record): 0 s on every time axis."""
@@ -216,8 +222,11 @@ def worker_steps(run: Run) -> dict[str, tuple[list[float], list[float]]]:
     """Per worker: (times, step counts) of its join, train and end records."""
     out = {}
     for name, recs in run.worker_files.items():
-        points = [(r["time"], float(r.get("step") or 0)) for r in recs
-                  if r.get("event") in ("join", "train", "end") and r.get("role", "worker") == "worker"]
+        points = [
+            (r["time"], float(r.get("step") or 0))
+            for r in recs
+            if r.get("event") in ("join", "train", "end") and r.get("role", "worker") == "worker"
+        ]
         if points:
             points.sort()
             out[name] = ([t for t, _ in points], [s for _, s in points])
@@ -248,13 +257,17 @@ class SamplesAt:
 def estimate_batch(run: Run) -> Optional[int]:
     """The batch size the train records imply: samples/s x interval / steps in the interval."""
     samples = steps = 0.0
-    for name, recs in run.worker_files.items():
+    for _name, recs in run.worker_files.items():
         prev: Optional[Record] = None
         for r in recs:
             if r.get("event") not in ("join", "train"):
                 continue
-            if (r.get("event") == "train" and prev is not None and r.get("samples_per_s")
-                    and (r.get("step") or 0) > (prev.get("step") or 0)):
+            if (
+                r.get("event") == "train"
+                and prev is not None
+                and r.get("samples_per_s")
+                and (r.get("step") or 0) > (prev.get("step") or 0)
+            ):
                 samples += r["samples_per_s"] * (r["time"] - prev["time"])
                 steps += r["step"] - prev["step"]
             prev = r
@@ -290,8 +303,12 @@ def staleness_counts(run: Run) -> tuple[Counter, str]:
         hist = r.get("staleness_hist")
         if isinstance(hist, dict) and hist:
             return Counter({int(k): int(v) for k, v in hist.items()}), "every push"
-    values = [int(r["staleness"]) for recs in run.worker_files.values() for r in recs
-              if r.get("event") == "train" and r.get("staleness") is not None]
+    values = [
+        int(r["staleness"])
+        for recs in run.worker_files.values()
+        for r in recs
+        if r.get("event") == "train" and r.get("staleness") is not None
+    ]
     return Counter(values), "sampled by workers"
 
 
@@ -327,12 +344,12 @@ class Summary:
     workers: int
     final_accuracy: Optional[float]
     final_loss: Optional[float]
-    time_to: Optional[float]        # seconds to the threshold accuracy
-    samples_to: Optional[float]     # samples to the threshold accuracy
+    time_to: Optional[float]  # seconds to the threshold accuracy
+    samples_to: Optional[float]  # samples to the threshold accuracy
     samples_per_s: Optional[float]  # all workers together: samples of the run / its training time
     staleness_mean: Optional[float]
     staleness_max: Optional[int]
-    seconds: Optional[float]        # the run's training time (its end record), else its span
+    seconds: Optional[float]  # the run's training time (its end record), else its span
     threshold: float = THRESHOLD
     notes: list[str] = field(default_factory=list)
 
@@ -365,10 +382,21 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
         notes.append("no end record: the run is unfinished or failed")
     if run.batch_estimated and run.batch_size and not any(r.get("samples") is not None for r in run.records("eval")):
         notes.append(f"batch size {run.batch_size} estimated from the train records")
-    return Summary(run.label or run.name, run.strategy, run.workers,
-                   final.accuracy if final else None, final.loss if final else None,
-                   reached.seconds if reached else None, reached.samples if reached else None,
-                   rate, s_mean, s_max, seconds, threshold, notes)
+    return Summary(
+        run.label or run.name,
+        run.strategy,
+        run.workers,
+        final.accuracy if final else None,
+        final.loss if final else None,
+        reached.seconds if reached else None,
+        reached.samples if reached else None,
+        rate,
+        s_mean,
+        s_max,
+        seconds,
+        threshold,
+        notes,
+    )
 
 
 def fmt(v: Any, spec: str, unit: str = "") -> str:
@@ -382,13 +410,17 @@ def format_summary(summaries: Sequence[Summary]) -> list[str]:
     samples/s, staleness mean/max."""
     th = summaries[0].threshold if summaries else THRESHOLD
     width = max([len("RUN")] + [len(s.label) for s in summaries])
-    lines = [f"{'RUN':<{width}}  {'STRATEGY':<9} {'WORKERS':>7} {'FINAL ACC':>9} {f'TIME TO {th:.2f}':>12} "
-             f"{f'SAMPLES TO {th:.2f}':>15} {'SAMPLES/S':>9} {'STALENESS MEAN/MAX':>18}"]
+    lines = [
+        f"{'RUN':<{width}}  {'STRATEGY':<9} {'WORKERS':>7} {'FINAL ACC':>9} {f'TIME TO {th:.2f}':>12} "
+        f"{f'SAMPLES TO {th:.2f}':>15} {'SAMPLES/S':>9} {'STALENESS MEAN/MAX':>18}"
+    ]
     for s in summaries:
         stale = "-" if s.staleness_mean is None else f"{s.staleness_mean:.2f}/{fmt(s.staleness_max, 'd')}"
-        lines.append(f"{s.label:<{width}}  {s.strategy or '?':<9} {s.workers:>7} {fmt(s.final_accuracy, '.4f'):>9} "
-                     f"{fmt(s.time_to, '.1f', ' s'):>12} {fmt(s.samples_to, '.0f'):>15} "
-                     f"{fmt(s.samples_per_s, '.0f'):>9} {stale:>18}")
+        lines.append(
+            f"{s.label:<{width}}  {s.strategy or '?':<9} {s.workers:>7} {fmt(s.final_accuracy, '.4f'):>9} "
+            f"{fmt(s.time_to, '.1f', ' s'):>12} {fmt(s.samples_to, '.0f'):>15} "
+            f"{fmt(s.samples_per_s, '.0f'):>9} {stale:>18}"
+        )
     for s in summaries:
         lines.extend(f"  {s.label}: {n}" for n in s.notes)
     return lines

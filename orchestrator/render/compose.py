@@ -17,13 +17,20 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from app.options import ALWAYS, OPTIONS, Option
+from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render.yamlio import yaml_text
-from orchestrator import runs
-from orchestrator.topology.services import (
-    LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PS_SERVICE, has_ps, rendezvous_service, shard_service, worker_service,
-)
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import (
+    LABEL_PROJECT,
+    LABEL_RANK,
+    LABEL_ROLE,
+    PS_SERVICE,
+    has_ps,
+    rendezvous_service,
+    shard_service,
+    worker_service,
+)
 
 NETWORK = "cluster"
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
@@ -80,9 +87,15 @@ def app_environment(
     tr = t.train
     # The options the render places itself (who this process is, where its files are);
     # every other option of app/options.py comes from the topology key it names.
-    placed: dict[str, Any] = {"rank": rank, "world_size": t.world_size, "master_addr": master_addr,
-                              "master_port": master_port, "device": device,
-                              "checkpoint_dir": checkpoint_dir, "metrics_dir": metrics_dir}
+    placed: dict[str, Any] = {
+        "rank": rank,
+        "world_size": t.world_size,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "device": device,
+        "checkpoint_dir": checkpoint_dir,
+        "metrics_dir": metrics_dir,
+    }
     if t.reads_files and data_dir is not None:
         placed["data_dir"] = data_dir
     if tr.loader_workers == "auto":  # what auto divides the host's CPUs by: the workers on one host
@@ -167,7 +180,11 @@ def _builds(t: Topology, svc: dict[str, Any]) -> dict[str, Any]:
     another service builds)."""
     return {
         "image": svc.pop("image"),
-        "build": {"context": ".", "dockerfile": DOCKERFILE, "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source}},
+        "build": {
+            "context": ".",
+            "dockerfile": DOCKERFILE,
+            "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source},
+        },
         **svc,
     }
 
@@ -192,21 +209,30 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
 
 def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optional[int]) -> dict[str, Any]:
     env = app_environment(
-        t, rank,
-        master_addr=rendezvous_service(t), master_port=t.ps.rpc_port,
-        data_dir=DATA_DIR, checkpoint_dir=CHECKPOINT_DIR, metrics_dir=METRICS_DIR,
-        ifname=t.network.ifname, init_weights=INIT_WEIGHTS, cache_dir=CACHE_DIR,
+        t,
+        rank,
+        master_addr=rendezvous_service(t),
+        master_port=t.ps.rpc_port,
+        data_dir=DATA_DIR,
+        checkpoint_dir=CHECKPOINT_DIR,
+        metrics_dir=METRICS_DIR,
+        ifname=t.network.ifname,
+        init_weights=INIT_WEIGHTS,
+        cache_dir=CACHE_DIR,
     )
     volumes: list[dict[str, Any]] = []
     if t.reads_files:
-        volumes.append({"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True})
+        volumes.append(
+            {"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True}
+        )
     if t.code is not None:
         # Mounted, not copied into the image: edit and run again without a rebuild.
         volumes.append({"type": "bind", "source": _bind_source(t.code), "target": CODE_DIR, "read_only": True})
         env["PYTHONPATH"] = f"{APP_DIR}:{CODE_DIR}"
     if t.train.init_weights is not None:
-        volumes.append({"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS,
-                        "read_only": True})
+        volumes.append(
+            {"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS, "read_only": True}
+        )
     volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
     # The run's id and --resume, from the environment of the compose / stack call (orchestrator.runs):
     # the file stays the same from run to run.
@@ -227,9 +253,15 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     if gpu is not None:
         if t.image.group_add:  # device nodes restricted to a group on the host
             svc["group_add"] = list(t.image.group_add)
-        svc["deploy"] = {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]},
-        ]}}}
+        svc["deploy"] = {
+            "resources": {
+                "reservations": {
+                    "devices": [
+                        {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]},
+                    ]
+                }
+            }
+        }
     elif t.cuda:
         # The CUDA base image says NVIDIA_VISIBLE_DEVICES=all: on a host whose default
         # runtime is nvidia, a service without a GPU would otherwise see every GPU.
@@ -251,8 +283,11 @@ def security_warnings(t: Topology) -> list[str]:
         out.append(
             f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_service(1)}'s port {t.ps.rpc_port} "
             "is published on every host address; "
-            + ("PyTorch RPC has no authentication (whoever reaches it can run code)" if has_ps(t)
-               else "the DDP rendezvous (a c10d TCPStore) has no authentication")
+            + (
+                "PyTorch RPC has no authentication (whoever reaches it can run code)"
+                if has_ps(t)
+                else "the DDP rendezvous (a c10d TCPStore) has no authentication"
+            )
             + ": firewall it"
         )
     return out

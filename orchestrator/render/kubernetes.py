@@ -43,11 +43,11 @@ from __future__ import annotations
 import posixpath
 from typing import Any, Optional
 
+from orchestrator import runs
 from orchestrator.render import compose
 from orchestrator.render.yamlio import yaml_text
-from orchestrator import runs
-from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
 from orchestrator.topology.model import Topology, size_bytes
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
 
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -99,8 +99,12 @@ def _claim(t: Topology) -> dict[str, Any]:
     }
     if t.kubernetes.storage_class is not None:
         spec["storageClassName"] = t.kubernetes.storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(t, f"{object_name(t)}-state"), "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(t, f"{object_name(t)}-state"),
+        "spec": spec,
+    }
 
 
 def _rendezvous_service(t: Topology) -> dict[str, Any]:
@@ -138,22 +142,33 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
     ps = role == "ps"
     # Rank 0 for the PS (its shard comes from JOB_COMPLETION_INDEX); a worker's rank too.
     env = compose.app_environment(
-        t, 0 if ps else 1,
-        master_addr=rendezvous_name(t), master_port=t.ps.rpc_port,
-        data_dir=compose.DATA_DIR, checkpoint_dir=compose.CHECKPOINT_DIR, metrics_dir=compose.METRICS_DIR,
-        ifname=t.network.ifname, init_weights=compose.INIT_WEIGHTS, cache_dir=compose.CACHE_DIR,
+        t,
+        0 if ps else 1,
+        master_addr=rendezvous_name(t),
+        master_port=t.ps.rpc_port,
+        data_dir=compose.DATA_DIR,
+        checkpoint_dir=compose.CHECKPOINT_DIR,
+        metrics_dir=compose.METRICS_DIR,
+        ifname=t.network.ifname,
+        init_weights=compose.INIT_WEIGHTS,
+        cache_dir=compose.CACHE_DIR,
     )
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
     gpu = t.ps_gpu() is not None if ps else t.cuda
     if t.cuda and not gpu:
         env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
-    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {
-        "medium": "Memory", "sizeLimit": quantity(t.ps.shm_size if ps else t.workers.shm_size)}}]
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "shm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": quantity(t.ps.shm_size if ps else t.workers.shm_size)},
+        }
+    ]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
     if t.reads_files:
         if t.kubernetes.data_claim is not None:
-            volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim,
-                                                                       "readOnly": True}})
+            volumes.append(
+                {"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim, "readOnly": True}}
+            )
         else:
             volumes.append(_host_path("data", t.train.data_dir, data_root))
         mounts.append({"name": "data", "mountPath": compose.DATA_DIR, "readOnly": True})
@@ -172,8 +187,9 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
 
     env_list = [{"name": k, "value": v} for k, v in env.items()]
     if ps or not has_ps(t):  # the processes that write checkpoints: the run is their Job
-        env_list.append({"name": runs.RUN_ID, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}})
+        env_list.append(
+            {"name": runs.RUN_ID, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}}
+        )
         env_list.append({"name": runs.RESUME, "value": "false"})
     container: dict[str, Any] = {
         "name": role,
@@ -190,7 +206,10 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
         "restartPolicy": "Never",  # the Job replaces a failed pod (backoffLimitPerIndex requires Never)
         "terminationGracePeriodSeconds": STOP_GRACE_S,
         "securityContext": {
-            "runAsUser": APP_UID, "runAsGroup": APP_UID, "fsGroup": APP_UID, "runAsNonRoot": True,
+            "runAsUser": APP_UID,
+            "runAsGroup": APP_UID,
+            "fsGroup": APP_UID,
+            "runAsNonRoot": True,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
@@ -198,10 +217,16 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
     }
     if ps and t.ps.shards > 1:
         # The shards write their slices into the PS's claim: on its node (ReadWriteOnce).
-        spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-            "labelSelector": {"matchLabels": {JOB_NAME_LABEL: f"{object_name(t)}-ps"}},
-            "topologyKey": HOSTNAME_KEY,
-        }]}}
+        spec["affinity"] = {
+            "podAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": {JOB_NAME_LABEL: f"{object_name(t)}-ps"}},
+                        "topologyKey": HOSTNAME_KEY,
+                    }
+                ]
+            }
+        }
     selector = t.kubernetes.ps_node_selector if ps else t.kubernetes.worker_node_selector
     if selector:
         spec["nodeSelector"] = dict(selector)
@@ -226,7 +251,7 @@ def _network_policy(t: Topology) -> dict[str, Any]:
 def quantity(size: int | str) -> str:
     """A topology size ('2g', '512m', bytes) as a Kubernetes quantity ('2Gi', '512Mi', bytes)."""
     n = size_bytes(size)
-    for unit, factor in (("Ti", 1024 ** 4), ("Gi", 1024 ** 3), ("Mi", 1024 ** 2), ("Ki", 1024)):
+    for unit, factor in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
         if n % factor == 0:
             return f"{n // factor}{unit}"
     return str(n)

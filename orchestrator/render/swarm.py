@@ -50,9 +50,9 @@ from typing import Any
 
 from orchestrator.render import compose
 from orchestrator.render.yamlio import yaml_text
+from orchestrator.topology.model import Topology, size_bytes
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, has_ps, rendezvous_service
 from orchestrator.topology.services import services as service_list
-from orchestrator.topology.model import Topology, size_bytes
 
 MANAGER = "node.role==manager"  # where the state's writer goes on a multi-node swarm (see above)
 STACK_VERSION = "3.8"  # the newest 3.x schema Docker 20.10's `docker stack` knows
@@ -62,8 +62,17 @@ ON_FAILURE = {"condition": "on-failure", "delay": "10s", "max_attempts": 3, "win
 NO_RESTART = {"condition": "none"}
 # Compose keys `docker stack deploy` ignores or rejects; replaced below.
 # group_add too: `docker stack deploy` rejects it (docker/cli#3777); docs/gpu.md says what to do instead.
-_NOT_IN_SWARM = ("build", "depends_on", "restart", "shm_size", "security_opt", "ports", "deploy", "healthcheck",
-                 "group_add")
+_NOT_IN_SWARM = (
+    "build",
+    "depends_on",
+    "restart",
+    "shm_size",
+    "security_opt",
+    "ports",
+    "deploy",
+    "healthcheck",
+    "group_add",
+)
 
 
 def stack_name(t: Topology) -> str:
@@ -103,8 +112,9 @@ def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
     }
 
 
-def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str,
-             rendezvous: bool, pinned: bool) -> dict[str, Any]:
+def _service(
+    t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str, rendezvous: bool, pinned: bool
+) -> dict[str, Any]:
     svc = {k: v for k, v in compose_svc.items() if k not in _NOT_IN_SWARM}
     shm = compose_svc["shm_size"]
     svc["volumes"] = [_absolute(v, data_root) for v in svc["volumes"]] + [
@@ -128,9 +138,13 @@ def _service(t: Topology, compose_svc: dict[str, Any], rank: int, data_root: str
         deploy["placement"] = {"constraints": [MANAGER]}
     gpu = t.ps_gpu() is not None if rank == 0 else t.cuda
     if gpu:
-        deploy["resources"] = {"reservations": {"generic_resources": [
-            {"discrete_resource_spec": {"kind": t.swarm.gpu_resource, "value": 1}},
-        ]}}
+        deploy["resources"] = {
+            "reservations": {
+                "generic_resources": [
+                    {"discrete_resource_spec": {"kind": t.swarm.gpu_resource, "value": 1}},
+                ]
+            }
+        }
     svc["deploy"] = deploy
     if rendezvous and t.network.publish_rpc_port:
         svc["ports"] = [{"target": t.ps.rpc_port, "published": t.ps.rpc_port, "protocol": "tcp", "mode": "host"}]

@@ -40,8 +40,9 @@ _Dumper.add_representer(str, _str)
 
 def yaml_text(doc: dict[str, Any]) -> str:
     """`doc` as block-style YAML, keys in document order (no header)."""
-    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True, width=1000, indent=2)
+    return yaml.dump(
+        doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1000, indent=2
+    )
 
 
 def write_atomic(path: str | Path, text: str) -> None:

@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model,
-                      field_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 
 from app.options import Option, in_topology
 from orchestrator.errors import UsageError
-from orchestrator.topology.contract import COMPRESSIONS, DATASETS, FILE_DATASETS, IMAGE_CACHES, PRECISIONS, STRATEGIES
+from orchestrator.topology.contract import DATASETS, FILE_DATASETS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
@@ -31,7 +39,7 @@ _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
 
 
@@ -112,15 +120,19 @@ class Image(_Section):
     """The one image the PS and every worker run (images/Dockerfile)."""
 
     base: str = Field(min_length=1, pattern=r"^\S+$")
-    """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g. pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
+    """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g.
+    pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
     device: Literal["cuda", "cpu"]
     """cuda: one GPU per worker, seen as cuda:0 inside; cpu: no GPUs."""
     tag: Optional[str] = None
     """Name of the built image; default ps-compose-<name>:latest."""
     pip_source: Literal["index", "wheelhouse"] = "index"
-    """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse (images/wheelhouse/, offline)."""
+    """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse
+    (images/wheelhouse/, offline)."""
     group_add: list[GroupId] = Field(default_factory=list)
-    """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the image, not on the host. `doctor`'s probe checks it."""
+    """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group
+    (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the
+    image, not on the host. `doctor`'s probe checks it."""
 
     @field_validator("tag")
     @classmethod
@@ -136,8 +148,9 @@ def _option_type(o: Option) -> Any:
     if o.choices:
         allowed = Literal[o.choices]
         if o.bool_aliases[0]:  # the field was a boolean (YAML reads a bare on/off as one)
-            return Annotated[allowed, BeforeValidator(
-                lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)]
+            return Annotated[
+                allowed, BeforeValidator(lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)
+            ]
         return allowed
     return {"int": int, "float": Float, "bool": bool, "str": str, "auto_int": LoaderWorkers}[kind]
 
@@ -156,8 +169,9 @@ def _option_field(o: Option) -> Any:
     return Field(default=default, description=o.help, **bounds)
 
 
-def _with_options(name: str, base: type[BaseModel], doc: str, after: Optional[dict[str, dict[str, Any]]] = None
-                  ) -> type[BaseModel]:
+def _with_options(
+    name: str, base: type[BaseModel], doc: str, after: Optional[dict[str, dict[str, Any]]] = None
+) -> type[BaseModel]:
     """`base` (validators, its own fields first) with one field per option of app/options.py
     that the section `name` sets; `after`: the section's other fields, placed after an option."""
     fields: dict[str, Any] = {}
@@ -187,20 +201,39 @@ class _Train(_Section):
 
 # The host paths a topology gives beside the app's options (the render mounts them).
 _TRAIN_PATHS = {
-    "data_dir": (Optional[str], Field(default=None, min_length=1, description=(
-        "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
-        "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class folders "
-        "(Imagenette's layout: the PS evaluates on val/)."))),
-    "init_weights": (Optional[str], Field(default=None, min_length=1, description=(
-        "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
-        "Mounted read-only."))),
+    "data_dir": (
+        Optional[str],
+        Field(
+            default=None,
+            min_length=1,
+            description=(
+                "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
+                "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class "
+                "folders "
+                "(Imagenette's layout: the PS evaluates on val/)."
+            ),
+        ),
+    ),
+    "init_weights": (
+        Optional[str],
+        Field(
+            default=None,
+            min_length=1,
+            description=(
+                "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
+                "Mounted read-only."
+            ),
+        ),
+    ),
 }
-Train = _with_options("train", _Train, "The training job: model, data, optimizer and strategy.",
-                      after={"dataset": _TRAIN_PATHS})
+Train = _with_options(
+    "train", _Train, "The training job: model, data, optimizer and strategy.", after={"dataset": _TRAIN_PATHS}
+)
 
 
 class _PS(_Section):
-    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port and checkpoints every checkpoint_every steps."""
+    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port
+    and checkpoints every checkpoint_every steps."""
 
     shm_size: Size = "1g"
     """/dev/shm of the PS container."""
@@ -228,9 +261,11 @@ class Network(_Section):
     """The cluster's private network (a bridge with compose, an overlay on Swarm)."""
 
     publish_rpc_port: bool = False
-    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is firewalled."""
+    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is
+    firewalled."""
     ifname: str = "eth0"
-    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it; NCCL_SOCKET_IFNAME on cuda)."""
+    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it;
+    NCCL_SOCKET_IFNAME on cuda)."""
 
     @field_validator("ifname")
     @classmethod
@@ -258,11 +293,15 @@ class Swarm(_Section):
     """Read only by `render --target swarm` (docker stack deploy); compose ignores it."""
 
     ps: Optional[Node] = None
-    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add). Default: any node of a one-node swarm; on several nodes the manager (node.role==manager), since the PS's checkpoints are in that node's volume, unless state.volume_driver is a shared one."""
+    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add).
+    Default: any node of a one-node swarm; on several nodes the manager (node.role==manager), since the PS's
+    checkpoints are in that node's volume, unless state.volume_driver is a shared one."""
     workers: Optional[list[Node]] = Field(default=None, min_length=1)
-    """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any node."""
+    """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any
+    node."""
     gpu_resource: str = "gpu"
-    """The generic resource kind GPU nodes advertise (dockerd node-generic-resources: ["gpu=GPU-<uuid>", ...]); each GPU worker reserves one."""
+    """The generic resource kind GPU nodes advertise (dockerd node-generic-resources: ["gpu=GPU-<uuid>", ...]); each
+    GPU worker reserves one."""
 
     @field_validator("gpu_resource")
     @classmethod
@@ -281,9 +320,12 @@ class State(_Section):
     """The named volume `state` (/state in every container: the PS's checkpoints, final.pt, the metrics)."""
 
     volume_driver: Optional[str] = None
-    """Volume driver of the state volume; default: Docker's local driver, a directory on each host, so on Swarm a PS that moves to another node starts from nothing (unless pinned: docs/multi-host.md). A shared volume lets it resume anywhere: local with driver_opts type nfs, or a volume plugin."""
+    """Volume driver of the state volume; default: Docker's local driver, a directory on each host, so on Swarm a PS
+    that moves to another node starts from nothing (unless pinned: docs/multi-host.md). A shared volume lets it
+    resume anywhere: local with driver_opts type nfs, or a volume plugin."""
     driver_opts: dict[str, str] = Field(default_factory=dict)
-    """Options for volume_driver (docker volume create -o), as strings, e.g. for NFS with the local driver: {type: nfs, o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}. Only with volume_driver."""
+    """Options for volume_driver (docker volume create -o), as strings, e.g. for NFS with the local driver: {type: nfs,
+    o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}. Only with volume_driver."""
 
     @field_validator("volume_driver")
     @classmethod
@@ -332,9 +374,11 @@ class Kubernetes(_Section):
     state_size: Size = "10g"
     """Storage the PS's PersistentVolumeClaim asks for (its checkpoints, final.pt and metrics at /state)."""
     storage_class: Optional[str] = None
-    """storageClassName of that claim; default: the cluster's default storage class. Strategy allreduce needs one with ReadWriteMany (every rank reads rank 0's checkpoints)."""
+    """storageClassName of that claim; default: the cluster's default storage class. Strategy allreduce needs one with
+    ReadWriteMany (every rank reads rank 0's checkpoints)."""
     data_claim: Optional[str] = None
-    """A PersistentVolumeClaim holding the data, mounted read-only at /data; default: train.data_dir as a hostPath, which must then exist at that path on every node."""
+    """A PersistentVolumeClaim holding the data, mounted read-only at /data; default: train.data_dir as a hostPath,
+    which must then exist at that path on every node."""
     ps_node_selector: NodeSelector = Field(default_factory=dict)
     """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
     worker_node_selector: NodeSelector = Field(default_factory=dict)
@@ -360,13 +404,16 @@ class Topology(_Section):
     state: State = Field(default_factory=State)
     kubernetes: Kubernetes = Field(default_factory=Kubernetes)
     code: Optional[str] = Field(default=None, min_length=1)
-    """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
+    """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like
+    train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
-            raise ValueError("must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters")
+            raise ValueError(
+                "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
+            )
         return v
 
     @property
@@ -384,7 +431,9 @@ class Topology(_Section):
     @property
     def reads_files(self) -> bool:
         """True when the dataset is read from train.data_dir (your own dataset: when one is given)."""
-        return self.train.dataset in FILE_DATASETS or (is_entry_point(self.train.dataset) and self.train.data_dir is not None)
+        return self.train.dataset in FILE_DATASETS or (
+            is_entry_point(self.train.dataset) and self.train.data_dir is not None
+        )
 
     def entry_points(self) -> list[tuple[str, str]]:
         """(YAML path, value) of train.model and train.dataset when they name the user's code."""
@@ -440,41 +489,70 @@ def check(t: Topology, source: str) -> None:
     """The checks that span fields (pydantic has checked each field)."""
     for path, value in t.entry_points():
         if t.code is None:
-            raise TopologyError(source, path, f"got {value!r}; an entry point needs the top-level `code` "
-                                "(the directory of your Python code)")
+            raise TopologyError(
+                source,
+                path,
+                f"got {value!r}; an entry point needs the top-level `code` (the directory of your Python code)",
+            )
     if t.reads_files and t.train.data_dir is None:
-        raise TopologyError(source, "train.data_dir", f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)")
+        raise TopologyError(
+            source,
+            "train.data_dir",
+            f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
+        )
     gpus = t.workers.gpus
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
     if t.cuda and gpus is not None and len(gpus) < t.workers.count:
         raise TopologyError(
-            source, "workers.gpus",
-            f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker (or leave it out for 0..{t.workers.count - 1})",
+            source,
+            "workers.gpus",
+            f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker "
+            f"(or leave it out for 0..{t.workers.count - 1})",
         )
     if t.image.group_add and not t.cuda:
-        raise TopologyError(source, "image.group_add", f"got {list(t.image.group_add)}; allowed only with "
-                            "image.device cuda (it is for the GPU device nodes)")
+        raise TopologyError(
+            source,
+            "image.group_add",
+            f"got {list(t.image.group_add)}; allowed only with image.device cuda (it is for the GPU device nodes)",
+        )
     if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
-        raise TopologyError(source, "train.overlap", f"got True; allowed only with strategy async or ssp "
-                            f"({t.train.strategy} waits for every worker's gradient each step)")
+        raise TopologyError(
+            source,
+            "train.overlap",
+            f"got True; allowed only with strategy async or ssp "
+            f"({t.train.strategy} waits for every worker's gradient each step)",
+        )
     if t.train.precision == "fp16" and not t.cuda:
-        raise TopologyError(source, "train.precision", "got 'fp16'; needs a GPU image (loss scaling runs on "
-                            "the GPU); on CPU use bf16")
+        raise TopologyError(
+            source, "train.precision", "got 'fp16'; needs a GPU image (loss scaling runs on the GPU); on CPU use bf16"
+        )
     if t.ps.shards > 1 and t.train.strategy == "allreduce":
-        raise TopologyError(source, "ps.shards", f"got {t.ps.shards}; allowed only with a parameter server "
-                            "(strategy async, sync or ssp); allreduce has none")
+        raise TopologyError(
+            source,
+            "ps.shards",
+            f"got {t.ps.shards}; allowed only with a parameter server "
+            "(strategy async, sync or ssp); allreduce has none",
+        )
     opts = t.state.driver_opts
     if opts and t.state.volume_driver is None:
-        raise TopologyError(source, "state.driver_opts", f"got {_show(dict(opts))}; allowed only with "
-                            "state.volume_driver (e.g. local, with type: nfs)")
+        raise TopologyError(
+            source,
+            "state.driver_opts",
+            f"got {_show(dict(opts))}; allowed only with state.volume_driver (e.g. local, with type: nfs)",
+        )
     if opts.get("type") in SHARED_TYPES and not (opts.get("device") and "addr=" in opts.get("o", "")):
-        raise TopologyError(source, "state.driver_opts", f"got {_show(dict(opts))}; type {opts['type']} needs "
-                            "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')")
+        raise TopologyError(
+            source,
+            "state.driver_opts",
+            f"got {_show(dict(opts))}; type {opts['type']} needs "
+            "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')",
+        )
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(
-            source, "swarm.workers",
+            source,
+            "swarm.workers",
             f"got {nodes} for {t.workers.count} workers; must list one node per worker, or a single node for all",
         )
 
@@ -532,8 +610,7 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -549,7 +626,9 @@ def _error(e: ValidationError, source: str) -> TopologyError:
     if kind == "missing":
         return TopologyError(source, path, "missing; this key is required")
     if kind in ("model_type", "dict_type"):
-        return TopologyError(source, path, f"got {_show(err['input'])}; must be a mapping with keys {_keys(_model_at(loc))}")
+        return TopologyError(
+            source, path, f"got {_show(err['input'])}; must be a mapping with keys {_keys(_model_at(loc))}"
+        )
     msg = err["msg"]
     msg = re.sub(r"^Value error, ", "", msg)
     msg = re.sub(r"^(Input|String|List) should (be|have|match)", lambda m: f"must {m.group(2)}", msg)
@@ -583,7 +662,9 @@ def _show(value: Any) -> str:
 
 
 def _yaml_type(value: Any) -> str:
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def _one_line(e: BaseException) -> str:

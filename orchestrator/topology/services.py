@@ -9,8 +9,9 @@ Names (the render uses them): `ps`, `ps-shard1..` (RPC name and metrics file `ps
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Optional
+from typing import Literal, Optional
 
 from orchestrator.topology.contract import NO_PS_STRATEGY, TRAINING_ROLES, rpc_name
 from orchestrator.topology.model import Topology
@@ -91,8 +92,16 @@ def services(t: Topology) -> list[Service]:
             out.append(Service(shard_service(index), "ps", 0, index, t.ps_gpu(), metrics_file("ps", 0, index)))
     gpus = t.worker_gpus()
     for rank in range(1, t.workers.count + 1):
-        out.append(Service(worker_service(rank), "worker", rank, 0, gpus[rank - 1] if gpus else None,
-                           metrics_file("worker", rank, 0)))
+        out.append(
+            Service(
+                worker_service(rank),
+                "worker",
+                rank,
+                0,
+                gpus[rank - 1] if gpus else None,
+                metrics_file("worker", rank, 0),
+            )
+        )
     return out
 
 

@@ -29,8 +29,14 @@ def app_env(**extra: str) -> dict[str, str]:
 
 
 def run_app(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True,
-                          env=app_env() if env is None else env, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        capture_output=True,
+        text=True,
+        env=app_env() if env is None else env,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 @dataclass
@@ -44,8 +50,13 @@ class Process:
 def start_app(tmp_path: Path, stem: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m app ARGV` in the background, its output in tmp_path/STEM.out and .err."""
     with open(tmp_path / f"{stem}.out", "w") as out, open(tmp_path / f"{stem}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "app", *argv], stdout=out, stderr=err,
-                                env=app_env() if env is None else env, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "app", *argv],
+            stdout=out,
+            stderr=err,
+            env=app_env() if env is None else env,
+            cwd=REPO,
+        )
 
 
 def wait_for(procs: dict, timeout: float, what: str = "cluster") -> None:
@@ -66,21 +77,41 @@ def wait_for(procs: dict, timeout: float, what: str = "cluster") -> None:
 def finished(tmp_path: Path, name: str, proc: subprocess.Popen, stem: str | None = None) -> Process:
     """An ended process with the output start_app saved under `stem` (default `name`)."""
     stem = stem or name
-    return Process(name, proc.returncode, (tmp_path / f"{stem}.out").read_text(),
-                   (tmp_path / f"{stem}.err").read_text())
+    return Process(
+        name, proc.returncode, (tmp_path / f"{stem}.out").read_text(), (tmp_path / f"{stem}.err").read_text()
+    )
 
 
-def run_cluster(tmp_path: Path, workers: int, args: list[str], timeout: float,
-                delays: dict[str, float] | None = None, shards: int = 1,
-                env: dict[str, str] | None = None) -> dict[str, Process]:
+def run_cluster(
+    tmp_path: Path,
+    workers: int,
+    args: list[str],
+    timeout: float,
+    delays: dict[str, float] | None = None,
+    shards: int = 1,
+    env: dict[str, str] | None = None,
+) -> dict[str, Process]:
     """Start `ps`, its shards `ps1..ps<shards-1>` and `worker1..N` on 127.0.0.1 (`delays`:
     seconds to wait before starting that process); wait for all, killing every one at `timeout`.
     `args` must hold `--shards` when `shards` > 1; `env`: every process's environment (default app_env())."""
-    common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1",
-              "--master_port", str(free_port()), "--metrics_dir", str(tmp_path / "metrics"),
-              "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
-    roles = {"ps": ["ps"]} | {f"ps{i}": ["ps", "--shard", str(i)] for i in range(1, shards)} \
+    common = [
+        "--world_size",
+        str(workers + 1),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "checkpoints"),
+        *args,
+    ]
+    roles = (
+        {"ps": ["ps"]}
+        | {f"ps{i}": ["ps", "--shard", str(i)] for i in range(1, shards)}
         | {f"worker{r}": ["worker", "--rank", str(r)] for r in range(1, workers + 1)}
+    )
     procs = {}
     for name, role in roles.items():
         time.sleep((delays or {}).get(name, 0.0))

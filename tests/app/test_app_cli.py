@@ -20,14 +20,19 @@ def _one_error_line(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["ps", "--batch_size", "x"], "--batch_size: 'x' is not a valid int"),
-    (["worker", "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
-    (["ps", "--model", "no_such_net", "--dataset", "digits"], "unknown model 'no_such_net'"),
-    (["ps", "--model", "cnn", "--dataset", "no_such_set"], "--dataset: 'no_such_set' is not one of"),
-    (["worker", "--model", "cnn", "--dataset", "imagefolder", "--data_dir", "/no/such/dir"],
-     "data dir not found: /no/such/dir"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["ps", "--batch_size", "x"], "--batch_size: 'x' is not a valid int"),
+        (["worker", "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+        (["ps", "--model", "no_such_net", "--dataset", "digits"], "unknown model 'no_such_net'"),
+        (["ps", "--model", "cnn", "--dataset", "no_such_set"], "--dataset: 'no_such_set' is not one of"),
+        (
+            ["worker", "--model", "cnn", "--dataset", "imagefolder", "--data_dir", "/no/such/dir"],
+            "data dir not found: /no/such/dir",
+        ),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(args, expected):
     result = run_app(*args, "--master_port", str(free_port()))
     assert result.returncode == 2
@@ -75,7 +80,9 @@ def test_torchvision_model_with_a_mismatched_torchvision_says_so(tmp_path):
 
 
 def test_torchvision_model_without_torchvision_names_what_exists(tmp_path):
-    env = _without_torchvision(tmp_path, 'raise ModuleNotFoundError("No module named \'torchvision\'", name="torchvision")\n')
+    env = _without_torchvision(
+        tmp_path, 'raise ModuleNotFoundError("No module named \'torchvision\'", name="torchvision")\n'
+    )
     result = run_app("ps", "--model", "resnet18", "--dataset", "digits", env=env)
     assert result.returncode == 2
     line = _one_error_line(result)
@@ -98,13 +105,16 @@ def test_a_freed_big_tensor_stays_mapped_for_the_next_message_under_glibc():
     import platform
     import subprocess
     import sys
+
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt tuning is glibc-only")
-    code = ("import sys, torch; from app import runtime;"
-            "sys.argv[1] == 'tuned' and runtime.keep_freed_memory();"
-            "t = torch.empty(12_000_000); t.fill_(1.0); p = t.data_ptr(); del t;"
-            "spans = [[int(x, 16) for x in line.split()[0].split('-')] for line in open('/proc/self/maps')];"
-            "print(int(any(lo <= p < hi for lo, hi in spans)))")
+    code = (
+        "import sys, torch; from app import runtime;"
+        "sys.argv[1] == 'tuned' and runtime.keep_freed_memory();"
+        "t = torch.empty(12_000_000); t.fill_(1.0); p = t.data_ptr(); del t;"
+        "spans = [[int(x, 16) for x in line.split()[0].split('-')] for line in open('/proc/self/maps')];"
+        "print(int(any(lo <= p < hi for lo, hi in spans)))"
+    )
     mapped = {}
     for mode in ("tuned", "default"):
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=60)

@@ -12,8 +12,24 @@ from app.common.metrics import read
 from app_testkit import app_env, run_cluster
 
 # Chosen so a run takes seconds on 2 cores: 10 epochs of ~700 samples per worker.
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
-          "--num_epochs", "10", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--num_epochs",
+    "10",
+    "--eval_every",
+    "100",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "1",
+]
 CAP_SECONDS = 180  # the wall-clock cap for the whole run
 
 
@@ -35,22 +51,50 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     assert re.search(r"^Evaluation: \d+\.\d\d seconds$", ps_out, re.M), ps_out
     assert re.search(r"^ps \| Update: \d+ \| Accuracy: 0\.\d{4}$", ps_out, re.M), ps_out
     for rank in (1, 2):
-        assert re.search(rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$",
-                         procs[f"worker{rank}"].stdout, re.M)
+        assert re.search(
+            rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$", procs[f"worker{rank}"].stdout, re.M
+        )
     for name in ("ps", "worker1", "worker2"):  # what the process trains, written as it starts
         [start] = [r for r in read(tmp_path / "metrics" / f"{name}.jsonl") if r["event"] == "start"]
-        assert {k: start[k] for k in ("name", "strategy", "batch_size", "world_size", "shards", "model",
-                                      "dataset", "precision", "run_id")} == {
-            "name": name, "strategy": "async", "batch_size": 32, "world_size": 3, "shards": 1,
-            "model": "cnn", "dataset": "digits", "precision": "fp32", "run_id": "run-1"}
+        assert {
+            k: start[k]
+            for k in (
+                "name",
+                "strategy",
+                "batch_size",
+                "world_size",
+                "shards",
+                "model",
+                "dataset",
+                "precision",
+                "run_id",
+            )
+        } == {
+            "name": name,
+            "strategy": "async",
+            "batch_size": 32,
+            "world_size": 3,
+            "shards": 1,
+            "model": "cnn",
+            "dataset": "digits",
+            "precision": "fp32",
+            "run_id": "run-1",
+        }
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert end["event"] == "end" and end["accuracy"] == _final_accuracy(ps_out)
     assert 0 < end["seconds"] and end["eval_seconds"] >= 0  # training time; evaluation apart
     final = torch.load(tmp_path / "checkpoints" / "final.pt")
     assert final["version"] == end["step"] > 0
-    assert set(final["model"]) == {"features.0.weight", "features.0.bias", "features.3.weight",
-                                   "features.3.bias", "classifier.1.weight", "classifier.1.bias",
-                                   "classifier.3.weight", "classifier.3.bias"}
+    assert set(final["model"]) == {
+        "features.0.weight",
+        "features.0.bias",
+        "features.3.weight",
+        "features.3.bias",
+        "classifier.1.weight",
+        "classifier.1.bias",
+        "classifier.3.weight",
+        "classifier.3.bias",
+    }
 
 
 @pytest.mark.slow
@@ -58,8 +102,7 @@ def test_no_update_lost_with_three_workers(tmp_path):
     args = DIGITS[:-6] + ["--num_epochs", "3", "--rpc_timeout", "30"]
     procs = run_cluster(tmp_path, workers=3, args=args, timeout=CAP_SECONDS)
 
-    assert {p.name: p.returncode for p in procs.values()} == {
-        "ps": 0, "worker1": 0, "worker2": 0, "worker3": 0}
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0, "worker3": 0}
     metrics = tmp_path / "metrics"
     pushes = {r: read(metrics / f"worker{r}.jsonl")[-1] for r in (1, 2, 3)}
     assert all(end["event"] == "end" and end["step"] > 0 for end in pushes.values())

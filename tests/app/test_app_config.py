@@ -17,8 +17,8 @@ def test_defaults_are_the_seeds():
 def test_env_overrides_default_and_flag_overrides_env():
     env = {"PSC_BATCH_SIZE": "64", "PSC_LR": "0.5", "PSC_MODEL": "cnn", "PSC_DATA_DIR": "/data"}
     config = parse(["worker", "--lr", "0.25"], env)
-    assert config.batch_size == 64          # env over default
-    assert config.lr == 0.25                # flag over env
+    assert config.batch_size == 64  # env over default
+    assert config.lr == 0.25  # flag over env
     assert config.model == "cnn" and config.data_dir == "/data"
 
 
@@ -30,21 +30,24 @@ def test_other_env_vars_are_ignored():
     assert parse(["ps"], {"LR": "9", "PSC_UNKNOWN": "1"}).lr == 0.01
 
 
-@pytest.mark.parametrize(("argv", "env", "message"), [
-    (["ps", "--lr", "abc"], {}, "--lr: 'abc' is not a valid float"),
-    (["ps"], {"PSC_BATCH_SIZE": "many"}, "PSC_BATCH_SIZE: 'many' is not a valid int"),
-    (["ps"], {"PSC_DEVICE": "gpu"}, "PSC_DEVICE: 'gpu' is not one of cpu, cuda"),
-    (["ps", "--dataset", "imagenet"], {}, "--dataset: 'imagenet' is not one of"),
-    (["ps", "--bogus", "1"], {}, "unrecognized arguments: --bogus 1"),
-    (["ps", "--batch"], {}, "unrecognized arguments: --batch"),
-    (["trainer"], {}, "invalid choice: 'trainer'"),
-    (["ps", "--world_size", "1"], {}, "--world_size: 1 must be >= 2"),
-    (["ps", "--lr", "0"], {}, "--lr: 0.0 must be > 0"),
-    (["ps", "--momentum", "1"], {}, "--momentum: 1.0 must be < 1"),
-    (["ps", "--master_port", "70000"], {}, "--master_port: 70000 must be <= 65535"),
-    (["worker", "--rank", "3", "--world_size", "3"], {}, "--rank: 3 must be in 1..2"),
-    (["worker", "--rank", "0"], {}, "--rank: 0 must be in 1..2"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["ps", "--lr", "abc"], {}, "--lr: 'abc' is not a valid float"),
+        (["ps"], {"PSC_BATCH_SIZE": "many"}, "PSC_BATCH_SIZE: 'many' is not a valid int"),
+        (["ps"], {"PSC_DEVICE": "gpu"}, "PSC_DEVICE: 'gpu' is not one of cpu, cuda"),
+        (["ps", "--dataset", "imagenet"], {}, "--dataset: 'imagenet' is not one of"),
+        (["ps", "--bogus", "1"], {}, "unrecognized arguments: --bogus 1"),
+        (["ps", "--batch"], {}, "unrecognized arguments: --batch"),
+        (["trainer"], {}, "invalid choice: 'trainer'"),
+        (["ps", "--world_size", "1"], {}, "--world_size: 1 must be >= 2"),
+        (["ps", "--lr", "0"], {}, "--lr: 0.0 must be > 0"),
+        (["ps", "--momentum", "1"], {}, "--momentum: 1.0 must be < 1"),
+        (["ps", "--master_port", "70000"], {}, "--master_port: 70000 must be <= 65535"),
+        (["worker", "--rank", "3", "--world_size", "3"], {}, "--rank: 3 must be in 1..2"),
+        (["worker", "--rank", "0"], {}, "--rank: 0 must be in 1..2"),
+    ],
+)
 def test_bad_input_raises_usage_error_naming_it(argv, env, message):
     with pytest.raises(UsageError, match=message.replace(".", r"\.").replace("(", r"\(")):
         parse(argv, env)

@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from app.connectivity import rank_names
 from app.config import UsageError, parse
+from app.connectivity import rank_names
+
 from app_testkit import app_env, finished, free_port, start_app, wait_for
 
-ROUND_TRIP = re.compile(r"^check: (\S+)\s+rank (\d+)\s+host (\S+) (\S+): 4 B ([0-9.]+) ms, 8 MiB ([0-9.]+) ms, "
-                        r"([0-9.]+) GB/s$", re.MULTILINE)
+ROUND_TRIP = re.compile(
+    r"^check: (\S+)\s+rank (\d+)\s+host (\S+) (\S+): 4 B ([0-9.]+) ms, 8 MiB ([0-9.]+) ms, "
+    r"([0-9.]+) GB/s$",
+    re.MULTILINE,
+)
 
 
 def test_rank_names_follow_the_cluster():
@@ -30,14 +34,29 @@ def test_check_takes_every_rank_from_0():
         parse(["check", "--rank", "3", "--world_size", "3"], {})
 
 
-def start_ranks(tmp_path: Path, ranks: list[int], world_size: int, timeout: float,
-                port: int | None = None) -> dict[int, subprocess.Popen]:
+def start_ranks(
+    tmp_path: Path, ranks: list[int], world_size: int, timeout: float, port: int | None = None
+) -> dict[int, subprocess.Popen]:
     port = port or free_port()
     procs = {}
     for rank in ranks:
-        procs[rank] = _popen(tmp_path, rank, ["--rank", str(rank), "--world_size", str(world_size),
-                                              "--master_addr", "127.0.0.1", "--master_port", str(port),
-                                              "--rpc_timeout", str(timeout)], app_env())
+        procs[rank] = _popen(
+            tmp_path,
+            rank,
+            [
+                "--rank",
+                str(rank),
+                "--world_size",
+                str(world_size),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "--rpc_timeout",
+                str(timeout),
+            ],
+            app_env(),
+        )
     return procs
 
 
@@ -72,7 +91,9 @@ def test_a_missing_rank_fails_within_the_timeout_naming_it(tmp_path: Path):
     out = wait_all(tmp_path, start_ranks(tmp_path, [0, 1], 3, timeout=3), within=40)
     code, stdout, stderr = out[0]
     assert code == 1, out
-    assert re.search(r"^check failed: worker2 \(rank 2\) did not reach 127\.0\.0\.1:\d+ within 3 s", stderr, re.M), stderr
+    assert re.search(r"^check failed: worker2 \(rank 2\) did not reach 127\.0\.0\.1:\d+ within 3 s", stderr, re.M), (
+        stderr
+    )
     # The rank that did come is told why, and stops too.
     assert out[1][0] == 1 and "called the check off: worker2 (rank 2) did not reach" in out[1][2]
 
@@ -89,8 +110,13 @@ def test_a_rank_without_rank_0_fails_naming_the_address(tmp_path: Path):
 @pytest.mark.slow
 def test_allreduce_names_rank_0_worker1(tmp_path: Path):
     # Everything but the rank from the environment, as the render passes it.
-    env = app_env(PSC_WORLD_SIZE="2", PSC_MASTER_ADDR="127.0.0.1", PSC_MASTER_PORT=str(free_port()),
-                  PSC_RPC_TIMEOUT="20", PSC_STRATEGY="allreduce")
+    env = app_env(
+        PSC_WORLD_SIZE="2",
+        PSC_MASTER_ADDR="127.0.0.1",
+        PSC_MASTER_PORT=str(free_port()),
+        PSC_RPC_TIMEOUT="20",
+        PSC_STRATEGY="allreduce",
+    )
     procs = {rank: _popen(tmp_path, rank, ["--rank", str(rank)], env) for rank in (0, 1)}
     out = wait_all(tmp_path, procs, within=60)
     assert out[0][0] == 0 and out[1][0] == 0, out

@@ -23,7 +23,7 @@ def test_shards_are_disjoint_and_cover_the_data(size, shards):
             parts.append(list(sampler))
             assert len(parts[-1]) == len(sampler)
         flat = [i for part in parts for i in part]
-        assert sorted(flat) == list(range(size))          # covered exactly once
+        assert sorted(flat) == list(range(size))  # covered exactly once
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
@@ -35,7 +35,7 @@ def test_set_epoch_reshuffles_the_same_shard_size():
     second = list(sampler)
     assert first != second and len(first) == len(second) == 50
     sampler.set_epoch(1)
-    assert list(sampler) == first                        # same epoch, same order
+    assert list(sampler) == first  # same epoch, same order
 
 
 def test_digits_train_and_held_out_split_the_dataset():
@@ -53,11 +53,12 @@ def test_in_memory_loader_batches_the_shard():
     sampler = data.ShardSampler(len(train.data), 2, 0)
     loader = data.train_loader(train.data, sampler, 100, loader_workers=0, pin_memory=False)
     sizes = [len(y) for _, y in loader]
-    assert sizes == [100] * (len(sampler) // 100)        # the short last batch is dropped
+    assert sizes == [100] * (len(sampler) // 100)  # the short last batch is dropped
 
 
 def _write_png(path, color, size=(12, 10)):
     from PIL import Image
+
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, color).save(path)
 
@@ -80,7 +81,7 @@ def test_imagefolder_reads_class_folders_like_torchvision(tmp_path):
     x, label = test.data[0]
     assert x.shape == (3, 224, 224)
     red = x[0].mean() > x[2].mean()
-    assert red == (label == 1)                           # n02_cat is class 1, red
+    assert red == (label == 1)  # n02_cat is class 1, red
 
 
 def test_imagefolder_without_images_names_the_path(tmp_path):

@@ -49,16 +49,20 @@ def decodes(monkeypatch) -> list[str]:
 
 # --- loader processes: auto --------------------------------------------------------------
 
-@pytest.mark.parametrize(("affinity", "quota", "workers", "expected"), [
-    (2, None, 2, 0),      # the 2-core CI host with 2 workers: load in the training process, as before
-    (2, None, 1, 1),
-    (16, None, 2, 7),
-    (16, 4.0, 1, 3),      # docker run --cpus 4 on a 16-core host
-    (16, 2.5, 1, 1),      # a fractional quota counts whole CPUs
-    (64, None, 1, 8),     # capped
-    (1, None, 3, 0),      # never below 0
-    (8, 0.5, 1, 0),
-])
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "workers", "expected"),
+    [
+        (2, None, 2, 0),  # the 2-core CI host with 2 workers: load in the training process, as before
+        (2, None, 1, 1),
+        (16, None, 2, 7),
+        (16, 4.0, 1, 3),  # docker run --cpus 4 on a 16-core host
+        (16, 2.5, 1, 1),  # a fractional quota counts whole CPUs
+        (64, None, 1, 8),  # capped
+        (1, None, 3, 0),  # never below 0
+        (8, 0.5, 1, 0),
+    ],
+)
 def test_auto_loader_workers_share_the_cpus_among_the_hosts_workers(affinity, quota, workers, expected):
     chosen, why = host.auto_loader_workers(affinity, quota, workers)
     assert chosen == expected
@@ -113,6 +117,7 @@ def test_auto_is_no_loader_process_for_data_held_in_memory(caplog):
 
 # --- the image cache flag ----------------------------------------------------------------
 
+
 def test_image_cache_takes_its_modes_and_the_old_booleans():
     assert parse(["worker"], {}).image_cache == "auto"
     assert parse(["worker", "--image_cache", "true"], {}).image_cache == "memory"
@@ -134,6 +139,7 @@ def test_auto_is_memory_when_it_fits_in_half_the_free_shm_and_memory():
 
 
 # --- one stable shard per worker ---------------------------------------------------------
+
 
 def test_stable_shards_are_disjoint_cover_everything_and_do_not_depend_on_the_epoch():
     shards = [data.stable_shard(23, 3, s, seed=5) for s in range(3)]
@@ -170,8 +176,11 @@ def test_with_the_cache_a_worker_keeps_its_shard_every_epoch_and_holds_only_it(t
         epochs.append(list(sampler))
     assert all(sorted(e) == list(range(len(cache))) for e in epochs)  # the whole shard every epoch
     assert epochs[0] != epochs[1]  # shuffled within it
-    others = {p for r in (0, 2) for p, _ in data.load("imagefolder", str(root), "train", 0, SIZE, "memory",
-                                                         shard=(r, 3)).data.samples}
+    others = {
+        p
+        for r in (0, 2)
+        for p, _ in data.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(r, 3)).data.samples
+    }
     assert not others & {p for p, _ in cache.samples}
     loader = data.train_loader(cache, sampler, 2, 0, pin_memory=False)
     for _ in loader:
@@ -193,11 +202,13 @@ def test_without_the_cache_the_sampler_is_todays(tmp_path):
 
 # --- the file cache ----------------------------------------------------------------------
 
+
 def test_the_file_cache_is_written_once_and_mapped_by_the_next_process(tmp_path, decodes, caplog):
     root = _tree(tmp_path / "data")
     cache_dir = tmp_path / "state" / "cache"
-    first = data.load("imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir),
-                      threads=2)
+    first = data.load(
+        "imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir), threads=2
+    )
     n = len(first.data)
     assert sorted(decodes) == sorted(p for p, _ in first.data.samples)  # each file of the shard, once
     files = list(cache_dir.iterdir())
@@ -234,8 +245,22 @@ def test_the_file_cache_gives_a_bad_file_a_stand_in(tmp_path):
 
 def test_the_held_out_set_is_cached_the_same_way_for_the_ps(tmp_path, decodes):
     root = _tree(tmp_path / "data")
-    config = parse(["ps", "--dataset", "imagefolder", "--data_dir", str(root), "--image_size", str(SIZE),
-                    "--image_cache", "file", "--cache_dir", str(tmp_path / "cache")], {})
+    config = parse(
+        [
+            "ps",
+            "--dataset",
+            "imagefolder",
+            "--data_dir",
+            str(root),
+            "--image_size",
+            str(SIZE),
+            "--image_cache",
+            "file",
+            "--cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        {},
+    )
     held_out = data.load_for(config, "test", 0)
     assert isinstance(held_out.data, CachedImageFolder) and held_out.data.path is not None
     assert not held_out.sharded and len(decodes) == len(held_out.data) == 2  # 10% of 20
@@ -306,12 +331,20 @@ def test_a_file_cache_that_does_not_fit_is_one_line_and_leaves_no_temporary_file
     root = _tree(tmp_path / "data", per_class=20)
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
-    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(root), str(cache_dir)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(root), str(cache_dir)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        timeout=120,
+    )
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [line for line in r.stdout.splitlines() if line.startswith("usage:")]
-    assert len(lines) == 1 and "--image_cache file: cannot reserve" in lines[0] and "image_cache to memory or off" \
-        in lines[0], r.stdout
+    assert (
+        len(lines) == 1
+        and "--image_cache file: cannot reserve" in lines[0]
+        and "image_cache to memory or off" in lines[0]
+    ), r.stdout
     assert list(cache_dir.iterdir()) == []
 
 

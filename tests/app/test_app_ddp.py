@@ -20,15 +20,34 @@ from app.common.evaluate import held_out_accuracy
 from app.common.metrics import read
 from app.config import UsageError, parse
 
-from needs import unavailable
 from app_testkit import REPO, Process, app_env, finished, free_port, start_app, wait_for
+from needs import unavailable
 
 # As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
 EPOCHS, STEPS_PER_EPOCH = 10, 22
 STEPS = EPOCHS * STEPS_PER_EPOCH
-DIGITS = ["--strategy", "allreduce", "--model", "cnn", "--dataset", "digits", "--batch_size", "32",
-          "--lr", "0.1", "--num_epochs", str(EPOCHS), "--eval_every", "100", "--checkpoint_every", "100",
-          "--rpc_timeout", "30", "--seed", "1"]
+DIGITS = [
+    "--strategy",
+    "allreduce",
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--num_epochs",
+    str(EPOCHS),
+    "--eval_every",
+    "100",
+    "--checkpoint_every",
+    "100",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "1",
+]
 CAP_SECONDS = 90
 
 
@@ -37,6 +56,7 @@ def config(*args: str, env: dict[str, str] | None = None):
 
 
 # --- units ------------------------------------------------------------------
+
 
 def test_world_is_the_workers_or_torchrun():
     w = ddp.world_of(config("--rank", "3", "--world_size", "4", "--master_addr", "w1", "--master_port", "7"), {})
@@ -79,8 +99,10 @@ def test_job_state_round_trips_through_a_verified_checkpoint(tmp_path):
     assert other_state.progress == state.progress and loaded["finished"] is False
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
-    assert torch.equal(other_state.optimizer.state_dict()["state"][0]["momentum_buffer"],
-                       opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        other_state.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        opt.state_dict()["state"][0]["momentum_buffer"],
+    )
 
 
 def test_compression_hooks():
@@ -100,11 +122,25 @@ def test_evaluate_leaves_the_model_training():
 
 # --- processes ----------------------------------------------------------------
 
+
 def start(tmp_path: Path, workers: int, args: list[str], tag: str = "") -> dict[str, subprocess.Popen]:
-    common = ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
-    return {f"worker{rank}": start_app(tmp_path, f"worker{rank}{tag}", ["worker", "--rank", str(rank), *common])
-            for rank in range(1, workers + 1)}
+    common = [
+        "--world_size",
+        str(workers + 1),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "checkpoints"),
+        *args,
+    ]
+    return {
+        f"worker{rank}": start_app(tmp_path, f"worker{rank}{tag}", ["worker", "--rank", str(rank), *common])
+        for rank in range(1, workers + 1)
+    }
 
 
 def finish(tmp_path: Path, procs: dict[str, subprocess.Popen], timeout: float, tag: str = "") -> dict[str, Process]:
@@ -136,7 +172,9 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     w1, w2 = read(metrics / "worker1.jsonl"), read(metrics / "worker2.jsonl")
     steps = STEPS
     assert [r["event"] for r in w1 if r["event"] in ("start", "join", "end")] == ["start", "join", "end"]
-    assert [(r["strategy"], r["world_size"], r["workers"]) for r in w2 if r["event"] == "start"] == [("allreduce", 3, 2)]
+    assert [(r["strategy"], r["world_size"], r["workers"]) for r in w2 if r["event"] == "start"] == [
+        ("allreduce", 3, 2)
+    ]
     assert w1[0]["step"] == 0 and w1[-1]["step"] == w2[-1]["step"] == steps
     assert w1[-1]["accuracy"] == accuracy and w1[-1]["seconds"] > 0
     train = [r for r in w1 + w2 if r["event"] == "train"]
@@ -147,7 +185,11 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     assert [r for r in w2 if r["event"] == "eval"] == []
 
     ckpts = tmp_path / "checkpoints"
-    assert sorted(p.name.split("-")[1] for p in checkpoint_files.listing(ckpts)) == ["00000100", "00000200", f"{steps:08d}"]
+    assert sorted(p.name.split("-")[1] for p in checkpoint_files.listing(ckpts)) == [
+        "00000100",
+        "00000200",
+        f"{steps:08d}",
+    ]
     final = torch.load(ckpts / "final.pt", weights_only=True)
     assert final["finished"] is True and final["version"] == steps and final["strategy"] == "allreduce"
     assert final["progress"] == {"step": steps, "epoch": EPOCHS, "batch": 22, "samples": steps * 64}
@@ -199,10 +241,30 @@ def test_torchrun_launches_the_same_job(tmp_path):
     if torchrun is None:
         unavailable("no torchrun next to this python (torch installs it)")
     args = [a if a != str(EPOCHS) else "2" for a in DIGITS]
-    p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                        "--master_port", str(free_port()), "-m", "app", "worker",
-                        "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"),
-                        *args], env=app_env(), cwd=REPO, capture_output=True, text=True, timeout=CAP_SECONDS)
+    p = subprocess.run(
+        [
+            torchrun,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "app",
+            "worker",
+            "--metrics_dir",
+            str(tmp_path / "metrics"),
+            "--checkpoint_dir",
+            str(tmp_path / "checkpoints"),
+            *args,
+        ],
+        env=app_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=CAP_SECONDS,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(r"^Accuracy: 0\.\d{4}$", p.stdout, re.M), p.stdout
     assert read(tmp_path / "metrics" / "worker2.jsonl")[-1]["step"] == 2 * 22
@@ -219,9 +281,32 @@ def test_with_the_file_cache_each_rank_holds_an_equal_padded_shard_and_takes_as_
         (root / f"c{c}").mkdir(parents=True)
         for i in range(26):
             Image.new("RGB", (20, 18), tuple(max(0, v - i) for v in colour)).save(root / f"c{c}" / f"{i:02d}.png")
-    args = ["--strategy", "allreduce", "--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root),
-            "--image_size", "16", "--image_cache", "file", "--cache_dir", str(tmp_path / "cache"),
-            "--batch_size", "4", "--lr", "0.05", "--num_epochs", "2", "--loader_workers", "0", "--rpc_timeout", "30"]
+    args = [
+        "--strategy",
+        "allreduce",
+        "--model",
+        "cnn",
+        "--dataset",
+        "imagefolder",
+        "--data_dir",
+        str(root),
+        "--image_size",
+        "16",
+        "--image_cache",
+        "file",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--batch_size",
+        "4",
+        "--lr",
+        "0.05",
+        "--num_epochs",
+        "2",
+        "--loader_workers",
+        "0",
+        "--rpc_timeout",
+        "30",
+    ]
     procs = finish(tmp_path, start(tmp_path, 2, args), CAP_SECONDS)
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr[-3000:]}"

@@ -17,11 +17,10 @@ def _bn_model() -> nn.Module:
 
 def test_vector_holds_params_then_float_buffers():
     model = _bn_model()
-    expected = torch.cat([parameters_to_vector(model.parameters()),
-                          model[1].running_mean, model[1].running_var])
+    expected = torch.cat([parameters_to_vector(model.parameters()), model[1].running_mean, model[1].running_var])
     flat = FlatModel(model)
     assert flat.num_params == sum(p.numel() for p in model.parameters())
-    assert flat.num_buffers == 8                     # running_mean + running_var, not the counter
+    assert flat.num_buffers == 8  # running_mean + running_var, not the counter
     assert torch.equal(flat.vector, expected)
     assert flat.vector.data_ptr() == flat.vector.untyped_storage().data_ptr()  # owns its storage
 
@@ -41,17 +40,16 @@ def test_backward_writes_the_gradient_into_the_message():
     reference = _bn_model()
     flat = FlatModel(model)
     x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])
-    for _ in range(2):                               # the second step must not accumulate
+    for _ in range(2):  # the second step must not accumulate
         flat.zero_grads()
         nn.functional.cross_entropy(model(x), y).backward()
     reference.zero_grad()
     nn.functional.cross_entropy(reference(x), y).backward()
     message = flat.pack_message()
     assert message.data_ptr() == flat.message.data_ptr()  # no copy of the gradient
-    assert torch.allclose(message[:flat.num_params],
-                          parameters_to_vector(p.grad for p in reference.parameters()))
-    assert torch.equal(message[flat.num_params:], flat.vector[flat.num_params:])
-    assert not torch.equal(message[flat.num_params:], torch.cat([torch.zeros(4), torch.ones(4)]))
+    assert torch.allclose(message[: flat.num_params], parameters_to_vector(p.grad for p in reference.parameters()))
+    assert torch.equal(message[flat.num_params :], flat.vector[flat.num_params :])
+    assert not torch.equal(message[flat.num_params :], torch.cat([torch.zeros(4), torch.ones(4)]))
 
 
 def test_adopt_repoints_the_model_without_a_copy():
@@ -61,15 +59,15 @@ def test_adopt_repoints_the_model_without_a_copy():
     new = torch.randn(flat.size)
     flat.adopt(new)
     assert flat.vector is new
-    assert torch.equal(parameters_to_vector(model.parameters()), new[:flat.num_params])
-    new.zero_()                                      # the model lives in the adopted tensor
+    assert torch.equal(parameters_to_vector(model.parameters()), new[: flat.num_params])
+    new.zero_()  # the model lives in the adopted tensor
     assert all(p.abs().sum() == 0 for p in model.parameters())
     assert all(b.abs().sum() == 0 for b in model.buffers() if b.is_floating_point())
     x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])
     flat.zero_grads()
     nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # still views of message
-    assert flat.pack_message()[flat.num_params:].equal(new[flat.num_params:])  # BN stats updated there
+    assert flat.pack_message()[flat.num_params :].equal(new[flat.num_params :])  # BN stats updated there
 
 
 def test_grads_stay_views_of_the_message_through_steps_and_flips():
@@ -89,11 +87,11 @@ def test_grads_stay_views_of_the_message_through_steps_and_flips():
     sent = step()
     assert views_of(sent)
     kept = sent.clone()
-    flat.flip()                                      # --overlap: `sent` is on the wire
+    flat.flip()  # --overlap: `sent` is on the wire
     assert flat.message.data_ptr() != sent.data_ptr() and views_of(flat.message)
     x = torch.randn(5, 1, 8, 8)
     second = step()
-    assert torch.equal(sent, kept)                   # the next backward did not touch it
-    assert not torch.equal(second[:flat.num_params], kept[:flat.num_params])
+    assert torch.equal(sent, kept)  # the next backward did not touch it
+    assert not torch.equal(second[: flat.num_params], kept[: flat.num_params])
     flat.flip()
     assert flat.message.data_ptr() == sent.data_ptr() and views_of(sent)

@@ -43,6 +43,7 @@ def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
     batch = torch.randint(0, 256, (16, 3, 40, 40), dtype=torch.uint8)
     out = augment(batch, train=True, crop=24, generator=torch.Generator().manual_seed(1))
     from app.common.imagefolder import MEAN, STD
+
     back = ((out * STD + MEAN) * 255).round().to(torch.uint8)
     flipped = 0
     for i in range(16):
@@ -57,8 +58,9 @@ def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
 def test_each_file_is_decoded_once_and_loader_processes_fill_one_cache(tmp_path):
     samples = _tree(tmp_path)
     cached = CachedImageFolder(samples, train=True)
-    loader = DataLoader(cached, sampler=BatchSampler(SequentialSampler(range(len(samples))), 4, False),
-                        batch_size=None, num_workers=2)
+    loader = DataLoader(
+        cached, sampler=BatchSampler(SequentialSampler(range(len(samples))), 4, False), batch_size=None, num_workers=2
+    )
     first = torch.cat([x for x, _ in loader])
     assert int(cached.filled.sum()) == len(samples)  # filled by the loader processes, seen here
     for path, _ in samples:
@@ -85,11 +87,30 @@ def test_a_cluster_trains_from_the_cache(tmp_path):
         for i in range(24):
             Image.new("RGB", (64, 48), colour).save(root / c / f"{i}.png")
     (root / "a" / "00-bad.png").write_bytes(b"")
-    args = ["--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--image_cache", "true",
-            "--batch_size", "8", "--lr", "0.05", "--num_epochs", "3", "--loader_workers", "1", "--rpc_timeout", "30"]
+    args = [
+        "--model",
+        "cnn",
+        "--dataset",
+        "imagefolder",
+        "--data_dir",
+        str(root),
+        "--image_cache",
+        "true",
+        "--batch_size",
+        "8",
+        "--lr",
+        "0.05",
+        "--num_epochs",
+        "3",
+        "--loader_workers",
+        "1",
+        "--rpc_timeout",
+        "30",
+    ]
     procs = run_cluster(tmp_path, workers=2, args=args, timeout=240)
-    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
-        procs["ps"].stderr[-3000:]
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, procs["ps"].stderr[
+        -3000:
+    ]
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert end["event"] == "end" and end["accuracy"] >= 0.9
     ends = [read(tmp_path / "metrics" / f"worker{r}.jsonl")[-1] for r in (1, 2)]

@@ -55,7 +55,7 @@ def test_every_pillow_mode_decodes_to_rgb(tmp_path):
     expected = _modes(tmp_path)
     classes, samples = find_samples(tmp_path)
     assert classes == sorted(expected)
-    for path, label in samples:
+    for path, _label in samples:
         with Image.open(path) as img:
             assert to_rgb(img).mode == "RGB"
     dataset = ImageFolderData(samples, train=False)
@@ -117,16 +117,22 @@ def test_an_empty_class_folder_is_an_error(tmp_path):
     Image.new("RGB", (8, 8)).save(tmp_path / "cat" / "1.png")
     (tmp_path / "dog").mkdir()
     (tmp_path / "dog" / "readme.txt").write_text("no images here")
-    with pytest.raises(UsageError, match=r"^data dir: class folder 'dog' has no images \(.jpg, .*\); "
-                                         rf"put images in it or remove it: {tmp_path}$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^data dir: class folder 'dog' has no images \(.jpg, .*\); "
+        rf"put images in it or remove it: {tmp_path}$",
+    ):
         find_samples(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, expected", [
-    ("empty-class", "app: error: data dir: class folder 'dog' has no images"),
-    ("no-class-folder", "app: error: data dir has no class folders with images"),
-])
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        ("empty-class", "app: error: data dir: class folder 'dog' has no images"),
+        ("no-class-folder", "app: error: data dir has no class folders with images"),
+    ],
+)
 def test_no_images_is_one_line_and_exit_2(tmp_path, layout, expected):
     (tmp_path / "cat").mkdir()
     if layout == "empty-class":
@@ -147,16 +153,32 @@ def test_order_equals_torchvision_imagefolder(tmp_path):
 
     # Traps for a sort of whole paths: files at a class's top level next to subfolders,
     # `sub` vs `sub-2` ('-' sorts before '/'), upper-case extensions, non-image files.
-    layout = ["b/z.png", "b/sub/x.png", "b/sub-2/y.PNG", "b/sub/deeper/w.jpg", "b/A.jpeg",
-              "a/2.png", "a/10.png", "a/1.png", "a/notes.txt", "a/Sub/0.bmp", "c-1/q.png", "c/p.png"]
+    layout = [
+        "b/z.png",
+        "b/sub/x.png",
+        "b/sub-2/y.PNG",
+        "b/sub/deeper/w.jpg",
+        "b/A.jpeg",
+        "a/2.png",
+        "a/10.png",
+        "a/1.png",
+        "a/notes.txt",
+        "a/Sub/0.bmp",
+        "c-1/q.png",
+        "c/p.png",
+    ]
     for rel in layout:
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if rel.endswith(".txt"):
             path.write_text("x")
         else:
-            Image.new("RGB", (4, 4)).save(path, format="PNG" if not rel.lower().endswith((".jpg", ".jpeg", ".bmp"))
-                                          else ("BMP" if rel.endswith(".bmp") else "JPEG"))
+            Image.new("RGB", (4, 4)).save(
+                path,
+                format="PNG"
+                if not rel.lower().endswith((".jpg", ".jpeg", ".bmp"))
+                else ("BMP" if rel.endswith(".bmp") else "JPEG"),
+            )
     theirs = ImageFolder(str(tmp_path))
     classes, samples = find_samples(tmp_path)
     assert classes == theirs.classes
@@ -171,11 +193,28 @@ def test_a_run_with_undecodable_files_ends_well_and_counts_them(tmp_path):
         for i in range(6, 20):
             Image.new("RGB", (16, 16), (250, 0, 0) if c == "a" else (0, 0, 250)).save(root / c / f"{i}.png")
     held_out = {p for p, _ in data.load("imagefolder", str(root), "test", seed=0).data.samples}  # type: ignore[attr-defined]
-    args = ["--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "4",
-            "--lr", "0.01", "--num_epochs", "2", "--loader_workers", "1", "--rpc_timeout", "30"]
+    args = [
+        "--model",
+        "cnn",
+        "--dataset",
+        "imagefolder",
+        "--data_dir",
+        str(root),
+        "--batch_size",
+        "4",
+        "--lr",
+        "0.01",
+        "--num_epochs",
+        "2",
+        "--loader_workers",
+        "1",
+        "--rpc_timeout",
+        "30",
+    ]
     procs = run_cluster(tmp_path, workers=2, args=args, timeout=180)
-    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
-        procs["ps"].stderr[-3000:]
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, procs["ps"].stderr[
+        -3000:
+    ]
     ps_end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
     assert ps_end["event"] == "end" and ps_end["skipped_images"] == len(held_out & set(bad))
     ends = [read(tmp_path / "metrics" / f"worker{r}.jsonl")[-1] for r in (1, 2)]

@@ -28,7 +28,7 @@ def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
     package = importer.split(".") if is_package else importer.split(".")[:-1]
-    base = package[:len(package) - node.level + 1]
+    base = package[: len(package) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -68,7 +68,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -104,8 +104,11 @@ def test_no_app_module_uses_another_ones_private_names():
     modules = app_modules()
     offences = []
     for name, found in imports(modules).items():
-        offences += [f"{name}:{line} imports {target}.{imported}" for target, imported, line in found
-                     if imported.startswith("_") and target != name]
+        offences += [
+            f"{name}:{line} imports {target}.{imported}"
+            for target, imported, line in found
+            if imported.startswith("_") and target != name
+        ]
         path, tree = modules[name]
         bound = {}  # local name -> the app module it is bound to
         for node in ast.walk(tree):
@@ -119,8 +122,13 @@ def test_no_app_module_uses_another_ones_private_names():
                     if alias.asname and alias.name in modules:
                         bound[alias.asname] = alias.name
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in bound and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 offences.append(f"{name}:{node.lineno} uses {bound[node.value.id]}.{node.attr}")
     assert offences == [], "\n".join(offences)
 
@@ -129,11 +137,20 @@ def test_no_two_letter_aliases_of_the_project_modules_in_app_and_bench():
     aliases = []
     for path in sorted([*APP.rglob("*.py"), *(REPO / "bench").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("app", "orchestrator", "bench"):
-                aliases += [f"{path.name}: {a.name} as {a.asname}" for a in node.names if a.asname and len(a.asname) <= 2]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                "app",
+                "orchestrator",
+                "bench",
+            ):
+                aliases += [
+                    f"{path.name}: {a.name} as {a.asname}" for a in node.names if a.asname and len(a.asname) <= 2
+                ]
             elif isinstance(node, ast.Import):
-                aliases += [f"{path.name}: {a.name} as {a.asname}" for a in node.names
-                            if a.name.split(".")[0] in ("app", "orchestrator", "bench") and a.asname and len(a.asname) <= 2]
+                aliases += [
+                    f"{path.name}: {a.name} as {a.asname}"
+                    for a in node.names
+                    if a.name.split(".")[0] in ("app", "orchestrator", "bench") and a.asname and len(a.asname) <= 2
+                ]
     assert aliases == [], "\n".join(aliases)
 
 
@@ -144,8 +161,13 @@ def test_the_contract_and_the_config_import_without_torch(module):
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.split(".")[0] in ("torch", "torchvision", "numpy")]
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -160,8 +182,12 @@ def test_the_worker_takes_its_wire_types_from_common_not_the_ps_state_machine():
     """docs/design.md: `worker/` uses the PS's endpoints and membership, its wire types from
     app/common/wire.py; nothing under `ps/` or `common/` imports `worker/`; ddp uses `common/`."""
     edges = imports(app_modules())
-    bad = [f"{name}:{line} imports {target}" for name, found in edges.items() for target, _, line in found
-           if (name.startswith("app.worker") and target == "app.ps.server")
-           or (name.startswith(("app.ps", "app.common")) and target.startswith("app.worker"))]
+    bad = [
+        f"{name}:{line} imports {target}"
+        for name, found in edges.items()
+        for target, _, line in found
+        if (name.startswith("app.worker") and target == "app.ps.server")
+        or (name.startswith(("app.ps", "app.common")) and target.startswith("app.worker"))
+    ]
     assert not bad, "\n".join(bad)
     assert any(target == "app.common.wire" for target, _, _ in edges["app.worker.trainer"])

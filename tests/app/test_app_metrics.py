@@ -9,15 +9,48 @@ from app.contract import EVENTS, RUN_ID_ENV, metrics_file
 
 def test_the_start_record_names_the_run_settings(tmp_path, monkeypatch):
     monkeypatch.setenv(RUN_ID_ENV, "run-7")
-    config = parse(["worker", "--rank", "2", "--world_size", "4", "--strategy", "ssp", "--batch_size", "16",
-                    "--model", "cnn", "--dataset", "digits", "--precision", "bf16", "--shards", "2"], {})
+    config = parse(
+        [
+            "worker",
+            "--rank",
+            "2",
+            "--world_size",
+            "4",
+            "--strategy",
+            "ssp",
+            "--batch_size",
+            "16",
+            "--model",
+            "cnn",
+            "--dataset",
+            "digits",
+            "--precision",
+            "bf16",
+            "--shards",
+            "2",
+        ],
+        {},
+    )
     with MetricsWriter(str(tmp_path), config.name, "worker", config.rank) as metrics:
         metrics.start(config, 5)
     [record] = read(tmp_path / metrics_file("worker2"))
     assert {k: v for k, v in record.items() if k != "time"} == {
-        "role": "worker", "rank": 2, "event": "start", "step": 5, "name": "worker2", "strategy": "ssp",
-        "batch_size": 16, "world_size": 4, "workers": 3, "shards": 2, "model": "cnn", "dataset": "digits",
-        "precision": "bf16", "compress": "none", "run_id": "run-7"}
+        "role": "worker",
+        "rank": 2,
+        "event": "start",
+        "step": 5,
+        "name": "worker2",
+        "strategy": "ssp",
+        "batch_size": 16,
+        "world_size": 4,
+        "workers": 3,
+        "shards": 2,
+        "model": "cnn",
+        "dataset": "digits",
+        "precision": "bf16",
+        "compress": "none",
+        "run_id": "run-7",
+    }
     assert record["event"] in EVENTS
 
 

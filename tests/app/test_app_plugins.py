@@ -15,9 +15,26 @@ from app.common import models
 from app_testkit import REPO, app_env, free_port, run_app, run_cluster, start_app, wait_for
 
 EXAMPLE = REPO / "examples" / "custom"
-EXAMPLE_ARGS = ["--model", "mynet.model:build", "--dataset", "mynet.data:digits_npz",
-                "--data_dir", str(EXAMPLE / "data"), "--batch_size", "32", "--lr", "0.1",
-                "--num_epochs", "15", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1"]
+EXAMPLE_ARGS = [
+    "--model",
+    "mynet.model:build",
+    "--dataset",
+    "mynet.data:digits_npz",
+    "--data_dir",
+    str(EXAMPLE / "data"),
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--num_epochs",
+    "15",
+    "--eval_every",
+    "100",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "1",
+]
 # Measured as PS + 2 workers on a 2-core CPU VM: 0.928-0.953 over seeds 0-3.
 EXAMPLE_ACCURACY = 0.85
 DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--rpc_timeout", "30"]
@@ -80,21 +97,70 @@ GOOD = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, dataset, expected", [
-    ("nosuch.net:build", "digits", "--model nosuch.net:build: cannot import 'nosuch.net': No module named 'nosuch' "
-     "(is the topology's `code` directory the one that holds it?)"),
-    ("mymods.net:missing", "digits", "--model mymods.net:missing: module 'mymods.net' has no attribute 'missing'"),
-    ("mymods.net:not_callable", "digits", "--model mymods.net:not_callable: 'not_callable' is a int, not a callable"),
-    ("mymods.net:not_a_module", "digits", "--model mymods.net:not_a_module: returned a str; must return a torch.nn.Module"),
-    ("mymods.net:raises", "digits", "--model mymods.net:raises: calling it failed: ValueError: no such layer size"),
-    ("cnn", "mymods.net:two_things", "--dataset mymods.net:two_things: returned a tuple of 2; must return (Dataset, channels, num_classes)"),
-    ("cnn", "mymods.net:a_list", "--dataset mymods.net:a_list: returned a list as the dataset; must be a torch.utils.data.Dataset"),
-    ("cnn", "mymods.net:float_channels", "--dataset mymods.net:float_channels: returned channels 1.0; must be an int >= 1"),
-], ids=["import", "attribute", "not-callable", "not-a-module", "factory-raises", "tuple-shape", "not-a-dataset", "float-channels"])
+@pytest.mark.parametrize(
+    "model, dataset, expected",
+    [
+        (
+            "nosuch.net:build",
+            "digits",
+            "--model nosuch.net:build: cannot import 'nosuch.net': No module named 'nosuch' "
+            "(is the topology's `code` directory the one that holds it?)",
+        ),
+        ("mymods.net:missing", "digits", "--model mymods.net:missing: module 'mymods.net' has no attribute 'missing'"),
+        (
+            "mymods.net:not_callable",
+            "digits",
+            "--model mymods.net:not_callable: 'not_callable' is a int, not a callable",
+        ),
+        (
+            "mymods.net:not_a_module",
+            "digits",
+            "--model mymods.net:not_a_module: returned a str; must return a torch.nn.Module",
+        ),
+        ("mymods.net:raises", "digits", "--model mymods.net:raises: calling it failed: ValueError: no such layer size"),
+        (
+            "cnn",
+            "mymods.net:two_things",
+            "--dataset mymods.net:two_things: returned a tuple of 2; must return (Dataset, channels, num_classes)",
+        ),
+        (
+            "cnn",
+            "mymods.net:a_list",
+            "--dataset mymods.net:a_list: returned a list as the dataset; must be a torch.utils.data.Dataset",
+        ),
+        (
+            "cnn",
+            "mymods.net:float_channels",
+            "--dataset mymods.net:float_channels: returned channels 1.0; must be an int >= 1",
+        ),
+    ],
+    ids=[
+        "import",
+        "attribute",
+        "not-callable",
+        "not-a-module",
+        "factory-raises",
+        "tuple-shape",
+        "not-a-dataset",
+        "float-channels",
+    ],
+)
 def test_a_broken_entry_point_is_one_line_and_exit_2(tmp_path, model, dataset, expected):
     code = _code(tmp_path, GOOD)
-    r = run_app("worker", "--model", model, "--dataset", dataset, "--world_size", "2", "--rank", "1",
-                "--master_port", "1", env=_env_with(code))
+    r = run_app(
+        "worker",
+        "--model",
+        model,
+        "--dataset",
+        dataset,
+        "--world_size",
+        "2",
+        "--rank",
+        "1",
+        "--master_port",
+        "1",
+        env=_env_with(code),
+    )
     assert r.returncode == 2, r.stderr
     assert _not_logs(r.stderr) == [f"app: error: {expected}"]
 
@@ -105,14 +171,17 @@ def test_a_module_that_fails_to_import_names_the_error(tmp_path):
     r = run_app("ps", "--model", "mymods.net:build", "--dataset", "digits", env=_env_with(code))
     assert r.returncode == 2, r.stderr
     assert _not_logs(r.stderr) == [
-        "app: error: --model mymods.net:build: importing 'mymods.net' failed: ZeroDivisionError: division by zero"]
+        "app: error: --model mymods.net:build: importing 'mymods.net' failed: ZeroDivisionError: division by zero"
+    ]
 
 
 def test_a_dataset_that_is_neither_built_in_nor_an_entry_point_is_a_usage_error():
     r = run_app("ps", "--dataset", "my.mod.data")
     assert r.returncode == 2
-    assert _not_logs(r.stderr) == ["app: error: --dataset: 'my.mod.data' is not one of imagefolder, mnist, "
-                                     "cifar10, digits, synthetic, nor an entry point package.module:factory"]
+    assert _not_logs(r.stderr) == [
+        "app: error: --dataset: 'my.mod.data' is not one of imagefolder, mnist, "
+        "cifar10, digits, synthetic, nor an entry point package.module:factory"
+    ]
 
 
 @pytest.mark.slow
@@ -123,12 +192,19 @@ def test_the_custom_example_trains_as_ps_and_two_workers(tmp_path):
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
     assert _final_accuracy(procs["ps"].stdout) >= EXAMPLE_ACCURACY
     final = torch.load(tmp_path / "checkpoints" / "final.pt")
-    assert set(final["model"]) == {"features.0.weight", "features.0.bias", "features.2.weight",
-                                   "features.2.bias", "head.weight", "head.bias"}
+    assert set(final["model"]) == {
+        "features.0.weight",
+        "features.0.bias",
+        "features.2.weight",
+        "features.2.bias",
+        "head.weight",
+        "head.bias",
+    }
     assert "1438 samples, 1 channel(s), 10 classes" in procs["worker1"].stderr
 
 
 # --- --init_weights ------------------------------------------------------------------
+
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -148,22 +224,44 @@ def test_the_ps_starts_from_init_weights_and_allreduce_from_a_final_pt(tmp_path)
     ps_run = tmp_path / "ps-run"
     ps_run.mkdir()
     procs = run_cluster(ps_run, workers=2, args=args, timeout=120)
-    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, \
-        procs["ps"].stderr
+    assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "worker1": 0, "worker2": 0}, procs["ps"].stderr
     final = tmp_path / "ps-run" / "checkpoints" / "final.pt"
     assert _max_diff(torch.load(final)["model"], start) < 1e-3
 
     # The PS's final.pt (state dict under "model") as the start of an allreduce job: every rank.
-    args = [*DIGITS, "--lr", "1e-6", "--max_steps", "1", "--seed", "0", "--strategy", "allreduce",
-            "--init_weights", str(final)]
+    args = [
+        *DIGITS,
+        "--lr",
+        "1e-6",
+        "--max_steps",
+        "1",
+        "--seed",
+        "0",
+        "--strategy",
+        "allreduce",
+        "--init_weights",
+        str(final),
+    ]
     ddp_run = tmp_path / "ddp-run"
     ddp_run.mkdir()
-    common = ["--world_size", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-              "--metrics_dir", str(ddp_run / "metrics"), "--checkpoint_dir", str(ddp_run / "checkpoints"), *args]
+    common = [
+        "--world_size",
+        "3",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(ddp_run / "metrics"),
+        "--checkpoint_dir",
+        str(ddp_run / "checkpoints"),
+        *args,
+    ]
     ranks = {f"worker{r}": start_app(ddp_run, f"worker{r}", ["worker", "--rank", str(r), *common]) for r in (1, 2)}
     wait_for(ranks, 120, "the DDP job")
-    assert {n: p.returncode for n, p in ranks.items()} == {"worker1": 0, "worker2": 0}, \
-        (ddp_run / "worker1.err").read_text()
+    assert {n: p.returncode for n, p in ranks.items()} == {"worker1": 0, "worker2": 0}, (
+        ddp_run / "worker1.err"
+    ).read_text()
     assert _max_diff(torch.load(ddp_run / "checkpoints" / "final.pt")["model"], start) < 1e-3
 
 
@@ -172,8 +270,7 @@ def test_every_ps_shard_starts_from_its_slice_of_init_weights(tmp_path):
     start = {k: v * 0.5 for k, v in models.build("cnn", 1, 10, seed=123).state_dict().items()}
     weights = tmp_path / "start.pt"
     torch.save(start, weights)
-    args = [*DIGITS, "--lr", "1e-6", "--max_steps", "1", "--seed", "0", "--init_weights", str(weights),
-            "--shards", "2"]
+    args = [*DIGITS, "--lr", "1e-6", "--max_steps", "1", "--seed", "0", "--init_weights", str(weights), "--shards", "2"]
     procs = run_cluster(tmp_path, workers=1, args=args, timeout=120, shards=2)
     assert {p.name: p.returncode for p in procs.values()} == {"ps": 0, "ps1": 0, "worker1": 0}, procs["ps"].stderr
     # final.pt is gathered from both shards: both slices must be the file's values.
@@ -181,11 +278,14 @@ def test_every_ps_shard_starts_from_its_slice_of_init_weights(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change, expected", [
-    ("shape", "key 'classifier.3.weight' has shape [7, 128] in the file, [10, 128] in the model"),
-    ("missing", "key 'classifier.3.bias' (shape [10] in the model) is missing from the file"),
-    ("unexpected", "key 'extra.weight' (shape [2, 2] in the file) is not in the model (1 unexpected key(s))"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ("shape", "key 'classifier.3.weight' has shape [7, 128] in the file, [10, 128] in the model"),
+        ("missing", "key 'classifier.3.bias' (shape [10] in the model) is missing from the file"),
+        ("unexpected", "key 'extra.weight' (shape [2, 2] in the file) is not in the model (1 unexpected key(s))"),
+    ],
+)
 def test_init_weights_that_do_not_fit_name_the_first_bad_key(tmp_path, change, expected):
     state = models.build("cnn", 1, 10, seed=0).state_dict()
     if change == "shape":
@@ -196,8 +296,18 @@ def test_init_weights_that_do_not_fit_name_the_first_bad_key(tmp_path, change, e
         state["extra.weight"] = torch.zeros(2, 2)
     path = tmp_path / "w.pt"
     torch.save(state, path)
-    r = run_app("ps", *DIGITS, "--lr", "0.1", "--init_weights", str(path), "--metrics_dir", str(tmp_path / "m"),
-                "--checkpoint_dir", str(tmp_path / "c"))
+    r = run_app(
+        "ps",
+        *DIGITS,
+        "--lr",
+        "0.1",
+        "--init_weights",
+        str(path),
+        "--metrics_dir",
+        str(tmp_path / "m"),
+        "--checkpoint_dir",
+        str(tmp_path / "c"),
+    )
     assert r.returncode == 2, r.stderr
     assert _not_logs(r.stderr) == [f"app: error: --init_weights {path}: {expected}"]
 
@@ -209,4 +319,6 @@ def test_init_weights_that_are_not_a_state_dict_are_a_usage_error(tmp_path):
     r = run_app("ps", *DIGITS, "--lr", "0.1", "--init_weights", str(path))
     assert r.returncode == 2, r.stderr
     lines = _not_logs(r.stderr)
-    assert len(lines) == 1 and lines[0].startswith(f"app: error: --init_weights {path}: not a readable state dict"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"app: error: --init_weights {path}: not a readable state dict"), (
+        lines
+    )

@@ -11,7 +11,8 @@ from app.common import models
 from app.config import UsageError, parse
 from app.worker.trainer import Trainer
 from orchestrator.render import compose as render_compose
-from orchestrator.topology.model import TopologyError, load, parse as parse_topology
+from orchestrator.topology.model import TopologyError, load
+from orchestrator.topology.model import parse as parse_topology
 
 from app_testkit import REPO, finished, free_port, run_cluster, start_app, wait_for
 
@@ -54,8 +55,24 @@ def test_fp16_on_a_cpu_image_is_refused():
         parse_topology(yaml.safe_dump(doc), "t.yaml")
 
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
-          "--num_epochs", "10", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--num_epochs",
+    "10",
+    "--eval_every",
+    "100",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "1",
+]
 
 
 def _accuracy(stdout: str) -> float:
@@ -74,9 +91,25 @@ def test_bf16_ps_and_workers_learn_digits_as_fp32_does(tmp_path):
 
 @pytest.mark.slow
 def test_bf16_allreduce_learns_digits_as_fp32_does(tmp_path):
-    common = ["--world_size", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"),
-              "--strategy", "allreduce", "--precision", "bf16", "--checkpoint_every", "100", *DIGITS]
+    common = [
+        "--world_size",
+        "3",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "checkpoints"),
+        "--strategy",
+        "allreduce",
+        "--precision",
+        "bf16",
+        "--checkpoint_every",
+        "100",
+        *DIGITS,
+    ]
     procs = {f"worker{r}": start_app(tmp_path, f"worker{r}", ["worker", "--rank", str(r), *common]) for r in (1, 2)}
     wait_for(procs, 180, "the DDP job")
     done = {n: finished(tmp_path, n, p) for n, p in procs.items()}

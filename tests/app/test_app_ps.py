@@ -86,7 +86,7 @@ def test_buffers_in_a_push_replace_the_global_ones():
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     server = ParameterServer(model, lr=0.1, momentum=0.0, num_trainers=1)
     message = torch.zeros(server.flat.size)
-    message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # running_mean, running_var
+    message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # running_mean, running_var
     vector = server.push(1, message, 0).vector
     assert torch.equal(model[1].running_mean, torch.tensor([1.0, 2.0]))
     assert torch.equal(vector[-4:], message[-4:])
@@ -151,6 +151,7 @@ def _bn_model() -> nn.Module:
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(workers):
     from app.common.flat import FlatModel
+
     server = ParameterServer(_bn_model(), lr=0.1, momentum=0.9, num_trainers=workers, strategy="sync")
     reference = FlatModel(_bn_model(), with_grads=False)
     param = nn.Parameter(reference.params)
@@ -165,7 +166,7 @@ def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(w
         mean = torch.stack(pushed).mean(0)
         param.grad = mean[:n]
         optimizer.step()
-        reference.vector[n:].copy_(mean[n:])         # the buffers: the average of the pushed ones
+        reference.vector[n:].copy_(mean[n:])  # the buffers: the average of the pushed ones
         assert all(r.vector is replies[0].vector for r in replies)  # one snapshot for the round
         assert torch.allclose(replies[0].vector, reference.vector, rtol=1e-6, atol=1e-7)
         assert all(torch.equal(m, p) for m, p in zip(messages, pushed))  # the pushes are untouched
@@ -174,6 +175,7 @@ def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(w
 def test_finite_values_whose_sum_overflows_are_applied_and_nan_or_inf_refused():
     from app.common.wire import Refusal
     from app.ps.update import all_finite
+
     huge = torch.full((4,), 3e38)
     assert huge.sum().isinf() and all_finite(huge)
     for bad in (float("nan"), float("inf"), float("-inf")):
@@ -206,7 +208,7 @@ def test_the_ps_step_is_torch_sgd_value_for_value_and_the_checkpoint_resumes_it(
         assert torch.equal(replies[-1][:n], expected)
         assert torch.equal(replies[-1][n:], message[n:])
         assert torch.equal(server.snapshot()[0], replies[-1])  # the reply is the state
-        if step == 1:                                # resume here: same momentum, same model
+        if step == 1:  # resume here: same momentum, same model
             state = server.checkpoint()
     resumed = ParameterServer(_bn_model(), lr=lr, momentum=momentum, num_trainers=1, strategy=strategy)
     resumed.restore(state)
@@ -225,8 +227,14 @@ def test_weight_decay_on_the_ps_is_torch_sgds(strategy, momentum):
     """--weight_decay (train.weight_decay): the PS's step is torch.optim.SGD's with weight_decay,
     value for value, on both of its paths (the optimizer's step, and the one into a reply buffer)."""
     reference = models.build("cnn", 1, 10, seed=0)
-    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=momentum, num_trainers=1,
-                             strategy=strategy, weight_decay=0.05)
+    server = ParameterServer(
+        models.build("cnn", 1, 10, seed=0),
+        lr=0.1,
+        momentum=momentum,
+        num_trainers=1,
+        strategy=strategy,
+        weight_decay=0.05,
+    )
     server.join(1, "worker1")
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum, weight_decay=0.05)
     torch.manual_seed(3)
@@ -237,6 +245,7 @@ def test_weight_decay_on_the_ps_is_torch_sgds(strategy, momentum):
         optimizer.step()
         vector = server.submit(1, torch.cat([g.flatten() for g in grads]), step).wait().vector
         expected = torch.nn.utils.parameters_to_vector(reference.parameters())
-        assert torch.allclose(vector[:expected.numel()], expected, atol=1e-6)
-    assert not torch.allclose(expected, torch.nn.utils.parameters_to_vector(
-        models.build("cnn", 1, 10, seed=0).parameters()))
+        assert torch.allclose(vector[: expected.numel()], expected, atol=1e-6)
+    assert not torch.allclose(
+        expected, torch.nn.utils.parameters_to_vector(models.build("cnn", 1, 10, seed=0).parameters())
+    )

@@ -51,16 +51,16 @@ def test_a_dropped_process_that_calls_again_is_readmitted():
 def test_the_job_ends_when_all_finished_or_the_missing_are_past_join_timeout():
     clock = Clock()
     roster = Roster([1, 2], join_timeout=30, clock=clock)
-    assert not roster.done()                       # nobody joined yet
+    assert not roster.done()  # nobody joined yet
     roster.join(1, "worker1")
     roster.join(2, "worker2")
     roster.drop(2, "worker2")
     clock.now = 100
-    assert not roster.done()                       # worker1 still trains
+    assert not roster.done()  # worker1 still trains
     roster.finish(1, "worker1")
     assert roster.done() and [m.rank for m in roster.missing()] == [2]
     roster.join(2, "worker2_r2")
-    assert not roster.done()                       # back in time: wait for it
+    assert not roster.done()  # back in time: wait for it
     roster.finish(2, "worker2_r2")
     assert roster.done() and roster.all_finished
 
@@ -89,8 +89,10 @@ def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
     restored = _server(seed=1)
     restored.restore(checkpoint_files.verify(path))
     assert restored.version == 3 and torch.equal(restored.flat.vector, server.flat.vector)
-    assert torch.equal(restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
-                       server.optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        server.optimizer.state_dict()["state"][0]["momentum_buffer"],
+    )
     assert restored.join(1, "worker1_r2")[2] == {"epoch": 2, "batch": 3, "pushes": 3}
 
 
@@ -169,8 +171,9 @@ def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
         (root / c).mkdir(parents=True)
         for i in range(4):
             Image.new("RGB", (8, 8), color=(i * 40, 0, 0)).save(root / c / f"{i}.png")
-    config = parse(["worker", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "2",
-                    "--world_size", "2"], {})
+    config = parse(
+        ["worker", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "2", "--world_size", "2"], {}
+    )
     train = data.load(config.dataset, config.data_dir, "train", 0)
     sampler = data.ShardSampler(len(train.data), 1, 0)
     loader = data.train_loader(train.data, sampler, 2, 0, pin_memory=False)
@@ -185,10 +188,13 @@ def test_incarnation_names_never_repeat_and_have_no_dash():
     assert names == ["worker3", "worker3_r2", "worker3_r3"] and not any("-" in n for n in names)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["ps", "--checkpoint_every", "-1"], "--checkpoint_every: -1 must be >= 0"),
-    (["ps", "--join_timeout", "0"], "--join_timeout: 0.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ps", "--checkpoint_every", "-1"], "--checkpoint_every: -1 must be >= 0"),
+        (["ps", "--join_timeout", "0"], "--join_timeout: 0.0 must be > 0"),
+    ],
+)
 def test_failure_knobs_are_checked(argv, message):
     with pytest.raises(UsageError, match=message.replace(".", r"\.")):
         parse(argv, {})
@@ -204,6 +210,7 @@ def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, m
         saver = Checkpointer(server, config, {"model_name": "cnn"}, metrics)
         server.push(1, torch.ones(server.flat.size), 0)
         saver.save("every 1 updates")
+
         def full(*args: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 

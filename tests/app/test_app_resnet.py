@@ -42,11 +42,15 @@ def sample_tree(tmp_path_factory) -> Path:
 
 
 def test_last_evaluations_reads_the_periodic_ones_then_the_final():
-    local = "ps      | ps | Update: 200 | Accuracy: 0.6000\nps      | ps | Update: 250 | Accuracy: 0.7000\n" \
-            "ps      | Accuracy: 0.6500\nps      | Time: 30.00 seconds\n"
+    local = (
+        "ps      | ps | Update: 200 | Accuracy: 0.6000\nps      | ps | Update: 250 | Accuracy: 0.7000\n"
+        "ps      | Accuracy: 0.6500\nps      | Time: 30.00 seconds\n"
+    )
     assert last_evaluations(local) == [0.6, 0.7, 0.65]
-    container = "ps | Update: 50 | Accuracy: 0.3000\nps | Update: 100 | Accuracy: 0.5000\n" \
-                "ps | Update: 150 | Accuracy: 0.6000\nAccuracy: 0.7000\n"
+    container = (
+        "ps | Update: 50 | Accuracy: 0.3000\nps | Update: 100 | Accuracy: 0.5000\n"
+        "ps | Update: 150 | Accuracy: 0.6000\nAccuracy: 0.7000\n"
+    )
     assert last_evaluations(container) == [0.5, 0.6, 0.7]
 
 
@@ -88,6 +92,7 @@ def test_image_size_sets_the_crop(sample_tree):
 
 def test_train_and_val_with_different_classes_is_an_error(tmp_path, sample_tree):
     import shutil
+
     shutil.copytree(sample_tree, tmp_path / "tree")
     shutil.rmtree(tmp_path / "tree" / "val" / "digit_9")
     with pytest.raises(data.UsageError, match="same class folders"):
@@ -101,10 +106,18 @@ def test_cpu_resnet_trains_as_local_processes(tmp_path, sample_tree):
     topology["train"]["data_dir"] = str(sample_tree)
     config = tmp_path / "cpu-resnet.yaml"
     config.write_text(yaml.safe_dump(topology))
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", str(config), "--workers", "2"],
-                       cwd=tmp_path, env=app_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "local", "-c", str(config), "--workers", "2"],
+        cwd=tmp_path,
+        env=app_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert re.search(r"^worker2 +\| worker2 \| Epoch: 6 \| Batch: \d+ \| Loss: ", r.stdout, re.MULTILINE), r.stdout[-2000:]
+    assert re.search(r"^worker2 +\| worker2 \| Epoch: 6 \| Batch: \d+ \| Loss: ", r.stdout, re.MULTILINE), r.stdout[
+        -2000:
+    ]
     ps_log = "\n".join(line for line in r.stdout.splitlines() if re.match(r"ps +\| ", line))
     final = float(re.search(r"^ps +\| Accuracy: ([0-9.]+)$", ps_log, re.MULTILINE).group(1))
     last = last_evaluations(ps_log, 2)

@@ -13,10 +13,10 @@ from torch import nn
 from app.common import checkpoint_files
 from app.common.checkpointer import Checkpointer
 from app.common.metrics import MetricsWriter
+from app.common.wire import Refusal, Reply
 from app.config import UsageError, check_threads_env, parse
 from app.ps import endpoints
 from app.ps.liveness import LivenessMonitor
-from app.common.wire import Refusal, Reply
 from app.ps.server import ParameterServer
 from app.worker.client import PendingPush
 from app.worker.compress import Compressor
@@ -44,6 +44,7 @@ def _bn_model() -> nn.Module:
 
 # 1. GPU --overlap: two pushes on the wire at once never share a staging buffer
 
+
 class _FakeClient:
     def __init__(self) -> None:
         self.sent: list[torch.Tensor] = []
@@ -67,6 +68,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
 
 # 2. staleness_lr scales the gradient, so momentum does not carry it at full weight
 
+
 def _displacement(staleness: int) -> float:
     server = ParameterServer(_linear(1), lr=1.0, momentum=0.9, num_trainers=2, staleness_lr=True)
     for version in range(staleness):
@@ -83,13 +85,14 @@ def test_staleness_lr_with_momentum_moves_a_stale_gradient_a_quarter_as_far():
 
 # 3. sharded PS: one version and one staleness per push, from the main PS
 
+
 def test_a_shard_takes_the_staleness_the_main_ps_computed():
     whole = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True)
     shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
     for server in (whole, shard):
         server.push(2, torch.zeros(server.size), 0)
         server.push(2, torch.zeros(server.size), 1)
-    reply = whole.push(1, torch.ones(4), 0)   # staleness 2 on the main PS
+    reply = whole.push(1, torch.ones(4), 0)  # staleness 2 on the main PS
     # the shard got rank 1's push before rank 2's: by its own count the push is fresh
     fresh = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
     got = fresh.push(1, torch.ones(2), 0, staleness=reply.staleness)
@@ -99,9 +102,19 @@ def test_a_shard_takes_the_staleness_the_main_ps_computed():
 
 # 4. non-finite values: flags, OMP_NUM_THREADS, pushes
 
-@pytest.mark.parametrize("flag,value", [("--lr", "nan"), ("--momentum", "nan"), ("--rpc_timeout", "inf"),
-                                        ("--rpc_timeout", "nan"), ("--join_timeout", "nan"),
-                                        ("--join_timeout", "inf"), ("--lr", "-inf")])
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--lr", "nan"),
+        ("--momentum", "nan"),
+        ("--rpc_timeout", "inf"),
+        ("--rpc_timeout", "nan"),
+        ("--join_timeout", "nan"),
+        ("--join_timeout", "inf"),
+        ("--lr", "-inf"),
+    ],
+)
 def test_non_finite_float_flags_are_refused_naming_the_flag(flag, value):
     with pytest.raises(UsageError, match=f"^{flag}: {value} is not a finite number"):
         parse(["ps", f"{flag}={value}"], {})
@@ -147,6 +160,7 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
 
 # 5. --compress: BatchNorm buffers cross in float32, only the gradients in 16 bits
 
+
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_compressed_pushes_carry_the_buffers_in_float32(kind):
     server = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
@@ -174,6 +188,7 @@ def test_a_compressed_push_to_a_shard_straddling_params_and_buffers_decodes():
 
 # 6. a replaced incarnation's push is answered with a refusal the worker understands
 
+
 def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_usage_error():
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
@@ -190,6 +205,7 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
 
 # 7. drop answers the held push (sync and ssp)
 
+
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy=strategy, staleness=0)
@@ -204,6 +220,7 @@ def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
 
 
 # 8. a finished worker is on disk at once
+
 
 def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1000"], {})
@@ -226,6 +243,7 @@ def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
 
 # 9. final.pt first; a failed write leaves no finished checkpoint
 
+
 def test_a_failed_final_write_leaves_no_finished_checkpoint(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path)], {})
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
@@ -241,11 +259,13 @@ def test_a_failed_final_write_leaves_no_finished_checkpoint(tmp_path):
 
 # 12. a frozen worker (answers pings, never pushes) is reported and dropped under sync and ssp
 
+
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(strategy, caplog):
     clock = Clock()
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock,
-                             strategy=strategy, staleness=0)
+    server = ParameterServer(
+        _linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock, strategy=strategy, staleness=0
+    )
     records = []
     liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda event, step, **f: records.append((event, f)))
     server.join(1, "worker1")
@@ -274,6 +294,7 @@ def test_async_does_not_drop_a_quiet_worker():
 
 # 15. Time: from every worker joined to the last push applied
 
+
 def test_training_time_runs_from_all_joined_to_the_last_push_applied():
     clock = Clock()
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
@@ -292,8 +313,10 @@ def test_training_time_runs_from_all_joined_to_the_last_push_applied():
 
 # 11. DDP: a SIGTERM never splits a step from its label; rank 0 evaluates without holding up the others
 
+
 def _ddp_trainer(optimizer_step=None, rank0=None):
     from app import ddp
+
     config = parse(["worker", "--strategy", "allreduce", "--eval_every", "1"], {})
     model = _linear(4)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -302,8 +325,18 @@ def _ddp_trainer(optimizer_step=None, rank0=None):
     state = ddp.JobState(model, optimizer)
     world = ddp.World(0, 1, "127.0.0.1", 1, 0, False)
     metrics = SimpleNamespace(write=lambda *a, **f: None)
-    trainer = ddp.Trainer(config, world, _Wrapped(model), optimizer, state,  # type: ignore[arg-type]
-                          None, None, torch.device("cpu"), metrics, rank0)
+    trainer = ddp.Trainer(
+        config,
+        world,
+        _Wrapped(model),
+        optimizer,
+        state,  # type: ignore[arg-type]
+        None,
+        None,
+        torch.device("cpu"),
+        metrics,
+        rank0,
+    )
     return trainer, state
 
 
@@ -321,6 +354,7 @@ class _Wrapped(nn.Module):
 def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
     import os
     import signal
+
     from app import runtime
 
     def sigterm_inside(step):
@@ -328,6 +362,7 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
             result = step(*a, **k)
             os.kill(os.getpid(), signal.SIGTERM)  # after the weights moved, before the count
             return result
+
         return wrapped
 
     trainer, state = _ddp_trainer(sigterm_inside)
@@ -342,7 +377,9 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
 
 def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it(monkeypatch):
     import threading
+
     from app import ddp
+
     release, evaluated = threading.Event(), []
 
     def slow_accuracy(model, loader, device):
@@ -354,7 +391,7 @@ def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it
     checkpoints = SimpleNamespace(due=lambda: False)
     trainer, state = _ddp_trainer(rank0=(checkpoints, None))
     state.progress = ddp.Progress(step=1)
-    trainer.rank0_duties()          # returns while the evaluation is still blocked
+    trainer.rank0_duties()  # returns while the evaluation is still blocked
     assert trainer.evaluating() and not evaluated
     release.set()
     trainer.wait_for_evaluation()
@@ -362,6 +399,7 @@ def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it
 
 
 # 10. shard checkpoints: written at the main PS's version, resumed at the version every shard has
+
 
 def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"], {})
@@ -381,11 +419,14 @@ def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(t
         checkpoints.before_save = asked.append
         server.push(1, torch.ones(4), 1)
         checkpoints.save("every 1 updates")
-    assert asked == [1, 2] and [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(tmp_path)] == [2]
+    assert asked == [1, 2] and [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(tmp_path)] == [
+        2
+    ]
 
 
 def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
     from app.ps.sharding.shard_process import resume_shard
+
     shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
         shard.push(1, torch.ones(2), shard.version)

@@ -10,17 +10,32 @@ import pytest
 
 from app_testkit import app_env, finished, free_port, run_app, start_app, wait_for
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
-          "--eval_every", "100000", "--checkpoint_every", "0"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--eval_every",
+    "100000",
+    "--checkpoint_every",
+    "0",
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv,env,message", [
-    (["ps", "--lr", "nan"], {}, "app: error: --lr: nan is not a finite number"),
-    (["worker"], {"PSC_RPC_TIMEOUT": "inf"}, "app: error: --rpc_timeout: inf is not a finite number"),
-    (["ps"], {"OMP_NUM_THREADS": "4,2"}, "app: error: OMP_NUM_THREADS: '4,2' is not a positive integer"),
-    (["worker"], {"OMP_NUM_THREADS": "0"}, "app: error: OMP_NUM_THREADS: '0' is not a positive integer"),
-])
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (["ps", "--lr", "nan"], {}, "app: error: --lr: nan is not a finite number"),
+        (["worker"], {"PSC_RPC_TIMEOUT": "inf"}, "app: error: --rpc_timeout: inf is not a finite number"),
+        (["ps"], {"OMP_NUM_THREADS": "4,2"}, "app: error: OMP_NUM_THREADS: '4,2' is not a positive integer"),
+        (["worker"], {"OMP_NUM_THREADS": "0"}, "app: error: OMP_NUM_THREADS: '0' is not a positive integer"),
+    ],
+)
 def test_non_finite_flags_and_bad_omp_num_threads_exit_2_with_one_line(argv, env, message):
     result = run_app(*argv, env=app_env(**env), timeout=30)
     assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
@@ -37,9 +52,25 @@ def _wait_for_text(path: Path, text: str, timeout: float) -> None:
 
 @pytest.mark.slow
 def test_a_replaced_incarnations_push_ends_it_with_status_2_and_one_line(tmp_path):
-    common = ["--world_size", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-              "--rpc_timeout", "3", "--join_timeout", "20", "--num_epochs", "1000", *DIGITS]
+    common = [
+        "--world_size",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "ckpt"),
+        "--rpc_timeout",
+        "3",
+        "--join_timeout",
+        "20",
+        "--num_epochs",
+        "1000",
+        *DIGITS,
+    ]
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
     try:
         _wait_for_text(tmp_path / "ps.err", "ps joined the job", 60)

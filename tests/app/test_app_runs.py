@@ -35,6 +35,7 @@ class Clock:
 
 # --- the roster: who counts as finished ------------------------------------
 
+
 def _finished_in_a_checkpoint(*ranks: int) -> dict[int, dict[str, int]]:
     """Progress of ranks 1..4 in which `ranks` finished (epoch 2 done) and the others never ran."""
     roster = Roster([1, 2, 3, 4], join_timeout=30, clock=Clock())
@@ -94,6 +95,7 @@ def test_the_job_does_not_end_while_rejoined_finished_ranks_train(same_run):
 
 # --- checkpoints of runs -----------------------------------------------------
 
+
 def _server() -> ParameterServer:
     return ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_trainers=2)
 
@@ -129,9 +131,12 @@ def test_a_new_run_starts_fresh_and_sets_an_unfinished_runs_files_aside(tmp_path
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == old  # moved whole, nothing deleted
     assert checkpoint_files.listing(tmp_path / "ck") == []
     [line] = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
-    assert re.fullmatch(r"not resuming from ckpt-00000003-[0-9a-f]{16}\.pt \(version 3\): it is of run run-a, "
-                        r"this is run run-b \(--resume, make up RESUME=1, continues it\); starting a new run at "
-                        rf"version 0; its files moved to {re.escape(str(aside))}", line), line
+    assert re.fullmatch(
+        r"not resuming from ckpt-00000003-[0-9a-f]{16}\.pt \(version 3\): it is of run run-a, "
+        r"this is run run-b \(--resume, make up RESUME=1, continues it\); starting a new run at "
+        rf"version 0; its files moved to {re.escape(str(aside))}",
+        line,
+    ), line
 
 
 def test_the_new_runs_pruning_never_reaches_the_files_set_aside(tmp_path):
@@ -153,8 +158,11 @@ def test_resume_continues_another_runs_checkpoint_and_says_which_version(tmp_pat
     with caplog.at_level(logging.INFO, logger="app.ps"):
         resumed = _run(tmp_path, "run-b", 0, "--resume", "true")
     assert resumed.server.version == 4 and resumed.saved_version == 4
-    assert re.search(r"resumed from \S+ckpt-00000004-[0-9a-f]{16}\.pt: version 4 \(run run-a, continued by "
-                     r"--resume\)", caplog.text), caplog.text
+    assert re.search(
+        r"resumed from \S+ckpt-00000004-[0-9a-f]{16}\.pt: version 4 \(run run-a, continued by "
+        r"--resume\)",
+        caplog.text,
+    ), caplog.text
     [record] = [r for r in read(tmp_path / "m" / "ps.jsonl") if r["event"] == "resume"]
     assert record["step"] == 4 and record["run_id"] == "run-a"
 
@@ -201,8 +209,11 @@ def test_run_ids_that_name_a_directory_are_accepted(value):
 
 @pytest.mark.parametrize("value", ["../up", "a b", "-x", "x" * 65])
 def test_a_run_id_that_cannot_name_a_directory_is_one_line(value):
-    with pytest.raises(UsageError, match=r"^--run_id: .* must be 1 to 64 letters, digits, '\.', '_' or '-', "
-                                         r"starting with a letter or digit$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--run_id: .* must be 1 to 64 letters, digits, '\.', '_' or '-', "
+        r"starting with a letter or digit$",
+    ):
         parse(["ps", f"--run_id={value}"], {})
 
 
@@ -213,9 +224,30 @@ def test_run_id_and_resume_come_from_the_environment_too():
 
 # --- real processes: the defect, a fresh start and --resume ----------------
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1",
-          "--world_size", "5", "--eval_every", "1000", "--log_every", "1", "--rpc_timeout", "60",
-          "--join_timeout", "180", "--master_addr", "127.0.0.1"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--seed",
+    "1",
+    "--world_size",
+    "5",
+    "--eval_every",
+    "1000",
+    "--log_every",
+    "1",
+    "--rpc_timeout",
+    "60",
+    "--join_timeout",
+    "180",
+    "--master_addr",
+    "127.0.0.1",
+]
 TIMEOUT = 240
 
 
@@ -225,8 +257,17 @@ class Job:
     def __init__(self, tmp_path, state, run_id: str, *ps_args: str) -> None:
         self.dir, self.run_id = tmp_path / run_id, run_id
         self.dir.mkdir()
-        self.common = [*DIGITS, "--master_port", str(free_port()), "--checkpoint_dir", str(state),
-                       "--metrics_dir", str(self.dir / "metrics"), "--run_id", run_id]
+        self.common = [
+            *DIGITS,
+            "--master_port",
+            str(free_port()),
+            "--checkpoint_dir",
+            str(state),
+            "--metrics_dir",
+            str(self.dir / "metrics"),
+            "--run_id",
+            run_id,
+        ]
         self.procs = {"ps": start_app(self.dir, "ps", ["ps", *self.common, *ps_args])}
 
     def worker(self, rank: int, *args: str) -> None:
@@ -243,8 +284,10 @@ class Job:
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
             if dead or time.monotonic() > deadline:
                 self.close()
-                pytest.fail(f"{what}: not reached ({'exited: ' + str(dead) if dead else 'timeout'})\n"
-                            + (self.dir / "ps.err").read_text())
+                pytest.fail(
+                    f"{what}: not reached ({'exited: ' + str(dead) if dead else 'timeout'})\n"
+                    + (self.dir / "ps.err").read_text()
+                )
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -290,8 +333,10 @@ def test_resume_keeps_the_ps_up_while_rejoined_finished_ranks_train(unfinished_r
     try:
         for rank in (2, 4):
             job.worker(rank, "--num_epochs", "6")
-        job.wait_until("ranks 2 and 4 train again", lambda: all(
-            any(r["epoch"] >= 2 for r in job.records(f"worker{rank}", "train")) for rank in (2, 4)))
+        job.wait_until(
+            "ranks 2 and 4 train again",
+            lambda: all(any(r["epoch"] >= 2 for r in job.records(f"worker{rank}", "train")) for rank in (2, 4)),
+        )
         for rank in (2, 4):  # held mid-epoch: still training when 1 and 3 finish
             job.procs[f"worker{rank}"].send_signal(signal.SIGSTOP)
         for rank in (1, 3):
@@ -336,9 +381,12 @@ def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfin
         job.close()
     assert procs["worker2"].returncode == 0, procs["worker2"].stderr
     aside = state / checkpoint_files.PREVIOUS / "run-old"
-    assert re.search(rf"not resuming from ckpt-\S+ \(version {version}\): it is of run run-old, this is run "
-                     rf"run-new .*; starting a new run at version 0; its files moved to {re.escape(str(aside))}$",
-                     procs["ps"].stderr, re.M), procs["ps"].stderr
+    assert re.search(
+        rf"not resuming from ckpt-\S+ \(version {version}\): it is of run run-old, this is run "
+        rf"run-new .*; starting a new run at version 0; its files moved to {re.escape(str(aside))}$",
+        procs["ps"].stderr,
+        re.M,
+    ), procs["ps"].stderr
     assert {p.name for p in aside.glob("*.pt")} == before  # the old run's files, whole
     [start] = job.records("ps", "start")
     assert start["step"] == 0 and not job.records("ps", "resume")

@@ -12,8 +12,8 @@ from app.common import models
 from app.common.flat import state_size
 from app.common.metrics import read
 from app.config import UsageError, parse
-from app.ps.sharding import slices as shards
 from app.ps.server import ParameterServer
+from app.ps.sharding import slices as shards
 
 from app_testkit import run_cluster
 
@@ -58,7 +58,7 @@ def test_sharded_async_pushes_give_exactly_the_unsliced_vector(k):
         rank = 1 + step % 2
         message = torch.randn(whole.flat.size, generator=generator)
         expected = whole.push(rank, message, step).vector
-        replies = [s.push(rank, message[s.part[0]:s.part[1]].clone(), step) for s in sliced]
+        replies = [s.push(rank, message[s.part[0] : s.part[1]].clone(), step) for s in sliced]
         assert torch.equal(torch.cat([r.vector for r in replies]), expected)
         assert {r.version for r in replies} == {step + 1}
     assert torch.equal(torch.cat([s.pull(0)[0] for s in sliced]), whole.flat.vector)
@@ -71,8 +71,10 @@ def test_sharded_sync_rounds_give_exactly_the_unsliced_vector(k):
     for round_ in range(4):
         messages = {rank: torch.randn(whole.flat.size, generator=generator) for rank in (1, 2)}
         futures = {rank: whole.submit(rank, m, round_) for rank, m in messages.items()}
-        parts = {rank: [s.submit(rank, m[s.part[0]:s.part[1]].clone(), round_) for s in sliced]
-                 for rank, m in messages.items()}
+        parts = {
+            rank: [s.submit(rank, m[s.part[0] : s.part[1]].clone(), round_) for s in sliced]
+            for rank, m in messages.items()
+        }
         expected = futures[1].wait().vector
         for rank in (1, 2):
             assert torch.equal(torch.cat([f.wait().vector for f in parts[rank]]), expected)
@@ -81,7 +83,7 @@ def test_sharded_sync_rounds_give_exactly_the_unsliced_vector(k):
         server.drop(2, "worker2")
     message = torch.randn(whole.flat.size, generator=generator)
     expected = whole.push(1, message, 4).vector
-    got = torch.cat([s.push(1, message[s.part[0]:s.part[1]].clone(), 4).vector for s in sliced])
+    got = torch.cat([s.push(1, message[s.part[0] : s.part[1]].clone(), 4).vector for s in sliced])
     assert torch.equal(got, expected)
 
 
@@ -100,16 +102,23 @@ def test_a_shards_checkpoint_holds_its_slice_and_restores_only_into_the_same_sli
     fresh = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=shard.part)
     fresh.restore(state)
     assert fresh.version == 1 and torch.equal(fresh.state, shard.state)
-    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["momentum_buffer"],
-                       shard.optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        shard.optimizer.state_dict()["state"][0]["momentum_buffer"],
+    )
     other = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=sliced[2].part)
     with pytest.raises(ValueError, match="this shard"):
         other.restore(state)
 
 
 def test_one_shard_is_the_unsliced_server():
-    server = ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.0, num_trainers=1,
-                             part=(0, state_size(models.build("cnn", 1, 10, seed=0))))
+    server = ParameterServer(
+        models.build("cnn", 1, 10, seed=0),
+        lr=0.1,
+        momentum=0.0,
+        num_trainers=1,
+        part=(0, state_size(models.build("cnn", 1, 10, seed=0))),
+    )
     assert not server.sliced and server.state is server.flat.vector
 
 
@@ -117,18 +126,39 @@ def test_shard_flags():
     config = parse(["ps", "--shards", "3", "--shard", "2"], {})
     assert (config.shards, config.shard, config.name) == (3, 2, "ps2")
     assert parse(["worker", "--world_size", "3"], {"PSC_SHARDS": "2"}).shards == 2
-    for argv, match in [(["ps", "--shards", "2", "--shard", "2"], "--shard: 2"),
-                        (["worker", "--shards", "2", "--shard", "1"], "--shard: 1 is for the ps role"),
-                        (["ps", "--shards", "9"], "--shards: 9 must be <= 8"),
-                        (["ps", "--shards", "0"], "--shards: 0 must be >= 1"),
-                        (["ps", "--shards", "2", "--strategy", "allreduce"], "allreduce has none")]:
+    for argv, match in [
+        (["ps", "--shards", "2", "--shard", "2"], "--shard: 2"),
+        (["worker", "--shards", "2", "--shard", "1"], "--shard: 1 is for the ps role"),
+        (["ps", "--shards", "9"], "--shards: 9 must be <= 8"),
+        (["ps", "--shards", "0"], "--shards: 0 must be >= 1"),
+        (["ps", "--shards", "2", "--strategy", "allreduce"], "allreduce has none"),
+    ]:
         with pytest.raises(UsageError, match=match):
             parse(argv, {})
 
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
-          "--num_epochs", "10", "--eval_every", "100", "--rpc_timeout", "30", "--seed", "1",
-          "--momentum", "0.5", "--checkpoint_every", "200"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--num_epochs",
+    "10",
+    "--eval_every",
+    "100",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "1",
+    "--momentum",
+    "0.5",
+    "--checkpoint_every",
+    "200",
+]
 
 
 @pytest.mark.slow

@@ -29,8 +29,26 @@ from app.ps.server import ParameterServer
 
 from app_testkit import finished, free_port, run_app, start_app, wait_for
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--momentum", "0.5",
-          "--eval_every", "100000", "--rpc_timeout", "20", "--seed", "1", "--join_timeout", "60"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--momentum",
+    "0.5",
+    "--eval_every",
+    "100000",
+    "--rpc_timeout",
+    "20",
+    "--seed",
+    "1",
+    "--join_timeout",
+    "60",
+]
 
 
 def _server() -> ParameterServer:
@@ -40,8 +58,7 @@ def _server() -> ParameterServer:
 
 
 def _config(tmp_path: Path, run_id: str, **kw) -> object:
-    base = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--run_id", run_id,
-                  "--checkpoint_every", "0"], {})
+    base = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--run_id", run_id, "--checkpoint_every", "0"], {})
     return dataclasses.replace(base, **kw)
 
 
@@ -52,6 +69,7 @@ def _checkpointer(tmp_path: Path, run_id: str, **kw) -> tuple[ParameterServer, C
 
 
 # --- a run that applied nothing, and --resume -------------------------------------------
+
 
 def test_a_run_stopped_before_any_push_writes_nothing_and_resume_continues_the_run_it_set_aside(tmp_path):
     server, ck, m = _checkpointer(tmp_path, "runA")
@@ -96,6 +114,7 @@ def test_a_finished_run_restarted_has_nothing_to_do_and_keeps_its_final_pt(tmp_p
 
 # --- a checkpoint directory that cannot be written ---------------------------------------
 
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A directory this process cannot write to: a read-only bind mount (root ignores file
@@ -104,8 +123,10 @@ def read_only_dir(tmp_path):
     ro.mkdir()
     mounted = False
     if os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "--bind", str(ro), str(ro)], capture_output=True).returncode == 0 and \
-            subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(["mount", "--bind", str(ro), str(ro)], capture_output=True).returncode == 0
+            and subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True).returncode == 0
+        )
     else:
         ro.chmod(0o555)
     try:
@@ -131,8 +152,19 @@ def test_a_read_only_checkpoint_directory_is_refused_at_the_start(tmp_path, read
 
 @pytest.mark.slow
 def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read_only_dir):
-    r = run_app("ps", "--world_size", "2", "--master_port", str(free_port()), "--checkpoint_dir",
-                str(read_only_dir), "--metrics_dir", str(read_only_dir.parent / "m"), *DIGITS, timeout=120)
+    r = run_app(
+        "ps",
+        "--world_size",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--checkpoint_dir",
+        str(read_only_dir),
+        "--metrics_dir",
+        str(read_only_dir.parent / "m"),
+        *DIGITS,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "cannot write there" in errors[0], r.stderr
@@ -140,17 +172,32 @@ def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read
 
 # --- real processes: a finished run's PS restarted; a sharded PS stopped -------------------
 
+
 def _common(tmp_path: Path, port: int, workers: int, run_id: str) -> list[str]:
-    return ["--world_size", str(workers + 1), "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"),
-            "--run_id", run_id, *DIGITS]
+    return [
+        "--world_size",
+        str(workers + 1),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "checkpoints"),
+        "--run_id",
+        run_id,
+        *DIGITS,
+    ]
 
 
 @pytest.mark.slow
 def test_a_finished_runs_ps_started_again_exits_0_at_once_and_leaves_final_pt(tmp_path):
     common = _common(tmp_path, free_port(), 1, "done-run") + ["--num_epochs", "1"]
-    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common]),
-             "worker1": start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common])}
+    procs = {
+        "ps": start_app(tmp_path, "ps", ["ps", *common]),
+        "worker1": start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common]),
+    }
     wait_for(procs, 180)
     assert all(p.returncode == 0 for p in procs.values())
     final = tmp_path / "checkpoints" / "final.pt"
@@ -189,8 +236,12 @@ def test_a_sharded_ps_stopped_keeps_every_slice_and_resumes(tmp_path, order):
     Either way every slice is written with the run id, and the restarted job continues."""
     port = free_port()
     common = _common(tmp_path, port, 2, "sharded-run") + ["--shards", "2", "--checkpoint_every", "0"]
-    roles = {"ps": ["ps"], "ps1": ["ps", "--shard", "1"], "worker1": ["worker", "--rank", "1"],
-             "worker2": ["worker", "--rank", "2"]}
+    roles = {
+        "ps": ["ps"],
+        "ps1": ["ps", "--shard", "1"],
+        "worker1": ["worker", "--rank", "1"],
+        "worker2": ["worker", "--rank", "2"],
+    }
     procs = {name: start_app(tmp_path, name, [*role, *common, "--num_epochs", "40"]) for name, role in roles.items()}
     try:
         _wait_for_steps(tmp_path / "metrics" / "worker1.jsonl", 20, procs)
@@ -205,18 +256,22 @@ def test_a_sharded_ps_stopped_keeps_every_slice_and_resumes(tmp_path, order):
         wait_for(procs, 90, "the stopped cluster")
     main = [checkpoint_files.verify(p) for p in checkpoint_files.listing(tmp_path / "checkpoints")]
     slices = [checkpoint_files.verify(p) for p in checkpoint_files.listing(tmp_path / "checkpoints" / "shard1")]
-    assert main and main[0]["version"] > 0 and main[0]["run_id"] == "sharded-run", \
-        finished(tmp_path, "ps", procs["ps"]).stderr
-    assert slices and slices[0]["version"] > 0 and slices[0]["run_id"] == "sharded-run", \
-        finished(tmp_path, "ps1", procs["ps1"]).stderr
+    assert main and main[0]["version"] > 0 and main[0]["run_id"] == "sharded-run", finished(
+        tmp_path, "ps", procs["ps"]
+    ).stderr
+    assert slices and slices[0]["version"] > 0 and slices[0]["run_id"] == "sharded-run", finished(
+        tmp_path, "ps1", procs["ps1"]
+    ).stderr
     stopped_at = main[0]["version"]
 
-    again = {name: start_app(tmp_path, f"{name}-2", [*role, *common, "--num_epochs", "2"])
-             for name, role in roles.items()}
+    again = {
+        name: start_app(tmp_path, f"{name}-2", [*role, *common, "--num_epochs", "2"]) for name, role in roles.items()
+    }
     wait_for(again, 240, "the restarted cluster")
     done = {name: finished(tmp_path, name, p, f"{name}-2") for name, p in again.items()}
-    assert {n: p.returncode for n, p in done.items()} == dict.fromkeys(roles, 0), \
-        {n: p.stderr[-800:] for n, p in done.items()}
+    assert {n: p.returncode for n, p in done.items()} == dict.fromkeys(roles, 0), {
+        n: p.stderr[-800:] for n, p in done.items()
+    }
     assert f"version {stopped_at}" in done["ps"].stderr, done["ps"].stderr
     assert "resumed from ckpt-" in done["ps1"].stderr, done["ps1"].stderr
     assert (tmp_path / "checkpoints" / "final.pt").is_file()

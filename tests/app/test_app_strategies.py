@@ -30,14 +30,14 @@ def _linear(size: int) -> nn.Module:
 
 
 def _server(strategy: str, workers: int = 2, size: int = 4, **kw) -> ParameterServer:
-    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=workers,
-                             strategy=strategy, **kw)
+    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=workers, strategy=strategy, **kw)
     for rank in range(1, workers + 1):
         server.join(rank, f"worker{rank}")
     return server
 
 
 # --- sync -------------------------------------------------------------------------
+
 
 def test_sync_holds_each_push_until_every_worker_pushed_then_applies_the_average():
     server = _server("sync", workers=3)
@@ -78,11 +78,12 @@ def test_sync_waits_for_a_rank_that_has_not_joined_yet():
 
 # --- ssp --------------------------------------------------------------------------
 
+
 def test_ssp_answers_a_worker_only_within_the_staleness_bound_of_the_slowest():
     server = _server("ssp", workers=2, staleness=1)
     assert server.submit(1, torch.ones(4), 0).wait().lead == 1  # 1 ahead of worker2: allowed
-    held = server.submit(1, torch.ones(4), 1)                    # 2 ahead: waits
-    assert not held.done() and server.version == 2               # applied at once all the same
+    held = server.submit(1, torch.ones(4), 1)  # 2 ahead: waits
+    assert not held.done() and server.version == 2  # applied at once all the same
     reply = server.submit(2, torch.ones(4), 0).wait()
     assert reply.staleness == 2 and reply.lead == 0
     released = held.wait()
@@ -98,15 +99,16 @@ def test_async_never_holds_a_reply():
 
 def test_staleness_aware_lr_divides_the_step_by_the_staleness():
     server = _server("ssp", workers=2, staleness=10, staleness_lr=True)
-    server.push(1, torch.ones(4), 0)        # staleness 0: full lr, w = -1
-    server.push(1, torch.ones(4), 1)        # staleness 0: w = -2
-    server.push(2, torch.ones(4), 0)        # staleness 2: lr / 2, w = -2.5
+    server.push(1, torch.ones(4), 0)  # staleness 0: full lr, w = -1
+    server.push(1, torch.ones(4), 1)  # staleness 0: w = -2
+    server.push(2, torch.ones(4), 0)  # staleness 2: lr / 2, w = -2.5
     vector, version = server.pull(0)
     assert version == 3 and torch.allclose(vector, torch.full((4,), -2.5))
     assert server.optimizer.param_groups[0]["lr"] == 1.0
 
 
 # --- compression --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_compression_error_feedback_carries_what_rounding_lost(kind):
@@ -134,8 +136,24 @@ def test_the_ps_takes_a_16_bit_push():
 
 # --- real processes ---------------------------------------------------------------
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1",
-          "--rpc_timeout", "30", "--seed", "3", "--log_every", "1", "--eval_every", "1000"]
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--rpc_timeout",
+    "30",
+    "--seed",
+    "3",
+    "--log_every",
+    "1",
+    "--eval_every",
+    "1000",
+]
 
 
 def _ok(procs):
@@ -150,8 +168,7 @@ def _train_records(tmp_path, rank):
 @pytest.mark.slow
 def test_sync_final_parameters_match_one_process_applying_the_averaged_gradients(tmp_path):
     steps, workers, lr, momentum = 6, 2, 0.1, 0.9
-    args = DIGITS + ["--strategy", "sync", "--momentum", str(momentum), "--max_steps", str(steps),
-                     "--num_epochs", "1"]
+    args = DIGITS + ["--strategy", "sync", "--momentum", str(momentum), "--max_steps", str(steps), "--num_epochs", "1"]
     procs = run_cluster(tmp_path, workers=workers, args=args, timeout=120)
     _ok(procs)
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
@@ -193,8 +210,9 @@ def test_sync_final_parameters_match_one_process_applying_the_averaged_gradients
     trained.load_state_dict(final["model"])
     got = FlatModel(trained, with_grads=False).vector
     assert final["version"] == steps
-    assert torch.allclose(got, global_flat.vector, rtol=1e-4, atol=1e-5), \
+    assert torch.allclose(got, global_flat.vector, rtol=1e-4, atol=1e-5), (
         f"max difference {(got - global_flat.vector).abs().max():.2e}"
+    )
 
 
 @pytest.mark.slow
@@ -204,8 +222,19 @@ def test_ssp_never_lets_a_worker_run_more_than_s_pushes_ahead(tmp_path):
     # worker1 must wait for worker2: under async it would push on at once.
     bound = 2
     args = DIGITS + ["--strategy", "ssp", "--staleness", str(bound), "--num_epochs", "2"]
-    common = ["--world_size", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-              "--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints"), *args]
+    common = [
+        "--world_size",
+        "3",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "checkpoints"),
+        *args,
+    ]
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
     procs["worker1"] = start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common])
     try:
@@ -231,8 +260,10 @@ def test_ssp_never_lets_a_worker_run_more_than_s_pushes_ahead(tmp_path):
     # answer it got after its first at lead == bound came after worker2 was started.
     at_bound = leads[1].index(bound)
     assert at_bound == bound - 1, leads[1][:10]  # its pushes 1..bound, each 1 more ahead
-    assert all(r["time"] >= worker2_started for r in records[1][at_bound + 1:]), \
-        ([r["time"] for r in records[1][:bound + 2]], worker2_started)
+    assert all(r["time"] >= worker2_started for r in records[1][at_bound + 1 :]), (
+        [r["time"] for r in records[1][: bound + 2]],
+        worker2_started,
+    )
     # Before worker2's first answer, worker1 had at most bound + 1 (the push worker2's first released).
     first2 = records[2][0]["time"]
     assert len([r for r in records[1] if r["time"] < first2]) <= bound + 1
@@ -277,30 +308,35 @@ class _CheckingClient:
 
     def push_async(self, message, version, epoch=1, batch=0, samples=0):
         from types import SimpleNamespace
+
         from app.common.wire import Reply
+
         kept = message.clone()
         self.sent.append(message)
 
         def wait():
             self.intact.append(torch.equal(message, kept))
             return Reply(torch.zeros(message.numel()) + len(self.sent), version + 1, 0, 0)
+
         return SimpleNamespace(wait=wait)
 
 
 def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
     from app.config import parse
     from app.worker.trainer import Trainer
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     client = _CheckingClient()
-    trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"),
-                      client, None)
+    trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"), client, None)
     for _ in range(5):
         trainer.compute_gradients(torch.randn(8, 3), torch.randint(0, 2, (8,)))
         trainer.push_and_pull()
         on_wire = client.sent[-1]
-        assert all(not (on_wire.data_ptr() <= p.grad.data_ptr() < on_wire.data_ptr() + 4 * on_wire.numel())
-                   for p in model.parameters())  # the next backward lands elsewhere
+        assert all(
+            not (on_wire.data_ptr() <= p.grad.data_ptr() < on_wire.data_ptr() + 4 * on_wire.numel())
+            for p in model.parameters()
+        )  # the next backward lands elsewhere
     trainer.last_reply()
     assert client.intact == [True] * 5
     pointers = [m.data_ptr() for m in client.sent]

@@ -26,17 +26,28 @@ def test_case_row_is_the_mean_over_workers_of_window_over_steps():
 
 
 def _runs() -> list[dict]:
-    rows = [headline.case_row(s, m, 2, raw(w, 10, workers=1))
-            for m, s, w in [("mnist-cnn", "app", 1.5), ("resnet18-10", "ref-uv", 5.0),
-                            ("resnet18-10", "app-sync", 3.0), ("resnet18-10", "compute", 2.0),
-                            ("resnet18-10", "app-sync", 4.0), ("resnet18-10", "app-sync", 3.5)]]
+    rows = [
+        headline.case_row(s, m, 2, raw(w, 10, workers=1))
+        for m, s, w in [
+            ("mnist-cnn", "app", 1.5),
+            ("resnet18-10", "ref-uv", 5.0),
+            ("resnet18-10", "app-sync", 3.0),
+            ("resnet18-10", "compute", 2.0),
+            ("resnet18-10", "app-sync", 4.0),
+            ("resnet18-10", "app-sync", 3.5),
+        ]
+    ]
     return rows
 
 
 def test_aggregate_orders_by_model_seen_then_system_and_divides_by_compute_only():
     rows = headline.aggregate(_runs())
     assert [(r["model"], r["system"]) for r in rows] == [
-        ("mnist-cnn", "app"), ("resnet18-10", "compute"), ("resnet18-10", "app-sync"), ("resnet18-10", "ref-uv")]
+        ("mnist-cnn", "app"),
+        ("resnet18-10", "compute"),
+        ("resnet18-10", "app-sync"),
+        ("resnet18-10", "ref-uv"),
+    ]
     sync = rows[2]
     assert sync["repeats"] == 3 and sync["step_s"] == pytest.approx(0.35)  # the median of 0.3, 0.4, 0.35
     assert sync["step_s_range"] == [pytest.approx(0.3), pytest.approx(0.4)]
@@ -84,8 +95,11 @@ def test_compare_pairs_common_rows_and_judges_lower_step_better():
 
 def test_compare_full_documents_judges_higher_updates_better_and_reads_unversioned_ones():
     old = {"rows": [{"model": "cnn", "workers": 1, "system": "app", "updates_per_s": 100.0}]}  # before SCHEMA
-    new = {"schema": 1, "kind": "full",
-           "rows": [{"model": "cnn", "workers": 1, "system": "app", "updates_per_s": 80.0}]}
+    new = {
+        "schema": 1,
+        "kind": "full",
+        "rows": [{"model": "cnn", "workers": 1, "system": "app", "updates_per_s": 80.0}],
+    }
     pairs = headline.compare(old, new)
     assert pairs[0]["ratio"] == pytest.approx(0.8)
     assert headline.compare_table(pairs).splitlines()[-1].endswith("worse")
@@ -141,7 +155,9 @@ def test_headline_params_one_thread_fixed_steps_and_no_tail_where_workers_wait()
     assert headline_params("ref", "cnn", None)["transports"] is None
     assert headline_params("allreduce", "cnn", None)["allreduce"] is True
     assert [s for s in headline.SYSTEMS if headline_params(s, "cnn", None)["workers_only"]] == [
-        "compute", "allreduce"]  # no PS process: it would only take a core's share
+        "compute",
+        "allreduce",
+    ]  # no PS process: it would only take a core's share
 
 
 def test_run_steps_times_exactly_the_count_after_warmup():
@@ -159,6 +175,7 @@ def test_run_steps_times_exactly_the_count_after_warmup():
 
 def test_reference_round_averages_the_pushed_grads_and_answers_the_round():
     from bench.reference import BatchUpdateParameterServer
+
     model = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
@@ -188,6 +205,7 @@ def test_a_tiny_headline_runs_every_system_to_its_count(tmp_path, capsys):
 
 def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
     from bench import constants
+
     text = constants.lines({"gloo_s": 0.04, "state_mb": 44.8})
     assert [line.split()[0] for line in text.splitlines()] == ["state_mb", "gloo_s"]
     assert constants.MEASURES["gloo_s"] in text
@@ -196,6 +214,7 @@ def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
 def test_constants_time_each_channel_the_app_lists_and_name_each_figure():
     from app import runtime
     from bench import constants
+
     measured = {channels[0] for channels in constants.ECHO_CHANNELS.values()}
     assert measured == set(runtime.CHANNELS) - {"basic"}
     assert set(constants.ECHO_CHANNELS) <= set(constants.MEASURES)
@@ -204,6 +223,7 @@ def test_constants_time_each_channel_the_app_lists_and_name_each_figure():
 @pytest.mark.slow
 def test_constants_rpc_round_trip_runs_two_processes_per_channel_and_reports_each():
     from bench import constants
+
     figures = constants.rpc_round_trips("mnist-cnn", repeats=2)
     assert set(figures) == set(constants.ECHO_CHANNELS)
     assert all(math.isfinite(seconds) and seconds > 0 for seconds in figures.values()), figures

@@ -11,10 +11,26 @@ from bench import loop, report
 from bench.containers import throughput
 
 
-def raw(steps: int, window: float, comm: float, compute: float, only: float | None,
-        floats: int = 1000, workers: int = 1, idle: dict | None = None) -> dict:
-    w = {"steps": steps, "window_s": window, "compute_s": compute, "comm_s": comm,
-         "step_s": compute + comm, "compute_only_s": only, "push_bytes": 4 * floats, "pull_bytes": 4 * floats}
+def raw(
+    steps: int,
+    window: float,
+    comm: float,
+    compute: float,
+    only: float | None,
+    floats: int = 1000,
+    workers: int = 1,
+    idle: dict | None = None,
+) -> dict:
+    w = {
+        "steps": steps,
+        "window_s": window,
+        "compute_s": compute,
+        "comm_s": comm,
+        "step_s": compute + comm,
+        "compute_only_s": only,
+        "push_bytes": 4 * floats,
+        "pull_bytes": 4 * floats,
+    }
     return {"workers": [dict(w) for _ in range(workers)], "ps": {}, "idle_cpu_percent": idle}
 
 
@@ -50,8 +66,10 @@ def test_aggregate_takes_medians_keeps_range_and_orders_rows():
 
 
 def test_aggregate_idle_cpu_is_a_median_per_role_and_skips_missing():
-    runs = [report.case_row("app", "cnn", 1, 32, raw(10, 1.0, 0.01, 0.01, 0.01, idle=i))
-            for i in ({"ps": 0.0, "worker": 2.0}, None, {"ps": 1.0, "worker": 4.0}, {"ps": 2.0, "worker": 3.0})]
+    runs = [
+        report.case_row("app", "cnn", 1, 32, raw(10, 1.0, 0.01, 0.01, 0.01, idle=i))
+        for i in ({"ps": 0.0, "worker": 2.0}, None, {"ps": 1.0, "worker": 4.0}, {"ps": 2.0, "worker": 3.0})
+    ]
     assert report.aggregate(runs)[0]["idle_cpu_percent"] == {"ps": 1.0, "worker": 3.0}
 
 
@@ -115,8 +133,11 @@ def test_run_window_reports_medians_of_the_steps_it_timed():
 
 
 def test_throughput_reads_the_ps_end_line_and_skips_bad_lines():
-    lines = ['{"event": "eval", "step": 100, "accuracy": 0.9}', "not json",
-             '{"event": "end", "step": 400, "seconds": 2.0, "accuracy": 0.97}', '{"event": "e']
-    assert throughput(lines, 32) == {"updates": 400, "seconds": 2.0, "updates_per_s": 200.0,
-                                     "samples_per_s": 6400.0}
+    lines = [
+        '{"event": "eval", "step": 100, "accuracy": 0.9}',
+        "not json",
+        '{"event": "end", "step": 400, "seconds": 2.0, "accuracy": 0.97}',
+        '{"event": "e',
+    ]
+    assert throughput(lines, 32) == {"updates": 400, "seconds": 2.0, "updates_per_s": 200.0, "samples_per_s": 6400.0}
     assert throughput(['{"event": "eval", "step": 1}'], 32) is None

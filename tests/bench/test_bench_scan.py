@@ -18,8 +18,11 @@ def test_make_tree_is_what_the_scan_finds(tmp_path):
 def test_scan_prints_files_and_seconds(capsys):
     assert main(["scan", "--files", "300", "--classes", "3", "--repeats", "1"]) == 0
     line = capsys.readouterr().out.strip()
-    assert re.fullmatch(r"scan: 300 files in 3 classes \(\d+\.\d s to create\): find_samples \d+\.\d\d s "
-                        r"\(best of 1; [\d,]+ files/s\) on \d+ CPU\(s\)", line), line
+    assert re.fullmatch(
+        r"scan: 300 files in 3 classes \(\d+\.\d s to create\): find_samples \d+\.\d\d s "
+        r"\(best of 1; [\d,]+ files/s\) on \d+ CPU\(s\)",
+        line,
+    ), line
 
 
 def test_bench_data_prints_six_rates(capsys):
@@ -27,6 +30,11 @@ def test_bench_data_prints_six_rates(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "data: 24 JPEGs of 224 px, batch 8, one core; images/s per worker:"
     names = [re.match(r"^  (.+?)\s+[\d,]+$", line).group(1) for line in lines[1:]]
-    assert names == ["today", "first epoch (decode + augment)", "cached epoch (uint8 batches)",
-                     "cached epoch + augment on CPU", "file cache: write it (decode)",
-                     "file cache: cached epoch (uint8)"]
+    assert names == [
+        "today",
+        "first epoch (decode + augment)",
+        "cached epoch (uint8 batches)",
+        "cached epoch + augment on CPU",
+        "file cache: write it (decode)",
+        "file cache: cached epoch (uint8)",
+    ]

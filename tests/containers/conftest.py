@@ -51,8 +51,9 @@ def _nodes_script(*args: str, timeout: float) -> None:
     print(r.stdout + r.stderr, end="")
     print(f"swarm-nodes: `{' '.join(args[:1])}` took {time.monotonic() - start:.1f} s")
     if r.returncode != 0:
-        pytest.fail(f"swarm_nodes.sh {' '.join(args)} failed (status {r.returncode}): {r.stderr.strip()[-2000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"swarm_nodes.sh {' '.join(args)} failed (status {r.returncode}): {r.stderr.strip()[-2000:]}", pytrace=False
+        )
 
 
 @pytest.fixture(scope="module")

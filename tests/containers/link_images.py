@@ -52,8 +52,12 @@ def link_tree(src: str, dst: str) -> None:
 
 def on_device(path: str) -> tuple[str, str, str]:
     """(device, filesystem type, path inside that filesystem) of `path`."""
-    out = subprocess.run(["findmnt", "-n", "--nofsroot", "-o", "SOURCE,FSTYPE,FSROOT,TARGET", "-T", path],
-                         check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["findmnt", "-n", "--nofsroot", "-o", "SOURCE,FSTYPE,FSROOT,TARGET", "-T", path],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     device, fstype, fsroot, target = out[:4]
     inside = os.path.normpath(os.path.join(fsroot, os.path.relpath(os.path.realpath(path), target)))
     return device, fstype, inside
@@ -64,8 +68,11 @@ def main(node_root: str, images: list[str]) -> int:
     os.makedirs(node_root, exist_ok=True)
     (dev, fstype, host_in), (node_dev, _, node_in) = on_device(host_root), on_device(node_root)
     if driver != "overlay2" or dev != node_dev or not dev.startswith("/dev/"):
-        print(f"link_images: cannot link ({driver} at {host_root} on {dev}, node at {node_root} on {node_dev}: "
-              "needs overlay2 on one filesystem)", file=sys.stderr)
+        print(
+            f"link_images: cannot link ({driver} at {host_root} on {dev}, node at {node_root} on {node_dev}: "
+            "needs overlay2 on one filesystem)",
+            file=sys.stderr,
+        )
         return 3
     whole = tempfile.mkdtemp(prefix="psc-link-")
     subprocess.run(["mount", "-t", fstype, dev, whole], check=True)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.chaos.containers import KILL_APP
 from orchestrator.paths import ROOT
 
@@ -26,15 +27,18 @@ def test_allreduce_smoke_in_containers(engine, offline_image):
     print(text[-5000:])
     assert status == 0, text[-5000:]
     assert f"project {PROJECT}, 2 workers (allreduce, no ps)" in text
-    m = re.search(r"^smoke: passed: Accuracy ([0-9.]+) >= 0.90; 2 containers exited 0 \(worker1, worker2\)$",
-                  text, re.MULTILINE)
+    m = re.search(
+        r"^smoke: passed: Accuracy ([0-9.]+) >= 0.90; 2 containers exited 0 \(worker1, worker2\)$", text, re.MULTILINE
+    )
     assert m and float(m.group(1)) >= 0.90, text[-3000:]
     assert engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={PROJECT}"}) == []
 
 
 def _containers(engine, project):
-    return {c.labels[compose_adapter.LABEL_SERVICE]: c
-            for c in engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})}
+    return {
+        c.labels[compose_adapter.LABEL_SERVICE]: c
+        for c in engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})
+    }
 
 
 def test_a_crashed_worker_restarts_and_the_job_resumes(engine, offline_image, tmp_path, monkeypatch, capfd):

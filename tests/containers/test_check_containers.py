@@ -16,8 +16,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 CONFIG = os.path.join(ROOT, "configs", "cpu-smoke.yaml")
 PROJECT = "psc-test-check"
-ROW = re.compile(r"^check: (\S+)\s+rank (\d)\s+host (\S+) (\d+\.\d+\.\d+\.\d+): 4 B ([0-9.]+) ms, "
-                 r"8 MiB ([0-9.]+) ms, ([0-9.]+) GB/s$", re.MULTILINE)
+ROW = re.compile(
+    r"^check: (\S+)\s+rank (\d)\s+host (\S+) (\d+\.\d+\.\d+\.\d+): 4 B ([0-9.]+) ms, "
+    r"8 MiB ([0-9.]+) ms, ([0-9.]+) GB/s$",
+    re.MULTILINE,
+)
 
 
 def _left(engine) -> list:
@@ -39,7 +42,9 @@ def test_check_passes_and_reports_every_rank(engine, offline_image):
 
 def test_check_with_a_rank_missing_fails_naming_it(engine, offline_image):
     out = io.StringIO()
-    code = connectivity.run_containers(load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out)
+    code = connectivity.run_containers(
+        load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out
+    )
     text = out.getvalue()
     assert code == 1, text
     assert "check failed: worker2 (rank 2) did not reach ps:29500 within 5 s" in text

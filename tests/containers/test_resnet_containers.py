@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from orchestrator import sample_data
-from orchestrator.backends.compose import adapter as compose_adapter, verbs as compose_verbs
+from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.paths import ROOT
 
 from ps_log import last_evaluations
@@ -39,7 +40,9 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
     try:
         out = io.StringIO()
         # The image is built on first use, as `make up` does (FROM the offline base).
-        assert compose_verbs.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, out.getvalue()
+        assert compose_verbs.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, (
+            out.getvalue()
+        )
         states = compose_adapter.wait_exited(engine, project, 3, timeout=900, out=io.StringIO())
         assert states is not None, "the cluster did not finish within 900 s"
         containers = engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})

@@ -55,22 +55,35 @@ def test_up_starts_fresh_after_an_unfinished_run_and_resume_continues_it(engine,
         down()  # SIGTERM: the PS checkpoints on the way out; run A is unfinished
 
         said = up(resume=True)
-        run_b = re.search(r"^==> run (\S+): --resume: the PS continues the newest unfinished checkpoint", said,
-                          re.M).group(1)
-        resumed = _ps_log_until(engine, project, rf"resumed from \S+: version (\d+) \(run {run_a}, "
-                                                 r"continued by --resume\)")
+        run_b = re.search(
+            r"^==> run (\S+): --resume: the PS continues the newest unfinished checkpoint", said, re.M
+        ).group(1)
+        resumed = _ps_log_until(
+            engine,
+            project,
+            rf"resumed from \S+: version (\d+) \(run {run_a}, "
+            r"continued by --resume\)",
+        )
         assert int(resumed.group(1)) >= 20
         down()
 
         run_c = re.search(r"^==> run (\S+): starts fresh", up(resume=False), re.M).group(1)
-        fresh = _ps_log_until(engine, project, r"not resuming from ckpt-\S+ \(version (\d+)\): it is of run (\S+), "
-                                               r"this is run \S+ .*; starting a new run at version 0; its files "
-                                               r"moved to /state/checkpoints/previous/(\S+)$")
+        fresh = _ps_log_until(
+            engine,
+            project,
+            r"not resuming from ckpt-\S+ \(version (\d+)\): it is of run (\S+), "
+            r"this is run \S+ .*; starting a new run at version 0; its files "
+            r"moved to /state/checkpoints/previous/(\S+)$",
+        )
         # The newest checkpoint is run A's, or run B's if B trained before its `down`.
         assert int(fresh.group(1)) >= int(resumed.group(1)) and fresh.group(2) in (run_a, run_b)
         assert fresh.group(3) == fresh.group(2) and len({run_a, run_b, run_c}) == 3
     finally:
-        adapter.run(adapter.down_argv(adapter.detect(), adapter.Project(project, str(verbs.compose_file(project)),
-                                                                        str(ROOT)), volumes=True),
-                    capture=True, check=False)
+        adapter.run(
+            adapter.down_argv(
+                adapter.detect(), adapter.Project(project, str(verbs.compose_file(project)), str(ROOT)), volumes=True
+            ),
+            capture=True,
+            check=False,
+        )
         shutil.rmtree(RUNS / project, ignore_errors=True)

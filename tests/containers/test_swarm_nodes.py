@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from orchestrator.backends.swarm import adapter as swarm_adapter, verbs as swarm_verbs
+from orchestrator.backends.swarm import adapter as swarm_adapter
+from orchestrator.backends.swarm import verbs as swarm_verbs
 from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
 
@@ -34,9 +35,12 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
     monkeypatch.setattr(swarm_verbs, "RECORD", tmp_path / "stack.json")
     stack = "psc-nodes-placed"
     config = tmp_path / "t.yaml"
-    config.write_text(CPU.read_text().replace("name: cpu-smoke", f"name: {stack}")
-                      .replace("  device: cpu", f"  device: cpu\n  tag: {two_nodes}")
-                      + f"\nswarm:\n  ps: {N2}\n  workers: [{N1}]\n")
+    config.write_text(
+        CPU.read_text()
+        .replace("name: cpu-smoke", f"name: {stack}")
+        .replace("  device: cpu", f"  device: cpu\n  tag: {two_nodes}")
+        + f"\nswarm:\n  ps: {N2}\n  workers: [{N1}]\n"
+    )
     start = time.monotonic()
     try:
         out = io.StringIO()
@@ -59,12 +63,15 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
 
         assert swarm_verbs.stack_logs(follow=False) == 0
         logs = capfd.readouterr().out
-        assert re.search(rf"^{stack}_worker2\.1@{N1}\s+\| worker2 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs,
-                         re.MULTILINE), logs[-3000:]
+        assert re.search(
+            rf"^{stack}_worker2\.1@{N1}\s+\| worker2 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs, re.MULTILINE
+        ), logs[-3000:]
         accuracy = re.findall(rf"^{stack}_ps\.1@{N2}\s+\| Accuracy: ([0-9.]+)$", logs, re.MULTILINE)
         assert accuracy and float(accuracy[-1]) >= 0.90, logs[-3000:]
-        print(f"placement run: PS on {N2}, workers on {N1}, accuracy {accuracy[-1]}, "
-              f"{time.monotonic() - start:.0f} s from stack-up to the end")
+        print(
+            f"placement run: PS on {N2}, workers on {N1}, accuracy {accuracy[-1]}, "
+            f"{time.monotonic() - start:.0f} s from stack-up to the end"
+        )
 
         out = io.StringIO()
         assert swarm_verbs.stack_down(out=out) == 0
@@ -83,16 +90,19 @@ def test_node2_cut_off_mid_run_the_run_recovers(two_nodes, tmp_path):
     outcome = chaos_swarm.node_loss(tmp_path)
     d = outcome.details
     print(f"node loss: {outcome.notes}")
-    print(f"node loss: placement {d.get('placement')}; PS dropped the first lost worker "
-          f"{outcome.detected_s} s after the cut; rescheduled on {N1} after {d.get('reschedule_s')} s; "
-          f"rejoined the PS after {d.get('rejoin_s')} s; link down {d.get('cut_s')} s; {N2} ready "
-          f"{d.get('node_back_s')} s after the link came back; final accuracy {outcome.accuracy}; "
-          f"run {d.get('run_s')} s")
+    print(
+        f"node loss: placement {d.get('placement')}; PS dropped the first lost worker "
+        f"{outcome.detected_s} s after the cut; rescheduled on {N1} after {d.get('reschedule_s')} s; "
+        f"rejoined the PS after {d.get('rejoin_s')} s; link down {d.get('cut_s')} s; {N2} ready "
+        f"{d.get('node_back_s')} s after the link came back; final accuracy {outcome.accuracy}; "
+        f"run {d.get('run_s')} s"
+    )
     for t in d.get("tasks", []):
         print(f"    {t['service']:<8} {t['node']:<7} {t['state']:<9} desired {t['desired']:<8} exit {t['exit']}")
     assert not outcome.skipped, outcome.notes
-    assert outcome.recovered, f"{outcome.notes}; logs in {tmp_path}/stack.log:\n" + \
-        (tmp_path / "stack.log").read_text()[-4000:]
+    assert outcome.recovered, (
+        f"{outcome.notes}; logs in {tmp_path}/stack.log:\n" + (tmp_path / "stack.log").read_text()[-4000:]
+    )
     assert outcome.accuracy is not None and outcome.accuracy >= 0.90
     assert d["cut_s"] > chaos_swarm.node_loss_topology().ps.rpc_timeout
     newest = {t["service"]: t for t in d["tasks"]}

@@ -12,11 +12,12 @@ tests `docker swarm init` one and `docker swarm leave --force` it at the end
 import io
 import re
 import subprocess
-from orchestrator.backends.swarm import adapter as swarm_adapter, verbs as swarm_verbs
-from orchestrator.paths import ROOT
 
 import pytest
 
+from orchestrator.backends.swarm import adapter as swarm_adapter
+from orchestrator.backends.swarm import verbs as swarm_verbs
+from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -27,8 +28,9 @@ GWBRIDGE = "docker_gwbridge"  # the bridge `docker swarm init` adds for tasks' o
 def _init_swarm() -> None:
     r = subprocess.run(["docker", "swarm", "init"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0 and "advertise" in r.stderr:  # several addresses: a one-node swarm needs none of them
-        r = subprocess.run(["docker", "swarm", "init", "--advertise-addr", "127.0.0.1"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ["docker", "swarm", "init", "--advertise-addr", "127.0.0.1"], capture_output=True, text=True, timeout=120
+        )
     if r.returncode != 0:
         pytest.fail(f"docker swarm init failed: {r.stderr.strip()}", pytrace=False)
 
@@ -61,8 +63,9 @@ def test_stack_smoke(swarm):
     text = out.getvalue()
     print(text[-5000:])
     assert status == 0
-    m = re.search(r"^stack-smoke: passed: Accuracy ([0-9.]+) >= 0.90; 3 tasks complete, exit 0, no retry", text,
-                  re.MULTILINE)
+    m = re.search(
+        r"^stack-smoke: passed: Accuracy ([0-9.]+) >= 0.90; 3 tasks complete, exit 0, no retry", text, re.MULTILINE
+    )
     assert m and float(m.group(1)) >= 0.90
     assert "warning: docker stack deploy" not in text  # Swarm ignored no key of the stack file
     assert_gone(swarm, "psc-test-stack-smoke")

@@ -1,7 +1,6 @@
 """`engine`: a Docker client, or the test fails under CI=true (`.ci/run`: container
 tests never skip there) and is skipped elsewhere (as in tests/containers)."""
 
-
 import pytest
 
 from needs import unavailable

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.chaos import common as chaos_common, containers as chaos_containers
+from orchestrator.chaos import common as chaos_common
+from orchestrator.chaos import containers as chaos_containers
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

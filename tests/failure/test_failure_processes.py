@@ -9,7 +9,9 @@ import signal
 
 import pytest
 
-from orchestrator.chaos import checkpoints as chaos_checkpoints, common as chaos_common, processes as chaos_processes
+from orchestrator.chaos import checkpoints as chaos_checkpoints
+from orchestrator.chaos import common as chaos_common
+from orchestrator.chaos import processes as chaos_processes
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +44,7 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
     # (10 s) instead of hanging; + 10 s for a loaded host. Measured 0.07-0.1 s.
     for name, (code, seconds) in out.details["worker_exits"].items():
         assert code == 1 and seconds <= t.ps.rpc_timeout + 10, (name, code, seconds)
-        errors = [line for line in (tmp_path / "logs" / f"{name}.1.err").read_text().splitlines()
-                  if " ERROR " in line]
+        errors = [line for line in (tmp_path / "logs" / f"{name}.1.err").read_text().splitlines() if " ERROR " in line]
         assert len(errors) == 1 and "lost the parameter server at 127.0.0.1:" in errors[0], errors
     assert out.details["resumed_version"] >= 200
     assert out.accuracy >= 0.90  # the uninterrupted run's target

@@ -10,8 +10,8 @@ from typing import Any
 from orchestrator.backends import registry
 from orchestrator.doctor import checks as _checks
 from orchestrator.doctor.checks import Check  # noqa: F401 - used by the tests through this module
-from orchestrator.doctor.facts import data_path, dir_problem, port_in_use  # noqa: F401
 from orchestrator.doctor.facts import Facts as _Facts
+from orchestrator.doctor.facts import data_path, dir_problem, port_in_use  # noqa: F401
 from orchestrator.doctor.probe import PROBE_MARK, PROBE_SCRIPT, parse_probe  # noqa: F401
 from orchestrator.doctor.report import report, stop_on_problems, summary  # noqa: F401
 
@@ -41,6 +41,7 @@ def find(name: str, target: str):
 def _by_name(name: str):
     def call(t, target: str, f: _Facts) -> Check:
         return find(name, target)(t, f)
+
     call.__name__ = f"check_{name}"
     return call
 

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -38,6 +39,7 @@ def write_config(tmp_path: Path) -> Callable[..., Path]:
         path = tmp_path / name
         path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
         return path
+
     return write
 
 
@@ -53,4 +55,5 @@ def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
             status = e.code
         out, err = capsys.readouterr()
         return status, out, err
+
     return run

@@ -19,7 +19,9 @@ from orchestrator.cli import build_parser
 from orchestrator.doctor.checks import Check, run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.report import report
-from orchestrator.render import compose as render_compose, kubernetes as render_k8s, swarm as render_swarm
+from orchestrator.render import compose as render_compose
+from orchestrator.render import kubernetes as render_k8s
+from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import load, parse
 
 from orch_helpers import REPO, cli  # noqa: F401 - cli is a fixture
@@ -39,9 +41,11 @@ def test_each_backend_renders_what_its_render_module_does(tmp_path: Path) -> Non
     t = load(SMOKE)
     assert registry.get("compose").render(t, str(tmp_path)) == render_compose.dump(render_compose.render(t), t.name)
     assert registry.get("swarm").render(t, str(tmp_path)) == render_swarm.dump(
-        render_swarm.render(t, data_root=str(tmp_path)), t.name)
+        render_swarm.render(t, data_root=str(tmp_path)), t.name
+    )
     assert registry.get("kubernetes").render(t, str(tmp_path)) == render_k8s.dump(
-        render_k8s.render(t, data_root=str(tmp_path)), t.name)
+        render_k8s.render(t, data_root=str(tmp_path)), t.name
+    )
 
 
 def test_an_unknown_target_is_one_line_naming_the_choices() -> None:
@@ -60,20 +64,25 @@ def test_render_target_kubernetes_writes_kubernetes_yaml(cli, tmp_path: Path) ->
     assert status == 0, err
     assert out.startswith("wrote kubernetes.yaml: ps + 3 workers") and "job resnet18-imagenette" in out
     t = load(DEFAULT).with_workers(3)
-    assert (tmp_path / "kubernetes.yaml").read_text() == render_k8s.dump(render_k8s.render(
-        t, data_root=str(tmp_path)), t.name)
+    assert (tmp_path / "kubernetes.yaml").read_text() == render_k8s.dump(
+        render_k8s.render(t, data_root=str(tmp_path)), t.name
+    )
 
 
 def test_neither_the_cli_nor_doctor_compares_target_names() -> None:
     names = set(registry.BACKENDS)
     files = [REPO / "orchestrator/cli.py", *sorted((REPO / "orchestrator/doctor").glob("*.py"))]
-    found = [f"{f.relative_to(REPO)}:{node.lineno}: {node.value!r}" for f in files
-             for node in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
-             if isinstance(node, ast.Constant) and node.value in names]
+    found = [
+        f"{f.relative_to(REPO)}:{node.lineno}: {node.value!r}"
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
     assert not found, "target names in the CLI or doctor:\n" + "\n".join(found)
 
 
 # --- a new target: one class and one registry line ------------------------------
+
 
 class FakeBackend(Backend):
     name = "fake"
@@ -117,14 +126,17 @@ def test_a_new_target_is_one_class_and_one_registry_line(cli, monkeypatch, tmp_p
     status, out, _ = cli("doctor", "-c", str(SMOKE), "--target", "fake")
     assert status == 0 and "ok       fleet         2 ships" in out and "doctor: all 1 checks passed" in out
     assert cli("fake-up", "-c", str(SMOKE), "--workers", "3", "--resume")[0] == 0
-    assert fake.calls[-1] == ("up", {"config": str(SMOKE), "workers": 3, "strategy": None, "offline": False,
-                                     "resume": True})
+    assert fake.calls[-1] == (
+        "up",
+        {"config": str(SMOKE), "workers": 3, "strategy": None, "offline": False, "resume": True},
+    )
     assert cli("fake-status")[0] == 0 and fake.calls[-1][0] == "status"
     status, _, err = cli("fake-down")
     assert status == 2 and "target fake has no down verb" in err
 
 
 # --- the kubernetes target's doctor: offline ------------------------------------
+
 
 def k8s_facts(**target: Any) -> Facts:
     return Facts(target={"kubectl": "/usr/bin/kubectl", "manifests": (5, []), **target})

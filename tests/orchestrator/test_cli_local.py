@@ -17,16 +17,25 @@ import yaml
 
 from orchestrator.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 from orchestrator.render import compose as render_compose
+from orchestrator.topology.model import load
 from orchestrator.topology.services import service_names
-from orchestrator.topology.model import load, parse
 
 from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal. The run's
 # variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.runs).
-HOST_SPECIFIC = {"PSC_MASTER_ADDR", "PSC_MASTER_PORT", "PSC_DATA_DIR", "PSC_CHECKPOINT_DIR",
-                 "PSC_METRICS_DIR", "PSC_CACHE_DIR", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PSC_RUN_ID",
-                 "PSC_RESUME"}
+HOST_SPECIFIC = {
+    "PSC_MASTER_ADDR",
+    "PSC_MASTER_PORT",
+    "PSC_DATA_DIR",
+    "PSC_CHECKPOINT_DIR",
+    "PSC_METRICS_DIR",
+    "PSC_CACHE_DIR",
+    "TP_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "PSC_RUN_ID",
+    "PSC_RESUME",
+}
 
 
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpu-smoke.yaml"])
@@ -41,8 +50,9 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
         local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo")
         cuda = local.pop("CUDA_VISIBLE_DEVICES", None)
         assert set(local) == set(container)
-        assert {k: v for k, v in local.items() if k not in HOST_SPECIFIC} == \
-               {k: v for k, v in container.items() if k not in HOST_SPECIFIC}
+        assert {k: v for k, v in local.items() if k not in HOST_SPECIFIC} == {
+            k: v for k, v in container.items() if k not in HOST_SPECIFIC
+        }
         assert local["PSC_MASTER_ADDR"] == "127.0.0.1" and local["PSC_MASTER_PORT"] == "4321"
         assert local["PSC_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
         assert local["PSC_METRICS_DIR"] == str(tmp_path / "run" / "metrics")
@@ -60,8 +70,10 @@ def test_plan_runs_python_m_app(tmp_path: Path) -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
     specs = plan(t, port=1, run_dir=tmp_path, ifname="lo", python="/py")
     assert [(s.name, s.argv) for s in specs] == [
-        ("ps", ["/py", "-m", "app", "ps"]), ("worker1", ["/py", "-m", "app", "worker"]),
-        ("worker2", ["/py", "-m", "app", "worker"])]
+        ("ps", ["/py", "-m", "app", "ps"]),
+        ("worker1", ["/py", "-m", "app", "worker"]),
+        ("worker2", ["/py", "-m", "app", "worker"]),
+    ]
 
 
 def _py(code: str) -> list[str]:
@@ -70,8 +82,10 @@ def _py(code: str) -> list[str]:
 
 def test_supervisor_prefixes_output_and_succeeds() -> None:
     out = io.StringIO()
-    specs = [ProcessSpec("ps", _py("print('a'); print('b')"), {}),
-             ProcessSpec("worker1", _py("import os; print(os.environ['X'])"), {"X": "hello"})]
+    specs = [
+        ProcessSpec("ps", _py("print('a'); print('b')"), {}),
+        ProcessSpec("worker1", _py("import os; print(os.environ['X'])"), {"X": "hello"}),
+    ]
     assert Supervisor(specs, out=out).run() == 0
     lines = out.getvalue().splitlines()
     assert "ps      | a" in lines and "ps      | b" in lines and "worker1 | hello" in lines
@@ -83,8 +97,10 @@ def test_supervisor_stops_the_rest_when_one_fails() -> None:
     out = io.StringIO()
     # The PS would sleep far past the test's timeout: it ends only because the
     # supervisor stops it (SIGTERM, code -15) once worker1 has failed.
-    specs = [ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
-             ProcessSpec("worker1", _py("raise SystemExit(3)"), {})]
+    specs = [
+        ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
+        ProcessSpec("worker1", _py("raise SystemExit(3)"), {}),
+    ]
     assert Supervisor(specs, out=out).run() == 1
     assert "worker1 | exited with code 3" in out.getvalue()
     assert re.search(r"ps +\| stopped \(code -15\)", out.getvalue())
@@ -93,8 +109,10 @@ def test_supervisor_stops_the_rest_when_one_fails() -> None:
 
 def test_supervisor_keep_going_waits_for_all() -> None:
     out = io.StringIO()
-    specs = [ProcessSpec("ps", _py("import time; time.sleep(1); print('done')"), {}),
-             ProcessSpec("worker1", _py("raise SystemExit(1)"), {})]
+    specs = [
+        ProcessSpec("ps", _py("import time; time.sleep(1); print('done')"), {}),
+        ProcessSpec("worker1", _py("raise SystemExit(1)"), {}),
+    ]
     assert Supervisor(specs, out=out, keep_going=True).run() == 1
     assert "ps      | done" in out.getvalue()
 
@@ -103,9 +121,11 @@ def test_supervisor_restarts_a_failed_worker_which_then_succeeds(tmp_path: Path)
     # worker1 fails on its first start (the marker file is not there yet) and succeeds on
     # its second; the PS waits for the marker worker1's second start leaves.
     marker, done = tmp_path / "started-once", tmp_path / "worker1-done"
-    worker = (f"import pathlib, sys; m = pathlib.Path({str(marker)!r})\n"
-              f"if not m.exists(): m.touch(); sys.exit(1)\n"
-              f"pathlib.Path({str(done)!r}).touch(); print('second start')")
+    worker = (
+        f"import pathlib, sys; m = pathlib.Path({str(marker)!r})\n"
+        f"if not m.exists(): m.touch(); sys.exit(1)\n"
+        f"pathlib.Path({str(done)!r}).touch(); print('second start')"
+    )
     ps = f"import pathlib, time\nwhile not pathlib.Path({str(done)!r}).exists(): time.sleep(0.05)\nprint('done')"
     out = io.StringIO()
     specs = [ProcessSpec("ps", _py(ps), {}), ProcessSpec("worker1", _py(worker), {}, restarts=2)]
@@ -118,20 +138,26 @@ def test_supervisor_restarts_a_failed_worker_which_then_succeeds(tmp_path: Path)
 
 def test_supervisor_stops_the_rest_when_a_worker_is_out_of_restarts() -> None:
     out = io.StringIO()
-    specs = [ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
-             ProcessSpec("worker1", _py("raise SystemExit(3)"), {}, restarts=2)]
+    specs = [
+        ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
+        ProcessSpec("worker1", _py("raise SystemExit(3)"), {}, restarts=2),
+    ]
     assert Supervisor(specs, out=out, restart_delay=0).run() == 1
     lines = out.getvalue().splitlines()
     assert [line for line in lines if line.startswith("worker1")] == [
-        "worker1 | exited with code 3; restarting (1 of 2)", "worker1 | exited with code 3; restarting (2 of 2)",
-        "worker1 | exited with code 3"]
+        "worker1 | exited with code 3; restarting (1 of 2)",
+        "worker1 | exited with code 3; restarting (2 of 2)",
+        "worker1 | exited with code 3",
+    ]
     assert re.search(r"ps +\| stopped \(code -15\)", out.getvalue())
 
 
 def test_supervisor_does_not_restart_bad_input() -> None:
     out = io.StringIO()
-    specs = [ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
-             ProcessSpec("worker1", _py("raise SystemExit(2)"), {}, restarts=3)]
+    specs = [
+        ProcessSpec("ps", _py("import time; time.sleep(3600)"), {}),
+        ProcessSpec("worker1", _py("raise SystemExit(2)"), {}, restarts=3),
+    ]
     assert Supervisor(specs, out=out, restart_delay=0).run() == 2
     assert "restarting" not in out.getvalue() and "worker1 | exited with code 2" in out.getvalue()
 
@@ -139,11 +165,15 @@ def test_supervisor_does_not_restart_bad_input() -> None:
 def test_supervisor_does_not_restart_a_worker_once_the_ps_has_ended(tmp_path: Path) -> None:
     # The PS ends (0) first; worker1 fails after it: there is nothing to rejoin.
     ps_done = tmp_path / "ps-done"
-    worker = (f"import pathlib, sys, time\nwhile not pathlib.Path({str(ps_done)!r}).exists(): time.sleep(0.05)\n"
-              "time.sleep(0.5); sys.exit(1)")  # the PS exits right after writing the file
+    worker = (
+        f"import pathlib, sys, time\nwhile not pathlib.Path({str(ps_done)!r}).exists(): time.sleep(0.05)\n"
+        "time.sleep(0.5); sys.exit(1)"
+    )  # the PS exits right after writing the file
     out = io.StringIO()
-    specs = [ProcessSpec("ps", _py(f"import pathlib; pathlib.Path({str(ps_done)!r}).touch()"), {}),
-             ProcessSpec("worker1", _py(worker), {}, restarts=3)]
+    specs = [
+        ProcessSpec("ps", _py(f"import pathlib; pathlib.Path({str(ps_done)!r}).touch()"), {}),
+        ProcessSpec("worker1", _py(worker), {}, restarts=3),
+    ]
     assert Supervisor(specs, out=out, restart_delay=0).run() == 1
     assert "restarting" not in out.getvalue() and "worker1 | exited with code 1" in out.getvalue()
 
@@ -151,10 +181,15 @@ def test_supervisor_does_not_restart_a_worker_once_the_ps_has_ended(tmp_path: Pa
 def test_plan_restarts_workers_only_and_not_under_allreduce(tmp_path: Path) -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
     assert [(s.name, s.restarts) for s in plan(t, port=1, run_dir=tmp_path, ifname="lo")] == [
-        ("ps", 0), ("worker1", WORKER_RESTARTS), ("worker2", WORKER_RESTARTS)]
+        ("ps", 0),
+        ("worker1", WORKER_RESTARTS),
+        ("worker2", WORKER_RESTARTS),
+    ]
     allreduce = t.model_copy(update={"train": t.train.model_copy(update={"strategy": "allreduce"})})
     assert [(s.name, s.restarts) for s in plan(allreduce, port=1, run_dir=tmp_path, ifname="lo")] == [
-        ("worker1", 0), ("worker2", 0)]
+        ("worker1", 0),
+        ("worker2", 0),
+    ]
 
 
 def test_supervisor_passes_on_bad_input_status() -> None:
@@ -162,7 +197,7 @@ def test_supervisor_passes_on_bad_input_status() -> None:
     assert Supervisor(specs, out=io.StringIO()).run() == 2
 
 
-FAKE_APP = '''
+FAKE_APP = """
 import json, os, sys, time
 role = sys.argv[1]
 name = "ps" if role == "ps" else "worker" + os.environ["PSC_RANK"]
@@ -171,7 +206,7 @@ open(f"{name}.json", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "p
 print(f"{name} started", flush=True)
 if os.environ.get("FAKE_SLEEP"):
     time.sleep(120)
-'''
+"""
 
 
 @pytest.fixture
@@ -185,8 +220,14 @@ def fake_app(tmp_path: Path) -> Path:
 
 
 def _orchestrator(cwd: Path, *args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd,
-                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_local_runs_every_rank_with_its_env(fake_app: Path) -> None:
@@ -220,8 +261,9 @@ def test_local_sigterm_stops_every_process(fake_app: Path) -> None:
 
 
 def test_local_missing_data_dir_starts_nothing(fake_app: Path) -> None:
-    (fake_app / "topo.yaml").write_text(yaml.safe_dump(
-        topology(train={"dataset": "imagefolder", "data_dir": "./nope"})))
+    (fake_app / "topo.yaml").write_text(
+        yaml.safe_dump(topology(train={"dataset": "imagefolder", "data_dir": "./nope"}))
+    )
     p = _orchestrator(fake_app, "local", "-c", "topo.yaml")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and out == ""
@@ -239,8 +281,13 @@ def test_local_app_failure_is_nonzero(fake_app: Path) -> None:
 @pytest.mark.slow
 def test_local_cpu_smoke_trains(tmp_path: Path) -> None:
     """The real app: PS + 2 workers as processes reach >= 0.90 held-out accuracy on digits."""
-    p = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", str(REPO / "configs/cpu-smoke.yaml"),
-                        "--workers", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "local", "-c", str(REPO / "configs/cpu-smoke.yaml"), "--workers", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     final = re.findall(r"^ps +\| Accuracy: ([0-9.]+)$", p.stdout, re.M)
     assert final and float(final[-1]) >= 0.90, p.stdout[-3000:]
@@ -270,8 +317,13 @@ def test_local_restarts_a_killed_worker_which_rejoins_and_the_run_finishes_0(tmp
     topo = yaml.safe_load((REPO / "configs/cpu-smoke.yaml").read_text())
     topo["train"]["epochs"] = 30  # long enough to be killed mid-run
     (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo))
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml", "--workers", "2"],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml", "--workers", "2"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         for line in p.stdout:  # until worker2 has trained a few epochs
@@ -292,7 +344,7 @@ def test_local_restarts_a_killed_worker_which_rejoins_and_the_run_finishes_0(tmp
     assert "worker2 | exited with code -9; restarting (1 of 3)" in out, out[-4000:]
     assert re.search(r"^ps +\| .*dropped worker2 \(rank 2\)", out, re.M), out[-4000:]
     assert re.search(r"^ps +\| .*worker2_r2 \(rank 2\) joined at version", out, re.M), out[-4000:]
-    after = out[out.index("restarting (1 of 3)"):]
+    after = out[out.index("restarting (1 of 3)") :]
     assert re.search(r"^worker2 +\| worker2 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", after, re.M), after[-4000:]
     assert re.search(r"^worker2 +\| exited with code 0$", out, re.M)
     final = re.findall(r"^ps +\| Accuracy: ([0-9.]+)$", out, re.M)

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from test_render import CASES, IDS, rendered
 
 from needs import unavailable
-from test_render import CASES, IDS, rendered
 
 
 def compose_v2() -> Optional[str]:
@@ -39,8 +39,13 @@ def need(binary: Optional[str], what: str) -> str:
 def check(argv: list[str], tmp_path: Path, text: str) -> None:
     # In its own directory, as `make render` leaves it (relative paths resolve there).
     (tmp_path / "compose.yaml").write_text(text)
-    p = subprocess.run([*argv, "-f", "compose.yaml", "-p", "pscheck", "config", "-q"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [*argv, "-f", "compose.yaml", "-p", "pscheck", "config", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -60,6 +65,8 @@ def test_compose_v1_config(tmp_path: Path, golden: str, config: str, workers) ->
 def test_compose_config_has_teeth(tmp_path: Path, which: str) -> None:
     # A top-level `name:` is what v1 rejects; an unknown service key both reject.
     binary = need(compose_v2() if which == "v2" else compose_v1(), f"compose {which}")
-    text = rendered("configs/cpu-smoke.yaml", None)[1].replace("    init: true\n", "    init: true\n    initt: true\n", 1)
+    text = rendered("configs/cpu-smoke.yaml", None)[1].replace(
+        "    init: true\n", "    init: true\n    initt: true\n", 1
+    )
     with pytest.raises(AssertionError):
         check([binary], tmp_path, text)

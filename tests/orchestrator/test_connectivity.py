@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from orchestrator import connectivity
-from orchestrator.connectivity import Result, check_document, judge, plan_local
 from orchestrator.cli import build_parser, main
+from orchestrator.connectivity import Result, check_document, judge, plan_local
 from orchestrator.render import compose as render_compose
-from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
 from orchestrator.topology.model import load
+from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
 
 from orch_helpers import HERE, REPO, topology
 
@@ -22,12 +22,32 @@ SMOKE = REPO / "configs/cpu-smoke.yaml"
 
 
 def test_cli_parses_check() -> None:
-    a = build_parser().parse_args(["check", "-c", "configs/x.yaml", "--workers", "3", "--local",
-                                   "--timeout", "5", "--without", "worker2", "--without", "ps"])
+    a = build_parser().parse_args(
+        [
+            "check",
+            "-c",
+            "configs/x.yaml",
+            "--workers",
+            "3",
+            "--local",
+            "--timeout",
+            "5",
+            "--without",
+            "worker2",
+            "--without",
+            "ps",
+        ]
+    )
     assert (a.config, a.workers, a.local, a.timeout, a.without) == ("configs/x.yaml", 3, True, 5, ["worker2", "ps"])
     a = build_parser().parse_args(["check"])
-    assert (a.config, a.workers, a.local, a.timeout, a.without, a.build) == \
-           ("configs/default.yaml", None, False, 30, None, False)
+    assert (a.config, a.workers, a.local, a.timeout, a.without, a.build) == (
+        "configs/default.yaml",
+        None,
+        False,
+        30,
+        None,
+        False,
+    )
 
 
 @pytest.mark.parametrize("argv", [["check", "--timeout", "0"], ["check", "--workers", "x"], ["check", "--bogus"]])
@@ -57,8 +77,14 @@ def test_check_document_runs_check_per_rank_and_nothing_that_waits() -> None:
         for key in ("healthcheck", "depends_on", "restart", "volumes", "build", "deploy", "ports"):
             assert key not in svc, (name, key)
         env = svc["environment"]
-        assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"], env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"],
-                env["PSC_RPC_TIMEOUT"], env["PSC_STRATEGY"]) == (str(rank), "4", "ps", str(t.ps.rpc_port), "7", "async")
+        assert (
+            env["PSC_RANK"],
+            env["PSC_WORLD_SIZE"],
+            env["PSC_MASTER_ADDR"],
+            env["PSC_MASTER_PORT"],
+            env["PSC_RPC_TIMEOUT"],
+            env["PSC_STRATEGY"],
+        ) == (str(rank), "4", "ps", str(t.ps.rpc_port), "7", "async")
         assert env["TP_SOCKET_IFNAME"] == train["services"][name]["environment"]["TP_SOCKET_IFNAME"]
         assert svc["labels"][LABEL_ROLE] == "check" and svc["labels"][LABEL_RANK] == str(rank)
 
@@ -77,8 +103,10 @@ def test_without_leaves_the_service_out_but_keeps_the_world_size() -> None:
 def test_check_document_is_valid_compose() -> None:
     schema = json.loads((HERE / "compose-spec.json").read_text())
     doc = yaml.safe_load(render_compose.dump(check_document(load(SMOKE).with_workers(2)), "cpu-smoke"))
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(doc)
+    ]
     assert errors == []
 
 
@@ -105,20 +133,29 @@ def test_local_plan(tmp_path: Path) -> None:
     plan = plan_local(t, port=4321, timeout=9, without=["worker1"], run_dir=tmp_path, ifname="lo", python="/py")
     assert [(p.name, p.rank, p.argv) for p in plan] == [
         ("ps", 0, ["/py", "-m", "app", "check", "--rank", "0"]),
-        ("worker2", 2, ["/py", "-m", "app", "check", "--rank", "2"])]
+        ("worker2", 2, ["/py", "-m", "app", "check", "--rank", "2"]),
+    ]
     for p in plan:
-        assert (p.env["PSC_RANK"], p.env["PSC_WORLD_SIZE"], p.env["PSC_MASTER_ADDR"], p.env["PSC_MASTER_PORT"],
-                p.env["PSC_RPC_TIMEOUT"], p.env["GLOO_SOCKET_IFNAME"]) == (str(p.rank), "3", "127.0.0.1", "4321", "9", "lo")
+        assert (
+            p.env["PSC_RANK"],
+            p.env["PSC_WORLD_SIZE"],
+            p.env["PSC_MASTER_ADDR"],
+            p.env["PSC_MASTER_PORT"],
+            p.env["PSC_RPC_TIMEOUT"],
+            p.env["GLOO_SOCKET_IFNAME"],
+        ) == (str(p.rank), "3", "127.0.0.1", "4321", "9", "lo")
 
 
 # --- the verdict --------------------------------------------------------------
 
 NAMES = ["ps", "worker1", "worker2"]
-PASSED = ("check: ps (rank 0) on h 10.0.0.2 waits for 2 ranks at ps:29500 (at most 30 s)\n"
-          "check: all 3 ranks registered in 0.20 s\n"
-          "check: worker1  rank 1  host a 10.0.0.3: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
-          "check: worker2  rank 2  host b 10.0.0.4: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
-          "check passed: 3 ranks, every tensor came back unchanged (0.5 s)\n")
+PASSED = (
+    "check: ps (rank 0) on h 10.0.0.2 waits for 2 ranks at ps:29500 (at most 30 s)\n"
+    "check: all 3 ranks registered in 0.20 s\n"
+    "check: worker1  rank 1  host a 10.0.0.3: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
+    "check: worker2  rank 2  host b 10.0.0.4: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
+    "check passed: 3 ranks, every tensor came back unchanged (0.5 s)\n"
+)
 OK_RANK = "check: worker1 (rank 1) on a 10.0.0.3 received tensor([42.]) from ps and sent back both tensors\n"
 MISSING = "check failed: worker2 (rank 2) did not reach ps:29500 within 5 s (2 of 3 ranks registered)"
 
@@ -131,7 +168,7 @@ def test_judge_passed() -> None:
 
 def test_judge_missing_rank_names_it_once() -> None:
     rank0 = PASSED.splitlines()[0] + "\n" + MISSING + "\n"
-    told = "check failed: worker1 (rank 1): ps (rank 0) called the check off: " + MISSING[len("check failed: "):]
+    told = "check failed: worker1 (rank 1): ps (rank 0) called the check off: " + MISSING[len("check failed: ") :]
     v = judge(NAMES, [Result("ps", 0, 1, rank0), Result("worker1", 1, 1, told)], without=["worker2"])
     assert not v.passed and v.failing == ["worker2"]
     assert v.lines[-2:] == [MISSING, "check failed: worker2 (rank 2) was not started (--without worker2)"]
@@ -140,8 +177,11 @@ def test_judge_missing_rank_names_it_once() -> None:
 
 def test_judge_missing_rank_0_blames_it() -> None:
     cannot = "check failed: worker{k} (rank {k}) could not reach ps (rank 0) at ps:29500 within 5 s: cannot resolve ps"
-    v = judge(NAMES, [Result("worker1", 1, 1, cannot.format(k=1)), Result("worker2", 2, 1, cannot.format(k=2))],
-              without=["ps"])
+    v = judge(
+        NAMES,
+        [Result("worker1", 1, 1, cannot.format(k=1)), Result("worker2", 2, 1, cannot.format(k=2))],
+        without=["ps"],
+    )
     assert v.failing == ["ps"] and not v.passed
     assert v.lines[0] == "check failed: ps (rank 0) was not started (--without ps)"
 
@@ -154,8 +194,14 @@ def test_judge_a_rank_that_cannot_reach_a_working_rank_0_is_to_blame() -> None:
 
 
 def test_judge_hung_and_crashed_ranks() -> None:
-    v = judge(NAMES, [Result("ps", 0, None, PASSED.splitlines()[0]), Result("worker1", 1, 0, OK_RANK),
-                      Result("worker2", 2, 2, "app: error: argument role: invalid choice: 'check'")])
+    v = judge(
+        NAMES,
+        [
+            Result("ps", 0, None, PASSED.splitlines()[0]),
+            Result("worker1", 1, 0, OK_RANK),
+            Result("worker2", 2, 2, "app: error: argument role: invalid choice: 'check'"),
+        ],
+    )
     assert not v.passed and v.failing == ["ps", "worker2"]
     assert "check failed: ps (rank 0) did not exit in time" in v.lines
     assert "check failed: worker2 (rank 2) exited 2: app: error: argument role: invalid choice: 'check'" in v.lines

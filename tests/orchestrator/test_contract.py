@@ -12,8 +12,9 @@ from types import ModuleType
 import pytest
 
 from orchestrator.topology import contract
-from orchestrator.topology.services import metrics_file, services
 from orchestrator.topology.model import Train, load
+from orchestrator.topology.services import metrics_file, services
+
 from orch_helpers import REPO
 
 
@@ -38,7 +39,9 @@ def test_choices_are_the_apps(app_config: ModuleType) -> None:
     assert contract.PRECISIONS == tuple(app_config.PRECISIONS)
     assert contract.DATASETS == tuple(app_config.DATASETS)
     assert contract.IMAGE_CACHES == tuple(app_config.IMAGE_CACHES)
-    assert contract.TRAINING_ROLES == app_config.TRAINING_ROLES and set(app_config.TRAINING_ROLES) <= set(app_config.ROLES)
+    assert contract.TRAINING_ROLES == app_config.TRAINING_ROLES and set(app_config.TRAINING_ROLES) <= set(
+        app_config.ROLES
+    )
 
 
 def test_file_datasets_are_the_apps() -> None:
@@ -47,8 +50,12 @@ def test_file_datasets_are_the_apps() -> None:
 
 
 def test_the_topology_accepts_exactly_these() -> None:
-    for field, values in (("strategy", contract.STRATEGIES), ("compress", contract.COMPRESSIONS),
-                          ("precision", contract.PRECISIONS), ("image_cache", contract.IMAGE_CACHES)):
+    for field, values in (
+        ("strategy", contract.STRATEGIES),
+        ("compress", contract.COMPRESSIONS),
+        ("precision", contract.PRECISIONS),
+        ("image_cache", contract.IMAGE_CACHES),
+    ):
         assert Train.model_fields[field].annotation.__args__ == values
 
 

@@ -13,20 +13,31 @@ from pathlib import Path
 
 import pytest
 
-import doctor_kit as d
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology, parse
 
+import doctor_kit as d
 from needs import unavailable
 from orch_helpers import REPO
 
-GIB = 1024 ** 3
+GIB = 1024**3
 CPU = (REPO / "configs/cpu-smoke.yaml").read_text()
 GPU = (REPO / "configs/default.yaml").read_text()
-INFO = {"ServerVersion": "20.10.24", "Runtimes": {"runc": {}}, "MemTotal": 16 * GIB,
-        "DockerRootDir": "/var/lib/docker", "Swarm": {"LocalNodeState": "inactive"}}
-NODE = {"hostname": "gpu-a", "role": "manager", "availability": "active", "state": "ready",
-        "labels": {"zone": "a"}, "resources": {"gpu": 2}}
+INFO = {
+    "ServerVersion": "20.10.24",
+    "Runtimes": {"runc": {}},
+    "MemTotal": 16 * GIB,
+    "DockerRootDir": "/var/lib/docker",
+    "Swarm": {"LocalNodeState": "inactive"},
+}
+NODE = {
+    "hostname": "gpu-a",
+    "role": "manager",
+    "availability": "active",
+    "state": "ready",
+    "labels": {"zone": "a"},
+    "resources": {"gpu": 2},
+}
 
 
 def topo(text: str = CPU, extra: str = "") -> Topology:
@@ -35,8 +46,15 @@ def topo(text: str = CPU, extra: str = "") -> Topology:
 
 def facts(**kw) -> d.Facts:
     """A host where everything is fine for the CPU topology; tests change one fact."""
-    base = dict(info=dict(INFO), api_version="1.41", compose="docker compose (compose v2)",
-                stack_cli="/usr/bin/docker", gpus=[0, 1, 2], disk_free=100 * GIB, image_present=True)
+    base = dict(
+        info=dict(INFO),
+        api_version="1.41",
+        compose="docker compose (compose v2)",
+        stack_cli="/usr/bin/docker",
+        gpus=[0, 1, 2],
+        disk_free=100 * GIB,
+        image_present=True,
+    )
     base.update(kw)
     return d.Facts(**base)
 
@@ -46,6 +64,7 @@ def only(check, t: Topology, f: d.Facts, target: str = "compose") -> d.Check:
 
 
 # --- one test per check: ok, then the problem with its fix ------------------
+
 
 def test_daemon() -> None:
     assert only(d.check_daemon, topo(), facts()).ok
@@ -66,7 +85,9 @@ def test_compose_and_docker_stack() -> None:
 def test_nvidia_runtime() -> None:
     assert only(d.check_nvidia, topo(), facts()).text.startswith("not needed")
     c = only(d.check_nvidia, topo(GPU), facts())
-    assert c.ok is False and c.text.startswith("image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime")
+    assert c.ok is False and c.text.startswith(
+        "image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime"
+    )
     assert "nvidia-ctk runtime configure" in c.fix
     with_nvidia = dict(INFO, Runtimes={"runc": {}, "nvidia": {}})
     assert only(d.check_nvidia, topo(GPU), facts(info=with_nvidia)).ok
@@ -101,8 +122,11 @@ def test_shm() -> None:
     assert only(d.check_shm, topo(), facts()).ok
     c = only(d.check_shm, topo(GPU), facts(info=dict(INFO, MemTotal=8 * GIB)))  # 2g + 3 x 4g
     assert c.ok is False and "14.0 GiB" in c.text and "workers.shm_size" in c.fix
-    small = topo(CPU.replace("  log_every: 10", "  log_every: 10\n  loader_workers: 2")
-                 .replace("  count: 2\n  shm_size: 256m", "  count: 2\n  shm_size: 64m"))
+    small = topo(
+        CPU.replace("  log_every: 10", "  log_every: 10\n  loader_workers: 2").replace(
+            "  count: 2\n  shm_size: 256m", "  count: 2\n  shm_size: 64m"
+        )
+    )
     c = only(d.check_shm, small, facts())
     assert c.ok is False and "DataLoader" in c.text
 
@@ -175,6 +199,7 @@ def test_a_probe_not_run_is_listed_as_such_and_not_counted_as_passed() -> None:
     # A GPU topology on a host whose engine has the nvidia runtime (the recorded payload),
     # every other check fine, the probe not run (--no-probe, as `up`'s preflight).
     import json
+
     nvidia = json.loads((REPO / "tests/orchestrator/docker_info/nvidia-runtime.json").read_text())
     t = topo(GPU)
     f = facts(info=nvidia, api_version="1.51", gpus=[0, 1, 2, 3], data_dir=str(REPO))
@@ -201,15 +226,20 @@ def test_stop_on_problems_names_the_first_one() -> None:
     checks = d.run_checks(topo(GPU), "compose", facts(gpus=None, data_dir="/x"))
     with pytest.raises(UsageError) as e:
         d.stop_on_problems(checks, "configs/default.yaml", "CONFIG=x runs anywhere")
-    assert str(e.value).startswith("configs/default.yaml: image.device is cuda, but this Docker engine offers no "
-                                   "GPU: no NVIDIA runtime, no CDI nvidia.com/gpu device, no NVIDIA hook "
-                                   "(install the NVIDIA Container Toolkit")
-    assert "(and 1 more: python -m orchestrator doctor -c configs/default.yaml); nothing was started. " \
-           "CONFIG=x runs anywhere" in str(e.value)
+    assert str(e.value).startswith(
+        "configs/default.yaml: image.device is cuda, but this Docker engine offers no "
+        "GPU: no NVIDIA runtime, no CDI nvidia.com/gpu device, no NVIDIA hook "
+        "(install the NVIDIA Container Toolkit"
+    )
+    assert (
+        "(and 1 more: python -m orchestrator doctor -c configs/default.yaml); nothing was started. "
+        "CONFIG=x runs anywhere" in str(e.value)
+    )
     d.stop_on_problems(d.run_checks(topo(), "compose", facts()), "c.yaml", "")
 
 
 # --- the failing conditions made real (gather asks the host) ----------------
+
 
 def test_gather_sees_a_missing_and_an_empty_data_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
@@ -233,8 +263,14 @@ def test_gather_sees_a_port_in_use() -> None:
 
 
 def run_doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "doctor", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "doctor", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_cli_no_daemon_at_a_bad_docker_host() -> None:
@@ -249,9 +285,12 @@ def test_cli_missing_data_dir_and_port_in_use(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         config = tmp_path / "t.yaml"
-        config.write_text(CPU.replace("dataset: digits", f"dataset: imagefolder\n  data_dir: {tmp_path}/none")
-                          .replace("rpc_timeout: 60", f"rpc_timeout: 60\n  rpc_port: {port}")
-                          + "network: {publish_rpc_port: true}\n")
+        config.write_text(
+            CPU.replace("dataset: digits", f"dataset: imagefolder\n  data_dir: {tmp_path}/none").replace(
+                "rpc_timeout: 60", f"rpc_timeout: 60\n  rpc_port: {port}"
+            )
+            + "network: {publish_rpc_port: true}\n"
+        )
         p = run_doctor("-c", str(config))
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"train.data_dir: {tmp_path}/none is not a directory on this host: it does not exist" in p.stdout

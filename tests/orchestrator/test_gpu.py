@@ -10,10 +10,11 @@ import jsonschema
 import pytest
 import yaml
 
-import doctor_kit as d
-from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.render import compose as render_compose
+from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import Topology, TopologyError, parse
 
+import doctor_kit as d
 from orch_helpers import HERE, REPO
 
 GPU = (REPO / "configs/default.yaml").read_text()
@@ -38,6 +39,7 @@ def info(name: str) -> dict:
 
 
 # --- the rendered GPU file ---------------------------------------------------------
+
 
 def test_the_ps_without_a_gpu_sees_none_and_workers_keep_theirs() -> None:
     services = render_compose.render(gpu_topology())["services"]
@@ -64,7 +66,9 @@ def test_nccl_follows_network_ifname_like_tensorpipe() -> None:
             env = svc["environment"]
             assert env["NCCL_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "ens5"
     allreduce = parse(GPU.replace("strategy: async", "strategy: allreduce"), "a.yaml")
-    assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in render_compose.render(allreduce)["services"].values()} == {"eth0"}
+    assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in render_compose.render(allreduce)["services"].values()} == {
+        "eth0"
+    }
 
 
 def test_group_add_goes_to_every_gpu_container_only() -> None:
@@ -84,12 +88,15 @@ def test_group_add_is_valid_compose_and_left_out_of_the_stack() -> None:
     assert stack["services"]["ps"]["environment"]["NCCL_SOCKET_IFNAME"] == "eth0"
 
 
-@pytest.mark.parametrize("value,problem", [
-    ("[-1]", "image.group_add[0]: got -1; must be a group id (a number >= 0, e.g. 44) or a group name like video"),
-    ("[true]", "image.group_add[0]: got True; must be a group id"),
-    ("['Video Group']", "image.group_add[0]: got 'Video Group'; must be a group id"),
-    ("44", "image.group_add: got 44; must be a valid list"),
-])
+@pytest.mark.parametrize(
+    "value,problem",
+    [
+        ("[-1]", "image.group_add[0]: got -1; must be a group id (a number >= 0, e.g. 44) or a group name like video"),
+        ("[true]", "image.group_add[0]: got True; must be a group id"),
+        ("['Video Group']", "image.group_add[0]: got 'Video Group'; must be a group id"),
+        ("44", "image.group_add: got 44; must be a valid list"),
+    ],
+)
 def test_bad_group_add_is_one_line(value: str, problem: str) -> None:
     with pytest.raises(TopologyError) as e:
         gpu_topology(group_add=value)
@@ -103,9 +110,16 @@ def test_group_add_on_cpu_is_refused() -> None:
 
 # --- doctor on recorded docker info payloads --------------------------------------
 
+
 def facts(payload: str, **kw) -> d.Facts:
-    base = dict(info=info(payload), api_version="1.51", compose="docker compose (compose v2)", gpus=None,
-                disk_free=100 * 1024 ** 3, image_present=True)
+    base = dict(
+        info=info(payload),
+        api_version="1.51",
+        compose="docker compose (compose v2)",
+        gpus=None,
+        disk_free=100 * 1024**3,
+        image_present=True,
+    )
     base.update(kw)
     return d.Facts(**base)
 
@@ -125,7 +139,9 @@ def test_a_cdi_only_host_passes_and_its_devices_name_the_gpus() -> None:
     assert g.ok and g.text == "GPU ids [0, 1, 2] present (host has [0, 1, 2, 3], from the engine's CDI devices)"
     many = parse(GPU.replace("count: 3", "count: 5"), "t.yaml")
     bad = d.check_gpus(many, "compose", f)
-    assert bad.ok is False and bad.text == "GPU id(s) [4] not on this host (the engine's CDI devices lists [0, 1, 2, 3])"
+    assert (
+        bad.ok is False and bad.text == "GPU id(s) [4] not on this host (the engine's CDI devices lists [0, 1, 2, 3])"
+    )
 
 
 def test_docker_desktop_wsl2_passes_without_any_runtime() -> None:
@@ -147,8 +163,10 @@ def test_a_host_with_no_gpu_fails_with_one_line_that_says_what_to_run() -> None:
     assert "DiscoveredDevices" not in f.info  # API 1.41: the key does not exist yet
     c = d.check_nvidia(gpu_topology(), "compose", f)
     assert c.ok is False
-    assert c.text == ("image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime, "
-                      "no CDI nvidia.com/gpu device, no NVIDIA hook")
+    assert c.text == (
+        "image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime, "
+        "no CDI nvidia.com/gpu device, no NVIDIA hook"
+    )
     assert "sudo nvidia-ctk runtime configure --runtime=docker" in c.fix and "\n" not in c.line()
     g = d.check_gpus(gpu_topology(), "compose", f)
     assert g.ok is False and "no nvidia-smi, no CDI GPU devices" in g.text and "nvidia-smi -L" in g.fix
@@ -185,8 +203,9 @@ def test_probe_that_sees_its_gpus_passes() -> None:
 
 
 def test_probe_denied_a_device_node_names_the_group_to_add() -> None:
-    p = d.parse_probe([0], report(denied=[["/dev/nvidia0", "Permission denied", 44]],
-                                  error="torch.cuda.is_available() is False"), 0)
+    p = d.parse_probe(
+        [0], report(denied=[["/dev/nvidia0", "Permission denied", 44]], error="torch.cuda.is_available() is False"), 0
+    )
     c = d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime", probe=p))
     assert c.ok is False
     assert c.text == "uid 1000 cannot open /dev/nvidia0 in the container (Permission denied; its group is 44)"
@@ -195,8 +214,10 @@ def test_probe_denied_a_device_node_names_the_group_to_add() -> None:
 
 def test_probe_failures_are_one_line_each() -> None:
     no_cuda = d.parse_probe([0], report(error="torch.cuda.is_available() is False"), 0)
-    assert d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime", probe=no_cuda)).text == \
-        "in the probe container: torch.cuda.is_available() is False"
+    assert (
+        d.check_probe(gpu_topology(), "compose", facts("nvidia-runtime", probe=no_cuda)).text
+        == "in the probe container: torch.cuda.is_available() is False"
+    )
     crashed = d.parse_probe([0], "Traceback (most recent call last):\n  ...\nImportError: libcuda.so.1\n", 1)
     assert crashed.error == "the probe container exited 1 without a report: ImportError: libcuda.so.1"
     fewer = d.parse_probe([0, 1], report(gpus=[H100]), 0)

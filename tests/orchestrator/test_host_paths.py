@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from orchestrator.local import local_environment
-from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.render import compose as render_compose
+from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
 
 from orch_helpers import REPO, topology
@@ -29,16 +30,29 @@ def test_an_entry_point_without_code_names_the_field() -> None:
     doc = topology(train={"model": "mynet.model:build"})
     with pytest.raises(TopologyError) as e:
         parse(yaml.safe_dump(doc), "t.yaml")
-    assert str(e.value) == ("t.yaml: train.model: got 'mynet.model:build'; an entry point needs the "
-                            "top-level `code` (the directory of your Python code)")
+    assert str(e.value) == (
+        "t.yaml: train.model: got 'mynet.model:build'; an entry point needs the "
+        "top-level `code` (the directory of your Python code)"
+    )
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("model", "mynet.model", "train.model: got 'mynet.model'; must be a model name like cnn or resnet18, "
-                             "or an entry point package.module:factory"),
-    ("dataset", "mynet:data:x", "train.dataset: got 'mynet:data:x'; must be one of imagefolder, mnist, "
-                                "cifar10, digits, synthetic, or an entry point package.module:factory"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        (
+            "model",
+            "mynet.model",
+            "train.model: got 'mynet.model'; must be a model name like cnn or resnet18, "
+            "or an entry point package.module:factory",
+        ),
+        (
+            "dataset",
+            "mynet:data:x",
+            "train.dataset: got 'mynet:data:x'; must be one of imagefolder, mnist, "
+            "cifar10, digits, synthetic, or an entry point package.module:factory",
+        ),
+    ],
+)
 def test_a_malformed_entry_point_is_rejected(field: str, value: str, expected: str) -> None:
     with pytest.raises(TopologyError, match="^t.yaml: " + expected.replace("(", r"\(").replace(")", r"\)")):
         parse(yaml.safe_dump(topology(code="./c", train={field: value})), "t.yaml")
@@ -46,21 +60,40 @@ def test_a_malformed_entry_point_is_rejected(field: str, value: str, expected: s
 
 # (id, change to CUSTOM, text the one error line must contain)
 BAD_PATHS = [
-    ("code-missing", {"code": "./nope"}, "code: got './nope'; must be a directory of Python code on this host (it does not exist"),
-    ("code-is-a-file", {"code": "./w.pt"}, "code: got './w.pt'; must be a directory of Python code on this host (it is a file"),
-    ("module-not-in-code", {"train": {"model": "other.net:build"}},
-     "train.model: got 'other.net:build'; its module must be in code './mycode' as other/net.py or other/net/__init__.py"),
-    ("dataset-module-not-in-code", {"train": {"dataset": "mynet.nodata:load"}},
-     "train.dataset: got 'mynet.nodata:load'; its module must be in code './mycode' as mynet/nodata.py or"),
-    ("weights-missing", {"train": {"init_weights": "./missing.pt"}},
-     "train.init_weights: got './missing.pt'; must be a state dict file on this host (no such file"),
+    (
+        "code-missing",
+        {"code": "./nope"},
+        "code: got './nope'; must be a directory of Python code on this host (it does not exist",
+    ),
+    (
+        "code-is-a-file",
+        {"code": "./w.pt"},
+        "code: got './w.pt'; must be a directory of Python code on this host (it is a file",
+    ),
+    (
+        "module-not-in-code",
+        {"train": {"model": "other.net:build"}},
+        "train.model: got 'other.net:build'; its module must be in code './mycode' as other/net.py or "
+        "other/net/__init__.py",
+    ),
+    (
+        "dataset-module-not-in-code",
+        {"train": {"dataset": "mynet.nodata:load"}},
+        "train.dataset: got 'mynet.nodata:load'; its module must be in code './mycode' as mynet/nodata.py or",
+    ),
+    (
+        "weights-missing",
+        {"train": {"init_weights": "./missing.pt"}},
+        "train.init_weights: got './missing.pt'; must be a state dict file on this host (no such file",
+    ),
 ]
 
 
 @pytest.mark.parametrize("change, expected", [b[1:] for b in BAD_PATHS], ids=[b[0] for b in BAD_PATHS])
 @pytest.mark.parametrize("target", ["compose", "swarm"])
-def test_render_checks_host_paths_and_writes_nothing(cli, write_config, tmp_path: Path, change, expected,
-                                                     target: str) -> None:
+def test_render_checks_host_paths_and_writes_nothing(
+    cli, write_config, tmp_path: Path, change, expected, target: str
+) -> None:
     _tree(tmp_path)
     doc = topology(**CUSTOM)
     for key, value in change.items():
@@ -78,7 +111,7 @@ def test_code_and_weights_are_read_only_mounts_on_every_service(cli, write_confi
     status, _, stderr = cli("render", "-c", str(config), "-o", "compose.yaml")
     assert status == 0, stderr
     doc = yaml.safe_load((tmp_path / "compose.yaml").read_text())
-    for name, svc in doc["services"].items():
+    for _name, svc in doc["services"].items():
         assert {"type": "bind", "source": "./mycode", "target": "/code", "read_only": True} in svc["volumes"]
         assert {"type": "bind", "source": "./w.pt", "target": "/init/weights.pt", "read_only": True} in svc["volumes"]
         env = svc["environment"]
@@ -120,11 +153,18 @@ def test_the_example_topology_is_valid_and_its_paths_exist() -> None:
 
 
 def test_image_cache_reaches_every_process_unless_auto() -> None:
-    cases = ((topology(train={"image_cache": True}), "memory"), (topology(train={"image_cache": "file"}), "file"),
-             ("off", "off"), (topology(), None))
+    cases = (
+        (topology(train={"image_cache": True}), "memory"),
+        (topology(train={"image_cache": "file"}), "file"),
+        ("off", "off"),
+        (topology(), None),
+    )
     for doc, expected in cases:
-        text = yaml.safe_dump(topology(train={"image_cache": False})).replace("image_cache: false", "image_cache: off") \
-            if doc == "off" else yaml.safe_dump(doc)  # a bare YAML off (a boolean to PyYAML) is off
+        text = (
+            yaml.safe_dump(topology(train={"image_cache": False})).replace("image_cache: false", "image_cache: off")
+            if doc == "off"
+            else yaml.safe_dump(doc)
+        )  # a bare YAML off (a boolean to PyYAML) is off
         t = parse(text)
         assert t.train.image_cache == (expected or "auto")
         for svc in render_compose.render(t)["services"].values():
@@ -132,7 +172,8 @@ def test_image_cache_reaches_every_process_unless_auto() -> None:
 
 
 def test_loader_workers_auto_is_told_the_workers_on_the_host_and_the_cache_dir_is_on_the_state_volume(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     images = topology(train={"dataset": "imagefolder", "data_dir": "./data"}, workers={"count": 3})
     auto = parse(yaml.safe_dump(images))
     for svc in render_compose.render(auto)["services"].values():

@@ -58,14 +58,16 @@ def graph() -> dict[str, set[str]]:
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Every cycle found by a depth-first search (each as the path that closes it)."""
     found, state = [], {}
+
     def visit(node: str, stack: list[str]) -> None:
         state[node] = "open"
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
+
     for node in sorted(edges):
         if node not in state:
             visit(node, [node])
@@ -82,8 +84,12 @@ def test_the_graph_is_read() -> None:
 def test_no_import_cycle() -> None:
     edges = graph()
     found = cycles(edges)
-    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found) + "\n\nthe graph:\n" + "\n".join(
-        f"{m} -> {', '.join(sorted(t))}" for m, t in sorted(edges.items()) if t)
+    assert not found, (
+        "import cycles:\n"
+        + "\n".join(" -> ".join(c) for c in found)
+        + "\n\nthe graph:\n"
+        + "\n".join(f"{m} -> {', '.join(sorted(t))}" for m, t in sorted(edges.items()) if t)
+    )
 
 
 def test_cycles_are_found() -> None:
@@ -96,9 +102,12 @@ APP_DECLARATIONS = ("app.options", "app.contract")
 
 
 def test_no_torch_and_no_app() -> None:
-    bad = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}"
-           for name, path in modules().items() for module, _, line in imports(name, path)
-           if module.split(".")[0] in FORBIDDEN and module not in APP_DECLARATIONS]
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}"
+        for name, path in modules().items()
+        for module, _, line in imports(name, path)
+        if module.split(".")[0] in FORBIDDEN and module not in APP_DECLARATIONS
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -110,11 +119,13 @@ def test_the_app_declarations_import_only_the_standard_library() -> None:
         path = root / (name.replace(".", "/") + ".py")
         for module, _, line in imports(name, path):
             top = module.split(".")[0]
-            assert module in APP_DECLARATIONS or top in sys.stdlib_module_names or top == "__future__", \
+            assert module in APP_DECLARATIONS or top in sys.stdlib_module_names or top == "__future__", (
                 f"{path.relative_to(root)}:{line}: imports {module}"
+            )
     init = (root / "app" / "__init__.py").read_text(encoding="utf-8")
-    assert not [n for n in ast.walk(ast.parse(init)) if isinstance(n, (ast.Import, ast.ImportFrom))], \
+    assert not [n for n in ast.walk(ast.parse(init)) if isinstance(n, (ast.Import, ast.ImportFrom))], (
         "app/__init__.py imports something: the orchestrator's `import app.options` would run it"
+    )
 
 
 def test_no_private_name_from_another_module() -> None:
@@ -123,18 +134,37 @@ def test_no_private_name_from_another_module() -> None:
     for name, path in known.items():
         for module, names, line in imports(name, path):
             if module.startswith("orchestrator") and module != name:
-                bad += [f"{path.relative_to(PACKAGE.parent)}:{line}: {n} from {module}"
-                        for n in names if n.startswith("_") and not n.startswith("__")]
+                bad += [
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {n} from {module}"
+                    for n in names
+                    if n.startswith("_") and not n.startswith("__")
+                ]
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        aliases = {a.asname or a.name: f"{node.module}.{a.name}" for node in ast.walk(tree)
-                   if isinstance(node, ast.ImportFrom) and node.module for a in node.names
-                   if f"{node.module}.{a.name}" in known}
-        aliases.update({a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                        for a in node.names if a.name in known})
-        bad += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value.id}.{node.attr}"
+        aliases = {
+            a.asname or a.name: f"{node.module}.{a.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            for a in node.names
+            if f"{node.module}.{a.name}" in known
+        }
+        aliases.update(
+            {
+                a.asname or a.name: a.name
                 for node in ast.walk(tree)
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")]
+                if isinstance(node, ast.Import)
+                for a in node.names
+                if a.name in known
+            }
+        )
+        bad += [
+            f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ]
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
 
 
@@ -189,7 +219,9 @@ def test_imports_go_down_the_design_map() -> None:
 
 def test_a_wrong_import_is_caught_by_the_map() -> None:
     table = layers()
-    assert table[unit_of("orchestrator.render.compose", table)] < table[unit_of("orchestrator.backends.registry", table)]
+    assert (
+        table[unit_of("orchestrator.render.compose", table)] < table[unit_of("orchestrator.backends.registry", table)]
+    )
     assert unit_of("orchestrator.metrics.records", table) == "orchestrator.metrics.records"
     assert unit_of("orchestrator.metrics.report", table) == "orchestrator.metrics"
 

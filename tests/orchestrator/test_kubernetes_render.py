@@ -17,7 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.render import compose as render_compose, kubernetes as render_k8s
+from orchestrator.render import compose as render_compose
+from orchestrator.render import kubernetes as render_k8s
 from orchestrator.topology.model import Topology, load, parse
 
 from orch_helpers import HERE, REPO
@@ -27,7 +28,9 @@ DATA_ROOT = "/srv/ps-compose"
 K8S_VERSION = "1.37.0"  # the Kubernetes version the manifests are validated for (kubernetes-validate 1.37.0)
 
 # The GPU run placed by node labels, with the data on a claim and a storage class.
-PLACED = (REPO / "configs/default.yaml").read_text() + """
+PLACED = (
+    (REPO / "configs/default.yaml").read_text()
+    + """
 kubernetes:
   state_size: 50g
   storage_class: fast-ssd
@@ -35,6 +38,7 @@ kubernetes:
   ps_node_selector: {kubernetes.io/hostname: ps-host}
   worker_node_selector: {nvidia.com/gpu.present: "true"}
 """
+)
 PLACED = PLACED.replace("  # gpu: 0 ", "  gpu: 0 ")
 
 CASES = [
@@ -46,8 +50,12 @@ CASES = [
     ("kubernetes-custom-example.yaml", "examples/custom/topology.yaml", None, None),
 ]
 IDS = [c[0] for c in CASES]
-KINDS = {"PersistentVolumeClaim": "V1PersistentVolumeClaim", "Service": "V1Service", "Job": "V1Job",
-         "NetworkPolicy": "V1NetworkPolicy"}
+KINDS = {
+    "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+    "Service": "V1Service",
+    "Job": "V1Job",
+    "NetworkPolicy": "V1NetworkPolicy",
+}
 
 
 def topo(config: str, workers: Optional[int] = None, variant: Optional[str] = None) -> Topology:
@@ -106,17 +114,24 @@ def test_strict_validation_rejects_an_unknown_field() -> None:
 def test_the_validator_cli_passes_the_default_topology_with_3_workers(tmp_path: Path) -> None:
     # As the docs tell a user to check a rendered file (the CLI, on the file the CLI wrote).
     out = tmp_path / "k8s.yaml"
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "render", "--target", "kubernetes", "--workers", "3",
-                        "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "render", "--target", "kubernetes", "--workers", "3", "-o", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     validator = Path(sys.executable).with_name("kubernetes-validate")
-    r = subprocess.run([str(validator), "--strict", "-k", K8S_VERSION, str(out)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [str(validator), "--strict", "-k", K8S_VERSION, str(out)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" passed for resource ") == 5, r.stdout
 
 
 # --- what the manifests say --------------------------------------------------
+
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
@@ -147,8 +162,9 @@ def test_every_training_variable_of_the_compose_render_reaches_the_pods() -> Non
     t = topo("configs/default.yaml", 3)
     compose_env = render_compose.render(t)["services"]["worker1"]["environment"]
     k8s_env = env(by_kind(documents("configs/default.yaml", 3), "Job")[1])
-    expected = {k: v for k, v in compose_env.items() if k not in ("PSC_RANK", "PSC_RUN_ID", "PSC_RESUME",
-                                                                     "PSC_MASTER_ADDR")}
+    expected = {
+        k: v for k, v in compose_env.items() if k not in ("PSC_RANK", "PSC_RUN_ID", "PSC_RESUME", "PSC_MASTER_ADDR")
+    }
     assert {k: v for k, v in k8s_env.items() if k in expected} == expected
     assert k8s_env["PSC_MASTER_ADDR"] == "resnet18-imagenette-ps"
 
@@ -173,8 +189,10 @@ def test_the_rendezvous_is_a_headless_service_on_index_0() -> None:
     (svc,) = by_kind(documents("configs/default.yaml", 3), "Service")
     assert svc["metadata"]["name"] == "resnet18-imagenette-ps"
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": "resnet18-imagenette-ps",
-                                       "batch.kubernetes.io/job-completion-index": "0"}
+    assert svc["spec"]["selector"] == {
+        "batch.kubernetes.io/job-name": "resnet18-imagenette-ps",
+        "batch.kubernetes.io/job-completion-index": "0",
+    }
     (svc,) = by_kind(documents("configs/cpu-smoke.yaml", 3, "allreduce"), "Service")
     assert svc["spec"]["selector"]["batch.kubernetes.io/job-name"] == "cpu-smoke-workers"
     assert svc["metadata"]["name"] == "cpu-smoke-worker1"
@@ -185,11 +203,17 @@ def test_the_security_posture_of_the_compose_file() -> None:
         pod = job["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == 1000
-        assert container(job)["securityContext"] == {"allowPrivilegeEscalation": False,
-                                                     "capabilities": {"drop": ["ALL"]}}
+        assert container(job)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
     (policy,) = by_kind(documents("configs/default.yaml", 3), "NetworkPolicy")
     own = {"matchLabels": {"ps-compose.project": "resnet18-imagenette"}}
-    assert policy["spec"] == {"podSelector": own, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": own}]}]}
+    assert policy["spec"] == {
+        "podSelector": own,
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": own}]}],
+    }
 
 
 def test_node_selectors_claims_and_shards() -> None:

@@ -14,7 +14,8 @@ import pytest
 from app.config import parse
 from app.options import ALWAYS, CHANGED, OPTIONS, in_topology
 from orchestrator.render import compose as render_compose
-from orchestrator.topology.model import PS, Train, parse as parse_topology
+from orchestrator.topology.model import PS, Train
+from orchestrator.topology.model import parse as parse_topology
 
 from orch_helpers import REPO
 
@@ -24,28 +25,67 @@ MODELS = {"train": Train, "ps": PS}
 
 # A value other than the app's default for every training option, valid together
 # (ssp takes staleness, staleness_lr and overlap; cpu for bf16; imagefolder for image_size).
-OTHER = {"model": "resnet34", "dataset": "imagefolder", "batch_size": 7, "lr": 0.25, "momentum": 0.5,
-         "num_epochs": 3, "max_steps": 9, "strategy": "ssp", "staleness": 2, "staleness_lr": True,
-         "overlap": True, "compress": "bf16", "seed": 5, "eval_every": 11, "log_every": 3, "loader_workers": 2,
-         "rpc_timeout": 61, "join_timeout": 301, "checkpoint_every": 17, "shards": 2, "image_size": 64,
-         "image_cache": "file", "precision": "bf16", "channels_last": True, "weight_decay": 0.001}
+OTHER = {
+    "model": "resnet34",
+    "dataset": "imagefolder",
+    "batch_size": 7,
+    "lr": 0.25,
+    "momentum": 0.5,
+    "num_epochs": 3,
+    "max_steps": 9,
+    "strategy": "ssp",
+    "staleness": 2,
+    "staleness_lr": True,
+    "overlap": True,
+    "compress": "bf16",
+    "seed": 5,
+    "eval_every": 11,
+    "log_every": 3,
+    "loader_workers": 2,
+    "rpc_timeout": 61,
+    "join_timeout": 301,
+    "checkpoint_every": 17,
+    "shards": 2,
+    "image_size": 64,
+    "image_cache": "file",
+    "precision": "bf16",
+    "channels_last": True,
+    "weight_decay": 0.001,
+}
 
 
 def environment(t) -> dict[str, str]:
-    return render_compose.app_environment(t, 1, master_addr="ps", master_port=29500, data_dir="/data",
-                                          checkpoint_dir="/state/c", metrics_dir="/state/m", ifname="eth0",
-                                          cache_dir="/state/cache")
+    return render_compose.app_environment(
+        t,
+        1,
+        master_addr="ps",
+        master_port=29500,
+        data_dir="/data",
+        checkpoint_dir="/state/c",
+        metrics_dir="/state/m",
+        ifname="eth0",
+        cache_dir="/state/cache",
+    )
 
 
 def every_option_changed():
     train = {o.key: OTHER[o.name] for o in in_topology("train")}
     ps = {o.key: OTHER[o.name] for o in in_topology("ps")}
-    return parse_topology(_yaml(name="t", image={"base": "b", "device": "cpu"}, workers={"count": 2},
-                                train=dict(train, data_dir="/srv/data"), ps=ps), "t.yaml")
+    return parse_topology(
+        _yaml(
+            name="t",
+            image={"base": "b", "device": "cpu"},
+            workers={"count": 2},
+            train=dict(train, data_dir="/srv/data"),
+            ps=ps,
+        ),
+        "t.yaml",
+    )
 
 
 def _yaml(**doc) -> str:
     import yaml
+
     return yaml.safe_dump(doc)
 
 
@@ -65,7 +105,9 @@ def test_topology_render_and_parser_agree_on_every_value() -> None:
         value = getattr(getattr(t, o.section), o.key)
         assert value == OTHER[o.name], o.name
         assert env[o.env] == o.text(value), o.name
-        assert getattr(config, o.name) == (str(value) if o.kind == "auto_int" else value), o.name  # auto_int: the app keeps text
+        assert getattr(config, o.name) == (str(value) if o.kind == "auto_int" else value), (
+            o.name
+        )  # auto_int: the app keeps text
 
 
 def test_the_topology_fields_are_the_declarations() -> None:
@@ -76,19 +118,27 @@ def test_the_topology_fields_are_the_declarations() -> None:
         if not o.required:
             assert field.default == o.default, o.name
         if o.choices:
-            literal = next(a for a in [field.annotation, *typing.get_args(field.annotation)]
-                           if typing.get_origin(a) is typing.Literal)
+            literal = next(
+                a
+                for a in [field.annotation, *typing.get_args(field.annotation)]
+                if typing.get_origin(a) is typing.Literal
+            )
             assert typing.get_args(literal) == o.choices, o.name
 
 
-@pytest.mark.parametrize("o", [o for o in TOPOLOGY_OPTIONS if o.low is not None or o.high is not None],
-                         ids=lambda o: o.name)
+@pytest.mark.parametrize(
+    "o", [o for o in TOPOLOGY_OPTIONS if o.low is not None or o.high is not None], ids=lambda o: o.name
+)
 def test_a_bound_is_the_same_on_both_sides(o) -> None:
     """Just past a bound, the topology refuses the value and so does the app's parser."""
     bad = o.low - (0 if o.low_open else 1) if o.low is not None else o.high + (0 if o.high_open else 1)
     bad = int(bad) if (o.topology_kind or o.kind) == "int" else float(bad)
-    doc = dict(name="t", image={"base": "b", "device": "cpu"}, workers={"count": 2},
-               train={"model": "cnn", "dataset": "digits", "batch_size": 8, "lr": 0.1, "epochs": 1})
+    doc = dict(
+        name="t",
+        image={"base": "b", "device": "cpu"},
+        workers={"count": 2},
+        train={"model": "cnn", "dataset": "digits", "batch_size": 8, "lr": 0.1, "epochs": 1},
+    )
     doc.setdefault(o.section, {})[o.key] = bad
     with pytest.raises(Exception, match=f"{o.section}.{o.key}"):
         parse_topology(_yaml(**doc), "t.yaml")

@@ -11,8 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Lines of the app's logs (app/ps/liveness.py, app/common/loop.py, app/ps/process.py,
 # app/ddp.py, app/ps/sharding/shard_process.py): each was once matched by an orchestrator module.
-APP_LOG_PHRASES = ("Accuracy:", "joined at version", "| Epoch:", "Update:", "resumed from ckpt-",
-                   r"\bdropped")
+APP_LOG_PHRASES = ("Accuracy:", "joined at version", "| Epoch:", "Update:", "resumed from ckpt-", r"\bdropped")
 # Reading a rendered compose file back for a setting of the run.
 COMPOSE_READ_BACK = ("PSC_STRATEGY", "PSC_BATCH_SIZE")
 WRITERS = ("orchestrator/render/", "orchestrator/connectivity.py", "orchestrator/local.py")  # they set them
@@ -20,8 +19,11 @@ WRITERS = ("orchestrator/render/", "orchestrator/connectivity.py", "orchestrator
 
 def string_constants(path: Path) -> list[tuple[int, str]]:
     """Every string literal in code (docstrings and f-string text included, comments not)."""
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
 
 
 def offences() -> list[str]:

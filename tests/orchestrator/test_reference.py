@@ -27,26 +27,33 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]
 
 def test_docs_topology_md_is_the_generated_reference():
     assert DOC.read_text(encoding="utf-8") == topology_reference_markdown(), (
-        f"docs/topology.md is out of date with orchestrator/topology/model.py; regenerate it: {REGENERATE}")
+        f"docs/topology.md is out of date with orchestrator/topology/model.py; regenerate it: {REGENERATE}"
+    )
 
 
 def test_every_key_of_every_section_has_a_row_with_its_docstring():
     text = topology_reference_markdown()
-    rows = {line.split(" | ")[0].removeprefix("| ").strip("`"): line for line in text.splitlines()
-            if line.startswith("| `")}
+    rows = {
+        line.split(" | ")[0].removeprefix("| ").strip("`"): line for line in text.splitlines() if line.startswith("| `")
+    }
     leaves = _leaves(Topology)
     assert len(leaves) > 20
     for key, field in leaves:
         assert key in rows, f"{key} has no row in the reference"
-        assert field.description, f"{key} has no docstring in orchestrator/topology/model.py (it is the reference's text)"
+        assert field.description, (
+            f"{key} has no docstring in orchestrator/topology/model.py (it is the reference's text)"
+        )
         assert " ".join(field.description.split()).replace("|", "\\|") in rows[key]
     for section in ("image", "train", "ps", "workers", "network", "swarm"):
         assert f"## `{section}`" in text
 
 
 def test_rows_carry_type_default_and_allowed_values():
-    rows = {line.split(" | ")[0].removeprefix("| ").strip("`"): line.split(" | ")
-            for line in topology_reference_markdown().splitlines() if line.startswith("| `")}
+    rows = {
+        line.split(" | ")[0].removeprefix("| ").strip("`"): line.split(" | ")
+        for line in topology_reference_markdown().splitlines()
+        if line.startswith("| `")
+    }
     assert rows["train.strategy"][1:4] == ["string", "`async`", "`async`, `sync`, `ssp`, `allreduce`"]
     assert rows["train.batch_size"][1:4] == ["integer", "required", ">= 1"]
     assert rows["train.momentum"][3] == ">= 0, < 1"

@@ -14,8 +14,8 @@ import yaml
 
 from orchestrator.render import compose as render_compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
 from orchestrator.topology.model import Topology, load, parse
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
 
 from orch_helpers import HERE, REPO, topology
 
@@ -54,7 +54,8 @@ def test_golden(golden: str, config: str, workers: int | None) -> None:
 def test_top_level_compose_yaml_is_up_to_date() -> None:
     _, text = rendered("configs/default.yaml", None)
     assert (REPO / "compose.yaml").read_text() == text, (
-        "compose.yaml is out of date with configs/default.yaml: run `make render`")
+        "compose.yaml is out of date with configs/default.yaml: run `make render`"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,10 @@ def schema_validator() -> jsonschema.Draft7Validator:
 @pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
 def test_schema(schema_validator, golden: str, config: str, workers: int | None) -> None:
     _, text = rendered(config, workers)
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in schema_validator.iter_errors(yaml.safe_load(text))]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in schema_validator.iter_errors(yaml.safe_load(text))
+    ]
     assert errors == []
 
 
@@ -80,13 +84,20 @@ def test_schema_rejects_garbage(schema_validator) -> None:
 
 def test_same_topology_same_bytes(tmp_path: Path) -> None:
     t = load(REPO / "configs/default.yaml")
-    assert render_compose.dump(render_compose.render(t), t.name) == render_compose.dump(render_compose.render(load(REPO / "configs/default.yaml")), t.name)
+    assert render_compose.dump(render_compose.render(t), t.name) == render_compose.dump(
+        render_compose.render(load(REPO / "configs/default.yaml")), t.name
+    )
     # And across processes (hash seeds differ), through the CLI.
     outs = []
     for seed in ("1", "2"):
         out = tmp_path / f"c{seed}.yaml"
-        subprocess.run([sys.executable, "-m", "orchestrator", "render", "-o", str(out)],
-                       cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed}, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "orchestrator", "render", "-o", str(out)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
+        )
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] == (REPO / "compose.yaml").read_bytes()
 
@@ -104,7 +115,7 @@ def test_services_ranks_and_env() -> None:
     t, text = rendered("configs/default.yaml", 4)
     doc = yaml.safe_load(text)
     assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
-    for rank, (name, svc) in enumerate(doc["services"].items()):
+    for rank, (_name, svc) in enumerate(doc["services"].items()):
         env = svc["environment"]
         assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
         assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
@@ -112,8 +123,11 @@ def test_services_ranks_and_env() -> None:
         assert env["PSC_CHECKPOINT_DIR"] == "/state/checkpoints" and env["PSC_METRICS_DIR"] == "/state/metrics"
         assert all(isinstance(v, str) for v in env.values())
         assert svc["command"] == (["ps"] if rank == 0 else ["worker"])
-        assert svc["labels"] == {LABEL_PROJECT: t.name, LABEL_ROLE: "ps" if rank == 0 else "worker",
-                                 LABEL_RANK: str(rank)}
+        assert svc["labels"] == {
+            LABEL_PROJECT: t.name,
+            LABEL_ROLE: "ps" if rank == 0 else "worker",
+            LABEL_RANK: str(rank),
+        }
         assert svc["networks"] == [render_compose.NETWORK]
         assert svc["image"] == "ps-compose-resnet18-imagenette:latest"
     assert doc["networks"] == {"cluster": {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}}
@@ -123,8 +137,11 @@ def test_gpu_mode() -> None:
     doc = yaml.safe_load(rendered("configs/default.yaml", 3)[1])
     for i in (1, 2, 3):
         w = doc["services"][f"worker{i}"]
-        assert w["deploy"] == {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "device_ids": [str(i - 1)], "capabilities": ["gpu"]}]}}}
+        assert w["deploy"] == {
+            "resources": {
+                "reservations": {"devices": [{"driver": "nvidia", "device_ids": [str(i - 1)], "capabilities": ["gpu"]}]}
+            }
+        }
         assert w["environment"]["PSC_DEVICE"] == "cuda"
     ps = doc["services"]["ps"]
     assert "deploy" not in ps and ps["environment"]["PSC_DEVICE"] == "cpu"
@@ -163,22 +180,30 @@ def test_safe_defaults() -> None:
             else:
                 assert svc["depends_on"] == {"ps": {"condition": "service_healthy"}}
                 assert svc["restart"] == "on-failure" and "build" not in svc
-        assert doc["volumes"] == {"state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}}
+        assert doc["volumes"] == {
+            "state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}
+        }
 
 
 def test_data_mount() -> None:
     doc = yaml.safe_load(rendered("configs/default.yaml", None)[1])
     assert doc["services"]["worker2"]["volumes"][0] == {
-        "type": "bind", "source": "./data/imagenette2/val", "target": "/data", "read_only": True}
+        "type": "bind",
+        "source": "./data/imagenette2/val",
+        "target": "/data",
+        "read_only": True,
+    }
     t = parse(yaml.safe_dump(topology(train={"dataset": "mnist", "data_dir": "data/mnist"})))
     assert render_compose.render(t)["services"]["ps"]["volumes"][0]["source"] == "./data/mnist"
 
 
 def test_build_args() -> None:
     doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
-    assert doc["services"]["ps"]["build"] == {"context": ".", "dockerfile": "images/Dockerfile",
-                                              "args": {"BASE_IMAGE": "ps-compose-base:bookworm",
-                                                       "PIP_SOURCE": "wheelhouse"}}
+    assert doc["services"]["ps"]["build"] == {
+        "context": ".",
+        "dockerfile": "images/Dockerfile",
+        "args": {"BASE_IMAGE": "ps-compose-base:bookworm", "PIP_SOURCE": "wheelhouse"},
+    }
 
 
 def test_publish_rpc_port_when_asked(cli, write_config) -> None:
@@ -195,6 +220,7 @@ def test_render_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def no_io(*a, **k):
         raise AssertionError("render touched the disk")
+
     monkeypatch.setattr("builtins.open", no_io)
     monkeypatch.setattr(os, "stat", no_io)
     render_compose.dump(render_compose.render(t), t.name)
@@ -224,6 +250,7 @@ def test_failed_write_leaves_no_temp_and_old_file(monkeypatch: pytest.MonkeyPatc
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
         write_atomic(target, "new\n")

@@ -12,17 +12,18 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from test_compose_config import check, compose_v1, compose_v2, need
+from test_swarm_render import DATA_ROOT, stack_config
 
 from orchestrator import local
 from orchestrator.backends import smoke
 from orchestrator.backends.compose import verbs as compose_verbs
-from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator.topology.services import rendezvous_service, service_names
+from orchestrator.render import compose as render_compose
+from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
+from orchestrator.topology.services import rendezvous_service, service_names
 
 from orch_helpers import HERE, REPO, topology
-from test_compose_config import check, compose_v1, compose_v2, need
-from test_swarm_render import DATA_ROOT, stack_config
 
 GOLDEN = HERE / "golden"
 SMOKE = REPO / "configs/cpu-smoke.yaml"
@@ -41,8 +42,10 @@ def stack_text() -> str:
     return render_swarm.dump(render_swarm.render(allreduce(), data_root=DATA_ROOT), "cpu-smoke")
 
 
-@pytest.mark.parametrize("golden,text", [("cpu-smoke-allreduce-workers3.yaml", compose_text),
-                                         ("swarm-cpu-smoke-allreduce-workers3.yaml", stack_text)])
+@pytest.mark.parametrize(
+    "golden,text",
+    [("cpu-smoke-allreduce-workers3.yaml", compose_text), ("swarm-cpu-smoke-allreduce-workers3.yaml", stack_text)],
+)
 def test_golden(golden, text) -> None:
     path = GOLDEN / golden
     if os.environ.get("UPDATE_GOLDEN") == "1":
@@ -54,8 +57,10 @@ def test_golden(golden, text) -> None:
 @pytest.mark.parametrize("text", [compose_text, stack_text], ids=["compose", "swarm"])
 def test_schema(text) -> None:
     schema = json.loads((HERE / "compose-spec.json").read_text())
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft7Validator(schema).iter_errors(yaml.safe_load(text()))]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(yaml.safe_load(text()))
+    ]
     assert errors == []
 
 
@@ -76,7 +81,7 @@ def test_no_ps_worker1_is_the_rendezvous() -> None:
     doc = render_compose.render(t)
     assert list(doc["services"]) == ["worker1", "worker2", "worker3"] == service_names(t)
     assert rendezvous_service(t) == "worker1" and rendezvous_service(load(SMOKE)) == "ps"
-    for rank, (name, svc) in enumerate(doc["services"].items(), start=1):
+    for rank, (_name, svc) in enumerate(doc["services"].items(), start=1):
         env = svc["environment"]
         assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"]) == (str(rank), "4")  # the app counts a PS slot
         assert (env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"]) == ("worker1", str(t.ps.rpc_port))
@@ -91,8 +96,16 @@ def test_no_ps_worker1_is_the_rendezvous() -> None:
 
 
 def test_gpu_reservations_as_for_ps_workers() -> None:
-    t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7},
-                                      train={"strategy": "allreduce"}, workers={"count": 2, "gpus": [4, 2]})))
+    t = parse(
+        yaml.safe_dump(
+            topology(
+                image={"device": "cuda"},
+                ps={"gpu": 7},
+                train={"strategy": "allreduce"},
+                workers={"count": 2, "gpus": [4, 2]},
+            )
+        )
+    )
     doc = render_compose.render(t)
     ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
     assert ids == {"worker1": ["4"], "worker2": ["2"]}  # no PS: ps.gpu is unused
@@ -108,7 +121,8 @@ def test_published_port_is_on_worker1(cli, write_config) -> None:
     services = render_compose.render(t)["services"]
     assert services["worker1"]["ports"] == ["29600:29600"] and "ports" not in services["worker2"]
     assert render_swarm.render(t, data_root=DATA_ROOT)["services"]["worker1"]["ports"] == [
-        {"target": 29600, "published": 29600, "protocol": "tcp", "mode": "host"}]
+        {"target": 29600, "published": 29600, "protocol": "tcp", "mode": "host"}
+    ]
     status, out, err = cli("render", "-c", str(write_config(doc)), "-o", "-")
     assert status == 0 and err.startswith("warning: network.publish_rpc_port: worker1's port 29600")
 
@@ -116,8 +130,11 @@ def test_published_port_is_on_worker1(cli, write_config) -> None:
 def test_with_strategy_validates_again() -> None:
     t = load(SMOKE)
     assert t.with_strategy("allreduce").train.strategy == "allreduce" and t.train.strategy == "async"
-    with pytest.raises(TopologyError, match=r"^--strategy: train.strategy: got 'ring'; must be one of "
-                                            r"async, sync, ssp, allreduce$"):
+    with pytest.raises(
+        TopologyError,
+        match=r"^--strategy: train.strategy: got 'ring'; must be one of "
+        r"async, sync, ssp, allreduce$",
+    ):
         t.with_strategy("ring")
     overlapping = parse(yaml.safe_dump(topology(train={"overlap": True})))
     with pytest.raises(TopologyError, match="train.overlap"):
@@ -130,8 +147,9 @@ def test_cli_strategy_override(cli) -> None:
     status, out, err = cli("render", "-c", str(SMOKE), "--strategy", "allreduce", "-o", "c.yaml")
     assert status == 0 and out.startswith("wrote c.yaml: 2 workers (allreduce, no ps)")
     status, out, err = cli("render", "-c", str(SMOKE), "--strategy", "ring", "-o", "c.yaml")
-    assert status == 2 and err == (f"error: {SMOKE} with --strategy ring: train.strategy: got 'ring'; "
-                                   "must be one of async, sync, ssp, allreduce\n")
+    assert status == 2 and err == (
+        f"error: {SMOKE} with --strategy ring: train.strategy: got 'ring'; must be one of async, sync, ssp, allreduce\n"
+    )
     for verb in ("up", "local", "smoke", "status", "logs", "down", "doctor"):
         status, out, err = cli(verb, "--strategy", "allreduce", "--help")
         assert status == 0 and "--strategy" in out, verb
@@ -143,7 +161,10 @@ def test_local_plan_has_no_ps() -> None:
     for rank, s in enumerate(specs, start=1):
         assert s.argv == ["py", "-m", "app", "worker"]
         assert (s.env["PSC_RANK"], s.env["PSC_MASTER_ADDR"], s.env["PSC_MASTER_PORT"]) == (
-            str(rank), "127.0.0.1", "29999")
+            str(rank),
+            "127.0.0.1",
+            "29999",
+        )
         assert s.env["PSC_STRATEGY"] == "allreduce"
 
 
@@ -152,12 +173,19 @@ def test_cluster_target_and_judge() -> None:
     assert tg.topology is not None and service_names(tg.topology) == ["worker1", "worker2", "worker3"]
     ok = [{"service": s, "status": "exited", "exit_code": 0, "restarts": 0} for s in ("worker1", "worker2")]
     assert smoke.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
-    assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == ["worker1 wrote no `end` record with its accuracy"]
+    assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == [
+        "worker1 wrote no `end` record with its accuracy"
+    ]
 
 
 def test_make_passes_strategy() -> None:
-    p = subprocess.run(["make", "-n", "up", "render", "status", "CONFIG=configs/cpu-smoke.yaml", "WORKERS=3",
-                        "STRATEGY=allreduce"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        ["make", "-n", "up", "render", "status", "CONFIG=configs/cpu-smoke.yaml", "WORKERS=3", "STRATEGY=allreduce"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     lines = [line for line in p.stdout.splitlines() if " -m orchestrator " in line]
     assert len(lines) == 3 and all("--workers 3" in line and "--strategy allreduce" in line for line in lines), lines

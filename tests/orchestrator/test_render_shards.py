@@ -12,8 +12,8 @@ import yaml
 
 from orchestrator import local
 from orchestrator.render import compose as render_compose
-from orchestrator.topology.services import describe, service_names
 from orchestrator.topology.model import Topology, TopologyError, load, parse
+from orchestrator.topology.services import describe, service_names
 
 from orch_helpers import HERE, REPO, topology
 
@@ -64,11 +64,14 @@ def test_schema_accepts_shard_services() -> None:
     assert list(jsonschema.Draft7Validator(schema).iter_errors(doc)) == []
 
 
-@pytest.mark.parametrize("shards,problem", [
-    (0, "ps.shards: got 0; must be greater than or equal to 1"),
-    (9, "ps.shards: got 9; must be less than or equal to 8"),
-    ("2", "ps.shards: got '2'; must be a valid integer"),
-])
+@pytest.mark.parametrize(
+    "shards,problem",
+    [
+        (0, "ps.shards: got 0; must be greater than or equal to 1"),
+        (9, "ps.shards: got 9; must be less than or equal to 8"),
+        ("2", "ps.shards: got '2'; must be a valid integer"),
+    ],
+)
 def test_bad_shards(shards, problem) -> None:
     with pytest.raises(TopologyError) as error:
         parse(yaml.safe_dump(topology(ps={"shards": shards})), "t.yaml")
@@ -78,8 +81,10 @@ def test_bad_shards(shards, problem) -> None:
 def test_allreduce_with_shards_is_refused() -> None:
     with pytest.raises(TopologyError) as error:
         parse(yaml.safe_dump(topology(ps={"shards": 2}, train={"strategy": "allreduce"})), "t.yaml")
-    assert str(error.value) == ("t.yaml: ps.shards: got 2; allowed only with a parameter server "
-                                "(strategy async, sync or ssp); allreduce has none")
+    assert str(error.value) == (
+        "t.yaml: ps.shards: got 2; allowed only with a parameter server "
+        "(strategy async, sync or ssp); allreduce has none"
+    )
 
 
 def test_local_plan_starts_the_shards_as_ps_processes(tmp_path: Path) -> None:

@@ -29,16 +29,31 @@ def rec(t: float, role: str, rank: int, event: str, step: int, **fields: Any) ->
     return {"time": round(t, 3), "role": role, "rank": rank, "event": event, "step": step, **fields}
 
 
-def ps_records(t0: float = T0, *, samples: bool = True, hist: bool = True, strategy: Optional[str] = "async",
-               accuracies: tuple[float, ...] = (0.50, 0.91, 0.89), final: float = 0.96) -> list[dict]:
+def ps_records(
+    t0: float = T0,
+    *,
+    samples: bool = True,
+    hist: bool = True,
+    strategy: Optional[str] = "async",
+    accuracies: tuple[float, ...] = (0.50, 0.91, 0.89),
+    final: float = 0.96,
+) -> list[dict]:
     """Two workers of 40 steps of 32 samples each over 4 s; an eval every second, `end` at 4 s."""
-    out = [rec(t0, "ps", 0, "join", 0, worker="worker1", worker_rank=1, epoch=1, batch=0, pushes=0),
-           rec(t0 + 0.1, "ps", 0, "join", 0, worker="worker2", worker_rank=2, epoch=1, batch=0, pushes=0)]
+    out = [
+        rec(t0, "ps", 0, "join", 0, worker="worker1", worker_rank=1, epoch=1, batch=0, pushes=0),
+        rec(t0 + 0.1, "ps", 0, "join", 0, worker="worker2", worker_rank=2, epoch=1, batch=0, pushes=0),
+    ]
     for i, acc in enumerate(accuracies, start=1):
         extra = {"samples": 2 * 10 * i * BATCH} if samples else {}
         out.append(rec(t0 + i, "ps", 0, "eval", 20 * i, accuracy=acc, loss=round(1 - acc, 4), **extra))
-    end: dict[str, Any] = {"accuracy": final, "loss": round(1 - final, 4), "seconds": 4.0,
-                           "pushes": {"worker1": 40, "worker2": 40}, "staleness_mean": 0.5, "staleness_max": 2}
+    end: dict[str, Any] = {
+        "accuracy": final,
+        "loss": round(1 - final, 4),
+        "seconds": 4.0,
+        "pushes": {"worker1": 40, "worker2": 40},
+        "staleness_mean": 0.5,
+        "staleness_max": 2,
+    }
     if samples:
         end["samples"] = 2 * 40 * BATCH
     if strategy:
@@ -54,8 +69,20 @@ def worker_records(rank: int, t0: float = T0, *, steps: int = 4, end: bool = Tru
     join_t = t0 + 0.1 * (rank - 1)
     out = [rec(join_t, "worker", rank, "join", 0, worker=f"worker{rank}", epoch=1, batch=0)]
     for i in range(1, steps + 1):
-        out.append(rec(t0 + i, "worker", rank, "train", 10 * i, epoch=1, batch=10 * i, loss=round(2.0 / i, 4),
-                       samples_per_s=320.0, staleness=i % 3))
+        out.append(
+            rec(
+                t0 + i,
+                "worker",
+                rank,
+                "train",
+                10 * i,
+                epoch=1,
+                batch=10 * i,
+                loss=round(2.0 / i, 4),
+                samples_per_s=320.0,
+                staleness=i % 3,
+            )
+        )
     if end:
         out.append(rec(t0 + steps, "worker", rank, "end", 10 * steps, seconds=float(steps)))
     return out
@@ -85,13 +112,14 @@ def read_png(path: Path):
 
 # --- summary figures --------------------------------------------------------
 
+
 def test_summary_of_known_records(tmp_path: Path) -> None:
     run = run_metrics.load_run(make_run(tmp_path / "r"))
     s = run_metrics.summarize(run)
     assert (run.strategy, run.workers, run.batch_size) == ("async", 2, 32)
     assert s.final_accuracy == 0.96 and s.final_loss == pytest.approx(0.04)
-    assert s.time_to == pytest.approx(2.0)       # the first eval at >= 0.90 (a later dip does not count)
-    assert s.samples_to == 1280                   # its `samples`
+    assert s.time_to == pytest.approx(2.0)  # the first eval at >= 0.90 (a later dip does not count)
+    assert s.samples_to == 1280  # its `samples`
     assert s.samples_per_s == pytest.approx(2560 / 4.0)
     assert (s.staleness_mean, s.staleness_max) == (0.5, 2)
     assert s.notes == []
@@ -182,10 +210,22 @@ def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
     """allreduce: worker1.jsonl holds the eval and end records; no staleness; its `start`
     record (as every allreduce rank writes one) says the strategy."""
     m = tmp_path / "allreduce" / "metrics"
-    start = {"time": T0 - 1, "role": "worker", "rank": 1, "event": "start", "step": 0, "strategy": "allreduce",
-             "batch_size": 32, "world_size": 3, "workers": 2}
-    w1 = [start] + worker_records(1) + [r for r in ps_records(strategy=None, hist=False)
-                                        if r["event"] in ("eval", "end")]
+    start = {
+        "time": T0 - 1,
+        "role": "worker",
+        "rank": 1,
+        "event": "start",
+        "step": 0,
+        "strategy": "allreduce",
+        "batch_size": 32,
+        "world_size": 3,
+        "workers": 2,
+    }
+    w1 = (
+        [start]
+        + worker_records(1)
+        + [r for r in ps_records(strategy=None, hist=False) if r["event"] in ("eval", "end")]
+    )
     for r in w1:
         r.pop("staleness", None)
         r.pop("staleness_mean", None)
@@ -212,6 +252,7 @@ def test_no_metrics_is_a_usage_error(tmp_path: Path) -> None:
 
 # --- plots ------------------------------------------------------------------
 
+
 def test_pngs_are_written_and_decodable(tmp_path: Path) -> None:
     run = run_metrics.load_run(make_run(tmp_path / "r"))
     written = report.write_report([run], tmp_path / "out")
@@ -231,8 +272,10 @@ def test_several_runs_on_one_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         return real_save(fig, path)
 
     monkeypatch.setattr(report, "_save", keep)
-    runs = [run_metrics.load_run(make_run(tmp_path / name, T0 + 50 * i, strategy=name))
-            for i, name in enumerate(("async", "sync", "ssp"))]
+    runs = [
+        run_metrics.load_run(make_run(tmp_path / name, T0 + 50 * i, strategy=name))
+        for i, name in enumerate(("async", "sync", "ssp"))
+    ]
     report.write_report(runs, tmp_path / "out")
 
     def labels(name: str, panel: int) -> list[str]:
@@ -261,6 +304,7 @@ def test_one_run_one_line_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 # --- command line and the last run -------------------------------------------
 
+
 def test_cli_report(cli, tmp_path: Path) -> None:
     make_run(tmp_path / "runs" / "a")
     make_run(tmp_path / "runs" / "b", T0 + 50, strategy="sync")
@@ -284,6 +328,7 @@ def test_last_run_picks_the_newer_metrics(tmp_path: Path, monkeypatch: pytest.Mo
             assert project == "proj"
             write(dest / "ps.jsonl", ps_records(T0 + (100 if newer else -100)))
             return dest
+
         return copy
 
     monkeypatch.setattr(report, "copy_volume_metrics", lambda project, dest, out: None)  # no engine
@@ -300,6 +345,7 @@ def test_last_run_picks_the_newer_metrics(tmp_path: Path, monkeypatch: pytest.Mo
 
 # --- compare ------------------------------------------------------------------
 
+
 def test_topology_for_changes_only_strategy_epochs_eval_and_workers() -> None:
     base = load(REPO / "configs/cpu-smoke.yaml")
     t = compare.topology_for(base, "sync", workers=3, epochs=2, eval_every=5)
@@ -309,24 +355,28 @@ def test_topology_for_changes_only_strategy_epochs_eval_and_workers() -> None:
 
 
 def _summary(label: str, time_to: Optional[float], acc: float) -> run_metrics.Summary:
-    return run_metrics.Summary(label, label, 2, acc, 0.1, time_to, None if time_to is None else 1280.0, 640.0,
-                      None, None, 4.0)
+    return run_metrics.Summary(
+        label, label, 2, acc, 0.1, time_to, None if time_to is None else 1280.0, 640.0, None, None, 4.0
+    )
 
 
 def test_compare_table() -> None:
-    lines = compare.format_table([
-        compare.Outcome("async", Path("a"), 0, 13.2, _summary("async", 1.25, 0.9805)),
-        compare.Outcome("sync", Path("s"), 0, 15.0, _summary("sync", None, 0.85)),
-        compare.Outcome("allreduce", Path("r"), 1, 6.0),
-    ])
+    lines = compare.format_table(
+        [
+            compare.Outcome("async", Path("a"), 0, 13.2, _summary("async", 1.25, 0.9805)),
+            compare.Outcome("sync", Path("s"), 0, 15.0, _summary("sync", None, 0.85)),
+            compare.Outcome("allreduce", Path("r"), 1, 6.0),
+        ]
+    )
     assert lines[0].split()[:7] == ["STRATEGY", "TIME", "TO", "0.90", "FINAL", "ACC", "SAMPLES/S"]
     assert lines[1].split() == ["async", "1.2", "s", "0.9805", "640", "1280", "13s", "ok"]
     assert lines[2].split()[:3] == ["sync", "-", "0.8500"] and lines[2].endswith("ok, never reached 0.90")
     assert lines[3].split()[:4] == ["allreduce", "-", "-", "-"] and lines[3].endswith("failed (exit 1)")
 
 
-def test_compare_runs_each_strategy_then_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture) -> None:
+def test_compare_runs_each_strategy_then_one_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """run_one faked: sync leaves metrics, allreduce fails; one report, the table, exit 1."""
     ran = []
 
@@ -340,13 +390,18 @@ def test_compare_runs_each_strategy_then_one_report(tmp_path: Path, monkeypatch:
         return compare.Outcome(t.name, runs_dir / t.name, 0, 10.0)
 
     monkeypatch.setattr(compare, "run_one", fake_run_one)
-    status = compare.run(["sync", "allreduce"], workers=2, epochs=3, config=str(REPO / "configs/cpu-smoke.yaml"),
-                     runs_dir=str(tmp_path / "cmp"))
+    status = compare.run(
+        ["sync", "allreduce"],
+        workers=2,
+        epochs=3,
+        config=str(REPO / "configs/cpu-smoke.yaml"),
+        runs_dir=str(tmp_path / "cmp"),
+    )
     out = capsys.readouterr().out
     assert status == 1
     assert ran == [("sync", 2, 3), ("allreduce", 2, 3)]
     assert "| worker1 | boom" in out
-    table = out[out.index("STRATEGY"):].splitlines()
+    table = out[out.index("STRATEGY") :].splitlines()
     assert table[1].split()[:4] == ["sync", "2.0", "s", "0.9600"]
     assert table[2].startswith("allreduce") and table[2].endswith("failed (exit 1)")
     assert read_png(tmp_path / "cmp" / "report" / "accuracy.png").ndim == 3
@@ -356,7 +411,12 @@ def test_compare_entries_take_plus_options() -> None:
     base = load(REPO / "configs/cpu-smoke.yaml")
     assert compare.parse_entry("ssp+s2+slr") == ("ssp", {"staleness": 2, "staleness_lr": True})
     t = compare.topology_for(base, "async+bf16+overlap", workers=2, epochs=2, eval_every=5)
-    assert (t.name, t.train.strategy, t.train.compress, t.train.overlap) == ("async-bf16-overlap", "async", "bf16", True)
+    assert (t.name, t.train.strategy, t.train.compress, t.train.overlap) == (
+        "async-bf16-overlap",
+        "async",
+        "bf16",
+        True,
+    )
     with pytest.raises(ValueError, match="'zip'"):
         compare.parse_entry("async+zip")
 
@@ -373,12 +433,18 @@ def test_compare_rejects_unknown_strategies(cli) -> None:
 
 # --- real runs ----------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_report_of_a_real_local_run(tmp_path: Path) -> None:
     doc = topology(name="rep", train={"epochs": 3, "eval_every": 20, "lr": 0.1})
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", "t.yaml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "local", "-c", "t.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = run_metrics.load_run(tmp_path / "runs" / "rep")
     assert run.workers == 2 and run.strategy == "async" and run.batch_size
@@ -396,10 +462,11 @@ def test_report_of_a_real_local_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_compare_async_for_real(cli, tmp_path: Path) -> None:
-    status, out, err = cli("compare", "--strategies", "async", "--epochs", "2", "-c",
-                           str(REPO / "configs/cpu-smoke.yaml"), "--runs", "cmp")
+    status, out, err = cli(
+        "compare", "--strategies", "async", "--epochs", "2", "-c", str(REPO / "configs/cpu-smoke.yaml"), "--runs", "cmp"
+    )
     assert status == 0, out[-3000:] + err
-    table = out[out.index("STRATEGY"):].splitlines()
+    table = out[out.index("STRATEGY") :].splitlines()
     assert len(table) == 2 and table[1].split()[0] == "async" and " ok" in table[1]
     info = json.loads((tmp_path / "cmp" / "async" / "run.json").read_text())
     assert info["exit_code"] == 0 and info["strategy"] == "async" and info["topology"]["train"]["epochs"] == 2

@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-import doctor_kit as d
+from orchestrator import runs
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.swarm import adapter as swarm_adapter
-from orchestrator.render import compose as render_compose, swarm as render_swarm
-from orchestrator import runs
+from orchestrator.render import compose as render_compose
+from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import Topology, parse
 
+import doctor_kit as d
 from orch_helpers import REPO, topology
 
 CPU = (REPO / "configs/cpu-smoke.yaml").read_text()
@@ -44,6 +45,7 @@ def placements(t: Topology, nodes: int = 0) -> dict[str, list[str] | None]:
 
 # --- run ids ----------------------------------------------------------------
 
+
 def test_a_new_run_id_is_sortable_unique_and_a_valid_app_run_id():
     ids = {runs.new_id(0) for _ in range(50)}
     assert len(ids) == 50
@@ -64,8 +66,10 @@ def test_up_keeps_the_run_that_still_goes_on_else_starts_a_new_one():
     env, line = runs.start({}, resume=True)
     assert env["PSC_RESUME"] == "true" and "--resume: the PS continues the newest" in line
     going = {"PSC_RUN_ID": "r-1", "PSC_RESUME": "false"}
-    assert runs.start(going, resume=True) == (going, "run r-1 (still running: its id is kept, so its PS "
-                                                     "resumes its own checkpoints)")
+    assert runs.start(going, resume=True) == (
+        going,
+        "run r-1 (still running: its id is kept, so its PS resumes its own checkpoints)",
+    )
 
 
 def _container(status: str, env: list[str]) -> SimpleNamespace:
@@ -73,8 +77,10 @@ def _container(status: str, env: list[str]) -> SimpleNamespace:
 
 
 def test_the_run_of_a_running_project_is_read_from_its_containers(monkeypatch):
-    found = [_container("exited", ["PSC_RUN_ID=old", "PSC_RESUME=false"]),
-             _container("running", ["PATH=/bin", "PSC_RUN_ID=r-2", "PSC_RESUME=true"])]
+    found = [
+        _container("exited", ["PSC_RUN_ID=old", "PSC_RESUME=false"]),
+        _container("running", ["PATH=/bin", "PSC_RUN_ID=r-2", "PSC_RESUME=true"]),
+    ]
     monkeypatch.setattr(compose_adapter, "containers", lambda client, project: found)
     assert compose_adapter.running_env(None, "p", runs.VARIABLES) == {"PSC_RUN_ID": "r-2", "PSC_RESUME": "true"}
     monkeypatch.setattr(compose_adapter, "containers", lambda client, project: found[:1])
@@ -96,11 +102,11 @@ def test_the_compose_command_gets_the_run_in_its_environment(tmp_path):
     assert r.stdout.split() == ["r-9", "True"]
 
 
-FAKE_APP = '''
+FAKE_APP = """
 import json, os, sys
 name = "ps" if sys.argv[1] == "ps" else "worker" + os.environ["PSC_RANK"]
 open(f"{name}.json", "w").write(json.dumps({k: v for k, v in os.environ.items() if k.startswith("PSC_")}))
-'''
+"""
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -109,9 +115,14 @@ def test_local_gives_every_process_one_new_run_and_the_resume_flag(tmp_path, res
     (tmp_path / "app" / "__init__.py").write_text("")
     (tmp_path / "app" / "__main__.py").write_text(FAKE_APP)
     (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topology()))
-    p = subprocess.run([sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml",
-                        *(["--resume"] if resume else [])], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    p = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml", *(["--resume"] if resume else [])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     assert p.returncode == 0, p.stderr
     seen = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ps", "worker1", "worker2")]
     assert len({s["PSC_RUN_ID"] for s in seen}) == 1 and seen[0]["PSC_RUN_ID"]
@@ -121,38 +132,55 @@ def test_local_gives_every_process_one_new_run_and_the_resume_flag(tmp_path, res
 
 # --- the state volume --------------------------------------------------------
 
+
 def test_the_state_volume_takes_the_driver_and_its_options_in_compose_and_swarm():
     t = topo(NFS)
-    expected = {"driver": "local", "driver_opts": {"type": "nfs", "o": "addr=10.0.0.5,rw", "device": ":/exports/psc"},
-                "labels": {"ps-compose.project": "cpu-smoke"}}
+    expected = {
+        "driver": "local",
+        "driver_opts": {"type": "nfs", "o": "addr=10.0.0.5,rw", "device": ":/exports/psc"},
+        "labels": {"ps-compose.project": "cpu-smoke"},
+    }
     assert render_compose.render(t)["volumes"] == {"state": expected}
     assert render_swarm.render(t, data_root="/srv")["volumes"] == {"state": expected}
     assert render_compose.render(topo())["volumes"] == {"state": {"labels": {"ps-compose.project": "cpu-smoke"}}}
 
 
-@pytest.mark.parametrize("state,shared", [
-    ({}, False),
-    ({"volume_driver": "local"}, False),
-    ({"volume_driver": "local", "driver_opts": {"type": "tmpfs", "device": "tmpfs"}}, False),
-    ({"volume_driver": "local", "driver_opts": {"type": "nfs4", "o": "addr=h", "device": ":/x"}}, True),
-    ({"volume_driver": "vieux/sshfs", "driver_opts": {"sshcmd": "u@h:/x"}}, True),
-])
+@pytest.mark.parametrize(
+    "state,shared",
+    [
+        ({}, False),
+        ({"volume_driver": "local"}, False),
+        ({"volume_driver": "local", "driver_opts": {"type": "tmpfs", "device": "tmpfs"}}, False),
+        ({"volume_driver": "local", "driver_opts": {"type": "nfs4", "o": "addr=h", "device": ":/x"}}, True),
+        ({"volume_driver": "vieux/sshfs", "driver_opts": {"sshcmd": "u@h:/x"}}, True),
+    ],
+)
 def test_which_volumes_are_shared(state, shared):
     assert parse(yaml.safe_dump(topology(state=state)), "t.yaml").state.shared is shared
 
 
-@pytest.mark.parametrize("state,expected", [
-    ({"driver_opts": {"type": "nfs"}}, "state.driver_opts: got {'type': 'nfs'}; allowed only with "
-                                       "state.volume_driver (e.g. local, with type: nfs)"),
-    ({"volume_driver": "Not A Driver"}, "state.volume_driver: got 'Not A Driver'; must be a volume driver name"),
-    ({"volume_driver": "local", "driver_opts": {"o": 4}}, "state.driver_opts.o: got 4; must be a valid string"),
-    ({"volume_driver": "local", "driver_opts": {"bad key": "x"}}, "state.driver_opts: got {'bad key': 'x'}; "
-                                                                  "option name 'bad key' must be"),
-    ({"volume_driver": "local", "driver_opts": {"type": "nfs", "device": ":/x"}},
-     "state.driver_opts: got {'type': 'nfs', 'device': ':/x'}; type nfs needs device (the export, e.g. "
-     "':/exports/psc') and o with addr=SERVER"),
-    ({"size": 3}, "state.size: unknown key; allowed: volume_driver, driver_opts"),
-])
+@pytest.mark.parametrize(
+    "state,expected",
+    [
+        (
+            {"driver_opts": {"type": "nfs"}},
+            "state.driver_opts: got {'type': 'nfs'}; allowed only with "
+            "state.volume_driver (e.g. local, with type: nfs)",
+        ),
+        ({"volume_driver": "Not A Driver"}, "state.volume_driver: got 'Not A Driver'; must be a volume driver name"),
+        ({"volume_driver": "local", "driver_opts": {"o": 4}}, "state.driver_opts.o: got 4; must be a valid string"),
+        (
+            {"volume_driver": "local", "driver_opts": {"bad key": "x"}},
+            "state.driver_opts: got {'bad key': 'x'}; option name 'bad key' must be",
+        ),
+        (
+            {"volume_driver": "local", "driver_opts": {"type": "nfs", "device": ":/x"}},
+            "state.driver_opts: got {'type': 'nfs', 'device': ':/x'}; type nfs needs device (the export, e.g. "
+            "':/exports/psc') and o with addr=SERVER",
+        ),
+        ({"size": 3}, "state.size: unknown key; allowed: volume_driver, driver_opts"),
+    ],
+)
 def test_a_bad_state_section_is_one_line_exit_2(cli, write_config, state, expected):
     status, out, err = cli("render", "-c", str(write_config(topology(state=state))), "-o", "-")
     assert status == 2 and out == ""
@@ -161,21 +189,29 @@ def test_a_bad_state_section_is_one_line_exit_2(cli, write_config, state, expect
 
 # --- where the PS goes on a swarm ----------------------------------------------
 
+
 def test_on_one_node_or_unknown_nothing_is_pinned():
     assert set(placements(topo()).values()) == {None}
     assert set(placements(topo(), nodes=1).values()) == {None}
 
 
 def test_on_several_nodes_the_ps_is_pinned_to_the_manager():
-    assert placements(topo(SPREAD)) == {"ps": ["node.role==manager"], "worker1": ["node.hostname==node-a"],
-                                        "worker2": ["node.hostname==node-b"]}
+    assert placements(topo(SPREAD)) == {
+        "ps": ["node.role==manager"],
+        "worker1": ["node.hostname==node-a"],
+        "worker2": ["node.hostname==node-b"],
+    }
     assert placements(topo(), nodes=2) == {"ps": ["node.role==manager"], "worker1": None, "worker2": None}
 
 
 def test_shards_and_the_allreduce_rank_0_are_pinned_too():
     split = placements(sharded(topo()), nodes=3)
-    assert split == {"ps": ["node.role==manager"], "ps-shard1": ["node.role==manager"], "worker1": None,
-                     "worker2": None}
+    assert split == {
+        "ps": ["node.role==manager"],
+        "ps-shard1": ["node.role==manager"],
+        "worker1": None,
+        "worker2": None,
+    }
     ddp = placements(topo(text=CPU.replace("strategy: async", "strategy: allreduce")), nodes=2)
     assert ddp == {"worker1": ["node.role==manager"], "worker2": None}
 

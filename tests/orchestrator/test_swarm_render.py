@@ -14,10 +14,11 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator.render import compose as render_compose, swarm as render_swarm
+from orchestrator.render import compose as render_compose
+from orchestrator.render import swarm as render_swarm
 from orchestrator.render.yamlio import yaml_text
-from orchestrator.topology.services import service_names
 from orchestrator.topology.model import Topology, load, parse, size_bytes
+from orchestrator.topology.services import service_names
 
 from needs import unavailable
 from orch_helpers import HERE, REPO
@@ -27,25 +28,34 @@ DATA_ROOT = "/srv/ps-compose"  # where a relative train.data_dir is taken from, 
 
 # Seed 000's GPU run, placed: the PS on a named host with a GPU of its own, the
 # workers by hostname and by node label, GPUs advertised as NVIDIA-GPU, the port published.
-PLACED = (REPO / "configs/default.yaml").read_text() + """
+PLACED = (
+    (REPO / "configs/default.yaml").read_text()
+    + """
 swarm:
   ps: ps-host
   workers: [gpu-a, gpu-a, zone=b]
   gpu_resource: NVIDIA-GPU
 """
+)
 PLACED = PLACED.replace("  # gpu: 0 ", "  gpu: 0 ").replace("publish_rpc_port: false", "publish_rpc_port: true")
 
 # Two workers on two named nodes, no swarm.ps: the PS (its checkpoints) is pinned to the manager;
 # the same with the state on NFS: not pinned, the volume is a share.
-SPREAD = (REPO / "configs/cpu-smoke.yaml").read_text() + """
+SPREAD = (
+    (REPO / "configs/cpu-smoke.yaml").read_text()
+    + """
 swarm:
   workers: [node-a, node-b]
 """
-SHARED = SPREAD + """
+)
+SHARED = (
+    SPREAD
+    + """
 state:
   volume_driver: local
   driver_opts: {type: nfs, o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}
 """
+)
 
 # (golden file, config or YAML text, --workers)
 CASES = [
@@ -83,8 +93,10 @@ def test_golden(golden: str, config: str, workers: Optional[int]) -> None:
 def test_schema(golden: str, config: str, workers: Optional[int]) -> None:
     schema = json.loads((HERE / "compose-spec.json").read_text())
     doc = yaml.safe_load(rendered(config, workers))
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(doc)
+    ]
     assert errors == []
 
 
@@ -102,8 +114,9 @@ def stack_config(text: str, tmp_path: Path) -> subprocess.CompletedProcess:
     if docker is None:
         unavailable("this docker CLI has no `docker stack config` (CLI 25+); the schema test still runs")
     (tmp_path / "stack.yaml").write_text(text)
-    return subprocess.run([docker, "stack", "config", "-c", "stack.yaml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [docker, "stack", "config", "-c", "stack.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)
@@ -126,6 +139,7 @@ def test_docker_stack_config_rejects_the_compose_render(tmp_path: Path) -> None:
 
 
 # --- what differs from the compose render ----------------------------------
+
 
 def services(config: str = "configs/cpu-smoke.yaml", workers: Optional[int] = None) -> dict:
     return yaml.safe_load(rendered(config, workers))["services"]
@@ -161,8 +175,8 @@ def test_shm_size_becomes_a_tmpfs_at_dev_shm() -> None:
     for name, size in (("ps", t.ps.shm_size), ("worker1", t.workers.shm_size)):
         tmpfs = [v for v in svcs[name]["volumes"] if v["type"] == "tmpfs"]
         assert tmpfs == [{"type": "tmpfs", "target": "/dev/shm", "tmpfs": {"size": size_bytes(size)}}]
-    assert size_bytes("2g") == 2 * 1024 ** 3 and size_bytes("256m") == 256 * 1024 ** 2
-    assert size_bytes("1.5gb") == 3 * 1024 ** 3 // 2 and size_bytes(1000) == 1000
+    assert size_bytes("2g") == 2 * 1024**3 and size_bytes("256m") == 256 * 1024**2
+    assert size_bytes("1.5gb") == 3 * 1024**3 // 2 and size_bytes(1000) == 1000
 
 
 def test_gpus_are_generic_resources_one_per_gpu_service() -> None:
@@ -177,11 +191,16 @@ def test_gpus_are_generic_resources_one_per_gpu_service() -> None:
 def test_placement_by_hostname_and_by_label() -> None:
     svcs = services(PLACED)
     got = {n: s["deploy"].get("placement", {}).get("constraints") for n, s in svcs.items()}
-    assert got == {"ps": ["node.hostname==ps-host"], "worker1": ["node.hostname==gpu-a"],
-                   "worker2": ["node.hostname==gpu-a"], "worker3": ["node.labels.zone==b"]}
+    assert got == {
+        "ps": ["node.hostname==ps-host"],
+        "worker1": ["node.hostname==gpu-a"],
+        "worker2": ["node.hostname==gpu-a"],
+        "worker3": ["node.labels.zone==b"],
+    }
     one = parse((REPO / "configs/cpu-smoke.yaml").read_text() + "swarm: {workers: [gpu=true]}\n")
     assert render_swarm.render(one.with_workers(4), data_root="/x")["services"]["worker4"]["deploy"]["placement"] == {
-        "constraints": ["node.labels.gpu==true"]}
+        "constraints": ["node.labels.gpu==true"]
+    }
     assert all("placement" not in s["deploy"] for s in services().values())
 
 
@@ -192,8 +211,9 @@ def test_a_published_port_is_host_mode_and_private_by_default() -> None:
 
 def test_relative_data_dir_becomes_absolute() -> None:
     bind = [v for v in services("configs/default.yaml")["worker1"]["volumes"] if v["type"] == "bind"]
-    assert bind == [{"type": "bind", "source": "/srv/ps-compose/data/imagenette2/val", "target": "/data",
-                     "read_only": True}]
+    assert bind == [
+        {"type": "bind", "source": "/srv/ps-compose/data/imagenette2/val", "target": "/data", "read_only": True}
+    ]
 
 
 def test_overlay_network_and_the_same_app_environment() -> None:
@@ -207,7 +227,9 @@ def test_overlay_network_and_the_same_app_environment() -> None:
 
 def test_placement_topology_errors() -> None:
     base = (REPO / "configs/cpu-smoke.yaml").read_text()
-    with pytest.raises(Exception, match=r"swarm.workers: got \['a', 'b'\] for 3 workers; must list one node per worker"):
+    with pytest.raises(
+        Exception, match=r"swarm.workers: got \['a', 'b'\] for 3 workers; must list one node per worker"
+    ):
         parse(base + "swarm: {workers: [a, b]}\n", "x.yaml").with_workers(3)
     with pytest.raises(Exception, match="swarm.ps: got 'a b'; must be a node hostname"):
         parse(base + "swarm: {ps: a b}\n", "x.yaml")

@@ -21,7 +21,12 @@ BAD = [
     ("section-not-mapping", topology(train=5), [], "train: got 5; must be a mapping"),
     ("missing-key", {k: v for k, v in topology().items() if k != "train"}, [], "train: missing"),
     ("missing-nested-key", topology(image={"base": "x"}) | {"image": {"base": "x"}}, [], "image.device: missing"),
-    ("wrong-type-str-for-int", topology(train={"batch_size": "big"}), [], "train.batch_size: got 'big'; must be a valid integer"),
+    (
+        "wrong-type-str-for-int",
+        topology(train={"batch_size": "big"}),
+        [],
+        "train.batch_size: got 'big'; must be a valid integer",
+    ),
     ("wrong-type-bool-for-int", topology(workers={"count": True}), [], "workers.count: got True"),
     ("wrong-type-float-for-int", topology(train={"epochs": 1.5}), [], "train.epochs: got 1.5"),
     ("bad-device", topology(image={"device": "tpu"}), [], "image.device: got 'tpu'; must be 'cuda' or 'cpu'"),
@@ -34,22 +39,51 @@ BAD = [
     ("shm-words", topology(workers={"shm_size": "lots"}), [], "workers.shm_size: got 'lots'"),
     ("rpc-port-low", topology(ps={"rpc_port": 80}), [], "ps.rpc_port: got 80"),
     ("gpu-negative", topology(workers={"gpus": [0, -1]}), [], "workers.gpus[1]: got -1"),
-    ("duplicate-gpus", topology(image={"device": "cuda"}, workers={"count": 2, "gpus": [1, 1]}), [],
-     "workers.gpus: got [1, 1]; GPU ids must be distinct"),
-    ("more-workers-than-gpus", topology(image={"device": "cuda"}, workers={"count": 3, "gpus": [0, 1]}), [],
-     "workers.gpus: got [0, 1] for 3 workers; must list one GPU id per worker"),
-    ("override-more-than-gpus", topology(image={"device": "cuda"}, workers={"count": 2, "gpus": [0, 1]}),
-     ["--workers", "3"], "with --workers 3: workers.gpus: got [0, 1] for 3 workers"),
-    ("data-dir-missing-key", topology(train={"dataset": "imagefolder"}), [], "train.data_dir: missing; required for dataset 'imagefolder'"),
+    (
+        "duplicate-gpus",
+        topology(image={"device": "cuda"}, workers={"count": 2, "gpus": [1, 1]}),
+        [],
+        "workers.gpus: got [1, 1]; GPU ids must be distinct",
+    ),
+    (
+        "more-workers-than-gpus",
+        topology(image={"device": "cuda"}, workers={"count": 3, "gpus": [0, 1]}),
+        [],
+        "workers.gpus: got [0, 1] for 3 workers; must list one GPU id per worker",
+    ),
+    (
+        "override-more-than-gpus",
+        topology(image={"device": "cuda"}, workers={"count": 2, "gpus": [0, 1]}),
+        ["--workers", "3"],
+        "with --workers 3: workers.gpus: got [0, 1] for 3 workers",
+    ),
+    (
+        "data-dir-missing-key",
+        topology(train={"dataset": "imagefolder"}),
+        [],
+        "train.data_dir: missing; required for dataset 'imagefolder'",
+    ),
     ("bad-name", topology(name="My Run"), [], "name: got 'My Run'; must be lowercase"),
     ("bad-tag", topology(image={"tag": "Ps Compose"}), [], "image.tag: got 'Ps Compose'"),
     ("bad-ifname", topology(network={"ifname": "eth 0"}), [], "network.ifname: got 'eth 0'"),
-    ("loader-workers-negative", topology(train={"loader_workers": -1}), [],
-     "train.loader_workers: got -1; must be auto or a whole number >= 0"),
-    ("loader-workers-word", topology(train={"loader_workers": "many"}), [],
-     "train.loader_workers: got 'many'; must be auto or a whole number >= 0"),
-    ("image-cache-bad", topology(train={"image_cache": "disk"}), [],
-     "train.image_cache: got 'disk'; must be 'auto', 'off', 'memory' or 'file'"),
+    (
+        "loader-workers-negative",
+        topology(train={"loader_workers": -1}),
+        [],
+        "train.loader_workers: got -1; must be auto or a whole number >= 0",
+    ),
+    (
+        "loader-workers-word",
+        topology(train={"loader_workers": "many"}),
+        [],
+        "train.loader_workers: got 'many'; must be auto or a whole number >= 0",
+    ),
+    (
+        "image-cache-bad",
+        topology(train={"image_cache": "disk"}),
+        [],
+        "train.image_cache: got 'disk'; must be 'auto', 'off', 'memory' or 'file'",
+    ),
     ("workers-zero-flag", topology(), ["--workers", "0"], "--workers: got 0; must be at least 1"),
     ("workers-not-number", topology(), ["--workers", "two"], "--workers: got 'two'"),
 ]
@@ -99,8 +133,12 @@ def test_usage_errors_are_one_line(cli) -> None:
 
 def test_error_carries_the_path() -> None:
     with pytest.raises(TopologyError) as e:
-        parse("name: t\nimage: {base: b, device: cpu}\ntrain: {model: cnn, dataset: digits, batch_size: 1, lr: 1, epochs: 1}\n"
-              "workers: {count: 1, shm_size: -5}\n", "x.yaml")
+        parse(
+            "name: t\nimage: {base: b, device: cpu}\n"
+            "train: {model: cnn, dataset: digits, batch_size: 1, lr: 1, epochs: 1}\n"
+            "workers: {count: 1, shm_size: -5}\n",
+            "x.yaml",
+        )
     assert e.value.path == "workers.shm_size"
     assert str(e.value).startswith("x.yaml: workers.shm_size: got -5;")
 
@@ -108,7 +146,12 @@ def test_error_carries_the_path() -> None:
 def test_shipped_configs_load() -> None:
     d = load(REPO / "configs/default.yaml")
     assert (d.train.model, d.train.dataset, d.train.batch_size, d.train.lr, d.train.epochs) == (
-        "resnet18", "imagefolder", 256, 0.01, 150)
+        "resnet18",
+        "imagefolder",
+        256,
+        0.01,
+        150,
+    )
     assert d.cuda and d.workers.count == 3 and d.worker_gpus() == [0, 1, 2]
     s = load(REPO / "configs/cpu-smoke.yaml")
     assert not s.cuda and s.train.model == "cnn" and s.train.dataset == "digits" and s.workers.count == 2
@@ -148,10 +191,12 @@ def test_defaults_and_descriptions() -> None:
     assert t.image_tag == "ps-compose-t:latest"
     assert t.train.data_dir is None
     from orchestrator.topology.model import Train, Workers
+
     assert "GPU id" in Workers.model_fields["gpus"].description
     assert Train.model_fields["lr"].description
 
 
 def _yaml(doc: dict) -> str:
     import yaml
+
     return yaml.safe_dump(doc, sort_keys=False)

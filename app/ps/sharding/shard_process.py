@@ -73,12 +73,16 @@ def resume_shard(server: ParameterServer, directory: str | Path, resumed: tuple[
         return f"resumed from {path.name} (the main parameter server's version {version})"
     found = newest_on_exit(directory, run_id)
     if found is None:
-        raise RuntimeError(f"no checkpoint labelled {version} in {directory}, nor one written on exit in run "
-                           f"{run_id or '(any)'}: cannot resume with the main parameter server's checkpoint")
+        raise RuntimeError(
+            f"no checkpoint labelled {version} in {directory}, nor one written on exit in run "
+            f"{run_id or '(any)'}: cannot resume with the main parameter server's checkpoint"
+        )
     path, state = found
     server.restore(state)
-    return (f"resumed from {path.name}, written on exit at this shard's version {state['version']} "
-            f"(the main parameter server's: {version}; pushes in flight when they stopped)")
+    return (
+        f"resumed from {path.name}, written on exit at this shard's version {state['version']} "
+        f"(the main parameter server's: {version}; pushes in flight when they stopped)"
+    )
 
 
 def run(config: Config) -> int:
@@ -90,14 +94,36 @@ def run(config: Config) -> int:
     if config.init_weights:  # this shard's slice starts from the same weights as the main PS's
         plugins.load_weights(model, config.init_weights)
     part = bounds(state_size(model), k)[index]
-    server = ParameterServer(model, config.lr, config.momentum, config.num_trainers, config.join_timeout,
-                             strategy=config.strategy, staleness=config.staleness,
-                             staleness_lr=config.staleness_lr, part=part, weight_decay=config.weight_decay)
-    log.info("shard %d of %d: values %d..%d of %d (%d parameter values)", index, k, *part,
-             server.flat.size, server.num_params)
-    identity = dict(model_name=config.model, dataset=config.dataset, channels=held_out.channels,
-                    num_classes=held_out.num_classes, world_size=config.world_size, shards=k, shard=index,
-                    run_id=config.run_id)
+    server = ParameterServer(
+        model,
+        config.lr,
+        config.momentum,
+        config.num_trainers,
+        config.join_timeout,
+        strategy=config.strategy,
+        staleness=config.staleness,
+        staleness_lr=config.staleness_lr,
+        part=part,
+        weight_decay=config.weight_decay,
+    )
+    log.info(
+        "shard %d of %d: values %d..%d of %d (%d parameter values)",
+        index,
+        k,
+        *part,
+        server.flat.size,
+        server.num_params,
+    )
+    identity = dict(
+        model_name=config.model,
+        dataset=config.dataset,
+        channels=held_out.channels,
+        num_classes=held_out.num_classes,
+        world_size=config.world_size,
+        shards=k,
+        shard=index,
+        run_id=config.run_id,
+    )
     own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
     address = f"{config.master_addr}:{config.master_port}"
     ENDPOINT.ended.clear()
@@ -108,8 +134,9 @@ def run(config: Config) -> int:
         Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         checkpoint_files.check_writable(own.checkpoint_dir)
         checkpoint_files.remove_temp_files(own.checkpoint_dir)
-        name, rpc_id = membership.claim_shard_identity(index, config.master_addr, config.master_port,
-                                                       config.rpc_timeout)
+        name, rpc_id = membership.claim_shard_identity(
+            index, config.master_addr, config.master_port, config.rpc_timeout
+        )
         metrics.start(config)
         with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
             try:
@@ -121,8 +148,9 @@ def run(config: Config) -> int:
                 metrics.write("resume", server.version, label=resumed[0] if isinstance(resumed, tuple) else resumed)
             with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
                 try:
-                    error = rpc.rpc_sync(PS, endpoints.rpc_register, args=(index, name, k, part),
-                                         timeout=config.rpc_timeout)
+                    error = rpc.rpc_sync(
+                        PS, endpoints.rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout
+                    )
                 except RuntimeError as lost:
                     raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
                 if error:

@@ -39,16 +39,23 @@ class ShardSet:
     def register(self, index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
         """Shard `index` serves as `name`; an error line when it is not one of this job's."""
         if k != self.k or not 1 <= index < self.k or tuple(part) != self.bounds[index]:
-            return (f"{name} (--shard {index} of --shards {k}, values {tuple(part)}) does not match the main "
-                    f"parameter server (--shards {self.k}, shard {index}: values "
-                    f"{self.bounds[index] if 1 <= index < self.k else 'none'})")
+            return (
+                f"{name} (--shard {index} of --shards {k}, values {tuple(part)}) does not match the main "
+                f"parameter server (--shards {self.k}, shard {index}: values "
+                f"{self.bounds[index] if 1 <= index < self.k else 'none'})"
+            )
         with self._lock:
             old = self.names.get(index)
             self.names[index] = name
             ready = self.ready
-        log.info("shard %d (%s) registered, values %d..%d%s%s", index, name, *part,
-                 f", replacing {old}" if old and old != name else "",
-                 f"; all {self.k} shards are up" if ready else "")
+        log.info(
+            "shard %d (%s) registered, values %d..%d%s%s",
+            index,
+            name,
+            *part,
+            f", replacing {old}" if old and old != name else "",
+            f"; all {self.k} shards are up" if ready else "",
+        )
         self.record("shard", 0, shard=index, name=name)
         if ready:
             self._ready_key(True)
@@ -91,8 +98,9 @@ class ShardSet:
         shards = self._shards()
         if len(shards) < self.k - 1:
             return self._skip("not every shard is up")
-        futures = [(i, name, rpc.rpc_async(name, endpoints.rpc_pull, args=(0,), timeout=self.timeout))
-                   for i, name in shards]
+        futures = [
+            (i, name, rpc.rpc_async(name, endpoints.rpc_pull, args=(0,), timeout=self.timeout)) for i, name in shards
+        ]
         for i, name, future in futures:
             try:
                 vector, _ = future.wait()

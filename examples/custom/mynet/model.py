@@ -12,8 +12,10 @@ class TinyNet(nn.Module):
     def __init__(self, num_classes: int, channels: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
             nn.AdaptiveAvgPool2d(2),
         )
         self.head = nn.Linear(32 * 2 * 2, num_classes)

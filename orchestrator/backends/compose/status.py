@@ -4,10 +4,11 @@ and metrics lines in, rows out. `status` prints them; the smoke run judges them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
-from orchestrator.metrics.records import parse_lines
 from orchestrator.backends.compose.inspect import from_container
+from orchestrator.metrics.records import parse_lines
 from orchestrator.topology.services import Service, sort_key
 
 # Labels compose (v1 and v2) puts on every container it creates.
@@ -38,8 +39,10 @@ def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def status_services(configured: Sequence[Service], containers: Sequence[dict[str, Any]],
-                    ) -> list[tuple[Service, Optional[dict[str, Any]]]]:
+def status_services(
+    configured: Sequence[Service],
+    containers: Sequence[dict[str, Any]],
+) -> list[tuple[Service, Optional[dict[str, Any]]]]:
     """What `status` lists: every container of the project (`docker inspect` attrs),
     described by its own labels and environment, and every configured service that
     has no container (attrs None); one entry per service name, in rank order.
@@ -63,8 +66,11 @@ def _one_off(attrs: dict[str, Any]) -> bool:
 
 
 def service_row(service: str, attrs: Optional[dict[str, Any]], metric_lines: list[str]) -> dict[str, Any]:
-    row = container_state(attrs) if attrs is not None else {
-        "service": service, "status": "no container", "exit_code": None, "health": None, "restarts": 0}
+    row = (
+        container_state(attrs)
+        if attrs is not None
+        else {"service": service, "status": "no container", "exit_code": None, "health": None, "restarts": 0}
+    )
     row["service"] = service
     row.update({k: v for k, v in summarize_metrics(metric_lines).items() if k != "event"})
     return row
@@ -82,6 +88,8 @@ def format_status(rows: list[dict[str, Any]]) -> list[str]:
         if r.get("restarts"):
             state += f" x{r['restarts']}"
         exit_code = "-" if r["status"] in ("running", "no container", "created") else num(r["exit_code"], "d")
-        lines.append(f"{r['service']:<10} {state:<22} {exit_code:>4} {num(r['step'], 'd'):>7} "
-                     f"{num(r['loss'], '.4f'):>8} {num(r['accuracy'], '.4f'):>8}")
+        lines.append(
+            f"{r['service']:<10} {state:<22} {exit_code:>4} {num(r['step'], 'd'):>7} "
+            f"{num(r['loss'], '.4f'):>8} {num(r['accuracy'], '.4f'):>8}"
+        )
     return lines

@@ -24,32 +24,37 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import images
-from orchestrator.backends.compose import doctor
+from orchestrator import images, runs
+from orchestrator.backends import smoke as smoke_run
+from orchestrator.backends.compose import adapter, doctor
+from orchestrator.backends.compose.inspect import from_compose
+from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import gather
 from orchestrator.doctor.report import stop_on_problems, summary
-from orchestrator.backends import smoke as smoke_run
-from orchestrator.backends.compose import adapter
-from orchestrator.backends.compose.inspect import from_compose
-from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
 from orchestrator.errors import engine_errors
+from orchestrator.host_paths import check_paths
 from orchestrator.metrics.records import final_accuracy, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
-from orchestrator import runs
-from orchestrator.topology.services import (
-    PS_SERVICE, Service, by_name, describe, rendezvous_service, service_names, services,
-)
 from orchestrator.topology.model import Topology, load_with
-from orchestrator.host_paths import check_paths
+from orchestrator.topology.services import (
+    PS_SERVICE,
+    Service,
+    by_name,
+    describe,
+    rendezvous_service,
+    service_names,
+    services,
+)
 
 CURRENT = RUNS / "current.json"
 CPU_HINT = f"CONFIG={SMOKE_CONFIG} runs anywhere: make up CONFIG={SMOKE_CONFIG} WORKERS=3"
 
 
 # --- which cluster --------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Target:
@@ -64,8 +69,9 @@ def compose_file(project: str) -> Path:
     return RUNS / project / "compose.yaml"
 
 
-def target(config: Optional[str], workers: Optional[int], *, project: Optional[str] = None,
-           strategy: Optional[str] = None) -> Target:
+def target(
+    config: Optional[str], workers: Optional[int], *, project: Optional[str] = None, strategy: Optional[str] = None
+) -> Target:
     """The cluster named by `-c/--workers/--strategy`; with none, the one `up` started
     last (runs/current.json), else the default topology."""
     if config is None and workers is None and strategy is None and project is None and CURRENT.is_file():
@@ -93,6 +99,7 @@ def preflight(t: Topology, config: str, client: Any, out: TextIO) -> None:
 
 # --- verbs ----------------------------------------------------------------
 
+
 @engine_errors
 def build(config: str, workers: Optional[int] = None, *, offline: bool = False, verbose: bool = False) -> int:
     t = target(config, workers).topology
@@ -103,9 +110,17 @@ def build(config: str, workers: Optional[int] = None, *, offline: bool = False, 
 
 
 @engine_errors
-def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
-       project: Optional[str] = None, remember: bool = True, out: TextIO = sys.stdout,
-       strategy: Optional[str] = None, resume: bool = False) -> int:
+def up(
+    config: str,
+    workers: Optional[int] = None,
+    *,
+    offline: bool = False,
+    project: Optional[str] = None,
+    remember: bool = True,
+    out: TextIO = sys.stdout,
+    strategy: Optional[str] = None,
+    resume: bool = False,
+) -> int:
     """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
     unfinished checkpoint), or, while the project's run goes on, that run unchanged."""
     tg = target(config, workers, project=project, strategy=strategy)
@@ -116,8 +131,11 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
     found = adapter.detect()
     path = Path(tg.project.file)
     wrote = render_if_needed(t, path)
-    print(f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}: {describe(t)}, "
-          f"project {tg.project.name}", file=out, flush=True)
+    print(
+        f"==> {'rendered' if wrote else 'up to date:'} {relative(path)}: {describe(t)}, project {tg.project.name}",
+        file=out,
+        flush=True,
+    )
     if images.image_exists(client, t.image_tag):
         print(f"==> image {t.image_tag} present (make build rebuilds it)", file=out, flush=True)
     else:
@@ -134,22 +152,37 @@ def up(config: str, workers: Optional[int] = None, *, offline: bool = False,
 
 
 @engine_errors
-def down(config: Optional[str] = None, workers: Optional[int] = None, *,
-         volumes: bool = False, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+def down(
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    volumes: bool = False,
+    project: Optional[str] = None,
+    strategy: Optional[str] = None,
+) -> int:
     tg = target(config, workers, project=project, strategy=strategy)
     images.client()
     if tg.topology is not None:
         render_if_needed(tg.topology, Path(tg.project.file))
     adapter.run(adapter.down_argv(adapter.detect(), tg.project, volumes=volumes))
-    kept = "volume removed" if volumes else \
-        f"checkpoints and metrics kept in volume {tg.project.name}_{compose.STATE_VOLUME}"
+    kept = (
+        "volume removed"
+        if volumes
+        else f"checkpoints and metrics kept in volume {tg.project.name}_{compose.STATE_VOLUME}"
+    )
     print(f"==> down: project {tg.project.name} stopped and removed; {kept}")
     return 0
 
 
 @engine_errors
-def logs(config: Optional[str] = None, workers: Optional[int] = None, *,
-         follow: bool = True, project: Optional[str] = None, strategy: Optional[str] = None) -> int:
+def logs(
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    follow: bool = True,
+    project: Optional[str] = None,
+    strategy: Optional[str] = None,
+) -> int:
     tg = target(config, workers, project=project, strategy=strategy)
     images.client()
     if tg.topology is not None:
@@ -159,8 +192,14 @@ def logs(config: Optional[str] = None, workers: Optional[int] = None, *,
 
 
 @engine_errors
-def status(config: Optional[str] = None, workers: Optional[int] = None, *,
-           project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+def status(
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    project: Optional[str] = None,
+    out: TextIO = sys.stdout,
+    strategy: Optional[str] = None,
+) -> int:
     tg = target(config, workers, project=project, strategy=strategy)
     client = images.client()
     found = adapter.containers(client, tg.project.name)
@@ -174,8 +213,16 @@ def status(config: Optional[str] = None, workers: Optional[int] = None, *,
 
 
 @engine_errors
-def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900, threshold: float = 0.90,
-          project: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+def smoke(
+    config: str = SMOKE_CONFIG,
+    workers: int = 2,
+    *,
+    timeout: float = 900,
+    threshold: float = 0.90,
+    project: Optional[str] = None,
+    out: TextIO = sys.stdout,
+    strategy: Optional[str] = None,
+) -> int:
     """The CPU cluster end to end in real containers: offline image, up, wait for
     every container to exit, check rank 0's accuracy (the PS's `end` record, or
     worker1's for allreduce) and every exit status, print every log on failure, always tear
@@ -203,8 +250,9 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
         rank0 = rendezvous_service(t)
         files = adapter.read_metrics(client, name, found_containers)
         accuracy = final_accuracy(parse_lines(files.get(by_name(t)[rank0].metrics_file, [])))
-        problems = smoke_run.judge(expected, states, accuracy, threshold,
-                                   who="the PS" if rank0 == PS_SERVICE else rank0)
+        problems = smoke_run.judge(
+            expected, states, accuracy, threshold, who="the PS" if rank0 == PS_SERVICE else rank0
+        )
         if finished is None:
             problems.insert(0, f"not every container exited within {timeout:.0f} s")
         if problems:
@@ -212,8 +260,11 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
             for p in problems:
                 print(f"smoke: FAILED: {p}", file=out)
             return 1
-        print(f"smoke: passed: Accuracy {accuracy:.4f} >= {threshold:.2f}; "
-              f"{len(expected)} containers exited 0 ({', '.join(expected)})", file=out)
+        print(
+            f"smoke: passed: Accuracy {accuracy:.4f} >= {threshold:.2f}; "
+            f"{len(expected)} containers exited 0 ({', '.join(expected)})",
+            file=out,
+        )
         return 0
     finally:
         with timings.step("down"):
@@ -223,6 +274,7 @@ def smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 900,
 
 
 # --- reads ----------------------------------------------------------------
+
 
 def _configured(tg: Target) -> list[Service]:
     """The services the cluster is configured with: the topology's, else those of the

@@ -19,46 +19,76 @@ VALIDATE_VERSION = "1.37.0"  # the Kubernetes version the manifests are validate
 def check_kubectl(t: Topology, f: Facts) -> Check:
     kubectl = f.target.get("kubectl")
     if kubectl is None:
-        return Check("kubectl", False, "no kubectl on PATH: the manifests are applied with `kubectl apply -f`",
-                     "install kubectl (https://kubernetes.io/docs/tasks/tools/)")
+        return Check(
+            "kubectl",
+            False,
+            "no kubectl on PATH: the manifests are applied with `kubectl apply -f`",
+            "install kubectl (https://kubernetes.io/docs/tasks/tools/)",
+        )
     return Check("kubectl", True, f"{kubectl} (client only; no cluster is asked)")
 
 
 def check_manifests(t: Topology, f: Facts) -> Check:
     result = f.target.get("manifests")
     if result is None:
-        return Check("manifests", True, "not validated offline: `pip install kubernetes-validate` to check them "
-                     f"against Kubernetes {VALIDATE_VERSION}", ran=False)
+        return Check(
+            "manifests",
+            True,
+            "not validated offline: `pip install kubernetes-validate` to check them "
+            f"against Kubernetes {VALIDATE_VERSION}",
+            ran=False,
+        )
     count, errors = result
     if errors:
-        return Check("manifests", False, f"{errors[0]} (and {len(errors) - 1} more)" if len(errors) > 1 else errors[0],
-                     "fix the topology field it names")
-    return Check("manifests", True, f"{count} objects valid for Kubernetes {VALIDATE_VERSION} "
-                                    "(kubernetes-validate, strict)")
+        return Check(
+            "manifests",
+            False,
+            f"{errors[0]} (and {len(errors) - 1} more)" if len(errors) > 1 else errors[0],
+            "fix the topology field it names",
+        )
+    return Check(
+        "manifests", True, f"{count} objects valid for Kubernetes {VALIDATE_VERSION} (kubernetes-validate, strict)"
+    )
 
 
 def check_gpus(t: Topology, f: Facts) -> Check:
     if not t.cuda:
         return Check("gpus", True, "not needed")
-    return Check("gpus", True, f"{t.workers.count} x {render_kubernetes.GPU_RESOURCE} asked for, one per worker; "
-                 "not checked offline: `kubectl describe nodes | grep nvidia.com/gpu` (the NVIDIA device plugin)",
-                 ran=False)
+    return Check(
+        "gpus",
+        True,
+        f"{t.workers.count} x {render_kubernetes.GPU_RESOURCE} asked for, one per worker; "
+        "not checked offline: `kubectl describe nodes | grep nvidia.com/gpu` (the NVIDIA device plugin)",
+        ran=False,
+    )
 
 
 def check_shm(t: Topology, f: Facts) -> Check:
     worker = size_bytes(t.workers.shm_size)
     if t.train.loader_workers != "auto" and t.train.loader_workers and worker < SHM_FOR_LOADER:
-        return Check("shm", False, f"workers.shm_size {t.workers.shm_size} is too small for "
-                                   f"{t.train.loader_workers} DataLoader worker(s)",
-                     "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)")
-    return Check("shm", True, f"/dev/shm a memory emptyDir: {t.workers.shm_size} per worker, {t.ps.shm_size} for "
-                              "the PS, counted against each pod's memory")
+        return Check(
+            "shm",
+            False,
+            f"workers.shm_size {t.workers.shm_size} is too small for {t.train.loader_workers} DataLoader worker(s)",
+            "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)",
+        )
+    return Check(
+        "shm",
+        True,
+        f"/dev/shm a memory emptyDir: {t.workers.shm_size} per worker, {t.ps.shm_size} for "
+        "the PS, counted against each pod's memory",
+    )
 
 
 def check_data(t: Topology, f: Facts) -> Check:
     if t.reads_files and t.kubernetes.data_claim is not None:
-        return Check("data", True, f"train.data_dir from PersistentVolumeClaim {t.kubernetes.data_claim}: "
-                     "not checked offline (`kubectl get pvc`)", ran=False)
+        return Check(
+            "data",
+            True,
+            f"train.data_dir from PersistentVolumeClaim {t.kubernetes.data_claim}: "
+            "not checked offline (`kubectl get pvc`)",
+            ran=False,
+        )
     return shared.check_data(t, f, where="a hostPath: every node that runs a pod needs it at this path")
 
 
@@ -70,8 +100,12 @@ def check_state(t: Topology, f: Facts) -> Check:
 
 
 def check_port(t: Topology, f: Facts) -> Check:
-    return Check("rpc port", True, f"{t.ps.rpc_port} reachable only from the job's own pods (NetworkPolicy "
-                 f"{render_kubernetes.object_name(t)}-rpc; a CNI that enforces NetworkPolicy keeps it so)")
+    return Check(
+        "rpc port",
+        True,
+        f"{t.ps.rpc_port} reachable only from the job's own pods (NetworkPolicy "
+        f"{render_kubernetes.object_name(t)}-rpc; a CNI that enforces NetworkPolicy keeps it so)",
+    )
 
 
 CHECKS: list[CheckFn] = [check_kubectl, check_manifests, check_gpus, check_shm, check_data, check_state, check_port]
@@ -101,5 +135,3 @@ def validate(docs: list[dict[str, Any]]) -> Any:
             where = ".".join(str(p) for p in e.path) or "(top)"
             errors.append(f"{doc['kind']} {doc['metadata']['name']}: {where}: {e.message}")
     return (len(docs), errors)
-
-

@@ -15,7 +15,8 @@ only asks Docker. Facts it relies on (Docker 20.10 daemon, 28.x CLI):
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from orchestrator.errors import EngineError
 from orchestrator.metrics.records import metrics_from_tar
@@ -28,6 +29,7 @@ TERMINAL = frozenset({"complete", "failed", "shutdown", "rejected", "orphaned", 
 
 
 # --- command lines (pure) -------------------------------------------------
+
 
 def deploy_argv(stack: str, file: str) -> list[str]:
     return [DOCKER, "stack", "deploy", "--resolve-image", "never", "--prune", "-c", file, stack]
@@ -67,8 +69,15 @@ def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     `status.container_state`, so `smoke.judge` judges it. A terminal task is
     `exited` with its exit code; `restarts` counts the failed tasks before it."""
     if not tasks:
-        return {"service": service, "status": "no task", "exit_code": None, "health": None,
-                "restarts": 0, "task": None, "error": ""}
+        return {
+            "service": service,
+            "status": "no task",
+            "exit_code": None,
+            "health": None,
+            "restarts": 0,
+            "task": None,
+            "error": "",
+        }
     ordered = sorted(tasks, key=lambda t: (t.get("CreatedAt") or "", (t.get("Version") or {}).get("Index", 0)))
     last = ordered[-1]
     status = last.get("Status") or {}
@@ -89,11 +98,12 @@ def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # --- Docker reads (SDK) ---------------------------------------------------
 
+
 def services(client: Any, stack: str) -> dict[str, Any]:
     """The stack's services by their name in the stack file (`ps`, `worker1`, ...)."""
     found = client.services.list(filters={"label": f"{LABEL_STACK}={stack}"})
     prefix = f"{stack}_"
-    return {s.name[len(prefix):] if s.name.startswith(prefix) else s.name: s for s in found}
+    return {s.name[len(prefix) :] if s.name.startswith(prefix) else s.name: s for s in found}
 
 
 def states(client: Any, stack: str) -> dict[str, dict[str, Any]]:
@@ -129,8 +139,9 @@ def read_metrics(client: Any, stack: str, service: str) -> dict[str, list[str]]:
     """{file name: lines} of the metrics files a service's newest container on this engine
     sees at /state/metrics (running or exited); {} when none is here (a task on another
     node: ask that node's engine)."""
-    found = client.containers.list(all=True, filters={"label": f"com.docker.swarm.service.name="
-                                                                f"{service_name(stack, service)}"})
+    found = client.containers.list(
+        all=True, filters={"label": f"com.docker.swarm.service.name={service_name(stack, service)}"}
+    )
     for container in sorted(found, key=lambda c: c.attrs.get("Created", ""), reverse=True):
         try:
             stream, _ = container.get_archive(METRICS_DIR)
@@ -143,9 +154,11 @@ def read_metrics(client: Any, stack: str, service: str) -> dict[str, list[str]]:
 def leftovers(client: Any, stack: str) -> list[str]:
     """What of the stack still exists: services, containers, networks (not volumes)."""
     label = {"label": f"{LABEL_STACK}={stack}"}
-    return ([f"service {s.name}" for s in client.services.list(filters=label)]
-            + [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
-            + [f"network {n.name}" for n in client.networks.list(filters=label)])
+    return (
+        [f"service {s.name}" for s in client.services.list(filters=label)]
+        + [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
+        + [f"network {n.name}" for n in client.networks.list(filters=label)]
+    )
 
 
 def wait_gone(client: Any, stack: str, timeout: float = 120, every: float = 1.0) -> list[str]:
@@ -177,14 +190,16 @@ def nodes(client: Any) -> list[dict[str, Any]]:
     for n in client.nodes.list():
         a = n.attrs
         desc = a.get("Description") or {}
-        out.append({
-            "hostname": desc.get("Hostname", "?"),
-            "role": (a.get("Spec") or {}).get("Role", "?"),
-            "availability": (a.get("Spec") or {}).get("Availability", "?"),
-            "state": (a.get("Status") or {}).get("State", "?"),
-            "labels": (a.get("Spec") or {}).get("Labels") or {},
-            "resources": generic_resources((desc.get("Resources") or {}).get("GenericResources") or []),
-        })
+        out.append(
+            {
+                "hostname": desc.get("Hostname", "?"),
+                "role": (a.get("Spec") or {}).get("Role", "?"),
+                "availability": (a.get("Spec") or {}).get("Availability", "?"),
+                "state": (a.get("Status") or {}).get("State", "?"),
+                "labels": (a.get("Spec") or {}).get("Labels") or {},
+                "resources": generic_resources((desc.get("Resources") or {}).get("GenericResources") or []),
+            }
+        )
     return out
 
 

@@ -43,27 +43,29 @@ class SwarmBackend(Backend):
 
     # The stack's name does not depend on the strategy: down, logs and status take it and
     # need it not (the Makefile passes the last up's flags to every verb alike).
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool,
-           resume: bool) -> int:
+    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
         from orchestrator.backends.swarm import verbs
+
         return verbs.stack_up(config, workers, offline=offline, strategy=strategy, resume=resume)
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             volumes: bool) -> int:
+    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
         from orchestrator.backends.swarm import verbs
+
         return verbs.stack_down(config, workers, volumes=volumes)
 
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str],
-             follow: bool) -> int:
+    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
         from orchestrator.backends.swarm import verbs
+
         return verbs.stack_logs(config, workers, follow=follow)
 
     def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:
         from orchestrator.backends.swarm import verbs
+
         return verbs.stack_status(config, workers)
 
     def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
         from orchestrator.backends.swarm import verbs
+
         return verbs.stack_smoke(config, workers, timeout=timeout, strategy=strategy)
 
 

@@ -22,24 +22,22 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from orchestrator import images
-from orchestrator.backends.swarm import doctor
+from orchestrator import images, runs
+from orchestrator.backends import smoke as smoke_run
+from orchestrator.backends.compose.adapter import run as run_argv
+from orchestrator.backends.swarm import adapter, doctor
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import gather
 from orchestrator.doctor.report import stop_on_problems, summary
-from orchestrator.backends import smoke as smoke_run
-from orchestrator.backends.compose.adapter import run as run_argv
-from orchestrator.backends.swarm import adapter
 from orchestrator.errors import EngineError, UsageError, engine_errors
+from orchestrator.host_paths import check_paths
+from orchestrator.metrics.records import final_accuracy, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
 from orchestrator.render import swarm as render_swarm
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_atomic, write_if_changed
-from orchestrator import runs
-from orchestrator.metrics.records import final_accuracy, parse_lines
-from orchestrator.topology.services import PS_SERVICE, by_name, describe, order, rendezvous_service, service_names
 from orchestrator.topology.model import Topology, load_with
-from orchestrator.host_paths import check_paths
+from orchestrator.topology.services import PS_SERVICE, by_name, describe, order, rendezvous_service, service_names
 
 RECORD = RUNS / "stack.json"
 GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers and network
@@ -63,13 +61,18 @@ def _stack(config: Optional[str], workers: Optional[int], stack: Optional[str]) 
     return render_swarm.stack_name(load_with(config or DEFAULT_CONFIG, workers=workers))
 
 
-def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out: TextIO,
-            env: dict[str, str]) -> list[str]:
+def _deploy(
+    client: Any, t: Topology, name: str, path: Path, offline: bool, out: TextIO, env: dict[str, str]
+) -> list[str]:
     """Build the image if missing, deploy with `env` (the run's variables, which the stack
     file interpolates); the options `docker stack deploy` said it ignored."""
     if images.image_exists(client, t.image_tag):
-        print(f"==> image {t.image_tag} present on this node; every node that runs a task needs it "
-              "(docs/multi-host.md: docker save | ssh NODE docker load)", file=out, flush=True)
+        print(
+            f"==> image {t.image_tag} present on this node; every node that runs a task needs it "
+            "(docs/multi-host.md: docker save | ssh NODE docker load)",
+            file=out,
+            flush=True,
+        )
     else:
         base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
@@ -82,8 +85,15 @@ def _deploy(client: Any, t: Topology, name: str, path: Path, offline: bool, out:
 
 
 @engine_errors
-def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = False, out: TextIO = sys.stdout,
-             strategy: Optional[str] = None, resume: bool = False) -> int:
+def stack_up(
+    config: str,
+    workers: Optional[int] = None,
+    *,
+    offline: bool = False,
+    out: TextIO = sys.stdout,
+    strategy: Optional[str] = None,
+    resume: bool = False,
+) -> int:
     """Deploy a new run (orchestrator.runs; `resume`: the PS continues the newest unfinished
     checkpoint), or, while the stack's run goes on, that run unchanged."""
     t = load_with(config, workers=workers, strategy=strategy)
@@ -101,28 +111,44 @@ def stack_up(config: str, workers: Optional[int] = None, *, offline: bool = Fals
     print(f"==> {line}", file=out, flush=True)
     _deploy(client, t, name, path, offline, out, env)
     RUNS.mkdir(parents=True, exist_ok=True)
-    write_atomic(RECORD, json.dumps({"stack": name, "stack_file": str(path), "config": config,
-                                     "workers": workers, "strategy": strategy}, indent=2) + "\n")
+    write_atomic(
+        RECORD,
+        json.dumps(
+            {"stack": name, "stack_file": str(path), "config": config, "workers": workers, "strategy": strategy},
+            indent=2,
+        )
+        + "\n",
+    )
     print(f"==> up: stack {name}. Next: make stack-logs | make stack-status | make stack-down", file=out, flush=True)
     return 0
 
 
 @engine_errors
-def stack_down(config: Optional[str] = None, workers: Optional[int] = None, *, volumes: bool = False,
-               stack: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+def stack_down(
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    volumes: bool = False,
+    stack: Optional[str] = None,
+    out: TextIO = sys.stdout,
+) -> int:
     name = _stack(config, workers, stack)
     client = images.client()
     run_argv(adapter.rm_argv(name), capture=True)
     _wait_gone(client, name)
-    kept = f"volumes removed: {', '.join(adapter.remove_volumes(client, name)) or 'none'}" if volumes else \
-        f"checkpoints and metrics kept in volume {name}_{STATE_VOLUME} on each node"
+    kept = (
+        f"volumes removed: {', '.join(adapter.remove_volumes(client, name)) or 'none'}"
+        if volumes
+        else f"checkpoints and metrics kept in volume {name}_{STATE_VOLUME} on each node"
+    )
     print(f"==> down: stack {name} removed (services, containers, network); {kept}", file=out)
     return 0
 
 
 @engine_errors
-def stack_logs(config: Optional[str] = None, workers: Optional[int] = None, *, follow: bool = True,
-               stack: Optional[str] = None) -> int:
+def stack_logs(
+    config: Optional[str] = None, workers: Optional[int] = None, *, follow: bool = True, stack: Optional[str] = None
+) -> int:
     """Every service's log at once (`docker service logs` each), prefixed by task and node."""
     name = _stack(config, workers, stack)
     client = images.client()
@@ -149,8 +175,13 @@ def stack_logs(config: Optional[str] = None, workers: Optional[int] = None, *, f
 
 
 @engine_errors
-def stack_status(config: Optional[str] = None, workers: Optional[int] = None, *, stack: Optional[str] = None,
-                 out: TextIO = sys.stdout) -> int:
+def stack_status(
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    stack: Optional[str] = None,
+    out: TextIO = sys.stdout,
+) -> int:
     name = _stack(config, workers, stack)
     client = images.client()
     states = adapter.states(client, name)
@@ -165,30 +196,49 @@ def format_states(rows: list[dict[str, Any]]) -> list[str]:
     lines = [f"{'SERVICE':<10} {'TASK':<10} {'EXIT':>4} {'RETRIES':>7}  ERROR"]
     for r in rows:
         code = "-" if r["exit_code"] is None else str(r["exit_code"])
-        lines.append(f"{r['service']:<10} {r['task'] or r['status']:<10} {code:>4} {r['restarts']:>7}  {r['error']}".rstrip())
+        lines.append(
+            f"{r['service']:<10} {r['task'] or r['status']:<10} {code:>4} {r['restarts']:>7}  {r['error']}".rstrip()
+        )
     return lines
 
 
-def wait_done(client: Any, stack: str, expected: list[str], timeout: float, out: TextIO,
-              every: float = 2.0) -> Optional[dict[str, dict[str, Any]]]:
+def wait_done(
+    client: Any, stack: str, expected: list[str], timeout: float, out: TextIO, every: float = 2.0
+) -> Optional[dict[str, dict[str, Any]]]:
     """Poll until every expected service's newest task has ended, on two polls in
     a row (a failed task's retry appears a moment later); the states, or None."""
+
     def read() -> list[dict[str, Any]]:
         states = adapter.states(client, stack)
         return [states[s] for s in expected if s in states]
 
-    final = smoke_run.wait(read, lambda states: len(states) == len(expected) and adapter.all_ended(
-        {s["service"]: s for s in states}, expected), timeout, out, every=every, settle=True)
+    final = smoke_run.wait(
+        read,
+        lambda states: len(states) == len(expected) and adapter.all_ended({s["service"]: s for s in states}, expected),
+        timeout,
+        out,
+        every=every,
+        settle=True,
+    )
     return None if final is None else {s["service"]: s for s in final}
 
 
 @engine_errors
-def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float = 600, threshold: float = 0.90,
-                stack: Optional[str] = None, out: TextIO = sys.stdout, strategy: Optional[str] = None) -> int:
+def stack_smoke(
+    config: str = SMOKE_CONFIG,
+    workers: int = 2,
+    *,
+    timeout: float = 600,
+    threshold: float = 0.90,
+    stack: Optional[str] = None,
+    out: TextIO = sys.stdout,
+    strategy: Optional[str] = None,
+) -> int:
     """The CPU topology as a swarm stack on this engine (a swarm manager): offline
     image, deploy, wait for every task to end, judge the tasks' exit states and
-    rank 0's accuracy (its `end` record, read from its container on this engine); print every log on failure; always remove the stack,
-    wait for its containers and network to go, and remove its volume."""
+    rank 0's accuracy (its `end` record, read from its container on this engine);
+    print every log on failure; always remove the stack, wait for its containers and
+    network to go, and remove its volume."""
     timings = smoke_run.Timings("stack-smoke")
     t = load_with(config, workers=workers, strategy=strategy)
     name = stack or f"{render_swarm.stack_name(t)}-stack-smoke"
@@ -209,8 +259,9 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
         rank0 = rendezvous_service(t)
         lines = adapter.read_metrics(client, name, rank0).get(by_name(t)[rank0].metrics_file, [])
         accuracy = final_accuracy(parse_lines(lines))
-        problems = smoke_run.judge(expected, list(final.values()), accuracy, threshold,
-                                   who="the PS" if rank0 == PS_SERVICE else rank0)
+        problems = smoke_run.judge(
+            expected, list(final.values()), accuracy, threshold, who="the PS" if rank0 == PS_SERVICE else rank0
+        )
         if states is None:
             problems.insert(0, f"not every task ended within {timeout:.0f} s")
         problems += [f"docker stack deploy: {line}" for line in ignored]
@@ -223,8 +274,11 @@ def stack_smoke(config: str = SMOKE_CONFIG, workers: int = 2, *, timeout: float 
             for p in problems:
                 print(f"stack-smoke: FAILED: {p}", file=out)
             return 1
-        print(f"stack-smoke: passed: Accuracy {accuracy:.4f} >= {threshold:.2f}; {len(expected)} tasks "
-              f"complete, exit 0, no retry ({', '.join(expected)})", file=out)
+        print(
+            f"stack-smoke: passed: Accuracy {accuracy:.4f} >= {threshold:.2f}; {len(expected)} tasks "
+            f"complete, exit 0, no retry ({', '.join(expected)})",
+            file=out,
+        )
         return 0
     finally:
         with timings.step("down"):
