@@ -13,7 +13,9 @@ Rank names are the cluster's process names: `ps`, the PS's shards
 `ps-shard1..` (`--shards`), `worker1..N`; with strategy `allreduce` there is
 no PS and rank r is `worker<r+1>`.
 
-Exit status: 0 passed; 1 failed (one line on stderr starting `check failed:`).
+Exit status: 0 passed; 1 failed (one line on stderr starting `check failed:`). The
+last line on stdout is the rank's result for the orchestrator (app/contract.py
+CHECK_RECORD: a mark, then JSON); the others are for people.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.distributed as dist
 
 from app import runtime
 from app.config import Config
-from app.contract import service_names
+from app.contract import CHECK_RECORD, service_names
 
 SMALL = torch.tensor([42.0])  # the message of the classic torchrun message-passing check
 LARGE_BYTES = 8 << 20
@@ -47,7 +49,23 @@ KEY_DONE = "check/done"
 
 
 class CheckFailed(Exception):
-    """The check failed: the message is the one line printed after `check failed: `."""
+    """The check failed: the message is the one line printed after `check failed: `;
+    `blame`: the ranks' names it holds responsible (empty: the one that raised it);
+    `unreachable`: rank 0 was never reached; `called_off`: rank 0 ended the check."""
+
+    def __init__(
+        self, message: str, blame: list[str] | None = None, unreachable: bool = False, called_off: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.blame, self.unreachable, self.called_off = blame or [], unreachable, called_off
+
+
+REPORT: list[str] = []  # rank 0's `check:` lines, repeated in its result record
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+    REPORT.append(line)
 
 
 @dataclass(frozen=True)
@@ -91,18 +109,30 @@ def _run(config: Config) -> int:
         config.rank, names[config.rank], socket.gethostname(), local_addr(config.master_addr, config.master_port)
     )
     runtime.set_gloo_interface(config.master_addr)
+    record = {
+        "rank": me.rank,
+        "name": me.name,
+        "passed": False,
+        "failed": None,
+        "blame": [],
+        "unreachable": False,
+        "called_off": False,
+        "report": REPORT,
+    }
     try:
         if config.rank == 0:
             _rank0(config, names, me)
         else:
             _other(config, names, me)
+        record["passed"] = True
     except CheckFailed as error:
         print(f"check failed: {error}", file=sys.stderr, flush=True)
-        return 1
+        record.update(failed=str(error), blame=error.blame, unreachable=error.unreachable, called_off=error.called_off)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+        print(CHECK_RECORD + json.dumps(record), flush=True)
+    return 0 if record["passed"] else 1
 
 
 def _where(config: Config) -> str:
@@ -121,10 +151,9 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
         raise CheckFailed(
             f"{me.label()} cannot host the store on port {config.master_port}: {runtime.first_line(error)}"
         ) from None
-    print(
+    _say(
         f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
-        f"at {_where(config)} (at most {config.rpc_timeout:g} s)",
-        flush=True,
+        f"at {_where(config)} (at most {config.rpc_timeout:g} s)"
     )
     members = _wait_registered(store, config, names)
     missing = [r for r in range(1, config.world_size) if r not in members]
@@ -135,15 +164,14 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
             f"({len(members) + 1} of {config.world_size} ranks registered)"
         )
         _abort(store, message, registered=len(members))
-        raise CheckFailed(message)
-    print(f"check: all {config.world_size} ranks registered in {time.monotonic() - start:.2f} s", flush=True)
+        raise CheckFailed(message, blame=[names[r] for r in missing])
+    _say(f"check: all {config.world_size} ranks registered in {time.monotonic() - start:.2f} s")
     store.set(KEY_VERDICT, "go")
     _init_group(store, config, me)
     large = torch.arange(LARGE_BYTES // 4, dtype=torch.float32)
-    print(
+    _say(
         f"check: round trips from {me.name} over gloo (median of {SMALL_REPS} for 4 B, "
-        f"of {LARGE_REPS} for {LARGE_BYTES >> 20} MiB; GB/s = bytes both ways / round trip):",
-        flush=True,
+        f"of {LARGE_REPS} for {LARGE_BYTES >> 20} MiB; GB/s = bytes both ways / round trip):"
     )
     for rank in range(1, config.world_size):
         m = members[rank]
@@ -151,21 +179,19 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
             small_ms = _round_trips(SMALL, rank, SMALL_REPS)
             large_ms = _round_trips(large, rank, LARGE_REPS)
         except CheckFailed as error:
-            raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}") from None
+            raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}", blame=[m.name]) from None
         except Exception as error:  # noqa: BLE001 - gloo: connection reset, timeout
             raise CheckFailed(
-                f"no round trip with {m.label()} on {m.host} {m.addr}: {runtime.first_line(error)}"
+                f"no round trip with {m.label()} on {m.host} {m.addr}: {runtime.first_line(error)}", blame=[m.name]
             ) from None
         gbps = 2 * LARGE_BYTES / (large_ms / 1e3) / 1e9
-        print(
+        _say(
             f"check: {m.name:<8} rank {rank:<2} host {m.host} {m.addr}: 4 B {small_ms:.2f} ms, "
-            f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s",
-            flush=True,
+            f"{LARGE_BYTES >> 20} MiB {large_ms:.2f} ms, {gbps:.2f} GB/s"
         )
     _wait_count(store, KEY_DONE, config.world_size - 1, ACK_WAIT)
-    print(
-        f"check passed: {config.world_size} ranks, every tensor came back unchanged ({time.monotonic() - start:.1f} s)",
-        flush=True,
+    _say(
+        f"check passed: {config.world_size} ranks, every tensor came back unchanged ({time.monotonic() - start:.1f} s)"
     )
 
 
@@ -220,7 +246,8 @@ def _reach(config: Config, names: list[str], me: Member) -> None:
     except runtime.PortUnreachable as error:
         raise CheckFailed(
             f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-            f"within {config.rpc_timeout:g} s: {error}"
+            f"within {config.rpc_timeout:g} s: {error}",
+            unreachable=True,
         ) from None
 
 
@@ -232,7 +259,8 @@ def _other(config: Config, names: list[str], me: Member) -> None:
     except Exception as error:  # noqa: BLE001 - refused, unknown host, timeout
         raise CheckFailed(
             f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-            f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}"
+            f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}",
+            unreachable=True,
         ) from None
     if store.add(KEY_CLAIM.format(rank=me.rank), 1) > 1:
         raise CheckFailed(f"{me.label()}: another process already registered as rank {me.rank}")
@@ -247,7 +275,9 @@ def _other(config: Config, names: list[str], me: Member) -> None:
         ) from None
     if verdict != "go":
         store.add(KEY_DONE, 1)
-        raise CheckFailed(f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: ') :]}")
+        raise CheckFailed(
+            f"{me.label()}: {names[0]} (rank 0) called the check off: {verdict[len('abort: ') :]}", called_off=True
+        )
     _init_group(store, config, me)
     large = torch.empty(LARGE_BYTES // 4, dtype=torch.float32)
     small = torch.empty_like(SMALL)

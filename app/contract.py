@@ -11,6 +11,11 @@ from __future__ import annotations
 
 ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
+# `python -m app check` ends with one line: this mark, then a JSON object, its result for the
+# orchestrator (its other lines are for people): rank, name, passed (bool), failed (the
+# problem, or null), blame (the rank names it holds responsible), unreachable (it never
+# reached rank 0), called_off (rank 0 ended the check), report (rank 0: its `check:` lines).
+CHECK_RECORD = "psc-check-record "
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
 COMPRESSIONS = ("none", "bf16", "fp16")

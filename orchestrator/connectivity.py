@@ -20,6 +20,7 @@ and `run_local` do the work.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, 
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
+from orchestrator.topology.contract import CHECK_RECORD
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
 
@@ -147,12 +149,18 @@ def plan_local(
 # --- judging (pure) ----------------------------------------------------------
 
 
-def _lines(output: str, prefix: str) -> list[str]:
-    return [ln.strip() for ln in output.splitlines() if ln.strip().startswith(prefix)]
-
-
-def _named(line: str, names: Sequence[str]) -> list[str]:
-    return [n for n in names if f"{n} (rank " in line]
+def result_record(output: str) -> Optional[dict[str, Any]]:
+    """A rank's result: the JSON after the CHECK_RECORD mark on its last such line (the
+    check's declared output for the orchestrator; its other lines are for people); None
+    when it wrote none (it crashed, or did not get that far)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(CHECK_RECORD):
+            try:
+                record = json.loads(line[len(CHECK_RECORD) :])
+            except ValueError:
+                return None
+            return record if isinstance(record, dict) else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -163,19 +171,18 @@ class Verdict:
 
 
 def judge(names: Sequence[str], results: Sequence[Result], without: Sequence[str] = ()) -> Verdict:
-    """What to print and whom to blame, from every rank's outcome.
+    """What to print and whom to blame, from every rank's outcome and result record.
 
     Rank 0's report first (its `check:` lines); then one line per problem: rank 0's
-    own `check failed:` line (it names the ranks that never registered or broke an
-    exchange), any other rank's (one that cannot reach rank 0 names the address),
-    ranks that did not exit, crashed without a check line, or were left out. A rank
-    that cannot reach rank 0 is to blame itself when rank 0 reported, else rank 0 is."""
+    own failure (it names the ranks that never registered or broke an exchange), any
+    other rank's (one that cannot reach rank 0 names the address), ranks that did not
+    exit, crashed without a result, or were left out. A rank that cannot reach rank 0 is
+    to blame itself when rank 0 reported, else rank 0 is."""
     by_name = {r.name: r for r in results}
     first = by_name.get(names[0])
-    rank0_ok = first is not None and first.code is not None and bool(_lines(first.output, "check"))
-    lines: list[str] = []
-    if first is not None:
-        lines += [ln for ln in _lines(first.output, "check") if not ln.startswith("check failed:")]
+    rank0 = result_record(first.output) if first is not None else None
+    rank0_ok = first is not None and first.code is not None and rank0 is not None
+    lines: list[str] = list(rank0["report"]) if rank0 else []
     problems: list[str] = []
     blame: set[str] = set()
     for rank, name in enumerate(names):
@@ -185,30 +192,30 @@ def judge(names: Sequence[str], results: Sequence[Result], without: Sequence[str
                 problems.append(f"{name} (rank {rank}) was not started (--without {name})")
                 blame.add(name)
             continue
-        failed = _lines(r.output, "check failed:")
+        record = result_record(r.output)
         if r.code is None:
             problems.append(f"{name} (rank {rank}) did not exit in time")
             blame.add(name)
-        elif failed:
-            for ln in failed:
-                if "called the check off" in ln:
-                    continue  # rank 0's own line says why
-                problems.append(ln)
-                if rank == 0:
-                    blame.update(_named(ln, names))
-                elif "could not reach" in ln and not rank0_ok:
-                    blame.add(names[0])
-                else:
-                    blame.add(name)
-        elif r.code != 0:
-            last = (r.output.strip().splitlines() or ["no output"])[-1].strip()
+        elif record is not None and record.get("failed"):
+            if record.get("called_off"):
+                continue  # rank 0's own result says why
+            problems.append(record["failed"])
+            if rank == 0:
+                blame.update(record.get("blame") or [])
+            elif record.get("unreachable") and not rank0_ok:
+                blame.add(names[0])
+            else:
+                blame.add(name)
+        elif r.code != 0 or record is None:
+            text = [ln for ln in r.output.strip().splitlines() if not ln.startswith(CHECK_RECORD)]
+            last = (text or ["no output"])[-1].strip()
             problems.append(f"{name} (rank {rank}) exited {r.code}: {last}")
             blame.add(name)
-    passed = not problems and first is not None and first.code == 0 and bool(_lines(first.output, "check passed"))
+    passed = not problems and first is not None and first.code == 0 and bool(rank0 and rank0.get("passed"))
     if not passed and not problems:
         problems.append(f"{names[0]} (rank 0) did not report a passed check")
         blame.add(names[0])
-    lines += [p if p.startswith("check failed:") else f"check failed: {p}" for p in problems]
+    lines += [f"check failed: {p}" for p in problems]
     return Verdict(lines, [n for n in names if n in blame], passed)
 
 

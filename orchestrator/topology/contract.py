@@ -15,6 +15,7 @@ IMAGE_CACHES = ("auto", "off", "memory", "file")  # train.image_cache (the app's
 # Datasets the app reads from files under data_dir (the others ship in a
 # package or are generated, and need no mount).
 FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
+CHECK_RECORD = "psc-check-record "  # the connectivity check's result line (app/contract.py CHECK_RECORD)
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (app/contract.py TRAINING_ROLES)
 NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
 

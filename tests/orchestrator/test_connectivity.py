@@ -11,8 +11,9 @@ import yaml
 
 from orchestrator import connectivity
 from orchestrator.cli import build_parser, main
-from orchestrator.connectivity import Result, check_document, judge, plan_local
+from orchestrator.connectivity import Result, check_document, judge, plan_local, result_record
 from orchestrator.render import compose as render_compose
+from orchestrator.topology.contract import CHECK_RECORD
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
 
@@ -149,37 +150,75 @@ def test_local_plan(tmp_path: Path) -> None:
 # --- the verdict --------------------------------------------------------------
 
 NAMES = ["ps", "worker1", "worker2"]
-PASSED = (
-    "check: ps (rank 0) on h 10.0.0.2 waits for 2 ranks at ps:29500 (at most 30 s)\n"
-    "check: all 3 ranks registered in 0.20 s\n"
-    "check: worker1  rank 1  host a 10.0.0.3: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
-    "check: worker2  rank 2  host b 10.0.0.4: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s\n"
-    "check passed: 3 ranks, every tensor came back unchanged (0.5 s)\n"
-)
-OK_RANK = "check: worker1 (rank 1) on a 10.0.0.3 received tensor([42.]) from ps and sent back both tensors\n"
-MISSING = "check failed: worker2 (rank 2) did not reach ps:29500 within 5 s (2 of 3 ranks registered)"
+REPORT = [
+    "check: ps (rank 0) on h 10.0.0.2 waits for 2 ranks at ps:29500 (at most 30 s)",
+    "check: all 3 ranks registered in 0.20 s",
+    "check: worker1  rank 1  host a 10.0.0.3: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s",
+    "check: worker2  rank 2  host b 10.0.0.4: 4 B 0.20 ms, 8 MiB 9.00 ms, 1.86 GB/s",
+    "check passed: 3 ranks, every tensor came back unchanged (0.5 s)",
+]
+MISSING = "worker2 (rank 2) did not reach ps:29500 within 5 s (2 of 3 ranks registered)"
+
+
+def output(rank: int, name: str, *, failed: str | None = None, report: list[str] | None = None, **kw) -> str:
+    """What a rank prints: its lines for people, then its result record (app/contract.py
+    CHECK_RECORD), as app/connectivity.py writes it."""
+    record = {
+        "rank": rank,
+        "name": name,
+        "passed": failed is None,
+        "failed": failed,
+        "blame": [],
+        "unreachable": False,
+        "called_off": False,
+        "report": report or [],
+        **kw,
+    }
+    people = "\n".join(report or []) + ("\ncheck failed: " + failed if failed else "")
+    return people + "\n" + CHECK_RECORD + json.dumps(record) + "\n"
+
+
+PASSED = output(0, "ps", report=REPORT)
+OK_RANK = output(1, "worker1")
 
 
 def test_judge_passed() -> None:
-    v = judge(NAMES, [Result("ps", 0, 0, PASSED), Result("worker1", 1, 0, OK_RANK), Result("worker2", 2, 0, "")])
+    v = judge(
+        NAMES,
+        [Result("ps", 0, 0, PASSED), Result("worker1", 1, 0, OK_RANK), Result("worker2", 2, 0, output(2, "worker2"))],
+    )
     assert v.passed and v.failing == []
-    assert v.lines == PASSED.strip().splitlines()
+    assert v.lines == REPORT
+
+
+def test_the_result_record_is_read_and_a_missing_one_is_none() -> None:
+    assert result_record(PASSED)["report"] == REPORT
+    assert result_record("check: some line for people\n") is None
+    assert result_record(CHECK_RECORD + "{broken\n") is None
 
 
 def test_judge_missing_rank_names_it_once() -> None:
-    rank0 = PASSED.splitlines()[0] + "\n" + MISSING + "\n"
-    told = "check failed: worker1 (rank 1): ps (rank 0) called the check off: " + MISSING[len("check failed: ") :]
+    rank0 = output(0, "ps", report=REPORT[:1], failed=MISSING, blame=["worker2"])
+    told = output(
+        1, "worker1", failed="worker1 (rank 1): ps (rank 0) called the check off: " + MISSING, called_off=True
+    )
     v = judge(NAMES, [Result("ps", 0, 1, rank0), Result("worker1", 1, 1, told)], without=["worker2"])
     assert not v.passed and v.failing == ["worker2"]
-    assert v.lines[-2:] == [MISSING, "check failed: worker2 (rank 2) was not started (--without worker2)"]
+    assert v.lines[-2:] == [
+        "check failed: " + MISSING,
+        "check failed: worker2 (rank 2) was not started (--without worker2)",
+    ]
     assert not any("called the check off" in ln for ln in v.lines)
 
 
 def test_judge_missing_rank_0_blames_it() -> None:
-    cannot = "check failed: worker{k} (rank {k}) could not reach ps (rank 0) at ps:29500 within 5 s: cannot resolve ps"
+    cannot = "worker{k} (rank {k}) could not reach ps (rank 0) at ps:29500 within 5 s: cannot resolve ps"
     v = judge(
         NAMES,
-        [Result("worker1", 1, 1, cannot.format(k=1)), Result("worker2", 2, 1, cannot.format(k=2))],
+        [
+            Result(f"worker{k}", k, 1, output(k, f"worker{k}", failed=cannot.format(k=k), unreachable=True))
+            for k in (1, 2)
+        ],
         without=["ps"],
     )
     assert v.failing == ["ps"] and not v.passed
@@ -187,17 +226,24 @@ def test_judge_missing_rank_0_blames_it() -> None:
 
 
 def test_judge_a_rank_that_cannot_reach_a_working_rank_0_is_to_blame() -> None:
-    rank0 = PASSED.splitlines()[0] + "\n" + MISSING + "\n"
-    cannot = "check failed: worker2 (rank 2) could not reach ps (rank 0) at ps:29500 within 5 s: timed out"
-    v = judge(NAMES, [Result("ps", 0, 1, rank0), Result("worker1", 1, 1, ""), Result("worker2", 2, 1, cannot)])
-    assert v.failing == ["worker1", "worker2"]  # worker1 exited 1 with no line: a crash
+    rank0 = output(0, "ps", report=REPORT[:1], failed=MISSING, blame=["worker2"])
+    cannot = "worker2 (rank 2) could not reach ps (rank 0) at ps:29500 within 5 s: timed out"
+    v = judge(
+        NAMES,
+        [
+            Result("ps", 0, 1, rank0),
+            Result("worker1", 1, 1, ""),
+            Result("worker2", 2, 1, output(2, "worker2", failed=cannot, unreachable=True)),
+        ],
+    )
+    assert v.failing == ["worker1", "worker2"]  # worker1 exited 1 with no result: a crash
 
 
 def test_judge_hung_and_crashed_ranks() -> None:
     v = judge(
         NAMES,
         [
-            Result("ps", 0, None, PASSED.splitlines()[0]),
+            Result("ps", 0, None, REPORT[0]),
             Result("worker1", 1, 0, OK_RANK),
             Result("worker2", 2, 2, "app: error: argument role: invalid choice: 'check'"),
         ],

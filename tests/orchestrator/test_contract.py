@@ -39,6 +39,7 @@ def test_choices_are_the_apps(app_config: ModuleType) -> None:
     assert contract.PRECISIONS == tuple(app_config.PRECISIONS)
     assert contract.DATASETS == tuple(app_config.DATASETS)
     assert contract.IMAGE_CACHES == tuple(app_config.IMAGE_CACHES)
+    assert contract.CHECK_RECORD == app_config.CHECK_RECORD
     assert contract.TRAINING_ROLES == app_config.TRAINING_ROLES and set(app_config.TRAINING_ROLES) <= set(
         app_config.ROLES
     )
