@@ -31,7 +31,7 @@ DIGITS = [
     "argv,env,message",
     [
         (["ps", "--lr", "nan"], {}, "app: error: --lr: nan is not a finite number"),
-        (["worker"], {"PSC_RPC_TIMEOUT": "inf"}, "app: error: --rpc_timeout: inf is not a finite number"),
+        (["worker"], {"PSC_RPC_TIMEOUT": "inf"}, "app: error: PSC_RPC_TIMEOUT: inf is not a finite number"),
         (["ps"], {"OMP_NUM_THREADS": "4,2"}, "app: error: OMP_NUM_THREADS: '4,2' is not a positive integer"),
         (["worker"], {"OMP_NUM_THREADS": "0"}, "app: error: OMP_NUM_THREADS: '0' is not a positive integer"),
     ],
