@@ -23,6 +23,7 @@ cores/world threads).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -151,11 +152,21 @@ def ps_main(p: dict[str, Any]) -> dict[str, Any]:
         for r in range(1, p["world_size"])
     ]
     results = torch.futures.wait_all(futs)
-    rpc.shutdown()
+    _shutdown("ps")
     return {"workers": {str(r): res for r, res in enumerate(results, start=1)}}
 
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     _init(f"trainer{p['rank']}", p["rank"], p)
-    rpc.shutdown()
+    _shutdown(f"trainer{p['rank']}")
     return {}
+
+
+def _shutdown(name: str) -> None:
+    """The published example's graceful `rpc.shutdown()`. Its last exchange can race the
+    other processes' exit ("Connection reset by peer" once every trainer's result is already
+    with the PS): the measured steps are over by then, so that is reported and not a failure."""
+    try:
+        rpc.shutdown()
+    except RuntimeError as error:  # DistNetworkError is one
+        print(f"{name}: rpc.shutdown after the measured steps: {type(error).__name__}: {error}", file=sys.stderr)
