@@ -94,7 +94,7 @@ def check_document(t: Topology, *, timeout: float = DEFAULT_TIMEOUT, without: Se
     (healthcheck, depends_on), restarts, mounts or reserves a GPU. The services in
     `without` are left out (the world size stays: the check then fails naming them)."""
     check_without(t, without)
-    doc = compose.render(t)
+    doc = compose.render(t, one_host=False)  # the check crosses the network, as TCP would
     names = rank_names(t)
     services: dict[str, Any] = {}
     for rank, name in enumerate(names):

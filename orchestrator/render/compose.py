@@ -25,6 +25,7 @@ from orchestrator.topology.services import (
     LABEL_PROJECT,
     LABEL_RANK,
     LABEL_ROLE,
+    PIDNS_SERVICE,
     PS_SERVICE,
     has_ps,
     rendezvous_service,
@@ -126,18 +127,67 @@ def _passed_on(o: Option, t: Topology) -> bool:
     return o.emit == ALWAYS or value != o.default
 
 
-def render(t: Topology) -> dict[str, Any]:
-    """The whole compose document for `t` (pure: no I/O)."""
+def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
+    """The whole compose document for `t` (pure: no I/O). `one_host=False`: the document
+    other targets build on (swarm spreads it over nodes), without the shared PID namespace."""
     services = {PS_SERVICE: _ps(t)} if has_ps(t) else {}
     for index in range(1, t.ps.shards if has_ps(t) else 1):
         services[shard_service(index)] = _shard(t, index)
     for rank in range(1, t.workers.count + 1):
         services[worker_service(rank)] = _worker(t, rank)
+    if one_host and shares_pid_namespace(t):
+        for svc in services.values():
+            _join_pid_namespace(svc)
+        services = {PIDNS_SERVICE: _pidns(t), **services}
     return {
         "services": services,
         "networks": {NETWORK: {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}},
         "volumes": {STATE_VOLUME: state_volume(t)},
     }
+
+
+def shares_pid_namespace(t: Topology) -> bool:
+    """Whether the PS, its shards and the workers share one PID namespace (`network.same_host_copy`):
+    TensorPipe then copies a tensor between two containers with one process_vm_readv (its `cma`
+    channel), as between local processes, instead of through TCP over the bridge. allreduce
+    talks Gloo or NCCL, which do not use it."""
+    return t.network.same_host_copy and has_ps(t)
+
+
+def _pidns(t: Topology) -> dict[str, Any]:
+    """The service that holds the shared PID namespace (as a Kubernetes pod's pause container
+    does): tini as PID 1 reaps every orphan, `python -m app.pidns` waits and exits 0 once every
+    other process of the job has left. No network, no capability, no mount, no GPU."""
+    svc: dict[str, Any] = {
+        "image": t.image_tag,
+        "entrypoint": ["python", "-m", "app.pidns"],
+        "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: PIDNS_SERVICE},
+        "user": APP_USER,
+        "init": True,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "network_mode": "none",
+        # It exits 0 when the job is over; a failure of its own takes the namespace with it.
+        "restart": "on-failure",
+    }
+    if t.cuda:
+        svc["environment"] = {"NVIDIA_VISIBLE_DEVICES": "void"}
+    return svc
+
+
+def _join_pid_namespace(svc: dict[str, Any]) -> None:
+    """`svc` in the `pidns` service's PID namespace, with SYS_PTRACE. The user is not root
+    and no-new-privileges holds, so the capability stays in the bounding set and never
+    becomes effective: its one effect is that Docker's default seccomp profile lets
+    process_vm_readv through. Whether one process may read another's memory is then
+    the kernel's ptrace rule: the same user (psc) in the same PID namespace.
+    PID 1 of the namespace is the `pidns` service's tini, which reaps orphans, so the
+    service needs no init of its own: its `python -m app` is the container's process
+    and gets compose's SIGTERM directly."""
+    svc["pid"] = f"service:{PIDNS_SERVICE}"
+    svc["cap_add"] = ["SYS_PTRACE"]
+    svc["init"] = False
+    svc["depends_on"] = {PIDNS_SERVICE: {"condition": "service_started"}, **svc.get("depends_on", {})}
 
 
 def state_volume(t: Topology) -> dict[str, Any]:

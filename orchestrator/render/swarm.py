@@ -98,7 +98,7 @@ def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
     """The whole stack document for `t` (pure: no I/O). `data_root` is the
     absolute directory a relative `train.data_dir` is taken from; `nodes` the swarm's
     node count when known (stack-up asks the engine; 0: decide from `t` alone)."""
-    doc = compose.render(t)
+    doc = compose.render(t, one_host=False)
     pinned = state_writers(t) if pins_state(t, nodes) else []
     services = {}
     for name, svc in doc["services"].items():

@@ -19,6 +19,8 @@ from orchestrator.topology.model import Topology
 Role = Literal["ps", "worker"]
 
 PS_SERVICE = "ps"
+# compose with network.same_host_copy: holds the PID namespace the job's containers share (render/compose.py).
+PIDNS_SERVICE = "pidns"
 # Labels on every rendered service (and so on every container), for status by filter.
 LABEL_PROJECT = "ps-compose.project"
 LABEL_ROLE = "ps-compose.role"

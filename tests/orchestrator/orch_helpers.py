@@ -57,3 +57,11 @@ def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
         return status, out, err
 
     return run
+
+
+def job_services(doc: dict[str, Any]) -> dict[str, Any]:
+    """A compose document's services that run the app: all but the `pidns` holder
+    (network.same_host_copy), which only keeps the shared PID namespace."""
+    from orchestrator.topology.services import PIDNS_SERVICE
+
+    return {name: svc for name, svc in doc["services"].items() if name != PIDNS_SERVICE}

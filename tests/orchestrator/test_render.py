@@ -15,9 +15,9 @@ import yaml
 from orchestrator.render import compose as render_compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, load, parse
-from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, service_names
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PIDNS_SERVICE, service_names
 
-from orch_helpers import HERE, REPO, topology
+from orch_helpers import HERE, REPO, job_services, topology
 
 GOLDEN = HERE / "golden"
 # (golden file, config, --workers)
@@ -114,8 +114,8 @@ def test_no_anchors_no_name_no_version() -> None:
 def test_services_ranks_and_env() -> None:
     t, text = rendered("configs/default.yaml", 4)
     doc = yaml.safe_load(text)
-    assert list(doc["services"]) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
-    for rank, (_name, svc) in enumerate(doc["services"].items()):
+    assert list(job_services(doc)) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
+    for rank, (_name, svc) in enumerate(job_services(doc).items()):
         env = svc["environment"]
         assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
         assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
@@ -150,14 +150,16 @@ def test_gpu_mode() -> None:
 def test_gpu_for_ps_when_asked_and_listed_gpus() -> None:
     t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7}, workers={"count": 2, "gpus": [4, 2]})))
     doc = render_compose.render(t)
-    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
+    ids = {
+        n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in job_services(doc).items()
+    }
     assert ids == {"ps": ["7"], "worker1": ["4"], "worker2": ["2"]}
     assert doc["services"]["ps"]["environment"]["PSC_DEVICE"] == "cuda"
 
 
 def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
     doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
-    for svc in doc["services"].values():
+    for svc in job_services(doc).values():
         assert "deploy" not in svc and svc["environment"]["PSC_DEVICE"] == "cpu"
         assert "PSC_DATA_DIR" not in svc["environment"]
         assert svc["volumes"] == [{"type": "volume", "source": "state", "target": "/state"}]
@@ -166,10 +168,14 @@ def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
 def test_safe_defaults() -> None:
     for _, config, workers in CASES:
         doc = yaml.safe_load(rendered(config, workers)[1])
+        pidns = doc["services"].pop(PIDNS_SERVICE)
         for name, svc in doc["services"].items():
             assert "ports" not in svc and "privileged" not in svc and "network_mode" not in svc
-            assert svc["user"] == "1000:1000" and svc["init"] is True
+            assert svc["user"] == "1000:1000"
             assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"]
+            # the one capability: lets the seccomp profile pass process_vm_readv (same_host_copy)
+            assert svc["cap_add"] == ["SYS_PTRACE"] and svc["pid"] == f"service:{PIDNS_SERVICE}"
+            assert svc["init"] is False  # the pidns service's tini is the namespace's PID 1
             assert svc["shm_size"]
             for v in svc["volumes"]:
                 if v["type"] == "bind":
@@ -177,12 +183,39 @@ def test_safe_defaults() -> None:
             if name == "ps":
                 assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "app", "health"]
                 assert "build" in svc
+                assert svc["depends_on"] == {PIDNS_SERVICE: {"condition": "service_started"}}
             else:
-                assert svc["depends_on"] == {"ps": {"condition": "service_healthy"}}
+                assert svc["depends_on"] == {
+                    PIDNS_SERVICE: {"condition": "service_started"},
+                    "ps": {"condition": "service_healthy"},
+                }
                 assert svc["restart"] == "on-failure" and "build" not in svc
+        # the holder: tini and a wait loop, as the app's user, no network, capability, mount or port
+        assert pidns["entrypoint"] == ["python", "-m", "app.pidns"] and pidns["init"] is True
+        assert pidns["user"] == "1000:1000" and pidns["cap_drop"] == ["ALL"] and "cap_add" not in pidns
+        assert pidns["security_opt"] == ["no-new-privileges:true"] and pidns["network_mode"] == "none"
+        assert not {"volumes", "ports", "pid", "deploy", "privileged"} & set(pidns)
         assert doc["volumes"] == {
             "state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}
         }
+
+
+def test_same_host_copy_off_gives_each_container_its_own_pid_namespace_and_no_capability() -> None:
+    t = parse(yaml.safe_dump(topology(network={"same_host_copy": False})))
+    services = render_compose.render(t)["services"]
+    assert PIDNS_SERVICE not in services
+    for svc in services.values():
+        assert svc["init"] is True and svc["cap_drop"] == ["ALL"]
+        assert "cap_add" not in svc and "pid" not in svc
+
+
+def test_allreduce_and_other_hosts_share_no_pid_namespace() -> None:
+    """Gloo and NCCL do not use TensorPipe's copy; swarm spreads the job over nodes."""
+    allreduce = parse(yaml.safe_dump(topology(train={"strategy": "allreduce"})))
+    assert PIDNS_SERVICE not in render_compose.render(allreduce)["services"]
+    t = parse(yaml.safe_dump(topology()))
+    assert PIDNS_SERVICE not in render_compose.render(t, one_host=False)["services"]
+    assert all("pid" not in s for s in render_compose.render(t, one_host=False)["services"].values())
 
 
 def test_data_mount() -> None:
