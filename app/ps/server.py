@@ -63,6 +63,25 @@ class _Held(NamedTuple):
     staleness: int
 
 
+class _Round:
+    """sync: what the pushes of the round still open have been folded into, as they landed.
+
+    `expected`: the ranks the round waited for when its first push landed (each push counts
+    1/expected); `folded`: the ranks folded in, `count`: how many pushes (a rank's new process
+    may push again). `into` (the round's reply buffer) holds the new state when the step is
+    plain SGD (no momentum, no weight decay, the whole vector): state - lr/expected * each push;
+    otherwise `mean` holds the mean of the pushes. Valid at the close only if the round closes
+    with exactly the pushes folded."""
+
+    def __init__(self, expected: int, into: torch.Tensor | None, mean: torch.Tensor | None) -> None:
+        self.expected, self.into, self.mean = expected, into, mean
+        self.folded: set[int] = set()
+        self.count = 0
+
+    def matches(self, held: dict[int, _Held]) -> bool:
+        return self.count == len(held) == self.expected and self.folded == set(held)
+
+
 class ParameterServer:
     """Owns the global state vector [params | buffers] and applies pushed gradients.
 
@@ -138,6 +157,7 @@ class ParameterServer:
         # the state itself lives there, and the reply is that buffer, not a copy.
         self._replies: dict[int, list[torch.Tensor]] = {}
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
+        self._round: _Round | None = None  # sync: the open round's pushes, folded as they land
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -203,6 +223,7 @@ class ParameterServer:
             elif self.strategy == "sync":
                 self.samples += samples
                 self._hold(rank, _Held(future, message, epoch, batch, 0))
+                self._fold(rank, message)
                 ready = self._close_round()
             else:
                 self.samples += samples
@@ -271,9 +292,15 @@ class ParameterServer:
         else:
             torch.add(self.state[:n], sgd_direction(self.optimizer, self._param, grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
+        self._adopt(into)
+
+    def _adopt(self, into: torch.Tensor | None) -> None:
+        """`into` (when given) holds the new state: it becomes the state (the model's views and
+        the optimizer's parameter move to it). One update more."""
+        if into is not None:
             self.flat.adopt(into)
             self.state = self.flat.vector
-            self._param.data = self.state[:n]
+            self._param.data = self.state[: self.num_params]
         self.version += 1
         self.last_applied = self.clock()
         if self.version >= self._wake_at:
@@ -319,17 +346,65 @@ class ParameterServer:
                 ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
         return ready
 
+    def _fold(self, rank: int, message: torch.Tensor) -> None:
+        """sync: take one push into the open round as it lands, so that the work left when the
+        last one lands is one pass over it: with plain SGD the new state is built in the
+        round's reply buffer push by push (state - lr/N * push, then - lr/N * each next one),
+        else the pushes' mean is (push/N, then + each next one / N). N: the ranks the round
+        waits for when its first push lands. With two pushes the sum is the same bits in either
+        order; with more, the order they land in sets the last bit. Called under the lock."""
+        first = self._round is None
+        if first:
+            plain = not self.sliced and not self._momentum_or_decay()
+            expected = max(1, len(self._training()))
+            if plain:
+                self._round = _Round(expected, self._reply(0), None)  # one buffer pair for the whole round
+            else:
+                if self._sum is None:
+                    self._sum = torch.empty_like(self.state)
+                self._round = _Round(expected, None, self._sum)
+        r = self._round
+        scale, n = 1.0 / r.expected, self.num_params
+        if r.into is not None:
+            if first:
+                torch.add(self.state[:n], message[:n], alpha=-self.lr * scale, out=r.into[:n])
+                torch.mul(message[n:], scale, out=r.into[n:])
+            else:
+                r.into[:n].add_(message[:n], alpha=-self.lr * scale)
+                r.into[n:].add_(message[n:], alpha=scale)
+        elif first:
+            torch.mul(message, scale, out=r.mean)
+        else:
+            r.mean.add_(message, alpha=scale)
+        r.folded.add(rank)
+        r.count += 1
+
+    def _momentum_or_decay(self) -> bool:
+        group = self.optimizer.param_groups[0]
+        return bool(group["momentum"] or group["weight_decay"])
+
     def _close_round(self) -> list[tuple[Future, Reply]]:
-        """sync: once every rank still training pushed, apply their average; answer them all."""
+        """sync: once every rank still training pushed, apply their average; answer them all.
+
+        The pushes were folded as they landed (`_fold`); if the round closes with other pushes
+        than those (a rank finished or was dropped meanwhile, or pushed again from a new
+        process), their mean is taken again from the held messages, in rank order."""
         waiting_for = [r for r in self._training() if r not in self._held]
         if waiting_for or not self._held:
             return []
-        held = dict(sorted(self._held.items()))  # summed in rank order: the same bits every time
+        held = dict(sorted(self._held.items()))
         self._held = {}
-        vector = self._reply(0)  # one buffer pair for the whole round
-        self._apply(self._average([h.message for h in held.values()]), into=None if self.sliced else vector)
-        if self.sliced:
-            vector.copy_(self.state)
+        r, self._round = self._round, None
+        vector = r.into if r is not None and r.into is not None else self._reply(0)
+        if r is not None and r.matches(held) and r.into is not None:
+            self._adopt(vector)
+        else:
+            mean = r.mean if r is not None and r.mean is not None and r.matches(held) else None
+            if mean is None:
+                mean = self._average([h.message for h in held.values()])
+            self._apply(mean, into=None if self.sliced else vector)
+            if self.sliced:
+                vector.copy_(self.state)
         for rank, h in held.items():
             self._count(rank, h.epoch, h.batch, 0)
         return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
