@@ -1,7 +1,8 @@
 """`python -m bench [--json FILE]`: the headline table (each strategy's step against compute
 alone, a few minutes); `python -m bench full [--quick] [--json FILE]`: the full matrix;
 `python -m bench compare OLD.json NEW.json`; `python -m bench constants`: the step model's
-constants (docs/performance.md); `python -m bench containers|scan|data`."""
+constants (docs/performance.md); `python -m bench gpu [--full] [--json FILE]`: the GPU regime
+(ResNet-18's bytes, a sleep for its compute); `python -m bench containers|scan|data`."""
 
 from __future__ import annotations
 
@@ -259,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import constants, data_pipeline, imagefolder_scan
+    from bench import constants, data_pipeline, gpu, imagefolder_scan
 
     constants.add_parser(sub)
+    gpu.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
     return parser
@@ -277,6 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return constants.main(args)
     if args.command == "data":
         return data_pipeline.main(args)
+    if args.command == "gpu":
+        from bench import gpu
+
+        gpu.resolve(args)
+        return gpu.main(args)
     if args.command == "scan":
         return imagefolder_scan.main(args)
     if args.command == "containers":
