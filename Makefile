@@ -125,12 +125,15 @@ compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one re
 
 # Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
 # e.g. make bench BENCH_ARGS="--json bench.json", make bench-full BENCH_ARGS="--quick".
-.PHONY: bench bench-full bench-containers bench-data
+.PHONY: bench bench-full bench-containers bench-data bench-gpu
 bench: setup ## s/step per strategy vs compute alone, ResNet-18 and MNIST CNN, 2 workers (3-4 min)
 	$(PY) -m bench $(BENCH_ARGS)
 
 bench-full: setup ## the full matrix: app vs official-example PS vs Gloo vs memcpy, 1-2 workers, 3 models
 	$(PY) -m bench full $(BENCH_ARGS)
+
+bench-gpu: setup ## the GPU regime on CPU: ResNet-18's 47 MB, compute a sleep; processes and compose (~5 min; --full: the sweep)
+	$(PY) -m bench gpu $(BENCH_ARGS)
 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)

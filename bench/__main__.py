@@ -1,7 +1,8 @@
 """`python -m bench [--json FILE]`: the headline table (each strategy's step against compute
 alone, a few minutes); `python -m bench full [--quick] [--json FILE]`: the full matrix;
 `python -m bench compare OLD.json NEW.json`; `python -m bench constants`: the step model's
-constants (docs/performance.md); `python -m bench containers|scan|data`."""
+constants (docs/performance.md); `python -m bench gpu [--full] [--json FILE]`: the GPU regime
+(ResNet-18's bytes, a sleep for its compute); `python -m bench containers|scan|data`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bench import headline, report
@@ -22,6 +24,7 @@ from bench.node import APP_PATH_ENV
 
 # Warm-up and timed steps per worker of a headline case: a 2-6 s window on an idle 2-core CPU VM.
 HEADLINE_STEPS = {"resnet18-10": (3, 16), "mnist-cnn": (4, 30)}
+OFFICIAL_MODELS = ("resnet18-10",)  # the models the published example's row runs (bench/official.py)
 HEADLINE_TAIL_S = 1.0  # async cases only: keep stepping while the other worker ends its count
 
 
@@ -83,6 +86,45 @@ def headline_params(system: str, model: str, steps: int | None) -> dict[str, Any
     )
 
 
+def official_case(model: str, workers: int, steps: int | None, timeout: float) -> dict[str, Any]:
+    """The published PyTorch batch PS example (bench/official.py) on ResNet-18, 10 classes, batch
+    20 of 3x32x32 (the only model it is patched for), with the headline's warm-up and step count,
+    one thread per process as every row; timed as bench/gpu_report.py times a case."""
+    import subprocess
+    import tempfile
+
+    from bench.gpu_report import steady_step
+    from bench.procs import CaseFailed
+
+    warmup, count = HEADLINE_STEPS[model]
+    count = steps or count
+    with tempfile.TemporaryDirectory(prefix="bench-official-") as tmp:
+        out = os.path.join(tmp, "steps.json")
+        argv = [sys.executable, "-m", "bench.official", "--model", "resnet18", "--trainers", str(workers)]
+        argv += ["--warmup", str(warmup), "--steps", str(count), "--out", out]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        try:
+            proc = subprocess.run(argv, capture_output=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            raise CaseFailed(f"did not finish within {timeout:.0f} s") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = " | ".join(proc.stderr.decode(errors="replace").strip().splitlines()[-3:])
+            raise CaseFailed(f"bench.official exited {proc.returncode}: {tail}")
+        with open(out, encoding="utf-8") as f:
+            ends = json.load(f)["step_ends"]
+    try:
+        steady = steady_step(ends, warmup)
+    except ValueError as error:
+        raise CaseFailed(str(error)) from None
+    return {
+        "workers": [
+            {"steps": steady["steps"], "window_s": step * steady["steps"], "compute_s": None, "comm_s": None}
+            for step in steady["per_worker_step_s"]
+        ],
+        "ps": {},
+    }
+
+
 def run_headline(args: argparse.Namespace) -> int:
     from bench.procs import Case, CaseFailed, run_case
 
@@ -93,14 +135,19 @@ def run_headline(args: argparse.Namespace) -> int:
     for repeat in range(1, args.repeats + 1):
         for model in args.models.split(","):
             for system in args.systems.split(","):
+                if system == "official" and model not in OFFICIAL_MODELS:
+                    continue  # the published example is patched for ResNet-18 only
                 label = f"[{repeat}/{args.repeats}] {model} x{args.workers} {system}"
                 print(f"bench: {label} ...", file=sys.stderr, flush=True)
                 try:
-                    raw = run_case(
-                        Case(system, model, args.workers),
-                        headline_params(system, model, args.steps),
-                        timeout=args.timeout,
-                    )
+                    if system == "official":
+                        raw = official_case(model, args.workers, args.steps, args.timeout)
+                    else:
+                        raw = run_case(
+                            Case(system, model, args.workers),
+                            headline_params(system, model, args.steps),
+                            timeout=args.timeout,
+                        )
                 except CaseFailed as error:
                     failures.append(f"{label}: {error}")
                     print(f"bench: {label}: FAILED: {error}", file=sys.stderr, flush=True)
@@ -229,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (parser, sub.add_parser("headline", help="each strategy's step against compute alone (default)")):
         p.add_argument("--json", metavar="FILE", help="write rows, settings and raw runs here")
         p.add_argument("--models", default=",".join(HEADLINE_MODELS), help="comma-separated: %(default)s")
-        p.add_argument("--systems", default=",".join(headline.SYSTEMS), help="comma-separated: %(default)s")
+        p.add_argument(
+            "--systems",
+            default=",".join(headline.DEFAULT_SYSTEMS),
+            help="comma-separated: %(default)s (also: ref, ref-uv, the re-implemented example)",
+        )
         p.add_argument("--workers", type=int, default=2)
         p.add_argument(
             "--steps",
@@ -259,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import constants, data_pipeline, imagefolder_scan
+    from bench import constants, data_pipeline, gpu, imagefolder_scan
 
     constants.add_parser(sub)
+    gpu.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
     return parser
@@ -277,6 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return constants.main(args)
     if args.command == "data":
         return data_pipeline.main(args)
+    if args.command == "gpu":
+        from bench import gpu
+
+        gpu.resolve(args)
+        return gpu.main(args)
     if args.command == "scan":
         return imagefolder_scan.main(args)
     if args.command == "containers":

@@ -11,15 +11,19 @@ import statistics
 from typing import Any, Optional
 
 SCHEMA = 1  # bump when a field of the JSON document changes meaning
-SYSTEMS = ("compute", "app", "app-overlap", "app-sync", "allreduce", "ref", "ref-uv")
+SYSTEMS = ("compute", "app", "app-overlap", "app-sync", "allreduce", "official", "ref", "ref-uv")
+# The default rows: the published example itself is the reference (`ref`, `ref-uv`: the
+# re-implementation, bench/reference.py, on request).
+DEFAULT_SYSTEMS = ("compute", "app", "app-overlap", "app-sync", "allreduce", "official")
 LABELS = {
     "compute": "compute only (no PS)",
     "app": "ps-compose async",
     "app-overlap": "ps-compose async --overlap",
     "app-sync": "ps-compose sync",
     "allreduce": "allreduce (DDP, Gloo)",
-    "ref": "official PS example, TP defaults",
-    "ref-uv": "official PS example, uv only",
+    "official": "official PS example (published file)",
+    "ref": "re-implemented PS example, TP defaults",
+    "ref-uv": "re-implemented PS example, uv only",
 }
 MODEL_LABELS = {
     "resnet18-10": "ResNet-18, 10 classes, batch 20 of 3x32x32",
@@ -41,9 +45,16 @@ def case_row(system: str, model: str, workers: int, raw: dict[str, Any]) -> dict
         "steps": min(w["steps"] for w in ws),
         "step_s": statistics.mean(per_worker),
         "per_worker_step_s": per_worker,
-        "compute_s": statistics.mean(w["compute_s"] for w in ws),
-        "comm_s": statistics.mean(w["comm_s"] for w in ws),
+        "compute_s": _mean_or_none(w.get("compute_s") for w in ws),
+        "comm_s": _mean_or_none(w.get("comm_s") for w in ws),
     }
+
+
+def _mean_or_none(values: Any) -> Optional[float]:
+    """The mean, or None when a worker did not time the part (the published example times
+    whole steps only)."""
+    got = list(values)
+    return None if not got or any(v is None for v in got) else statistics.mean(got)
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,14 +81,19 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "steps": rs[0]["steps"],
                 "step_s": statistics.median(steps),
                 "step_s_range": [min(steps), max(steps)],
-                "compute_s": statistics.median(r["compute_s"] for r in rs),
-                "comm_s": statistics.median(r["comm_s"] for r in rs),
+                "compute_s": _median_or_none(r["compute_s"] for r in rs),
+                "comm_s": _median_or_none(r["comm_s"] for r in rs),
             }
         )
     for row in rows:
         only = _find(rows, row["model"], row["workers"], "compute")
         row["vs_compute"] = row["step_s"] / only["step_s"] if only else None
     return rows
+
+
+def _median_or_none(values: Any) -> Optional[float]:
+    got = list(values)
+    return None if any(v is None for v in got) else statistics.median(got)
 
 
 def _find(rows: list[dict[str, Any]], model: str, workers: int, system: str) -> Optional[dict[str, Any]]:

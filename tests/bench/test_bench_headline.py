@@ -139,7 +139,8 @@ def test_default_is_the_headline_and_full_keeps_the_matrix():
     parser = build_parser()
     args = parser.parse_args([])
     assert (args.command, args.models, args.workers) == ("headline", "resnet18-10,mnist-cnn", 2)
-    assert args.systems.split(",") == list(headline.SYSTEMS)
+    assert args.systems.split(",") == list(headline.DEFAULT_SYSTEMS)
+    assert "official" in args.systems and "ref" not in args.systems.split(",")  # the published file is the reference
     full = parser.parse_args(["full", "--quick"])
     assert (full.command, full.models, full.workers, full.quick) == ("full", "cnn,mnist-cnn,resnet18", "1,2", True)
 
@@ -195,12 +196,27 @@ def test_a_tiny_headline_runs_every_system_to_its_count(tmp_path, capsys):
     """Every system ends: the ones whose workers wait for each other (sync, allreduce, the
     reference's rounds) must not wait for a step past the count."""
     out = tmp_path / "h.json"
-    code = main(["--models", "cnn", "--steps", "2", "--timeout", "180", "--json", str(out)])
+    systems = ",".join(headline.SYSTEMS)  # the re-implemented example's rows too
+    code = main(["--models", "cnn", "--systems", systems, "--steps", "2", "--timeout", "180", "--json", str(out)])
     assert code == 0, capsys.readouterr()
     doc = json.loads(out.read_text())
-    assert [r["system"] for r in doc["rows"]] == list(headline.SYSTEMS)
+    # the published example runs ResNet-18 only: no row of it for cnn
+    assert [r["system"] for r in doc["rows"]] == [s for s in headline.SYSTEMS if s != "official"]
     assert all(r["steps"] == 2 and r["step_s"] > 0 for r in doc["rows"])
     assert doc["machine"]["cores"] >= 1
+
+
+@pytest.mark.slow
+def test_headline_reference_row_is_the_published_example_run_as_published(tmp_path, capsys):
+    out = tmp_path / "h.json"
+    argv = ["--models", "resnet18-10", "--systems", "compute,official", "--steps", "2", "--timeout", "240"]
+    assert main(argv + ["--json", str(out)]) == 0, capsys.readouterr()
+    doc = json.loads(out.read_text())
+    assert [r["system"] for r in doc["rows"]] == ["compute", "official"]
+    official = doc["rows"][1]
+    assert official["step_s"] > 0 and official["vs_compute"] > 0 and 1 <= official["steps"] <= 2
+    assert official["compute_s"] is None  # the published example times whole steps only
+    assert headline.LABELS["official"] in headline.table(headline.aggregate(doc["runs"]))
 
 
 def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():

@@ -1,0 +1,99 @@
+"""`python -m bench gpu`: the steady-state step from batch times, rows and table (pure), and a
+tiny run end to end through the app as processes and the published example (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gpu, gpu_report
+from bench.__main__ import main
+
+
+def test_steady_step_is_the_window_where_every_worker_is_past_warmup_and_none_ended():
+    a = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # one batch a second
+    b = [0.5, 2.5, 4.5, 6.5]  # one every two seconds, still going when `a` ends
+    s = gpu_report.steady_step([a, b], warmup=1)
+    # the window: from b's first batch (its warm-up, 0.5) to a's last (5.0)
+    assert s["window_s"] == pytest.approx(4.5)
+    assert s["per_worker_step_s"] == [pytest.approx(1.0), pytest.approx(2.0)]
+    assert s["step_s"] == pytest.approx(1.5) and s["steps"] == 2 and s["batches"] == [6, 4]
+
+
+def test_steady_step_refuses_too_few_batches():
+    with pytest.raises(ValueError, match="too few batches"):
+        gpu_report.steady_step([[0.0, 1.0], [0.0, 1.0, 2.0, 3.0]], warmup=2)
+
+
+def _run(system: str, step: float, where: str = "processes", c: int = 65) -> dict:
+    return dict(compute_ms=c, workers=2, shards=1, where=where, system=system, step_s=step, steps=10)
+
+
+def test_aggregate_takes_medians_and_divides_by_compute_alone_and_by_processes():
+    runs = [
+        _run("sync", 0.3),
+        _run("compute", 0.1),
+        _run("sync", 0.2),
+        _run("sync", 0.25),
+        _run("sync", 0.5, "containers"),
+    ]
+    rows = gpu_report.aggregate(runs)
+    assert [(r["system"], r["where"]) for r in rows] == [
+        ("compute", "processes"),
+        ("sync", "processes"),
+        ("sync", "containers"),
+    ]
+    sync = rows[1]
+    assert sync["step_s"] == pytest.approx(0.25) and sync["step_s_range"] == [0.2, 0.3] and sync["repeats"] == 3
+    assert sync["vs_compute"] == pytest.approx(2.5) and sync["vs_processes"] is None
+    assert rows[2]["vs_processes"] == pytest.approx(2.0)
+    text = gpu_report.table(rows)
+    assert "2.50x" in text and "0.200-0.300" in text and "ps-compose sync, 2 workers, containers" in text
+
+
+def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
+    t = gpu.topology("overlap", 30, 4, 2, 50)
+    assert t["code"] == str(gpu.CODE) and (gpu.CODE / "sleep_resnet.py").is_file()
+    assert t["train"]["model"] == "sleep_resnet:resnet18_30ms"
+    assert (t["train"]["strategy"], t["train"]["overlap"], t["train"]["max_steps"]) == ("async", True, 50)
+    assert t["ps"]["shards"] == 2 and t["workers"]["count"] == 4
+    from orchestrator.topology.model import Topology
+
+    Topology.model_validate(t)  # a valid topology, as the user would write it
+
+
+def test_the_sleep_model_has_resnet18s_parameters_and_writes_a_gradient_for_each():
+    import sys
+
+    import torch
+    from torchvision.models import resnet18
+
+    sys.path.insert(0, str(gpu.CODE))
+    import sleep_resnet
+
+    model = sleep_resnet.resnet18_1ms(10, 3)
+    real = resnet18(num_classes=10)
+    assert [p.shape for p in model.parameters()] == [p.shape for p in real.parameters()]
+    assert [b.shape for b in model.buffers()] == [b.shape for b in real.buffers()]
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.zeros(4, dtype=torch.long)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(AttributeError):
+        sleep_resnet.resnet18_fast  # noqa: B018 - not a factory name
+
+
+@pytest.mark.slow
+def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_json(tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = ["gpu", "--compute-ms", "5", "--systems", "sync,overlap,official", "--containers", ""]
+    code = main(argv + ["--warmup", "2", "--steps", "3", "--timeout", "240", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "gpu" and doc["schema"] == gpu_report.SCHEMA and not doc["failures"]
+    assert "loadavg_start" in doc["machine"] and "loadavg_end" in doc["machine"]
+    assert [r["system"] for r in doc["rows"]] == ["compute", "overlap", "sync", "official"]
+    for row in doc["rows"]:
+        assert row["step_s"] > 0 and row["compute_ms"] == 5 and row["vs_compute"] > 0
+    for run in doc["runs"]:  # every worker finished every batch it was given, and they were timed
+        expected = 1 if run["system"] == "compute" else 2
+        assert run["batches"] == [5] * expected and run["steps"] >= 1
