@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
+from orchestrator.render.compose import TENSORBOARD_SERVICE
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -20,6 +21,11 @@ BASE: dict[str, Any] = {
     "train": {"model": "cnn", "dataset": "digits", "batch_size": 32, "lr": 0.05, "epochs": 2},
     "workers": {"count": 2},
 }
+
+
+def training(doc: dict[str, Any]) -> dict[str, Any]:
+    """A compose document's training services: all but `make tensorboard`'s (never started by `up`)."""
+    return {n: s for n, s in doc["services"].items() if n != TENSORBOARD_SERVICE}
 
 
 def topology(**sections: Any) -> dict[str, Any]:
