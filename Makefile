@@ -17,8 +17,8 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down smoke engine clean \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
+.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down smoke engine clean tensorboard \
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-tensorboard chaos check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -79,6 +79,11 @@ status: host-setup ## one line per service: state, exit code, step, loss
 down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 	$(ORCH) down $(LAST)
 
+# TensorBoard on the runs' event files (orchestrator/tensorboard.py): the last up's project, every
+# run side by side; RUN=<id> one run, PORT=N (default 6006 or the next free), LOCAL=1 make local's runs.
+tensorboard: $(if $(LOCAL),setup,host-setup) ## TensorBoard of the last up's runs at http://127.0.0.1:6006/ (RUN=<id>, PORT=N, LOCAL=1); make down stops it
+	$(ORCH) tensorboard $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN)) $(if $(PORT),--port $(PORT))
+
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
 
@@ -108,6 +113,9 @@ stack-logs: host-setup ## follow every service's log of the stack
 
 stack-status: host-setup ## one line per service: newest task's state, exit code, retries
 	$(ORCH) stack-status $(LAST)
+
+stack-tensorboard: host-setup ## refused with one line: a stack's event files are on the PS node's volume
+	$(ORCH) stack-tensorboard
 
 stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
 	$(ORCH) stack-smoke

@@ -30,6 +30,9 @@ RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when 
 PS = "ps"  # the main PS: RPC name, metrics file and compose service
 SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
 METRICS_SUFFIX = ".jsonl"
+# TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/common/event_files.py)
+TENSORBOARD_DIR = "tensorboard"
+UNNAMED_RUN = "unnamed"  # the run directory of processes started without a run id
 # Metrics events (docs/design.md): what a process writes, one JSON object a line.
 EVENTS = (
     "start",
@@ -66,6 +69,11 @@ def shard_service(index: int) -> str:
 def metrics_file(name: str) -> str:
     """The metrics file of the process named `name` (ps, ps1, worker2...)."""
     return f"{name}{METRICS_SUFFIX}"
+
+
+def event_dir(metrics_dir: str, run_id: str, name: str) -> str:
+    """The TensorBoard event directory of process `name` (ps, ps1, worker2...) in run `run_id`."""
+    return "/".join((metrics_dir.rstrip("/"), TENSORBOARD_DIR, run_id or UNNAMED_RUN, name))
 
 
 def service_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:

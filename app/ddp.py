@@ -47,7 +47,7 @@ from app.common import data, loop, models, plugins
 from app.common.checkpoint_files import cpu_copy
 from app.common.checkpointer import Checkpointer
 from app.common.evaluate import held_out_accuracy
-from app.common.metrics import MetricsWriter
+from app.common.metrics import MetricsWriter, Rates
 from app.config import Config, UsageError
 from app.runtime import choose_device, progress
 
@@ -168,6 +168,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
         self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
+        self.rates = Rates(state.progress.step, state.progress.samples)  # rank 0: the pace between evaluations
 
     def train(self) -> None:
         """From `state.progress` to the last epoch (or --max_steps)."""
@@ -223,8 +224,10 @@ class Trainer:
         step = self.state.progress.step
         if step % self.config.eval_every == 0 and not self.evaluating():
             model = copy.deepcopy(self.model.module)  # this step's weights; training goes on
+            at = self.state.progress
+            pace = self.rates.since(at.step, at.samples)
             self.evaluation = threading.Thread(
-                target=self._evaluate, args=(model, held_out, self.state.progress), name="evaluation", daemon=True
+                target=self._evaluate, args=(model, held_out, at, pace), name="evaluation", daemon=True
             )
             self.evaluation.start()
         if checkpoints.due():
@@ -238,10 +241,18 @@ class Trainer:
         if self.evaluation is not None:
             self.evaluation.join()
 
-    def _evaluate(self, model: nn.Module, held_out: DataLoader, at: Progress) -> None:
+    def _evaluate(self, model: nn.Module, held_out: DataLoader, at: Progress, pace: dict[str, float]) -> None:
         accuracy, loss = held_out_accuracy(model, held_out, self.device)
         progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, at.step, accuracy)
-        self.metrics.write("eval", at.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=at.samples)
+        self.metrics.write(
+            "eval",
+            at.step,
+            accuracy=round(accuracy, 4),
+            loss=round(loss, 4),
+            samples=at.samples,
+            workers=self.world.size,
+            **pace,
+        )
 
 
 def _reason(error: BaseException) -> str:

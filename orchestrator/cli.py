@@ -234,6 +234,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
     _add_check_verb(sub)
+    _add_tensorboard_verb(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
 
@@ -319,6 +320,43 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
     add_strategy_arg(p)
     p.set_defaults(run=lambda a: backend.smoke(a.config, a.workers, strategy=a.strategy, timeout=a.timeout))
+
+
+def _refuse_stack_tensorboard() -> int:
+    from orchestrator.tensorboard import refuse_swarm
+
+    return refuse_swarm()
+
+
+def _add_tensorboard_verb(sub: argparse._SubParsersAction) -> None:
+    """TensorBoard on the runs' event files: compose (orchestrator/backends/compose/tensorboard.py)
+    or, with --local, a process on `make local`'s runs (orchestrator/tensorboard.py)."""
+
+    def run_tensorboard(a: argparse.Namespace) -> int:
+        if a.local:
+            from orchestrator.tensorboard import run_local
+
+            a.config = a.config or DEFAULT_CONFIG
+            return run_local(load_topology(a), a.run_id, a.port)
+        from orchestrator.backends.compose import tensorboard
+
+        return tensorboard.start(a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port)
+
+    p = sub.add_parser(
+        "tensorboard", help="TensorBoard on every run's event files (or --run ID's), at http://127.0.0.1:PORT/"
+    )
+    p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last up)")
+    p.add_argument("--workers", type=_positive_int, metavar="N")
+    add_strategy_arg(p)
+    p.add_argument(
+        "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"
+    )
+    p.add_argument("--port", type=_positive_int, metavar="PORT", help="on 127.0.0.1 (default: 6006, else a free one)")
+    p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
+    p.set_defaults(run=run_tensorboard)
+    p = sub.add_parser("stack-tensorboard", help="refused, with the one line that says why (docs/reports.md)")
+    p.add_argument("-c", "--config", metavar="CONFIG")
+    p.set_defaults(run=lambda a: _refuse_stack_tensorboard())
 
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:

@@ -53,26 +53,29 @@ def on_device(
 class Reporter:
     """The progress line (`<name> | Epoch: e | Batch: b | Loss: l`) and the `train` metrics
     record every --log_every batches and at an epoch's last batch, with the samples per
-    second of this process since the previous report."""
+    second of this process and its seconds per batch (step_seconds) since the previous report."""
 
     def __init__(self, name: str, log_every: int, metrics: MetricsWriter | None) -> None:
         self.name, self.log_every, self.metrics = name, log_every, metrics
-        self._mark = (time.monotonic(), 0)  # (time, samples) at the last report
-        self._samples = 0
+        self._mark = (time.monotonic(), 0, 0)  # (time, samples, batches) at the last report
+        self._samples = self._batches = 0
 
     def batch_done(
         self, loader: DataLoader, step: int, epoch: int, batch: int, samples: int, loss: float, **fields: Any
     ) -> None:
         """Count a batch of `samples`; report it when due (`step`: the metrics record's)."""
         self._samples += samples
+        self._batches += 1
         if batch % self.log_every == 0 or batch == len(loader):
             self.report(loader, step, epoch, batch, loss, **fields)
 
     def report(self, loader: DataLoader, step: int, epoch: int, batch: int, loss: float, **fields: Any) -> None:
         now = time.monotonic()
-        then, samples_then = self._mark
-        rate = (self._samples - samples_then) / max(now - then, 1e-9)
-        self._mark = (now, self._samples)
+        then, samples_then, batches_then = self._mark
+        seconds = max(now - then, 1e-9)
+        rate = (self._samples - samples_then) / seconds
+        step_seconds = seconds / max(self._batches - batches_then, 1)
+        self._mark = (now, self._samples, self._batches)
         progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.name, epoch, batch, loss)
         if self.metrics is not None:
             self.metrics.write(
@@ -82,6 +85,7 @@ class Reporter:
                 batch=batch,
                 loss=round(loss, 4),
                 samples_per_s=round(rate, 1),
+                step_seconds=round(step_seconds, 4),
                 **fields,
                 **data.skipped(loader.dataset),
             )

@@ -24,7 +24,7 @@ from app.common import data, models, plugins
 from app.common.checkpointer import Checkpointer
 from app.common.evaluate import Evaluator
 from app.common.flat import state_size
-from app.common.metrics import MetricsWriter
+from app.common.metrics import MetricsWriter, Rates
 from app.config import Config
 from app.contract import PS
 from app.ps.endpoints import ENDPOINT
@@ -154,6 +154,24 @@ def run(config: Config) -> int:
     return 0
 
 
+class Pace:
+    """The PS's pace since the previous `eval` record: updates/s, samples/s, the mean staleness
+    of the pushes applied meanwhile, and the workers live now."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        self.server = server
+        version, samples, applied, staleness, _ = server.progress()
+        self._rates = Rates(version, samples)
+        self._pushes = (applied, staleness)
+
+    def since(self) -> dict[str, float | int]:
+        version, samples, applied, staleness, live = self.server.progress()
+        applied_then, staleness_then = self._pushes
+        self._pushes = (applied, staleness)
+        mean = (staleness - staleness_then) / (applied - applied_then) if applied > applied_then else 0.0
+        return {**self._rates.since(version, samples), "staleness": round(mean, 3), "workers": live}
+
+
 def _gather_final(server: ParameterServer, others: ShardSet, timeout: float) -> tuple[torch.Tensor, int]:
     """The whole trained vector from every shard, retried for up to `timeout`."""
     deadline = time.monotonic() + timeout
@@ -178,6 +196,7 @@ def train_until_done(
 ) -> None:
     """Serve until every worker finished, or the missing ones are past --join_timeout."""
     next_eval = (server.version // config.eval_every + 1) * config.eval_every
+    pace = Pace(server)
     while not server.done():
         wake_at = min(next_eval, checkpoints.next_version or next_eval)
         server.wait(wake_at, timeout=TICK_SECONDS)
@@ -192,7 +211,14 @@ def train_until_done(
             if vector is not None:
                 accuracy, loss = evaluate(vector)
                 progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=server.samples)
+                metrics.write(
+                    "eval",
+                    version,
+                    accuracy=round(accuracy, 4),
+                    loss=round(loss, 4),
+                    samples=server.samples,
+                    **pace.since(),
+                )
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
             checkpoints.save(f"every {config.checkpoint_every} updates")

@@ -509,6 +509,11 @@ class ParameterServer:
         with self._lock:
             return [(m.rank, m.name, m.last_seen) for m in self.roster.live()]
 
+    def progress(self) -> tuple[int, int, int, int, int]:
+        """(version, samples, pushes applied, their staleness summed, live workers), read at once."""
+        with self._lock:
+            return self.version, self.samples, self.applied, self.staleness_sum, len(self.roster.live())
+
     def counts(self) -> str:
         with self._lock:
             return self.roster.counts()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from app.contract import TENSORBOARD_DIR
 from app.options import ALWAYS, OPTIONS, Option
 from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
@@ -46,6 +47,17 @@ CACHE_DIR = "/state/cache"  # train.image_cache: file
 CODE_DIR = "/code"  # the user's Python code (`code`), read-only, on PYTHONPATH
 INIT_WEIGHTS = "/init/weights.pt"  # train.init_weights, read-only
 APP_DIR = "/opt/ps-compose"  # the app in the image (images/Dockerfile's PYTHONPATH)
+
+# `make tensorboard` (orchestrator/backends/compose/tensorboard.py): TensorBoard on the state
+# volume, a service of the project that `up` leaves alone (its profile is never active there).
+TENSORBOARD_SERVICE = "tensorboard"
+TENSORBOARD_PROFILE = "tensorboard"
+TENSORBOARD_ROOT = f"{METRICS_DIR}/{TENSORBOARD_DIR}"  # the app's event files: <run id>/<process>/
+TENSORBOARD_CONTAINER_PORT = 6006
+# Read from the environment of the `docker compose` call, as the run id is: the run to show
+# (empty: every run of the project) and the host port on 127.0.0.1.
+TENSORBOARD_RUN = "PSC_TENSORBOARD_RUN"
+TENSORBOARD_PORT = "PSC_TENSORBOARD_PORT"
 
 HEALTHCHECK = {
     "test": ["CMD", "python", "-m", "app", "health"],
@@ -139,6 +151,7 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
         for svc in services.values():
             _join_pid_namespace(svc)
         services = {PIDNS_SERVICE: _pidns(t), **services}
+    services[TENSORBOARD_SERVICE] = _tensorboard(t)
     return {
         "services": services,
         "networks": {NETWORK: {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}},
@@ -255,6 +268,34 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
     # resumes from rank 0's newest checkpoint.
     svc["restart"] = "on-failure"
     return svc
+
+
+def _tensorboard(t: Topology) -> dict[str, Any]:
+    """TensorBoard from the app's image on the runs' event files (the state volume, read-only),
+    published on 127.0.0.1 only; started by `make tensorboard`, removed by `make down`."""
+    return {
+        "image": t.image_tag,
+        "profiles": [TENSORBOARD_PROFILE],
+        "entrypoint": ["python", "-m", "tensorboard.main"],
+        "command": [
+            "--logdir",
+            f"{TENSORBOARD_ROOT}/${{{TENSORBOARD_RUN}:-}}",
+            "--host",
+            "0.0.0.0",  # inside the container; the host side is 127.0.0.1 (ports)
+            "--port",
+            str(TENSORBOARD_CONTAINER_PORT),
+            "--load_fast",
+            "false",  # the Python reader: it drops a restarted process's superseded points (purge_step)
+        ],
+        "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: TENSORBOARD_SERVICE},
+        "user": APP_USER,
+        "init": True,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "networks": [NETWORK],
+        "ports": [f"127.0.0.1:${{{TENSORBOARD_PORT}:-{TENSORBOARD_CONTAINER_PORT}}}:{TENSORBOARD_CONTAINER_PORT}"],
+        "volumes": [{"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR, "read_only": True}],
+    }
 
 
 def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optional[int]) -> dict[str, Any]:

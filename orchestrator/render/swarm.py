@@ -102,6 +102,8 @@ def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
     pinned = state_writers(t) if pins_state(t, nodes) else []
     services = {}
     for name, svc in doc["services"].items():
+        if name == compose.TENSORBOARD_SERVICE:  # compose only: a stack has no profiles to keep it stopped
+            continue
         rank = int(svc["labels"][LABEL_RANK])
         services[name] = _service(t, svc, rank, data_root, name == rendezvous_service(t), name in pinned)
     return {

@@ -7,9 +7,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,3 +120,38 @@ def run_cluster(
         procs[name] = start_app(tmp_path, name, [*role, *common], env)
     wait_for(procs, timeout)
     return {name: finished(tmp_path, name, proc) for name, proc in procs.items()}
+
+
+# --- TensorBoard's event files, read back -------------------------------------
+
+
+def curves(directory: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of one event directory: [(step, value)], as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The curves the JSON lines call for: per tag the last record of each step (a process
+    that started again at step S wrote the steps from S again), in step order."""
+    last: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in records:
+        fields = {k: v for k, v in r.items() if k not in ("time", "role", "rank", "event", "step")}
+        from app.common.event_files import scalars
+
+        for tag, value in scalars(r["event"], fields).items():
+            last[tag][r["step"]] = value
+    return {tag: sorted(points.items()) for tag, points in last.items()}
+
+
+def assert_same_curves(got: dict, want: dict, where: str) -> None:
+    assert sorted(got) == sorted(want), where
+    for tag, points in want.items():
+        steps = [s for s, _ in got[tag]]
+        assert steps == sorted(set(steps)), f"{where} {tag}: a step twice or out of order: {steps}"
+        assert steps == [s for s, _ in points], f"{where} {tag}"
+        # TensorBoard keeps float32: each value is the record's, as a float32.
+        assert [numpy.float32(v) for _, v in got[tag]] == [numpy.float32(v) for _, v in points], f"{where} {tag}"

@@ -19,8 +19,20 @@ from app.common import checkpoint_files, data, models
 from app.common.evaluate import held_out_accuracy
 from app.common.metrics import read
 from app.config import UsageError, parse
+from app.contract import UNNAMED_RUN, event_dir
 
-from app_testkit import REPO, Process, app_env, finished, free_port, start_app, wait_for
+from app_testkit import (
+    REPO,
+    Process,
+    app_env,
+    assert_same_curves,
+    curves,
+    expected_curves,
+    finished,
+    free_port,
+    start_app,
+    wait_for,
+)
 from needs import unavailable
 
 # As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
@@ -183,6 +195,11 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     assert [r["step"] for r in evals] == [100, 200, steps]
     assert [r["samples"] for r in evals] == [100 * 64, 200 * 64, steps * 64]  # both ranks' samples
     assert [r for r in w2 if r["event"] == "eval"] == []
+    for name, records in (("worker1", w1), ("worker2", w2)):  # TensorBoard: the same numbers
+        assert_same_curves(curves(event_dir(str(metrics), "", name)), expected_curves(records), name)
+    assert {"eval/accuracy", "eval/updates_per_s", "train/step_seconds"} <= set(
+        curves(metrics / "tensorboard" / UNNAMED_RUN / "worker1")
+    )
 
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name.split("-")[1] for p in checkpoint_files.listing(ckpts)) == [

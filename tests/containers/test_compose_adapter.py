@@ -22,9 +22,12 @@ def test_argv(c):
     assert compose_adapter.up_argv(c, P) == pre + ["up", "-d", "--no-build", "--remove-orphans"]
     assert compose_adapter.logs_argv(c, P) == pre + ["logs", "-f"]
     assert compose_adapter.logs_argv(c, P, follow=False, color=False) == pre + ["logs", "--no-color"]
-    # Without -v: the named volume (checkpoints, metrics) survives `down`.
-    assert compose_adapter.down_argv(c, P) == pre + ["down", "--remove-orphans"]
-    assert compose_adapter.down_argv(c, P, volumes=True) == pre + ["down", "--remove-orphans", "-v"]
+    # Without -v: the named volume (checkpoints, metrics) survives `down`; the profile takes
+    # `make tensorboard`'s service down too.
+    profile = ["--profile", "tensorboard"]
+    assert compose_adapter.down_argv(c, P) == pre + profile + ["down", "--remove-orphans"]
+    assert compose_adapter.down_argv(c, P, volumes=True) == pre + profile + ["down", "--remove-orphans", "-v"]
+    assert compose_adapter.tensorboard_argv(c, P) == pre + profile + ["up", "-d", "--no-build", "tensorboard"]
 
 
 @pytest.mark.parametrize(

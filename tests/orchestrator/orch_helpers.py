@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
+from orchestrator.render.compose import TENSORBOARD_SERVICE
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -20,6 +21,14 @@ BASE: dict[str, Any] = {
     "train": {"model": "cnn", "dataset": "digits", "batch_size": 32, "lr": 0.05, "epochs": 2},
     "workers": {"count": 2},
 }
+
+
+def training(doc: dict[str, Any]) -> dict[str, Any]:
+    """A compose document's training services: all but `make tensorboard`'s (never started by `up`)
+    and the `pidns` holder of the shared PID namespace (network.same_host_copy)."""
+    from orchestrator.topology.services import PIDNS_SERVICE
+
+    return {n: s for n, s in doc["services"].items() if n not in (TENSORBOARD_SERVICE, PIDNS_SERVICE)}
 
 
 def topology(**sections: Any) -> dict[str, Any]:
@@ -57,11 +66,3 @@ def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
         return status, out, err
 
     return run
-
-
-def job_services(doc: dict[str, Any]) -> dict[str, Any]:
-    """A compose document's services that run the app: all but the `pidns` holder
-    (network.same_host_copy), which only keeps the shared PID namespace."""
-    from orchestrator.topology.services import PIDNS_SERVICE
-
-    return {name: svc for name, svc in doc["services"].items() if name != PIDNS_SERVICE}

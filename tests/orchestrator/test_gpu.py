@@ -15,7 +15,7 @@ from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import Topology, TopologyError, parse
 
 import doctor_kit as d
-from orch_helpers import HERE, REPO, job_services
+from orch_helpers import HERE, REPO, training
 
 GPU = (REPO / "configs/default.yaml").read_text()
 CPU = (REPO / "configs/cpu-smoke.yaml").read_text()
@@ -42,41 +42,41 @@ def info(name: str) -> dict:
 
 
 def test_the_ps_without_a_gpu_sees_none_and_workers_keep_theirs() -> None:
-    services = job_services(render_compose.render(gpu_topology()))
+    services = training(render_compose.render(gpu_topology()))
     assert services["ps"]["environment"]["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert "deploy" not in services["ps"]
     for name in ("worker1", "worker2", "worker3"):
         assert "NVIDIA_VISIBLE_DEVICES" not in services[name]["environment"]
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     # A PS with a GPU of its own reserves it and is not voided.
-    ps = job_services(render_compose.render(gpu_topology(ps_gpu=True)))["ps"]
+    ps = training(render_compose.render(gpu_topology(ps_gpu=True)))["ps"]
     assert "NVIDIA_VISIBLE_DEVICES" not in ps["environment"]
     assert ps["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["3"]
 
 
 def test_cpu_topologies_get_no_gpu_variables() -> None:
-    for svc in job_services(render_compose.render(parse(CPU, "c.yaml"))).values():
+    for svc in training(render_compose.render(parse(CPU, "c.yaml"))).values():
         assert "NVIDIA_VISIBLE_DEVICES" not in svc["environment"] and "NCCL_SOCKET_IFNAME" not in svc["environment"]
 
 
 def test_nccl_follows_network_ifname_like_tensorpipe() -> None:
     t = gpu_topology(ifname="ens5")
     for doc in (render_compose.render(t), render_swarm.render(t, data_root="/srv")):
-        for svc in job_services(doc).values():
+        for svc in training(doc).values():
             env = svc["environment"]
             assert env["NCCL_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "ens5"
     allreduce = parse(GPU.replace("strategy: async", "strategy: allreduce"), "a.yaml")
-    assert {
-        s["environment"]["NCCL_SOCKET_IFNAME"] for s in job_services(render_compose.render(allreduce)).values()
-    } == {"eth0"}
+    assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in training(render_compose.render(allreduce)).values()} == {
+        "eth0"
+    }
 
 
 def test_group_add_goes_to_every_gpu_container_only() -> None:
-    services = job_services(render_compose.render(gpu_topology(group_add="[44, render]")))
+    services = training(render_compose.render(gpu_topology(group_add="[44, render]")))
     assert "group_add" not in services["ps"]
     assert [services[f"worker{k}"]["group_add"] for k in (1, 2, 3)] == [[44, "render"]] * 3
-    assert job_services(render_compose.render(gpu_topology(group_add="[44]", ps_gpu=True)))["ps"]["group_add"] == [44]
-    assert "group_add" not in job_services(render_compose.render(gpu_topology()))["worker1"]  # unset: as before
+    assert training(render_compose.render(gpu_topology(group_add="[44]", ps_gpu=True)))["ps"]["group_add"] == [44]
+    assert "group_add" not in training(render_compose.render(gpu_topology()))["worker1"]  # unset: as before
 
 
 def test_group_add_is_valid_compose_and_left_out_of_the_stack() -> None:

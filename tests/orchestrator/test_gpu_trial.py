@@ -18,7 +18,7 @@ from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load, parse
 
 from needs import unavailable
-from orch_helpers import REPO, job_services
+from orch_helpers import REPO, training
 
 GPU = (REPO / "configs/default.yaml").read_text()
 
@@ -35,7 +35,7 @@ def test_the_run_is_cpu_smoke_on_the_projects_image_one_worker_per_gpu() -> None
     )
     assert (run.train.model, run.train.dataset, run.train.batch_size) == ("cnn", "digits", smoke.train.batch_size)
     assert run.cuda and run.worker_gpus() == [0, 2, 5] and run.ps_gpu() is None
-    services = job_services(render_compose.render(run))
+    services = training(render_compose.render(run))
     assert [
         s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in services.items() if n != "ps"
     ] == [["0"], ["2"], ["5"]]

@@ -13,7 +13,7 @@ from orchestrator.render import compose as render_compose
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
 
-from orch_helpers import REPO, job_services, topology
+from orch_helpers import REPO, topology, training
 
 CUSTOM = topology(code="./mycode", train={"model": "mynet.model:build", "dataset": "mynet.data:load"})
 
@@ -111,7 +111,7 @@ def test_code_and_weights_are_read_only_mounts_on_every_service(cli, write_confi
     status, _, stderr = cli("render", "-c", str(config), "-o", "compose.yaml")
     assert status == 0, stderr
     doc = yaml.safe_load((tmp_path / "compose.yaml").read_text())
-    for _name, svc in job_services(doc).items():
+    for _name, svc in training(doc).items():
         assert {"type": "bind", "source": "./mycode", "target": "/code", "read_only": True} in svc["volumes"]
         assert {"type": "bind", "source": "./w.pt", "target": "/init/weights.pt", "read_only": True} in svc["volumes"]
         env = svc["environment"]
@@ -130,7 +130,7 @@ def test_the_image_stays_free_of_user_code() -> None:
 def test_swarm_makes_code_and_weights_absolute() -> None:
     t = parse(yaml.safe_dump(topology(**{**CUSTOM, "train": {**CUSTOM["train"], "init_weights": "w.pt"}})))
     doc = render_swarm.render(t, data_root="/srv/psc")
-    for svc in job_services(doc).values():
+    for svc in training(doc).values():
         sources = {v["target"]: v["source"] for v in svc["volumes"] if v["type"] == "bind"}
         assert sources == {"/code": "/srv/psc/mycode", "/init/weights.pt": "/srv/psc/w.pt"}
 
@@ -167,7 +167,7 @@ def test_image_cache_reaches_every_process_unless_auto() -> None:
         )  # a bare YAML off (a boolean to PyYAML) is off
         t = parse(text)
         assert t.train.image_cache == (expected or "auto")
-        for svc in job_services(render_compose.render(t)).values():
+        for svc in training(render_compose.render(t)).values():
             assert svc["environment"].get("PSC_IMAGE_CACHE") == expected
 
 
@@ -176,13 +176,13 @@ def test_loader_workers_auto_is_told_the_workers_on_the_host_and_the_cache_dir_i
 ) -> None:
     images = topology(train={"dataset": "imagefolder", "data_dir": "./data"}, workers={"count": 3})
     auto = parse(yaml.safe_dump(images))
-    for svc in job_services(render_compose.render(auto)).values():
+    for svc in training(render_compose.render(auto)).values():
         env = svc["environment"]
         assert (env["PSC_LOADER_WORKERS"], env["PSC_HOST_WORKERS"]) == ("auto", "3")
         assert env["PSC_CACHE_DIR"] == render_compose.CACHE_DIR
         assert render_compose.CACHE_DIR.startswith(render_compose.STATE_DIR + "/")
     fixed = parse(yaml.safe_dump(topology(train={"loader_workers": 2})))
-    for svc in job_services(render_compose.render(fixed)).values():
+    for svc in training(render_compose.render(fixed)).values():
         assert svc["environment"]["PSC_LOADER_WORKERS"] == "2" and "PSC_HOST_WORKERS" not in svc["environment"]
         assert "PSC_CACHE_DIR" not in svc["environment"]  # no image cache for digits
     env = local_environment(auto, 1, port=1234, run_dir=tmp_path / "run", ifname="lo")

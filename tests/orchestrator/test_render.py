@@ -17,7 +17,7 @@ from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, load, parse
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PIDNS_SERVICE, service_names
 
-from orch_helpers import HERE, REPO, job_services, topology
+from orch_helpers import HERE, REPO, topology, training
 
 GOLDEN = HERE / "golden"
 # (golden file, config, --workers)
@@ -114,8 +114,8 @@ def test_no_anchors_no_name_no_version() -> None:
 def test_services_ranks_and_env() -> None:
     t, text = rendered("configs/default.yaml", 4)
     doc = yaml.safe_load(text)
-    assert list(job_services(doc)) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
-    for rank, (_name, svc) in enumerate(job_services(doc).items()):
+    assert list(training(doc)) == ["ps", "worker1", "worker2", "worker3", "worker4"] == service_names(t)
+    for rank, (_name, svc) in enumerate(training(doc).items()):
         env = svc["environment"]
         assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
         assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
@@ -150,16 +150,14 @@ def test_gpu_mode() -> None:
 def test_gpu_for_ps_when_asked_and_listed_gpus() -> None:
     t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, ps={"gpu": 7}, workers={"count": 2, "gpus": [4, 2]})))
     doc = render_compose.render(t)
-    ids = {
-        n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in job_services(doc).items()
-    }
+    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in training(doc).items()}
     assert ids == {"ps": ["7"], "worker1": ["4"], "worker2": ["2"]}
     assert doc["services"]["ps"]["environment"]["PSC_DEVICE"] == "cuda"
 
 
 def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
     doc = yaml.safe_load(rendered("configs/cpu-smoke.yaml", None)[1])
-    for svc in job_services(doc).values():
+    for svc in training(doc).values():
         assert "deploy" not in svc and svc["environment"]["PSC_DEVICE"] == "cpu"
         assert "PSC_DATA_DIR" not in svc["environment"]
         assert svc["volumes"] == [{"type": "volume", "source": "state", "target": "/state"}]
@@ -168,8 +166,8 @@ def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
 def test_safe_defaults() -> None:
     for _, config, workers in CASES:
         doc = yaml.safe_load(rendered(config, workers)[1])
-        pidns = doc["services"].pop(PIDNS_SERVICE)
-        for name, svc in doc["services"].items():
+        pidns = doc["services"][PIDNS_SERVICE]
+        for name, svc in training(doc).items():
             assert "ports" not in svc and "privileged" not in svc and "network_mode" not in svc
             assert svc["user"] == "1000:1000"
             assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"]
@@ -242,7 +240,7 @@ def test_build_args() -> None:
 def test_publish_rpc_port_when_asked(cli, write_config) -> None:
     t = parse(yaml.safe_dump(topology(network={"publish_rpc_port": True}, ps={"rpc_port": 29600})))
     assert render_compose.render(t)["services"]["ps"]["ports"] == ["29600:29600"]
-    assert all("ports" not in s for n, s in render_compose.render(t)["services"].items() if n != "ps")
+    assert all("ports" not in s for n, s in training(render_compose.render(t)).items() if n != "ps")
     status, out, err = cli("render", "-c", str(write_config(topology(network={"publish_rpc_port": True}))), "-o", "-")
     assert status == 0 and "ports:" in out
     assert err.startswith("warning: network.publish_rpc_port:") and "no authentication" in err
@@ -297,3 +295,19 @@ def test_image_size_is_rendered_only_when_it_is_not_the_apps_default() -> None:
     assert resnet["services"]["ps"]["environment"]["PSC_IMAGE_SIZE"] == "32"
     default = yaml.safe_load(rendered("configs/default.yaml", None)[1])
     assert "PSC_IMAGE_SIZE" not in default["services"]["worker1"]["environment"]  # 224, the app's own
+
+
+def test_tensorboard_is_a_profiled_service_on_the_state_volume_read_only_published_on_loopback():
+    _, text = rendered("configs/cpu-smoke.yaml", None)
+    doc = yaml.safe_load(text)
+    tb = doc["services"][render_compose.TENSORBOARD_SERVICE]
+    ps = doc["services"]["ps"]
+    assert tb["profiles"] == [render_compose.TENSORBOARD_PROFILE]  # `up` never starts it
+    assert tb["image"] == ps["image"] and "build" not in tb
+    assert tb["volumes"] == [{"type": "volume", "source": "state", "target": "/state", "read_only": True}]
+    assert tb["ports"] == ["127.0.0.1:${PSC_TENSORBOARD_PORT:-6006}:6006"]
+    assert tb["command"][:2] == ["--logdir", "/state/metrics/tensorboard/${PSC_TENSORBOARD_RUN:-}"]
+    for key in ("user", "cap_drop", "security_opt", "networks"):
+        assert tb[key] == ps[key], key
+    # its own PID namespace and init: it reads the volume, it never talks to the job
+    assert tb["init"] is True and "pid" not in tb and "cap_add" not in tb

@@ -23,7 +23,7 @@ from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
 from orchestrator.topology.services import rendezvous_service, service_names
 
-from orch_helpers import HERE, REPO, topology
+from orch_helpers import HERE, REPO, topology, training
 
 GOLDEN = HERE / "golden"
 SMOKE = REPO / "configs/cpu-smoke.yaml"
@@ -79,9 +79,9 @@ def test_docker_stack_config(tmp_path: Path) -> None:
 def test_no_ps_worker1_is_the_rendezvous() -> None:
     t = allreduce()
     doc = render_compose.render(t)
-    assert list(doc["services"]) == ["worker1", "worker2", "worker3"] == service_names(t)
+    assert list(training(doc)) == ["worker1", "worker2", "worker3"] == service_names(t)
     assert rendezvous_service(t) == "worker1" and rendezvous_service(load(SMOKE)) == "ps"
-    for rank, (_name, svc) in enumerate(doc["services"].items(), start=1):
+    for rank, (_name, svc) in enumerate(training(doc).items(), start=1):
         env = svc["environment"]
         assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"]) == (str(rank), "4")  # the app counts a PS slot
         assert (env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"]) == ("worker1", str(t.ps.rpc_port))
@@ -107,9 +107,9 @@ def test_gpu_reservations_as_for_ps_workers() -> None:
         )
     )
     doc = render_compose.render(t)
-    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in doc["services"].items()}
+    ids = {n: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n, s in training(doc).items()}
     assert ids == {"worker1": ["4"], "worker2": ["2"]}  # no PS: ps.gpu is unused
-    assert all(s["environment"]["PSC_DEVICE"] == "cuda" for s in doc["services"].values())
+    assert all(s["environment"]["PSC_DEVICE"] == "cuda" for s in training(doc).values())
     swarm = render_swarm.render(t, data_root=DATA_ROOT)["services"]
     assert set(swarm) == {"worker1", "worker2"}
     assert all("generic_resources" in s["deploy"]["resources"]["reservations"] for s in swarm.values())

@@ -15,7 +15,7 @@ from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import Topology, TopologyError, load, parse
 from orchestrator.topology.services import describe, service_names
 
-from orch_helpers import HERE, REPO, job_services, topology
+from orch_helpers import HERE, REPO, topology, training
 
 GOLDEN = HERE / "golden" / "cpu-smoke-shards2.yaml"
 
@@ -36,7 +36,7 @@ def test_golden_with_two_shards() -> None:
 def test_shard_services_share_the_ps_image_env_and_volume() -> None:
     t = _smoke(3)
     doc = render_compose.render(t)
-    assert list(job_services(doc)) == service_names(t) == ["ps", "ps-shard1", "ps-shard2", "worker1", "worker2"]
+    assert list(training(doc)) == service_names(t) == ["ps", "ps-shard1", "ps-shard2", "worker1", "worker2"]
     ps = doc["services"]["ps"]
     for index in (1, 2):
         svc = doc["services"][f"ps-shard{index}"]
@@ -56,7 +56,7 @@ def test_one_shard_renders_as_before() -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
     assert t.ps.shards == 1
     assert render_compose.render(t) == render_compose.render(_smoke(1))
-    assert all("PSC_SHARDS" not in s["environment"] for s in job_services(render_compose.render(t)).values())
+    assert all("PSC_SHARDS" not in s["environment"] for s in training(render_compose.render(t)).values())
 
 
 def test_schema_accepts_shard_services() -> None:

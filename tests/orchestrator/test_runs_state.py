@@ -21,7 +21,7 @@ from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import Topology, parse
 
 import doctor_kit as d
-from orch_helpers import REPO, job_services, topology
+from orch_helpers import REPO, topology, training
 
 CPU = (REPO / "configs/cpu-smoke.yaml").read_text()
 SPREAD = "swarm: {workers: [node-a, node-b]}\n"
@@ -40,7 +40,7 @@ def sharded(t: Topology, shards: int = 2) -> Topology:
 
 def placements(t: Topology, nodes: int = 0) -> dict[str, list[str] | None]:
     doc = render_swarm.render(t, data_root="/srv", nodes=nodes)
-    return {name: (svc["deploy"].get("placement") or {}).get("constraints") for name, svc in job_services(doc).items()}
+    return {name: (svc["deploy"].get("placement") or {}).get("constraints") for name, svc in training(doc).items()}
 
 
 # --- run ids ----------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_a_new_run_id_is_sortable_unique_and_a_valid_app_run_id():
 
 def test_every_rendered_service_reads_the_run_from_the_callers_environment():
     for t in (topo(), sharded(topo()), topo(text=CPU.replace("strategy: async", "strategy: allreduce"))):
-        for svc in job_services(render_compose.render(t)).values():
+        for svc in training(render_compose.render(t)).values():
             assert svc["environment"]["PSC_RUN_ID"] == "${PSC_RUN_ID:-}"
             assert svc["environment"]["PSC_RESUME"] == "${PSC_RESUME:-}"
 

@@ -20,7 +20,7 @@ from orchestrator.topology import services as spec_services
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, Service, service_names
 
-from orch_helpers import REPO, job_services, topology
+from orch_helpers import REPO, topology, training
 
 SMOKE = REPO / "configs/cpu-smoke.yaml"
 
@@ -50,7 +50,7 @@ def test_services_follow_the_render(write_config) -> None:
         topology(image={"base": "b", "device": "cuda"}, workers={"count": 3, "gpus": [2, 0, 5]}, ps={"gpu": 1}),
     ):
         t = load(write_config(doc))
-        rendered = job_services(render_compose.render(t))
+        rendered = training(render_compose.render(t))
         assert [s.name for s in spec_services.services(t)] == service_names(t) == list(rendered)
         for s in spec_services.services(t):
             svc = rendered[s.name]

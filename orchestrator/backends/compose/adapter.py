@@ -33,7 +33,7 @@ from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, c
 from orchestrator.backends.smoke import wait
 from orchestrator.errors import EngineError, last_line
 from orchestrator.metrics.records import metrics_from_tar
-from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME
+from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME, TENSORBOARD_PROFILE, TENSORBOARD_SERVICE
 from orchestrator.topology.services import PS_SERVICE
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
@@ -82,10 +82,16 @@ def logs_argv(c: Compose, p: Project, *, follow: bool = True, color: bool = True
     return argv
 
 
+def tensorboard_argv(c: Compose, p: Project) -> list[str]:
+    """Start (or recreate, with a new port or run) the profiled `tensorboard` service alone."""
+    return base_argv(c, p) + ["--profile", TENSORBOARD_PROFILE, "up", "-d", "--no-build", TENSORBOARD_SERVICE]
+
+
 def down_argv(c: Compose, p: Project, *, volumes: bool = False) -> list[str]:
-    """Stop and remove containers and the network. The named volume with the
-    checkpoints and metrics stays unless `volumes` (tests and the smoke run)."""
-    argv = base_argv(c, p) + ["down", "--remove-orphans"]
+    """Stop and remove containers and the network, `tensorboard` too (compose leaves out the
+    services of a profile that is not active). The named volume with the checkpoints and
+    metrics stays unless `volumes` (tests and the smoke run)."""
+    argv = base_argv(c, p) + ["--profile", TENSORBOARD_PROFILE, "down", "--remove-orphans"]
     if volumes:
         argv.append("-v")
     return argv

@@ -1,0 +1,128 @@
+"""`make tensorboard` for real: a finished cpu-smoke run in containers, the project's
+`tensorboard` service answering TensorBoard's scalars API with the JSONL records' values, a
+headless Chromium screenshot of its scalars page showing the accuracy curve
+(docs/img/tensorboard.png), and `make down` removing the service with the rest."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy
+import pytest
+import yaml
+from PIL import Image
+
+from orchestrator import images
+from orchestrator.backends.compose import adapter, tensorboard, verbs
+from orchestrator.metrics.records import parse_lines
+from orchestrator.paths import ROOT, RUNS
+from orchestrator.render.compose import TENSORBOARD_SERVICE
+from orchestrator.topology.model import load
+
+from needs import unavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+TAG = "ps-compose-tensorboard-test:latest"  # its own tag: the cpu-smoke image of this tree
+SCREENSHOT = ROOT / "docs" / "img" / "tensorboard.png"
+
+
+@pytest.fixture(scope="module")
+def image(engine):
+    t = load(str(ROOT / "configs/cpu-smoke.yaml"))
+    base, pip_source = images.source(t, offline=True)
+    images.build(TAG, base, pip_source)
+    return TAG
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    try:
+        found = subprocess.run([str(ROOT / ".ci/chromium.sh")], capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        unavailable(f"no chromium: .ci/chromium.sh: {e}")
+    if found.returncode != 0:
+        unavailable(f"no chromium: .ci/chromium.sh: {found.stderr.strip()[-300:]}")
+    return found.stdout.strip().splitlines()[-1]
+
+
+def get(port: int, path: str, **query: str):
+    q = f"?{urllib.parse.urlencode(query)}" if query else ""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}{q}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def screenshot(chromium: str, url: str, path: Path) -> numpy.ndarray:
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={path}",
+         "--window-size=1280,800", "--virtual-time-budget=20000", url],
+        check=True, capture_output=True, timeout=180,
+    )  # fmt: skip
+    return numpy.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def coloured(pixels: numpy.ndarray) -> numpy.ndarray:
+    """Where a pixel has a colour (not white, grey or black): a curve's run colour."""
+    return (pixels.max(axis=2) - pixels.min(axis=2)) > 60
+
+
+def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, image, chromium, tmp_path):
+    project = f"tb-{uuid.uuid4().hex[:8]}"
+    doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
+    doc["name"], doc["image"]["tag"] = project, image
+    doc["train"]["epochs"] = 4
+    doc["train"]["eval_every"] = 50
+    config = tmp_path / "tb.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    found = adapter.detect()
+    proj = adapter.Project(project, str(verbs.compose_file(project)), str(ROOT))
+    try:
+        assert verbs.up(str(config), project=project, remember=False, out=io.StringIO()) == 0
+        states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
+        assert states and all(s["exit_code"] == 0 for s in states), states
+        records = parse_lines(adapter.read_metrics(engine, project, adapter.containers(engine, project))["ps.jsonl"])
+        [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
+        evals = [r for r in records if r["event"] == "eval"]
+        assert evals, records
+
+        out = io.StringIO()
+        assert tensorboard.start(str(config), project=project, out=out) == 0
+        port = int(re.search(r"==> tensorboard: http://127\.0\.0\.1:(\d+)/ \(every run", out.getvalue()).group(1))
+        tags = get(port, "/data/plugin/scalars/tags")
+        run = f"{run_id}/ps"
+        assert {"eval/accuracy", "eval/loss", "eval/updates_per_s", "eval/workers"} <= set(tags[run]), tags
+        assert {"train/loss", "train/step_seconds"} <= set(tags[f"{run_id}/worker1"]), tags
+        points = get(port, "/data/plugin/scalars/scalars", run=run, tag="eval/accuracy")
+        assert [(step, numpy.float32(v)) for _, step, v in points] == [
+            (r["step"], numpy.float32(r["accuracy"])) for r in evals
+        ]
+        assert points[-1][2] >= 0.9
+
+        # The scalars page, accuracy alone, against the same page with a filter no tag matches:
+        # the curve is what the first has in colour and the second has not, across the chart.
+        page = f"http://127.0.0.1:{port}/?darkMode=false#scalars&tagFilter="
+        shown = screenshot(chromium, page + urllib.parse.quote("^eval/accuracy$"), tmp_path / "accuracy.png")
+        empty = screenshot(chromium, page + "no-such-tag", tmp_path / "empty.png")
+        curve = coloured(shown) & ~coloured(empty)
+        columns = numpy.flatnonzero(curve.any(axis=0))
+        assert curve.sum() > 300 and columns.size and columns[-1] - columns[0] > 200, (
+            f"no accuracy curve drawn: {curve.sum()} coloured pixels over {columns.size} columns"
+        )
+        if os.environ.get("UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(tmp_path / "accuracy.png", SCREENSHOT)
+
+        adapter.run(adapter.down_argv(found, proj))
+        left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
+        assert TENSORBOARD_SERVICE not in left and left == [], left
+    finally:
+        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+        shutil.rmtree(RUNS / project, ignore_errors=True)
