@@ -69,7 +69,7 @@ class _Round:
     `expected`: the ranks the round waited for when its first push landed (each push counts
     1/expected); `folded`: the ranks folded in, `count`: how many pushes (a rank's new process
     may push again). `into` (the round's reply buffer) holds the new state when the step is
-    plain SGD (no momentum, no weight decay, the whole vector): state - lr/expected * each push;
+    plain SGD (no momentum, no weight decay): state - lr/expected * each push;
     otherwise `mean` holds the mean of the pushes. Valid at the close only if the round closes
     with exactly the pushes folded."""
 
@@ -355,7 +355,7 @@ class ParameterServer:
         order; with more, the order they land in sets the last bit. Called under the lock."""
         first = self._round is None
         if first:
-            plain = not self.sliced and not self._momentum_or_decay()
+            plain = not self._momentum_or_decay()
             expected = max(1, len(self._training()))
             if plain:
                 self._round = _Round(expected, self._reply(0), None)  # one buffer pair for the whole round
@@ -397,7 +397,9 @@ class ParameterServer:
         r, self._round = self._round, None
         vector = r.into if r is not None and r.into is not None else self._reply(0)
         if r is not None and r.matches(held) and r.into is not None:
-            self._adopt(vector)
+            if self.sliced:  # a PS shard's state is a slice of the model's vector: copied, not moved
+                self.state.copy_(vector)
+            self._adopt(None if self.sliced else vector)
         else:
             mean = r.mean if r is not None and r.mean is not None and r.matches(held) else None
             if mean is None:

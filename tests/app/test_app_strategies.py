@@ -51,6 +51,45 @@ def test_sync_holds_each_push_until_every_worker_pushed_then_applies_the_average
     assert server.pushes == {1: 1, 2: 1, 3: 1} and server.stats()["staleness_max"] == 0
 
 
+def test_a_sync_round_folded_as_it_landed_is_averaged_again_when_a_pusher_is_dropped():
+    """Each push is folded into the round as it lands; a rank dropped after its push was
+    folded leaves the round, and the round's mean is the remaining pushes' alone."""
+    server = _server("sync", workers=3)
+    first = server.submit(1, torch.full((4,), 2.0), 0)
+    dropped = server.submit(2, torch.full((4,), 100.0), 0)
+    server.drop(2, "worker2")  # answered with the current state; its push is not applied
+    assert dropped.wait().version == 0 and not first.done()
+    last = server.submit(3, torch.full((4,), 4.0), 0)
+    assert [f.wait().version for f in (first, last)] == [1, 1]
+    assert torch.equal(last.wait().vector, torch.full((4,), -3.0))  # 0 - 1.0 * mean(2, 4)
+
+
+def test_a_rank_that_pushes_again_from_a_new_process_counts_once_in_the_round():
+    server = _server("sync", workers=2)
+    old = server.submit(1, torch.full((4,), 50.0), 0)
+    server.join(1, "worker1-b")  # its new process
+    new = server.submit(1, torch.full((4,), 2.0), 0, name="worker1-b")
+    assert old.wait().kind == "stale" and not new.done()
+    other = server.submit(2, torch.full((4,), 4.0), 0)
+    assert torch.equal(other.wait().vector, torch.full((4,), -3.0)) and new.wait().version == 1
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_sharded_sync_round_is_the_whole_vectors_round_on_its_slice(momentum):
+    """A PS shard folds its slice of each push as the whole PS does."""
+    whole = ParameterServer(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync")
+    part = ParameterServer(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync", part=(2, 5))
+    for server in (whole, part):
+        for rank in (1, 2):
+            server.join(rank, f"worker{rank}")
+    torch.manual_seed(4)
+    for round_ in range(3):
+        pushes = [torch.randn(whole.size) for _ in (1, 2)]
+        a = [whole.submit(r, p, round_) for r, p in zip((1, 2), pushes)]
+        b = [part.submit(r, p[2:5].clone(), round_) for r, p in zip((1, 2), pushes)]
+        assert torch.allclose(b[0].wait().vector, a[0].wait().vector[2:5], rtol=1e-6, atol=1e-7)
+
+
 def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
     server = _server("sync", workers=3)
     server.finish(3, pushes=0)
