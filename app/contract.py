@@ -41,6 +41,7 @@ EVENTS = (
     "resume",
     "drop",
     "back",
+    "left",
     "frozen",
     "refused",
     "shard",

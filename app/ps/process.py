@@ -68,6 +68,7 @@ def run(config: Config) -> int:
         staleness_lr=config.staleness_lr,
         part=part,
         weight_decay=config.weight_decay,
+        max_trainers=config.max_trainers,
     )
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
@@ -192,7 +193,14 @@ def train_until_done(
             if vector is not None:
                 accuracy, loss = evaluate(vector)
                 progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
-                metrics.write("eval", version, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=server.samples)
+                metrics.write(
+                    "eval",
+                    version,
+                    accuracy=round(accuracy, 4),
+                    loss=round(loss, 4),
+                    samples=server.samples,
+                    workers=server.live_count(),
+                )
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
             checkpoints.save(f"every {config.checkpoint_every} updates")
