@@ -17,8 +17,8 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down smoke engine clean \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke chaos check
+.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down scale smoke engine clean \
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale chaos check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ status: host-setup ## one line per service: state, exit code, step, loss
 down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 	$(ORCH) down $(LAST)
 
+scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up to workers.max) without stopping it
+	$(if $(WORKERS),,$(error make scale needs WORKERS=N))$(ORCH) scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(WORKERS)
+
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
 
@@ -102,6 +105,9 @@ stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker st
 
 stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
 	$(ORCH) stack-down $(LAST)
+
+stack-scale: host-setup ## not on Swarm yet: refused with one line (make scale runs on compose)
+	$(ORCH) stack-scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(or $(WORKERS),1)
 
 stack-logs: host-setup ## follow every service's log of the stack
 	$(ORCH) stack-logs $(LAST)

@@ -73,9 +73,13 @@ class Roster:
 
     def join(self, rank: int, name: str) -> Member:
         """`name` is now rank's incarnation; it resumes the rank's progress. A rank above the
-        first ones (up to max_rank) becomes a member here: the job was scaled up."""
+        first ones (up to max_rank) becomes a member here: the job was scaled up, and the new rank
+        starts at the epoch after the one the slowest live rank is in (the job's next epoch, of
+        which it takes a fair share), not at epoch 1."""
         if rank not in self.members and 1 <= rank <= self.max_rank:
+            epochs = [m.epoch for m in self.live()]
             self.members[rank] = Member(rank, since=self.clock(), last_seen=self.clock())
+            self.members[rank].epoch = min(epochs) + 1 if epochs else 1
         m = self[rank]
         m.name, m.joins = name, m.joins + 1
         self._set(m, LIVE)

@@ -43,8 +43,13 @@ def _server(strategy: str, workers: int = 2, most: int = 4, **kw) -> ParameterSe
 def test_ranks_above_the_first_ones_join_up_to_the_most_and_no_further():
     roster = Roster(range(1, 3), join_timeout=60.0, max_rank=4)
     assert sorted(roster.members) == [1, 2]  # 3 and 4 are not waited for before they join
+    roster.join(1, "worker1")
+    roster.join(2, "worker2")
+    roster.record_push(1, 3, 7)  # rank 1 is in epoch 3, rank 2 in epoch 1 still
     roster.join(4, "worker4")
     assert roster[4].state == LIVE and sorted(roster.members) == [1, 2, 4]
+    # the new rank starts at the job's next epoch: after the one the slowest live rank is in
+    assert roster[4].progress() == {"epoch": 2, "batch": 0, "pushes": 0}
     with pytest.raises(ValueError, match="rank 5 is not a worker of this job \\(ranks 1..4\\)"):
         roster.join(5, "worker5")
 
@@ -205,6 +210,7 @@ def test_a_worker_added_and_one_stopped_mid_run_join_and_leave_and_the_run_ends_
     joins = {r["worker"]: r for r in _records(ps, "join")}
     left = _records(ps, "left")
     assert joins["worker3"]["workers"] == 3 and joins["worker3"]["step"] > 0  # joined the running job
+    assert joins["worker3"]["epoch"] > 1  # at the job's next epoch, not from the start
     assert [r["worker"] for r in left] == ["worker2"] and left[0]["workers"] == 2
     assert _records(ps, "drop") == []  # a leave is not a failure
     assert _records(metrics / "worker2.jsonl", "left")
