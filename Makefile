@@ -17,8 +17,8 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down smoke engine clean tensorboard \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-tensorboard chaos check
+.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down scale smoke engine clean tensorboard \
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard chaos check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -83,6 +83,8 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 # run side by side; RUN=<id> one run, PORT=N (default 6006 or the next free), LOCAL=1 make local's runs.
 tensorboard: $(if $(LOCAL),setup,host-setup) ## TensorBoard of the last up's runs at http://127.0.0.1:6006/ (RUN=<id>, PORT=N, LOCAL=1); make down stops it
 	$(ORCH) tensorboard $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN)) $(if $(PORT),--port $(PORT))
+scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up to workers.max) without stopping it
+	$(if $(WORKERS),,$(error make scale needs WORKERS=N))$(ORCH) scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(WORKERS)
 
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
@@ -107,6 +109,9 @@ stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker st
 
 stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
 	$(ORCH) stack-down $(LAST)
+
+stack-scale: host-setup ## not on Swarm yet: refused with one line (make scale runs on compose)
+	$(ORCH) stack-scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(or $(WORKERS),1)
 
 stack-logs: host-setup ## follow every service's log of the stack
 	$(ORCH) stack-logs $(LAST)

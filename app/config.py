@@ -37,6 +37,11 @@ class _ConfigMethods:
         return self.world_size - 1
 
     @property
+    def max_trainers(self) -> int:
+        """The highest worker rank the job admits (scaled up while it runs: --max_workers)."""
+        return max(self.max_workers, self.world_size - 1)
+
+    @property
     def name(self) -> str:
         """This process's RPC name: `ps`, `ps<shard>` or `worker<rank>`."""
         return ps_name(self.shard) if self.role == "ps" else worker_name(self.rank)
@@ -147,10 +152,16 @@ def validate(config: Config) -> None:
             f"--rank: {config.rank} must be in 0..{config.world_size - 1} "
             f"for the check (--world_size {config.world_size})"
         )
-    if config.role == "worker" and not 1 <= config.rank < config.world_size:
+    if config.role == "worker" and not 1 <= config.rank <= config.max_trainers:
+        scaled = f", --max_workers {config.max_workers}" if config.max_workers else ""
         raise UsageError(
-            f"--rank: {config.rank} must be in 1..{config.world_size - 1} "
-            f"for a worker (--world_size {config.world_size})"
+            f"--rank: {config.rank} must be in 1..{config.max_trainers} "
+            f"for a worker (--world_size {config.world_size}{scaled})"
+        )
+    if config.max_workers and config.strategy == "allreduce" and config.max_workers != config.num_trainers:
+        raise UsageError(
+            f"--max_workers: {config.max_workers} needs a parameter server; allreduce's world size is fixed "
+            "(restart from the last checkpoint with the new --world_size)"
         )
 
 

@@ -44,6 +44,7 @@ EVENTS = (
     "resume",
     "drop",
     "back",
+    "left",
     "frozen",
     "refused",
     "shard",

@@ -124,6 +124,14 @@ OPTIONS: tuple[Option, ...] = (
         low=0,
     ),
     _opt("world_size", "int", 3, "PS + workers", low=2),
+    _opt(
+        "max_workers",
+        "int",
+        0,
+        "the most workers the job may be scaled to while it runs (workers.max): the PS admits ranks up to it, and "
+        "each worker takes a fair share of the data of every epoch from the live set; 0: world_size-1",
+        low=0,
+    ),
     _opt("master_addr", "str", "localhost", "the PS's address"),
     _opt("master_port", "int", 6100, "the PS's rendezvous port", low=1, high=65535),
     _opt("device", "str", "cpu", "cpu or cuda (cuda:0, the one GPU a container sees)", choices=DEVICES),

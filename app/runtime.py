@@ -248,7 +248,7 @@ def backend_options(config: Config) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{config.master_addr}:{config.master_port}",
         rpc_timeout=config.rpc_timeout,
-        num_worker_threads=max(8, 2 * config.world_size),
+        num_worker_threads=max(8, 2 * (config.max_trainers + 1)),  # every worker the job may be scaled to
         _transports=TRANSPORTS,
         _channels=CHANNELS,
     )

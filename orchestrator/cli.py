@@ -287,7 +287,7 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
-    """PREFIX + up, down, logs, status, smoke of one target (backends/base.py: `Backend`).
+    """PREFIX + up, down, logs, status, smoke, scale of one target (backends/base.py: `Backend`).
     down, logs and status without -c act on the cluster PREFIX + up started last."""
 
     def verb(name: str) -> argparse.ArgumentParser:
@@ -320,6 +320,10 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
     add_strategy_arg(p)
     p.set_defaults(run=lambda a: backend.smoke(a.config, a.workers, strategy=a.strategy, timeout=a.timeout))
+    p = verb("scale")
+    p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
+    p.add_argument("--workers", type=_positive_int, required=True, metavar="N", help="the number of workers to run")
+    p.set_defaults(run=lambda a: backend.scale(a.config, a.workers))
 
 
 def _refuse_stack_tensorboard() -> int:

@@ -4,7 +4,7 @@ the resumable walk over epochs and batches, a batch put on the device, and the p
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -29,11 +29,15 @@ def resume_batches(
     start_batch: int,
     num_epochs: int,
     batch_size: int,
+    before_epoch: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(epoch, batch, x, y) from batch `start_batch + 1` of `start_epoch` to the end of
     `num_epochs`; batches count from 1 within an epoch, and the batches a resumed rank
-    already trained on are left out by its sampler (`skip`)."""
+    already trained on are left out by its sampler (`skip`). `before_epoch(epoch)` runs
+    before each epoch's batches (a job that may be scaled: the worker's share of it)."""
     for epoch in range(start_epoch, num_epochs + 1):
+        if before_epoch is not None:
+            before_epoch(epoch)
         done = start_batch if epoch == start_epoch else 0
         sampler.set_epoch(epoch, skip=done * batch_size)
         for batch, (x, y) in enumerate(data.batches(loader, data_dir), start=done + 1):

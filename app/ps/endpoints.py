@@ -5,7 +5,7 @@ from them: `ENDPOINT` is the app's one piece of process-wide state, set only
 for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
 - Every PS process (the main PS and each shard): `rpc_join`, `rpc_pull`,
-  `rpc_push`, `rpc_finish` (workers call them), `rpc_drop` (the main PS
+  `rpc_push`, `rpc_finish`, `rpc_leave`, `rpc_shard` (workers call them), `rpc_drop` (the main PS
   forwards a worker's drop to the shards).
 - The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
 - A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
@@ -112,6 +112,16 @@ def rpc_push(
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
     return ENDPOINT.get().finish(rank, pushes, name)
+
+
+def rpc_leave(rank: int, pushes: int, name: str = "") -> Refusal | None:
+    """A worker scaled down leaves the job for good (after its last push)."""
+    return ENDPOINT.get().leave(rank, pushes, name)
+
+
+def rpc_shard(rank: int) -> tuple[int, int]:
+    """(index, count): rank's share of the next epoch's data among the ranks training now."""
+    return ENDPOINT.get().shard_of(rank)
 
 
 def rpc_drop(rank: int, name: str) -> bool:

@@ -75,6 +75,7 @@ class LivenessMonitor:
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
         server.on_back = self.back
+        server.on_leave = self.left
         # Called after a drop: a sharded PS forwards it to its other shards (app.ps.sharding.shardset).
         self.on_drop: Callable[[int, str], None] = lambda rank, name: None
 
@@ -98,7 +99,7 @@ class LivenessMonitor:
             else f"at epoch {progress['epoch']} after batch {progress['batch']}"
         )
         log.info("%s (rank %d) joined at version %d, resuming %s", name, rank, version, where)
-        self.record("join", version, worker=name, worker_rank=rank, **progress)
+        self.record("join", version, worker=name, worker_rank=rank, workers=self.server.live_count(), **progress)
         return {"vector": vector, "version": version, **progress}
 
     def drop(self, rank: int, name: str, reason: str) -> None:
@@ -106,12 +107,17 @@ class LivenessMonitor:
             log.warning(
                 "dropped %s (rank %d): %s; training goes on without it (%s)", name, rank, reason, self.server.counts()
             )
-            self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason)
+            live = self.server.live_count()
+            self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason, workers=live)
             self.on_drop(rank, name)
 
     def back(self, rank: int, name: str) -> None:
         log.warning("%s (rank %d) is back: it called again after it was dropped (%s)", name, rank, self.server.counts())
-        self.record("back", self.server.version, worker=name, worker_rank=rank)
+        self.record("back", self.server.version, worker=name, worker_rank=rank, workers=self.server.live_count())
+
+    def left(self, rank: int, name: str) -> None:
+        """A worker scaled down left the job: a `left` record (not a drop: nothing failed)."""
+        self.record("left", self.server.version, worker=name, worker_rank=rank, workers=self.server.live_count())
 
     def tick(self) -> None:
         """Ping quiet workers; keep the store's member list and join token healthy."""

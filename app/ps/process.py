@@ -68,6 +68,7 @@ def run(config: Config) -> int:
         staleness_lr=config.staleness_lr,
         part=part,
         weight_decay=config.weight_decay,
+        max_trainers=config.max_trainers,
     )
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)

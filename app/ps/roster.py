@@ -2,8 +2,9 @@
 
 Pure Python, no RPC and no lock of its own: the ParameterServer calls it
 under its lock, so progress and the model version always match in a
-checkpoint. A rank is `absent` (not joined yet), `live`, `finished` or
-`dropped` (its incarnation died or stopped answering). A restarted process
+checkpoint. A rank is `absent` (not joined yet), `live`, `finished`,
+`dropped` (its incarnation died or stopped answering) or `left` (it was
+scaled down: it said so before it exited, and nobody waits for it). A restarted process
 of the same rank joins under a new RPC name (`worker1`, `worker1_r2`, ...)
 and resumes the rank's progress.
 
@@ -12,6 +13,12 @@ epochs in this run is its latest one. A join or a call from the rank makes it
 `live` again (a new process of a finished rank resumes at its recorded
 progress: it trains what is left, or finishes at once), and a checkpoint of
 another run restores each rank's progress but never its finish.
+
+Scaling: ranks 1..N are the job's from the start; ranks N+1..`max_rank` are
+admitted when they join (a running job scaled up) and waited for only from
+then on. A rank that left is waited for by nobody; the run is done once every
+rank finished or left, and at least one finished (a job whose every rank left,
+as on a stop of the whole cluster, waits for them to come back).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-ABSENT, LIVE, FINISHED, DROPPED = "absent", "live", "finished", "dropped"
+ABSENT, LIVE, FINISHED, DROPPED, LEFT = "absent", "live", "finished", "dropped", "left"
 
 
 class StaleIncarnation(RuntimeError):
@@ -38,6 +45,7 @@ class Member:
     batch: int = 0
     pushes: int = 0
     joins: int = 0
+    round_from: int = 0  # sync: the first version whose round counts this rank (it joined mid-round)
 
     def progress(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.batch, "pushes": self.pushes}
@@ -46,20 +54,32 @@ class Member:
 class Roster:
     """The workers the PS waits for, and when it may stop waiting."""
 
-    def __init__(self, ranks: Iterable[int], join_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ranks: Iterable[int],
+        join_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_rank: int = 0,
+    ) -> None:
         self.clock, self.join_timeout = clock, join_timeout
         now = clock()
         self.members = {r: Member(r, since=now, last_seen=now) for r in ranks}
+        self.max_rank = max(max_rank, *self.members)  # ranks above the first ones join when scaled up
 
     def __getitem__(self, rank: int) -> Member:
         if rank not in self.members:
-            raise ValueError(
-                f"rank {rank} is not a worker of this job (ranks {min(self.members)}..{max(self.members)})"
-            )
+            raise ValueError(f"rank {rank} is not a worker of this job (ranks {min(self.members)}..{self.max_rank})")
         return self.members[rank]
 
     def join(self, rank: int, name: str) -> Member:
-        """`name` is now rank's incarnation; it resumes the rank's progress."""
+        """`name` is now rank's incarnation; it resumes the rank's progress. A rank above the
+        first ones (up to max_rank) becomes a member here: the job was scaled up, and the new rank
+        starts at the epoch after the one the slowest live rank is in (the job's next epoch, of
+        which it takes a fair share), not at epoch 1."""
+        if rank not in self.members and 1 <= rank <= self.max_rank:
+            epochs = [m.epoch for m in self.live()]
+            self.members[rank] = Member(rank, since=self.clock(), last_seen=self.clock())
+            self.members[rank].epoch = min(epochs) + 1 if epochs else 1
         m = self[rank]
         m.name, m.joins = name, m.joins + 1
         self._set(m, LIVE)
@@ -72,7 +92,7 @@ class Roster:
         if m.name and m.name != name:
             raise StaleIncarnation(f"{name} was replaced by {m.name} for rank {rank}; exiting")
         m.last_seen = self.clock()
-        if m.state in (DROPPED, FINISHED):
+        if m.state in (DROPPED, FINISHED, LEFT):
             m.name = name
             self._set(m, LIVE)
             return True
@@ -86,6 +106,11 @@ class Roster:
         self.seen(rank, name)
         self._set(self.members[rank], FINISHED)
 
+    def leave(self, rank: int, name: str) -> None:
+        """`name` leaves the job for good (scaled down): nobody waits for the rank any more."""
+        self.seen(rank, name)
+        self._set(self.members[rank], LEFT)
+
     def drop(self, rank: int, name: str) -> bool:
         """Stop waiting for incarnation `name`; False when it is no longer rank's live one."""
         m = self.members.get(rank)
@@ -97,9 +122,14 @@ class Roster:
     def live(self) -> list[Member]:
         return [m for m in self.members.values() if m.state == LIVE]
 
+    def left(self) -> list[Member]:
+        return [m for m in self.members.values() if m.state == LEFT]
+
     @property
     def all_finished(self) -> bool:
-        return all(m.state == FINISHED for m in self.members.values())
+        """Every rank finished or left (scaled down), and at least one finished."""
+        states = [m.state for m in self.members.values()]
+        return FINISHED in states and all(s in (FINISHED, LEFT) for s in states)
 
     def missing(self) -> list[Member]:
         """Ranks that are neither live nor finished, and have been so for join_timeout."""
@@ -110,28 +140,39 @@ class Roster:
         """Every rank finished, or nobody trains and every unfinished rank is past join_timeout."""
         if self.all_finished:
             return True
-        unfinished = [m for m in self.members.values() if m.state != FINISHED]
+        unfinished = [m for m in self.members.values() if m.state not in (FINISHED, LEFT)]
+        if not unfinished:  # every rank left (the cluster stops) or left and none finished: wait for them
+            return False
         return not self.live() and len(self.missing()) == len(unfinished)
 
     def counts(self) -> str:
         live = len(self.live())
         finished = sum(m.state == FINISHED for m in self.members.values())
-        return f"{live} live, {finished} finished of {len(self.members)}"
+        left = len(self.left())
+        return f"{live} live, {finished} finished{f', {left} left' if left else ''} of {len(self.members)}"
 
     def state(self) -> dict[int, dict[str, int]]:
         """Per-rank progress for a checkpoint."""
-        return {r: {**m.progress(), "finished": int(m.state == FINISHED)} for r, m in self.members.items()}
+        return {
+            r: {**m.progress(), "finished": int(m.state == FINISHED), "left": int(m.state == LEFT)}
+            for r, m in self.members.items()
+        }
 
     def restore(self, state: dict[int, dict[str, int]], same_run: bool = True) -> None:
-        """Progress from a checkpoint; every rank must join again. A rank finished in it stays
-        finished only when the checkpoint is of this run (`same_run`: a restarted PS, whose
-        finished workers have exited and will not join again)."""
+        """Progress from a checkpoint; every rank must join again. A rank finished (or left) in it
+        stays so only when the checkpoint is of this run (`same_run`: a restarted PS, whose
+        finished or scaled-down workers have exited and will not join again). A rank above the
+        first ones (scaled up) is restored only when the checkpoint is of this run."""
         for rank, p in state.items():
+            if rank not in self.members and rank <= self.max_rank and same_run:
+                self.members[rank] = Member(rank, since=self.clock(), last_seen=self.clock())
             if rank in self.members:
                 m = self.members[rank]
                 m.epoch, m.batch, m.pushes = p["epoch"], p["batch"], p["pushes"]
                 if p.get("finished") and same_run:
                     self._set(m, FINISHED)
+                elif p.get("left") and same_run:
+                    self._set(m, LEFT)
 
     def _set(self, m: Member, state: str) -> None:
         m.state, m.since = state, self.clock()

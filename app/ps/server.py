@@ -106,6 +106,7 @@ class ParameterServer:
         staleness_lr: bool = False,
         part: tuple[int, int] | None = None,
         weight_decay: float = 0.0,
+        max_trainers: int = 0,
     ) -> None:
         if strategy not in PS_STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
@@ -125,7 +126,8 @@ class ParameterServer:
         self._param = nn.Parameter(self.state[: self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.num_trainers = num_trainers
-        self.roster = Roster(range(1, num_trainers + 1), join_timeout, clock)
+        # Ranks 1..num_trainers from the start; up to max_trainers when the job is scaled up.
+        self.roster = Roster(range(1, num_trainers + 1), join_timeout, clock, max_rank=max_trainers)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
@@ -137,6 +139,8 @@ class ParameterServer:
         self.last_applied: float | None = None  # clock time of the last update applied
         # Called (outside the lock) when a dropped process calls again: app.ps.liveness logs it.
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
+        # Called (outside the lock) when a process left the job for good (scaled down): app.ps.liveness records it.
+        self.on_leave: Callable[[int, str], None] = lambda rank, name: None
         # Called (outside the lock, before the finishing worker gets its answer) after a rank
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
         self.on_finish: Callable[[int], None] = lambda rank: None
@@ -169,6 +173,9 @@ class ParameterServer:
         with self._lock:
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
+            # sync: a rank that joins while a round is open is counted from the next round on
+            open_round = self.strategy == "sync" and self._held and rank not in self._held
+            member.round_from = self.version + 1 if open_round else 0
             self.first_join = self.first_join or self.clock()
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
                 self.all_joined = self.clock()
@@ -326,8 +333,15 @@ class ParameterServer:
         return [
             m.rank
             for m in self.roster.members.values()
-            if m.state == LIVE or (m.state == ABSENT and m.rank not in missing)
+            if (m.state == LIVE and m.round_from <= self.version) or (m.state == ABSENT and m.rank not in missing)
         ]
+
+    def shard_of(self, rank: int) -> tuple[int, int]:
+        """(index, count): rank's share of an epoch's data among the ranks training now (those
+        ssp and sync wait for, and rank itself), for a job that may be scaled while it runs."""
+        with self._lock:
+            ranks = sorted({*self._training(), *(m.rank for m in self.roster.live()), rank})
+            return ranks.index(rank), len(ranks)
 
     def lead(self, rank: int) -> int:
         """How many pushes rank is ahead of the slowest rank still training."""
@@ -449,6 +463,33 @@ class ParameterServer:
                 self._event()
         return None
 
+    def leave(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
+        """`name` leaves the job for good (scaled down, after its last push was answered): nobody
+        waits for its rank any more (a sync round shrinks, ssp's bound follows the others).
+        A Refusal when a newer process replaced `name`."""
+        name = name or worker_name(rank)
+        with self._lock:
+            try:
+                self.roster.leave(rank, name)
+            except StaleIncarnation as error:
+                return Refusal("stale", str(error))
+            held = self._held.pop(rank, None)
+            ready = self._unblock()
+            if held is not None:  # not answered yet: it goes back with the state as it is
+                vector = self._reply(rank).copy_(self.state)
+                ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
+            self._event()
+            counts = self.roster.counts()
+        _complete(ready)
+        log.info("%s left after %d pushes (%s)", name, pushes, counts)
+        self.on_leave(rank, name)
+        return None
+
+    def live_count(self) -> int:
+        """How many workers train now."""
+        with self._lock:
+            return len(self.roster.live())
+
     def drop(self, rank: int, name: str) -> bool:
         """Stop waiting for `name`; False when it is not rank's live process (any more).
 
@@ -503,6 +544,8 @@ class ParameterServer:
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""
         with self._lock:
+            if rank not in self.roster.members and 1 <= rank <= self.roster.max_rank:
+                return None  # a rank of a job scaled up, not joined yet
             member = self.roster[rank]
             return member.name if member.state == LIVE else None
 

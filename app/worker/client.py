@@ -1,4 +1,4 @@
-"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish."""
+"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish, leave, shard."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ class PSClient:
 
     def finish(self, pushes: int) -> None:
         refused(self._call(endpoints.rpc_finish, self.rank, pushes, self.name))
+
+    def leave(self, pushes: int) -> None:
+        """Leave the job for good (scaled down): the PS stops waiting for this rank."""
+        refused(self._call(endpoints.rpc_leave, self.rank, pushes, self.name))
+
+    def shard(self) -> tuple[int, int]:
+        """(index, count): this rank's share of the next epoch among the ranks training now."""
+        return tuple(self._call(endpoints.rpc_shard, self.rank))
 
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -117,6 +117,15 @@ class ShardedClient:
             refused(self._call(name, endpoints.rpc_finish, self.rank, pushes, self.name))
         self.main.finish(pushes)
 
+    def leave(self, pushes: int) -> None:
+        """Scaled down: the other shards first, then the main PS (which records it)."""
+        for name, _, _ in self.parts[1:]:
+            refused(self._call(name, endpoints.rpc_leave, self.rank, pushes, self.name))
+        self.main.leave(pushes)
+
+    def shard(self) -> tuple[int, int]:
+        return self.main.shard()
+
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return rpc.rpc_sync(name, function, args=args, timeout=self.main.timeout)

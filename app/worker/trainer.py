@@ -77,6 +77,9 @@ class Trainer:
         self.refused = 0  # pushes the PS refused (non-finite values)
         self._refused_in_a_row = 0
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
+        # A job that may be scaled while it runs (--max_workers): each epoch's share of the data
+        # is taken among the ranks training at its start (not with a stable shard: the image cache).
+        self.reshards = config.max_trainers > config.num_trainers and sampler.num_shards > 1
 
     def train(self, start: dict[str, Any]) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
@@ -91,6 +94,7 @@ class Trainer:
             start["batch"],
             self.config.num_epochs,
             self.config.batch_size,
+            before_epoch=self.reshard if self.reshards else None,
         ):
             loss = self.compute_gradients(x, y)
             if loss is None:  # fp16: the gradient overflowed; the scale is halved
@@ -101,6 +105,13 @@ class Trainer:
             if self.reached_max_steps():
                 break
         return self.last_reply()
+
+    def reshard(self, epoch: int) -> None:
+        """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
+        index, count = self.client.shard()
+        if (index, count) != (self.sampler.shard, self.sampler.num_shards):
+            log.info("%s: epoch %d shared by %d workers; share %d is this one", self.config.name, epoch, count, index)
+        self.sampler.shard, self.sampler.num_shards = index, count
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward (under --precision's autocast) and backward; the float32 gradient lands in

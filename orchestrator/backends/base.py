@@ -20,7 +20,7 @@ from orchestrator.doctor.facts import Facts
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology
 
-LIFECYCLE = ("up", "down", "logs", "status", "smoke")
+LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale")
 
 
 class Backend:
@@ -69,6 +69,10 @@ class Backend:
 
     def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
         raise self._not_run("smoke")
+
+    def scale(self, config: Optional[str], workers: int) -> int:
+        """Grow or shrink the running cluster to `workers` workers without stopping it."""
+        raise self._not_run("scale")
 
     def _not_run(self, verb: str) -> UsageError:
         return UsageError(f"target {self.name} has no {verb} verb: render it and use its own tools")

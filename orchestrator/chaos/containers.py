@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator import images, runs
-from orchestrator.backends.compose import adapter
+from orchestrator.backends.compose import adapter, verbs
 from orchestrator.chaos.common import (
     CHECKPOINT_VERSION,
     RUN_TIMEOUT,
@@ -99,7 +99,9 @@ class ContainerJob:
 
     def events(self, name: str, event: str, since: float = 0.0) -> list[Record]:
         files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))
-        return events(parse_lines(files.get(by_name(self.t)[name].metrics_file, [])), event, since)
+        known = by_name(self.t)  # a worker above workers.count (scaled up) writes <name>.jsonl too
+        file = known[name].metrics_file if name in known else f"{name}.jsonl"
+        return events(parse_lines(files.get(file, [])), event, since)
 
     def wait_done(self, timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:
         """Every container exited and stays so (not restarting)."""
@@ -107,9 +109,23 @@ class ContainerJob:
 
         def done() -> Optional[dict[str, dict[str, Any]]]:
             s = self.states()
-            return s if set(s) == expected and all(v["status"] == "exited" for v in s.values()) else None
+            # workers above workers.count (started by a scale) are among them
+            return s if expected <= set(s) and all(v["status"] == "exited" for v in s.values()) else None
 
         return wait_until("every container exited", done, timeout)
+
+    def scale(self, workers: int) -> tuple[list[str], list[str]]:
+        """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
+        running = verbs.running_workers(self.client, self.project.name)
+        if running is None:
+            raise Timeout("scale: the PS is not running")
+        start, stop = verbs.scale_plan(running, workers)
+        if start:
+            env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
+            adapter.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
+        if stop:
+            adapter.run(adapter.stop_argv(self.compose, self.project, stop, verbs.SCALE_STOP_SECONDS), capture=True)
+        return start, stop
 
     def logs(self) -> str:
         return "".join(f"----- {s}\n" + c.logs().decode("utf-8", "replace") for s, c in self.containers().items())
@@ -298,10 +314,78 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     )
 
 
+def scalable(t: Optional[Topology] = None, most: int = 4) -> Topology:
+    """The chaos topology (2 workers) that may grow to `most` workers while it runs."""
+    t = t or chaos_topology(workers=2)
+    # long enough for the new workers to start (~10 s each on a 2-core CPU VM) and train a while
+    train = t.train.model_copy(update={"epochs": 100})
+    return t.model_copy(update={"train": train, "workers": t.workers.model_copy(update={"max": most})})
+
+
+def scale(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
+    """`make scale` 2 -> 4 -> 2 workers mid-run: the new ranks join the running job and train;
+    the highest two then get SIGTERM, leave cleanly (a `left` record each, no drop) and exit 0,
+    and the run finishes with every container exited 0."""
+
+    def body(job: ContainerJob, out: Outcome) -> Outcome:
+        wait_until(
+            "worker1 at epoch 3", lambda: any(r["epoch"] >= 3 for r in job.events("worker1", "train")), RUN_TIMEOUT
+        )
+        wall = time.time()
+        started, _ = job.scale(4)
+
+        def joined() -> list[Record]:
+            found = job.events(PS_SERVICE, "join", wall)
+            return found if {r["worker"] for r in found} >= {"worker3", "worker4"} else []
+
+        joins = wait_until("worker3 and worker4 join", joined, RUN_TIMEOUT)
+        out.detected_s = max(r["time"] for r in joins) - wall
+        wait_until(
+            "worker3 and worker4 train",
+            lambda: all(len(job.events(w, "train", wall)) >= 3 for w in ("worker4", "worker3")),
+            RUN_TIMEOUT,
+        )
+        down = time.time()
+        _, stopped = job.scale(2)
+
+        def gone() -> list[Record]:
+            found = job.events(PS_SERVICE, "left", down)
+            return found if len(found) >= 2 else []
+
+        left = wait_until("worker3 and worker4 leave", gone, RUN_TIMEOUT)
+        out.recovered_s = max(r["time"] for r in left) - wall
+        drops = job.events(PS_SERVICE, "drop", wall)
+        out.details.update(
+            started=started,
+            stopped=stopped,
+            joins=[(r["worker"], r["step"], r.get("workers")) for r in joins],
+            left=[(r["worker"], r["step"], r.get("workers")) for r in left],
+            drops=len(drops),
+        )
+        out.notes = (
+            "joined "
+            + ", ".join(f"{r['worker']} at version {r['step']}" for r in joins)
+            + "; left "
+            + ", ".join(f"{r['worker']} at version {r['step']}" for r in left)
+        )
+        return _judge(
+            job,
+            out,
+            lambda states: (
+                not drops
+                and all(states[w]["restarts"] == 0 for w in ("worker3", "worker4"))
+                and {r["worker"] for r in left} == {"worker3", "worker4"}
+            ),
+        )
+
+    return _scenario("make scale 2 -> 4 -> 2 workers mid-run", "psc-chaos-scale", body, run_dir, scalable(t))
+
+
 SCENARIOS: dict[str, Scenario] = {
     "container-worker-kill": worker_kill,
     "container-ps-kill": ps_kill,
     "container-stop-up": stop_and_up,
     "container-ps-shard-kill": ps_shard_kill,
     "container-sharded-stop-up": sharded_stop_and_up,
+    "scale": scale,
 }

@@ -7,6 +7,11 @@ the document (`orchestrator.render.yamlio` writes it).
 The names the container adapter relies on are the constants below and
 `project_name`; the service names are in `orchestrator.topology.services`.
 
+Workers count+1..`workers.max` (a job that `make scale` may grow while it runs)
+are rendered under the compose profile `scale`: `up` starts ranks 1..count,
+and `scale` starts the others by name (compose starts a service of a profile
+that is named on its command line); every service then has PSC_MAX_WORKERS.
+
 Strategy `allreduce` (a DDP job, app/ddp.py) has no PS: services worker1..N
 only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
 checkpoints.
@@ -35,6 +40,7 @@ from orchestrator.topology.services import (
 )
 
 NETWORK = "cluster"
+SCALE_PROFILE = "scale"  # the workers above workers.count: started only by `scale`
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
 APP_USER = "1000:1000"  # psc, created by images/Dockerfile
 
@@ -109,6 +115,8 @@ def app_environment(
         "checkpoint_dir": checkpoint_dir,
         "metrics_dir": metrics_dir,
     }
+    if t.max_workers > t.workers.count:  # the PS admits ranks up to it; each worker shares epochs by the live set
+        placed["max_workers"] = t.max_workers
     if t.reads_files and data_dir is not None:
         placed["data_dir"] = data_dir
     if tr.loader_workers == "auto":  # what auto divides the host's CPUs by: the workers on one host
@@ -145,8 +153,10 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     services = {PS_SERVICE: _ps(t)} if has_ps(t) else {}
     for index in range(1, t.ps.shards if has_ps(t) else 1):
         services[shard_service(index)] = _shard(t, index)
-    for rank in range(1, t.workers.count + 1):
+    for rank in range(1, t.max_workers + 1):
         services[worker_service(rank)] = _worker(t, rank)
+        if rank > t.workers.count:
+            services[worker_service(rank)]["profiles"] = [SCALE_PROFILE]
     if one_host and shares_pid_namespace(t):
         for svc in services.values():
             _join_pid_namespace(svc)

@@ -251,8 +251,11 @@ class Workers(_Section):
 
     count: int = Field(gt=0)
     """Number of workers (ranks 1..count); `--workers N` overrides it."""
+    max: Optional[int] = Field(default=None, gt=0)
+    """The most workers `make scale WORKERS=N` may run while the job trains (ranks count+1..max are rendered, started
+    only by scale; each has its GPU id reserved); default count. Not for strategy allreduce."""
     gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None
-    """One GPU id per worker, in rank order (cuda only); default 0..count-1."""
+    """One GPU id per worker, in rank order (cuda only); default 0..max-1."""
     shm_size: Size = "2g"
     """/dev/shm of each worker container."""
 
@@ -446,12 +449,17 @@ class Topology(_Section):
         fields = (("train.model", self.train.model), ("train.dataset", self.train.dataset))
         return [(path, v) for path, v in fields if is_entry_point(v)]
 
+    @property
+    def max_workers(self) -> int:
+        """The most workers the job may be scaled to while it runs (workers.max, default count)."""
+        return self.workers.max if self.workers.max is not None else self.workers.count
+
     def worker_gpus(self) -> list[int]:
-        """The GPU id of each worker, in rank order; empty on CPU."""
+        """The GPU id of each possible worker (ranks 1..max_workers), in rank order; empty on CPU."""
         if not self.cuda:
             return []
-        gpus = self.workers.gpus if self.workers.gpus is not None else list(range(self.workers.count))
-        return gpus[: self.workers.count]
+        gpus = self.workers.gpus if self.workers.gpus is not None else list(range(self.max_workers))
+        return gpus[: self.max_workers]
 
     def ps_gpu(self) -> Optional[int]:
         return self.ps.gpu if self.cuda else None
@@ -506,15 +514,25 @@ def check(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
+    if t.workers.max is not None and t.workers.max < t.workers.count:
+        raise TopologyError(
+            source, "workers.max", f"got {t.workers.max}; must be at least workers.count ({t.workers.count})"
+        )
+    if t.max_workers > t.workers.count and t.train.strategy == "allreduce":
+        raise TopologyError(
+            source,
+            "workers.max",
+            f"got {t.max_workers}; strategy allreduce has a fixed world size (leave it out, or equal to workers.count)",
+        )
     gpus = t.workers.gpus
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
-    if t.cuda and gpus is not None and len(gpus) < t.workers.count:
+    if t.cuda and gpus is not None and len(gpus) < t.max_workers:
         raise TopologyError(
             source,
             "workers.gpus",
-            f"got {gpus} for {t.workers.count} workers; must list one GPU id per worker "
-            f"(or leave it out for 0..{t.workers.count - 1})",
+            f"got {gpus} for {t.max_workers} workers; must list one GPU id per worker "
+            f"(or leave it out for 0..{t.max_workers - 1})",
         )
     if t.image.group_add and not t.cuda:
         raise TopologyError(

@@ -245,3 +245,38 @@ def test_status_rows_from_recorded_containers():
         "worker2    restarting x2             1       -        -        -",
         "worker3    running                   -       -        -        -",
     ]
+
+
+def test_status_shows_the_live_set_from_the_ps_records():
+    from orchestrator.backends.compose.status import format_live, live_workers
+
+    def rec(event, step, rank, workers, name=None):
+        return json.dumps(
+            {"time": step, "role": "ps", "rank": 0, "event": event, "step": step}
+            | {"worker": name or f"worker{rank}", "worker_rank": rank, "workers": workers}
+        )
+
+    lines = [
+        json.dumps({"time": 0, "role": "ps", "rank": 0, "event": "start", "step": 0}),
+        rec("join", 0, 1, 1),
+        rec("join", 3, 2, 2),
+        rec("join", 400, 3, 3),
+        rec("join", 410, 4, 4),
+        rec("drop", 500, 2, 3),
+        rec("join", 520, 2, 4, "worker2_r2"),
+        rec("left", 812, 4, 3),
+        "{torn",
+    ]
+    live = live_workers(lines)
+    assert live == {"workers": ["worker1", "worker2_r2", "worker3"], "count": 3, "version": 812}
+    assert format_live(live) == "live workers: 3 (worker1 worker2_r2 worker3), last change at version 812"
+    assert format_live(live_workers([])) == "live workers: - (no worker joined yet)"
+
+
+def test_scale_starts_the_missing_ranks_and_stops_the_highest_first():
+    from orchestrator.backends.compose.verbs import scale_plan
+
+    assert scale_plan({1: "worker1", 2: "worker2"}, 4) == (["worker3", "worker4"], [])
+    assert scale_plan({1: "worker1", 2: "worker2", 3: "worker3", 4: "worker4"}, 2) == ([], ["worker4", "worker3"])
+    assert scale_plan({1: "worker1", 3: "worker3"}, 3) == (["worker2"], [])  # a stopped rank comes back
+    assert scale_plan({1: "worker1", 2: "worker2"}, 2) == ([], [])

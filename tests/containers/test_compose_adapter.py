@@ -20,14 +20,32 @@ BASE = ["-p", "cpu-smoke", "-f", "runs/cpu-smoke/compose.yaml", "--project-direc
 def test_argv(c):
     pre = list(c.prefix) + BASE
     assert compose_adapter.up_argv(c, P) == pre + ["up", "-d", "--no-build", "--remove-orphans"]
-    assert compose_adapter.logs_argv(c, P) == pre + ["logs", "-f"]
-    assert compose_adapter.logs_argv(c, P, follow=False, color=False) == pre + ["logs", "--no-color"]
-    # Without -v: the named volume (checkpoints, metrics) survives `down`; the profile takes
-    # `make tensorboard`'s service down too.
+    # The workers `scale` started (profile scale) are logged and stopped too; `down` takes
+    # `make tensorboard`'s service (profile tensorboard) down as well.
+    scaled = pre + ["--profile", "scale"]
+    assert compose_adapter.logs_argv(c, P) == scaled + ["logs", "-f"]
+    assert compose_adapter.logs_argv(c, P, follow=False, color=False) == scaled + ["logs", "--no-color"]
+    # Without -v: the named volume (checkpoints, metrics) survives `down`.
+    both = pre + ["--profile", "tensorboard", "--profile", "scale"]
+    assert compose_adapter.down_argv(c, P) == both + ["down", "--remove-orphans"]
+    assert compose_adapter.down_argv(c, P, volumes=True) == both + ["down", "--remove-orphans", "-v"]
     profile = ["--profile", "tensorboard"]
-    assert compose_adapter.down_argv(c, P) == pre + profile + ["down", "--remove-orphans"]
-    assert compose_adapter.down_argv(c, P, volumes=True) == pre + profile + ["down", "--remove-orphans", "-v"]
     assert compose_adapter.tensorboard_argv(c, P) == pre + profile + ["up", "-d", "--no-build", "tensorboard"]
+    # scale: start named services (a profile's too) without touching what runs; stop others
+    assert compose_adapter.start_services_argv(c, P, ["worker3"]) == pre + [
+        "up",
+        "-d",
+        "--no-build",
+        "--no-recreate",
+        "worker3",
+    ]
+    assert compose_adapter.stop_argv(c, P, ["worker4", "worker3"], 20) == pre + [
+        "stop",
+        "-t",
+        "20",
+        "worker4",
+        "worker3",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -60,3 +60,21 @@ def test_a_crashed_ps_shard_container_is_restarted_and_takes_its_slice_back(dock
     assert out.details["states"]["ps-shard1"]["restarts"] >= 1
     assert "(the main parameter server's version" in log  # from its labelled checkpoint, not the initial values
     assert out.accuracy >= 0.90
+
+
+def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_and_every_container_exits_0(docker_engine, tmp_path):
+    """The chaos row `scale`: workers 3 and 4 start mid-run, join the running job and train;
+    then they get SIGTERM, leave cleanly (recorded as `left`, never as a drop) and exit 0."""
+    out = chaos_containers.scale(tmp_path)
+
+    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    states = out.details["states"]
+    assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4"}
+    assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
+    assert out.details["started"] == ["worker3", "worker4"] and out.details["stopped"] == ["worker4", "worker3"]
+    joins = {w: (version, live) for w, version, live in out.details["joins"]}
+    assert joins["worker3"][0] > 0 and joins["worker4"][0] > 0  # they joined a job that was training
+    assert max(live for _, live in joins.values()) == 4
+    left = {w: (version, live) for w, version, live in out.details["left"]}
+    assert set(left) == {"worker3", "worker4"} and min(live for _, live in left.values()) == 2
+    assert out.details["drops"] == 0 and out.accuracy >= 0.90

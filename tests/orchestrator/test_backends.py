@@ -184,3 +184,19 @@ def test_kubernetes_doctor_validates_the_real_render_for_three_workers(monkeypat
     broken[2]["spec"]["template"]["spec"]["gpus"] = 1  # no such field: strict validation refuses it
     count, errors = k8s_doctor.validate(broken)
     assert count == 5 and len(errors) == 1 and errors[0].startswith(f"Job {broken[2]['metadata']['name']}: ")
+
+
+def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
+    from orchestrator.backends.compose import verbs
+    from orchestrator.errors import UsageError
+
+    config = tmp_path / "t.yaml"
+    config.write_text(
+        Path(SMOKE).read_text().replace("strategy: async", "strategy: allreduce").replace("name: cpu-smoke", "name: t")
+    )
+    with pytest.raises(UsageError, match="strategy allreduce has a fixed world size; .* RESUME=1") as e:
+        verbs.scale(str(config), 3)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="stack-scale: a running stack is not scaled yet") as e:
+        registry.get("swarm").scale(None, 3)
+    assert "\n" not in str(e.value)

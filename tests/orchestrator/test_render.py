@@ -311,3 +311,23 @@ def test_tensorboard_is_a_profiled_service_on_the_state_volume_read_only_publish
         assert tb[key] == ps[key], key
     # its own PID namespace and init: it reads the volume, it never talks to the job
     assert tb["init"] is True and "pid" not in tb and "cap_add" not in tb
+
+
+def test_workers_above_count_are_rendered_under_the_scale_profile_with_their_gpus(schema_validator) -> None:
+    t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, workers={"count": 2, "max": 4})))
+    doc = render_compose.render(t)
+    workers = {n: s for n, s in doc["services"].items() if n.startswith("worker")}
+    assert list(workers) == ["worker1", "worker2", "worker3", "worker4"]
+    assert [s.get("profiles") for s in workers.values()] == [None, None, ["scale"], ["scale"]]
+    devices = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in workers.values()]
+    assert devices == [["0"], ["1"], ["2"], ["3"]]  # one GPU reserved per possible worker
+    for svc in training(doc).values():  # the PS admits ranks up to 4; world size stays that of the start
+        assert svc["environment"]["PSC_MAX_WORKERS"] == "4" and svc["environment"]["PSC_WORLD_SIZE"] == "3"
+    assert list(schema_validator.iter_errors(yaml.safe_load(render_compose.dump(doc, t.name)))) == []
+
+
+def test_without_workers_max_nothing_changes() -> None:
+    t, _ = rendered("configs/cpu-smoke.yaml", None)
+    doc = render_compose.render(t)
+    assert t.max_workers == t.workers.count
+    assert all("profiles" not in s and "PSC_MAX_WORKERS" not in s["environment"] for s in training(doc).values())

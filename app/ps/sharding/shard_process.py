@@ -105,6 +105,7 @@ def run(config: Config) -> int:
         staleness_lr=config.staleness_lr,
         part=part,
         weight_decay=config.weight_decay,
+        max_trainers=config.max_trainers,
     )
     log.info(
         "shard %d of %d: values %d..%d of %d (%d parameter values)",

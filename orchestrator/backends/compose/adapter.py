@@ -33,7 +33,14 @@ from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, c
 from orchestrator.backends.smoke import wait
 from orchestrator.errors import EngineError, last_line
 from orchestrator.metrics.records import metrics_from_tar
-from orchestrator.render.compose import METRICS_DIR, STATE_DIR, STATE_VOLUME, TENSORBOARD_PROFILE, TENSORBOARD_SERVICE
+from orchestrator.render.compose import (
+    METRICS_DIR,
+    SCALE_PROFILE,
+    STATE_DIR,
+    STATE_VOLUME,
+    TENSORBOARD_PROFILE,
+    TENSORBOARD_SERVICE,
+)
 from orchestrator.topology.services import PS_SERVICE
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
@@ -72,9 +79,21 @@ def up_argv(c: Compose, p: Project) -> list[str]:
     return base_argv(c, p) + ["up", "-d", "--no-build", "--remove-orphans"]
 
 
+def start_services_argv(c: Compose, p: Project, services: Sequence[str]) -> list[str]:
+    """Start `services` (a profile's too: compose starts a service named on its command line)
+    in the running project; what runs already is left as it is (`--no-recreate`)."""
+    return base_argv(c, p) + ["up", "-d", "--no-build", "--no-recreate", *services]
+
+
+def stop_argv(c: Compose, p: Project, services: Sequence[str], timeout: int) -> list[str]:
+    """SIGTERM to `services`, SIGKILL after `timeout` seconds; their containers stay (exited)."""
+    return base_argv(c, p) + ["stop", "-t", str(timeout), *services]
+
+
 def logs_argv(c: Compose, p: Project, *, follow: bool = True, color: bool = True) -> list[str]:
-    """Every service's log, each line prefixed by its service (compose does it)."""
-    argv = base_argv(c, p) + ["logs"]
+    """Every service's log, each line prefixed by its service (compose does it); the workers
+    `scale` started (profile `scale`) too."""
+    argv = base_argv(c, p) + ["--profile", SCALE_PROFILE, "logs"]
     if follow:
         argv.append("-f")
     if not color:
@@ -88,10 +107,11 @@ def tensorboard_argv(c: Compose, p: Project) -> list[str]:
 
 
 def down_argv(c: Compose, p: Project, *, volumes: bool = False) -> list[str]:
-    """Stop and remove containers and the network, `tensorboard` too (compose leaves out the
-    services of a profile that is not active). The named volume with the checkpoints and
-    metrics stays unless `volumes` (tests and the smoke run)."""
-    argv = base_argv(c, p) + ["--profile", TENSORBOARD_PROFILE, "down", "--remove-orphans"]
+    """Stop and remove containers and the network, with the services of the profiles
+    `tensorboard` and `scale` too (compose acts on the services of the active profiles only):
+    `make tensorboard`'s service and the workers `scale` started. The named volume with the
+    checkpoints and metrics stays unless `volumes` (tests and the smoke run)."""
+    argv = base_argv(c, p) + ["--profile", TENSORBOARD_PROFILE, "--profile", SCALE_PROFILE, "down", "--remove-orphans"]
     if volumes:
         argv.append("-v")
     return argv

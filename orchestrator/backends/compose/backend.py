@@ -26,6 +26,7 @@ class ComposeBackend(Backend):
         "logs": "follow every service's log, prefixed by service",
         "status": "one line per service: state, exit code, last step, loss",
         "smoke": "the CPU cluster end to end in containers; checks accuracy and exit codes",
+        "scale": "grow or shrink the running cluster to --workers N (up to workers.max) without stopping it",
     }
 
     def render(self, t: Topology, data_root: str) -> str:
@@ -64,6 +65,11 @@ class ComposeBackend(Backend):
         from orchestrator.backends.compose import verbs
 
         return verbs.smoke(config, workers, timeout=timeout, strategy=strategy)
+
+    def scale(self, config: Optional[str], workers: int) -> int:
+        from orchestrator.backends.compose import verbs
+
+        return verbs.scale(config, workers)
 
 
 BACKEND = ComposeBackend()

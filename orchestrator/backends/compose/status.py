@@ -39,6 +39,36 @@ def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def live_workers(lines: Iterable[str]) -> Optional[dict[str, Any]]:
+    """The PS's live set from its records (`ps.jsonl`): the workers joined and not since left or
+    dropped, the number the PS counted at its last change, and that change's version; None
+    before any join."""
+    live: dict[int, str] = {}
+    last: Optional[dict[str, Any]] = None
+    for rec in parse_lines(lines):
+        event, rank = rec.get("event"), rec.get("worker_rank")
+        if event == "start":  # a restarted PS: every worker joins it again
+            live = {}
+        if event in ("join", "back") and isinstance(rank, int):
+            live[rank] = str(rec.get("worker", rank))
+        elif event in ("left", "drop") and isinstance(rank, int):
+            live.pop(rank, None)
+        else:
+            continue
+        last = rec
+    if last is None:
+        return None
+    return {"workers": [live[r] for r in sorted(live)], "count": last.get("workers"), "version": last.get("step")}
+
+
+def format_live(live: Optional[dict[str, Any]]) -> str:
+    """`live workers: 3 (worker1 worker2 worker4), last change at version 812`."""
+    if live is None:
+        return "live workers: - (no worker joined yet)"
+    names = " ".join(live["workers"]) or "none"
+    return f"live workers: {len(live['workers'])} ({names}), last change at version {live['version']}"
+
+
 def status_services(
     configured: Sequence[Service],
     containers: Sequence[dict[str, Any]],

@@ -1,4 +1,4 @@
-"""The container verbs: build, up, down, logs, status, smoke.
+"""The container verbs: build, up, down, logs, status, smoke, scale.
 
 Each verb is a function returning an exit status; the CLI only parses and
 calls them. Docker is reached through `orchestrator.images` (SDK: builds) and
@@ -28,11 +28,18 @@ from orchestrator import images, runs
 from orchestrator.backends import smoke as smoke_run
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.inspect import from_compose
-from orchestrator.backends.compose.status import container_state, format_status, service_row, status_services
+from orchestrator.backends.compose.status import (
+    container_state,
+    format_live,
+    format_status,
+    live_workers,
+    service_row,
+    status_services,
+)
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import gather
 from orchestrator.doctor.report import stop_on_problems, summary
-from orchestrator.errors import engine_errors
+from orchestrator.errors import UsageError, engine_errors
 from orchestrator.host_paths import check_paths
 from orchestrator.metrics.records import final_accuracy, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG, relative
@@ -40,17 +47,24 @@ from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic, write_if_changed
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import (
+    LABEL_RANK,
+    LABEL_ROLE,
     PS_SERVICE,
     Service,
     by_name,
     describe,
+    has_ps,
     rendezvous_service,
     service_names,
     services,
+    worker_service,
 )
 
 CURRENT = RUNS / "current.json"
 CPU_HINT = f"CONFIG={SMOKE_CONFIG} runs anywhere: make up CONFIG={SMOKE_CONFIG} WORKERS=3"
+# `scale` down: a worker's SIGTERM is a clean leave (its push answered, the PS told); compose
+# kills it after this many seconds (its own SIGTERM grace is at most 5 s).
+SCALE_STOP_SECONDS = 20
 
 
 # --- which cluster --------------------------------------------------------
@@ -209,6 +223,80 @@ def status(
     print(f"project {tg.project.name} ({relative(Path(tg.project.file))})", file=out)
     for line in format_status(rows):
         print(line, file=out)
+    if PS_SERVICE in {s.name for s, _ in listed}:
+        print(format_live(live_workers(metrics.get(f"{PS_SERVICE}.jsonl", []))), file=out)
+    return 0
+
+
+def running_workers(client: Any, project: str) -> Optional[dict[int, str]]:
+    """{rank: service} of the project's running (or restarting) workers; None when its PS is not running."""
+    running: dict[int, str] = {}
+    ps = False
+    for c in adapter.containers(client, project):
+        state = container_state(c.attrs)
+        labels = (c.attrs.get("Config") or {}).get("Labels") or {}
+        if state["status"] not in ("running", "restarting"):
+            continue
+        if state["service"] == PS_SERVICE:
+            ps = True
+        elif labels.get(LABEL_ROLE) == "worker" and str(labels.get(LABEL_RANK, "")).isdigit():
+            running[int(labels[LABEL_RANK])] = state["service"]
+    return running if ps else None
+
+
+def scale_plan(running: dict[int, str], workers: int) -> tuple[list[str], list[str]]:
+    """(services to start, services to stop) so that ranks 1..workers run: the missing ranks
+    up to `workers` start, and the running ranks above it stop, highest first."""
+    start = [worker_service(r) for r in range(1, workers + 1) if r not in running]
+    stop = [running[r] for r in sorted(running, reverse=True) if r > workers]
+    return start, stop
+
+
+@engine_errors
+def scale(config: Optional[str], workers: int, *, project: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+    """Grow or shrink the running cluster to `workers` workers without stopping it: up starts
+    the next ranks (rendered up to workers.max), down sends the highest ranks SIGTERM (each
+    leaves the job cleanly and exits 0, so its restart policy leaves it stopped)."""
+    tg = target(config, None, project=project)
+    t = tg.topology
+    if t is None:
+        if not tg.config:
+            raise UsageError(f"scale: the topology of project {tg.project.name} is unknown; give it with -c CONFIG")
+        t = load_with(tg.config)
+    if not has_ps(t):
+        raise UsageError(
+            "scale: strategy allreduce has a fixed world size; stop it (make down) and start it again with "
+            "the new count from its last checkpoint: make up WORKERS=N RESUME=1"
+        )
+    if workers > t.max_workers:
+        raise UsageError(
+            f"--workers: {workers} is more than workers.max ({t.max_workers}) of {tg.config}; raise workers.max "
+            "there and start the cluster again (the render reserves a GPU and a service per possible worker)"
+        )
+    client = images.client()
+    running = running_workers(client, tg.project.name)
+    if running is None:
+        raise UsageError(f"scale: the PS of project {tg.project.name} is not running; start it with make up")
+    if tg.topology is not None:
+        render_if_needed(t, Path(tg.project.file))
+    found = adapter.detect()
+    start, stop = scale_plan(running, workers)
+    if start:
+        env, _ = runs.start(adapter.running_env(client, tg.project.name, runs.VARIABLES), resume=False)
+        adapter.run(adapter.start_services_argv(found, tg.project, start), env=env)
+    if stop:
+        adapter.run(adapter.stop_argv(found, tg.project, stop, SCALE_STOP_SECONDS))
+    change = "; ".join(
+        part
+        for part in (f"started {' '.join(start)}" if start else "", f"stopped {' '.join(stop)}" if stop else "")
+        if part
+    )
+    print(
+        f"==> scale: project {tg.project.name} runs {workers} of at most {t.max_workers} workers"
+        f" ({change or 'nothing to change'}). Next: make status",
+        file=out,
+        flush=True,
+    )
     return 0
 
 

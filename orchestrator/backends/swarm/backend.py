@@ -9,6 +9,7 @@ from orchestrator.backends.base import Backend
 from orchestrator.backends.swarm import doctor
 from orchestrator.doctor.checks import CheckFn
 from orchestrator.doctor.facts import Facts
+from orchestrator.errors import UsageError
 from orchestrator.render import swarm
 from orchestrator.topology.model import Topology
 
@@ -26,7 +27,14 @@ class SwarmBackend(Backend):
         "logs": "every service's log (docker service logs), following",
         "status": "one line per service: its newest task's state, exit code, retries",
         "smoke": "the CPU topology as a swarm stack: accuracy and every task's exit state",
+        "scale": "not on Swarm yet: refused with one line (make scale runs on compose)",
     }
+
+    def scale(self, config: Optional[str], workers: int) -> int:
+        raise UsageError(
+            "stack-scale: a running stack is not scaled yet (its workers are not rendered beyond workers.count); "
+            "stop it (make stack-down) and deploy again with the new count: it resumes from its last checkpoint"
+        )
 
     def render(self, t: Topology, data_root: str) -> str:
         # A relative train.data_dir is taken from `data_root` (absolute in the stack file).
