@@ -14,6 +14,7 @@ from orchestrator.backends.compose import verbs as compose_verbs
 from orchestrator.metrics import records
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
+from orchestrator.topology.services import PIDNS_SERVICE
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -33,12 +34,14 @@ def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path
     try:
         out = io.StringIO()
         assert compose_verbs.up(CONFIG, 2, project=PROJECT, remember=False, out=out) == 0, out.getvalue()
-        states = compose_adapter.wait_exited(engine, PROJECT, 3, timeout=300, out=io.StringIO())
+        # the PS, 2 workers and the holder of their PID namespace (network.same_host_copy)
+        states = compose_adapter.wait_exited(engine, PROJECT, 4, timeout=300, out=io.StringIO())
         logs = io.StringIO()
         compose_adapter.print_logs(engine, PROJECT, logs)
         assert states is not None, f"not every container exited within 300 s\n{logs.getvalue()[-6000:]}"
         codes = {s["service"]: (s["exit_code"], s["restarts"]) for s in states}
-        assert codes == {"ps": (0, 0), "worker1": (0, 0), "worker2": (0, 0)}, logs.getvalue()[-6000:]
+        expected = {"ps": (0, 0), "worker1": (0, 0), "worker2": (0, 0), PIDNS_SERVICE: (0, 0)}
+        assert codes == expected, logs.getvalue()[-6000:]
         ps_log = compose_adapter.log_text(engine, PROJECT, "ps")
         files = compose_adapter.read_metrics(engine, PROJECT, compose_adapter.containers(engine, PROJECT))
         accuracy = records.final_accuracy(records.parse_lines(files.get("ps.jsonl", [])))

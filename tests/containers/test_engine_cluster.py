@@ -67,7 +67,9 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         assert compose_verbs.status(CONFIG, 2, out=out, **kw) == 0
         lines = out.getvalue().splitlines()
         assert lines[1].split() == ["SERVICE", "STATE", "EXIT", "STEP", "LOSS", "ACCURACY"]
-        rows = {line.split()[0]: line.split() for line in lines[2:]}
+        table = [line for line in lines[2:] if line.strip() and not line.startswith("live workers:")]
+        assert lines[-1].startswith("live workers: "), lines  # the PS's live set (make scale)
+        rows = {line.split()[0]: line.split() for line in table}
         assert sorted(rows) == ["ps", "worker1", "worker2"]
         for _service, row in rows.items():
             assert row[1:3] == ["exited", "0"], lines
@@ -78,7 +80,11 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         for count, expected in ((1, ["ps", "worker1", "worker2"]), (3, ["ps", "worker1", "worker2", "worker3"])):
             out = io.StringIO()
             assert compose_verbs.status(CONFIG, count, out=out, **kw) == 0
-            listed = {line.split()[0]: line.split() for line in out.getvalue().splitlines()[2:]}
+            listed = {
+                line.split()[0]: line.split()
+                for line in out.getvalue().splitlines()[2:]
+                if line.strip() and not line.startswith("live workers:")
+            }
             assert sorted(listed) == expected, out.getvalue()
             assert listed["worker2"][1:3] == ["exited", "0"], out.getvalue()
         assert listed["worker3"][1:3] == ["no", "container"], out.getvalue()

@@ -43,12 +43,13 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
         assert compose_verbs.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, (
             out.getvalue()
         )
-        states = compose_adapter.wait_exited(engine, project, 3, timeout=900, out=io.StringIO())
+        # the PS, 2 workers and the holder of their PID namespace (network.same_host_copy)
+        states = compose_adapter.wait_exited(engine, project, 4, timeout=900, out=io.StringIO())
         assert states is not None, "the cluster did not finish within 900 s"
         containers = engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"})
         logs = {c.labels[compose_adapter.LABEL_SERVICE]: c.logs().decode() for c in containers}
         exits = {c.labels[compose_adapter.LABEL_SERVICE]: c.attrs["State"]["ExitCode"] for c in containers}
-        assert exits == {"ps": 0, "worker1": 0, "worker2": 0}, logs.get("ps", "")[-3000:]
+        assert exits == {"ps": 0, "worker1": 0, "worker2": 0, "pidns": 0}, logs.get("ps", "")[-3000:]
         assert "model resnet18: 11181642 parameters" in logs["ps"]
         assert re.search(r"^worker1 \| Epoch: 6 \| Batch: \d+ \| Loss: ", logs["worker1"], re.MULTILINE)
         final = float(re.search(r"^Accuracy: ([0-9.]+)$", logs["ps"], re.MULTILINE).group(1))

@@ -69,7 +69,7 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_and_every_container_exi
 
     assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
     states = out.details["states"]
-    assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4"}
+    assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4", "pidns"}
     assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
     assert out.details["started"] == ["worker3", "worker4"] and out.details["stopped"] == ["worker4", "worker3"]
     joins = {w: (version, live) for w, version, live in out.details["joins"]}
