@@ -171,10 +171,13 @@ class ParameterServer:
     def join(self, rank: int, name: str) -> tuple[torch.Tensor, int, dict[str, int]]:
         """`name` becomes rank's process: the state, its version and where the rank resumes."""
         with self._lock:
+            # sync: a rank the open round was not waiting for (a rank added by scaling up, or one
+            # that had left or was dropped) is counted from the next round on; a rank the round
+            # waits for (one of the job's first ranks, joining late) is counted in it
+            waited_for = rank in self._training()
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
-            # sync: a rank that joins while a round is open is counted from the next round on
-            open_round = self.strategy == "sync" and self._held and rank not in self._held
+            open_round = self.strategy == "sync" and self._held and rank not in self._held and not waited_for
             member.round_from = self.version + 1 if open_round else 0
             self.first_join = self.first_join or self.clock()
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):

@@ -105,6 +105,20 @@ def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
     assert reply.version == 2 and torch.equal(reply.vector, torch.full((4,), -4.0))
 
 
+def test_a_first_rank_joining_while_a_round_is_open_is_counted_in_that_round():
+    """A rank of the job's start that joins after another pushed is waited for in that round
+    (the open round already counted it): one update for the two pushes, not two."""
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
+    server.join(1, "worker1")
+    early = server.submit(1, torch.full((4,), 2.0), 0)
+    server.join(2, "worker2")  # the round is open: worker1's push is held
+    server.unblock()  # the PS process's tick
+    assert not early.done()
+    late = server.submit(2, torch.full((4,), 4.0), 0)
+    assert [f.wait().version for f in (early, late)] == [1, 1] and server.version == 1
+    assert torch.equal(late.wait().vector, torch.full((4,), -3.0))
+
+
 def test_sync_waits_for_a_rank_that_has_not_joined_yet():
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
     server.join(1, "worker1")
