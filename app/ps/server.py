@@ -48,6 +48,7 @@ from app.common.flat import FlatModel
 from app.common.wire import Refusal, Reply
 from app.contract import PS_STRATEGIES, worker_name
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
+from app.ps.sync_round import SyncRound
 from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
 
 log = logging.getLogger("app.ps")
@@ -61,25 +62,6 @@ class _Held(NamedTuple):
     epoch: int
     batch: int
     staleness: int
-
-
-class _Round:
-    """sync: what the pushes of the round still open have been folded into, as they landed.
-
-    `expected`: the ranks the round waited for when its first push landed (each push counts
-    1/expected); `folded`: the ranks folded in, `count`: how many pushes (a rank's new process
-    may push again). `into` (the round's reply buffer) holds the new state when the step is
-    plain SGD (no momentum, no weight decay): state - lr/expected * each push;
-    otherwise `mean` holds the mean of the pushes. Valid at the close only if the round closes
-    with exactly the pushes folded."""
-
-    def __init__(self, expected: int, into: torch.Tensor | None, mean: torch.Tensor | None) -> None:
-        self.expected, self.into, self.mean = expected, into, mean
-        self.folded: set[int] = set()
-        self.count = 0
-
-    def matches(self, held: dict[int, _Held]) -> bool:
-        return self.count == len(held) == self.expected and self.folded == set(held)
 
 
 class ParameterServer:
@@ -161,7 +143,7 @@ class ParameterServer:
         # the state itself lives there, and the reply is that buffer, not a copy.
         self._replies: dict[int, list[torch.Tensor]] = {}
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
-        self._round: _Round | None = None  # sync: the open round's pushes, folded as they land
+        self._round: SyncRound | None = None  # sync: the open round's pushes, folded as they land
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -364,37 +346,17 @@ class ParameterServer:
         return ready
 
     def _fold(self, rank: int, message: torch.Tensor) -> None:
-        """sync: take one push into the open round as it lands, so that the work left when the
-        last one lands is one pass over it: with plain SGD the new state is built in the
-        round's reply buffer push by push (state - lr/N * push, then - lr/N * each next one),
-        else the pushes' mean is (push/N, then + each next one / N). N: the ranks the round
-        waits for when its first push lands. With two pushes the sum is the same bits in either
-        order; with more, the order they land in sets the last bit. Called under the lock."""
-        first = self._round is None
-        if first:
-            plain = not self._momentum_or_decay()
+        """sync: take one push into the open round as it lands (app.ps.sync_round), opening
+        the round with its first push. Called under the lock."""
+        if self._round is None:
             expected = max(1, len(self._training()))
-            if plain:
-                self._round = _Round(expected, self._reply(0), None)  # one buffer pair for the whole round
+            if not self._momentum_or_decay():  # plain SGD: the new state built in the reply buffer
+                self._round = SyncRound(expected, self._reply(0), None)  # one buffer pair for the round
             else:
                 if self._sum is None:
                     self._sum = torch.empty_like(self.state)
-                self._round = _Round(expected, None, self._sum)
-        r = self._round
-        scale, n = 1.0 / r.expected, self.num_params
-        if r.into is not None:
-            if first:
-                torch.add(self.state[:n], message[:n], alpha=-self.lr * scale, out=r.into[:n])
-                torch.mul(message[n:], scale, out=r.into[n:])
-            else:
-                r.into[:n].add_(message[:n], alpha=-self.lr * scale)
-                r.into[n:].add_(message[n:], alpha=scale)
-        elif first:
-            torch.mul(message, scale, out=r.mean)
-        else:
-            r.mean.add_(message, alpha=scale)
-        r.folded.add(rank)
-        r.count += 1
+                self._round = SyncRound(expected, None, self._sum)
+        self._round.fold(rank, message, self.state, self.num_params, self.lr)
 
     def _momentum_or_decay(self) -> bool:
         group = self.optimizer.param_groups[0]
