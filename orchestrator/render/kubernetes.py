@@ -154,6 +154,8 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
         cache_dir=compose.CACHE_DIR,
     )
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
+    if has_ps(t):
+        env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
     gpu = t.ps_gpu() is not None if ps else t.cuda
     if t.cuda and not gpu:
         env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
