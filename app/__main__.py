@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.keep_freed_memory()
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
     runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
-    runtime.set_threads(config.world_size + config.shards - 1)  # PS shards are processes too
+    runtime.set_threads(runtime.sharing_cpus(config))
     try:
         if config.role == "check":  # the connectivity check (app/connectivity.py)
             from app import connectivity

@@ -128,8 +128,18 @@ def keep_freed_memory() -> bool:
     )
 
 
+def sharing_cpus(config: Config) -> int:
+    """How many of the job's processes this one shares the host's CPUs with, itself included:
+    a worker, every process of the job; a PS process, the PS's processes only: it applies
+    each update with the cores its shards leave it (a worker's training waits on its GPU, or
+    on the PS's answer, while the PS applies)."""
+    if config.role == "ps":
+        return config.shards
+    return config.world_size + config.shards - 1
+
+
 def set_threads(world_size: int) -> int:
-    """Share the host's cores between the job's processes (unless OMP_NUM_THREADS says)."""
+    """Share the host's cores between `world_size` processes (unless OMP_NUM_THREADS says)."""
     if os.environ.get("OMP_NUM_THREADS"):
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:

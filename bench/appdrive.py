@@ -62,6 +62,8 @@ def _config(role: str, p: dict[str, Any]):
         p.get("compress", "none"),
         "--strategy",
         p.get("strategy", "async"),
+        "--exchange",
+        p.get("exchange", "auto"),
     ]
     if role == "worker":
         argv += ["--rank", str(p["rank"])]
@@ -75,7 +77,7 @@ def _init(config: Any, name: str, rank: int) -> None:
 
     runtime.keep_freed_memory()  # what `python -m app` does at start
     world = config.world_size + config.shards - 1
-    runtime.set_threads(world)
+    runtime.set_threads(runtime.sharing_cpus(config))  # as `python -m app` does
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=runtime.backend_options(config))
 
 
@@ -99,30 +101,40 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.ps.endpoints import ENDPOINT
     from app.ps.server import ParameterServer
 
+    from app.common.flat import state_size
+    from app.ps.exchange import for_config
+
     config = _config("ps", p)
+    model, part = SPECS[p["model"]].model(), _part(p, index)
+    shared = for_config(config, part[1] - part[0] if part else state_size(model), ps_name(index))
     server = ParameterServer(
-        SPECS[p["model"]].model(),
+        model,
         lr=0.01,
         momentum=0.0,
         num_trainers=config.world_size - 1,
-        part=_part(p, index),
+        part=part,
         strategy=config.strategy,
+        shared=shared,
     )
     _DONE["expected"] = config.world_size - 1
-    with ENDPOINT.serving(server):
-        _init(config, ps_name(index), p["rank"])
-        if not _DONE["event"].wait(timeout=p["timeout"]):
-            raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
-        rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+    try:
+        with ENDPOINT.serving(server):
+            _init(config, ps_name(index), p["rank"])
+            if not _DONE["event"].wait(timeout=p["timeout"]):
+                raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
+            rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+    finally:
+        if shared is not None:
+            shared.close()
     return {"version": server.version, "state_floats": server.flat.size}
 
 
-def _start(client: Any) -> tuple[torch.Tensor, int]:
+def _start(client: Any) -> dict[str, Any]:
     """The first state: `join` where the app has it (a worker that can rejoin), else `pull`."""
     if hasattr(client, "join"):
-        answer = client.join()
-        return answer["vector"], answer["version"]
-    return client.pull()
+        return client.join()
+    vector, version = client.pull()
+    return {"vector": vector, "version": version, "pushes": 0}
 
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
@@ -142,13 +154,12 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         client = ShardedClient(client)
         client.parts = [(ps_name(i), *_part(p, i)) for i in range(config.shards)]
         pulled = [rpc.rpc_sync(name, rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
-        vector, version = torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled)
+        start = {"vector": torch.cat([v for v, _ in pulled]), "version": tuple(n for _, n in pulled), "pushes": 0}
     trainer = Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
     if not shard_names:
-        vector, version = _start(client)
-    trainer.flat.load(vector)
+        start = _start(client)
+    trainer.start_from(start)  # and, through shared memory, backward writes into the push slots
     compute_only = loop.time_compute(lambda: trainer.compute_gradients(x, y), p["compute_seconds"])
-    trainer.version = version
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()

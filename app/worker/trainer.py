@@ -85,11 +85,7 @@ class Trainer:
     def train(self, start: dict[str, Any]) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
-        self.flat.adopt(start["vector"])
-        self.version, self.pushes = start["version"], start["pushes"]
-        self.slots = self.client.message_buffers()
-        if self.slots is not None and self.device.type == "cpu" and self.compress is None:
-            self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
+        self.start_from(start)
         for epoch, batch, x, y in loop.resume_batches(
             self.loader,
             self.sampler,
@@ -109,6 +105,15 @@ class Trainer:
             if self.reached_max_steps():
                 break
         return self.last_reply()
+
+    def start_from(self, start: dict[str, Any]) -> None:
+        """Take the PS's answer to join: the state, its version, the rank's pushes; and, when the
+        client reaches the PS through shared memory, write messages into its push slots."""
+        self.flat.adopt(start["vector"])
+        self.version, self.pushes = start["version"], start["pushes"]
+        self.slots = self.client.message_buffers()
+        if self.slots is not None and self.device.type == "cpu" and self.compress is None:
+            self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
 
     def reshard(self, epoch: int) -> None:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""

@@ -1,7 +1,8 @@
 """network.same_host_copy on a real engine: two containers configured as the render configures
 the PS and a worker move a tensor over TensorPipe's `cma` channel alone (process_vm_readv
 between containers), and with the switch off that channel is not there; a whole cpu-smoke run
-in containers ends with every container, the `pidns` holder included, exited 0."""
+in containers exchanges through the PS's shared memory (the holder's IPC namespace) and ends
+with every container, the `pidns` holder included, exited 0."""
 
 from __future__ import annotations
 
@@ -116,5 +117,10 @@ def test_a_finished_run_ends_with_every_container_and_the_holder_exited_0(engine
         assert states is not None, "the run did not end within 300 s"
         assert {s["service"]: s["exit_code"] for s in states} == dict.fromkeys(expected, 0)
         assert "every process of the job left" in adapter.log_text(engine, project, PIDNS_SERVICE)
+        # the exchange went through the PS's shared memory, in the holder's /dev/shm
+        assert "ps: exchange through shared memory /dev/shm/psc-" in adapter.log_text(engine, project, "ps")
+        for worker in ("worker1", "worker2"):
+            said = adapter.log_text(engine, project, worker)
+            assert f"{worker}: exchange with ps through shared memory (/dev/shm/psc-" in said, said[-2000:]
     finally:
         _compose(project, doc, tmp_path, "down", "-v", "--remove-orphans", "-t", "1", check=False)

@@ -62,12 +62,17 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
         assert rows == [[s, "complete", "0", "0"] for s in ("ps", "worker1", "worker2")], out.getvalue()
 
         assert swarm_verbs.stack_logs(follow=False) == 0
-        logs = capfd.readouterr().out
+        captured = capfd.readouterr()
+        logs, diagnostics = captured.out, captured.err  # the services' stdout and stderr
         assert re.search(
             rf"^{stack}_worker2\.1@{N1}\s+\| worker2 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs, re.MULTILINE
         ), logs[-3000:]
         accuracy = re.findall(rf"^{stack}_ps\.1@{N2}\s+\| Accuracy: ([0-9.]+)$", logs, re.MULTILINE)
         assert accuracy and float(accuracy[-1]) >= 0.90, logs[-3000:]
+        # across nodes the exchange is TensorPipe's: the PS makes no shared-memory segment
+        said = rf"^{stack}_ps\.1@{N2}\s+\| .* ps: exchange over TensorPipe \("
+        assert re.search(said, diagnostics, re.MULTILINE), diagnostics[-3000:]
+        assert "through shared memory" not in diagnostics
         print(
             f"placement run: PS on {N2}, workers on {N1}, accuracy {accuracy[-1]}, "
             f"{time.monotonic() - start:.0f} s from stack-up to the end"
