@@ -63,25 +63,6 @@ def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
     Topology.model_validate(t)  # a valid topology, as the user would write it
 
 
-def test_the_sleep_model_has_resnet18s_parameters_and_writes_a_gradient_for_each():
-    import sys
-
-    import torch
-    from torchvision.models import resnet18
-
-    sys.path.insert(0, str(gpu.CODE))
-    import sleep_resnet
-
-    model = sleep_resnet.resnet18_1ms(10, 3)
-    real = resnet18(num_classes=10)
-    assert [p.shape for p in model.parameters()] == [p.shape for p in real.parameters()]
-    assert [b.shape for b in model.buffers()] == [b.shape for b in real.buffers()]
-    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.zeros(4, dtype=torch.long)).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-    with pytest.raises(AttributeError):
-        sleep_resnet.resnet18_fast  # noqa: B018 - not a factory name
-
-
 @pytest.mark.slow
 def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_json(tmp_path):
     out = tmp_path / "gpu.json"
