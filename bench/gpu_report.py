@@ -93,7 +93,7 @@ def table(rs: list[dict[str, Any]]) -> str:
             lines.append(
                 f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {r['steps']:>5}  {rows.range_text(r)}"
             )
-        title = f"C = {c} ms (ResNet-18's 11.7 M parameters, batch 20, compute a sleep of C over its layers)"
+        title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
         blocks.append("\n".join(rows.block(title, head, lines)))
     return "\n\n".join(blocks)
 
