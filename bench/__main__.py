@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import headline, report
+from bench import harness, headline, report
 from bench.models import FULL_MODELS, HEADLINE_MODELS, SPECS
 from bench.node import APP_PATH_ENV
 
@@ -49,20 +50,6 @@ def _state_floats(model: str) -> int:
 
     params, buffers = state_floats(SPECS[model].model())
     return params + buffers
-
-
-def machine() -> dict[str, Any]:
-    """Where the figures come from: cores this process may use, torch, the load average."""
-    import torch
-
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loadavg_start": os.getloadavg(),
-    }
 
 
 def headline_params(system: str, model: str, steps: int | None) -> dict[str, Any]:
@@ -126,10 +113,10 @@ def official_case(model: str, workers: int, steps: int | None, timeout: float) -
 
 
 def run_headline(args: argparse.Namespace) -> int:
-    from bench.procs import Case, CaseFailed, run_case
+    from bench.procs import Case, run_case
 
     started = time.monotonic()
-    where = machine()
+    where = harness.machine()
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     for repeat in range(1, args.repeats + 1):
@@ -137,39 +124,23 @@ def run_headline(args: argparse.Namespace) -> int:
             for system in args.systems.split(","):
                 if system == "official" and model not in OFFICIAL_MODELS:
                     continue  # the published example is patched for ResNet-18 only
+                if system == "official":
+                    case = functools.partial(official_case, model, args.workers, args.steps, args.timeout)
+                else:
+                    params = headline_params(system, model, args.steps)
+                    case = functools.partial(run_case, Case(system, model, args.workers), params, args.timeout)
                 label = f"[{repeat}/{args.repeats}] {model} x{args.workers} {system}"
-                print(f"bench: {label} ...", file=sys.stderr, flush=True)
-                try:
-                    if system == "official":
-                        raw = official_case(model, args.workers, args.steps, args.timeout)
-                    else:
-                        raw = run_case(
-                            Case(system, model, args.workers),
-                            headline_params(system, model, args.steps),
-                            timeout=args.timeout,
-                        )
-                except CaseFailed as error:
-                    failures.append(f"{label}: {error}")
-                    print(f"bench: {label}: FAILED: {error}", file=sys.stderr, flush=True)
-                    continue
-                runs.append(headline.case_row(system, model, args.workers, raw))
+                raw = harness.attempt("bench", label, case, failures)
+                if raw is not None:
+                    runs.append(headline.case_row(system, model, args.workers, raw))
     rows = headline.aggregate(runs)
     wall = time.monotonic() - started
     where["loadavg_end"] = os.getloadavg()
-    print(headline.table(rows))
-    print(
-        f"\nsteady state: the timed steps after the warm-up ones, one thread per process; "
-        f"{args.repeats} repeat(s); {wall:.0f} s on {where['cores']} cores; load average "
-        f"{where['loadavg_start'][0]:.1f} at the start, {where['loadavg_end'][0]:.1f} at the end"
+    what = "steady state: the timed steps after the warm-up ones, one thread per process"
+    text = headline.table(rows) + "\n" + harness.run_line(what, args.repeats, wall, where)
+    return harness.close(
+        text, failures, args.json, lambda: headline.document(rows, runs, vars(args), where, failures, wall)
     )
-    if failures:
-        print("failed cases:\n  " + "\n  ".join(failures))
-    if args.json:
-        doc = headline.document(rows, runs, vars(args), where, failures, wall)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
-    return 1 if failures else 0
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -189,84 +160,58 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_main(args: argparse.Namespace) -> int:
-    from bench.procs import Case, CaseFailed, run_case
+def full_systems(model: str) -> list[str]:
+    """The full matrix's systems for `model`: the no-compute and sharded rows on resnet18 only."""
+    extra = ["app-comm", "app-comm-bf16", "app-sharded"] if model == "resnet18" else []
+    return ["app", "app-overlap", "app-bf16", "ref", "ref-tuned", "gloo", *extra]
 
-    models = args.models.split(",")
-    workers = [int(w) for w in args.workers.split(",")]
-    params = dict(
+
+def full_params(args: argparse.Namespace, system: str, floats: int) -> dict[str, Any]:
+    """A full-matrix case's parameters: a timed window of --seconds after the warm-up steps."""
+    return dict(
         warmup=args.warmup,
         seconds=args.seconds,
         tail=min(1.5, args.seconds / 3),
-        compute=True,
         compute_seconds=min(2.0, args.seconds / 2),
+        floats=floats,
+        compute=not system.startswith("app-comm") and system != "app-sharded",
+        shards=2 if system == "app-sharded" else 1,
+        overlap=system == "app-overlap",
+        tuned=system == "ref-tuned",
+        compress="bf16" if system.endswith("bf16") else "none",
     )
+
+
+def run_main(args: argparse.Namespace) -> int:
+    from bench.procs import Case, run_case
+
+    models = args.models.split(",")
+    workers = [int(w) for w in args.workers.split(",")]
     floats = {m: _state_floats(m) for m in models}
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     started = time.monotonic()
-    for repeat in range(1, args.repeats + 1):
-        for model in models:
-            for n in workers:
-                systems = ["app", "app-overlap", "app-bf16", "ref", "ref-tuned", "gloo"] + (
-                    ["app-comm", "app-comm-bf16", "app-sharded"] if model == "resnet18" else []
-                )
-                for system in systems:
-                    case = Case(system, model, n)
-                    idle = (
-                        args.idle_seconds
-                        if (model == models[0] and n == workers[0] and system in ("app", "ref"))
-                        else 0.0
-                    )
-                    p = dict(
-                        params,
-                        floats=floats[model],
-                        compute=not system.startswith("app-comm") and system != "app-sharded",
-                        shards=2 if system == "app-sharded" else 1,
-                        overlap=system == "app-overlap",
-                        tuned=system == "ref-tuned",
-                        compress="bf16" if system.endswith("bf16") else "none",
-                    )
-                    label = f"[{repeat}/{args.repeats}] {model} x{n} {system}"
-                    print(f"bench: {label} ...", file=sys.stderr, flush=True)
-                    try:
-                        raw = run_case(case, p, timeout=90 + 4 * args.seconds, idle_seconds=idle)
-                    except CaseFailed as error:
-                        failures.append(f"{label}: {error}")
-                        print(f"bench: {label}: FAILED: {error}", file=sys.stderr, flush=True)
-                        continue
-                    runs.append(report.case_row(system, model, n, SPECS[model].batch_size, raw))
-                seconds = memcpy_seconds(floats[model], repeats=20)
-                runs.append(report.memcpy_row(model, n, floats[model], seconds))
+    for repeat, model, n in itertools.product(range(1, args.repeats + 1), models, workers):
+        for system in full_systems(model):
+            first = model == models[0] and n == workers[0] and system in ("app", "ref")
+            case = functools.partial(
+                run_case,
+                Case(system, model, n),
+                full_params(args, system, floats[model]),
+                timeout=90 + 4 * args.seconds,
+                idle_seconds=args.idle_seconds if first else 0.0,
+            )
+            raw = harness.attempt("bench", f"[{repeat}/{args.repeats}] {model} x{n} {system}", case, failures)
+            if raw is not None:
+                runs.append(report.case_row(system, model, n, SPECS[model].batch_size, raw))
+        seconds = memcpy_seconds(floats[model], repeats=20)
+        runs.append(report.memcpy_row(model, n, floats[model], seconds))
     rows = report.aggregate(runs)
     rs = report.ratios(rows)
-    print(report.table(rows))
-    print()
-    print(report.ratio_lines(rs))
-    print(
-        f"\n{args.repeats} repeat(s), medians; ({'lo-hi'}) is the updates/s range over repeats; "
-        f"{time.monotonic() - started:.0f} s"
-    )
-    if failures:
-        print("failed cases:\n  " + "\n  ".join(failures))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(
-                {
-                    "schema": headline.SCHEMA,
-                    "kind": "full",
-                    "rows": rows,
-                    "ratios": rs,
-                    "goals_met": report.verdicts(rs),
-                    "settings": vars(args),
-                    "runs": runs,
-                    "failures": failures,
-                },
-                f,
-                indent=2,
-            )
-        print(f"wrote {args.json}")
-    return 1 if failures else 0
+    text = f"{report.table(rows)}\n\n{report.ratio_lines(rs)}\n\n{args.repeats} repeat(s), medians; (lo-hi) is "
+    text += f"the updates/s range over repeats; {time.monotonic() - started:.0f} s"
+    doc = dict(kind="full", rows=rows, ratios=rs, goals_met=report.verdicts(rs), settings=vars(args), runs=runs)
+    return harness.close(text, failures, args.json, lambda: dict(schema=headline.SCHEMA, **doc, failures=failures))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,19 +3,23 @@ in docs/performance.md, each measured on its own, one thread per process.
 
 In one process: the compute step (forward + backward), a memcpy of the state, the PS's
 SGD step and a sync round's average of two pushes over the state, the bf16 packing of
-a push (the worker's Compressor) and its widening back on the PS, and RPC's
-serialisation of the reference PS's messages (a list of gradients, the module). Between
-processes (bench.procs): a Gloo send + recv of the state's bytes, and the app's push +
-pull without compute (PS update and copies included), one worker; and an RPC round trip
-of the state over each TensorPipe channel the app lists (`cma`, taken between processes
-of one PID namespace, and `mpt_uv`, taken between containers), in CPU of both sides.
+a push (the worker's Compressor) and its widening back on the PS, RPC's serialisation
+of the reference PS's messages (a list of gradients, the module) and, where torch sees
+a GPU, the state's copies host -> device and back from pageable and from pinned memory.
+Between processes (bench.procs): a Gloo send + recv of the state's bytes, and an RPC
+round trip of the state over each TensorPipe channel the app lists (`cma`, taken between
+processes of one PID namespace, and `mpt_uv`, taken between containers), in CPU of both
+sides. The app's push + pull is the app itself, whatever its exchange is: `python -m app`
+as processes (bench/launch.py), one worker, async, on ResNet-18's state with no compute
+(the GPU regime's model at C = 0 ms, bench/sleep_model), its step less the same worker
+step with no PS (bench/gpu.py's compute alone). Beside it, the floor of an exchange
+measured in the same run: one memcpy plus one SGD step of the state.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import time
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench import harness
 from bench.models import SPECS, state_floats
 
 MEASURES = {  # figure -> what it is; the order of the printed list
@@ -41,10 +46,18 @@ MEASURES = {  # figure -> what it is; the order of the printed list
     "pickle_module_s": "reference: RPC serialisation of the module, s",
     "gloo_s": "Gloo send + recv of the state's bytes each way, two processes, s",
     "gloo_gb_s": "Gloo: bytes both ways / send + recv time, GB/s",
-    "app_pushpull_s": "app: push + pull without compute, one worker (copies, wire, PS update), s",
+    "app_pushpull_s": "app: push + pull of ResNet-18's state, `python -m app`, one worker (step less compute), s",
+    "floor_s": "the floor of an exchange: one memcpy + one SGD step of the state (the two above), s",
+    "pushpull_vs_floor": "app push + pull / the floor",
     "rpc_cma_cpu_s": "RPC round trip of the state, TensorPipe uv + cma (local processes): CPU of both sides, s",
     "rpc_mpt_uv_cpu_s": "the same over uv + mpt_uv (between containers): CPU of both sides, s",
+    "h2d_pageable_s": "GPU: the state host -> device from pageable memory, s",
+    "d2h_pageable_s": "GPU: the state device -> host into pageable memory, s",
+    "h2d_pinned_s": "GPU: the state host -> device from pinned memory, s",
+    "d2h_pinned_s": "GPU: the state device -> host into pinned memory, s",
 }
+PUSHPULL_MODEL = "resnet18-10"  # the state of the GPU regime's model, which the app's push + pull runs
+PUSHPULL_BATCHES = (5, 60)  # warm-up and timed steps of the app's push + pull
 ECHO_CHANNELS = {"rpc_cma_cpu_s": ["cma", "basic"], "rpc_mpt_uv_cpu_s": ["mpt_uv", "basic"]}
 
 
@@ -116,8 +129,8 @@ def _pickling(model: nn.Module, repeats: int) -> dict[str, float]:
     }
 
 
-def between_processes(model_name: str, seconds: float) -> dict[str, float]:
-    """Gloo send+recv and the app's push+pull (no compute) of the state, one worker."""
+def gloo_send_recv(model_name: str, seconds: float) -> dict[str, float]:
+    """A Gloo send + recv of the state's bytes each way between two processes."""
     from bench.procs import Case, run_case
 
     params, buffers = state_floats(SPECS[model_name].model())
@@ -135,9 +148,59 @@ def between_processes(model_name: str, seconds: float) -> dict[str, float]:
         strategy="async",
     )
     gloo = run_case(Case("gloo", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
-    app = run_case(Case("app-comm", model_name, 1), p, timeout=120 + 4 * seconds)["workers"][0]
     both_ways = 2 * 4 * (params + buffers)
-    return {"gloo_s": gloo["comm_s"], "gloo_gb_s": both_ways / gloo["comm_s"] / 1e9, "app_pushpull_s": app["comm_s"]}
+    return {"gloo_s": gloo["comm_s"], "gloo_gb_s": both_ways / gloo["comm_s"] / 1e9}
+
+
+def app_pushpull(timeout: float) -> dict[str, float]:
+    """The app's push + pull of ResNet-18's state: `python -m app` as processes, one worker,
+    async, the GPU regime's model at C = 0 ms; the steady step of that run less the steady
+    step of the same worker step (`Trainer.compute_gradients`) with no PS."""
+    from bench import gpu
+    from bench.gpu_report import steady_step
+    from bench.launch import local_metrics
+
+    warmup, steps = PUSHPULL_BATCHES
+    topology = gpu.topology("async", 0, 1, 1, warmup + steps)
+    app = steady_step(gpu.batch_times(local_metrics(topology, timeout), 1), warmup)["step_s"]
+    alone = steady_step(gpu.run_compute_alone(0, warmup + steps), warmup)["step_s"]
+    return {"app_pushpull_s": app - alone}
+
+
+def floor(figures: dict[str, float]) -> dict[str, float]:
+    """The floor of an exchange (a memcpy and an SGD step of the state) and the app's push +
+    pull against it, from figures of the same run; {} without them."""
+    if not {"memcpy_s", "sgd_s"} <= set(figures):
+        return {}
+    out = {"floor_s": figures["memcpy_s"] + figures["sgd_s"]}
+    if "app_pushpull_s" in figures:
+        out["pushpull_vs_floor"] = figures["app_pushpull_s"] / out["floor_s"]
+    return out
+
+
+def copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, sync: Callable[[], None]) -> float:
+    """Median seconds of `dst.copy_(src)` (non-blocking from or into pinned memory), `sync()`
+    waiting for it to land."""
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=src.is_pinned() or dst.is_pinned())
+        sync()
+
+    return timed(copy, repeats)
+
+
+def device_copies(floats: int, repeats: int) -> dict[str, float]:
+    """The state's copies host -> device and back, from and into pageable and pinned host
+    memory, where torch sees a GPU; {} elsewhere."""
+    if not torch.cuda.is_available():
+        return {}
+    on_device = torch.empty(floats, device="cuda")
+    out = {}
+    for kind, pinned in (("pageable", False), ("pinned", True)):
+        host = torch.empty(floats, pin_memory=pinned)
+        out[f"h2d_{kind}_s"] = copy_seconds(on_device, host, repeats, torch.cuda.synchronize)
+        out[f"d2h_{kind}_s"] = copy_seconds(host, on_device, repeats, torch.cuda.synchronize)
+    return out
 
 
 def _echo(message: torch.Tensor) -> torch.Tensor:
@@ -202,22 +265,29 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("constants", help="the step model's constants (docs/performance.md)")
     p.add_argument("--model", default="resnet18-10", choices=sorted(SPECS))
     p.add_argument("--repeats", type=int, default=20, help="timed calls per in-process figure")
-    p.add_argument("--seconds", type=float, default=3.0, help="window of the two-process figures")
+    p.add_argument("--seconds", type=float, default=3.0, help="window of the Gloo figure")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds for the app's run (its push + pull)")
     p.add_argument("--json", metavar="FILE")
 
 
 def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     figures = in_process(args.model, args.repeats)
-    figures.update(between_processes(args.model, args.seconds))
+    figures.update(gloo_send_recv(args.model, args.seconds))
+    if args.model == PUSHPULL_MODEL:
+        figures.update(app_pushpull(timeout=args.timeout))
+    figures.update(floor(figures))
     figures.update(rpc_round_trips(args.model, args.repeats))
+    params, buffers = state_floats(SPECS[args.model].model())
+    figures.update(device_copies(params + buffers, args.repeats))
     print(f"{args.model}, one thread per process:")
     print(lines(figures))
+    if args.model != PUSHPULL_MODEL:
+        print(f"(the app's push + pull runs on {PUSHPULL_MODEL}'s state only: --model {PUSHPULL_MODEL})")
+    if "h2d_pinned_s" not in figures:
+        print("(no GPU: the host <-> device copies are measured where torch.cuda.is_available())")
     print(f"{time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.1f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(
-                {"kind": "constants", "model": args.model, "figures": figures, "loadavg": os.getloadavg()}, f, indent=2
-            )
-        print(f"wrote {args.json}")
+        doc = {"kind": "constants", "model": args.model, "figures": figures, "loadavg": os.getloadavg()}
+        harness.write_json(args.json, doc)
     return 0

@@ -13,19 +13,16 @@ Needs a Docker engine (`make engine`).
 from __future__ import annotations
 
 import argparse
-import io
+import functools
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "cpu-smoke.yaml"
+from bench import harness, launch
+
+CONFIG = launch.ROOT / "configs" / "cpu-smoke.yaml"
 
 
 def throughput(ps_lines: list[str], batch_size: int) -> Optional[dict[str, float]]:
@@ -47,54 +44,16 @@ def throughput(ps_lines: list[str], batch_size: int) -> Optional[dict[str, float
 
 
 def run_processes(workers: int, timeout: float) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
-        argv = [sys.executable, "-m", "orchestrator", "local", "-c", str(CONFIG), "--workers", str(workers)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        proc = subprocess.Popen(
-            argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            raise RuntimeError(f"orchestrator local did not finish within {timeout:.0f} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"orchestrator local exited {proc.returncode}: "
-                + " | ".join(out.decode(errors="replace").strip().splitlines()[-3:])
-            )
-        metrics = next(Path(tmp, "runs").glob("*/metrics/ps.jsonl"))
-        return _throughput(metrics.read_text().splitlines())
+    files = launch.local_metrics(CONFIG, timeout, extra=("--workers", str(workers)))
+    return _throughput(files.get("ps.jsonl", []))
 
 
 def run_compose(workers: int, timeout: float) -> dict[str, float]:
-    from orchestrator import images
-    from orchestrator.backends.compose import adapter
-    from orchestrator.render import compose
-    from orchestrator.render.yamlio import write_atomic
     from orchestrator.topology.model import load_with
-    from orchestrator.topology.services import service_names
 
     t = load_with(str(CONFIG), workers=workers)
-    client = images.client()
-    found = adapter.detect()
-    name = f"bench-{os.getpid()}"
-    with tempfile.TemporaryDirectory(prefix="bench-compose-") as tmp:
-        proj = adapter.Project(name, str(Path(tmp) / "compose.yaml"), str(ROOT))
-        try:
-            write_atomic(proj.file, compose.dump(compose.render(t), t.name))
-            base, pip_source = images.source(t, offline=True)
-            images.build(t.image_tag, base, pip_source, out=io.StringIO())
-            adapter.run(adapter.up_argv(found, proj), capture=True)
-            finished = adapter.wait_exited(client, name, len(service_names(t)), timeout, io.StringIO())
-            if finished is None:
-                raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
-            containers = adapter.containers(client, name)
-            lines = adapter.read_metrics(client, name, containers).get("ps.jsonl", [])
-            return _throughput(lines)
-        finally:
-            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+    launch.build_image(t)
+    return _throughput(launch.compose_metrics(t, f"bench-{os.getpid()}", timeout).get("ps.jsonl", []))
 
 
 def _throughput(lines: list[str]) -> dict[str, float]:
@@ -113,12 +72,12 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     for repeat in range(1, args.repeats + 1):  # interleaved, so load drifts hit both alike
         for kind, fn in (("processes", run_processes), ("compose", run_compose)):
-            print(f"bench containers: [{repeat}/{args.repeats}] {kind} ...", file=sys.stderr, flush=True)
-            try:
-                runs[kind].append(fn(args.workers, args.timeout))
-            except Exception as error:  # noqa: BLE001 - one failed run is reported, the others stand
-                failures.append(f"{kind} run {repeat}: {type(error).__name__}: {error}")
-                print(f"bench containers: {failures[-1]}", file=sys.stderr, flush=True)
+            label = f"[{repeat}/{args.repeats}] {kind}"
+            got = harness.attempt(
+                "bench containers", label, functools.partial(fn, args.workers, args.timeout), failures
+            )
+            if got is not None:
+                runs[kind].append(got)
     summary: dict[str, Any] = {}
     for kind, rs in runs.items():
         if rs:
@@ -146,17 +105,6 @@ def main(args: argparse.Namespace) -> int:
     for f in failures:
         print(f"failed: {f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(
-                {
-                    "summary": summary,
-                    "compose_vs_processes": ratio,
-                    "runs": runs,
-                    "failures": failures,
-                    "workers": args.workers,
-                },
-                f,
-                indent=2,
-            )
-        print(f"wrote {args.json}")
+        doc = {"summary": summary, "compose_vs_processes": ratio, "runs": runs, "failures": failures}
+        harness.write_json(args.json, dict(doc, workers=args.workers))
     return 1 if failures or ratio is None else 0

@@ -1,45 +1,61 @@
 """`python -m bench gpu`: the GPU regime measured on a CPU.
 
-ResNet-18's 11.7 M parameters (every step pushes and pulls ~45 MB) with a
-compute that is a sleep of C seconds (bench/sleep_model/sleep_resnet.py): what
-a step costs on top of its compute when the forward and backward leave the CPU.
-Every ps-compose row is the app itself, `python -m app ps|worker`, given that
-model as a user's own (`code:` the sleep_model directory, `train.model:
-sleep_resnet:resnet18_<C>ms`): as processes through `python -m orchestrator
-local`, in containers through compose (its own project `gpubench-<pid>-<n>`,
-removed with its volume afterwards). A step's time comes from the workers'
-`train` metrics records (one a batch): the steady state of bench/gpu_report.py.
-`compute alone` runs the app's worker step (`Trainer.compute_gradients`) with no
-PS; `official` is the published PyTorch example (bench/official.py) on the same
-model.
+ResNet-18's 11.2 M parameters (every step pushes and pulls 44.8 MB) with a
+compute that is a sleep of C seconds spread over its layers, forward and
+backward (bench/sleep_model/sleep_resnet.py): what a step costs on top of its
+compute when the forward and backward leave the CPU. Every ps-compose row is
+the app itself, `python -m app ps|worker`, given that model as a user's own
+(`code:` the sleep_model directory, `train.model: sleep_resnet:resnet18_<C>ms`):
+as processes through `python -m orchestrator local`, in containers through
+compose (bench/launch.py). A step's time comes from the workers' `train`
+metrics records (one a batch): the steady state of bench/gpu_report.py.
+`compute alone` runs the app's worker step (`Trainer.compute_gradients`) with
+no PS; `official` is the published PyTorch example (bench/official.py) on the
+same model.
 
-Default (a few minutes on a 2-core CPU VM): C = 65 ms, 2 workers, every row as
-processes and the containers' sync and --overlap rows. `--full`: C = 30, 65,
-130 ms; 2 and 4 workers; 2 PS shards with 4; every row in containers too.
+Default (under 5 minutes on a 2-core CPU VM): C = 13 and 25 ms (ResNet-18,
+batch 128 at 224 px, on an H200 in bf16 + channels_last and in fp32), 1 and 2
+workers, async, --overlap and sync as processes, --overlap and sync in
+containers with 2 workers. `--full`: C = 13, 25, 65 ms; 1, 2 and 4 workers; 2 PS
+shards with 4; allreduce and the published example too; every PS row and
+allreduce in containers at every worker count.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import functools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench import gpu_report
+from bench import gpu_report, harness, launch
 
-ROOT = Path(__file__).resolve().parent.parent
-CODE = ROOT / "bench" / "sleep_model"
+CODE = launch.ROOT / "bench" / "sleep_model"
 BASE_IMAGE = "ps-compose-base:bookworm"
 TOPOLOGY_NAME = "gpubench"  # the image is ps-compose-gpubench:latest
-DEFAULT_STEPS = (10, 60)  # warm-up and timed batches per worker
-CONTAINER_SYSTEMS = ("sync", "overlap")  # the default run's rows in containers
 PS_SYSTEMS = {"async": ("async", False), "overlap": ("async", True), "sync": ("sync", False)}
+# What the default run and --full run when no flag says otherwise.
+DEFAULTS = {
+    "compute_ms": [13, 25],
+    "workers": [1, 2],
+    "systems": ["async", "overlap", "sync"],
+    "containers": ["overlap", "sync"],
+    "container_workers": [2],
+    "warmup": 5,
+    "steps": 40,
+}
+FULL = {
+    "compute_ms": [13, 25, 65],
+    "workers": [1, 2, 4],
+    "systems": ["async", "overlap", "sync", "allreduce", "official"],
+    "containers": ["async", "overlap", "sync", "allreduce"],
+    "container_workers": [1, 2, 4],
+    "warmup": 10,
+    "steps": 60,
+}
 
 
 def topology(system: str, compute_ms: int, workers: int, shards: int, batches: int) -> dict[str, Any]:
@@ -76,77 +92,25 @@ def batch_times(files: dict[str, list[str]], workers: int) -> list[list[float]]:
     return out
 
 
-def run_processes(t: dict[str, Any], timeout: float) -> dict[str, list[str]]:
-    """`python -m orchestrator local` in a scratch directory; its metrics files' lines."""
-    import yaml
-
-    with tempfile.TemporaryDirectory(prefix="gpubench-local-") as tmp:
-        config = Path(tmp, "topology.yaml")
-        config.write_text(yaml.safe_dump(t))
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        argv = [sys.executable, "-m", "orchestrator", "local", "-c", str(config)]
-        proc = subprocess.Popen(
-            argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            raise RuntimeError(f"orchestrator local did not finish within {timeout:.0f} s") from None
-        if proc.returncode != 0:
-            tail = " | ".join(out.decode(errors="replace").strip().splitlines()[-3:])
-            raise RuntimeError(f"orchestrator local exited {proc.returncode}: {tail}")
-        metrics = next(Path(tmp, "runs").glob("*/metrics"))
-        return {f.name: f.read_text().splitlines() for f in metrics.glob("*.jsonl")}
-
-
-def build_image(t: dict[str, Any]) -> None:
-    """The case's image (FROM the offline base; the layer cache makes a rebuild quick)."""
-    from orchestrator import images
+def _validated(t: dict[str, Any]) -> Any:
     from orchestrator.topology.model import Topology
 
-    model = Topology.model_validate(t)
-    base, pip_source = images.source(model, offline=True)
-    images.build(model.image_tag, base, pip_source, out=io.StringIO())
-
-
-def run_containers(t: dict[str, Any], timeout: float, project: str) -> dict[str, list[str]]:
-    """The case rendered for compose and run under `project`; its metrics files' lines.
-    The project and its volume are removed afterwards, whatever happened."""
-    from orchestrator import images
-    from orchestrator.backends.compose import adapter
-    from orchestrator.render import compose
-    from orchestrator.render.yamlio import write_atomic
-    from orchestrator.topology.model import Topology
-    from orchestrator.topology.services import service_names
-
-    model = Topology.model_validate(t)
-    client = images.client()
-    found = adapter.detect()
-    with tempfile.TemporaryDirectory(prefix="gpubench-compose-") as tmp:
-        proj = adapter.Project(project, str(Path(tmp) / "compose.yaml"), str(ROOT))
-        try:
-            write_atomic(proj.file, compose.dump(compose.render(model), model.name))
-            adapter.run(adapter.up_argv(found, proj), capture=True)
-            finished = adapter.wait_exited(client, project, len(service_names(model)), timeout, io.StringIO())
-            if finished is None:
-                raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
-            return adapter.read_metrics(client, project, adapter.containers(client, project))
-        finally:
-            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+    return Topology.model_validate(t)
 
 
 def run_official(compute_ms: int, workers: int, batches: int, warmup: int, timeout: float) -> list[list[float]]:
     """The published example on the sleep model (bench/official.py): each trainer's step ends."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
     with tempfile.TemporaryDirectory(prefix="gpubench-official-") as tmp:
         out = Path(tmp, "steps.json")
         argv = [sys.executable, "-m", "bench.official", "--model", f"sleep:{compute_ms}"]
         argv += ["--trainers", str(workers), "--warmup", str(warmup), "--steps", str(batches - warmup)]
         argv += ["--out", str(out)]
-        proc = subprocess.run(
-            argv, cwd=ROOT, capture_output=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT))
-        )
+        env = dict(os.environ, PYTHONPATH=str(launch.ROOT))
+        proc = subprocess.run(argv, cwd=launch.ROOT, capture_output=True, timeout=timeout, env=env)
         if proc.returncode != 0 or not out.exists():
             tail = " | ".join(proc.stderr.decode(errors="replace").strip().splitlines()[-3:])
             raise RuntimeError(f"bench.official exited {proc.returncode}: {tail}")
@@ -158,7 +122,8 @@ def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
     time each of `batches` steps ended, as one worker's."""
     import torch
 
-    sys.path.insert(0, str(CODE))
+    if str(CODE) not in sys.path:
+        sys.path.insert(0, str(CODE))
     import sleep_resnet
 
     from app.config import parse
@@ -183,75 +148,59 @@ def cases(args: argparse.Namespace) -> list[tuple[int, int, int, str, str]]:
     for c in args.compute_ms:
         out.append((c, 1, 1, "processes", "compute"))
         for n in args.workers:
-            layouts = [1] + ([2] if n >= 4 else [])  # 4 workers: also 2 PS shards
-            for shards in layouts:
-                systems = args.systems if shards == 1 else ["async", "overlap", "sync"]
-                for s in systems:
-                    out.append((c, n, shards, "processes", s))
-                for s in args.containers:
-                    if s in systems and s != "official":
-                        out.append((c, n, shards, "containers", s))
+            for shards in [1] + ([2] if n >= 4 else []):  # 4 workers: also 2 PS shards
+                systems = args.systems if shards == 1 else [s for s in args.systems if s in PS_SYSTEMS]
+                out += [(c, n, shards, "processes", s) for s in systems]
+                if n in args.container_workers:
+                    out += [(c, n, shards, "containers", s) for s in args.containers if s in systems]
     return out
+
+
+def step_times(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> list[list[float]]:
+    """Per worker, the times its batches ended, for one case."""
+    c, n, shards, where, system = case
+    batches = args.warmup + args.steps
+    if system == "compute":
+        return run_compute_alone(c, batches)
+    if system == "official":
+        return run_official(c, n, batches, args.warmup, args.timeout)
+    t = topology(system, c, n, shards, batches)
+    if where == "containers":
+        return batch_times(launch.compose_metrics(_validated(t), project, args.timeout), n)
+    return batch_times(launch.local_metrics(t, args.timeout), n)
 
 
 def run_case(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> dict[str, Any]:
     c, n, shards, where, system = case
-    warmup, steps = args.warmup, args.steps
-    batches = warmup + steps
-    if system == "compute":
-        times = run_compute_alone(c, batches)
-    elif system == "official":
-        times = run_official(c, n, batches, warmup, args.timeout)
-    else:
-        t = topology(system, c, n, shards, batches)
-        if where == "containers":
-            files = run_containers(t, args.timeout, project)
-        else:
-            files = run_processes(t, args.timeout)
-        times = batch_times(files, n)
-    steady = gpu_report.steady_step(times, warmup)
+    steady = gpu_report.steady_step(step_times(case, args, project), args.warmup)
     return dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, **steady)
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.__main__ import machine
-
     started = time.monotonic()
-    where = machine()
+    where = harness.machine()
     todo = cases(args)
     if any(w == "containers" for _, _, _, w, _ in todo):
         print("bench gpu: building the image ...", file=sys.stderr, flush=True)
-        build_image(topology("sync", todo[0][0], 2, 1, 2))
+        launch.build_image(_validated(topology("sync", todo[0][0], 2, 1, 2)))
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     for repeat in range(1, args.repeats + 1):
         for i, case in enumerate(todo):
             c, n, shards, place, system = case
             label = f"[{repeat}/{args.repeats}] C={c}ms x{n}" + (f" {shards} shards" if shards > 1 else "")
-            label += f" {place} {system}"
-            print(f"bench gpu: {label} ...", file=sys.stderr, flush=True)
-            try:
-                runs.append(dict(run_case(case, args, f"gpubench-{os.getpid()}-{i}"), repeat=repeat))
-            except Exception as error:  # noqa: BLE001 - one failed case is reported, the others stand
-                failures.append(f"{label}: {type(error).__name__}: {error}")
-                print(f"bench gpu: {label}: FAILED: {error}", file=sys.stderr, flush=True)
+            run = functools.partial(run_case, case, args, f"gpubench-{os.getpid()}-{i}")
+            got = harness.attempt("bench gpu", f"{label} {place} {system}", run, failures)
+            if got is not None:
+                runs.append(dict(got, repeat=repeat))
     rows = gpu_report.aggregate(runs)
     wall = time.monotonic() - started
     where["loadavg_end"] = os.getloadavg()
-    print(gpu_report.table(rows))
-    print(
-        f"\nsteady state: {args.steps} timed batches per worker after {args.warmup} of warm-up, medians over "
-        f"{args.repeats} repeat(s); {wall:.0f} s on {where['cores']} cores; load average "
-        f"{where['loadavg_start'][0]:.1f} at the start, {where['loadavg_end'][0]:.1f} at the end"
+    what = f"steady state: {args.steps} timed batches per worker after {args.warmup} of warm-up, medians"
+    text = gpu_report.table(rows) + "\n" + harness.run_line(what, args.repeats, wall, where)
+    return harness.close(
+        text, failures, args.json, lambda: gpu_report.document(rows, runs, _settings(args), where, failures, wall)
     )
-    if failures:
-        print("failed cases:\n  " + "\n  ".join(failures))
-    if args.json:
-        doc = gpu_report.document(rows, runs, _settings(args), where, failures, wall)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
-    return 1 if failures else 0
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -279,33 +228,47 @@ def _systems(allowed: tuple[str, ...]):
     return parse
 
 
+def _listed(values: list[Any]) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def add_parser(sub: Any) -> None:
     g = sub.add_parser("gpu", help="the GPU regime: ResNet-18's bytes, a sleep for compute (containers need Docker)")
-    g.add_argument("--full", action="store_true", help="C 30,65,130 ms; 2 and 4 workers, 2 shards; all in containers")
-    g.add_argument("--compute-ms", type=_int_list, help="C values in ms, comma-separated (default 65)")
-    g.add_argument("--workers", type=_int_list, help="worker counts, comma-separated (default 2)")
+    d, f = DEFAULTS, FULL
+    g.add_argument(
+        "--full",
+        action="store_true",
+        help=f"C {_listed(f['compute_ms'])} ms; {_listed(f['workers'])} workers, 2 shards with 4; every row, "
+        f"in containers too; {f['warmup']} + {f['steps']} batches",
+    )
+    g.add_argument("--compute-ms", type=_int_list, help=f"C values in ms (default {_listed(d['compute_ms'])})")
+    g.add_argument("--workers", type=_int_list, help=f"worker counts (default {_listed(d['workers'])})")
     ps_rows = tuple(s for s in gpu_report.SYSTEMS if s != "compute")
-    g.add_argument("--systems", type=_systems(ps_rows), help=f"rows as processes (default all: {','.join(ps_rows)})")
+    g.add_argument(
+        "--systems",
+        type=_systems(ps_rows),
+        help=f"rows as processes, of {','.join(ps_rows)} (default {_listed(d['systems'])})",
+    )
     g.add_argument(
         "--containers",
         type=_systems(tuple(PS_SYSTEMS) + ("allreduce",)),
-        help=f"rows also in compose containers (default {','.join(CONTAINER_SYSTEMS)}; empty: none)",
+        help=f"rows also in compose containers, of those run as processes (default {_listed(d['containers'])}; "
+        "empty: none)",
     )
-    g.add_argument("--warmup", type=int, default=DEFAULT_STEPS[0], help="untimed batches per worker")
-    g.add_argument("--steps", type=int, default=DEFAULT_STEPS[1], help="timed batches per worker")
+    g.add_argument(
+        "--container-workers",
+        type=_int_list,
+        help=f"the worker counts the containers' rows run with (default {_listed(d['container_workers'])})",
+    )
+    g.add_argument("--warmup", type=int, help=f"untimed batches per worker (default {d['warmup']})")
+    g.add_argument("--steps", type=int, help=f"timed batches per worker (default {d['steps']})")
     g.add_argument("--repeats", type=int, default=1)
     g.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
     g.add_argument("--json", metavar="FILE", help="write rows, settings and raw runs here")
 
 
 def resolve(args: argparse.Namespace) -> None:
-    """Fill what --full and the defaults leave unset."""
-    ps_rows = [s for s in gpu_report.SYSTEMS if s != "compute"]
-    if args.compute_ms is None:
-        args.compute_ms = [30, 65, 130] if args.full else [65]
-    if args.workers is None:
-        args.workers = [2, 4] if args.full else [2]
-    if args.systems is None:
-        args.systems = ps_rows
-    if args.containers is None:
-        args.containers = ["async", "overlap", "sync", "allreduce"] if args.full else list(CONTAINER_SYSTEMS)
+    """Fill what the flags leave unset from DEFAULTS, or FULL with --full."""
+    for name, value in (FULL if args.full else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, list) else value)

@@ -7,9 +7,11 @@ origin shared by the case's workers) at which it finished each of its batches, i
 
 from __future__ import annotations
 
-import json
+import functools
 import statistics
 from typing import Any, Optional
+
+from bench import rows
 
 SCHEMA = 1  # bump when a field of the JSON document changes meaning
 SYSTEMS = ("compute", "async", "overlap", "sync", "allreduce", "official")
@@ -59,84 +61,50 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median step over the repeats of each case, its range, and `vs_compute`: that step /
     the compute-alone step of the same C. `vs_processes` (containers only): / the same
     system as processes. Rows sorted by C, workers, shards, where, then SYSTEMS order."""
-    groups: dict[tuple[int, int, int, str, str], list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault(key(r), []).append(r)
-    rows = []
-    for k in sorted(groups, key=lambda k: (k[0], k[1], k[2], WHERE.index(k[3]), SYSTEMS.index(k[4]))):
-        rs = groups[k]
-        steps = [r["step_s"] for r in rs]
-        rows.append(
-            {
-                "compute_ms": k[0],
-                "workers": k[1],
-                "shards": k[2],
-                "where": k[3],
-                "system": k[4],
-                "label": LABELS[k[4]],
-                "repeats": len(rs),
-                "steps": min(r["steps"] for r in rs),
-                "step_s": statistics.median(steps),
-                "step_s_range": [min(steps), max(steps)],
-            }
-        )
-    for row in rows:
-        alone = _compute_alone(rows, row["compute_ms"])
+    groups = rows.grouped(runs, key, lambda k: (k[0], k[1], k[2], WHERE.index(k[3]), SYSTEMS.index(k[4])))
+    out = []
+    for (c, workers, shards, where, system), rs in groups:
+        case = dict(compute_ms=c, workers=workers, shards=shards, where=where, system=system)
+        out.append(dict(case, label=LABELS[system], **rows.over_repeats(rs)))
+    for row in out:
+        alone = _compute_alone(out, row["compute_ms"])
         row["vs_compute"] = row["step_s"] / alone["step_s"] if alone else None
-        same = _find(rows, dict(row, where="processes")) if row["where"] == "containers" else None
+        same = _find(out, dict(row, where="processes")) if row["where"] == "containers" else None
         row["vs_processes"] = row["step_s"] / same["step_s"] if same else None
-    return rows
+    return out
 
 
-def _compute_alone(rows: list[dict[str, Any]], compute_ms: int) -> Optional[dict[str, Any]]:
-    return next((r for r in rows if r["compute_ms"] == compute_ms and r["system"] == "compute"), None)
+def _compute_alone(rs: list[dict[str, Any]], compute_ms: int) -> Optional[dict[str, Any]]:
+    return next((r for r in rs if r["compute_ms"] == compute_ms and r["system"] == "compute"), None)
 
 
-def _find(rows: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, Any]]:
-    return next((r for r in rows if key(r) == key(like)), None)
+def _find(rs: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, Any]]:
+    return next((r for r in rs if key(r) == key(like)), None)
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rs: list[dict[str, Any]]) -> str:
     """One block per C: each case's s/step, x compute alone, x processes, steps, range."""
-    lines: list[str] = []
-    for c in dict.fromkeys(r["compute_ms"] for r in rows):
-        if lines:
-            lines.append("")
-        lines.append(f"C = {c} ms (ResNet-18's 11.7 M parameters, batch 20, compute a sleep of C)")
+    blocks = []
+    for c in dict.fromkeys(r["compute_ms"] for r in rs):
         head = f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'steps':>5}  range"
-        lines += [head, "  " + "-" * (len(head) - 2)]
-        for r in (r for r in rows if r["compute_ms"] == c):
-            shards = f", {r['shards']} shards" if r["shards"] > 1 else ""
-            where = "" if r["system"] == "compute" else f", {r['where']}"
-            name = f"{r['label']}, {r['workers']} workers{shards}{where}"
-            if r["system"] == "compute":
-                name = r["label"]
-            ratio = "-" if r["vs_compute"] is None else f"{r['vs_compute']:.2f}x"
-            procs = "-" if r["vs_processes"] is None else f"{r['vs_processes']:.2f}x"
-            lo, hi = r["step_s_range"]
-            spread = f"{lo:.3f}-{hi:.3f}" if r["repeats"] > 1 else ""
-            lines.append(f"  {name:<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {r['steps']:>5}  {spread}")
-    return "\n".join(lines)
+        lines = []
+        for r in (r for r in rs if r["compute_ms"] == c):
+            ratio, procs = rows.ratio_text(r["vs_compute"]), rows.ratio_text(r["vs_processes"])
+            lines.append(
+                f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {r['steps']:>5}  {rows.range_text(r)}"
+            )
+        title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
+        blocks.append("\n".join(rows.block(title, head, lines)))
+    return "\n\n".join(blocks)
 
 
-def document(
-    rows: list[dict[str, Any]],
-    runs: list[dict[str, Any]],
-    settings: dict[str, Any],
-    machine: dict[str, Any],
-    failures: list[str],
-    wall_s: float,
-) -> dict[str, Any]:
-    """The `--json` document."""
-    doc = {
-        "schema": SCHEMA,
-        "kind": "gpu",
-        "machine": machine,
-        "settings": settings,
-        "wall_s": wall_s,
-        "rows": rows,
-        "runs": runs,
-        "failures": failures,
-    }
-    json.dumps(doc)  # fails here, not half-written, when something is not JSON
-    return doc
+def _name(r: dict[str, Any]) -> str:
+    if r["system"] == "compute":
+        return r["label"]
+    shards = f", {r['shards']} shards" if r["shards"] > 1 else ""
+    workers = f"{r['workers']} worker" + ("s" if r["workers"] > 1 else "")
+    return f"{r['label']}, {workers}{shards}, {r['where']}"
+
+
+# The `--json` document: document(rows, runs, settings, machine, failures, wall_s).
+document = functools.partial(rows.document, "gpu", SCHEMA)

@@ -7,8 +7,11 @@ step is the timed window over the step count (warm-up steps are not in the windo
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any, Optional
+
+from bench import rows
 
 SCHEMA = 1  # bump when a field of the JSON document changes meaning
 SYSTEMS = ("compute", "app", "app-overlap", "app-sync", "allreduce", "official", "ref", "ref-uv")
@@ -61,34 +64,29 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median step over the repeats of each (model, workers, system), with its range;
     `vs_compute` is that step / the compute-only step of the same model and workers.
     Rows keep the models' first-seen order, then SYSTEMS order."""
-    models: list[str] = []
-    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    for r in runs:
-        if r["model"] not in models:
-            models.append(r["model"])
-        groups.setdefault((r["model"], r["workers"], r["system"]), []).append(r)
-    rows = []
-    for key in sorted(groups, key=lambda k: (models.index(k[0]), k[1], SYSTEMS.index(k[2]))):
-        rs = groups[key]
-        steps = [r["step_s"] for r in rs]
-        rows.append(
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    groups = rows.grouped(
+        runs,
+        lambda r: (r["model"], r["workers"], r["system"]),
+        lambda k: (models.index(k[0]), k[1], SYSTEMS.index(k[2])),
+    )
+    out = []
+    for (model, workers, system), rs in groups:
+        out.append(
             {
-                "model": key[0],
-                "workers": key[1],
-                "system": key[2],
-                "label": LABELS[key[2]],
-                "repeats": len(rs),
-                "steps": rs[0]["steps"],
-                "step_s": statistics.median(steps),
-                "step_s_range": [min(steps), max(steps)],
+                "model": model,
+                "workers": workers,
+                "system": system,
+                "label": LABELS[system],
+                **rows.over_repeats(rs),
                 "compute_s": _median_or_none(r["compute_s"] for r in rs),
                 "comm_s": _median_or_none(r["comm_s"] for r in rs),
             }
         )
-    for row in rows:
-        only = _find(rows, row["model"], row["workers"], "compute")
+    for row in out:
+        only = _find(out, row["model"], row["workers"], "compute")
         row["vs_compute"] = row["step_s"] / only["step_s"] if only else None
-    return rows
+    return out
 
 
 def _median_or_none(values: Any) -> Optional[float]:
@@ -96,46 +94,26 @@ def _median_or_none(values: Any) -> Optional[float]:
     return None if any(v is None for v in got) else statistics.median(got)
 
 
-def _find(rows: list[dict[str, Any]], model: str, workers: int, system: str) -> Optional[dict[str, Any]]:
-    return next((r for r in rows if (r["model"], r["workers"], r["system"]) == (model, workers, system)), None)
+def _find(rs: list[dict[str, Any]], model: str, workers: int, system: str) -> Optional[dict[str, Any]]:
+    return next((r for r in rs if (r["model"], r["workers"], r["system"]) == (model, workers, system)), None)
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rs: list[dict[str, Any]]) -> str:
     """One block per model: strategy, s/step, x compute only, and the spread over repeats."""
-    lines: list[str] = []
-    for model, workers in dict.fromkeys((r["model"], r["workers"]) for r in rows):
-        if lines:
-            lines.append("")
-        lines.append(f"{MODEL_LABELS.get(model, model)}, {workers} workers")
+    blocks = []
+    for model, workers in dict.fromkeys((r["model"], r["workers"]) for r in rs):
         head = f"  {'strategy':<34} {'s/step':>7} {'x compute':>9} {'steps':>5}"
-        lines += [head, "  " + "-" * (len(head) - 2)]
-        for r in (r for r in rows if (r["model"], r["workers"]) == (model, workers)):
-            lo, hi = r["step_s_range"]
-            spread = f"  ({lo:.3f}-{hi:.3f})" if r["repeats"] > 1 else ""
-            ratio = "-" if r["vs_compute"] is None else f"{r['vs_compute']:.2f}x"
+        lines = []
+        for r in (r for r in rs if (r["model"], r["workers"]) == (model, workers)):
+            spread = f"  ({rows.range_text(r)})" if r["repeats"] > 1 else ""
+            ratio = rows.ratio_text(r["vs_compute"])
             lines.append(f"  {r['label']:<34} {r['step_s']:>7.3f} {ratio:>9} {r['steps']:>5}{spread}")
-    return "\n".join(lines)
+        blocks.append("\n".join(rows.block(f"{MODEL_LABELS.get(model, model)}, {workers} workers", head, lines)))
+    return "\n\n".join(blocks)
 
 
-def document(
-    rows: list[dict[str, Any]],
-    runs: list[dict[str, Any]],
-    settings: dict[str, Any],
-    machine: dict[str, Any],
-    failures: list[str],
-    wall_s: float,
-) -> dict[str, Any]:
-    """The `--json` document: what `compare` reads back (schema, kind, rows)."""
-    return {
-        "schema": SCHEMA,
-        "kind": "headline",
-        "machine": machine,
-        "settings": settings,
-        "wall_s": wall_s,
-        "rows": rows,
-        "runs": runs,
-        "failures": failures,
-    }
+# The `--json` document: document(rows, runs, settings, machine, failures, wall_s).
+document = functools.partial(rows.document, "headline", SCHEMA)
 
 
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import gpu, gpu_report
-from bench.__main__ import main
+from bench.__main__ import build_parser, main
 
 
 def test_steady_step_is_the_window_where_every_worker_is_past_warmup_and_none_ended():
@@ -63,23 +63,33 @@ def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
     Topology.model_validate(t)  # a valid topology, as the user would write it
 
 
-def test_the_sleep_model_has_resnet18s_parameters_and_writes_a_gradient_for_each():
-    import sys
+def _cases(*argv: str) -> list[tuple[int, int, int, str, str]]:
+    args = build_parser().parse_args(["gpu", *argv])
+    gpu.resolve(args)
+    return gpu.cases(args)
 
-    import torch
-    from torchvision.models import resnet18
 
-    sys.path.insert(0, str(gpu.CODE))
-    import sleep_resnet
+def test_the_default_run_is_a_current_gpus_compute_with_1_and_2_workers_and_2_in_containers():
+    todo = _cases()
+    assert {c for c, *_ in todo} == {13, 25}
+    for c in (13, 25):
+        assert (c, 1, 1, "processes", "compute") in todo
+        for n in (1, 2):
+            rows = [s for cc, nn, _, w, s in todo if (cc, nn, w) == (c, n, "processes") and s != "compute"]
+            assert rows == ["async", "overlap", "sync"]
+        assert [(n, s) for cc, n, _, w, s in todo if (cc, w) == (c, "containers")] == [(2, "overlap"), (2, "sync")]
+    assert all(shards == 1 for _, _, shards, _, _ in todo)
 
-    model = sleep_resnet.resnet18_1ms(10, 3)
-    real = resnet18(num_classes=10)
-    assert [p.shape for p in model.parameters()] == [p.shape for p in real.parameters()]
-    assert [b.shape for b in model.buffers()] == [b.shape for b in real.buffers()]
-    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.zeros(4, dtype=torch.long)).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-    with pytest.raises(AttributeError):
-        sleep_resnet.resnet18_fast  # noqa: B018 - not a factory name
+
+def test_full_keeps_65_ms_4_workers_2_shards_and_every_row_in_containers():
+    todo = _cases("--full")
+    assert {c for c, *_ in todo} == {13, 25, 65} and {n for _, n, *_ in todo} == {1, 2, 4}
+    sharded = {s for _, n, shards, w, s in todo if (n, shards, w) == (4, 2, "processes")}
+    assert sharded == {"async", "overlap", "sync"}  # the PS strategies only: shards need a PS
+    assert {s for *_, w, s in todo if w == "containers"} == {"async", "overlap", "sync", "allreduce"}
+    assert {s for *_, w, s in todo if w == "processes"} >= {"allreduce", "official"}
+    flags = _cases("--full", "--compute-ms", "130", "--workers", "2", "--containers", "")
+    assert {(c, n) for c, n, *_ in flags} == {(130, 1), (130, 2)} and all(w == "processes" for *_, w, _ in flags)
 
 
 @pytest.mark.slow
@@ -87,7 +97,7 @@ def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_j
     out = tmp_path / "gpu.json"
     # sync and the published example step in lockstep: their workers' windows always overlap, while
     # async workers this short may run their few batches apart (the bench's defaults take 60)
-    argv = ["gpu", "--compute-ms", "5", "--systems", "sync,official", "--containers", ""]
+    argv = ["gpu", "--compute-ms", "5", "--workers", "2", "--systems", "sync,official", "--containers", ""]
     code = main(argv + ["--warmup", "2", "--steps", "6", "--timeout", "240", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())

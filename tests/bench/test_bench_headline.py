@@ -243,3 +243,34 @@ def test_constants_rpc_round_trip_runs_two_processes_per_channel_and_reports_eac
     figures = constants.rpc_round_trips("mnist-cnn", repeats=2)
     assert set(figures) == set(constants.ECHO_CHANNELS)
     assert all(math.isfinite(seconds) and seconds > 0 for seconds in figures.values()), figures
+
+
+def test_constants_floor_is_a_memcpy_and_an_sgd_step_and_the_push_pull_is_set_against_it():
+    from bench import constants
+
+    got = constants.floor({"memcpy_s": 0.007, "sgd_s": 0.005, "app_pushpull_s": 0.036})
+    assert got == {"floor_s": pytest.approx(0.012), "pushpull_vs_floor": pytest.approx(3.0)}
+    assert constants.floor({"memcpy_s": 0.007, "sgd_s": 0.005}) == {"floor_s": pytest.approx(0.012)}
+    assert constants.floor({"app_pushpull_s": 0.036}) == {}
+    text = constants.lines({"pushpull_vs_floor": 3.0, "floor_s": 0.012, "app_pushpull_s": 0.036})
+    assert [line.split()[0] for line in text.splitlines()] == ["app_pushpull_s", "floor_s", "pushpull_vs_floor"]
+
+
+def test_constants_copy_timing_copies_the_state_and_the_gpu_copies_run_where_torch_sees_one():
+    from bench import constants
+
+    src, dst, synced = torch.randn(1000), torch.empty(1000), []
+    assert constants.copy_seconds(dst, src, 3, lambda: synced.append(1)) >= 0
+    assert torch.equal(dst, src) and len(synced) == 4  # one untimed call, then the 3 timed
+    figures = constants.device_copies(1000, 2)
+    expected = {f"{way}_{kind}_s" for way in ("h2d", "d2h") for kind in ("pageable", "pinned")}
+    assert set(figures) == (expected if torch.cuda.is_available() else set())
+    assert expected <= set(constants.MEASURES)
+
+
+@pytest.mark.slow
+def test_constants_push_pull_is_the_app_itself_less_its_compute():
+    from bench import constants
+
+    figures = constants.app_pushpull(timeout=240)
+    assert set(figures) == {"app_pushpull_s"} and math.isfinite(figures["app_pushpull_s"])
