@@ -97,12 +97,11 @@ def shard_main(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    from app.common.flat import state_size
     from app.contract import ps_name
     from app.ps.endpoints import ENDPOINT
-    from app.ps.server import ParameterServer
-
-    from app.common.flat import state_size
     from app.ps.exchange import for_config
+    from app.ps.server import ParameterServer
 
     config = _config("ps", p)
     model, part = SPECS[p["model"]].model(), _part(p, index)
