@@ -59,14 +59,35 @@ class FlatModel:
         self.vector = torch.empty(size, device=device)
         self.own = self.vector  # the model's own storage (`load` writes here, never elsewhere)
         self.own_buffers = own_buffers
+        self._buffers_in_own = False  # own_buffers: the buffers are views of `own` already
         self.message = torch.zeros(size if with_grads else 0, device=device)
         self._spare: torch.Tensor | None = None  # the other message buffer, once `flip` needs one
+        # Views of tensors the model comes back to every step (`keep_views_of`): data_ptr -> views.
+        self._kept: dict[int, list[torch.Tensor]] = {}
         state = params + [buf for _, _, buf in buffers]
         for view, tensor in zip(self._views(self.vector, [t.shape for t in state]), state):
             view.copy_(tensor.detach())
         self._point_at(self.vector)
         if with_grads:
             self._grads_into(self.message)
+
+    def keep_views_of(self, tensors: list[torch.Tensor]) -> None:
+        """Make the views of `tensors` once, for good: buffers the model is pointed at or writes
+        its messages into every step (a worker's push slots and the PS's reply buffers in shared
+        memory), which live as long as the process. Re-pointing the model at one of them then
+        makes no new tensor."""
+        shapes = self._shapes()
+        for tensor in tensors:
+            if tensor.numel() >= self.size:
+                self._kept[tensor.data_ptr()] = self._views(tensor, shapes)
+
+    def _shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self._params] + [shape for _, _, shape in self._buffers]
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The param and buffer views of `flat`: kept ones, or new."""
+        kept = self._kept.get(flat.data_ptr())
+        return kept if kept is not None else self._views(flat, self._shapes())
 
     @staticmethod
     def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -80,7 +101,7 @@ class FlatModel:
 
     def _grads_into(self, message: torch.Tensor) -> None:
         """Make each param's .grad a view into the grads part of `message`."""
-        for p, view in zip(self._params, self._views(message, [p.shape for p in self._params])):
+        for p, view in zip(self._params, self._views_of(message)):
             p.grad = view
 
     def flip(self) -> None:
@@ -107,15 +128,16 @@ class FlatModel:
     def _point_at(self, vector: torch.Tensor) -> None:
         """Make the params and float buffers views into `vector` (no copy); with own_buffers
         the buffers stay in the model's own storage (their values copied from `vector`)."""
-        shapes = [p.shape for p in self._params] + [shape for _, _, shape in self._buffers]
-        views = self._views(vector, shapes)
+        views = self._views_of(vector)
         for p, view in zip(self._params, views):
             p.data = view
         if self.own_buffers and vector is not self.own:
             self.own[self.num_params :].copy_(vector[self.num_params :])
-            views = self._views(self.own, shapes)
-        for (module, name, _), view in zip(self._buffers, views[len(self._params) :]):
-            module._buffers[name] = view
+            views = self._views_of(self.own)
+        if not (self.own_buffers and self._buffers_in_own):
+            for (module, name, _), view in zip(self._buffers, views[len(self._params) :]):
+                module._buffers[name] = view
+            self._buffers_in_own = self.own_buffers
         self.vector = vector
 
     @property

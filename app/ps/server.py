@@ -95,18 +95,18 @@ class ParameterServer:
         if strategy not in PS_STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
-        self.model = model
-        self.flat = FlatModel(model, with_grads=False)
+        self._model = model
+        self._flat = FlatModel(model, with_grads=False)
         # `state` is what this process serves: the whole vector, or (a PS shard, app.ps.sharding.slices)
         # the slice `part` of it, a view: pushes carry and replies hold exactly its values.
-        start, end = (0, self.flat.size) if part is None else part
-        if not 0 <= start <= end <= self.flat.size:
-            raise ValueError(f"part {part} is not a slice of the model's {self.flat.size} values")
-        self.part, self.sliced = (start, end), part is not None and (start, end) != (0, self.flat.size)
-        self.state = self.flat.vector[start:end] if self.sliced else self.flat.vector
+        start, end = (0, self._flat.size) if part is None else part
+        if not 0 <= start <= end <= self._flat.size:
+            raise ValueError(f"part {part} is not a slice of the model's {self._flat.size} values")
+        self.part, self.sliced = (start, end), part is not None and (start, end) != (0, self._flat.size)
+        self.state = self._flat.vector[start:end] if self.sliced else self._flat.vector
         self.size = end - start
         # The parameter values in the slice (it may hold buffers only, or straddle both).
-        self.num_params = min(max(self.flat.num_params - start, 0), self.size)
+        self.num_params = min(max(self._flat.num_params - start, 0), self.size)
         self._param = nn.Parameter(self.state[: self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.num_trainers = num_trainers
@@ -149,6 +149,24 @@ class ParameterServer:
         self.shared = shared
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
         self._round: SyncRound | None = None  # sync: the open round's pushes, folded as they land
+
+    @property
+    def model(self) -> nn.Module:
+        """The model, its parameters and buffers views of the state. A push that moves the state
+        into a reply buffer does not re-point them (a hundred views a step); reading the model
+        does."""
+        self._follow_state()
+        return self._model
+
+    @property
+    def flat(self) -> FlatModel:
+        """The model's flat views (app.common.flat), pointed at the state."""
+        self._follow_state()
+        return self._flat
+
+    def _follow_state(self) -> None:
+        if not self.sliced and self._flat.vector is not self.state:
+            self._flat.adopt(self.state)
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -302,12 +320,11 @@ class ParameterServer:
         self._adopt(into)
 
     def _adopt(self, into: torch.Tensor | None) -> None:
-        """`into` (when given) holds the new state: it becomes the state (the model's views and
-        the optimizer's parameter move to it). One update more."""
+        """`into` (when given) holds the new state: it becomes the state (the optimizer's
+        parameter moves to it; the model's views follow when the model is read). One update more."""
         if into is not None:
-            self.flat.adopt(into)
-            self.state = self.flat.vector
-            self._param.data = self.state[: self.num_params]
+            self.state = into
+            self._param.data = into[: self.num_params]
         self.version += 1
         self.last_applied = self.clock()
         if self.version >= self._wake_at:

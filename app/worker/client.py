@@ -61,6 +61,11 @@ class PSClient:
         slots in the PS's shared memory (None over TensorPipe)."""
         return self.link.slots if self.link is not None else None
 
+    def reply_buffers(self) -> list[torch.Tensor]:
+        """Where the PS's replies may be: its reply buffers in shared memory ([] over TensorPipe,
+        where every reply is a new tensor)."""
+        return self.link.replies if self.link is not None else []
+
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(endpoints.rpc_pull, self.rank)
 

@@ -74,6 +74,10 @@ class ShardedClient:
         """Each shard takes its slice of the message: no one buffer holds a whole push."""
         return None
 
+    def reply_buffers(self) -> list[torch.Tensor]:
+        """A reply is the shards' slices put together: a new tensor each time."""
+        return []
+
     def push(
         self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
     ) -> Reply:

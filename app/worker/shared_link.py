@@ -30,6 +30,8 @@ class SharedLink:
         if not names:
             raise ShmUnavailable(f"{segment.path} has no push slot for rank {rank}")
         self.slots = [segment.region(n) for n in names]
+        # the regions its replies come in: its own reply buffers, and a sync round's
+        self.replies = [segment.region(n) for n in segment.names if n.startswith((f"reply{rank}.", "round."))]
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
 

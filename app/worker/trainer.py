@@ -112,7 +112,10 @@ class Trainer:
         self.flat.adopt(start["vector"])
         self.version, self.pushes = start["version"], start["pushes"]
         self.slots = self.client.message_buffers()
+        if self.device.type == "cpu":  # the model is pointed at the PS's reply buffers: their views once
+            self.flat.keep_views_of(self.client.reply_buffers())
         if self.slots is not None and self.device.type == "cpu" and self.compress is None:
+            self.flat.keep_views_of(self.slots)
             self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
 
     def reshard(self, epoch: int) -> None:

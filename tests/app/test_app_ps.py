@@ -88,7 +88,7 @@ def test_buffers_in_a_push_replace_the_global_ones():
     message = torch.zeros(server.flat.size)
     message[-4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # running_mean, running_var
     vector = server.push(1, message, 0).vector
-    assert torch.equal(model[1].running_mean, torch.tensor([1.0, 2.0]))
+    assert torch.equal(server.model[1].running_mean, torch.tensor([1.0, 2.0]))  # the model, read, follows the state
     assert torch.equal(vector[-4:], message[-4:])
 
 
