@@ -56,7 +56,7 @@ sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) f
 local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
 	$(ORCH) local $(CFG) $(RESUMING)
 
-# The cluster in containers (orchestrator/backends/compose/verbs.py). logs, status and down act
+# The cluster in containers (orchestrator/backends/verbs.py on the compose target). logs, status and down act
 # on the cluster `up` started last, unless CONFIG or WORKERS is given.
 LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
            $(if $(STRATEGY),--strategy $(STRATEGY))
@@ -102,7 +102,7 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
 	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
-# The same topology on Docker Swarm (orchestrator/backends/swarm/verbs.py, docs/multi-host.md).
+# The same topology on Docker Swarm (orchestrator/backends/verbs.py on the swarm target, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
 	$(ORCH) stack-up $(CFG) $(RESUMING)

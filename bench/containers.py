@@ -70,6 +70,7 @@ def run_processes(workers: int, timeout: float) -> dict[str, float]:
 
 def run_compose(workers: int, timeout: float) -> dict[str, float]:
     from orchestrator import images
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
@@ -86,7 +87,7 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
             write_atomic(proj.file, compose.dump(compose.render(t), t.name))
             base, pip_source = images.source(t, offline=True)
             images.build(t.image_tag, base, pip_source, out=io.StringIO())
-            adapter.run(adapter.up_argv(found, proj), capture=True)
+            command.run(adapter.up_argv(found, proj), capture=True)
             finished = adapter.wait_exited(client, name, len(service_names(t)), timeout, io.StringIO())
             if finished is None:
                 raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
@@ -94,7 +95,7 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
             lines = adapter.read_metrics(client, name, containers).get("ps.jsonl", [])
             return _throughput(lines)
         finally:
-            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+            command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
 
 
 def _throughput(lines: list[str]) -> dict[str, float]:

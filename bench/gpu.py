@@ -115,6 +115,7 @@ def run_containers(t: dict[str, Any], timeout: float, project: str) -> dict[str,
     """The case rendered for compose and run under `project`; its metrics files' lines.
     The project and its volume are removed afterwards, whatever happened."""
     from orchestrator import images
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
@@ -128,13 +129,13 @@ def run_containers(t: dict[str, Any], timeout: float, project: str) -> dict[str,
         proj = adapter.Project(project, str(Path(tmp) / "compose.yaml"), str(ROOT))
         try:
             write_atomic(proj.file, compose.dump(compose.render(model), model.name))
-            adapter.run(adapter.up_argv(found, proj), capture=True)
+            command.run(adapter.up_argv(found, proj), capture=True)
             finished = adapter.wait_exited(client, project, len(service_names(model)), timeout, io.StringIO())
             if finished is None:
                 raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
             return adapter.read_metrics(client, project, adapter.containers(client, project))
         finally:
-            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+            command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
 
 
 def run_official(compute_ms: int, workers: int, batches: int, warmup: int, timeout: float) -> list[list[float]]:

@@ -145,6 +145,7 @@ def run(config: str = DEFAULT_CONFIG, *, seconds: float = RUN_SECONDS, out: Text
 
 
 def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_if_changed
@@ -154,10 +155,10 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
     write_if_changed(path, compose.dump(compose.render(t), t.name))
     project = adapter.Project(PROJECT, str(path), str(ROOT))
     workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
-    adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
+    command.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     try:
         print(f"==> gpu-check: {describe(t)} on GPUs {t.worker_gpus()}, {seconds:.0f} s", file=out, flush=True)
-        adapter.run(adapter.up_argv(found, project))
+        command.run(adapter.up_argv(found, project))
         joined = _wait_joined(client, workers)
         if joined is None:
             adapter.print_logs(client, PROJECT, out)
@@ -167,7 +168,7 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
         files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
         rows = summarize(files, workers, joined + WARMUP_SECONDS)
     finally:
-        adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
+        command.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     for line in format_rows(rows):
         print(line, file=out)
     problems = verdict(rows)

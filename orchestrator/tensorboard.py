@@ -4,7 +4,7 @@ answers on, and for `make tensorboard LOCAL=1` the local process on runs/<name>/
 The app writes `<metrics_dir>/tensorboard/<run id>/<process>/` (app/contract.py `event_dir`);
 TensorBoard shows every run under the directory it is given, so the default (the whole
 `tensorboard/` directory) puts a topology's runs side by side, and a run id narrows it to one.
-The compose side (a profiled service of the project) is orchestrator/backends/compose/tensorboard.py.
+The verb is orchestrator/backends/board.py; compose serves it as a profiled service of the project.
 """
 
 from __future__ import annotations
@@ -85,12 +85,11 @@ def wait_until_answers(port: int, timeout: float = ANSWER_TIMEOUT, alive=lambda:
     return False
 
 
-def refuse_swarm() -> int:
-    """A stack's event files are on the PS's node; no service there shows them (yet)."""
-    raise UsageError(
-        "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
-        "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
-    )
+# A stack's event files are on the PS's node; no service there shows them (yet).
+SWARM_REFUSAL = (
+    "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
+    "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
+)
 
 
 def local_logdir(t: Topology, run: str, runs_dir: str = "runs") -> Path:

@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator import images, runs
-from orchestrator.backends.compose import adapter, verbs
+from orchestrator.backends import command, verbs
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.compose.backend import SCALE_STOP_SECONDS
+from orchestrator.backends.compose.status import service_states
 from orchestrator.chaos.common import (
     CHECKPOINT_VERSION,
     RUN_TIMEOUT,
@@ -64,13 +67,13 @@ class ContainerJob:
 
     def up(self, resume: bool = False) -> None:
         """`make up` (`resume`: `make up RESUME=1`): a new run, with its own id."""
-        adapter.run(
+        command.run(
             adapter.up_argv(self.compose, self.project), capture=True, env=runs.environment(runs.new_id(), resume)
         )
 
     def down(self, volumes: bool) -> float:
         start = time.monotonic()
-        adapter.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
+        command.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
         return time.monotonic() - start
 
     def close(self) -> None:
@@ -116,15 +119,15 @@ class ContainerJob:
 
     def scale(self, workers: int) -> tuple[list[str], list[str]]:
         """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
-        running = verbs.running_workers(self.client, self.project.name)
+        running = verbs.running_workers(service_states([c.attrs for c in self.containers().values()]))
         if running is None:
             raise Timeout("scale: the PS is not running")
         start, stop = verbs.scale_plan(running, workers)
         if start:
             env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
-            adapter.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
+            command.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
         if stop:
-            adapter.run(adapter.stop_argv(self.compose, self.project, stop, verbs.SCALE_STOP_SECONDS), capture=True)
+            command.run(adapter.stop_argv(self.compose, self.project, stop, SCALE_STOP_SECONDS), capture=True)
         return start, stop
 
     def logs(self) -> str:

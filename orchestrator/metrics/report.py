@@ -217,7 +217,8 @@ def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
     current = runs_dir / "current.json"
     try:
         rec = json.loads(current.read_text(encoding="utf-8"))
-        project, run_dir = rec["project"], Path(rec["compose_file"]).parent
+        project = rec.get("name") or rec["project"]  # the record store's, or an older version's
+        run_dir = Path(rec.get("file") or rec["compose_file"]).parent
     except (OSError, ValueError, KeyError, TypeError):
         raise UsageError(
             f"no RUN_DIR given and no {current} (written by `up`); give a run directory, e.g. runs/cpu-smoke"
