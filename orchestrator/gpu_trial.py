@@ -31,7 +31,7 @@ from orchestrator.errors import UsageError
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load, parse
-from orchestrator.topology.services import describe, worker_service
+from orchestrator.topology.services import describe, worker_name
 
 PROJECT = "gpu-check"
 RUN_SECONDS = 60.0
@@ -154,7 +154,7 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
     path = RUNS / PROJECT / "compose.yaml"
     write_if_changed(path, compose.dump(compose.render(t), t.name))
     project = adapter.Project(PROJECT, str(path), str(ROOT))
-    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
+    workers = [worker_name(r) for r in range(1, t.workers.count + 1)]
     command.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     try:
         print(f"==> gpu-check: {describe(t)} on GPUs {t.worker_gpus()}, {seconds:.0f} s", file=out, flush=True)

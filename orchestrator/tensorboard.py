@@ -9,7 +9,6 @@ The verb is orchestrator/backends/board.py; compose serves it as a profiled serv
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from app.contract import TENSORBOARD_DIR
+from app.contract import RUN_ID, TENSORBOARD_DIR
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology
 
@@ -27,7 +26,6 @@ DEFAULT_PORT = 6006  # TensorBoard's own
 PORTS_TRIED = 100  # from the default on, when it is taken
 HOST = "127.0.0.1"  # never published beyond this host
 ANSWER_TIMEOUT = 120.0  # seconds for a starting TensorBoard to answer
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # as the app's --run_id
 
 
 def check_run(run: Optional[str]) -> str:

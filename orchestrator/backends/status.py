@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from orchestrator.backends.base import ServiceState
 from orchestrator.metrics.records import parse_lines
-from orchestrator.topology.services import worker_service
+from orchestrator.topology.services import worker_name
 
 
 def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def live_workers(lines: Iterable[str], running: Optional[set[int]] = None) -> Op
     if last is None:
         return None
     now = sorted(r for r in live if running is None or r in running)
-    return {"workers": [worker_service(r) for r in now], "version": last.get("step")}
+    return {"workers": [worker_name(r) for r in now], "version": last.get("step")}
 
 
 def format_live(live: Optional[dict[str, Any]]) -> str:

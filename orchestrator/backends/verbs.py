@@ -32,7 +32,7 @@ from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_if_changed
 from orchestrator.topology.model import Topology, load_with
-from orchestrator.topology.services import PS_SERVICE, Service, describe, has_ps, services, sort_key, worker_service
+from orchestrator.topology.services import PS_SERVICE, Service, describe, has_ps, services, sort_key, worker_name
 
 POLL = 2.0  # seconds between two looks at the cluster while following its logs
 
@@ -276,7 +276,7 @@ def running_workers(states: Sequence[ServiceState]) -> Optional[dict[int, str]]:
 def scale_plan(running: dict[int, str], workers: int) -> tuple[list[str], list[str]]:
     """(services to start, services to stop) so that ranks 1..workers run: the missing ranks
     up to `workers` start, and the running ranks above it stop, highest first."""
-    start = [worker_service(r) for r in range(1, workers + 1) if r not in running]
+    start = [worker_name(r) for r in range(1, workers + 1) if r not in running]
     stop = [running[r] for r in sorted(running, reverse=True) if r > workers]
     return start, stop
 

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
+from app.contract import STRATEGIES
 from orchestrator import local
 from orchestrator.errors import UsageError
 from orchestrator.metrics import run_metrics
 from orchestrator.metrics.report import write_report
 from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
 from orchestrator.paths import SMOKE_CONFIG
-from orchestrator.topology.contract import STRATEGIES
 from orchestrator.topology.model import Topology, load
 
 BASE_CONFIG = SMOKE_CONFIG

@@ -36,7 +36,7 @@ from orchestrator.topology.services import (
     has_ps,
     rendezvous_service,
     shard_service,
-    worker_service,
+    worker_name,
 )
 
 NETWORK = "cluster"
@@ -154,9 +154,9 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     for index in range(1, t.ps.shards if has_ps(t) else 1):
         services[shard_service(index)] = _shard(t, index)
     for rank in range(1, t.max_workers + 1):
-        services[worker_service(rank)] = _worker(t, rank)
+        services[worker_name(rank)] = _worker(t, rank)
         if rank > t.workers.count:
-            services[worker_service(rank)]["profiles"] = [SCALE_PROFILE]
+            services[worker_name(rank)]["profiles"] = [SCALE_PROFILE]
     if one_host and shares_pid_namespace(t):
         for svc in services.values():
             _join_pid_namespace(svc)
@@ -273,7 +273,7 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
             svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]
     else:
         # No healthcheck to wait for: the rendezvous waits (up to rpc_timeout) for all.
-        svc["depends_on"] = {worker_service(1): {"condition": "service_started"}}
+        svc["depends_on"] = {worker_name(1): {"condition": "service_started"}}
     # A lost peer fails every rank's step: each exits 1, comes back, and the job
     # resumes from rank 0's newest checkpoint.
     svc["restart"] = "on-failure"
@@ -382,7 +382,7 @@ def security_warnings(t: Topology) -> list[str]:
     out = []
     if t.network.publish_rpc_port:
         out.append(
-            f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_service(1)}'s port {t.ps.rpc_port} "
+            f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_name(1)}'s port {t.ps.rpc_port} "
             "is published on every host address; "
             + (
                 "PyTorch RPC has no authentication (whoever reaches it can run code)"

@@ -27,16 +27,14 @@ from pydantic import (
     field_validator,
 )
 
-from app.options import Option, in_topology
+from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES
+from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
 from orchestrator.errors import UsageError
-from orchestrator.topology.contract import DATASETS, FILE_DATASETS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-# The user's own model or dataset: package.module:factory, imported from `code`.
-ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
@@ -514,16 +512,7 @@ def check(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
-    if t.workers.max is not None and t.workers.max < t.workers.count:
-        raise TopologyError(
-            source, "workers.max", f"got {t.workers.max}; must be at least workers.count ({t.workers.count})"
-        )
-    if t.max_workers > t.workers.count and t.train.strategy == "allreduce":
-        raise TopologyError(
-            source,
-            "workers.max",
-            f"got {t.max_workers}; strategy allreduce has a fixed world size (leave it out, or equal to workers.count)",
-        )
+    _check_rules(t, source)
     gpus = t.workers.gpus
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
@@ -539,24 +528,6 @@ def check(t: Topology, source: str) -> None:
             source,
             "image.group_add",
             f"got {list(t.image.group_add)}; allowed only with image.device cuda (it is for the GPU device nodes)",
-        )
-    if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
-        raise TopologyError(
-            source,
-            "train.overlap",
-            f"got True; allowed only with strategy async or ssp "
-            f"({t.train.strategy} waits for every worker's gradient each step)",
-        )
-    if t.train.precision == "fp16" and not t.cuda:
-        raise TopologyError(
-            source, "train.precision", "got 'fp16'; needs a GPU image (loss scaling runs on the GPU); on CPU use bf16"
-        )
-    if t.ps.shards > 1 and t.train.strategy == "allreduce":
-        raise TopologyError(
-            source,
-            "ps.shards",
-            f"got {t.ps.shards}; allowed only with a parameter server "
-            "(strategy async, sync or ssp); allreduce has none",
         )
     opts = t.state.driver_opts
     if opts and t.state.volume_driver is None:
@@ -579,6 +550,33 @@ def check(t: Topology, source: str) -> None:
             "swarm.workers",
             f"got {nodes} for {t.workers.count} workers; must list one node per worker, or a single node for all",
         )
+
+
+# The topology's own place for the options of the rules that no topology key sets.
+_RULE_PATHS = {"max_workers": "workers.max", "device": "image.device", "world_size": "workers.count"}
+
+
+def rule_values(t: Topology) -> dict[str, Any]:
+    """The job's values as the rules between options (app/options.py RULES) read them."""
+    values: dict[str, Any] = {o.name: getattr(getattr(t, o.section), o.key) for o in OPTIONS if o.topology}
+    values.update(
+        max_workers=t.workers.max,
+        world_size=t.workers.count + 1,
+        device=t.image.device,
+        role=None,
+        given=frozenset(o.name for o in OPTIONS if o.topology) | ({"max_workers"} if t.workers.max else set()),
+    )
+    return values
+
+
+def _check_rules(t: Topology, source: str) -> None:
+    """The rules between options that the app's parser evaluates too, named by their YAML path."""
+    values = rule_values(t)
+    rule = broken_rule(values)
+    if rule is not None:
+        o = BY_NAME[rule.option]
+        path = o.topology or _RULE_PATHS[o.name]
+        raise TopologyError(source, path, f"got {_show(values[o.name])}; {rule.allowed(values)}")
 
 
 def load(path: str | Path) -> Topology:

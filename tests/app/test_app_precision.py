@@ -21,7 +21,7 @@ def test_precision_flag_and_fp16_needs_cuda():
     assert parse(["worker"], {}).precision == "fp32"
     assert parse(["worker", "--precision", "bf16"], {}).precision == "bf16"
     assert parse(["ps", "--precision", "fp16"], {}).precision == "fp16"  # the PS runs no forward
-    with pytest.raises(UsageError, match="--precision: fp16 needs --device cuda"):
+    with pytest.raises(UsageError, match="--precision: got fp16; needs a GPU, device cuda"):
         parse(["worker", "--precision", "fp16"], {})
     with pytest.raises(UsageError, match="--precision: 'fp8' is not one of fp32, bf16, fp16"):
         parse(["worker", "--precision", "fp8"], {})
@@ -51,7 +51,7 @@ def test_precision_renders_only_when_not_fp32():
 def test_fp16_on_a_cpu_image_is_refused():
     doc = yaml.safe_load((REPO / "configs/cpu-smoke.yaml").read_text())
     doc["train"]["precision"] = "fp16"
-    with pytest.raises(TopologyError, match="train.precision: got 'fp16'; needs a GPU image"):
+    with pytest.raises(TopologyError, match="train.precision: got 'fp16'; needs a GPU, device cuda"):
         parse_topology(yaml.safe_dump(doc), "t.yaml")
 
 
