@@ -70,3 +70,17 @@ def test_ps_is_rank_0_and_names_itself_ps():
     with pytest.raises(UsageError, match=r"^PSC_RANK: got 9; the ps role is rank 0 \(leave it out, or 0\)$"):
         parse(["ps", "--world_size", "5"], {"PSC_RANK": "9"})
     assert parse(["worker", "--rank", "2"], {}).name == "worker2"
+
+
+def test_a_process_started_by_hand_keeps_its_state_where_git_does_not_look():
+    """`python -m app ps` from the repository root: its checkpoints, metrics and cache go under
+    runs/app/ (ignored), never into folders of the tree (before: ./checkpoints, ./metrics)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    config = parse(["ps"], {})
+    for d in (config.checkpoint_dir, config.metrics_dir, config.cache_dir):
+        assert d.startswith("./runs/app/"), d
+        probe = f"{d}/x.jsonl"
+        assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=repo).returncode == 0, d
