@@ -390,6 +390,15 @@ class Kubernetes(_Section):
     """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
     worker_node_selector: NodeSelector = Field(default_factory=dict)
     """nodeSelector of every worker, e.g. {nvidia.com/gpu.present: "true"}."""
+    ps_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores the PS pod (and each shard's) requests; no CPU limit, so it may use idle cores."""
+    ps_memory: Optional[Size] = None
+    """Memory the PS pod requests and is limited to (so it is not evicted first); it holds its /dev/shm, a memory
+    emptyDir: default ps.shm_size + 4g."""
+    worker_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores each worker pod requests; no CPU limit."""
+    worker_memory: Optional[Size] = None
+    """Memory each worker pod requests and is limited to; it holds its /dev/shm: default workers.shm_size + 4g."""
 
     @field_validator("storage_class", "data_claim")
     @classmethod
@@ -498,7 +507,13 @@ def is_entry_point(value: str) -> bool:
 
 
 def check(t: Topology, source: str) -> None:
-    """The checks that span fields (pydantic has checked each field)."""
+    """The checks that span fields (pydantic has checked each field); the first problem raises."""
+    for part in (_check_inputs, _check_rules, _check_gpus, _check_state, _check_placement):
+        part(t, source)
+
+
+def _check_inputs(t: Topology, source: str) -> None:
+    """What the job reads: the user's code for an entry point, a data_dir for a file dataset."""
     for path, value in t.entry_points():
         if t.code is None:
             raise TopologyError(
@@ -512,7 +527,9 @@ def check(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
-    _check_rules(t, source)
+
+
+def _check_gpus(t: Topology, source: str) -> None:
     gpus = t.workers.gpus
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
@@ -529,6 +546,9 @@ def check(t: Topology, source: str) -> None:
             "image.group_add",
             f"got {list(t.image.group_add)}; allowed only with image.device cuda (it is for the GPU device nodes)",
         )
+
+
+def _check_state(t: Topology, source: str) -> None:
     opts = t.state.driver_opts
     if opts and t.state.volume_driver is None:
         raise TopologyError(
@@ -543,6 +563,10 @@ def check(t: Topology, source: str) -> None:
             f"got {_show(dict(opts))}; type {opts['type']} needs "
             "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')",
         )
+
+
+def _check_placement(t: Topology, source: str) -> None:
+    """Swarm's nodes for the workers; a Kubernetes pod's memory above its /dev/shm."""
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(
@@ -550,6 +574,17 @@ def check(t: Topology, source: str) -> None:
             "swarm.workers",
             f"got {nodes} for {t.workers.count} workers; must list one node per worker, or a single node for all",
         )
+    for key, memory, shm_key, shm in (
+        ("ps_memory", t.kubernetes.ps_memory, "ps.shm_size", t.ps.shm_size),
+        ("worker_memory", t.kubernetes.worker_memory, "workers.shm_size", t.workers.shm_size),
+    ):
+        if memory is not None and size_bytes(memory) <= size_bytes(shm):
+            raise TopologyError(
+                source,
+                f"kubernetes.{key}",
+                f"got {_show(memory)}; must be more than {shm_key} ({shm}): the pod's /dev/shm is memory it is "
+                "charged for",
+            )
 
 
 # The topology's own place for the options of the rules that no topology key sets.
