@@ -41,8 +41,9 @@ setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 test: setup ## the whole test suite, containers included
 	$(PY) -m pytest --durations=25
 
-lint: setup ## ruff: lint rules and formatting of the whole tree (pyproject.toml [tool.ruff]); FIX=1 applies the fixes
+lint: setup ## ruff (lint rules, formatting) and mypy (types) over the tree (pyproject.toml [tool.ruff], [tool.mypy]); FIX=1 applies ruff's fixes
 	$(if $(FIX),$(PY) -m ruff check --fix . && $(PY) -m ruff format .,$(PY) -m ruff check . && $(PY) -m ruff format --check .)
+	$(PY) -m mypy
 
 test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
@@ -154,8 +155,10 @@ bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): 
 # docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py
 # (a test fails when it is out of date).
 .PHONY: docs
-docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
+docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
+	$(PY) -m orchestrator.topology.stub > orchestrator/topology/sections.pyi.tmp && mv orchestrator/topology/sections.pyi.tmp orchestrator/topology/sections.pyi
+	$(PY) -c 'from app.config import type_stub; print(type_stub(), end="")' > app/config_fields.pyi.tmp && mv app/config_fields.pyi.tmp app/config_fields.pyi
 
 bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
 	$(PY) -m bench data $(BENCH_ARGS)

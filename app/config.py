@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from app.contract import DATASETS, ENTRY_POINT, ROLES, RUN_ID, process_name
 from app.options import BY_NAME, OPTIONS, Option, broken_rule
@@ -26,6 +26,13 @@ _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "auto_int": str}
 
 
 class _ConfigMethods:
+    # Fields of Config that these read (declared for the type checker; the dataclass sets them).
+    role: str
+    rank: int
+    shard: int
+    world_size: int
+    max_workers: int
+
     @property
     def num_trainers(self) -> int:
         """How many workers the PS serves."""
@@ -42,14 +49,17 @@ class _ConfigMethods:
         return process_name(self.role, self.rank, self.shard)
 
 
-Config = dataclasses.make_dataclass(
-    "Config",
-    [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
-    bases=(_ConfigMethods,),
-    frozen=True,
-)
-Config.__module__ = __name__  # pickles as app.config.Config
-Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
+if TYPE_CHECKING:  # the same class, declared field by field (written from app/options.py)
+    from app.config_fields import Config
+else:
+    Config = dataclasses.make_dataclass(
+        "Config",
+        [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
+        bases=(_ConfigMethods,),
+        frozen=True,
+    )
+    Config.__module__ = __name__  # pickles as app.config.Config
+    Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -169,6 +179,26 @@ def _check_ranks(config: Config, sources: Mapping[str, str]) -> None:
             f"{rank}: {config.rank} must be in 1..{config.max_trainers} "
             f"for a worker (--world_size {config.world_size}{scaled})"
         )
+
+
+def type_stub() -> str:
+    """app/config_fields.pyi: `Config` declared field by field for the type checker (this module
+    builds it at run time); `make docs` writes it, tests/orchestrator/test_typing.py holds it so."""
+    kinds = {"int": "int", "float": "float", "bool": "bool", "str": "str", "auto_int": "str"}
+    fields = [f"    {o.name}: {kinds[o.kind]} = {o.default!r}".replace("'", '"') for o in OPTIONS]
+    derived = [
+        f"    @property\n    def {name}(self) -> {prop.fget.__annotations__['return']}: ..."
+        for name, prop in vars(_ConfigMethods).items()
+        if isinstance(prop, property) and prop.fget is not None
+    ]
+    return (
+        '"""The app\'s Config, declared field by field for the type checker.\n\n'
+        "Written by app/config.py `type_stub` from app/options.py (`make docs`); do not edit.\n"
+        'app/config.py builds the real class at run time and imports this under TYPE_CHECKING alone.\n"""\n\n'
+        "import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Config:\n"
+        '    """Everything a process of the app needs: its role and one field per option of app/options.py."""\n\n'
+        "    role: str\n" + "\n".join(fields) + "\n\n" + "\n".join(derived) + "\n"
+    )
 
 
 def check_threads_env(env: Mapping[str, str]) -> None:

@@ -190,7 +190,8 @@ def _wait_joined(client: Any, workers: list[str]) -> Optional[float]:
             next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"), None)
             for w in workers
         ]
-        if all(j is not None for j in joins):
-            return max(joins)
+        found = [j for j in joins if j is not None]
+        if len(found) == len(joins):
+            return max(found)
         time.sleep(5)
     return None

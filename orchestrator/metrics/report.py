@@ -62,7 +62,7 @@ def _labels(runs: Sequence[Run]) -> None:
     unique = None not in strategies and len(set(strategies)) == len(runs)
     for r in runs:
         r.label = r.label or (
-            r.strategy
+            str(r.strategy)
             if unique and len(runs) > 1
             else (r.name if r.strategy in (None, r.name) else f"{r.name} ({r.strategy})")
         )

@@ -366,8 +366,8 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
     if end is not None and end.get("staleness_mean") is not None:
         s_mean, s_max = float(end["staleness_mean"]), end.get("staleness_max")
     elif counts:
-        total = sum(counts.values())
-        s_mean, s_max = sum(k * v for k, v in counts.items()) / total, max(counts)
+        pushes = sum(counts.values())
+        s_mean, s_max = sum(k * v for k, v in counts.items()) / pushes, max(counts)
     if run.strategy == "allreduce":
         s_mean = s_max = None
     t0 = start_time(run)

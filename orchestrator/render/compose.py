@@ -323,9 +323,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     )
     volumes: list[dict[str, Any]] = []
     if t.reads_files:
-        volumes.append(
-            {"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True}
-        )
+        volumes.append({"type": "bind", "source": _bind_source(t.data_dir()), "target": DATA_DIR, "read_only": True})
     if t.code is not None:
         # Mounted, not copied into the image: edit and run again without a rebuild.
         volumes.append({"type": "bind", "source": _bind_source(t.code), "target": CODE_DIR, "read_only": True})

@@ -260,7 +260,7 @@ def _volumes(t: Topology, ps: bool, data_root: str) -> tuple[list[dict[str, Any]
                 {"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim, "readOnly": True}}
             )
         else:
-            volumes.append(_host_path("data", t.train.data_dir, data_root))
+            volumes.append(_host_path("data", t.data_dir(), data_root))
         mounts.append({"name": "data", "mountPath": compose.DATA_DIR, "readOnly": True})
     if t.code is not None:
         volumes.append(_host_path("code", t.code, data_root))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
 
 import yaml
 from pydantic import (
@@ -144,7 +144,7 @@ def _option_type(o: Option) -> Any:
     """The topology's type of a declared option (app/options.py)."""
     kind = o.topology_kind or o.kind
     if o.choices:
-        allowed = Literal[o.choices]
+        allowed = cast(Any, Literal)[o.choices]  # the option's choices, known at run time
         if o.bool_aliases[0]:  # the field was a boolean (YAML reads a bare on/off as one)
             return Annotated[
                 allowed, BeforeValidator(lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)
@@ -224,9 +224,14 @@ _TRAIN_PATHS = {
         ),
     ),
 }
-Train = _with_options(
-    "train", _Train, "The training job: model, data, optimizer and strategy.", after={"dataset": _TRAIN_PATHS}
-)
+# The fields of a section that are no option of the app, after the option they follow.
+SECTION_EXTRAS: dict[str, dict[str, dict[str, Any]]] = {"train": {"dataset": _TRAIN_PATHS}}
+if TYPE_CHECKING:  # the same classes, declared field by field (written from app/options.py)
+    from orchestrator.topology.sections import PS, Train
+else:
+    Train = _with_options(
+        "train", _Train, "The training job: model, data, optimizer and strategy.", after=SECTION_EXTRAS["train"]
+    )
 
 
 class _PS(_Section):
@@ -241,7 +246,8 @@ class _PS(_Section):
     """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
 
 
-PS = _with_options("ps", _PS, _PS.__doc__ or "")
+if not TYPE_CHECKING:
+    PS = _with_options("ps", _PS, _PS.__doc__ or "")
 
 
 class Workers(_Section):
@@ -467,6 +473,12 @@ class Topology(_Section):
             return []
         gpus = self.workers.gpus if self.workers.gpus is not None else list(range(self.max_workers))
         return gpus[: self.max_workers]
+
+    def data_dir(self) -> str:
+        """train.data_dir, which `check` requires of a dataset that reads files (ask only then)."""
+        if self.train.data_dir is None:
+            raise TopologyError("<topology>", "train.data_dir", f"missing for dataset {self.train.dataset!r}")
+        return self.train.data_dir
 
     def ps_gpu(self) -> Optional[int]:
         return self.ps.gpu if self.cuda else None

