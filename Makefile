@@ -157,8 +157,8 @@ bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): 
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
-	$(PY) -m orchestrator.topology.stub > orchestrator/topology/sections.pyi.tmp && mv orchestrator/topology/sections.pyi.tmp orchestrator/topology/sections.pyi
-	$(PY) -c 'from app.config import type_stub; print(type_stub(), end="")' > app/config_fields.pyi.tmp && mv app/config_fields.pyi.tmp app/config_fields.pyi
+	$(PY) -m orchestrator.topology.stub > sections.pyi.tmp && mv sections.pyi.tmp orchestrator/topology/sections.pyi
+	$(PY) -c 'from app.config import type_stub; print(type_stub(), end="")' > config.pyi.tmp && mv config.pyi.tmp app/config_fields.pyi
 
 bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
 	$(PY) -m bench data $(BENCH_ARGS)

@@ -11,6 +11,7 @@ library and the orchestrator to these two.
 from __future__ import annotations
 
 import re
+from enum import Enum
 
 ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
@@ -45,23 +46,29 @@ METRICS_SUFFIX = ".jsonl"
 # TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/common/event_files.py)
 TENSORBOARD_DIR = "tensorboard"
 UNNAMED_RUN = "unnamed"  # the run directory of processes started without a run id
-# Metrics events (docs/design.md): what a process writes, one JSON object a line.
-EVENTS = (
-    "start",
-    "join",
-    "train",
-    "eval",
-    "end",
-    "checkpoint",
-    "resume",
-    "drop",
-    "back",
-    "left",
-    "frozen",
-    "refused",
-    "shard",
-    "shard_lost",
-)
+
+
+class Event(str, Enum):
+    """The metrics events (docs/design.md): what a process writes, one JSON object a line, its
+    `event` field. A member equals its string (`Event.JOIN == "join"`)."""
+
+    START = "start"
+    JOIN = "join"
+    TRAIN = "train"
+    EVAL = "eval"
+    END = "end"
+    CHECKPOINT = "checkpoint"
+    RESUME = "resume"
+    DROP = "drop"
+    BACK = "back"
+    LEFT = "left"
+    FROZEN = "frozen"
+    REFUSED = "refused"
+    SHARD = "shard"
+    SHARD_LOST = "shard_lost"
+
+
+EVENTS = tuple(e.value for e in Event)
 
 
 def worker_name(rank: int) -> str:

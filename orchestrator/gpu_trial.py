@@ -23,12 +23,13 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
+from app.contract import Event
 from orchestrator.backends.compose import doctor
 from orchestrator.doctor.checks import host_gpus, run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.probe import check_probe
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import parse_lines
+from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load, parse
 from orchestrator.topology.services import describe, worker_name
@@ -69,11 +70,11 @@ def summarize(files: dict[str, list[str]], workers: list[str], since: float) -> 
     rows = []
     for w in workers:
         records = parse_lines(files.get(f"{w}.jsonl", []))
-        join = next((r for r in reversed(records) if r.get("event") == "join"), {})
+        join = next((r for r in reversed(records) if is_event(r, Event.JOIN)), {})
         rates = [
             r["samples_per_s"]
             for r in records
-            if r.get("event") == "train" and r.get("time", 0) >= since and r.get("samples_per_s") is not None
+            if is_event(r, Event.TRAIN) and r.get("time", 0) >= since and r.get("samples_per_s") is not None
         ]
         rows.append(WorkerRow(w, median(rates) if rates else None, join.get("gpu", "?"), join.get("gpu_uuid", "?")))
     return rows
@@ -187,7 +188,7 @@ def _wait_joined(client: Any, workers: list[str]) -> Optional[float]:
     while time.monotonic() < deadline:
         files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
         joins = [
-            next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"), None)
+            next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if is_event(r, Event.JOIN)), None)
             for w in workers
         ]
         found = [j for j in joins if j is not None]

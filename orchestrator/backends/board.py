@@ -14,12 +14,13 @@ from typing import Optional, TextIO
 
 import yaml
 
+from app.contract import Event
 from orchestrator import images
 from orchestrator import tensorboard as board
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.backends.verbs import keep_document, resolve
 from orchestrator.errors import UsageError, engine_errors
-from orchestrator.metrics.records import parse_lines
+from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.render.compose import TENSORBOARD_PORT, TENSORBOARD_RUN
 from orchestrator.topology.model import load_with
@@ -43,7 +44,7 @@ def run_ids(records: dict[str, list[str]]) -> list[str]:
     ids: dict[str, None] = {}
     for lines in records.values():
         for rec in parse_lines(lines):
-            if rec.get("event") == "start" and rec.get("run_id"):
+            if is_event(rec, Event.START) and rec.get("run_id"):
                 ids[str(rec["run_id"])] = None
     return sorted(ids)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from app.contract import Event
 from orchestrator.backends.base import ServiceState
-from orchestrator.metrics.records import parse_lines
+from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.topology.services import worker_name
 
 
@@ -33,12 +34,12 @@ def live_workers(lines: Iterable[str], running: Optional[set[int]] = None) -> Op
     live: set[int] = set()
     last: Optional[dict[str, Any]] = None
     for rec in parse_lines(lines):
-        event, rank = rec.get("event"), rec.get("worker_rank")
-        if event == "start":  # a restarted PS: every worker joins it again
+        rank = rec.get("worker_rank")
+        if is_event(rec, Event.START):  # a restarted PS: every worker joins it again
             live = set()
-        if event in ("join", "back") and isinstance(rank, int):
+        if is_event(rec, Event.JOIN, Event.BACK) and isinstance(rank, int):
             live.add(rank)
-        elif event in ("left", "drop") and isinstance(rank, int):
+        elif is_event(rec, Event.LEFT, Event.DROP) and isinstance(rank, int):
             live.discard(rank)
         else:
             continue

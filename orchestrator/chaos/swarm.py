@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+from app.contract import Event
 from orchestrator.backends.swarm import adapter
 from orchestrator.chaos.common import RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until
 from orchestrator.metrics.records import Record, events, final_accuracy, parse_lines
@@ -198,7 +199,7 @@ class Stack:
                 out.append((stamp(m.group(1)), m.group(2)))
         return out
 
-    def records(self, service: str, event: str, since: float = 0.0, node: str = MANAGER) -> list[Record]:
+    def records(self, service: str, event: Event, since: float = 0.0, node: str = MANAGER) -> list[Record]:
         """A service's `event` records written at or after `since`, from its metrics file as
         its containers on `node` see it (the PS is pinned to the manager; a worker's is on
         the node it runs on, readable while that node is reachable)."""
@@ -264,13 +265,13 @@ def _deploy_and_find_lost(stack: Stack, t: Topology, workers: list[str]) -> list
         update_node(stack.client, node, labels=dict([ANY.split("=", 1)]))
     stack.deploy(t, away_from=MANAGER)
     wait_until(
-        "every worker joined the PS", lambda: len(stack.records(PS_SERVICE, "join")) >= len(workers), RUN_TIMEOUT
+        "every worker joined the PS", lambda: len(stack.records(PS_SERVICE, Event.JOIN)) >= len(workers), RUN_TIMEOUT
     )
     lost = [s for s in wait_until(f"a worker running on {LOST}", lambda: stack.running_on(LOST), 30) if s in workers]
     if lost:
         wait_until(
             f"{lost[0]} past epoch {CUT_AT_EPOCH}",
-            lambda: any(r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], "train", node=LOST)),
+            lambda: any(r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], Event.TRAIN, node=LOST)),
             RUN_TIMEOUT,
         )
     return lost
@@ -291,7 +292,7 @@ def _cut_off(stack: Stack, lost: list[str], out: Outcome) -> tuple[float, float]
         out.details["reschedule_s"] = round(time.time() - cut, 1)
 
         def rejoined() -> list[Record]:
-            joins = stack.records(PS_SERVICE, "join", cut)
+            joins = stack.records(PS_SERVICE, Event.JOIN, cut)
             return joins if len(joins) >= len(lost) else []
 
         rejoin = wait_until("the moved workers rejoin the PS", rejoined, RUN_TIMEOUT)
@@ -306,7 +307,7 @@ def _cut_off(stack: Stack, lost: list[str], out: Outcome) -> tuple[float, float]
 def _judge(stack: Stack, expected: list[str], out: Outcome, cut: float, back: float, start: float) -> None:
     """After the link is back: LOST ready again, every task ended (and none retried after
     SETTLE s); recovered when every task completed and the accuracy holds."""
-    drops = stack.records(PS_SERVICE, "drop", cut)
+    drops = stack.records(PS_SERVICE, Event.DROP, cut)
     out.detected_s = round(drops[0]["time"] - cut, 1) if drops else None
     out.details["cut_s"] = round(back - cut, 1)
     wait_until(
@@ -320,7 +321,7 @@ def _judge(stack: Stack, expected: list[str], out: Outcome, cut: float, back: fl
     again = settled(stack, expected)
     out.details["tasks"] = again or stack.tasks()
     out.details["run_s"] = round(time.time() - start, 1)
-    out.accuracy = final_accuracy(stack.records(PS_SERVICE, "end"))
+    out.accuracy = final_accuracy(stack.records(PS_SERVICE, Event.END))
     newest = {r["service"]: r for r in (again or final)}
     ps_ok = newest[PS_SERVICE]["state"] == "complete"
     all_complete = all(r["state"] == "complete" for r in newest.values())

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from app.contract import Event
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import read_jsonl
+from orchestrator.metrics.records import is_event, read_jsonl
 from orchestrator.metrics.run_metrics import (
     THRESHOLD,
     Run,
@@ -76,7 +77,7 @@ def plot_loss(runs: Sequence[Run], out: Path) -> Path:
         t0, samples_at = start_time(run), SamplesAt(run)
         if len(runs) == 1:
             for name, recs in run.worker_files.items():
-                train = [r for r in recs if r.get("event") == "train" and r.get("loss") is not None]
+                train = [r for r in recs if is_event(r, Event.TRAIN) and r.get("loss") is not None]
                 if train:
                     ax_t.plot([r["time"] - t0 for r in train], [r["loss"] for r in train], lw=1, label=name)
                     if run.batch_size:
@@ -132,7 +133,7 @@ def plot_throughput(runs: Sequence[Run], out: Path) -> Path:
     for run in runs:
         t0 = start_time(run)
         for name, recs in run.worker_files.items():
-            train = [r for r in recs if r.get("event") == "train" and r.get("samples_per_s") is not None]
+            train = [r for r in recs if is_event(r, Event.TRAIN) and r.get("samples_per_s") is not None]
             if train:
                 label = name if len(runs) == 1 else f"{run.label} {name}"
                 ax.plot(

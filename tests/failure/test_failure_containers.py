@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 import pytest
 import yaml
 
+from app.contract import Event
 from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import BACKENDS
@@ -110,7 +111,7 @@ def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
 
     def joined(ranks: set[int]) -> bool:
         lines = compose.read_records(c, "ps").get("ps.jsonl", [])
-        return ranks <= {r.get("worker_rank") for r in events(parse_lines(lines), "join")}
+        return ranks <= {r.get("worker_rank") for r in events(parse_lines(lines), Event.JOIN)}
 
     try:
         assert verbs.up(compose, str(config), name=project, remember=False, offline=True, out=io.StringIO()) == 0
