@@ -13,6 +13,7 @@ from typing import Optional, TextIO
 from orchestrator import images, runs
 from orchestrator.backends import smoke as parts
 from orchestrator.backends.base import Backend, Cluster, ServiceState
+from orchestrator.backends.status import format_states
 from orchestrator.errors import engine_errors
 from orchestrator.metrics.records import final_accuracy, parse_lines
 from orchestrator.paths import SMOKE_CONFIG
@@ -103,6 +104,9 @@ def _verdict(
     out: TextIO,
 ) -> int:
     expected = service_names(t)
+    if backend.task_table:
+        for line in format_states([s for s in backend.describe(c) if s.service in expected]):
+            print(f"    {line}", file=out)
     if problems:
         lines = backend.log_iter(c, follow=False)
         for line in lines:

@@ -22,6 +22,7 @@ from orchestrator.backends.base import ServiceState
 from orchestrator.errors import EngineError
 from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import METRICS_DIR
+from orchestrator.topology.services import described
 
 LABEL_STACK = "com.docker.stack.namespace"
 DOCKER = "docker"
@@ -98,8 +99,17 @@ def services(client: Any, stack: str) -> dict[str, Any]:
 
 
 def states(client: Any, stack: str) -> dict[str, ServiceState]:
-    """The state of each service of the stack, by service name."""
-    return {name: task_state(name, svc.tasks()) for name, svc in services(client, stack).items()}
+    """The state of each service of the stack, by service name, with what the service is
+    (its container labels and environment: role, rank, shard)."""
+    return {
+        name: task_state(name, svc.tasks()).with_spec(described(name, *_labels_env(svc.attrs), None))
+        for name, svc in services(client, stack).items()
+    }
+
+
+def _labels_env(attrs: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    spec = ((attrs.get("Spec") or {}).get("TaskTemplate") or {}).get("ContainerSpec") or {}
+    return spec.get("Labels") or {}, dict(e.split("=", 1) for e in spec.get("Env") or [] if "=" in e)
 
 
 def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]:
@@ -110,8 +120,7 @@ def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]
     if not found or all_ended(states(client, stack), list(found)):
         return {}
     for svc in found.values():
-        spec = ((svc.attrs.get("Spec") or {}).get("TaskTemplate") or {}).get("ContainerSpec") or {}
-        env = dict(e.split("=", 1) for e in spec.get("Env") or [] if "=" in e)
+        _, env = _labels_env(svc.attrs)
         if env.get(names[0]):
             return {n: env.get(n, "") for n in names}
     return {}
