@@ -19,12 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional, Protocol, TextIO
 
 from orchestrator import paths
 from orchestrator.doctor.checks import CheckFn
 from orchestrator.doctor.facts import Facts
 from orchestrator.errors import UsageError
+from orchestrator.render.compose import security_warnings
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import Service
 
@@ -124,20 +126,24 @@ class Backend:
 
     def warnings(self, t: Topology) -> list[str]:
         """Risky settings the topology asks for, one line each (render prints them)."""
-        return []
+        return security_warnings(t)
 
     def path_of(self, name: str) -> Path:
         """Where up writes the document of cluster `name`."""
         return paths.RUNS / name / self.output
 
-    # --- doctor -------------------------------------------------------------
+    # --- doctor: the module beside the backend (CHECKS, gather_facts) ----------
+    doctor: Optional[ModuleType] = None
+
     def checks(self) -> list[CheckFn]:
         """The doctor's checks for this target, in the order they print."""
-        raise NotImplementedError
+        if self.doctor is None:
+            raise NotImplementedError(f"target {self.name}: no doctor module")
+        return list(self.doctor.CHECKS)
 
     def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
         """Facts only this target needs, as Facts fields (its own under `target`)."""
-        return {}
+        return {} if self.doctor is None else dict(self.doctor.gather_facts(t, client, facts, probe))
 
     # --- the blocks of a target the orchestrator runs ---------------------------
     def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 import yaml
 
@@ -16,8 +16,6 @@ from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.status import service_states
 from orchestrator.backends.lines import ProcessLines
-from orchestrator.doctor.checks import CheckFn
-from orchestrator.doctor.facts import Facts
 from orchestrator.errors import UsageError
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
@@ -40,6 +38,7 @@ def project(c: Cluster) -> adapter.Project:
 class ComposeBackend(Backend):
     name = "compose"
     output = "compose.yaml"
+    doctor = doctor
     noun = "project"
     summary = "compose (docker compose, one host)"
     verb_prefix = ""
@@ -62,15 +61,6 @@ class ComposeBackend(Backend):
 
     def name_of(self, t: Topology) -> str:
         return compose.project_name(t)
-
-    def warnings(self, t: Topology) -> list[str]:
-        return compose.security_warnings(t)
-
-    def checks(self) -> list[CheckFn]:
-        return list(doctor.CHECKS)
-
-    def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
-        return doctor.gather_facts(t, client, facts, probe)
 
     def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
         print(f"==> starting with {_compose()}", file=out, flush=True)

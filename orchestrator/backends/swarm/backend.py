@@ -8,18 +8,17 @@ returns before the containers and the network are gone, so `remove` waits for th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
 from orchestrator import images
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.command import run
 from orchestrator.backends.lines import ProcessLines
 from orchestrator.backends.swarm import adapter, doctor
-from orchestrator.doctor.checks import CheckFn
 from orchestrator.doctor.facts import Facts
 from orchestrator.errors import EngineError
 from orchestrator.paths import ROOT
-from orchestrator.render import compose, swarm
+from orchestrator.render import swarm
 from orchestrator.tensorboard import SWARM_REFUSAL
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import describe, order
@@ -30,6 +29,7 @@ GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers 
 class SwarmBackend(Backend):
     name = "swarm"
     output = "stack.yaml"
+    doctor = doctor
     noun = "stack"
     summary = "swarm (docker stack deploy, one or more hosts)"
     verb_prefix = "stack-"
@@ -71,15 +71,6 @@ class SwarmBackend(Backend):
 
     def name_of(self, t: Topology) -> str:
         return swarm.stack_name(t)
-
-    def warnings(self, t: Topology) -> list[str]:
-        return compose.security_warnings(t)
-
-    def checks(self) -> list[CheckFn]:
-        return list(doctor.CHECKS)
-
-    def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
-        return doctor.gather_facts(t, client, facts, probe)
 
     def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
         what = f": {describe(c.topology)}" if c.topology is not None else ""
