@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # seconds, and nothing is left to save.
         runtime.exit_now(1)
         return 1
+    finally:
+        runtime.run_cleanups()
 
 
 if __name__ == "__main__":

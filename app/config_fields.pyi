@@ -29,6 +29,8 @@ class Config:
     staleness: int = 4
     staleness_lr: bool = False
     overlap: bool = False
+    exchange: str = "auto"
+    shm_dir: str = "/dev/shm"
     compress: str = "none"
     seed: int = 0
     eval_every: int = 100

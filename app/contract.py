@@ -23,6 +23,7 @@ CHECK_RECORD = "psc-check-record "
 STRATEGIES = ("async", "sync", "ssp", "allreduce")
 PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
 COMPRESSIONS = ("none", "bf16", "fp16")
+EXCHANGES = ("auto", "tensorpipe")  # how pushes cross: shared memory where it can be had, or TensorPipe
 PRECISIONS = ("fp32", "bf16", "fp16")
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
 # The datasets the app reads from files under --data_dir (the others ship in a package or are
@@ -69,6 +70,24 @@ class Event(str, Enum):
 
 
 EVENTS = tuple(e.value for e in Event)
+
+
+# The PS's shared-memory segment for the same-host exchange (app.ps.exchange, app.common.shm):
+# a page of header, then for each possible worker its push slots and reply buffers (one each, two
+# with --overlap), and under sync a round's two reply buffers; every region holds the state's
+# float32 values, rounded up to a page. The render sizes /dev/shm from this; the PS makes it.
+SHM_PAGE = 4096
+
+
+def exchange_regions(max_workers: int, overlap: bool, sync: bool) -> int:
+    """How many regions a PS process's segment holds."""
+    return max_workers * 2 * (2 if overlap else 1) + (2 if sync else 0)
+
+
+def exchange_bytes(floats: int, max_workers: int, overlap: bool, sync: bool) -> int:
+    """The size of a PS process's segment for a state (or a shard's slice) of `floats` values."""
+    stride = -(-floats * 4 // SHM_PAGE) * SHM_PAGE
+    return SHM_PAGE + exchange_regions(max_workers, overlap, sync) * stride
 
 
 def worker_name(rank: int) -> str:

@@ -24,7 +24,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import COMPRESSIONS, DEVICES, ENV_PREFIX, IMAGE_CACHES, NO_PS_STRATEGY, PRECISIONS, STRATEGIES
+from app.contract import (
+    COMPRESSIONS,
+    DEVICES,
+    ENV_PREFIX,
+    EXCHANGES,
+    IMAGE_CACHES,
+    NO_PS_STRATEGY,
+    PRECISIONS,
+    STRATEGIES,
+)
 
 KINDS = ("int", "float", "bool", "str", "auto_int")  # auto_int: `auto` or a whole number >= 0
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -219,6 +228,22 @@ OPTIONS: tuple[Option, ...] = (
         "async and ssp: compute the next batch while the gradient and the fresh "
         "parameters are on the wire (one more step of staleness).",
         topology="train.overlap",
+    ),
+    _opt(
+        "exchange",
+        "str",
+        "auto",
+        "How pushes and replies cross between a worker and the PS: auto: through shared memory the PS "
+        "offers (/dev/shm) when the worker can map it (the same host and /dev/shm: local processes, one "
+        "compose project), else over TensorPipe, chosen per worker and logged once; tensorpipe: always "
+        "over TensorPipe.",
+        choices=EXCHANGES,
+    ),
+    _opt(
+        "shm_dir",
+        "str",
+        "/dev/shm",
+        "Where the PS makes its shared-memory segment for --exchange auto (a tmpfs the workers share).",
     ),
     _opt(
         "compress",

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -278,13 +278,34 @@ def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[
             rpc.shutdown(graceful=False)
 
 
+_CLEANUPS: list[Callable[[], None]] = []
+
+
+def on_exit(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` when this process ends, however it ends short of SIGKILL: its role
+    returning or raising (app.__main__), SIGTERM, or `exit_now`'s hard exit."""
+    _CLEANUPS.append(cleanup)
+
+
+def run_cleanups() -> None:
+    """Run the `on_exit` cleanups, newest first, each once; a failing one is logged."""
+    while _CLEANUPS:
+        cleanup = _CLEANUPS.pop()
+        try:
+            cleanup()
+        except Exception as error:  # the process is ending: say it, and go on with the others
+            log.warning("cleanup at exit failed: %s", first_line(error))
+
+
 def _hard_exit(message: str, status: int) -> None:
     log.error("%s; exiting with status %d", message, status)
     exit_now(status)
 
 
 def exit_now(status: int) -> None:
-    """End the process at once, logs and stdout flushed (no interpreter teardown)."""
+    """End the process at once, its `on_exit` cleanups run and logs and stdout flushed (no
+    interpreter teardown)."""
+    run_cleanups()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -18,6 +18,7 @@ retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a w
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ RUNS_DIR = "runs"
 STOP_GRACE_SECONDS = 15.0
 WORKER_RESTARTS = 3  # as the swarm render's max_attempts
 RESTART_DELAY_SECONDS = 1.0
+SHM_ROOT = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ def local_environment(
         init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
     )
     env.update(runs.environment(run_id, resume))
+    if run_id and has_ps(t):
+        env["PSC_SHM_DIR"] = str(shm_dir(t, run_id))
     if t.code is not None:  # the user's code first on sys.path, then what the caller had
         inherited = os.environ.get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(t.code).expanduser().resolve()), inherited]))
@@ -77,6 +81,13 @@ def local_environment(
         gpu = t.ps_gpu() if rank == 0 else t.worker_gpus()[rank - 1]
         env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
     return env
+
+
+def shm_dir(t: Topology, run_id: str) -> Path:
+    """Where a local run's PS processes make their shared-memory segments (the app makes the
+    directory): one directory a run, removed when the run ends, whatever became of its
+    processes, so a killed PS leaves nothing in /dev/shm."""
+    return SHM_ROOT / f"psc-{t.name}-{run_id}"
 
 
 def service_environment(
@@ -172,7 +183,10 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
         flush=True,
     )
     print(f"local: {runs.describe(run_id, resume)}", flush=True)
-    return Supervisor(specs, keep_going=keep_going).run()
+    try:
+        return Supervisor(specs, keep_going=keep_going).run()
+    finally:
+        shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
 
 
 class Supervisor:

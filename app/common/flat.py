@@ -40,9 +40,14 @@ class FlatModel:
     Both own their whole storage, so RPC sends exactly these bytes. Every param's
     .grad stays a view into `message` (nothing may set it to None or replace it:
     the gradients are zeroed in place by `zero_grads`).
+
+    `own_buffers` (a worker): the float buffers always live in the model's own storage,
+    even when `adopt` makes the parameters views of a vector that is not the model's (a
+    reply in memory the PS shares): the forward updates BatchNorm's running stats in
+    place, and that vector must stay as the PS wrote it.
     """
 
-    def __init__(self, model: nn.Module, with_grads: bool = True) -> None:
+    def __init__(self, model: nn.Module, with_grads: bool = True, own_buffers: bool = False) -> None:
         params = [p for p in model.parameters()]
         buffers = float_buffers(model)
         self.num_params = sum(p.numel() for p in params)
@@ -52,6 +57,8 @@ class FlatModel:
         self._params = params
         self._buffers = [(module, name, buf.shape) for module, name, buf in buffers]
         self.vector = torch.empty(size, device=device)
+        self.own = self.vector  # the model's own storage (`load` writes here, never elsewhere)
+        self.own_buffers = own_buffers
         self.message = torch.zeros(size if with_grads else 0, device=device)
         self._spare: torch.Tensor | None = None  # the other message buffer, once `flip` needs one
         state = params + [buf for _, _, buf in buffers]
@@ -85,12 +92,28 @@ class FlatModel:
         self.message, self._spare = self._spare, self.message
         self._grads_into(self.message)
 
+    def use_messages(self, buffers: list[torch.Tensor]) -> None:
+        """Write messages into `buffers` (one, or two that `flip` alternates) instead of the
+        model's own: a worker's push slots in memory the PS shares, so backward writes the
+        gradient straight where the PS reads it."""
+        for buffer in buffers:
+            if buffer.numel() < self.size or buffer.dtype != self.message.dtype or buffer.device != self.message.device:
+                raise ValueError(f"a message buffer of {buffer.numel()} {buffer.dtype} values cannot hold this model's")
+        self.message = buffers[0][: self.size]
+        self._spare = buffers[1][: self.size] if len(buffers) > 1 else self.message
+        self.message.zero_()
+        self._grads_into(self.message)
+
     def _point_at(self, vector: torch.Tensor) -> None:
-        """Make the params and float buffers views into `vector` (no copy)."""
+        """Make the params and float buffers views into `vector` (no copy); with own_buffers
+        the buffers stay in the model's own storage (their values copied from `vector`)."""
         shapes = [p.shape for p in self._params] + [shape for _, _, shape in self._buffers]
         views = self._views(vector, shapes)
         for p, view in zip(self._params, views):
             p.data = view
+        if self.own_buffers and vector is not self.own:
+            self.own[self.num_params :].copy_(vector[self.num_params :])
+            views = self._views(self.own, shapes)
         for (module, name, _), view in zip(self._buffers, views[len(self._params) :]):
             module._buffers[name] = view
         self.vector = vector
@@ -112,20 +135,29 @@ class FlatModel:
     def zero_grads(self) -> None:
         self.grads.zero_()
 
+    @property
+    def buffers(self) -> torch.Tensor:
+        """The float buffers' values as the model has them now (a view)."""
+        return (self.own if self.own_buffers else self.vector)[self.num_params :]
+
     def pack_message(self) -> torch.Tensor:
         """Copy the current buffers behind the grads; return the whole message."""
-        self.message[self.num_params :].copy_(self.vector[self.num_params :])
+        self.message[self.num_params :].copy_(self.buffers)
         return self.message
 
     def load(self, vector: torch.Tensor) -> None:
-        """Overwrite params and buffers with a received vector (any device)."""
+        """Overwrite params and buffers with a received vector (any device), in the model's
+        own storage."""
         if vector.numel() != self.size:
             raise ValueError(f"state has {vector.numel()} values, this model needs {self.size}")
-        self.vector.copy_(vector, non_blocking=True)
+        self.own.copy_(vector, non_blocking=True)
+        if self.vector is not self.own:
+            self._point_at(self.own)
 
     def adopt(self, vector: torch.Tensor) -> None:
         """Make a received vector the model's state, without copying it when it can be
-        (same device and dtype, contiguous): the caller gives it up. Grads stay put."""
+        (same device and dtype, contiguous): the caller gives it up, or (own_buffers) keeps
+        it unchanged while the model uses it. Grads stay put."""
         if (
             vector.device != self.vector.device
             or vector.dtype != self.vector.dtype

@@ -25,3 +25,13 @@ class Refusal(NamedTuple):
 
     kind: str  # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
     message: str  # one line, naming the worker
+
+
+class SlotReply(NamedTuple):
+    """The PS's answer to a push through shared memory (app.ps.exchange): the new state is in
+    region `region` of the PS's segment, which the worker maps; nothing else crosses."""
+
+    region: str  # e.g. reply1.0, round.1
+    version: int
+    staleness: int
+    lead: int

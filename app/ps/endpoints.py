@@ -5,8 +5,9 @@ from them: `ENDPOINT` is the app's one piece of process-wide state, set only
 for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
 - Every PS process (the main PS and each shard): `rpc_join`, `rpc_pull`,
-  `rpc_push`, `rpc_finish`, `rpc_leave`, `rpc_shard` (workers call them), `rpc_drop` (the main PS
-  forwards a worker's drop to the shards).
+  `rpc_push`, `rpc_push_slot` (a push through shared memory, app.ps.exchange),
+  `rpc_finish`, `rpc_leave`, `rpc_shard` (workers call them), `rpc_drop` (the main
+  PS forwards a worker's drop to the shards).
 - The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
 - A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
 """
@@ -82,12 +83,18 @@ ENDPOINT = Endpoint()
 
 
 def rpc_join(rank: int, name: str) -> dict[str, Any]:
-    """A worker process starts: the state to start from and its rank's progress (or `taken`)."""
+    """A worker process starts: the state to start from and its rank's progress (or `taken`),
+    and where this PS process has one, its shared-memory segment (`exchange`: an
+    app.common.shm.Offer the worker maps when it is on this host)."""
     server = ENDPOINT.get()
     if ENDPOINT.join is not None:
-        return ENDPOINT.join(rank, name)
-    vector, version, progress = server.join(rank, name)
-    return {"vector": vector, "version": version, **progress}
+        answer = ENDPOINT.join(rank, name)
+    else:
+        vector, version, progress = server.join(rank, name)
+        answer = {"vector": vector, "version": version, **progress}
+    if server.shared is not None and "vector" in answer:
+        answer["exchange"] = server.shared.offer()
+    return answer
 
 
 def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
@@ -108,6 +115,30 @@ def rpc_push(
     """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
     Any other error is raised here, and RPC hands it to the caller as an error."""
     return ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
+
+
+@rpc.functions.async_execution
+def rpc_push_slot(
+    rank: int,
+    slot: int,
+    dtype: str,
+    numel: int,
+    pulled_version: int,
+    name: str = "",
+    epoch: int = 1,
+    batch: int = 0,
+    samples: int = 0,
+    staleness: int | None = None,
+) -> Future:
+    """rpc_push for a worker on this host: its message is in its push slot `slot` of this PS
+    process's segment (`numel` values of `dtype`); the answer names the region that holds the
+    new state (a SlotReply), or is a Refusal."""
+    server = ENDPOINT.get()
+    if server.shared is None:
+        raise RuntimeError("this parameter server has no shared-memory segment")
+    message = server.shared.push(rank, slot, dtype, numel)
+    future = server.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
+    return future.then(lambda done: server.shared.answer(done.value()))
 
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:

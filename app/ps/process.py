@@ -27,6 +27,7 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter, Rates
 from app.config import Config
 from app.contract import PS
+from app.ps import exchange
 from app.ps.endpoints import ENDPOINT
 from app.ps.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
@@ -69,6 +70,7 @@ def run(config: Config) -> int:
         part=part,
         weight_decay=config.weight_decay,
         max_trainers=config.max_trainers,
+        shared=exchange.for_config(config, part[1] - part[0] if part else state_size(model), PS),
     )
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)

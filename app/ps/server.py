@@ -47,6 +47,7 @@ from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
 from app.common.wire import Refusal, Reply
 from app.contract import PS_STRATEGIES, worker_name
+from app.ps.exchange import SharedExchange
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.sync_round import SyncRound
 from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
@@ -89,6 +90,7 @@ class ParameterServer:
         part: tuple[int, int] | None = None,
         weight_decay: float = 0.0,
         max_trainers: int = 0,
+        shared: SharedExchange | None = None,
     ) -> None:
         if strategy not in PS_STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
@@ -141,7 +143,10 @@ class ParameterServer:
         # the reply; the second buffer keeps even a reply still in flight then intact.
         # Unsliced async and sync write each new state into one of them (`_apply`'s `into`):
         # the state itself lives there, and the reply is that buffer, not a copy.
+        # With a shared-memory segment (app.ps.exchange) a rank's reply buffers are its regions
+        # there: one, or two under --overlap; the PS allocates its own for ranks it has none for.
         self._replies: dict[int, list[torch.Tensor]] = {}
+        self.shared = shared
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
         self._round: SyncRound | None = None  # sync: the open round's pushes, folded as they land
 
@@ -157,6 +162,7 @@ class ParameterServer:
             # that had left or was dropped) is counted from the next round on; a rank the round
             # waits for (one of the job's first ranks, joining late) is counted in it
             waited_for = rank in self._training()
+            self._keep_held_message(rank)
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
             open_round = self.strategy == "sync" and self._held and rank not in self._held and not waited_for
@@ -166,6 +172,15 @@ class ParameterServer:
                 self.all_joined = self.clock()
             self._event()
             return self.state.clone(), self.version, member.progress()
+
+    def _keep_held_message(self, rank: int) -> None:
+        """A new process of `rank` joins while its old one's sync push is held: that push is
+        still in the rank's push slot, which the new process is about to overwrite; the
+        round keeps a copy. Called under the lock."""
+        held = self._held.get(rank)
+        if held is not None and held.message is not None and self.shared is not None:
+            if self.shared.holds(held.message):
+                self._held[rank] = held._replace(message=held.message.clone())
 
     def push(
         self,
@@ -400,10 +415,14 @@ class ParameterServer:
         return mean_into(messages, self._sum)
 
     def _reply(self, rank: int) -> torch.Tensor:
-        """Rank's reply buffer for this push (the other one holds its previous reply)."""
-        buffers = self._replies.setdefault(rank, [])
-        if len(buffers) < 2:
-            buffers.append(torch.empty_like(self.state))
+        """Rank's reply buffer for this push (the other one, where it has two, holds its
+        previous reply)."""
+        buffers = self._replies.get(rank)
+        if buffers is None:
+            shared = self.shared.reply_buffers(rank) if self.shared is not None else None
+            buffers = self._replies[rank] = shared or []
+            while len(buffers) < 2 and shared is None:
+                buffers.append(torch.empty_like(self.state))
         buffers.reverse()
         return buffers[0]
 

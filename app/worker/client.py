@@ -1,4 +1,9 @@
-"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish, leave, shard."""
+"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish, leave, shard.
+
+A push goes through the PS's shared memory when the worker could map it at join
+(app.worker.shared_link: the message in a push slot, RPC carries only which one), else over
+TensorPipe as a tensor; either way the answer is a Reply (or a Refusal).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Refusal, Reply
+from app.common.wire import Refusal, Reply, SlotReply
 from app.config import UsageError
 from app.contract import PS, worker_name
 from app.ps import endpoints
 from app.runtime import first_line
+from app.worker.shared_link import SharedLink, attach
 
 
 class PSUnreachable(RuntimeError):
@@ -21,19 +27,39 @@ class PSUnreachable(RuntimeError):
 
 class PSClient:
     """The worker's side of the PS's RPC functions; every call bounded by rpc_timeout
-    (a push under ssp or sync may also wait `push_wait` for the slowest worker)."""
+    (a push under ssp or sync may also wait `push_wait` for the slowest worker).
+    `exchange`: auto (shared memory where the PS offers it and this process can map it)
+    or tensorpipe."""
 
-    def __init__(self, rank: int, timeout: float, address: str, name: str = "", push_wait: float = 0.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        timeout: float,
+        address: str,
+        name: str = "",
+        push_wait: float = 0.0,
+        exchange: str = "auto",
+        device: torch.device | None = None,
+    ) -> None:
         self.rank, self.timeout, self.address = rank, timeout, address
         self.name = name or worker_name(rank)
         self.push_timeout = timeout + push_wait
+        self.exchange, self.device = exchange, device or torch.device("cpu")
+        self.link: SharedLink | None = None
 
     def join(self) -> dict[str, Any]:
-        """The state to start from and this rank's progress; UsageError if the rank is taken."""
+        """The state to start from and this rank's progress; UsageError if the rank is taken.
+        Maps the PS's shared memory when it offers it (`link`)."""
         answer = self._call(endpoints.rpc_join, self.rank, self.name)
         if "taken" in answer:
             raise UsageError(answer["taken"])
+        self.link = attach(answer.pop("exchange", None), self.rank, self.device, self.exchange, self.name, PS)
         return answer
+
+    def message_buffers(self) -> list[torch.Tensor] | None:
+        """Where the worker may write its messages so that a push copies nothing: the push
+        slots in the PS's shared memory (None over TensorPipe)."""
+        return self.link.slots if self.link is not None else None
 
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(endpoints.rpc_pull, self.rank)
@@ -45,9 +71,15 @@ class PSClient:
         self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0, samples: int = 0
     ) -> PendingPush:
         """Send a push now; `.wait()` on the result gives the Reply."""
-        args = (self.rank, message, version, self.name, epoch, batch, samples)
         try:
-            future = rpc.rpc_async(PS, endpoints.rpc_push, args=args, timeout=self.push_timeout)
+            if self.link is not None:
+                slot = self.link.place(message)
+                dtype = str(message.dtype).removeprefix("torch.")
+                args = (self.rank, slot, dtype, message.numel(), version, self.name, epoch, batch, samples)
+                future = rpc.rpc_async(PS, endpoints.rpc_push_slot, args=args, timeout=self.push_timeout)
+            else:
+                args = (self.rank, message, version, self.name, epoch, batch, samples)
+                future = rpc.rpc_async(PS, endpoints.rpc_push, args=args, timeout=self.push_timeout)
         except RuntimeError as error:
             raise self.lost(endpoints.rpc_push, error) from error
         return PendingPush(self, future, message)
@@ -95,4 +127,6 @@ class PendingPush:
             answer = self.future.wait()
         except RuntimeError as error:
             raise self.client.lost(endpoints.rpc_push, error) from error
+        if isinstance(answer, SlotReply) and self.client.link is not None:
+            return self.client.link.reply(answer)
         return refused(answer)

@@ -43,7 +43,13 @@ def run(config: Config) -> int:
     # PS waits join_timeout for.
     push_wait = config.join_timeout if config.strategy in ("ssp", "sync") else 0.0
     client: PSClient | ShardedClient = PSClient(
-        config.rank, config.rpc_timeout, f"{config.master_addr}:{config.master_port}", name, push_wait
+        config.rank,
+        config.rpc_timeout,
+        f"{config.master_addr}:{config.master_port}",
+        name,
+        push_wait,
+        exchange=config.exchange,
+        device=device,
     )
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config.master_addr, config.master_port, config.join_timeout)

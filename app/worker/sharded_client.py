@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Refusal, Reply
+from app.common.wire import Refusal, Reply, SlotReply
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
@@ -18,6 +18,7 @@ from app.ps.update import all_finite
 from app.runtime import first_line
 from app.worker.client import PSClient, PSUnreachable, refused
 from app.worker.compress import Compressor
+from app.worker.shared_link import SharedLink, attach
 
 POLL_SECONDS = 0.1
 
@@ -47,6 +48,7 @@ class ShardedClient:
         self.rank, self.name = main.rank, main.name
         self.parts: list[tuple[str, int, int]] = []
         self.num_params = 0  # where a compressed message's float32 buffers start
+        self.links: dict[str, SharedLink] = {}  # the shards whose shared memory this worker maps
 
     def join(self) -> dict[str, Any]:
         """Join every shard; the main PS's answer (the authority on progress) with the whole
@@ -55,14 +57,22 @@ class ShardedClient:
         if "wait" in answer:  # a shard restarts: start again once it is back
             raise self.main.lost(endpoints.rpc_join, RuntimeError(answer["wait"]))
         self.parts = [(PS, *answer["part"])] + [tuple(s) for s in answer["shards"]]
+        self.links = {PS: self.main.link} if self.main.link is not None else {}
         slices, versions = [answer["vector"]], [answer["version"]]
         for name, _, _ in self.parts[1:]:
             got = self._call(name, endpoints.rpc_join, self.rank, self.name)
             if "taken" in got:
                 raise UsageError(got["taken"])
+            link = attach(got.pop("exchange", None), self.rank, self.main.device, self.main.exchange, self.name, name)
+            if link is not None:
+                self.links[name] = link
             slices.append(got["vector"])
             versions.append(got["version"])
         return {**answer, "vector": torch.cat(slices), "version": tuple(versions)}
+
+    def message_buffers(self) -> None:
+        """Each shard takes its slice of the message: no one buffer holds a whole push."""
+        return None
 
     def push(
         self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
@@ -90,10 +100,11 @@ class ShardedClient:
         )
 
     def _part(self, message: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Values start..end of the message, contiguous: only its own bytes go on the wire."""
+        """Values start..end of the message (a view): a shard reached through shared memory
+        copies it into its slot, TensorPipe sends a contiguous copy (only its own bytes)."""
         if message.dtype != torch.float32:  # --compress (app.worker.compress.Compressor)
-            return Compressor.slice(message, self.num_params, start, end).clone()
-        return message[start:end].clone()
+            return Compressor.slice(message, self.num_params, start, end)
+        return message[start:end]
 
     def send(
         self,
@@ -105,8 +116,13 @@ class ShardedClient:
         samples: int,
         staleness: int | None = None,
     ) -> tuple[str, Any]:
-        args = (self.rank, part, pulled, self.name, epoch, batch, samples, staleness)
+        link = self.links.get(name)
         try:
+            if link is not None:
+                slot, dtype = link.place(part), str(part.dtype).removeprefix("torch.")
+                args = (self.rank, slot, dtype, part.numel(), pulled, self.name, epoch, batch, samples, staleness)
+                return name, rpc.rpc_async(name, endpoints.rpc_push_slot, args=args, timeout=self.main.push_timeout)
+            args = (self.rank, part.clone(), pulled, self.name, epoch, batch, samples, staleness)
             return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
         except RuntimeError as error:
             raise self.lost(name, endpoints.rpc_push, error) from error
@@ -183,6 +199,9 @@ class ShardedPush:
 
     def _wait(self, name: str, future: Any) -> Reply | Refusal:
         try:
-            return refused(future.wait())
+            answer = future.wait()
         except RuntimeError as error:
             raise self.client.lost(name, endpoints.rpc_push, error) from error
+        if isinstance(answer, SlotReply) and name in self.client.links:
+            return self.client.links[name].reply(answer)
+        return refused(answer)

@@ -50,7 +50,7 @@ class Trainer:
     ) -> None:
         self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
         self.device, self.client, self.metrics = device, client, metrics
-        self.flat = FlatModel(model)
+        self.flat = FlatModel(model, own_buffers=True)
         self.loss_fn = nn.CrossEntropyLoss()
         self.format = runtime.memory_format(config, device)
         # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
@@ -61,9 +61,9 @@ class Trainer:
         self.skipped = 0  # fp16: batches not pushed (gradient overflow)
         self.compress = Compressor(config.compress, self.flat.num_params, device) if config.compress != "none" else None
         wire_dtype = self.compress.dtype if self.compress else torch.float32
-        # RPC carries CPU tensors only: a GPU worker stages its message here
-        # (two buffers, used by pushes sent in turn: with --overlap one is on the wire
-        # while the next fills).
+        # RPC carries CPU tensors only: a GPU worker that pushes over TensorPipe stages its
+        # message here (two buffers, used by pushes sent in turn: with --overlap one is on
+        # the wire while the next fills); through shared memory it copies into a push slot.
         wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
         self.staging = (
             [torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
@@ -71,6 +71,7 @@ class Trainer:
             else None
         )
         self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
+        self.slots: list[torch.Tensor] | None = None  # the push slots in the PS's shared memory, once joined
         self.version = 0
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
         self.sent = 0  # pushes sent by this process
@@ -86,6 +87,9 @@ class Trainer:
         self.model.train()
         self.flat.adopt(start["vector"])
         self.version, self.pushes = start["version"], start["pushes"]
+        self.slots = self.client.message_buffers()
+        if self.slots is not None and self.device.type == "cpu" and self.compress is None:
+            self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
         for epoch, batch, x, y in loop.resume_batches(
             self.loader,
             self.sampler,
@@ -142,8 +146,8 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        if self.staging is not None:  # the other buffer may still be on the wire
-            message = self.staging[self.sent % 2].copy_(message)
+        if self.staging is not None and self.slots is None:  # over TensorPipe:
+            message = self.staging[self.sent % 2].copy_(message)  # the other buffer may still be on the wire
         elif self.config.overlap and message is self.flat.message:
             self.flat.flip()  # the next backward writes into the other buffer, not the one sent
         self.sent += 1
@@ -168,7 +172,7 @@ class Trainer:
         if isinstance(reply, Refusal):
             return self._skip(reply)
         self._refused_in_a_row = 0
-        self.flat.adopt(reply.vector)  # the received tensor is ours: no copy
+        self.flat.adopt(reply.vector)  # no copy: a received tensor, or the PS's reply buffer in shared memory
         self.version = reply.version
         self.pushes += 1
         return reply

@@ -8,6 +8,7 @@ run the same scenarios and assert on their details.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import time
@@ -27,7 +28,7 @@ from orchestrator.chaos.common import (
     chaos_topology,
     wait_until,
 )
-from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, spawn
+from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, shm_dir, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
@@ -86,6 +87,7 @@ class ProcessJob:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        shutil.rmtree(shm_dir(self.t, self.run_id), ignore_errors=True)
 
 
 def _accuracy(job: ProcessJob) -> Optional[float]:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from orchestrator import sample_data
 from orchestrator.doctor.facts import CDI_GPU_KIND, Facts
+from orchestrator.render.compose import shares_pid_namespace
+from orchestrator.render.shm_sizing import exchange_estimate, shared_shm_bytes
 from orchestrator.topology.model import Topology, size_bytes
 
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
@@ -84,9 +86,11 @@ def check_daemon(t: Topology, f: Facts) -> Check:
     return Check("daemon", True, f"Docker {version} (API {f.api_version or '?'}) at {f.docker_host}")
 
 
-def check_shm(t: Topology, f: Facts, where: str = "/dev/shm") -> Check:
+def check_shm(t: Topology, f: Facts, where: str = "/dev/shm", one_host: bool = True) -> Check:
+    """The /dev/shm the job's containers are given, against the host's memory. On one host
+    with `network.same_host_copy` they share one (orchestrator.render.shm_sizing): the PS's
+    shared-memory segments for the exchange are in it too, and said."""
     ps, worker = size_bytes(t.ps.shm_size), size_bytes(t.workers.shm_size)
-    total = ps + t.workers.count * worker
     if t.train.loader_workers != "auto" and t.train.loader_workers and worker < SHM_FOR_LOADER:
         return Check(
             "shm",
@@ -94,18 +98,28 @@ def check_shm(t: Topology, f: Facts, where: str = "/dev/shm") -> Check:
             f"workers.shm_size {t.workers.shm_size} is too small for {t.train.loader_workers} DataLoader worker(s)",
             "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)",
         )
+    shared = one_host and shares_pid_namespace(t)
+    total = shared_shm_bytes(t) if shared else ps + t.workers.count * worker
+    what = f"{where}: {gib(total)} in all"
+    if shared:
+        exchange = exchange_estimate(t)
+        what = f"{where}, one for the job: {gib(total)} in all, " + (
+            f"{gib(exchange)} of it the exchange's shared memory ({t.train.model}, {t.max_workers} workers)"
+            if exchange is not None
+            else f"the exchange's shared memory for {t.train.model} out of ps.shm_size (the PS logs its size)"
+        )
     mem = f.info.get("MemTotal")
     if not mem:
-        return Check("shm", None, f"{where}: {gib(total)} in all; not checked against memory: no daemon")
+        return Check("shm", None, f"{what}; not checked against memory: no daemon")
     if total > mem:
         return Check(
             "shm",
             False,
-            f"{where}: {gib(total)} in all (ps {t.ps.shm_size} + {t.workers.count} x "
+            f"{what} (ps {t.ps.shm_size} + {t.max_workers if shared else t.workers.count} x "
             f"{t.workers.shm_size}) is more than the host's {gib(mem)} of memory",
             "lower workers.shm_size / ps.shm_size, or run fewer workers per host",
         )
-    return Check("shm", True, f"{where}: {gib(total)} in all, host memory {gib(mem)}")
+    return Check("shm", True, f"{what}; host memory {gib(mem)}")
 
 
 def check_data(t: Topology, f: Facts, where: str = "") -> Check:

@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from app.contract import TENSORBOARD_DIR
-from app.options import ALWAYS, OPTIONS, Option
+from app.options import ALWAYS, BY_NAME, OPTIONS, Option
 from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
+from orchestrator.render.shm_sizing import compose_size, shared_shm_bytes
 from orchestrator.render.yamlio import yaml_text
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import (
@@ -159,8 +160,11 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
             services[worker_name(rank)]["profiles"] = [SCALE_PROFILE]
     if one_host and shares_pid_namespace(t):
         for svc in services.values():
-            _join_pid_namespace(svc)
+            _join_namespaces(svc)
         services = {PIDNS_SERVICE: _pidns(t), **services}
+    elif has_ps(t):  # a /dev/shm each: the PS makes no segment its workers could not map
+        for svc in services.values():
+            svc["environment"].update(TENSORPIPE_ONLY)
     services[TENSORBOARD_SERVICE] = _tensorboard(t)
     return {
         "services": services,
@@ -169,18 +173,27 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     }
 
 
+# The app's --exchange where the PS and its workers cannot share memory (each container has its
+# own /dev/shm: same_host_copy off, Swarm, Kubernetes).
+TENSORPIPE_ONLY = {BY_NAME["exchange"].env: "tensorpipe"}
+
+
 def shares_pid_namespace(t: Topology) -> bool:
-    """Whether the PS, its shards and the workers share one PID namespace (`network.same_host_copy`):
-    TensorPipe then copies a tensor between two containers with one process_vm_readv (its `cma`
-    channel), as between local processes, instead of through TCP over the bridge. allreduce
-    talks Gloo or NCCL, which do not use it."""
+    """Whether the PS, its shards and the workers share one PID namespace and one IPC namespace
+    (`network.same_host_copy`): the PS's shared memory for the exchange is then every worker's
+    (app.ps.exchange: pushes and replies as memory), and what still goes through TensorPipe is
+    copied between two containers with one process_vm_readv (its `cma` channel), as between
+    local processes, instead of through TCP over the bridge. allreduce talks Gloo or NCCL,
+    which use neither."""
     return t.network.same_host_copy and has_ps(t)
 
 
 def _pidns(t: Topology) -> dict[str, Any]:
-    """The service that holds the shared PID namespace (as a Kubernetes pod's pause container
-    does): tini as PID 1 reaps every orphan, `python -m app.pidns` waits and exits 0 once every
-    other process of the job has left. No network, no capability, no mount, no GPU."""
+    """The service that holds the shared PID and IPC namespaces (as a Kubernetes pod's pause
+    container does): tini as PID 1 reaps every orphan, `python -m app.pidns` waits and exits 0
+    once every other process of the job has left. Its /dev/shm is the job's (sized for all of
+    it: orchestrator.render.shm_sizing), and it outlives a restarted PS or worker, so a PS that comes
+    back finds the namespace its workers are in. No network, no capability, no mount, no GPU."""
     svc: dict[str, Any] = {
         "image": t.image_tag,
         "entrypoint": ["python", "-m", "app.pidns"],
@@ -190,6 +203,8 @@ def _pidns(t: Topology) -> dict[str, Any]:
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges:true"],
         "network_mode": "none",
+        "ipc": "shareable",
+        "shm_size": compose_size(shared_shm_bytes(t)),
         # It exits 0 when the job is over; a failure of its own takes the namespace with it.
         "restart": "on-failure",
     }
@@ -198,8 +213,9 @@ def _pidns(t: Topology) -> dict[str, Any]:
     return svc
 
 
-def _join_pid_namespace(svc: dict[str, Any]) -> None:
-    """`svc` in the `pidns` service's PID namespace, with SYS_PTRACE. The user is not root
+def _join_namespaces(svc: dict[str, Any]) -> None:
+    """`svc` in the `pidns` service's IPC namespace (its /dev/shm: the container's own
+    shm_size no longer applies) and PID namespace, with SYS_PTRACE. The user is not root
     and no-new-privileges holds, so the capability stays in the bounding set and never
     becomes effective: its one effect is that Docker's default seccomp profile lets
     process_vm_readv through. Whether one process may read another's memory is then
@@ -208,6 +224,8 @@ def _join_pid_namespace(svc: dict[str, Any]) -> None:
     service needs no init of its own: its `python -m app` is the container's process
     and gets compose's SIGTERM directly."""
     svc["pid"] = f"service:{PIDNS_SERVICE}"
+    svc["ipc"] = f"service:{PIDNS_SERVICE}"
+    svc.pop("shm_size", None)
     svc["cap_add"] = ["SYS_PTRACE"]
     svc["init"] = False
     svc["depends_on"] = {PIDNS_SERVICE: {"condition": "service_started"}, **svc.get("depends_on", {})}

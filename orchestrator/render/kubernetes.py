@@ -213,6 +213,8 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
         cache_dir=compose.CACHE_DIR,
     )
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
+    if has_ps(t):
+        env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
     if t.cuda and not _gpu(t, ps):
         env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
     if t.code is not None:

@@ -174,7 +174,8 @@ def test_safe_defaults() -> None:
             # the one capability: lets the seccomp profile pass process_vm_readv (same_host_copy)
             assert svc["cap_add"] == ["SYS_PTRACE"] and svc["pid"] == f"service:{PIDNS_SERVICE}"
             assert svc["init"] is False  # the pidns service's tini is the namespace's PID 1
-            assert svc["shm_size"]
+            # /dev/shm is the holder's (the PS's shared memory is every worker's): none of its own
+            assert svc["ipc"] == f"service:{PIDNS_SERVICE}" and "shm_size" not in svc
             for v in svc["volumes"]:
                 if v["type"] == "bind":
                     assert v["read_only"] is True and v["target"] in ("/data", "/code", "/init/weights.pt")
@@ -192,6 +193,7 @@ def test_safe_defaults() -> None:
         assert pidns["entrypoint"] == ["python", "-m", "app.pidns"] and pidns["init"] is True
         assert pidns["user"] == "1000:1000" and pidns["cap_drop"] == ["ALL"] and "cap_add" not in pidns
         assert pidns["security_opt"] == ["no-new-privileges:true"] and pidns["network_mode"] == "none"
+        assert pidns["ipc"] == "shareable" and pidns["shm_size"].endswith("m")
         assert not {"volumes", "ports", "pid", "deploy", "privileged"} & set(pidns)
         assert doc["volumes"] == {
             "state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}

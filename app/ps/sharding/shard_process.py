@@ -19,7 +19,7 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter
 from app.config import Config, UsageError
 from app.contract import PS
-from app.ps import endpoints, membership
+from app.ps import endpoints, exchange, membership
 from app.ps.endpoints import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
@@ -106,6 +106,7 @@ def run(config: Config) -> int:
         part=part,
         weight_decay=config.weight_decay,
         max_trainers=config.max_trainers,
+        shared=exchange.for_config(config, part[1] - part[0] if part else state_size(model), f"shard {index}"),
     )
     log.info(
         "shard %d of %d: values %d..%d of %d (%d parameter values)",

@@ -191,7 +191,7 @@ CHECKS: list[CheckFn] = [
     check_state,
     check_nvidia,
     check_gpus,
-    partial(shared.check_shm, where="tmpfs /dev/shm"),
+    partial(shared.check_shm, where="tmpfs /dev/shm", one_host=False),
     partial(shared.check_data, where="every node that runs a worker needs it at the same path"),
     shared.check_disk,
     shared.check_port,

@@ -1,0 +1,127 @@
+"""The PS side of the same-host exchange: a shared-memory segment (app.common.shm) holding each
+rank's push slots and reply buffers, so that a worker on this host hands its push over as
+memory and reads the PS's answer in place; RPC carries only which slot, the version and
+where the worker is (app.ps.endpoints.rpc_push_slot).
+
+Per rank r (1..the most workers the job may have): `slots` push slots `push<r>.<k>`, where the
+worker writes `[grads | buffers]` (its backward writes the gradients straight into one when it
+trains on the CPU), and as many reply buffers `reply<r>.<k>`, where the PS writes the new state
+(app.ps.server's reply buffers: async builds the new state in them, so the reply is never a
+copy). `slots` is 1, or 2 with --overlap (a push is in flight while the next gradient is being
+written, and the worker computes on one reply while the next lands in the other). Under sync
+the round's two reply buffers `round.0`, `round.1` are shared by every rank.
+
+A worker on another host, or one that cannot map the segment, pushes over TensorPipe as before:
+the reply buffers serve both ways.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from app import runtime
+from app.common.shm import Offer, Segment, ShmUnavailable, segment_bytes
+from app.common.wire import Reply, SlotReply
+from app.config import Config
+
+log = logging.getLogger("app.ps")
+WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def region_names(max_rank: int, slots: int, sync: bool) -> list[str]:
+    """Every region of a segment, in file order."""
+    names = [f"round.{k}" for k in range(2)] if sync else []
+    for rank in range(1, max_rank + 1):
+        names += [f"push{rank}.{k}" for k in range(slots)] + [f"reply{rank}.{k}" for k in range(slots)]
+    return names
+
+
+class SharedExchange:
+    """A PS process's segment, read as ranks' slots and reply buffers."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.floats = segment.floats
+
+    @classmethod
+    def open(cls, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool) -> SharedExchange:
+        """A new segment for a state of `floats` values; ShmUnavailable when it cannot be had."""
+        names = region_names(max_rank, 2 if overlap else 1, sync)
+        return cls(Segment.create(directory, floats, names))
+
+    @staticmethod
+    def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool) -> int:
+        return segment_bytes(floats, len(region_names(max_rank, 2 if overlap else 1, sync)))
+
+    def offer(self) -> Offer:
+        return self.segment.offer()
+
+    def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
+        """Rank's reply buffers (rank 0: a sync round's), in the segment; None for a rank it
+        has none for (the PS keeps that rank's buffers in its own memory)."""
+        prefix = "round." if rank == 0 else f"reply{rank}."
+        buffers = [self.segment.region(n) for n in self.segment.names if n.startswith(prefix)]
+        return buffers or None
+
+    def push(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor:
+        """The message rank wrote into its push slot `slot`: `numel` values of `dtype`, a view."""
+        name = f"push{rank}.{slot}"
+        if name not in self.segment.names or dtype not in WIRE:
+            raise ValueError(f"worker{rank} pushed from slot {slot} as {dtype}: this segment has no such slot")
+        region = self.segment.region(name).view(WIRE[dtype])
+        if numel > region.numel():
+            raise ValueError(f"worker{rank} pushed {numel} {dtype} values; its slot holds {region.numel()}")
+        return region[:numel]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory is in the segment."""
+        return 0 <= tensor.data_ptr() - self.segment.base < self.segment.size
+
+    def answer(self, reply: object) -> object:
+        """What goes back over RPC: a Reply whose state is a region of the segment becomes a
+        SlotReply naming it (nothing else crosses); anything else goes as it is."""
+        if isinstance(reply, Reply):
+            name = self.segment.name_of(reply.vector)
+            if name is not None and reply.vector.numel() == self.floats:
+                return SlotReply(name, reply.version, reply.staleness, reply.lead)
+        return reply
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+def for_config(config: Config, floats: int, who: str) -> SharedExchange | None:
+    """The segment PS process `who` offers its workers for a state (or slice) of `floats`
+    values, or None (--exchange tensorpipe, or no shared memory here: said in one line, and
+    every worker pushes over TensorPipe). It is removed when the process ends (runtime.on_exit)."""
+    shared = open_exchange(
+        config.exchange, config.shm_dir, floats, config.max_trainers, config.overlap, config.strategy == "sync", who
+    )
+    if shared is not None:
+        runtime.on_exit(shared.close)
+    return shared
+
+
+def open_exchange(
+    mode: str, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool, who: str
+) -> SharedExchange | None:
+    """As `for_config`, from its parts."""
+    if mode == "tensorpipe":
+        log.info("%s: exchange over TensorPipe (--exchange tensorpipe)", who)
+        return None
+    try:
+        exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync)
+    except ShmUnavailable as error:
+        log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
+        return None
+    log.info(
+        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %d workers); "
+        "a worker that cannot map it uses TensorPipe",
+        who,
+        exchange.segment.path,
+        exchange.segment.size / 1e6,
+        max_rank,
+    )
+    return exchange

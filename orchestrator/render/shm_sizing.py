@@ -1,0 +1,42 @@
+"""How much /dev/shm a compose job needs, with and without one shared IPC namespace.
+
+With `network.same_host_copy` the PS, its shards and the workers share one IPC namespace, held
+by the `pidns` service, and so one /dev/shm: the PS's shared-memory segments for the exchange
+(app.contract.exchange_bytes, from the model's state size in app.model_sizes) live there beside
+what each container used to have on its own (ps.shm_size per PS process, workers.shm_size per
+possible worker: DataLoader batches, the image cache). The holder's shm_size is their sum. It
+is a limit, not a reservation: memory is used only as it is written.
+"""
+
+from __future__ import annotations
+
+import math
+
+from app.contract import exchange_bytes
+from app.model_sizes import STATE_FLOATS
+from orchestrator.topology.model import Topology, size_bytes
+
+MIB = 1024**2
+
+
+def exchange_estimate(t: Topology) -> int | None:
+    """Bytes of the PS's segments (one per PS process, each for its slice of the state);
+    None for a model whose size is not known here (a user's own: it comes out of ps.shm_size)."""
+    floats = STATE_FLOATS.get(t.train.model)
+    if floats is None:
+        return None
+    shards = t.ps.shards
+    sync = t.train.strategy == "sync"
+    return shards * exchange_bytes(math.ceil(floats / shards), t.max_workers, t.train.overlap, sync)
+
+
+def shared_shm_bytes(t: Topology) -> int:
+    """The shared /dev/shm of a job in one IPC namespace: every PS process's ps.shm_size, every
+    possible worker's workers.shm_size, and the exchange's segments."""
+    own = t.ps.shards * size_bytes(t.ps.shm_size) + t.max_workers * size_bytes(t.workers.shm_size)
+    return own + (exchange_estimate(t) or 0)
+
+
+def compose_size(n: int) -> str:
+    """`n` bytes as compose writes a size, rounded up to a MiB ('14432m')."""
+    return f"{-(-n // MIB)}m"
