@@ -269,3 +269,27 @@ def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="stack-scale: a running stack is not scaled yet") as e:
         verbs.scale(registry.get("swarm"), None, 3)
     assert "\n" not in str(e.value)
+
+
+def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path: Path) -> None:
+    """A follow that never ends by itself (as `compose logs -f` with the scale profile did after
+    a scaled run) is closed once every service has ended, on two looks in a row."""
+    import sys
+    import threading
+
+    from orchestrator.backends import verbs
+    from orchestrator.backends.lines import ProcessLines
+
+    class Following(FakeBackend):
+        def log_iter(self, c, follow: bool):
+            forever = "import time; print('ps | Accuracy: 0.97', flush=True); time.sleep(600)"
+            return ProcessLines([[sys.executable, "-c", forever]])
+
+    fleet = Following()
+    fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
+    monkeypatch.setattr(verbs, "POLL", 0.2)
+    out = io.StringIO()
+    done = threading.Event()
+    threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
+    assert done.wait(30), "logs still follows a cluster whose every service has ended"
+    assert out.getvalue() == "ps | Accuracy: 0.97\n"
