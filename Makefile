@@ -41,8 +41,9 @@ setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 test: setup ## the whole test suite, containers included
 	$(PY) -m pytest --durations=25
 
-lint: setup ## ruff: lint rules and formatting of the whole tree (pyproject.toml [tool.ruff]); FIX=1 applies the fixes
+lint: setup ## ruff (lint rules, formatting) and mypy (types) over the tree (pyproject.toml [tool.ruff], [tool.mypy]); FIX=1 applies ruff's fixes
 	$(if $(FIX),$(PY) -m ruff check --fix . && $(PY) -m ruff format .,$(PY) -m ruff check . && $(PY) -m ruff format --check .)
+	$(PY) -m mypy
 
 test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
@@ -56,7 +57,7 @@ sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) f
 local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
 	$(ORCH) local $(CFG) $(RESUMING)
 
-# The cluster in containers (orchestrator/backends/compose/verbs.py). logs, status and down act
+# The cluster in containers (orchestrator/backends/verbs.py on the compose target). logs, status and down act
 # on the cluster `up` started last, unless CONFIG or WORKERS is given.
 LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
            $(if $(STRATEGY),--strategy $(STRATEGY))
@@ -102,7 +103,7 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
 	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
-# The same topology on Docker Swarm (orchestrator/backends/swarm/verbs.py, docs/multi-host.md).
+# The same topology on Docker Swarm (orchestrator/backends/verbs.py on the swarm target, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
 	$(ORCH) stack-up $(CFG) $(RESUMING)
@@ -154,8 +155,10 @@ bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): 
 # docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py
 # (a test fails when it is out of date).
 .PHONY: docs
-docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings
+docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
+	$(PY) -m orchestrator.topology.stub > sections.pyi.tmp && mv sections.pyi.tmp orchestrator/topology/sections.pyi
+	$(PY) -c 'from app.config import type_stub; print(type_stub(), end="")' > config.pyi.tmp && mv config.pyi.tmp app/config_fields.pyi
 
 bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
 	$(PY) -m bench data $(BENCH_ARGS)

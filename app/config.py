@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
-from app.contract import DATASETS, ROLES, ps_name, worker_name
-from app.options import OPTIONS, Option
+from app.contract import DATASETS, ENTRY_POINT, ROLES, RUN_ID, process_name
+from app.options import BY_NAME, OPTIONS, Option, broken_rule
 
-# The user's own model or dataset (app/common/plugins.py): package.module:factory.
-ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-# A run id names a directory (checkpoints set aside: <checkpoint_dir>/previous/<run id>/).
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # a Kubernetes Indexed Job's pod index
 
 
@@ -31,6 +26,13 @@ _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "auto_int": str}
 
 
 class _ConfigMethods:
+    # Fields of Config that these read (declared for the type checker; the dataclass sets them).
+    role: str
+    rank: int
+    shard: int
+    world_size: int
+    max_workers: int
+
     @property
     def num_trainers(self) -> int:
         """How many workers the PS serves."""
@@ -44,17 +46,20 @@ class _ConfigMethods:
     @property
     def name(self) -> str:
         """This process's RPC name: `ps`, `ps<shard>` or `worker<rank>`."""
-        return ps_name(self.shard) if self.role == "ps" else worker_name(self.rank)
+        return process_name(self.role, self.rank, self.shard)
 
 
-Config = dataclasses.make_dataclass(
-    "Config",
-    [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
-    bases=(_ConfigMethods,),
-    frozen=True,
-)
-Config.__module__ = __name__  # pickles as app.config.Config
-Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
+if TYPE_CHECKING:  # the same class, declared field by field (written from app/options.py)
+    from app.config_fields import Config
+else:
+    Config = dataclasses.make_dataclass(
+        "Config",
+        [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
+        bases=(_ConfigMethods,),
+        frozen=True,
+    )
+    Config.__module__ = __name__  # pickles as app.config.Config
+    Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,14 +88,15 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
     naming what was given: the flag, or the environment variable."""
     args = vars(_parser().parse_args(list(argv)))
     values: dict[str, Any] = {"role": args.pop("role")}
+    sources: dict[str, str] = {}
     for o in OPTIONS:
         if args[o.name] is not None:
-            values[o.name] = _convert(o, args[o.name], o.flag)
+            values[o.name], sources[o.name] = _convert(o, args[o.name], o.flag), o.flag
         elif env.get(o.env, "") != "":
-            values[o.name] = _convert(o, env[o.env], o.env)
-    _job_index(values, env)
+            values[o.name], sources[o.name] = _convert(o, env[o.env], o.env), o.env
+    _job_index(values, sources, env)
     config = Config(**values)
-    validate(config)
+    validate(config, sources)
     return config
 
 
@@ -101,7 +107,7 @@ def _convert(o: Option, raw: str, source: str) -> Any:
         raise UsageError(f"{source}: {e}") from None
 
 
-def _job_index(values: dict[str, Any], env: Mapping[str, str]) -> None:
+def _job_index(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
     """A Kubernetes Indexed Job gives each pod JOB_COMPLETION_INDEX: a worker's rank is the
     index + 1, a PS's shard the index, unless --rank / --shard (or PSC_RANK / PSC_SHARD) say."""
     raw = env.get(JOB_INDEX_ENV, "")
@@ -110,13 +116,34 @@ def _job_index(values: dict[str, Any], env: Mapping[str, str]) -> None:
     if not raw.isdigit():
         raise UsageError(f"{JOB_INDEX_ENV}: {raw!r} is not a whole number >= 0")
     if values["role"] == "worker" and "rank" not in values:
-        values["rank"] = int(raw) + 1
+        values["rank"], sources["rank"] = int(raw) + 1, JOB_INDEX_ENV
     elif values["role"] == "ps" and "shard" not in values:
-        values["shard"] = int(raw)
+        values["shard"], sources["shard"] = int(raw), JOB_INDEX_ENV
 
 
-def validate(config: Config) -> None:
-    """Range checks that argparse cannot express; raise UsageError naming the flag."""
+def validate(config: Config, sources: Optional[Mapping[str, str]] = None) -> None:
+    """The checks argparse cannot express; UsageError naming the option as it was given
+    (`sources`: each given option's flag or variable; None: a Config built in code, where
+    every value other than its option's default counts as given, under its flag)."""
+    if sources is None:
+        sources = {o.name: o.flag for o in OPTIONS if getattr(config, o.name) != o.default}
+    _check_names(config)
+    for o in OPTIONS:  # a Config built in code (not parsed) meets the bounds too
+        try:
+            o.check(getattr(config, o.name))
+        except ValueError as e:
+            raise UsageError(f"{sources.get(o.name, o.flag)}: {e}") from None
+    values = {**dataclasses.asdict(config), "given": frozenset(sources)}
+    rule = broken_rule(values)
+    if rule is not None:
+        o = BY_NAME[rule.option]
+        where = sources.get(o.name, o.flag)
+        raise UsageError(f"{where}: got {o.text(getattr(config, o.name))}; {rule.allowed(values)}")
+    _check_ranks(config, sources)
+
+
+def _check_names(config: Config) -> None:
+    """The dataset, a model entry point and the run id name what they may."""
     if config.dataset not in DATASETS and not ENTRY_POINT.match(config.dataset):
         raise UsageError(
             f"--dataset: {config.dataset!r} is not one of {', '.join(DATASETS)}, "
@@ -124,45 +151,54 @@ def validate(config: Config) -> None:
         )
     if ":" in config.model and not ENTRY_POINT.match(config.model):
         raise UsageError(f"--model: {config.model!r} is not an entry point package.module:factory")
-    for o in OPTIONS:  # a Config built in code (not parsed) meets the bounds too
-        try:
-            o.check(getattr(config, o.name))
-        except ValueError as e:
-            raise UsageError(f"{o.flag}: {e}") from None
     if config.run_id and not RUN_ID.match(config.run_id):
         raise UsageError(
             f"--run_id: {config.run_id!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
+
+
+def _check_ranks(config: Config, sources: Mapping[str, str]) -> None:
+    """A process's rank and shard fit its role and the job's size."""
+    rank = sources.get("rank", "--rank")
+    if config.role == "ps" and "rank" in sources and config.rank != 0:
+        raise UsageError(f"{rank}: got {config.rank}; the ps role is rank 0 (leave it out, or 0)")
     if config.shard and (config.role != "ps" or config.shard >= config.shards):
         raise UsageError(
-            f"--shard: {config.shard} is for the ps role, in 0..{config.shards - 1} (--shards {config.shards})"
-        )
-    if config.precision == "fp16" and config.device != "cuda" and config.role == "worker":
-        raise UsageError("--precision: fp16 needs --device cuda (loss scaling runs on the GPU); on CPU use bf16")
-    if config.shards > 1 and config.strategy == "allreduce":
-        raise UsageError(f"--shards: {config.shards} needs a parameter server; strategy allreduce has none")
-    if config.overlap and config.strategy in ("sync", "allreduce"):
-        raise UsageError(
-            f"--overlap: true is for strategies async and ssp; {config.strategy} "
-            "waits for every worker's gradient each step"
+            f"{sources.get('shard', '--shard')}: {config.shard} is for the ps role, in 0..{config.shards - 1} "
+            f"(--shards {config.shards})"
         )
     if config.role == "check" and not 0 <= config.rank < config.world_size:
         raise UsageError(
-            f"--rank: {config.rank} must be in 0..{config.world_size - 1} "
+            f"{rank}: {config.rank} must be in 0..{config.world_size - 1} "
             f"for the check (--world_size {config.world_size})"
         )
     if config.role == "worker" and not 1 <= config.rank <= config.max_trainers:
         scaled = f", --max_workers {config.max_workers}" if config.max_workers else ""
         raise UsageError(
-            f"--rank: {config.rank} must be in 1..{config.max_trainers} "
+            f"{rank}: {config.rank} must be in 1..{config.max_trainers} "
             f"for a worker (--world_size {config.world_size}{scaled})"
         )
-    if config.max_workers and config.strategy == "allreduce" and config.max_workers != config.num_trainers:
-        raise UsageError(
-            f"--max_workers: {config.max_workers} needs a parameter server; allreduce's world size is fixed "
-            "(restart from the last checkpoint with the new --world_size)"
-        )
+
+
+def type_stub() -> str:
+    """app/config_fields.pyi: `Config` declared field by field for the type checker (this module
+    builds it at run time); `make docs` writes it, tests/orchestrator/test_typing.py holds it so."""
+    kinds = {"int": "int", "float": "float", "bool": "bool", "str": "str", "auto_int": "str"}
+    fields = [f"    {o.name}: {kinds[o.kind]} = {o.default!r}".replace("'", '"') for o in OPTIONS]
+    derived = [
+        f"    @property\n    def {name}(self) -> {prop.fget.__annotations__['return']}: ..."
+        for name, prop in vars(_ConfigMethods).items()
+        if isinstance(prop, property) and prop.fget is not None
+    ]
+    return (
+        '"""The app\'s Config, declared field by field for the type checker.\n\n'
+        "Written by app/config.py `type_stub` from app/options.py (`make docs`); do not edit.\n"
+        'app/config.py builds the real class at run time and imports this under TYPE_CHECKING alone.\n"""\n\n'
+        "import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Config:\n"
+        '    """Everything a process of the app needs: its role and one field per option of app/options.py."""\n\n'
+        "    role: str\n" + "\n".join(fields) + "\n\n" + "\n".join(derived) + "\n"
+    )
 
 
 def check_threads_env(env: Mapping[str, str]) -> None:

@@ -1,13 +1,17 @@
 """The values the app and the orchestrator must agree on, in one torch-free module.
 
 Choices of the app's flags, the names of a job's processes (RPC, metrics file
-and compose service) and the metrics' file names and events. Pure: standard
-library only. The orchestrator never imports the app (its host has no torch):
-it keeps its copy of what it needs in orchestrator/topology/contract.py, and
-tests/orchestrator/test_contract.py holds the two equal.
+and compose service), the patterns of an entry point and a run id, and the
+metrics' file names and events. Pure: standard library only. This module and
+app/options.py are the whole of the app the orchestrator imports (its host has
+no torch); tests/orchestrator/test_import_graph.py holds both to the standard
+library and the orchestrator to these two.
 """
 
 from __future__ import annotations
+
+import re
+from enum import Enum
 
 ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
@@ -22,8 +26,17 @@ COMPRESSIONS = ("none", "bf16", "fp16")
 EXCHANGES = ("auto", "tensorpipe")  # how pushes cross: shared memory where it can be had, or TensorPipe
 PRECISIONS = ("fp32", "bf16", "fp16")
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
+# The datasets the app reads from files under --data_dir (the others ship in a package or are
+# generated, and need no mount).
+FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
+NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
 DEVICES = ("cpu", "cuda")
 IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/common/imagecache.py)
+
+# The user's own model or dataset (app/common/plugins.py): package.module:factory.
+ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+# A run id names a directory (checkpoints set aside: <checkpoint_dir>/previous/<run id>/; TensorBoard's runs).
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 ENV_PREFIX = "PSC_"  # every flag --x is also PSC_X in the environment
 RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when set
@@ -34,23 +47,29 @@ METRICS_SUFFIX = ".jsonl"
 # TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/common/event_files.py)
 TENSORBOARD_DIR = "tensorboard"
 UNNAMED_RUN = "unnamed"  # the run directory of processes started without a run id
-# Metrics events (docs/design.md): what a process writes, one JSON object a line.
-EVENTS = (
-    "start",
-    "join",
-    "train",
-    "eval",
-    "end",
-    "checkpoint",
-    "resume",
-    "drop",
-    "back",
-    "left",
-    "frozen",
-    "refused",
-    "shard",
-    "shard_lost",
-)
+
+
+class Event(str, Enum):
+    """The metrics events (docs/design.md): what a process writes, one JSON object a line, its
+    `event` field. A member equals its string (`Event.JOIN == "join"`)."""
+
+    START = "start"
+    JOIN = "join"
+    TRAIN = "train"
+    EVAL = "eval"
+    END = "end"
+    CHECKPOINT = "checkpoint"
+    RESUME = "resume"
+    DROP = "drop"
+    BACK = "back"
+    LEFT = "left"
+    FROZEN = "frozen"
+    REFUSED = "refused"
+    SHARD = "shard"
+    SHARD_LOST = "shard_lost"
+
+
+EVENTS = tuple(e.value for e in Event)
 
 
 # The PS's shared-memory segment for the same-host exchange (app.ps.exchange, app.common.shm):
@@ -86,6 +105,12 @@ def shard_service(index: int) -> str:
     return SHARD_SERVICE.format(index=index)
 
 
+def process_name(role: str, rank: int, shard: int = 0) -> str:
+    """The name a process of `role` registers under (its first RPC name) and names its metrics
+    file after: `ps`, `ps<shard>`, `worker<rank>`."""
+    return ps_name(shard) if role == PS else worker_name(rank)
+
+
 def metrics_file(name: str) -> str:
     """The metrics file of the process named `name` (ps, ps1, worker2...)."""
     return f"{name}{METRICS_SUFFIX}"
@@ -99,7 +124,7 @@ def event_dir(metrics_dir: str, run_id: str, name: str) -> str:
 def service_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
     """The job's compose services in rank order: `ps`, its shards `ps-shard1..`, then the
     workers; under allreduce the workers alone (rank r is `worker<r+1>`)."""
-    if strategy == "allreduce":
+    if strategy == NO_PS_STRATEGY:
         return [worker_name(r + 1) for r in range(world_size)]
     ps = [PS] + [shard_service(i) for i in range(1, shards)]
     return ps + [worker_name(r) for r in range(1, world_size - len(ps) + 1)]

@@ -12,20 +12,35 @@ render passes it on. Everything else is read from here:
 
 Adding a training option is one entry here (and the code that uses it).
 `tests/orchestrator/test_options.py` fails when the parser, the topology, the
-render and docs/topology.md disagree. Standard library only: the orchestrator
-reads this module on a host without torch.
+render and docs/topology.md disagree. The rules between options (`RULES`) are
+declared here too, and both the parser and the topology evaluate them. Standard
+library only: the orchestrator reads this module on a host without torch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import COMPRESSIONS, DEVICES, ENV_PREFIX, EXCHANGES, IMAGE_CACHES, PRECISIONS, STRATEGIES
+from app.contract import (
+    COMPRESSIONS,
+    DEVICES,
+    ENV_PREFIX,
+    EXCHANGES,
+    IMAGE_CACHES,
+    NO_PS_STRATEGY,
+    PRECISIONS,
+    STRATEGIES,
+)
 
 KINDS = ("int", "float", "bool", "str", "auto_int")  # auto_int: `auto` or a whole number >= 0
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# Where a process started by hand (no --checkpoint_dir, --metrics_dir, --cache_dir) keeps its
+# state: under runs/, which git ignores, never in the tree's own folders (the render and `make
+# local` always give the three).
+BY_HAND = "./runs/app"
 # How the render passes a topology option on: always, or only when it differs from the
 # app's default (the app then uses that default: the rendered file stays short).
 ALWAYS, CHANGED = "always", "changed"
@@ -286,8 +301,8 @@ OPTIONS: tuple[Option, ...] = (
         low=0,
         topology="ps.checkpoint_every",
     ),
-    _opt("checkpoint_dir", "str", "./checkpoints", "the PS writes its checkpoints and final.pt here"),
-    _opt("metrics_dir", "str", "./metrics", "JSON lines, one file per process"),
+    _opt("checkpoint_dir", "str", f"{BY_HAND}/checkpoints", "the PS writes its checkpoints and final.pt here"),
+    _opt("metrics_dir", "str", f"{BY_HAND}/metrics", "JSON lines, one file per process"),
     _opt(
         "shards",
         "int",
@@ -335,7 +350,7 @@ OPTIONS: tuple[Option, ...] = (
         emit=CHANGED,
         bool_aliases=("off", "memory"),
     ),
-    _opt("cache_dir", "str", "./cache", "--image_cache file: where the decoded shards are kept"),
+    _opt("cache_dir", "str", f"{BY_HAND}/cache", "--image_cache file: where the decoded shards are kept"),
     _opt("init_weights", "str", "", "a state dict file (or a final.pt) the model starts from; empty: none"),
     _opt(
         "precision",
@@ -395,3 +410,65 @@ BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 def in_topology(section: str) -> list[Option]:
     """The options a topology section sets, in declaration order."""
     return [o for o in OPTIONS if o.topology and o.section == section]
+
+
+# --- the rules between options ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between options, evaluated by the app's parser (app/config.py `validate`) and by
+    the topology (orchestrator/topology/model.py `check`), each on its own values and naming the
+    option its own way (the flag or variable it came from; its YAML path).
+
+    `broken(v)`: the job's values `v`, by option name (`given`: the names of the options set
+    rather than left to their defaults; `role`: the process's, None for a whole job), break
+    it; `option`: the one at fault; `allowed(v)`: what is allowed, in words."""
+
+    option: str
+    broken: Callable[[Mapping[str, Any]], bool]
+    allowed: Callable[[Mapping[str, Any]], str]
+
+
+def _workers(v: Mapping[str, Any]) -> int:
+    """The number of workers the job starts with (--world_size less the PS)."""
+    return int(v["world_size"]) - 1
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "overlap",
+        lambda v: bool(v["overlap"]) and v["strategy"] in ("sync", NO_PS_STRATEGY),
+        lambda v: (
+            f"allowed only with strategy async or ssp ({v['strategy']} waits for every worker's gradient each step)"
+        ),
+    ),
+    Rule(
+        "shards",
+        lambda v: v["shards"] > 1 and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: "allowed only with a parameter server (strategy async, sync or ssp); allreduce has none",
+    ),
+    Rule(
+        "max_workers",
+        lambda v: "max_workers" in v["given"] and v["max_workers"] < _workers(v),
+        lambda v: f"must be at least the number of workers ({_workers(v)}), or left out",
+    ),
+    Rule(
+        "max_workers",
+        lambda v: "max_workers" in v["given"] and v["max_workers"] > _workers(v) and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: (
+            f"strategy allreduce has a fixed world size (leave it out, or equal to the number of workers, "
+            f"{_workers(v)})"
+        ),
+    ),
+    Rule(
+        "precision",
+        lambda v: v["precision"] == "fp16" and v["device"] != "cuda" and v.get("role") in (None, "worker"),
+        lambda v: "needs a GPU, device cuda (loss scaling runs on the GPU); on CPU use bf16",
+    ),
+)
+
+
+def broken_rule(values: Mapping[str, Any]) -> Optional[Rule]:
+    """The first rule of RULES that `values` break; None when they keep every one."""
+    return next((rule for rule in RULES if rule.broken(values)), None)

@@ -58,6 +58,7 @@ def compose_metrics(model: Any, project: str, timeout: float) -> dict[str, list[
     until every service has exited; the project and its volume are removed afterwards,
     whatever happened."""
     from orchestrator import images
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
@@ -69,10 +70,10 @@ def compose_metrics(model: Any, project: str, timeout: float) -> dict[str, list[
         proj = adapter.Project(project, str(Path(tmp) / "compose.yaml"), str(ROOT))
         try:
             write_atomic(proj.file, compose.dump(compose.render(model), model.name))
-            adapter.run(adapter.up_argv(found, proj), capture=True)
+            command.run(adapter.up_argv(found, proj), capture=True)
             finished = adapter.wait_exited(client, project, len(service_names(model)), timeout, io.StringIO())
             if finished is None:
                 raise RuntimeError(f"the compose run did not end within {timeout:.0f} s")
             return adapter.read_metrics(client, project, adapter.containers(client, project))
         finally:
-            adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+            command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)

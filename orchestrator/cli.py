@@ -73,7 +73,6 @@ def targets():
 
 def run_render(args: argparse.Namespace) -> int:
     from orchestrator.host_paths import check_paths
-    from orchestrator.render import compose
     from orchestrator.render.yamlio import write_atomic
     from orchestrator.topology.services import describe
 
@@ -81,7 +80,7 @@ def run_render(args: argparse.Namespace) -> int:
     t = load_topology(args)
     check_paths(t, args.config, Path.cwd())  # `code` and train.init_weights: before anything is written
     text = backend.render(t, data_root=os.getcwd())
-    for warning in compose.security_warnings(t):
+    for warning in backend.warnings(t):
         print(f"warning: {warning}", file=sys.stderr)
     output = args.output or backend.output
     if output == "-":
@@ -144,7 +143,8 @@ def add_resume_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_verbs(sub: argparse._SubParsersAction) -> None:
+def _add_document_verbs(sub: argparse._SubParsersAction) -> None:
+    """render and schema: the topology as a document, or as its own schema."""
     registry = targets()
     outputs = ", ".join(f"{b.output} with --target {b.name}" for b in registry.BACKENDS.values())
     p = sub.add_parser("render", help="write the compose file (or a stack file, or Kubernetes manifests) of a topology")
@@ -157,13 +157,16 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
         help=" or ".join(b.summary for b in registry.BACKENDS.values()),
     )
     p.set_defaults(run=run_render)
-
     p = sub.add_parser("schema", help="the topology's JSON Schema, or with --markdown its reference (docs/topology.md)")
     p.add_argument(
         "--markdown", action="store_true", help="the reference as Markdown, generated from the field docstrings"
     )
     p.set_defaults(run=run_schema)
 
+
+def _add_host_verbs(sub: argparse._SubParsersAction) -> None:
+    """doctor and gpu-check: this host, for a topology."""
+    registry = targets()
     p = sub.add_parser("doctor", help="check this host before a run: one line per check, exit 0 only if all pass")
     add_topology_args(p)
     p.add_argument(
@@ -178,7 +181,6 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
         help="cuda: skip the probe container (the project's image, its GPUs, uid 1000)",
     )
     p.set_defaults(run=run_doctor)
-
     p = sub.add_parser(
         "gpu-check",
         help="doctor with the probe, then a one-minute cnn run with one worker per GPU: "
@@ -195,6 +197,9 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(run=run_gpu_trial)
 
+
+def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
+    """local and sample-data: no engine."""
     p = sub.add_parser("local", help="run the PS and the workers as local processes")
     add_topology_args(p)
     p.add_argument(
@@ -204,21 +209,6 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     )
     add_resume_arg(p)
     p.set_defaults(run=run_local)
-
-    # The container verbs: `build` here, the lifecycle verbs from each target that has them.
-    def cluster():  # imported on use: `render` and `local` need no Docker SDK
-        from orchestrator.backends.compose import verbs
-
-        return verbs
-
-    p = sub.add_parser("build", help="build the topology's image (Docker SDK, progress streamed)")
-    add_topology_args(p)
-    p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
-    p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
-    p.set_defaults(run=lambda a: cluster().build(a.config, a.workers, offline=a.offline, verbose=a.verbose))
-    for backend in registry.BACKENDS.values():
-        if backend.verb_prefix is not None:
-            _add_lifecycle_verbs(sub, backend)
     p = sub.add_parser(
         "sample-data",
         help="write a small Imagenette-layout image tree (train/, val/) from "
@@ -233,8 +223,29 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
+
+
+def _verbs():
+    """The verbs written once on the targets' blocks (orchestrator/backends/), imported on use:
+    `render` and `local` need no Docker SDK."""
+    from orchestrator.backends import board, smoke_verb, verbs
+
+    return verbs, smoke_verb, board
+
+
+def _add_verbs(sub: argparse._SubParsersAction) -> None:
+    _add_document_verbs(sub)
+    _add_host_verbs(sub)
+    _add_local_verbs(sub)
+    p = sub.add_parser("build", help="build the topology's image (Docker SDK, progress streamed)")
+    add_topology_args(p)
+    p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
+    p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
+    p.set_defaults(run=lambda a: _verbs()[0].build(a.config, a.workers, offline=a.offline, verbose=a.verbose))
+    for backend in targets().BACKENDS.values():
+        if backend.verb_prefix is not None:
+            _add_lifecycle_verbs(sub, backend)
     _add_check_verb(sub)
-    _add_tensorboard_verb(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
 
@@ -287,80 +298,76 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
-    """PREFIX + up, down, logs, status, smoke, scale of one target (backends/base.py: `Backend`).
-    down, logs and status without -c act on the cluster PREFIX + up started last."""
+    """PREFIX + up, down, logs, status, smoke, scale, tensorboard of one target (backends/base.py:
+    `Backend`). down, logs, status, scale and tensorboard without -c act on the cluster PREFIX +
+    up started last."""
 
     def verb(name: str) -> argparse.ArgumentParser:
-        return sub.add_parser(backend.verb_prefix + name, help=backend.verb_help[name])
+        return sub.add_parser(backend.verb_prefix + name, help=backend.verb_help.get(name, name))
 
-    last = f"the last {backend.verb_prefix}up"
     p = verb("up")
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     add_resume_arg(p)
     p.set_defaults(
-        run=lambda a: backend.up(a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume)
+        run=lambda a: _verbs()[0].up(
+            backend, a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume
+        )
     )
-    for name in ("down", "logs", "status"):
-        p = verb(name)
-        p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
-        p.add_argument("--workers", type=_positive_int, metavar="N")
-        add_strategy_arg(p)
-        if name == "down":
-            p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-            p.set_defaults(run=lambda a: backend.down(a.config, a.workers, strategy=a.strategy, volumes=a.volumes))
-        elif name == "logs":
-            p.add_argument("--no-follow", action="store_true", help="print and return")
-            p.set_defaults(run=lambda a: backend.logs(a.config, a.workers, strategy=a.strategy, follow=not a.no_follow))
-        else:
-            p.set_defaults(run=lambda a: backend.status(a.config, a.workers, strategy=a.strategy))
+    last = f"the last {backend.verb_prefix}up"
+    _add_last_cluster_verbs(verb, backend, last)
     p = verb("smoke")
     p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
     add_strategy_arg(p)
-    p.set_defaults(run=lambda a: backend.smoke(a.config, a.workers, strategy=a.strategy, timeout=a.timeout))
+    p.set_defaults(
+        run=lambda a: _verbs()[1].smoke(backend, a.config, a.workers, strategy=a.strategy, timeout=a.timeout)
+    )
     p = verb("scale")
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=_positive_int, required=True, metavar="N", help="the number of workers to run")
-    p.set_defaults(run=lambda a: backend.scale(a.config, a.workers))
+    p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers))
+    _add_tensorboard_verb(verb("tensorboard"), backend, last)
 
 
-def _refuse_stack_tensorboard() -> int:
-    from orchestrator.tensorboard import refuse_swarm
-
-    return refuse_swarm()
-
-
-def _add_tensorboard_verb(sub: argparse._SubParsersAction) -> None:
-    """TensorBoard on the runs' event files: compose (orchestrator/backends/compose/tensorboard.py)
-    or, with --local, a process on `make local`'s runs (orchestrator/tensorboard.py)."""
-
-    def run_tensorboard(a: argparse.Namespace) -> int:
-        if a.local:
-            from orchestrator.tensorboard import run_local
-
-            a.config = a.config or DEFAULT_CONFIG
-            return run_local(load_topology(a), a.run_id, a.port)
-        from orchestrator.backends.compose import tensorboard
-
-        return tensorboard.start(a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port)
-
-    p = sub.add_parser(
-        "tensorboard", help="TensorBoard on every run's event files (or --run ID's), at http://127.0.0.1:PORT/"
-    )
-    p.add_argument("-c", "--config", metavar="CONFIG", help="topology file (default: the last up)")
+def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
+    p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=_positive_int, metavar="N")
     add_strategy_arg(p)
+
+
+def _add_last_cluster_verbs(verb, backend, last: str) -> None:
+    """down, logs and status: the cluster named by -c, else the last up's."""
+    p = verb("down")
+    _last_cluster_args(p, last)
+    p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
+    p.set_defaults(run=lambda a: _verbs()[0].down(backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes))
+    p = verb("logs")
+    _last_cluster_args(p, last)
+    p.add_argument("--no-follow", action="store_true", help="print and return")
+    p.set_defaults(
+        run=lambda a: _verbs()[0].logs(backend, a.config, a.workers, strategy=a.strategy, follow=not a.no_follow)
+    )
+    p = verb("status")
+    _last_cluster_args(p, last)
+    p.set_defaults(run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy))
+
+
+def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
+    """TensorBoard on the runs' event files (orchestrator/backends/board.py), or with --local
+    a process on `make local`'s runs (orchestrator/tensorboard.py)."""
+    _last_cluster_args(p, last)
     p.add_argument(
         "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"
     )
     p.add_argument("--port", type=_positive_int, metavar="PORT", help="on 127.0.0.1 (default: 6006, else a free one)")
     p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
-    p.set_defaults(run=run_tensorboard)
-    p = sub.add_parser("stack-tensorboard", help="refused, with the one line that says why (docs/reports.md)")
-    p.add_argument("-c", "--config", metavar="CONFIG")
-    p.set_defaults(run=lambda a: _refuse_stack_tensorboard())
+    p.set_defaults(
+        run=lambda a: _verbs()[2].tensorboard(
+            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port, local=a.local
+        )
+    )
 
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:

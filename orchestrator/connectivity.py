@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from app.contract import CHECK_RECORD
 from orchestrator.errors import UsageError
 from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
-from orchestrator.topology.contract import CHECK_RECORD
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
 
@@ -295,6 +295,7 @@ def run_containers(
     out: TextIO = sys.stdout,
 ) -> int:
     from orchestrator import images
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.backends.compose.status import container_state
 
@@ -311,7 +312,7 @@ def run_containers(
     proj = adapter.Project(name, str(tmp / "compose.yaml"), str(ROOT))
     try:
         write_atomic(proj.file, compose.dump(doc, t.name))
-        adapter.run(
+        command.run(
             adapter.down_argv(found, proj, volumes=True), capture=True, check=False
         )  # a former check's leftovers
         print(
@@ -320,18 +321,17 @@ def run_containers(
             file=out,
             flush=True,
         )
-        adapter.run(adapter.up_argv(found, proj), capture=True)
+        command.run(adapter.up_argv(found, proj), capture=True)
         states = adapter.wait_exited(client, name, len(doc["services"]), 2 * timeout + EXIT_MARGIN, out, every=0.5)
         results = []
         for c in adapter.containers(client, name):
             state = container_state(c.attrs)
-            svc = state["service"]
-            done = state["status"] in ("exited", "dead")
+            svc = state.service
             results.append(
                 Result(
                     svc,
                     names.index(svc) if svc in names else -1,
-                    state["exit_code"] if done else None,
+                    state.exit_code if state.ended else None,
                     c.logs(stdout=True, stderr=True).decode("utf-8", "replace"),
                 )
             )
@@ -340,7 +340,7 @@ def run_containers(
         _hint_stale_image(results, t, out)
         return _print_verdict(names, results, without, f"containers, project {name}", time.monotonic() - start, out)
     finally:
-        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+        command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -23,15 +23,16 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
+from app.contract import Event
 from orchestrator.backends.compose import doctor
 from orchestrator.doctor.checks import host_gpus, run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.probe import check_probe
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import parse_lines
+from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load, parse
-from orchestrator.topology.services import describe, worker_service
+from orchestrator.topology.services import describe, worker_name
 
 PROJECT = "gpu-check"
 RUN_SECONDS = 60.0
@@ -69,11 +70,11 @@ def summarize(files: dict[str, list[str]], workers: list[str], since: float) -> 
     rows = []
     for w in workers:
         records = parse_lines(files.get(f"{w}.jsonl", []))
-        join = next((r for r in reversed(records) if r.get("event") == "join"), {})
+        join = next((r for r in reversed(records) if is_event(r, Event.JOIN)), {})
         rates = [
             r["samples_per_s"]
             for r in records
-            if r.get("event") == "train" and r.get("time", 0) >= since and r.get("samples_per_s") is not None
+            if is_event(r, Event.TRAIN) and r.get("time", 0) >= since and r.get("samples_per_s") is not None
         ]
         rows.append(WorkerRow(w, median(rates) if rates else None, join.get("gpu", "?"), join.get("gpu_uuid", "?")))
     return rows
@@ -145,6 +146,7 @@ def run(config: str = DEFAULT_CONFIG, *, seconds: float = RUN_SECONDS, out: Text
 
 
 def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
+    from orchestrator.backends import command
     from orchestrator.backends.compose import adapter
     from orchestrator.render import compose
     from orchestrator.render.yamlio import write_if_changed
@@ -153,11 +155,11 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
     path = RUNS / PROJECT / "compose.yaml"
     write_if_changed(path, compose.dump(compose.render(t), t.name))
     project = adapter.Project(PROJECT, str(path), str(ROOT))
-    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
-    adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
+    workers = [worker_name(r) for r in range(1, t.workers.count + 1)]
+    command.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     try:
         print(f"==> gpu-check: {describe(t)} on GPUs {t.worker_gpus()}, {seconds:.0f} s", file=out, flush=True)
-        adapter.run(adapter.up_argv(found, project))
+        command.run(adapter.up_argv(found, project))
         joined = _wait_joined(client, workers)
         if joined is None:
             adapter.print_logs(client, PROJECT, out)
@@ -167,7 +169,7 @@ def _train(client: Any, t: Topology, seconds: float, out: TextIO) -> int:
         files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
         rows = summarize(files, workers, joined + WARMUP_SECONDS)
     finally:
-        adapter.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
+        command.run(adapter.down_argv(found, project, volumes=True), capture=True, check=False)
     for line in format_rows(rows):
         print(line, file=out)
     problems = verdict(rows)
@@ -186,10 +188,11 @@ def _wait_joined(client: Any, workers: list[str]) -> Optional[float]:
     while time.monotonic() < deadline:
         files = adapter.read_metrics(client, PROJECT, adapter.containers(client, PROJECT))
         joins = [
-            next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if r.get("event") == "join"), None)
+            next((r["time"] for r in parse_lines(files.get(f"{w}.jsonl", [])) if is_event(r, Event.JOIN)), None)
             for w in workers
         ]
-        if all(j is not None for j in joins):
-            return max(joins)
+        found = [j for j in joins if j is not None]
+        if len(found) == len(joins):
+            return max(found)
         time.sleep(5)
     return None

@@ -56,7 +56,7 @@ def local_environment(
 ) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
     (orchestrator.runs; empty: the app resumes any checkpoint)."""
-    data_dir = str(Path(t.train.data_dir).expanduser().resolve()) if t.reads_files else None
+    data_dir = str(Path(t.data_dir()).expanduser().resolve()) if t.reads_files else None
     weights = t.train.init_weights
     env = app_environment(
         t,
@@ -146,7 +146,7 @@ def check_host(t: Topology, source: str) -> None:
     """Bad input that only the host can reveal (the render does not look)."""
     check_paths(t, source, Path.cwd())
     if t.reads_files:
-        path = Path(t.train.data_dir).expanduser()
+        path = Path(t.data_dir()).expanduser()
         if not path.is_dir():
             raise TopologyError(
                 source,

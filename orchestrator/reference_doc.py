@@ -177,7 +177,7 @@ def _annotated_notes(annotation: Any) -> list[str]:
 
 
 def _constraints(metadata: list[Any], is_list: bool) -> list[str]:
-    bounds = {type(m).__name__: m for m in metadata if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le))}
+    bounds: dict[str, Any] = {type(m).__name__: m for m in metadata if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le))}
     notes: list[str] = []
     if "Ge" in bounds and "Le" in bounds:
         notes.append(f"{bounds.pop('Ge').ge} to {bounds.pop('Le').le}")

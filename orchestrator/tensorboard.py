@@ -4,12 +4,11 @@ answers on, and for `make tensorboard LOCAL=1` the local process on runs/<name>/
 The app writes `<metrics_dir>/tensorboard/<run id>/<process>/` (app/contract.py `event_dir`);
 TensorBoard shows every run under the directory it is given, so the default (the whole
 `tensorboard/` directory) puts a topology's runs side by side, and a run id narrows it to one.
-The compose side (a profiled service of the project) is orchestrator/backends/compose/tensorboard.py.
+The verb is orchestrator/backends/board.py; compose serves it as a profiled service of the project.
 """
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from app.contract import TENSORBOARD_DIR
+from app.contract import RUN_ID, TENSORBOARD_DIR
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology
 
@@ -27,7 +26,6 @@ DEFAULT_PORT = 6006  # TensorBoard's own
 PORTS_TRIED = 100  # from the default on, when it is taken
 HOST = "127.0.0.1"  # never published beyond this host
 ANSWER_TIMEOUT = 120.0  # seconds for a starting TensorBoard to answer
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # as the app's --run_id
 
 
 def check_run(run: Optional[str]) -> str:
@@ -85,12 +83,11 @@ def wait_until_answers(port: int, timeout: float = ANSWER_TIMEOUT, alive=lambda:
     return False
 
 
-def refuse_swarm() -> int:
-    """A stack's event files are on the PS's node; no service there shows them (yet)."""
-    raise UsageError(
-        "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
-        "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
-    )
+# A stack's event files are on the PS's node; no service there shows them (yet).
+SWARM_REFUSAL = (
+    "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
+    "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
+)
 
 
 def local_logdir(t: Topology, run: str, runs_dir: str = "runs") -> Path:

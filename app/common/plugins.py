@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from app.config import ENTRY_POINT, UsageError
+from app.config import UsageError
+from app.contract import ENTRY_POINT
 from app.runtime import first_line
 
 

@@ -1,39 +1,113 @@
-"""What a target does, in one interface: `Backend`.
+"""What a target gives: typed building blocks (`Backend`), after torchx's Scheduler.
 
-A target (compose, swarm, kubernetes) renders a topology to its document, names the
-doctor's checks for itself and the host facts only it needs, and, when the orchestrator
-can run it, the lifecycle verbs up, down, logs, status and smoke. The CLI and doctor
-call these and never compare target names; `orchestrator/backends/registry.py` lists
-the targets. Adding one is a module that subclasses `Backend` and one registry line
-(docs/design.md, "Adding a target").
+A target (compose, swarm, kubernetes) renders a topology to its document and names the
+doctor's checks and the host facts only it needs. A target the orchestrator runs adds the
+blocks: `deploy` (start the document with the run's variables), `describe` (one
+`ServiceState` per service), `log_iter` (the services' log lines, following or not),
+`remove`, `read_records` (the app's metrics files), `running_env` (the run going on), and
+where it can `scale_to` and `serve_board`. Every user-facing verb (up, down, logs, status,
+smoke, scale, tensorboard) is written once on top of them (orchestrator/backends/verbs.py),
+with one run-record store (orchestrator/backends/record.py); the CLI builds the verbs of
+every target in the registry (orchestrator/backends/registry.py) and never names one.
 
-Methods here import nothing heavy: a backend's verbs import the Docker SDK when called,
-so `render` and `doctor --target kubernetes` run without it.
+Methods here import nothing heavy: a backend imports the Docker SDK when a block runs, so
+`render` and `doctor --target kubernetes` run without it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional, Protocol, TextIO
 
+from orchestrator import paths
 from orchestrator.doctor.checks import CheckFn
 from orchestrator.doctor.facts import Facts
 from orchestrator.errors import UsageError
+from orchestrator.render.compose import security_warnings
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import Service
 
-LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale")
+LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale", "tensorboard")
+ENDED = ("exited", "dead")  # a service's states after which it runs no more (unless restarted)
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """One service of a cluster as its target sees it now.
+
+    `status`: the container's state (running, restarting, exited, dead, created, paused),
+    `exited` for a task that ended, or what the target says when there is none (`missing`);
+    `exit_code` once ended; `restarts`: restarts (compose) or failed tasks before the newest
+    (swarm); `task`: swarm's newest task state; `spec`: what the service is, when known."""
+
+    service: str
+    status: str
+    exit_code: Optional[int] = None
+    restarts: int = 0
+    health: Optional[str] = None
+    task: Optional[str] = None
+    error: str = ""
+    spec: Optional[Service] = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    def with_spec(self, spec: Optional[Service]) -> ServiceState:
+        return self if spec is None or self.spec is not None else replace(self, spec=spec)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster a verb acts on: its name (project, stack), its rendered document, and how
+    it was given: `topology` when named on the command line (else it is the one recorded
+    by the last up, and its services are read from `file`)."""
+
+    name: str
+    file: Path
+    config: Optional[str] = None
+    workers: Optional[int] = None
+    strategy: Optional[str] = None
+    topology: Optional[Topology] = None
+
+
+class LogLines(Protocol):
+    """What `log_iter` returns: lines (each with its newline), and `close()`, which ends the
+    reading from another thread (a follow that has nothing more to wait for)."""
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
 
 
 class Backend:
     """One target. Class attributes describe it; the CLI builds its verbs from them."""
 
     name: str = ""
-    output: str = ""  # the file `render --target NAME` writes by default
+    output: str = ""  # the file `render --target NAME` writes by default (and runs/<name>/ holds)
     noun: str = ""  # what the rendered document starts: project, stack, job
     summary: str = ""  # one line for `render --target`'s help
-    verb_prefix: Optional[str] = None  # lifecycle verbs as PREFIX + up...; None: the orchestrator runs none
-    engine: bool = True  # doctor asks a local Docker engine for this target
+    verb_prefix: Optional[str] = None  # verbs as PREFIX + up...; None: the orchestrator runs none
+    engine: bool = True  # a local Docker engine: doctor asks it, up and smoke build the image there
     smoke_timeout: int = 900  # seconds, the smoke verb's default
     verb_help: dict[str, str] = {}
+    refusals: dict[str, str] = {}  # verb -> the one line that refuses it (a verb the target cannot do yet)
+    record: str = ""  # the file under runs/ that remembers the last up
+    unit: str = "container"  # what runs a service: container, task
+    missing: str = "no container"  # a configured service's status when nothing of it is found
+    task_table: bool = False  # status prints tasks (state, exit, retries, error), not the metrics columns
+    keeps_document: bool = False  # every command of the target reads the document: keep it rendered
+    removed: str = "stopped and removed"  # what down did, after "<noun> <name>"
+    volume_where: str = ""  # where the state volume stays after down
+    ended_well: str = "exited 0"  # what smoke says of each service of a run that passed
+    image_note: str = ""  # up's words after "image TAG present"
 
     # --- the document -------------------------------------------------------
     def render(self, t: Topology, data_root: str) -> str:
@@ -45,34 +119,71 @@ class Backend:
         """The name the document gives the cluster (project, stack, job prefix)."""
         raise NotImplementedError
 
-    # --- doctor -------------------------------------------------------------
+    def document(self, t: Topology, facts: Optional[Facts] = None) -> str:
+        """What up and smoke deploy (the doctor's `facts` when it ran): the render, with this
+        repository as the root of relative paths."""
+        return self.render(t, str(paths.ROOT))
+
+    def warnings(self, t: Topology) -> list[str]:
+        """Risky settings the topology asks for, one line each (render prints them)."""
+        return security_warnings(t)
+
+    def path_of(self, name: str) -> Path:
+        """Where up writes the document of cluster `name`."""
+        return paths.RUNS / name / self.output
+
+    # --- doctor: the module beside the backend (CHECKS, gather_facts) ----------
+    doctor: Optional[ModuleType] = None
+
     def checks(self) -> list[CheckFn]:
         """The doctor's checks for this target, in the order they print."""
-        raise NotImplementedError
+        if self.doctor is None:
+            raise NotImplementedError(f"target {self.name}: no doctor module")
+        return list(self.doctor.CHECKS)
 
     def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
         """Facts only this target needs, as Facts fields (its own under `target`)."""
-        return {}
+        return {} if self.doctor is None else dict(self.doctor.gather_facts(t, client, facts, probe))
 
-    # --- the lifecycle verbs (targets the orchestrator runs) ----------------
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
+    # --- the blocks of a target the orchestrator runs ---------------------------
+    def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
+        """Start (or update) the cluster from `c.file` with `env` (the run's variables); the
+        problems the target reported without failing (options it ignored)."""
         raise self._not_run("up")
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
-        raise self._not_run("down")
-
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
-        raise self._not_run("logs")
-
-    def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:
+    def describe(self, c: Cluster) -> list[ServiceState]:
+        """Every service of the cluster found on the target, one state each."""
         raise self._not_run("status")
 
-    def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
-        raise self._not_run("smoke")
+    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
+        """Every service's log lines, prefixed by service; following: until closed or the target ends them."""
+        raise self._not_run("logs")
 
-    def scale(self, config: Optional[str], workers: int) -> int:
-        """Grow or shrink the running cluster to `workers` workers without stopping it."""
+    def remove(self, c: Cluster, volumes: bool) -> None:
+        """Stop and remove the cluster (and its volume with `volumes`); return once it is gone."""
+        raise self._not_run("down")
+
+    def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
+        """{file name: lines} of the metrics files `service` sees (the state volume)."""
+        return {}
+
+    def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
+        """The variables `names` of the run going on ({} when none runs)."""
+        return {}
+
+    def scale_to(self, c: Cluster, start: Sequence[str], stop: Sequence[str], env: dict[str, str]) -> None:
+        """Start the services `start` (with `env`) and stop `stop` (SIGTERM: a clean leave)."""
         raise self._not_run("scale")
+
+    def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
+        """Start TensorBoard on the cluster's event files with `env` (its run and port); the
+        command that shows its log when it does not answer."""
+        raise self._not_run("tensorboard")
+
+    def refuse(self, verb: str) -> None:
+        """UsageError with the target's one line when it cannot do `verb` yet."""
+        if verb in self.refusals:
+            raise UsageError(self.refusals[verb])
 
     def _not_run(self, verb: str) -> UsageError:
         return UsageError(f"target {self.name} has no {verb} verb: render it and use its own tools")

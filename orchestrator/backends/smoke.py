@@ -1,19 +1,17 @@
-"""What the compose and swarm smoke runs share: waiting for a cluster to finish,
-timing its steps, and judging its end (pure: `judge`; the accuracy is rank 0's `end`
-record, orchestrator.metrics.records.final_accuracy).
-
-A state is a dict with at least `service`, `status`, `exit_code` and `restarts`
-(`status.container_state` for a container, `adapter.task_state` for a swarm task).
-"""
+"""The parts of the smoke verb (orchestrator/backends/verbs.py): waiting for a cluster to
+finish, timing its steps, and judging its end (pure: `judge`; the accuracy is rank 0's
+`end` record, orchestrator.metrics.records.final_accuracy), on `ServiceState`s."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
-State = dict[str, Any]
+from orchestrator.backends.base import ServiceState
+
+State = ServiceState
 REPORT_EVERY = 15.0  # seconds between two progress lines while waiting
 
 
@@ -39,9 +37,7 @@ def wait(
         done_before = now_done
         if time.monotonic() - last_report >= REPORT_EVERY:
             last_report = time.monotonic()
-            summary = ", ".join(
-                f"{s['service']} {s.get('task') or s['status']}" for s in sorted(states, key=lambda s: s["service"])
-            )
+            summary = ", ".join(f"{s.service} {s.task or s.status}" for s in sorted(states, key=lambda s: s.service))
             print(f"    {time.monotonic() - start:4.0f} s: {summary}", file=out, flush=True)
         time.sleep(every)
     return None
@@ -51,7 +47,8 @@ class Timings:
     """Seconds per step of a smoke run, printed as one line at the end."""
 
     def __init__(self, verb: str) -> None:
-        self.verb, self.start, self.steps = verb, time.monotonic(), {}
+        self.verb, self.start = verb, time.monotonic()
+        self.steps: dict[str, float] = {}
 
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -67,21 +64,26 @@ class Timings:
 
 
 def judge(
-    expected: list[str], states: list[State], accuracy: Optional[float], threshold: float, who: str = "the PS"
+    expected: list[str],
+    states: list[State],
+    accuracy: Optional[float],
+    threshold: float,
+    who: str = "the PS",
+    unit: str = "container",
 ) -> list[str]:
     """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
-    problems = []
-    by_service = {s["service"]: s for s in states}
+    problems: list[str] = []
+    by_service = {s.service: s for s in states}
     for service in expected:
         s = by_service.get(service)
         if s is None:
-            problems.append(f"{service}: no container")
-        elif s["status"] not in ("exited", "dead"):
-            problems.append(f"{service}: still {s['status']}")
-        elif s["exit_code"] != 0:
-            problems.append(f"{service}: exit status {s['exit_code']}")
-        elif s["restarts"]:
-            problems.append(f"{service}: restarted {s['restarts']} time(s)")
+            problems.append(f"{service}: no {unit}")
+        elif not s.ended:
+            problems.append(f"{service}: still {s.status}")
+        elif s.exit_code != 0:
+            problems.append(f"{service}: exit status {s.exit_code}")
+        elif s.restarts:
+            problems.append(f"{service}: restarted {s.restarts} time(s)")
     if accuracy is None:
         problems.append(f"{who} wrote no `end` record with its accuracy")
     elif accuracy < threshold:

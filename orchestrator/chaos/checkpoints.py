@@ -85,6 +85,7 @@ def kill_loop(run_dir: Path, rounds: int = 10, mb: int = 16, seed: int = 0) -> O
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
+        assert p.stdout is not None
         try:
             p.stdout.readline()
             took = p.stdout.readline().decode().split()  # one whole write, timed

@@ -17,8 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from app.contract import Event
 from orchestrator import images, runs
-from orchestrator.backends.compose import adapter, verbs
+from orchestrator.backends import command, verbs
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.compose.backend import SCALE_STOP_SECONDS
+from orchestrator.backends.compose.status import service_states
 from orchestrator.chaos.common import (
     CHECKPOINT_VERSION,
     RUN_TIMEOUT,
@@ -64,13 +68,13 @@ class ContainerJob:
 
     def up(self, resume: bool = False) -> None:
         """`make up` (`resume`: `make up RESUME=1`): a new run, with its own id."""
-        adapter.run(
+        command.run(
             adapter.up_argv(self.compose, self.project), capture=True, env=runs.environment(runs.new_id(), resume)
         )
 
     def down(self, volumes: bool) -> float:
         start = time.monotonic()
-        adapter.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
+        command.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
         return time.monotonic() - start
 
     def close(self) -> None:
@@ -97,7 +101,7 @@ class ContainerJob:
         self.containers()[service].exec_run(["python", "-c", KILL_APP])
         return time.time()
 
-    def events(self, name: str, event: str, since: float = 0.0) -> list[Record]:
+    def events(self, name: str, event: Event, since: float = 0.0) -> list[Record]:
         files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))
         known = by_name(self.t)  # a worker above workers.count (scaled up) writes <name>.jsonl too
         file = known[name].metrics_file if name in known else f"{name}.jsonl"
@@ -116,15 +120,15 @@ class ContainerJob:
 
     def scale(self, workers: int) -> tuple[list[str], list[str]]:
         """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
-        running = verbs.running_workers(self.client, self.project.name)
+        running = verbs.running_workers(service_states([c.attrs for c in self.containers().values()]))
         if running is None:
             raise Timeout("scale: the PS is not running")
         start, stop = verbs.scale_plan(running, workers)
         if start:
             env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
-            adapter.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
+            command.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
         if stop:
-            adapter.run(adapter.stop_argv(self.compose, self.project, stop, verbs.SCALE_STOP_SECONDS), capture=True)
+            command.run(adapter.stop_argv(self.compose, self.project, stop, SCALE_STOP_SECONDS), capture=True)
         return start, stop
 
     def logs(self) -> str:
@@ -134,7 +138,7 @@ class ContainerJob:
 def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str, Any]]], bool]) -> Outcome:
     states = job.wait_done()
     out.details["states"] = states
-    ends = job.events(PS_SERVICE, "end")
+    ends = job.events(PS_SERVICE, Event.END)
     out.accuracy = ends[-1]["accuracy"] if ends else None
     ok = all(s["exit_code"] == 0 for s in states.values()) and (out.accuracy or 0) >= THRESHOLD
     out.recovered = ok and extra(states)
@@ -144,7 +148,7 @@ def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str,
 def _wait_checkpoint(job: ContainerJob) -> None:
     wait_until(
         f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-        lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+        lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
         RUN_TIMEOUT,
     )
 
@@ -179,12 +183,16 @@ def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "work
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         wait_until(
-            f"{victim} at epoch 5", lambda: any(r["epoch"] >= 5 for r in job.events(victim, "train")), RUN_TIMEOUT
+            f"{victim} at epoch 5", lambda: any(r["epoch"] >= 5 for r in job.events(victim, Event.TRAIN)), RUN_TIMEOUT
         )
         wall = job.kill_app(victim)
-        drop = wait_until("the PS drops it", lambda: job.events(PS_SERVICE, "drop", wall), job.t.ps.rpc_timeout + 10)
+        drop = wait_until(
+            "the PS drops it", lambda: job.events(PS_SERVICE, Event.DROP, wall), job.t.ps.rpc_timeout + 10
+        )
         out.detected_s = drop[0]["time"] - wall
-        join = wait_until("the restarted container rejoins", lambda: job.events(PS_SERVICE, "join", wall), RUN_TIMEOUT)
+        join = wait_until(
+            "the restarted container rejoins", lambda: job.events(PS_SERVICE, Event.JOIN, wall), RUN_TIMEOUT
+        )
         out.recovered_s = join[0]["time"] - wall
         out.notes = f"Docker restarted {victim}; {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
         return _judge(job, out, lambda states: states[victim]["restarts"] >= 1)
@@ -215,10 +223,10 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         wait_until("every worker exits non-zero", all_exited, job.t.ps.rpc_timeout + 10)
         out.detected_s = max(exits.values())
         out.details["worker_exits_s"] = exits
-        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, Event.RESUME, wall), RUN_TIMEOUT)
         push = wait_until(
             "a worker trains again",
-            lambda: [r for w in workers for r in job.events(w, "train", resume[0]["time"])],
+            lambda: [r for w in workers for r in job.events(w, Event.TRAIN, resume[0]["time"])],
             RUN_TIMEOUT,
         )
         out.recovered_s = min(r["time"] for r in push) - wall
@@ -241,8 +249,8 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
-        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
-        on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, Event.RESUME, wall), RUN_TIMEOUT)
+        on_exit = [r for r in job.events(PS_SERVICE, Event.CHECKPOINT, wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
         out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
         out.notes = (
@@ -270,14 +278,16 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         _wait_checkpoint(job)
         wall = job.kill_app(shard)
         lost = wait_until(
-            "the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall), job.t.ps.rpc_timeout + 10
+            "the PS notices", lambda: job.events(PS_SERVICE, Event.SHARD_LOST, wall), job.t.ps.rpc_timeout + 10
         )
         out.detected_s = lost[0]["time"] - wall
-        back = wait_until("the restarted shard registers", lambda: job.events(PS_SERVICE, "shard", wall), RUN_TIMEOUT)
+        back = wait_until(
+            "the restarted shard registers", lambda: job.events(PS_SERVICE, Event.SHARD, wall), RUN_TIMEOUT
+        )
         workers = [s for s in service_names(job.t) if s.startswith("worker")]
         push = wait_until(
             "a worker trains again",
-            lambda: [r for w in workers for r in job.events(w, "train", back[0]["time"])],
+            lambda: [r for w in workers for r in job.events(w, Event.TRAIN, back[0]["time"])],
             RUN_TIMEOUT,
         )
         out.recovered_s = min(r["time"] for r in push) - wall
@@ -298,8 +308,8 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
-        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
-        on_exit = [r for r in job.events(PS_SERVICE, "checkpoint", wall - 60) if r.get("why") == "on exit"]
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, Event.RESUME, wall), RUN_TIMEOUT)
+        on_exit = [r for r in job.events(PS_SERVICE, Event.CHECKPOINT, wall - 60) if r.get("why") == "on exit"]
         out.recovered_s = resume[0]["time"] - wall
         out.details.update(down_s=out.detected_s, resumed_version=resume[0]["step"], on_exit=on_exit)
         out.notes = (
@@ -329,32 +339,32 @@ def scale(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
         wait_until(
-            "worker1 at epoch 3", lambda: any(r["epoch"] >= 3 for r in job.events("worker1", "train")), RUN_TIMEOUT
+            "worker1 at epoch 3", lambda: any(r["epoch"] >= 3 for r in job.events("worker1", Event.TRAIN)), RUN_TIMEOUT
         )
         wall = time.time()
         started, _ = job.scale(4)
 
         def joined() -> list[Record]:
-            found = job.events(PS_SERVICE, "join", wall)
+            found = job.events(PS_SERVICE, Event.JOIN, wall)
             return found if {r["worker"] for r in found} >= {"worker3", "worker4"} else []
 
         joins = wait_until("worker3 and worker4 join", joined, RUN_TIMEOUT)
         out.detected_s = max(r["time"] for r in joins) - wall
         wait_until(
             "worker3 and worker4 train",
-            lambda: all(len(job.events(w, "train", wall)) >= 3 for w in ("worker4", "worker3")),
+            lambda: all(len(job.events(w, Event.TRAIN, wall)) >= 3 for w in ("worker4", "worker3")),
             RUN_TIMEOUT,
         )
         down = time.time()
         _, stopped = job.scale(2)
 
         def gone() -> list[Record]:
-            found = job.events(PS_SERVICE, "left", down)
+            found = job.events(PS_SERVICE, Event.LEFT, down)
             return found if len(found) >= 2 else []
 
         left = wait_until("worker3 and worker4 leave", gone, RUN_TIMEOUT)
         out.recovered_s = max(r["time"] for r in left) - wall
-        drops = job.events(PS_SERVICE, "drop", wall)
+        drops = job.events(PS_SERVICE, Event.DROP, wall)
         out.details.update(
             started=started,
             stopped=stopped,

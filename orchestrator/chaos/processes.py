@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from app.contract import Event
 from orchestrator import runs
 from orchestrator.chaos.common import (
     CHECKPOINT_VERSION,
@@ -74,7 +75,7 @@ class ProcessJob:
         deadline = time.monotonic() + timeout
         return {n: self.wait_exit(n, max(0.1, deadline - time.monotonic())) for n in list(self.procs)}
 
-    def events(self, name: str, event: str, since: float = 0.0) -> list[Record]:
+    def events(self, name: str, event: Event, since: float = 0.0) -> list[Record]:
         """Metrics records of one process (`ps`, `worker2`) with this event, written after `since` (unix time)."""
         return events(read_jsonl(self.run_dir / "metrics" / by_name(self.t)[name].metrics_file), event, since)
 
@@ -90,12 +91,12 @@ class ProcessJob:
 
 
 def _accuracy(job: ProcessJob) -> Optional[float]:
-    ends = job.events(PS_SERVICE, "end")
+    ends = job.events(PS_SERVICE, Event.END)
     return ends[-1]["accuracy"] if ends else None
 
 
 def _training(job: ProcessJob, worker: str, epoch: int) -> bool:
-    return any(r["epoch"] >= epoch for r in job.events(worker, "train"))
+    return any(r["epoch"] >= epoch for r in job.events(worker, Event.TRAIN))
 
 
 def _finish(job: ProcessJob, outcome: Outcome, expect_ok: Callable[[], bool]) -> Outcome:
@@ -117,16 +118,18 @@ def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "work
         job.signal(victim, signal.SIGKILL)
         wall = time.time()
         job.wait_exit(victim, 10)
-        drop = wait_until("the PS drops it", lambda: job.events(PS_SERVICE, "drop", wall), job.t.ps.rpc_timeout + 10)
+        drop = wait_until(
+            "the PS drops it", lambda: job.events(PS_SERVICE, Event.DROP, wall), job.t.ps.rpc_timeout + 10
+        )
         out.detected_s = drop[0]["time"] - wall
         job.start(victim)
-        join = wait_until("it rejoins", lambda: job.events(PS_SERVICE, "join", drop[0]["time"]), RUN_TIMEOUT)
+        join = wait_until("it rejoins", lambda: job.events(PS_SERVICE, Event.JOIN, drop[0]["time"]), RUN_TIMEOUT)
         out.recovered_s = join[0]["time"] - wall
         out.details.update(drop=drop[0], rejoin=join[0], kill_time=wall)
         out.notes = f"{drop[0]['worker']} dropped, {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
 
         def pushed_again() -> bool:
-            after = [r for r in job.events(victim, "train") if r["time"] > join[0]["time"]]
+            after = [r for r in job.events(victim, Event.TRAIN) if r["time"] > join[0]["time"]]
             out.details["pushes_after_rejoin"] = len(after)
             return bool(after)
 
@@ -149,16 +152,18 @@ def worker_freeze(run_dir: Path, t: Optional[Topology] = None, victim: str = "wo
         wait_until(f"{victim} at epoch 5", lambda: _training(job, victim, 5), RUN_TIMEOUT)
         job.signal(victim, signal.SIGSTOP)
         wall = time.time()
-        drop = wait_until("the PS drops it", lambda: job.events(PS_SERVICE, "drop", wall), job.t.ps.rpc_timeout + 15)
+        drop = wait_until(
+            "the PS drops it", lambda: job.events(PS_SERVICE, Event.DROP, wall), job.t.ps.rpc_timeout + 15
+        )
         out.detected_s = drop[0]["time"] - wall
         job.signal(victim, signal.SIGCONT)
         code = job.wait_exit(victim, RUN_TIMEOUT)
         if code == 0:
-            back = wait_until("it is readmitted", lambda: job.events(PS_SERVICE, "back", wall), 1)
+            back = wait_until("it is readmitted", lambda: job.events(PS_SERVICE, Event.BACK, wall), 1)
             out.notes = "thawed, it called again and was readmitted"
         else:
             job.start(victim)
-            back = wait_until("it rejoins", lambda: job.events(PS_SERVICE, "join", wall), RUN_TIMEOUT)
+            back = wait_until("it rejoins", lambda: job.events(PS_SERVICE, Event.JOIN, wall), RUN_TIMEOUT)
             out.notes = f"thawed, its timed-out call made it exit {code}; started again, {back[0]['worker']} rejoined"
         out.recovered_s = back[0]["time"] - wall
         out.notes = f"dropped after {out.detected_s:.1f} s (rpc_timeout {job.t.ps.rpc_timeout} s); " + out.notes
@@ -180,7 +185,7 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         job.start()
         wait_until(
             f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-            lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+            lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
             RUN_TIMEOUT,
         )
         start, wall = job.signal(PS_SERVICE, signal.SIGKILL), time.time()
@@ -196,10 +201,10 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             return out
         job.wait_exit(PS_SERVICE, 10)
         job.start()
-        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, "resume", wall), RUN_TIMEOUT)
+        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, Event.RESUME, wall), RUN_TIMEOUT)
         push = wait_until(
             "a worker trains again",
-            lambda: [r for n in workers for r in job.events(n, "train", resume[0]["time"])],
+            lambda: [r for n in workers for r in job.events(n, Event.TRAIN, resume[0]["time"])],
             RUN_TIMEOUT,
         )
         out.recovered_s = min(r["time"] for r in push) - wall
@@ -230,14 +235,14 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         job.start()
         wait_until(
             f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-            lambda: [r for r in job.events(PS_SERVICE, "checkpoint") if r["step"] >= CHECKPOINT_VERSION],
+            lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
             RUN_TIMEOUT,
         )
         job.signal(shard, signal.SIGKILL)
         wall = time.time()
         job.wait_exit(shard, 10)
         lost = wait_until(
-            "the PS notices", lambda: job.events(PS_SERVICE, "shard_lost", wall), job.t.ps.rpc_timeout + 10
+            "the PS notices", lambda: job.events(PS_SERVICE, Event.SHARD_LOST, wall), job.t.ps.rpc_timeout + 10
         )
         out.detected_s = lost[0]["time"] - wall
         job.start(shard)
@@ -249,8 +254,8 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
                 if name not in restarted and job.procs[name].poll() not in (None, 0):
                     restarted.append(name)
                     job.start(name)
-            back = job.events(PS_SERVICE, "shard", wall)
-            trained = [r for n in workers for r in job.events(n, "train", back[0]["time"])] if back else []
+            back = job.events(PS_SERVICE, Event.SHARD, wall)
+            trained = [r for n in workers for r in job.events(n, Event.TRAIN, back[0]["time"])] if back else []
             return trained
 
         trained = wait_until("the shard is back and workers train", whole_again, RUN_TIMEOUT)
@@ -260,8 +265,8 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             f"PS lost the shard after {out.detected_s:.1f} s; "
             f"{len(restarted)} worker(s) exited and were started again; the shard resumed its slice"
         )
-        out.details["shard_resume"] = job.events(shard, "resume", wall)
-        return _finish(job, out, lambda: bool(job.events(shard, "resume", wall)))
+        out.details["shard_resume"] = job.events(shard, Event.RESUME, wall)
+        return _finish(job, out, lambda: bool(job.events(shard, Event.RESUME, wall)))
     except Timeout as error:
         out.notes = str(error)
         return out

@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+from app.contract import Event
 from orchestrator.backends.swarm import adapter
 from orchestrator.chaos.common import RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until
 from orchestrator.metrics.records import Record, events, final_accuracy, parse_lines
@@ -198,7 +199,7 @@ class Stack:
                 out.append((stamp(m.group(1)), m.group(2)))
         return out
 
-    def records(self, service: str, event: str, since: float = 0.0, node: str = MANAGER) -> list[Record]:
+    def records(self, service: str, event: Event, since: float = 0.0, node: str = MANAGER) -> list[Record]:
         """A service's `event` records written at or after `since`, from its metrics file as
         its containers on `node` see it (the PS is pinned to the manager; a worker's is on
         the node it runs on, readable while that node is reachable)."""
@@ -231,68 +232,15 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         return out
     stack = Stack(render_swarm.stack_name(t))
     expected = service_names(t)
-    workers = [s for s in expected if s != PS_SERVICE]
     lost: list[str] = []
     try:
         start = time.time()
-        for node in SOCKETS:
-            update_node(stack.client, node, labels=dict([ANY.split("=", 1)]))
-        stack.deploy(t, away_from=MANAGER)
-        wait_until(
-            "every worker joined the PS", lambda: len(stack.records(PS_SERVICE, "join")) >= len(workers), RUN_TIMEOUT
-        )
-        lost = wait_until(f"a worker running on {LOST}", lambda: stack.running_on(LOST), 30)
-        lost = [s for s in lost if s in workers]
+        lost = _deploy_and_find_lost(stack, t, [s for s in expected if s != PS_SERVICE])
         if not lost:
             out.notes = f"no worker task on {LOST} (Swarm put them all on {MANAGER}): nothing to lose"
             return out
-        wait_until(
-            f"{lost[0]} past epoch {CUT_AT_EPOCH}",
-            lambda: any(r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], "train", node=LOST)),
-            RUN_TIMEOUT,
-        )
-        out.details["placement"] = {r["service"]: r["node"] for r in stack.tasks()}
-        cut = set_link(up=False)
-        try:
-
-            def moved() -> bool:
-                nodes = {r["service"]: r for r in stack.tasks()}  # newest task of each service
-                return all(nodes[s]["node"] == MANAGER and nodes[s]["state"] == "running" for s in lost)
-
-            wait_until(f"{', '.join(lost)} running again on {MANAGER}", moved, RUN_TIMEOUT)
-            out.details["reschedule_s"] = round(time.time() - cut, 1)
-
-            def rejoined() -> list[Record]:
-                joins = stack.records(PS_SERVICE, "join", cut)
-                return joins if len(joins) >= len(lost) else []
-
-            rejoin = wait_until("the moved workers rejoin the PS", rejoined, RUN_TIMEOUT)
-            out.recovered_s = out.details["rejoin_s"] = round(max(r["time"] for r in rejoin) - cut, 1)
-            out.details["rejoined"] = [r.get("worker") for r in rejoin]
-            time.sleep(max(0.0, cut + CUT_MIN - time.time()))
-        finally:
-            back = set_link(up=True)
-        drops = stack.records(PS_SERVICE, "drop", cut)
-        out.detected_s = round(drops[0]["time"] - cut, 1) if drops else None
-        out.details["cut_s"] = round(back - cut, 1)
-        wait_until(
-            f"{LOST} ready again",
-            lambda: LOST in {n["hostname"] for n in adapter.nodes(stack.client) if n["state"] == "ready"},
-            RUN_TIMEOUT,
-        )
-        out.details["node_back_s"] = round(time.time() - back, 1)
-        final = wait_until("every task ended, none active", lambda: settled(stack, expected), RUN_TIMEOUT)
-        time.sleep(SETTLE)  # a failed task's retry would show up now
-        again = settled(stack, expected)
-        out.details["tasks"] = again or stack.tasks()
-        out.details["run_s"] = round(time.time() - start, 1)
-        out.accuracy = final_accuracy(stack.records(PS_SERVICE, "end"))
-        newest = {r["service"]: r for r in (again or final)}
-        ps_ok = newest[PS_SERVICE]["state"] == "complete"
-        all_complete = all(r["state"] == "complete" for r in newest.values())
-        out.recovered = bool(
-            again and len(again) == len(final) and ps_ok and all_complete and (out.accuracy or 0) >= THRESHOLD
-        )
+        cut, back = _cut_off(stack, lost, out)
+        _judge(stack, expected, out, cut, back, start)
         out.notes = (
             f"{', '.join(lost)} on {LOST}: running again on {MANAGER} after "
             f"{out.details['reschedule_s']:.1f} s, rejoined the PS after {out.recovered_s:.1f} s; "
@@ -304,18 +252,94 @@ def node_loss(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
         out.notes = str(error)
         return out
     finally:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            (run_dir / "stack.log").write_text(
-                "".join(f"----- {s}\n" + "".join(f"{ts:.3f} {line}\n" for ts, line in stack.log(s)) for s in expected),
-                encoding="utf-8",
-            )
-        except Exception as e:  # noqa: BLE001 - the logs are a help, the clean-up below is a must
-            (run_dir / "stack.log").write_text(f"cannot read the logs: {e}\n", encoding="utf-8")
-        finally:
-            if lost:
-                set_link(up=True)  # idempotent: the node must never stay cut off
-            stack.remove()
+        _keep_logs(stack, expected, run_dir)
+        if lost:
+            set_link(up=True)  # idempotent: the node must never stay cut off
+        stack.remove()
+
+
+def _deploy_and_find_lost(stack: Stack, t: Topology, workers: list[str]) -> list[str]:
+    """Deploy away from the manager; once every worker joined, the workers running on LOST
+    (each past CUT_AT_EPOCH when there are any)."""
+    for node in SOCKETS:
+        update_node(stack.client, node, labels=dict([ANY.split("=", 1)]))
+    stack.deploy(t, away_from=MANAGER)
+    wait_until(
+        "every worker joined the PS", lambda: len(stack.records(PS_SERVICE, Event.JOIN)) >= len(workers), RUN_TIMEOUT
+    )
+    lost = [s for s in wait_until(f"a worker running on {LOST}", lambda: stack.running_on(LOST), 30) if s in workers]
+    if lost:
+        wait_until(
+            f"{lost[0]} past epoch {CUT_AT_EPOCH}",
+            lambda: any(r.get("epoch", 0) > CUT_AT_EPOCH for r in stack.records(lost[0], Event.TRAIN, node=LOST)),
+            RUN_TIMEOUT,
+        )
+    return lost
+
+
+def _cut_off(stack: Stack, lost: list[str], out: Outcome) -> tuple[float, float]:
+    """LOST's link down until the lost workers run again on the manager and rejoined the PS
+    (at least CUT_MIN s), then up; (when it went down, when it came back)."""
+    out.details["placement"] = {r["service"]: r["node"] for r in stack.tasks()}
+    cut = set_link(up=False)
+    try:
+
+        def moved() -> bool:
+            nodes = {r["service"]: r for r in stack.tasks()}  # newest task of each service
+            return all(nodes[s]["node"] == MANAGER and nodes[s]["state"] == "running" for s in lost)
+
+        wait_until(f"{', '.join(lost)} running again on {MANAGER}", moved, RUN_TIMEOUT)
+        out.details["reschedule_s"] = round(time.time() - cut, 1)
+
+        def rejoined() -> list[Record]:
+            joins = stack.records(PS_SERVICE, Event.JOIN, cut)
+            return joins if len(joins) >= len(lost) else []
+
+        rejoin = wait_until("the moved workers rejoin the PS", rejoined, RUN_TIMEOUT)
+        out.recovered_s = out.details["rejoin_s"] = round(max(r["time"] for r in rejoin) - cut, 1)
+        out.details["rejoined"] = [r.get("worker") for r in rejoin]
+        time.sleep(max(0.0, cut + CUT_MIN - time.time()))
+    finally:
+        back = set_link(up=True)
+    return cut, back
+
+
+def _judge(stack: Stack, expected: list[str], out: Outcome, cut: float, back: float, start: float) -> None:
+    """After the link is back: LOST ready again, every task ended (and none retried after
+    SETTLE s); recovered when every task completed and the accuracy holds."""
+    drops = stack.records(PS_SERVICE, Event.DROP, cut)
+    out.detected_s = round(drops[0]["time"] - cut, 1) if drops else None
+    out.details["cut_s"] = round(back - cut, 1)
+    wait_until(
+        f"{LOST} ready again",
+        lambda: LOST in {n["hostname"] for n in adapter.nodes(stack.client) if n["state"] == "ready"},
+        RUN_TIMEOUT,
+    )
+    out.details["node_back_s"] = round(time.time() - back, 1)
+    final = wait_until("every task ended, none active", lambda: settled(stack, expected), RUN_TIMEOUT)
+    time.sleep(SETTLE)  # a failed task's retry would show up now
+    again = settled(stack, expected)
+    out.details["tasks"] = again or stack.tasks()
+    out.details["run_s"] = round(time.time() - start, 1)
+    out.accuracy = final_accuracy(stack.records(PS_SERVICE, Event.END))
+    newest = {r["service"]: r for r in (again or final)}
+    ps_ok = newest[PS_SERVICE]["state"] == "complete"
+    all_complete = all(r["state"] == "complete" for r in newest.values())
+    out.recovered = bool(
+        again and len(again) == len(final) and ps_ok and all_complete and (out.accuracy or 0) >= THRESHOLD
+    )
+
+
+def _keep_logs(stack: Stack, expected: list[str], run_dir: Path) -> None:
+    """Every service's log into run_dir/stack.log (a help: a failure to read it is written instead)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        (run_dir / "stack.log").write_text(
+            "".join(f"----- {s}\n" + "".join(f"{ts:.3f} {line}\n" for ts, line in stack.log(s)) for s in expected),
+            encoding="utf-8",
+        )
+    except Exception as e:  # noqa: BLE001 - the logs are a help, the clean-up after them is a must
+        (run_dir / "stack.log").write_text(f"cannot read the logs: {e}\n", encoding="utf-8")
 
 
 SCENARIOS: dict[str, Scenario] = {

@@ -128,7 +128,7 @@ def check_data(t: Topology, f: Facts, where: str = "") -> Check:
         what = "your code reads no train.data_dir" if ":" in t.train.dataset else "ships in a package"
         return Check("data", True, f"not needed (dataset {t.train.dataset}: {what})")
     if f.data_problem is not None:
-        sample = Path(t.train.data_dir).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
+        sample = Path(t.data_dir()).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
         return Check(
             "data",
             False,
@@ -220,7 +220,8 @@ def docker_desktop_wsl(info: dict[str, Any]) -> bool:
 
 def wanted_gpus(t: Topology) -> list[int]:
     """The host GPU ids the topology reserves (workers.gpus and ps.gpu), sorted."""
-    return sorted(set(t.worker_gpus() + ([t.ps_gpu()] if t.ps_gpu() is not None else [])))
+    ps = t.ps_gpu()
+    return sorted(set(t.worker_gpus() + ([ps] if ps is not None else [])))
 
 
 def host_gpus(f: Facts) -> tuple[Optional[list[int]], str]:

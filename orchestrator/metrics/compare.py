@@ -29,15 +29,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
+from app.contract import STRATEGIES
 from orchestrator import local
 from orchestrator.errors import UsageError
 from orchestrator.metrics import run_metrics
 from orchestrator.metrics.report import write_report
 from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
 from orchestrator.paths import SMOKE_CONFIG
-from orchestrator.topology.contract import STRATEGIES
 from orchestrator.topology.model import Topology, load
 
 BASE_CONFIG = SMOKE_CONFIG
@@ -48,7 +48,7 @@ EVAL_EVERY = 20  # finer than cpu-smoke's 100: the time to 0.90 is read at eval 
 LOG_TAIL = 15
 
 
-OPTIONS = {
+OPTIONS: dict[str, dict[str, Any]] = {
     "overlap": {"overlap": True},
     "bf16": {"compress": "bf16"},
     "fp16": {"compress": "fp16"},

@@ -2,7 +2,9 @@
 
 A record is one JSON object a line with at least `time` (unix seconds),
 `role`, `rank`, `event` and `step`. A bad or partial line (a crash mid-write)
-is skipped, never an error: readers see the records that were whole.
+is skipped, never an error: readers see the records that were whole. Events are
+`app.contract.Event` members: the readers take them, never a bare string, so the
+type checker holds every reader to the events the app declares.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
+
+from app.contract import Event
 
 Record = dict[str, Any]
 
@@ -40,15 +44,28 @@ def read_jsonl(path: Path) -> list[Record]:
     return parse_lines(path.read_text(encoding="utf-8", errors="replace").splitlines())
 
 
-def events(records: Iterable[Record], event: str, since: float = 0.0) -> list[Record]:
+def event_of(rec: Record) -> Optional[Event]:
+    """The record's event; None for one that is not among the app's."""
+    try:
+        return Event(rec.get("event"))
+    except ValueError:
+        return None
+
+
+def is_event(rec: Record, *wanted: Event) -> bool:
+    """The record is of one of the events `wanted`."""
+    return rec.get("event") in wanted
+
+
+def events(records: Iterable[Record], event: Event, since: float = 0.0) -> list[Record]:
     """The records of this event written at or after `since` (unix time)."""
-    return [r for r in records if r.get("event") == event and r["time"] >= since]
+    return [r for r in records if is_event(r, event) and r["time"] >= since]
 
 
 def final_accuracy(records: Iterable[Record]) -> Optional[float]:
     """The held-out accuracy of a run's last `end` record (the PS's, or allreduce's rank 0);
     None when it wrote none (the run did not get that far)."""
-    ends = [r for r in records if r.get("event") == "end" and isinstance(r.get("accuracy"), (int, float))]
+    ends = [r for r in records if is_event(r, Event.END) and isinstance(r.get("accuracy"), (int, float))]
     return float(ends[-1]["accuracy"]) if ends else None
 
 

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from app.contract import Event
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import read_jsonl
+from orchestrator.metrics.records import is_event, read_jsonl
 from orchestrator.metrics.run_metrics import (
     THRESHOLD,
     Run,
@@ -62,7 +63,7 @@ def _labels(runs: Sequence[Run]) -> None:
     unique = None not in strategies and len(set(strategies)) == len(runs)
     for r in runs:
         r.label = r.label or (
-            r.strategy
+            str(r.strategy)
             if unique and len(runs) > 1
             else (r.name if r.strategy in (None, r.name) else f"{r.name} ({r.strategy})")
         )
@@ -76,7 +77,7 @@ def plot_loss(runs: Sequence[Run], out: Path) -> Path:
         t0, samples_at = start_time(run), SamplesAt(run)
         if len(runs) == 1:
             for name, recs in run.worker_files.items():
-                train = [r for r in recs if r.get("event") == "train" and r.get("loss") is not None]
+                train = [r for r in recs if is_event(r, Event.TRAIN) and r.get("loss") is not None]
                 if train:
                     ax_t.plot([r["time"] - t0 for r in train], [r["loss"] for r in train], lw=1, label=name)
                     if run.batch_size:
@@ -132,7 +133,7 @@ def plot_throughput(runs: Sequence[Run], out: Path) -> Path:
     for run in runs:
         t0 = start_time(run)
         for name, recs in run.worker_files.items():
-            train = [r for r in recs if r.get("event") == "train" and r.get("samples_per_s") is not None]
+            train = [r for r in recs if is_event(r, Event.TRAIN) and r.get("samples_per_s") is not None]
             if train:
                 label = name if len(runs) == 1 else f"{run.label} {name}"
                 ax.plot(
@@ -217,7 +218,8 @@ def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
     current = runs_dir / "current.json"
     try:
         rec = json.loads(current.read_text(encoding="utf-8"))
-        project, run_dir = rec["project"], Path(rec["compose_file"]).parent
+        project = rec.get("name") or rec["project"]  # the record store's, or an older version's
+        run_dir = Path(rec.get("file") or rec["compose_file"]).parent
     except (OSError, ValueError, KeyError, TypeError):
         raise UsageError(
             f"no RUN_DIR given and no {current} (written by `up`); give a run directory, e.g. runs/cpu-smoke"

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from app.contract import Event
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import Record, read_jsonl
+from orchestrator.metrics.records import Record, is_event, read_jsonl
 
 THRESHOLD = 0.90
 GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
@@ -49,10 +50,10 @@ def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[
     ended_at: Optional[float] = None
     trained = False
     for i, rec in enumerate(records):
-        fresh = rec.get("event") in ("start", "join") and rec.get("step") == 0 and trained
+        fresh = is_event(rec, Event.START, Event.JOIN) and rec.get("step") == 0 and trained
         if (ended_at is not None and rec["time"] > ended_at + gap) or fresh:
             start, ended_at, trained = i, None, False
-        if rec.get("event") == "end":
+        if is_event(rec, Event.END):
             ended_at = rec["time"]
         if (rec.get("step") or 0) > 0:
             trained = True
@@ -104,10 +105,10 @@ class Run:
     def worker_files(self) -> dict[str, list[Record]]:
         return {k: v for k, v in sorted(self.files.items(), key=lambda kv: rank_key(kv[0])) if k.startswith("worker")}
 
-    def records(self, *events: str) -> list[Record]:
+    def records(self, *events: Event) -> list[Record]:
         """Records of these events from every file, by time."""
         return sorted(
-            (r for recs in self.files.values() for r in recs if r.get("event") in events), key=lambda r: r["time"]
+            (r for recs in self.files.values() for r in recs if is_event(r, *events)), key=lambda r: r["time"]
         )
 
 
@@ -136,7 +137,7 @@ def load_run(path: str | Path) -> Run:
     run_dir, mdir = metrics_dir_of(path)
     raw = {p.stem: read_jsonl(p) for p in sorted(mdir.glob("*.jsonl"))}
     files, dropped = select_run(raw)
-    if not any(r.get("event") in ("train", "eval", "end") for recs in files.values() for r in recs):
+    if not any(is_event(r, Event.TRAIN, Event.EVAL, Event.END) for recs in files.values() for r in recs):
         raise UsageError(f"{mdir}: no train, eval or end records yet")
     run = Run(run_dir, mdir, files, dropped=dropped)
     run.start = start_record(run)
@@ -149,14 +150,14 @@ def load_run(path: str | Path) -> Run:
 
 def start_record(run: Run) -> Optional[Record]:
     """The `start` record that describes the run: the PS's when it wrote one, else the first."""
-    starts = run.records("start")
+    starts = run.records(Event.START)
     return next((r for r in starts if r.get("role") == "ps"), starts[0] if starts else None)
 
 
 def info_from_start(run: Run, start: Record) -> None:
     """Strategy, workers and batch size as the app wrote them: workers are the ranks that
     wrote a start record as workers (else world_size - 1)."""
-    worker_ranks = {r.get("rank") for r in run.records("start") if r.get("role") == "worker"}
+    worker_ranks = {r.get("rank") for r in run.records(Event.START) if r.get("role") == "worker"}
     run.strategy = start.get("strategy")
     run.workers = len(worker_ranks) or max(0, int(start.get("world_size") or 1) - 1)
     batch = start.get("batch_size")
@@ -173,7 +174,7 @@ def infer_info(run: Run) -> None:
     files; the strategy stays unknown when none says it."""
     found: dict[str, Any] = {}
     sources = []
-    for rec in run.records("join", "train", "eval", "end"):
+    for rec in run.records(Event.JOIN, Event.TRAIN, Event.EVAL, Event.END):
         for key in ("strategy", "batch_size"):
             if rec.get(key) is not None and key not in found:
                 found[key] = rec[key]
@@ -183,7 +184,7 @@ def infer_info(run: Run) -> None:
     if new:
         found.update(new)
         sources.append("run.json")
-    workers = len([k for k, v in run.worker_files.items() if any(r.get("event") == "train" for r in v)])
+    workers = len([k for k, v in run.worker_files.items() if any(is_event(r, Event.TRAIN) for r in v)])
     run.workers = workers or int(found.get("workers") or 0)
     run.strategy = found.get("strategy")
     if found.get("batch_size"):
@@ -212,7 +213,7 @@ def _run_json(run_dir: Path) -> dict[str, Any]:
 
 def start_time(run: Run) -> float:
     """The run's first `join` (else its first record): 0 s on every time axis."""
-    joins = run.records("join")
+    joins = run.records(Event.JOIN)
     if joins:
         return joins[0]["time"]
     return min(recs[0]["time"] for recs in run.files.values())
@@ -225,7 +226,7 @@ def worker_steps(run: Run) -> dict[str, tuple[list[float], list[float]]]:
         points = [
             (r["time"], float(r.get("step") or 0))
             for r in recs
-            if r.get("event") in ("join", "train", "end") and r.get("role", "worker") == "worker"
+            if is_event(r, Event.JOIN, Event.TRAIN, Event.END) and r.get("role", "worker") == "worker"
         ]
         if points:
             points.sort()
@@ -260,10 +261,10 @@ def estimate_batch(run: Run) -> Optional[int]:
     for _name, recs in run.worker_files.items():
         prev: Optional[Record] = None
         for r in recs:
-            if r.get("event") not in ("join", "train"):
+            if not is_event(r, Event.JOIN, Event.TRAIN):
                 continue
             if (
-                r.get("event") == "train"
+                is_event(r, Event.TRAIN)
                 and prev is not None
                 and r.get("samples_per_s")
                 and (r.get("step") or 0) > (prev.get("step") or 0)
@@ -287,7 +288,7 @@ def eval_points(run: Run) -> list[Point]:
     """Held-out accuracy (and loss) over the run: its eval and end records."""
     t0, samples_at = start_time(run), SamplesAt(run)
     points = []
-    for r in run.records("eval", "end"):
+    for r in run.records(Event.EVAL, Event.END):
         if r.get("accuracy") is None:
             continue
         samples = r.get("samples")
@@ -299,7 +300,7 @@ def eval_points(run: Run) -> list[Point]:
 
 def staleness_counts(run: Run) -> tuple[Counter, str]:
     """{staleness: count}: the PS's exact histogram, else the workers' sampled values."""
-    for r in reversed(run.records("end")):
+    for r in reversed(run.records(Event.END)):
         hist = r.get("staleness_hist")
         if isinstance(hist, dict) and hist:
             return Counter({int(k): int(v) for k, v in hist.items()}), "every push"
@@ -307,7 +308,7 @@ def staleness_counts(run: Run) -> tuple[Counter, str]:
         int(r["staleness"])
         for recs in run.worker_files.values()
         for r in recs
-        if r.get("event") == "train" and r.get("staleness") is not None
+        if is_event(r, Event.TRAIN) and r.get("staleness") is not None
     ]
     return Counter(values), "sampled by workers"
 
@@ -317,16 +318,16 @@ def worker_rate(recs: list[Record]) -> Optional[float]:
     samples = seconds = 0.0
     prev_t: Optional[float] = None
     for r in recs:
-        if r.get("event") == "join":
+        if is_event(r, Event.JOIN):
             prev_t = r["time"]
-        elif r.get("event") == "train" and r.get("samples_per_s") is not None:
+        elif is_event(r, Event.TRAIN) and r.get("samples_per_s") is not None:
             if prev_t is not None and r["time"] > prev_t:
                 samples += r["samples_per_s"] * (r["time"] - prev_t)
                 seconds += r["time"] - prev_t
             prev_t = r["time"]
     if seconds > 0:
         return samples / seconds
-    rates = [r["samples_per_s"] for r in recs if r.get("event") == "train" and r.get("samples_per_s") is not None]
+    rates = [r["samples_per_s"] for r in recs if is_event(r, Event.TRAIN) and r.get("samples_per_s") is not None]
     return sum(rates) / len(rates) if rates else None
 
 
@@ -359,15 +360,15 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
     final = points[-1] if points else None
     reached = next((p for p in points if p.accuracy >= threshold), None)
     rates = [x for x in (worker_rate(v) for v in run.worker_files.values()) if x is not None]
-    end = next((r for r in reversed(run.records("end")) if r.get("accuracy") is not None), None)
+    end = next((r for r in reversed(run.records(Event.END)) if r.get("accuracy") is not None), None)
     counts, _ = staleness_counts(run)
     s_mean: Optional[float] = None
     s_max: Optional[int] = None
     if end is not None and end.get("staleness_mean") is not None:
         s_mean, s_max = float(end["staleness_mean"]), end.get("staleness_max")
     elif counts:
-        total = sum(counts.values())
-        s_mean, s_max = sum(k * v for k, v in counts.items()) / total, max(counts)
+        pushes = sum(counts.values())
+        s_mean, s_max = sum(k * v for k, v in counts.items()) / pushes, max(counts)
     if run.strategy == "allreduce":
         s_mean = s_max = None
     t0 = start_time(run)
@@ -380,7 +381,11 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
         notes.append(f"{run.dropped} records of earlier runs in {run.metrics_dir} left out")
     if end is None:
         notes.append("no end record: the run is unfinished or failed")
-    if run.batch_estimated and run.batch_size and not any(r.get("samples") is not None for r in run.records("eval")):
+    if (
+        run.batch_estimated
+        and run.batch_size
+        and not any(r.get("samples") is not None for r in run.records(Event.EVAL))
+    ):
         notes.append(f"batch size {run.batch_size} estimated from the train records")
     return Summary(
         run.label or run.name,

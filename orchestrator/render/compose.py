@@ -37,7 +37,7 @@ from orchestrator.topology.services import (
     has_ps,
     rendezvous_service,
     shard_service,
-    worker_service,
+    worker_name,
 )
 
 NETWORK = "cluster"
@@ -55,7 +55,7 @@ CODE_DIR = "/code"  # the user's Python code (`code`), read-only, on PYTHONPATH
 INIT_WEIGHTS = "/init/weights.pt"  # train.init_weights, read-only
 APP_DIR = "/opt/ps-compose"  # the app in the image (images/Dockerfile's PYTHONPATH)
 
-# `make tensorboard` (orchestrator/backends/compose/tensorboard.py): TensorBoard on the state
+# `make tensorboard` (orchestrator/backends/board.py): TensorBoard on the state
 # volume, a service of the project that `up` leaves alone (its profile is never active there).
 TENSORBOARD_SERVICE = "tensorboard"
 TENSORBOARD_PROFILE = "tensorboard"
@@ -155,9 +155,9 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     for index in range(1, t.ps.shards if has_ps(t) else 1):
         services[shard_service(index)] = _shard(t, index)
     for rank in range(1, t.max_workers + 1):
-        services[worker_service(rank)] = _worker(t, rank)
+        services[worker_name(rank)] = _worker(t, rank)
         if rank > t.workers.count:
-            services[worker_service(rank)]["profiles"] = [SCALE_PROFILE]
+            services[worker_name(rank)]["profiles"] = [SCALE_PROFILE]
     if one_host and shares_pid_namespace(t):
         for svc in services.values():
             _join_namespaces(svc)
@@ -291,7 +291,7 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
             svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]
     else:
         # No healthcheck to wait for: the rendezvous waits (up to rpc_timeout) for all.
-        svc["depends_on"] = {worker_service(1): {"condition": "service_started"}}
+        svc["depends_on"] = {worker_name(1): {"condition": "service_started"}}
     # A lost peer fails every rank's step: each exits 1, comes back, and the job
     # resumes from rank 0's newest checkpoint.
     svc["restart"] = "on-failure"
@@ -341,9 +341,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     )
     volumes: list[dict[str, Any]] = []
     if t.reads_files:
-        volumes.append(
-            {"type": "bind", "source": _bind_source(t.train.data_dir), "target": DATA_DIR, "read_only": True}
-        )
+        volumes.append({"type": "bind", "source": _bind_source(t.data_dir()), "target": DATA_DIR, "read_only": True})
     if t.code is not None:
         # Mounted, not copied into the image: edit and run again without a rebuild.
         volumes.append({"type": "bind", "source": _bind_source(t.code), "target": CODE_DIR, "read_only": True})
@@ -400,7 +398,7 @@ def security_warnings(t: Topology) -> list[str]:
     out = []
     if t.network.publish_rpc_port:
         out.append(
-            f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_service(1)}'s port {t.ps.rpc_port} "
+            f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_name(1)}'s port {t.ps.rpc_port} "
             "is published on every host address; "
             + (
                 "PyTorch RPC has no authentication (whoever reaches it can run code)"

@@ -20,7 +20,8 @@ What the objects are, and why:
   JOB_COMPLETION_INDEX + 1), one `nvidia.com/gpu` each on cuda (the device plugin
   picks the GPU; `workers.gpus` does not apply), a failed worker replaced by a pod
   of the same index that rejoins. Their /state is the pod's own (emptyDir): only
-  the PS's state is kept, as with compose.
+  the PS's state is kept. A worker's metrics file (its `train` records) goes with
+  its pod; the PS's records (evaluations, joins, the end) are on the claim.
 - headless Service `<name>-ps` (`<name>-worker1` under allreduce: DDP's rank 0):
   the rendezvous name, resolving to index 0's pod IP (`clusterIP: None`, like
   Swarm's dnsrr). `publishNotReadyAddresses`: the PS resolves its own name before
@@ -31,7 +32,11 @@ What the objects are, and why:
   PS pod that is replaced keeps it and resumes its run; `kubectl delete` then
   `apply` is a new run that sets older checkpoints aside, as a new `make up` does.
 - Every pod: uid/gid 1000, non-root, no privilege escalation, every capability
-  dropped, the runtime's seccomp profile; /dev/shm a memory emptyDir of shm_size.
+  dropped, the runtime's seccomp profile, a read-only root filesystem (the app
+  writes to /state, /dev/shm and /tmp alone); /dev/shm a memory emptyDir of
+  shm_size, /tmp an emptyDir. CPU and memory requested (kubernetes.ps_cpu,
+  ps_memory, worker_cpu, worker_memory; memory default: shm_size + 4 GiB), memory
+  limited to its request, no CPU limit: the PS is never BestEffort.
 - Host paths (train.data_dir unless kubernetes.data_claim, code, init_weights)
   become hostPath volumes at absolute paths under `data_root`: they must exist on
   every node that runs a pod.
@@ -57,6 +62,8 @@ HOSTNAME_KEY = "kubernetes.io/hostname"
 RETRIES = 3  # per index, as compose's and Swarm's on-failure restarts
 STOP_GRACE_S = 30  # the PS writes its checkpoint on SIGTERM
 APP_UID = 1000  # psc, created by images/Dockerfile
+DEFAULT_MEMORY_HEADROOM = 4 * 1024**3  # a pod's memory beyond its /dev/shm unless kubernetes.*_memory says
+TMP_SIZE = "1Gi"  # /tmp: the root filesystem is read-only
 
 
 def object_name(t: Topology) -> str:
@@ -140,70 +147,21 @@ def _job(t: Topology, name: str, role: str, count: int, data_root: str) -> dict[
 
 def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
     ps = role == "ps"
-    # Rank 0 for the PS (its shard comes from JOB_COMPLETION_INDEX); a worker's rank too.
-    env = compose.app_environment(
-        t,
-        0 if ps else 1,
-        master_addr=rendezvous_name(t),
-        master_port=t.ps.rpc_port,
-        data_dir=compose.DATA_DIR,
-        checkpoint_dir=compose.CHECKPOINT_DIR,
-        metrics_dir=compose.METRICS_DIR,
-        ifname=t.network.ifname,
-        init_weights=compose.INIT_WEIGHTS,
-        cache_dir=compose.CACHE_DIR,
-    )
-    del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
-    if has_ps(t):
-        env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
-    gpu = t.ps_gpu() is not None if ps else t.cuda
-    if t.cuda and not gpu:
-        env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
-    volumes: list[dict[str, Any]] = [
-        {
-            "name": "shm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": quantity(t.ps.shm_size if ps else t.workers.shm_size)},
-        }
-    ]
-    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
-    if t.reads_files:
-        if t.kubernetes.data_claim is not None:
-            volumes.append(
-                {"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim, "readOnly": True}}
-            )
-        else:
-            volumes.append(_host_path("data", t.train.data_dir, data_root))
-        mounts.append({"name": "data", "mountPath": compose.DATA_DIR, "readOnly": True})
-    if t.code is not None:
-        volumes.append(_host_path("code", t.code, data_root))
-        mounts.append({"name": "code", "mountPath": compose.CODE_DIR, "readOnly": True})
-        env["PYTHONPATH"] = f"{compose.APP_DIR}:{compose.CODE_DIR}"
-    if t.train.init_weights is not None:
-        volumes.append(_host_path("init", t.train.init_weights, data_root, kind="File"))
-        mounts.append({"name": "init", "mountPath": compose.INIT_WEIGHTS, "readOnly": True})
-    if ps or not has_ps(t):
-        volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"{object_name(t)}-state"}})
-    else:
-        volumes.append({"name": "state", "emptyDir": {}})
-    mounts.append({"name": "state", "mountPath": compose.STATE_DIR})
-
-    env_list = [{"name": k, "value": v} for k, v in env.items()]
-    if ps or not has_ps(t):  # the processes that write checkpoints: the run is their Job
-        env_list.append(
-            {"name": runs.RUN_ID, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}}
-        )
-        env_list.append({"name": runs.RESUME, "value": "false"})
+    volumes, mounts = _volumes(t, ps, data_root)
     container: dict[str, Any] = {
         "name": role,
         "image": t.image_tag,
         "imagePullPolicy": "IfNotPresent",
         "args": [role],
-        "env": env_list,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "env": _env(t, ps),
+        "resources": _resources(t, ps),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,  # the app writes to /state, /dev/shm and /tmp alone
+        },
         "volumeMounts": mounts,
     }
-    if gpu:
-        container["resources"] = {"limits": {GPU_RESOURCE: "1"}}
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the Job replaces a failed pod (backoffLimitPerIndex requires Never)
         "terminationGracePeriodSeconds": STOP_GRACE_S,
@@ -233,6 +191,91 @@ def _pod_spec(t: Topology, role: str, data_root: str) -> dict[str, Any]:
     if selector:
         spec["nodeSelector"] = dict(selector)
     return spec
+
+
+def _gpu(t: Topology, ps: bool) -> bool:
+    return t.ps_gpu() is not None if ps else t.cuda
+
+
+def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
+    """The app's environment (the compose render's), the rank left to JOB_COMPLETION_INDEX, and
+    the run's id from the Job for the processes that write checkpoints."""
+    env = compose.app_environment(
+        t,
+        0 if ps else 1,
+        master_addr=rendezvous_name(t),
+        master_port=t.ps.rpc_port,
+        data_dir=compose.DATA_DIR,
+        checkpoint_dir=compose.CHECKPOINT_DIR,
+        metrics_dir=compose.METRICS_DIR,
+        ifname=t.network.ifname,
+        init_weights=compose.INIT_WEIGHTS,
+        cache_dir=compose.CACHE_DIR,
+    )
+    del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
+    if has_ps(t):
+        env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
+    if t.cuda and not _gpu(t, ps):
+        env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
+    if t.code is not None:
+        env["PYTHONPATH"] = f"{compose.APP_DIR}:{compose.CODE_DIR}"
+    env_list: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    if ps or not has_ps(t):  # the processes that write checkpoints: the run is their Job
+        env_list.append(
+            {"name": runs.RUN_ID, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}}
+        )
+        env_list.append({"name": runs.RESUME, "value": "false"})
+    return env_list
+
+
+def _resources(t: Topology, ps: bool) -> dict[str, Any]:
+    """CPU and memory requested (so the PS, which holds the run's state, is never BestEffort, the
+    first evicted), memory limited to the request (the pod's /dev/shm counts in it), no CPU
+    limit (a throttled PS slows every worker); one GPU on cuda."""
+    k = t.kubernetes
+    shm = t.ps.shm_size if ps else t.workers.shm_size
+    memory = (k.ps_memory if ps else k.worker_memory) or size_bytes(shm) + DEFAULT_MEMORY_HEADROOM
+    requests = {"cpu": _cores(k.ps_cpu if ps else k.worker_cpu), "memory": quantity(memory)}
+    limits: dict[str, str] = {"memory": quantity(memory)}
+    if _gpu(t, ps):
+        limits[GPU_RESOURCE] = "1"
+    return {"requests": requests, "limits": limits}
+
+
+def _cores(cpu: float) -> str:
+    """CPU cores as a Kubernetes quantity: '2', or millicores ('500m')."""
+    return str(int(cpu)) if float(cpu).is_integer() else f"{round(cpu * 1000)}m"
+
+
+def _volumes(t: Topology, ps: bool, data_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the container's mounts: /dev/shm and /tmp (memory), the data, the
+    user's code and init weights (read-only), and /state (the claim, or the pod's own)."""
+    shm = quantity(t.ps.shm_size if ps else t.workers.shm_size)
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    if t.reads_files:
+        if t.kubernetes.data_claim is not None:
+            volumes.append(
+                {"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim, "readOnly": True}}
+            )
+        else:
+            volumes.append(_host_path("data", t.data_dir(), data_root))
+        mounts.append({"name": "data", "mountPath": compose.DATA_DIR, "readOnly": True})
+    if t.code is not None:
+        volumes.append(_host_path("code", t.code, data_root))
+        mounts.append({"name": "code", "mountPath": compose.CODE_DIR, "readOnly": True})
+    if t.train.init_weights is not None:
+        volumes.append(_host_path("init", t.train.init_weights, data_root, kind="File"))
+        mounts.append({"name": "init", "mountPath": compose.INIT_WEIGHTS, "readOnly": True})
+    if ps or not has_ps(t):
+        volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"{object_name(t)}-state"}})
+    else:
+        volumes.append({"name": "state", "emptyDir": {}})
+    mounts.append({"name": "state", "mountPath": compose.STATE_DIR})
+    return volumes, mounts
 
 
 def _host_path(name: str, path: str, data_root: str, kind: str = "Directory") -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
 
 import yaml
 from pydantic import (
@@ -27,16 +27,14 @@ from pydantic import (
     field_validator,
 )
 
-from app.options import Option, in_topology
+from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES
+from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
 from orchestrator.errors import UsageError
-from orchestrator.topology.contract import DATASETS, FILE_DATASETS, STRATEGIES
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-# The user's own model or dataset: package.module:factory, imported from `code`.
-ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
@@ -146,7 +144,7 @@ def _option_type(o: Option) -> Any:
     """The topology's type of a declared option (app/options.py)."""
     kind = o.topology_kind or o.kind
     if o.choices:
-        allowed = Literal[o.choices]
+        allowed = cast(Any, Literal)[o.choices]  # the option's choices, known at run time
         if o.bool_aliases[0]:  # the field was a boolean (YAML reads a bare on/off as one)
             return Annotated[
                 allowed, BeforeValidator(lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)
@@ -226,9 +224,14 @@ _TRAIN_PATHS = {
         ),
     ),
 }
-Train = _with_options(
-    "train", _Train, "The training job: model, data, optimizer and strategy.", after={"dataset": _TRAIN_PATHS}
-)
+# The fields of a section that are no option of the app, after the option they follow.
+SECTION_EXTRAS: dict[str, dict[str, dict[str, Any]]] = {"train": {"dataset": _TRAIN_PATHS}}
+if TYPE_CHECKING:  # the same classes, declared field by field (written from app/options.py)
+    from orchestrator.topology.sections import PS, Train
+else:
+    Train = _with_options(
+        "train", _Train, "The training job: model, data, optimizer and strategy.", after=SECTION_EXTRAS["train"]
+    )
 
 
 class _PS(_Section):
@@ -243,7 +246,8 @@ class _PS(_Section):
     """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
 
 
-PS = _with_options("ps", _PS, _PS.__doc__ or "")
+if not TYPE_CHECKING:
+    PS = _with_options("ps", _PS, _PS.__doc__ or "")
 
 
 class Workers(_Section):
@@ -392,6 +396,15 @@ class Kubernetes(_Section):
     """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
     worker_node_selector: NodeSelector = Field(default_factory=dict)
     """nodeSelector of every worker, e.g. {nvidia.com/gpu.present: "true"}."""
+    ps_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores the PS pod (and each shard's) requests; no CPU limit, so it may use idle cores."""
+    ps_memory: Optional[Size] = None
+    """Memory the PS pod requests and is limited to (so it is not evicted first); it holds its /dev/shm, a memory
+    emptyDir: default ps.shm_size + 4g."""
+    worker_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores each worker pod requests; no CPU limit."""
+    worker_memory: Optional[Size] = None
+    """Memory each worker pod requests and is limited to; it holds its /dev/shm: default workers.shm_size + 4g."""
 
     @field_validator("storage_class", "data_claim")
     @classmethod
@@ -461,6 +474,12 @@ class Topology(_Section):
         gpus = self.workers.gpus if self.workers.gpus is not None else list(range(self.max_workers))
         return gpus[: self.max_workers]
 
+    def data_dir(self) -> str:
+        """train.data_dir, which `check` requires of a dataset that reads files (ask only then)."""
+        if self.train.data_dir is None:
+            raise TopologyError("<topology>", "train.data_dir", f"missing for dataset {self.train.dataset!r}")
+        return self.train.data_dir
+
     def ps_gpu(self) -> Optional[int]:
         return self.ps.gpu if self.cuda else None
 
@@ -500,7 +519,13 @@ def is_entry_point(value: str) -> bool:
 
 
 def check(t: Topology, source: str) -> None:
-    """The checks that span fields (pydantic has checked each field)."""
+    """The checks that span fields (pydantic has checked each field); the first problem raises."""
+    for part in (_check_inputs, _check_rules, _check_gpus, _check_state, _check_placement):
+        part(t, source)
+
+
+def _check_inputs(t: Topology, source: str) -> None:
+    """What the job reads: the user's code for an entry point, a data_dir for a file dataset."""
     for path, value in t.entry_points():
         if t.code is None:
             raise TopologyError(
@@ -514,16 +539,9 @@ def check(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
-    if t.workers.max is not None and t.workers.max < t.workers.count:
-        raise TopologyError(
-            source, "workers.max", f"got {t.workers.max}; must be at least workers.count ({t.workers.count})"
-        )
-    if t.max_workers > t.workers.count and t.train.strategy == "allreduce":
-        raise TopologyError(
-            source,
-            "workers.max",
-            f"got {t.max_workers}; strategy allreduce has a fixed world size (leave it out, or equal to workers.count)",
-        )
+
+
+def _check_gpus(t: Topology, source: str) -> None:
     gpus = t.workers.gpus
     if gpus is not None and len(set(gpus)) != len(gpus):
         raise TopologyError(source, "workers.gpus", f"got {gpus}; GPU ids must be distinct (one GPU per worker)")
@@ -540,24 +558,9 @@ def check(t: Topology, source: str) -> None:
             "image.group_add",
             f"got {list(t.image.group_add)}; allowed only with image.device cuda (it is for the GPU device nodes)",
         )
-    if t.train.overlap and t.train.strategy in ("sync", "allreduce"):
-        raise TopologyError(
-            source,
-            "train.overlap",
-            f"got True; allowed only with strategy async or ssp "
-            f"({t.train.strategy} waits for every worker's gradient each step)",
-        )
-    if t.train.precision == "fp16" and not t.cuda:
-        raise TopologyError(
-            source, "train.precision", "got 'fp16'; needs a GPU image (loss scaling runs on the GPU); on CPU use bf16"
-        )
-    if t.ps.shards > 1 and t.train.strategy == "allreduce":
-        raise TopologyError(
-            source,
-            "ps.shards",
-            f"got {t.ps.shards}; allowed only with a parameter server "
-            "(strategy async, sync or ssp); allreduce has none",
-        )
+
+
+def _check_state(t: Topology, source: str) -> None:
     opts = t.state.driver_opts
     if opts and t.state.volume_driver is None:
         raise TopologyError(
@@ -572,6 +575,10 @@ def check(t: Topology, source: str) -> None:
             f"got {_show(dict(opts))}; type {opts['type']} needs "
             "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')",
         )
+
+
+def _check_placement(t: Topology, source: str) -> None:
+    """Swarm's nodes for the workers; a Kubernetes pod's memory above its /dev/shm."""
     nodes = t.swarm.workers
     if nodes is not None and 1 < len(nodes) < t.workers.count:
         raise TopologyError(
@@ -579,6 +586,44 @@ def check(t: Topology, source: str) -> None:
             "swarm.workers",
             f"got {nodes} for {t.workers.count} workers; must list one node per worker, or a single node for all",
         )
+    for key, memory, shm_key, shm in (
+        ("ps_memory", t.kubernetes.ps_memory, "ps.shm_size", t.ps.shm_size),
+        ("worker_memory", t.kubernetes.worker_memory, "workers.shm_size", t.workers.shm_size),
+    ):
+        if memory is not None and size_bytes(memory) <= size_bytes(shm):
+            raise TopologyError(
+                source,
+                f"kubernetes.{key}",
+                f"got {_show(memory)}; must be more than {shm_key} ({shm}): the pod's /dev/shm is memory it is "
+                "charged for",
+            )
+
+
+# The topology's own place for the options of the rules that no topology key sets.
+_RULE_PATHS = {"max_workers": "workers.max", "device": "image.device", "world_size": "workers.count"}
+
+
+def rule_values(t: Topology) -> dict[str, Any]:
+    """The job's values as the rules between options (app/options.py RULES) read them."""
+    values: dict[str, Any] = {o.name: getattr(getattr(t, o.section), o.key) for o in OPTIONS if o.topology}
+    values.update(
+        max_workers=t.workers.max,
+        world_size=t.workers.count + 1,
+        device=t.image.device,
+        role=None,
+        given=frozenset(o.name for o in OPTIONS if o.topology) | ({"max_workers"} if t.workers.max else set()),
+    )
+    return values
+
+
+def _check_rules(t: Topology, source: str) -> None:
+    """The rules between options that the app's parser evaluates too, named by their YAML path."""
+    values = rule_values(t)
+    rule = broken_rule(values)
+    if rule is not None:
+        o = BY_NAME[rule.option]
+        path = o.topology or _RULE_PATHS[o.name]
+        raise TopologyError(source, path, f"got {_show(values[o.name])}; {rule.allowed(values)}")
 
 
 def load(path: str | Path) -> Topology:

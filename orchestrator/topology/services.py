@@ -2,8 +2,9 @@
 
 Every verb that needs to know what a service is (local, check, chaos, swarm,
 cluster) reads it from `services(t)` instead of parsing the service's name.
-Names (the render uses them): `ps`, `ps-shard1..` (RPC name and metrics file `ps1..`),
-`worker1..workerN`; allreduce has no PS, and worker1 is its rank 0 host.
+Names follow the app's (app/contract.py, the one place they are declared): `ps`,
+`ps-shard1..` (RPC name and metrics file `ps1..`), `worker1..workerN`; allreduce has
+no PS, and worker1 is its rank 0 host.
 """
 
 from __future__ import annotations
@@ -13,22 +14,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from orchestrator.topology.contract import NO_PS_STRATEGY, TRAINING_ROLES, rpc_name
+from app.contract import NO_PS_STRATEGY, PS, TRAINING_ROLES, process_name, shard_service, worker_name
+from app.contract import metrics_file as file_of
 from orchestrator.topology.model import Topology
 
 Role = Literal["ps", "worker"]
 
-PS_SERVICE = "ps"
+PS_SERVICE = PS
 # compose with network.same_host_copy: holds the PID namespace the job's containers share (render/compose.py).
 PIDNS_SERVICE = "pidns"
 # Labels on every rendered service (and so on every container), for status by filter.
 LABEL_PROJECT = "ps-compose.project"
 LABEL_ROLE = "ps-compose.role"
 LABEL_RANK = "ps-compose.rank"
-
-
-def worker_service(rank: int) -> str:
-    return f"worker{rank}"
 
 
 def has_ps(t: Topology) -> bool:
@@ -39,17 +37,12 @@ def has_ps(t: Topology) -> bool:
 def rendezvous_service(t: Topology) -> str:
     """The service that hosts rank 0 and the rendezvous (PSC_MASTER_ADDR): `ps`, or
     `worker1` for allreduce. Its `end` record carries the job's final accuracy."""
-    return PS_SERVICE if has_ps(t) else worker_service(1)
-
-
-def shard_service(index: int) -> str:
-    """The PS shard `index` >= 1 (`ps.shards`); the PS itself is shard 0."""
-    return f"ps-shard{index}"
+    return PS_SERVICE if has_ps(t) else worker_name(1)
 
 
 def service_names(t: Topology) -> list[str]:
     """`ps` (unless allreduce) and its shards `ps-shard1..`, then `worker1..workerN`, in rank order."""
-    workers = [worker_service(r) for r in range(1, t.workers.count + 1)]
+    workers = [worker_name(r) for r in range(1, t.workers.count + 1)]
     shards = [shard_service(i) for i in range(1, t.ps.shards)]
     return [PS_SERVICE] + shards + workers if has_ps(t) else workers
 
@@ -82,7 +75,7 @@ class Service:
     @property
     def rpc_name(self) -> str:
         """The name the process registers under (first incarnation): ps, ps1.., worker1.."""
-        return self.metrics_file.removesuffix(".jsonl")
+        return process_name(self.role, self.rank, self.shard)
 
 
 def services(t: Topology) -> list[Service]:
@@ -96,7 +89,7 @@ def services(t: Topology) -> list[Service]:
     for rank in range(1, t.workers.count + 1):
         out.append(
             Service(
-                worker_service(rank),
+                worker_name(rank),
                 "worker",
                 rank,
                 0,
@@ -109,7 +102,7 @@ def services(t: Topology) -> list[Service]:
 
 def metrics_file(role: Role, rank: int, shard: int) -> str:
     """The file the app names after its RPC name: ps.jsonl, ps<shard>.jsonl, worker<rank>.jsonl."""
-    return f"{rpc_name(role, rank, shard)}.jsonl"
+    return file_of(process_name(role, rank, shard))
 
 
 def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu: Optional[int]) -> Optional[Service]:
@@ -119,8 +112,9 @@ def described(name: str, labels: Mapping[str, str], env: Mapping[str, str], gpu:
     role, rank = labels.get(LABEL_ROLE), labels.get(LABEL_RANK)
     if role not in TRAINING_ROLES or rank is None or not str(rank).isdigit():
         return None
-    shard = int(env.get("PSC_SHARD", "0") or 0) if role == "ps" else 0
-    return Service(name, role, int(rank), shard, gpu, metrics_file(role, int(rank), shard))
+    kind: Role = "ps" if role == "ps" else "worker"
+    shard = int(env.get("PSC_SHARD", "0") or 0) if kind == "ps" else 0
+    return Service(name, kind, int(rank), shard, gpu, metrics_file(kind, int(rank), shard))
 
 
 def sort_key(s: Service) -> tuple:

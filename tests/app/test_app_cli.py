@@ -52,6 +52,24 @@ def test_bad_env_value_exits_2():
     assert "PSC_LR: 'fast' is not a valid float" in _one_error_line(result)
 
 
+@pytest.mark.parametrize(
+    ("role", "env", "expected"),
+    [
+        # what the topology refuses (workers.max below workers.count), the app refuses too
+        ("ps", {"PSC_WORLD_SIZE": "3", "PSC_MAX_WORKERS": "1"}, "PSC_MAX_WORKERS: got 1; must be at least the number"),
+        ("worker", {"PSC_WORLD_SIZE": "4", "PSC_MAX_WORKERS": "0"}, "PSC_MAX_WORKERS: got 0; must be at least the"),
+        ("ps", {"PSC_RANK": "7"}, "PSC_RANK: got 7; the ps role is rank 0 (leave it out, or 0)"),
+    ],
+)
+def test_what_the_topology_refuses_the_app_refuses_in_one_line(role, env, expected):
+    result = run_app(
+        role, "--model", "cnn", "--dataset", "digits", env=app_env(PSC_MASTER_PORT=str(free_port()), **env)
+    )
+    assert result.returncode == 2
+    assert expected in _one_error_line(result)
+    assert result.stdout == ""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
 def test_cuda_without_gpu_exits_2():
     result = run_app("worker", "--device", "cuda", "--model", "cnn", "--dataset", "digits")

@@ -9,34 +9,9 @@ import torch
 
 from app.common.metrics import read
 
-from app_testkit import app_env, run_cluster
+from app_testkit import DIGITS, app_env, final_accuracy, run_cluster
 
-# Chosen so a run takes seconds on 2 cores: 10 epochs of ~700 samples per worker.
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--num_epochs",
-    "10",
-    "--eval_every",
-    "100",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "1",
-]
 CAP_SECONDS = 180  # the wall-clock cap for the whole run
-
-
-def _final_accuracy(ps_stdout: str) -> float:
-    lines = [line for line in ps_stdout.splitlines() if line.startswith("Accuracy: ")]
-    assert len(lines) == 1, ps_stdout
-    return float(lines[0].split()[1])
 
 
 @pytest.mark.slow
@@ -46,7 +21,7 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
     ps_out = procs["ps"].stdout
-    assert _final_accuracy(ps_out) >= 0.90
+    assert final_accuracy(ps_out) >= 0.90
     assert re.search(r"^Time: \d+\.\d\d seconds$", ps_out, re.M), ps_out
     assert re.search(r"^Evaluation: \d+\.\d\d seconds$", ps_out, re.M), ps_out
     assert re.search(r"^ps \| Update: \d+ \| Accuracy: 0\.\d{4}$", ps_out, re.M), ps_out
@@ -81,7 +56,7 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
             "run_id": "run-1",
         }
     end = read(tmp_path / "metrics" / "ps.jsonl")[-1]
-    assert end["event"] == "end" and end["accuracy"] == _final_accuracy(ps_out)
+    assert end["event"] == "end" and end["accuracy"] == final_accuracy(ps_out)
     assert 0 < end["seconds"] and end["eval_seconds"] >= 0  # training time; evaluation apart
     final = torch.load(tmp_path / "checkpoints" / "final.pt")
     assert final["version"] == end["step"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.config import Config, UsageError, parse
@@ -46,14 +48,39 @@ def test_other_env_vars_are_ignored():
         (["ps", "--master_port", "70000"], {}, "--master_port: 70000 must be <= 65535"),
         (["worker", "--rank", "3", "--world_size", "3"], {}, "--rank: 3 must be in 1..2"),
         (["worker", "--rank", "0"], {}, "--rank: 0 must be in 1..2"),
+        # the rules between options (app/options.py RULES), as the topology names them
+        (["ps"], {"PSC_MAX_WORKERS": "1"}, "PSC_MAX_WORKERS: got 1; must be at least the number of workers (2), or"),
+        (["ps", "--world_size", "4", "--max_workers", "0"], {}, "--max_workers: got 0; must be at least the number"),
+        (
+            ["ps", "--strategy", "sync", "--overlap", "true"],
+            {},
+            "--overlap: got true; allowed only with strategy async",
+        ),
     ],
 )
 def test_bad_input_raises_usage_error_naming_it(argv, env, message):
-    with pytest.raises(UsageError, match=message.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         parse(argv, env)
 
 
-def test_ps_ignores_worker_rank_and_names_itself_ps():
-    config = parse(["ps", "--world_size", "5"], {"PSC_RANK": "9"})
+def test_ps_is_rank_0_and_names_itself_ps():
+    config = parse(["ps", "--world_size", "5"], {"PSC_RANK": "0"})
     assert (config.name, config.num_trainers) == ("ps", 4)
+    assert parse(["ps", "--world_size", "5"], {}).name == "ps"
+    with pytest.raises(UsageError, match=r"^PSC_RANK: got 9; the ps role is rank 0 \(leave it out, or 0\)$"):
+        parse(["ps", "--world_size", "5"], {"PSC_RANK": "9"})
     assert parse(["worker", "--rank", "2"], {}).name == "worker2"
+
+
+def test_a_process_started_by_hand_keeps_its_state_where_git_does_not_look():
+    """`python -m app ps` from the repository root: its checkpoints, metrics and cache go under
+    runs/app/ (ignored), never into folders of the tree (before: ./checkpoints, ./metrics)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    config = parse(["ps"], {})
+    for d in (config.checkpoint_dir, config.metrics_dir, config.cache_dir):
+        assert d.startswith("./runs/app/"), d
+        probe = f"{d}/x.jsonl"
+        assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=repo).returncode == 0, d

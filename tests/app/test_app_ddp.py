@@ -30,6 +30,7 @@ from app_testkit import (
     expected_curves,
     finished,
     free_port,
+    job_args,
     start_app,
     wait_for,
 )
@@ -136,19 +137,7 @@ def test_evaluate_leaves_the_model_training():
 
 
 def start(tmp_path: Path, workers: int, args: list[str], tag: str = "") -> dict[str, subprocess.Popen]:
-    common = [
-        "--world_size",
-        str(workers + 1),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "--metrics_dir",
-        str(tmp_path / "metrics"),
-        "--checkpoint_dir",
-        str(tmp_path / "checkpoints"),
-        *args,
-    ]
+    common = [*job_args(tmp_path, workers + 1), *args]
     return {
         f"worker{rank}": start_app(tmp_path, f"worker{rank}{tag}", ["worker", "--rank", str(rank), *common])
         for rank in range(1, workers + 1)

@@ -14,14 +14,14 @@ from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import TopologyError, load
 from orchestrator.topology.model import parse as parse_topology
 
-from app_testkit import REPO, finished, free_port, run_cluster, start_app, wait_for
+from app_testkit import DIGITS, REPO, final_accuracy, finished, job_args, run_cluster, start_app, wait_for
 
 
 def test_precision_flag_and_fp16_needs_cuda():
     assert parse(["worker"], {}).precision == "fp32"
     assert parse(["worker", "--precision", "bf16"], {}).precision == "bf16"
     assert parse(["ps", "--precision", "fp16"], {}).precision == "fp16"  # the PS runs no forward
-    with pytest.raises(UsageError, match="--precision: fp16 needs --device cuda"):
+    with pytest.raises(UsageError, match="--precision: got fp16; needs a GPU, device cuda"):
         parse(["worker", "--precision", "fp16"], {})
     with pytest.raises(UsageError, match="--precision: 'fp8' is not one of fp32, bf16, fp16"):
         parse(["worker", "--precision", "fp8"], {})
@@ -51,34 +51,8 @@ def test_precision_renders_only_when_not_fp32():
 def test_fp16_on_a_cpu_image_is_refused():
     doc = yaml.safe_load((REPO / "configs/cpu-smoke.yaml").read_text())
     doc["train"]["precision"] = "fp16"
-    with pytest.raises(TopologyError, match="train.precision: got 'fp16'; needs a GPU image"):
+    with pytest.raises(TopologyError, match="train.precision: got 'fp16'; needs a GPU, device cuda"):
         parse_topology(yaml.safe_dump(doc), "t.yaml")
-
-
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--num_epochs",
-    "10",
-    "--eval_every",
-    "100",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "1",
-]
-
-
-def _accuracy(stdout: str) -> float:
-    lines = [line for line in stdout.splitlines() if line.startswith("Accuracy: ")]
-    assert len(lines) == 1, stdout
-    return float(lines[0].split()[1])
 
 
 @pytest.mark.slow
@@ -86,22 +60,13 @@ def test_bf16_ps_and_workers_learn_digits_as_fp32_does(tmp_path):
     procs = run_cluster(tmp_path, workers=2, args=DIGITS + ["--precision", "bf16"], timeout=180)
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
-    assert _accuracy(procs["ps"].stdout) >= 0.90  # the fp32 cluster test's threshold
+    assert final_accuracy(procs["ps"].stdout) >= 0.90  # the fp32 cluster test's threshold
 
 
 @pytest.mark.slow
 def test_bf16_allreduce_learns_digits_as_fp32_does(tmp_path):
     common = [
-        "--world_size",
-        "3",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "--metrics_dir",
-        str(tmp_path / "metrics"),
-        "--checkpoint_dir",
-        str(tmp_path / "checkpoints"),
+        *job_args(tmp_path, 3),
         "--strategy",
         "allreduce",
         "--precision",
@@ -115,4 +80,4 @@ def test_bf16_allreduce_learns_digits_as_fp32_does(tmp_path):
     done = {n: finished(tmp_path, n, p) for n, p in procs.items()}
     for p in done.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr}"
-    assert _accuracy(done["worker1"].stdout) >= 0.90  # the fp32 DDP test's threshold
+    assert final_accuracy(done["worker1"].stdout) >= 0.90  # the fp32 DDP test's threshold

@@ -156,7 +156,7 @@ def test_max_workers_bounds_a_workers_rank():
     assert config.max_trainers == 4 and config.num_trainers == 2
     with pytest.raises(UsageError, match="--rank: 5 must be in 1..4"):
         parse(["worker", "--rank", "5", "--world_size", "3", "--max_workers", "4"], {})
-    with pytest.raises(UsageError, match="allreduce's world size is fixed"):
+    with pytest.raises(UsageError, match="--max_workers: got 4; strategy allreduce has a fixed world size"):
         parse(["worker", "--strategy", "allreduce", "--world_size", "3", "--max_workers", "4"], {})
 
 

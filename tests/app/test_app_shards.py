@@ -15,6 +15,7 @@ from app.config import UsageError, parse
 from app.ps.server import ParameterServer
 from app.ps.sharding import slices as shards
 
+import app_testkit as testkit
 from app_testkit import run_cluster
 
 
@@ -137,28 +138,7 @@ def test_shard_flags():
             parse(argv, {})
 
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--num_epochs",
-    "10",
-    "--eval_every",
-    "100",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "1",
-    "--momentum",
-    "0.5",
-    "--checkpoint_every",
-    "200",
-]
+DIGITS = [*testkit.DIGITS, "--momentum", "0.5", "--checkpoint_every", "200"]
 
 
 @pytest.mark.slow

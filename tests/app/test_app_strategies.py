@@ -20,7 +20,7 @@ from app.common.wire import Refusal
 from app.ps.server import ParameterServer
 from app.worker.compress import Compressor
 
-from app_testkit import finished, free_port, run_cluster, start_app, wait_for
+from app_testkit import finished, job_args, run_cluster, start_app, wait_for
 
 
 def _linear(size: int) -> nn.Module:
@@ -276,16 +276,7 @@ def test_ssp_never_lets_a_worker_run_more_than_s_pushes_ahead(tmp_path):
     bound = 2
     args = DIGITS + ["--strategy", "ssp", "--staleness", str(bound), "--num_epochs", "2"]
     common = [
-        "--world_size",
-        "3",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "--metrics_dir",
-        str(tmp_path / "metrics"),
-        "--checkpoint_dir",
-        str(tmp_path / "checkpoints"),
+        *job_args(tmp_path, 3),
         *args,
     ]
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}

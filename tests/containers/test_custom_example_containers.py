@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from orchestrator import images
+from orchestrator import images, paths
+from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter as compose_adapter
-from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.backends.registry import get
 from orchestrator.metrics import records
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
@@ -25,21 +26,20 @@ THRESHOLD = 0.85
 
 
 def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path, monkeypatch):
-    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
-    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(paths, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
     t = load(CONFIG)
     # Its own tag: built now (cached layers of offline_image), so `up` never runs an older app.
     images.build(t.image_tag, *images.source(t, offline=True))
-    compose_verbs.down(CONFIG, 2, volumes=True, project=PROJECT)
+    verbs.down(get("compose"), CONFIG, 2, volumes=True, name=PROJECT)
     try:
         out = io.StringIO()
-        assert compose_verbs.up(CONFIG, 2, project=PROJECT, remember=False, out=out) == 0, out.getvalue()
+        assert verbs.up(get("compose"), CONFIG, 2, name=PROJECT, remember=False, out=out) == 0, out.getvalue()
         # the PS, 2 workers and the holder of their PID namespace (network.same_host_copy)
         states = compose_adapter.wait_exited(engine, PROJECT, 4, timeout=300, out=io.StringIO())
         logs = io.StringIO()
         compose_adapter.print_logs(engine, PROJECT, logs)
         assert states is not None, f"not every container exited within 300 s\n{logs.getvalue()[-6000:]}"
-        codes = {s["service"]: (s["exit_code"], s["restarts"]) for s in states}
+        codes = {s.service: (s.exit_code, s.restarts) for s in states}
         expected = {"ps": (0, 0), "worker1": (0, 0), "worker2": (0, 0), PIDNS_SERVICE: (0, 0)}
         assert codes == expected, logs.getvalue()[-6000:]
         ps_log = compose_adapter.log_text(engine, PROJECT, "ps")
@@ -48,4 +48,4 @@ def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path
         assert accuracy is not None and accuracy >= THRESHOLD, ps_log[-3000:]
         assert "held-out split: 359 samples, 1 channel(s), 10 classes" in ps_log, ps_log[-3000:]
     finally:
-        compose_verbs.down(CONFIG, 2, volumes=True, project=PROJECT)
+        verbs.down(get("compose"), CONFIG, 2, volumes=True, name=PROJECT)

@@ -14,8 +14,10 @@ import sys
 
 import pytest
 
+from orchestrator import paths
+from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter as compose_adapter
-from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT
 
 from needs import unavailable
@@ -48,23 +50,22 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
             unavailable("no compose v1 (docker-compose 1.x) is installed: make engine installs it")
         monkeypatch.setenv(compose_adapter.ENV_OVERRIDE, v1)
     # Nothing of the user's own runs/ is touched.
-    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path)
-    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(paths, "RUNS", tmp_path)
     project = f"psc-test-{version}"
-    kw = dict(project=project)
-    compose_verbs.down(CONFIG, 2, volumes=True, **kw)
+    kw = dict(name=project)
+    verbs.down(get("compose"), CONFIG, 2, volumes=True, **kw)
     try:
         out = io.StringIO()
-        assert compose_verbs.up(CONFIG, 2, remember=False, out=out, **kw) == 0
+        assert verbs.up(get("compose"), CONFIG, 2, remember=False, out=out, **kw) == 0
         assert f"project {project}" in out.getvalue()
-        assert compose_verbs.status(CONFIG, 2, **kw) == 0  # while it runs
+        assert verbs.status(get("compose"), CONFIG, 2, **kw) == 0  # while it runs
 
         states = compose_adapter.wait_exited(engine, project, 3, timeout=300, out=io.StringIO())
         assert states is not None, "the cluster did not finish within 300 s"
         capfd.readouterr()
 
         out = io.StringIO()
-        assert compose_verbs.status(CONFIG, 2, out=out, **kw) == 0
+        assert verbs.status(get("compose"), CONFIG, 2, out=out, **kw) == 0
         lines = out.getvalue().splitlines()
         assert lines[1].split() == ["SERVICE", "STATE", "EXIT", "STEP", "LOSS", "ACCURACY"]
         table = [line for line in lines[2:] if line.strip() and not line.startswith("live workers:")]
@@ -79,7 +80,7 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         # and a configured service without one as such.
         for count, expected in ((1, ["ps", "worker1", "worker2"]), (3, ["ps", "worker1", "worker2", "worker3"])):
             out = io.StringIO()
-            assert compose_verbs.status(CONFIG, count, out=out, **kw) == 0
+            assert verbs.status(get("compose"), CONFIG, count, out=out, **kw) == 0
             listed = {
                 line.split()[0]: line.split()
                 for line in out.getvalue().splitlines()[2:]
@@ -89,19 +90,19 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
             assert listed["worker2"][1:3] == ["exited", "0"], out.getvalue()
         assert listed["worker3"][1:3] == ["no", "container"], out.getvalue()
 
-        assert compose_verbs.logs(CONFIG, 2, follow=False, **kw) == 0
+        assert verbs.logs(get("compose"), CONFIG, 2, follow=False, **kw) == 0
         text = capfd.readouterr().out
         assert re.search(r"^worker1[-_]1\s+\| worker1 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", text, re.MULTILINE), text
         assert re.search(r"^ps[-_]1\s+\| Accuracy: ", text, re.MULTILINE), text
 
-        assert compose_verbs.down(CONFIG, 2, **kw) == 0
+        assert verbs.down(get("compose"), CONFIG, 2, **kw) == 0
         assert engine.containers.list(all=True, filters={"label": f"{compose_adapter.LABEL_PROJECT}={project}"}) == []
         engine.volumes.get(f"{project}_state")  # kept: checkpoints and metrics survive `down`
         out = io.StringIO()
-        compose_verbs.status(CONFIG, 2, out=out, **kw)
+        verbs.status(get("compose"), CONFIG, 2, out=out, **kw)
         assert re.search(r"^ps\s+no container\s+-\s+\d+", out.getvalue(), re.MULTILINE), out.getvalue()
     finally:
-        compose_verbs.down(CONFIG, 2, volumes=True, **kw)
+        verbs.down(get("compose"), CONFIG, 2, volumes=True, **kw)
 
 
 def test_smoke(engine, offline_image):

@@ -10,9 +10,10 @@ import re
 import pytest
 import yaml
 
-from orchestrator import sample_data
+from orchestrator import paths, sample_data
+from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter as compose_adapter
-from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT
 
 from ps_log import last_evaluations
@@ -33,14 +34,13 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
     topology["train"]["data_dir"] = str(tree)
     config = tmp_path / "cpu-resnet.yaml"
     config.write_text(yaml.safe_dump(topology))
-    monkeypatch.setattr(compose_verbs, "RUNS", tmp_path / "runs")
-    monkeypatch.setattr(compose_verbs, "CURRENT", tmp_path / "current.json")
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
     project = "psc-test-resnet"
-    compose_verbs.down(str(config), 2, volumes=True, project=project)
+    verbs.down(get("compose"), str(config), 2, volumes=True, name=project)
     try:
         out = io.StringIO()
         # The image is built on first use, as `make up` does (FROM the offline base).
-        assert compose_verbs.up(str(config), 2, project=project, remember=False, out=out, offline=True) == 0, (
+        assert verbs.up(get("compose"), str(config), 2, name=project, remember=False, out=out, offline=True) == 0, (
             out.getvalue()
         )
         # the PS, 2 workers and the holder of their PID namespace (network.same_host_copy)
@@ -58,4 +58,4 @@ def test_cpu_resnet_trains_in_containers(engine, tmp_path, monkeypatch):
         assert len(last) == 2 and last[-1] == final, logs["ps"][-3000:]
         assert sum(last) / 2 >= THRESHOLD, logs["ps"][-3000:]
     finally:
-        compose_verbs.down(str(config), 2, volumes=True, project=project)
+        verbs.down(get("compose"), str(config), 2, volumes=True, name=project)

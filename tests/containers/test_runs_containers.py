@@ -13,7 +13,9 @@ import uuid
 import pytest
 import yaml
 
-from orchestrator.backends.compose import adapter, verbs
+from orchestrator.backends import command, verbs
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT, RUNS
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -42,11 +44,11 @@ def test_up_starts_fresh_after_an_unfinished_run_and_resume_continues_it(engine,
 
     def up(*, resume: bool) -> str:
         out = io.StringIO()
-        assert verbs.up(str(config), project=project, remember=False, out=out, resume=resume) == 0
+        assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out, resume=resume) == 0
         return out.getvalue()
 
     def down() -> None:
-        assert verbs.down(str(config), project=project) == 0
+        assert verbs.down(get("compose"), str(config), name=project) == 0
 
     try:
         said = up(resume=False)
@@ -79,9 +81,11 @@ def test_up_starts_fresh_after_an_unfinished_run_and_resume_continues_it(engine,
         assert int(fresh.group(1)) >= int(resumed.group(1)) and fresh.group(2) in (run_a, run_b)
         assert fresh.group(3) == fresh.group(2) and len({run_a, run_b, run_c}) == 3
     finally:
-        adapter.run(
+        command.run(
             adapter.down_argv(
-                adapter.detect(), adapter.Project(project, str(verbs.compose_file(project)), str(ROOT)), volumes=True
+                adapter.detect(),
+                adapter.Project(project, str(get("compose").path_of(project)), str(ROOT)),
+                volumes=True,
             ),
             capture=True,
             check=False,

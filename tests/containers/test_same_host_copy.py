@@ -91,7 +91,7 @@ def test_cma_moves_a_tensor_between_the_rendered_containers_only_when_switched_o
         if same_host_copy:
             states = adapter.wait_exited(engine, project, len(keep), 180, io.StringIO())
             assert states is not None, "the round trip did not end within 180 s"
-            codes = {s["service"]: s["exit_code"] for s in states if s["service"] in ("ps", "worker1")}
+            codes = {s.service: s.exit_code for s in states if s.service in ("ps", "worker1")}
             worker_log = adapter.log_text(engine, project, "worker1")
             assert codes == {"ps": 0, "worker1": 0}, worker_log[-2000:]
             assert "round trip over cma: ok" in worker_log
@@ -115,7 +115,7 @@ def test_a_finished_run_ends_with_every_container_and_the_holder_exited_0(engine
         expected = [PIDNS_SERVICE, *service_names(t)]
         states = adapter.wait_exited(engine, project, len(expected), 300, io.StringIO())
         assert states is not None, "the run did not end within 300 s"
-        assert {s["service"]: s["exit_code"] for s in states} == dict.fromkeys(expected, 0)
+        assert {s.service: s.exit_code for s in states} == dict.fromkeys(expected, 0)
         assert "every process of the job left" in adapter.log_text(engine, project, PIDNS_SERVICE)
         # the exchange went through the PS's shared memory, in the holder's /dev/shm
         assert "ps: exchange through shared memory /dev/shm/psc-" in adapter.log_text(engine, project, "ps")

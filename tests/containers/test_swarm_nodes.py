@@ -14,8 +14,11 @@ import time
 
 import pytest
 
+from orchestrator import paths
+from orchestrator.backends import smoke, verbs
+from orchestrator.backends.registry import get
+from orchestrator.backends.smoke_verb import finished
 from orchestrator.backends.swarm import adapter as swarm_adapter
-from orchestrator.backends.swarm import verbs as swarm_verbs
 from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
 
@@ -31,8 +34,7 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
     workers on node 1, so every push crosses nodes; the PS reaches the threshold; stack-status,
     stack-logs and stack-down work against the manager named by DOCKER_HOST."""
     monkeypatch.setenv("DOCKER_HOST", chaos_swarm.SOCKETS[N1])  # the verbs and their docker CLI calls go to node 1
-    monkeypatch.setattr(swarm_verbs, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
-    monkeypatch.setattr(swarm_verbs, "RECORD", tmp_path / "stack.json")
+    monkeypatch.setattr(paths, "RUNS", tmp_path)  # nothing of the user's runs/ is touched
     stack = "psc-nodes-placed"
     config = tmp_path / "t.yaml"
     config.write_text(
@@ -44,11 +46,22 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
     start = time.monotonic()
     try:
         out = io.StringIO()
-        assert swarm_verbs.stack_up(str(config), 2, out=out) == 0, out.getvalue()
-        assert re.search(r"^==> doctor: \d+ checks passed \(target swarm\)", out.getvalue(), re.MULTILINE)
+        assert verbs.up(get("swarm"), str(config), 2, out=out) == 0, out.getvalue()
+        assert re.search(
+            r"^==> doctor: \d+ checks passed \(python -m orchestrator doctor --target swarm lists them\)",
+            out.getvalue(),
+            re.MULTILINE,
+        )
         assert (tmp_path / stack / "stack.yaml").is_file() and (tmp_path / "stack.json").is_file()
         client = chaos_swarm.node_client(N1)
-        states = swarm_verbs.wait_done(client, stack, ["ps", "worker1", "worker2"], 300, io.StringIO())
+        swarm = verbs.resolve(get("swarm"), None, None)  # the last stack-up, from the record
+        states = smoke.wait(
+            lambda: get("swarm").describe(swarm),
+            finished(["ps", "worker1", "worker2"]),
+            300,
+            io.StringIO(),
+            settle=True,
+        )
         assert states is not None, "the stack's tasks did not end within 300 s"
         capfd.readouterr()
 
@@ -57,13 +70,13 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
         assert {(t["service"], t["node"]) for t in tasks} == {("ps", N2), ("worker1", N1), ("worker2", N1)}
 
         out = io.StringIO()
-        assert swarm_verbs.stack_status(out=out) == 0  # the last stack-up, from the record
+        assert verbs.status(get("swarm"), out=out) == 0  # the last stack-up, from the record
         rows = [line.split() for line in out.getvalue().splitlines()[2:]]
         assert rows == [[s, "complete", "0", "0"] for s in ("ps", "worker1", "worker2")], out.getvalue()
 
-        assert swarm_verbs.stack_logs(follow=False) == 0
+        assert verbs.logs(get("swarm"), follow=False) == 0
         captured = capfd.readouterr()
-        logs, diagnostics = captured.out, captured.err  # the services' stdout and stderr
+        logs, diagnostics = captured.out, captured.out + captured.err  # the services' stdout, and both
         assert re.search(
             rf"^{stack}_worker2\.1@{N1}\s+\| worker2 \| Epoch: \d+ \| Batch: \d+ \| Loss: ", logs, re.MULTILINE
         ), logs[-3000:]
@@ -79,13 +92,13 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
         )
 
         out = io.StringIO()
-        assert swarm_verbs.stack_down(out=out) == 0
+        assert verbs.down(get("swarm"), out=out) == 0
         assert swarm_adapter.leftovers(client, stack) == []
         n2, label = chaos_swarm.node_client(N2), {"label": f"{swarm_adapter.LABEL_STACK}={stack}"}
         assert n2.containers.list(all=True, filters=label) == [] and n2.networks.list(filters=label) == []
         chaos_swarm.node_client(N2).volumes.get(f"{stack}_state")  # kept on the PS's node
     finally:
-        swarm_verbs.stack_down(stack=stack, volumes=True, out=io.StringIO())
+        verbs.down(get("swarm"), name=stack, volumes=True, out=io.StringIO())
 
 
 def test_node2_cut_off_mid_run_the_run_recovers(two_nodes, tmp_path):

@@ -15,8 +15,9 @@ import subprocess
 
 import pytest
 
+from orchestrator.backends import smoke_verb
+from orchestrator.backends.registry import get
 from orchestrator.backends.swarm import adapter as swarm_adapter
-from orchestrator.backends.swarm import verbs as swarm_verbs
 from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -59,7 +60,7 @@ def assert_gone(engine, stack: str) -> None:
 def test_stack_smoke(swarm):
     """`python -m orchestrator stack-smoke` (make stack-smoke): accuracy >= 0.90, every task complete with exit 0."""
     out = io.StringIO()
-    status = swarm_verbs.stack_smoke(str(CPU), 2, stack="psc-test-stack-smoke", out=out)
+    status = smoke_verb.smoke(get("swarm"), str(CPU), 2, name="psc-test-stack-smoke", out=out)
     text = out.getvalue()
     print(text[-5000:])
     assert status == 0

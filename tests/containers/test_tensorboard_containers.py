@@ -22,7 +22,9 @@ import yaml
 from PIL import Image
 
 from orchestrator import images
-from orchestrator.backends.compose import adapter, tensorboard, verbs
+from orchestrator.backends import board, command, verbs
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.registry import BACKENDS
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import ROOT, RUNS
 from orchestrator.render.compose import TENSORBOARD_SERVICE
@@ -84,18 +86,18 @@ def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, 
     config = tmp_path / "tb.yaml"
     config.write_text(yaml.safe_dump(doc))
     found = adapter.detect()
-    proj = adapter.Project(project, str(verbs.compose_file(project)), str(ROOT))
+    proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
     try:
-        assert verbs.up(str(config), project=project, remember=False, out=io.StringIO()) == 0
+        assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=io.StringIO()) == 0
         states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
-        assert states and all(s["exit_code"] == 0 for s in states), states
+        assert states and all(s.exit_code == 0 for s in states), states
         records = parse_lines(adapter.read_metrics(engine, project, adapter.containers(engine, project))["ps.jsonl"])
         [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
         evals = [r for r in records if r["event"] == "eval"]
         assert evals, records
 
         out = io.StringIO()
-        assert tensorboard.start(str(config), project=project, out=out) == 0
+        assert board.tensorboard(BACKENDS["compose"], str(config), name=project, out=out) == 0
         port = int(re.search(r"==> tensorboard: http://127\.0\.0\.1:(\d+)/ \(every run", out.getvalue()).group(1))
         tags = get(port, "/data/plugin/scalars/tags")
         run = f"{run_id}/ps"
@@ -120,9 +122,9 @@ def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, 
         if os.environ.get("UPDATE_SCREENSHOT") == "1":
             shutil.copyfile(tmp_path / "accuracy.png", SCREENSHOT)
 
-        adapter.run(adapter.down_argv(found, proj))
+        command.run(adapter.down_argv(found, proj))
         left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
         assert TENSORBOARD_SERVICE not in left and left == [], left
     finally:
-        adapter.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+        command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
         shutil.rmtree(RUNS / project, ignore_errors=True)

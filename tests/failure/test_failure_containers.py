@@ -5,10 +5,24 @@ PS stopped by `make down` keeps every slice, and a crashed shard takes its slice
 
 from __future__ import annotations
 
-import pytest
+import io
+import shutil
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
 
+import pytest
+import yaml
+
+from app.contract import Event
+from orchestrator.backends import verbs
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.registry import BACKENDS
 from orchestrator.chaos import common as chaos_common
 from orchestrator.chaos import containers as chaos_containers
+from orchestrator.metrics.records import events, parse_lines
+from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -78,3 +92,50 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_and_every_container_exi
     left = {w: (version, live) for w, version, live in out.details["left"]}
     assert set(left) == {"worker3", "worker4"} and min(live for _, live in left.values()) == 2
     assert out.details["drops"] == 0 and out.accuracy >= 0.90
+
+
+def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
+    """`make up` (workers.max 4), `make scale WORKERS=4`, `make scale WORKERS=2`, `make logs`: the
+    logs verb returns within 10 s of the last container's exit (before: `compose logs -f` with the
+    scale profile went on following the exited project)."""
+    compose = BACKENDS["compose"]
+    project = f"psc-logs-{uuid.uuid4().hex[:8]}"
+    t = chaos_containers.scalable(chaos_common.chaos_topology(workers=2))
+    config = tmp_path / "scaled.yaml"
+    doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
+    doc["name"] = project
+    doc["train"]["epochs"] = t.train.epochs
+    doc["workers"]["max"] = 4
+    config.write_text(yaml.safe_dump(doc))
+    c = verbs.resolve(compose, str(config), None, name=project)
+
+    def joined(ranks: set[int]) -> bool:
+        lines = compose.read_records(c, "ps").get("ps.jsonl", [])
+        return ranks <= {r.get("worker_rank") for r in events(parse_lines(lines), Event.JOIN)}
+
+    try:
+        assert verbs.up(compose, str(config), name=project, remember=False, offline=True, out=io.StringIO()) == 0
+        chaos_common.wait_until("workers 1 and 2 join", lambda: joined({1, 2}), 300)
+        assert verbs.scale(compose, str(config), 4, name=project, out=io.StringIO()) == 0
+        chaos_common.wait_until("workers 3 and 4 join", lambda: joined({3, 4}), 300)
+        assert verbs.scale(compose, str(config), 2, name=project, out=io.StringIO()) == 0
+        returned: list[float] = []
+
+        def follow_logs() -> None:
+            verbs.logs(compose, str(config), name=project, out=io.StringIO())
+            returned.append(time.time())
+
+        follow = threading.Thread(target=follow_logs, daemon=True)
+        follow.start()
+        chaos_common.wait_until("every container exited", lambda: all(s.ended for s in compose.describe(c)), 600)
+        follow.join(timeout=60)
+        assert returned, "make logs still follows 60 s after every container of the project exited"
+        last_exit = max(
+            datetime.fromisoformat(x.attrs["State"]["FinishedAt"][:26].rstrip("Z")).replace(tzinfo=timezone.utc)
+            for x in adapter.containers(docker_engine, project)
+        )
+        print(f"make logs returned {returned[0] - last_exit.timestamp():.1f} s after the last container exited")
+        assert returned[0] - last_exit.timestamp() <= 10
+    finally:
+        verbs.down(compose, str(config), name=project, volumes=True, out=io.StringIO())
+        shutil.rmtree(compose.path_of(project).parent, ignore_errors=True)

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import ast
 import io
+import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
+from orchestrator import paths
 from orchestrator.backends import registry
-from orchestrator.backends.base import LIFECYCLE, Backend
+from orchestrator.backends.base import LIFECYCLE, Backend, ServiceState
 from orchestrator.backends.kubernetes import doctor as k8s_doctor
+from orchestrator.backends.lines import ReadLines
 from orchestrator.cli import build_parser
 from orchestrator.doctor.checks import Check, run_checks
 from orchestrator.doctor.facts import Facts, gather
@@ -23,6 +27,7 @@ from orchestrator.render import compose as render_compose
 from orchestrator.render import kubernetes as render_k8s
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import load, parse
+from orchestrator.topology.services import services
 
 from orch_helpers import REPO, cli  # noqa: F401 - cli is a fixture
 
@@ -81,20 +86,36 @@ def test_neither_the_cli_nor_doctor_compares_target_names() -> None:
     assert not found, "target names in the CLI or doctor:\n" + "\n".join(found)
 
 
-# --- a new target: one class and one registry line ------------------------------
+# --- a new target: its blocks, and one registry line ---------------------------
+
+
+def end_records(workers: int) -> list[str]:
+    joins = [
+        json.dumps({"time": r, "role": "ps", "rank": 0, "event": "join", "step": r, "worker_rank": r, "workers": r})
+        for r in range(1, workers + 1)
+    ]
+    end = {"time": 9, "role": "ps", "rank": 0, "event": "end", "step": 300, "accuracy": 0.95, "loss": 0.2}
+    return joins + [json.dumps(end)]
 
 
 class FakeBackend(Backend):
+    """A fleet of ships: one per service, sailing once deployed, home (exited 0) once looked at
+    twice. Only the blocks: no verb of its own."""
+
     name = "fake"
     output = "fake.txt"
     noun = "fleet"
     summary = "fake (a made-up target)"
     verb_prefix = "fake-"
     engine = False
-    verb_help = {v: f"fake {v}" for v in LIFECYCLE}
+    record = "fake.json"
+    unit = "ship"
+    ended_well = "home"
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.ships: dict[str, ServiceState] = {}
+        self.looks = 0
+        self.calls: list[tuple[str, Any]] = []
 
     def render(self, t, data_root: str) -> str:
         return f"fleet {t.name} of {t.workers.count}\n"
@@ -108,31 +129,79 @@ class FakeBackend(Backend):
     def gather_facts(self, t, client, facts: Facts, probe: bool) -> dict[str, Any]:
         return {"target": {"ships": t.workers.count}}
 
-    def up(self, config: str, workers: Optional[int], **kw: Any) -> int:
-        self.calls.append(("up", dict(kw, config=config, workers=workers)))
-        return 0
+    def deploy(self, c, env, out) -> list[str]:
+        self.calls.append(("deploy", dict(env)))
+        self.ships = {s.name: ServiceState(s.name, "running", spec=s) for s in services(c.topology)}
+        self.looks = 0
+        return []
 
-    def status(self, config, workers, **kw: Any) -> int:
-        self.calls.append(("status", dict(kw, config=config, workers=workers)))
-        return 0
+    def describe(self, c) -> list[ServiceState]:
+        self.looks += 1
+        if self.looks > 2:
+            self.ships = {n: replace(s, status="exited", exit_code=0) for n, s in self.ships.items()}
+        return list(self.ships.values())
+
+    def log_iter(self, c, follow: bool):
+        return ReadLines(f"{n} | at sea\n" for n in self.ships)
+
+    def remove(self, c, volumes: bool) -> None:
+        self.calls.append(("remove", volumes))
+        self.ships = {}
+
+    def read_records(self, c, service: str) -> dict[str, list[str]]:
+        return {"ps.jsonl": end_records(len(self.ships) - 1)}
+
+    def scale_to(self, c, start, stop, env) -> None:
+        self.calls.append(("scale", (list(start), list(stop))))
+        for name in stop:
+            self.ships[name] = replace(self.ships[name], status="exited", exit_code=0)
 
 
-def test_a_new_target_is_one_class_and_one_registry_line(cli, monkeypatch, tmp_path: Path) -> None:  # noqa: F811
+def test_a_new_target_is_its_blocks_and_one_registry_line(cli, monkeypatch, tmp_path: Path) -> None:  # noqa: F811
     fake = FakeBackend()
     monkeypatch.setitem(registry.BACKENDS, "fake", fake)
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
     status, out, err = cli("render", "-c", str(SMOKE), "--target", "fake", "--workers", "4")
     assert status == 0, err
     assert (tmp_path / "fake.txt").read_text() == "fleet cpu-smoke of 4\n" and "fleet fleet-cpu-smoke" in out
     status, out, _ = cli("doctor", "-c", str(SMOKE), "--target", "fake")
     assert status == 0 and "ok       fleet         2 ships" in out and "doctor: all 1 checks passed" in out
-    assert cli("fake-up", "-c", str(SMOKE), "--workers", "3", "--resume")[0] == 0
-    assert fake.calls[-1] == (
-        "up",
-        {"config": str(SMOKE), "workers": 3, "strategy": None, "offline": False, "resume": True},
+
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
+    status, out, err = cli("fake-up", "-c", str(scaled), "--workers", "3", "--resume")
+    assert status == 0, err
+    assert "==> doctor: 1 checks passed (python -m orchestrator doctor --target fake lists them)" in out
+    assert "run " in out and fake.calls[-1][0] == "deploy" and fake.calls[-1][1]["PSC_RESUME"] == "true"
+    assert (
+        out.splitlines()[-1]
+        == "==> up: fleet fleet-cpu-smoke. Next: make fake-logs | make fake-status | make fake-down"
     )
-    assert cli("fake-status")[0] == 0 and fake.calls[-1][0] == "status"
-    status, _, err = cli("fake-down")
-    assert status == 2 and "target fake has no down verb" in err
+    assert (tmp_path / "runs" / "fleet-cpu-smoke" / "fake.txt").read_text() == "fleet cpu-smoke of 3\n"
+
+    status, out, _ = cli("fake-status")  # the last fake-up's fleet, from the record
+    assert status == 0 and out.splitlines()[0].startswith("fleet fleet-cpu-smoke (")
+    assert [line.split()[:2] for line in out.splitlines()[2:6]] == [
+        ["ps", "running"],
+        ["worker1", "running"],
+        ["worker2", "running"],
+        ["worker3", "running"],
+    ]
+    assert out.splitlines()[-1] == "live workers: 3 (worker1 worker2 worker3), last change at version 3"
+    status, out, err = cli("fake-scale", "--workers", "2")
+    assert status == 0, err
+    assert fake.calls[-1] == ("scale", ([], ["worker3"])) and "(stopped worker3)" in out
+    status, out, _ = cli("fake-logs")  # follows until every ship is home
+    assert status == 0 and out.splitlines() == [f"{n} | at sea" for n in ("ps", "worker1", "worker2", "worker3")]
+    status, out, err = cli("fake-tensorboard")
+    assert status == 2 and err == "error: target fake has no tensorboard verb: render it and use its own tools\n"
+    status, out, _ = cli("fake-down", "-v")
+    assert status == 0 and out == "==> down: fleet fleet-cpu-smoke stopped and removed; volume removed\n"
+
+    status, out, err = cli("fake-smoke", "-c", str(SMOKE), "--timeout", "60")
+    assert status == 0, out + err
+    assert "fake-smoke: passed: Accuracy 0.9500 >= 0.90; 3 ships home (ps, worker1, worker2)" in out
+    assert fake.calls[-1] == ("remove", True) and not fake.ships
 
 
 # --- the kubernetes target's doctor: offline ------------------------------------
@@ -187,7 +256,7 @@ def test_kubernetes_doctor_validates_the_real_render_for_three_workers(monkeypat
 
 
 def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
-    from orchestrator.backends.compose import verbs
+    from orchestrator.backends import verbs
     from orchestrator.errors import UsageError
 
     config = tmp_path / "t.yaml"
@@ -195,8 +264,32 @@ def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
         Path(SMOKE).read_text().replace("strategy: async", "strategy: allreduce").replace("name: cpu-smoke", "name: t")
     )
     with pytest.raises(UsageError, match="strategy allreduce has a fixed world size; .* RESUME=1") as e:
-        verbs.scale(str(config), 3)
+        verbs.scale(registry.get("compose"), str(config), 3)
     assert "\n" not in str(e.value)
     with pytest.raises(UsageError, match="stack-scale: a running stack is not scaled yet") as e:
-        registry.get("swarm").scale(None, 3)
+        verbs.scale(registry.get("swarm"), None, 3)
     assert "\n" not in str(e.value)
+
+
+def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path: Path) -> None:
+    """A follow that never ends by itself (as `compose logs -f` with the scale profile did after
+    a scaled run) is closed once every service has ended, on two looks in a row."""
+    import sys
+    import threading
+
+    from orchestrator.backends import verbs
+    from orchestrator.backends.lines import ProcessLines
+
+    class Following(FakeBackend):
+        def log_iter(self, c, follow: bool):
+            forever = "import time; print('ps | Accuracy: 0.97', flush=True); time.sleep(600)"
+            return ProcessLines([[sys.executable, "-c", forever]])
+
+    fleet = Following()
+    fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
+    monkeypatch.setattr(verbs, "POLL", 0.2)
+    out = io.StringIO()
+    done = threading.Event()
+    threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
+    assert done.wait(30), "logs still follows a cluster whose every service has ended"
+    assert out.getvalue() == "ps | Accuracy: 0.97\n"

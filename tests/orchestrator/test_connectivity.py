@@ -9,11 +9,11 @@ import jsonschema
 import pytest
 import yaml
 
+from app.contract import CHECK_RECORD
 from orchestrator import connectivity
 from orchestrator.cli import build_parser, main
 from orchestrator.connectivity import Result, check_document, judge, plan_local, result_record
 from orchestrator.render import compose as render_compose
-from orchestrator.topology.contract import CHECK_RECORD
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
 

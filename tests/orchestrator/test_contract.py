@@ -1,52 +1,32 @@
-"""The values the orchestrator and the app must agree on (orchestrator/topology/contract.py)
-are the app's own: strategies, compressions, precisions, datasets, roles, RPC names.
-
-The orchestrator keeps torch-free copies; this test imports the app's side (a test may)."""
+"""One contract: what the app and the orchestrator must agree on is declared once, in the app's
+standard-library modules app/contract.py and app/options.py, and the orchestrator reads it from
+there (choices, names, patterns, the rules between options). This test imports the rest of the
+app (a test may) to hold the app's own uses to the same declarations."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from types import ModuleType
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.topology import contract
-from orchestrator.topology.model import Train, load
+from app import contract
+from app.config import UsageError, parse
+from app.options import RULES
+from orchestrator.topology import model
+from orchestrator.topology.model import TopologyError, Train, load
+from orchestrator.topology.model import parse as parse_topology
 from orchestrator.topology.services import metrics_file, services
 
-from orch_helpers import REPO
+from orch_helpers import REPO, topology
 
 
-def app_module(*names: str) -> ModuleType:
-    """The first of `names` that imports (the app's layout may move a module into a package)."""
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    raise AssertionError(f"none of {names} imports")
-
-
-@pytest.fixture(scope="module")
-def app_config() -> ModuleType:
-    return app_module("app.contract", "app.config")
-
-
-def test_choices_are_the_apps(app_config: ModuleType) -> None:
-    assert contract.STRATEGIES == tuple(app_config.STRATEGIES)
-    assert contract.COMPRESSIONS == tuple(app_config.COMPRESSIONS)
-    assert contract.PRECISIONS == tuple(app_config.PRECISIONS)
-    assert contract.DATASETS == tuple(app_config.DATASETS)
-    assert contract.IMAGE_CACHES == tuple(app_config.IMAGE_CACHES)
-    assert contract.CHECK_RECORD == app_config.CHECK_RECORD
-    assert contract.TRAINING_ROLES == app_config.TRAINING_ROLES and set(app_config.TRAINING_ROLES) <= set(
-        app_config.ROLES
-    )
-
-
-def test_file_datasets_are_the_apps() -> None:
-    data = app_module("app.common.data")
+def test_no_copy_of_the_contract_is_left_in_the_orchestrator() -> None:
+    assert not (REPO / "orchestrator" / "topology" / "contract.py").exists()  # the copies it held
+    assert model.ENTRY_POINT is contract.ENTRY_POINT
+    data = importlib.import_module("app.common.data")
     assert contract.FILE_DATASETS == frozenset(data.FILE_DATASETS)
 
 
@@ -61,11 +41,54 @@ def test_the_topology_accepts_exactly_these() -> None:
 
 
 def test_rpc_names_are_the_apps() -> None:
-    config = app_module("app.config")
-    base = config.Config(role="ps")
+    base = parse(["ps"], {})
     t = load(REPO / "configs/cpu-smoke.yaml").with_workers(3)
     t = t.model_copy(update={"ps": t.ps.model_copy(update={"shards": 3})})
     for s in services(t):
         app_name = dataclasses.replace(base, role=s.role, rank=s.rank, shard=s.shard).name
         assert f"{app_name}.jsonl" == s.metrics_file == metrics_file(s.role, s.rank, s.shard)
-        assert contract.rpc_name(s.role, s.rank, s.shard) == app_name
+        assert s.rpc_name == app_name
+
+
+# Each rule of app/options.py RULES broken once as a topology and once as the app's flags.
+BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "overlap": (
+        topology(train={"strategy": "sync", "overlap": True}),
+        ["worker", "--strategy", "sync", "--overlap", "true"],
+    ),
+    "shards": (
+        topology(train={"strategy": "allreduce"}, ps={"shards": 2}),
+        ["ps", "--strategy", "allreduce", "--shards", "2"],
+    ),
+    "max_workers below": (
+        topology(workers={"count": 3, "max": 2}),
+        ["ps", "--world_size", "4", "--max_workers", "2"],
+    ),
+    "max_workers allreduce": (
+        topology(train={"strategy": "allreduce"}, workers={"count": 2, "max": 3}),
+        ["worker", "--strategy", "allreduce", "--world_size", "3", "--max_workers", "3"],
+    ),
+    "precision": (
+        topology(train={"precision": "fp16"}),
+        ["worker", "--precision", "fp16"],
+    ),
+}
+
+
+def test_every_rule_between_options_is_broken_here() -> None:
+    assert len(BROKEN) == len(RULES)
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_the_app_and_the_topology_refuse_a_broken_rule_in_the_same_words(case: str, tmp_path: Path) -> None:
+    import yaml
+
+    doc, argv = BROKEN[case]
+    with pytest.raises(TopologyError) as topo:
+        parse_topology(yaml.safe_dump(doc), "t.yaml")
+    with pytest.raises(UsageError) as app:
+        parse(argv, {})
+    said_topology, said_app = str(topo.value).split("; ", 1), str(app.value).split("; ", 1)
+    assert said_topology[1] == said_app[1], (said_topology, said_app)  # what is allowed
+    option = case.split()[0]
+    assert said_app[0].startswith(f"--{option}: got ") and "\n" not in str(app.value)

@@ -19,7 +19,7 @@ import yaml
 
 from orchestrator.render import compose as render_compose
 from orchestrator.render import kubernetes as render_k8s
-from orchestrator.topology.model import Topology, load, parse
+from orchestrator.topology.model import Topology, TopologyError, load, parse
 
 from orch_helpers import HERE, REPO
 
@@ -150,9 +150,9 @@ def test_workers_are_one_indexed_job_with_a_gpu_each_and_no_rank_of_their_own() 
     ps, workers = by_kind(docs, "Job")
     assert workers["spec"]["completionMode"] == "Indexed"
     assert workers["spec"]["completions"] == workers["spec"]["parallelism"] == 3
-    assert container(workers)["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    assert container(workers)["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "PSC_RANK" not in env(workers)  # the app takes it from JOB_COMPLETION_INDEX
-    assert "resources" not in container(ps)  # the PS runs on CPU
+    assert "nvidia.com/gpu" not in container(ps)["resources"]["limits"]  # the PS runs on CPU
     assert env(ps)["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert workers["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     assert workers["spec"]["backoffLimitPerIndex"] == 3
@@ -206,7 +206,11 @@ def test_the_security_posture_of_the_compose_file() -> None:
         assert container(job)["securityContext"] == {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
         }
+        # writable: /state, /dev/shm and /tmp alone
+        writable = {m["mountPath"] for m in container(job)["volumeMounts"] if not m.get("readOnly")}
+        assert writable == {"/state", "/dev/shm", "/tmp"}
     (policy,) = by_kind(documents("configs/default.yaml", 3), "NetworkPolicy")
     own = {"matchLabels": {"ps-compose.project": "resnet18-imagenette"}}
     assert policy["spec"] == {
@@ -221,7 +225,7 @@ def test_node_selectors_claims_and_shards() -> None:
     ps, workers = by_kind(docs, "Job")
     assert ps["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "ps-host"}
     assert workers["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert container(ps)["resources"] == {"limits": {"nvidia.com/gpu": "1"}}  # ps.gpu: 0
+    assert container(ps)["resources"]["limits"]["nvidia.com/gpu"] == "1"  # ps.gpu: 0
     (claim,) = by_kind(docs, "PersistentVolumeClaim")
     assert claim["spec"]["storageClassName"] == "fast-ssd"
     assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
@@ -246,3 +250,24 @@ def test_a_bad_kubernetes_key_is_one_line_naming_it() -> None:
 @pytest.mark.parametrize("size,expected", [("2g", "2Gi"), ("512m", "512Mi"), (1000, "1000"), ("1.5g", "1536Mi")])
 def test_quantity(size, expected) -> None:
     assert render_k8s.quantity(size) == expected
+
+
+def test_every_pod_requests_cpu_and_memory_so_the_ps_is_never_best_effort(write_config) -> None:
+    for job in by_kind(documents("configs/cpu-smoke.yaml", 2), "Job"):
+        resources = container(job)["resources"]
+        # ps and workers: shm_size 256m + 4 GiB; memory limited to its request, no CPU limit (Burstable)
+        assert resources == {"requests": {"cpu": "1", "memory": "4352Mi"}, "limits": {"memory": "4352Mi"}}
+    doc = yaml.safe_load((REPO / "configs/cpu-smoke.yaml").read_text())
+    doc["kubernetes"] = {"ps_cpu": 2, "ps_memory": "6g", "worker_cpu": 0.5, "worker_memory": "3g"}
+    t = load(write_config(doc))
+    ps, workers = by_kind(render_k8s.render(t, data_root="/x"), "Job")
+    assert container(ps)["resources"]["requests"] == {"cpu": "2", "memory": "6Gi"}
+    assert container(workers)["resources"] == {
+        "requests": {"cpu": "500m", "memory": "3Gi"},
+        "limits": {"memory": "3Gi"},
+    }
+    doc["kubernetes"] = {"worker_memory": "200m"}
+    with pytest.raises(
+        TopologyError, match=r"kubernetes.worker_memory: got '200m'; must be more than workers.shm_size"
+    ):
+        load(write_config(doc))

@@ -16,8 +16,9 @@ from test_compose_config import check, compose_v1, compose_v2, need
 from test_swarm_render import DATA_ROOT, stack_config
 
 from orchestrator import local
-from orchestrator.backends import smoke
-from orchestrator.backends.compose import verbs as compose_verbs
+from orchestrator.backends import smoke, verbs
+from orchestrator.backends.base import ServiceState
+from orchestrator.backends.registry import get
 from orchestrator.render import compose as render_compose
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
@@ -169,9 +170,9 @@ def test_local_plan_has_no_ps() -> None:
 
 
 def test_cluster_target_and_judge() -> None:
-    tg = compose_verbs.target(str(SMOKE), 3, strategy="allreduce", project="p")
-    assert tg.topology is not None and service_names(tg.topology) == ["worker1", "worker2", "worker3"]
-    ok = [{"service": s, "status": "exited", "exit_code": 0, "restarts": 0} for s in ("worker1", "worker2")]
+    c = verbs.resolve(get("compose"), str(SMOKE), 3, strategy="allreduce", name="p")
+    assert c.topology is not None and service_names(c.topology) == ["worker1", "worker2", "worker3"]
+    ok = [ServiceState(s, "exited", exit_code=0) for s in ("worker1", "worker2")]
     assert smoke.judge(["worker1", "worker2"], ok, 0.95, 0.90, who="worker1") == []
     assert smoke.judge(["worker1", "worker2"], ok, None, 0.90, who="worker1") == [
         "worker1 wrote no `end` record with its accuracy"

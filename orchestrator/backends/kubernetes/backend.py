@@ -5,12 +5,8 @@ talks to a cluster; doctor checks what can be checked offline."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from orchestrator.backends.base import Backend
 from orchestrator.backends.kubernetes import doctor
-from orchestrator.doctor.checks import CheckFn
-from orchestrator.doctor.facts import Facts
 from orchestrator.render import kubernetes
 from orchestrator.topology.model import Topology
 
@@ -18,6 +14,7 @@ from orchestrator.topology.model import Topology
 class KubernetesBackend(Backend):
     name = "kubernetes"
     output = "kubernetes.yaml"
+    doctor = doctor
     noun = "job"
     summary = "kubernetes (manifests for kubectl apply -f)"
     verb_prefix = None
@@ -28,12 +25,6 @@ class KubernetesBackend(Backend):
 
     def name_of(self, t: Topology) -> str:
         return kubernetes.object_name(t)
-
-    def checks(self) -> list[CheckFn]:
-        return list(doctor.CHECKS)
-
-    def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
-        return doctor.gather_facts(t, client, facts, probe)
 
 
 BACKEND = KubernetesBackend()

@@ -18,9 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator.backends.base import ServiceState
 from orchestrator.errors import EngineError
 from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import METRICS_DIR
+from orchestrator.topology.services import described
 
 LABEL_STACK = "com.docker.stack.namespace"
 DOCKER = "docker"
@@ -64,20 +66,11 @@ def swarm_state(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A service's state from its tasks (newest last counts): the shape of
-    `status.container_state`, so `smoke.judge` judges it. A terminal task is
+def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> ServiceState:
+    """A service's state from its tasks (newest last counts). A terminal task is
     `exited` with its exit code; `restarts` counts the failed tasks before it."""
     if not tasks:
-        return {
-            "service": service,
-            "status": "no task",
-            "exit_code": None,
-            "health": None,
-            "restarts": 0,
-            "task": None,
-            "error": "",
-        }
+        return ServiceState(service, "no task")
     ordered = sorted(tasks, key=lambda t: (t.get("CreatedAt") or "", (t.get("Version") or {}).get("Index", 0)))
     last = ordered[-1]
     status = last.get("Status") or {}
@@ -85,15 +78,14 @@ def task_state(service: str, tasks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     exit_code = (status.get("ContainerStatus") or {}).get("ExitCode")
     if task == "complete":
         exit_code = 0
-    return {
-        "service": service,
-        "status": "exited" if task in TERMINAL else task,
-        "exit_code": exit_code if task in TERMINAL else None,
-        "health": None,
-        "restarts": len(ordered) - 1,
-        "task": task,
-        "error": status.get("Err") or "",
-    }
+    return ServiceState(
+        service,
+        "exited" if task in TERMINAL else task,
+        exit_code=exit_code if task in TERMINAL else None,
+        restarts=len(ordered) - 1,
+        task=task,
+        error=status.get("Err") or "",
+    )
 
 
 # --- Docker reads (SDK) ---------------------------------------------------
@@ -106,9 +98,18 @@ def services(client: Any, stack: str) -> dict[str, Any]:
     return {s.name[len(prefix) :] if s.name.startswith(prefix) else s.name: s for s in found}
 
 
-def states(client: Any, stack: str) -> dict[str, dict[str, Any]]:
-    """The state of each service of the stack, by service name."""
-    return {name: task_state(name, svc.tasks()) for name, svc in services(client, stack).items()}
+def states(client: Any, stack: str) -> dict[str, ServiceState]:
+    """The state of each service of the stack, by service name, with what the service is
+    (its container labels and environment: role, rank, shard)."""
+    return {
+        name: task_state(name, svc.tasks()).with_spec(described(name, *_labels_env(svc.attrs), None))
+        for name, svc in services(client, stack).items()
+    }
+
+
+def _labels_env(attrs: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    spec = ((attrs.get("Spec") or {}).get("TaskTemplate") or {}).get("ContainerSpec") or {}
+    return spec.get("Labels") or {}, dict(e.split("=", 1) for e in spec.get("Env") or [] if "=" in e)
 
 
 def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]:
@@ -119,8 +120,7 @@ def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]
     if not found or all_ended(states(client, stack), list(found)):
         return {}
     for svc in found.values():
-        spec = ((svc.attrs.get("Spec") or {}).get("TaskTemplate") or {}).get("ContainerSpec") or {}
-        env = dict(e.split("=", 1) for e in spec.get("Env") or [] if "=" in e)
+        _, env = _labels_env(svc.attrs)
         if env.get(names[0]):
             return {n: env.get(n, "") for n in names}
     return {}
@@ -215,6 +215,6 @@ def generic_resources(specs: Sequence[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def all_ended(states: dict[str, dict[str, Any]], names: Sequence[str]) -> bool:
+def all_ended(states: dict[str, ServiceState], names: Sequence[str]) -> bool:
     """Every named service's newest task has ended."""
-    return all(s in states and states[s]["status"] == "exited" for s in names)
+    return all(s in states and states[s].ended for s in names)

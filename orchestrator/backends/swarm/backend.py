@@ -1,80 +1,116 @@
 """The swarm target: `docker stack deploy` on one or more hosts (render:
-orchestrator/render/swarm.py; verbs: backends/swarm/verbs.py, named stack-*)."""
+orchestrator/render/swarm.py; the command lines and the SDK reads: backends/swarm/adapter.py;
+the verbs on top of these blocks, named stack-*: orchestrator/backends/verbs.py).
+
+A stack's tasks are one-shot: a service has ended when its newest task has; `stack rm`
+returns before the containers and the network are gone, so `remove` waits for them."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Optional, TextIO
 
-from orchestrator.backends.base import Backend
-from orchestrator.backends.swarm import doctor
-from orchestrator.doctor.checks import CheckFn
+from orchestrator import images
+from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.command import run
+from orchestrator.backends.lines import ProcessLines
+from orchestrator.backends.swarm import adapter, doctor
 from orchestrator.doctor.facts import Facts
-from orchestrator.errors import UsageError
+from orchestrator.errors import EngineError
+from orchestrator.paths import ROOT
 from orchestrator.render import swarm
+from orchestrator.tensorboard import SWARM_REFUSAL
 from orchestrator.topology.model import Topology
+from orchestrator.topology.services import describe, order
+
+GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers and network
 
 
 class SwarmBackend(Backend):
     name = "swarm"
     output = "stack.yaml"
+    doctor = doctor
     noun = "stack"
     summary = "swarm (docker stack deploy, one or more hosts)"
     verb_prefix = "stack-"
     smoke_timeout = 600
+    record = "stack.json"
+    unit = "task"
+    missing = "no task"
+    task_table = True
+    removed = "removed (services, containers, network)"
+    volume_where = " on each node"
+    ended_well = "complete, exit 0, no retry"
+    image_note = (
+        "on this node; every node that runs a task needs it (docs/multi-host.md: docker save | ssh NODE docker load)"
+    )
     verb_help = {
         "up": "doctor, render runs/<name>/stack.yaml, build if missing, docker stack deploy",
         "down": "docker stack rm, and wait until its containers and network are gone",
-        "logs": "every service's log (docker service logs), following",
+        "logs": "every service's log (docker service logs), following until every task has ended",
         "status": "one line per service: its newest task's state, exit code, retries",
         "smoke": "the CPU topology as a swarm stack: accuracy and every task's exit state",
         "scale": "not on Swarm yet: refused with one line (make scale runs on compose)",
+        "tensorboard": "refused, with the one line that says why (docs/reports.md)",
     }
-
-    def scale(self, config: Optional[str], workers: int) -> int:
-        raise UsageError(
-            "stack-scale: a running stack is not scaled yet (its workers are not rendered beyond workers.count); "
-            "stop it (make stack-down) and deploy again with the new count: it resumes from its last checkpoint"
-        )
+    refusals = {
+        "scale": "stack-scale: a running stack is not scaled yet (its workers are not rendered beyond "
+        "workers.count); stop it (make stack-down) and deploy again with the new count: it resumes from "
+        "its last checkpoint",
+        "tensorboard": SWARM_REFUSAL,
+    }
 
     def render(self, t: Topology, data_root: str) -> str:
         # A relative train.data_dir is taken from `data_root` (absolute in the stack file).
         return swarm.dump(swarm.render(t, data_root=data_root), t.name)
 
+    def document(self, t: Topology, facts: Optional[Facts] = None) -> str:
+        """The stack file for this swarm: its node count from the doctor's facts, else asked."""
+        nodes = len(doctor.nodes(facts)) if facts is not None else _node_count()
+        return swarm.dump(swarm.render(t, data_root=str(ROOT), nodes=nodes), t.name)
+
     def name_of(self, t: Topology) -> str:
         return swarm.stack_name(t)
 
-    def checks(self) -> list[CheckFn]:
-        return list(doctor.CHECKS)
+    def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
+        what = f": {describe(c.topology)}" if c.topology is not None else ""
+        print(f"==> deploying stack {c.name}{what}", file=out, flush=True)
+        r = run(adapter.deploy_argv(c.name, str(c.file)), capture=True, env=env)
+        return [f"docker stack deploy: {line}" for line in adapter.ignored_options(r.stdout + r.stderr)]
 
-    def gather_facts(self, t: Topology, client: Any, facts: Facts, probe: bool) -> dict[str, Any]:
-        return doctor.gather_facts(t, client, facts, probe)
+    def describe(self, c: Cluster) -> list[ServiceState]:
+        return list(adapter.states(images.client(), c.name).values())
 
-    # The stack's name does not depend on the strategy: down, logs and status take it and
-    # need it not (the Makefile passes the last up's flags to every verb alike).
-    def up(self, config: str, workers: Optional[int], *, strategy: Optional[str], offline: bool, resume: bool) -> int:
-        from orchestrator.backends.swarm import verbs
+    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
+        """Every service's log at once (`docker service logs` each), prefixed by task and node."""
+        names = order(adapter.services(images.client(), c.name), c.topology)
+        if not names:
+            raise EngineError(f"no stack {c.name} (make stack-up first)")
+        return ProcessLines([adapter.logs_argv(c.name, s, follow=follow) for s in names])
 
-        return verbs.stack_up(config, workers, offline=offline, strategy=strategy, resume=resume)
+    def remove(self, c: Cluster, volumes: bool) -> None:
+        client = images.client()
+        run(adapter.rm_argv(c.name), capture=True, check=False)
+        left = adapter.wait_gone(client, c.name, timeout=GONE_TIMEOUT)
+        if left:
+            raise EngineError(f"stack {c.name}: still there after {GONE_TIMEOUT:.0f} s: {', '.join(left)}")
+        if volumes:
+            adapter.remove_volumes(client, c.name)
 
-    def down(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], volumes: bool) -> int:
-        from orchestrator.backends.swarm import verbs
+    def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
+        return adapter.read_metrics(images.client(), c.name, service)
 
-        return verbs.stack_down(config, workers, volumes=volumes)
+    def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
+        return adapter.running_env(images.client(), c.name, names)
 
-    def logs(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str], follow: bool) -> int:
-        from orchestrator.backends.swarm import verbs
 
-        return verbs.stack_logs(config, workers, follow=follow)
-
-    def status(self, config: Optional[str], workers: Optional[int], *, strategy: Optional[str]) -> int:
-        from orchestrator.backends.swarm import verbs
-
-        return verbs.stack_status(config, workers)
-
-    def smoke(self, config: str, workers: int, *, strategy: Optional[str], timeout: int) -> int:
-        from orchestrator.backends.swarm import verbs
-
-        return verbs.stack_smoke(config, workers, timeout=timeout, strategy=strategy)
+def _node_count() -> int:
+    """How many nodes the swarm has; 0 when this engine cannot tell (not a manager: the
+    deploy then says so)."""
+    try:
+        return len(adapter.nodes(images.client()))
+    except Exception:  # noqa: BLE001 - docker.errors.APIError and the like
+        return 0
 
 
 BACKEND = SwarmBackend()

@@ -62,10 +62,10 @@ def check_swarm(t: Topology, f: Facts) -> Check:
 
 
 def check_placement(t: Topology, f: Facts) -> Check:
-    wanted = [("swarm.ps", t.swarm.ps)] + [
+    given = [("swarm.ps", t.swarm.ps)] + [
         (f"swarm.workers (worker{r})", n) for r, n in enumerate(t.worker_nodes(), start=1)
     ]
-    wanted = [(where, n) for where, n in wanted if n is not None]
+    wanted = [(where, n) for where, n in given if n is not None]
     if not wanted:
         return Check("placement", True, "any node (no swarm.ps / swarm.workers)")
     if f.daemon_error is not None or not nodes(f):

@@ -1,6 +1,6 @@
-"""The services of a running or rendered compose project, read back: from the compose
-file `up` wrote, and from `docker inspect` of its containers (labels, environment,
-device requests)."""
+"""The services of a running or rendered cluster, read back: from the document `up` wrote
+(a compose file, or a stack file: the same format and labels), and from `docker inspect`
+of a container (labels, environment, device requests)."""
 
 from __future__ import annotations
 

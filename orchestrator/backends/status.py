@@ -1,0 +1,98 @@
+"""What `status` prints, pure: service states and metrics lines in, lines out.
+
+Two tables: the metrics columns (state, exit code, last step, loss, accuracy: compose) and
+the tasks' (newest task's state, exit code, retries, error: swarm); under the metrics table,
+the live line: the workers the PS counts as joined whose service runs now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from app.contract import Event
+from orchestrator.backends.base import ServiceState
+from orchestrator.metrics.records import is_event, parse_lines
+from orchestrator.topology.services import worker_name
+
+
+def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
+    """Last step, loss and accuracy in a metrics file; bad or partial lines are skipped."""
+    out: dict[str, Any] = {"step": None, "loss": None, "accuracy": None, "event": None}
+    for rec in parse_lines(lines):
+        for key in ("step", "loss", "accuracy", "event"):
+            if rec.get(key) is not None:
+                out[key] = rec[key]
+    return out
+
+
+def live_workers(lines: Iterable[str], running: Optional[set[int]] = None) -> Optional[dict[str, Any]]:
+    """The PS's live set from its records (`ps.jsonl`): the ranks joined and not since left or
+    dropped, and of those running now (`running`: the worker ranks whose service runs; None:
+    every one), named as the table names them (worker<rank>); with the version of the last
+    change. None before any join."""
+    live: set[int] = set()
+    last: Optional[dict[str, Any]] = None
+    for rec in parse_lines(lines):
+        rank = rec.get("worker_rank")
+        if is_event(rec, Event.START):  # a restarted PS: every worker joins it again
+            live = set()
+        if is_event(rec, Event.JOIN, Event.BACK) and isinstance(rank, int):
+            live.add(rank)
+        elif is_event(rec, Event.LEFT, Event.DROP) and isinstance(rank, int):
+            live.discard(rank)
+        else:
+            continue
+        last = rec
+    if last is None:
+        return None
+    now = sorted(r for r in live if running is None or r in running)
+    return {"workers": [worker_name(r) for r in now], "version": last.get("step")}
+
+
+def format_live(live: Optional[dict[str, Any]]) -> str:
+    """`live workers: 3 (worker1 worker2 worker4), last change at version 812`."""
+    if live is None:
+        return "live workers: - (no worker joined yet)"
+    names = " ".join(live["workers"]) or "none"
+    return f"live workers: {len(live['workers'])} ({names}), last change at version {live['version']}"
+
+
+def service_row(state: ServiceState, metric_lines: list[str]) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "service": state.service,
+        "status": state.status,
+        "exit_code": state.exit_code,
+        "health": state.health,
+        "restarts": state.restarts,
+    }
+    row.update({k: v for k, v in summarize_metrics(metric_lines).items() if k != "event"})
+    return row
+
+
+def format_status(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per service: state, exit code, last step, loss, accuracy."""
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"{'SERVICE':<10} {'STATE':<22} {'EXIT':>4} {'STEP':>7} {'LOSS':>8} {'ACCURACY':>8}"]
+    for r in rows:
+        state = r["status"] + (f" ({r['health']})" if r.get("health") and r["status"] == "running" else "")
+        if r.get("restarts"):
+            state += f" x{r['restarts']}"
+        exit_code = "-" if r["status"] in ("running", "no container", "created") else num(r["exit_code"], "d")
+        lines.append(
+            f"{r['service']:<10} {state:<22} {exit_code:>4} {num(r['step'], 'd'):>7} "
+            f"{num(r['loss'], '.4f'):>8} {num(r['accuracy'], '.4f'):>8}"
+        )
+    return lines
+
+
+def format_states(states: list[ServiceState]) -> list[str]:
+    """One line per service: newest task's state, exit code, retries, error."""
+    lines = [f"{'SERVICE':<10} {'TASK':<10} {'EXIT':>4} {'RETRIES':>7}  ERROR"]
+    for s in states:
+        code = "-" if s.exit_code is None else str(s.exit_code)
+        lines.append(f"{s.service:<10} {s.task or s.status:<10} {code:>4} {s.restarts:>7}  {s.error}".rstrip())
+    return lines

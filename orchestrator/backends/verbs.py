@@ -1,0 +1,334 @@
+"""The user-facing verbs, written once on top of a target's blocks (orchestrator/backends/base.py):
+build, up, down, logs, status, scale, smoke (orchestrator/backends/smoke_verb.py) and
+tensorboard (orchestrator/backends/board.py).
+
+Each verb takes the target (`Backend`) and returns an exit status; the CLI only parses and
+calls them. `up` renders the topology to runs/<name>/<the target's file> (compose.yaml at the
+top stays the rendered default, kept in git) and records the cluster (orchestrator/backends/
+record.py), so the other verbs without -c act on the cluster `up` started last.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import yaml
+
+from orchestrator import images, runs
+from orchestrator.backends import record
+from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.inspect import from_compose
+from orchestrator.backends.status import format_live, format_states, format_status, live_workers, service_row
+from orchestrator.doctor.checks import run_checks
+from orchestrator.doctor.facts import Facts, gather
+from orchestrator.doctor.report import stop_on_problems, summary
+from orchestrator.errors import UsageError, engine_errors
+from orchestrator.host_paths import check_paths
+from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
+from orchestrator.render.compose import STATE_VOLUME
+from orchestrator.render.yamlio import write_if_changed
+from orchestrator.topology.model import Topology, load_with
+from orchestrator.topology.services import PS_SERVICE, Service, describe, has_ps, services, sort_key, worker_name
+
+POLL = 2.0  # seconds between two looks at the cluster while following its logs
+
+
+# --- which cluster --------------------------------------------------------
+
+
+def resolve(
+    backend: Backend,
+    config: Optional[str],
+    workers: Optional[int],
+    strategy: Optional[str] = None,
+    name: Optional[str] = None,
+) -> Cluster:
+    """The cluster named by `-c/--workers/--strategy` (or `name`); with none, the one the
+    target's up started last, else the default topology's."""
+    if config is None and workers is None and strategy is None and name is None:
+        last = record.load(backend)
+        if last is not None:
+            return last
+    config = config or DEFAULT_CONFIG
+    t = load_with(config, workers=workers, strategy=strategy)
+    name = name or backend.name_of(t)
+    return Cluster(name, backend.path_of(name), config, workers, strategy, t)
+
+
+def configured(c: Cluster) -> list[Service]:
+    """The services the cluster is configured with: the topology's, else those of the document
+    up rendered (compose and stack files alike; none when it cannot be read)."""
+    if c.topology is not None:
+        return services(c.topology)
+    try:
+        return from_compose(yaml.safe_load(Path(c.file).read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def listed(backend: Backend, c: Cluster, states: Sequence[ServiceState]) -> list[ServiceState]:
+    """What status lists: every service found that is one of the job's (its spec known, from
+    the target or the configuration), and every configured service not found; in rank order."""
+    known = {s.name: s for s in configured(c)}
+    found = [s.with_spec(known.get(s.service)) for s in states]
+    out = [s for s in found if s.spec is not None]
+    names = {s.service for s in out}
+    out += [ServiceState(s.name, backend.missing, spec=s) for s in known.values() if s.name not in names]
+    return sorted(out, key=lambda s: sort_key(s.spec) if s.spec else (True, 0, 0, s.service))
+
+
+def keep_document(backend: Backend, c: Cluster) -> None:
+    """Render the document again when the topology was named and the target's commands read the file."""
+    if backend.keeps_document and c.topology is not None:
+        write_if_changed(c.file, backend.document(c.topology))
+
+
+# --- up -------------------------------------------------------------------
+
+
+def preflight(backend: Backend, t: Topology, config: str, client: Any, out: TextIO) -> Facts:
+    """The target's doctor checks; stop before starting anything when one fails (UsageError:
+    the first problem and its fix, one line). The facts, for the document."""
+    from orchestrator.backends.registry import DEFAULT
+
+    check_paths(t, config, ROOT)  # `code`, train.init_weights: relative to the repository
+    facts = gather(t, client=client, engine=backend.engine, target=backend.gather_facts)
+    checks = run_checks(backend.checks(), t, facts)
+    flag = "" if backend.name == DEFAULT else backend.name
+    hint = f"CONFIG={SMOKE_CONFIG} runs anywhere: make {backend.verb_prefix}up CONFIG={SMOKE_CONFIG} WORKERS=3"
+    stop_on_problems(checks, config, hint if t.cuda or t.reads_files else "", target=flag)
+    doctor = "python -m orchestrator doctor" + (f" --target {flag}" if flag else "")
+    print(f"==> doctor: {summary(checks)} ({doctor} lists them)", file=out, flush=True)
+    return facts
+
+
+def ensure_image(backend: Backend, client: Any, t: Topology, offline: bool, out: TextIO) -> None:
+    if not backend.engine:
+        return
+    if images.image_exists(client, t.image_tag):
+        print(f"==> image {t.image_tag} present {backend.image_note}", file=out, flush=True)
+    else:
+        base, pip_source = images.source(t, offline)
+        images.build(t.image_tag, base, pip_source, out=out)
+
+
+@engine_errors
+def build(config: str, workers: Optional[int] = None, *, offline: bool = False, verbose: bool = False) -> int:
+    """(Re)build the topology's image."""
+    t = load_with(config, workers=workers)
+    base, pip_source = images.source(t, offline)
+    images.build(t.image_tag, base, pip_source, verbose=verbose)
+    return 0
+
+
+@engine_errors
+def up(
+    backend: Backend,
+    config: str,
+    workers: Optional[int] = None,
+    *,
+    strategy: Optional[str] = None,
+    offline: bool = False,
+    resume: bool = False,
+    name: Optional[str] = None,
+    remember: bool = True,
+    out: Optional[TextIO] = None,
+) -> int:
+    """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
+    unfinished checkpoint), or, while the cluster's run goes on, that run unchanged."""
+    out = out or sys.stdout
+    backend.refuse("up")
+    t = load_with(config, workers=workers, strategy=strategy)
+    name = name or backend.name_of(t)
+    c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
+    client = images.client() if backend.engine else None
+    facts = preflight(backend, t, config, client, out)
+    wrote = write_if_changed(c.file, backend.document(t, facts))
+    said = "rendered" if wrote else "up to date:"
+    print(f"==> {said} {relative(c.file)}: {describe(t)}, {backend.noun} {c.name}", file=out, flush=True)
+    ensure_image(backend, client, t, offline, out)
+    env, line = runs.start(backend.running_env(c, runs.VARIABLES), resume)
+    print(f"==> {line}", file=out, flush=True)
+    for problem in backend.deploy(c, env, out):
+        print(f"warning: {problem}", file=out, flush=True)
+    if remember:
+        record.save(backend, c)
+    p = backend.verb_prefix
+    print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
+    return 0
+
+
+# --- down, logs, status ---------------------------------------------------
+
+
+@engine_errors
+def down(
+    backend: Backend,
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    strategy: Optional[str] = None,
+    volumes: bool = False,
+    name: Optional[str] = None,
+    out: Optional[TextIO] = None,
+) -> int:
+    out = out or sys.stdout
+    backend.refuse("down")
+    c = resolve(backend, config, workers, strategy, name)
+    keep_document(backend, c)
+    backend.remove(c, volumes)
+    kept = (
+        "volume removed"
+        if volumes
+        else f"checkpoints and metrics kept in volume {c.name}_{STATE_VOLUME}{backend.volume_where}"
+    )
+    print(f"==> down: {backend.noun} {c.name} {backend.removed}; {kept}", file=out, flush=True)
+    return 0
+
+
+@engine_errors
+def logs(
+    backend: Backend,
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    strategy: Optional[str] = None,
+    follow: bool = True,
+    name: Optional[str] = None,
+    out: Optional[TextIO] = None,
+) -> int:
+    """Every service's log; following, until every service of the cluster has ended (on two
+    looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too."""
+    out = out or sys.stdout
+    backend.refuse("logs")
+    c = resolve(backend, config, workers, strategy, name)
+    keep_document(backend, c)
+    lines = backend.log_iter(c, follow)
+    done = threading.Event()
+    if follow:
+        threading.Thread(target=_close_when_ended, args=(backend, c, lines, done), daemon=True).start()
+    try:
+        for line in lines:
+            out.write(line)
+            out.flush()
+    finally:
+        done.set()
+        lines.close()
+    return 0 if follow else int(getattr(lines, "returncode", 0))
+
+
+def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threading.Event) -> None:
+    ended_before = False
+    while not done.wait(POLL):
+        states = backend.describe(c)
+        ended = all(s.ended for s in states)
+        if ended and ended_before:
+            lines.close()
+            return
+        ended_before = ended
+
+
+@engine_errors
+def status(
+    backend: Backend,
+    config: Optional[str] = None,
+    workers: Optional[int] = None,
+    *,
+    strategy: Optional[str] = None,
+    name: Optional[str] = None,
+    out: Optional[TextIO] = None,
+) -> int:
+    """One line per service; under the metrics table, the live workers."""
+    out = out or sys.stdout
+    backend.refuse("status")
+    c = resolve(backend, config, workers, strategy, name)
+    rows = listed(backend, c, backend.describe(c))
+    if backend.task_table:
+        print(f"{backend.noun} {c.name}", file=out)
+        for line in format_states(rows):
+            print(line, file=out)
+        return 0
+    records = backend.read_records(c, PS_SERVICE)
+    print(f"{backend.noun} {c.name} ({relative(Path(c.file))})", file=out)
+    for line in format_status([service_row(s, records.get(s.spec.metrics_file, []) if s.spec else []) for s in rows]):
+        print(line, file=out)
+    if any(s.service == PS_SERVICE for s in rows):
+        running = {s.spec.rank for s in rows if s.spec and s.spec.role == "worker" and s.running}
+        print(format_live(live_workers(records.get(f"{PS_SERVICE}.jsonl", []), running)), file=out)
+    return 0
+
+
+# --- scale ----------------------------------------------------------------
+
+
+def running_workers(states: Sequence[ServiceState]) -> Optional[dict[int, str]]:
+    """{rank: service} of the running (or restarting) workers; None when the PS is not running."""
+    active = [s for s in states if s.status in ("running", "restarting")]
+    if not any(s.service == PS_SERVICE for s in active):
+        return None
+    return {s.spec.rank: s.service for s in active if s.spec is not None and s.spec.role == "worker"}
+
+
+def scale_plan(running: dict[int, str], workers: int) -> tuple[list[str], list[str]]:
+    """(services to start, services to stop) so that ranks 1..workers run: the missing ranks
+    up to `workers` start, and the running ranks above it stop, highest first."""
+    start = [worker_name(r) for r in range(1, workers + 1) if r not in running]
+    stop = [running[r] for r in sorted(running, reverse=True) if r > workers]
+    return start, stop
+
+
+def scalable(c: Cluster, workers: int) -> Topology:
+    """The topology of `c` if it can run `workers` workers (UsageError, one line, if not)."""
+    t = c.topology
+    if t is None:
+        if not c.config:
+            raise UsageError(f"scale: the topology of {c.name} is unknown; give it with -c CONFIG")
+        t = load_with(c.config, workers=c.workers, strategy=c.strategy)
+    if not has_ps(t):
+        raise UsageError(
+            "scale: strategy allreduce has a fixed world size; stop it (make down) and start it again with "
+            "the new count from its last checkpoint: make up WORKERS=N RESUME=1"
+        )
+    if workers > t.max_workers:
+        raise UsageError(
+            f"--workers: {workers} is more than workers.max ({t.max_workers}) of {c.config}; raise workers.max "
+            "there and start the cluster again (the render reserves a GPU and a service per possible worker)"
+        )
+    return t
+
+
+@engine_errors
+def scale(
+    backend: Backend, config: Optional[str], workers: int, *, name: Optional[str] = None, out: Optional[TextIO] = None
+) -> int:
+    """Grow or shrink the running cluster to `workers` workers without stopping it: the next
+    ranks start (rendered up to workers.max); the highest ones get SIGTERM (each leaves the job
+    cleanly and exits 0, so its restart policy leaves it stopped)."""
+    out = out or sys.stdout
+    backend.refuse("scale")
+    c = resolve(backend, config, None, None, name)
+    t = scalable(c, workers)
+    running = running_workers(listed(backend, c, backend.describe(c)))
+    if running is None:
+        raise UsageError(f"scale: the PS of {backend.noun} {c.name} is not running; start it with make up")
+    keep_document(backend, c)
+    start, stop = scale_plan(running, workers)
+    env = runs.start(backend.running_env(c, runs.VARIABLES), resume=False)[0] if start else {}
+    if start or stop:
+        backend.scale_to(c, start, stop, env)
+    change = "; ".join(
+        part
+        for part in (f"started {' '.join(start)}" if start else "", f"stopped {' '.join(stop)}" if stop else "")
+        if part
+    )
+    print(
+        f"==> scale: {backend.noun} {c.name} runs {workers} of at most {t.max_workers} workers"
+        f" ({change or 'nothing to change'}). Next: make {backend.verb_prefix}status",
+        file=out,
+        flush=True,
+    )
+    return 0
