@@ -67,7 +67,8 @@ def class_files(class_dir: str) -> list[str]:
 
 def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     """(class names, [(path, class index)]), both sorted as torchvision sorts them.
-    UsageError (one line) when there is no class folder, or a class folder has no image."""
+    UsageError (one line) when there is no class folder, a class folder has no image, or
+    there is only one class (nothing to classify: it would train to an accuracy of 1.0)."""
     with os.scandir(root) as entries:
         classes = sorted(entry.name for entry in entries if entry.is_dir())
     files = [class_files(os.path.join(root, name)) for name in classes]
@@ -78,6 +79,11 @@ def find_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         raise UsageError(
             f"data dir: class folder {empty!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
             f"put images in it or remove it: {root}"
+        )
+    if len(classes) < 2:
+        raise UsageError(
+            f"data dir: one class folder ({classes[0]!r}); a classifier needs at least two classes, "
+            f"each in its own folder of images: {root}"
         )
     samples = [(path, index) for index, found in enumerate(files) for path in found]
     return classes, samples

@@ -125,17 +125,35 @@ def test_an_empty_class_folder_is_an_error(tmp_path):
         find_samples(tmp_path)
 
 
+def test_one_class_is_an_error(tmp_path):
+    """A single class trained to an accuracy of 1.0000 without a word (it was accepted)."""
+    (tmp_path / "a").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "a" / "1.png")
+    with pytest.raises(
+        UsageError,
+        match=rf"^data dir: one class folder \('a'\); a classifier needs at least two classes, .*: {tmp_path}$",
+    ):
+        find_samples(tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, expected",
     [
         ("empty-class", "app: error: data dir: class folder 'dog' has no images"),
         ("no-class-folder", "app: error: data dir has no class folders with images"),
+        ("one-class", "app: error: data dir: one class folder ('a'); a classifier needs at least two classes"),
     ],
 )
 def test_no_images_is_one_line_and_exit_2(tmp_path, layout, expected):
     (tmp_path / "cat").mkdir()
-    if layout == "empty-class":
+    if layout == "one-class":  # Imagenette's layout, one class in each split
+        (tmp_path / "cat").rmdir()
+        for split in ("train", "val"):
+            (tmp_path / split / "a").mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (8, 8), (i * 30, 0, 0)).save(tmp_path / split / "a" / f"{i}.png")
+    elif layout == "empty-class":
         Image.new("RGB", (8, 8)).save(tmp_path / "cat" / "1.png")
         (tmp_path / "dog").mkdir()
         (tmp_path / "dog" / "notes.txt").write_text("x")
