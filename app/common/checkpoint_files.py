@@ -132,10 +132,12 @@ def newest_good(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def check_writable(directory: str | Path) -> None:
-    """UsageError (one line) when this process cannot create a file in `directory`: found
-    at the start, not after a whole run whose every checkpoint and final.pt failed."""
+    """Create `directory` (and its parents) when missing; UsageError (one line) when this
+    process cannot create it or a file in it: found at the start, not after a whole run
+    whose every checkpoint and final.pt failed."""
     probe = Path(directory) / f".write-probe-{os.getpid()}.tmp"
     try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:

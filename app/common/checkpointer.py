@@ -63,8 +63,7 @@ class Checkpointer:
         A checkpoint directory this process cannot write to is a UsageError now, not a
         warning at every checkpoint and a failure at the end. `run_finished` is set (one
         line for the log) when this run id has already finished: its final.pt stays."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        checkpoint_files.check_writable(self.directory)
+        checkpoint_files.check_writable(self.directory)  # creates it when missing
         if checkpoint_files.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
         found = checkpoint_files.newest_good(self.directory)

@@ -1,10 +1,11 @@
 """What a stop keeps: a sharded PS's slices on SIGTERM, a finished run restarted, a run
-stopped before it applied anything, a checkpoint directory it cannot write to.
+stopped before it applied anything, a checkpoint directory it cannot write to (or create).
 
 Each test failed before its fix: a sharded PS stopped by SIGTERM wrote no checkpoint at
 all; a finished run's PS, restarted, set final.pt aside and trained again; a run stopped
 before any push wrote a version-0 checkpoint that --resume then continued instead of the
-run it had set aside; a read-only checkpoint directory was found out after the whole run.
+run it had set aside; a read-only checkpoint directory was found out after the whole run, and
+one still to be created under a read-only parent was an OSError (exit 1).
 """
 
 from __future__ import annotations
@@ -143,15 +144,24 @@ def read_only_dir(tmp_path):
         ro.chmod(0o755)
 
 
-def test_a_read_only_checkpoint_directory_is_refused_at_the_start(tmp_path, read_only_dir):
-    server, ck, m = _checkpointer(tmp_path, "runA", checkpoint_dir=str(read_only_dir))
-    with pytest.raises(UsageError, match=f"--checkpoint_dir {read_only_dir}: cannot write there"):
+# "missing": a directory that does not exist yet under a read-only parent (it was an
+# OSError from mkdir: exit 1 with a traceback's last line, not the one line and exit 2).
+WHERE = {"existing": "", "missing": "ck"}
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_read_only_checkpoint_directory_is_refused_at_the_start(tmp_path, read_only_dir, where):
+    directory = read_only_dir / WHERE[where]
+    server, ck, m = _checkpointer(tmp_path, "runA", checkpoint_dir=str(directory))
+    with pytest.raises(UsageError, match=f"^--checkpoint_dir {directory}: cannot write there \\(Read-only"):
         ck.resume()
     m.close()
 
 
 @pytest.mark.slow
-def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read_only_dir):
+@pytest.mark.parametrize("where", WHERE)
+def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read_only_dir, where):
+    directory = read_only_dir / WHERE[where]
     r = run_app(
         "ps",
         "--world_size",
@@ -159,7 +169,7 @@ def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read
         "--master_port",
         str(free_port()),
         "--checkpoint_dir",
-        str(read_only_dir),
+        str(directory),
         "--metrics_dir",
         str(read_only_dir.parent / "m"),
         *DIGITS,
@@ -167,7 +177,7 @@ def test_the_ps_with_a_read_only_checkpoint_directory_exits_2_with_one_line(read
     )
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "cannot write there" in errors[0], r.stderr
+    assert len(errors) == 1 and f"--checkpoint_dir {directory}: cannot write there" in errors[0], r.stderr
 
 
 # --- real processes: a finished run's PS restarted; a sharded PS stopped -------------------

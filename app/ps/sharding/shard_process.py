@@ -133,8 +133,7 @@ def run(config: Config) -> int:
     own = dataclasses.replace(own, checkpoint_every=0)  # the main PS says when (rpc_checkpoint)
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
-        Path(own.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        checkpoint_files.check_writable(own.checkpoint_dir)
+        checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
         checkpoint_files.remove_temp_files(own.checkpoint_dir)
         name, rpc_id = membership.claim_shard_identity(
             index, config.master_addr, config.master_port, config.rpc_timeout
