@@ -18,12 +18,15 @@ import io
 import logging
 import os
 import re
+import resource
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from app.config import UsageError
+from app.runtime import first_line
 
 log = logging.getLogger("app.checkpoint")
 KEEP = 3
@@ -65,13 +68,55 @@ def write_atomically(data: bytes, path: Path) -> None:
 
 def save_atomically(obj: Any, path: Path) -> None:
     """torch.save `obj` to `path` atomically (final.pt: a plain file for users)."""
-    write_atomically(_serialize(obj), path)
+    write_atomically(serialize(obj), path)
 
 
-def _serialize(obj: Any) -> bytes:
+def serialize(obj: Any) -> bytes:
+    """`obj` as torch.save writes it."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a (nested dict/list) state: about what its file takes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def size_text(nbytes: float) -> str:
+    """`0.61 MB`, `12.40 GB`: a size for a log line."""
+    return f"{nbytes / 2**30:.2f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MB"
+
+
+def room(directory: str | Path) -> tuple[int, int | None]:
+    """(bytes free on the filesystem of `directory`, the largest file this process may
+    write: its RLIMIT_FSIZE, or None when unlimited)."""
+    free = shutil.disk_usage(directory).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return free, None if limit == resource.RLIM_INFINITY else limit
+
+
+def final_state(directory: str | Path) -> dict[str, Any] | None:
+    """What `<directory>/final.pt` says of its run (its values other than the model's, the
+    optimizer's and a shard's slice: version, run_id, the job's identity...), or None when
+    there is none or it does not load. Mapped, not read whole."""
+    path = Path(directory) / "final.pt"
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure: not a final model
+        log.warning("%s does not load (%s); not counted as the end of its run", path, first_line(error))
+        return None
+    if not isinstance(state, dict) or "version" not in state:
+        return None
+    return {k: v for k, v in state.items() if not isinstance(v, (dict, torch.Tensor))}
 
 
 def _digest(data: bytes) -> str:
@@ -96,7 +141,7 @@ def save(state: dict[str, Any], directory: str | Path, keep: int = KEEP) -> Path
 
     Raises OSError (disk full, read-only...) with every earlier checkpoint intact.
     """
-    data = _serialize(state)
+    data = serialize(state)
     path = Path(directory) / f"ckpt-{state['version']:08d}-{_digest(data)}.pt"
     write_atomically(data, path)
     for old in listing(directory)[keep:]:

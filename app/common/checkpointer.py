@@ -21,6 +21,8 @@ from app.config import Config
 from app.contract import worker_name
 
 log = logging.getLogger("app.ps")
+RETRY_SECONDS = 5.0  # final.pt that did not fit: tried again this often
+REMIND_SECONDS = 60.0  # ... and said again this often
 
 
 class Checkpointable(Protocol):
@@ -50,6 +52,7 @@ class Checkpointer:
         self.before_save: Callable[[int], None] = lambda version: None
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
         self.run_finished = ""  # set by `resume` when this run id has already finished
+        self._final: dict[str, Any] | None = None  # what final.pt says of its run (resume)
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint of an unfinished run of this job, when it
@@ -61,27 +64,33 @@ class Checkpointer:
         newest unfinished run set aside earlier (`previous/`) is moved back and continued.
 
         A checkpoint directory this process cannot write to is a UsageError now, not a
-        warning at every checkpoint and a failure at the end. `run_finished` is set (one
-        line for the log) when this run id has already finished: its final.pt stays."""
+        warning at every checkpoint and a failure at the end; one with room for fewer than
+        two checkpoints is a warning (`check_room`). `run_finished` is set (one line for the
+        log) when this run id has already finished (a checkpoint marked finished, or its
+        final.pt: written first, it ends the run even when that checkpoint could not be
+        written after it): its final.pt stays."""
         checkpoint_files.check_writable(self.directory)  # creates it when missing
         if checkpoint_files.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
         found = checkpoint_files.newest_good(self.directory)
-        if found is not None and self._finished_here(found[1]):
-            path, state = found
-            self.run_finished = (
-                f"run {self.config.run_id} already finished at version {state['version']} "
-                f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do"
-            )
-            return
+        self._final = checkpoint_files.final_state(self.directory)
+        for path, state in ([found] if found is not None else []) + self._final_as_found():
+            if self._finished_here(state):
+                self.run_finished = (
+                    f"run {self.config.run_id} already finished at version {state['version']} "
+                    f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do"
+                )
+                return
         if found is not None and self._not_resumable(found[1]):
             self._start_fresh(*found, self._not_resumable(found[1]))
-            found = None
+            found, self._final = None, None
         if found is None and self.config.resume:
             found = self._from_previous()
-        if found is None:
-            return
-        path, state = found
+        if found is not None:
+            self._restore(*found)
+        self.check_room()
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
         self.server.restore(state)
         self.saved_version = self.server.version
         run = self.saved_run = state.get("run_id", "")
@@ -91,19 +100,63 @@ class Checkpointer:
         if self.config.checkpoint_every:
             self.next_version = self.server.version + self.config.checkpoint_every
 
+    def check_room(self) -> None:
+        """Warn (one line) when the checkpoint directory has room for fewer than two checkpoints
+        (a checkpoint is written beside the previous one before that one goes; final.pt beside
+        the last): found at the start, not when the final model does not fit."""
+        state = self._state()
+        nbytes = checkpoint_files.tensor_bytes(state)
+        if self.config.momentum and not state.get("optimizer", {}).get("state"):
+            nbytes += checkpoint_files.tensor_bytes(state.get("model") or state.get("vector"))  # momentum to come
+        free, largest = checkpoint_files.room(self.directory)
+        if free >= 2 * nbytes and (largest is None or largest >= nbytes):
+            return
+        size = checkpoint_files.size_text
+        limit = f", and files are limited to {size(largest)} (ulimit -f)" if largest is not None else ""
+        log.warning(
+            "--checkpoint_dir %s: %s free%s, room for fewer than two checkpoints of about %s: "
+            "checkpoints and final.pt may not fit; free space there (the state volume)",
+            self.directory,
+            size(free),
+            limit,
+            size(nbytes),
+        )
+
+    def _final_as_found(self) -> list[tuple[Path, dict[str, Any]]]:
+        """final.pt as a finished checkpoint of its run (its values other than the tensors'):
+        a run whose final.pt was written has ended, even when the checkpoint marked finished
+        after it could not be written (a full disk) and an older one is the newest."""
+        if self._final is None:
+            return []
+        return [(self.directory / "final.pt", {"finished": True, **self._final})]
+
+    def _ended_with_final(self, state: dict[str, Any]) -> bool:
+        """final.pt holds the end of the run `state` is a checkpoint of (same run id, same job,
+        not older): that run is not continued from `state`."""
+        final = self._final
+        return bool(
+            final is not None
+            and final.get("run_id", "") == state.get("run_id", "")
+            and final["version"] >= state["version"]
+            and not self._other_job(final)
+        )
+
     def _finished_here(self, state: dict[str, Any]) -> bool:
         """This run (same non-empty run id, same job) ended: a restart of its PS has nothing to do."""
         return bool(
             state["finished"]
             and self.config.run_id
             and state.get("run_id") == self.config.run_id
-            and not self._not_resumable({**state, "finished": False})
+            and not self._other_job(state)
         )
 
     def _from_previous(self) -> tuple[Path, dict[str, Any]] | None:
         """--resume with nothing here to continue: the newest unfinished run of this job set
         aside in previous/, moved back; None when there is none."""
         for where, (path, state) in checkpoint_files.set_aside_runs(self.directory):
+            ended = checkpoint_files.final_state(where)
+            if ended is not None and ended.get("run_id", "") == state.get("run_id", ""):
+                continue  # that run wrote its final.pt: it ended
             if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
                 moved = checkpoint_files.move_back(where, self.directory)
                 log.info(
@@ -115,15 +168,21 @@ class Checkpointer:
                 return self.directory / path.relative_to(where), state
         return None
 
-    def _not_resumable(self, state: dict[str, Any]) -> str:
-        """Why `state` is not continued by this run ('' when it is)."""
+    def _other_job(self, state: dict[str, Any]) -> str:
+        """'it is of another job (...)' when `state`'s identity is not this job's, else ''."""
         defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.sharding.slices)
         expected = {**defaults, **self.identity}
         mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items() if state.get(k, defaults.get(k)) != v}
-        if mismatch:
-            return f"it is of another job ({mismatch})"
+        return f"it is of another job ({mismatch})" if mismatch else ""
+
+    def _not_resumable(self, state: dict[str, Any]) -> str:
+        """Why `state` is not continued by this run ('' when it is)."""
+        if self._other_job(state):
+            return self._other_job(state)
         if state["finished"]:
             return "it ended a finished run"
+        if self._ended_with_final(state):
+            return f"its run ended at version {self._final['version']} (final.pt)"  # type: ignore[index]
         run = state.get("run_id", "")
         if self.config.run_id and run != self.config.run_id and not self.config.resume:
             return (
@@ -201,23 +260,91 @@ class Checkpointer:
         self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
 
     def final(self, model: dict[str, torch.Tensor] | None = None) -> None:
-        """final.pt, then the last checkpoint (marked finished); OSError naming the file
-        if one fails. A finished checkpoint therefore always has its final.pt; if only
-        final.pt was written, a restart resumes the (unfinished) run and writes both.
+        """final.pt, then the last checkpoint (marked finished).
+
+        The trained model is never let go of unsaved: when final.pt cannot be written (a full
+        state volume...), one line says where, how much it needs and how much is free, and
+        the write is tried again every RETRY_SECONDS until it succeeds; SIGTERM meanwhile
+        gets one more try, then the exit goes on. A finished checkpoint that cannot be written
+        after final.pt is a warning: final.pt alone marks the run finished (`resume`).
 
         `model`: the whole model's state dict, for a sharded PS whose own state is a slice."""
         state = self._state()
-        final = self.directory / "final.pt"
         saved = state
         if model is not None:
             saved = {k: v for k, v in state.items() if k not in ("vector", "part", "optimizer")}
             saved["model"] = model
-        with self._lock:
+        data = checkpoint_files.serialize(saved)
+        path = self.directory / "final.pt"
+        start = time.monotonic()
+        error = self._write_final(data, path)
+        if error is not None:
             try:
-                checkpoint_files.save_atomically(saved, final)
-            except OSError as error:
-                raise OSError(
-                    f"{final} not written ({error.strerror or error}); no checkpoint was marked finished"
-                ) from None
-            log.info("saved %s (version %d)", final, state["version"])
-            checkpoint_files.save(state, self.directory)
+                self._hold(data, path, state["version"], error)
+            except SystemExit:  # stopped while waiting for room: one more try, then exit
+                error = self._write_final(data, path)
+                if error is not None:
+                    log.error(
+                        "stopped (SIGTERM) with final.pt still not written in %s (%s): the model trained to "
+                        "version %d is lost; the newest checkpoint on disk is %s",
+                        self.directory,
+                        error.strerror or error,
+                        state["version"],
+                        f"version {self.saved_version}" if self.saved_version >= 0 else "none",
+                    )
+                else:
+                    self._saved_final(state, path, start)
+                raise
+        self._saved_final(state, path, start)
+
+    def _write_final(self, data: bytes, path: Path) -> OSError | None:
+        """Write final.pt; the error when it could not be."""
+        try:
+            with self._lock:
+                checkpoint_files.write_atomically(data, path)
+        except OSError as error:
+            return error
+        return None
+
+    def _hold(self, data: bytes, path: Path, version: int, error: OSError) -> None:
+        """Keep trying to write final.pt (the model trained to `version`) until it is written;
+        one line now, one more every REMIND_SECONDS."""
+        waited = 0.0
+        while error is not None:
+            if waited % REMIND_SECONDS == 0:
+                free, largest = checkpoint_files.room(self.directory)
+                size = checkpoint_files.size_text
+                limit = f", files limited to {size(largest)}" if largest is not None else ""
+                log.error(
+                    "final.pt not written in %s (%s; it needs %s, %s free there%s)%s: the model "
+                    "trained to version %d is kept in memory; free space there (the state volume): the write "
+                    "is tried again every %.0f s (and once more on SIGTERM)",
+                    self.directory,
+                    error.strerror or error,
+                    size(len(data)),
+                    size(free),
+                    limit,
+                    f", waiting for {waited:.0f} s" if waited else "",
+                    version,
+                    RETRY_SECONDS,
+                )
+            time.sleep(RETRY_SECONDS)
+            waited += RETRY_SECONDS
+            error = self._write_final(data, path)  # type: ignore[assignment]
+
+    def _saved_final(self, state: dict[str, Any], path: Path, start: float) -> None:
+        """final.pt is written: its record (workers that start after the end read it), then the
+        last checkpoint, marked finished when every rank finished."""
+        seconds = time.monotonic() - start
+        log.info("saved %s (version %d, %.2f s)", path, state["version"], seconds)
+        self.metrics.write("checkpoint", state["version"], file=path.name, why="final", seconds=round(seconds, 3))
+        try:
+            with self._lock:
+                checkpoint_files.save(state, self.directory)
+        except OSError as error:
+            log.warning(
+                "the last checkpoint (version %d) not written (%s); final.pt marks run %s finished",
+                state["version"],
+                error.strerror or error,
+                self.config.run_id or "without an id",
+            )

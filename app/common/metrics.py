@@ -5,6 +5,7 @@ TensorBoard's event files (app/common/event_files.py) once the process has start
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -15,19 +16,40 @@ from app.common.event_files import EventFiles
 from app.config import Config
 from app.contract import RUN_ID_ENV, metrics_file
 
+log = logging.getLogger("app.metrics")
+
 
 class JsonLines:
-    """Appends records to `<metrics_dir>/<name>.jsonl`, flushed line by line."""
+    """Appends records to `<metrics_dir>/<name>.jsonl`, each line whole or not at all.
+
+    A line that does not fit (a full state volume, a file size limit) is dropped, not a
+    failure of the process: the file is cut back to its last whole line, one warning
+    says so, and one line more when records are written again (how many were lost)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.dropped = 0  # records not written since the last one that was
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as error:
+            os.ftruncate(self._fd, size)  # no partial line: the next record starts a line of its own
+            if not self.dropped:
+                log.warning("metrics: record not written to %s (%s); dropping records until it fits", self.path, error)
+            self.dropped += 1
+            return
+        if self.dropped:
+            log.warning("metrics: writing to %s again; %d record(s) were dropped", self.path, self.dropped)
+            self.dropped = 0
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 class MetricsWriter:
@@ -118,3 +140,26 @@ def read(path: str | Path) -> list[dict[str, Any]]:
     """Every record of one metrics file (for tests and tools)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_records(metrics_dir: str | Path, name: str, run_id: str) -> list[dict[str, Any]]:
+    """The records process `name` wrote in run `run_id`: from each `start` record that carries
+    that run id to the next `start` of another run. [] without a run id (runs cannot be told
+    apart), or when there is no such file; a line that is not whole JSON is skipped."""
+    path = Path(metrics_dir) / metrics_file(name)
+    if not run_id or not path.is_file():
+        return []
+    found, inside = [], False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "start":
+                inside = record.get("run_id") == run_id
+            if inside:
+                found.append(record)
+    return found

@@ -24,9 +24,9 @@ from app.common import data, models, plugins
 from app.common.checkpointer import Checkpointer
 from app.common.evaluate import Evaluator
 from app.common.flat import state_size
-from app.common.metrics import MetricsWriter, Rates
+from app.common.metrics import MetricsWriter, Rates, run_records
 from app.config import Config
-from app.contract import PS
+from app.contract import PS, worker_name
 from app.ps import exchange
 from app.ps.endpoints import ENDPOINT
 from app.ps.liveness import LivenessMonitor
@@ -93,6 +93,10 @@ def run(config: Config) -> int:
         if checkpoints.run_finished:  # a restart after the end (restart: on-failure): not a new run
             log.info("%s", checkpoints.run_finished)
             return 0
+        lost = workers_ended(config, server.version)
+        if lost:  # training again from an older state would be a restart loop (restart: on-failure)
+            log.error("%s", lost)
+            return 0
         metrics.start(config, server.version)
         server.on_finish = checkpoints.finished
         liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write)
@@ -155,6 +159,28 @@ def run(config: Config) -> int:
             **data.skipped(held_out.data),
         )
     return 0
+
+
+def workers_ended(config: Config, version: int) -> str:
+    """One line when every worker of this run has ended already (each one's last record an
+    `end` or a `left`, one `end` at least) though no checkpoint or final.pt of the run says it
+    finished: the model they trained was not saved (a full state volume, then the PS killed),
+    and the PS, at `version`, would wait for them in vain and train a finished run again from
+    an older state. '' otherwise, or without a run id (runs cannot be told apart)."""
+    last = {}
+    for rank in range(1, config.max_trainers + 1):
+        records = run_records(config.metrics_dir, worker_name(rank), config.run_id)
+        if records:
+            last[worker_name(rank)] = records[-1].get("event")
+    started = all(worker_name(rank) in last for rank in range(1, config.num_trainers + 1))
+    if not started or "end" not in last.values() or any(e not in ("end", "left") for e in last.values()):
+        return ""
+    newest = f"version {version}" if version else "none"
+    return (
+        f"run {config.run_id} already ended: {', '.join(sorted(last))} finished or left "
+        f"({config.metrics_dir}), but its final model was never saved (no final.pt; the newest "
+        f"checkpoint: {newest}): not training a finished run again from an older state; nothing to do"
+    )
 
 
 class Pace:

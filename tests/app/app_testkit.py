@@ -94,8 +94,11 @@ class Process:
     stderr: str
 
 
-def start_app(tmp_path: Path, stem: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m app ARGV` in the background, its output in tmp_path/STEM.out and .err."""
+def start_app(
+    tmp_path: Path, stem: str, argv: list[str], env: dict[str, str] | None = None, preexec_fn=None
+) -> subprocess.Popen:
+    """`python -m app ARGV` in the background, its output in tmp_path/STEM.out and .err
+    (`preexec_fn`: run in the child before the app, e.g. to set a signal's disposition)."""
     with open(tmp_path / f"{stem}.out", "w") as out, open(tmp_path / f"{stem}.err", "w") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "app", *argv],
@@ -103,6 +106,7 @@ def start_app(tmp_path: Path, stem: str, argv: list[str], env: dict[str, str] | 
             stderr=err,
             env=app_env() if env is None else env,
             cwd=REPO,
+            preexec_fn=preexec_fn,
         )
 
 
