@@ -10,10 +10,16 @@ import logging
 import signal
 import time
 
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
 from app import runtime
 from app.common import data, models
-from app.common.metrics import MetricsWriter
-from app.config import Config
+from app.common.data import LabeledData, ShardSampler
+from app.common.metrics import MetricsWriter, run_records
+from app.config import Config, UsageError
+from app.contract import PS
 from app.ps import membership
 from app.runtime import choose_device, gpu_identity, rpc_session
 from app.worker.client import PSClient, PSUnreachable
@@ -24,10 +30,14 @@ log = logging.getLogger("app.worker")
 
 
 def run(config: Config) -> int:
-    """Check input, join (or rejoin) the job, train, report, leave."""
+    """Check input, join (or rejoin) the job, train, report, leave. 0 at once, with one line,
+    when the run has ended already (a worker scaled up just before the end, or restarted
+    after it), and 0 after a failure to reach the PS that the PS's end explains."""
     device = choose_device(config.device)
     runtime.tune_for(device)
     models.check(config.model)
+    if run_ended(config):
+        return 0
     workers, why = data.loader_choice(config)
     # A rank above the first ones (the job was scaled up) starts from a share among as many;
     # each epoch's share then comes from the PS (Trainer.reshard).
@@ -38,6 +48,43 @@ def run(config: Config) -> int:
     loader = data.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
     log.info("%s: shard of %d samples (%s)", config.name, len(sampler), data.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    try:
+        return join_and_train(config, device, model, train, loader, sampler)
+    except UsageError:
+        raise
+    except Exception:  # the PS is gone: it may have ended the run meanwhile (its records say)
+        if run_ended(config):
+            return 0
+        raise
+
+
+def run_ended(config: Config) -> bool:
+    """True, with one line, when the PS's records of this run (on the state volume: the
+    metrics dir) hold its `end`, or final.pt's `checkpoint` record: nothing left to train.
+    False without a run id (runs cannot be told apart)."""
+    records = run_records(config.metrics_dir, PS, config.run_id)
+    ended = next((r for r in reversed(records) if r.get("event") == "end" or r.get("file") == "final.pt"), None)
+    if ended is None:
+        return False
+    log.info(
+        "%s: run %s already ended at version %s (the PS's records in %s); nothing to do",
+        config.name,
+        config.run_id,
+        ended.get("step"),
+        config.metrics_dir,
+    )
+    return True
+
+
+def join_and_train(
+    config: Config,
+    device: torch.device,
+    model: nn.Module,
+    train: LabeledData,
+    loader: DataLoader,
+    sampler: ShardSampler,
+) -> int:
+    """Join the job as a new process of config.rank, train to the last epoch, tell the PS."""
     name, rpc_id = membership.claim_identity(config.rank, config.master_addr, config.master_port, config.rpc_timeout)
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.

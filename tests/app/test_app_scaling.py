@@ -217,3 +217,44 @@ def test_a_worker_added_mid_run_joins_then_leaves_on_sigterm_and_the_run_ends_0(
     assert _records(metrics / "worker3.jsonl", "left")
     end = _records(ps, "end")[-1]
     assert end["pushes"]["worker3"] > 0 and end["accuracy"] >= 0.85
+
+
+@pytest.mark.slow
+def test_a_worker_that_starts_after_the_run_ended_exits_0_with_one_line(tmp_path):
+    """`make scale` just before the end: the new ranks found no PS and failed (exit 1, then
+    `cannot reach the parameter server ... cannot resolve ps`), restarted by compose for ever.
+    worker2 starts while the run trains but cannot reach the PS (its address is gone, as a PS
+    container that exited): when that wait fails, the PS's records say the run ended. worker3
+    starts once the PS has exited: it reads that at once."""
+    metrics = tmp_path / "metrics"
+    port = free_port()
+    common = [
+        *("--world_size", "2", "--max_workers", "3", "--run_id", "late-run"),
+        *("--master_addr", "127.0.0.1", "--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "ck")),
+        *("--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--num_epochs", "2", "--seed", "3"),
+    ]
+    procs = {
+        "ps": start_app(tmp_path, "ps", ["ps", *common, "--master_port", str(port)]),
+        "worker1": start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common, "--master_port", str(port)]),
+        # nothing listens on its port: it waits --rpc_timeout for the PS, as for a name that no longer resolves
+        "worker2": start_app(
+            tmp_path,
+            "worker2",
+            ["worker", "--rank", "2", *common, "--master_port", str(free_port())] + ["--rpc_timeout", "40"],
+        ),
+    }
+    wait_for({"ps": procs["ps"], "worker1": procs["worker1"]}, 120, "the run")
+    assert procs["worker2"].poll() is None  # still waiting for the PS when the run ended
+    procs["worker3"] = start_app(tmp_path, "worker3", ["worker", "--rank", "3", *common, "--master_port", str(port)])
+    wait_for(procs, 90)
+    ended = {name: finished(tmp_path, name, proc) for name, proc in procs.items()}
+    assert {n: p.returncode for n, p in ended.items()} == dict.fromkeys(procs, 0), {
+        n: p.stderr[-600:] for n, p in ended.items()
+    }
+    version = _records(metrics / "ps.jsonl", "end")[-1]["step"]
+    for name in ("worker2", "worker3"):
+        lines = [line for line in ended[name].stderr.splitlines() if "already ended" in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"{name}: run late-run already ended at version {version} (the PS's records in {metrics}); nothing to do"
+        ), ended[name].stderr
+    assert "failed" not in ended["worker3"].stderr and not _records(metrics / "worker3.jsonl", "start")
