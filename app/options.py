@@ -341,9 +341,12 @@ OPTIONS: tuple[Option, ...] = (
         "shard of the images for all epochs (shuffled within it each epoch) and holds only that; the PS caches "
         "its held-out set. memory: in /dev/shm (size shm_size for it); file: decoded once into a file on the "
         "state volume keyed by the file list and the size, mapped again by a restarted worker or a later run on "
-        "the same data (old files are kept: delete them from the volume); off: decode every image every epoch. "
+        "the same data (old files are kept: delete them from the volume); in a job that may be scaled (workers.max "
+        "above workers.count) the file holds the whole training split, one file every worker maps, and each "
+        "epoch's share follows the workers training; off: decode every image every epoch. "
         "auto (the default): memory when the decoded images take at most half of the container's free "
-        "/dev/shm and of its available RAM, else off with one log line saying what to set; so the fast path is "
+        "/dev/shm and of its available RAM, else off with one log line saying what to set (processes that share "
+        "one /dev/shm choose one at a time, each after the others' reservations); so the fast path is "
         "on wherever it fits, and never makes a container run out of shm. true/false mean memory/off.",
         choices=IMAGE_CACHES,
         topology="train.image_cache",

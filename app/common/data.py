@@ -104,6 +104,7 @@ def load(
     cache_dir: str = "./cache",
     threads: int = 1,
     pad: bool = False,
+    follow: bool = False,
 ) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
@@ -111,7 +112,8 @@ def load(
     decodes each file once into uint8 (app/common/imagecache.py), in /dev/shm or in
     a file under `cache_dir` (decoded with `threads` threads);
     `shard`: (index, count) of a worker's shard: with the cache on, the data holds
-    only that shard's samples (`stable_shard`, `pad`ded to equal sizes) and says so (`sharded`)."""
+    only that shard's samples (`stable_shard`, `pad`ded to equal sizes) and says so (`sharded`);
+    `follow` (a job that may be scaled): the file cache holds the whole split instead."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -124,7 +126,7 @@ def load(
             Path(data_dir),
             split == "train",
             image_size,
-            ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad),
+            ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad, follow),
         )
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
@@ -134,7 +136,8 @@ def load(
 class ImageCacheSettings:
     """How imagefolder caches: `mode` (off | memory | file | auto), the file cache's
     directory, the worker's shard (index, count) or None (the whole split), the shard's
-    seed, the file cache's decoding threads, and whether shards are padded to one size."""
+    seed, the file cache's decoding threads, whether shards are padded to one size, and
+    whether the file cache holds the whole split for a job that may be scaled (`follow`)."""
 
     mode: str = "off"
     directory: str = "./cache"
@@ -142,6 +145,7 @@ class ImageCacheSettings:
     seed: int = 0
     threads: int = 1
     pad: bool = False
+    follow: bool = False  # the job may be scaled: a worker's share of each epoch follows the live set
 
 
 def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: bool = False) -> list[int]:
@@ -217,26 +221,46 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings =
         chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
     if cache.mode == "off":
         return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+    data, sharded = _cached(chosen, train, crop, cache)
+    if data is None:
+        return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
+    return LabeledData(data, 3, len(classes), sharded=sharded)
+
+
+def _cached(
+    chosen: list[tuple[str, int]], train: bool, crop: int, cache: ImageCacheSettings
+) -> tuple[Dataset | None, bool]:
+    """(the image cache of `chosen`, or of this worker's stable shard of it; whether it holds
+    the shard only), or (None, False) when `auto` chose off. `auto` chooses and reserves its
+    /dev/shm under a lock that every process on that /dev/shm takes, one at a time, so each
+    sees the others' reservations.
+    In a job that may be scaled (`follow`) the file cache holds the whole split, one file
+    every worker maps, so that each epoch's share can follow the live set."""
     from app.common import imagecache
 
     mine = chosen
     if cache.shard is not None:
         index, count = cache.shard
         mine = [chosen[i] for i in stable_shard(len(chosen), count, index, cache.seed, cache.pad)]
-    mode, why = imagecache.choose_mode(
-        cache.mode, imagecache.cache_bytes(len(mine), crop), host.shm_free(), host.memory_available()
-    )
-    crops = (
-        "training crops from the centre square"
-        if mode != "off"
-        else "decoded every epoch, crops from the whole resized image"
-    )
-    log.info("image cache %s for %d images (%s); %s", mode, len(mine), why, crops)
+    with imagecache.shm_choice(cache.mode):
+        mode, why = imagecache.choose_mode(
+            cache.mode, imagecache.cache_bytes(len(mine), crop), host.shm_free(), host.memory_available()
+        )
+        if mode == "file" and cache.follow:
+            mine = chosen
+            why += "; the whole split, shared: the job may be scaled, each epoch's share follows the live set"
+        crops = (
+            "training crops from the centre square"
+            if mode != "off"
+            else "decoded every epoch, crops from the whole resized image"
+        )
+        log.info("image cache %s for %d images (%s); %s", mode, len(mine), why, crops)
+        if mode == "memory":  # its /dev/shm reserved now, before the next process measures
+            return imagecache.CachedImageFolder(mine, train, crop=crop, threads=cache.threads), mine is not chosen
     if mode == "off":
-        return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
-    directory = cache.directory if mode == "file" else None
-    data = imagecache.CachedImageFolder(mine, train, crop=crop, cache_dir=directory, threads=cache.threads)
-    return LabeledData(data, 3, len(classes), sharded=cache.shard is not None)
+        return None, False
+    data = imagecache.CachedImageFolder(mine, train, crop=crop, cache_dir=cache.directory, threads=cache.threads)
+    return data, mine is not chosen
 
 
 def to_device(x: torch.Tensor, dataset: Dataset | None, device: torch.device) -> torch.Tensor:
@@ -294,6 +318,7 @@ class ShardSampler(Sampler[int]):
             raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
         self.size, self.num_shards, self.shard = size, num_shards, shard
         self.seed, self.shuffle, self.epoch, self.skip = seed, shuffle, 0, 0
+        self.fixed = False  # the data is this worker's stable shard: its share cannot follow the live set
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Shuffle for `epoch`; leave out its first `skip` samples (already trained on)."""
@@ -316,7 +341,9 @@ def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) ->
     (ShardSampler), or, when the data holds the worker's stable shard already (the image
     cache), a permutation of that shard per epoch."""
     if train.sharded:
-        return ShardSampler(len(train.data), 1, 0, seed)  # type: ignore[arg-type]
+        sampler = ShardSampler(len(train.data), 1, 0, seed)  # type: ignore[arg-type]
+        sampler.fixed = True
+        return sampler
     return ShardSampler(len(train.data), num_shards, shard, seed)  # type: ignore[arg-type]
 
 
@@ -370,7 +397,8 @@ def load_for(
     config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None, pad: bool = False
 ) -> LabeledData:
     """`load` with the process's flags: the image cache in --cache_dir, decoded by the
-    CPUs the process took (its loader processes and itself)."""
+    CPUs the process took (its loader processes and itself); a worker's share follows the
+    live set when the job may be scaled (--max_workers above the workers)."""
     return load(
         config.dataset,
         config.data_dir,
@@ -382,6 +410,7 @@ def load_for(
         cache_dir=config.cache_dir,
         threads=loader_workers + 1,
         pad=pad,
+        follow=shard is not None and config.max_trainers > config.num_trainers,
     )
 
 

@@ -23,7 +23,9 @@ Used for `imagefolder` by --image_cache (train.image_cache); `python -m bench da
   device the batch is on: only uint8 crosses /dev/shm and pinned memory, 4x
   less than float32, and the float work runs on the training device.
 - `choose_mode` turns `auto` into memory or off, from the cache's size and the
-  container's free /dev/shm and RAM.
+  container's free /dev/shm and RAM; `shm_choice` makes the processes that share one
+  /dev/shm (local processes, containers of one IPC namespace) choose one at a time, each
+  reserving its cache before the next one measures.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +53,8 @@ RESIZE = round(CROP * 8 / 7)  # 256: the size ImageFolderData resizes a 224 crop
 SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
 SUFFIX = ".u8"
 TMP_SUFFIX = ".tmp"
+SHM = "/dev/shm"
+SHM_LOCK = ".psc-image-cache.lock"  # in /dev/shm: held by the process choosing `auto` there
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,40 @@ def choose_mode(mode: str, nbytes: int, shm_free: int | None, memory_available: 
     return "memory", f"auto: the decoded images ({gib:.2f} GiB) fit in half of the free /dev/shm and memory"
 
 
+@contextmanager
+def exclusive(lock: Path, what: str) -> Iterator[None]:
+    """Hold the lock file `lock` (made when missing, removed on release) against every process
+    that takes it so; one line when another holds it (`what` it is doing). A file removed
+    by its holder while this process waited for it is not the lock any more: taken anew."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("image cache: another process is %s (%s); waiting for it", what, lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        Path(lock).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def shm_choice(mode: str, shm: str = SHM) -> AbstractContextManager[None]:
+    """For `auto`: one process of those sharing the /dev/shm `shm` at a time measures its free
+    space, chooses and reserves (the memory cache's storage is reserved whole when made), so
+    none counts room another has just taken; a no-op for the other modes, or without `shm`."""
+    if mode != "auto" or not os.access(shm, os.W_OK):
+        return nullcontext()
+    return exclusive(Path(shm) / SHM_LOCK, "choosing its image cache on this /dev/shm")
+
+
 def cache_key(samples: list[tuple[str, int]], size: int) -> str:
     """A name for the decoded cache of `samples` at `size`: a hash of every file's path,
     label, size and mtime, and of the size; any change to one of them changes it."""
@@ -130,16 +170,20 @@ class CachedImageFolder(Dataset):
         n = len(samples)
         if cache_dir is not None and n:  # an empty shard (more workers than images) needs no file
             self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
-            if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
-                log.warning(
-                    "image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
-                    self.path,
-                    self.path.stat().st_size,
-                    _file_bytes(n, size),
-                )
-                self.path.unlink(missing_ok=True)
-            if not self.path.exists():
-                _write_cache_file(self.path, samples, size, threads)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # One process writes a cache file; the others that need it (every worker, when it
+            # holds the whole split) wait, then map what it wrote.
+            with exclusive(self.path.with_name(f".{self.path.name}.lock"), "writing it"):
+                if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
+                    log.warning(
+                        "image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
+                        self.path,
+                        self.path.stat().st_size,
+                        _file_bytes(n, size),
+                    )
+                    self.path.unlink(missing_ok=True)
+                if not self.path.exists():
+                    _write_cache_file(self.path, samples, size, threads)
             self._map()
             return
         storage = _shared_storage(max(1, n * 3 * size * size))

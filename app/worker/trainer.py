@@ -80,7 +80,7 @@ class Trainer:
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
         # A job that may be scaled while it runs (--max_workers): each epoch's share of the data
         # is taken among the ranks training at its start (not with a stable shard: the image cache).
-        self.reshards = config.max_trainers > config.num_trainers and sampler.num_shards > 1
+        self.reshards = config.max_trainers > config.num_trainers and not sampler.fixed
 
     def train(self, start: dict[str, Any]) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""

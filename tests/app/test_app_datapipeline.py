@@ -382,3 +382,22 @@ def test_a_temporary_file_nobody_writes_is_removed_and_a_live_writers_is_kept(tm
     root = _tree(tmp_path / "data", per_class=3)
     CachedImageFolder(find_samples(root)[1], train=False, crop=SIZE, cache_dir=cache_dir)
     assert not live.exists() and [p.suffix for p in cache_dir.iterdir()] == [".u8"]
+
+
+# --- a job that may be scaled: the file cache holds the whole split -----------------------
+
+
+def test_a_scalable_jobs_file_cache_holds_the_whole_split_and_its_share_follows(tmp_path):
+    """A rank added above the first ones got a stable shard of its own (1/3 of the images),
+    whose sampler could not take the live set's share; `memory` keeps the stable shard."""
+    root = _tree(tmp_path / "data", per_class=9)
+    whole = data.load("imagefolder", str(root), "train", 0, SIZE, "file", cache_dir=str(tmp_path / "c"))
+    got = data.load(
+        "imagefolder", str(root), "train", 0, SIZE, "file", shard=(2, 3), cache_dir=str(tmp_path / "c"), follow=True
+    )
+    assert not got.sharded and len(got.data) == len(whole.data) and got.data.path == whole.data.path
+    sampler = data.shard_sampler(got, 3, 2, 0)
+    assert (sampler.num_shards, sampler.shard, sampler.fixed) == (3, 2, False)
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [whole.data.path.name]  # one file, no lock left
+    memory = data.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(2, 3), follow=True)
+    assert memory.sharded and len(memory.data) == 5 and data.shard_sampler(memory, 3, 2, 0).fixed

@@ -258,3 +258,54 @@ def test_a_worker_that_starts_after_the_run_ended_exits_0_with_one_line(tmp_path
             f"{name}: run late-run already ended at version {version} (the PS's records in {metrics}); nothing to do"
         ), ended[name].stderr
     assert "failed" not in ended["worker3"].stderr and not _records(metrics / "worker3.jsonl", "start")
+
+
+@pytest.mark.slow
+def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_path):
+    """The file image cache gave each worker a stable shard for the whole run: worker3, added
+    above the first two, kept 1/3 of the images, and the others their 1/2, whoever trained.
+    Now the file holds the whole split (one file, written once, mapped by every worker) and
+    each epoch's share follows the live set: with worker1 gone, worker3 takes 1 of 2."""
+    from PIL import Image
+
+    root = tmp_path / "data"
+    for c, colour in enumerate(((250, 0, 0), (0, 0, 250))):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(40):
+            Image.new("RGB", (20, 16), tuple(max(0, v - i) for v in colour)).save(root / f"c{c}" / f"{i:02d}.png")
+    metrics, cache = tmp_path / "metrics", tmp_path / "cache"
+    common = [
+        *("--world_size", "3", "--max_workers", "3", "--run_id", "file-cache-run"),
+        *("--master_addr", "127.0.0.1", "--master_port", str(free_port())),
+        *("--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "ck"), "--cache_dir", str(cache)),
+        *("--model", "cnn", "--dataset", "imagefolder", "--data_dir", str(root), "--image_size", "16"),
+        *("--image_cache", "file", "--loader_workers", "0", "--batch_size", "4", "--num_epochs", "80"),
+        *("--rpc_timeout", "30", "--seed", "3", "--log_every", "1", "--eval_every", "100000"),
+    ]
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
+    try:
+        for rank in (1, 2):
+            procs[f"worker{rank}"] = start_app(tmp_path, f"worker{rank}", ["worker", "--rank", str(rank), *common])
+        _until("both workers train", lambda: len(_records(metrics / "worker2.jsonl", "train")) > 3)
+        procs["worker3"] = start_app(tmp_path, "worker3", ["worker", "--rank", "3", *common])  # scaled up
+        _until("worker3 trains", lambda: len(_records(metrics / "worker3.jsonl", "train")) > 3)
+        procs["worker1"].send_signal(signal.SIGTERM)  # scaled down: worker1 leaves
+        _until("worker3 takes its share of two", lambda: "shared by 2 workers; share 1" in _err(tmp_path, "worker3"))
+        wait_for(procs, 240)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    ended = {name: finished(tmp_path, name, proc) for name, proc in procs.items()}
+    assert {n: p.returncode for n, p in ended.items()} == dict.fromkeys(procs, 0), {
+        n: p.stderr[-600:] for n, p in ended.items()
+    }
+    assert "shared by 3 workers" in ended["worker2"].stderr  # the first ones follow too
+    files = sorted(p.name.split("-")[2] for p in cache.glob("*.u8"))  # images-16px-<count>-<hash>.u8
+    assert files == ["72", "8"], files  # the whole train split (72 of 80 images) and the PS's held-out 8
+    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in cache.glob("*.u8"))  # no lock left
+
+
+def _err(tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.err"
+    return path.read_text() if path.exists() else ""
