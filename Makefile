@@ -18,7 +18,7 @@ RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down scale smoke engine clean tensorboard \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard chaos check
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard chaos soak check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -96,6 +96,9 @@ check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank an
 
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
 	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
+
+soak: host-setup ## random faults in a compose run for MINUTES (default 10; SEED=N replays one), then the invariants as a table
+	$(ORCH) chaos soak $(if $(MINUTES),--minutes $(MINUTES)) $(if $(SEED),--seed $(SEED))
 
 gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a minute, one worker per GPU: samples/s, GPU, UUID
 	$(ORCH) gpu-check -c $(CONFIG)

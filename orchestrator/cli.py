@@ -37,6 +37,16 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; must be a number > 0") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"got {text}; must be a number > 0")
+    return x
+
+
 def add_topology_args(p: argparse.ArgumentParser) -> None:
     """`-c CONFIG`, `--workers N` and `--strategy S`: every verb that works on a topology takes them."""
     p.add_argument(
@@ -376,11 +386,15 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     def run_chaos(a: argparse.Namespace) -> int:
         from orchestrator.chaos import registry
 
-        return registry.run(a.scenario, Path(a.runs), containers=not a.no_containers)
+        return registry.run(a.scenario, Path(a.runs), containers=not a.no_containers, minutes=a.minutes, seed=a.seed)
 
     p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
-    p.add_argument("scenario", nargs="*", help="scenarios to run (default: all)")
+    p.add_argument(
+        "scenario", nargs="*", help="scenarios to run (default: all), or `soak` alone: random faults, then invariants"
+    )
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
+    p.add_argument("--minutes", type=_positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
+    p.add_argument("--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)")
     p.add_argument("--runs", default="runs/chaos", metavar="DIR", help="logs and metrics of each scenario")
     p.set_defaults(run=run_chaos)
 

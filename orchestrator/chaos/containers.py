@@ -40,21 +40,27 @@ from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
 
-# Run inside a container (as its user): SIGKILL the `python -m app ROLE` process of that container.
-# Its cgroup tells it from the other containers' processes, which it also sees when the job's
-# containers share one PID namespace (network.same_host_copy).
-KILL_APP = (
-    "import os, signal\n"
-    "own = open('/proc/self/cgroup').read()\n"
-    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-    "    try:\n"
-    "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-    "        cgroup = open(f'/proc/{pid}/cgroup').read()\n"
-    "    except OSError:\n"
-    "        continue\n"
-    "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid() and cgroup == own:\n"
-    "        os.kill(int(pid), signal.SIGKILL)\n"
-)
+
+# Run inside a container (as its user): send a signal (SIGKILL unless said) to the `python -m app
+# ROLE` process of that container. Its cgroup tells it from the other containers' processes, which
+# it also sees when the job's containers share one PID namespace (network.same_host_copy).
+def signal_app_code(signal_name: str = "SIGKILL") -> str:
+    """The Python source that sends `signal_name` to the app process of the container it runs in."""
+    return (
+        "import os, signal\n"
+        "own = open('/proc/self/cgroup').read()\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+        "        cgroup = open(f'/proc/{pid}/cgroup').read()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid() and cgroup == own:\n"
+        f"        os.kill(int(pid), signal.{signal_name})\n"
+    )
+
+
+KILL_APP = signal_app_code("SIGKILL")
 
 
 class ContainerJob:

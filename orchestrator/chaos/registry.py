@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -28,6 +29,27 @@ def scenarios(containers: bool) -> dict[str, Scenario]:
         found.update(in_containers.SCENARIOS)
         found.update(swarm.SCENARIOS)
     return found
+
+
+def long_runs() -> dict[str, Callable[..., int]]:
+    """The long runs by name, each (minutes, seed, run_dir, out=...) -> exit status; they import
+    the Docker SDK, so on use."""
+    from orchestrator.chaos import soak
+
+    return {"soak": soak.run}
+
+
+LONG_RUNS = ("soak",)  # the names long_runs() gives, known without importing them
+
+
+def run_long(
+    names: list[str], run_root: Path, containers: bool, minutes: float, seed: Optional[int], out: TextIO
+) -> int:
+    """A long run, alone and in containers; 2 (one line) when asked otherwise."""
+    if len(names) > 1 or not containers:
+        print(f"chaos: {names[0]} runs alone and in containers (no other scenario, no --no-containers)", file=out)
+        return 2
+    return long_runs()[names[0]](minutes, seed, run_root / names[0], out=out)
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
@@ -51,13 +73,24 @@ def table(outcomes: list[Outcome]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
 
 
-def run(names: list[str], run_root: Path, containers: bool, out: TextIO = sys.stdout) -> int:
-    """Run the named scenarios (all by default); print the table; 0 when all recovered."""
+def run(
+    names: list[str],
+    run_root: Path,
+    containers: bool,
+    out: Optional[TextIO] = None,
+    minutes: float = 10.0,
+    seed: Optional[int] = None,
+) -> int:
+    """Run the named scenarios (all by default), or one long run; print the table (on `out`, else
+    stdout); 0 when all recovered."""
+    out = out or sys.stdout
+    if any(name in LONG_RUNS for name in names):
+        return run_long(names, run_root, containers, minutes, seed, out)
     known = scenarios(containers)
     outcomes = []
     for name in names or list(known):
         if name not in known:
-            print(f"chaos: unknown scenario {name!r}; known: {', '.join(known)}", file=out)
+            print(f"chaos: unknown scenario {name!r}; known: {', '.join([*known, *LONG_RUNS])}", file=out)
             return 2
         print(f"==> chaos: {name}", file=out, flush=True)
         run_dir = run_root / name

@@ -1,0 +1,88 @@
+"""The soak's pure parts that come before any container: its plan from a seed, the job it
+sizes, the compose document it runs, and its place in the CLI (orchestrator/chaos/soak_plan.py,
+soak.py, soak_job.py, registry.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import cli
+from orchestrator.chaos import registry, soak_plan
+from orchestrator.chaos.soak import soak_topology
+from orchestrator.chaos.soak_job import size_limited
+from orchestrator.render import compose
+
+
+def test_the_same_seed_gives_the_same_plan_and_another_seed_another():
+    assert soak_plan.first(42, 40) == soak_plan.first(42, 40)
+    assert soak_plan.first(42, 40) != soak_plan.first(43, 40)
+
+
+def test_each_round_injects_every_kind_once_after_pauses_in_range():
+    steps = soak_plan.first(7, 5 * len(soak_plan.KINDS))
+    for start in range(0, len(steps), len(soak_plan.KINDS)):
+        round_ = steps[start : start + len(soak_plan.KINDS)]
+        assert sorted(s.kind for s in round_) == sorted(soak_plan.KINDS)
+    assert all(soak_plan.PAUSE_S[0] <= s.pause_s <= soak_plan.PAUSE_S[1] for s in steps)
+    assert all(0 <= s.pick < 1 for s in steps)
+    fills = [s.hold_s for s in steps if s.kind == "fill"]
+    assert fills and all(soak_plan.FILL_HOLD_S[0] <= h <= soak_plan.FILL_HOLD_S[1] for h in fills)
+    # the rounds are shuffled: not every round in the same order
+    orders = {tuple(s.kind for s in steps[i : i + len(soak_plan.KINDS)]) for i in range(0, len(steps), 8)}
+    assert len(orders) > 1
+
+
+def test_a_pick_names_the_same_target_whatever_the_order_of_the_candidates():
+    assert soak_plan.choose(["worker2", "worker1"], 0.0) == "worker1"
+    assert soak_plan.choose(["worker1", "worker2"], 0.99) == "worker2"
+    assert soak_plan.choose(["worker2"], 0.7) == "worker2"
+
+
+@pytest.mark.parametrize("pick", [0.0, 0.3, 0.5, 0.99])
+def test_a_scale_grows_above_the_count_and_never_past_the_most(pick):
+    assert 3 <= soak_plan.scale_to(2, 4, pick) <= 4
+    assert soak_plan.scale_to(2, 3, pick) == 3
+
+
+def test_the_soak_topology_gives_every_kind_of_fault_a_target_and_outlives_the_soak():
+    t = soak_topology(3)
+    assert t.ps.shards == 2  # shard-kill
+    assert t.max_workers > t.workers.count  # scale
+    assert t.ps.rpc_timeout <= 10  # pause: the drop comes within seconds
+    assert t.train.epochs == soak_plan.job_epochs(3, 300) and soak_topology(10).train.epochs > t.train.epochs
+    assert soak_topology(3, epochs=5).train.epochs == 5
+
+
+def test_the_state_volume_is_a_tmpfs_of_the_size_asked_owned_by_the_app_user():
+    doc = size_limited(compose.render(soak_topology(1)), 64)
+    volume = doc["volumes"]["state"]
+    assert volume["driver"] == "local"
+    assert volume["driver_opts"] == {"type": "tmpfs", "device": "tmpfs", "o": "size=64m,uid=1000,gid=1000"}
+    assert volume["labels"]  # the render's labels are kept
+    assert "driver_opts" not in compose.render(soak_topology(1))["volumes"]["state"]  # the input is not changed
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_the_soak_runs_alone_and_in_containers_else_one_line_and_exit_2(capsys):
+    code, text = run_cli(capsys, "chaos", "soak", "worker-kill")
+    assert code == 2 and text.strip().count("\n") == 0 and "soak runs alone" in text
+    code, text = run_cli(capsys, "chaos", "soak", "--no-containers")
+    assert code == 2 and "soak runs alone and in containers" in text
+    code, text = run_cli(capsys, "chaos", "soak", "--minutes", "0")
+    assert code == 2 and "--minutes: got 0; must be a number > 0" in text
+    code, text = run_cli(capsys, "chaos", "soak", "--seed", "x")
+    assert code == 2 and "--seed" in text
+
+
+def test_the_soak_is_a_known_name_of_the_chaos_registry(capsys):
+    assert "soak" in registry.LONG_RUNS and set(registry.LONG_RUNS) == set(registry.long_runs())
+    code, text = run_cli(capsys, "chaos", "no-such-scenario", "--no-containers")
+    assert code == 2 and "soak" in text
