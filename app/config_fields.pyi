@@ -30,6 +30,7 @@ class Config:
     staleness_lr: bool = False
     overlap: bool = False
     exchange: str = "auto"
+    partition_values: int = 1048576
     shm_dir: str = "/dev/shm"
     compress: str = "none"
     seed: int = 0

@@ -240,6 +240,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=EXCHANGES,
     ),
     _opt(
+        "partition_values",
+        "int",
+        1 << 20,
+        "Through shared memory, under async with plain SGD and under sync: the PS applies a push in "
+        "partitions of at least this many values (cut at parameter boundaries; 4 MiB of float32 by default) "
+        "as the worker's backward finishes each, before the push itself arrives.",
+        low=1,
+    ),
+    _opt(
         "shm_dir",
         "str",
         "/dev/shm",

@@ -97,7 +97,6 @@ def shard_main(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
-    from app.common.flat import state_size
     from app.contract import ps_name
     from app.ps.endpoints import ENDPOINT
     from app.ps.exchange import for_config
@@ -105,7 +104,7 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
 
     config = _config("ps", p)
     model, part = SPECS[p["model"]].model(), _part(p, index)
-    shared = for_config(config, part[1] - part[0] if part else state_size(model), ps_name(index))
+    shared = for_config(config, model, part, ps_name(index))
     server = ParameterServer(
         model,
         lr=0.01,

@@ -25,6 +25,7 @@ from torch.futures import Future
 
 from app.common.wire import Refusal
 from app.ps.server import ParameterServer
+from app.ps.speculation import NoteReader
 
 Admit = Callable[[int, str], dict[str, Any]]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
@@ -46,10 +47,16 @@ class Endpoint:
 
     @contextmanager
     def serving(self, server: ParameterServer, join: Admit | None = None) -> Iterator[ParameterServer]:
+        """Serve `server`: its RPC entry points, and the notes of its bell where it has one
+        (a thread of their own, app.ps.speculation)."""
         self.server, self.join = server, join
+        bell = server.shared.bell if server.shared is not None and server.parts is not None else None
+        notes = NoteReader(bell, server.ahead) if bell is not None else None
         try:
             yield server
         finally:
+            if notes is not None:
+                notes.close()
             self.server, self.join = None, None
 
     @contextmanager
@@ -129,15 +136,19 @@ def rpc_push_slot(
     batch: int = 0,
     samples: int = 0,
     staleness: int | None = None,
+    backward: int | None = None,
+    noted: bool = False,
 ) -> Future:
     """rpc_push for a worker on this host: its message is in its push slot `slot` of this PS
     process's segment (`numel` values of `dtype`); the answer names the region that holds the
-    new state (a SlotReply), or is a Refusal."""
+    new state (a SlotReply), or is a Refusal. `backward`: the worker's backward the gradient
+    comes from, when it notes partitions on the bell; `noted`: it noted them as that backward
+    finished them (app.ps.speculation)."""
     server = ENDPOINT.get()
     if server.shared is None:
         raise RuntimeError("this parameter server has no shared-memory segment")
     message = server.shared.push(rank, slot, dtype, numel)
-    future = server.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
+    future = server.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness, backward, noted)
     return future.then(lambda done: server.shared.answer(done.value()))
 
 

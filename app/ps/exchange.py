@@ -13,6 +13,12 @@ the round's two reply buffers `round.0`, `round.1` are shared by every rank.
 
 A worker on another host, or one that cannot map the segment, pushes over TensorPipe as before:
 the reply buffers serve both ways.
+
+Where the PS applies a push's partitions ahead of the push (app.contract.applies_ahead: async
+with plain SGD, sync; one PS process), the offer also names the partitions (app.common.partitions)
+and a bell beside the segment (app.common.bell) on which a worker notes each partition its
+backward has finished; under async each rank then has two reply buffers, so the next state can
+be built in the one the worker is not computing on.
 """
 
 from __future__ import annotations
@@ -20,43 +26,72 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from app import runtime
+from app.common.bell import SUFFIX as BELL_SUFFIX
+from app.common.bell import Bell
+from app.common.flat import state_size
+from app.common.partitions import cut
+from app.common.shm import SUFFIX as SHM_SUFFIX
 from app.common.shm import Offer, Segment, ShmUnavailable, segment_bytes
 from app.common.wire import Reply, SlotReply
 from app.config import Config
+from app.contract import applies_ahead
 
 log = logging.getLogger("app.ps")
 WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def region_names(max_rank: int, slots: int, sync: bool) -> list[str]:
-    """Every region of a segment, in file order."""
+def region_names(max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> list[str]:
+    """Every region of a segment, in file order (app.contract.exchange_regions counts them)."""
+    pushes, replies = (2 if overlap else 1), (2 if overlap or (ahead and not sync) else 1)
     names = [f"round.{k}" for k in range(2)] if sync else []
     for rank in range(1, max_rank + 1):
-        names += [f"push{rank}.{k}" for k in range(slots)] + [f"reply{rank}.{k}" for k in range(slots)]
+        names += [f"push{rank}.{k}" for k in range(pushes)] + [f"reply{rank}.{k}" for k in range(replies)]
     return names
 
 
 class SharedExchange:
-    """A PS process's segment, read as ranks' slots and reply buffers."""
+    """A PS process's segment, read as ranks' slots and reply buffers; `parts` and `bell` when
+    the PS applies partitions ahead of a push."""
 
-    def __init__(self, segment: Segment) -> None:
-        self.segment = segment
+    def __init__(self, segment: Segment, parts: list[tuple[int, int]] | None = None, bell: Bell | None = None) -> None:
+        self.segment, self.parts, self.bell = segment, parts, bell
         self.floats = segment.floats
 
     @classmethod
-    def open(cls, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool) -> SharedExchange:
-        """A new segment for a state of `floats` values; ShmUnavailable when it cannot be had."""
-        names = region_names(max_rank, 2 if overlap else 1, sync)
-        return cls(Segment.create(directory, floats, names))
+    def open(
+        cls,
+        directory: str,
+        floats: int,
+        max_rank: int,
+        overlap: bool,
+        sync: bool,
+        parts: list[tuple[int, int]] | None = None,
+    ) -> SharedExchange:
+        """A new segment for a state of `floats` values; ShmUnavailable when it cannot be had.
+        `parts`: the partitions the PS applies ahead of a push (None: it takes pushes whole)."""
+        ahead = parts is not None and len(parts) > 1
+        segment = Segment.create(directory, floats, region_names(max_rank, overlap, sync, ahead))
+        if not ahead:
+            return cls(segment)
+        try:
+            bell = Bell(segment.path.removesuffix(SHM_SUFFIX) + BELL_SUFFIX)
+        except OSError as error:
+            segment.close()
+            raise ShmUnavailable(f"cannot make the bell beside {segment.path}: {error.strerror}") from None
+        return cls(segment, parts, bell)
 
     @staticmethod
-    def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool) -> int:
-        return segment_bytes(floats, len(region_names(max_rank, 2 if overlap else 1, sync)))
+    def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
+        return segment_bytes(floats, len(region_names(max_rank, overlap, sync, ahead)))
 
     def offer(self) -> Offer:
-        return self.segment.offer()
+        offer = self.segment.offer()
+        if self.bell is None or self.parts is None:
+            return offer
+        return offer._replace(parts=tuple(self.parts), bell=self.bell.path)
 
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
         """Rank's reply buffers (rank 0: a sync round's), in the segment; None for a rank it
@@ -89,15 +124,27 @@ class SharedExchange:
         return reply
 
     def close(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
         self.segment.close()
 
 
-def for_config(config: Config, floats: int, who: str) -> SharedExchange | None:
-    """The segment PS process `who` offers its workers for a state (or slice) of `floats`
-    values, or None (--exchange tensorpipe, or no shared memory here: said in one line, and
+def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, who: str) -> SharedExchange | None:
+    """The segment PS process `who` offers its workers for `model`'s state (or the slice `part`
+    of it), or None (--exchange tensorpipe, or no shared memory here: said in one line, and
     every worker pushes over TensorPipe). It is removed when the process ends (runtime.on_exit)."""
+    floats = part[1] - part[0] if part is not None else state_size(model)
+    sizes = [p.numel() for p in model.parameters()]
+    ahead = part is None and applies_ahead(config.strategy, config.momentum, config.weight_decay, config.shards)
     shared = open_exchange(
-        config.exchange, config.shm_dir, floats, config.max_trainers, config.overlap, config.strategy == "sync", who
+        config.exchange,
+        config.shm_dir,
+        floats,
+        config.max_trainers,
+        config.overlap,
+        config.strategy == "sync",
+        who,
+        cut(sizes, floats, config.partition_values) if ahead else None,
     )
     if shared is not None:
         runtime.on_exit(shared.close)
@@ -105,23 +152,31 @@ def for_config(config: Config, floats: int, who: str) -> SharedExchange | None:
 
 
 def open_exchange(
-    mode: str, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool, who: str
+    mode: str,
+    directory: str,
+    floats: int,
+    max_rank: int,
+    overlap: bool,
+    sync: bool,
+    who: str,
+    parts: list[tuple[int, int]] | None = None,
 ) -> SharedExchange | None:
     """As `for_config`, from its parts."""
     if mode == "tensorpipe":
         log.info("%s: exchange over TensorPipe (--exchange tensorpipe)", who)
         return None
     try:
-        exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync)
+        exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync, parts)
     except ShmUnavailable as error:
         log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
         return None
     log.info(
-        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %d workers); "
+        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %d workers%s); "
         "a worker that cannot map it uses TensorPipe",
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,
         max_rank,
+        f"; {len(exchange.parts)} partitions applied as backward finishes them" if exchange.parts else "",
     )
     return exchange

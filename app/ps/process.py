@@ -70,7 +70,7 @@ def run(config: Config) -> int:
         part=part,
         weight_decay=config.weight_decay,
         max_trainers=config.max_trainers,
-        shared=exchange.for_config(config, part[1] - part[0] if part else state_size(model), PS),
+        shared=exchange.for_config(config, model, part, PS),
     )
     server.run_id = config.run_id
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)

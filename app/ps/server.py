@@ -43,12 +43,14 @@ import torch
 from torch import nn
 from torch.futures import Future
 
+from app.common.bell import Note
 from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
 from app.common.wire import Refusal, Reply
 from app.contract import PS_STRATEGIES, worker_name
 from app.ps.exchange import SharedExchange
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
+from app.ps.speculation import Ahead
 from app.ps.sync_round import SyncRound
 from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
 
@@ -147,6 +149,12 @@ class ParameterServer:
         # there: one, or two under --overlap; the PS allocates its own for ranks it has none for.
         self._replies: dict[int, list[torch.Tensor]] = {}
         self.shared = shared
+        # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
+        self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
+        self._ahead: dict[int, Ahead] = {}  # async: rank -> what was built ahead of its push
+        self._taken: dict[int, int] = {}  # rank -> the backward of the push of its process last taken
+        self.ahead_done = 0  # partitions applied (async) or folded (sync) ahead of their push
+        self.ahead_kept = 0  # ... and kept when the push came (async: from the state it met)
         self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
         self._round: SyncRound | None = None  # sync: the open round's pushes, folded as they land
 
@@ -181,6 +189,8 @@ class ParameterServer:
             # waits for (one of the job's first ranks, joining late) is counted in it
             waited_for = rank in self._training()
             self._keep_held_message(rank)
+            self._forget_ahead(rank)
+            self._taken[rank] = -1  # a new process counts its backwards from 0
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
             open_round = self.strategy == "sync" and self._held and rank not in self._held and not waited_for
@@ -224,6 +234,8 @@ class ParameterServer:
         batch: int = 0,
         samples: int = 0,
         staleness: int | None = None,
+        backward: int | None = None,
+        noted: bool = False,
     ) -> Future:
         """Take one worker's `[grads | buffers]`; a future of its Reply (or Refusal).
 
@@ -232,11 +244,16 @@ class ParameterServer:
         round's) two reply buffers, not a fresh copy: it stays unchanged until
         rank's next-but-one push. `staleness`: the push's staleness as the main
         PS computed it (a PS shard, app.ps.sharding.slices); by default this PS's own.
+        `backward`: which of the worker's backwards the gradient comes from, where it notes
+        partitions ahead (app.ps.speculation), and `noted`: it noted this one's.
         """
         message = self._check(rank, message)
         name = name or worker_name(rank)
         future: Future = Future()
-        finite = all_finite(message)
+        ahead = self._take_ahead(rank, backward)
+        if not noted:
+            ahead, backward = None, None
+        finite = self._finite(message, ahead)
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
@@ -248,7 +265,7 @@ class ParameterServer:
             elif self.strategy == "sync":
                 self.samples += samples
                 self._hold(rank, _Held(future, message, epoch, batch, 0))
-                self._fold(rank, message)
+                self._fold(rank, message, backward)
                 ready = self._close_round()
             else:
                 self.samples += samples
@@ -256,7 +273,10 @@ class ParameterServer:
                     staleness = self.version - pulled_version
                 # async answers at once: the new state is written where its reply goes
                 into = self._reply(rank) if self.strategy == "async" and not self.sliced else None
-                self._apply(message, self._scale_for(staleness), into)
+                if ahead is not None and into is ahead.into:
+                    self._apply_rest(message, self._scale_for(staleness), ahead)
+                else:
+                    self._apply(message, self._scale_for(staleness), into)
                 self._count(rank, epoch, batch, staleness)
                 self._hold(rank, _Held(future, None, epoch, batch, staleness))
                 ready = self._release(fresh=rank if into is not None else None)
@@ -377,18 +397,108 @@ class ParameterServer:
                 ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
         return ready
 
-    def _fold(self, rank: int, message: torch.Tensor) -> None:
+    def _fold(self, rank: int, message: torch.Tensor, backward: int | None = None) -> None:
         """sync: take one push into the open round as it lands (app.ps.sync_round), opening
-        the round with its first push. Called under the lock."""
+        the round with its first push; the partitions folded ahead from `backward` are in it
+        already. Called under the lock."""
+        self._open_round().fold(rank, message, self.state, self.num_params, self.lr, backward)
+
+    def _open_round(self) -> SyncRound:
+        """sync: the open round, opened now if none is."""
         if self._round is None:
             expected = max(1, len(self._training()))
+            parts = self.parts or [(0, self.size)]
             if not self._momentum_or_decay():  # plain SGD: the new state built in the reply buffer
-                self._round = SyncRound(expected, self._reply(0), None)  # one buffer pair for the round
+                self._round = SyncRound(expected, self._reply(0), None, parts)  # one buffer pair for the round
             else:
                 if self._sum is None:
                     self._sum = torch.empty_like(self.state)
-                self._round = SyncRound(expected, None, self._sum)
-        self._round.fold(rank, message, self.state, self.num_params, self.lr)
+                self._round = SyncRound(expected, None, self._sum, parts)
+        return self._round
+
+    def ahead(self, note: Note) -> None:
+        """A partition of rank's next push is in its slot (app.ps.speculation): fold it into the
+        round (sync), or build it in the rank's next reply buffer (async, plain SGD). A note
+        of a push already taken, of another process, or of the last partition (the buffers go
+        with the push) is passed over."""
+        if self.parts is None or not 0 <= note.partition < len(self.parts) - 1 or self.shared is None:
+            return
+        message = self.shared.push(note.rank, note.slot, "float32", self.size)
+        with self._lock:
+            if self._taken.get(note.rank) != note.backward - 1 or self.roster.members.get(note.rank) is None:
+                return
+            if self.strategy == "sync":
+                round_ = self._open_round()
+                if note.rank in round_.folded[note.partition]:
+                    return
+                round_.fold_part(
+                    note.rank, note.partition, message, self.state, self.num_params, self.lr, note.backward
+                )
+                self.ahead_done += 1
+            elif self.strategy == "async" and not self._momentum_or_decay():
+                self._build_ahead(note, message)
+
+    def _build_ahead(self, note: Note, message: torch.Tensor) -> None:
+        """async: partition `note.partition` of the state after rank's push, built from the state
+        as it is into the rank's next reply buffer. Called under the lock."""
+        ahead = self._ahead.get(note.rank)
+        if ahead is None or ahead.backward != note.backward or ahead.slot != note.slot:
+            ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, self._next_reply(note.rank))
+        start, end = self.parts[note.partition]
+        end = min(end, self.num_params)
+        grads = message[start:end]
+        ahead.finite[note.partition] = all_finite(grads)
+        if ahead.finite[note.partition]:
+            self._step_into(grads, self._scale_for(self.version - note.version), ahead.into, start, end)
+        ahead.built[note.partition] = self.version
+        self.ahead_done += 1
+
+    def _step_into(self, grads: torch.Tensor, scale: float, into: torch.Tensor, start: int, end: int) -> None:
+        """Plain SGD on values start..end: the new values into `into` (grads are those values')."""
+        if scale != 1.0:
+            grads = grads * scale
+        torch.add(self.state[start:end], grads, alpha=-self.lr, out=into[start:end])
+
+    def _apply_rest(self, message: torch.Tensor, scale: float, ahead: Ahead) -> None:
+        """async, plain SGD: `_apply` into `ahead.into`, but for the partitions built ahead from
+        this very state. Called under the lock."""
+        n = self.num_params
+        for j, (start, end) in enumerate(self.parts or []):
+            if ahead.built.get(j) != self.version:
+                self._step_into(message[start : min(end, n)], scale, ahead.into, start, min(end, n))
+            else:
+                self.ahead_kept += 1
+        ahead.into[n:].copy_(message[n:])
+        self._adopt(ahead.into)
+
+    def _take_ahead(self, rank: int, backward: int | None) -> Ahead | None:
+        """What was built ahead of rank's push from `backward` (None: nothing, or it notes none);
+        notes of this backward are passed over from now on."""
+        if backward is None:
+            return None
+        with self._lock:
+            self._taken[rank] = backward
+            ahead = self._ahead.pop(rank, None)
+        return ahead if ahead is not None and ahead.backward == backward else None
+
+    def _finite(self, message: torch.Tensor, ahead: Ahead | None) -> bool:
+        """No NaN or inf in `message`: the partitions checked when they were built ahead are not
+        read again."""
+        if ahead is None or not ahead.finite:
+            return all_finite(message)
+        if not all(ahead.finite.values()):
+            return False
+        n = self.num_params
+        parts = self.parts or [(0, self.size)]
+        rest = [(s, min(e, n)) for j, (s, e) in enumerate(parts) if j not in ahead.finite] + [(n, self.size)]
+        return all(all_finite(message[s:e]) for s, e in rest if e > s)
+
+    def _forget_ahead(self, rank: int) -> None:
+        """A new process of `rank`, or the rank left: nothing built ahead of its old push counts.
+        Called under the lock."""
+        self._ahead.pop(rank, None)
+        if self._round is not None:
+            self._round.forget(rank)
 
     def _momentum_or_decay(self) -> bool:
         group = self.optimizer.param_groups[0]
@@ -407,6 +517,8 @@ class ParameterServer:
         self._held = {}
         r, self._round = self._round, None
         vector = r.into if r is not None and r.into is not None else self._reply(0)
+        if r is not None and r.matches(held):
+            self.ahead_kept += r.kept
         if r is not None and r.matches(held) and r.into is not None:
             if self.sliced:  # a PS shard's state is a slice of the model's vector: copied, not moved
                 self.state.copy_(vector)
@@ -431,17 +543,26 @@ class ParameterServer:
             self._sum = torch.empty_like(self.state)
         return mean_into(messages, self._sum)
 
+    def _next_reply(self, rank: int) -> torch.Tensor:
+        """The buffer rank's next `_reply` will be, without taking it."""
+        buffers = self._reply_buffers(rank)
+        return buffers[-1] if len(buffers) > 1 else buffers[0]
+
     def _reply(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one, where it has two, holds its
         previous reply)."""
+        buffers = self._reply_buffers(rank)
+        buffers.reverse()
+        return buffers[0]
+
+    def _reply_buffers(self, rank: int) -> list[torch.Tensor]:
         buffers = self._replies.get(rank)
         if buffers is None:
             shared = self.shared.reply_buffers(rank) if self.shared is not None else None
             buffers = self._replies[rank] = shared or []
             while len(buffers) < 2 and shared is None:
                 buffers.append(torch.empty_like(self.state))
-        buffers.reverse()
-        return buffers[0]
+        return buffers
 
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
         """A worker has run all its epochs; recorded durably (on_finish) before it returns.
@@ -475,6 +596,7 @@ class ParameterServer:
             except StaleIncarnation as error:
                 return Refusal("stale", str(error))
             held = self._held.pop(rank, None)
+            self._forget_ahead(rank)
             ready = self._unblock()
             if held is not None:  # not answered yet: it goes back with the state as it is
                 vector = self._reply(rank).copy_(self.state)
@@ -503,6 +625,7 @@ class ParameterServer:
             if dropped:
                 self._event()
                 held = self._held.pop(rank, None)
+                self._forget_ahead(rank)
                 ready = self._unblock()
                 if held is not None:
                     vector = self._reply(rank).copy_(self.state)
@@ -643,6 +766,7 @@ class ParameterServer:
                 "staleness_max": self.staleness_max,
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
+                **({"ahead": {"done": self.ahead_done, "kept": self.ahead_kept}} if self.parts else {}),
             }
 
 

@@ -69,18 +69,38 @@ class PSClient:
     def pull(self) -> tuple[torch.Tensor, int]:
         return self._call(endpoints.rpc_pull, self.rank)
 
-    def push(self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply:
-        return self.push_async(message, version, epoch, batch, samples).wait()
+    def push(
+        self,
+        message: torch.Tensor,
+        version: int,
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        noted: tuple[int, bool] | None = None,
+        placed: int | None = None,
+    ) -> Reply:
+        return self.push_async(message, version, epoch, batch, samples, noted, placed).wait()
 
     def push_async(
-        self, message: torch.Tensor, version: int, epoch: int = 1, batch: int = 0, samples: int = 0
+        self,
+        message: torch.Tensor,
+        version: int,
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        noted: tuple[int, bool] | None = None,
+        placed: int | None = None,
     ) -> PendingPush:
-        """Send a push now; `.wait()` on the result gives the Reply."""
+        """Send a push now; `.wait()` on the result gives the Reply. Through shared memory:
+        `noted`, (the backward the gradient comes from, whether its partitions were noted ahead:
+        app.worker.posting); `placed`, the slot the message is already in (a GPU worker copied
+        it there)."""
         try:
             if self.link is not None:
-                slot = self.link.place(message)
+                slot = placed if placed is not None else self.link.place(message)
                 dtype = str(message.dtype).removeprefix("torch.")
                 args = (self.rank, slot, dtype, message.numel(), version, self.name, epoch, batch, samples)
+                args += (None, *(noted or (None, False)))  # staleness: the PS's own
                 future = rpc.rpc_async(PS, endpoints.rpc_push_slot, args=args, timeout=self.push_timeout)
             else:
                 args = (self.rank, message, version, self.name, epoch, batch, samples)

@@ -79,12 +79,27 @@ class ShardedClient:
         return []
 
     def push(
-        self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
+        self,
+        message: torch.Tensor,
+        version: tuple[int, ...],
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        noted: None = None,
+        placed: None = None,
     ) -> Reply:
+        """PSClient.push's interface: a sharded PS takes pushes whole (no notes, nothing placed)."""
         return self.push_async(message, version, epoch, batch, samples).wait()
 
     def push_async(
-        self, message: torch.Tensor, version: tuple[int, ...], epoch: int = 1, batch: int = 0, samples: int = 0
+        self,
+        message: torch.Tensor,
+        version: tuple[int, ...],
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        noted: None = None,
+        placed: None = None,
     ) -> ShardedPush | Refusal:
         """Send every slice (the main PS's only, when chained); a non-finite message is
         refused here, before any shard applies a slice of it."""

@@ -32,12 +32,22 @@ class SharedLink:
         self.slots = [segment.region(n) for n in names]
         # the regions its replies come in: its own reply buffers, and a sync round's
         self.replies = [segment.region(n) for n in segment.names if n.startswith((f"reply{rank}.", "round."))]
+        self.parts: list[tuple[int, int]] = []  # the partitions the PS applies ahead (app.ps.speculation)
+        self.bell = ""  # where this worker notes them (app.common.bell)
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
 
     @classmethod
     def attach(cls, offer: Offer, rank: int, device: torch.device) -> SharedLink:
-        return cls(Segment.attach(offer), rank, device)
+        link = cls(Segment.attach(offer), rank, device)
+        link.parts, link.bell = [tuple(p) for p in offer.parts], offer.bell
+        return link
+
+    def reserve(self) -> int:
+        """The push slot the next message goes into, taken now (a GPU worker copies its
+        partitions into it during the backward, app.worker.posting)."""
+        k, self._next = self._next, (self._next + 1) % len(self.slots)
+        return k
 
     def _pin(self, rank: int) -> list[str]:
         """Page-lock the regions this worker copies to and from (its slots and replies, and a

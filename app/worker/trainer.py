@@ -24,12 +24,16 @@ from torch import nn
 
 from app import runtime
 from app.common import data, loop
+from app.common.bell import Ringer
 from app.common.flat import FlatModel
 from app.common.metrics import MetricsWriter
+from app.common.partitions import cut
 from app.common.wire import Refusal, Reply
 from app.config import Config
 from app.worker.client import PendingPush, PSClient
 from app.worker.compress import Compressor
+from app.worker.posting import DevicePoster, Poster
+from app.worker.pulling import DevicePuller
 
 log = logging.getLogger("app.worker")
 MAX_REFUSED_IN_A_ROW = 20
@@ -72,6 +76,10 @@ class Trainer:
         )
         self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
         self.slots: list[torch.Tensor] | None = None  # the push slots in the PS's shared memory, once joined
+        self.poster: Poster | None = None  # notes partitions as the backward finishes them (app.worker.posting)
+        self.puller: DevicePuller | None = None  # a GPU worker's partitions back, in forward order
+        self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
+        self._claimed = False  # the last backward's notes hold
         self.version = 0
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
         self.sent = 0  # pushes sent by this process
@@ -117,6 +125,31 @@ class Trainer:
         if self.slots is not None and self.device.type == "cpu" and self.compress is None:
             self.flat.keep_views_of(self.slots)
             self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
+        self.poster = self._poster()
+        self.puller = self._puller()
+
+    def _puller(self) -> DevicePuller | None:
+        """A GPU worker through shared memory takes each reply back partition by partition, in
+        the order its forward needs them (app.worker.pulling)."""
+        link = getattr(self.client, "link", None)
+        if link is None or self.device.type != "cuda":
+            return None
+        parts = link.parts or cut([p.numel() for p in self.model.parameters()], self.flat.size)
+        return DevicePuller(self.model, self.flat, parts)
+
+    def _poster(self) -> Poster | None:
+        """A Poster where the PS applies partitions ahead and this worker can hand them over as
+        its backward finishes them: through shared memory, float32 on the wire, no fp16 loss
+        scaling (its gradient is final only once unscaled after the backward)."""
+        link = getattr(self.client, "link", None)
+        if link is None or not link.parts or self.compress is not None or self.scaler is not None:
+            return None
+        params = list(self.model.parameters())
+        if self.device.type == "cpu":
+            return Poster(params, link.parts, Ringer(link.bell), self.config.rank, self.config.name)
+        return DevicePoster(
+            params, link.parts, Ringer(link.bell), self.config.rank, self.config.name, self.flat, link.slots
+        )
 
     def reshard(self, epoch: int) -> None:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
@@ -130,10 +163,14 @@ class Trainer:
         self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
         self.flat.zero_grads()
+        if self.poster is not None:
+            self.poster.arm(self.backwards, self._slot(), self.version)
+        self.backwards += 1
         with runtime.autocast(self.config.precision, self.device):
             loss = self.loss_fn(self.model(x), y)
         if self.scaler is None:
             loss.backward()
+            self._claimed = self.poster is not None and self.poster.claims()
             return loss.item()
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self._unscaler)
@@ -156,15 +193,33 @@ class Trainer:
             message = self.compress(message)
         if self.staging is not None and self.slots is None:  # over TensorPipe:
             message = self.staging[self.sent % 2].copy_(message)  # the other buffer may still be on the wire
-        elif self.config.overlap and message is self.flat.message:
+        elif self.config.overlap and message is self.flat.message and self.device.type == "cpu":
             self.flat.flip()  # the next backward writes into the other buffer, not the one sent
+        ahead = self._ahead()
         self.sent += 1
         if not self.config.overlap:
-            return self._take(self.client.push(message, self.version, epoch, batch, samples))
+            return self._take(self.client.push(message, self.version, epoch, batch, samples, **ahead))
         computed_on = self.version  # the state this gradient comes from, before the reply below
         reply = self._wait_in_flight()
-        self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples)
+        self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples, **ahead)
         return reply
+
+    def _ahead(self) -> dict[str, Any]:
+        """What the push says of the partitions noted during its backward (app.worker.posting):
+        the backward it comes from and whether its notes hold, and the slot a GPU worker copied
+        the message into; nothing where this worker notes none."""
+        if self.poster is None:
+            return {}
+        placed = self.poster.finish() if isinstance(self.poster, DevicePoster) else None
+        return {"noted": (self.backwards - 1, self._claimed), "placed": placed}
+
+    def _slot(self) -> int:
+        """The push slot the next backward's gradient goes into: the one the gradients are
+        views of (CPU), or the next one taken (GPU)."""
+        assert self.slots is not None
+        if self.device.type != "cpu":
+            return self.client.link.reserve()
+        return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
     def last_reply(self) -> int:
         """The end of training: take the reply still on the wire (--overlap); the pushes made."""
@@ -180,7 +235,10 @@ class Trainer:
         if isinstance(reply, Refusal):
             return self._skip(reply)
         self._refused_in_a_row = 0
-        self.flat.adopt(reply.vector)  # no copy: a received tensor, or the PS's reply buffer in shared memory
+        if self.puller is not None:  # a GPU worker: copied to the device as its forward needs it
+            self.puller.load(reply.vector)
+        else:  # no copy: a received tensor, or the PS's reply buffer in shared memory
+            self.flat.adopt(reply.vector)
         self.version = reply.version
         self.pushes += 1
         return reply

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from app.contract import exchange_bytes
+from app.contract import applies_ahead, exchange_bytes
 from app.model_sizes import STATE_FLOATS
 from orchestrator.topology.model import Topology, size_bytes
 
@@ -25,9 +25,10 @@ def exchange_estimate(t: Topology) -> int | None:
     floats = STATE_FLOATS.get(t.train.model)
     if floats is None:
         return None
-    shards = t.ps.shards
-    sync = t.train.strategy == "sync"
-    return shards * exchange_bytes(math.ceil(floats / shards), t.max_workers, t.train.overlap, sync)
+    shards, train = t.ps.shards, t.train
+    sync = train.strategy == "sync"
+    ahead = applies_ahead(train.strategy, train.momentum, train.weight_decay, shards)
+    return shards * exchange_bytes(math.ceil(floats / shards), t.max_workers, train.overlap, sync, ahead)
 
 
 def shared_shm_bytes(t: Topology) -> int:

@@ -172,10 +172,15 @@ def curves(directory: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """The curves the JSON lines call for: per tag the last record of each step (a process
-    that started again at step S wrote the steps from S again), in step order."""
+    """The curves the JSON lines call for: per tag the last record of each step, in step order.
+    A process that started again at step S (its `start` record) purged the earlier points past S
+    (TensorBoard's `purge_step`) and wrote the steps after S again."""
     last: dict[str, dict[int, float]] = defaultdict(dict)
     for r in records:
+        if r["event"] == "start":
+            for points in last.values():
+                for step in [s for s in points if s > r["step"]]:
+                    del points[step]
         fields = {k: v for k, v in r.items() if k not in ("time", "role", "rank", "event", "step")}
         from app.common.event_files import scalars
 

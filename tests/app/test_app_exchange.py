@@ -132,11 +132,13 @@ def test_a_segment_that_does_not_fit_is_one_line_and_leaves_no_file(shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
-def test_the_segment_has_the_size_the_render_plans_for():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_segment_has_the_size_the_render_plans_for(ahead):
     for workers, overlap, sync in [(1, False, False), (3, True, False), (4, False, True), (8, True, True)]:
-        names = region_names(workers, 2 if overlap else 1, sync)
-        assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync)
-        assert SharedExchange.bytes_needed(1234, workers, overlap, sync) == exchange_bytes(1234, workers, overlap, sync)
+        names = region_names(workers, overlap, sync, ahead)
+        assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync, ahead)
+        needed = SharedExchange.bytes_needed(1234, workers, overlap, sync, ahead)
+        assert needed == exchange_bytes(1234, workers, overlap, sync, ahead)
 
 
 # --- the PS's replies and the worker's slots, in one process ---------------------------------

@@ -165,13 +165,18 @@ def test_a_ps_run_killed_and_resumed_has_every_record_in_tensorboard_once(tmp_pa
             p.send_signal(signal.SIGKILL)
     finally:
         wait_for(procs, 30, "the killed run")
+    before = [r["step"] for r in _records(tmp_path, "ps", "eval")]
     procs = _start_job(tmp_path, "-again", free_port())
     wait_for(procs, 240, "the resumed run")
     for name, proc in procs.items():
         p = finished(tmp_path, name, proc, f"{name}-again")
         assert p.returncode == 0, f"{name} exited {p.returncode}:\n{p.stderr}"
-    evals = [r["step"] for r in _records(tmp_path, "ps", "eval")]
-    assert len(evals) > len(set(evals)), f"the resumed PS evaluated no version again: {evals}"
+    # the resumed PS went back to its checkpoint, before its last evaluation: the job trained
+    # those versions again, and its processes wrote records at steps they had written before
+    [resumed] = [r["step"] for r in _records(tmp_path, "ps", "resume")]
+    assert resumed < before[-1], (resumed, before)
+    steps = {name: [r["step"] for r in read(tmp_path / "metrics" / f"{name}.jsonl")] for name in NAMES}
+    assert any(len(s) > len(set(s)) for s in steps.values()), f"no step written twice: {steps}"
     for name in NAMES:
         records = read(tmp_path / "metrics" / f"{name}.jsonl")
         got = curves(event_dir(str(tmp_path / "metrics"), "run-1", name))

@@ -106,7 +106,7 @@ def run(config: Config) -> int:
         part=part,
         weight_decay=config.weight_decay,
         max_trainers=config.max_trainers,
-        shared=exchange.for_config(config, part[1] - part[0] if part else state_size(model), f"shard {index}"),
+        shared=exchange.for_config(config, model, part, f"shard {index}"),
     )
     log.info(
         "shard %d of %d: values %d..%d of %d (%d parameter values)",

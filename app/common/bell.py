@@ -1,0 +1,76 @@
+"""A worker's note to its PS that a partition of its next push is in its push slot: one datagram
+on a Unix socket beside the PS's shared-memory segment (the same /dev/shm, so it reaches the PS
+wherever the segment does).
+
+A note is four numbers: rank, backward (which of the worker's backwards the gradient comes
+from), slot, partition; and the version the gradient was computed from. It is only a hint:
+the PS may apply the partition before the push arrives (app.ps.speculation); a note lost, late
+or never read changes nothing but when the work is done. So the worker never waits to send one:
+a full socket buffer drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from typing import NamedTuple
+
+NOTE = struct.Struct("<iqiiq")  # rank, backward, slot, partition, version
+SUFFIX = ".bell"
+
+
+class Note(NamedTuple):
+    rank: int
+    backward: int
+    slot: int
+    partition: int
+    version: int
+
+
+class Bell:
+    """The PS's end: notes arrive here (`receive` waits at most `timeout` for one)."""
+
+    def __init__(self, path: str, timeout: float = 0.5) -> None:
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead PS's, at the same name: its segment is being replaced
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        os.chmod(path, 0o600)
+        self.sock.settimeout(timeout)
+
+    def receive(self) -> Note | None:
+        try:
+            data = self.sock.recv(NOTE.size)
+        except TimeoutError:
+            return None
+        except OSError:  # closed
+            return None
+        return Note(*NOTE.unpack(data)) if len(data) == NOTE.size else None
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.sock.close()
+
+
+class Ringer:
+    """A worker's end: `ring` sends a note and never waits."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.sent = self.dropped = 0
+
+    def ring(self, note: Note) -> None:
+        try:
+            self.sock.sendto(NOTE.pack(*note), self.path)
+            self.sent += 1
+        except OSError:  # a full buffer, or no PS any more: the push itself carries the work
+            self.dropped += 1
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,314 @@
+"""A push applied partition by partition as the worker's backward finishes them
+(app.common.partitions, app.common.bell, app.worker.posting, app.ps.speculation)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from app.common.bell import Bell, Note, Ringer
+from app.common.flat import FlatModel
+from app.common.partitions import cut, owners
+from app.common.shm import sweep
+from app.common.wire import Refusal
+from app.ps.exchange import SharedExchange
+from app.ps.server import ParameterServer
+from app.worker.posting import Poster
+from app.worker.shared_link import SharedLink
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    path = Path("/dev/shm") / f"psc-test-{os.getpid()}-{tmp_path.name}"
+    path.mkdir()
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def test_partitions_are_cut_at_parameter_boundaries_and_the_last_holds_the_buffers():
+    assert cut([5, 5, 20, 3], 40, 8) == [(0, 10), (10, 30), (30, 40)]  # 3 params + 7 buffer values last
+    assert owners([5, 5, 20, 3], [(0, 10), (10, 30), (30, 40)]) == [0, 0, 1, 2]
+    assert cut([100], 100, 8) == [(0, 100)]  # a parameter larger than the target is a partition of its own
+    assert cut([5, 5], 12, 100) == [(0, 12)]  # a small model: one partition, nothing goes ahead
+    assert cut([4, 4], 8, 4) == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError):
+        cut([5], 4, 8)
+
+
+class Deep(nn.Module):
+    """Four linear layers and a BatchNorm: four parameter tensors of 64 x 64, and buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(4)], nn.BatchNorm1d(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Collect:
+    """A Ringer's stand-in that keeps the notes it is given."""
+
+    def __init__(self) -> None:
+        self.notes: list[Note] = []
+
+    def ring(self, note: Note) -> None:
+        self.notes.append(note)
+
+
+def _backward(model: nn.Module, poster: Poster, backward: int) -> bool:
+    poster.arm(backward, 0, 7)
+    model(torch.randn(16, 64)).pow(2).sum().backward()
+    return poster.claims()
+
+
+def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_one():
+    model = Deep()
+    params = list(model.parameters())
+    parts = cut([p.numel() for p in params], FlatModel(model).size, 64 * 64)  # one linear layer each
+    ringer = Collect()
+    poster = Poster(params, parts, ringer, 3, "worker3")
+    assert len(parts) == 5  # 4 linears, then the BatchNorm's parameters with its buffers
+    assert _backward(model, poster, 0) is False and ringer.notes == []  # the first backward only counts
+    assert _backward(model, poster, 1) is True
+    # the backward finishes the last linear first; partition 4 (the first layers' side: here the
+    # BatchNorm, which is last) goes with the push
+    assert [n.partition for n in ringer.notes] == [3, 2, 1, 0]
+    assert {(n.rank, n.backward, n.slot, n.version) for n in ringer.notes} == {(3, 1, 0, 7)}
+
+
+def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
+    """Autograd sums a shared weight's two contributions before it accumulates them: its hook
+    fires once, with the whole gradient."""
+    layer = nn.Linear(64, 64, bias=False)
+    model = nn.Sequential(layer, nn.ReLU(), layer, nn.Linear(64, 64, bias=False))
+    params = list(model.parameters())
+    parts = cut([p.numel() for p in params], FlatModel(model).size, 64 * 64)
+    ringer = Collect()
+    poster = Poster(params, parts, ringer, 1, "worker1")
+    assert _backward(model, poster, 0) is False
+    assert _backward(model, poster, 1) is True and [n.partition for n in ringer.notes] == [0]
+
+
+class Unused(nn.Module):
+    """A parameter the forward never uses: its gradient never comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_parameter_whose_gradient_never_comes_turns_the_notes_off():
+    model = Unused()
+    params = list(model.parameters())
+    parts = cut([p.numel() for p in params], FlatModel(model).size, 64)
+    ringer = Collect()
+    poster = Poster(params, parts, ringer, 1, "worker1")
+    assert _backward(model, poster, 0) is False
+    assert _backward(model, poster, 1) is False and ringer.notes == []
+
+
+def test_the_bell_carries_a_note_and_a_dead_ps_bell_is_swept(shm_dir):
+    bell = Bell(str(shm_dir / "psc-1-abc.bell"))
+    ringer = Ringer(bell.path)
+    ringer.ring(Note(2, 5, 1, 3, 40))
+    assert bell.receive() == Note(2, 5, 1, 3, 40)
+    assert bell.receive() is None  # nothing more: it waits its timeout and says so
+    bell.sock.close()  # the PS died: its socket file stays, its segment is gone
+    assert sweep(str(shm_dir)) == [bell.path] and list(shm_dir.iterdir()) == []
+    ringer.ring(Note(2, 6, 1, 3, 41))  # ringing a PS that is gone is no error
+    assert ringer.dropped == 1
+
+
+def test_a_gpu_workers_forward_waits_only_for_the_partitions_each_module_needs():
+    """app.worker.pulling: a module waits for the partitions its own parameters are in (and the
+    buffers, copied first, when it has some); the first layer never for the last partition."""
+    from app.worker.pulling import waits
+
+    model = Deep()
+    parts = cut([p.numel() for p in model.parameters()], FlatModel(model).size, 64 * 64)
+    got = {name: waits(model, parts).get(module) for name, module in model.named_modules()}
+    assert got["layers.0"] == ([0], False) and got["layers.3"] == ([3], False)
+    assert got["layers.4"] == ([4], True)  # the BatchNorm: its parameters in the last partition, and buffers
+    assert got[""] is None and got["layers"] is None  # containers have nothing of their own
+
+
+# --- the PS: partitions applied ahead of the push ------------------------------------------------
+
+
+def _ps(shm_dir: Path, strategy: str, workers: int = 1, momentum: float = 0.0):
+    model = Deep()
+    flat = FlatModel(model, with_grads=False)
+    parts = cut([p.numel() for p in model.parameters()], flat.size, 64 * 64)
+    exchange = SharedExchange.open(
+        str(shm_dir), flat.size, workers, overlap=False, sync=strategy == "sync", parts=parts
+    )
+    server = ParameterServer(model, lr=0.1, momentum=momentum, num_trainers=workers, strategy=strategy, shared=exchange)
+    return server, exchange
+
+
+def _push(server, exchange, link, rank, gradient, version, backward, noted_parts, noted=True):
+    """Write `gradient` into rank's slot, note `noted_parts`, push; the answer."""
+    link.slots[0][: gradient.numel()].copy_(gradient)
+    for j in noted_parts:
+        server.ahead(Note(rank, backward, 0, j, version))
+    pushed = exchange.push(rank, 0, "float32", gradient.numel())
+    return server.submit(rank, pushed, version, f"worker{rank}", backward=backward, noted=noted).wait()
+
+
+def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(shm_dir):
+    server, exchange = _ps(shm_dir, "async")
+    whole, whole_exchange = _ps(shm_dir, "async")
+    try:
+        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        for s in (server, whole):
+            s.join(1, "worker1")
+        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
+        whole.push(1, torch.zeros(whole.size), 0)
+        torch.manual_seed(1)
+        for step in range(1, 4):
+            gradient = torch.randn(server.size)
+            reply = _push(server, exchange, link, 1, gradient, step, step, [3, 2, 1, 0])
+            assert torch.equal(link.reply(exchange.answer(reply)).vector, whole.push(1, gradient.clone(), step).vector)
+        assert server.ahead_done == server.ahead_kept == 12
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+def test_a_partition_built_before_another_push_moved_the_state_is_built_again(shm_dir):
+    server, exchange = _ps(shm_dir, "async", workers=2)
+    whole, whole_exchange = _ps(shm_dir, "async", workers=2)
+    try:
+        one = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        two = SharedLink.attach(exchange.offer(), 2, torch.device("cpu"))
+        for s in (server, whole):
+            s.join(1, "worker1")
+            s.join(2, "worker2")
+        torch.manual_seed(2)
+        a, b = torch.randn(server.size), torch.randn(server.size)
+        one.slots[0][: a.numel()].copy_(a)
+        server.ahead(Note(1, 0, 0, 3, 0))  # worker1's partition 3, built from version 0 ...
+        _push(server, exchange, two, 2, b, 0, 0, [], noted=False)  # ... then worker2's push moves the state
+        server.ahead(Note(1, 0, 0, 2, 0))  # partition 2 built from version 1
+        got = _push(server, exchange, one, 1, a, 0, 0, [])
+        whole.push(2, b.clone(), 0)
+        want = whole.push(1, a.clone(), 0)
+        assert torch.equal(one.reply(exchange.answer(got)).vector, want.vector)
+        assert server.ahead_kept == 1  # partition 2; partition 3 was built again
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+def test_a_non_finite_partition_noted_ahead_refuses_the_whole_push_and_changes_nothing(shm_dir):
+    server, exchange = _ps(shm_dir, "async")
+    try:
+        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        server.join(1, "worker1")
+        before = server.snapshot()[0]
+        gradient = torch.ones(server.size)
+        gradient[64 * 64 * 3 + 5] = float("nan")  # in partition 3, noted first
+        answer = _push(server, exchange, link, 1, gradient, 0, 0, [3, 2, 1, 0])
+        assert isinstance(answer, Refusal) and answer.kind == "nonfinite"
+        assert torch.equal(server.snapshot()[0], before) and server.version == 0
+    finally:
+        exchange.close()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_sync_partitions_folded_ahead_close_the_round_as_the_pushes_whole(shm_dir, momentum):
+    server, exchange = _ps(shm_dir, "sync", workers=2, momentum=momentum)
+    whole, whole_exchange = _ps(shm_dir, "sync", workers=2, momentum=momentum)
+    try:
+        links = {r: SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
+        for s in (server, whole):
+            s.join(1, "worker1")
+            s.join(2, "worker2")
+        torch.manual_seed(3)
+        a, b = torch.randn(server.size), torch.randn(server.size)
+        links[1].slots[0][: a.numel()].copy_(a)
+        links[2].slots[0][: b.numel()].copy_(b)
+        # both workers' backwards overlap: their notes come interleaved, worker1 folds first everywhere
+        for j in (3, 2, 1, 0):
+            server.ahead(Note(1, 0, 0, j, 0))
+            server.ahead(Note(2, 0, 0, j, 0))
+        held = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1", backward=0, noted=True)
+        server.submit(2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2", backward=0, noted=True).wait()
+        want = whole.submit(1, a.clone(), 0, "worker1")
+        whole.submit(2, b.clone(), 0, "worker2").wait()
+        assert torch.equal(links[1].reply(exchange.answer(held.wait())).vector, want.wait().vector)
+        assert server.ahead_kept == 8  # each push found its four partitions folded
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+def test_a_new_process_of_a_rank_folds_its_push_whole_after_its_old_ones_notes(shm_dir):
+    server, exchange = _ps(shm_dir, "sync", workers=2, momentum=0.5)
+    whole, whole_exchange = _ps(shm_dir, "sync", workers=2, momentum=0.5)
+    try:
+        links = {r: SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
+        for s in (server, whole):
+            s.join(1, "worker1")
+            s.join(2, "worker2")
+        torch.manual_seed(4)
+        old, a, b = torch.randn(server.size), torch.randn(server.size), torch.randn(server.size)
+        links[1].slots[0][: old.numel()].copy_(old)
+        server.ahead(Note(1, 0, 0, 3, 0))  # the old process of rank 1 noted a partition, then died
+        server.join(1, "worker1_r2")
+        whole.join(1, "worker1_r2")
+        links[1].slots[0][: a.numel()].copy_(a)
+        held = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1_r2", backward=0, noted=True)
+        links[2].slots[0][: b.numel()].copy_(b)
+        server.submit(2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2").wait()
+        want = whole.submit(1, a.clone(), 0, "worker1_r2")
+        whole.submit(2, b.clone(), 0, "worker2").wait()
+        assert torch.equal(links[1].reply(exchange.answer(held.wait())).vector, want.wait().vector)
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "workers,args",
+    [(1, ["--strategy", "async"]), (2, ["--strategy", "sync", "--momentum", "0.5"])],
+    ids=["async", "sync"],
+)
+def test_processes_apply_partitions_ahead_to_the_same_values_as_tensorpipe(tmp_path, shm_dir, workers, args):
+    """The cnn on digits in partitions of 2000 values: the PS applies them as the backward
+    finishes them (its end record counts them), and final.pt is the same bits as the same run
+    over TensorPipe."""
+    from app_testkit import app_env, run_cluster
+
+    digits = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1"]
+    finals, ends = {}, {}
+    for mode in ("auto", "tensorpipe"):
+        run = tmp_path / mode
+        run.mkdir()
+        common = [*digits, "--num_epochs", "2", "--rpc_timeout", "30", "--exchange", mode, "--partition_values", "2000"]
+        procs = run_cluster(run, workers, [*common, *args], 240, env=app_env(PSC_SHM_DIR=str(shm_dir)))
+        assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-2000:] for n, p in procs.items()}
+        finals[mode] = torch.load(run / "checkpoints" / "final.pt")
+        ends[mode] = [json.loads(line) for line in (run / "metrics" / "ps.jsonl").read_text().splitlines()][-1]
+    assert "ahead" not in ends["tensorpipe"]
+    ahead = ends["auto"]["ahead"]
+    assert ahead["kept"] > 0 and ahead["done"] >= ahead["kept"], ahead
+    assert finals["auto"]["version"] == finals["tensorpipe"]["version"] > 0
+    for key, value in finals["auto"]["model"].items():
+        assert torch.equal(value, finals["tensorpipe"]["model"][key]), key
