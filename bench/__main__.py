@@ -255,10 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import constants, data_pipeline, gpu, imagefolder_scan
+    from bench import constants, cuda, data_pipeline, gpu, imagefolder_scan
 
     constants.add_parser(sub)
     gpu.add_parser(sub)
+    cuda.add_parser(sub)
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
     return parser
@@ -279,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         gpu.resolve(args)
         return gpu.main(args)
+    if args.command == "cuda":
+        from bench import cuda
+
+        return cuda.main(args)
     if args.command == "scan":
         return imagefolder_scan.main(args)
     if args.command == "containers":

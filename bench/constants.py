@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import time
@@ -271,11 +272,12 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    started = time.monotonic()
+    started, failures = time.monotonic(), []
     figures = in_process(args.model, args.repeats)
     figures.update(gloo_send_recv(args.model, args.seconds))
     if args.model == PUSHPULL_MODEL:
-        figures.update(app_pushpull(timeout=args.timeout))
+        pushpull = functools.partial(app_pushpull, timeout=args.timeout)
+        figures.update(harness.attempt("bench constants", "the app's push + pull", pushpull, failures) or {})
     figures.update(floor(figures))
     figures.update(rpc_round_trips(args.model, args.repeats))
     params, buffers = state_floats(SPECS[args.model].model())
@@ -290,4 +292,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"kind": "constants", "model": args.model, "figures": figures, "loadavg": os.getloadavg()}
         harness.write_json(args.json, doc)
-    return 0
+    if failures:
+        print("failed:\n  " + "\n  ".join(failures))
+    return 1 if failures else 0
