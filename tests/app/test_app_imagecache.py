@@ -55,6 +55,13 @@ def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
     assert 0 < flipped < 16
 
 
+def test_the_batched_crops_a_gpu_takes_are_the_per_image_copies_pixel_for_pixel():
+    batch = torch.randint(0, 256, (32, 3, 40, 36), dtype=torch.uint8)
+    copies = augment(batch, train=True, crop=24, generator=torch.Generator().manual_seed(7), gather=False)
+    gathered = augment(batch, train=True, crop=24, generator=torch.Generator().manual_seed(7), gather=True)
+    assert torch.equal(copies, gathered)
+
+
 def test_each_file_is_decoded_once_and_loader_processes_fill_one_cache(tmp_path):
     samples = _tree(tmp_path)
     cached = CachedImageFolder(samples, train=True)
