@@ -2,7 +2,8 @@
 them: the copies from the (pinned) reply buffer in shared memory to the device run on a side
 stream, the float buffers first (every BatchNorm reads its running stats), then the partitions
 in parameter order; a hook before each module's forward makes the compute stream wait for the
-copies of the partitions its own parameters are in, and no more. So the first layers compute
+copies of the partitions its own parameters are in that no earlier module waited for, and no
+more (one wait per partition a step). So the first layers compute
 while the last ones are still being copied.
 
 The reply buffer stays as the PS wrote it until this worker's next push (app.ps.exchange), and
@@ -40,6 +41,8 @@ class DevicePuller:
         self.stream = torch.cuda.Stream(flat.own.device)
         self.events: list[torch.cuda.Event] = []
         self.buffers_copied: torch.cuda.Event | None = None
+        self.compute: torch.cuda.Stream | None = None  # the stream the forward runs on
+        self.waited: set[int] = set()  # partitions (-1: the buffers) it waits for already
         self.handles = [
             module.register_forward_pre_hook(self._waiter(needs, has_buffers))
             for module, (needs, has_buffers) in waits(model, parts).items()
@@ -47,13 +50,15 @@ class DevicePuller:
 
     def _waiter(self, needs: list[int], has_buffers: bool):
         def wait(_module: nn.Module, _inputs: object) -> None:
-            if not self.events:
+            if not self.events or self.compute is None:
                 return
-            current = torch.cuda.current_stream(self.flat.own.device)
-            if has_buffers and self.buffers_copied is not None:
-                current.wait_event(self.buffers_copied)
+            if has_buffers and self.buffers_copied is not None and -1 not in self.waited:
+                self.compute.wait_event(self.buffers_copied)
+                self.waited.add(-1)
             for j in needs:
-                current.wait_event(self.events[j])
+                if j not in self.waited:
+                    self.compute.wait_event(self.events[j])
+                    self.waited.add(j)
 
         return wait
 
@@ -61,8 +66,9 @@ class DevicePuller:
         """Start copying `vector` (the reply, in pinned host memory) into the model's own
         storage; the forward waits for what each module needs."""
         own, n = self.flat.own, self.flat.num_params
+        self.compute = torch.cuda.current_stream(own.device)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(own.device))  # the last backward is done with `own`
+        ready.record(self.compute)  # the last backward is done with `own`
         events = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
@@ -76,7 +82,7 @@ class DevicePuller:
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 events.append(event)
-        self.events = events
+        self.events, self.waited = events, set()
         if self.flat.vector is not own:
             self.flat.adopt(own)
 
