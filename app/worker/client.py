@@ -7,6 +7,7 @@ TensorPipe as a tensor; either way the answer is a Reply (or a Refusal).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +21,26 @@ from app.ps import endpoints
 from app.runtime import first_line
 from app.worker.shared_link import SharedLink, attach
 
+NOT_IN_GROUP_YET = "could not find destination name"
+
 
 class PSUnreachable(RuntimeError):
     """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
+
+
+def call_joining(to: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+    """`rpc.rpc_sync` of a worker's join to `to` (the PS or a shard). A worker can enter the RPC
+    group before `to` has (the PS hosts the group's store, then enters it): `to` tells every
+    member of itself as it enters, and until then RPC cannot find its name, so the call is tried
+    again every 0.1 s, within `timeout`; any other error, or that one past `timeout`, raises."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return rpc.rpc_sync(to, function, args=args, timeout=timeout)
+        except RuntimeError as error:
+            if NOT_IN_GROUP_YET not in str(error) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 class PSClient:
@@ -50,7 +68,10 @@ class PSClient:
     def join(self) -> dict[str, Any]:
         """The state to start from and this rank's progress; UsageError if the rank is taken.
         Maps the PS's shared memory when it offers it (`link`)."""
-        answer = self._call(endpoints.rpc_join, self.rank, self.name)
+        try:
+            answer = call_joining(PS, endpoints.rpc_join, (self.rank, self.name), self.timeout)
+        except RuntimeError as error:
+            raise self.lost(endpoints.rpc_join, error) from error
         if "taken" in answer:
             raise UsageError(answer["taken"])
         self.link = attach(answer.pop("exchange", None), self.rank, self.device, self.exchange, self.name, PS)

@@ -16,7 +16,7 @@ from app.ps import endpoints, membership
 from app.ps.sharding.slices import READY_KEY
 from app.ps.update import all_finite
 from app.runtime import first_line
-from app.worker.client import PSClient, PSUnreachable, refused
+from app.worker.client import PSClient, PSUnreachable, call_joining, refused
 from app.worker.compress import Compressor
 from app.worker.shared_link import SharedLink, attach
 
@@ -60,7 +60,10 @@ class ShardedClient:
         self.links = {PS: self.main.link} if self.main.link is not None else {}
         slices, versions = [answer["vector"]], [answer["version"]]
         for name, _, _ in self.parts[1:]:
-            got = self._call(name, endpoints.rpc_join, self.rank, self.name)
+            try:
+                got = call_joining(name, endpoints.rpc_join, (self.rank, self.name), self.main.timeout)
+            except RuntimeError as error:
+                raise self.lost(name, endpoints.rpc_join, error) from error
             if "taken" in got:
                 raise UsageError(got["taken"])
             link = attach(got.pop("exchange", None), self.rank, self.main.device, self.main.exchange, self.name, name)
