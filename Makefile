@@ -142,7 +142,7 @@ compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one re
 
 # Benchmarks (bench/): printed figures, not tests. BENCH_ARGS passes options,
 # e.g. make bench BENCH_ARGS="--json bench.json", make bench-full BENCH_ARGS="--quick".
-.PHONY: bench bench-full bench-containers bench-data bench-gpu
+.PHONY: bench bench-full bench-containers bench-data bench-gpu bench-cuda
 bench: setup ## s/step per strategy vs compute alone, ResNet-18 and MNIST CNN, 2 workers (3-4 min)
 	$(PY) -m bench $(BENCH_ARGS)
 
@@ -151,6 +151,9 @@ bench-full: setup ## the full matrix: app vs official-example PS vs Gloo vs memc
 
 bench-gpu: setup ## the GPU regime on CPU: ResNet-18's 44.8 MB, compute a sleep over its layers; C 13/25 ms, processes and compose (<5 min; --full: the sweep)
 	$(PY) -m bench gpu $(BENCH_ARGS)
+
+bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the app (async, overlap, sync; 1-2 workers; fp32, bf16) (~6 min)
+	$(PY) -m bench cuda $(BENCH_ARGS)
 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
