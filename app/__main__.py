@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from app.config import Config, UsageError, check_threads_env, parse
+from app.contract import strategy_of
 
 HEALTH_TIMEOUT = 2.0
 PS_SIGTERM_GRACE = 20.0
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from app.ps import process as ps_process
 
             return ps_process.run(config)
-        if config.strategy == "allreduce":  # DDP, no PS (app/ddp.py)
+        if not strategy_of(config.strategy).has_ps:  # allreduce: DDP, no PS (app/ddp.py)
             from app import ddp
 
             return ddp.run(config)

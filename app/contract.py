@@ -11,6 +11,7 @@ library and the orchestrator to these two.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import Enum
 
 ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
@@ -77,6 +78,50 @@ EVENTS = tuple(e.value for e in Event)
 # reply buffers (one; two with --overlap, or when the PS applies a push's partitions ahead of it
 # under async), and under sync a round's two reply buffers; every region holds the state's
 # float32 values, rounded up to a page. The render sizes /dev/shm from this; the PS makes it.
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a strategy is, as the app's parts ask it: the one place its name means something
+    (`strategy_of(config.strategy)`; the option's choices are STRATEGIES). Every other module
+    asks these properties, never the name."""
+
+    name: str
+    has_ps: bool = True  # allreduce: the workers average among themselves (DDP), no PS
+    rounds: bool = False  # sync: one averaged update a round of one push from every live worker
+    bounded: bool = False  # ssp: a worker `staleness` pushes ahead of the slowest live one waits
+
+    @property
+    def waits(self) -> bool:
+        """A push may wait for other workers (sync's round, ssp's bound): its reply is held, and
+        the worker's RPC allows for it; async answers every push at once."""
+        return self.rounds or self.bounded
+
+    @property
+    def allows_overlap(self) -> bool:
+        """--overlap: the next batch computes while the push is out (async and ssp)."""
+        return self.has_ps and not self.rounds
+
+
+STRATEGY_OF = {
+    s.name: s
+    for s in (
+        Strategy("async"),
+        Strategy("sync", rounds=True),
+        Strategy("ssp", bounded=True),
+        Strategy("allreduce", has_ps=False),
+    )
+}
+
+
+def strategy_of(name: str) -> Strategy:
+    """The Strategy named `name` (one of STRATEGIES); ValueError for any other name."""
+    try:
+        return STRATEGY_OF[name]
+    except KeyError:
+        raise ValueError(f"strategy {name!r}: one of {', '.join(STRATEGIES)}") from None
+
+
 SHM_PAGE = 4096
 
 
@@ -86,7 +131,8 @@ def applies_ahead(strategy: str, momentum: float, weight_decay: float, shards: i
     built partition by partition in the rank's next reply buffer) and under sync (each
     partition folded into the round), on one PS process (a shard takes its slice whole)."""
     plain = momentum == 0 and weight_decay == 0
-    return shards == 1 and (strategy == "sync" or (strategy == "async" and plain))
+    s = strategy_of(strategy)
+    return shards == 1 and s.has_ps and (s.rounds or (not s.waits and plain))
 
 
 def exchange_regions(max_workers: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
@@ -135,7 +181,7 @@ def event_dir(metrics_dir: str, run_id: str, name: str) -> str:
 def service_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
     """The job's compose services in rank order: `ps`, its shards `ps-shard1..`, then the
     workers; under allreduce the workers alone (rank r is `worker<r+1>`)."""
-    if strategy == NO_PS_STRATEGY:
+    if not strategy_of(strategy).has_ps:
         return [worker_name(r + 1) for r in range(world_size)]
     ps = [PS] + [shard_service(i) for i in range(1, shards)]
     return ps + [worker_name(r) for r in range(1, world_size - len(ps) + 1)]

@@ -37,7 +37,7 @@ from app.common.shm import SUFFIX as SHM_SUFFIX
 from app.common.shm import Offer, Segment, ShmUnavailable, segment_bytes
 from app.common.wire import Reply, SlotReply
 from app.config import Config
-from app.contract import applies_ahead
+from app.contract import applies_ahead, strategy_of
 
 log = logging.getLogger("app.ps")
 WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,7 +142,7 @@ def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, w
         floats,
         config.max_trainers,
         config.overlap,
-        config.strategy == "sync",
+        strategy_of(config.strategy).rounds,
         who,
         cut(sizes, floats, config.partition_values) if ahead else None,
     )

@@ -47,7 +47,7 @@ from app.common.bell import Note
 from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
 from app.common.wire import Refusal, Reply
-from app.contract import PS_STRATEGIES, worker_name
+from app.contract import PS_STRATEGIES, strategy_of, worker_name
 from app.ps.exchange import SharedExchange
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.speculation import Ahead
@@ -94,7 +94,8 @@ class ParameterServer:
         max_trainers: int = 0,
         shared: SharedExchange | None = None,
     ) -> None:
-        if strategy not in PS_STRATEGIES:
+        self.policy = strategy_of(strategy)
+        if not self.policy.has_ps:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self._model = model
@@ -193,7 +194,7 @@ class ParameterServer:
             self._taken[rank] = -1  # a new process counts its backwards from 0
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
-            open_round = self.strategy == "sync" and self._held and rank not in self._held and not waited_for
+            open_round = self.policy.rounds and self._held and rank not in self._held and not waited_for
             member.round_from = self.version + 1 if open_round else 0
             self.first_join = self.first_join or self.clock()
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
@@ -262,7 +263,7 @@ class ParameterServer:
                 return future
             if not finite:
                 refusal, ready = self._refuse_nonfinite(rank, name), []
-            elif self.strategy == "sync":
+            elif self.policy.rounds:
                 self.samples += samples
                 self._hold(rank, _Held(future, message, epoch, batch, 0))
                 self._fold(rank, message, backward)
@@ -272,7 +273,7 @@ class ParameterServer:
                 if staleness is None:
                     staleness = self.version - pulled_version
                 # async answers at once: the new state is written where its reply goes
-                into = self._reply(rank) if self.strategy == "async" and not self.sliced else None
+                into = self._reply(rank) if not self.policy.waits and not self.sliced else None
                 if ahead is not None and into is ahead.into:
                     self._apply_rest(message, self._scale_for(staleness), ahead)
                 else:
@@ -391,7 +392,7 @@ class ParameterServer:
         ready = []
         for rank, held in list(self._held.items()):
             lead = self.lead(rank)
-            if self.strategy == "async" or lead <= self.bound or rank not in self._training():
+            if not self.policy.waits or lead <= self.bound or rank not in self._training():
                 del self._held[rank]
                 vector = self.state if rank == fresh else self._reply(rank).copy_(self.state)
                 ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
@@ -427,7 +428,7 @@ class ParameterServer:
         with self._lock:
             if self._taken.get(note.rank) != note.backward - 1 or self.roster.members.get(note.rank) is None:
                 return
-            if self.strategy == "sync":
+            if self.policy.rounds:
                 round_ = self._open_round()
                 if note.rank in round_.folded[note.partition]:
                     return
@@ -435,7 +436,7 @@ class ParameterServer:
                     note.rank, note.partition, message, self.state, self.num_params, self.lr, note.backward
                 )
                 self.ahead_done += 1
-            elif self.strategy == "async" and not self._momentum_or_decay():
+            elif not self.policy.waits and not self._momentum_or_decay():
                 self._build_ahead(note, message)
 
     def _build_ahead(self, note: Note, message: torch.Tensor) -> None:
@@ -636,7 +637,7 @@ class ParameterServer:
     def frozen(self, limit: float) -> list[tuple[int, str, float]]:
         """ssp/sync: (rank, name, seconds quiet) of live ranks that have not called for
         `limit` seconds and are not waiting for an answer to a push (async waits for no one)."""
-        if self.strategy == "async":
+        if not self.policy.waits:
             return []
         with self._lock:
             now = self.clock()
@@ -663,7 +664,7 @@ class ParameterServer:
 
     def _unblock(self) -> list[tuple[Future, Reply]]:
         """A rank stopped training: the others may no longer have to wait for it."""
-        return self._close_round() if self.strategy == "sync" else self._release()
+        return self._close_round() if self.policy.rounds else self._release()
 
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""

@@ -19,7 +19,7 @@ from app.common import data, models
 from app.common.data import LabeledData, ShardSampler
 from app.common.metrics import MetricsWriter, run_records
 from app.config import Config, UsageError
-from app.contract import PS
+from app.contract import PS, strategy_of
 from app.ps import membership
 from app.runtime import choose_device, gpu_identity, rpc_session
 from app.worker.client import PSClient, PSUnreachable
@@ -88,7 +88,7 @@ def join_and_train(
     name, rpc_id = membership.claim_identity(config.rank, config.master_addr, config.master_port, config.rpc_timeout)
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
-    push_wait = config.join_timeout if config.strategy in ("ssp", "sync") else 0.0
+    push_wait = config.join_timeout if strategy_of(config.strategy).waits else 0.0
     client: PSClient | ShardedClient = PSClient(
         config.rank,
         config.rpc_timeout,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from app.contract import Event
+from app.contract import NO_PS_STRATEGY, Event
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import Record, is_event, read_jsonl
 
@@ -369,7 +369,7 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
     elif counts:
         pushes = sum(counts.values())
         s_mean, s_max = sum(k * v for k, v in counts.items()) / pushes, max(counts)
-    if run.strategy == "allreduce":
+    if run.strategy == NO_PS_STRATEGY:  # no PS: no staleness
         s_mean = s_max = None
     t0 = start_time(run)
     last = max(recs[-1]["time"] for recs in run.files.values())

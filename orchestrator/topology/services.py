@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from app.contract import NO_PS_STRATEGY, PS, TRAINING_ROLES, process_name, shard_service, worker_name
+from app.contract import PS, TRAINING_ROLES, process_name, shard_service, strategy_of, worker_name
 from app.contract import metrics_file as file_of
 from orchestrator.topology.model import Topology
 
@@ -31,7 +31,7 @@ LABEL_RANK = "ps-compose.rank"
 
 def has_ps(t: Topology) -> bool:
     """Every strategy but allreduce runs a PS."""
-    return t.train.strategy != NO_PS_STRATEGY
+    return strategy_of(t.train.strategy).has_ps
 
 
 def rendezvous_service(t: Topology) -> str:

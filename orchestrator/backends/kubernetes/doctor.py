@@ -12,6 +12,7 @@ from orchestrator.doctor.checks import SHM_FOR_LOADER, Check, CheckFn
 from orchestrator.doctor.facts import Facts, tool
 from orchestrator.render import kubernetes as render_kubernetes
 from orchestrator.topology.model import Topology, size_bytes
+from orchestrator.topology.services import has_ps
 
 VALIDATE_VERSION = "1.37.0"  # the Kubernetes version the manifests are validated against (kubernetes-validate)
 
@@ -95,7 +96,7 @@ def check_data(t: Topology, f: Facts) -> Check:
 def check_state(t: Topology, f: Facts) -> Check:
     name = f"{render_kubernetes.object_name(t)}-state"
     cls = t.kubernetes.storage_class or "the cluster's default storage class"
-    mode = "ReadWriteMany (every allreduce rank mounts it)" if t.train.strategy == "allreduce" else "ReadWriteOnce"
+    mode = "ReadWriteMany (every allreduce rank mounts it)" if not has_ps(t) else "ReadWriteOnce"
     return Check("state", True, f"PersistentVolumeClaim {name}: {t.kubernetes.state_size}, {mode}, from {cls}")
 
 
