@@ -127,12 +127,22 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     return {"version": server.version, "state_floats": server.flat.size}
 
 
-def _start(client: Any) -> dict[str, Any]:
+def _start(client: Any) -> Any:
     """The first state: `join` where the app has it (a worker that can rejoin), else `pull`."""
     if hasattr(client, "join"):
         return client.join()
     vector, version = client.pull()
-    return {"vector": vector, "version": version, "pushes": 0}
+    return _starting(vector, version)
+
+
+def _starting(vector: Any, version: Any) -> Any:
+    """What the app's Trainer.start_from takes at rank 0's start: app.common.wire.Start, or the
+    dict an app before it took (a baseline under --app-path)."""
+    try:
+        from app.common.wire import Progress, Start
+    except ImportError:
+        return {"vector": vector, "version": version, "pushes": 0, "epoch": 1, "batch": 0}
+    return Start(vector, version, Progress(1, 0, 0))
 
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +162,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         client = ShardedClient(client)
         client.parts = [(ps_name(i), *_part(p, i)) for i in range(config.shards)]
         pulled = [rpc.rpc_sync(name, rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
-        start = {"vector": torch.cat([v for v, _ in pulled]), "version": tuple(n for _, n in pulled), "pushes": 0}
+        start = _starting(torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled))
     trainer = Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
     if not shard_names:
         start = _start(client)

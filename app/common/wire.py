@@ -1,4 +1,5 @@
-"""What travels between a worker and the PS, besides tensors: the PS's answers to a push.
+"""What travels between a worker and the PS, besides tensors: the PS's answers to a join and
+to a push, as small types (never a dict whose meaning depends on its keys).
 
 Both sides import these from here (RPC pickles them by this module's name): the worker
 does not reach into the PS's state machine (app/ps/server.py) for its wire types.
@@ -6,24 +7,75 @@ does not reach into the PS's state machine (app/ps/server.py) for its wire types
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from enum import Enum
+from typing import NamedTuple, Union
 
 import torch
+
+from app.common.shm import Offer
+
+Version = Union[int, tuple[int, ...]]  # a state's version: one per PS process (a tuple over shards)
+
+
+class Progress(NamedTuple):
+    """Where a rank is: `batch` batches of `epoch` done, `pushes` applied."""
+
+    epoch: int
+    batch: int
+    pushes: int
+
+
+class Joined(NamedTuple):
+    """A PS process's answer to a worker's join: the state to start from and the rank's progress."""
+
+    vector: torch.Tensor  # [params | buffers], or this process's slice of it
+    version: int
+    progress: Progress
+    exchange: Offer | None = None  # this PS process's shared memory, for a worker on its host
+    part: tuple[int, int] | None = None  # a sharded PS: the main PS's slice of the state
+    shards: tuple[tuple[str, int, int], ...] = ()  # ... and each other shard's name and slice
+
+
+class Taken(NamedTuple):
+    """The answer to a join for a rank another running process holds."""
+
+    message: str  # one line: which process holds it
+
+
+class NotReady(NamedTuple):
+    """The answer to a join while a sharded PS's shards are not all up: try again."""
+
+    message: str
+
+
+class Start(NamedTuple):
+    """Where a worker starts from, whatever PS processes it joined."""
+
+    vector: torch.Tensor  # the whole state
+    version: Version
+    progress: Progress
 
 
 class Reply(NamedTuple):
     """The PS's answer to a push."""
 
     vector: torch.Tensor  # the state to continue from: [params | buffers]
-    version: int  # its version
+    version: Version  # its version (a tuple from a sharded PS)
     staleness: int  # updates applied between the pusher's pull and its push
     lead: int  # pushes the pusher is ahead of the slowest rank still training
+
+
+class Refused(str, Enum):
+    """Why the PS refused a call."""
+
+    STALE = "stale"  # a newer process of the caller's rank replaced it: the caller exits
+    NONFINITE = "nonfinite"  # the push held NaN or inf: the worker skips that batch
 
 
 class Refusal(NamedTuple):
     """The PS's answer to a call it will not carry out (a value: RPC carries it as it is)."""
 
-    kind: str  # "stale": a newer process replaced the caller; "nonfinite": NaN/inf pushed
+    kind: Refused
     message: str  # one line, naming the worker
 
 

@@ -17,19 +17,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Optional
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.common.wire import Refusal
+from app.common.wire import Joined, NotReady, Refusal, Taken
 from app.ps.server import ParameterServer
 from app.ps.speculation import NoteReader
 
-Admit = Callable[[int, str], dict[str, Any]]  # (rank, name) -> the answer to a join
+Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
-Resumed = "tuple[int, str] | None"  # the main PS's newest checkpoint: (version, its run id); None: none yet
+Resumed = Optional[tuple[int, str]]  # the main PS's newest checkpoint: (version, its run id); None: none yet
 SaveLabelled = Callable[[int], "str | None"]  # a shard writes its checkpoint labelled V
 
 
@@ -89,18 +89,14 @@ class Endpoint:
 ENDPOINT = Endpoint()
 
 
-def rpc_join(rank: int, name: str) -> dict[str, Any]:
-    """A worker process starts: the state to start from and its rank's progress (or `taken`),
-    and where this PS process has one, its shared-memory segment (`exchange`: an
-    app.common.shm.Offer the worker maps when it is on this host)."""
+def rpc_join(rank: int, name: str) -> Joined | Taken | NotReady:
+    """A worker process starts: the state to start from and its rank's progress (Joined; Taken
+    when another process holds the rank), and where this PS process has one, its
+    shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
     server = ENDPOINT.get()
-    if ENDPOINT.join is not None:
-        answer = ENDPOINT.join(rank, name)
-    else:
-        vector, version, progress = server.join(rank, name)
-        answer = {"vector": vector, "version": version, **progress}
-    if server.shared is not None and "vector" in answer:
-        answer["exchange"] = server.shared.offer()
+    answer = ENDPOINT.join(rank, name) if ENDPOINT.join is not None else server.join(rank, name)
+    if server.shared is not None and isinstance(answer, Joined):
+        return answer._replace(exchange=server.shared.offer())
     return answer
 
 
@@ -145,11 +141,12 @@ def rpc_push_slot(
     comes from, when it notes partitions on the bell; `noted`: it noted them as that backward
     finished them (app.ps.speculation)."""
     server = ENDPOINT.get()
-    if server.shared is None:
+    shared = server.shared
+    if shared is None:
         raise RuntimeError("this parameter server has no shared-memory segment")
-    message = server.shared.push(rank, slot, dtype, numel)
+    message = shared.push(rank, slot, dtype, numel)
     future = server.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness, backward, noted)
-    return future.then(lambda done: server.shared.answer(done.value()))
+    return future.then(lambda done: shared.answer(done.value()))
 
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:

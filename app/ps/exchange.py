@@ -120,6 +120,7 @@ class SharedExchange:
         if isinstance(reply, Reply):
             name = self.segment.name_of(reply.vector)
             if name is not None and reply.vector.numel() == self.floats:
+                assert isinstance(reply.version, int)  # one PS process's version
                 return SlotReply(name, reply.version, reply.staleness, reply.lead)
         return reply
 

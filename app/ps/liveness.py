@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from app.common.wire import Joined, Taken
 from app.contract import PS
 from app.ps import membership
 from app.ps.server import ParameterServer
@@ -79,28 +80,30 @@ class LivenessMonitor:
         # Called after a drop: a sharded PS forwards it to its other shards (app.ps.sharding.shardset).
         self.on_drop: Callable[[int, str], None] = lambda rank, name: None
 
-    def join(self, rank: int, name: str) -> dict[str, Any]:
+    def join(self, rank: int, name: str) -> Joined | Taken:
         """Admit `name` as rank's process, or say the rank is taken."""
         old = self.server.live_name(rank)
         if old and old != name:
             error = self._ping(old, min(self.rpc_timeout, TAKEN_PING_SECONDS))
             if error is None:
-                return {
-                    "taken": f"rank {rank} is already taken by {old}, which is running "
+                return Taken(
+                    f"rank {rank} is already taken by {old}, which is running "
                     f"(start each rank once; this process is {name})"
-                }
+                )
             self.drop(rank, old, f"replaced by {name} ({error})")
         if not membership.unlist([name], self.rpc_timeout):
             log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
-        vector, version, progress = self.server.join(rank, name)
+        joined = self.server.join(rank, name)
+        progress = joined.progress
         where = (
             "from the start"
-            if progress["epoch"] == 1 and progress["batch"] == 0
-            else f"at epoch {progress['epoch']} after batch {progress['batch']}"
+            if progress.epoch == 1 and progress.batch == 0
+            else f"at epoch {progress.epoch} after batch {progress.batch}"
         )
-        log.info("%s (rank %d) joined at version %d, resuming %s", name, rank, version, where)
-        self.record("join", version, worker=name, worker_rank=rank, workers=self.server.live_count(), **progress)
-        return {"vector": vector, "version": version, **progress}
+        log.info("%s (rank %d) joined at version %d, resuming %s", name, rank, joined.version, where)
+        live = self.server.live_count()
+        self.record("join", joined.version, worker=name, worker_rank=rank, workers=live, **progress._asdict())
+        return joined
 
     def drop(self, rank: int, name: str, reason: str) -> None:
         if self.server.drop(rank, name):

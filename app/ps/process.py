@@ -28,7 +28,7 @@ from app.common.metrics import MetricsWriter, Rates, run_records
 from app.config import Config
 from app.contract import PS, worker_name
 from app.ps import exchange
-from app.ps.endpoints import ENDPOINT
+from app.ps.endpoints import ENDPOINT, Admit
 from app.ps.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
@@ -101,7 +101,7 @@ def run(config: Config) -> int:
         server.on_finish = checkpoints.finished
         liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write)
         others = ShardSet(config.shards, server.flat.size, config, metrics.write) if part is not None else None
-        join = liveness.join
+        join: Admit = liveness.join
         if others is not None:
             liveness.on_drop = others.drop
             join = functools.partial(others.join, liveness.join)
@@ -234,6 +234,7 @@ def train_until_done(
             others.tick()
         server.unblock()
         if server.version >= next_eval and not server.all_finished:
+            vector: torch.Tensor | None
             vector, version = server.snapshot()
             if others is not None:
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from app.common.wire import Progress
+
 ABSENT, LIVE, FINISHED, DROPPED, LEFT = "absent", "live", "finished", "dropped", "left"
 
 
@@ -47,8 +49,8 @@ class Member:
     joins: int = 0
     round_from: int = 0  # sync: the first version whose round counts this rank (it joined mid-round)
 
-    def progress(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch, "pushes": self.pushes}
+    def progress(self) -> Progress:
+        return Progress(self.epoch, self.batch, self.pushes)
 
 
 class Roster:
@@ -154,7 +156,7 @@ class Roster:
     def state(self) -> dict[int, dict[str, int]]:
         """Per-rank progress for a checkpoint."""
         return {
-            r: {**m.progress(), "finished": int(m.state == FINISHED), "left": int(m.state == LEFT)}
+            r: {**m.progress()._asdict(), "finished": int(m.state == FINISHED), "left": int(m.state == LEFT)}
             for r, m in self.members.items()
         }
 

@@ -46,7 +46,7 @@ from torch.futures import Future
 from app.common.bell import Note
 from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
-from app.common.wire import Refusal, Reply
+from app.common.wire import Joined, Refusal, Refused, Reply
 from app.contract import PS_STRATEGIES, strategy_of, worker_name
 from app.ps.exchange import SharedExchange
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
@@ -182,7 +182,7 @@ class ParameterServer:
         with self._lock:
             return self.state.clone(), self.version
 
-    def join(self, rank: int, name: str) -> tuple[torch.Tensor, int, dict[str, int]]:
+    def join(self, rank: int, name: str) -> Joined:
         """`name` becomes rank's process: the state, its version and where the rank resumes."""
         with self._lock:
             # sync: a rank the open round was not waiting for (a rank added by scaling up, or one
@@ -200,7 +200,7 @@ class ParameterServer:
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
                 self.all_joined = self.clock()
             self._event()
-            return self.state.clone(), self.version, member.progress()
+            return Joined(self.state.clone(), self.version, member.progress())
 
     def _keep_held_message(self, rank: int) -> None:
         """A new process of `rank` joins while its old one's sync push is held: that push is
@@ -259,7 +259,7 @@ class ParameterServer:
             try:
                 readmitted = self.roster.seen(rank, name)
             except StaleIncarnation as error:
-                future.set_result(Refusal("stale", str(error)))
+                future.set_result(Refusal(Refused.STALE, str(error)))
                 return future
             if not finite:
                 refusal, ready = self._refuse_nonfinite(rank, name), []
@@ -314,7 +314,7 @@ class ParameterServer:
                 "(further refusals of it are counted, not logged)",
                 name,
             )
-        return Refusal("nonfinite", f"{name} pushed non-finite values (NaN or inf); the push was refused")
+        return Refusal(Refused.NONFINITE, f"{name} pushed non-finite values (NaN or inf); the push was refused")
 
     def _scale_for(self, staleness: int) -> float:
         """Zhang et al. 2016: a push `staleness` updates late counts 1 / staleness as much
@@ -361,7 +361,7 @@ class ParameterServer:
     def _hold(self, rank: int, held: _Held) -> None:
         old = self._held.pop(rank, None)
         if old is not None:  # its earlier process died waiting; this one replaces it
-            old.future.set_result(Refusal("stale", f"worker{rank} pushed again from a new process; exiting"))
+            old.future.set_result(Refusal(Refused.STALE, f"worker{rank} pushed again from a new process; exiting"))
         self._held[rank] = held
 
     def _training(self) -> list[int]:
@@ -445,6 +445,7 @@ class ParameterServer:
         ahead = self._ahead.get(note.rank)
         if ahead is None or ahead.backward != note.backward or ahead.slot != note.slot:
             ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, self._next_reply(note.rank))
+        assert self.parts is not None  # notes come only where the PS cuts partitions
         start, end = self.parts[note.partition]
         end = min(end, self.num_params)
         grads = message[start:end]
@@ -527,7 +528,7 @@ class ParameterServer:
         else:
             mean = r.mean if r is not None and r.mean is not None and r.matches(held) else None
             if mean is None:
-                mean = self._average([h.message for h in held.values()])
+                mean = self._average([h.message for h in held.values() if h.message is not None])
             self._apply(mean, into=None if self.sliced else vector)
             if self.sliced:
                 vector.copy_(self.state)
@@ -572,7 +573,7 @@ class ParameterServer:
             try:
                 self.roster.finish(rank, name or worker_name(rank))
             except StaleIncarnation as error:
-                return Refusal("stale", str(error))
+                return Refusal(Refused.STALE, str(error))
             self._finishing += 1
             counts = self.roster.counts()
             ready = self._unblock()
@@ -595,7 +596,7 @@ class ParameterServer:
             try:
                 self.roster.leave(rank, name)
             except StaleIncarnation as error:
-                return Refusal("stale", str(error))
+                return Refusal(Refused.STALE, str(error))
             held = self._held.pop(rank, None)
             self._forget_ahead(rank)
             ready = self._unblock()

@@ -79,10 +79,12 @@ class SyncRound:
             else:
                 self.into[p].add_(message[p], alpha=-lr * scale)
                 self.into[b].add_(message[b], alpha=scale)
-        elif first:
-            torch.mul(message[start:end], scale, out=self.mean[start:end])
         else:
-            self.mean[start:end].add_(message[start:end], alpha=scale)
+            assert self.mean is not None  # a round holds its reply buffer or its mean
+            if first:
+                torch.mul(message[start:end], scale, out=self.mean[start:end])
+            else:
+                self.mean[start:end].add_(message[start:end], alpha=scale)
         self.folded[j].add(rank)
         self.counts[j] += 1
         if backward is not None:

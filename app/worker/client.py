@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Refusal, Reply, SlotReply
+from app.common.wire import Joined, NotReady, Refusal, Refused, Reply, SlotReply, Start, Taken, Version
 from app.config import UsageError
 from app.contract import PS, worker_name
 from app.ps import endpoints
@@ -22,6 +22,12 @@ from app.runtime import first_line
 from app.worker.shared_link import SharedLink, attach
 
 NOT_IN_GROUP_YET = "could not find destination name"
+
+
+class Pending(Protocol):
+    """A push on the wire: `wait()` gives the PS's answer."""
+
+    def wait(self) -> Reply | Refusal: ...
 
 
 class PSUnreachable(RuntimeError):
@@ -65,16 +71,25 @@ class PSClient:
         self.exchange, self.device = exchange, device or torch.device("cpu")
         self.link: SharedLink | None = None
 
-    def join(self) -> dict[str, Any]:
+    def join(self) -> Start:
         """The state to start from and this rank's progress; UsageError if the rank is taken.
         Maps the PS's shared memory when it offers it (`link`)."""
+        joined = self.admitted()
+        return Start(joined.vector, joined.version, joined.progress)
+
+    def admitted(self) -> Joined:
+        """The main PS's answer to this process's join (the shards' names too, when it has
+        shards), its shared memory mapped; UsageError if the rank is taken, PSUnreachable if
+        the PS cannot be reached or its shards are not all up."""
         try:
             answer = call_joining(PS, endpoints.rpc_join, (self.rank, self.name), self.timeout)
         except RuntimeError as error:
             raise self.lost(endpoints.rpc_join, error) from error
-        if "taken" in answer:
-            raise UsageError(answer["taken"])
-        self.link = attach(answer.pop("exchange", None), self.rank, self.device, self.exchange, self.name, PS)
+        if isinstance(answer, Taken):
+            raise UsageError(answer.message)
+        if isinstance(answer, NotReady):  # a shard restarts: start again once it is back
+            raise self.lost(endpoints.rpc_join, RuntimeError(answer.message))
+        self.link = attach(answer.exchange, self.rank, self.device, self.exchange, self.name, PS)
         return answer
 
     def message_buffers(self) -> list[torch.Tensor] | None:
@@ -93,19 +108,19 @@ class PSClient:
     def push(
         self,
         message: torch.Tensor,
-        version: int,
+        version: Version,
         epoch: int = 1,
         batch: int = 0,
         samples: int = 0,
         noted: tuple[int, bool] | None = None,
         placed: int | None = None,
-    ) -> Reply:
+    ) -> Reply | Refusal:
         return self.push_async(message, version, epoch, batch, samples, noted, placed).wait()
 
     def push_async(
         self,
         message: torch.Tensor,
-        version: int,
+        version: Version,
         epoch: int = 1,
         batch: int = 0,
         samples: int = 0,
@@ -120,8 +135,8 @@ class PSClient:
             if self.link is not None:
                 slot = placed if placed is not None else self.link.place(message)
                 dtype = str(message.dtype).removeprefix("torch.")
-                args = (self.rank, slot, dtype, message.numel(), version, self.name, epoch, batch, samples)
-                args += (None, *(noted or (None, False)))  # staleness: the PS's own
+                args: tuple[Any, ...] = (self.rank, slot, dtype, message.numel(), version, self.name, epoch)
+                args += (batch, samples, None, *(noted or (None, False)))  # staleness: the PS's own
                 future = rpc.rpc_async(PS, endpoints.rpc_push_slot, args=args, timeout=self.push_timeout)
             else:
                 args = (self.rank, message, version, self.name, epoch, batch, samples)
@@ -157,7 +172,7 @@ class PSClient:
 def refused(answer: Any) -> Any:
     """The PS's answer, unless it refused because a newer process replaced this one
     (UsageError: exit 2); a `nonfinite` Refusal is returned for the caller to skip."""
-    if isinstance(answer, Refusal) and answer.kind == "stale":
+    if isinstance(answer, Refusal) and answer.kind is Refused.STALE:
         raise UsageError(answer.message)
     return answer
 

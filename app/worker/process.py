@@ -89,7 +89,7 @@ def join_and_train(
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
     push_wait = config.join_timeout if strategy_of(config.strategy).waits else 0.0
-    client: PSClient | ShardedClient = PSClient(
+    main = PSClient(
         config.rank,
         config.rpc_timeout,
         f"{config.master_addr}:{config.master_port}",
@@ -98,18 +98,18 @@ def join_and_train(
         exchange=config.exchange,
         device=device,
     )
+    client: PSClient | ShardedClient = main
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
-        client = ShardedClient(client, chained=config.staleness_lr)
+        client = ShardedClient(main, chained=config.staleness_lr)
         client.num_params = sum(p.numel() for p in model.parameters())
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):
             start = client.join()
-            metrics.start(config, start["pushes"])
-            metrics.write(
-                "join", start["pushes"], worker=name, epoch=start["epoch"], batch=start["batch"], **gpu_identity(device)
-            )
+            at = start.progress
+            metrics.start(config, at.pushes)
+            metrics.write("join", at.pushes, worker=name, epoch=at.epoch, batch=at.batch, **gpu_identity(device))
             trainer = Trainer(config, model, loader, sampler, device, client, metrics)
             try:
                 pushes = trainer.train(start)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Refusal, Reply, SlotReply
+from app.common.wire import Joined, Refusal, Refused, Reply, SlotReply, Start, Version
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
@@ -50,28 +50,28 @@ class ShardedClient:
         self.num_params = 0  # where a compressed message's float32 buffers start
         self.links: dict[str, SharedLink] = {}  # the shards whose shared memory this worker maps
 
-    def join(self) -> dict[str, Any]:
-        """Join every shard; the main PS's answer (the authority on progress) with the whole
-        vector and one version per shard."""
-        answer = self.main.join()
-        if "wait" in answer:  # a shard restarts: start again once it is back
-            raise self.main.lost(endpoints.rpc_join, RuntimeError(answer["wait"]))
-        self.parts = [(PS, *answer["part"])] + [tuple(s) for s in answer["shards"]]
+    def join(self) -> Start:
+        """Join every shard; the main PS's progress (the authority on it) with the whole vector
+        and one version per shard."""
+        answer = self.main.admitted()
+        if answer.part is None:
+            raise RuntimeError("the parameter server answered as one process; this worker was started with shards")
+        self.parts = [(PS, *answer.part), *answer.shards]
         self.links = {PS: self.main.link} if self.main.link is not None else {}
-        slices, versions = [answer["vector"]], [answer["version"]]
+        slices, versions = [answer.vector], [answer.version]
         for name, _, _ in self.parts[1:]:
             try:
                 got = call_joining(name, endpoints.rpc_join, (self.rank, self.name), self.main.timeout)
             except RuntimeError as error:
                 raise self.lost(name, endpoints.rpc_join, error) from error
-            if "taken" in got:
-                raise UsageError(got["taken"])
-            link = attach(got.pop("exchange", None), self.rank, self.main.device, self.main.exchange, self.name, name)
+            if not isinstance(got, Joined):
+                raise UsageError(got.message)
+            link = attach(got.exchange, self.rank, self.main.device, self.main.exchange, self.name, name)
             if link is not None:
                 self.links[name] = link
-            slices.append(got["vector"])
-            versions.append(got["version"])
-        return {**answer, "vector": torch.cat(slices), "version": tuple(versions)}
+            slices.append(got.vector)
+            versions.append(got.version)
+        return Start(torch.cat(slices), tuple(versions), answer.progress)
 
     def message_buffers(self) -> None:
         """Each shard takes its slice of the message: no one buffer holds a whole push."""
@@ -84,32 +84,32 @@ class ShardedClient:
     def push(
         self,
         message: torch.Tensor,
-        version: tuple[int, ...],
+        version: Version,
         epoch: int = 1,
         batch: int = 0,
         samples: int = 0,
         noted: None = None,
         placed: None = None,
-    ) -> Reply:
+    ) -> Reply | Refusal:
         """PSClient.push's interface: a sharded PS takes pushes whole (no notes, nothing placed)."""
         return self.push_async(message, version, epoch, batch, samples).wait()
 
     def push_async(
         self,
         message: torch.Tensor,
-        version: tuple[int, ...],
+        version: Version,
         epoch: int = 1,
         batch: int = 0,
         samples: int = 0,
         noted: None = None,
         placed: None = None,
-    ) -> ShardedPush | Refusal:
+    ) -> ShardedPush | _Refused:
         """Send every slice (the main PS's only, when chained); a non-finite message is
         refused here, before any shard applies a slice of it."""
         if not all_finite(message[: self.num_params] if message.dtype != torch.float32 else message):
-            return _Refused(
-                Refusal("nonfinite", f"{self.name} computed non-finite values (NaN or inf); the push was not sent")
-            )
+            why = f"{self.name} computed non-finite values (NaN or inf); the push was not sent"
+            return _Refused(Refusal(Refused.NONFINITE, why))
+        assert isinstance(version, tuple)  # one version per PS process
         sends = [
             (name, self._part(message, start, end), pulled) for (name, start, end), pulled in zip(self.parts, version)
         ]
@@ -142,7 +142,8 @@ class ShardedClient:
         try:
             if link is not None:
                 slot, dtype = link.place(part), str(part.dtype).removeprefix("torch.")
-                args = (self.rank, slot, dtype, part.numel(), pulled, self.name, epoch, batch, samples, staleness)
+                args: tuple[Any, ...] = (self.rank, slot, dtype, part.numel(), pulled, self.name, epoch, batch)
+                args += (samples, staleness)
                 return name, rpc.rpc_async(name, endpoints.rpc_push_slot, args=args, timeout=self.main.push_timeout)
             args = (self.rank, part.clone(), pulled, self.name, epoch, batch, samples, staleness)
             return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
@@ -213,11 +214,15 @@ class ShardedPush:
         ]
         for name, future in self.futures[1:] + sent:
             replies.append(self._wait(name, future))
+        done = []
         for reply in replies:
             if isinstance(refused(reply), Refusal):
                 return reply
-        vector = torch.cat([r.vector for r in replies])
-        return Reply(vector, tuple(r.version for r in replies), replies[0].staleness, replies[0].lead)
+            assert isinstance(reply, Reply)
+            done.append(reply)
+        vector = torch.cat([r.vector for r in done])
+        versions = tuple(v for r in done for v in (r.version if isinstance(r.version, tuple) else (r.version,)))
+        return Reply(vector, versions, done[0].staleness, done[0].lead)
 
     def _wait(self, name: str, future: Any) -> Reply | Refusal:
         try:

@@ -40,7 +40,7 @@ class SharedLink:
     @classmethod
     def attach(cls, offer: Offer, rank: int, device: torch.device) -> SharedLink:
         link = cls(Segment.attach(offer), rank, device)
-        link.parts, link.bell = [tuple(p) for p in offer.parts], offer.bell
+        link.parts, link.bell = [(start, end) for start, end in offer.parts], offer.bell
         return link
 
     def reserve(self) -> int:

@@ -28,12 +28,13 @@ from app.common.bell import Ringer
 from app.common.flat import FlatModel
 from app.common.metrics import MetricsWriter
 from app.common.partitions import cut
-from app.common.wire import Refusal, Reply
+from app.common.wire import Refusal, Reply, Start, Version
 from app.config import Config
-from app.worker.client import PendingPush, PSClient
+from app.worker.client import Pending, PSClient
 from app.worker.compress import Compressor
 from app.worker.posting import DevicePoster, Poster
 from app.worker.pulling import DevicePuller
+from app.worker.sharded_client import ShardedClient
 
 log = logging.getLogger("app.worker")
 MAX_REFUSED_IN_A_ROW = 20
@@ -49,7 +50,7 @@ class Trainer:
         loader: torch.utils.data.DataLoader,
         sampler: data.ShardSampler,
         device: torch.device,
-        client: PSClient,
+        client: PSClient | ShardedClient,
         metrics: MetricsWriter,
     ) -> None:
         self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
@@ -74,13 +75,13 @@ class Trainer:
             if device.type == "cuda"
             else None
         )
-        self.in_flight: PendingPush | None = None  # --overlap: the push on the wire
+        self.in_flight: Pending | None = None  # --overlap: the push on the wire
         self.slots: list[torch.Tensor] | None = None  # the push slots in the PS's shared memory, once joined
         self.poster: Poster | None = None  # notes partitions as the backward finishes them (app.worker.posting)
         self.puller: DevicePuller | None = None  # a GPU worker's partitions back, in forward order
         self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
         self._claimed = False  # the last backward's notes hold
-        self.version = 0
+        self.version: Version = 0  # of the state this worker computes on (a tuple over PS shards)
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
         self.sent = 0  # pushes sent by this process
         self.refused = 0  # pushes the PS refused (non-finite values)
@@ -90,7 +91,7 @@ class Trainer:
         # is taken among the ranks training at its start (not with a stable shard: the image cache).
         self.reshards = config.max_trainers > config.num_trainers and not sampler.fixed
 
-    def train(self, start: dict[str, Any]) -> int:
+    def train(self, start: Start) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
         self.start_from(start)
@@ -98,8 +99,8 @@ class Trainer:
             self.loader,
             self.sampler,
             self.config.data_dir,
-            start["epoch"],
-            start["batch"],
+            start.progress.epoch,
+            start.progress.batch,
             self.config.num_epochs,
             self.config.batch_size,
             before_epoch=self.reshard if self.reshards else None,
@@ -114,11 +115,11 @@ class Trainer:
                 break
         return self.last_reply()
 
-    def start_from(self, start: dict[str, Any]) -> None:
+    def start_from(self, start: Start) -> None:
         """Take the PS's answer to join: the state, its version, the rank's pushes; and, when the
         client reaches the PS through shared memory, write messages into its push slots."""
-        self.flat.adopt(start["vector"])
-        self.version, self.pushes = start["version"], start["pushes"]
+        self.flat.adopt(start.vector)
+        self.version, self.pushes = start.version, start.progress.pushes
         self.slots = self.client.message_buffers()
         if self.device.type == "cpu":  # the model is pointed at the PS's reply buffers: their views once
             self.flat.keep_views_of(self.client.reply_buffers())
@@ -164,6 +165,7 @@ class Trainer:
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
         self.flat.zero_grads()
         if self.poster is not None:
+            assert isinstance(self.version, int)  # notes go to one PS process
             self.poster.arm(self.backwards, self._slot(), self.version)
         self.backwards += 1
         with runtime.autocast(self.config.precision, self.device):
@@ -173,6 +175,7 @@ class Trainer:
             self._claimed = self.poster is not None and self.poster.claims()
             return loss.item()
         self.scaler.scale(loss).backward()
+        assert self._unscaler is not None  # made with the scaler
         self.scaler.unscale_(self._unscaler)
         overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())
         self.scaler.update()
@@ -218,7 +221,9 @@ class Trainer:
         views of (CPU), or the next one taken (GPU)."""
         assert self.slots is not None
         if self.device.type != "cpu":
-            return self.client.link.reserve()
+            link = getattr(self.client, "link", None)
+            assert link is not None  # push slots come with the link
+            return link.reserve()
         return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
     def last_reply(self) -> int:
@@ -233,7 +238,8 @@ class Trainer:
     def _take(self, reply: Reply | Refusal) -> Reply | None:
         """Continue from the reply's state; a refused push (non-finite) is skipped: None."""
         if isinstance(reply, Refusal):
-            return self._skip(reply)
+            self._skip(reply)
+            return None
         self._refused_in_a_row = 0
         if self.puller is not None:  # a GPU worker: copied to the device as its forward needs it
             self.puller.load(reply.vector)

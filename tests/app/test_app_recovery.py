@@ -34,7 +34,7 @@ def test_a_dropped_rank_resumes_in_a_new_process_and_the_old_one_is_refused():
     roster.record_push(2, epoch=3, batch=7)
     assert roster.drop(2, "worker2") and roster[2].state == DROPPED
     assert not roster.drop(2, "worker2")  # once
-    assert roster.join(2, "worker2_r2").progress() == {"epoch": 3, "batch": 7, "pushes": 1}
+    assert roster.join(2, "worker2_r2").progress()._asdict() == {"epoch": 3, "batch": 7, "pushes": 1}
     with pytest.raises(StaleIncarnation, match="worker2 was replaced by worker2_r2"):
         roster.seen(2, "worker2")
     assert roster[2].state == LIVE
@@ -72,7 +72,7 @@ def test_a_finished_rank_stays_finished_across_a_checkpoint():
     roster.finish(1, "worker1")
     restored = Roster([1, 2], join_timeout=30, clock=Clock())
     restored.restore(roster.state())
-    assert restored[1].state == FINISHED and restored[1].progress() == {"epoch": 10, "batch": 15, "pushes": 1}
+    assert restored[1].state == FINISHED and restored[1].progress()._asdict() == {"epoch": 10, "batch": 15, "pushes": 1}
 
 
 def _server(seed: int = 0) -> ParameterServer:
@@ -93,7 +93,7 @@ def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
         restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
         server.optimizer.state_dict()["state"][0]["momentum_buffer"],
     )
-    assert restored.join(1, "worker1_r2")[2] == {"epoch": 2, "batch": 3, "pushes": 3}
+    assert restored.join(1, "worker1_r2").progress._asdict() == {"epoch": 2, "batch": 3, "pushes": 3}
 
 
 def _three_checkpoints(directory) -> list:

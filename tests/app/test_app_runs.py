@@ -72,7 +72,7 @@ def test_a_checkpoint_of_another_run_restores_progress_but_no_finish():
     roster = Roster([1, 2, 3, 4], join_timeout=30, clock=Clock())
     roster.restore(_finished_in_a_checkpoint(2, 4), same_run=False)
     assert all(m.state == ABSENT for m in roster.members.values())
-    assert roster[2].progress() == {"epoch": 2, "batch": 20, "pushes": 1}
+    assert roster[2].progress()._asdict() == {"epoch": 2, "batch": 20, "pushes": 1}
 
 
 @pytest.mark.parametrize("same_run", [True, False])

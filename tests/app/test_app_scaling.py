@@ -49,7 +49,7 @@ def test_ranks_above_the_first_ones_join_up_to_the_most_and_no_further():
     roster.join(4, "worker4")
     assert roster[4].state == LIVE and sorted(roster.members) == [1, 2, 4]
     # the new rank starts at the job's next epoch: after the one the slowest live rank is in
-    assert roster[4].progress() == {"epoch": 2, "batch": 0, "pushes": 0}
+    assert roster[4].progress()._asdict() == {"epoch": 2, "batch": 0, "pushes": 0}
     with pytest.raises(ValueError, match="rank 5 is not a worker of this job \\(ranks 1..4\\)"):
         roster.join(5, "worker5")
 
@@ -86,7 +86,7 @@ def test_a_checkpoint_keeps_who_left_and_the_ranks_that_joined_later_within_its_
     saved = roster.state()
     again = Roster(range(1, 3), join_timeout=60.0, max_rank=4)
     again.restore(saved, same_run=True)
-    assert again[3].progress() == {"epoch": 1, "batch": 5, "pushes": 1} and again[4].state == LEFT
+    assert again[3].progress()._asdict() == {"epoch": 1, "batch": 5, "pushes": 1} and again[4].state == LEFT
     other = Roster(range(1, 3), join_timeout=60.0, max_rank=4)
     other.restore(saved, same_run=False)  # another run: only the first ranks are its own
     assert sorted(other.members) == [1, 2]

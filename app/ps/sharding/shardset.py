@@ -3,6 +3,7 @@ readiness, pings, drops forwarded, checkpoints, the gathered state and the end."
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+from app.common.wire import Joined, NotReady, Taken
 from app.config import Config
 from app.ps import endpoints, membership
 from app.ps.liveness import Pinger
@@ -74,15 +76,15 @@ class ShardSet:
     def ready(self) -> bool:
         return len(self.names) == self.k - 1
 
-    def join(self, admit: Callable[[int, str], dict[str, Any]], rank: int, name: str) -> dict[str, Any]:
+    def join(self, admit: Callable[[int, str], Joined | Taken], rank: int, name: str) -> Joined | Taken | NotReady:
         """A worker's join (app.ps.liveness.LivenessMonitor.join), once every shard is up; with the shards' names."""
         with self._lock:
-            listing = [(self.names[i], *self.bounds[i]) for i in sorted(self.names)]
+            listing = tuple((self.names[i], *self.bounds[i]) for i in sorted(self.names))
         if len(listing) < self.k - 1:
-            return {"wait": f"the parameter server's shards are not all up ({len(listing)} of {self.k - 1})"}
+            return NotReady(f"the parameter server's shards are not all up ({len(listing)} of {self.k - 1})")
         answer = admit(rank, name)
-        if "taken" not in answer:
-            answer.update(part=self.bounds[0], shards=listing)
+        if isinstance(answer, Joined):
+            return answer._replace(part=self.bounds[0], shards=listing)
         return answer
 
     def _shards(self) -> list[tuple[int, str]]:
@@ -97,7 +99,8 @@ class ShardSet:
         full[start:end] = own
         shards = self._shards()
         if len(shards) < self.k - 1:
-            return self._skip("not every shard is up")
+            self._skip("not every shard is up")
+            return None
         futures = [
             (i, name, rpc.rpc_async(name, endpoints.rpc_pull, args=(0,), timeout=self.timeout)) for i, name in shards
         ]
@@ -105,7 +108,8 @@ class ShardSet:
             try:
                 vector, _ = future.wait()
             except Exception as error:  # noqa: BLE001 - any failure: that shard is gone or stuck
-                return self._skip(f"{name} did not answer ({first_line(error)})")
+                self._skip(f"{name} did not answer ({first_line(error)})")
+                return None
             start, end = self.bounds[i]
             full[start:end] = vector
         self._warned = False
@@ -155,7 +159,7 @@ class ShardSet:
             return
         self._last_tick = now
         for index, name in self._shards():
-            self._pinger.ping(name, lambda why, i=index, n=name: self._lost(i, n, why))
+            self._pinger.ping(name, functools.partial(self._lost, index, name))
 
     def _lost(self, index: int, name: str, why: str) -> None:
         with self._lock:
