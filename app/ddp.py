@@ -313,15 +313,16 @@ def compress_hook(name: str, backend: str) -> Any:
     return default_hooks.bf16_compress_hook if backend == "nccl" else bf16_gloo_hook
 
 
-def bf16_gloo_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+def bf16_gloo_hook(process_group, bucket):
     """What bf16_compress_hook does: the bucket cast to bfloat16, divided by the world size,
     allreduced, cast back into the bucket. (No annotations: register_comm_hook compares them
     with the real classes, and this module's are strings.)"""
     group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None, "DDP calls its hooks in a joined process group"
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(group.size())
 
-    def decompress(fut):  # type: ignore[no-untyped-def]
+    def decompress(fut):
         return buffer.copy_(fut.value()[0])
 
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
@@ -335,13 +336,65 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     config = dataclasses.replace(
         config, rank=world.rank + 1, world_size=world.size + 1, master_addr=world.addr, master_port=world.port
     )
+    device = rank_device(config, world)
+    models.check(config.model)
+    runtime.set_threads(world.size)
+    inputs = load_inputs(config, world, device)
+    state = build_state(config, inputs.train, device)
+
+    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
+        checkpoints = rank0_checkpointer(config, world, inputs.train, state, metrics)
+        backend = join_job(config, world, device, state, checkpoints)
+        p = state.progress
+        metrics.start(config, p.step)
+        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch, **runtime.gpu_identity(device))
+        model = DistributedDataParallel(state.module, device_ids=[device.index] if device.type == "cuda" else None)
+        if config.compress != "none":
+            model.register_comm_hook(None, compress_hook(config.compress, backend))
+        rank0 = None
+        if checkpoints is not None and inputs.held_out is not None:
+            rank0 = (checkpoints, data.eval_loader(inputs.held_out.data, config.batch_size, inputs.loader_workers))
+        trainer = Trainer(
+            config, world, model, state.optimizer, state, inputs.loader, inputs.sampler, device, metrics, rank0
+        )
+        seconds = train_timed(trainer, checkpoints)
+        trainer.wait_for_evaluation()
+        leave_together(world)
+        if rank0 is None:
+            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(inputs.train.data))
+        else:
+            finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
+    # Leave without tearing torch down: destroying DDP's Gloo process group can
+    # deadlock (seen in containers, torch 2.13: the main thread, holding the GIL,
+    # joins Gloo's run-loop thread, which needs the GIL to free its last work).
+    # Everything is written; the job ended for every rank (leave_together).
+    runtime.exit_now(0)
+    return 0
+
+
+def rank_device(config: Config, world: World) -> torch.device:
+    """--device, tuned; under torchrun with several GPUs a node, the GPU of LOCAL_RANK."""
     device = choose_device(config.device)
     runtime.tune_for(device)
     if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
         device = torch.device(f"cuda:{world.local_rank}")  # torchrun, several GPUs per node
         torch.cuda.set_device(device)
-    models.check(config.model)
-    runtime.set_threads(world.size)
+    return device
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A rank's train data, its sampler and loader; rank 0's held-out split (None elsewhere)."""
+
+    train: data.LabeledData
+    sampler: EpochSampler
+    loader: DataLoader
+    held_out: Optional[data.LabeledData]
+    loader_workers: int
+
+
+def load_inputs(config: Config, world: World, device: torch.device) -> Inputs:
+    """The train split (this rank's shard when the image cache holds it), and on rank 0 the held-out one."""
     workers, why = data.loader_choice(config)
     # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
     train = data.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
@@ -349,13 +402,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     sampler = EpochSampler(
         train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world, config.seed
     )
-    loader = data.train_loader(
-        train.data,
-        sampler,
-        config.batch_size,
-        workers,  # type: ignore[arg-type]
-        pin_memory=device.type == "cuda",
-    )
+    loader = data.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
     held_out = data.load_for(config, "test", workers) if world.rank == 0 else None
     log.info(
         "%s: rank %d of %d, %d samples a rank per epoch (%s)",
@@ -365,71 +412,70 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         len(sampler),
         data.describe(train),
     )
+    return Inputs(train, sampler, loader, held_out, workers)
+
+
+def build_state(config: Config, train: data.LabeledData, device: torch.device) -> JobState:
+    """The model (--init_weights on every rank, so none starts from other weights than rank 0's) and its SGD."""
     module = models.build(config.model, train.channels, train.num_classes, config.seed)
-    if config.init_weights:  # every rank, so no rank starts from other weights than rank 0's
+    if config.init_weights:
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
     module = module.to(memory_format=runtime.memory_format(config, device))
     optimizer = torch.optim.SGD(
         module.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
-    state = JobState(module, optimizer)
+    return JobState(module, optimizer)
 
-    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
-        checkpoints = None
-        if world.rank == 0:
-            identity = dict(
-                model_name=config.model,
-                dataset=config.dataset,
-                channels=train.channels,
-                num_classes=train.num_classes,
-                world_size=config.world_size,
-                strategy="allreduce",
-            )
-            checkpoints = Checkpointer(state, config, identity, metrics)  # type: ignore[arg-type]
-        backend = rendezvous(world, device, config.rpc_timeout)
-        log.info(
-            "%s joined the allreduce job at %s:%d (%d workers, %s)",
-            config.name,
-            world.addr,
-            world.port,
-            world.size,
-            backend,
-        )
-        finished = start_state(state, checkpoints, device)
-        if finished:
-            log.info("%s", finished)
-            runtime.exit_now(0)
-        p = state.progress
-        metrics.start(config, p.step)
-        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch, **runtime.gpu_identity(device))
-        model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-        if config.compress != "none":
-            model.register_comm_hook(None, compress_hook(config.compress, backend))
-        rank0 = None
-        if checkpoints is not None and held_out is not None:
-            rank0 = (checkpoints, data.eval_loader(held_out.data, config.batch_size, workers))
-        trainer = Trainer(config, world, model, optimizer, state, loader, sampler, device, metrics, rank0)
-        started = time.monotonic()
-        try:
-            trainer.train()
-        except BaseException:  # a lost peer, SIGTERM: keep what was learned (the last whole step)
-            if checkpoints is not None:
-                checkpoints.save("on exit", on_exit=True)
-            raise
-        seconds = time.monotonic() - started
-        trainer.wait_for_evaluation()
-        leave_together(world)
-        if rank0 is None:
-            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(train.data))
-        else:
-            finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
-    # Leave without tearing torch down: destroying DDP's Gloo process group can
-    # deadlock (seen in containers, torch 2.13: the main thread, holding the GIL,
-    # joins Gloo's run-loop thread, which needs the GIL to free its last work).
-    # Everything is written; the job ended for every rank (leave_together).
-    runtime.exit_now(0)
-    return 0
+
+def rank0_checkpointer(
+    config: Config, world: World, train: data.LabeledData, state: JobState, metrics: MetricsWriter
+) -> Optional[Checkpointer]:
+    """Rank 0 checkpoints the job; the other ranks do not (None)."""
+    if world.rank != 0:
+        return None
+    identity = dict(
+        model_name=config.model,
+        dataset=config.dataset,
+        channels=train.channels,
+        num_classes=train.num_classes,
+        world_size=config.world_size,
+        strategy="allreduce",
+    )
+    return Checkpointer(state, config, identity, metrics)
+
+
+def join_job(
+    config: Config, world: World, device: torch.device, state: JobState, checkpoints: Optional[Checkpointer]
+) -> str:
+    """Rendezvous, then where the job is (`start_state`); the process exits 0 here when the
+    run already finished. The backend's name."""
+    backend = rendezvous(world, device, config.rpc_timeout)
+    log.info(
+        "%s joined the allreduce job at %s:%d (%d workers, %s)",
+        config.name,
+        world.addr,
+        world.port,
+        world.size,
+        backend,
+    )
+    finished = start_state(state, checkpoints, device)
+    if finished:
+        log.info("%s", finished)
+        runtime.exit_now(0)
+    return backend
+
+
+def train_timed(trainer: Trainer, checkpoints: Optional[Checkpointer]) -> float:
+    """`trainer.train()`; its seconds. On the way out with an error, rank 0 checkpoints first."""
+    started = time.monotonic()
+    try:
+        trainer.train()
+    except BaseException:  # a lost peer, SIGTERM: keep what was learned (the last whole step)
+        if checkpoints is not None:
+            checkpoints.save("on exit", on_exit=True)
+        raise
+    return time.monotonic() - started
 
 
 def finish_rank0(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import logging
 import os
 import signal
@@ -88,7 +89,8 @@ def set_gloo_interface(master_addr: str) -> None:
 
 def setup_logging(level: int = logging.INFO) -> None:
     """Bare progress lines on line-buffered stdout; timestamped diagnostics on stderr."""
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream put in its place (a test's capture)
+        sys.stdout.reconfigure(line_buffering=True)
     out = logging.StreamHandler(sys.stdout)
     out.setFormatter(logging.Formatter("%(message)s"))
     progress.handlers[:] = [out]

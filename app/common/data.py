@@ -11,13 +11,13 @@ from __future__ import annotations
 import gzip
 import logging
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 from app.common import host, plugins
 from app.common.imagefolder import CROP, ImageFolderData, find_samples
@@ -121,7 +121,7 @@ def load(
         got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
         return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
-        mode = {True: "memory", False: "off"}.get(image_cache, image_cache)  # type: ignore[call-overload]
+        mode = image_cache if isinstance(image_cache, str) else ("memory" if image_cache else "off")
         return _imagefolder(
             Path(data_dir),
             split == "train",
@@ -341,34 +341,50 @@ def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) ->
     (ShardSampler), or, when the data holds the worker's stable shard already (the image
     cache), a permutation of that shard per epoch."""
     if train.sharded:
-        sampler = ShardSampler(len(train.data), 1, 0, seed)  # type: ignore[arg-type]
+        sampler = ShardSampler(size_of(train.data), 1, 0, seed)
         sampler.fixed = True
         return sampler
-    return ShardSampler(len(train.data), num_shards, shard, seed)  # type: ignore[arg-type]
+    return ShardSampler(size_of(train.data), num_shards, shard, seed)
 
 
 def train_loader(
-    data: Dataset, sampler: ShardSampler, batch_size: int, loader_workers: int, pin_memory: bool
+    data: Dataset, sampler: ShardSampler | DistributedSampler, batch_size: int, loader_workers: int, pin_memory: bool
 ) -> DataLoader:
-    """Batches of this worker's shard; the last short batch is dropped when the shard
-    holds at least one full batch (BatchNorm cannot train on a batch of one)."""
+    """Batches of this worker's shard (its ShardSampler, or the allreduce job's DistributedSampler);
+    the last short batch is dropped when the shard holds at least one full batch (BatchNorm
+    cannot train on a batch of one)."""
     drop_last = len(sampler) >= batch_size
     return _loader(data, sampler, batch_size, drop_last, loader_workers, pin_memory)
 
 
 def eval_loader(data: Dataset, batch_size: int, loader_workers: int) -> DataLoader:
-    sampler = ShardSampler(len(data), 1, 0, shuffle=False)  # type: ignore[arg-type]
+    sampler = ShardSampler(size_of(data), 1, 0, shuffle=False)
     return _loader(data, sampler, batch_size, False, loader_workers, False)
 
 
 def _loader(
     data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool, loader_workers: int, pin_memory: bool
 ) -> DataLoader:
-    common = dict(num_workers=loader_workers, pin_memory=pin_memory, persistent_workers=loader_workers > 0)
+    persistent = loader_workers > 0
     if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
         batches = BatchSampler(sampler, batch_size, drop_last)
-        return DataLoader(data, sampler=batches, batch_size=None, **common)
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
+        return DataLoader(
+            data,
+            sampler=batches,
+            batch_size=None,
+            num_workers=loader_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent,
+        )
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=loader_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent,
+    )
 
 
 def skipped(dataset: Dataset) -> dict[str, int]:
@@ -415,4 +431,11 @@ def load_for(
 
 
 def describe(data: LabeledData) -> str:
-    return f"{len(data.data)} samples, {data.channels} channel(s), {data.num_classes} classes"  # type: ignore[arg-type]
+    return f"{size_of(data.data)} samples, {data.channels} channel(s), {data.num_classes} classes"
+
+
+def size_of(data: Dataset) -> int:
+    """len(data): torch's Dataset declares no __len__, though every dataset the app trains on has one."""
+    if not isinstance(data, Sized):
+        raise TypeError(f"the dataset {type(data).__name__} has no len()")
+    return len(data)

@@ -69,7 +69,7 @@ def decode(path: str, size: int = RESIZE) -> torch.Tensor:
         img = to_rgb(img)
         scale = size / min(img.size)
         w, h = max(size, round(img.width * scale)), max(size, round(img.height * scale))
-        img = img.resize((w, h), Image.BILINEAR)
+        img = img.resize((w, h), Image.Resampling.BILINEAR)
         left, top = (w - size) // 2, (h - size) // 2
         img = img.crop((left, top, left + size, top + size))
         array = np.asarray(img, dtype=np.uint8)
@@ -384,13 +384,14 @@ def _file_bytes(n: int, size: int) -> int:
     return 9 * n + n * 3 * size * size  # int64 labels, uint8 bad flags, uint8 images
 
 
-def _decode_or_none(path: str, size: int) -> tuple[torch.Tensor | None, Exception | None]:
+def _decode_or_error(path: str, size: int) -> torch.Tensor | Exception:
+    """The decoded image, or why it does not decode."""
     try:
-        return decode(path, size), None
+        return decode(path, size)
     except FileNotFoundError:
         raise
     except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
-        return None, error
+        return error
 
 
 def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, threads: int) -> None:
@@ -415,18 +416,18 @@ def _write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, thr
         images = out[9 * n :].reshape(n, 3, size, size)
         labels[:] = [label for _, label in samples]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for i, (image, error) in enumerate(pool.map(lambda s: _decode_or_none(s[0], size), samples)):
-                if image is None:
+            for i, got in enumerate(pool.map(lambda s: _decode_or_error(s[0], size), samples)):
+                if isinstance(got, Exception):
                     bad[i] = 1
-                    _warn_bad(samples[i][0], error, int(bad.sum()))  # type: ignore[arg-type]
+                    _warn_bad(samples[i][0], got, int(bad.sum()))
                 else:
-                    images[i] = image.numpy()
+                    images[i] = got.numpy()
         good = np.flatnonzero(bad == 0)
         if len(good) == 0:
             raise OSError(f"no image under the data dir decodes (the first: {samples[0][0]})")
-        for i in np.flatnonzero(bad):  # the next decodable image stands in, wrapping round
-            j = good[np.searchsorted(good, i) % len(good)]
-            images[i], labels[i] = images[j], labels[j]
+        for slot in np.flatnonzero(bad):  # the next decodable image stands in, wrapping round
+            j = good[np.searchsorted(good, slot) % len(good)]
+            images[slot], labels[slot] = images[j], labels[j]
         out.flush()
         del out, labels, bad, images
         os.replace(tmp, path)

@@ -159,7 +159,7 @@ class ImageFolderData(Dataset):
             crop = self.crop
             scale = self.resize / min(img.size)
             size = (max(crop, round(img.width * scale)), max(crop, round(img.height * scale)))
-            img = img.resize(size, Image.BILINEAR)
+            img = img.resize(size, Image.Resampling.BILINEAR)
             if self.train:
                 left = int(torch.randint(0, img.width - crop + 1, ()).item())
                 top = int(torch.randint(0, img.height - crop + 1, ()).item())
@@ -167,7 +167,7 @@ class ImageFolderData(Dataset):
                 left, top = (img.width - crop) // 2, (img.height - crop) // 2
             img = img.crop((left, top, left + crop, top + crop))
             if self.train and torch.rand(()).item() < 0.5:
-                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             array = np.asarray(img, dtype=np.uint8)
         x = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
         return (x - MEAN) / STD, label

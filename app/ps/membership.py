@@ -100,6 +100,8 @@ def is_shard_name(name: str) -> bool:
 
 def _stores() -> tuple[dist.Store, dist.Store]:
     agent = rpc.api._get_current_rpc_agent()
+    if not isinstance(agent, rpc.TensorPipeAgent):  # the only RPC agent with a store
+        raise RuntimeError(f"the membership store needs the TensorPipe RPC agent, not {type(agent).__name__}")
     return agent.store, dist.PrefixStore("names", agent.store)
 
 
