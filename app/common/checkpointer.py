@@ -40,7 +40,12 @@ class Checkpointer:
     """Periodic, on-exit and final checkpoints of one training state (`server`)."""
 
     def __init__(
-        self, server: Checkpointable, config: Config, identity: dict[str, Any], metrics: MetricsWriter
+        self,
+        server: Checkpointable,
+        config: Config,
+        identity: dict[str, Any],
+        metrics: MetricsWriter,
+        before_save: Callable[[int], None] | None = None,
     ) -> None:
         self.server, self.config, self.identity, self.metrics = server, config, identity, metrics
         self.directory = Path(config.checkpoint_dir)
@@ -49,7 +54,7 @@ class Checkpointer:
         self.saved_run = ""  # ... and the run id it carries
         # A sharded main PS: the other shards write theirs, labelled with this version, before
         # this one is written (app.ps.sharding.shardset); raises if one could not.
-        self.before_save: Callable[[int], None] = lambda version: None
+        self.before_save: Callable[[int], None] = before_save or (lambda version: None)
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
         self.run_finished = ""  # set by `resume` when this run id has already finished
         self._final: dict[str, Any] | None = None  # what final.pt says of its run (resume)

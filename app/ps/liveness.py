@@ -70,7 +70,13 @@ class LivenessMonitor:
 
     FROZEN_PERIODS = 3  # rpc_timeout periods without a push before ssp/sync drop a live worker
 
-    def __init__(self, server: ParameterServer, rpc_timeout: float, record: Event) -> None:
+    def __init__(
+        self,
+        server: ParameterServer,
+        rpc_timeout: float,
+        record: Event,
+        on_drop: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
         self._pinger = Pinger(rpc_timeout)
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
@@ -78,7 +84,7 @@ class LivenessMonitor:
         server.on_back = self.back
         server.on_leave = self.left
         # Called after a drop: a sharded PS forwards it to its other shards (app.ps.sharding.shardset).
-        self.on_drop: Callable[[int, str], None] = lambda rank, name: None
+        self.on_drop: Callable[[int, str], None] = on_drop or (lambda rank, name: None)
 
     def join(self, rank: int, name: str) -> Joined | Taken:
         """Admit `name` as rank's process, or say the rank is taken."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,6 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter, Rates, run_records
 from app.config import Config
 from app.contract import PS, worker_name
-from app.ps import exchange
 from app.ps.endpoints import ENDPOINT, Admit
 from app.ps.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
@@ -46,10 +46,7 @@ def run(config: Config) -> int:
         return shard_process.run(config)
     device = choose_device(config.device)  # evaluation only; updates stay on CPU for RPC
     models.check(config.model)
-    workers, why = data.loader_choice(config)
-    held_out = data.load_for(config, "test", workers)
-    data.log_loader(PS, workers, why)
-    log.info("held-out split: %s", data.describe(held_out))
+    held_out, workers = _held_out(config)
 
     def build() -> nn.Module:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
@@ -58,25 +55,43 @@ def run(config: Config) -> int:
     if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
         plugins.load_weights(model, config.init_weights)
     part = bounds(state_size(model), config.shards)[0] if config.shards > 1 else None
-    server = ParameterServer(
-        model,
-        config.lr,
-        config.momentum,
-        config.num_trainers,
-        config.join_timeout,
-        strategy=config.strategy,
-        staleness=config.staleness,
-        staleness_lr=config.staleness_lr,
-        part=part,
-        weight_decay=config.weight_decay,
-        max_trainers=config.max_trainers,
-        shared=exchange.for_config(config, model, part, PS),
-    )
-    server.run_id = config.run_id
+    # a finish is checkpointed before its worker hears back (checkpoints is set below, before
+    # the PS joins the job: no worker can finish earlier)
+    server = ParameterServer.from_config(config, model, part, PS, on_finish=lambda rank: checkpoints.finished(rank))
     evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model, server.flat.num_params, server.flat.num_buffers)
-    # `trainer: ps` keeps a PS from resuming an allreduce job's checkpoint (app.ddp).
-    identity = dict(
+    identity = _identity(config, held_out, part)
+    if part is not None:
+        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
+    with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
+        others = ShardSet(config.shards, server.flat.size, config, metrics.write) if part is not None else None
+        checkpoints = Checkpointer(server, config, identity, metrics, others.checkpoint if others else None)
+        checkpoints.resume()
+        ended = checkpoints.run_finished or workers_ended(config, server.version)
+        if ended:  # a restart after the end, or of a run whose workers all ended: not a new run
+            (log.info if checkpoints.run_finished else log.error)("%s", ended)
+            return 0
+        metrics.start(config, server.version)
+        trained = _serve(config, server, checkpoints, evaluate, metrics, others)
+        if trained is None:
+            return 1
+        _report_end(config, server, evaluate, metrics, held_out, *trained)
+    return 0
+
+
+def _held_out(config: Config) -> tuple[data.LabeledData, int]:
+    """The held-out split the PS evaluates on, and the DataLoader processes it reads it with."""
+    workers, why = data.loader_choice(config)
+    held_out = data.load_for(config, "test", workers)
+    data.log_loader(PS, workers, why)
+    log.info("held-out split: %s", data.describe(held_out))
+    return held_out, workers
+
+
+def _identity(config: Config, held_out: data.LabeledData, part: tuple[int, int] | None) -> dict[str, Any]:
+    """What a checkpoint of this PS must match to be resumed. `trainer: ps` keeps a PS from
+    resuming an allreduce job's checkpoint (app.ddp)."""
+    identity: dict[str, Any] = dict(
         model_name=config.model,
         dataset=config.dataset,
         channels=held_out.channels,
@@ -86,79 +101,84 @@ def run(config: Config) -> int:
     )
     if part is not None:
         identity.update(shards=config.shards, shard=0)
-        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
-    with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
-        checkpoints = Checkpointer(server, config, identity, metrics)
-        checkpoints.resume()
-        if checkpoints.run_finished:  # a restart after the end (restart: on-failure): not a new run
-            log.info("%s", checkpoints.run_finished)
-            return 0
-        lost = workers_ended(config, server.version)
-        if lost:  # training again from an older state would be a restart loop (restart: on-failure)
-            log.error("%s", lost)
-            return 0
-        metrics.start(config, server.version)
-        server.on_finish = checkpoints.finished
-        liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write)
-        others = ShardSet(config.shards, server.flat.size, config, metrics.write) if part is not None else None
-        join: Admit = liveness.join
-        if others is not None:
-            liveness.on_drop = others.drop
-            join = functools.partial(others.join, liveness.join)
-            checkpoints.before_save = others.checkpoint
+    return identity
 
-        def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard
-            return (checkpoints.saved_version, checkpoints.saved_run) if checkpoints.saved_version >= 0 else None
 
-        with (
-            ENDPOINT.serving(server, join=join),
-            ENDPOINT.serving_main(others.register if others is not None else None, resumed),
-            rpc_session(config, rank=0),
-        ):
-            try:
-                train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
-            except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
-                checkpoints.save("on exit", on_exit=True)
-                raise
-            if not server.roster.all_finished:
-                log.warning(
-                    "ending without %s: not back within --join_timeout %.0f s",
-                    ", ".join(f"rank {m.rank}" for m in server.roster.missing()),
-                    config.join_timeout,
-                )
-            if not server.finished:
-                log.error("no worker finished its epochs; nothing to save as final")
-                if others is not None:
-                    others.end(finished=False)
-                return 1
-            if others is None:
-                checkpoints.final()
-            else:
-                vector, version = _gather_final(server, others, config.rpc_timeout)
-                checkpoints.final(evaluate.state_dict(vector))
-                others.end(finished=server.all_finished)
+def _serve(
+    config: Config,
+    server: ParameterServer,
+    checkpoints: Checkpointer,
+    evaluate: Evaluator,
+    metrics: MetricsWriter,
+    others: ShardSet | None,
+) -> tuple[torch.Tensor, int] | None:
+    """Serve the job until it ends; final.pt written. The trained state and its version, or
+    None when no worker finished its epochs."""
+    liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write, others.drop if others else None)
+    join: Admit = functools.partial(others.join, liveness.join) if others is not None else liveness.join
+
+    def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard
+        return (checkpoints.saved_version, checkpoints.saved_run) if checkpoints.saved_version >= 0 else None
+
+    with (
+        ENDPOINT.serving(server, join=join),
+        ENDPOINT.serving_main(others.register if others is not None else None, resumed),
+        rpc_session(config, rank=0),
+    ):
+        try:
+            train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
+        except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
+            checkpoints.save("on exit", on_exit=True)
+            raise
+        if not server.roster.all_finished:
+            log.warning(
+                "ending without %s: not back within --join_timeout %.0f s",
+                ", ".join(f"rank {m.rank}" for m in server.roster.missing()),
+                config.join_timeout,
+            )
+        if not server.finished:
+            log.error("no worker finished its epochs; nothing to save as final")
+            if others is not None:
+                others.end(finished=False)
+            return None
         if others is None:
-            vector, version = server.snapshot()
-        evaluated = time.monotonic()
-        accuracy, loss = evaluate(vector)
-        eval_seconds = time.monotonic() - evaluated
-        seconds = server.training_seconds() or 0.0
-        progress.info("Accuracy: %.4f", accuracy)
-        progress.info("Time: %.2f seconds", seconds)
-        progress.info("Evaluation: %.2f seconds", eval_seconds)
-        metrics.write(
-            "end",
-            version,
-            accuracy=round(accuracy, 4),
-            loss=round(loss, 4),
-            seconds=round(seconds, 2),
-            eval_seconds=round(eval_seconds, 2),
-            samples=server.samples,
-            strategy=config.strategy,
-            **server.stats(),
-            **data.skipped(held_out.data),
-        )
-    return 0
+            checkpoints.final()
+            return server.snapshot()
+        vector, version = _gather_final(server, others, config.rpc_timeout)
+        checkpoints.final(evaluate.state_dict(vector))
+        others.end(finished=server.all_finished)
+        return vector, version
+
+
+def _report_end(
+    config: Config,
+    server: ParameterServer,
+    evaluate: Evaluator,
+    metrics: MetricsWriter,
+    held_out: data.LabeledData,
+    vector: torch.Tensor,
+    version: int,
+) -> None:
+    """The final evaluation: Accuracy, Time and Evaluation printed, the `end` record."""
+    evaluated = time.monotonic()
+    accuracy, loss = evaluate(vector)
+    eval_seconds = time.monotonic() - evaluated
+    seconds = server.training_seconds() or 0.0
+    progress.info("Accuracy: %.4f", accuracy)
+    progress.info("Time: %.2f seconds", seconds)
+    progress.info("Evaluation: %.2f seconds", eval_seconds)
+    metrics.write(
+        "end",
+        version,
+        accuracy=round(accuracy, 4),
+        loss=round(loss, 4),
+        seconds=round(seconds, 2),
+        eval_seconds=round(eval_seconds, 2),
+        samples=server.samples,
+        strategy=config.strategy,
+        **server.stats(),
+        **data.skipped(held_out.data),
+    )
 
 
 def workers_ended(config: Config, version: int) -> str:

@@ -47,7 +47,9 @@ from app.common.bell import Note
 from app.common.checkpoint_files import cpu_copy
 from app.common.flat import FlatModel
 from app.common.wire import Joined, Refusal, Refused, Reply
+from app.config import Config
 from app.contract import PS_STRATEGIES, strategy_of, worker_name
+from app.ps import exchange
 from app.ps.exchange import SharedExchange
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.speculation import Ahead
@@ -78,6 +80,35 @@ class ParameterServer:
     under the same lock, so a checkpoint's progress matches its version.
     """
 
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        model: nn.Module,
+        part: tuple[int, int] | None,
+        who: str,
+        on_finish: Callable[[int], None] | None = None,
+    ) -> ParameterServer:
+        """The PS process `who` (the main PS, or a shard serving `part` of the state) of the job
+        `config` describes, over `model`'s state, with its shared-memory segment where the
+        exchange can have one (app.ps.exchange); `on_finish(rank)` after a rank finished."""
+        return cls(
+            model,
+            config.lr,
+            config.momentum,
+            config.num_trainers,
+            config.join_timeout,
+            strategy=config.strategy,
+            staleness=config.staleness,
+            staleness_lr=config.staleness_lr,
+            part=part,
+            weight_decay=config.weight_decay,
+            max_trainers=config.max_trainers,
+            shared=exchange.for_config(config, model, part, who),
+            run_id=config.run_id,
+            on_finish=on_finish,
+        )
+
     def __init__(
         self,
         model: nn.Module,
@@ -93,6 +124,8 @@ class ParameterServer:
         weight_decay: float = 0.0,
         max_trainers: int = 0,
         shared: SharedExchange | None = None,
+        run_id: str = "",
+        on_finish: Callable[[int], None] | None = None,
     ) -> None:
         self.policy = strategy_of(strategy)
         if not self.policy.has_ps:
@@ -130,10 +163,10 @@ class ParameterServer:
         self.on_leave: Callable[[int, str], None] = lambda rank, name: None
         # Called (outside the lock, before the finishing worker gets its answer) after a rank
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
-        self.on_finish: Callable[[int], None] = lambda rank: None
+        self.on_finish: Callable[[int], None] = on_finish or (lambda rank: None)
         self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
         # The run this PS serves (--run_id): a checkpoint of another run restores no finish.
-        self.run_id = ""
+        self.run_id = run_id
         self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
         self.version = 0
         self.staleness_sum = 0

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from app.common.flat import state_size
 from app.common.metrics import MetricsWriter
 from app.config import Config, UsageError
 from app.contract import PS
-from app.ps import endpoints, exchange, membership
+from app.ps import endpoints, membership
 from app.ps.endpoints import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
@@ -94,20 +95,7 @@ def run(config: Config) -> int:
     if config.init_weights:  # this shard's slice starts from the same weights as the main PS's
         plugins.load_weights(model, config.init_weights)
     part = bounds(state_size(model), k)[index]
-    server = ParameterServer(
-        model,
-        config.lr,
-        config.momentum,
-        config.num_trainers,
-        config.join_timeout,
-        strategy=config.strategy,
-        staleness=config.staleness,
-        staleness_lr=config.staleness_lr,
-        part=part,
-        weight_decay=config.weight_decay,
-        max_trainers=config.max_trainers,
-        shared=exchange.for_config(config, model, part, f"shard {index}"),
-    )
+    server = ParameterServer.from_config(config, model, part, f"shard {index}")
     log.info(
         "shard %d of %d: values %d..%d of %d (%d parameter values)",
         index,
@@ -126,11 +114,12 @@ def run(config: Config) -> int:
         shard=index,
         run_id=config.run_id,
     )
-    own = dataclasses.replace(config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"))
-    address = f"{config.master_addr}:{config.master_port}"
+    # its own directory; the main PS says when to checkpoint (rpc_checkpoint)
+    own = dataclasses.replace(
+        config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"), checkpoint_every=0
+    )
     ENDPOINT.ended.clear()
     ENDPOINT.finished = False
-    own = dataclasses.replace(own, checkpoint_every=0)  # the main PS says when (rpc_checkpoint)
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
         checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
@@ -140,24 +129,13 @@ def run(config: Config) -> int:
         )
         metrics.start(config)
         with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
-            try:
-                resumed = rpc.rpc_sync(PS, endpoints.rpc_resumed, timeout=config.rpc_timeout)
-            except RuntimeError as lost:
-                raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
-            log.info("%s: %s", name, resume_shard(server, own.checkpoint_dir, resumed))
-            if server.version:
-                metrics.write("resume", server.version, label=resumed[0] if isinstance(resumed, tuple) else resumed)
+            _resume_from_main(server, config, own.checkpoint_dir, metrics, name)
             with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
-                try:
-                    error = rpc.rpc_sync(
-                        PS, endpoints.rpc_register, args=(index, name, k, part), timeout=config.rpc_timeout
-                    )
-                except RuntimeError as lost:
-                    raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
-                if error:
+                error = _call_main(config, endpoints.rpc_register, index, name, k, part)
+                if error:  # this shard is not one of the main PS's job
                     raise UsageError(error)
                 try:
-                    _serve_until_ended(server, checkpoints, config, address)
+                    _serve_until_ended(server, checkpoints, config, f"{config.master_addr}:{config.master_port}")
                 except BaseException:  # SIGTERM (SystemExit), the main PS lost: keep this slice
                     _save_on_exit(server, identity, own.checkpoint_dir)
                     raise
@@ -166,6 +144,25 @@ def run(config: Config) -> int:
             log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
         metrics.write("end", server.version, **server.stats())
     return 0
+
+
+def _call_main(config: Config, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` on the main PS, its answer; MainPSLost when it cannot be reached."""
+    try:
+        return rpc.rpc_sync(PS, function, args=args, timeout=config.rpc_timeout)
+    except RuntimeError as lost:
+        address = f"{config.master_addr}:{config.master_port}"
+        raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
+
+
+def _resume_from_main(
+    server: ParameterServer, config: Config, directory: str, metrics: MetricsWriter, name: str
+) -> None:
+    """Take this shard's slice back from the checkpoint labelled with the main PS's newest."""
+    resumed = _call_main(config, endpoints.rpc_resumed)
+    log.info("%s: %s", name, resume_shard(server, directory, resumed))
+    if server.version:
+        metrics.write("resume", server.version, label=resumed[0] if isinstance(resumed, tuple) else resumed)
 
 
 def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, config: Config, address: str) -> None:
