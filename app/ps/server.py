@@ -305,15 +305,7 @@ class ParameterServer:
                 self.samples += samples
                 if staleness is None:
                     staleness = self.version - pulled_version
-                # async answers at once: the new state is written where its reply goes
-                into = self._reply(rank) if not self.policy.waits and not self.sliced else None
-                if ahead is not None and into is ahead.into:
-                    self._apply_rest(message, self._scale_for(staleness), ahead)
-                else:
-                    self._apply(message, self._scale_for(staleness), into)
-                self._count(rank, epoch, batch, staleness)
-                self._hold(rank, _Held(future, None, epoch, batch, staleness))
-                ready = self._release(fresh=rank if into is not None else None)
+                ready = self._apply_push(rank, message, future, epoch, batch, staleness, ahead)
             if readmitted:
                 self._changed.notify_all()
         if not finite:
@@ -418,6 +410,29 @@ class ParameterServer:
         """How many pushes rank is ahead of the slowest rank still training."""
         pushes = [self.roster.members[r].pushes for r in self._training()]
         return self.roster.members[rank].pushes - min(pushes) if pushes else 0
+
+    def _apply_push(
+        self,
+        rank: int,
+        message: torch.Tensor,
+        future: Future,
+        epoch: int,
+        batch: int,
+        staleness: int,
+        ahead: Ahead | None,
+    ) -> list[tuple[Future, Reply]]:
+        """async and ssp: apply rank's push now (the rest of it, where its partitions were
+        applied ahead into the buffer its reply goes in), hold its answer, and release the
+        answers that may go. Called under the lock."""
+        # async answers at once: the new state is written where its reply goes
+        into = self._reply(rank) if not self.policy.waits and not self.sliced else None
+        if ahead is not None and into is ahead.into:
+            self._apply_rest(message, self._scale_for(staleness), ahead)
+        else:
+            self._apply(message, self._scale_for(staleness), into)
+        self._count(rank, epoch, batch, staleness)
+        self._hold(rank, _Held(future, None, epoch, batch, staleness))
+        return self._release(fresh=rank if into is not None else None)
 
     def _release(self, fresh: int | None = None) -> list[tuple[Future, Reply]]:
         """ssp/async: the held replies that may go now (every one, for async). `fresh`: the
