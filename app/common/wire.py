@@ -56,6 +56,21 @@ class Start(NamedTuple):
     progress: Progress
 
 
+class Push(NamedTuple):
+    """What a push says besides its values (a tensor over TensorPipe, or the push slot they are
+    in): who sends it, the state it was computed on and where the worker is once it is applied."""
+
+    rank: int
+    name: str  # the sending process's RPC name (a replaced process's push is refused)
+    pulled: int  # the version of the receiving PS process's state the gradient comes from
+    epoch: int = 1
+    batch: int = 0  # batches of `epoch` done
+    samples: int = 0  # the batch's size
+    staleness: int | None = None  # a chained PS shard: the main PS's; None: the receiver's own
+    backward: int | None = None  # through shared memory: the worker's backward it comes from ...
+    noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.speculation)
+
+
 class Reply(NamedTuple):
     """The PS's answer to a push."""
 

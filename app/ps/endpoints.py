@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.common.wire import Joined, NotReady, Refusal, Taken
+from app.common.wire import Joined, NotReady, Push, Refusal, Taken
 from app.ps.server import ParameterServer
 from app.ps.speculation import NoteReader
 
@@ -105,48 +105,39 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
 
 
 @rpc.functions.async_execution
-def rpc_push(
-    rank: int,
-    message: torch.Tensor,
-    pulled_version: int,
-    name: str = "",
-    epoch: int = 1,
-    batch: int = 0,
-    samples: int = 0,
-    staleness: int | None = None,
-) -> Future:
+def rpc_push(message: torch.Tensor, push: Push) -> Future:
     """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
     Any other error is raised here, and RPC hands it to the caller as an error."""
-    return ENDPOINT.get().submit(rank, message, pulled_version, name, epoch, batch, samples, staleness)
+    return _submit(ENDPOINT.get(), message, push)
 
 
 @rpc.functions.async_execution
-def rpc_push_slot(
-    rank: int,
-    slot: int,
-    dtype: str,
-    numel: int,
-    pulled_version: int,
-    name: str = "",
-    epoch: int = 1,
-    batch: int = 0,
-    samples: int = 0,
-    staleness: int | None = None,
-    backward: int | None = None,
-    noted: bool = False,
-) -> Future:
+def rpc_push_slot(slot: int, dtype: str, numel: int, push: Push) -> Future:
     """rpc_push for a worker on this host: its message is in its push slot `slot` of this PS
     process's segment (`numel` values of `dtype`); the answer names the region that holds the
-    new state (a SlotReply), or is a Refusal. `backward`: the worker's backward the gradient
-    comes from, when it notes partitions on the bell; `noted`: it noted them as that backward
-    finished them (app.ps.speculation)."""
+    new state (a SlotReply), or is a Refusal."""
     server = ENDPOINT.get()
     shared = server.shared
     if shared is None:
         raise RuntimeError("this parameter server has no shared-memory segment")
-    message = shared.push(rank, slot, dtype, numel)
-    future = server.submit(rank, message, pulled_version, name, epoch, batch, samples, staleness, backward, noted)
-    return future.then(lambda done: shared.answer(done.value()))
+    message = shared.push(push.rank, slot, dtype, numel)
+    return _submit(server, message, push).then(lambda done: shared.answer(done.value()))
+
+
+def _submit(server: ParameterServer, message: torch.Tensor, push: Push) -> Future:
+    """`server.submit` of `message` with what `push` says of it."""
+    return server.submit(
+        push.rank,
+        message,
+        push.pulled,
+        push.name,
+        push.epoch,
+        push.batch,
+        push.samples,
+        push.staleness,
+        push.backward,
+        push.noted,
+    )
 
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:

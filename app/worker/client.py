@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, NotReady, Refusal, Refused, Reply, SlotReply, Start, Taken, Version
+from app.common.wire import Joined, NotReady, Push, Refusal, Refused, Reply, SlotReply, Start, Taken, Version
 from app.config import UsageError
 from app.contract import PS, worker_name
 from app.ps import endpoints
@@ -132,15 +132,16 @@ class PSClient:
         app.worker.posting); `placed`, the slot the message is already in (a GPU worker copied
         it there)."""
         try:
+            assert isinstance(version, int)  # one PS process's
+            push = Push(self.rank, self.name, version, epoch, batch, samples)
             if self.link is not None:
                 slot = placed if placed is not None else self.link.place(message)
                 dtype = str(message.dtype).removeprefix("torch.")
-                args: tuple[Any, ...] = (self.rank, slot, dtype, message.numel(), version, self.name, epoch)
-                args += (batch, samples, None, *(noted or (None, False)))  # staleness: the PS's own
+                push = push._replace(backward=noted[0], noted=noted[1]) if noted is not None else push
+                args: tuple[Any, ...] = (slot, dtype, message.numel(), push)
                 future = rpc.rpc_async(PS, endpoints.rpc_push_slot, args=args, timeout=self.push_timeout)
             else:
-                args = (self.rank, message, version, self.name, epoch, batch, samples)
-                future = rpc.rpc_async(PS, endpoints.rpc_push, args=args, timeout=self.push_timeout)
+                future = rpc.rpc_async(PS, endpoints.rpc_push, args=(message, push), timeout=self.push_timeout)
         except RuntimeError as error:
             raise self.lost(endpoints.rpc_push, error) from error
         return PendingPush(self, future, message)

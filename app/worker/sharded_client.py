@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, Refusal, Refused, Reply, SlotReply, Start, Version
+from app.common.wire import Joined, Push, Refusal, Refused, Reply, SlotReply, Start, Version
 from app.config import UsageError
 from app.contract import PS
 from app.ps import endpoints, membership
@@ -139,13 +139,13 @@ class ShardedClient:
         staleness: int | None = None,
     ) -> tuple[str, Any]:
         link = self.links.get(name)
+        push = Push(self.rank, self.name, pulled, epoch, batch, samples, staleness)
         try:
             if link is not None:
                 slot, dtype = link.place(part), str(part.dtype).removeprefix("torch.")
-                args: tuple[Any, ...] = (self.rank, slot, dtype, part.numel(), pulled, self.name, epoch, batch)
-                args += (samples, staleness)
+                args: tuple[Any, ...] = (slot, dtype, part.numel(), push)
                 return name, rpc.rpc_async(name, endpoints.rpc_push_slot, args=args, timeout=self.main.push_timeout)
-            args = (self.rank, part.clone(), pulled, self.name, epoch, batch, samples, staleness)
+            args = (part.clone(), push)
             return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
         except RuntimeError as error:
             raise self.lost(name, endpoints.rpc_push, error) from error

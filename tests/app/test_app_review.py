@@ -13,7 +13,7 @@ from torch import nn
 from app.common import checkpoint_files
 from app.common.checkpointer import Checkpointer
 from app.common.metrics import MetricsWriter
-from app.common.wire import Refusal, Reply
+from app.common.wire import Push, Refusal, Reply
 from app.config import UsageError, check_threads_env, parse
 from app.ps import endpoints
 from app.ps.liveness import LivenessMonitor
@@ -193,7 +193,7 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
     with endpoints.ENDPOINT.serving(server):
-        future = endpoints.rpc_push(1, torch.ones(4), 0, "worker1")
+        future = endpoints.rpc_push(torch.ones(4), Push(1, "worker1", 0))
         answer = future.wait()  # a value: what RPC carries back is a normal reply
         assert isinstance(answer, Refusal) and answer.kind == "stale"
         assert "worker1 was replaced by worker1_r2" in answer.message
