@@ -62,32 +62,10 @@ def run_case(case: Case, params: dict[str, Any], timeout: float, idle_seconds: f
             idle_seconds=idle_seconds + 1.0,
             timeout=timeout,
         )
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TP_SOCKET_IFNAME="lo")
-        env.pop("OMP_NUM_THREADS", None)
-        if params.get("threads"):  # the headline table: one thread per process
-            env["OMP_NUM_THREADS"] = str(params["threads"])
         procs: dict[str, subprocess.Popen] = {}
         logs: dict[str, Any] = {}
         try:
-            # PS shards (`shards` > 1) come after the workers in RPC rank: ps1 is workers + 1
-            extra = params.get("shards", 1) - 1
-            first = 1 if params.get("workers_only") else 0  # compute, allreduce: no rank 0 needed
-            for rank in range(first, case.workers + 1 + extra):
-                role = "ps" if rank == 0 else "worker" if rank <= case.workers else "shard"
-                name = {"ps": "ps", "worker": f"worker{rank}", "shard": f"ps{rank - case.workers}"}[role]
-                logs[name] = open(Path(tmp) / f"{name}.log", "w+b")
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "bench.node",
-                    case.system,
-                    role,
-                    json.dumps(dict(base, rank=rank)),
-                    str(Path(tmp) / f"{name}.json"),
-                ]
-                procs[name] = subprocess.Popen(
-                    argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
+            _start_nodes(case, params, base, Path(tmp), procs, logs)
             idle = _measure_idle(procs, marker, idle_seconds, timeout) if marker else None
             deadline = time.monotonic() + timeout
             for name, proc in procs.items():
@@ -111,6 +89,42 @@ def run_case(case: Case, params: dict[str, Any], timeout: float, idle_seconds: f
         "ps": results.get("ps", {}),
         "idle_cpu_percent": idle,
     }
+
+
+def _start_nodes(
+    case: Case,
+    params: dict[str, Any],
+    base: dict[str, Any],
+    tmp: Path,
+    procs: dict[str, subprocess.Popen],
+    logs: dict[str, Any],
+) -> None:
+    """Starts each process of the case as `python -m bench.node`, each in a session of its own, writing
+    tmp/<name>.log and its result to tmp/<name>.json; fills `procs` and `logs` as it goes, so the
+    caller can clean up after a failed start."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TP_SOCKET_IFNAME="lo")
+    env.pop("OMP_NUM_THREADS", None)
+    if params.get("threads"):  # the headline table: one thread per process
+        env["OMP_NUM_THREADS"] = str(params["threads"])
+    # PS shards (`shards` > 1) come after the workers in RPC rank: ps1 is workers + 1
+    extra = params.get("shards", 1) - 1
+    first = 1 if params.get("workers_only") else 0  # compute, allreduce: no rank 0 needed
+    for rank in range(first, case.workers + 1 + extra):
+        role = "ps" if rank == 0 else "worker" if rank <= case.workers else "shard"
+        name = {"ps": "ps", "worker": f"worker{rank}", "shard": f"ps{rank - case.workers}"}[role]
+        logs[name] = open(tmp / f"{name}.log", "w+b")
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.node",
+            case.system,
+            role,
+            json.dumps(dict(base, rank=rank)),
+            str(tmp / f"{name}.json"),
+        ]
+        procs[name] = subprocess.Popen(
+            argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def _measure_idle(

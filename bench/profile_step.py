@@ -62,8 +62,32 @@ def run_app(args: argparse.Namespace) -> dict[str, Any]:
     """PS + workers; seconds and CPU seconds per step between batches args.start and args.end
     (then they are stopped: the run's end, evaluation and checkpoint, is not measured)."""
     tmp = Path(tempfile.mkdtemp(prefix="profile-step-"))
-    port = free_port()
-    common = [
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Any] = {}
+    try:
+        _start_app(args, tmp, procs, logs)
+        marks = _watch(args, tmp, procs)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    (t0, cpu0), (t1, cpu1) = marks[args.start], marks[args.end]
+    steps = args.end - args.start
+    cpu = {n: (cpu0[n], cpu1[n]) for n in procs}  # None for a process that had exited
+    return {
+        "s_per_step": round((t1 - t0) / steps, 4),
+        "cpu_s_per_step": {
+            n: round((b - a) / steps, 4) for n, (a, b) in cpu.items() if a is not None and b is not None
+        },
+    }
+
+
+def _app_flags(args: argparse.Namespace, port: int, tmp: Path) -> list[str]:
+    """The flags the PS and every worker get (synthetic data; no evaluation, no checkpoint in the window)."""
+    return [
         "--world_size",
         str(args.workers + 1),
         "--master_addr",
@@ -101,48 +125,44 @@ def run_app(args: argparse.Namespace) -> dict[str, Any]:
         "--momentum",
         str(args.momentum),
     ]
+
+
+def _start_app(args: argparse.Namespace, tmp: Path, procs: dict[str, subprocess.Popen], logs: dict[str, Any]) -> None:
+    """Starts the PS (rank 0) and args.workers workers as `python -m app`, each writing tmp/<name>.log;
+    fills `procs` and `logs` as it goes, so the caller can clean up after a failed start."""
+    common = _app_flags(args, free_port(), tmp)
     env = _env(Path(args.app_path))
-    procs: dict[str, subprocess.Popen] = {}
-    logs = {}
-    try:
-        for rank in range(args.workers + 1):
-            role, name = ("ps", "ps") if rank == 0 else ("worker", f"worker{rank}")
-            argv = [sys.executable, "-m", "app", role, *common] + (["--rank", str(rank)] if rank else [])
-            logs[name] = open(tmp / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, cwd=tmp)
-        metrics = tmp / "metrics" / "worker1.jsonl"
-        marks: dict[int, tuple[float, dict[str, float]]] = {}
-        spies: list[subprocess.Popen] = []
-        deadline = time.monotonic() + args.timeout
-        while len(marks) < 2:
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):
-                raise RuntimeError(
-                    "the run failed: " + "; ".join(f"{n}: {(tmp / f'{n}.log').read_text()[-400:]}" for n in procs)
-                )
-            seen = _progress(metrics)
-            for batch in (args.start, args.end):
-                if batch in seen and batch not in marks:
-                    marks[batch] = (seen[batch], {n: _cpu(p.pid) for n, p in procs.items()})
-                    if batch == args.start and args.pyspy:
-                        spies = _spy(args, procs, marks)
-            time.sleep(0.02)
-        for spy in spies:
-            spy.wait(timeout=60)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for f in logs.values():
-            f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    (t0, cpu0), (t1, cpu1) = marks[args.start], marks[args.end]
-    steps = args.end - args.start
-    return {
-        "s_per_step": round((t1 - t0) / steps, 4),
-        "cpu_s_per_step": {
-            n: round((cpu1[n] - cpu0[n]) / steps, 4) for n in procs if cpu0[n] is not None and cpu1[n] is not None
-        },
-    }
+    for rank in range(args.workers + 1):
+        role, name = ("ps", "ps") if rank == 0 else ("worker", f"worker{rank}")
+        argv = [sys.executable, "-m", "app", role, *common] + (["--rank", str(rank)] if rank else [])
+        logs[name] = open(tmp / f"{name}.log", "w")
+        procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, cwd=tmp)
+
+
+def _watch(
+    args: argparse.Namespace, tmp: Path, procs: dict[str, subprocess.Popen]
+) -> dict[int, tuple[float, dict[str, float | None]]]:
+    """batch -> (its time, each process's CPU seconds) when worker1 records batches args.start and
+    args.end; py-spy (args.pyspy) starts at args.start and has finished when this returns."""
+    metrics = tmp / "metrics" / "worker1.jsonl"
+    marks: dict[int, tuple[float, dict[str, float | None]]] = {}
+    spies: list[subprocess.Popen] = []
+    deadline = time.monotonic() + args.timeout
+    while len(marks) < 2:
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):
+            raise RuntimeError(
+                "the run failed: " + "; ".join(f"{n}: {(tmp / f'{n}.log').read_text()[-400:]}" for n in procs)
+            )
+        seen = _progress(metrics)
+        for batch in (args.start, args.end):
+            if batch in seen and batch not in marks:
+                marks[batch] = (seen[batch], {n: _cpu(p.pid) for n, p in procs.items()})
+                if batch == args.start and args.pyspy:
+                    spies = _spy(args, procs, marks)
+        time.sleep(0.02)
+    for spy in spies:
+        spy.wait(timeout=60)
+    return marks
 
 
 def _cpu(pid: int) -> float | None:
@@ -228,7 +248,6 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from app.common import models
     from app.common.flat import FlatModel
     from app.ps.server import ParameterServer
-    from app.ps.update import all_finite
 
     runtime.keep_freed_memory()
     torch.set_num_threads(1)
@@ -236,17 +255,45 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     model.train()
     flat = FlatModel(model)
     x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-
-    def compute() -> None:
-        flat.zero_grads()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-
     server = ParameterServer(
         models.build(args.model, 3, 10, 0), lr=0.01, momentum=args.momentum, num_trainers=args.workers, strategy="sync"
     )
     for rank in range(1, args.workers + 1):
         server.join(rank, f"worker{rank}")
     messages = [torch.randn(flat.size) * 1e-3 for _ in range(args.workers)]
+    return {
+        "threads": torch.get_num_threads(),
+        "floats": flat.size,
+        "cpu_ms": {**_worker_parts(args, model, flat, x, y), **_ps_parts(args, server, flat, messages)},
+    }
+
+
+def _worker_parts(args: argparse.Namespace, model: Any, flat: Any, x: Any, y: Any) -> dict[str, float]:
+    """The worker's pieces: its forward and backward on (x, y), and the copies around its push and pull."""
+    import torch
+
+    r = args.repeats
+
+    def compute() -> None:
+        flat.zero_grads()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    return {
+        "worker: forward+backward": _cpu_ms(compute, max(3, r // 4)),
+        "worker: zero grads": _cpu_ms(flat.zero_grads, r),
+        "worker: pack message (buffers behind grads)": _cpu_ms(flat.pack_message, r),
+        "worker --overlap: flip message buffers": _cpu_ms(flat.flip, r),
+        "worker --overlap was: clone the message": _cpu_ms(flat.message.clone, r),
+        "worker: adopt the reply": _cpu_ms(lambda: flat.adopt(torch.empty(flat.size)), r),
+    }
+
+
+def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[Any]) -> dict[str, float]:
+    """The sync PS's pieces on the workers' `messages`: checks, average, SGD, reply; and a whole round."""
+    import torch
+
+    from app.ps.update import all_finite
+
     reply = torch.empty(flat.size)
     n, r = flat.num_params, args.repeats
 
@@ -270,30 +317,18 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         futures[-1].wait()
 
     return {
-        "threads": torch.get_num_threads(),
-        "floats": flat.size,
-        "cpu_ms": {
-            "worker: forward+backward": _cpu_ms(compute, max(3, r // 4)),
-            "worker: zero grads": _cpu_ms(flat.zero_grads, r),
-            "worker: pack message (buffers behind grads)": _cpu_ms(flat.pack_message, r),
-            "worker --overlap: flip message buffers": _cpu_ms(flat.flip, r),
-            "worker --overlap was: clone the message": _cpu_ms(flat.message.clone, r),
-            "worker: adopt the reply": _cpu_ms(lambda: flat.adopt(torch.empty(flat.size)), r),
-            "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
-            "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
-            f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
-            f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
-            "ps: SGD into the reply buffer": _cpu_ms(
-                locked(lambda: server._apply(messages[0], into=server._reply(0))), r
-            ),
-            "ps was: SGD in place + reply copy": _cpu_ms(
-                locked(lambda: (server._apply(messages[0]), reply.copy_(server.state))), r
-            ),
-            f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
-            f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(
-                lambda: ([bool(torch.isfinite(m).all()) for m in messages], old_step()), r
-            ),
-        },
+        "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
+        "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
+        f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
+        f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
+        "ps: SGD into the reply buffer": _cpu_ms(locked(lambda: server._apply(messages[0], into=server._reply(0))), r),
+        "ps was: SGD in place + reply copy": _cpu_ms(
+            locked(lambda: (server._apply(messages[0]), reply.copy_(server.state))), r
+        ),
+        f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
+        f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(
+            lambda: ([bool(torch.isfinite(m).all()) for m in messages], old_step()), r
+        ),
     }
 
 
