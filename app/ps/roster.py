@@ -33,7 +33,8 @@ ABSENT, LIVE, FINISHED, DROPPED, LEFT = "absent", "live", "finished", "dropped",
 
 
 class StaleIncarnation(RuntimeError):
-    """A call from an incarnation that a newer process of the same rank replaced."""
+    """A call from an incarnation that a newer process of the same rank replaced, or that left
+    the job (scaled down)."""
 
 
 @dataclass
@@ -88,13 +89,15 @@ class Roster:
         return m
 
     def seen(self, rank: int, name: str) -> bool:
-        """A call from `name`: refuse a replaced incarnation; True when it readmits a dropped
-        (or finished: it trains after all) one."""
+        """A call from `name`: refuse a replaced incarnation or one that left; True when it
+        readmits a dropped (or finished: it trains after all) one."""
         m = self[rank]
         if m.name and m.name != name:
             raise StaleIncarnation(f"{name} was replaced by {m.name} for rank {rank}; exiting")
+        if m.state == LEFT:  # e.g. a push still on the wire when it left: it trains no more
+            raise StaleIncarnation(f"{name} left the job (rank {rank}); a call after that is not taken")
         m.last_seen = self.clock()
-        if m.state in (DROPPED, FINISHED, LEFT):
+        if m.state in (DROPPED, FINISHED):
             m.name = name
             self._set(m, LIVE)
             return True

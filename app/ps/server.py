@@ -292,6 +292,7 @@ class ParameterServer:
             try:
                 readmitted = self.roster.seen(rank, name)
             except StaleIncarnation as error:
+                log.info("push not applied: %s", error)
                 future.set_result(Refusal(Refused.STALE, str(error)))
                 return future
             if not finite:

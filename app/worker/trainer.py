@@ -200,12 +200,11 @@ class Trainer:
             self.flat.flip()  # the next backward writes into the other buffer, not the one sent
         ahead = self._ahead()
         self.sent += 1
-        if not self.config.overlap:
-            return self._take(self.client.push(message, self.version, epoch, batch, samples, **ahead))
         computed_on = self.version  # the state this gradient comes from, before the reply below
-        reply = self._wait_in_flight()
-        self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples, **ahead)
-        return reply
+        reply = self._wait_in_flight() if self.config.overlap else None
+        with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
+            self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples, **ahead)
+        return reply if self.config.overlap else self._wait_in_flight()
 
     def _ahead(self) -> dict[str, Any]:
         """What the push says of the partitions noted during its backward (app.worker.posting):
@@ -227,7 +226,8 @@ class Trainer:
         return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
     def last_reply(self) -> int:
-        """The end of training: take the reply still on the wire (--overlap); the pushes made."""
+        """The end of training: take the reply still on the wire (--overlap's, or the push a
+        SIGTERM came after); the pushes made."""
         self._wait_in_flight()
         return self.pushes
 

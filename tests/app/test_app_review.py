@@ -146,9 +146,9 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
     config = parse(["worker"], {})
 
     class Refusing(_FakeClient):
-        def push(self, message, version, epoch=1, batch=0, samples=0):
+        def push_async(self, message, version, epoch=1, batch=0, samples=0):
             self.sent.append(message)
-            return Refusal("nonfinite", "worker1 pushed non-finite values")
+            return SimpleNamespace(wait=lambda: Refusal("nonfinite", "worker1 pushed non-finite values"))
 
     trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), Refusing(), None)
     for _ in range(MAX_REFUSED_IN_A_ROW - 1):

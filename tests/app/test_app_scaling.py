@@ -104,6 +104,20 @@ def test_async_takes_a_new_rank_at_once_and_lets_one_leave():
     assert server.live_count() == 2 and server.shard_of(1) == (0, 2)
 
 
+def test_a_push_that_lands_after_its_worker_left_is_refused_and_the_run_still_ends():
+    """A push still on the wire when its worker left (SIGTERM) used to readmit the worker as
+    live: the PS then waited for a process that had exited, and the run did not end."""
+    server = _server("async")
+    server.submit(1, torch.ones(4), 0).wait()
+    assert server.leave(1, pushes=1, name="worker1") is None
+    state = server.state.clone()
+    late = server.submit(1, torch.ones(4), 1, name="worker1").wait()
+    assert late.kind == "stale" and "worker1 left the job" in late.message
+    assert server.live_count() == 1 and torch.equal(server.state, state)  # not back, not applied
+    server.finish(2, pushes=0)
+    assert server.done() and server.all_finished
+
+
 def test_ssp_bound_follows_the_live_set():
     server = _server("ssp", workers=2, staleness=1)
     server.join(3, "worker3")  # a new rank: ssp counts it at once
