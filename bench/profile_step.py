@@ -292,7 +292,11 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
     """The sync PS's pieces on the workers' `messages`: checks, average, SGD, reply; and a whole round."""
     import torch
 
+    from app.ps.policies import RoundPolicy
     from app.ps.update import all_finite
+
+    assert isinstance(server.policy, RoundPolicy)  # a sync server: its rounds average
+    average = server.policy.average
 
     reply = torch.empty(flat.size)
     n, r = flat.num_params, args.repeats
@@ -319,11 +323,13 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
     return {
         "ps: NaN/inf check of a push": _cpu_ms(lambda: all_finite(messages[0]), r),
         "ps was: NaN/inf check (isfinite.all)": _cpu_ms(lambda: bool(torch.isfinite(messages[0]).all()), r),
-        f"ps: average {args.workers} pushes": _cpu_ms(lambda: server._average(messages), r),
+        f"ps: average {args.workers} pushes": _cpu_ms(lambda: average(messages), r),
         f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
-        "ps: SGD into the reply buffer": _cpu_ms(locked(lambda: server._apply(messages[0], into=server._reply(0))), r),
+        "ps: SGD into the reply buffer": _cpu_ms(
+            locked(lambda: server.step(messages[0], into=server.reply_buffer(0))), r
+        ),
         "ps was: SGD in place + reply copy": _cpu_ms(
-            locked(lambda: (server._apply(messages[0]), reply.copy_(server.state))), r
+            locked(lambda: (server.step(messages[0]), reply.copy_(server.state))), r
         ),
         f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
         f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(

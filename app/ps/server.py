@@ -6,9 +6,9 @@ workers call are in app.ps.endpoints, the PS process in app.ps.process.
 Workers join, pull, push and report; the PS calls a worker only to ping it
 (app.ps.liveness).
 
-Three strategies decide when a push is applied and when its reply goes out
-(`submit` returns a future; `rpc_push` is `async_execution`, so a reply held
-back ties up no RPC thread):
+The strategy's policy (app.ps.policies: async, ssp or sync) decides when a push is
+applied and when its reply goes out (`submit` returns a future; `rpc_push` is
+`async_execution`, so a reply held back ties up no RPC thread):
 
 - async: applied at once, answered at once (asynchronous SGD).
 - ssp:   applied at once; answered once the pusher is at most `staleness`
@@ -37,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,22 +51,12 @@ from app.config import Config
 from app.contract import PS_STRATEGIES, strategy_of, worker_name
 from app.ps import exchange
 from app.ps.exchange import SharedExchange
+from app.ps.policies import Held, policy_for
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.speculation import Ahead
-from app.ps.sync_round import SyncRound
-from app.ps.update import WIRE_DTYPES, all_finite, mean_into, sgd_direction, to_float32, wire_size
+from app.ps.update import WIRE_DTYPES, all_finite, sgd_direction, to_float32, wire_size
 
 log = logging.getLogger("app.ps")
-
-
-class _Held(NamedTuple):
-    """A push whose reply waits (ssp: for the slowest rank; sync: for the round)."""
-
-    future: Future
-    message: torch.Tensor | None  # sync: the pushed [grads | buffers]
-    epoch: int
-    batch: int
-    staleness: int
 
 
 class ParameterServer:
@@ -127,8 +117,8 @@ class ParameterServer:
         run_id: str = "",
         on_finish: Callable[[int], None] | None = None,
     ) -> None:
-        self.policy = strategy_of(strategy)
-        if not self.policy.has_ps:
+        self.kind = strategy_of(strategy)
+        if not self.kind.has_ps:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
         self._model = model
@@ -173,11 +163,11 @@ class ParameterServer:
         self.staleness_max = 0
         self.staleness_hist: Counter[int] = Counter()
         self.samples = 0  # training samples behind the updates applied by this process
-        self._held: dict[int, _Held] = {}  # rank -> its push whose reply waits
+        self.held: dict[int, Held] = {}  # rank -> its push whose reply waits
         # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
         # memory after `push` returns, and a rank pushes again only once it has received
         # the reply; the second buffer keeps even a reply still in flight then intact.
-        # Unsliced async and sync write each new state into one of them (`_apply`'s `into`):
+        # Unsliced async and sync write each new state into one of them (`step`'s `into`):
         # the state itself lives there, and the reply is that buffer, not a copy.
         # With a shared-memory segment (app.ps.exchange) a rank's reply buffers are its regions
         # there: one, or two under --overlap; the PS allocates its own for ranks it has none for.
@@ -185,12 +175,11 @@ class ParameterServer:
         self.shared = shared
         # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
         self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
-        self._ahead: dict[int, Ahead] = {}  # async: rank -> what was built ahead of its push
         self._taken: dict[int, int] = {}  # rank -> the backward of the push of its process last taken
         self.ahead_done = 0  # partitions applied (async) or folded (sync) ahead of their push
         self.ahead_kept = 0  # ... and kept when the push came (async: from the state it met)
-        self._sum: torch.Tensor | None = None  # sync: where a round's messages are averaged
-        self._round: SyncRound | None = None  # sync: the open round's pushes, folded as they land
+        # When a push is applied and its reply goes (app.ps.policies): async's, ssp's or sync's.
+        self.policy = policy_for(self.kind, self)
 
     @property
     def model(self) -> nn.Module:
@@ -221,13 +210,13 @@ class ParameterServer:
             # sync: a rank the open round was not waiting for (a rank added by scaling up, or one
             # that had left or was dropped) is counted from the next round on; a rank the round
             # waits for (one of the job's first ranks, joining late) is counted in it
-            waited_for = rank in self._training()
+            waited_for = rank in self.training_ranks()
             self._keep_held_message(rank)
             self._forget_ahead(rank)
             self._taken[rank] = -1  # a new process counts its backwards from 0
             member = self.roster.join(rank, name)
             member.last_seen = self.clock()
-            open_round = self.policy.rounds and self._held and rank not in self._held and not waited_for
+            open_round = self.kind.rounds and self.held and rank not in self.held and not waited_for
             member.round_from = self.version + 1 if open_round else 0
             self.first_join = self.first_join or self.clock()
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
@@ -239,10 +228,10 @@ class ParameterServer:
         """A new process of `rank` joins while its old one's sync push is held: that push is
         still in the rank's push slot, which the new process is about to overwrite; the
         round keeps a copy. Called under the lock."""
-        held = self._held.get(rank)
+        held = self.held.get(rank)
         if held is not None and held.message is not None and self.shared is not None:
             if self.shared.holds(held.message):
-                self._held[rank] = held._replace(message=held.message.clone())
+                self.held[rank] = held._replace(message=held.message.clone())
 
     def push(
         self,
@@ -297,16 +286,11 @@ class ParameterServer:
                 return future
             if not finite:
                 refusal, ready = self._refuse_nonfinite(rank, name), []
-            elif self.policy.rounds:
-                self.samples += samples
-                self._hold(rank, _Held(future, message, epoch, batch, 0))
-                self._fold(rank, message, backward)
-                ready = self._close_round()
             else:
                 self.samples += samples
                 if staleness is None:
                     staleness = self.version - pulled_version
-                ready = self._apply_push(rank, message, future, epoch, batch, staleness, ahead)
+                ready = self.policy.take(rank, message, future, epoch, batch, staleness, ahead, backward)
             if readmitted:
                 self._changed.notify_all()
         if not finite:
@@ -342,12 +326,12 @@ class ParameterServer:
             )
         return Refusal(Refused.NONFINITE, f"{name} pushed non-finite values (NaN or inf); the push was refused")
 
-    def _scale_for(self, staleness: int) -> float:
+    def scale_for(self, staleness: int) -> float:
         """Zhang et al. 2016: a push `staleness` updates late counts 1 / staleness as much
         (its gradient is scaled, so momentum carries the scaled gradient too)."""
         return 1.0 / max(1, staleness) if self.staleness_lr else 1.0
 
-    def _apply(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
+    def step(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
         """One SGD step with `message`'s grads times `scale`; its buffers become the global ones.
 
         `into` (a reply buffer no reply in flight uses; it may be the state itself): the new
@@ -364,9 +348,9 @@ class ParameterServer:
         else:
             torch.add(self.state[:n], sgd_direction(self.optimizer, self._param, grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
-        self._adopt(into)
+        self.adopt(into)
 
-    def _adopt(self, into: torch.Tensor | None) -> None:
+    def adopt(self, into: torch.Tensor | None) -> None:
         """`into` (when given) holds the new state: it becomes the state (the optimizer's
         parameter moves to it; the model's views follow when the model is read). One update more."""
         if into is not None:
@@ -377,20 +361,20 @@ class ParameterServer:
         if self.version >= self._wake_at:
             self._changed.notify_all()
 
-    def _count(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
+    def count_push(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
         self.roster.record_push(rank, epoch, batch)
         self.applied += 1
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_hist[staleness] += 1
 
-    def _hold(self, rank: int, held: _Held) -> None:
-        old = self._held.pop(rank, None)
+    def hold(self, rank: int, held: Held) -> None:
+        old = self.held.pop(rank, None)
         if old is not None:  # its earlier process died waiting; this one replaces it
             old.future.set_result(Refusal(Refused.STALE, f"worker{rank} pushed again from a new process; exiting"))
-        self._held[rank] = held
+        self.held[rank] = held
 
-    def _training(self) -> list[int]:
+    def training_ranks(self) -> list[int]:
         """Ranks ssp and sync wait for: live ones, and those yet to join within join_timeout
         (not finished, not dropped)."""
         missing = {m.rank for m in self.roster.missing()}
@@ -404,67 +388,13 @@ class ParameterServer:
         """(index, count): rank's share of an epoch's data among the ranks training now (those
         ssp and sync wait for, and rank itself), for a job that may be scaled while it runs."""
         with self._lock:
-            ranks = sorted({*self._training(), *(m.rank for m in self.roster.live()), rank})
+            ranks = sorted({*self.training_ranks(), *(m.rank for m in self.roster.live()), rank})
             return ranks.index(rank), len(ranks)
 
     def lead(self, rank: int) -> int:
         """How many pushes rank is ahead of the slowest rank still training."""
-        pushes = [self.roster.members[r].pushes for r in self._training()]
+        pushes = [self.roster.members[r].pushes for r in self.training_ranks()]
         return self.roster.members[rank].pushes - min(pushes) if pushes else 0
-
-    def _apply_push(
-        self,
-        rank: int,
-        message: torch.Tensor,
-        future: Future,
-        epoch: int,
-        batch: int,
-        staleness: int,
-        ahead: Ahead | None,
-    ) -> list[tuple[Future, Reply]]:
-        """async and ssp: apply rank's push now (the rest of it, where its partitions were
-        applied ahead into the buffer its reply goes in), hold its answer, and release the
-        answers that may go. Called under the lock."""
-        # async answers at once: the new state is written where its reply goes
-        into = self._reply(rank) if not self.policy.waits and not self.sliced else None
-        if ahead is not None and into is ahead.into:
-            self._apply_rest(message, self._scale_for(staleness), ahead)
-        else:
-            self._apply(message, self._scale_for(staleness), into)
-        self._count(rank, epoch, batch, staleness)
-        self._hold(rank, _Held(future, None, epoch, batch, staleness))
-        return self._release(fresh=rank if into is not None else None)
-
-    def _release(self, fresh: int | None = None) -> list[tuple[Future, Reply]]:
-        """ssp/async: the held replies that may go now (every one, for async). `fresh`: the
-        rank whose reply buffer the state was just written into (it is answered with it)."""
-        ready = []
-        for rank, held in list(self._held.items()):
-            lead = self.lead(rank)
-            if not self.policy.waits or lead <= self.bound or rank not in self._training():
-                del self._held[rank]
-                vector = self.state if rank == fresh else self._reply(rank).copy_(self.state)
-                ready.append((held.future, Reply(vector, self.version, held.staleness, lead)))
-        return ready
-
-    def _fold(self, rank: int, message: torch.Tensor, backward: int | None = None) -> None:
-        """sync: take one push into the open round as it lands (app.ps.sync_round), opening
-        the round with its first push; the partitions folded ahead from `backward` are in it
-        already. Called under the lock."""
-        self._open_round().fold(rank, message, self.state, self.num_params, self.lr, backward)
-
-    def _open_round(self) -> SyncRound:
-        """sync: the open round, opened now if none is."""
-        if self._round is None:
-            expected = max(1, len(self._training()))
-            parts = self.parts or [(0, self.size)]
-            if not self._momentum_or_decay():  # plain SGD: the new state built in the reply buffer
-                self._round = SyncRound(expected, self._reply(0), None, parts)  # one buffer pair for the round
-            else:
-                if self._sum is None:
-                    self._sum = torch.empty_like(self.state)
-                self._round = SyncRound(expected, None, self._sum, parts)
-        return self._round
 
     def ahead(self, note: Note) -> None:
         """A partition of rank's next push is in its slot (app.ps.speculation): fold it into the
@@ -477,50 +407,7 @@ class ParameterServer:
         with self._lock:
             if self._taken.get(note.rank) != note.backward - 1 or self.roster.members.get(note.rank) is None:
                 return
-            if self.policy.rounds:
-                round_ = self._open_round()
-                if note.rank in round_.folded[note.partition]:
-                    return
-                round_.fold_part(
-                    note.rank, note.partition, message, self.state, self.num_params, self.lr, note.backward
-                )
-                self.ahead_done += 1
-            elif not self.policy.waits and not self._momentum_or_decay():
-                self._build_ahead(note, message)
-
-    def _build_ahead(self, note: Note, message: torch.Tensor) -> None:
-        """async: partition `note.partition` of the state after rank's push, built from the state
-        as it is into the rank's next reply buffer. Called under the lock."""
-        ahead = self._ahead.get(note.rank)
-        if ahead is None or ahead.backward != note.backward or ahead.slot != note.slot:
-            ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, self._next_reply(note.rank))
-        assert self.parts is not None  # notes come only where the PS cuts partitions
-        start, end = self.parts[note.partition]
-        end = min(end, self.num_params)
-        grads = message[start:end]
-        ahead.finite[note.partition] = all_finite(grads)
-        if ahead.finite[note.partition]:
-            self._step_into(grads, self._scale_for(self.version - note.version), ahead.into, start, end)
-        ahead.built[note.partition] = self.version
-        self.ahead_done += 1
-
-    def _step_into(self, grads: torch.Tensor, scale: float, into: torch.Tensor, start: int, end: int) -> None:
-        """Plain SGD on values start..end: the new values into `into` (grads are those values')."""
-        if scale != 1.0:
-            grads = grads * scale
-        torch.add(self.state[start:end], grads, alpha=-self.lr, out=into[start:end])
-
-    def _apply_rest(self, message: torch.Tensor, scale: float, ahead: Ahead) -> None:
-        """async, plain SGD: `_apply` into `ahead.into`, but for the partitions built ahead from
-        this very state. Called under the lock."""
-        n = self.num_params
-        for j, (start, end) in enumerate(self.parts or []):
-            if ahead.built.get(j) != self.version:
-                self._step_into(message[start : min(end, n)], scale, ahead.into, start, min(end, n))
-            else:
-                self.ahead_kept += 1
-        ahead.into[n:].copy_(message[n:])
-        self._adopt(ahead.into)
+            self.policy.note(note, message)
 
     def _take_ahead(self, rank: int, backward: int | None) -> Ahead | None:
         """What was built ahead of rank's push from `backward` (None: nothing, or it notes none);
@@ -529,8 +416,7 @@ class ParameterServer:
             return None
         with self._lock:
             self._taken[rank] = backward
-            ahead = self._ahead.pop(rank, None)
-        return ahead if ahead is not None and ahead.backward == backward else None
+            return self.policy.take_ahead(rank, backward)
 
     def _finite(self, message: torch.Tensor, ahead: Ahead | None) -> bool:
         """No NaN or inf in `message`: the partitions checked when they were built ahead are not
@@ -547,59 +433,18 @@ class ParameterServer:
     def _forget_ahead(self, rank: int) -> None:
         """A new process of `rank`, or the rank left: nothing built ahead of its old push counts.
         Called under the lock."""
-        self._ahead.pop(rank, None)
-        if self._round is not None:
-            self._round.forget(rank)
+        self.policy.forget(rank)
 
-    def _momentum_or_decay(self) -> bool:
+    def momentum_or_decay(self) -> bool:
         group = self.optimizer.param_groups[0]
         return bool(group["momentum"] or group["weight_decay"])
 
-    def _close_round(self) -> list[tuple[Future, Reply]]:
-        """sync: once every rank still training pushed, apply their average; answer them all.
-
-        The pushes were folded as they landed (`_fold`); if the round closes with other pushes
-        than those (a rank finished or was dropped meanwhile, or pushed again from a new
-        process), their mean is taken again from the held messages, in rank order."""
-        waiting_for = [r for r in self._training() if r not in self._held]
-        if waiting_for or not self._held:
-            return []
-        held = dict(sorted(self._held.items()))
-        self._held = {}
-        r, self._round = self._round, None
-        vector = r.into if r is not None and r.into is not None else self._reply(0)
-        if r is not None and r.matches(held):
-            self.ahead_kept += r.kept
-        if r is not None and r.matches(held) and r.into is not None:
-            if self.sliced:  # a PS shard's state is a slice of the model's vector: copied, not moved
-                self.state.copy_(vector)
-            self._adopt(None if self.sliced else vector)
-        else:
-            mean = r.mean if r is not None and r.mean is not None and r.matches(held) else None
-            if mean is None:
-                mean = self._average([h.message for h in held.values() if h.message is not None])
-            self._apply(mean, into=None if self.sliced else vector)
-            if self.sliced:
-                vector.copy_(self.state)
-        for rank, h in held.items():
-            self._count(rank, h.epoch, h.batch, 0)
-        return [(h.future, Reply(vector, self.version, 0, 0)) for h in held.values()]
-
-    def _average(self, messages: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of a round's messages, summed in the order given into one buffer the PS
-        keeps (the pushed tensors stay untouched); a round of one is its message itself."""
-        if len(messages) == 1:
-            return messages[0]
-        if self._sum is None:
-            self._sum = torch.empty_like(self.state)
-        return mean_into(messages, self._sum)
-
-    def _next_reply(self, rank: int) -> torch.Tensor:
-        """The buffer rank's next `_reply` will be, without taking it."""
+    def next_reply_buffer(self, rank: int) -> torch.Tensor:
+        """The buffer rank's next `reply_buffer` will be, without taking it."""
         buffers = self._reply_buffers(rank)
         return buffers[-1] if len(buffers) > 1 else buffers[0]
 
-    def _reply(self, rank: int) -> torch.Tensor:
+    def reply_buffer(self, rank: int) -> torch.Tensor:
         """Rank's reply buffer for this push (the other one, where it has two, holds its
         previous reply)."""
         buffers = self._reply_buffers(rank)
@@ -646,11 +491,11 @@ class ParameterServer:
                 self.roster.leave(rank, name)
             except StaleIncarnation as error:
                 return Refusal(Refused.STALE, str(error))
-            held = self._held.pop(rank, None)
+            held = self.held.pop(rank, None)
             self._forget_ahead(rank)
             ready = self._unblock()
             if held is not None:  # not answered yet: it goes back with the state as it is
-                vector = self._reply(rank).copy_(self.state)
+                vector = self.reply_buffer(rank).copy_(self.state)
                 ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
             self._event()
             counts = self.roster.counts()
@@ -675,11 +520,11 @@ class ParameterServer:
             ready = []
             if dropped:
                 self._event()
-                held = self._held.pop(rank, None)
+                held = self.held.pop(rank, None)
                 self._forget_ahead(rank)
                 ready = self._unblock()
                 if held is not None:
-                    vector = self._reply(rank).copy_(self.state)
+                    vector = self.reply_buffer(rank).copy_(self.state)
                     ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
         _complete(ready)
         return dropped
@@ -687,14 +532,14 @@ class ParameterServer:
     def frozen(self, limit: float) -> list[tuple[int, str, float]]:
         """ssp/sync: (rank, name, seconds quiet) of live ranks that have not called for
         `limit` seconds and are not waiting for an answer to a push (async waits for no one)."""
-        if not self.policy.waits:
+        if not self.kind.waits:
             return []
         with self._lock:
             now = self.clock()
             return [
                 (m.rank, m.name, now - m.last_seen)
                 for m in self.roster.live()
-                if m.rank not in self._held and now - m.last_seen >= limit
+                if m.rank not in self.held and now - m.last_seen >= limit
             ]
 
     def training_seconds(self) -> float | None:
@@ -714,7 +559,7 @@ class ParameterServer:
 
     def _unblock(self) -> list[tuple[Future, Reply]]:
         """A rank stopped training: the others may no longer have to wait for it."""
-        return self._close_round() if self.policy.rounds else self._release()
+        return self.policy.unblock()
 
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""
