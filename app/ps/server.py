@@ -121,18 +121,7 @@ class ParameterServer:
         if not self.kind.has_ps:
             raise ValueError(f"strategy {strategy!r}: the PS runs {', '.join(PS_STRATEGIES)}")
         self.strategy, self.bound, self.staleness_lr, self.lr = strategy, staleness, staleness_lr, lr
-        self._model = model
-        self._flat = FlatModel(model, with_grads=False)
-        # `state` is what this process serves: the whole vector, or (a PS shard, app.ps.sharding.slices)
-        # the slice `part` of it, a view: pushes carry and replies hold exactly its values.
-        start, end = (0, self._flat.size) if part is None else part
-        if not 0 <= start <= end <= self._flat.size:
-            raise ValueError(f"part {part} is not a slice of the model's {self._flat.size} values")
-        self.part, self.sliced = (start, end), part is not None and (start, end) != (0, self._flat.size)
-        self.state = self._flat.vector[start:end] if self.sliced else self._flat.vector
-        self.size = end - start
-        # The parameter values in the slice (it may hold buffers only, or straddle both).
-        self.num_params = min(max(self._flat.num_params - start, 0), self.size)
+        self._serve(model, part)
         self._param = nn.Parameter(self.state[: self.num_params])  # shares storage with the model
         self.optimizer = torch.optim.SGD([self._param], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.num_trainers = num_trainers
@@ -142,11 +131,7 @@ class ParameterServer:
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
         self._wake_at = 0
-        self.applied = 0  # pushes applied by this process (the version may start from a checkpoint)
         self.clock = clock
-        self.first_join: float | None = None  # clock time of the first join
-        self.all_joined: float | None = None  # clock time every rank had joined (or finished)
-        self.last_applied: float | None = None  # clock time of the last update applied
         # Called (outside the lock) when a dropped process calls again: app.ps.liveness logs it.
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
         # Called (outside the lock) when a process left the job for good (scaled down): app.ps.liveness records it.
@@ -154,15 +139,9 @@ class ParameterServer:
         # Called (outside the lock, before the finishing worker gets its answer) after a rank
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
         self.on_finish: Callable[[int], None] = on_finish or (lambda rank: None)
-        self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
         # The run this PS serves (--run_id): a checkpoint of another run restores no finish.
         self.run_id = run_id
         self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
-        self.version = 0
-        self.staleness_sum = 0
-        self.staleness_max = 0
-        self.staleness_hist: Counter[int] = Counter()
-        self.samples = 0  # training samples behind the updates applied by this process
         self.held: dict[int, Held] = {}  # rank -> its push whose reply waits
         # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
         # memory after `push` returns, and a rank pushes again only once it has received
@@ -176,10 +155,39 @@ class ParameterServer:
         # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
         self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
         self._taken: dict[int, int] = {}  # rank -> the backward of the push of its process last taken
-        self.ahead_done = 0  # partitions applied (async) or folded (sync) ahead of their push
-        self.ahead_kept = 0  # ... and kept when the push came (async: from the state it met)
         # When a push is applied and its reply goes (app.ps.policies): async's, ssp's or sync's.
         self.policy = policy_for(self.kind, self)
+        self._start_counts()
+
+    def _serve(self, model: nn.Module, part: tuple[int, int] | None) -> None:
+        """`state` is what this process serves: the whole vector, or (a PS shard,
+        app.ps.sharding.slices) the slice `part` of it, a view: pushes carry and replies hold
+        exactly its values."""
+        self._model = model
+        self._flat = FlatModel(model, with_grads=False)
+        start, end = (0, self._flat.size) if part is None else part
+        if not 0 <= start <= end <= self._flat.size:
+            raise ValueError(f"part {part} is not a slice of the model's {self._flat.size} values")
+        self.part, self.sliced = (start, end), part is not None and (start, end) != (0, self._flat.size)
+        self.state = self._flat.vector[start:end] if self.sliced else self._flat.vector
+        self.size = end - start
+        # The parameter values in the slice (it may hold buffers only, or straddle both).
+        self.num_params = min(max(self._flat.num_params - start, 0), self.size)
+
+    def _start_counts(self) -> None:
+        """Version, pushes and samples: none yet (a checkpoint may restore them)."""
+        self.applied = 0  # pushes applied by this process (the version may start from a checkpoint)
+        self.first_join: float | None = None  # clock time of the first join
+        self.all_joined: float | None = None  # clock time every rank had joined (or finished)
+        self.last_applied: float | None = None  # clock time of the last update applied
+        self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
+        self.version = 0
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.staleness_hist: Counter[int] = Counter()
+        self.samples = 0  # training samples behind the updates applied by this process
+        self.ahead_done = 0  # partitions applied (async) or folded (sync) ahead of their push
+        self.ahead_kept = 0  # ... and kept when the push came (async: from the state it met)
 
     @property
     def model(self) -> nn.Module:
