@@ -133,8 +133,9 @@ class FlatModel:
             p.data = view
         if self.own_buffers and vector is not self.own:
             self.own[self.num_params :].copy_(vector[self.num_params :])
-            views = self._views_of(self.own)
-        if not (self.own_buffers and self._buffers_in_own):
+        if not (self.own_buffers and self._buffers_in_own):  # once, with own_buffers: they stay put
+            if self.own_buffers and vector is not self.own:
+                views = self._views_of(self.own)
             for (module, name, _), view in zip(self._buffers, views[len(self._params) :]):
                 module._buffers[name] = view
             self._buffers_in_own = self.own_buffers

@@ -95,3 +95,25 @@ def test_grads_stay_views_of_the_message_through_steps_and_flips():
     assert not torch.equal(second[: flat.num_params], kept[: flat.num_params])
     flat.flip()
     assert flat.message.data_ptr() == sent.data_ptr() and views_of(sent)
+
+
+def test_a_worker_pointed_at_kept_reply_buffers_makes_no_new_view_a_step(monkeypatch):
+    """A worker's model follows the PS's reply buffers every step (own_buffers: the BatchNorm
+    buffers stay in its own storage, their values copied): with the buffers' views kept, a step
+    re-points the parameters and copies the buffers, and builds no view of anything."""
+    model = _bn_model()
+    flat = FlatModel(model, own_buffers=True)
+    replies = [torch.randn(flat.size), torch.randn(flat.size)]
+    flat.keep_views_of(replies)
+    built = []
+    views = FlatModel._views
+    monkeypatch.setattr(FlatModel, "_views", staticmethod(lambda f, shapes: built.append(1) or views(f, shapes)))
+    flat.adopt(replies[0])  # the first adopt points the buffers at own storage: views of `own`, once
+    built.clear()
+    for step in range(4):
+        reply = replies[step % 2]
+        flat.adopt(reply)
+        assert model[0].weight.data_ptr() == reply.data_ptr()  # the parameters are the reply's
+        assert torch.equal(model[1].running_var, reply[flat.num_params + 4 :])  # the buffers its values
+        assert model[1].running_var.data_ptr() != reply[flat.num_params + 4 :].data_ptr()  # in own storage
+    assert built == []
