@@ -75,7 +75,14 @@ def test_kills_during_checkpoint_writes_never_leave_a_bad_checkpoint(tmp_path):
 
 def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path):
     t = chaos_common.chaos_topology(workers=1)
-    t = t.model_copy(update={"train": t.train.model_copy(update={"epochs": 500})})
+    # No periodic checkpoint: a SIGTERM that came just after one, with no push applied since,
+    # found that version on disk already, and the PS rightly wrote no "on exit" checkpoint.
+    t = t.model_copy(
+        update={
+            "train": t.train.model_copy(update={"epochs": 500}),
+            "ps": t.ps.model_copy(update={"checkpoint_every": 0}),
+        }
+    )
     job = chaos_processes.ProcessJob(t, tmp_path)
     try:
         job.start()
