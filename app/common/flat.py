@@ -10,6 +10,9 @@ not affect the math when momentum is set, as it is in every torchvision model.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
 
@@ -38,8 +41,9 @@ class FlatModel:
     `vector` holds [params | buffers]; `message` holds [grads | buffers] and is
     what a worker pushes (`grads` is its first part, where backward accumulates).
     Both own their whole storage, so RPC sends exactly these bytes. Every param's
-    .grad stays a view into `message` (nothing may set it to None or replace it:
-    the gradients are zeroed in place by `zero_grads`).
+    .grad is a view into `message` outside `writing_grads` (nothing else may set it
+    to None or replace it): a backward under `writing_grads` writes each gradient
+    into it once; any other backward adds into it, after `zero_grads`.
 
     `own_buffers` (a worker): the float buffers always live in the model's own storage,
     even when `adopt` makes the parameters views of a vector that is not the model's (a
@@ -69,7 +73,12 @@ class FlatModel:
             view.copy_(tensor.detach())
         self._point_at(self.vector)
         if with_grads:
+            self.keep_views_of([self.message])
             self._grads_into(self.message)
+            offset = 0
+            for p in params:
+                p.register_hook(self._into_message(p, offset))
+                offset += p.numel()
 
     def keep_views_of(self, tensors: list[torch.Tensor]) -> None:
         """Make the views of `tensors` once, for good: buffers the model is pointed at or writes
@@ -104,12 +113,50 @@ class FlatModel:
         for p, view in zip(self._params, self._views_of(message)):
             p.grad = view
 
+    def _into_message(self, param: torch.Tensor, offset: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The hook on `param`'s gradient (values offset.. of the grads): under `writing_grads`
+        (.grad None), the gradient is copied into its place in `message` and that view is
+        handed on, which autograd then takes as .grad as it is (it adds nothing into it);
+        otherwise the gradient goes on unchanged and autograd adds it into .grad."""
+        shape = param.shape
+
+        def into_message(grad: torch.Tensor) -> torch.Tensor:
+            message = self.message
+            if param.grad is not None or grad.layout != torch.strided or grad.dtype != message.dtype:
+                return grad
+            view = message[offset : offset + shape.numel()].view(shape)
+            view.copy_(grad)
+            return view
+
+        return into_message
+
+    @contextlib.contextmanager
+    def writing_grads(self) -> Iterator[None]:
+        """A backward run inside writes each parameter's gradient into `message` once (one copy),
+        instead of the memset of `zero_grads` and autograd's add into the zeros; after it every
+        .grad is its view into `message` again, zeros for a parameter the backward did not reach."""
+        for p in self._params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, view in zip(self._params, self._views_of(self.message)):
+                grad = p.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.layout != torch.strided:  # a sparse gradient, handed on as it came
+                    view.copy_(grad.to_dense())
+                elif grad.data_ptr() != view.data_ptr():  # autograd kept a copy of its own
+                    view.copy_(grad)
+                p.grad = view
+
     def flip(self) -> None:
         """Swap `message` for a second buffer of its own and point the grads into it (the
         first call allocates it): the next backward fills that one, and the message just
         sent stays intact, without a copy, until the flip after next."""
         if self._spare is None:
             self._spare = torch.zeros_like(self.message)
+            self.keep_views_of([self._spare])
         self.message, self._spare = self._spare, self.message
         self._grads_into(self.message)
 

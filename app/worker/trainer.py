@@ -147,7 +147,7 @@ class Trainer:
             return None
         params = list(self.model.parameters())
         if self.device.type == "cpu":
-            return Poster(params, link.parts, Ringer(link.bell), self.config.rank, self.config.name)
+            return Poster(params, link.parts, Ringer(link.bell), self.config.rank, self.config.name, link.slots)
         return DevicePoster(
             params, link.parts, Ringer(link.bell), self.config.rank, self.config.name, self.flat, link.slots
         )
@@ -163,18 +163,17 @@ class Trainer:
         """Forward (under --precision's autocast) and backward; the float32 gradient lands in
         self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
-        self.flat.zero_grads()
         if self.poster is not None:
             assert isinstance(self.version, int)  # notes go to one PS process
             self.poster.arm(self.backwards, self._slot(), self.version)
         self.backwards += 1
-        with runtime.autocast(self.config.precision, self.device):
-            loss = self.loss_fn(self.model(x), y)
+        with self.flat.writing_grads():  # each gradient written into the message once
+            with runtime.autocast(self.config.precision, self.device):
+                loss = self.loss_fn(self.model(x), y)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.scaler is None:
-            loss.backward()
             self._claimed = self.poster is not None and self.poster.claims()
             return loss.item()
-        self.scaler.scale(loss).backward()
         assert self._unscaler is not None  # made with the scaler
         self.scaler.unscale_(self._unscaler)
         overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())

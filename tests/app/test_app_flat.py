@@ -117,3 +117,48 @@ def test_a_worker_pointed_at_kept_reply_buffers_makes_no_new_view_a_step(monkeyp
         assert torch.equal(model[1].running_var, reply[flat.num_params + 4 :])  # the buffers its values
         assert model[1].running_var.data_ptr() != reply[flat.num_params + 4 :].data_ptr()  # in own storage
     assert built == []
+
+
+class _Branches(nn.Module):
+    """Two heads, one of which a forward may skip: a parameter the backward does not reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.left, self.right = nn.Linear(6, 4), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, both: bool = True) -> torch.Tensor:
+        h = self.body(x).relu()
+        return self.left(h) + self.right(h) if both else self.left(h)
+
+
+def test_a_backward_under_writing_grads_writes_each_gradient_into_the_message_once():
+    model, reference = _Branches(), _Branches()
+    flat = FlatModel(model)
+    flat.message.fill_(7.0)  # what an earlier push left in the slot: no zeroing is needed
+    x = torch.randn(5, 6)
+    with flat.writing_grads():
+        model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    expected = parameters_to_vector(p.grad for p in reference.parameters())
+    assert torch.allclose(flat.grads, expected)
+    offset = 0
+    for p in model.parameters():  # autograd kept the view it was handed: .grad is the message's
+        assert p.grad.data_ptr() == flat.message[offset:].data_ptr()
+        offset += p.numel()
+
+
+def test_a_parameter_the_backward_skips_gets_zeros_and_a_backward_outside_still_adds():
+    model = _Branches()
+    flat = FlatModel(model)
+    x = torch.randn(5, 6)
+    with flat.writing_grads():
+        model(x).sum().backward()
+    with flat.writing_grads():  # the right head is not reached: its gradient is zeros, not the last one
+        model(x, both=False).sum().backward()
+    assert not any(model.right.weight.grad.flatten()) and not any(model.right.bias.grad)
+    assert model.left.weight.grad.abs().sum() > 0
+    once = flat.grads.clone()
+    model(x, both=False).sum().backward()  # outside: autograd adds into .grad, as after zero_grads
+    assert torch.allclose(flat.grads, 2 * once)
+    assert model.left.weight.grad.data_ptr() == flat.message[model.body.weight.numel() + 4 :].data_ptr()
