@@ -27,7 +27,7 @@ from app.common.wire import Reply
 from app.contract import Strategy
 from app.ps.speculation import Ahead
 from app.ps.sync_round import SyncRound
-from app.ps.update import all_finite, mean_into
+from app.ps.update import mean_into
 
 Ready = list[tuple[Future, Reply]]
 
@@ -133,6 +133,11 @@ class Policy:
     def forget(self, rank: int) -> None:
         """A new process of `rank`, or the rank left: nothing taken ahead of its old push counts."""
 
+    def checked(self, rank: int, backward: int | None, ahead: Ahead | None) -> set[int]:
+        """The partitions of rank's push from `backward` that were noted ahead (`ahead`: what
+        was built ahead of it), each checked finite by the worker before it noted it."""
+        return ahead.noted if ahead is not None else set()
+
 
 class AsyncPolicy(Policy):
     """async: every push applied and answered at once; with plain SGD, the partitions of a push
@@ -164,10 +169,8 @@ class AsyncPolicy(Policy):
         assert ps.parts is not None  # notes come only where the PS cuts partitions
         start, end = ps.parts[note.partition]
         end = min(end, ps.num_params)
-        grads = message[start:end]
-        ahead.finite[note.partition] = all_finite(grads)
-        if ahead.finite[note.partition]:
-            self._step_into(grads, ps.scale_for(ps.version - note.version), ahead.into, start, end)
+        ahead.noted.add(note.partition)  # finite: its worker checked it before noting it
+        self._step_into(message[start:end], ps.scale_for(ps.version - note.version), ahead.into, start, end)
         ahead.built[note.partition] = ps.version
         ps.ahead_done += 1
 
@@ -247,6 +250,13 @@ class RoundPolicy(Policy):
     def forget(self, rank: int) -> None:
         if self._round is not None:
             self._round.forget(rank)
+
+    def checked(self, rank: int, backward: int | None, ahead: Ahead | None) -> set[int]:
+        """The partitions of rank's push from `backward` folded ahead into the open round."""
+        r = self._round
+        if r is None or backward is None:
+            return set()
+        return {j for j, by in enumerate(r.backward) if by.get(rank) == backward}
 
     def _open_round(self) -> SyncRound:
         """The open round, opened now if none is."""

@@ -284,7 +284,7 @@ class ParameterServer:
         ahead = self._take_ahead(rank, backward)
         if not noted:
             ahead, backward = None, None
-        finite = self._finite(message, ahead)
+        finite = self._finite(message, self.policy.checked(rank, backward, ahead))
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
@@ -426,16 +426,14 @@ class ParameterServer:
             self._taken[rank] = backward
             return self.policy.take_ahead(rank, backward)
 
-    def _finite(self, message: torch.Tensor, ahead: Ahead | None) -> bool:
-        """No NaN or inf in `message`: the partitions checked when they were built ahead are not
-        read again."""
-        if ahead is None or not ahead.finite:
+    def _finite(self, message: torch.Tensor, checked: set[int]) -> bool:
+        """No NaN or inf in `message`; partitions `checked` are not read again (noted ahead: their
+        worker checked each where it wrote it before noting it, app.worker.posting)."""
+        if not checked:
             return all_finite(message)
-        if not all(ahead.finite.values()):
-            return False
         n = self.num_params
         parts = self.parts or [(0, self.size)]
-        rest = [(s, min(e, n)) for j, (s, e) in enumerate(parts) if j not in ahead.finite] + [(n, self.size)]
+        rest = [(s, min(e, n)) for j, (s, e) in enumerate(parts) if j not in checked] + [(n, self.size)]
         return all(all_finite(message[s:e]) for s, e in rest if e > s)
 
     def _forget_ahead(self, rank: int) -> None:

@@ -34,14 +34,14 @@ log = logging.getLogger("app.ps")
 @dataclass
 class Ahead:
     """What the PS built ahead of one rank's push: from backward `backward`, in slot `slot`,
-    into reply buffer `into`; partition -> the version it was built from, and whether the
-    partition was finite."""
+    into reply buffer `into`; partition -> the version it was built from, and the partitions
+    noted (their worker found them finite: app.worker.posting)."""
 
     backward: int
     slot: int
     into: torch.Tensor
     built: dict[int, int] = field(default_factory=dict)
-    finite: dict[int, bool] = field(default_factory=dict)
+    noted: set[int] = field(default_factory=set)
 
 
 class NoteReader:

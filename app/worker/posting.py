@@ -12,7 +12,10 @@ parameters of each partition whose gradient is in; when a partition is complete:
   copied the same way, and the push goes from that slot with nothing copied again.
 
 The last partition (the first layers, and the buffers) is never noted: the push carries it.
-A note is a claim that the partition is final, so the worker makes it only when every
+A note is a claim that the partition is final and finite: the worker checks it for NaN and inf
+where it lies, in the slot, just written (on a GPU, in the thread that waits for its copy), and
+a partition that is not finite is not noted, so the PS checks it with the push and refuses
+that; the PS does not read a noted partition twice. The worker makes a note only when every
 parameter's gradient comes once a backward (the first backward only counts, to see that they
 do: a parameter the backward skips turns the notes off; a weight used twice is fine, autograd
 sums its contributions before it accumulates them), and a push says its partitions were noted
@@ -31,6 +34,7 @@ from torch import nn
 from app.common.bell import Note, Ringer
 from app.common.flat import FlatModel
 from app.common.partitions import owners
+from app.ps.update import all_finite
 
 log = logging.getLogger("app.worker")
 
@@ -41,9 +45,16 @@ class Poster:
     push may say it was noted (every parameter fired once)."""
 
     def __init__(
-        self, params: list[nn.Parameter], parts: list[tuple[int, int]], ringer: Ringer, rank: int, name: str
+        self,
+        params: list[nn.Parameter],
+        parts: list[tuple[int, int]],
+        ringer: Ringer,
+        rank: int,
+        name: str,
+        slots: list[torch.Tensor],
     ) -> None:
-        self.parts, self.ringer, self.rank, self.name = parts, ringer, rank, name
+        self.parts, self.ringer, self.rank, self.name, self.slots = parts, ringer, rank, name, slots
+        self.unfinite = 0  # partitions not noted: NaN or inf in them
         self.owner = owners([p.numel() for p in params], parts)
         self.size = [self.owner.count(j) for j in range(len(parts))]
         self.fired = [0] * len(params)
@@ -84,9 +95,18 @@ class Poster:
         return self.on and once
 
     def complete(self, j: int) -> None:
-        """Partition `j` is in the slot: note it."""
+        """Partition `j` is in the slot: note it, if it is finite."""
         assert self.note is not None
-        backward, slot, version = self.note
+        self.ring_if_finite(j, self.note)
+
+    def ring_if_finite(self, j: int, note: tuple[int, int, int]) -> None:
+        """Note partition `j` of the push `note` (backward, slot, version) is in its slot, if no
+        NaN or inf is in it there."""
+        backward, slot, version = note
+        start, end = self.parts[j]
+        if not all_finite(self.slots[slot][start:end]):
+            self.unfinite += 1
+            return
         self.ringer.ring(Note(self.rank, backward, slot, j, version))
 
     def close(self) -> None:
@@ -108,8 +128,8 @@ class DevicePoster(Poster):
         flat: FlatModel,
         slots: list[torch.Tensor],
     ) -> None:
-        super().__init__(params, parts, ringer, rank, name)
-        self.flat, self.slots = flat, slots
+        super().__init__(params, parts, ringer, rank, name, slots)
+        self.flat = flat
         self.stream = torch.cuda.Stream(flat.message.device)
         self.copied: set[int] = set()
         self.landed: queue.Queue = queue.Queue()
@@ -152,5 +172,4 @@ class DevicePoster(Poster):
         while True:
             done, j, note = self.landed.get()
             done.synchronize()
-            backward, slot, version = note
-            self.ringer.ring(Note(self.rank, backward, slot, j, version))
+            self.ring_if_finite(j, note)

@@ -73,9 +73,10 @@ def _backward(model: nn.Module, poster: Poster, backward: int) -> bool:
 def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_one():
     model = Deep()
     params = list(model.parameters())
-    parts = cut([p.numel() for p in params], FlatModel(model).size, 64 * 64)  # one linear layer each
+    flat = FlatModel(model)
+    parts = cut([p.numel() for p in params], flat.size, 64 * 64)  # one linear layer each
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 3, "worker3")
+    poster = Poster(params, parts, ringer, 3, "worker3", [flat.message])
     assert len(parts) == 5  # 4 linears, then the BatchNorm's parameters with its buffers
     assert _backward(model, poster, 0) is False and ringer.notes == []  # the first backward only counts
     assert _backward(model, poster, 1) is True
@@ -85,15 +86,32 @@ def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_
     assert {(n.rank, n.backward, n.slot, n.version) for n in ringer.notes} == {(3, 1, 0, 7)}
 
 
+def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
+    """A note says the partition is finite: the PS does not check it again, so one that is not
+    goes with the push, where the PS checks it and refuses the push."""
+    model = Deep()
+    params = list(model.parameters())
+    flat = FlatModel(model)
+    parts = cut([p.numel() for p in params], flat.size, 64 * 64)
+    ringer = Collect()
+    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
+    _backward(model, poster, 0)
+    model.layers[1].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([5]), float("inf")))
+    flat.zero_grads()
+    assert _backward(model, poster, 1) is True
+    assert [n.partition for n in ringer.notes] == [3, 2, 0] and poster.unfinite == 1
+
+
 def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
     """Autograd sums a shared weight's two contributions before it accumulates them: its hook
     fires once, with the whole gradient."""
     layer = nn.Linear(64, 64, bias=False)
     model = nn.Sequential(layer, nn.ReLU(), layer, nn.Linear(64, 64, bias=False))
     params = list(model.parameters())
-    parts = cut([p.numel() for p in params], FlatModel(model).size, 64 * 64)
+    flat = FlatModel(model)
+    parts = cut([p.numel() for p in params], flat.size, 64 * 64)
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 1, "worker1")
+    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is True and [n.partition for n in ringer.notes] == [0]
 
@@ -112,9 +130,10 @@ class Unused(nn.Module):
 def test_a_parameter_whose_gradient_never_comes_turns_the_notes_off():
     model = Unused()
     params = list(model.parameters())
-    parts = cut([p.numel() for p in params], FlatModel(model).size, 64)
+    flat = FlatModel(model)
+    parts = cut([p.numel() for p in params], flat.size, 64)
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 1, "worker1")
+    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is False and ringer.notes == []
 
@@ -212,17 +231,21 @@ def test_a_partition_built_before_another_push_moved_the_state_is_built_again(sh
         whole_exchange.close()
 
 
-def test_a_non_finite_partition_noted_ahead_refuses_the_whole_push_and_changes_nothing(shm_dir):
-    server, exchange = _ps(shm_dir, "async")
+@pytest.mark.parametrize("strategy", ["async", "sync"])
+def test_a_non_finite_partition_the_worker_did_not_note_refuses_the_whole_push(shm_dir, strategy):
+    """The others were noted (and built or folded ahead): the PS checks what was not."""
+    server, exchange = _ps(shm_dir, strategy)
     try:
         link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
         server.join(1, "worker1")
+        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
         before = server.snapshot()[0]
         gradient = torch.ones(server.size)
-        gradient[64 * 64 * 3 + 5] = float("nan")  # in partition 3, noted first
-        answer = _push(server, exchange, link, 1, gradient, 0, 0, [3, 2, 1, 0])
+        gradient[64 * 64 * 2 + 5] = float("nan")  # in partition 2, which its worker did not note
+        answer = _push(server, exchange, link, 1, gradient, 1, 1, [3, 1, 0])
         assert isinstance(answer, Refusal) and answer.kind == "nonfinite"
-        assert torch.equal(server.snapshot()[0], before) and server.version == 0
+        assert torch.equal(server.snapshot()[0], before) and server.version == 1
+        assert server.ahead_done == 3  # the noted ones were taken ahead, and are not read again
     finally:
         exchange.close()
 
@@ -312,3 +335,27 @@ def test_processes_apply_partitions_ahead_to_the_same_values_as_tensorpipe(tmp_p
     assert finals["auto"]["version"] == finals["tensorpipe"]["version"] > 0
     for key, value in finals["auto"]["model"].items():
         assert torch.equal(value, finals["tensorpipe"]["model"][key]), key
+
+
+def test_the_ps_does_not_read_a_partition_noted_ahead_again(shm_dir):
+    """Its worker checked it before noting it: once built ahead, the push takes it as built (what
+    lies in the slot afterwards is not read), and only the rest is checked and applied."""
+    server, exchange = _ps(shm_dir, "async")
+    whole, whole_exchange = _ps(shm_dir, "async")
+    try:
+        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        for s in (server, whole):
+            s.join(1, "worker1")
+        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)
+        whole.push(1, torch.zeros(whole.size), 0)
+        gradient = torch.randn(server.size)
+        link.slots[0][: gradient.numel()].copy_(gradient)
+        for j in (3, 2, 1, 0):
+            server.ahead(Note(1, 1, 0, j, 1))
+        link.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after the note: never read
+        pushed = exchange.push(1, 0, "float32", gradient.numel())
+        got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()
+        assert torch.equal(link.reply(exchange.answer(got)).vector, whole.push(1, gradient, 1).vector)
+    finally:
+        exchange.close()
+        whole_exchange.close()
