@@ -497,12 +497,7 @@ class ParameterServer:
                 self.roster.leave(rank, name)
             except StaleIncarnation as error:
                 return Refusal(Refused.STALE, str(error))
-            held = self.held.pop(rank, None)
-            self._forget_ahead(rank)
-            ready = self._unblock()
-            if held is not None:  # not answered yet: it goes back with the state as it is
-                vector = self.reply_buffer(rank).copy_(self.state)
-                ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
+            ready = self._let_go(rank)
             self._event()
             counts = self.roster.counts()
         _complete(ready)
@@ -522,18 +517,24 @@ class ParameterServer:
         it was not, and the round goes on without it): if the process is alive after
         all, it continues, and its next call readmits it."""
         with self._lock:
-            dropped = self.roster.drop(rank, name)
-            ready = []
-            if dropped:
-                self._event()
-                held = self.held.pop(rank, None)
-                self._forget_ahead(rank)
-                ready = self._unblock()
-                if held is not None:
-                    vector = self.reply_buffer(rank).copy_(self.state)
-                    ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
+            if not self.roster.drop(rank, name):
+                return False
+            ready = self._let_go(rank)
+            self._event()
         _complete(ready)
-        return dropped
+        return True
+
+    def _let_go(self, rank: int) -> list[tuple[Future, Reply]]:
+        """Nobody waits for `rank` any more: what it had built ahead is forgotten, and its push
+        held and not answered yet goes back with the state as it is (ssp: it was applied; sync:
+        it was not, and the round goes on without it). Called under the lock."""
+        held = self.held.pop(rank, None)
+        self._forget_ahead(rank)
+        ready = self._unblock()
+        if held is not None:
+            vector = self.reply_buffer(rank).copy_(self.state)
+            ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
+        return ready
 
     def frozen(self, limit: float) -> list[tuple[int, str, float]]:
         """ssp/sync: (rank, name, seconds quiet) of live ranks that have not called for
