@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from bench import gpu_report, harness, launch
+from bench import gpu_report, harness, host_cpu, launch
 
 CODE = launch.ROOT / "bench" / "sleep_model"
 BASE_IMAGE = "ps-compose-base:bookworm"
@@ -171,9 +171,13 @@ def step_times(case: tuple[int, int, int, str, str], args: argparse.Namespace, p
 
 
 def run_case(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> dict[str, Any]:
+    """One case's steady step, and how busy the host's cores were in its steady window."""
     c, n, shards, where, system = case
-    steady = gpu_report.steady_step(step_times(case, args, project), args.warmup)
-    return dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, **steady)
+    with host_cpu.Sampler() as cpu:
+        times = step_times(case, args, project)
+    steady = gpu_report.steady_step(times, args.warmup)
+    busy = host_cpu.busy_share(cpu.samples, *steady["window"])
+    return dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, cpu_busy=busy, **steady)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ def steady_step(times: list[list[float]], warmup: int) -> dict[str, Any]:
         "steps": min(steps),
         "batches": [len(t) for t in times],
         "window_s": end - start,
+        "window": [start, end],
     }
 
 
@@ -60,12 +61,16 @@ def key(run: dict[str, Any]) -> tuple[int, int, int, str, str]:
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median step over the repeats of each case, its range, and `vs_compute`: that step /
     the compute-alone step of the same C. `vs_processes` (containers only): / the same
-    system as processes. Rows sorted by C, workers, shards, where, then SYSTEMS order."""
+    system as processes. `cpu_busy`: the median over the repeats that have it of the share
+    of the host's cores busy in the steady window (bench.host_cpu), else None. Rows sorted
+    by C, workers, shards, where, then SYSTEMS order."""
     groups = rows.grouped(runs, key, lambda k: (k[0], k[1], k[2], WHERE.index(k[3]), SYSTEMS.index(k[4])))
     out = []
     for (c, workers, shards, where, system), rs in groups:
         case = dict(compute_ms=c, workers=workers, shards=shards, where=where, system=system)
-        out.append(dict(case, label=LABELS[system], **rows.over_repeats(rs)))
+        busy = [r["cpu_busy"] for r in rs if r.get("cpu_busy") is not None]
+        cpu = {"cpu_busy": statistics.median(busy) if busy else None}
+        out.append(dict(case, label=LABELS[system], **rows.over_repeats(rs), **cpu))
     for row in out:
         alone = _compute_alone(out, row["compute_ms"])
         row["vs_compute"] = row["step_s"] / alone["step_s"] if alone else None
@@ -83,15 +88,18 @@ def _find(rs: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, 
 
 
 def table(rs: list[dict[str, Any]]) -> str:
-    """One block per C: each case's s/step, x compute alone, x processes, steps, range."""
+    """One block per C: each case's s/step, x compute alone, x processes, the host's cores
+    busy, steps, range."""
     blocks = []
     for c in dict.fromkeys(r["compute_ms"] for r in rs):
-        head = f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'steps':>5}  range"
+        head = f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'cpu':>4} {'steps':>5}  range"
         lines = []
         for r in (r for r in rs if r["compute_ms"] == c):
             ratio, procs = rows.ratio_text(r["vs_compute"]), rows.ratio_text(r["vs_processes"])
+            cpu = "-" if r.get("cpu_busy") is None else f"{100 * r['cpu_busy']:.0f}%"
             lines.append(
-                f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {r['steps']:>5}  {rows.range_text(r)}"
+                f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {cpu:>4} {r['steps']:>5}"
+                f"  {rows.range_text(r)}"
             )
         title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
         blocks.append("\n".join(rows.block(title, head, lines)))

@@ -19,6 +19,7 @@ def test_steady_step_is_the_window_where_every_worker_is_past_warmup_and_none_en
     assert s["window_s"] == pytest.approx(4.5)
     assert s["per_worker_step_s"] == [pytest.approx(1.0), pytest.approx(2.0)]
     assert s["step_s"] == pytest.approx(1.5) and s["steps"] == 2 and s["batches"] == [6, 4]
+    assert s["window"] == [0.5, 5.0]
 
 
 def test_steady_step_refuses_too_few_batches():
@@ -26,8 +27,8 @@ def test_steady_step_refuses_too_few_batches():
         gpu_report.steady_step([[0.0, 1.0], [0.0, 1.0, 2.0, 3.0]], warmup=2)
 
 
-def _run(system: str, step: float, where: str = "processes", c: int = 65) -> dict:
-    return dict(compute_ms=c, workers=2, shards=1, where=where, system=system, step_s=step, steps=10)
+def _run(system: str, step: float, where: str = "processes", c: int = 65, cpu: float | None = None) -> dict:
+    return dict(compute_ms=c, workers=2, shards=1, where=where, system=system, step_s=step, steps=10, cpu_busy=cpu)
 
 
 def test_aggregate_takes_medians_and_divides_by_compute_alone_and_by_processes():
@@ -50,6 +51,16 @@ def test_aggregate_takes_medians_and_divides_by_compute_alone_and_by_processes()
     assert rows[2]["vs_processes"] == pytest.approx(2.0)
     text = gpu_report.table(rows)
     assert "2.50x" in text and "0.200-0.300" in text and "ps-compose sync, 2 workers, containers" in text
+
+
+def test_aggregate_takes_the_median_cpu_share_of_the_repeats_that_have_one():
+    runs = [_run("compute", 0.1, cpu=0.5), _run("sync", 0.3, cpu=0.9), _run("sync", 0.2, cpu=0.7), _run("sync", 0.2)]
+    rows = gpu_report.aggregate(runs)
+    assert rows[0]["cpu_busy"] == pytest.approx(0.5) and rows[1]["cpu_busy"] == pytest.approx(0.8)
+    assert gpu_report.aggregate([_run("sync", 0.2)])[0]["cpu_busy"] is None
+    lines = gpu_report.table(rows).splitlines()
+    assert " cpu " in lines[1]
+    assert " 80% " in next(line for line in lines if "ps-compose sync" in line)
 
 
 def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
@@ -106,6 +117,7 @@ def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_j
     assert [r["system"] for r in doc["rows"]] == ["compute", "sync", "official"]
     for row in doc["rows"]:
         assert row["step_s"] > 0 and row["compute_ms"] == 5 and row["vs_compute"] > 0
+        assert row["cpu_busy"] is None or 0.0 <= row["cpu_busy"] <= 1.0  # None: a window under two samples
     for run in doc["runs"]:  # every worker finished every batch it was given, and they were timed
         expected = 1 if run["system"] == "compute" else 2
         assert run["batches"] == [8] * expected and run["steps"] >= 1
