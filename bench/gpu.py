@@ -119,17 +119,31 @@ def run_official(compute_ms: int, workers: int, batches: int, warmup: int, timeo
 
 def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
     """The app's worker step (`Trainer.compute_gradients`) on the sleep model, no PS: the
-    time each of `batches` steps ended, as one worker's."""
+    time each of `batches` steps ended, as one worker's, with the threads a worker of a
+    one-worker job takes (`python -m app` sets them; the bench's own count is put back after)."""
     import torch
+
+    from app import runtime
+    from app.config import parse
 
     if str(CODE) not in sys.path:
         sys.path.insert(0, str(CODE))
-    import sleep_resnet
+    argv = ["worker", "--world_size", "2", "--model", f"sleep_resnet:resnet18_{compute_ms}ms", "--batch_size", "20"]
+    config = parse(argv, {})
+    threads = torch.get_num_threads()
+    runtime.set_threads(runtime.sharing_cpus(config))
+    try:
+        return [_compute_steps(config, compute_ms, batches)]
+    finally:
+        torch.set_num_threads(threads)
 
-    from app.config import parse
+
+def _compute_steps(config: Any, compute_ms: int, batches: int) -> list[float]:
+    import sleep_resnet
+    import torch
+
     from app.worker.trainer import Trainer
 
-    config = parse(["worker", "--model", f"sleep_resnet:resnet18_{compute_ms}ms", "--batch_size", "20"], {})
     model = getattr(sleep_resnet, f"resnet18_{compute_ms}ms")(10, 3)
     data, _, _ = sleep_resnet.images("", True, 0)
     x = torch.stack([data[i][0] for i in range(20)])
@@ -139,7 +153,7 @@ def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
     for _ in range(batches):
         trainer.compute_gradients(x, y)
         ends.append(time.time())
-    return [ends]
+    return ends
 
 
 def cases(args: argparse.Namespace) -> list[tuple[int, int, int, str, str]]:

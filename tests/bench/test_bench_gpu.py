@@ -121,3 +121,26 @@ def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_j
     for run in doc["runs"]:  # every worker finished every batch it was given, and they were timed
         expected = 1 if run["system"] == "compute" else 2
         assert run["batches"] == [8] * expected and run["steps"] >= 1
+
+
+def test_compute_alone_runs_with_a_workers_threads_and_gives_the_bench_its_own_back(monkeypatch):
+    import os
+
+    import torch
+
+    from app import runtime
+    from app.config import parse
+
+    seen = []
+    monkeypatch.setattr(gpu, "_compute_steps", lambda config, c, batches: seen.append(torch.get_num_threads()) or [])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cores' share, as `python -m app` takes it
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)
+        gpu.run_compute_alone(13, 3)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    one_worker_job = runtime.sharing_cpus(parse(["worker", "--world_size", "2"], {}))
+    assert seen == [max(1, len(os.sched_getaffinity(0)) // one_worker_job)]
+    assert after == 7
