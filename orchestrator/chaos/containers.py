@@ -104,8 +104,11 @@ class ContainerJob:
         return out
 
     def kill_app(self, service: str) -> float:
+        """SIGKILL the app process of `service`'s container; the time just before (what the
+        kill sets off, a drop or a lost shard, may be recorded before the exec returns)."""
+        sent = time.time()
         self.containers()[service].exec_run(["python", "-c", KILL_APP])
-        return time.time()
+        return sent
 
     def events(self, name: str, event: Event, since: float = 0.0) -> list[Record]:
         files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))

@@ -245,8 +245,10 @@ def pause(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
         drops = wait_for(lambda: ps_after(job, start, Event.DROP, rank=rank), ctx.rpc_timeout + 30)
         time.sleep(step.hold_s)
     finally:
+        # The time just before: the worker runs again before the engine's answer to unpause
+        # comes back, and its next push may be readmitted (`back`) within those milliseconds.
+        thawed = time.time()
         container.unpause()
-    thawed = time.time()
     back = wait_for(lambda: ps_after(job, thawed, Event.BACK, Event.JOIN, rank=rank), ctx.recovery_s)
     out.detected_s = drops[0]["time"] - start if drops else None
     held = f"paused {thawed - start:.0f} s"
