@@ -30,8 +30,11 @@ $(VENV)/.host: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[orchestrator]'
 	touch $@
 
+# Without triton (0.9 GB), as in the offline image: it serves torch.compile's GPU kernels,
+# which nothing here uses, and `import torch` does not need it.
 $(VENV)/.dev: $(VENV)/.host images/torch-pair.txt
 	$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(TORCH_SPEC)
+	$(VENV)/bin/pip uninstall -q -y triton 2>/dev/null || true
 	$(VENV)/bin/pip install -q -e '.[app,orchestrator,dev]'
 	touch $@
 

@@ -17,7 +17,7 @@ NOT_PATHS = {
     "docs/topology.md.tmp",
     "images/s",
     "images/wheelhouse",
-    "images/.cache",  # debootstrap and wheel caches, made by the first build (gitignored)
+    "images/.cache",  # the debootstrap cache and build logs, made by the first build (gitignored)
 }
 
 
