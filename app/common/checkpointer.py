@@ -52,6 +52,7 @@ class Checkpointer:
         self.next_version = server.version + config.checkpoint_every if config.checkpoint_every else 0
         self.saved_version = -1  # the version on disk already (written or resumed from)
         self.saved_run = ""  # ... and the run id it carries
+        self.saved_file = ""  # ... and the file that holds it
         # A sharded main PS: the other shards write theirs, labelled with this version, before
         # this one is written (app.ps.sharding.shardset); raises if one could not.
         self.before_save: Callable[[int], None] = before_save or (lambda version: None)
@@ -97,7 +98,7 @@ class Checkpointer:
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         self.server.restore(state)
-        self.saved_version = self.server.version
+        self.saved_version, self.saved_file = self.server.version, path.name
         run = self.saved_run = state.get("run_id", "")
         how = "" if run == self.config.run_id else f" (run {run or 'without an id'}, continued by --resume)"
         log.info("resumed from %s: version %d%s", path, state["version"], how)
@@ -232,7 +233,11 @@ class Checkpointer:
 
     def _save(self, why: str, always: bool, on_exit: bool = False) -> None:
         state = self._state()
-        if state["version"] == 0 or (state["version"] == self.saved_version and not always):
+        if state["version"] == 0:
+            return
+        if state["version"] == self.saved_version and not always:
+            if on_exit and self.saved_file:
+                self._already(state["version"], why)
             return
         if self.config.checkpoint_every:
             self.next_version = (state["version"] // self.config.checkpoint_every + 1) * self.config.checkpoint_every
@@ -260,9 +265,16 @@ class Checkpointer:
             )
             return
         seconds = time.monotonic() - start
-        self.saved_version, self.saved_run = state["version"], self.config.run_id
+        self.saved_version, self.saved_run, self.saved_file = state["version"], self.config.run_id, path.name
         log.info("checkpoint %s (%s, %.2f s)", path.name, why, seconds)
         self.metrics.write("checkpoint", state["version"], file=path.name, why=why, seconds=round(seconds, 3))
+
+    def _already(self, version: int, why: str) -> None:
+        """On exit at the version the newest checkpoint holds (the last push was checkpointed,
+        or nothing was applied since the resume): nothing is written, and the record names that
+        file (`written: false`), so that the state at the exit is on record either way."""
+        log.info("checkpoint %s holds version %d already (%s): nothing new to write", self.saved_file, version, why)
+        self.metrics.write("checkpoint", version, file=self.saved_file, why=why, seconds=0.0, written=False)
 
     def final(self, model: dict[str, torch.Tensor] | None = None) -> None:
         """final.pt, then the last checkpoint (marked finished).

@@ -92,6 +92,44 @@ def test_a_run_stopped_before_any_push_writes_nothing_and_resume_continues_the_r
     assert checkpoint_files.verify(checkpoint_files.listing(tmp_path / "ck")[0])["run_id"] == "runA"
 
 
+def _checkpoint_records(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "m" / "ps.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "checkpoint"]
+
+
+def test_a_stop_at_the_version_just_checkpointed_writes_nothing_and_names_the_file_that_holds_it(tmp_path):
+    server, ck, m = _checkpointer(tmp_path, "runA")
+    ck.resume()
+    for step in range(3):
+        server.push(1, torch.ones(6), step)
+    ck.save("every 3 updates")
+    ck.save("on exit", on_exit=True)  # the last push was checkpointed already
+    m.close()
+
+    files = checkpoint_files.listing(tmp_path / "ck")
+    periodic, on_exit = _checkpoint_records(tmp_path)
+    assert len(files) == 1 and periodic["file"] == files[0].name and "written" not in periodic
+    assert on_exit["why"] == "on exit" and on_exit["written"] is False
+    assert (on_exit["step"], on_exit["file"]) == (3, files[0].name)
+
+
+def test_a_stop_right_after_a_resume_names_the_checkpoint_it_resumed_from(tmp_path):
+    server, ck, m = _checkpointer(tmp_path, "runA")
+    ck.resume()
+    server.push(1, torch.ones(6), 0)
+    ck.save("on exit", on_exit=True)
+    m.close()
+    server, ck, m = _checkpointer(tmp_path, "runA")  # the same run, restarted, stopped before any push
+    ck.resume()
+    ck.save("on exit", on_exit=True)
+    m.close()
+
+    files = checkpoint_files.listing(tmp_path / "ck")
+    records = _checkpoint_records(tmp_path)
+    assert len(files) == 1 and [r.get("written", True) for r in records] == [True, False]
+    assert records[-1]["step"] == 1 and records[-1]["file"] == files[0].name
+
+
 def test_a_finished_run_restarted_has_nothing_to_do_and_keeps_its_final_pt(tmp_path):
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
