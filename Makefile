@@ -34,8 +34,8 @@ $(VENV)/.host: pyproject.toml
 # which nothing here uses, and `import torch` does not need it.
 $(VENV)/.dev: $(VENV)/.host images/torch-pair.txt
 	$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(TORCH_SPEC)
-	$(VENV)/bin/pip uninstall -q -y triton 2>/dev/null || true
 	$(VENV)/bin/pip install -q -e '.[app,orchestrator,dev]'
+	$(VENV)/bin/pip uninstall -q -y triton 2>/dev/null || true
 	touch $@
 
 host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
