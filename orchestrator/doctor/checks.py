@@ -22,9 +22,11 @@ from orchestrator.topology.model import Topology, size_bytes
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
 GIB = 1024**3
 # Free disk under the daemon's root dir that an image build needs (layers, build cache),
+# the same when its base image is there already (only the app's layers, ~60 MB, are new),
 # and the headroom a run needs when the image is already there (logs, checkpoints).
 DISK_FOR_BUILD = {"cpu": 4 * GIB, "cuda": 20 * GIB}
 DISK_FOR_RUN = 1 * GIB
+DISK_FOR_LAYERS = DISK_FOR_RUN + GIB // 4
 SHM_FOR_LOADER = 256 * 1024**2  # DataLoader worker processes pass batches through /dev/shm
 NVIDIA_FIX = (
     "install the NVIDIA Container Toolkit, then `sudo nvidia-ctk runtime configure --runtime=docker "
@@ -143,8 +145,12 @@ def check_disk(t: Topology, f: Facts) -> Check:
         return Check("disk", None, "not checked: no daemon")
     if f.disk_free is None:
         return Check("disk", True, "free space not checked (the daemon is not on this host)")
-    need = DISK_FOR_RUN if f.image_present else DISK_FOR_BUILD[t.image.device]
-    why = f"image {t.image_tag} present" if f.image_present else f"image {t.image_tag} to build"
+    if f.image_present:
+        need, why = DISK_FOR_RUN, f"image {t.image_tag} present"
+    elif f.base_present:
+        need, why = DISK_FOR_LAYERS, f"image {t.image_tag} to build on {t.image.base}, which is present"
+    else:
+        need, why = DISK_FOR_BUILD[t.image.device], f"image {t.image_tag} to build"
     root = f.info.get("DockerRootDir", "Docker's root dir")
     if f.disk_free < need:
         return Check(

@@ -63,6 +63,7 @@ class Facts:
     data_problem: Optional[str] = None  # None: present and readable
     disk_free: Optional[int] = None  # bytes under DockerRootDir; None: remote daemon / unknown
     image_present: bool = False
+    base_present: bool = False  # image.base, which the image is built on
     port_in_use: Optional[bool] = None  # the RPC port on this host, when published
     hooks: list[str] = field(default_factory=list)  # NVIDIA_HOOKS found on this host (local daemon only)
     cdi_specs: list[str] = field(default_factory=list)  # files in the engine's CDISpecDirs naming nvidia.com/gpu
@@ -122,6 +123,7 @@ def _engine_facts(t: Topology, client: Any, host: str, facts: dict[str, Any]) ->
             info=info,
             api_version=client.version().get("ApiVersion", ""),
             image_present=images.image_exists(client, t.image_tag),
+            base_present=images.image_exists(client, t.image.base),
             disk_free=_disk_free(info.get("DockerRootDir"), host),
         )
     return client

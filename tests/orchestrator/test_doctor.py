@@ -146,6 +146,13 @@ def test_disk() -> None:
     c = only(d.check_disk, topo(GPU), facts(disk_free=10 * GIB, image_present=False))
     assert c.ok is False and "need 20.0 GiB" in c.text
     assert only(d.check_disk, topo(GPU), facts(disk_free=10 * GIB, image_present=True)).ok
+    # only the app's layers to build on a base that is there: a full disk's last GiBs will do
+    layers = only(d.check_disk, topo(), facts(disk_free=int(1.7 * GIB), image_present=False, base_present=True))
+    assert layers.ok and "which is present" in layers.text
+    c = only(d.check_disk, topo(), facts(disk_free=1 * GIB, image_present=False, base_present=True))
+    assert c.ok is False and "need 1.2 GiB" in c.text
+    c = only(d.check_disk, topo(), facts(disk_free=int(2.5 * GIB), image_present=False))
+    assert c.ok is False and "need 4.0 GiB" in c.text
     assert only(d.check_disk, topo(), facts(disk_free=None)).ok  # a remote daemon: not ours to measure
 
 
