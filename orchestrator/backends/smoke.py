@@ -70,8 +70,10 @@ def judge(
     threshold: float,
     who: str = "the PS",
     unit: str = "container",
+    course: str = "",
 ) -> list[str]:
-    """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy."""
+    """What went wrong in a smoke run (empty: it passed); `who` printed the accuracy, and
+    `course` (orchestrator.metrics.records.course) says how the run got to it."""
     problems: list[str] = []
     by_service = {s.service: s for s in states}
     for service in expected:
@@ -87,5 +89,5 @@ def judge(
     if accuracy is None:
         problems.append(f"{who} wrote no `end` record with its accuracy")
     elif accuracy < threshold:
-        problems.append(f"{who}'s Accuracy {accuracy:.4f} < {threshold:.2f}")
+        problems.append(f"{who}'s Accuracy {accuracy:.4f} < {threshold:.2f}" + (f" ({course})" if course else ""))
     return problems

@@ -15,7 +15,7 @@ from orchestrator.backends import smoke as parts
 from orchestrator.backends.base import Backend, Cluster, ServiceState
 from orchestrator.backends.status import format_states
 from orchestrator.errors import engine_errors
-from orchestrator.metrics.records import final_accuracy, parse_lines
+from orchestrator.metrics.records import course, final_accuracy, parse_lines
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, load_with
@@ -43,9 +43,10 @@ def _judge(
     final = states if states is not None else backend.describe(c)
     rank0 = rendezvous_service(t)
     lines = backend.read_records(c, rank0).get(by_name(t)[rank0].metrics_file, [])
-    accuracy = final_accuracy(parse_lines(lines))
+    records = parse_lines(lines)
+    accuracy = final_accuracy(records)
     who = "the PS" if rank0 == PS_SERVICE else rank0
-    problems = parts.judge(expected, final, accuracy, threshold, who=who, unit=backend.unit)
+    problems = parts.judge(expected, final, accuracy, threshold, who=who, unit=backend.unit, course=course(records))
     if states is None:
         problems.insert(0, f"not every {backend.unit} ended within {timeout:.0f} s")
     return problems, accuracy

@@ -69,6 +69,41 @@ def final_accuracy(records: Iterable[Record]) -> Optional[float]:
     return float(ends[-1]["accuracy"]) if ends else None
 
 
+def last_run(records: Iterable[Record]) -> list[Record]:
+    """The records of the last run in a file several runs wrote: from the first `start` record
+    that carries the last `start`'s `run_id` (all of them when no `start` has one)."""
+    records = list(records)
+    starts = [i for i, r in enumerate(records) if is_event(r, Event.START) and r.get("run_id")]
+    if not starts:
+        return records
+    run_id = records[starts[-1]]["run_id"]
+    return records[next(i for i in starts if records[i]["run_id"] == run_id) :]
+
+
+def course(records: Iterable[Record]) -> str:
+    """How a run got to its final accuracy, in one line for a failed judgement: each `eval`
+    record's update and accuracy; the joins, drops, returns, refusals and resumes, with the
+    update each came at; the `end` record's staleness (mean, max) and pushes per worker.
+    '' when the records hold none of these. Only the last run's records count: from the
+    first `start` record with the last `start`'s run id."""
+    records = last_run(records)
+    evals = [f"{r.get('step')}: {r['accuracy']:.4f}" for r in events(records, Event.EVAL) if "accuracy" in r]
+    parts = [f"accuracy by update {', '.join(evals)}"] if evals else []
+    moves = [
+        " ".join(str(x) for x in (r["event"], r.get("worker"), "at", r.get("step")) if x is not None)
+        for r in records
+        if is_event(r, Event.JOIN, Event.DROP, Event.BACK, Event.REFUSED, Event.RESUME)
+    ]
+    if moves:
+        parts.append(", ".join(moves))
+    ends = events(records, Event.END)
+    if ends and "staleness_mean" in ends[-1]:
+        parts.append(f"staleness mean {ends[-1]['staleness_mean']}, max {ends[-1].get('staleness_max')}")
+    if ends and ends[-1].get("pushes"):
+        parts.append("pushes " + ", ".join(f"{k} {v}" for k, v in ends[-1]["pushes"].items()))
+    return "; ".join(parts)
+
+
 def metrics_from_tar(data: bytes) -> dict[str, list[str]]:
     """{file name: lines} of the *.jsonl files in a tar (what get_archive returns)."""
     found: dict[str, list[str]] = {}

@@ -111,12 +111,47 @@ def test_the_smoke_accuracy_is_rank_0s_last_end_record():
     assert records.final_accuracy(records.parse_lines(lines[:1])) is None  # evaluations only: no end yet
 
 
+def _rec(t: float, event: str, step: int, **fields) -> dict:
+    return {"time": t, "role": "ps", "rank": 0, "event": event, "step": step, **fields}
+
+
+def test_course_tells_how_the_last_run_got_to_its_accuracy():
+    """A failed smoke's accuracy line says how the run got there: the last run's evaluations,
+    joins and drops with their update, its staleness and its pushes; an earlier run in the
+    same file does not count."""
+    earlier = [_rec(1, "start", 0, run_id="a"), _rec(2, "eval", 100, accuracy=0.5), _rec(3, "end", 200, accuracy=0.6)]
+    last = [
+        _rec(10, "start", 0, run_id="b"),
+        _rec(11, "join", 0, worker="worker1", worker_rank=1),
+        _rec(12, "join", 37, worker="worker2", worker_rank=2),
+        _rec(13, "eval", 100, accuracy=0.91234),
+        _rec(14, "drop", 150, worker="worker2", worker_rank=2, reason="silent"),
+        _rec(15, "start", 150, run_id="b"),  # the PS restarted within run b: its records still count
+        _rec(16, "resume", 150),
+        _rec(17, "eval", 200, accuracy=0.8329),
+        _rec(
+            18, "end", 220, accuracy=0.8329, staleness_mean=1.2, staleness_max=9, pushes={"worker1": 150, "worker2": 70}
+        ),
+    ]
+    assert records.course(earlier + last) == (
+        "accuracy by update 100: 0.9123, 200: 0.8329; "
+        "join worker1 at 0, join worker2 at 37, drop worker2 at 150, resume at 150; "
+        "staleness mean 1.2, max 9; pushes worker1 150, worker2 70"
+    )
+    assert records.course([_rec(1, "eval", 100, accuracy=0.9)]) == "accuracy by update 100: 0.9000"  # no start: all
+    assert records.course([]) == ""
+
+
 def test_judge():
     ok = [compose_status.container_state(attrs(s, "exited")) for s in ("ps", "worker1", "worker2")]
     expected = ["ps", "worker1", "worker2"]
     assert smoke.judge(expected, ok, 0.95, 0.90) == []
     assert smoke.judge(expected, ok, 0.85, 0.90) == ["the PS's Accuracy 0.8500 < 0.90"]
     assert smoke.judge(expected, ok, None, 0.90) == ["the PS wrote no `end` record with its accuracy"]
+    assert smoke.judge(expected, ok, 0.85, 0.90, course="accuracy by update 100: 0.9500") == [
+        "the PS's Accuracy 0.8500 < 0.90 (accuracy by update 100: 0.9500)"
+    ]
+    assert smoke.judge(expected, ok, 0.95, 0.90, course="accuracy by update 100: 0.9500") == []
     bad = [
         compose_status.container_state(attrs("ps", "exited")),
         compose_status.container_state(attrs("worker1", "exited", 1)),
