@@ -326,7 +326,7 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
         f"ps: average {args.workers} pushes": _cpu_ms(lambda: average(messages), r),
         f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
         "ps: SGD into the reply buffer": _cpu_ms(
-            locked(lambda: server.step(messages[0], into=server.reply_buffer(0))), r
+            locked(lambda: server.step(messages[0], into=server.replies.take(0))), r
         ),
         "ps was: SGD in place + reply copy": _cpu_ms(
             locked(lambda: (server.step(messages[0]), reply.copy_(server.state))), r

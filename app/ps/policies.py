@@ -25,8 +25,10 @@ from torch.futures import Future
 from app.common.bell import Note
 from app.common.wire import Reply
 from app.contract import Strategy
+from app.ps.replies import ReplyBuffers
 from app.ps.speculation import Ahead
 from app.ps.sync_round import SyncRound
+from app.ps.tally import Tally
 from app.ps.update import mean_into
 
 Ready = list[tuple[Future, Reply]]
@@ -54,8 +56,8 @@ class Host(Protocol):
     num_params: int
     size: int
     held: dict[int, Held]  # rank -> its push whose reply waits
-    ahead_done: int
-    ahead_kept: int
+    tally: Tally  # its counts: a policy adds the partitions it built ahead
+    replies: ReplyBuffers  # each rank's two, used in turn
 
     def scale_for(self, staleness: int) -> float: ...
     def step(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None: ...
@@ -63,8 +65,6 @@ class Host(Protocol):
     def hold(self, rank: int, held: Held) -> None: ...
     def lead(self, rank: int) -> int: ...
     def training_ranks(self) -> list[int]: ...
-    def reply_buffer(self, rank: int) -> torch.Tensor: ...
-    def next_reply_buffer(self, rank: int) -> torch.Tensor: ...
     def adopt(self, into: torch.Tensor | None) -> None: ...
     def momentum_or_decay(self) -> bool: ...
 
@@ -112,7 +112,7 @@ class Policy:
             lead = ps.lead(rank)
             if self.may_answer(rank, lead):
                 del ps.held[rank]
-                vector = ps.state if rank == fresh else ps.reply_buffer(rank).copy_(ps.state)
+                vector = ps.state if rank == fresh else ps.replies.take(rank).copy_(ps.state)
                 ready.append((held.future, Reply(vector, ps.version, held.staleness, lead)))
         return ready
 
@@ -148,7 +148,7 @@ class AsyncPolicy(Policy):
         self._ahead: dict[int, Ahead] = {}  # rank -> what was built ahead of its push
 
     def into(self, rank: int) -> torch.Tensor | None:
-        return None if self.ps.sliced else self.ps.reply_buffer(rank)
+        return None if self.ps.sliced else self.ps.replies.take(rank)
 
     def apply(self, message: torch.Tensor, scale: float, into: torch.Tensor | None, ahead: Ahead | None) -> None:
         """The step; where partitions were built ahead into `into` from this very state, the rest."""
@@ -165,14 +165,14 @@ class AsyncPolicy(Policy):
             return
         ahead = self._ahead.get(note.rank)
         if ahead is None or ahead.backward != note.backward or ahead.slot != note.slot:
-            ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, ps.next_reply_buffer(note.rank))
+            ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, ps.replies.next(note.rank))
         assert ps.parts is not None  # notes come only where the PS cuts partitions
         start, end = ps.parts[note.partition]
         end = min(end, ps.num_params)
         ahead.noted.add(note.partition)  # finite: its worker checked it before noting it
         self._step_into(message[start:end], ps.scale_for(ps.version - note.version), ahead.into, start, end)
         ahead.built[note.partition] = ps.version
-        ps.ahead_done += 1
+        ps.tally.ahead_done += 1
 
     def take_ahead(self, rank: int, backward: int) -> Ahead | None:
         ahead = self._ahead.pop(rank, None)
@@ -195,7 +195,7 @@ class AsyncPolicy(Policy):
             if ahead.built.get(j) != ps.version:
                 self._step_into(message[start : min(end, n)], scale, ahead.into, start, min(end, n))
             else:
-                ps.ahead_kept += 1
+                ps.tally.ahead_kept += 1
         ahead.into[n:].copy_(message[n:])
         ps.adopt(ahead.into)
 
@@ -245,7 +245,7 @@ class RoundPolicy(Policy):
         if note.rank in round_.folded[note.partition]:
             return
         round_.fold_part(note.rank, note.partition, message, ps.state, ps.num_params, ps.lr, note.backward)
-        ps.ahead_done += 1
+        ps.tally.ahead_done += 1
 
     def forget(self, rank: int) -> None:
         if self._round is not None:
@@ -265,7 +265,7 @@ class RoundPolicy(Policy):
             expected = max(1, len(ps.training_ranks()))
             parts = ps.parts or [(0, ps.size)]
             if not ps.momentum_or_decay():  # plain SGD: the new state built in the reply buffer
-                self._round = SyncRound(expected, ps.reply_buffer(0), None, parts)  # one buffer pair for the round
+                self._round = SyncRound(expected, ps.replies.take(0), None, parts)  # one buffer pair for the round
             else:
                 if self._sum is None:
                     self._sum = torch.empty_like(ps.state)
@@ -285,9 +285,9 @@ class RoundPolicy(Policy):
         held = dict(sorted(ps.held.items()))
         ps.held = {}
         r, self._round = self._round, None
-        vector = r.into if r is not None and r.into is not None else ps.reply_buffer(0)
+        vector = r.into if r is not None and r.into is not None else ps.replies.take(0)
         if r is not None and r.matches(held):
-            ps.ahead_kept += r.kept
+            ps.tally.ahead_kept += r.kept
         if r is not None and r.matches(held) and r.into is not None:
             if ps.sliced:  # a PS shard's state is a slice of the model's vector: copied, not moved
                 ps.state.copy_(vector)

@@ -174,7 +174,7 @@ def _report_end(
         loss=round(loss, 4),
         seconds=round(seconds, 2),
         eval_seconds=round(eval_seconds, 2),
-        samples=server.samples,
+        samples=server.tally.samples,
         strategy=config.strategy,
         **server.stats(),
         **data.skipped(held_out.data),
@@ -266,7 +266,7 @@ def train_until_done(
                     version,
                     accuracy=round(accuracy, 4),
                     loss=round(loss, 4),
-                    samples=server.samples,
+                    samples=server.tally.samples,
                     **pace.since(),
                 )
             next_eval = (version // config.eval_every + 1) * config.eval_every

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +51,10 @@ from app.contract import PS_STRATEGIES, strategy_of, worker_name
 from app.ps import exchange
 from app.ps.exchange import SharedExchange
 from app.ps.policies import Held, policy_for
+from app.ps.replies import ReplyBuffers
 from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.speculation import Ahead
+from app.ps.tally import Tally
 from app.ps.update import WIRE_DTYPES, all_finite, sgd_direction, to_float32, wire_size
 
 log = logging.getLogger("app.ps")
@@ -143,14 +144,7 @@ class ParameterServer:
         self.run_id = run_id
         self._finishing = 0  # finishes whose on_finish runs: the job is not done before they are
         self.held: dict[int, Held] = {}  # rank -> its push whose reply waits
-        # Two reply buffers per rank, used in turn: RPC sends a returned tensor from its
-        # memory after `push` returns, and a rank pushes again only once it has received
-        # the reply; the second buffer keeps even a reply still in flight then intact.
-        # Unsliced async and sync write each new state into one of them (`step`'s `into`):
-        # the state itself lives there, and the reply is that buffer, not a copy.
-        # With a shared-memory segment (app.ps.exchange) a rank's reply buffers are its regions
-        # there: one, or two under --overlap; the PS allocates its own for ranks it has none for.
-        self._replies: dict[int, list[torch.Tensor]] = {}
+        self.replies = ReplyBuffers(self.size, shared)  # two per rank, used in turn (app.ps.replies)
         self.shared = shared
         # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
         self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
@@ -176,18 +170,11 @@ class ParameterServer:
 
     def _start_counts(self) -> None:
         """Version, pushes and samples: none yet (a checkpoint may restore them)."""
-        self.applied = 0  # pushes applied by this process (the version may start from a checkpoint)
+        self.tally = Tally()
         self.first_join: float | None = None  # clock time of the first join
         self.all_joined: float | None = None  # clock time every rank had joined (or finished)
         self.last_applied: float | None = None  # clock time of the last update applied
-        self.refused: Counter[int] = Counter()  # rank -> non-finite pushes refused
         self.version = 0
-        self.staleness_sum = 0
-        self.staleness_max = 0
-        self.staleness_hist: Counter[int] = Counter()
-        self.samples = 0  # training samples behind the updates applied by this process
-        self.ahead_done = 0  # partitions applied (async) or folded (sync) ahead of their push
-        self.ahead_kept = 0  # ... and kept when the push came (async: from the state it met)
 
     @property
     def model(self) -> nn.Module:
@@ -295,7 +282,7 @@ class ParameterServer:
             if not finite:
                 refusal, ready = self._refuse_nonfinite(rank, name), []
             else:
-                self.samples += samples
+                self.tally.samples += samples
                 if staleness is None:
                     staleness = self.version - pulled_version
                 ready = self.policy.take(rank, message, future, epoch, batch, staleness, ahead, backward)
@@ -325,8 +312,8 @@ class ParameterServer:
     def _refuse_nonfinite(self, rank: int, name: str) -> Refusal:
         """Count a push holding NaN or inf (nothing of it is applied); warn once per worker.
         Called under the lock."""
-        self.refused[rank] += 1
-        if self.refused[rank] == 1:
+        self.tally.refused[rank] += 1
+        if self.tally.refused[rank] == 1:
             log.warning(
                 "%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
                 "(further refusals of it are counted, not logged)",
@@ -371,10 +358,7 @@ class ParameterServer:
 
     def count_push(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
         self.roster.record_push(rank, epoch, batch)
-        self.applied += 1
-        self.staleness_sum += staleness
-        self.staleness_max = max(self.staleness_max, staleness)
-        self.staleness_hist[staleness] += 1
+        self.tally.count(staleness)
 
     def hold(self, rank: int, held: Held) -> None:
         old = self.held.pop(rank, None)
@@ -445,27 +429,6 @@ class ParameterServer:
         group = self.optimizer.param_groups[0]
         return bool(group["momentum"] or group["weight_decay"])
 
-    def next_reply_buffer(self, rank: int) -> torch.Tensor:
-        """The buffer rank's next `reply_buffer` will be, without taking it."""
-        buffers = self._reply_buffers(rank)
-        return buffers[-1] if len(buffers) > 1 else buffers[0]
-
-    def reply_buffer(self, rank: int) -> torch.Tensor:
-        """Rank's reply buffer for this push (the other one, where it has two, holds its
-        previous reply)."""
-        buffers = self._reply_buffers(rank)
-        buffers.reverse()
-        return buffers[0]
-
-    def _reply_buffers(self, rank: int) -> list[torch.Tensor]:
-        buffers = self._replies.get(rank)
-        if buffers is None:
-            shared = self.shared.reply_buffers(rank) if self.shared is not None else None
-            buffers = self._replies[rank] = shared or []
-            while len(buffers) < 2 and shared is None:
-                buffers.append(torch.empty_like(self.state))
-        return buffers
-
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
         """A worker has run all its epochs; recorded durably (on_finish) before it returns.
         A Refusal when a newer process replaced `name`."""
@@ -532,7 +495,7 @@ class ParameterServer:
         self._forget_ahead(rank)
         ready = self._unblock()
         if held is not None:
-            vector = self.reply_buffer(rank).copy_(self.state)
+            vector = self.replies.take(rank).copy_(self.state)
             ready.append((held.future, Reply(vector, self.version, held.staleness, 0)))
         return ready
 
@@ -584,7 +547,8 @@ class ParameterServer:
     def progress(self) -> tuple[int, int, int, int, int]:
         """(version, samples, pushes applied, their staleness summed, live workers), read at once."""
         with self._lock:
-            return self.version, self.samples, self.applied, self.staleness_sum, len(self.roster.live())
+            t = self.tally
+            return self.version, t.samples, t.applied, t.staleness_sum, len(self.roster.live())
 
     def counts(self) -> str:
         with self._lock:
@@ -661,16 +625,9 @@ class ParameterServer:
             self.roster.restore(state["progress"], same_run=state.get("run_id", "") == self.run_id)
 
     def stats(self) -> dict[str, Any]:
+        """The `end` record's counts (app.ps.tally)."""
         with self._lock:
-            mean = self.staleness_sum / self.applied if self.applied else 0.0
-            return {
-                "pushes": {f"worker{r}": n for r, n in sorted(self.pushes.items())},
-                "staleness_mean": round(mean, 3),
-                "staleness_max": self.staleness_max,
-                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-                "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
-                **({"ahead": {"done": self.ahead_done, "kept": self.ahead_kept}} if self.parts else {}),
-            }
+            return self.tally.fields(self.pushes, ahead=bool(self.parts))
 
 
 def _complete(ready: list[tuple[Future, Reply]]) -> None:

@@ -200,7 +200,7 @@ def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(sh
             gradient = torch.randn(server.size)
             reply = _push(server, exchange, link, 1, gradient, step, step, [3, 2, 1, 0])
             assert torch.equal(link.reply(exchange.answer(reply)).vector, whole.push(1, gradient.clone(), step).vector)
-        assert server.ahead_done == server.ahead_kept == 12
+        assert server.tally.ahead_done == server.tally.ahead_kept == 12
     finally:
         exchange.close()
         whole_exchange.close()
@@ -225,7 +225,7 @@ def test_a_partition_built_before_another_push_moved_the_state_is_built_again(sh
         whole.push(2, b.clone(), 0)
         want = whole.push(1, a.clone(), 0)
         assert torch.equal(one.reply(exchange.answer(got)).vector, want.vector)
-        assert server.ahead_kept == 1  # partition 2; partition 3 was built again
+        assert server.tally.ahead_kept == 1  # partition 2; partition 3 was built again
     finally:
         exchange.close()
         whole_exchange.close()
@@ -245,7 +245,7 @@ def test_a_non_finite_partition_the_worker_did_not_note_refuses_the_whole_push(s
         answer = _push(server, exchange, link, 1, gradient, 1, 1, [3, 1, 0])
         assert isinstance(answer, Refusal) and answer.kind == "nonfinite"
         assert torch.equal(server.snapshot()[0], before) and server.version == 1
-        assert server.ahead_done == 3  # the noted ones were taken ahead, and are not read again
+        assert server.tally.ahead_done == 3  # the noted ones were taken ahead, and are not read again
     finally:
         exchange.close()
 
@@ -272,7 +272,7 @@ def test_sync_partitions_folded_ahead_close_the_round_as_the_pushes_whole(shm_di
         want = whole.submit(1, a.clone(), 0, "worker1")
         whole.submit(2, b.clone(), 0, "worker2").wait()
         assert torch.equal(links[1].reply(exchange.answer(held.wait())).vector, want.wait().vector)
-        assert server.ahead_kept == 8  # each push found its four partitions folded
+        assert server.tally.ahead_kept == 8  # each push found its four partitions folded
     finally:
         exchange.close()
         whole_exchange.close()

@@ -11,7 +11,9 @@ from torch import nn
 from app.common import models
 from app.common.checkpoint_files import save_atomically
 from app.config import UsageError
+from app.ps.replies import ReplyBuffers
 from app.ps.server import ParameterServer
+from app.ps.tally import Tally
 
 
 def _linear(size: int) -> nn.Module:
@@ -141,6 +143,45 @@ def test_replies_alternate_between_two_buffers_per_rank():
     third = server.push(1, torch.ones(4), 3).vector
     assert third.data_ptr() == first.data_ptr() and other.data_ptr() not in (first.data_ptr(), second.data_ptr())
     assert torch.equal(third, torch.full((4,), -4.0)) and torch.equal(second, torch.full((4,), -2.0))
+
+
+class _Segment:
+    """A shared-memory segment's answer (app.ps.exchange.SharedExchange.reply_buffers): one
+    region for rank 1, none for the others."""
+
+    def __init__(self) -> None:
+        self.region = torch.zeros(4)
+
+    def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
+        return [self.region] if rank == 1 else None
+
+
+def test_reply_buffers_use_a_segments_region_and_two_of_their_own_for_other_ranks():
+    segment = _Segment()
+    replies = ReplyBuffers(4, segment)  # type: ignore[arg-type]  # the one method it calls
+    assert replies.next(1) is segment.region and replies.take(1) is segment.region
+    assert replies.take(1) is segment.region  # one region: every reply of rank 1 is written there
+    first = replies.next(2)
+    assert replies.take(2) is first
+    second = replies.next(2)
+    assert second is not first and replies.take(2) is second and replies.take(2) is first
+    assert first.shape == (4,) and first.dtype == torch.float32
+
+
+def test_the_tally_counts_staleness_and_gives_the_end_records_fields():
+    tally = Tally()
+    for staleness in (0, 1, 1, 3):
+        tally.count(staleness)
+    tally.refused[2] += 1
+    assert tally.fields({1: 3, 2: 1}, ahead=False) == {
+        "pushes": {"worker1": 3, "worker2": 1},
+        "staleness_mean": 1.25,
+        "staleness_max": 3,
+        "staleness_hist": {"0": 1, "1": 2, "3": 1},
+        "refused": {"worker2": 1},
+    }
+    assert tally.fields({}, ahead=True)["ahead"] == {"done": 0, "kept": 0}
+    assert Tally().fields({}, ahead=False)["staleness_mean"] == 0.0  # no push yet
 
 
 def _bn_model() -> nn.Module:

@@ -137,7 +137,7 @@ def test_a_non_finite_push_is_refused_counted_and_changes_nothing(strategy, capl
             reply = server.push(1, torch.tensor([1.0, bad, 0.0, 0.0]), 0)
             assert isinstance(reply, Refusal) and reply.kind == "nonfinite"
     assert server.version == 0 and torch.equal(server.state, before)
-    assert server.refused == {1: 3} and server.stats()["refused"] == {"worker1": 3}
+    assert server.tally.refused == {1: 3} and server.stats()["refused"] == {"worker1": 3}
     assert len([r for r in caplog.records if "non-finite" in r.getMessage()]) == 1  # once per worker
     assert isinstance(server.push(1, torch.ones(4), 0), Reply)
 

@@ -1,0 +1,41 @@
+"""Where the PS writes each rank's replies: two buffers per rank, used in turn.
+
+RPC sends a returned tensor from its memory after `push` returns, and a rank pushes again
+only once it has received the reply; the second buffer keeps even a reply still in flight
+then intact. Unsliced async and sync write each new state into one of them (app.ps.server's
+`step` with `into`): the state itself lives there, and the reply is that buffer, not a copy.
+With a shared-memory segment (app.ps.exchange) a rank's reply buffers are its regions there:
+one, or two under --overlap; the PS allocates its own for ranks the segment has none for.
+Rank 0's are a sync round's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.ps.exchange import SharedExchange
+
+
+class ReplyBuffers:
+    def __init__(self, size: int, shared: SharedExchange | None = None) -> None:
+        self.size, self.shared = size, shared
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, rank: int) -> torch.Tensor:
+        """Rank's reply buffer for this push (the other one, where it has two, holds its
+        previous reply)."""
+        buffers = self._of(rank)
+        buffers.reverse()
+        return buffers[0]
+
+    def next(self, rank: int) -> torch.Tensor:
+        """The buffer rank's next `take` will give, without taking it."""
+        buffers = self._of(rank)
+        return buffers[-1] if len(buffers) > 1 else buffers[0]
+
+    def _of(self, rank: int) -> list[torch.Tensor]:
+        buffers = self._buffers.get(rank)
+        if buffers is None:
+            shared = self.shared.reply_buffers(rank) if self.shared is not None else None
+            buffers = self._buffers[rank] = shared or [torch.empty(self.size) for _ in range(2)]
+        return buffers

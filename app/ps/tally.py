@@ -1,0 +1,44 @@
+"""What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
+the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
+per rank, and the partitions applied ahead of their push (app.ps.speculation).
+
+Plain counters: app.ps.server changes and reads them under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Tally:
+    applied: int = 0  # pushes applied by this process (the version may start from a checkpoint)
+    samples: int = 0  # training samples behind the updates applied by this process
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    staleness_hist: Counter[int] = field(default_factory=Counter)
+    refused: Counter[int] = field(default_factory=Counter)  # rank -> non-finite pushes refused
+    ahead_done: int = 0  # partitions applied (async) or folded (sync) ahead of their push
+    ahead_kept: int = 0  # ... and kept when the push came (async: from the state it met)
+
+    def count(self, staleness: int) -> None:
+        """One push applied, `staleness` updates late."""
+        self.applied += 1
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_hist[staleness] += 1
+
+    def fields(self, pushes: dict[int, int], ahead: bool) -> dict[str, Any]:
+        """The `end` record's fields: `pushes` per rank, the staleness, the refusals, and
+        with `ahead` (partitions are applied ahead) what was built ahead."""
+        mean = self.staleness_sum / self.applied if self.applied else 0.0
+        return {
+            "pushes": {f"worker{r}": n for r, n in sorted(pushes.items())},
+            "staleness_mean": round(mean, 3),
+            "staleness_max": self.staleness_max,
+            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
+            **({"ahead": {"done": self.ahead_done, "kept": self.ahead_kept}} if ahead else {}),
+        }
