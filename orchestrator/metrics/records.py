@@ -69,24 +69,34 @@ def final_accuracy(records: Iterable[Record]) -> Optional[float]:
     return float(ends[-1]["accuracy"]) if ends else None
 
 
-def last_run(records: Iterable[Record]) -> list[Record]:
-    """The records of the last run in a file several runs wrote: from the first `start` record
-    that carries the last `start`'s `run_id` (all of them when no `start` has one)."""
-    records = list(records)
-    starts = [i for i, r in enumerate(records) if is_event(r, Event.START) and r.get("run_id")]
-    if not starts:
-        return records
-    run_id = records[starts[-1]]["run_id"]
-    return records[next(i for i in starts if records[i]["run_id"] == run_id) :]
+GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
+
+
+def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[Record], int]:
+    """The records of the last run in a file several runs appended to, and how many earlier
+    records were left out. A run starts after an `end` followed by a record more than `gap`
+    seconds later, or at a `start` or a `join` at step 0 after training had started; a PS
+    restarted within a run (its `start` at the version it resumes) stays in that run."""
+    start = 0
+    ended_at: Optional[float] = None
+    trained = False
+    for i, rec in enumerate(records):
+        fresh = is_event(rec, Event.START, Event.JOIN) and rec.get("step") == 0 and trained
+        if (ended_at is not None and rec["time"] > ended_at + gap) or fresh:
+            start, ended_at, trained = i, None, False
+        if is_event(rec, Event.END):
+            ended_at = rec["time"]
+        if (rec.get("step") or 0) > 0:
+            trained = True
+    return records[start:], start
 
 
 def course(records: Iterable[Record]) -> str:
     """How a run got to its final accuracy, in one line for a failed judgement: each `eval`
     record's update and accuracy; the joins, drops, returns, refusals and resumes, with the
     update each came at; the `end` record's staleness (mean, max) and pushes per worker.
-    '' when the records hold none of these. Only the last run's records count: from the
-    first `start` record with the last `start`'s run id."""
-    records = last_run(records)
+    '' when the records hold none of these. Only the file's last run counts (`last_segment`)."""
+    records, _ = last_segment(list(records))
     evals = [f"{r.get('step')}: {r['accuracy']:.4f}" for r in events(records, Event.EVAL) if "accuracy" in r]
     parts = [f"accuracy by update {', '.join(evals)}"] if evals else []
     moves = [

@@ -12,9 +12,10 @@ is). From any file of the metrics directory:
   `staleness_max`; without them the workers' (sampled) staleness values.
 
 A metrics file is appended to by every run of the same name: only each file's
-last run is read (it starts after an `end` followed by a record more than
-GAP_SECONDS later, or at a `start` or a `join` at step 0 after training had
-started), and files whose last run ended before the others' began are left out.
+last run is read (`records.last_segment`: it starts after an `end` followed by a
+record more than GAP_SECONDS later, or at a `start` or a `join` at step 0 after
+training had started), and files whose last run ended before the others' began
+are left out.
 
 Strategy, workers and batch size come from the `start` record every app
 process writes first (strategy, batch_size, world_size, shards, model,
@@ -36,28 +37,11 @@ from typing import Any, Optional
 
 from app.contract import NO_PS_STRATEGY, Event
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import Record, is_event, read_jsonl
+from orchestrator.metrics.records import Record, is_event, last_segment, read_jsonl
 
 THRESHOLD = 0.90
-GAP_SECONDS = 1.0  # after a clean `end`, a record this much later belongs to a new run
 
 # --- reading --------------------------------------------------------------
-
-
-def last_segment(records: list[Record], gap: float = GAP_SECONDS) -> tuple[list[Record], int]:
-    """The records of the file's last run, and how many earlier records were left out."""
-    start = 0
-    ended_at: Optional[float] = None
-    trained = False
-    for i, rec in enumerate(records):
-        fresh = is_event(rec, Event.START, Event.JOIN) and rec.get("step") == 0 and trained
-        if (ended_at is not None and rec["time"] > ended_at + gap) or fresh:
-            start, ended_at, trained = i, None, False
-        if is_event(rec, Event.END):
-            ended_at = rec["time"]
-        if (rec.get("step") or 0) > 0:
-            trained = True
-    return records[start:], start
 
 
 def select_run(files: dict[str, list[Record]]) -> tuple[dict[str, list[Record]], int]:

@@ -192,11 +192,11 @@ def test_a_crashed_run_then_a_fresh_one(tmp_path: Path) -> None:
     m = tmp_path / "r" / "metrics"
     write(m / "worker1.jsonl", worker_records(1, T0, steps=2, end=False))
     write(m / "worker1.jsonl", worker_records(1, T0 + 0.5), append=True)
-    seg, dropped = run_metrics.last_segment(records.read_jsonl(m / "worker1.jsonl"))
+    seg, dropped = records.last_segment(records.read_jsonl(m / "worker1.jsonl"))
     assert dropped == 3 and seg[0]["event"] == "join" and seg[0]["time"] == T0 + 0.5
     # a chaos-style rejoin (the worker resumes at its step count) stays in the same run
     rejoin = worker_records(1, T0, steps=2, end=False) + [rec(T0 + 9, "worker", 1, "join", 20)]
-    assert run_metrics.last_segment(rejoin) == (rejoin, 0)
+    assert records.last_segment(rejoin) == (rejoin, 0)
 
 
 def test_bad_lines_are_skipped(tmp_path: Path) -> None:
