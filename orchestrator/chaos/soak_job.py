@@ -72,7 +72,9 @@ class SoakJob(ContainerJob):
         )
 
     def remove_keeper(self) -> None:
-        for c in self.client.containers.list(all=True, filters={"label": f"{KEEPER_LABEL}={self.project.name}"}):
+        for c in self.client.containers.list(
+            all=True, filters={"label": f"{KEEPER_LABEL}={self.project.name}"}, ignore_removed=True
+        ):
             c.remove(force=True)
         self.keeper = None
 
@@ -155,7 +157,10 @@ class SoakJob(ContainerJob):
         """What of the project is still on the engine: containers (the keeper too), its volume, its network."""
         name = self.project.name
         containers = [
-            c.name for c in self.client.containers.list(all=True, filters={"label": f"{KEEPER_LABEL}={name}"})
+            c.name
+            for c in self.client.containers.list(
+                all=True, filters={"label": f"{KEEPER_LABEL}={name}"}, ignore_removed=True
+            )
         ]
         containers += [c.name for c in self.containers().values()]
         volumes = [v.name for v in self.client.volumes.list() if v.name.startswith(f"{name}_")]

@@ -47,7 +47,9 @@ class _Containers:
     def __init__(self, engine: RecordedEngine) -> None:
         self.engine = engine
 
-    def list(self, all: bool = False, filters: Any = None) -> list[Container]:  # noqa: A002 - the SDK's name
+    def list(  # noqa: A002 - the SDK's names
+        self, all: bool = False, filters: Any = None, ignore_removed: bool = False
+    ) -> list[Container]:
         return [Container(a, self.engine.metrics) for a in self.engine.attrs]
 
 

@@ -200,7 +200,7 @@ def detect(
 
 def containers(client: Any, project: str) -> list[Any]:
     """Every container of the compose project, stopped ones too."""
-    return client.containers.list(all=True, filters={"label": f"{LABEL_PROJECT}={project}"})
+    return client.containers.list(all=True, filters={"label": f"{LABEL_PROJECT}={project}"}, ignore_removed=True)
 
 
 def running_env(client: Any, project: str, names: Sequence[str]) -> dict[str, str]:

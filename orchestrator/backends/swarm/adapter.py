@@ -140,7 +140,9 @@ def read_metrics(client: Any, stack: str, service: str) -> dict[str, list[str]]:
     sees at /state/metrics (running or exited); {} when none is here (a task on another
     node: ask that node's engine)."""
     found = client.containers.list(
-        all=True, filters={"label": f"com.docker.swarm.service.name={service_name(stack, service)}"}
+        all=True,
+        filters={"label": f"com.docker.swarm.service.name={service_name(stack, service)}"},
+        ignore_removed=True,  # a task's container removed between the listing and its inspect
     )
     for container in sorted(found, key=lambda c: c.attrs.get("Created", ""), reverse=True):
         try:
@@ -156,7 +158,7 @@ def leftovers(client: Any, stack: str) -> list[str]:
     label = {"label": f"{LABEL_STACK}={stack}"}
     return (
         [f"service {s.name}" for s in client.services.list(filters=label)]
-        + [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
+        + [f"container {c.name}" for c in client.containers.list(all=True, filters=label, ignore_removed=True)]
         + [f"network {n.name}" for n in client.networks.list(filters=label)]
     )
 
