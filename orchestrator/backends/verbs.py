@@ -224,7 +224,11 @@ def logs(
 def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threading.Event) -> None:
     ended_before = False
     while not done.wait(POLL):
-        states = backend.describe(c)
+        try:
+            states = backend.describe(c)
+        except Exception:  # noqa: BLE001 - one look the engine did not answer: the next one decides
+            ended_before = False
+            continue
         ended = all(s.ended for s in states)
         if ended and ended_before:
             lines.close()

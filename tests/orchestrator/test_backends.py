@@ -293,3 +293,36 @@ def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path
     threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
     assert done.wait(30), "logs still follows a cluster whose every service has ended"
     assert out.getvalue() == "ps | Accuracy: 0.97\n"
+
+
+def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch, tmp_path: Path) -> None:
+    """A look at the cluster that fails (a container removed between the engine's listing and
+    its inspect) does not end the watch: the next looks still close the follow."""
+    import sys
+    import threading
+
+    import docker.errors
+
+    from orchestrator.backends import verbs
+    from orchestrator.backends.lines import ProcessLines
+
+    class Unsteady(FakeBackend):
+        failed = False
+
+        def log_iter(self, c, follow: bool):
+            return ProcessLines([[sys.executable, "-c", "import time; print('ps | up', flush=True); time.sleep(600)"]])
+
+        def describe(self, c):
+            if not self.failed:
+                self.failed = True
+                raise docker.errors.NotFound("No such container: f-worker3")
+            return super().describe(c)
+
+    fleet = Unsteady()
+    fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
+    monkeypatch.setattr(verbs, "POLL", 0.2)
+    out = io.StringIO()
+    done = threading.Event()
+    threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
+    assert done.wait(30), "logs follows for ever once one look at the cluster failed"
+    assert fleet.failed and fleet.looks >= 2 and out.getvalue() == "ps | up\n"
