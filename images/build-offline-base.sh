@@ -49,14 +49,24 @@ need() { command -v "$1" || { echo "error: $1 missing; run: make engine (or apt-
 DEBOOTSTRAP=$(need debootstrap debootstrap)
 CHROOT=$(need chroot coreutils)
 
+# What debootstrap may leave mounted in the tree, unmounted before the tree is
+# tarred or removed (tree-mounts.sh).
+# shellcheck source=tree-mounts.sh
+. "$HERE/tree-mounts.sh"
+
 start=$SECONDS
-rm -rf "$ROOTFS"
-trap 'rm -rf "$ROOTFS"' EXIT
+remove_tree
+trap remove_tree EXIT
 mkdir -p "$CACHE"
 # python3-venv brings ensurepip's pip wheel; nothing else is needed to install wheels.
 "$DEBOOTSTRAP" --variant=minbase --include=python3,python3-venv --cache-dir="$CACHE" \
     bookworm "$ROOTFS" "$MIRROR" >"$HERE/.cache/debootstrap.log" 2>&1 \
     || { tail -20 "$HERE/.cache/debootstrap.log" >&2; exit 1; }
+unmount_tree
+if [ -n "$(mounted_below)" ]; then
+    echo "error: still mounted in the tree after debootstrap: $(mounted_below | xargs)" >&2
+    exit 1
+fi
 echo "debootstrap: $((SECONDS - start)) s"
 
 "$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
@@ -89,7 +99,7 @@ rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* \
 # (torch's own bytecode stays: without it every process would compile torch at import.)
 find "$ROOTFS" -path "$ROOTFS/opt/venv" -prune -o -name __pycache__ -prune -exec rm -rf {} +
 
-tar -C "$ROOTFS" -c . | docker import \
+tar -C "$ROOTFS" --one-file-system -c . | docker import \
     --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["python"]' \
