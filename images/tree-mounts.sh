@@ -14,6 +14,7 @@ unmount_tree() {
     local m
     for m in $(mounted_below); do
         umount "$m" 2>/dev/null || umount -l "$m"
+        echo "tree-mounts: $m was still mounted; unmounted" >&2
     done
 }
 
