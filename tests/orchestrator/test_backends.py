@@ -271,46 +271,52 @@ def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
 
 
-def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path: Path) -> None:
-    """A follow that never ends by itself (as `compose logs -f` with the scale profile did after
-    a scaled run) is closed once every service has ended, on two looks in a row."""
-    import sys
+def _follow_to_the_end(fleet: FakeBackend, monkeypatch) -> tuple[bool, str]:
+    """`logs` on a fleet whose every ship has exited 0, in a thread: (it returned within 30 s, what it wrote)."""
     import threading
 
     from orchestrator.backends import verbs
-    from orchestrator.backends.lines import ProcessLines
 
-    class Following(FakeBackend):
-        def log_iter(self, c, follow: bool):
-            forever = "import time; print('ps | Accuracy: 0.97', flush=True); time.sleep(600)"
-            return ProcessLines([[sys.executable, "-c", forever]])
-
-    fleet = Following()
     fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
     monkeypatch.setattr(verbs, "POLL", 0.2)
     out = io.StringIO()
     done = threading.Event()
     threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
-    assert done.wait(30), "logs still follows a cluster whose every service has ended"
-    assert out.getvalue() == "ps | Accuracy: 0.97\n"
+    return done.wait(30), out.getvalue()
+
+
+def _following_for_ever(line: str):
+    """A log follow that never ends by itself: `line`, then nothing for 10 minutes."""
+    import sys
+
+    from orchestrator.backends.lines import ProcessLines
+
+    return ProcessLines([[sys.executable, "-c", f"import time; print({line!r}, flush=True); time.sleep(600)"]])
+
+
+def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path: Path) -> None:
+    """A follow that never ends by itself (as `compose logs -f` with the scale profile did after
+    a scaled run) is closed once every service has ended, on two looks in a row."""
+
+    class Following(FakeBackend):
+        def log_iter(self, c, follow: bool):
+            return _following_for_ever("ps | Accuracy: 0.97")
+
+    returned, out = _follow_to_the_end(Following(), monkeypatch)
+    assert returned, "logs still follows a cluster whose every service has ended"
+    assert out == "ps | Accuracy: 0.97\n"
 
 
 def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch, tmp_path: Path) -> None:
     """A look at the cluster that fails (a container removed between the engine's listing and
     its inspect) does not end the watch: the next looks still close the follow."""
-    import sys
-    import threading
-
     import docker.errors
-
-    from orchestrator.backends import verbs
-    from orchestrator.backends.lines import ProcessLines
 
     class Unsteady(FakeBackend):
         failed = False
 
         def log_iter(self, c, follow: bool):
-            return ProcessLines([[sys.executable, "-c", "import time; print('ps | up', flush=True); time.sleep(600)"]])
+            return _following_for_ever("ps | up")
 
         def describe(self, c):
             if not self.failed:
@@ -319,10 +325,6 @@ def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch
             return super().describe(c)
 
     fleet = Unsteady()
-    fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
-    monkeypatch.setattr(verbs, "POLL", 0.2)
-    out = io.StringIO()
-    done = threading.Event()
-    threading.Thread(target=lambda: (verbs.logs(fleet, str(SMOKE), name="f", out=out), done.set()), daemon=True).start()
-    assert done.wait(30), "logs follows for ever once one look at the cluster failed"
-    assert fleet.failed and fleet.looks >= 2 and out.getvalue() == "ps | up\n"
+    returned, out = _follow_to_the_end(fleet, monkeypatch)
+    assert returned, "logs follows for ever once one look at the cluster failed"
+    assert fleet.failed and fleet.looks >= 2 and out == "ps | up\n"
