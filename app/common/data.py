@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 from app.common import host, plugins
+from app.common.batches_ahead import ReceivedAhead, wants_thread
 from app.common.imagefolder import CROP, ImageFolderData, find_samples
 from app.config import Config, UsageError
 from app.contract import DATASETS
@@ -38,15 +39,21 @@ class DataUnavailable(RuntimeError):
 
 
 def batches(loader: DataLoader, data_dir: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of `loader`'s batches; a read that fails mid-run is one clear error."""
-    iterator = iter(loader)
-    while True:
-        try:
-            yield next(iterator)
-        except StopIteration:
-            return
-        except OSError as error:
-            raise DataUnavailable(f"reading the data under {data_dir} failed (did it vanish?): {error}") from error
+    """One epoch of `loader`'s batches; a read that fails mid-run is one clear error. Batches
+    from loader processes are received one ahead, in a thread (app.common.batches_ahead)."""
+    iterator: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
+    ahead = ReceivedAhead(iterator) if wants_thread(loader) else None
+    try:
+        while True:
+            try:
+                yield next(ahead if ahead is not None else iterator)
+            except StopIteration:
+                return
+            except OSError as error:
+                raise DataUnavailable(f"reading the data under {data_dir} failed (did it vanish?): {error}") from error
+    finally:
+        if ahead is not None:
+            ahead.close()
 
 
 class InMemoryData(Dataset):
