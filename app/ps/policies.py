@@ -4,7 +4,8 @@
 its policy decides, under that lock, what a push does:
 
 - `AsyncPolicy`: applied at once into the rank's reply buffer, answered at once; partitions
-  noted ahead of the push are built into that buffer as they land (plain SGD).
+  noted ahead of the push are built into that buffer as they land (plain SGD, workers that do
+  not --overlap).
 - `BoundedPolicy` (ssp): applied at once; answered once the pusher is at most `staleness`
   pushes ahead of the slowest rank still training.
 - `RoundPolicy` (sync): folded into the open round as it lands; once every rank still training
@@ -141,10 +142,18 @@ class Policy:
 
 class AsyncPolicy(Policy):
     """async: every push applied and answered at once; with plain SGD, the partitions of a push
-    are built into the rank's next reply buffer as its backward finishes them."""
+    are built into the rank's next reply buffer as its backward finishes them.
 
-    def __init__(self, ps: Host) -> None:
+    `build_ahead` False (the workers run --overlap): a noted partition is only taken as checked
+    (its worker found it finite), and the whole push is built when it arrives. A worker that
+    overlaps waits for a reply only after its next batch has computed, so a partition built
+    ahead saves it no wait; and where another rank's push lands first, which with two workers
+    or more is most of the time, that partition is built again from the state it moved to:
+    twice the PS's work for it."""
+
+    def __init__(self, ps: Host, build_ahead: bool = True) -> None:
         super().__init__(ps)
+        self.build_ahead = build_ahead
         self._ahead: dict[int, Ahead] = {}  # rank -> what was built ahead of its push
 
     def into(self, rank: int) -> torch.Tensor | None:
@@ -152,7 +161,7 @@ class AsyncPolicy(Policy):
 
     def apply(self, message: torch.Tensor, scale: float, into: torch.Tensor | None, ahead: Ahead | None) -> None:
         """The step; where partitions were built ahead into `into` from this very state, the rest."""
-        if ahead is not None and into is ahead.into:
+        if ahead is not None and into is ahead.into and ahead.built:
             self._apply_rest(message, scale, ahead)
         else:
             super().apply(message, scale, into, ahead)
@@ -170,6 +179,8 @@ class AsyncPolicy(Policy):
         start, end = ps.parts[note.partition]
         end = min(end, ps.num_params)
         ahead.noted.add(note.partition)  # finite: its worker checked it before noting it
+        if not self.build_ahead:
+            return
         self._step_into(message[start:end], ps.scale_for(ps.version - note.version), ahead.into, start, end)
         ahead.built[note.partition] = ps.version
         ps.tally.ahead_done += 1
@@ -313,10 +324,11 @@ class RoundPolicy(Policy):
         return mean_into(messages, self._sum)
 
 
-def policy_for(strategy: Strategy, ps: Host) -> Policy:
-    """The policy of `strategy` (a PS strategy) for the server `ps`."""
+def policy_for(strategy: Strategy, ps: Host, overlap: bool = False) -> Policy:
+    """The policy of `strategy` (a PS strategy) for the server `ps`; `overlap`: the workers
+    run --overlap (async builds nothing ahead of a push then)."""
     if strategy.rounds:
         return RoundPolicy(ps)
     if strategy.bounded:
         return BoundedPolicy(ps)
-    return AsyncPolicy(ps)
+    return AsyncPolicy(ps, build_ahead=not overlap)

@@ -98,6 +98,7 @@ class ParameterServer:
             shared=exchange.for_config(config, model, part, who),
             run_id=config.run_id,
             on_finish=on_finish,
+            overlap=config.overlap,
         )
 
     def __init__(
@@ -117,6 +118,7 @@ class ParameterServer:
         shared: SharedExchange | None = None,
         run_id: str = "",
         on_finish: Callable[[int], None] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.kind = strategy_of(strategy)
         if not self.kind.has_ps:
@@ -149,8 +151,9 @@ class ParameterServer:
         # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
         self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
         self._taken: dict[int, int] = {}  # rank -> the backward of the push of its process last taken
-        # When a push is applied and its reply goes (app.ps.policies): async's, ssp's or sync's.
-        self.policy = policy_for(self.kind, self)
+        # When a push is applied and its reply goes (app.ps.policies): async's, ssp's or sync's;
+        # `overlap`: the job's workers run --overlap.
+        self.policy = policy_for(self.kind, self, overlap)
         self._start_counts()
 
     def _serve(self, model: nn.Module, part: tuple[int, int] | None) -> None:

@@ -166,14 +166,16 @@ def test_a_gpu_workers_forward_waits_only_for_the_partitions_each_module_needs()
 # --- the PS: partitions applied ahead of the push ------------------------------------------------
 
 
-def _ps(shm_dir: Path, strategy: str, workers: int = 1, momentum: float = 0.0):
+def _ps(shm_dir: Path, strategy: str, workers: int = 1, momentum: float = 0.0, overlap: bool = False):
     model = Deep()
     flat = FlatModel(model, with_grads=False)
     parts = cut([p.numel() for p in model.parameters()], flat.size, 64 * 64)
     exchange = SharedExchange.open(
-        str(shm_dir), flat.size, workers, overlap=False, sync=strategy == "sync", parts=parts
+        str(shm_dir), flat.size, workers, overlap=overlap, sync=strategy == "sync", parts=parts
     )
-    server = ParameterServer(model, lr=0.1, momentum=momentum, num_trainers=workers, strategy=strategy, shared=exchange)
+    server = ParameterServer(
+        model, lr=0.1, momentum=momentum, num_trainers=workers, strategy=strategy, shared=exchange, overlap=overlap
+    )
     return server, exchange
 
 
@@ -226,6 +228,42 @@ def test_a_partition_built_before_another_push_moved_the_state_is_built_again(sh
         want = whole.push(1, a.clone(), 0)
         assert torch.equal(one.reply(exchange.answer(got)).vector, want.vector)
         assert server.tally.ahead_kept == 1  # partition 2; partition 3 was built again
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+def test_under_overlap_async_builds_nothing_ahead_and_reads_no_noted_partition_again(shm_dir):
+    """Workers that overlap do not wait for what is built ahead: their notes only say which
+    partitions were checked, and the push is built whole when it arrives, to the same values."""
+    server, exchange = _ps(shm_dir, "async", workers=2, overlap=True)
+    whole, whole_exchange = _ps(shm_dir, "async", workers=2)
+    try:
+        one = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        two = SharedLink.attach(exchange.offer(), 2, torch.device("cpu"))
+        for s in (server, whole):
+            s.join(1, "worker1")
+            s.join(2, "worker2")
+        _push(server, exchange, one, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
+        whole.push(1, torch.zeros(whole.size), 0)
+        torch.manual_seed(3)
+        a, b = torch.randn(server.size), torch.randn(server.size)
+        one.slots[0][: a.numel()].copy_(a)
+        for j in (3, 2):
+            server.ahead(Note(1, 1, 0, j, 1))
+        _push(server, exchange, two, 2, b, 1, 0, [], noted=False)  # another rank's push lands between
+        server.ahead(Note(1, 1, 0, 1, 2))
+        one.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after its note: not checked again
+        pushed = exchange.push(1, 0, "float32", a.numel())
+        got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()
+        assert not isinstance(got, Refusal) and server.version == 3
+        assert server.tally.ahead_done == 0  # nothing was built before the push
+        whole.push(2, b.clone(), 1)
+        want = whole.push(1, a, 1).vector
+        state = one.reply(exchange.answer(got)).vector
+        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
+        assert torch.equal(state[rest], want[rest])  # the push built whole, from the state it met
+        assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
     finally:
         exchange.close()
         whole_exchange.close()
