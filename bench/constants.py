@@ -163,7 +163,8 @@ def app_pushpull(timeout: float) -> dict[str, float]:
 
     warmup, steps = PUSHPULL_BATCHES
     topology = gpu.topology("async", 0, 1, 1, warmup + steps)
-    app = steady_step(gpu.batch_times(local_metrics(topology, timeout), 1), warmup)["step_s"]
+    times, numbers = gpu.batch_times(local_metrics(topology, timeout), 1)
+    app = steady_step(times, warmup, numbers)["step_s"]
     alone = steady_step(gpu.run_compute_alone(0, warmup + steps), warmup)["step_s"]
     return {"app_pushpull_s": app - alone}
 

@@ -31,8 +31,10 @@ import sys
 import time
 from typing import Any
 
+from app.options import OPTIONS
 from bench import gpu_report, harness, host_cpu, launch
 
+APP_LOG_EVERY = next(o.default for o in OPTIONS if o.name == "log_every")  # the app's: every 10 batches
 CODE = launch.ROOT / "bench" / "sleep_model"
 BASE_IMAGE = "ps-compose-base:bookworm"
 TOPOLOGY_NAME = "gpubench"  # the image is ps-compose-gpubench:latest
@@ -59,7 +61,9 @@ FULL = {
 
 
 def topology(system: str, compute_ms: int, workers: int, shards: int, batches: int) -> dict[str, Any]:
-    """The topology of one case: the sleep model as the user's own code, `batches` per worker."""
+    """The topology of one case: the sleep model as the user's own code, `batches` per worker,
+    the app's defaults elsewhere; a worker reports (a log line, a `train` record) every
+    `log_every(batches)` batches."""
     strategy, overlap = PS_SYSTEMS.get(system, ("allreduce", False))
     return {
         "name": TOPOLOGY_NAME,
@@ -76,20 +80,30 @@ def topology(system: str, compute_ms: int, workers: int, shards: int, batches: i
             "overlap": overlap,
             "seed": 0,
             "eval_every": 1_000_000,
-            "log_every": 1,
+            "log_every": log_every(batches),
         },
         "ps": {"checkpoint_every": 0, "rpc_timeout": 120, "shards": shards},
         "workers": {"count": workers},
     }
 
 
-def batch_times(files: dict[str, list[str]], workers: int) -> list[list[float]]:
-    """Per worker (rank order), the time of each of its `train` records (one a batch)."""
-    out = []
+def log_every(batches: int) -> int:
+    """How often a case's workers report: at most as often as the app does by default (every
+    10 batches), and often enough that a run of `batches` has eight reports to time its
+    steps by (the default run, 45 batches: every 5)."""
+    return max(1, min(APP_LOG_EVERY, batches // 8))
+
+
+def batch_times(files: dict[str, list[str]], workers: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Per worker (rank order), the time of each of its `train` records (one every
+    `train.log_every` batches), and the batch each one ended (the case runs one epoch)."""
+    times, numbers = [], []
     for rank in range(1, workers + 1):
         records = [json.loads(line) for line in files.get(f"worker{rank}.jsonl", []) if line.strip()]
-        out.append([r["time"] for r in records if r.get("event") == "train"])
-    return out
+        train = [r for r in records if r.get("event") == "train"]
+        times.append([r["time"] for r in train])
+        numbers.append([r["batch"] for r in train])
+    return times, numbers
 
 
 def _validated(t: dict[str, Any]) -> Any:
@@ -170,14 +184,17 @@ def cases(args: argparse.Namespace) -> list[tuple[int, int, int, str, str]]:
     return out
 
 
-def step_times(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> list[list[float]]:
-    """Per worker, the times its batches ended, for one case."""
+def step_times(
+    case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str
+) -> tuple[list[list[float]], list[list[int]] | None]:
+    """Per worker, the times its batches ended, for one case, and which batches those are
+    (None: every batch, in order)."""
     c, n, shards, where, system = case
     batches = args.warmup + args.steps
     if system == "compute":
-        return run_compute_alone(c, batches)
+        return run_compute_alone(c, batches), None
     if system == "official":
-        return run_official(c, n, batches, args.warmup, args.timeout)
+        return run_official(c, n, batches, args.warmup, args.timeout), None
     t = topology(system, c, n, shards, batches)
     if where == "containers":
         return batch_times(launch.compose_metrics(_validated(t), project, args.timeout), n)
@@ -188,8 +205,8 @@ def run_case(case: tuple[int, int, int, str, str], args: argparse.Namespace, pro
     """One case's steady step, and how busy the host's cores were in its steady window."""
     c, n, shards, where, system = case
     with host_cpu.Sampler() as cpu:
-        times = step_times(case, args, project)
-    steady = gpu_report.steady_step(times, args.warmup)
+        times, numbers = step_times(case, args, project)
+    steady = gpu_report.steady_step(times, args.warmup, numbers)
     busy = host_cpu.busy_share(cpu.samples, *steady["window"])
     return dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, cpu_busy=busy, **steady)
 

@@ -26,29 +26,34 @@ LABELS = {
 WHERE = ("processes", "containers")
 
 
-def steady_step(times: list[list[float]], warmup: int) -> dict[str, Any]:
+def steady_step(times: list[list[float]], warmup: int, numbers: list[list[int]] | None = None) -> dict[str, Any]:
     """Seconds per step while every worker of the case is past its warm-up and none has
     ended: the window opens when the last worker finishes its `warmup`-th batch and closes
     when the first worker finishes its last one; each worker's step is the time between
     its first and last batch inside the window over the batches between them; the
-    case's is the mean over workers. ValueError when a worker has too few batches."""
-    if not times or any(len(t) <= warmup + 1 for t in times):
-        counts = [len(t) for t in times]
+    case's is the mean over workers. `numbers`: the batch each time ended (a worker that
+    reports every k batches); by default the times are batches 1, 2, 3, ... ValueError
+    when a worker has too few batches."""
+    numbers = numbers or [list(range(1, len(t) + 1)) for t in times]
+    past = [[(x, n) for x, n in zip(t, b) if n >= max(warmup, 1)] for t, b in zip(times, numbers)]
+    if not times or any(len(p) < 2 for p in past):
+        counts = [b[-1] if b else 0 for b in numbers]
         raise ValueError(f"a worker finished too few batches for a warm-up of {warmup}: {counts}")
-    start = max(t[warmup - 1] if warmup else t[0] for t in times)
-    end = min(t[-1] for t in times)
+    start = max(p[0][0] for p in past)
+    end = min(p[-1][0] for p in past)
     per_worker, steps = [], []
-    for t in times:
-        inside = [x for x in t if start <= x <= end]
+    for p in past:
+        inside = [(x, n) for x, n in p if start <= x <= end]
         if len(inside) < 2:
             raise ValueError("the workers' steady windows do not overlap (one ended before another warmed up)")
-        per_worker.append((inside[-1] - inside[0]) / (len(inside) - 1))
-        steps.append(len(inside) - 1)
+        (first, b0), (last, b1) = inside[0], inside[-1]
+        per_worker.append((last - first) / (b1 - b0))
+        steps.append(b1 - b0)
     return {
         "step_s": statistics.mean(per_worker),
         "per_worker_step_s": per_worker,
         "steps": min(steps),
-        "batches": [len(t) for t in times],
+        "batches": [b[-1] for b in numbers],
         "window_s": end - start,
         "window": [start, end],
     }

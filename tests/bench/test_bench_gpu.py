@@ -22,6 +22,36 @@ def test_steady_step_is_the_window_where_every_worker_is_past_warmup_and_none_en
     assert s["window"] == [0.5, 5.0]
 
 
+def test_steady_step_of_workers_that_report_every_few_batches_counts_batches_not_reports():
+    a = [10.0, 20.0, 30.0, 40.0]  # batches 10, 20, 30, 40: one a second
+    b = [12.0, 22.0, 32.0, 42.0]  # batches 10, 15, 20, 25: one every two seconds
+    s = gpu_report.steady_step([a, b], warmup=5, numbers=[[10, 20, 30, 40], [10, 15, 20, 25]])
+    assert s["window"] == [12.0, 40.0]  # b's first report past its warm-up, a's last
+    assert s["per_worker_step_s"] == [pytest.approx(1.0), pytest.approx(2.0)]
+    assert s["steps"] == 10 and s["batches"] == [40, 25]
+    with pytest.raises(ValueError, match="too few batches"):
+        gpu_report.steady_step([a, [21.0]], warmup=5, numbers=[[10, 20, 30, 40], [10]])
+
+
+def test_a_case_reports_eight_times_a_run_and_never_more_rarely_than_the_app_by_default():
+    assert gpu.APP_LOG_EVERY == 10
+    assert [gpu.log_every(b) for b in (45, 65, 200, 8, 3)] == [5, 8, 10, 1, 1]
+    assert gpu.topology("overlap", 13, 2, 1, 45)["train"]["log_every"] == 5
+
+
+def test_batch_times_reads_each_workers_train_records_and_their_batches():
+    def lines(*records):
+        return [json.dumps(r) for r in records] + [""]
+
+    files = {
+        "worker1.jsonl": lines({"event": "join", "time": 1.0}, {"event": "train", "time": 2.0, "batch": 10}),
+        "worker2.jsonl": lines(
+            {"event": "train", "time": 2.5, "batch": 10}, {"event": "train", "time": 3.5, "batch": 20}
+        ),
+    }
+    assert gpu.batch_times(files, 2) == ([[2.0], [2.5, 3.5]], [[10], [10, 20]])
+
+
 def test_steady_step_refuses_too_few_batches():
     with pytest.raises(ValueError, match="too few batches"):
         gpu_report.steady_step([[0.0, 1.0], [0.0, 1.0, 2.0, 3.0]], warmup=2)
