@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -208,15 +209,25 @@ def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(sh
         whole_exchange.close()
 
 
-def test_a_partition_built_before_another_push_moved_the_state_is_built_again(shm_dir):
-    server, exchange = _ps(shm_dir, "async", workers=2)
+@contextlib.contextmanager
+def _two_ranks(shm_dir: Path, overlap: bool = False):
+    """An async PS of ranks 1 and 2 with partitions (workers that --overlap or not), the same PS
+    taking every push whole, and the two ranks' links; both PS know both ranks."""
+    server, exchange = _ps(shm_dir, "async", workers=2, overlap=overlap)
     whole, whole_exchange = _ps(shm_dir, "async", workers=2)
     try:
-        one = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
-        two = SharedLink.attach(exchange.offer(), 2, torch.device("cpu"))
+        links = [SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)]
         for s in (server, whole):
             s.join(1, "worker1")
             s.join(2, "worker2")
+        yield server, exchange, whole, links
+    finally:
+        exchange.close()
+        whole_exchange.close()
+
+
+def test_a_partition_built_before_another_push_moved_the_state_is_built_again(shm_dir):
+    with _two_ranks(shm_dir) as (server, exchange, whole, (one, two)):
         torch.manual_seed(2)
         a, b = torch.randn(server.size), torch.randn(server.size)
         one.slots[0][: a.numel()].copy_(a)
@@ -228,22 +239,12 @@ def test_a_partition_built_before_another_push_moved_the_state_is_built_again(sh
         want = whole.push(1, a.clone(), 0)
         assert torch.equal(one.reply(exchange.answer(got)).vector, want.vector)
         assert server.tally.ahead_kept == 1  # partition 2; partition 3 was built again
-    finally:
-        exchange.close()
-        whole_exchange.close()
 
 
-def test_under_overlap_async_builds_nothing_ahead_and_reads_no_noted_partition_again(shm_dir):
+def test_under_overlap_async_builds_nothing_ahead_and_checks_no_noted_partition_again(shm_dir):
     """Workers that overlap do not wait for what is built ahead: their notes only say which
     partitions were checked, and the push is built whole when it arrives, to the same values."""
-    server, exchange = _ps(shm_dir, "async", workers=2, overlap=True)
-    whole, whole_exchange = _ps(shm_dir, "async", workers=2)
-    try:
-        one = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
-        two = SharedLink.attach(exchange.offer(), 2, torch.device("cpu"))
-        for s in (server, whole):
-            s.join(1, "worker1")
-            s.join(2, "worker2")
+    with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
         _push(server, exchange, one, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
         whole.push(1, torch.zeros(whole.size), 0)
         torch.manual_seed(3)
@@ -264,9 +265,6 @@ def test_under_overlap_async_builds_nothing_ahead_and_reads_no_noted_partition_a
         rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
         assert torch.equal(state[rest], want[rest])  # the push built whole, from the state it met
         assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
-    finally:
-        exchange.close()
-        whole_exchange.close()
 
 
 @pytest.mark.parametrize("strategy", ["async", "sync"])
