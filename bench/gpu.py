@@ -88,9 +88,9 @@ def topology(system: str, compute_ms: int, workers: int, shards: int, batches: i
 
 
 def log_every(batches: int) -> int:
-    """How often a case's workers report: at most as often as the app does by default (every
-    10 batches), and often enough that a run of `batches` has eight reports to time its
-    steps by (the default run, 45 batches: every 5)."""
+    """How often a case's workers report: never more rarely than the app does by default
+    (every 10 batches), and often enough that a run of `batches` has eight reports to time
+    its steps by (the default run, 45 batches: every 5)."""
     return max(1, min(APP_LOG_EVERY, batches // 8))
 
 
