@@ -2,8 +2,10 @@
 on a Unix socket beside the PS's shared-memory segment (the same /dev/shm, so it reaches the PS
 wherever the segment does).
 
-A note is four numbers: rank, backward (which of the worker's backwards the gradient comes
-from), slot, partition; and the version the gradient was computed from. It is only a hint:
+A note is six numbers: rank, backward (which of the worker's backwards the gradient comes
+from), slot, partition, the version the gradient was computed from, and the process's life at
+its PS (which of the rank's joins it is: a replaced process's late note is told from the new
+one's, whose backwards count from 0 again). It is only a hint:
 the PS may apply the partition before the push arrives (app.ps.speculation); a note lost, late
 or never read changes nothing but when the work is done. So the worker never waits to send one:
 a full socket buffer drops it.
@@ -17,7 +19,7 @@ import socket
 import struct
 from typing import NamedTuple
 
-NOTE = struct.Struct("<iqiiq")  # rank, backward, slot, partition, version
+NOTE = struct.Struct("<iqiiqi")  # rank, backward, slot, partition, version, life
 SUFFIX = ".bell"
 
 
@@ -27,6 +29,7 @@ class Note(NamedTuple):
     slot: int
     partition: int
     version: int
+    life: int  # which of the rank's joins at this PS the noting process is (app.common.wire.Joined)
 
 
 class Bell:
@@ -57,15 +60,20 @@ class Bell:
 
 
 class Ringer:
-    """A worker's end: `ring` sends a note and never waits."""
+    """A worker process's end, for rank `rank` in its life `life` at the PS: `ring` sends a
+    note and never waits."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, rank: int, life: int) -> None:
+        self.path, self.rank, self.life = path, rank, life
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.sent = self.dropped = 0
 
-    def ring(self, note: Note) -> None:
+    def ring(self, backward: int, slot: int, partition: int, version: int) -> None:
+        """Partition `partition` of push `backward` (in `slot`, computed from `version`) is there."""
+        self.send(Note(self.rank, backward, slot, partition, version, self.life))
+
+    def send(self, note: Note) -> None:
         try:
             self.sock.sendto(NOTE.pack(*note), self.path)
             self.sent += 1

@@ -59,6 +59,7 @@ class Offer(NamedTuple):
     names: tuple[str, ...]  # the regions, in file order
     parts: tuple[tuple[int, int], ...] = ()  # the partitions the PS applies ahead of a push (app.ps.speculation)
     bell: str = ""  # where the worker notes each partition its backward finished (app.common.bell)
+    life: int = 0  # which of the worker's rank's joins this answers: its notes carry it (app.common.bell)
 
 
 def stride(floats: int) -> int:

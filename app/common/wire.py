@@ -34,6 +34,7 @@ class Joined(NamedTuple):
     exchange: Offer | None = None  # this PS process's shared memory, for a worker on its host
     part: tuple[int, int] | None = None  # a sharded PS: the main PS's slice of the state
     shards: tuple[tuple[str, int, int], ...] = ()  # ... and each other shard's name and slice
+    life: int = 0  # which of the rank's joins at this PS process this is (1: its first process)
 
 
 class Taken(NamedTuple):

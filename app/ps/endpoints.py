@@ -96,7 +96,7 @@ def rpc_join(rank: int, name: str) -> Joined | Taken | NotReady:
     server = ENDPOINT.get()
     answer = ENDPOINT.join(rank, name) if ENDPOINT.join is not None else server.join(rank, name)
     if server.shared is not None and isinstance(answer, Joined):
-        return answer._replace(exchange=server.shared.offer())
+        return answer._replace(exchange=server.shared.offer(answer.life))
     return answer
 
 

@@ -87,11 +87,12 @@ class SharedExchange:
     def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
         return segment_bytes(floats, len(region_names(max_rank, overlap, sync, ahead)))
 
-    def offer(self) -> Offer:
+    def offer(self, life: int = 0) -> Offer:
+        """What a worker maps; `life`: which of its rank's joins this answers (its notes say it)."""
         offer = self.segment.offer()
         if self.bell is None or self.parts is None:
             return offer
-        return offer._replace(parts=tuple(self.parts), bell=self.bell.path)
+        return offer._replace(parts=tuple(self.parts), bell=self.bell.path, life=life)
 
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
         """Rank's reply buffers (rank 0: a sync round's), in the segment; None for a rank it

@@ -124,6 +124,12 @@ class Policy:
         """The answers that may go now that the set of ranks training changed."""
         return self.release()
 
+    def admits(self, note: Note, taken: int | None) -> bool:
+        """Whether a note is of the push that comes next from its process, whose last push taken
+        was from backward `taken` (-1: none yet; None: the rank is not joined): one of an
+        older push is late, one of a later push would build or fold it before its turn."""
+        return taken is not None and note.backward == taken + 1
+
     def note(self, note: Note, message: torch.Tensor) -> None:
         """A partition of rank's next push landed in its slot (app.ps.speculation)."""
 
@@ -149,12 +155,21 @@ class AsyncPolicy(Policy):
     overlaps waits for a reply only after its next batch has computed, so a partition built
     ahead saves it no wait; and where another rank's push lands first, which with two workers
     or more is most of the time, that partition is built again from the state it moved to:
-    twice the PS's work for it."""
+    twice the PS's work for it. Such a worker's backward runs while its previous push is still
+    on the wire: a note of the push after the next one is kept too, so that no partition it
+    checked is read again."""
 
     def __init__(self, ps: Host, build_ahead: bool = True) -> None:
         super().__init__(ps)
         self.build_ahead = build_ahead
-        self._ahead: dict[int, Ahead] = {}  # rank -> what was built ahead of its push
+        self._ahead: dict[int, dict[int, Ahead]] = {}  # rank -> backward -> what was noted (built) ahead of its push
+
+    def admits(self, note: Note, taken: int | None) -> bool:
+        """Building ahead: the next push's notes only. Not building (--overlap): the next two
+        pushes', as a worker that overlaps computes one backward past its push on the wire."""
+        if self.build_ahead or taken is None:
+            return super().admits(note, taken)
+        return taken < note.backward <= taken + 2
 
     def into(self, rank: int) -> torch.Tensor | None:
         return None if self.ps.sliced else self.ps.replies.take(rank)
@@ -172,9 +187,10 @@ class AsyncPolicy(Policy):
         ps = self.ps
         if ps.momentum_or_decay():
             return
-        ahead = self._ahead.get(note.rank)
-        if ahead is None or ahead.backward != note.backward or ahead.slot != note.slot:
-            ahead = self._ahead[note.rank] = Ahead(note.backward, note.slot, ps.replies.next(note.rank))
+        pending = self._ahead.setdefault(note.rank, {})
+        ahead = pending.get(note.backward)
+        if ahead is None or ahead.slot != note.slot:
+            ahead = pending[note.backward] = Ahead(note.backward, note.slot, ps.replies.next(note.rank))
         assert ps.parts is not None  # notes come only where the PS cuts partitions
         start, end = ps.parts[note.partition]
         end = min(end, ps.num_params)
@@ -186,8 +202,11 @@ class AsyncPolicy(Policy):
         ps.tally.ahead_done += 1
 
     def take_ahead(self, rank: int, backward: int) -> Ahead | None:
-        ahead = self._ahead.pop(rank, None)
-        return ahead if ahead is not None and ahead.backward == backward else None
+        """What was noted ahead of rank's push from `backward`; what was of older pushes goes."""
+        pending = self._ahead.get(rank, {})
+        for older in [b for b in pending if b < backward]:
+            del pending[older]
+        return pending.pop(backward, None)
 
     def forget(self, rank: int) -> None:
         self._ahead.pop(rank, None)

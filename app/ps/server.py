@@ -220,7 +220,7 @@ class ParameterServer:
             if self.all_joined is None and all(m.joins or m.state == FINISHED for m in self.roster.members.values()):
                 self.all_joined = self.clock()
             self._event()
-            return Joined(self.state.clone(), self.version, member.progress())
+            return Joined(self.state.clone(), self.version, member.progress(), life=member.joins)
 
     def _keep_held_message(self, rank: int) -> None:
         """A new process of `rank` joins while its old one's sync push is held: that push is
@@ -274,7 +274,8 @@ class ParameterServer:
         ahead = self._take_ahead(rank, backward)
         if not noted:
             ahead, backward = None, None
-        finite = self._finite(message, self.policy.checked(rank, backward, ahead))
+        checked = self.policy.checked(rank, backward, ahead)
+        finite = self._finite(message, checked)
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)
@@ -286,6 +287,7 @@ class ParameterServer:
                 refusal, ready = self._refuse_nonfinite(rank, name), []
             else:
                 self.tally.samples += samples
+                self.tally.ahead_checked += len(checked)
                 if staleness is None:
                     staleness = self.version - pulled_version
                 ready = self.policy.take(rank, message, future, epoch, batch, staleness, ahead, backward)
@@ -394,13 +396,15 @@ class ParameterServer:
     def ahead(self, note: Note) -> None:
         """A partition of rank's next push is in its slot (app.ps.speculation): fold it into the
         round (sync), or build it in the rank's next reply buffer (async, plain SGD). A note
-        of a push already taken, of another process, or of the last partition (the buffers go
-        with the push) is passed over."""
+        of a push already taken, of a push the policy does not take ahead yet, of another process
+        of the rank (a replaced one: its life is not the rank's last join), or of the last
+        partition (the buffers go with the push) is passed over."""
         if self.parts is None or not 0 <= note.partition < len(self.parts) - 1 or self.shared is None:
             return
         message = self.shared.push(note.rank, note.slot, "float32", self.size)
         with self._lock:
-            if self._taken.get(note.rank) != note.backward - 1 or self.roster.members.get(note.rank) is None:
+            member = self.roster.members.get(note.rank)
+            if member is None or member.joins != note.life or not self.policy.admits(note, self._taken.get(note.rank)):
                 return
             self.policy.note(note, message)
 

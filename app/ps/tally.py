@@ -1,6 +1,7 @@
 """What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
 the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
-per rank, and the partitions applied ahead of their push (app.ps.speculation).
+per rank, and the partitions applied ahead of their push or noted checked ahead of it
+(app.ps.speculation).
 
 Plain counters: app.ps.server changes and reads them under its lock.
 """
@@ -22,6 +23,7 @@ class Tally:
     refused: Counter[int] = field(default_factory=Counter)  # rank -> non-finite pushes refused
     ahead_done: int = 0  # partitions applied (async) or folded (sync) ahead of their push
     ahead_kept: int = 0  # ... and kept when the push came (async: from the state it met)
+    ahead_checked: int = 0  # partitions of pushes applied not read for NaN or inf: noted ahead, checked by their worker
 
     def count(self, staleness: int) -> None:
         """One push applied, `staleness` updates late."""
@@ -34,11 +36,12 @@ class Tally:
         """The `end` record's fields: `pushes` per rank, the staleness, the refusals, and
         with `ahead` (partitions are applied ahead) what was built ahead."""
         mean = self.staleness_sum / self.applied if self.applied else 0.0
+        done_ahead = {"done": self.ahead_done, "kept": self.ahead_kept, "checked": self.ahead_checked}
         return {
             "pushes": {f"worker{r}": n for r, n in sorted(pushes.items())},
             "staleness_mean": round(mean, 3),
             "staleness_max": self.staleness_max,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
-            **({"ahead": {"done": self.ahead_done, "kept": self.ahead_kept}} if ahead else {}),
+            **({"ahead": done_ahead} if ahead else {}),
         }

@@ -31,7 +31,7 @@ import threading
 import torch
 from torch import nn
 
-from app.common.bell import Note, Ringer
+from app.common.bell import Ringer
 from app.common.flat import FlatModel
 from app.common.partitions import owners
 from app.ps.update import all_finite
@@ -40,7 +40,7 @@ log = logging.getLogger("app.worker")
 
 
 class Poster:
-    """Notes a worker's partitions on `ringer` (rank `rank`) as its backward completes them.
+    """Notes a worker's partitions on `ringer` (its rank's, app.common.bell) as its backward completes them.
     `arm(backward, slot, version)` before each backward; `claims()` after it: whether the
     push may say it was noted (every parameter fired once)."""
 
@@ -49,11 +49,10 @@ class Poster:
         params: list[nn.Parameter],
         parts: list[tuple[int, int]],
         ringer: Ringer,
-        rank: int,
         name: str,
         slots: list[torch.Tensor],
     ) -> None:
-        self.parts, self.ringer, self.rank, self.name, self.slots = parts, ringer, rank, name, slots
+        self.parts, self.ringer, self.name, self.slots = parts, ringer, name, slots
         self.unfinite = 0  # partitions not noted: NaN or inf in them
         self.owner = owners([p.numel() for p in params], parts)
         self.size = [self.owner.count(j) for j in range(len(parts))]
@@ -107,7 +106,7 @@ class Poster:
         if not all_finite(self.slots[slot][start:end]):
             self.unfinite += 1
             return
-        self.ringer.ring(Note(self.rank, backward, slot, j, version))
+        self.ringer.ring(backward, slot, j, version)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -123,12 +122,11 @@ class DevicePoster(Poster):
         params: list[nn.Parameter],
         parts: list[tuple[int, int]],
         ringer: Ringer,
-        rank: int,
         name: str,
         flat: FlatModel,
         slots: list[torch.Tensor],
     ) -> None:
-        super().__init__(params, parts, ringer, rank, name, slots)
+        super().__init__(params, parts, ringer, name, slots)
         self.flat = flat
         self.stream = torch.cuda.Stream(flat.message.device)
         self.copied: set[int] = set()

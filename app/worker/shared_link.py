@@ -34,13 +34,14 @@ class SharedLink:
         self.replies = [segment.region(n) for n in segment.names if n.startswith((f"reply{rank}.", "round."))]
         self.parts: list[tuple[int, int]] = []  # the partitions the PS applies ahead (app.ps.speculation)
         self.bell = ""  # where this worker notes them (app.common.bell)
+        self.life = 0  # which of its rank's joins at the PS this process is: its notes carry it
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
 
     @classmethod
     def attach(cls, offer: Offer, rank: int, device: torch.device) -> SharedLink:
         link = cls(Segment.attach(offer), rank, device)
-        link.parts, link.bell = [(start, end) for start, end in offer.parts], offer.bell
+        link.parts, link.bell, link.life = [(start, end) for start, end in offer.parts], offer.bell, offer.life
         return link
 
     def reserve(self) -> int:

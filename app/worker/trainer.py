@@ -146,11 +146,10 @@ class Trainer:
         if link is None or not link.parts or self.compress is not None or self.scaler is not None:
             return None
         params = list(self.model.parameters())
+        ringer = Ringer(link.bell, self.config.rank, link.life)
         if self.device.type == "cpu":
-            return Poster(params, link.parts, Ringer(link.bell), self.config.rank, self.config.name, link.slots)
-        return DevicePoster(
-            params, link.parts, Ringer(link.bell), self.config.rank, self.config.name, self.flat, link.slots
-        )
+            return Poster(params, link.parts, ringer, self.config.name, link.slots)
+        return DevicePoster(params, link.parts, ringer, self.config.name, self.flat, link.slots)
 
     def reshard(self, epoch: int) -> None:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""

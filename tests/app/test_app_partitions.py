@@ -55,13 +55,14 @@ class Deep(nn.Module):
         return self.layers(x)
 
 
-class Collect:
-    """A Ringer's stand-in that keeps the notes it is given."""
+class Collect(Ringer):
+    """A Ringer of rank `rank` in its first life that keeps its notes instead of sending them."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 1) -> None:
+        self.rank, self.life = rank, 1
         self.notes: list[Note] = []
 
-    def ring(self, note: Note) -> None:
+    def send(self, note: Note) -> None:
         self.notes.append(note)
 
 
@@ -76,15 +77,15 @@ def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_
     params = list(model.parameters())
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)  # one linear layer each
-    ringer = Collect()
-    poster = Poster(params, parts, ringer, 3, "worker3", [flat.message])
+    ringer = Collect(3)
+    poster = Poster(params, parts, ringer, "worker3", [flat.message])
     assert len(parts) == 5  # 4 linears, then the BatchNorm's parameters with its buffers
     assert _backward(model, poster, 0) is False and ringer.notes == []  # the first backward only counts
     assert _backward(model, poster, 1) is True
     # the backward finishes the last linear first; partition 4 (the first layers' side: here the
     # BatchNorm, which is last) goes with the push
     assert [n.partition for n in ringer.notes] == [3, 2, 1, 0]
-    assert {(n.rank, n.backward, n.slot, n.version) for n in ringer.notes} == {(3, 1, 0, 7)}
+    assert {(n.rank, n.backward, n.slot, n.version, n.life) for n in ringer.notes} == {(3, 1, 0, 7, 1)}
 
 
 def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
@@ -95,7 +96,7 @@ def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
+    poster = Poster(params, parts, ringer, "worker1", [flat.message])
     _backward(model, poster, 0)
     model.layers[1].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([5]), float("inf")))
     flat.zero_grads()
@@ -112,7 +113,7 @@ def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
+    poster = Poster(params, parts, ringer, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is True and [n.partition for n in ringer.notes] == [0]
 
@@ -134,20 +135,20 @@ def test_a_parameter_whose_gradient_never_comes_turns_the_notes_off():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64)
     ringer = Collect()
-    poster = Poster(params, parts, ringer, 1, "worker1", [flat.message])
+    poster = Poster(params, parts, ringer, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is False and ringer.notes == []
 
 
 def test_the_bell_carries_a_note_and_a_dead_ps_bell_is_swept(shm_dir):
     bell = Bell(str(shm_dir / "psc-1-abc.bell"))
-    ringer = Ringer(bell.path)
-    ringer.ring(Note(2, 5, 1, 3, 40))
-    assert bell.receive() == Note(2, 5, 1, 3, 40)
+    ringer = Ringer(bell.path, 2, 1)
+    ringer.ring(5, 1, 3, 40)
+    assert bell.receive() == Note(2, 5, 1, 3, 40, 1)
     assert bell.receive() is None  # nothing more: it waits its timeout and says so
     bell.sock.close()  # the PS died: its socket file stays, its segment is gone
     assert sweep(str(shm_dir)) == [bell.path] and list(shm_dir.iterdir()) == []
-    ringer.ring(Note(2, 6, 1, 3, 41))  # ringing a PS that is gone is no error
+    ringer.ring(6, 1, 3, 41)  # ringing a PS that is gone is no error
     assert ringer.dropped == 1
 
 
@@ -184,7 +185,7 @@ def _push(server, exchange, link, rank, gradient, version, backward, noted_parts
     """Write `gradient` into rank's slot, note `noted_parts`, push; the answer."""
     link.slots[0][: gradient.numel()].copy_(gradient)
     for j in noted_parts:
-        server.ahead(Note(rank, backward, 0, j, version))
+        server.ahead(Note(rank, backward, 0, j, version, 1))
     pushed = exchange.push(rank, 0, "float32", gradient.numel())
     return server.submit(rank, pushed, version, f"worker{rank}", backward=backward, noted=noted).wait()
 
@@ -231,9 +232,9 @@ def test_a_partition_built_before_another_push_moved_the_state_is_built_again(sh
         torch.manual_seed(2)
         a, b = torch.randn(server.size), torch.randn(server.size)
         one.slots[0][: a.numel()].copy_(a)
-        server.ahead(Note(1, 0, 0, 3, 0))  # worker1's partition 3, built from version 0 ...
+        server.ahead(Note(1, 0, 0, 3, 0, 1))  # worker1's partition 3, built from version 0 ...
         _push(server, exchange, two, 2, b, 0, 0, [], noted=False)  # ... then worker2's push moves the state
-        server.ahead(Note(1, 0, 0, 2, 0))  # partition 2 built from version 1
+        server.ahead(Note(1, 0, 0, 2, 0, 1))  # partition 2 built from version 1
         got = _push(server, exchange, one, 1, a, 0, 0, [])
         whole.push(2, b.clone(), 0)
         want = whole.push(1, a.clone(), 0)
@@ -251,20 +252,71 @@ def test_under_overlap_async_builds_nothing_ahead_and_checks_no_noted_partition_
         a, b = torch.randn(server.size), torch.randn(server.size)
         one.slots[0][: a.numel()].copy_(a)
         for j in (3, 2):
-            server.ahead(Note(1, 1, 0, j, 1))
+            server.ahead(Note(1, 1, 0, j, 1, 1))
         _push(server, exchange, two, 2, b, 1, 0, [], noted=False)  # another rank's push lands between
-        server.ahead(Note(1, 1, 0, 1, 2))
+        server.ahead(Note(1, 1, 0, 1, 2, 1))
         one.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after its note: not checked again
         pushed = exchange.push(1, 0, "float32", a.numel())
         got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()
         assert not isinstance(got, Refusal) and server.version == 3
         assert server.tally.ahead_done == 0  # nothing was built before the push
+        assert server.tally.ahead_checked == 3  # the three noted partitions were not read
         whole.push(2, b.clone(), 1)
         want = whole.push(1, a, 1).vector
         state = one.reply(exchange.answer(got)).vector
         rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
         assert torch.equal(state[rest], want[rest])  # the push built whole, from the state it met
         assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
+
+
+def test_under_overlap_notes_of_a_backward_count_while_the_push_before_it_is_still_on_the_wire(shm_dir):
+    """A worker that overlaps notes backward 2's partitions (in its other slot) before its push
+    from backward 1 is taken: they are kept, and push 2 does not read them again."""
+    with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
+        _push(server, exchange, one, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
+        whole.push(1, torch.zeros(whole.size), 0)
+        torch.manual_seed(5)
+        a, b = torch.randn(server.size), torch.randn(server.size)
+        one.slots[0][: a.numel()].copy_(a)  # push 1 on the wire from slot 0 ...
+        one.slots[1][: b.numel()].copy_(b)  # ... while backward 2 writes slot 1 and notes it
+        for j in (3, 2, 1, 0):
+            server.ahead(Note(1, 2, 1, j, 1, 1))
+        first = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 1, "worker1", backward=1, noted=False)
+        assert not isinstance(first.wait(), Refusal)
+        one.slots[1][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after its note: not read again
+        pushed = exchange.push(1, 1, "float32", b.numel())
+        got = server.submit(1, pushed, 2, "worker1", backward=2, noted=True).wait()
+        assert not isinstance(got, Refusal) and server.version == 3
+        assert server.tally.ahead_checked == 4 and server.tally.ahead_done == 0
+        whole.push(1, a, 1)
+        want = whole.push(1, b, 2).vector
+        state = one.reply(exchange.answer(got)).vector
+        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
+        assert torch.equal(state[rest], want[rest])
+        assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
+
+
+def test_a_replaced_processs_late_note_does_not_vouch_for_the_new_process_partition(shm_dir):
+    """A note carries its process's life at the PS (which of the rank's joins it is). The old
+    process of rank 1 noted partition 2 of its backward 2 and died; read after a new process
+    joined and pushed twice, that note is passed over: the new process's push from its
+    backward 2, with a NaN in partition 2, is checked there and refused."""
+    with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
+        joined = server.join(1, "worker1_r2")
+        assert joined.life == 2 and SharedLink.attach(exchange.offer(joined.life), 1, torch.device("cpu")).life == 2
+        for backward in (0, 1):
+            pushed = exchange.push(1, 0, "float32", server.size)
+            got = server.submit(1, pushed, backward, "worker1_r2", backward=backward, noted=False).wait()
+            assert not isinstance(got, Refusal)
+        gradient = torch.ones(server.size)
+        gradient[64 * 64 * 2 + 5] = float("nan")
+        one.slots[0][: gradient.numel()].copy_(gradient)
+        server.ahead(Note(1, 2, 0, 2, 1, 1))  # the old process's note, late
+        server.ahead(Note(1, 2, 0, 3, 2, 2))  # the new process's own
+        pushed = exchange.push(1, 0, "float32", gradient.numel())
+        got = server.submit(1, pushed, 2, "worker1_r2", backward=2, noted=True).wait()
+        assert isinstance(got, Refusal) and got.kind == "nonfinite"
+        assert server.tally.ahead_checked == 0 and server.version == 2
 
 
 @pytest.mark.parametrize("strategy", ["async", "sync"])
@@ -301,8 +353,8 @@ def test_sync_partitions_folded_ahead_close_the_round_as_the_pushes_whole(shm_di
         links[2].slots[0][: b.numel()].copy_(b)
         # both workers' backwards overlap: their notes come interleaved, worker1 folds first everywhere
         for j in (3, 2, 1, 0):
-            server.ahead(Note(1, 0, 0, j, 0))
-            server.ahead(Note(2, 0, 0, j, 0))
+            server.ahead(Note(1, 0, 0, j, 0, 1))
+            server.ahead(Note(2, 0, 0, j, 0, 1))
         held = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1", backward=0, noted=True)
         server.submit(2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2", backward=0, noted=True).wait()
         want = whole.submit(1, a.clone(), 0, "worker1")
@@ -325,7 +377,7 @@ def test_a_new_process_of_a_rank_folds_its_push_whole_after_its_old_ones_notes(s
         torch.manual_seed(4)
         old, a, b = torch.randn(server.size), torch.randn(server.size), torch.randn(server.size)
         links[1].slots[0][: old.numel()].copy_(old)
-        server.ahead(Note(1, 0, 0, 3, 0))  # the old process of rank 1 noted a partition, then died
+        server.ahead(Note(1, 0, 0, 3, 0, 1))  # the old process of rank 1 noted a partition, then died
         server.join(1, "worker1_r2")
         whole.join(1, "worker1_r2")
         links[1].slots[0][: a.numel()].copy_(a)
@@ -346,13 +398,13 @@ def test_a_new_process_of_a_rank_folds_its_push_whole_after_its_old_ones_notes(s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "workers,args",
-    [(1, ["--strategy", "async"]), (2, ["--strategy", "sync", "--momentum", "0.5"])],
-    ids=["async", "sync"],
+    [(1, ["--strategy", "async"]), (2, ["--strategy", "sync", "--momentum", "0.5"]), (1, ["--overlap", "true"])],
+    ids=["async", "sync", "overlap"],
 )
 def test_processes_apply_partitions_ahead_to_the_same_values_as_tensorpipe(tmp_path, shm_dir, workers, args):
     """The cnn on digits in partitions of 2000 values: the PS applies them as the backward
-    finishes them (its end record counts them), and final.pt is the same bits as the same run
-    over TensorPipe."""
+    finishes them, or under --overlap takes them as checked (its end record counts them), and
+    final.pt is the same bits as the same run over TensorPipe."""
     from app_testkit import app_env, run_cluster
 
     digits = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1"]
@@ -367,7 +419,10 @@ def test_processes_apply_partitions_ahead_to_the_same_values_as_tensorpipe(tmp_p
         ends[mode] = [json.loads(line) for line in (run / "metrics" / "ps.jsonl").read_text().splitlines()][-1]
     assert "ahead" not in ends["tensorpipe"]
     ahead = ends["auto"]["ahead"]
-    assert ahead["kept"] > 0 and ahead["done"] >= ahead["kept"], ahead
+    if "--overlap" in args:  # nothing built ahead: the push reads only what was not noted
+        assert ahead["done"] == 0 and ahead["checked"] > 0, ahead
+    else:
+        assert ahead["kept"] > 0 and ahead["done"] >= ahead["kept"] and ahead["checked"] > 0, ahead
     assert finals["auto"]["version"] == finals["tensorpipe"]["version"] > 0
     for key, value in finals["auto"]["model"].items():
         assert torch.equal(value, finals["tensorpipe"]["model"][key]), key
@@ -387,7 +442,7 @@ def test_the_ps_does_not_read_a_partition_noted_ahead_again(shm_dir):
         gradient = torch.randn(server.size)
         link.slots[0][: gradient.numel()].copy_(gradient)
         for j in (3, 2, 1, 0):
-            server.ahead(Note(1, 1, 0, j, 1))
+            server.ahead(Note(1, 1, 0, j, 1, 1))
         link.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after the note: never read
         pushed = exchange.push(1, 0, "float32", gradient.numel())
         got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()

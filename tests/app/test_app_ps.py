@@ -180,7 +180,7 @@ def test_the_tally_counts_staleness_and_gives_the_end_records_fields():
         "staleness_hist": {"0": 1, "1": 2, "3": 1},
         "refused": {"worker2": 1},
     }
-    assert tally.fields({}, ahead=True)["ahead"] == {"done": 0, "kept": 0}
+    assert tally.fields({}, ahead=True)["ahead"] == {"done": 0, "kept": 0, "checked": 0}
     assert Tally().fields({}, ahead=False)["staleness_mean"] == 0.0  # no push yet
 
 
