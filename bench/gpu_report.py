@@ -59,6 +59,19 @@ def steady_step(times: list[list[float]], warmup: int, numbers: list[list[int]] 
     }
 
 
+def cpu_per_step(seconds: dict[str, float], steady: dict[str, Any]) -> dict[str, float | None]:
+    """`worker_cpu_ms`: the CPU the case's worker processes used in its steady window per step
+    of any worker; `ps_cpu_ms`: its PS processes' per push (a step is one push), from
+    `seconds` (role -> CPU seconds in the window, bench.host_cpu.cpu_seconds) and `steady`
+    (steady_step's: the window's length and each worker's step give the steps in it). None
+    for a role with no process seen (compute alone: the bench's own)."""
+    steps = sum(steady["window_s"] / s for s in steady["per_worker_step_s"] if s > 0)
+    return {
+        f"{role}_cpu_ms": 1000 * seconds[role] / steps if role in seconds and steps > 0 else None
+        for role in ("worker", "ps")
+    }
+
+
 def key(run: dict[str, Any]) -> tuple[int, int, int, str, str]:
     return (run["compute_ms"], run["workers"], run["shards"], run["where"], run["system"])
 
@@ -67,14 +80,17 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median step over the repeats of each case, its range, and `vs_compute`: that step /
     the compute-alone step of the same C. `vs_processes` (containers only): / the same
     system as processes. `cpu_busy`: the median over the repeats that have it of the share
-    of the host's cores busy in the steady window (bench.host_cpu), else None. Rows sorted
+    of the host's cores busy in the steady window (bench.host_cpu), else None; the same for
+    `worker_cpu_ms` and `ps_cpu_ms` (cpu_per_step). Rows sorted
     by C, workers, shards, where, then SYSTEMS order."""
     groups = rows.grouped(runs, key, lambda k: (k[0], k[1], k[2], WHERE.index(k[3]), SYSTEMS.index(k[4])))
     out = []
     for (c, workers, shards, where, system), rs in groups:
         case = dict(compute_ms=c, workers=workers, shards=shards, where=where, system=system)
-        busy = [r["cpu_busy"] for r in rs if r.get("cpu_busy") is not None]
-        cpu = {"cpu_busy": statistics.median(busy) if busy else None}
+        cpu = {}
+        for field in ("cpu_busy", "worker_cpu_ms", "ps_cpu_ms"):
+            got = [r[field] for r in rs if r.get(field) is not None]
+            cpu[field] = statistics.median(got) if got else None
         out.append(dict(case, label=LABELS[system], **rows.over_repeats(rs), **cpu))
     for row in out:
         alone = _compute_alone(out, row["compute_ms"])
@@ -94,21 +110,29 @@ def _find(rs: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, 
 
 def table(rs: list[dict[str, Any]]) -> str:
     """One block per C: each case's s/step, x compute alone, x processes, the host's cores
-    busy, steps, range."""
+    busy, the CPU milliseconds a worker step and a PS push took, steps, range."""
     blocks = []
     for c in dict.fromkeys(r["compute_ms"] for r in rs):
-        head = f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'cpu':>4} {'steps':>5}  range"
+        head = (
+            f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'cpu':>4} {'wkr ms':>6} {'ps ms':>6}"
+            f" {'steps':>5}  range"
+        )
         lines = []
         for r in (r for r in rs if r["compute_ms"] == c):
             ratio, procs = rows.ratio_text(r["vs_compute"]), rows.ratio_text(r["vs_processes"])
             cpu = "-" if r.get("cpu_busy") is None else f"{100 * r['cpu_busy']:.0f}%"
+            worker, ps = (_ms(r.get(f"{role}_cpu_ms")) for role in ("worker", "ps"))
             lines.append(
-                f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {cpu:>4} {r['steps']:>5}"
-                f"  {rows.range_text(r)}"
+                f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {cpu:>4} {worker:>6} {ps:>6}"
+                f" {r['steps']:>5}  {rows.range_text(r)}"
             )
         title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
         blocks.append("\n".join(rows.block(title, head, lines)))
     return "\n\n".join(blocks)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _name(r: dict[str, Any]) -> str:

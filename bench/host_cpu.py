@@ -1,5 +1,7 @@
 """How busy the host's cores were while a case ran: /proc/stat sampled in a thread, and the
-share of all the host's cores busy over a window of the run (a case's steady state).
+share of all the host's cores busy over a window of the run (a case's steady state); and the
+CPU the app's processes used in that window, per role (`python -m app ps` and `python -m app
+worker`, their loader processes included, as processes or in containers on this host).
 
 A row of the GPU regime measures the exchange only while the host has cores to spare: at a
 share near 100% the case is bound by the bench host's CPU (and its memory bandwidth), which a
@@ -9,12 +11,17 @@ is None.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
 
-PROC_STAT = Path("/proc/stat")
-Sample = tuple[float, int, int]  # (time.time(), busy jiffies, all jiffies), every core together
+PROC = Path("/proc")
+PROC_STAT = PROC / "stat"
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # jiffies a second
+ROLES = ("ps", "worker")  # `python -m app ROLE`: the processes counted per role
+# (time.time(), busy jiffies, all jiffies) every core together, {"role:pid": jiffies} of each app process
+Sample = tuple[float, int, int, dict[str, int]]
 
 
 def jiffies(stat_text: str) -> tuple[int, int]:
@@ -36,8 +43,42 @@ def busy_share(samples: list[Sample], start: float, end: float) -> float | None:
     inside = [s for s in samples if start <= s[0] <= end]
     if len(inside) < 2:
         return None
-    (_, busy0, all0), (_, busy1, all1) = inside[0], inside[-1]
+    busy0, all0, busy1, all1 = inside[0][1], inside[0][2], inside[-1][1], inside[-1][2]
     return (busy1 - busy0) / (all1 - all0) if all1 > all0 else None
+
+
+def app_role(cmdline: bytes) -> str | None:
+    """The role of a `python -m app ROLE ...` process from its /proc/PID/cmdline (NUL-separated
+    arguments), else None."""
+    args = cmdline.split(b"\0")
+    for i in range(len(args) - 2):
+        if args[i] == b"-m" and args[i + 1] == b"app":
+            role = args[i + 2].decode(errors="replace")
+            return role if role in ROLES else None
+    return None
+
+
+def process_jiffies(stat_text: str) -> int:
+    """utime + stime from a /proc/PID/stat text (fields 14 and 15; the name in parentheses
+    may hold spaces)."""
+    fields = stat_text.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_seconds(samples: list[Sample], start: float, end: float) -> dict[str, float]:
+    """Per role, the CPU seconds its processes used from `start` to `end` (time.time()), read
+    between the first sample at or after `start` and the last at or before `end`: each
+    process's jiffies at the last sample less those at the first (0 for one not there yet);
+    {} when fewer than two samples fall inside or no app process was seen."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2:
+        return {}
+    first, last = inside[0][3], inside[-1][3]
+    used: dict[str, float] = {}
+    for key, jiffies_now in last.items():
+        role = key.split(":", 1)[0]
+        used[role] = used.get(role, 0.0) + (jiffies_now - first.get(key, 0)) / TICKS
+    return used
 
 
 class Sampler:
@@ -47,6 +88,7 @@ class Sampler:
     def __init__(self, every: float = 0.1) -> None:
         self.every = every
         self.samples: list[Sample] = []
+        self._roles: dict[int, str | None] = {}  # pid -> its app role (None: not an app process)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-cpu-sampler", daemon=True)
 
@@ -68,4 +110,21 @@ class Sampler:
 
     def _take(self) -> None:
         busy, all_ = jiffies(PROC_STAT.read_text())
-        self.samples.append((time.time(), busy, all_))
+        self.samples.append((time.time(), busy, all_, self._app_jiffies()))
+
+    def _app_jiffies(self) -> dict[str, int]:
+        """`role:pid` -> jiffies for every app process now; each pid's cmdline is read once."""
+        out = {}
+        for entry in PROC.iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            try:
+                if pid not in self._roles:
+                    self._roles[pid] = app_role((entry / "cmdline").read_bytes())
+                role = self._roles[pid]
+                if role is not None:
+                    out[f"{role}:{pid}"] = process_jiffies((entry / "stat").read_text())
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+        return out

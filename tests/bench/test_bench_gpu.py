@@ -93,6 +93,26 @@ def test_aggregate_takes_the_median_cpu_share_of_the_repeats_that_have_one():
     assert " 80% " in next(line for line in lines if "ps-compose sync" in line)
 
 
+def test_cpu_per_step_divides_each_roles_seconds_by_the_steps_in_the_window():
+    steady = {"window_s": 2.0, "per_worker_step_s": [0.02, 0.025]}  # 100 + 80 steps, each one push
+    got = gpu_report.cpu_per_step({"worker": 1.8, "ps": 0.9}, steady)
+    assert got == {"worker_cpu_ms": pytest.approx(10.0), "ps_cpu_ms": pytest.approx(5.0)}
+    assert gpu_report.cpu_per_step({}, steady) == {"worker_cpu_ms": None, "ps_cpu_ms": None}  # compute alone
+
+
+def test_the_table_shows_the_median_cpu_per_worker_step_and_per_push():
+    runs = [
+        _run("compute", 0.1),
+        *(dict(_run("sync", 0.2), worker_cpu_ms=w, ps_cpu_ms=p) for w, p in [(9, 7), (11, 8)]),
+    ]
+    rows = gpu_report.aggregate(runs)
+    assert (rows[1]["worker_cpu_ms"], rows[1]["ps_cpu_ms"]) == (pytest.approx(10.0), pytest.approx(7.5))
+    lines = gpu_report.table(rows).splitlines()
+    assert "wkr ms" in lines[1] and "ps ms" in lines[1]
+    assert "  10.0    7.5 " in next(line for line in lines if "ps-compose sync" in line)
+    assert "     -      - " in next(line for line in lines if "compute alone" in line)
+
+
 def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
     t = gpu.topology("overlap", 30, 4, 2, 50)
     assert t["code"] == str(gpu.CODE) and (gpu.CODE / "sleep_resnet.py").is_file()
@@ -148,6 +168,8 @@ def test_a_tiny_gpu_bench_runs_the_app_and_the_official_example_and_writes_its_j
     for row in doc["rows"]:
         assert row["step_s"] > 0 and row["compute_ms"] == 5 and row["vs_compute"] > 0
         assert row["cpu_busy"] is None or 0.0 <= row["cpu_busy"] <= 1.0  # None: a window under two samples
+        if row["system"] == "sync" and row["cpu_busy"] is not None:  # the app's processes were seen
+            assert row["worker_cpu_ms"] > 0 and row["ps_cpu_ms"] > 0
     for run in doc["runs"]:  # every worker finished every batch it was given, and they were timed
         expected = 1 if run["system"] == "compute" else 2
         assert run["batches"] == [8] * expected and run["steps"] >= 1

@@ -1,5 +1,6 @@
 """bench.host_cpu: /proc/stat read into busy and all jiffies, the share of the host's cores busy
-over a window of samples, and the sampler over a real /proc/stat."""
+over a window of samples, the app's processes told by their command line and their CPU per role
+over a window, and the sampler over a real /proc."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_jiffies_refuse_a_text_without_the_cpu_line():
 
 
 def test_busy_share_reads_the_samples_inside_the_window():
-    samples = [(0.0, 0, 0), (1.0, 10, 100), (2.0, 70, 200), (3.0, 160, 300), (4.0, 160, 400)]
+    samples = [(0.0, 0, 0, {}), (1.0, 10, 100, {}), (2.0, 70, 200, {}), (3.0, 160, 300, {}), (4.0, 160, 400, {})]
     # inside [0.5, 3.5]: from t=1 to t=3, 150 busy of 200
     assert host_cpu.busy_share(samples, 0.5, 3.5) == pytest.approx(0.75)
     assert host_cpu.busy_share(samples, 0.0, 4.0) == pytest.approx(0.4)
@@ -44,6 +45,50 @@ def test_the_sampler_reads_proc_stat_from_entry_to_exit_and_sees_a_spinning_core
             pass
     times = [s[0] for s in cpu.samples]
     assert len(times) >= 3 and times == sorted(times)
-    assert all(b0 <= b1 and a0 <= a1 for (_, b0, a0), (_, b1, a1) in zip(cpu.samples, cpu.samples[1:]))
+    assert all(b0 <= b1 and a0 <= a1 for (_, b0, a0, _), (_, b1, a1, _) in zip(cpu.samples, cpu.samples[1:]))
     share = host_cpu.busy_share(cpu.samples, times[0], times[-1])
     assert share is not None and 0.0 < share <= 1.0
+
+
+def test_an_app_process_is_told_by_its_role_from_its_command_line():
+    assert host_cpu.app_role(b"/venv/bin/python\0-m\0app\0ps\0") == "ps"
+    assert host_cpu.app_role(b"python3\0-u\0-m\0app\0worker\0--rank\0002\0") == "worker"
+    assert host_cpu.app_role(b"python\0-m\0app\0--help\0") is None  # not a role
+    assert host_cpu.app_role(b"python\0-m\0orchestrator\0local\0") is None
+    assert host_cpu.app_role(b"") is None  # a kernel thread's
+
+
+def test_process_jiffies_add_user_and_system_time_past_a_name_with_spaces():
+    stat = "4242 (pt main thread) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 30 0 0 20 0 9 0 100 0 0"
+    assert host_cpu.process_jiffies(stat) == 280
+
+
+def test_cpu_seconds_per_role_count_each_process_from_the_first_sample_inside_the_window():
+    t = host_cpu.TICKS
+    samples = [
+        (0.0, 0, 0, {"ps:1": 0, "worker:2": 0}),
+        (1.0, 0, 0, {"ps:1": t, "worker:2": 2 * t}),
+        (2.0, 0, 0, {"ps:1": 3 * t, "worker:2": 3 * t, "worker:3": t}),  # a loader process started
+        (3.0, 0, 0, {"ps:1": 4 * t, "worker:2": 5 * t, "worker:3": 2 * t}),
+    ]
+    got = host_cpu.cpu_seconds(samples, 0.5, 3.0)
+    assert got == {"ps": pytest.approx(3.0), "worker": pytest.approx(3.0 + 2.0)}
+    assert host_cpu.cpu_seconds(samples, 1.5, 2.5) == {}  # one sample inside
+    assert host_cpu.cpu_seconds([(0.0, 0, 0, {}), (1.0, 0, 0, {})], 0.0, 1.0) == {}  # no app process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_the_sampler_counts_the_cpu_of_a_real_app_process(tmp_path):
+    """A process whose command line is `python -m app worker` (an `app` package that spins),
+    sampled while it spins: its CPU is the worker role's."""
+    import subprocess
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text(
+        "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "app", "worker"], cwd=tmp_path)
+    with host_cpu.Sampler(every=0.05) as cpu:
+        proc.wait(timeout=30)
+    used = host_cpu.cpu_seconds(cpu.samples, cpu.samples[0][0], cpu.samples[-2][0])
+    assert set(used) == {"worker"} and 0.0 < used["worker"] <= 1.0
