@@ -19,6 +19,7 @@ from pathlib import Path
 PROC = Path("/proc")
 PROC_STAT = PROC / "stat"
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # jiffies a second
+RECHECK_S = 1.0  # how long a process that is not the app's is taken not to be
 ROLES = ("ps", "worker")  # `python -m app ROLE`: the processes counted per role
 # (time.time(), busy jiffies, all jiffies) every core together, {"role:pid": jiffies} of each app process
 Sample = tuple[float, int, int, dict[str, int]]
@@ -88,7 +89,7 @@ class Sampler:
     def __init__(self, every: float = 0.1) -> None:
         self.every = every
         self.samples: list[Sample] = []
-        self._roles: dict[int, str | None] = {}  # pid -> its app role (None: not an app process)
+        self._roles: dict[int, tuple[str | None, float]] = {}  # pid -> its app role (None: none), when read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-cpu-sampler", daemon=True)
 
@@ -113,16 +114,20 @@ class Sampler:
         self.samples.append((time.time(), busy, all_, self._app_jiffies()))
 
     def _app_jiffies(self) -> dict[str, int]:
-        """`role:pid` -> jiffies for every app process now; each pid's cmdline is read once."""
+        """`role:pid` -> jiffies for every app process now. An app process's cmdline is read
+        once; another's again after RECHECK_S (a container's process starts as the runtime's
+        init and becomes python -m app by exec, under the same pid)."""
         out = {}
-        for entry in PROC.iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
+        now = time.monotonic()
+        pids = [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+        self._roles = {pid: known for pid, known in self._roles.items() if pid in set(pids)}  # a gone pid may come back
+        for pid in pids:
+            entry = PROC / str(pid)
             try:
-                if pid not in self._roles:
-                    self._roles[pid] = app_role((entry / "cmdline").read_bytes())
-                role = self._roles[pid]
+                role, read = self._roles.get(pid, (None, -RECHECK_S))
+                if role is None and now - read >= RECHECK_S:
+                    role = app_role((entry / "cmdline").read_bytes())
+                    self._roles[pid] = (role, now)
                 if role is not None:
                     out[f"{role}:{pid}"] = process_jiffies((entry / "stat").read_text())
             except (OSError, IndexError, ValueError):  # gone meanwhile

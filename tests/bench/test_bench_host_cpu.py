@@ -78,16 +78,17 @@ def test_cpu_seconds_per_role_count_each_process_from_the_first_sample_inside_th
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
-def test_the_sampler_counts_the_cpu_of_a_real_app_process(tmp_path):
-    """A process whose command line is `python -m app worker` (an `app` package that spins),
-    sampled while it spins: its CPU is the worker role's."""
+def test_the_sampler_counts_the_cpu_of_a_real_app_process_that_became_one_by_exec(tmp_path, monkeypatch):
+    """A shell that execs `python -m app worker` (an `app` package that spins) under its own pid,
+    as a container's init does: once its command line says so, its CPU is the worker role's."""
     import subprocess
 
+    monkeypatch.setattr(host_cpu, "RECHECK_S", 0.05)
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__main__.py").write_text(
         "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
     )
-    proc = subprocess.Popen([sys.executable, "-m", "app", "worker"], cwd=tmp_path)
+    proc = subprocess.Popen(["sh", "-c", f"sleep 0.2; exec {sys.executable} -m app worker"], cwd=tmp_path)
     with host_cpu.Sampler(every=0.05) as cpu:
         proc.wait(timeout=30)
     used = host_cpu.cpu_seconds(cpu.samples, cpu.samples[0][0], cpu.samples[-2][0])
