@@ -60,10 +60,12 @@ FULL = {
 }
 
 
-def topology(system: str, compute_ms: int, workers: int, shards: int, batches: int) -> dict[str, Any]:
+def topology(
+    system: str, compute_ms: int, workers: int, shards: int, batches: int, every: int | None = None
+) -> dict[str, Any]:
     """The topology of one case: the sleep model as the user's own code, `batches` per worker,
     the app's defaults elsewhere; a worker reports (a log line, a `train` record) every
-    `log_every(batches)` batches."""
+    `every` batches (by default `log_every(batches)`)."""
     strategy, overlap = PS_SYSTEMS.get(system, ("allreduce", False))
     return {
         "name": TOPOLOGY_NAME,
@@ -80,7 +82,7 @@ def topology(system: str, compute_ms: int, workers: int, shards: int, batches: i
             "overlap": overlap,
             "seed": 0,
             "eval_every": 1_000_000,
-            "log_every": log_every(batches),
+            "log_every": every or log_every(batches),
         },
         "ps": {"checkpoint_every": 0, "rpc_timeout": 120, "shards": shards},
         "workers": {"count": workers},
@@ -184,18 +186,27 @@ def cases(args: argparse.Namespace) -> list[tuple[int, int, int, str, str]]:
     return out
 
 
+def batches_for(system: str, workers: int, warmup: int, steps: int) -> int:
+    """The batches each worker of a case runs: its warm-up and `steps` timed ones; and where
+    several async workers do not wait for one another, `steps` more, so that one that started
+    up to `steps` batches after the other (a process start apart: ~1 s on a 2-core CPU VM)
+    still shares a steady window with it, at least `steps` long."""
+    apart = workers > 1 and system in ("async", "overlap")
+    return warmup + steps * (2 if apart else 1)
+
+
 def step_times(
     case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str
 ) -> tuple[list[list[float]], list[list[int]] | None]:
     """Per worker, the times its batches ended, for one case, and which batches those are
     (None: every batch, in order)."""
     c, n, shards, where, system = case
-    batches = args.warmup + args.steps
+    batches = batches_for(system, n, args.warmup, args.steps)
     if system == "compute":
         return run_compute_alone(c, batches), None
     if system == "official":
         return run_official(c, n, batches, args.warmup, args.timeout), None
-    t = topology(system, c, n, shards, batches)
+    t = topology(system, c, n, shards, batches, every=log_every(args.warmup + args.steps))
     if where == "containers":
         return batch_times(launch.compose_metrics(_validated(t), project, args.timeout), n)
     return batch_times(launch.local_metrics(t, args.timeout), n)

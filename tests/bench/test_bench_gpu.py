@@ -113,6 +113,15 @@ def test_the_table_shows_the_median_cpu_per_worker_step_and_per_push():
     assert "     -      - " in next(line for line in lines if "compute alone" in line)
 
 
+def test_async_workers_that_do_not_wait_for_each_other_run_twice_the_timed_batches():
+    assert gpu.batches_for("overlap", 2, 5, 40) == gpu.batches_for("async", 3, 5, 40) == 85
+    assert gpu.batches_for("sync", 2, 5, 40) == gpu.batches_for("allreduce", 2, 5, 40) == 45  # in lockstep
+    assert gpu.batches_for("async", 1, 5, 40) == gpu.batches_for("compute", 1, 5, 40) == 45
+    # they report as often as the 45 batches of the window need, not as 85 would allow
+    assert gpu.topology("overlap", 13, 2, 1, 85, every=gpu.log_every(45))["train"]["log_every"] == 5
+    assert gpu.topology("overlap", 13, 2, 1, 85)["train"]["log_every"] == 10
+
+
 def test_each_case_is_a_topology_of_the_sleep_model_as_the_users_code():
     t = gpu.topology("overlap", 30, 4, 2, 50)
     assert t["code"] == str(gpu.CODE) and (gpu.CODE / "sleep_resnet.py").is_file()
