@@ -69,16 +69,16 @@ def process_jiffies(stat_text: str) -> int:
 def cpu_seconds(samples: list[Sample], start: float, end: float) -> dict[str, float]:
     """Per role, the CPU seconds its processes used from `start` to `end` (time.time()), read
     between the first sample at or after `start` and the last at or before `end`: each
-    process's jiffies at the last sample less those at the first (0 for one not there yet);
-    {} when fewer than two samples fall inside or no app process was seen."""
+    process's jiffies at the last sample that saw it less those at the first (0 for one that
+    started inside); {} when fewer than two samples fall inside or no app process was seen."""
     inside = [s for s in samples if start <= s[0] <= end]
     if len(inside) < 2:
         return {}
-    first, last = inside[0][3], inside[-1][3]
     used: dict[str, float] = {}
-    for key, jiffies_now in last.items():
+    for key in dict.fromkeys(k for s in inside for k in s[3]):
+        seen = [s[3][key] for s in inside if key in s[3]]
         role = key.split(":", 1)[0]
-        used[role] = used.get(role, 0.0) + (jiffies_now - first.get(key, 0)) / TICKS
+        used[role] = used.get(role, 0.0) + (seen[-1] - inside[0][3].get(key, 0)) / TICKS
     return used
 
 

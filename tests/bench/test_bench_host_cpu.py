@@ -70,9 +70,11 @@ def test_cpu_seconds_per_role_count_each_process_from_the_first_sample_inside_th
         (1.0, 0, 0, {"ps:1": t, "worker:2": 2 * t}),
         (2.0, 0, 0, {"ps:1": 3 * t, "worker:2": 3 * t, "worker:3": t}),  # a loader process started
         (3.0, 0, 0, {"ps:1": 4 * t, "worker:2": 5 * t, "worker:3": 2 * t}),
+        (4.0, 0, 0, {"ps:1": 5 * t, "worker:2": 6 * t}),  # the loader process ended
     ]
     got = host_cpu.cpu_seconds(samples, 0.5, 3.0)
     assert got == {"ps": pytest.approx(3.0), "worker": pytest.approx(3.0 + 2.0)}
+    assert host_cpu.cpu_seconds(samples, 0.5, 4.0)["worker"] == pytest.approx(4.0 + 2.0)  # its 2 s still count
     assert host_cpu.cpu_seconds(samples, 1.5, 2.5) == {}  # one sample inside
     assert host_cpu.cpu_seconds([(0.0, 0, 0, {}), (1.0, 0, 0, {})], 0.0, 1.0) == {}  # no app process
 
@@ -91,5 +93,8 @@ def test_the_sampler_counts_the_cpu_of_a_real_app_process_that_became_one_by_exe
     proc = subprocess.Popen(["sh", "-c", f"sleep 0.2; exec {sys.executable} -m app worker"], cwd=tmp_path)
     with host_cpu.Sampler(every=0.05) as cpu:
         proc.wait(timeout=30)
-    used = host_cpu.cpu_seconds(cpu.samples, cpu.samples[0][0], cpu.samples[-2][0])
-    assert set(used) == {"worker"} and 0.0 < used["worker"] <= 1.0
+    seen = [sample[3][f"worker:{proc.pid}"] for sample in cpu.samples if f"worker:{proc.pid}" in sample[3]]
+    assert len(seen) >= 2 and 0 < seen[-1] - seen[0] <= host_cpu.TICKS  # its spin, ~0.6 s of a core
+    assert not any(f"worker:{proc.pid}" in sample[3] for sample in cpu.samples[:2])  # a shell first
+    used = host_cpu.cpu_seconds(cpu.samples, cpu.samples[0][0], cpu.samples[-1][0])
+    assert used["worker"] >= (seen[-1] - seen[0]) / host_cpu.TICKS  # other app processes may add theirs
