@@ -120,7 +120,8 @@ class Sampler:
         out = {}
         now = time.monotonic()
         pids = [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
-        self._roles = {pid: known for pid, known in self._roles.items() if pid in set(pids)}  # a gone pid may come back
+        alive = set(pids)
+        self._roles = {pid: known for pid, known in self._roles.items() if pid in alive}  # a gone pid may come back
         for pid in pids:
             entry = PROC / str(pid)
             try:
