@@ -213,15 +213,18 @@ def step_times(
 
 
 def run_case(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> dict[str, Any]:
-    """One case's steady step, how busy the host's cores were in its steady window, and the CPU
-    its workers and PS processes used there per step (gpu_report.cpu_per_step)."""
+    """One case's steady step, how busy the host's cores were in its steady window, the CPU
+    its workers and PS processes used there per step (gpu_report.cpu_per_step), and the cores
+    the bench may use."""
     c, n, shards, where, system = case
     with host_cpu.Sampler() as cpu:
         times, numbers = step_times(case, args, project)
     steady = gpu_report.steady_step(times, args.warmup, numbers)
     busy = host_cpu.busy_share(cpu.samples, *steady["window"])
     per_step = gpu_report.cpu_per_step(host_cpu.cpu_seconds(cpu.samples, *steady["window"]), steady)
-    return dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, cpu_busy=busy, **per_step, **steady)
+    cores = len(os.sched_getaffinity(0))
+    case_fields = dict(compute_ms=c, workers=n, shards=shards, where=where, system=system, cores=cores)
+    return dict(case_fields, cpu_busy=busy, **per_step, **steady)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -72,6 +72,17 @@ def cpu_per_step(seconds: dict[str, float], steady: dict[str, Any]) -> dict[str,
     }
 
 
+def cores_floor_s(run: dict[str, Any]) -> float | None:
+    """The shortest step the host's cores allow a case, from the CPU it used: in a step each of
+    its `workers` takes one worker step and one PS push of CPU (`worker_cpu_ms`, `ps_cpu_ms`),
+    spread at best over the `cores` the bench may use. A step near it is bound by the host's
+    CPU, not by a wait. None without both figures (compute alone) or the cores."""
+    worker, ps, cores = run.get("worker_cpu_ms"), run.get("ps_cpu_ms"), run.get("cores")
+    if worker is None or ps is None or not cores:
+        return None
+    return run["workers"] * (worker + ps) / 1000 / cores
+
+
 def key(run: dict[str, Any]) -> tuple[int, int, int, str, str]:
     return (run["compute_ms"], run["workers"], run["shards"], run["where"], run["system"])
 
@@ -81,20 +92,24 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the compute-alone step of the same C. `vs_processes` (containers only): / the same
     system as processes. `cpu_busy`: the median over the repeats that have it of the share
     of the host's cores busy in the steady window (bench.host_cpu), else None; the same for
-    `worker_cpu_ms` and `ps_cpu_ms` (cpu_per_step). Rows sorted
+    `worker_cpu_ms` and `ps_cpu_ms` (cpu_per_step), and for `floor_s` (cores_floor_s), with
+    `floor_vs_compute`: that floor / the compute-alone step. Rows sorted
     by C, workers, shards, where, then SYSTEMS order."""
     groups = rows.grouped(runs, key, lambda k: (k[0], k[1], k[2], WHERE.index(k[3]), SYSTEMS.index(k[4])))
     out = []
     for (c, workers, shards, where, system), rs in groups:
         case = dict(compute_ms=c, workers=workers, shards=shards, where=where, system=system)
         cpu = {}
-        for field in ("cpu_busy", "worker_cpu_ms", "ps_cpu_ms"):
-            got = [r[field] for r in rs if r.get(field) is not None]
+        floors = [dict(r, floor_s=cores_floor_s(r)) for r in rs]
+        for field in ("cpu_busy", "worker_cpu_ms", "ps_cpu_ms", "floor_s"):
+            got = [r[field] for r in floors if r.get(field) is not None]
             cpu[field] = statistics.median(got) if got else None
         out.append(dict(case, label=LABELS[system], **rows.over_repeats(rs), **cpu))
     for row in out:
         alone = _compute_alone(out, row["compute_ms"])
         row["vs_compute"] = row["step_s"] / alone["step_s"] if alone else None
+        floor = row["floor_s"]
+        row["floor_vs_compute"] = floor / alone["step_s"] if alone and floor is not None else None
         same = _find(out, dict(row, where="processes")) if row["where"] == "containers" else None
         row["vs_processes"] = row["step_s"] / same["step_s"] if same else None
     return out
@@ -110,21 +125,23 @@ def _find(rs: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, 
 
 def table(rs: list[dict[str, Any]]) -> str:
     """One block per C: each case's s/step, x compute alone, x processes, the host's cores
-    busy, the CPU milliseconds a worker step and a PS push took, steps, range."""
+    busy, the CPU milliseconds a worker step and a PS push took, the shortest step that CPU
+    allows on the host's cores (x compute alone: `cores x`), steps, range."""
     blocks = []
     for c in dict.fromkeys(r["compute_ms"] for r in rs):
         head = (
             f"  {'case':<52} {'s/step':>7} {'x compute':>9} {'x procs':>7} {'cpu':>4} {'wkr ms':>6} {'ps ms':>6}"
-            f" {'steps':>5}  range"
+            f" {'cores x':>7} {'steps':>5}  range"
         )
         lines = []
         for r in (r for r in rs if r["compute_ms"] == c):
             ratio, procs = rows.ratio_text(r["vs_compute"]), rows.ratio_text(r["vs_processes"])
+            floor = rows.ratio_text(r.get("floor_vs_compute"))
             cpu = "-" if r.get("cpu_busy") is None else f"{100 * r['cpu_busy']:.0f}%"
             worker, ps = (_ms(r.get(f"{role}_cpu_ms")) for role in ("worker", "ps"))
             lines.append(
                 f"  {_name(r):<52} {r['step_s']:>7.3f} {ratio:>9} {procs:>7} {cpu:>4} {worker:>6} {ps:>6}"
-                f" {r['steps']:>5}  {rows.range_text(r)}"
+                f" {floor:>7} {r['steps']:>5}  {rows.range_text(r)}"
             )
         title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
         blocks.append("\n".join(rows.block(title, head, lines)))

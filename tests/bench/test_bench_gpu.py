@@ -113,6 +113,21 @@ def test_the_table_shows_the_median_cpu_per_worker_step_and_per_push():
     assert "     -      - " in next(line for line in lines if "compute alone" in line)
 
 
+def test_the_cores_floor_is_every_workers_step_and_push_of_cpu_spread_over_the_cores():
+    run = dict(_run("sync", 0.03, c=13), worker_cpu_ms=10.0, ps_cpu_ms=8.0, cores=2)
+    assert gpu_report.cores_floor_s(run) == pytest.approx(0.018)  # 2 workers x 18 ms on 2 cores
+    assert gpu_report.cores_floor_s(dict(run, cores=16)) == pytest.approx(0.00225)  # a GPU host's cores
+    assert gpu_report.cores_floor_s(dict(run, ps_cpu_ms=None)) is None
+    assert gpu_report.cores_floor_s(_run("sync", 0.03)) is None  # no CPU figures, no cores: an older run
+    rows = gpu_report.aggregate([_run("compute", 0.014, c=13), run, dict(run, worker_cpu_ms=12.0)])
+    assert rows[1]["floor_s"] == pytest.approx(0.019)  # the median of 18 and 20 ms
+    assert rows[1]["floor_vs_compute"] == pytest.approx(0.019 / 0.014)
+    assert rows[0]["floor_s"] is None and rows[0]["floor_vs_compute"] is None
+    lines = gpu_report.table(rows).splitlines()
+    assert "cores x" in lines[1]
+    assert "   1.36x " in next(line for line in lines if "ps-compose sync" in line)
+
+
 def test_async_workers_that_do_not_wait_for_each_other_run_twice_the_timed_batches():
     assert gpu.batches_for("overlap", 2, 5, 40) == gpu.batches_for("async", 3, 5, 40) == 85
     assert gpu.batches_for("sync", 2, 5, 40) == gpu.batches_for("allreduce", 2, 5, 40) == 45  # in lockstep
