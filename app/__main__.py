@@ -52,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from app.ps import process as ps_process
 
             return ps_process.run(config)
-        if not strategy_of(config.strategy).has_ps:  # allreduce: DDP, no PS (app/ddp.py)
-            from app import ddp
+        if not strategy_of(config.strategy).has_ps:  # allreduce: DDP, no PS (app/allreduce/job.py)
+            from app.allreduce import job as ddp
 
             return ddp.run(config)
         from app.worker import process as worker_process

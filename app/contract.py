@@ -32,9 +32,9 @@ DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built i
 FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
 NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
 DEVICES = ("cpu", "cuda")
-IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/common/imagecache.py)
+IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/data/imagecache.py)
 
-# The user's own model or dataset (app/common/plugins.py): package.module:factory.
+# The user's own model or dataset (app/training/plugins.py): package.module:factory.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # A run id names a directory (checkpoints set aside: <checkpoint_dir>/previous/<run id>/; TensorBoard's runs).
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -45,7 +45,7 @@ RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when 
 PS = "ps"  # the main PS: RPC name, metrics file and compose service
 SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
 METRICS_SUFFIX = ".jsonl"
-# TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/common/event_files.py)
+# TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/training/event_files.py)
 TENSORBOARD_DIR = "tensorboard"
 UNNAMED_RUN = "unnamed"  # the run directory of processes started without a run id
 
@@ -73,7 +73,7 @@ class Event(str, Enum):
 EVENTS = tuple(e.value for e in Event)
 
 
-# The PS's shared-memory segment for the same-host exchange (app.ps.exchange, app.common.shm):
+# The PS's shared-memory segment for the same-host exchange (app.exchange.ps_end, app.exchange.segment):
 # a page of header, then for each possible worker its push slots (one, two with --overlap) and
 # reply buffers (one; two with --overlap, or when the PS applies a push's partitions ahead of it
 # under async), and under sync a round's two reply buffers; every region holds the state's
@@ -127,7 +127,7 @@ SHM_PAGE = 4096
 
 def applies_ahead(strategy: str, momentum: float, weight_decay: float, shards: int) -> bool:
     """Whether the PS applies a push's partitions as the worker's backward finishes them,
-    before the push itself (app.ps.speculation): under async with plain SGD (the new state is
+    before the push itself (app.ps.early): under async with plain SGD (the new state is
     built partition by partition in the rank's next reply buffer) and under sync (each
     partition folded into the round), on one PS process (a shard takes its slice whole)."""
     plain = momentum == 0 and weight_decay == 0

@@ -1,7 +1,7 @@
 """The size of each torchvision classifier's state, for a host without torch.
 
 `STATE_FLOATS[name]`: the float32 values of the model's state vector (its parameters and
-floating-point buffers, app.common.flat) with 1000 classes and 3 input channels, torchvision
+floating-point buffers, app.training.flat) with 1000 classes and 3 input channels, torchvision
 0.29. The orchestrator sizes the shared memory of the PS's exchange from it
 (app.contract.exchange_bytes); a model with fewer classes is a little smaller. A model that is
 not listed (the built-in cnn is tiny; a user's own model) adds nothing to the size: its share

@@ -271,7 +271,7 @@ def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[
     """Be in the job's RPC group as `name` (default config.name) with RPC id `rank`.
 
     The group is dynamic (`world_size=None`): the PS (id 0) starts it, workers
-    join and leave at any time (app.ps.membership says why each piece is as it
+    join and leave at any time (app.exchange.group says why each piece is as it
     is). Joining is bounded by rpc_timeout. Leaving never waits for peers
     (`graceful=False`): a graceful shutdown waits for every member, so one
     dead member would hang it, and a graceful leave of a dynamic group calls

@@ -1,9 +1,9 @@
 """The app's own PS and worker code paths, driven by the bench.
 
 What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
-`app.ps.endpoints.rpc_*` entry points the workers call), the worker's step
+`app.ps.rpc.rpc_*` entry points the workers call), the worker's step
 (`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
-`app.worker.client.PSClient`), the flat buffers (`app.common.flat`), the TensorPipe
+`app.worker.client.PSClient`), the flat buffers (`app.training.flat`), the TensorPipe
 options (`app.runtime.backend_options`) and thread count
 (`app.runtime.set_threads`). What is the bench's: the model (bench.models),
 a fixed synthetic batch, and the lifecycle of the RPC group (a static group
@@ -85,8 +85,8 @@ def _part(p: dict[str, Any], index: int) -> tuple[int, int] | None:
     """Shard `index`'s slice of the state vector (app.ps.sharding.slices), or None unsharded."""
     if p.get("shards", 1) == 1:
         return None
-    from app.common.flat import state_size
     from app.ps.sharding.slices import bounds
+    from app.training.flat import state_size
 
     return bounds(state_size(SPECS[p["model"]].model()), p["shards"])[index]
 
@@ -98,8 +98,8 @@ def shard_main(p: dict[str, Any]) -> dict[str, Any]:
 
 def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.contract import ps_name
-    from app.ps.endpoints import ENDPOINT
-    from app.ps.exchange import for_config
+    from app.exchange.ps_end import for_config
+    from app.ps.rpc import ENDPOINT
     from app.ps.server import ParameterServer
 
     config = _config("ps", p)
@@ -136,10 +136,10 @@ def _start(client: Any) -> Any:
 
 
 def _starting(vector: Any, version: Any) -> Any:
-    """What the app's Trainer.start_from takes at rank 0's start: app.common.wire.Start, or the
+    """What the app's Trainer.start_from takes at rank 0's start: app.exchange.wire.Start, or the
     dict an app before it took (a baseline under --app-path)."""
     try:
-        from app.common.wire import Progress, Start
+        from app.exchange.wire import Progress, Start
     except ImportError:
         return {"vector": vector, "version": version, "pushes": 0, "epoch": 1, "batch": 0}
     return Start(vector, version, Progress(1, 0, 0))
@@ -147,7 +147,7 @@ def _starting(vector: Any, version: Any) -> Any:
 
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     from app.contract import PS, ps_name, worker_name
-    from app.ps.endpoints import rpc_pull
+    from app.exchange.calls import rpc_pull
     from app.worker.client import PSClient
     from app.worker.sharded_client import ShardedClient
     from app.worker.trainer import Trainer

@@ -106,7 +106,7 @@ def in_process(model_name: str, repeats: int) -> dict[str, float]:
 
 
 def _bf16(params: int, floats: int, message: torch.Tensor, repeats: int) -> dict[str, float]:
-    from app.ps.update import to_float32
+    from app.exchange.wire import to_float32
     from app.worker.compress import Compressor
 
     pack = Compressor("bf16", params, torch.device("cpu"))

@@ -47,8 +47,8 @@ def measure(root: Path, batch: int) -> dict[str, float]:
     import torch
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-    from app.common.imagecache import CachedImageFolder, augment
-    from app.common.imagefolder import ImageFolderData, find_samples
+    from app.data.imagecache import CachedImageFolder, augment
+    from app.data.imagefolder import ImageFolderData, find_samples
 
     torch.set_num_threads(1)  # one core per worker
     _, samples = find_samples(root)

@@ -1,5 +1,5 @@
 """`python -m bench scan [--files N] [--classes C]`: how long the ImageFolder scan of
-N tiny files takes (app.common.imagefolder.find_samples), on a tree generated in a temp dir.
+N tiny files takes (app.data.imagefolder.find_samples), on a tree generated in a temp dir.
 
 The files are empty `.jpg` names: the scan lists directories and never opens a file,
 so their content does not matter. Creating the tree takes longer than scanning it.
@@ -27,7 +27,7 @@ def make_tree(root: Path, files: int, classes: int, subdirs: int = 4) -> None:
 
 def scan_seconds(root: Path) -> tuple[float, int]:
     """(seconds, samples found) of one find_samples over `root`, page cache warm."""
-    from app.common.imagefolder import find_samples
+    from app.data.imagefolder import find_samples
 
     start = time.perf_counter()
     _, samples = find_samples(root)

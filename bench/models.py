@@ -73,7 +73,7 @@ class ResNet18(nn.Module):
 
 
 def _app_cnn() -> nn.Module:
-    from app.common import models  # the app's own model, built as the app builds it
+    from app.training import models  # the app's own model, built as the app builds it
 
     return models.build("cnn", 1, 10, seed=0)
 

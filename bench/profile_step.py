@@ -200,7 +200,7 @@ def _spy(args: argparse.Namespace, procs: dict[str, subprocess.Popen], marks: An
 
 COMPUTE = """
 import sys, time, torch
-from app.common import models
+from app.training import models
 torch.manual_seed(0)
 model = models.build(sys.argv[1], 3, 10, 0)
 model.train()
@@ -245,9 +245,9 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from app import runtime
-    from app.common import models
-    from app.common.flat import FlatModel
     from app.ps.server import ParameterServer
+    from app.training import models
+    from app.training.flat import FlatModel
 
     runtime.keep_freed_memory()
     torch.set_num_threads(1)
@@ -292,8 +292,8 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
     """The sync PS's pieces on the workers' `messages`: checks, average, SGD, reply; and a whole round."""
     import torch
 
+    from app.exchange.wire import all_finite
     from app.ps.policies import RoundPolicy
-    from app.ps.update import all_finite
 
     assert isinstance(server.policy, RoundPolicy)  # a sync server: its rounds average
     average = server.policy.average

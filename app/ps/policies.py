@@ -23,11 +23,11 @@ from typing import NamedTuple, Protocol
 import torch
 from torch.futures import Future
 
-from app.common.bell import Note
-from app.common.wire import Reply
 from app.contract import Strategy
+from app.exchange.notes import Note
+from app.exchange.wire import Reply
+from app.ps.early import Ahead
 from app.ps.replies import ReplyBuffers
-from app.ps.speculation import Ahead
 from app.ps.sync_round import SyncRound
 from app.ps.tally import Tally
 from app.ps.update import mean_into
@@ -53,7 +53,7 @@ class Host(Protocol):
     lr: float
     bound: int  # ssp's staleness bound
     sliced: bool  # a PS shard: `state` is a view of the model's vector
-    parts: list[tuple[int, int]] | None  # partitions noted ahead of a push (app.ps.speculation)
+    parts: list[tuple[int, int]] | None  # partitions noted ahead of a push (app.ps.early)
     num_params: int
     size: int
     held: dict[int, Held]  # rank -> its push whose reply waits
@@ -131,7 +131,7 @@ class Policy:
         return taken is not None and note.backward == taken + 1
 
     def note(self, note: Note, message: torch.Tensor) -> None:
-        """A partition of rank's next push landed in its slot (app.ps.speculation)."""
+        """A partition of rank's next push landed in its slot (app.ps.early)."""
 
     def take_ahead(self, rank: int, backward: int) -> Ahead | None:
         """What was built ahead of rank's push from `backward`."""

@@ -21,20 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.common import data, models, plugins
-from app.common.checkpointer import Checkpointer
-from app.common.evaluate import Evaluator
-from app.common.flat import state_size
-from app.common.metrics import MetricsWriter, Rates, run_records
+from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
-from app.ps.endpoints import ENDPOINT, Admit
-from app.ps.liveness import LivenessMonitor
+from app.data import datasets
+from app.ps.members.liveness import LivenessMonitor
+from app.ps.rpc import ENDPOINT, Admit
 from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
 from app.runtime import choose_device, progress, rpc_session
+from app.training import models, plugins
+from app.training.evaluate import Evaluator
+from app.training.flat import state_size
+from app.training.metrics import MetricsWriter, Rates, run_records
 
 log = logging.getLogger("app.ps")
 TICK_SECONDS = 1.0
@@ -58,7 +59,7 @@ def run(config: Config) -> int:
     # a finish is checkpointed before its worker hears back (checkpoints is set below, before
     # the PS joins the job: no worker can finish earlier)
     server = ParameterServer.from_config(config, model, part, PS, on_finish=lambda rank: checkpoints.finished(rank))
-    evaluate = Evaluator(build, data.eval_loader(held_out.data, config.batch_size, workers), device)
+    evaluate = Evaluator(build, datasets.eval_loader(held_out.data, config.batch_size, workers), device)
     log.info("model %s: %d parameters, %d buffer values", config.model, server.flat.num_params, server.flat.num_buffers)
     identity = _identity(config, held_out, part)
     if part is not None:
@@ -79,18 +80,18 @@ def run(config: Config) -> int:
     return 0
 
 
-def _held_out(config: Config) -> tuple[data.LabeledData, int]:
+def _held_out(config: Config) -> tuple[datasets.LabeledData, int]:
     """The held-out split the PS evaluates on, and the DataLoader processes it reads it with."""
-    workers, why = data.loader_choice(config)
-    held_out = data.load_for(config, "test", workers)
-    data.log_loader(PS, workers, why)
-    log.info("held-out split: %s", data.describe(held_out))
+    workers, why = datasets.loader_choice(config)
+    held_out = datasets.load_for(config, "test", workers)
+    datasets.log_loader(PS, workers, why)
+    log.info("held-out split: %s", datasets.describe(held_out))
     return held_out, workers
 
 
-def _identity(config: Config, held_out: data.LabeledData, part: tuple[int, int] | None) -> dict[str, Any]:
+def _identity(config: Config, held_out: datasets.LabeledData, part: tuple[int, int] | None) -> dict[str, Any]:
     """What a checkpoint of this PS must match to be resumed. `trainer: ps` keeps a PS from
-    resuming an allreduce job's checkpoint (app.ddp)."""
+    resuming an allreduce job's checkpoint (app.allreduce.job)."""
     identity: dict[str, Any] = dict(
         model_name=config.model,
         dataset=config.dataset,
@@ -155,7 +156,7 @@ def _report_end(
     server: ParameterServer,
     evaluate: Evaluator,
     metrics: MetricsWriter,
-    held_out: data.LabeledData,
+    held_out: datasets.LabeledData,
     vector: torch.Tensor,
     version: int,
 ) -> None:
@@ -177,7 +178,7 @@ def _report_end(
         samples=server.tally.samples,
         strategy=config.strategy,
         **server.stats(),
-        **data.skipped(held_out.data),
+        **datasets.skipped(held_out.data),
     )
 
 

@@ -4,7 +4,7 @@ RPC sends a returned tensor from its memory after `push` returns, and a rank pus
 only once it has received the reply; the second buffer keeps even a reply still in flight
 then intact. Unsliced async and sync write each new state into one of them (app.ps.server's
 `step` with `into`): the state itself lives there, and the reply is that buffer, not a copy.
-With a shared-memory segment (app.ps.exchange) a rank's reply buffers are its regions there:
+With a shared-memory segment (app.exchange.ps_end) a rank's reply buffers are its regions there:
 one, or two under --overlap; the PS allocates its own for ranks the segment has none for.
 Rank 0's are a sync round's.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from app.ps.exchange import SharedExchange
+from app.exchange.ps_end import SharedExchange
 
 
 class ReplyBuffers:

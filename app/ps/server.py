@@ -2,9 +2,9 @@
 
 `ParameterServer` is plain Python (tested without RPC); the arithmetic of a push
 (wire format, NaN/inf check, mean, SGD direction) is app.ps.update; the RPC entry points
-workers call are in app.ps.endpoints, the PS process in app.ps.process.
+workers call are in app.ps.rpc, the PS process in app.ps.process.
 Workers join, pull, push and report; the PS calls a worker only to ping it
-(app.ps.liveness).
+(app.ps.members.liveness).
 
 The strategy's policy (app.ps.policies: async, ssp or sync) decides when a push is
 applied and when its reply goes out (`submit` returns a future; `rpc_push` is
@@ -42,20 +42,20 @@ import torch
 from torch import nn
 from torch.futures import Future
 
-from app.common.bell import Note
-from app.common.checkpoint_files import cpu_copy
-from app.common.flat import FlatModel
-from app.common.wire import Joined, Refusal, Refused, Reply
+from app.checkpoint.files import cpu_copy
 from app.config import Config
 from app.contract import PS_STRATEGIES, strategy_of, worker_name
-from app.ps import exchange
-from app.ps.exchange import SharedExchange
+from app.exchange import ps_end as exchange
+from app.exchange.notes import Note
+from app.exchange.ps_end import SharedExchange
+from app.exchange.wire import WIRE_DTYPES, Joined, Refusal, Refused, Reply, all_finite, to_float32, wire_size
+from app.ps.early import Ahead
+from app.ps.members.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.policies import Held, policy_for
 from app.ps.replies import ReplyBuffers
-from app.ps.roster import ABSENT, FINISHED, LIVE, Roster, StaleIncarnation
-from app.ps.speculation import Ahead
 from app.ps.tally import Tally
-from app.ps.update import WIRE_DTYPES, all_finite, sgd_direction, to_float32, wire_size
+from app.ps.update import sgd_direction
+from app.training.flat import FlatModel
 
 log = logging.getLogger("app.ps")
 
@@ -82,7 +82,7 @@ class ParameterServer:
     ) -> ParameterServer:
         """The PS process `who` (the main PS, or a shard serving `part` of the state) of the job
         `config` describes, over `model`'s state, with its shared-memory segment where the
-        exchange can have one (app.ps.exchange); `on_finish(rank)` after a rank finished."""
+        exchange can have one (app.exchange.ps_end); `on_finish(rank)` after a rank finished."""
         return cls(
             model,
             config.lr,
@@ -135,9 +135,10 @@ class ParameterServer:
         self._events = 0  # joins, finishes, drops: they wake `wait`
         self._wake_at = 0
         self.clock = clock
-        # Called (outside the lock) when a dropped process calls again: app.ps.liveness logs it.
+        # Called (outside the lock) when a dropped process calls again: app.ps.members.liveness logs it.
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
-        # Called (outside the lock) when a process left the job for good (scaled down): app.ps.liveness records it.
+        # Called (outside the lock) when a process left the job for good (scaled down):
+        # app.ps.members.liveness records it.
         self.on_leave: Callable[[int, str], None] = lambda rank, name: None
         # Called (outside the lock, before the finishing worker gets its answer) after a rank
         # finished: the PS process checkpoints then, so a finish outlives a PS crash.
@@ -148,7 +149,7 @@ class ParameterServer:
         self.held: dict[int, Held] = {}  # rank -> its push whose reply waits
         self.replies = ReplyBuffers(self.size, shared)  # two per rank, used in turn (app.ps.replies)
         self.shared = shared
-        # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.speculation).
+        # Partitions applied ahead of a push, as a worker's backward finishes them (app.ps.early).
         self.parts = shared.parts if shared is not None and shared.parts and not self.sliced else None
         self._taken: dict[int, int] = {}  # rank -> the backward of the push of its process last taken
         # When a push is applied and its reply goes (app.ps.policies): async's, ssp's or sync's;
@@ -189,7 +190,7 @@ class ParameterServer:
 
     @property
     def flat(self) -> FlatModel:
-        """The model's flat views (app.common.flat), pointed at the state."""
+        """The model's flat views (app.training.flat), pointed at the state."""
         self._follow_state()
         return self._flat
 
@@ -266,7 +267,7 @@ class ParameterServer:
         rank's next-but-one push. `staleness`: the push's staleness as the main
         PS computed it (a PS shard, app.ps.sharding.slices); by default this PS's own.
         `backward`: which of the worker's backwards the gradient comes from, where it notes
-        partitions ahead (app.ps.speculation), and `noted`: it noted this one's.
+        partitions ahead (app.ps.early), and `noted`: it noted this one's.
         """
         message = self._check(rank, message)
         name = name or worker_name(rank)
@@ -394,7 +395,7 @@ class ParameterServer:
         return self.roster.members[rank].pushes - min(pushes) if pushes else 0
 
     def ahead(self, note: Note) -> None:
-        """A partition of rank's next push is in its slot (app.ps.speculation): fold it into the
+        """A partition of rank's next push is in its slot (app.ps.early): fold it into the
         round (sync), or build it in the rank's next reply buffer (async, plain SGD). A note
         of a push already taken, of a push the policy does not take ahead yet, of another process
         of the rank (a replaced one: its life is not the rank's last join), or of the last
@@ -419,7 +420,7 @@ class ParameterServer:
 
     def _finite(self, message: torch.Tensor, checked: set[int]) -> bool:
         """No NaN or inf in `message`; partitions `checked` are not read again (noted ahead: their
-        worker checked each where it wrote it before noting it, app.worker.posting)."""
+        worker checked each where it wrote it before noting it, app.exchange.early_push)."""
         if not checked:
             return all_finite(message)
         n = self.num_params

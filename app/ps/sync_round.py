@@ -10,9 +10,9 @@ same bits in either order; the new state built in the reply buffer (plain SGD), 
 more than two, may differ in the last bit with the order the pushes (or, taken ahead, their
 partitions) land in.
 
-A push is folded partition by partition (app.common.partitions; one partition, the whole
+A push is folded partition by partition (app.exchange.layout; one partition, the whole
 vector, when the PS does not take partitions ahead): a worker whose backward has finished a
-partition may have it folded before its push arrives (app.ps.speculation), and the push folds
+partition may have it folded before its push arrives (app.ps.early), and the push folds
 the rest. Every element is folded once per push, in the order the pushes reach it.
 """
 

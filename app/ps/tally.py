@@ -1,7 +1,7 @@
 """What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
 the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
 per rank, and the partitions applied ahead of their push or noted checked ahead of it
-(app.ps.speculation).
+(app.ps.early).
 
 Plain counters: app.ps.server changes and reads them under its lock.
 """

@@ -1,7 +1,7 @@
-"""The worker's side of the PS's RPC functions (app.ps.endpoints): join, push, finish, leave, shard.
+"""The worker's side of the PS's RPC calls (app.exchange.calls): join, push, finish, leave, shard.
 
 A push goes through the PS's shared memory when the worker could map it at join
-(app.worker.shared_link: the message in a push slot, RPC carries only which one), else over
+(app.exchange.worker_end: the message in a push slot, RPC carries only which one), else over
 TensorPipe as a tensor; either way the answer is a Reply (or a Refusal).
 """
 
@@ -14,12 +14,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, NotReady, Push, Refusal, Refused, Reply, SlotReply, Start, Taken, Version
 from app.config import UsageError
 from app.contract import PS, worker_name
-from app.ps import endpoints
+from app.exchange import calls
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Refused, Reply, SlotReply, Start, Taken, Version
+from app.exchange.worker_end import SharedLink, attach
 from app.runtime import first_line
-from app.worker.shared_link import SharedLink, attach
 
 NOT_IN_GROUP_YET = "could not find destination name"
 
@@ -82,13 +82,13 @@ class PSClient:
         shards), its shared memory mapped; UsageError if the rank is taken, PSUnreachable if
         the PS cannot be reached or its shards are not all up."""
         try:
-            answer = call_joining(PS, endpoints.rpc_join, (self.rank, self.name), self.timeout)
+            answer = call_joining(PS, calls.rpc_join, (self.rank, self.name), self.timeout)
         except RuntimeError as error:
-            raise self.lost(endpoints.rpc_join, error) from error
+            raise self.lost(calls.rpc_join, error) from error
         if isinstance(answer, Taken):
             raise UsageError(answer.message)
         if isinstance(answer, NotReady):  # a shard restarts: start again once it is back
-            raise self.lost(endpoints.rpc_join, RuntimeError(answer.message))
+            raise self.lost(calls.rpc_join, RuntimeError(answer.message))
         self.link = attach(answer.exchange, self.rank, self.device, self.exchange, self.name, PS)
         return answer
 
@@ -103,7 +103,7 @@ class PSClient:
         return self.link.replies if self.link is not None else []
 
     def pull(self) -> tuple[torch.Tensor, int]:
-        return self._call(endpoints.rpc_pull, self.rank)
+        return self._call(calls.rpc_pull, self.rank)
 
     def push(
         self,
@@ -129,7 +129,7 @@ class PSClient:
     ) -> PendingPush:
         """Send a push now; `.wait()` on the result gives the Reply. Through shared memory:
         `noted`, (the backward the gradient comes from, whether its partitions were noted ahead:
-        app.worker.posting); `placed`, the slot the message is already in (a GPU worker copied
+        app.exchange.early_push); `placed`, the slot the message is already in (a GPU worker copied
         it there)."""
         try:
             assert isinstance(version, int)  # one PS process's
@@ -139,23 +139,23 @@ class PSClient:
                 dtype = str(message.dtype).removeprefix("torch.")
                 push = push._replace(backward=noted[0], noted=noted[1]) if noted is not None else push
                 args: tuple[Any, ...] = (slot, dtype, message.numel(), push)
-                future = rpc.rpc_async(PS, endpoints.rpc_push_slot, args=args, timeout=self.push_timeout)
+                future = rpc.rpc_async(PS, calls.rpc_push_slot, args=args, timeout=self.push_timeout)
             else:
-                future = rpc.rpc_async(PS, endpoints.rpc_push, args=(message, push), timeout=self.push_timeout)
+                future = rpc.rpc_async(PS, calls.rpc_push, args=(message, push), timeout=self.push_timeout)
         except RuntimeError as error:
-            raise self.lost(endpoints.rpc_push, error) from error
+            raise self.lost(calls.rpc_push, error) from error
         return PendingPush(self, future, message)
 
     def finish(self, pushes: int) -> None:
-        refused(self._call(endpoints.rpc_finish, self.rank, pushes, self.name))
+        refused(self._call(calls.rpc_finish, self.rank, pushes, self.name))
 
     def leave(self, pushes: int) -> None:
         """Leave the job for good (scaled down): the PS stops waiting for this rank."""
-        refused(self._call(endpoints.rpc_leave, self.rank, pushes, self.name))
+        refused(self._call(calls.rpc_leave, self.rank, pushes, self.name))
 
     def shard(self) -> tuple[int, int]:
         """(index, count): this rank's share of the next epoch among the ranks training now."""
-        return tuple(self._call(endpoints.rpc_shard, self.rank))
+        return tuple(self._call(calls.rpc_shard, self.rank))
 
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -188,7 +188,7 @@ class PendingPush:
         try:
             answer = self.future.wait()
         except RuntimeError as error:
-            raise self.client.lost(endpoints.rpc_push, error) from error
+            raise self.client.lost(calls.rpc_push, error) from error
         if isinstance(answer, SlotReply) and self.client.link is not None:
             return self.client.link.reply(answer)
         return refused(answer)

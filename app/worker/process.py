@@ -15,13 +15,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from app import runtime
-from app.common import data, models
-from app.common.data import LabeledData, ShardSampler
-from app.common.metrics import MetricsWriter, run_records
 from app.config import Config, UsageError
 from app.contract import PS, strategy_of
-from app.ps import membership
+from app.data import datasets
+from app.data.datasets import LabeledData, ShardSampler
+from app.exchange import group
 from app.runtime import choose_device, gpu_identity, rpc_session
+from app.training import models
+from app.training.metrics import MetricsWriter, run_records
 from app.worker.client import PSClient, PSUnreachable
 from app.worker.sharded_client import ShardedClient, wait_until_ready
 from app.worker.trainer import Trainer
@@ -38,15 +39,15 @@ def run(config: Config) -> int:
     models.check(config.model)
     if run_ended(config):
         return 0
-    workers, why = data.loader_choice(config)
+    workers, why = datasets.loader_choice(config)
     # A rank above the first ones (the job was scaled up) starts from a share among as many;
     # each epoch's share then comes from the PS (Trainer.reshard).
     shards = max(config.num_trainers, config.rank)
-    train = data.load_for(config, "train", workers, shard=(config.rank - 1, shards))
-    data.log_loader(config.name, workers, why)
-    sampler = data.shard_sampler(train, shards, config.rank - 1, config.seed)
-    loader = data.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
-    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), data.describe(train))
+    train = datasets.load_for(config, "train", workers, shard=(config.rank - 1, shards))
+    datasets.log_loader(config.name, workers, why)
+    sampler = datasets.shard_sampler(train, shards, config.rank - 1, config.seed)
+    loader = datasets.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
+    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), datasets.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
     try:
         return join_and_train(config, device, model, train, loader, sampler)
@@ -85,7 +86,7 @@ def join_and_train(
     sampler: ShardSampler,
 ) -> int:
     """Join the job as a new process of config.rank, train to the last epoch, tell the PS."""
-    name, rpc_id = membership.claim_identity(config.rank, config.master_addr, config.master_port, config.rpc_timeout)
+    name, rpc_id = group.claim_identity(config.rank, config.master_addr, config.master_port, config.rpc_timeout)
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
     push_wait = config.join_timeout if strategy_of(config.strategy).waits else 0.0
@@ -122,7 +123,7 @@ def join_and_train(
                 seconds=round(time.monotonic() - started, 2),
                 refused=trainer.refused,
                 skipped=trainer.skipped,
-                **data.skipped(train.data),
+                **datasets.skipped(train.data),
             )
     return 0
 

@@ -9,16 +9,15 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, Push, Refusal, Refused, Reply, SlotReply, Start, Version
 from app.config import UsageError
 from app.contract import PS
-from app.ps import endpoints, membership
-from app.ps.sharding.slices import READY_KEY
-from app.ps.update import all_finite
+from app.exchange import calls, group
+from app.exchange.group import READY_KEY
+from app.exchange.wire import Joined, Push, Refusal, Refused, Reply, SlotReply, Start, Version, all_finite
+from app.exchange.worker_end import SharedLink, attach
 from app.runtime import first_line
 from app.worker.client import PSClient, PSUnreachable, call_joining, refused
 from app.worker.compress import Compressor
-from app.worker.shared_link import SharedLink, attach
 
 POLL_SECONDS = 0.1
 
@@ -26,11 +25,11 @@ POLL_SECONDS = 0.1
 def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None:
     """Before a worker joins the RPC group: until every shard has registered with the main PS
     (so the join makes this process known to every shard, and them to it)."""
-    store = membership.connect(master_addr, master_port, timeout)
+    store = group.connect(master_addr, master_port, timeout)
     deadline = time.monotonic() + timeout
     while not store.check([READY_KEY]):
         if time.monotonic() > deadline:
-            raise membership.StoreUnreachable(
+            raise group.StoreUnreachable(
                 f"the parameter server at {master_addr}:{master_port} did not get all its shards within {timeout:.0f} s"
             )
         time.sleep(POLL_SECONDS)
@@ -61,9 +60,9 @@ class ShardedClient:
         slices, versions = [answer.vector], [answer.version]
         for name, _, _ in self.parts[1:]:
             try:
-                got = call_joining(name, endpoints.rpc_join, (self.rank, self.name), self.main.timeout)
+                got = call_joining(name, calls.rpc_join, (self.rank, self.name), self.main.timeout)
             except RuntimeError as error:
-                raise self.lost(name, endpoints.rpc_join, error) from error
+                raise self.lost(name, calls.rpc_join, error) from error
             if not isinstance(got, Joined):
                 raise UsageError(got.message)
             link = attach(got.exchange, self.rank, self.main.device, self.main.exchange, self.name, name)
@@ -144,22 +143,22 @@ class ShardedClient:
             if link is not None:
                 slot, dtype = link.place(part), str(part.dtype).removeprefix("torch.")
                 args: tuple[Any, ...] = (slot, dtype, part.numel(), push)
-                return name, rpc.rpc_async(name, endpoints.rpc_push_slot, args=args, timeout=self.main.push_timeout)
+                return name, rpc.rpc_async(name, calls.rpc_push_slot, args=args, timeout=self.main.push_timeout)
             args = (part.clone(), push)
-            return name, rpc.rpc_async(name, endpoints.rpc_push, args=args, timeout=self.main.push_timeout)
+            return name, rpc.rpc_async(name, calls.rpc_push, args=args, timeout=self.main.push_timeout)
         except RuntimeError as error:
-            raise self.lost(name, endpoints.rpc_push, error) from error
+            raise self.lost(name, calls.rpc_push, error) from error
 
     def finish(self, pushes: int) -> None:
         """The other shards first: once the main PS hears the last finish, it ends them."""
         for name, _, _ in self.parts[1:]:
-            refused(self._call(name, endpoints.rpc_finish, self.rank, pushes, self.name))
+            refused(self._call(name, calls.rpc_finish, self.rank, pushes, self.name))
         self.main.finish(pushes)
 
     def leave(self, pushes: int) -> None:
         """Scaled down: the other shards first, then the main PS (which records it)."""
         for name, _, _ in self.parts[1:]:
-            refused(self._call(name, endpoints.rpc_leave, self.rank, pushes, self.name))
+            refused(self._call(name, calls.rpc_leave, self.rank, pushes, self.name))
         self.main.leave(pushes)
 
     def shard(self) -> tuple[int, int]:
@@ -228,7 +227,7 @@ class ShardedPush:
         try:
             answer = future.wait()
         except RuntimeError as error:
-            raise self.client.lost(name, endpoints.rpc_push, error) from error
+            raise self.client.lost(name, calls.rpc_push, error) from error
         if isinstance(answer, SlotReply) and name in self.client.links:
             return self.client.links[name].reply(answer)
         return refused(answer)

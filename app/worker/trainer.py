@@ -23,17 +23,18 @@ import torch
 from torch import nn
 
 from app import runtime
-from app.common import data, loop
-from app.common.bell import Ringer
-from app.common.flat import FlatModel
-from app.common.metrics import MetricsWriter
-from app.common.partitions import cut
-from app.common.wire import Refusal, Reply, Start, Version
 from app.config import Config
+from app.data import datasets
+from app.exchange.early_push import DevicePoster, Poster
+from app.exchange.layout import cut
+from app.exchange.notes import NoteSender
+from app.exchange.ordered_pull import DevicePuller
+from app.exchange.wire import Refusal, Reply, Start, Version
+from app.training import loop
+from app.training.flat import FlatModel
+from app.training.metrics import MetricsWriter
 from app.worker.client import Pending, PSClient
 from app.worker.compress import Compressor
-from app.worker.posting import DevicePoster, Poster
-from app.worker.pulling import DevicePuller
 from app.worker.sharded_client import ShardedClient
 
 log = logging.getLogger("app.worker")
@@ -48,7 +49,7 @@ class Trainer:
         config: Config,
         model: nn.Module,
         loader: torch.utils.data.DataLoader,
-        sampler: data.ShardSampler,
+        sampler: datasets.ShardSampler,
         device: torch.device,
         client: PSClient | ShardedClient,
         metrics: MetricsWriter,
@@ -77,7 +78,7 @@ class Trainer:
         )
         self.in_flight: Pending | None = None  # --overlap: the push on the wire
         self.slots: list[torch.Tensor] | None = None  # the push slots in the PS's shared memory, once joined
-        self.poster: Poster | None = None  # notes partitions as the backward finishes them (app.worker.posting)
+        self.poster: Poster | None = None  # notes partitions as the backward finishes them (app.exchange.early_push)
         self.puller: DevicePuller | None = None  # a GPU worker's partitions back, in forward order
         self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
         self._claimed = False  # the last backward's notes hold
@@ -131,7 +132,7 @@ class Trainer:
 
     def _puller(self) -> DevicePuller | None:
         """A GPU worker through shared memory takes each reply back partition by partition, in
-        the order its forward needs them (app.worker.pulling)."""
+        the order its forward needs them (app.exchange.ordered_pull)."""
         link = getattr(self.client, "link", None)
         if link is None or self.device.type != "cuda":
             return None
@@ -146,10 +147,10 @@ class Trainer:
         if link is None or not link.parts or self.compress is not None or self.scaler is not None:
             return None
         params = list(self.model.parameters())
-        ringer = Ringer(link.bell, self.config.rank, link.life)
+        sender = NoteSender(link.notes, self.config.rank, link.life)
         if self.device.type == "cpu":
-            return Poster(params, link.parts, ringer, self.config.name, link.slots)
-        return DevicePoster(params, link.parts, ringer, self.config.name, self.flat, link.slots)
+            return Poster(params, link.parts, sender, self.config.name, link.slots)
+        return DevicePoster(params, link.parts, sender, self.config.name, self.flat, link.slots)
 
     def reshard(self, epoch: int) -> None:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
@@ -205,7 +206,7 @@ class Trainer:
         return reply if self.config.overlap else self._wait_in_flight()
 
     def _ahead(self) -> dict[str, Any]:
-        """What the push says of the partitions noted during its backward (app.worker.posting):
+        """What the push says of the partitions noted during its backward (app.exchange.early_push):
         the backward it comes from and whether its notes hold, and the slot a GPU worker copied
         the message into; nothing where this worker notes none."""
         if self.poster is None:

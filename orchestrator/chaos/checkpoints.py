@@ -26,7 +26,7 @@ from orchestrator.chaos.common import Outcome, Scenario
 from orchestrator.local import spawn
 from orchestrator.paths import ROOT
 
-CHECKPOINT_MODULE = "app.common.checkpoint_files"  # the app's checkpoint code (save, listing, verify, newest_good)
+CHECKPOINT_MODULE = "app.checkpoint.files"  # the app's checkpoint code (save, listing, verify, newest_good)
 
 # The writer: the PS's checkpoint code, writing as fast as it can a state the size of
 # a small model with its optimizer. It says when each file write begins, so that the

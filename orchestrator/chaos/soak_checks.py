@@ -16,7 +16,7 @@ from orchestrator.chaos.soak_plan import KINDS
 from orchestrator.metrics.records import Record, events
 
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)-[0-9a-f]{16}\.pt$")
-SEGMENT_PREFIX = "psc-"  # the PS's segments in /dev/shm (app.common.shm)
+SEGMENT_PREFIX = "psc-"  # the PS's segments in /dev/shm (app.exchange.segment)
 
 
 @dataclass

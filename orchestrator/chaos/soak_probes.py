@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Optional
 
-CHECKPOINT = re.compile(r"^ckpt-(\d+)-([0-9a-f]{16})\.pt$")  # app/common/checkpoint_files.py
+CHECKPOINT = re.compile(r"^ckpt-(\d+)-([0-9a-f]{16})\.pt$")  # app/checkpoint/files.py
 FILL_PREFIX = ".soak-fill"
 
 

@@ -1,4 +1,4 @@
-"""The one reader of the app's JSON-lines metrics (app/common/metrics.py).
+"""The one reader of the app's JSON-lines metrics (app/training/metrics.py).
 
 A record is one JSON object a line with at least `time` (unix seconds),
 `role`, `rank`, `event` and `step`. A bad or partial line (a crash mid-write)

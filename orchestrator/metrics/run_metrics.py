@@ -1,6 +1,6 @@
 """The metrics of a run, read back: its records, and the figures a report shows.
 
-Reads the JSON-lines metrics of a run (app/common/metrics.py, docs/design.md): every
+Reads the JSON-lines metrics of a run (app/training/metrics.py, docs/design.md): every
 `*.jsonl` in `<RUN_DIR>/metrics/` (a directory holding the files is taken as
 is). From any file of the metrics directory:
 - `eval` and `end` records with `accuracy` (the PS's, or worker1's for

@@ -12,7 +12,7 @@ are rendered under the compose profile `scale`: `up` starts ranks 1..count,
 and `scale` starts the others by name (compose starts a service of a profile
 that is named on its command line); every service then has PSC_MAX_WORKERS.
 
-Strategy `allreduce` (a DDP job, app/ddp.py) has no PS: services worker1..N
+Strategy `allreduce` (a DDP job, app/allreduce/job.py) has no PS: services worker1..N
 only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
 checkpoints.
 """
@@ -181,7 +181,7 @@ TENSORPIPE_ONLY = {BY_NAME["exchange"].env: "tensorpipe"}
 def shares_pid_namespace(t: Topology) -> bool:
     """Whether the PS, its shards and the workers share one PID namespace and one IPC namespace
     (`network.same_host_copy`): the PS's shared memory for the exchange is then every worker's
-    (app.ps.exchange: pushes and replies as memory), and what still goes through TensorPipe is
+    (app.exchange.ps_end: pushes and replies as memory), and what still goes through TensorPipe is
     copied between two containers with one process_vm_readv (its `cma` channel), as between
     local processes, instead of through TCP over the bridge. allreduce talks Gloo or NCCL,
     which use neither."""

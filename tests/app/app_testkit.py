@@ -182,7 +182,7 @@ def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
                 for step in [s for s in points if s > r["step"]]:
                     del points[step]
         fields = {k: v for k, v in r.items() if k not in ("time", "role", "rank", "event", "step")}
-        from app.common.event_files import scalars
+        from app.training.event_files import scalars
 
         for tag, value in scalars(r["event"], fields).items():
             last[tag][r["step"]] = value

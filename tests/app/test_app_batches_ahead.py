@@ -1,4 +1,4 @@
-"""Batches from loader processes received one ahead, in a thread (app.common.batches_ahead):
+"""Batches from loader processes received one ahead, in a thread (app.data.prefetch):
 the same batches in the same order, errors where the loop takes its next batch, no thread left."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from app.common import data, loop
-from app.common.batches_ahead import ReceivedAhead, wants_thread
+from app.data import datasets
+from app.data.prefetch import ReceivedAhead, wants_thread
+from app.training import loop
 
 
 class Numbers(Dataset):
@@ -35,13 +36,13 @@ def _receiving() -> list[threading.Thread]:
 
 def _epoch(loader, sampler, epoch: int) -> list[list[int]]:
     sampler.set_epoch(epoch)
-    return [x[:, 0].int().tolist() for x, _ in data.batches(loader, "/data")]
+    return [x[:, 0].int().tolist() for x, _ in datasets.batches(loader, "/data")]
 
 
 def test_loader_processes_give_the_same_batches_in_the_same_order_and_no_thread_stays():
-    sampler = data.ShardSampler(40, 2, 1, seed=4)
-    in_process = data.train_loader(Numbers(40), sampler, 4, 0, pin_memory=False)
-    in_processes = data.train_loader(Numbers(40), sampler, 4, 2, pin_memory=False)
+    sampler = datasets.ShardSampler(40, 2, 1, seed=4)
+    in_process = datasets.train_loader(Numbers(40), sampler, 4, 0, pin_memory=False)
+    in_processes = datasets.train_loader(Numbers(40), sampler, 4, 2, pin_memory=False)
     assert not wants_thread(in_process) and wants_thread(in_processes)
     for epoch in (1, 2):  # the loader's processes are kept from one epoch to the next
         expected = _epoch(in_process, sampler, epoch)
@@ -50,23 +51,23 @@ def test_loader_processes_give_the_same_batches_in_the_same_order_and_no_thread_
 
 
 def test_a_loop_that_stops_early_stops_the_thread_and_the_next_epoch_is_whole():
-    sampler = data.ShardSampler(40, 1, 0, seed=1)
-    loader = data.train_loader(Numbers(40), sampler, 4, 1, pin_memory=False)
+    sampler = datasets.ShardSampler(40, 1, 0, seed=1)
+    loader = datasets.train_loader(Numbers(40), sampler, 4, 1, pin_memory=False)
     batches = loop.resume_batches(loader, sampler, "/data", 1, 0, 3, 4)
     taken = [next(batches) for _ in range(3)]
     assert [batch for _, batch, _, _ in taken] == [1, 2, 3] and _receiving()
     batches.close()  # a worker that reached --max_steps
     assert _receiving() == []
     sampler.set_epoch(2)
-    assert sum(len(y) for _, y in data.batches(loader, "/data")) == 40
+    assert sum(len(y) for _, y in datasets.batches(loader, "/data")) == 40
 
 
 def test_a_read_that_fails_in_a_loader_process_is_one_clear_error_after_the_batches_before_it():
-    sampler = data.ShardSampler(12, 1, 0, shuffle=False)
-    loader = data.train_loader(Numbers(12, bad=9), sampler, 4, 1, pin_memory=False)
-    batches = data.batches(loader, "/data/images")
+    sampler = datasets.ShardSampler(12, 1, 0, shuffle=False)
+    loader = datasets.train_loader(Numbers(12, bad=9), sampler, 4, 1, pin_memory=False)
+    batches = datasets.batches(loader, "/data/images")
     assert [x[:, 0].int().tolist() for x, _ in (next(batches), next(batches))] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(data.DataUnavailable, match="reading the data under /data/images failed"):
+    with pytest.raises(datasets.DataUnavailable, match="reading the data under /data/images failed"):
         next(batches)
     assert _receiving() == []
 

@@ -22,7 +22,7 @@ class FakeRpc:
         return {"version": 0}
 
 
-def _join():  # stands for endpoints.rpc_join
+def _join():  # stands for calls.rpc_join
     return None
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from app.common.metrics import read
+from app.training.metrics import read
 
 from app_testkit import DIGITS, app_env, final_accuracy, run_cluster
 

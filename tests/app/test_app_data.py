@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.common import data
 from app.config import UsageError
+from app.data import datasets
 
 
 @pytest.mark.parametrize(("size", "shards"), [(10, 3), (1437, 2), (5, 5), (7, 1)])
@@ -18,7 +18,7 @@ def test_shards_are_disjoint_and_cover_the_data(size, shards):
     for epoch in (0, 1):
         parts = []
         for shard in range(shards):
-            sampler = data.ShardSampler(size, shards, shard, seed=3)
+            sampler = datasets.ShardSampler(size, shards, shard, seed=3)
             sampler.set_epoch(epoch)
             parts.append(list(sampler))
             assert len(parts[-1]) == len(sampler)
@@ -28,7 +28,7 @@ def test_shards_are_disjoint_and_cover_the_data(size, shards):
 
 
 def test_set_epoch_reshuffles_the_same_shard_size():
-    sampler = data.ShardSampler(100, 2, 1, seed=0)
+    sampler = datasets.ShardSampler(100, 2, 1, seed=0)
     sampler.set_epoch(1)
     first = list(sampler)
     sampler.set_epoch(2)
@@ -39,19 +39,19 @@ def test_set_epoch_reshuffles_the_same_shard_size():
 
 
 def test_digits_train_and_held_out_split_the_dataset():
-    train = data.load("digits", "", "train", seed=0)
-    test = data.load("digits", "", "test", seed=5)
+    train = datasets.load("digits", "", "train", seed=0)
+    test = datasets.load("digits", "", "test", seed=5)
     assert len(train.data) + len(test.data) == 1797
-    assert len(test.data) == round(1797 * data.HELD_OUT)
+    assert len(test.data) == round(1797 * datasets.HELD_OUT)
     assert (train.channels, train.num_classes) == (1, 10)
     x, y = test.data[[0, 1, 2]]
     assert x.shape == (3, 1, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
 
 
 def test_in_memory_loader_batches_the_shard():
-    train = data.load("synthetic", "", "train", seed=0)
-    sampler = data.ShardSampler(len(train.data), 2, 0)
-    loader = data.train_loader(train.data, sampler, 100, loader_workers=0, pin_memory=False)
+    train = datasets.load("synthetic", "", "train", seed=0)
+    sampler = datasets.ShardSampler(len(train.data), 2, 0)
+    loader = datasets.train_loader(train.data, sampler, 100, loader_workers=0, pin_memory=False)
     sizes = [len(y) for _, y in loader]
     assert sizes == [100] * (len(sampler) // 100)  # the short last batch is dropped
 
@@ -69,12 +69,12 @@ def test_imagefolder_reads_class_folders_like_torchvision(tmp_path):
         _write_png(tmp_path / "n01_dog" / f"{i}.PNG", (0, 0, 200), size=(9, 14))
     (tmp_path / "n01_dog" / "notes.txt").write_text("not an image")
 
-    classes, samples = data.find_samples(tmp_path)
+    classes, samples = datasets.find_samples(tmp_path)
     assert classes == ["n01_dog", "n02_cat"]
     assert len(samples) == 12 and all(p.lower().endswith(".png") for p, _ in samples)
 
-    train = data.load("imagefolder", str(tmp_path), "train", seed=0)
-    test = data.load("imagefolder", str(tmp_path), "test", seed=0)
+    train = datasets.load("imagefolder", str(tmp_path), "train", seed=0)
+    test = datasets.load("imagefolder", str(tmp_path), "test", seed=0)
     assert (train.num_classes, train.channels) == (2, 3)
     assert len(train.data) + len(test.data) == 12 and len(test.data) >= 1
     assert not {p for p, _ in train.data.samples} & {p for p, _ in test.data.samples}
@@ -88,7 +88,7 @@ def test_imagefolder_without_images_names_the_path(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.txt").write_text("x")
     with pytest.raises(UsageError, match=f"no class folders with images .*: {tmp_path}$"):
-        data.load("imagefolder", str(tmp_path), "train", seed=0)
+        datasets.load("imagefolder", str(tmp_path), "train", seed=0)
 
 
 def _idx(array: np.ndarray) -> bytes:
@@ -102,13 +102,13 @@ def test_mnist_reads_torchvision_raw_files(tmp_path):
     images = np.arange(5 * 28 * 28).reshape(5, 28, 28) % 256
     (raw / "train-images-idx3-ubyte").write_bytes(_idx(images))
     (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(np.array([3, 1, 4, 1, 5]))))
-    train = data.load("mnist", str(tmp_path), "train", seed=0)
+    train = datasets.load("mnist", str(tmp_path), "train", seed=0)
     x, y = train.data[[0, 4]]
     assert y.tolist() == [3, 5] and x.shape == (2, 1, 28, 28)
     expected = (torch.tensor(images[4], dtype=torch.float32) / 255 - 0.1307) / 0.3081
     assert torch.allclose(x[1, 0], expected)
     with pytest.raises(UsageError, match="no MNIST file"):
-        data.load("mnist", str(tmp_path), "test", seed=0)
+        datasets.load("mnist", str(tmp_path), "test", seed=0)
 
 
 def test_cifar10_reads_python_batches(tmp_path):
@@ -116,7 +116,7 @@ def test_cifar10_reads_python_batches(tmp_path):
     folder.mkdir()
     batch = {b"data": np.full((4, 3072), 255, dtype=np.uint8), b"labels": [0, 9, 2, 2]}
     (folder / "test_batch").write_bytes(pickle.dumps(batch))
-    test = data.load("cifar10", str(tmp_path), "test", seed=0)
+    test = datasets.load("cifar10", str(tmp_path), "test", seed=0)
     x, y = test.data[[1]]
     assert y.tolist() == [9] and x.shape == (1, 3, 32, 32)
     assert torch.allclose(x[0, 0], torch.full((32, 32), (1 - 0.4914) / 0.2470))
@@ -124,7 +124,7 @@ def test_cifar10_reads_python_batches(tmp_path):
 
 def test_missing_and_empty_data_dir(tmp_path):
     with pytest.raises(UsageError, match=f"^data dir not found: {tmp_path}/nope$"):
-        data.check_data_dir("cifar10", str(tmp_path / "nope"))
+        datasets.check_data_dir("cifar10", str(tmp_path / "nope"))
     with pytest.raises(UsageError, match=f"^data dir is empty: {tmp_path}$"):
-        data.check_data_dir("imagefolder", str(tmp_path))
-    data.check_data_dir("digits", str(tmp_path / "nope"))  # digits reads no files
+        datasets.check_data_dir("imagefolder", str(tmp_path))
+    datasets.check_data_dir("digits", str(tmp_path / "nope"))  # digits reads no files

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app.common import data, host, imagecache
-from app.common.imagecache import CachedImageFolder, choose_mode
-from app.common.imagefolder import ImageFolderData, find_samples
 from app.config import UsageError, parse
+from app.data import datasets, host, imagecache
+from app.data.imagecache import CachedImageFolder, choose_mode
+from app.data.imagefolder import ImageFolderData, find_samples
 
 SIZE = 16  # crop; decoded at 18 px
 
@@ -108,9 +108,9 @@ def test_loader_workers_flag_takes_auto_or_a_number():
 
 def test_auto_is_no_loader_process_for_data_held_in_memory(caplog):
     config = parse(["worker", "--dataset", "digits", "--host_workers", "1"], {})
-    with caplog.at_level(logging.INFO, logger="app.common.data"):
-        workers, why = data.loader_choice(config)
-        data.log_loader("worker1", workers, why)
+    with caplog.at_level(logging.INFO, logger="app.data.datasets"):
+        workers, why = datasets.loader_choice(config)
+        datasets.log_loader("worker1", workers, why)
     assert workers == 0
     assert "worker1: 0 DataLoader process(es) (auto: digits is held in memory" in caplog.text
 
@@ -142,11 +142,11 @@ def test_auto_is_memory_when_it_fits_in_half_the_free_shm_and_memory():
 
 
 def test_stable_shards_are_disjoint_cover_everything_and_do_not_depend_on_the_epoch():
-    shards = [data.stable_shard(23, 3, s, seed=5) for s in range(3)]
+    shards = [datasets.stable_shard(23, 3, s, seed=5) for s in range(3)]
     assert sorted(i for shard in shards for i in shard) == list(range(23))
     assert sorted(len(s) for s in shards) == [7, 8, 8]
-    assert shards[1] == data.stable_shard(23, 3, 1, seed=5)
-    padded = [data.stable_shard(23, 3, s, seed=5, pad=True) for s in range(3)]
+    assert shards[1] == datasets.stable_shard(23, 3, 1, seed=5)
+    padded = [datasets.stable_shard(23, 3, s, seed=5, pad=True) for s in range(3)]
     assert [len(s) for s in padded] == [8, 8, 8] and set().union(*map(set, padded)) == set(range(23))
 
 
@@ -154,22 +154,22 @@ def test_stable_shards_are_disjoint_cover_everything_and_do_not_depend_on_the_ep
 def test_padded_shards_are_never_empty_even_with_fewer_samples_than_ranks(size, ranks):
     """Under allreduce every rank must take as many steps: ceil(size / ranks) indices each,
     every sample in some shard (3 samples on 8 ranks gave shards 6 and 7 nothing)."""
-    padded = [data.stable_shard(size, ranks, s, seed=1, pad=True) for s in range(ranks)]
+    padded = [datasets.stable_shard(size, ranks, s, seed=1, pad=True) for s in range(ranks)]
     assert [len(s) for s in padded] == [-(-size // ranks)] * ranks
     assert set().union(*map(set, padded)) == set(range(size))
     with pytest.raises(ValueError, match="no samples"):
-        data.stable_shard(0, ranks, 0, pad=True)
+        datasets.stable_shard(0, ranks, 0, pad=True)
 
 
 def test_with_the_cache_a_worker_keeps_its_shard_every_epoch_and_holds_only_it(tmp_path):
     root = _tree(tmp_path / "data")
-    whole = data.load("imagefolder", str(root), "train", 0, SIZE)
-    shard = data.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(1, 3))
+    whole = datasets.load("imagefolder", str(root), "train", 0, SIZE)
+    shard = datasets.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(1, 3))
     n = len(whole.data)
     assert shard.sharded and len(shard.data) in (n // 3, n // 3 + 1)
     cache = shard.data
     assert cache.nbytes == len(cache) * 3 * 18 * 18  # allocated for the shard, not the split
-    sampler = data.shard_sampler(shard, 3, 1, seed=0)
+    sampler = datasets.shard_sampler(shard, 3, 1, seed=0)
     epochs = []
     for epoch in (1, 2, 3):
         sampler.set_epoch(epoch)
@@ -179,10 +179,10 @@ def test_with_the_cache_a_worker_keeps_its_shard_every_epoch_and_holds_only_it(t
     others = {
         p
         for r in (0, 2)
-        for p, _ in data.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(r, 3)).data.samples
+        for p, _ in datasets.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(r, 3)).data.samples
     }
     assert not others & {p for p, _ in cache.samples}
-    loader = data.train_loader(cache, sampler, 2, 0, pin_memory=False)
+    loader = datasets.train_loader(cache, sampler, 2, 0, pin_memory=False)
     for _ in loader:
         pass
     assert int(cache.filled.sum()) == len(cache)  # one epoch decoded the shard, nothing else
@@ -190,10 +190,10 @@ def test_with_the_cache_a_worker_keeps_its_shard_every_epoch_and_holds_only_it(t
 
 def test_without_the_cache_the_sampler_is_todays(tmp_path):
     root = _tree(tmp_path / "data")
-    train = data.load("imagefolder", str(root), "train", 0, SIZE, "off", shard=(1, 3))
+    train = datasets.load("imagefolder", str(root), "train", 0, SIZE, "off", shard=(1, 3))
     assert isinstance(train.data, ImageFolderData) and not train.sharded
-    sampler = data.shard_sampler(train, 3, 1, seed=0)
-    today = data.ShardSampler(len(train.data), 3, 1, 0)
+    sampler = datasets.shard_sampler(train, 3, 1, seed=0)
+    today = datasets.ShardSampler(len(train.data), 3, 1, 0)
     for epoch in (1, 2):
         sampler.set_epoch(epoch)
         today.set_epoch(epoch)
@@ -206,7 +206,7 @@ def test_without_the_cache_the_sampler_is_todays(tmp_path):
 def test_the_file_cache_is_written_once_and_mapped_by_the_next_process(tmp_path, decodes, caplog):
     root = _tree(tmp_path / "data")
     cache_dir = tmp_path / "state" / "cache"
-    first = data.load(
+    first = datasets.load(
         "imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir), threads=2
     )
     n = len(first.data)
@@ -214,7 +214,7 @@ def test_the_file_cache_is_written_once_and_mapped_by_the_next_process(tmp_path,
     files = list(cache_dir.iterdir())
     assert [f.suffix for f in files] == [".u8"]  # no temporary file left
     decodes.clear()
-    again = data.load("imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir))
+    again = datasets.load("imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir))
     assert decodes == []  # a restarted worker maps the file
     everything = list(range(n))
     assert torch.equal(first.data[everything][0], again.data[everything][0])
@@ -224,12 +224,12 @@ def test_the_file_cache_is_written_once_and_mapped_by_the_next_process(tmp_path,
 
     changed = Path(first.data.samples[0][0])
     Image.new("RGB", (40, 30), (9, 9, 9)).save(changed)  # new size and mtime
-    with caplog.at_level(logging.INFO, logger="app.common.imagecache"):
-        data.load("imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir))
+    with caplog.at_level(logging.INFO, logger="app.data.imagecache"):
+        datasets.load("imagefolder", str(root), "train", 0, SIZE, "file", shard=(0, 2), cache_dir=str(cache_dir))
     assert len(decodes) == n and len(list(cache_dir.iterdir())) == 2  # a new key; the old file stays ...
     assert "also holds 1 other cache file(s)" in caplog.text  # ... and the log says so
     decodes.clear()
-    data.load("imagefolder", str(root), "train", 0, SIZE + 8, "file", shard=(0, 2), cache_dir=str(cache_dir))
+    datasets.load("imagefolder", str(root), "train", 0, SIZE + 8, "file", shard=(0, 2), cache_dir=str(cache_dir))
     assert len(decodes) == n  # another size: another key
 
 
@@ -261,13 +261,13 @@ def test_the_held_out_set_is_cached_the_same_way_for_the_ps(tmp_path, decodes):
         ],
         {},
     )
-    held_out = data.load_for(config, "test", 0)
+    held_out = datasets.load_for(config, "test", 0)
     assert isinstance(held_out.data, CachedImageFolder) and held_out.data.path is not None
     assert not held_out.sharded and len(decodes) == len(held_out.data) == 2  # 10% of 20
     decodes.clear()
-    again = data.load_for(config, "test", 0)
+    again = datasets.load_for(config, "test", 0)
     assert decodes == [] and again.data.path == held_out.data.path
-    batches = list(data.eval_loader(again.data, 4, 0))
+    batches = list(datasets.eval_loader(again.data, 4, 0))
     assert sum(len(y) for _, y in batches) == 2 and batches[0][0].dtype == torch.uint8
 
 
@@ -275,7 +275,7 @@ def test_auto_caches_in_memory_where_it_fits(tmp_path):
     if host.shm_free() is not None and host.shm_free() < 2**20:
         pytest.skip("this host's /dev/shm is nearly full")
     root = _tree(tmp_path / "data")
-    train = data.load("imagefolder", str(root), "train", 0, SIZE, "auto", shard=(0, 2))
+    train = datasets.load("imagefolder", str(root), "train", 0, SIZE, "auto", shard=(0, 2))
     assert isinstance(train.data, CachedImageFolder) and train.data.path is None and train.sharded
 
 
@@ -308,8 +308,8 @@ def test_a_memory_cache_that_does_not_fit_in_shm_is_one_line_saying_what_to_set(
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from app.common.imagefolder import find_samples
-from app.common.imagecache import CachedImageFolder
+from app.data.imagefolder import find_samples
+from app.data.imagecache import CachedImageFolder
 from app.config import UsageError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as a full disk gives ENOSPC
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
@@ -355,7 +355,7 @@ def test_a_damaged_cache_file_is_decoded_again_with_one_line(tmp_path, decodes, 
     expected = first[list(range(len(samples)))][0].clone()
     first.path.write_bytes(b"")  # truncated: a disk that filled, a copy cut short
     decodes.clear()
-    with caplog.at_level(logging.WARNING, logger="app.common.imagecache"):
+    with caplog.at_level(logging.WARNING, logger="app.data.imagecache"):
         again = CachedImageFolder(samples, train=False, crop=SIZE, cache_dir=tmp_path / "cache")
     assert len(decodes) == len(samples)
     assert torch.equal(again[list(range(len(samples)))][0], expected)
@@ -391,13 +391,13 @@ def test_a_scalable_jobs_file_cache_holds_the_whole_split_and_its_share_follows(
     """A rank added above the first ones got a stable shard of its own (1/3 of the images),
     whose sampler could not take the live set's share; `memory` keeps the stable shard."""
     root = _tree(tmp_path / "data", per_class=9)
-    whole = data.load("imagefolder", str(root), "train", 0, SIZE, "file", cache_dir=str(tmp_path / "c"))
-    got = data.load(
+    whole = datasets.load("imagefolder", str(root), "train", 0, SIZE, "file", cache_dir=str(tmp_path / "c"))
+    got = datasets.load(
         "imagefolder", str(root), "train", 0, SIZE, "file", shard=(2, 3), cache_dir=str(tmp_path / "c"), follow=True
     )
     assert not got.sharded and len(got.data) == len(whole.data) and got.data.path == whole.data.path
-    sampler = data.shard_sampler(got, 3, 2, 0)
+    sampler = datasets.shard_sampler(got, 3, 2, 0)
     assert (sampler.num_shards, sampler.shard, sampler.fixed) == (3, 2, False)
     assert [p.name for p in (tmp_path / "c").iterdir()] == [whole.data.path.name]  # one file, no lock left
-    memory = data.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(2, 3), follow=True)
-    assert memory.sharded and len(memory.data) == 5 and data.shard_sampler(memory, 3, 2, 0).fixed
+    memory = datasets.load("imagefolder", str(root), "train", 0, SIZE, "memory", shard=(2, 3), follow=True)
+    assert memory.sharded and len(memory.data) == 5 and datasets.shard_sampler(memory, 3, 2, 0).fixed

@@ -1,4 +1,4 @@
-"""Strategy allreduce (app/ddp.py): DDP workers, no PS. Units without processes,
+"""Strategy allreduce (app/allreduce/job.py): DDP workers, no PS. Units without processes,
 then 2 real processes on 127.0.0.1 (CPU, Gloo, the built-in CNN on digits)."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from app import ddp
-from app.common import checkpoint_files, data, models
-from app.common.evaluate import held_out_accuracy
-from app.common.metrics import read
+from app.allreduce import job as ddp
+from app.checkpoint import files as checkpoint_files
 from app.config import UsageError, parse
 from app.contract import UNNAMED_RUN, event_dir
+from app.data import datasets
+from app.training import models
+from app.training.evaluate import held_out_accuracy
+from app.training.metrics import read
 
 from app_testkit import (
     REPO,
@@ -83,7 +85,7 @@ def test_world_is_the_workers_or_torchrun():
 
 
 def test_every_rank_takes_as_many_steps_and_a_resumed_epoch_skips_what_it_trained():
-    train = data.load("digits", "", "train", 0).data  # 1438 samples: not divisible by 3
+    train = datasets.load("digits", "", "train", 0).data  # 1438 samples: not divisible by 3
     worlds = [ddp.World(r, 3, "x", 1, 0, False) for r in range(3)]
     samplers = [ddp.EpochSampler(train, w, seed=5) for w in worlds]
     for s in samplers:
@@ -128,8 +130,8 @@ def test_compression_hooks():
 
 def test_evaluate_leaves_the_model_training():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.BatchNorm1d(10))
-    held_out = data.load("digits", "", "test", 0)
-    accuracy, loss = held_out_accuracy(model, data.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
+    held_out = datasets.load("digits", "", "test", 0)
+    accuracy, loss = held_out_accuracy(model, datasets.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
     assert 0 <= accuracy <= 1 and loss > 0 and model.training
 
 

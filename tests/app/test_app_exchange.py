@@ -1,5 +1,5 @@
-"""The same-host exchange: the PS's shared-memory segment (app.common.shm, app.ps.exchange) and a
-worker's link to it (app.worker.shared_link), in one process and between real processes."""
+"""The same-host exchange: the PS's shared-memory segment (app.exchange.segment, app.exchange.ps_end) and a
+worker's link to it (app.exchange.worker_end), in one process and between real processes."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from app.common.flat import FlatModel
-from app.common.shm import Offer, Segment, ShmUnavailable, sweep
-from app.common.wire import Reply, SlotReply
 from app.contract import exchange_bytes, exchange_regions
-from app.ps.exchange import SharedExchange, region_names
+from app.exchange.ps_end import SharedExchange, region_names
+from app.exchange.segment import Offer, Segment, ShmUnavailable, sweep
+from app.exchange.wire import Reply, SlotReply
+from app.exchange.worker_end import SharedLink
 from app.ps.server import ParameterServer
-from app.worker.shared_link import SharedLink
+from app.training.flat import FlatModel
 
 from app_testkit import REPO
 
@@ -44,7 +44,7 @@ def _bn_model() -> nn.Module:
 
 ATTACH = """
 import sys
-from app.common.shm import Offer, Segment
+from app.exchange.segment import Offer, Segment
 offer = Offer(sys.argv[1], sys.argv[2], int(sys.argv[3]), tuple(sys.argv[4:]))
 segment = Segment.attach(offer)
 segment.region("b").fill_(7.0)
@@ -85,7 +85,7 @@ def test_a_file_of_that_name_that_is_not_the_segment_is_refused(shm_dir):
 
 OWN_AND_WAIT = """
 import sys, time
-from app.common.shm import Segment
+from app.exchange.segment import Segment
 segment = Segment.create(sys.argv[1], 100, ["a"])
 print(segment.path, flush=True)
 time.sleep(600)
@@ -115,7 +115,7 @@ def test_sweep_removes_the_segment_of_a_killed_owner_and_keeps_a_live_ones(shm_d
 
 TOO_SMALL = """
 import resource, signal, sys
-from app.common.shm import Segment, ShmUnavailable
+from app.exchange.segment import Segment, ShmUnavailable
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as a full tmpfs gives ENOSPC
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:

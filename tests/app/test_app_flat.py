@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from app.common.flat import FlatModel
-from app.common.models import SmallCNN
+from app.training.flat import FlatModel
+from app.training.models import SmallCNN
 
 
 def _bn_model() -> nn.Module:

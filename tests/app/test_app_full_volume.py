@@ -23,11 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import checkpoint_files
-from app.common.checkpointer import Checkpointer
-from app.common.metrics import MetricsWriter, read
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import parse
 from app.ps.server import ParameterServer
+from app.training.metrics import MetricsWriter, read
 
 from app_testkit import REPO, app_env, finished, free_port, start_app, wait_for
 
@@ -191,8 +191,8 @@ def test_a_run_whose_final_pt_was_written_is_finished_though_its_newest_checkpoi
 ROOM = """
 import logging, resource, signal, sys
 from torch import nn
-from app.common.checkpointer import Checkpointer
-from app.common.metrics import MetricsWriter
+from app.checkpoint.writer import Checkpointer
+from app.training.metrics import MetricsWriter
 from app.config import parse
 from app.ps.server import ParameterServer
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
@@ -231,7 +231,7 @@ def test_room_for_fewer_than_two_checkpoints_is_a_warning_at_the_start(tmp_path,
 
 METRICS = """
 import logging, resource, signal, sys
-from app.common.metrics import MetricsWriter
+from app.training.metrics import MetricsWriter
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 with MetricsWriter(sys.argv[1], "ps", "ps", 0) as metrics:

@@ -1,4 +1,4 @@
-"""The uint8 image cache and the tensor-op augmentation (app/common/imagecache.py)."""
+"""The uint8 image cache and the tensor-op augmentation (app/data/imagecache.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from app.common.imagecache import CachedImageFolder, augment
-from app.common.imagefolder import ImageFolderData, find_samples
-from app.common.metrics import read
+from app.data.imagecache import CachedImageFolder, augment
+from app.data.imagefolder import ImageFolderData, find_samples
+from app.training.metrics import read
 
 from app_testkit import run_cluster
 
@@ -42,7 +42,7 @@ def test_eval_batches_equal_imagefolder_eval_samples(tmp_path):
 def test_train_crops_are_windows_of_the_cached_image_flipped_or_not(tmp_path):
     batch = torch.randint(0, 256, (16, 3, 40, 40), dtype=torch.uint8)
     out = augment(batch, train=True, crop=24, generator=torch.Generator().manual_seed(1))
-    from app.common.imagefolder import MEAN, STD
+    from app.data.imagefolder import MEAN, STD
 
     back = ((out * STD + MEAN) * 255).round().to(torch.uint8)
     flipped = 0

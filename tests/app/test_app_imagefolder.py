@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app.common import data
-from app.common.imagefolder import MEAN, STD, ImageFolderData, find_samples, to_rgb
-from app.common.metrics import read
 from app.config import UsageError
+from app.data import datasets
+from app.data.imagefolder import MEAN, STD, ImageFolderData, find_samples, to_rgb
+from app.training.metrics import read
 
 from app_testkit import run_app, run_cluster
 
@@ -104,9 +104,9 @@ def test_skipped_files_are_counted_across_dataloader_processes(tmp_path):
     _tree_with_bad_files(tmp_path)
     _, samples = find_samples(tmp_path)
     dataset = ImageFolderData(samples, train=False)
-    loader = data.eval_loader(dataset, 4, loader_workers=2)  # every index, in two loader processes
+    loader = datasets.eval_loader(dataset, 4, loader_workers=2)  # every index, in two loader processes
     for _ in range(2):
-        seen = sum(len(y) for _, y in data.batches(loader, str(tmp_path)))
+        seen = sum(len(y) for _, y in datasets.batches(loader, str(tmp_path)))
         assert seen == len(dataset)
         # The loader processes marked the files they met in memory shared with this process.
         assert dataset.skipped_images == 3
@@ -210,7 +210,7 @@ def test_a_run_with_undecodable_files_ends_well_and_counts_them(tmp_path):
     for c in ("a", "b"):
         for i in range(6, 20):
             Image.new("RGB", (16, 16), (250, 0, 0) if c == "a" else (0, 0, 250)).save(root / c / f"{i}.png")
-    held_out = {p for p, _ in data.load("imagefolder", str(root), "test", seed=0).data.samples}  # type: ignore[attr-defined]
+    held_out = {p for p, _ in datasets.load("imagefolder", str(root), "test", seed=0).data.samples}  # type: ignore[attr-defined]
     args = [
         "--model",
         "cnn",

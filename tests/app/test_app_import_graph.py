@@ -92,7 +92,7 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_the_app_import_graph_has_no_cycle():
     modules = app_modules()
-    assert {"app.contract", "app.common.loop", "app.ps.server", "app.worker.trainer"} <= set(modules)
+    assert {"app.contract", "app.training.loop", "app.ps.server", "app.worker.trainer"} <= set(modules)
     edges = imports(modules)
     graph = {m: {target for target, _, _ in found if target != m} for m, found in edges.items()}
     assert sum(len(targets) for targets in graph.values()) > 50  # the walk sees the imports
@@ -180,7 +180,7 @@ def test_the_contract_module_imports_nothing_of_the_app():
 
 def test_the_worker_takes_its_wire_types_from_common_not_the_ps_state_machine():
     """docs/design.md: `worker/` uses the PS's endpoints and membership, its wire types from
-    app/common/wire.py; nothing under `ps/` or `common/` imports `worker/`; ddp uses `common/`."""
+    app/exchange/wire.py; nothing under `ps/` or `common/` imports `worker/`; ddp uses `common/`."""
     edges = imports(app_modules())
     bad = [
         f"{name}:{line} imports {target}"
@@ -190,4 +190,4 @@ def test_the_worker_takes_its_wire_types_from_common_not_the_ps_state_machine():
         or (name.startswith(("app.ps", "app.common")) and target.startswith("app.worker"))
     ]
     assert not bad, "\n".join(bad)
-    assert any(target == "app.common.wire" for target, _, _ in edges["app.worker.trainer"])
+    assert any(target == "app.exchange.wire" for target, _, _ in edges["app.worker.trainer"])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.common.metrics import MetricsWriter, read
 from app.config import parse
 from app.contract import EVENTS, RUN_ID_ENV, metrics_file
+from app.training.metrics import MetricsWriter, read
 
 
 def test_the_start_record_names_the_run_settings(tmp_path, monkeypatch):

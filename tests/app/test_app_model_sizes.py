@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from app.common import models
-from app.common.flat import state_size
 from app.model_sizes import STATE_FLOATS
+from app.training import models
+from app.training.flat import state_size
 
 
 def test_every_model_in_the_table_is_one_torchvision_has():

@@ -1,5 +1,5 @@
 """A push applied partition by partition as the worker's backward finishes them
-(app.common.partitions, app.common.bell, app.worker.posting, app.ps.speculation)."""
+(app.exchange.layout, app.exchange.notes, app.exchange.early_push, app.ps.early)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from app.common.bell import Bell, Note, Ringer
-from app.common.flat import FlatModel
-from app.common.partitions import cut, owners
-from app.common.shm import sweep
-from app.common.wire import Refusal
-from app.ps.exchange import SharedExchange
+from app.exchange.early_push import Poster
+from app.exchange.layout import cut, owners
+from app.exchange.notes import Note, NoteInbox, NoteSender
+from app.exchange.ps_end import SharedExchange
+from app.exchange.segment import sweep
+from app.exchange.wire import Refusal
+from app.exchange.worker_end import SharedLink
 from app.ps.server import ParameterServer
-from app.worker.posting import Poster
-from app.worker.shared_link import SharedLink
+from app.training.flat import FlatModel
 
 
 @pytest.fixture
@@ -55,8 +55,8 @@ class Deep(nn.Module):
         return self.layers(x)
 
 
-class Collect(Ringer):
-    """A Ringer of rank `rank` in its first life that keeps its notes instead of sending them."""
+class Collect(NoteSender):
+    """A NoteSender of rank `rank` in its first life that keeps its notes instead of sending them."""
 
     def __init__(self, rank: int = 1) -> None:
         self.rank, self.life = rank, 1
@@ -77,15 +77,15 @@ def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_
     params = list(model.parameters())
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)  # one linear layer each
-    ringer = Collect(3)
-    poster = Poster(params, parts, ringer, "worker3", [flat.message])
+    sender = Collect(3)
+    poster = Poster(params, parts, sender, "worker3", [flat.message])
     assert len(parts) == 5  # 4 linears, then the BatchNorm's parameters with its buffers
-    assert _backward(model, poster, 0) is False and ringer.notes == []  # the first backward only counts
+    assert _backward(model, poster, 0) is False and sender.notes == []  # the first backward only counts
     assert _backward(model, poster, 1) is True
     # the backward finishes the last linear first; partition 4 (the first layers' side: here the
     # BatchNorm, which is last) goes with the push
-    assert [n.partition for n in ringer.notes] == [3, 2, 1, 0]
-    assert {(n.rank, n.backward, n.slot, n.version, n.life) for n in ringer.notes} == {(3, 1, 0, 7, 1)}
+    assert [n.partition for n in sender.notes] == [3, 2, 1, 0]
+    assert {(n.rank, n.backward, n.slot, n.version, n.life) for n in sender.notes} == {(3, 1, 0, 7, 1)}
 
 
 def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
@@ -95,13 +95,13 @@ def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
     params = list(model.parameters())
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
-    ringer = Collect()
-    poster = Poster(params, parts, ringer, "worker1", [flat.message])
+    sender = Collect()
+    poster = Poster(params, parts, sender, "worker1", [flat.message])
     _backward(model, poster, 0)
     model.layers[1].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([5]), float("inf")))
     flat.zero_grads()
     assert _backward(model, poster, 1) is True
-    assert [n.partition for n in ringer.notes] == [3, 2, 0] and poster.unfinite == 1
+    assert [n.partition for n in sender.notes] == [3, 2, 0] and poster.unfinite == 1
 
 
 def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
@@ -112,10 +112,10 @@ def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
     params = list(model.parameters())
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
-    ringer = Collect()
-    poster = Poster(params, parts, ringer, "worker1", [flat.message])
+    sender = Collect()
+    poster = Poster(params, parts, sender, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
-    assert _backward(model, poster, 1) is True and [n.partition for n in ringer.notes] == [0]
+    assert _backward(model, poster, 1) is True and [n.partition for n in sender.notes] == [0]
 
 
 class Unused(nn.Module):
@@ -134,28 +134,28 @@ def test_a_parameter_whose_gradient_never_comes_turns_the_notes_off():
     params = list(model.parameters())
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64)
-    ringer = Collect()
-    poster = Poster(params, parts, ringer, "worker1", [flat.message])
+    sender = Collect()
+    poster = Poster(params, parts, sender, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
-    assert _backward(model, poster, 1) is False and ringer.notes == []
+    assert _backward(model, poster, 1) is False and sender.notes == []
 
 
 def test_the_bell_carries_a_note_and_a_dead_ps_bell_is_swept(shm_dir):
-    bell = Bell(str(shm_dir / "psc-1-abc.bell"))
-    ringer = Ringer(bell.path, 2, 1)
-    ringer.ring(5, 1, 3, 40)
-    assert bell.receive() == Note(2, 5, 1, 3, 40, 1)
-    assert bell.receive() is None  # nothing more: it waits its timeout and says so
-    bell.sock.close()  # the PS died: its socket file stays, its segment is gone
-    assert sweep(str(shm_dir)) == [bell.path] and list(shm_dir.iterdir()) == []
-    ringer.ring(6, 1, 3, 41)  # ringing a PS that is gone is no error
-    assert ringer.dropped == 1
+    notes = NoteInbox(str(shm_dir / "psc-1-abc.notes"))
+    sender = NoteSender(notes.path, 2, 1)
+    sender.note_partition(5, 1, 3, 40)
+    assert notes.receive() == Note(2, 5, 1, 3, 40, 1)
+    assert notes.receive() is None  # nothing more: it waits its timeout and says so
+    notes.sock.close()  # the PS died: its socket file stays, its segment is gone
+    assert sweep(str(shm_dir)) == [notes.path] and list(shm_dir.iterdir()) == []
+    sender.note_partition(6, 1, 3, 41)  # noting to a PS that is gone is no error
+    assert sender.dropped == 1
 
 
 def test_a_gpu_workers_forward_waits_only_for_the_partitions_each_module_needs():
-    """app.worker.pulling: a module waits for the partitions its own parameters are in (and the
+    """app.exchange.ordered_pull: a module waits for the partitions its own parameters are in (and the
     buffers, copied first, when it has some); the first layer never for the last partition."""
-    from app.worker.pulling import waits
+    from app.exchange.ordered_pull import waits
 
     model = Deep()
     parts = cut([p.numel() for p in model.parameters()], FlatModel(model).size, 64 * 64)

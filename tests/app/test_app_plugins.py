@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.common import models
+from app.training import models
 
 from app_testkit import REPO, app_env, free_port, run_app, run_cluster, start_app, wait_for
 

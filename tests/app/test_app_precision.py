@@ -7,8 +7,8 @@ import torch
 import yaml
 
 from app import runtime
-from app.common import models
 from app.config import UsageError, parse
+from app.training import models
 from app.worker.trainer import Trainer
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import TopologyError, load

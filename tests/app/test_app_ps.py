@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import models
-from app.common.checkpoint_files import save_atomically
+from app.checkpoint.files import save_atomically
 from app.config import UsageError
 from app.ps.replies import ReplyBuffers
 from app.ps.server import ParameterServer
 from app.ps.tally import Tally
+from app.training import models
 
 
 def _linear(size: int) -> nn.Module:
@@ -146,7 +146,7 @@ def test_replies_alternate_between_two_buffers_per_rank():
 
 
 class _Segment:
-    """A shared-memory segment's answer (app.ps.exchange.SharedExchange.reply_buffers): one
+    """A shared-memory segment's answer (app.exchange.ps_end.SharedExchange.reply_buffers): one
     region for rank 1, none for the others."""
 
     def __init__(self) -> None:
@@ -191,7 +191,7 @@ def _bn_model() -> nn.Module:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(workers):
-    from app.common.flat import FlatModel
+    from app.training.flat import FlatModel
 
     server = ParameterServer(_bn_model(), lr=0.1, momentum=0.9, num_trainers=workers, strategy="sync")
     reference = FlatModel(_bn_model(), with_grads=False)
@@ -214,8 +214,7 @@ def test_a_sync_round_replies_what_one_process_gets_from_the_averaged_messages(w
 
 
 def test_finite_values_whose_sum_overflows_are_applied_and_nan_or_inf_refused():
-    from app.common.wire import Refusal
-    from app.ps.update import all_finite
+    from app.exchange.wire import Refusal, all_finite
 
     huge = torch.full((4,), 3e38)
     assert huge.sum().isinf() and all_finite(huge)

@@ -10,11 +10,13 @@ import shutil
 import pytest
 import torch
 
-from app.common import checkpoint_files, data, models
+from app.checkpoint import files as checkpoint_files
 from app.config import UsageError, parse
-from app.ps import membership
-from app.ps.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
+from app.data import datasets
+from app.exchange import group as membership
+from app.ps.members.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.server import ParameterServer
+from app.training import models
 
 
 class Clock:
@@ -153,7 +155,7 @@ def test_killed_writers_temp_files_are_removed(tmp_path):
 
 
 def test_a_resumed_shard_skips_the_batches_already_pushed():
-    sampler = data.ShardSampler(100, 3, 1, seed=0)
+    sampler = datasets.ShardSampler(100, 3, 1, seed=0)
     sampler.set_epoch(4)
     whole = list(sampler)
     sampler.set_epoch(4, skip=10)
@@ -163,8 +165,8 @@ def test_a_resumed_shard_skips_the_batches_already_pushed():
 def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     from PIL import Image
 
-    from app.common import loop
-    from app.common.data import DataUnavailable
+    from app.data.datasets import DataUnavailable
+    from app.training import loop
 
     root = tmp_path / "data"
     for c in ("a", "b"):
@@ -174,9 +176,9 @@ def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     config = parse(
         ["worker", "--dataset", "imagefolder", "--data_dir", str(root), "--batch_size", "2", "--world_size", "2"], {}
     )
-    train = data.load(config.dataset, config.data_dir, "train", 0)
-    sampler = data.ShardSampler(len(train.data), 1, 0)
-    loader = data.train_loader(train.data, sampler, 2, 0, pin_memory=False)
+    train = datasets.load(config.dataset, config.data_dir, "train", 0)
+    sampler = datasets.ShardSampler(len(train.data), 1, 0)
+    loader = datasets.train_loader(train.data, sampler, 2, 0, pin_memory=False)
     shutil.rmtree(root)
     batches = loop.resume_batches(loader, sampler, config.data_dir, 1, 0, config.num_epochs, config.batch_size)
     with pytest.raises(DataUnavailable, match=f"reading the data under {root} failed \\(did it vanish\\?\\)"):
@@ -201,8 +203,8 @@ def test_failure_knobs_are_checked(argv, message):
 
 
 def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch, caplog):
-    from app.common.checkpointer import Checkpointer
-    from app.common.metrics import MetricsWriter
+    from app.checkpoint.writer import Checkpointer
+    from app.training.metrics import MetricsWriter
 
     config = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1"], {})
     server = _server()

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from app.common import data, models
+from app.data import datasets
+from app.training import models
 from orchestrator import sample_data
 
 from app_testkit import REPO, app_env
@@ -77,8 +78,8 @@ def test_sample_tree_is_the_same_every_time(tmp_path, sample_tree):
 
 
 def test_imagefolder_with_train_and_val_evaluates_on_val(sample_tree):
-    train = data.load("imagefolder", str(sample_tree), "train", seed=0, image_size=32)
-    held_out = data.load("imagefolder", str(sample_tree), "test", seed=0, image_size=32)
+    train = datasets.load("imagefolder", str(sample_tree), "train", seed=0, image_size=32)
+    held_out = datasets.load("imagefolder", str(sample_tree), "test", seed=0, image_size=32)
     assert (len(train.data), len(held_out.data)) == (1348, 449)
     assert (train.channels, train.num_classes) == (3, 10)
     x, y = held_out.data[0]
@@ -86,7 +87,7 @@ def test_imagefolder_with_train_and_val_evaluates_on_val(sample_tree):
 
 
 def test_image_size_sets_the_crop(sample_tree):
-    small = data.load("imagefolder", str(sample_tree), "train", seed=0, image_size=24)
+    small = datasets.load("imagefolder", str(sample_tree), "train", seed=0, image_size=24)
     assert small.data[0][0].shape == (3, 24, 24)
 
 
@@ -95,8 +96,8 @@ def test_train_and_val_with_different_classes_is_an_error(tmp_path, sample_tree)
 
     shutil.copytree(sample_tree, tmp_path / "tree")
     shutil.rmtree(tmp_path / "tree" / "val" / "digit_9")
-    with pytest.raises(data.UsageError, match="same class folders"):
-        data.load("imagefolder", str(tmp_path / "tree"), "test", seed=0)
+    with pytest.raises(datasets.UsageError, match="same class folders"):
+        datasets.load("imagefolder", str(tmp_path / "tree"), "test", seed=0)
 
 
 @pytest.mark.slow

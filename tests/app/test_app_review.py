@@ -10,14 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import checkpoint_files
-from app.common.checkpointer import Checkpointer
-from app.common.metrics import MetricsWriter
-from app.common.wire import Push, Refusal, Reply
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, check_threads_env, parse
-from app.ps import endpoints
-from app.ps.liveness import LivenessMonitor
+from app.exchange import calls
+from app.exchange.wire import Push, Refusal, Reply
+from app.ps import rpc as endpoints
+from app.ps.members.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
+from app.training.metrics import MetricsWriter
 from app.worker.client import PendingPush
 from app.worker.compress import Compressor
 from app.worker.trainer import MAX_REFUSED_IN_A_ROW, Trainer
@@ -193,11 +194,11 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
     with endpoints.ENDPOINT.serving(server):
-        future = endpoints.rpc_push(torch.ones(4), Push(1, "worker1", 0))
+        future = calls.rpc_push(torch.ones(4), Push(1, "worker1", 0))
         answer = future.wait()  # a value: what RPC carries back is a normal reply
         assert isinstance(answer, Refusal) and answer.kind == "stale"
         assert "worker1 was replaced by worker1_r2" in answer.message
-        assert isinstance(endpoints.rpc_finish(1, 3, "worker1"), Refusal)
+        assert isinstance(calls.rpc_finish(1, 3, "worker1"), Refusal)
     client = SimpleNamespace(lost=None)
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
         PendingPush(client, future, None).wait()
@@ -249,7 +250,7 @@ def test_a_failed_final_write_leaves_no_finished_checkpoint_and_is_tried_again(t
     """The PS holds the model while final.pt cannot be written (it was an OSError: the PS
     exited 1 and the model was lost). Each wait between tries is where room is made, or
     where SIGTERM comes (SystemExit): one more try, then the exit goes on."""
-    from app.common import checkpointer
+    from app.checkpoint import writer as checkpointer
 
     config = parse(["ps", "--checkpoint_dir", str(tmp_path)], {})
     server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
@@ -341,7 +342,7 @@ def test_training_time_runs_from_all_joined_to_the_last_push_applied():
 
 
 def _ddp_trainer(optimizer_step=None, rank0=None):
-    from app import ddp
+    from app.allreduce import job as ddp
 
     config = parse(["worker", "--strategy", "allreduce", "--eval_every", "1"], {})
     model = _linear(4)
@@ -404,7 +405,7 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
 def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it(monkeypatch):
     import threading
 
-    from app import ddp
+    from app.allreduce import job as ddp
 
     release, evaluated = threading.Event(), []
 

@@ -13,12 +13,13 @@ import time
 import pytest
 import torch
 
-from app.common import checkpoint_files, models
-from app.common.checkpointer import Checkpointer
-from app.common.metrics import MetricsWriter, read
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, parse
-from app.ps.roster import ABSENT, FINISHED, LIVE, Roster
+from app.ps.members.roster import ABSENT, FINISHED, LIVE, Roster
 from app.ps.server import ParameterServer
+from app.training import models
+from app.training.metrics import MetricsWriter, read
 
 from app_testkit import finished, free_port, start_app, wait_for
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from app.common.metrics import read
 from app.config import UsageError, parse
-from app.ps.roster import LEFT, LIVE, Roster
+from app.ps.members.roster import LEFT, LIVE, Roster
 from app.ps.server import ParameterServer
+from app.training.metrics import read
 
 from app_testkit import finished, free_port, start_app, wait_for
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import models
-from app.common.flat import state_size
-from app.common.metrics import read
 from app.config import UsageError, parse
 from app.ps.server import ParameterServer
 from app.ps.sharding import slices as shards
+from app.training import models
+from app.training.flat import state_size
+from app.training.metrics import read
 
 import app_testkit as testkit
 from app_testkit import run_cluster

@@ -30,14 +30,14 @@ PER_SHARD = 100  # images of each process's shard; 224 px crops cached at 256 px
 # what it chose, and hold its reservation until every process has chosen (the stop file).
 ONE = """
 import logging, os, sys, time
-from app.common import data
+from app.data import datasets
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 root, start, stop, index, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 print("ready", flush=True)
 while not os.path.exists(start):
     time.sleep(0.0005)
 try:
-    got = data.load("imagefolder", root, "train", 0, 224, "auto", shard=(index, count))
+    got = datasets.load("imagefolder", root, "train", 0, 224, "auto", shard=(index, count))
 except Exception as error:
     print("chose failed:", error, flush=True)
     sys.exit(2)
@@ -52,9 +52,9 @@ while not os.path.exists(stop):
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from app.common import imagecache
-from app.common.data import stable_shard
-from app.common.imagefolder import find_samples
+from app.data import imagecache
+from app.data.datasets import stable_shard
+from app.data.imagefolder import find_samples
 root, start, stop, index, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 out = Path(start).parent / "out"
 samples = find_samples(Path(root) / "train")[1]

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import checkpoint_files
-from app.common.checkpointer import Checkpointer
-from app.common.metrics import MetricsWriter
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, parse
 from app.ps.server import ParameterServer
+from app.training.metrics import MetricsWriter
 
 from app_testkit import finished, free_port, run_app, start_app, wait_for
 

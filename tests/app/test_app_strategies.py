@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from app.common import data, models
-from app.common.flat import FlatModel
-from app.common.metrics import read
-from app.common.wire import Refusal
+from app.data import datasets
+from app.exchange.wire import Refusal
 from app.ps.server import ParameterServer
+from app.training import models
+from app.training.flat import FlatModel
+from app.training.metrics import read
 from app.worker.compress import Compressor
 
 from app_testkit import finished, job_args, run_cluster, start_app, wait_for
@@ -231,12 +232,12 @@ def test_sync_final_parameters_match_one_process_applying_the_averaged_gradients
         assert [r["step"] for r in _train_records(tmp_path, rank)] == list(range(1, steps + 1))
 
     # The same run in one process: each worker's batches, gradients at the same state, averaged.
-    train = data.load("digits", "", "train", 3)
+    train = datasets.load("digits", "", "train", 3)
     ranks = []
     for rank in range(1, workers + 1):
-        sampler = data.ShardSampler(len(train.data), workers, rank - 1, 3)
+        sampler = datasets.ShardSampler(len(train.data), workers, rank - 1, 3)
         sampler.set_epoch(1)
-        loader = data.train_loader(train.data, sampler, 32, 0, pin_memory=False)
+        loader = datasets.train_loader(train.data, sampler, 32, 0, pin_memory=False)
         model = models.build("cnn", train.channels, train.num_classes, 3)
         model.train()
         ranks.append((FlatModel(model), model, iter(loader)))
@@ -354,7 +355,7 @@ class _CheckingClient:
     def push_async(self, message, version, epoch=1, batch=0, samples=0):
         from types import SimpleNamespace
 
-        from app.common.wire import Reply
+        from app.exchange.wire import Reply
 
         kept = message.clone()
         self.sent.append(message)

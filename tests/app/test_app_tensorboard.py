@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.common.metrics import MetricsWriter, read
 from app.config import parse
 from app.contract import TENSORBOARD_DIR, event_dir
+from app.training.metrics import MetricsWriter, read
 
 from app_testkit import assert_same_curves, curves, expected_curves, finished, free_port, start_app, wait_for
 

@@ -26,7 +26,7 @@ from orch_helpers import REPO, topology
 def test_no_copy_of_the_contract_is_left_in_the_orchestrator() -> None:
     assert not (REPO / "orchestrator" / "topology" / "contract.py").exists()  # the copies it held
     assert model.ENTRY_POINT is contract.ENTRY_POINT
-    data = importlib.import_module("app.common.data")
+    data = importlib.import_module("app.data.datasets")
     assert contract.FILE_DATASETS == frozenset(data.FILE_DATASETS)
 
 

@@ -9,8 +9,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Lines of the app's logs (app/ps/liveness.py, app/common/loop.py, app/ps/process.py,
-# app/ddp.py, app/ps/sharding/shard_process.py): each was once matched by an orchestrator module.
+# Lines of the app's logs (app/ps/members/liveness.py, app/training/loop.py, app/ps/process.py,
+# app/allreduce/job.py, app/ps/sharding/shard_process.py): each was once matched by an orchestrator module.
 APP_LOG_PHRASES = ("Accuracy:", "joined at version", "| Epoch:", "Update:", "resumed from ckpt-", r"\bdropped")
 # Reading a rendered compose file back for a setting of the run.
 COMPOSE_READ_BACK = ("PSC_STRATEGY", "PSC_BATCH_SIZE")

@@ -1,4 +1,4 @@
-"""Strategy allreduce (a DDP job, app/ddp.py) in the render, the swarm render,
+"""Strategy allreduce (a DDP job, app/allreduce/job.py) in the render, the swarm render,
 `orchestrator local` and the CLI: no PS service, worker1 is rank 0 and the
 rendezvous, `--strategy` overrides train.strategy."""
 

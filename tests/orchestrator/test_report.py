@@ -1,6 +1,6 @@
 """`report` (orchestrator/metrics/report.py) and `compare` (orchestrator/metrics/compare.py).
 
-Fast tests write metrics files by hand in the format of app/common/metrics.py, with
+Fast tests write metrics files by hand in the format of app/training/metrics.py, with
 known figures; the slow ones read the metrics of real runs (`local`, `compare`).
 """
 

@@ -14,17 +14,20 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from app.common import checkpoint_files, data, models, plugins
-from app.common.checkpointer import Checkpointer
-from app.common.flat import state_size
-from app.common.metrics import MetricsWriter
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import Config, UsageError
 from app.contract import PS
-from app.ps import endpoints, membership
-from app.ps.endpoints import ENDPOINT
+from app.data import datasets
+from app.exchange import group
+from app.ps import rpc as endpoints
+from app.ps.rpc import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
 from app.runtime import first_line, rpc_session
+from app.training import models, plugins
+from app.training.flat import state_size
+from app.training.metrics import MetricsWriter
 
 log = logging.getLogger("app.ps")
 PING_SECONDS = 1.0
@@ -90,7 +93,7 @@ def run(config: Config) -> int:
     """Shard `config.shard` of `config.shards`: serve its slice until the main PS says the end."""
     index, k = config.shard, config.shards
     models.check(config.model)
-    held_out = data.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
+    held_out = datasets.load(config.dataset, config.data_dir, "test", config.seed, config.image_size)
     model = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
     if config.init_weights:  # this shard's slice starts from the same weights as the main PS's
         plugins.load_weights(model, config.init_weights)
@@ -124,9 +127,7 @@ def run(config: Config) -> int:
         checkpoints = Checkpointer(server, own, identity, metrics)
         checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
         checkpoint_files.remove_temp_files(own.checkpoint_dir)
-        name, rpc_id = membership.claim_shard_identity(
-            index, config.master_addr, config.master_port, config.rpc_timeout
-        )
+        name, rpc_id = group.claim_shard_identity(index, config.master_addr, config.master_port, config.rpc_timeout)
         metrics.start(config)
         with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
             _resume_from_main(server, config, own.checkpoint_dir, metrics, name)
@@ -172,7 +173,7 @@ def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, confi
         server.unblock()
         if time.monotonic() - last_ping >= PING_SECONDS and not ENDPOINT.ended.is_set():
             try:
-                rpc.rpc_sync(PS, membership.pong, timeout=config.rpc_timeout)
+                rpc.rpc_sync(PS, group.pong, timeout=config.rpc_timeout)
             except RuntimeError as error:
                 if ENDPOINT.ended.is_set():
                     return

@@ -13,11 +13,14 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, NotReady, Taken
 from app.config import Config
-from app.ps import endpoints, membership
-from app.ps.liveness import Pinger
-from app.ps.sharding.slices import READY_KEY, bounds
+from app.exchange import calls, group
+from app.exchange.group import READY_KEY
+from app.exchange.wire import Joined, NotReady, Taken
+from app.ps import rpc as endpoints
+from app.ps.members import listing
+from app.ps.members.liveness import Pinger
+from app.ps.sharding.slices import bounds
 from app.runtime import first_line
 
 log = logging.getLogger("app.ps")
@@ -66,7 +69,7 @@ class ShardSet:
     def _ready_key(self, ready: bool) -> None:
         """READY_KEY in the store (RPC's own keys carry a prefix, so through a plain client)."""
         if self._store is None:
-            self._store = membership.connect(*self.address, self.timeout)
+            self._store = group.connect(*self.address, self.timeout)
         if ready:
             self._store.set(READY_KEY, "1")
         else:
@@ -77,7 +80,8 @@ class ShardSet:
         return len(self.names) == self.k - 1
 
     def join(self, admit: Callable[[int, str], Joined | Taken], rank: int, name: str) -> Joined | Taken | NotReady:
-        """A worker's join (app.ps.liveness.LivenessMonitor.join), once every shard is up; with the shards' names."""
+        """A worker's join (app.ps.members.liveness.LivenessMonitor.join), once every shard is up;
+        with the shards' names."""
         with self._lock:
             listing = tuple((self.names[i], *self.bounds[i]) for i in sorted(self.names))
         if len(listing) < self.k - 1:
@@ -102,7 +106,7 @@ class ShardSet:
             self._skip("not every shard is up")
             return None
         futures = [
-            (i, name, rpc.rpc_async(name, endpoints.rpc_pull, args=(0,), timeout=self.timeout)) for i, name in shards
+            (i, name, rpc.rpc_async(name, calls.rpc_pull, args=(0,), timeout=self.timeout)) for i, name in shards
         ]
         for i, name, future in futures:
             try:
@@ -170,7 +174,7 @@ class ShardSet:
         self.record("shard_lost", 0, shard=index, name=name, reason=why)
         try:
             self._ready_key(False)
-            membership.unlist([name], self.timeout)
+            listing.unlist([name], self.timeout)
         except Exception as error:  # noqa: BLE001
             log.warning("could not take %s off the store's member list: %s", name, first_line(error))
 

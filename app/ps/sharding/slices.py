@@ -1,6 +1,6 @@
 """A parameter server sharded across K processes (`--shards K`): no process carries every byte.
 
-The state vector [params | float buffers] (app.common.flat) is cut into K contiguous,
+The state vector [params | float buffers] (app.training.flat) is cut into K contiguous,
 balanced slices (`bounds`). SGD with momentum is elementwise, so each shard
 applies to its slice exactly the update one PS would; buffers slice the same
 way. Every shard runs the same `ParameterServer` (`part=bounds[i]`) and
@@ -45,8 +45,6 @@ strategy, and sees every worker's push of its slice.
 """
 
 from __future__ import annotations
-
-READY_KEY = "psc/shards_ready"  # in the main PS's store once every shard registered
 
 
 def bounds(size: int, k: int) -> list[tuple[int, int]]:

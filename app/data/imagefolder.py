@@ -15,7 +15,7 @@ still yields a sample. The record of bad files lives in a shared-memory tensor
 (one flag per sample), so DataLoader worker processes, forked or spawned, mark
 the same flags the training process reads for its `skipped_images` metric.
 A file that disappears is not skipped: that is the data dir vanishing
-(FileNotFoundError, app.common.data.DataUnavailable).
+(FileNotFoundError, app.data.datasets.DataUnavailable).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class ImageFolderData(Dataset):
             try:
                 return self._load(i)
             except FileNotFoundError:
-                raise  # the data dir vanished: not a bad file (app.common.data.batches)
+                raise  # the data dir vanished: not a bad file (app.data.datasets.batches)
             except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                 self._mark_bad(i, error)
         raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")

@@ -1,6 +1,6 @@
 """The app's metrics: one writer, two sinks. Every record (time, role, rank, event, step and
 its fields; design.md) goes to the JSON lines the orchestrator reads, and its numbers to
-TensorBoard's event files (app/common/event_files.py) once the process has started training."""
+TensorBoard's event files (app/training/event_files.py) once the process has started training."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.common.event_files import EventFiles
 from app.config import Config
 from app.contract import RUN_ID_ENV, metrics_file
+from app.training.event_files import EventFiles
 
 log = logging.getLogger("app.metrics")
 

@@ -43,15 +43,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from app import runtime
-from app.common import data, loop, models, plugins
-from app.common.checkpoint_files import cpu_copy
-from app.common.checkpointer import Checkpointer
-from app.common.evaluate import held_out_accuracy
-from app.common.metrics import MetricsWriter, Rates
+from app.checkpoint.files import cpu_copy
+from app.checkpoint.writer import Checkpointer
 from app.config import Config, UsageError
+from app.data import datasets
 from app.runtime import choose_device, progress
+from app.training import loop, models, plugins
+from app.training.evaluate import held_out_accuracy
+from app.training.metrics import MetricsWriter, Rates
 
-log = logging.getLogger("app.ddp")
+log = logging.getLogger("app.allreduce.job")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -353,7 +354,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
             model.register_comm_hook(None, compress_hook(config.compress, backend))
         rank0 = None
         if checkpoints is not None and inputs.held_out is not None:
-            rank0 = (checkpoints, data.eval_loader(inputs.held_out.data, config.batch_size, inputs.loader_workers))
+            rank0 = (checkpoints, datasets.eval_loader(inputs.held_out.data, config.batch_size, inputs.loader_workers))
         trainer = Trainer(
             config, world, model, state.optimizer, state, inputs.loader, inputs.sampler, device, metrics, rank0
         )
@@ -361,7 +362,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         trainer.wait_for_evaluation()
         leave_together(world)
         if rank0 is None:
-            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **data.skipped(inputs.train.data))
+            metrics.write("end", state.progress.step, seconds=round(seconds, 2), **datasets.skipped(inputs.train.data))
         else:
             finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
     # Leave without tearing torch down: destroying DDP's Gloo process group can
@@ -386,36 +387,36 @@ def rank_device(config: Config, world: World) -> torch.device:
 class Inputs:
     """A rank's train data, its sampler and loader; rank 0's held-out split (None elsewhere)."""
 
-    train: data.LabeledData
+    train: datasets.LabeledData
     sampler: EpochSampler
     loader: DataLoader
-    held_out: Optional[data.LabeledData]
+    held_out: Optional[datasets.LabeledData]
     loader_workers: int
 
 
 def load_inputs(config: Config, world: World, device: torch.device) -> Inputs:
     """The train split (this rank's shard when the image cache holds it), and on rank 0 the held-out one."""
-    workers, why = data.loader_choice(config)
+    workers, why = datasets.loader_choice(config)
     # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
-    train = data.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
-    data.log_loader(config.name, workers, why)
+    train = datasets.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
+    datasets.log_loader(config.name, workers, why)
     sampler = EpochSampler(
         train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world, config.seed
     )
-    loader = data.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
-    held_out = data.load_for(config, "test", workers) if world.rank == 0 else None
+    loader = datasets.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
+    held_out = datasets.load_for(config, "test", workers) if world.rank == 0 else None
     log.info(
         "%s: rank %d of %d, %d samples a rank per epoch (%s)",
         config.name,
         world.rank,
         world.size,
         len(sampler),
-        data.describe(train),
+        datasets.describe(train),
     )
     return Inputs(train, sampler, loader, held_out, workers)
 
 
-def build_state(config: Config, train: data.LabeledData, device: torch.device) -> JobState:
+def build_state(config: Config, train: datasets.LabeledData, device: torch.device) -> JobState:
     """The model (--init_weights on every rank, so none starts from other weights than rank 0's) and its SGD."""
     module = models.build(config.model, train.channels, train.num_classes, config.seed)
     if config.init_weights:
@@ -429,7 +430,7 @@ def build_state(config: Config, train: data.LabeledData, device: torch.device) -
 
 
 def rank0_checkpointer(
-    config: Config, world: World, train: data.LabeledData, state: JobState, metrics: MetricsWriter
+    config: Config, world: World, train: datasets.LabeledData, state: JobState, metrics: MetricsWriter
 ) -> Optional[Checkpointer]:
     """Rank 0 checkpoints the job; the other ranks do not (None)."""
     if world.rank != 0:

@@ -12,13 +12,13 @@ its answer here:
 - A joining process calls every member listed in the store; one dead member
   makes the join fail and leaves the store's join/leave token held for
   good. So the PS takes each worker off that list as soon as it registers
-  (`unlist`): joiners only ever call the PS. If a joiner dies holding the
-  token anyway, `release_stuck_token` frees it.
+  (app.ps.members.listing): joiners only ever call the PS. If a joiner dies
+  holding the token anyway, the PS frees it.
 - A graceful leave calls every member and takes that token too: processes
   leave with `rpc.shutdown(graceful=False)` (app.runtime.rpc_session).
 
-Store calls run while holding the GIL, so nothing here blocks in
-`store.wait`: the token is polled with short sleeps.
+This module is what a joining process (worker or PS shard) does, and `pong`, which the PS calls
+to see that a process is alive.
 """
 
 from __future__ import annotations
@@ -26,19 +26,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from datetime import timedelta
 
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 
 from app import runtime
 from app.contract import ps_name, worker_name
 
 log = logging.getLogger("app.membership")
-TOKEN_KEY = "RpcGroupManagementToken"  # torch.distributed.rpc._utils
-LISTING_KEY = "_ALL_WORKER_INFOS"  # "name-id,name-id," under the agent's "names/" prefix
-POLL_SECONDS = 0.05
+READY_KEY = "psc/shards_ready"  # in the main PS's store once every shard registered (app.ps.sharding)
 
 
 class StoreUnreachable(RuntimeError):
@@ -96,62 +92,6 @@ def shard_name(index: int, incarnation: int) -> str:
 def is_shard_name(name: str) -> bool:
     """`ps1`, `ps2_r3`...: a PS shard, which stays on the store's member list (app.ps.sharding.slices)."""
     return re.fullmatch(r"ps\d+(_r\d+)?", name) is not None
-
-
-def _stores() -> tuple[dist.Store, dist.Store]:
-    agent = rpc.api._get_current_rpc_agent()
-    if not isinstance(agent, rpc.TensorPipeAgent):  # the only RPC agent with a store
-        raise RuntimeError(f"the membership store needs the TensorPipe RPC agent, not {type(agent).__name__}")
-    return agent.store, dist.PrefixStore("names", agent.store)
-
-
-def _take_token(store: dist.Store, mine: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while store.compare_set(TOKEN_KEY, "", mine).decode() != mine:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(POLL_SECONDS)
-    return True
-
-
-def _give_token(store: dist.Store, mine: str) -> None:
-    store.set(TOKEN_KEY, "")
-    store.set(mine, "Done")  # what torch's waiters wait for
-
-
-def unlist(names: list[str], timeout: float) -> bool:
-    """Take `names` off the store's member list (on the PS); False if the token stayed busy."""
-    store, listing_store = _stores()
-    mine = f"Token_for_ps_unlist_{os.getpid()}"
-    if not _take_token(store, mine, timeout):
-        return False
-    try:
-        entries = listing_store.get(LISTING_KEY).decode().split(",")
-        kept = [e for e in entries if e and e.rsplit("-", 1)[0] not in names]
-        listing_store.set(LISTING_KEY, "".join(f"{e}," for e in kept))
-    finally:
-        _give_token(store, mine)
-    return True
-
-
-def listed() -> list[str]:
-    """Names on the store's member list."""
-    _, listing_store = _stores()
-    entries = listing_store.get(LISTING_KEY).decode().split(",")
-    return [e.rsplit("-", 1)[0] for e in entries if e]
-
-
-def token_holder() -> str:
-    store, _ = _stores()
-    return store.get(TOKEN_KEY).decode() if store.check([TOKEN_KEY]) else ""
-
-
-def release_stuck_token(holder: str) -> None:
-    """Free the join/leave token of a process that died holding it."""
-    store, _ = _stores()
-    if store.compare_set(TOKEN_KEY, holder, "").decode() == "":
-        store.set(holder, "Done")
-        log.warning("released the RPC join token held by a process that died (%s)", holder)
 
 
 def pong() -> int:

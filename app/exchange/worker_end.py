@@ -1,4 +1,4 @@
-"""A worker's side of a PS process's shared-memory segment (app.ps.exchange): its push slots and
+"""A worker's side of a PS process's shared-memory segment (app.exchange.ps_end): its push slots and
 the regions the PS's replies are in.
 
 The worker maps the segment its PS offered when it joined; if it cannot (another host, another
@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from app.common.shm import Offer, Segment, ShmUnavailable
-from app.common.wire import Reply, SlotReply
+from app.exchange.segment import Offer, Segment, ShmUnavailable
+from app.exchange.wire import Reply, SlotReply
 
 log = logging.getLogger("app.worker")
 
@@ -32,8 +32,8 @@ class SharedLink:
         self.slots = [segment.region(n) for n in names]
         # the regions its replies come in: its own reply buffers, and a sync round's
         self.replies = [segment.region(n) for n in segment.names if n.startswith((f"reply{rank}.", "round."))]
-        self.parts: list[tuple[int, int]] = []  # the partitions the PS applies ahead (app.ps.speculation)
-        self.bell = ""  # where this worker notes them (app.common.bell)
+        self.parts: list[tuple[int, int]] = []  # the partitions the PS applies ahead (app.ps.early)
+        self.notes = ""  # where this worker notes them (app.exchange.notes)
         self.life = 0  # which of its rank's joins at the PS this process is: its notes carry it
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
@@ -41,12 +41,12 @@ class SharedLink:
     @classmethod
     def attach(cls, offer: Offer, rank: int, device: torch.device) -> SharedLink:
         link = cls(Segment.attach(offer), rank, device)
-        link.parts, link.bell, link.life = [(start, end) for start, end in offer.parts], offer.bell, offer.life
+        link.parts, link.notes, link.life = [(start, end) for start, end in offer.parts], offer.notes, offer.life
         return link
 
     def reserve(self) -> int:
         """The push slot the next message goes into, taken now (a GPU worker copies its
-        partitions into it during the backward, app.worker.posting)."""
+        partitions into it during the backward, app.exchange.early_push)."""
         k, self._next = self._next, (self._next + 1) % len(self.slots)
         return k
 

@@ -12,7 +12,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from app.common.shm import Offer
+from app.exchange.segment import Offer
 
 Version = Union[int, tuple[int, ...]]  # a state's version: one per PS process (a tuple over shards)
 
@@ -69,7 +69,7 @@ class Push(NamedTuple):
     samples: int = 0  # the batch's size
     staleness: int | None = None  # a chained PS shard: the main PS's; None: the receiver's own
     backward: int | None = None  # through shared memory: the worker's backward it comes from ...
-    noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.speculation)
+    noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
 
 
 class Reply(NamedTuple):
@@ -96,10 +96,38 @@ class Refusal(NamedTuple):
 
 
 class SlotReply(NamedTuple):
-    """The PS's answer to a push through shared memory (app.ps.exchange): the new state is in
+    """The PS's answer to a push through shared memory (app.exchange.ps_end): the new state is in
     region `region` of the PS's segment, which the worker maps; nothing else crosses."""
 
     region: str  # e.g. reply1.0, round.1
     version: int
     staleness: int
     lead: int
+
+
+# The format of a push's values: float32, or (--compress) the gradients in 16 bits and the
+# float32 buffers as pairs of 16-bit values (app.worker.compress.Compressor).
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def wire_size(message_dtype: torch.dtype, num_params: int, size: int) -> int:
+    """How many values a push of a `size`-value state with `num_params` parameters has:
+    `size` in float32; in 16 bits the gradients take one value each and the float32
+    buffers two (app.worker.compress.Compressor)."""
+    return size if message_dtype == torch.float32 else num_params + 2 * (size - num_params)
+
+
+def to_float32(message: torch.Tensor, num_params: int) -> torch.Tensor:
+    """A pushed message as float32: as it is, or a 16-bit one's gradients widened and its
+    buffers' bits read back as float32."""
+    if message.dtype == torch.float32:
+        return message
+    return torch.cat([message[:num_params].float(), message[num_params:].clone().view(torch.float32)])
+
+
+def all_finite(message: torch.Tensor) -> bool:
+    """No NaN or inf in `message`. A finite sum decides it in one pass (a NaN or inf in the
+    message makes the sum NaN or inf); only when the sum is not finite is each value checked,
+    as a sum of finite values can overflow."""
+    return bool(torch.isfinite(message.sum())) or bool(torch.isfinite(message).all())

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from app.common import data
-from app.common.flat import FlatModel
+from app.data import datasets
+from app.training.flat import FlatModel
 
 
 @torch.no_grad()
@@ -21,7 +21,7 @@ def held_out_accuracy(
     correct, total, loss = 0, 0, 0.0
     try:
         for x, y in loader:
-            x, y = data.to_device(x, loader.dataset, device), y.to(device, non_blocking=True)
+            x, y = datasets.to_device(x, loader.dataset, device), y.to(device, non_blocking=True)
             logits = model(x)
             loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
             correct += int((logits.argmax(1) == y).sum().item())

@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from app.common.bell import SUFFIX as BELL_SUFFIX
 from app.contract import SHM_PAGE
+from app.exchange.notes import SUFFIX as NOTES_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class Offer(NamedTuple):
     nonce: str
     floats: int  # values in each region
     names: tuple[str, ...]  # the regions, in file order
-    parts: tuple[tuple[int, int], ...] = ()  # the partitions the PS applies ahead of a push (app.ps.speculation)
-    bell: str = ""  # where the worker notes each partition its backward finished (app.common.bell)
-    life: int = 0  # which of the worker's rank's joins this answers: its notes carry it (app.common.bell)
+    parts: tuple[tuple[int, int], ...] = ()  # the partitions the PS applies ahead of a push (app.ps.early)
+    notes: str = ""  # where the worker notes each partition its backward finished (app.exchange.notes)
+    life: int = 0  # which of the worker's rank's joins this answers: its notes carry it (app.exchange.notes)
 
 
 def stride(floats: int) -> int:
@@ -197,11 +197,11 @@ def sweep(directory: str = DEFAULT_DIR) -> list[str]:
     segment, and files that are not segments, stay."""
     found = sorted(Path(directory).glob(f"{PREFIX}*{SUFFIX}")) + sorted(Path(directory).glob(f".{PREFIX}*{MAKING}"))
     removed = [str(path) for path in found if _remove_unowned(path)]
-    for bell in sorted(Path(directory).glob(f"{PREFIX}*{BELL_SUFFIX}")):  # a bell whose segment is gone
-        if not bell.with_suffix(SUFFIX).exists():
+    for notes in sorted(Path(directory).glob(f"{PREFIX}*{NOTES_SUFFIX}")):  # a note socket whose segment is gone
+        if not notes.with_suffix(SUFFIX).exists():
             with contextlib.suppress(OSError):
-                bell.unlink()
-                removed.append(str(bell))
+                notes.unlink()
+                removed.append(str(notes))
     if removed:
         log.info("removed %d shared-memory segment(s) left by a process that ended: %s", len(removed), removed)
     return removed

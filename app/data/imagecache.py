@@ -4,7 +4,7 @@ Used for `imagefolder` by --image_cache (train.image_cache); `python -m bench da
 
 - `CachedImageFolder` decodes each image once (Pillow, `to_rgb`, shorter side to
   `size`, the centre `size` x `size`) into one uint8 tensor. It holds the samples it
-  is given: a worker gives it its own shard (app.common.data.stable_shard), so it
+  is given: a worker gives it its own shard (app.data.datasets.stable_shard), so it
   decodes and holds ~1/N of the training images.
   - memory: a tensor in shared memory (/dev/shm), filled on first access. torch
     reserves a shared storage's whole size in /dev/shm when it is made (the pages
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from app.common.imagefolder import CROP, MEAN, STD, to_rgb
+from app.data.imagefolder import CROP, MEAN, STD, to_rgb
 from app.config import UsageError
 from app.runtime import first_line
 
@@ -242,7 +242,7 @@ class CachedImageFolder(Dataset):
                 try:
                     image = decode(self.samples[j][0], self.size)
                 except FileNotFoundError:
-                    raise  # the data dir vanished (app.common.data.batches)
+                    raise  # the data dir vanished (app.data.datasets.batches)
                 except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                     self.bad[j] = 1
                     _warn_bad(self.samples[j][0], error, self.skipped_images)

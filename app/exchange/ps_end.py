@@ -1,7 +1,7 @@
-"""The PS side of the same-host exchange: a shared-memory segment (app.common.shm) holding each
+"""The PS side of the same-host exchange: a shared-memory segment (app.exchange.segment) holding each
 rank's push slots and reply buffers, so that a worker on this host hands its push over as
 memory and reads the PS's answer in place; RPC carries only which slot, the version and
-where the worker is (app.ps.endpoints.rpc_push_slot).
+where the worker is (app.ps.rpc.rpc_push_slot).
 
 Per rank r (1..the most workers the job may have): `slots` push slots `push<r>.<k>`, where the
 worker writes `[grads | buffers]` (its backward writes the gradients straight into one when it
@@ -15,8 +15,8 @@ A worker on another host, or one that cannot map the segment, pushes over Tensor
 the reply buffers serve both ways.
 
 Where the PS applies a push's partitions ahead of the push (app.contract.applies_ahead: async
-with plain SGD, sync; one PS process), the offer also names the partitions (app.common.partitions)
-and a bell beside the segment (app.common.bell) on which a worker notes each partition its
+with plain SGD, sync; one PS process), the offer also names the partitions (app.exchange.layout)
+and a note socket beside the segment (app.exchange.notes) on which a worker notes each partition its
 backward has finished; under async each rank then has two reply buffers, so the next state can
 be built in the one the worker is not computing on.
 """
@@ -29,15 +29,15 @@ import torch
 from torch import nn
 
 from app import runtime
-from app.common.bell import SUFFIX as BELL_SUFFIX
-from app.common.bell import Bell
-from app.common.flat import state_size
-from app.common.partitions import cut
-from app.common.shm import SUFFIX as SHM_SUFFIX
-from app.common.shm import Offer, Segment, ShmUnavailable, segment_bytes
-from app.common.wire import Reply, SlotReply
 from app.config import Config
 from app.contract import applies_ahead, strategy_of
+from app.exchange.layout import cut
+from app.exchange.notes import SUFFIX as NOTES_SUFFIX
+from app.exchange.notes import NoteInbox
+from app.exchange.segment import SUFFIX as SHM_SUFFIX
+from app.exchange.segment import Offer, Segment, ShmUnavailable, segment_bytes
+from app.exchange.wire import Reply, SlotReply
+from app.training.flat import state_size
 
 log = logging.getLogger("app.ps")
 WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,11 +53,13 @@ def region_names(max_rank: int, overlap: bool, sync: bool, ahead: bool = False) 
 
 
 class SharedExchange:
-    """A PS process's segment, read as ranks' slots and reply buffers; `parts` and `bell` when
+    """A PS process's segment, read as ranks' slots and reply buffers; `parts` and `notes` when
     the PS applies partitions ahead of a push."""
 
-    def __init__(self, segment: Segment, parts: list[tuple[int, int]] | None = None, bell: Bell | None = None) -> None:
-        self.segment, self.parts, self.bell = segment, parts, bell
+    def __init__(
+        self, segment: Segment, parts: list[tuple[int, int]] | None = None, notes: NoteInbox | None = None
+    ) -> None:
+        self.segment, self.parts, self.notes = segment, parts, notes
         self.floats = segment.floats
 
     @classmethod
@@ -77,11 +79,11 @@ class SharedExchange:
         if not ahead:
             return cls(segment)
         try:
-            bell = Bell(segment.path.removesuffix(SHM_SUFFIX) + BELL_SUFFIX)
+            notes = NoteInbox(segment.path.removesuffix(SHM_SUFFIX) + NOTES_SUFFIX)
         except OSError as error:
             segment.close()
-            raise ShmUnavailable(f"cannot make the bell beside {segment.path}: {error.strerror}") from None
-        return cls(segment, parts, bell)
+            raise ShmUnavailable(f"cannot make the note socket beside {segment.path}: {error.strerror}") from None
+        return cls(segment, parts, notes)
 
     @staticmethod
     def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
@@ -90,9 +92,9 @@ class SharedExchange:
     def offer(self, life: int = 0) -> Offer:
         """What a worker maps; `life`: which of its rank's joins this answers (its notes say it)."""
         offer = self.segment.offer()
-        if self.bell is None or self.parts is None:
+        if self.notes is None or self.parts is None:
             return offer
-        return offer._replace(parts=tuple(self.parts), bell=self.bell.path, life=life)
+        return offer._replace(parts=tuple(self.parts), notes=self.notes.path, life=life)
 
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
         """Rank's reply buffers (rank 0: a sync round's), in the segment; None for a rank it
@@ -126,8 +128,8 @@ class SharedExchange:
         return reply
 
     def close(self) -> None:
-        if self.bell is not None:
-            self.bell.close()
+        if self.notes is not None:
+            self.notes.close()
         self.segment.close()
 
 

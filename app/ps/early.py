@@ -1,7 +1,7 @@
 """A push's partitions applied as the worker's backward finishes them, before the push arrives.
 
-A worker on the PS's host notes on the PS's bell (app.common.bell) each partition of its
-gradient that is complete in its push slot (app.worker.posting); the PS's note reader (a
+A worker on the PS's host notes on the PS's note socket (app.exchange.notes) each partition of its
+gradient that is complete in its push slot (app.exchange.early_push); the PS's note reader (a
 thread) hands each note to the server (`ParameterServer.ahead`), which, under its lock:
 
 - under sync folds the partition into the open round at once (app.ps.sync_round): the round's
@@ -19,50 +19,19 @@ rank's old process) or lost changes when the work is done, never what it compute
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from app.common.bell import Bell, Note
-
-log = logging.getLogger("app.ps")
 
 
 @dataclass
 class Ahead:
     """What the PS built ahead of one rank's push: from backward `backward`, in slot `slot`,
     into reply buffer `into`; partition -> the version it was built from, and the partitions
-    noted (their worker found them finite: app.worker.posting)."""
+    noted (their worker found them finite: app.exchange.early_push)."""
 
     backward: int
     slot: int
     into: torch.Tensor
     built: dict[int, int] = field(default_factory=dict)
     noted: set[int] = field(default_factory=set)
-
-
-class NoteReader:
-    """Reads the bell's notes in a thread of its own and hands each to `take`, until closed."""
-
-    def __init__(self, bell: Bell, take: Callable[[Note], None]) -> None:
-        self.bell, self.take = bell, take
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ps-notes", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            note = self.bell.receive()
-            if note is None:
-                continue
-            try:
-                self.take(note)
-            except Exception as error:  # a note is a hint: the push itself carries the work
-                log.debug("note %s not taken: %s", note, error)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2 * 0.5 + 1)

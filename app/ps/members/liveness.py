@@ -24,9 +24,10 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from app.common.wire import Joined, Taken
 from app.contract import PS
-from app.ps import membership
+from app.exchange import group
+from app.exchange.wire import Joined, Taken
+from app.ps.members import listing
 from app.ps.server import ParameterServer
 from app.runtime import first_line
 
@@ -52,7 +53,7 @@ class Pinger:
             if name in self._pinging:
                 return
             self._pinging.add(name)
-        future = rpc.rpc_async(name, membership.pong, timeout=self.timeout)
+        future = rpc.rpc_async(name, group.pong, timeout=self.timeout)
         future.add_done_callback(lambda f: self._answered(name, f, lost))
 
     def _answered(self, name: str, future: Any, lost: Callable[[str], None]) -> None:
@@ -97,7 +98,7 @@ class LivenessMonitor:
                     f"(start each rank once; this process is {name})"
                 )
             self.drop(rank, old, f"replaced by {name} ({error})")
-        if not membership.unlist([name], self.rpc_timeout):
+        if not listing.unlist([name], self.rpc_timeout):
             log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
         joined = self.server.join(rank, name)
         progress = joined.progress
@@ -160,21 +161,21 @@ class LivenessMonitor:
     def _ping(self, name: str, timeout: float) -> str | None:
         """None when `name` answers within `timeout`, else why not."""
         try:
-            rpc.rpc_sync(name, membership.pong, timeout=timeout)
+            rpc.rpc_sync(name, group.pong, timeout=timeout)
             return None
         except Exception as error:  # noqa: BLE001
             return first_line(error)
 
     def _sweep(self, now: float) -> None:
-        """Take joined workers (not PS shards) off the store's member list (see app.ps.membership) and free
+        """Take joined workers (not PS shards) off the store's member list (see app.exchange.group) and free
         the join token if a process died holding it for longer than the RPC timeout."""
         # PS shards stay listed: every joiner must learn them (app.ps.sharding.slices).
-        extra = [n for n in membership.listed() if n != PS and not membership.is_shard_name(n)]
+        extra = [n for n in listing.listed() if n != PS and not group.is_shard_name(n)]
         if extra:
-            membership.unlist(extra, TICK_UNLIST_SECONDS)
-        holder = membership.token_holder()
+            listing.unlist(extra, TICK_UNLIST_SECONDS)
+        holder = listing.token_holder()
         if not holder or holder != self._token[0]:
             self._token = (holder, now)
         elif now - self._token[1] > self.rpc_timeout:
-            membership.release_stuck_token(holder)
+            listing.release_stuck_token(holder)
             self._token = ("", now)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from app.common.wire import Progress
+from app.exchange.wire import Progress
 
 ABSENT, LIVE, FINISHED, DROPPED, LEFT = "absent", "live", "finished", "dropped", "left"
 

@@ -1,7 +1,7 @@
 """A training state's checkpoints: resume from the newest good one, periodic, on exit, on a finish, final.
 
 Used by the PS (app.ps.process), a PS shard (app.ps.sharding.shard_process) and a DDP
-job's rank 0 (app.ddp): anything `Checkpointable`.
+job's rank 0 (app.allreduce.job): anything `Checkpointable`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-from app.common import checkpoint_files
-from app.common.metrics import MetricsWriter
+from app.checkpoint import files as checkpoint_files
 from app.config import Config
 from app.contract import worker_name
+from app.training.metrics import MetricsWriter
 
 log = logging.getLogger("app.ps")
 RETRY_SECONDS = 5.0  # final.pt that did not fit: tried again this often
@@ -26,7 +26,7 @@ REMIND_SECONDS = 60.0  # ... and said again this often
 
 
 class Checkpointable(Protocol):
-    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.ddp.JobState)."""
+    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.allreduce.job.JobState)."""
 
     @property
     def version(self) -> int: ...

@@ -1,4 +1,4 @@
-"""The training loop's pieces that a PS worker (app.worker.trainer) and a DDP rank (app.ddp) share:
+"""The training loop's pieces that a PS worker (app.worker.trainer) and a DDP rank (app.allreduce.job) share:
 the resumable walk over epochs and batches, a batch put on the device, and the progress report."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from app.common import data
-from app.common.metrics import MetricsWriter
+from app.data import datasets
 from app.runtime import progress
+from app.training.metrics import MetricsWriter
 
 
 class ResumableSampler(Protocol):
@@ -40,7 +40,7 @@ def resume_batches(
             before_epoch(epoch)
         done = start_batch if epoch == start_epoch else 0
         sampler.set_epoch(epoch, skip=done * batch_size)
-        for batch, (x, y) in enumerate(data.batches(loader, data_dir), start=done + 1):
+        for batch, (x, y) in enumerate(datasets.batches(loader, data_dir), start=done + 1):
             yield epoch, batch, x, y
 
 
@@ -48,7 +48,7 @@ def on_device(
     x: torch.Tensor, y: torch.Tensor, loader: Any, device: torch.device, memory_format: torch.memory_format
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch on `device`; images (4-d) in `memory_format`."""
-    x, y = data.to_device(x, getattr(loader, "dataset", None), device), y.to(device, non_blocking=True)
+    x, y = datasets.to_device(x, getattr(loader, "dataset", None), device), y.to(device, non_blocking=True)
     if x.dim() == 4:
         x = x.contiguous(memory_format=memory_format)
     return x, y
@@ -91,5 +91,5 @@ class Reporter:
                 samples_per_s=round(rate, 1),
                 step_seconds=round(step_seconds, 4),
                 **fields,
-                **data.skipped(loader.dataset),
+                **datasets.skipped(loader.dataset),
             )

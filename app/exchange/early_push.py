@@ -1,11 +1,11 @@
 """A worker's note of each partition of its gradient as its backward finishes it, so the PS can
-apply the partition before the push arrives (app.ps.speculation; partitions: app.common.partitions).
+apply the partition before the push arrives (app.ps.early; partitions: app.exchange.layout).
 
 A hook on every parameter (`register_post_accumulate_grad_hook`, as DDP's buckets) counts the
 parameters of each partition whose gradient is in; when a partition is complete:
 
 - on the CPU the gradient is already in the push slot (the backward writes it there): the
-  worker notes it on the PS's bell at once;
+  worker notes it on the PS's note socket at once;
 - on a GPU the partition is copied into the (pinned) push slot on a side stream, after the
   backward's own stream reached that point, and noted once the copy has landed (a thread waits
   for it); at the push the rest of the message (the last partition, with the buffers) is
@@ -31,16 +31,16 @@ import threading
 import torch
 from torch import nn
 
-from app.common.bell import Ringer
-from app.common.flat import FlatModel
-from app.common.partitions import owners
-from app.ps.update import all_finite
+from app.exchange.layout import owners
+from app.exchange.notes import NoteSender
+from app.exchange.wire import all_finite
+from app.training.flat import FlatModel
 
 log = logging.getLogger("app.worker")
 
 
 class Poster:
-    """Notes a worker's partitions on `ringer` (its rank's, app.common.bell) as its backward completes them.
+    """Notes a worker's partitions on `sender` (its rank's, app.exchange.notes) as its backward completes them.
     `arm(backward, slot, version)` before each backward; `claims()` after it: whether the
     push may say it was noted (every parameter fired once)."""
 
@@ -48,11 +48,11 @@ class Poster:
         self,
         params: list[nn.Parameter],
         parts: list[tuple[int, int]],
-        ringer: Ringer,
+        sender: NoteSender,
         name: str,
         slots: list[torch.Tensor],
     ) -> None:
-        self.parts, self.ringer, self.name, self.slots = parts, ringer, name, slots
+        self.parts, self.sender, self.name, self.slots = parts, sender, name, slots
         self.unfinite = 0  # partitions not noted: NaN or inf in them
         self.owner = owners([p.numel() for p in params], parts)
         self.size = [self.owner.count(j) for j in range(len(parts))]
@@ -106,7 +106,7 @@ class Poster:
         if not all_finite(self.slots[slot][start:end]):
             self.unfinite += 1
             return
-        self.ringer.ring(backward, slot, j, version)
+        self.sender.note_partition(backward, slot, j, version)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -121,12 +121,12 @@ class DevicePoster(Poster):
         self,
         params: list[nn.Parameter],
         parts: list[tuple[int, int]],
-        ringer: Ringer,
+        sender: NoteSender,
         name: str,
         flat: FlatModel,
         slots: list[torch.Tensor],
     ) -> None:
-        super().__init__(params, parts, ringer, name, slots)
+        super().__init__(params, parts, sender, name, slots)
         self.flat = flat
         self.stream = torch.cuda.Stream(flat.message.device)
         self.copied: set[int] = set()

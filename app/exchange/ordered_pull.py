@@ -6,7 +6,7 @@ copies of the partitions its own parameters are in that no earlier module waited
 more (one wait per partition a step). So the first layers compute
 while the last ones are still being copied.
 
-The reply buffer stays as the PS wrote it until this worker's next push (app.ps.exchange), and
+The reply buffer stays as the PS wrote it until this worker's next push (app.exchange.ps_end), and
 the compute stream has waited for every copy by the end of the next forward, before that push.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from app.common.flat import FlatModel
-from app.common.partitions import owners
+from app.exchange.layout import owners
+from app.training.flat import FlatModel
 
 
 def waits(model: nn.Module, parts: list[tuple[int, int]]) -> dict[nn.Module, tuple[list[int], bool]]:

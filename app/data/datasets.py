@@ -19,9 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
-from app.common import host, plugins
-from app.common.batches_ahead import ReceivedAhead, wants_thread
-from app.common.imagefolder import CROP, ImageFolderData, find_samples
+from app.data import host
+
+from app.training import plugins
+from app.data.prefetch import ReceivedAhead, wants_thread
+from app.data.imagefolder import CROP, ImageFolderData, find_samples
 from app.config import Config, UsageError
 from app.contract import DATASETS
 
@@ -40,7 +42,7 @@ class DataUnavailable(RuntimeError):
 
 def batches(loader: DataLoader, data_dir: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of `loader`'s batches; a read that fails mid-run is one clear error. Batches
-    from loader processes are received one ahead, in a thread (app.common.batches_ahead)."""
+    from loader processes are received one ahead, in a thread (app.data.prefetch)."""
     iterator: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
     ahead = ReceivedAhead(iterator) if wants_thread(loader) else None
     try:
@@ -116,7 +118,7 @@ def load(
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
     `image_cache`: off | memory | file | auto (True/False: memory/off): imagefolder
-    decodes each file once into uint8 (app/common/imagecache.py), in /dev/shm or in
+    decodes each file once into uint8 (app/data/imagecache.py), in /dev/shm or in
     a file under `cache_dir` (decoded with `threads` threads);
     `shard`: (index, count) of a worker's shard: with the cache on, the data holds
     only that shard's samples (`stable_shard`, `pad`ded to equal sizes) and says so (`sharded`);
@@ -212,7 +214,7 @@ def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
 def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings = ImageCacheSettings()) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
-    the images, fixed, are held out. `cache`: decoded once into uint8 (app/common/imagecache.py)."""
+    the images, fixed, are held out. `cache`: decoded once into uint8 (app/data/imagecache.py)."""
     if (root / "train").is_dir() and (root / "val").is_dir():
         classes, chosen = find_samples(root / "train")
         if not train:
@@ -243,7 +245,7 @@ def _cached(
     sees the others' reservations.
     In a job that may be scaled (`follow`) the file cache holds the whole split, one file
     every worker maps, so that each epoch's share can follow the live set."""
-    from app.common import imagecache
+    from app.data import imagecache
 
     mine = chosen
     if cache.shard is not None:
@@ -403,7 +405,7 @@ def skipped(dataset: Dataset) -> dict[str, int]:
 
 def loader_choice(config: Config) -> tuple[int, str]:
     """(DataLoader processes, why) for --loader_workers (a number, or auto from the host's
-    CPUs: app.common.host; auto is 0 for the datasets held in one tensor, whose batches
+    CPUs: app.data.host; auto is 0 for the datasets held in one tensor, whose batches
     are one indexing op)."""
     if config.loader_workers == "auto" and config.dataset in IN_MEMORY:
         return 0, f"auto: {config.dataset} is held in memory, a batch is one indexing op"

@@ -1,13 +1,13 @@
-"""The RPC entry points of a PS process (`rpc_*`) and where they find what it serves.
+"""What a PS process serves over RPC, and the calls between the PS's own processes.
 
 RPC runs plain functions by name, so what a process serves has to be reachable
 from them: `ENDPOINT` is the app's one piece of process-wide state, set only
 for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
-- Every PS process (the main PS and each shard): `rpc_join`, `rpc_pull`,
-  `rpc_push`, `rpc_push_slot` (a push through shared memory, app.ps.exchange),
-  `rpc_finish`, `rpc_leave`, `rpc_shard` (workers call them), `rpc_drop` (the main
-  PS forwards a worker's drop to the shards).
+- Every PS process (the main PS and each shard) serves the calls workers make
+  (app.exchange.calls: join, pull, push, push through shared memory, finish, leave,
+  shard): `Endpoint` is that service. `rpc_drop`: the main PS forwards a worker's
+  drop to the shards.
 - The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
 - A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
 """
@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.common.wire import Joined, NotReady, Push, Refusal, Taken
+from app.exchange import calls
+from app.exchange.notes import NoteReader
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Taken
 from app.ps.server import ParameterServer
-from app.ps.speculation import NoteReader
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
@@ -38,7 +38,7 @@ class Endpoint:
 
     def __init__(self) -> None:
         self.server: ParameterServer | None = None
-        self.join: Admit | None = None  # app.ps.liveness.LivenessMonitor.join on the main PS
+        self.admit: Admit | None = None  # app.ps.members.liveness.LivenessMonitor.join on the main PS
         self.register: Register | None = None  # the main PS of a sharded PS: ShardSet.register
         self.resumed: Callable[[], Resumed] = lambda: None  # ... and its newest checkpoint (version, run id)
         self.save_labelled: SaveLabelled | None = None  # a shard's checkpoint writer
@@ -47,17 +47,18 @@ class Endpoint:
 
     @contextmanager
     def serving(self, server: ParameterServer, join: Admit | None = None) -> Iterator[ParameterServer]:
-        """Serve `server`: its RPC entry points, and the notes of its bell where it has one
-        (a thread of their own, app.ps.speculation)."""
-        self.server, self.join = server, join
-        bell = server.shared.bell if server.shared is not None and server.parts is not None else None
-        notes = NoteReader(bell, server.ahead) if bell is not None else None
+        """Serve `server`: its RPC entry points, and the notes on its note socket where it has one
+        (a thread of their own, app.ps.early)."""
+        self.server, self.admit = server, join
+        inbox = server.shared.notes if server.shared is not None and server.parts is not None else None
+        notes = NoteReader(inbox, server.ahead) if inbox is not None else None
         try:
-            yield server
+            with calls.serving(self):
+                yield server
         finally:
             if notes is not None:
                 notes.close()
-            self.server, self.join = None, None
+            self.server, self.admit = None, None
 
     @contextmanager
     def serving_main(self, register: Register | None, resumed: Callable[[], Resumed] = lambda: None) -> Iterator[None]:
@@ -85,73 +86,43 @@ class Endpoint:
             raise RuntimeError("no parameter server is serving in this process")
         return self.server
 
+    # The calls workers make (app.exchange.calls.Service).
+
+    def join(self, rank: int, name: str) -> Joined | Taken | NotReady:
+        """A worker process starts: the state to start from and its rank's progress (Joined; Taken
+        when another process holds the rank), and where this PS process has one, its
+        shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
+        server = self.get()
+        answer = self.admit(rank, name) if self.admit is not None else server.join(rank, name)
+        if server.shared is not None and isinstance(answer, Joined):
+            return answer._replace(exchange=server.shared.offer(answer.life))
+        return answer
+
+    def pull(self, rank: int) -> tuple[torch.Tensor, int]:
+        return self.get().pull(rank)
+
+    def push(self, message: torch.Tensor, push: Push) -> Future:
+        return _submit(self.get(), message, push)
+
+    def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future:
+        server = self.get()
+        shared = server.shared
+        if shared is None:
+            raise RuntimeError("this parameter server has no shared-memory segment")
+        message = shared.push(push.rank, slot, dtype, numel)
+        return _submit(server, message, push).then(lambda done: shared.answer(done.value()))
+
+    def finish(self, rank: int, pushes: int, name: str) -> Refusal | None:
+        return self.get().finish(rank, pushes, name)
+
+    def leave(self, rank: int, pushes: int, name: str) -> Refusal | None:
+        return self.get().leave(rank, pushes, name)
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        return self.get().shard_of(rank)
+
 
 ENDPOINT = Endpoint()
-
-
-def rpc_join(rank: int, name: str) -> Joined | Taken | NotReady:
-    """A worker process starts: the state to start from and its rank's progress (Joined; Taken
-    when another process holds the rank), and where this PS process has one, its
-    shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
-    server = ENDPOINT.get()
-    answer = ENDPOINT.join(rank, name) if ENDPOINT.join is not None else server.join(rank, name)
-    if server.shared is not None and isinstance(answer, Joined):
-        return answer._replace(exchange=server.shared.offer(answer.life))
-    return answer
-
-
-def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
-    return ENDPOINT.get().pull(rank)
-
-
-@rpc.functions.async_execution
-def rpc_push(message: torch.Tensor, push: Push) -> Future:
-    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
-    Any other error is raised here, and RPC hands it to the caller as an error."""
-    return _submit(ENDPOINT.get(), message, push)
-
-
-@rpc.functions.async_execution
-def rpc_push_slot(slot: int, dtype: str, numel: int, push: Push) -> Future:
-    """rpc_push for a worker on this host: its message is in its push slot `slot` of this PS
-    process's segment (`numel` values of `dtype`); the answer names the region that holds the
-    new state (a SlotReply), or is a Refusal."""
-    server = ENDPOINT.get()
-    shared = server.shared
-    if shared is None:
-        raise RuntimeError("this parameter server has no shared-memory segment")
-    message = shared.push(push.rank, slot, dtype, numel)
-    return _submit(server, message, push).then(lambda done: shared.answer(done.value()))
-
-
-def _submit(server: ParameterServer, message: torch.Tensor, push: Push) -> Future:
-    """`server.submit` of `message` with what `push` says of it."""
-    return server.submit(
-        push.rank,
-        message,
-        push.pulled,
-        push.name,
-        push.epoch,
-        push.batch,
-        push.samples,
-        push.staleness,
-        push.backward,
-        push.noted,
-    )
-
-
-def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
-    return ENDPOINT.get().finish(rank, pushes, name)
-
-
-def rpc_leave(rank: int, pushes: int, name: str = "") -> Refusal | None:
-    """A worker scaled down leaves the job for good (after its last push)."""
-    return ENDPOINT.get().leave(rank, pushes, name)
-
-
-def rpc_shard(rank: int) -> tuple[int, int]:
-    """(index, count): rank's share of the next epoch's data among the ranks training now."""
-    return ENDPOINT.get().shard_of(rank)
 
 
 def rpc_drop(rank: int, name: str) -> bool:
@@ -182,3 +153,19 @@ def rpc_end(finished: bool) -> None:
     """Training ended (`finished`: every worker finished): the shard saves and exits."""
     ENDPOINT.finished = finished
     ENDPOINT.ended.set()
+
+
+def _submit(server: ParameterServer, message: torch.Tensor, push: Push) -> Future:
+    """`server.submit` of `message` with what `push` says of it."""
+    return server.submit(
+        push.rank,
+        message,
+        push.pulled,
+        push.name,
+        push.epoch,
+        push.batch,
+        push.samples,
+        push.staleness,
+        push.backward,
+        push.noted,
+    )

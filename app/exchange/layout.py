@@ -1,7 +1,7 @@
 """The state vector cut into partitions: what a worker posts to the PS as its backward finishes
-each one, and what the PS applies as it lands (app.worker.posting, app.ps.speculation).
+each one, and what the PS applies as it lands (app.exchange.early_push, app.ps.early).
 
-Partitions are contiguous ranges of the flat state [params | float buffers] (app.common.flat),
+Partitions are contiguous ranges of the flat state [params | float buffers] (app.training.flat),
 cut at parameter boundaries, each at least `target` values (a parameter larger than that is a
 partition of its own); the last one runs to the end of the vector, so it also holds the
 buffers. The backward produces the gradients of the last layers first, so the last partitions

@@ -1,0 +1,1 @@
+"""The allreduce strategy (DDP): no PS, the workers average their gradients."""

@@ -1,0 +1,1 @@
+"""Checkpoints: the files, the resume decision, the writer."""

@@ -1,1 +1,0 @@
-"""Pieces every role uses: data, models, the flat state vector, metrics, checkpoints, evaluation, the loop."""

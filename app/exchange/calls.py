@@ -1,0 +1,96 @@
+"""The RPC calls a worker makes to a PS process, by name: the one place both sides import.
+
+RPC sends a call as its function's qualified name, so the caller and the callee must import the
+same function. These are those functions; each hands its call to the `Service` the PS process
+serves (app.ps.rpc installs it with `serving` while it serves), so a worker imports this module
+and the wire types, never the PS's code. A call to a process that serves nothing raises (RPC
+hands the error back to the caller).
+
+- `rpc_join`: a worker process starts: the state, its rank's progress (Joined), or Taken /
+  NotReady; with the PS process's shared-memory offer where it has one.
+- `rpc_push`: a push over TensorPipe (the message is a tensor); `rpc_push_slot`: a push whose
+  message is in the worker's push slot of the PS process's segment. Both are
+  `async_execution`: the answer (Reply, SlotReply or Refusal) may be held back (ssp, sync).
+- `rpc_pull`, `rpc_finish`, `rpc_leave` (scaled down), `rpc_shard` (the rank's share of the
+  next epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Taken
+
+
+class Service(Protocol):
+    """What a PS process serves its workers (app.ps.rpc.Endpoint)."""
+
+    def join(self, rank: int, name: str) -> Joined | Taken | NotReady: ...
+    def pull(self, rank: int) -> tuple[torch.Tensor, int]: ...
+    def push(self, message: torch.Tensor, push: Push) -> Future: ...
+    def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future: ...
+    def finish(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
+    def leave(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
+    def shard(self, rank: int) -> tuple[int, int]: ...
+
+
+_SERVING: list[Service] = []  # the service of this process while it serves (at most one)
+
+
+@contextmanager
+def serving(service: Service) -> Iterator[None]:
+    """Answer the calls below with `service` while the block runs."""
+    _SERVING.append(service)
+    try:
+        yield
+    finally:
+        _SERVING.remove(service)
+
+
+def service() -> Service:
+    if not _SERVING:
+        raise RuntimeError("no parameter server is serving in this process")
+    return _SERVING[-1]
+
+
+def rpc_join(rank: int, name: str) -> Joined | Taken | NotReady:
+    return service().join(rank, name)
+
+
+def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
+    return service().pull(rank)
+
+
+@rpc.functions.async_execution
+def rpc_push(message: torch.Tensor, push: Push) -> Future:
+    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
+    Any other error is raised here, and RPC hands it to the caller as an error."""
+    return service().push(message, push)
+
+
+@rpc.functions.async_execution
+def rpc_push_slot(slot: int, dtype: str, numel: int, push: Push) -> Future:
+    """rpc_push for a worker on the PS's host: its message is `numel` values of `dtype` in its
+    push slot `slot`; the answer names the region that holds the new state (a SlotReply), or is
+    a Refusal."""
+    return service().push_slot(slot, dtype, numel, push)
+
+
+def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
+    return service().finish(rank, pushes, name)
+
+
+def rpc_leave(rank: int, pushes: int, name: str = "") -> Refusal | None:
+    """A worker scaled down leaves the job for good (after its last push)."""
+    return service().leave(rank, pushes, name)
+
+
+def rpc_shard(rank: int) -> tuple[int, int]:
+    """(index, count): rank's share of the next epoch's data among the ranks training now."""
+    return service().shard(rank)
