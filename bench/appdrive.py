@@ -1,9 +1,9 @@
 """The app's own PS and worker code paths, driven by the bench.
 
 What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
-`app.ps.rpc.rpc_*` entry points the workers call), the worker's step
+`app.exchange.calls.rpc_*` calls the workers make), the worker's step
 (`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
-`app.worker.client.PSClient`), the flat buffers (`app.training.flat`), the TensorPipe
+`app.worker.channels.PSChannel`), the flat buffers (`app.training.flat`), the TensorPipe
 options (`app.runtime.backend_options`) and thread count
 (`app.runtime.set_threads`). What is the bench's: the model (bench.models),
 a fixed synthetic batch, and the lifecycle of the RPC group (a static group
@@ -127,14 +127,6 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     return {"version": server.version, "state_floats": server.flat.size}
 
 
-def _start(client: Any) -> Any:
-    """The first state: `join` where the app has it (a worker that can rejoin), else `pull`."""
-    if hasattr(client, "join"):
-        return client.join()
-    vector, version = client.pull()
-    return _starting(vector, version)
-
-
 def _starting(vector: Any, version: Any) -> Any:
     """What the app's Trainer.start_from takes at rank 0's start: app.exchange.wire.Start, or the
     dict an app before it took (a baseline under --app-path)."""
@@ -148,24 +140,24 @@ def _starting(vector: Any, version: Any) -> Any:
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     from app.contract import PS, ps_name, worker_name
     from app.exchange.calls import rpc_pull
-    from app.worker.client import PSClient
-    from app.worker.sharded_client import ShardedClient
+    from app.worker.channels import PSChannel, Route
     from app.worker.trainer import Trainer
 
     config = _config("worker", p)
     spec = SPECS[p["model"]]
     x, y = spec.batch(seed=p["rank"])
-    client = PSClient(config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}")
-    _init(config, worker_name(config.rank), config.rank)
     shard_names = [ps_name(i) for i in range(1, config.shards)]
-    if shard_names:  # app-sharded: the worker's side of app.ps.sharding.slices, its shards listed here
-        client = ShardedClient(client)
-        client.parts = [(ps_name(i), *_part(p, i)) for i in range(config.shards)]
-        pulled = [rpc.rpc_sync(name, rpc_pull, args=(config.rank,)) for name, _, _ in client.parts]
+    channel = PSChannel(
+        config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}", sharded=bool(shard_names), overlap=config.overlap
+    )
+    _init(config, worker_name(config.rank), config.rank)
+    if shard_names:  # app-sharded: the worker's routes to app.ps.sharding.slices' shards, listed here
+        channel.routes = [Route(ps_name(i), *_part(p, i)) for i in range(config.shards)]
+        pulled = [rpc.rpc_sync(route.name, rpc_pull, args=(config.rank,)) for route in channel.routes]
         start = _starting(torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled))
-    trainer = Trainer(config, spec.model(), None, None, torch.device("cpu"), client, None)  # type: ignore[arg-type]
-    if not shard_names:
-        start = _start(client)
+    else:
+        start = channel.join()
+    trainer = Trainer(config, spec.model(), None, None, torch.device("cpu"), channel, None)  # type: ignore[arg-type]
     trainer.start_from(start)  # and, through shared memory, backward writes into the push slots
     compute_only = loop.time_compute(lambda: trainer.compute_gradients(x, y), p["compute_seconds"])
 

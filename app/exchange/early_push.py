@@ -39,7 +39,7 @@ from app.training.flat import FlatModel
 log = logging.getLogger("app.worker")
 
 
-class Poster:
+class EarlyPush:
     """Notes a worker's partitions on `sender` (its rank's, app.exchange.notes) as its backward completes them.
     `arm(backward, slot, version)` before each backward; `claims()` after it: whether the
     push may say it was noted (every parameter fired once)."""
@@ -96,9 +96,9 @@ class Poster:
     def complete(self, j: int) -> None:
         """Partition `j` is in the slot: note it, if it is finite."""
         assert self.note is not None
-        self.ring_if_finite(j, self.note)
+        self.note_if_finite(j, self.note)
 
-    def ring_if_finite(self, j: int, note: tuple[int, int, int]) -> None:
+    def note_if_finite(self, j: int, note: tuple[int, int, int]) -> None:
         """Note partition `j` of the push `note` (backward, slot, version) is in its slot, if no
         NaN or inf is in it there."""
         backward, slot, version = note
@@ -108,13 +108,18 @@ class Poster:
             return
         self.sender.note_partition(backward, slot, j, version)
 
+    def finish(self) -> int | None:
+        """At the push: the slot the message is in, where this copied it there (a GPU worker);
+        None on the CPU, where the backward wrote it into its slot itself."""
+        return None
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
-class DevicePoster(Poster):
-    """A GPU worker's Poster: each complete partition of the flat gradient buffer on the device
+class DeviceEarlyPush(EarlyPush):
+    """A GPU worker's EarlyPush: each complete partition of the flat gradient buffer on the device
     (`flat.message`) is copied into the push slot on a side stream and noted once it has landed."""
 
     def __init__(
@@ -170,4 +175,4 @@ class DevicePoster(Poster):
         while True:
             done, j, note = self.landed.get()
             done.synchronize()
-            self.ring_if_finite(j, note)
+            self.note_if_finite(j, note)

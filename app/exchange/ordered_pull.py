@@ -33,7 +33,7 @@ def waits(model: nn.Module, parts: list[tuple[int, int]]) -> dict[nn.Module, tup
     return out
 
 
-class DevicePuller:
+class OrderedPull:
     """Copies replies into `flat`'s own storage on the device, partition by partition."""
 
     def __init__(self, model: nn.Module, flat: FlatModel, parts: list[tuple[int, int]]) -> None:

@@ -1,28 +1,60 @@
-"""A worker's side of a PS process's shared-memory segment (app.exchange.ps_end): its push slots and
-the regions the PS's replies are in.
+"""A worker's end of a PS process's shared-memory segment (app.exchange.ps_end): its push slots,
+the regions the PS's replies are in, and, where the PS applies partitions early, what the
+worker's backward sends it ahead of the push (app.exchange.early_push) and how its forward takes
+the reply back (app.exchange.ordered_pull).
 
 The worker maps the segment its PS offered when it joined; if it cannot (another host, another
 IPC namespace, a /dev/shm it does not share, --exchange tensorpipe) it says so in one line and
 pushes over TensorPipe. A GPU worker pins the regions it copies to and from
 (cudaHostRegister), so the device-host copies are asynchronous DMA, not staged through
 pageable memory.
+
+What a worker's channel (app.worker.channels) asks of it:
+
+    bind(model, flat, ...)     once, after join: where the model reads its state and writes its
+                               gradient; the hooks of the early push and the ordered pull
+    with backward(version):    around each backward (the early push notes its partitions)
+    seal()                     after it: what the push says of its message
+    slot_for(message, sealed)  the push slot the message is in (copied there if it is not)
+    reply(answer)              an answer as a Reply whose state is where the PS wrote it
+    load(reply)                continue from a reply's state
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
+from torch import nn
 
+from app.exchange.early_push import DeviceEarlyPush, EarlyPush
+from app.exchange.layout import cut
+from app.exchange.notes import NoteSender
+from app.exchange.ordered_pull import OrderedPull
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.wire import Reply, SlotReply
+from app.training.flat import FlatModel
 
 log = logging.getLogger("app.worker")
 
 
-class SharedLink:
+class Sealed(NamedTuple):
+    """What a push through shared memory says of its message besides the values: the slot it is
+    in already (a GPU worker's early push copied it there), and where partitions were noted,
+    the backward the gradient comes from and whether its notes hold (app.ps.early)."""
+
+    placed: int | None = None
+    backward: int | None = None
+    noted: bool = False
+
+
+class WorkerEnd:
     """Rank `rank`'s slots in a mapped segment. `place` puts a message in a push slot,
-    `reply` reads an answer's state where the PS wrote it."""
+    `reply` reads an answer's state where the PS wrote it; once bound to the worker's model,
+    the early push and the ordered pull."""
 
     def __init__(self, segment: Segment, rank: int, device: torch.device) -> None:
         self.segment, self.rank, self.device = segment, rank, device
@@ -37,9 +69,14 @@ class SharedLink:
         self.life = 0  # which of its rank's joins at the PS this process is: its notes carry it
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
+        self.flat: FlatModel | None = None  # the worker's model, once bound
+        self.early: EarlyPush | None = None  # notes partitions as the backward finishes them
+        self.ordered: OrderedPull | None = None  # a GPU worker's partitions back, in forward order
+        self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
+        self._claimed = False  # the last backward's notes hold
 
     @classmethod
-    def attach(cls, offer: Offer, rank: int, device: torch.device) -> SharedLink:
+    def attach(cls, offer: Offer, rank: int, device: torch.device) -> WorkerEnd:
         link = cls(Segment.attach(offer), rank, device)
         link.parts, link.notes, link.life = [(start, end) for start, end in offer.parts], offer.notes, offer.life
         return link
@@ -84,6 +121,71 @@ class SharedLink:
             torch.cuda.current_stream(message.device).synchronize()
         return k
 
+    def bind(self, model: nn.Module, flat: FlatModel, name: str, notes: bool, messages_here: bool) -> None:
+        """Point the worker's model at this end. On the CPU the model reads its state where the
+        PS wrote a reply (no copy) and, with `messages_here` (float32 messages), its backward
+        writes the gradient straight into a push slot. With `notes` (no fp16 loss scaling, no
+        --compress: the gradient is final as the backward writes it), where the PS applies
+        partitions early, each partition is noted as the backward finishes it. A GPU worker
+        takes each reply back partition by partition, in the order its forward needs them."""
+        self.flat = flat
+        cpu = self.device.type == "cpu"
+        if cpu:  # the model is pointed at the PS's reply buffers: their views once
+            flat.keep_views_of(self.replies)
+            if messages_here:
+                flat.keep_views_of(self.slots)
+                flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
+        if notes and self.parts:
+            params = list(model.parameters())
+            sender = NoteSender(self.notes, self.rank, self.life)
+            self.early = (
+                EarlyPush(params, self.parts, sender, name, self.slots)
+                if cpu
+                else DeviceEarlyPush(params, self.parts, sender, name, flat, self.slots)
+            )
+        if not cpu:
+            parts = self.parts or cut([p.numel() for p in model.parameters()], flat.size)
+            self.ordered = OrderedPull(model, flat, parts)
+
+    @contextlib.contextmanager
+    def backward(self, version: int) -> Iterator[None]:
+        """Around one backward, from the state of `version`: its partitions noted as it finishes
+        them; afterwards, whether its notes hold."""
+        if self.early is not None:
+            self.early.arm(self.backwards, self._slot(), version)
+        self.backwards += 1
+        yield
+        self._claimed = self.early is not None and self.early.claims()
+
+    def _slot(self) -> int:
+        """The push slot the next backward's gradient goes into: the one the gradients are
+        views of (CPU), or the next one taken (GPU)."""
+        assert self.flat is not None  # bound
+        if self.device.type != "cpu":
+            return self.reserve()
+        return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
+
+    def seal(self) -> Sealed:
+        """What the push of the last backward's message says of it: where it noted partitions,
+        which backward it comes from and whether its notes hold, and the slot a GPU worker's
+        early push has copied it into (the rest of it copied now, and waited for)."""
+        if self.early is None:
+            return Sealed()
+        return Sealed(self.early.finish(), self.backwards - 1, self._claimed)
+
+    def slot_for(self, message: torch.Tensor, sealed: Sealed) -> int:
+        """The push slot that holds `message`: the one it was sealed in, or the one `place` puts it in."""
+        return sealed.placed if sealed.placed is not None else self.place(message)
+
+    def load(self, reply: Reply) -> None:
+        """Continue from `reply`'s state: a GPU worker copies it to the device as its forward
+        needs it; on the CPU the model reads it where it is (no copy)."""
+        assert self.flat is not None  # bound
+        if self.ordered is not None:
+            self.ordered.load(reply.vector)
+        else:
+            self.flat.adopt(reply.vector)
+
     def reply(self, answer: SlotReply) -> Reply:
         """The answer as a Reply whose state is the region the PS wrote it in (no copy)."""
         return Reply(self.segment.region(answer.region), answer.version, answer.staleness, answer.lead)
@@ -96,7 +198,7 @@ class SharedLink:
             self.pinned = []
 
 
-def attach(offer: Offer | None, rank: int, device: torch.device, mode: str, who: str, peer: str) -> SharedLink | None:
+def attach(offer: Offer | None, rank: int, device: torch.device, mode: str, who: str, peer: str) -> WorkerEnd | None:
     """The link to `peer`'s segment, or None: TensorPipe (logged in one line, once per peer)."""
     if offer is None:
         return None  # the PS has no segment, and said why in its own log
@@ -104,7 +206,7 @@ def attach(offer: Offer | None, rank: int, device: torch.device, mode: str, who:
         log.info("%s: exchange with %s over TensorPipe (--exchange tensorpipe)", who, peer)
         return None
     try:
-        link = SharedLink.attach(offer, rank, device)
+        link = WorkerEnd.attach(offer, rank, device)
     except ShmUnavailable as error:
         log.info("%s: %s's shared memory is not reachable from here (%s); exchange over TensorPipe", who, peer, error)
         return None

@@ -23,8 +23,7 @@ from app.exchange import group
 from app.runtime import choose_device, gpu_identity, rpc_session
 from app.training import models
 from app.training.metrics import MetricsWriter, run_records
-from app.worker.client import PSClient, PSUnreachable
-from app.worker.sharded_client import ShardedClient, wait_until_ready
+from app.worker.channels import Channel, PSChannel, PSUnreachable, wait_until_ready
 from app.worker.trainer import Trainer
 
 log = logging.getLogger("app.worker")
@@ -90,7 +89,7 @@ def join_and_train(
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
     push_wait = config.join_timeout if strategy_of(config.strategy).waits else 0.0
-    main = PSClient(
+    channel = PSChannel(
         config.rank,
         config.rpc_timeout,
         f"{config.master_addr}:{config.master_port}",
@@ -98,25 +97,25 @@ def join_and_train(
         push_wait,
         exchange=config.exchange,
         device=device,
+        sharded=config.shards > 1,
+        chained=config.staleness_lr,
+        overlap=config.overlap,
     )
-    client: PSClient | ShardedClient = main
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
-        client = ShardedClient(main, chained=config.staleness_lr)
-        client.num_params = sum(p.numel() for p in model.parameters())
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
         started = time.monotonic()
         with rpc_session(config, rank=rpc_id, name=name):
-            start = client.join()
+            start = channel.join()
             at = start.progress
             metrics.start(config, at.pushes)
             metrics.write("join", at.pushes, worker=name, epoch=at.epoch, batch=at.batch, **gpu_identity(device))
-            trainer = Trainer(config, model, loader, sampler, device, client, metrics)
+            trainer = Trainer(config, model, loader, sampler, device, channel, metrics)
             try:
                 pushes = trainer.train(start)
             except SystemExit:  # SIGTERM: scaled down (or the cluster stops): leave the job cleanly
-                return leave(trainer, client, metrics, started)
-            client.finish(pushes)
+                return leave(trainer, channel, metrics, started)
+            channel.finish(pushes)
             metrics.write(
                 "end",
                 pushes,
@@ -128,16 +127,16 @@ def join_and_train(
     return 0
 
 
-def leave(trainer: Trainer, client: PSClient | ShardedClient, metrics: MetricsWriter, started: float) -> int:
+def leave(trainer: Trainer, channel: Channel, metrics: MetricsWriter, started: float) -> int:
     """After SIGTERM: take the answer to a push still on the wire, tell the PS this rank leaves
     (it stops waiting for it: a `left` record, not a drop) and exit 0, so compose's restart
     policy (on-failure) leaves it stopped. When the PS is gone too, 143 as any SIGTERM."""
     try:
         pushes = trainer.last_reply()
-        client.leave(pushes)
+        channel.leave(pushes)
     except PSUnreachable as error:  # the PS stops too (the whole cluster stops): nothing to tell it
-        log.info("%s stopped (SIGTERM) without leaving: %s", client.name, error)
+        log.info("%s stopped (SIGTERM) without leaving: %s", channel.name, error)
         return 128 + signal.SIGTERM
-    log.info("%s left the job after %d pushes (SIGTERM)", client.name, pushes)
-    metrics.write("left", pushes, worker=client.name, seconds=round(time.monotonic() - started, 2))
+    log.info("%s left the job after %d pushes (SIGTERM)", channel.name, pushes)
+    metrics.write("left", pushes, worker=channel.name, seconds=round(time.monotonic() - started, 2))
     return 0

@@ -17,7 +17,6 @@ the worker with exit 2.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,17 +24,12 @@ from torch import nn
 from app import runtime
 from app.config import Config
 from app.data import datasets
-from app.exchange.early_push import DevicePoster, Poster
-from app.exchange.layout import cut
-from app.exchange.notes import NoteSender
-from app.exchange.ordered_pull import DevicePuller
 from app.exchange.wire import Refusal, Reply, Start, Version
 from app.training import loop
 from app.training.flat import FlatModel
 from app.training.metrics import MetricsWriter
-from app.worker.client import Pending, PSClient
+from app.worker.channels import Channel, Pending
 from app.worker.compress import Compressor
-from app.worker.sharded_client import ShardedClient
 
 log = logging.getLogger("app.worker")
 MAX_REFUSED_IN_A_ROW = 20
@@ -51,11 +45,11 @@ class Trainer:
         loader: torch.utils.data.DataLoader,
         sampler: datasets.ShardSampler,
         device: torch.device,
-        client: PSClient | ShardedClient,
+        channel: Channel,
         metrics: MetricsWriter,
     ) -> None:
         self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
-        self.device, self.client, self.metrics = device, client, metrics
+        self.device, self.channel, self.metrics = device, channel, metrics
         self.flat = FlatModel(model, own_buffers=True)
         self.loss_fn = nn.CrossEntropyLoss()
         self.format = runtime.memory_format(config, device)
@@ -66,22 +60,7 @@ class Trainer:
         self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
         self.skipped = 0  # fp16: batches not pushed (gradient overflow)
         self.compress = Compressor(config.compress, self.flat.num_params, device) if config.compress != "none" else None
-        wire_dtype = self.compress.dtype if self.compress else torch.float32
-        # RPC carries CPU tensors only: a GPU worker that pushes over TensorPipe stages its
-        # message here (two buffers, used by pushes sent in turn: with --overlap one is on
-        # the wire while the next fills); through shared memory it copies into a push slot.
-        wire_size = self.flat.size + (self.flat.num_buffers if self.compress else 0)
-        self.staging = (
-            [torch.empty(wire_size, dtype=wire_dtype, pin_memory=True) for _ in range(2)]
-            if device.type == "cuda"
-            else None
-        )
         self.in_flight: Pending | None = None  # --overlap: the push on the wire
-        self.slots: list[torch.Tensor] | None = None  # the push slots in the PS's shared memory, once joined
-        self.poster: Poster | None = None  # notes partitions as the backward finishes them (app.exchange.early_push)
-        self.puller: DevicePuller | None = None  # a GPU worker's partitions back, in forward order
-        self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
-        self._claimed = False  # the last backward's notes hold
         self.version: Version = 0  # of the state this worker computes on (a tuple over PS shards)
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
         self.sent = 0  # pushes sent by this process
@@ -117,44 +96,17 @@ class Trainer:
         return self.last_reply()
 
     def start_from(self, start: Start) -> None:
-        """Take the PS's answer to join: the state, its version, the rank's pushes; and, when the
-        client reaches the PS through shared memory, write messages into its push slots."""
-        self.flat.adopt(start.vector)
+        """Take the PS's answer to join: the state, its version, the rank's pushes; the channel
+        points the model where it exchanges its state and gradient. Partitions may be noted as
+        the backward finishes them only where the gradient is final then (no fp16 loss scaling,
+        no --compress); messages go into the channel's buffers where they are float32."""
         self.version, self.pushes = start.version, start.progress.pushes
-        self.slots = self.client.message_buffers()
-        if self.device.type == "cpu":  # the model is pointed at the PS's reply buffers: their views once
-            self.flat.keep_views_of(self.client.reply_buffers())
-        if self.slots is not None and self.device.type == "cpu" and self.compress is None:
-            self.flat.keep_views_of(self.slots)
-            self.flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
-        self.poster = self._poster()
-        self.puller = self._puller()
-
-    def _puller(self) -> DevicePuller | None:
-        """A GPU worker through shared memory takes each reply back partition by partition, in
-        the order its forward needs them (app.exchange.ordered_pull)."""
-        link = getattr(self.client, "link", None)
-        if link is None or self.device.type != "cuda":
-            return None
-        parts = link.parts or cut([p.numel() for p in self.model.parameters()], self.flat.size)
-        return DevicePuller(self.model, self.flat, parts)
-
-    def _poster(self) -> Poster | None:
-        """A Poster where the PS applies partitions ahead and this worker can hand them over as
-        its backward finishes them: through shared memory, float32 on the wire, no fp16 loss
-        scaling (its gradient is final only once unscaled after the backward)."""
-        link = getattr(self.client, "link", None)
-        if link is None or not link.parts or self.compress is not None or self.scaler is not None:
-            return None
-        params = list(self.model.parameters())
-        sender = NoteSender(link.notes, self.config.rank, link.life)
-        if self.device.type == "cpu":
-            return Poster(params, link.parts, sender, self.config.name, link.slots)
-        return DevicePoster(params, link.parts, sender, self.config.name, self.flat, link.slots)
+        final = self.compress is None and self.scaler is None
+        self.channel.bind(self.model, self.flat, start, notes=final, messages_here=self.compress is None)
 
     def reshard(self, epoch: int) -> None:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
-        index, count = self.client.shard()
+        index, count = self.channel.shard()
         if (index, count) != (self.sampler.shard, self.sampler.num_shards):
             log.info("%s: epoch %d shared by %d workers; share %d is this one", self.config.name, epoch, count, index)
         self.sampler.shard, self.sampler.num_shards = index, count
@@ -163,16 +115,11 @@ class Trainer:
         """Forward (under --precision's autocast) and backward; the float32 gradient lands in
         self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
-        if self.poster is not None:
-            assert isinstance(self.version, int)  # notes go to one PS process
-            self.poster.arm(self.backwards, self._slot(), self.version)
-        self.backwards += 1
-        with self.flat.writing_grads():  # each gradient written into the message once
+        with self.flat.writing_grads(), self.channel.backward(self.version):  # each gradient written once
             with runtime.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.scaler is None:
-            self._claimed = self.poster is not None and self.poster.claims()
             return loss.item()
         assert self._unscaler is not None  # made with the scaler
         self.scaler.unscale_(self._unscaler)
@@ -193,36 +140,12 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        if self.staging is not None and self.slots is None:  # over TensorPipe:
-            message = self.staging[self.sent % 2].copy_(message)  # the other buffer may still be on the wire
-        elif self.config.overlap and message is self.flat.message and self.device.type == "cpu":
-            self.flat.flip()  # the next backward writes into the other buffer, not the one sent
-        ahead = self._ahead()
-        self.sent += 1
+        outgoing = self.channel.seal(message)
         computed_on = self.version  # the state this gradient comes from, before the reply below
         reply = self._wait_in_flight() if self.config.overlap else None
         with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
-            self.in_flight = self.client.push_async(message, computed_on, epoch, batch, samples, **ahead)
+            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples)
         return reply if self.config.overlap else self._wait_in_flight()
-
-    def _ahead(self) -> dict[str, Any]:
-        """What the push says of the partitions noted during its backward (app.exchange.early_push):
-        the backward it comes from and whether its notes hold, and the slot a GPU worker copied
-        the message into; nothing where this worker notes none."""
-        if self.poster is None:
-            return {}
-        placed = self.poster.finish() if isinstance(self.poster, DevicePoster) else None
-        return {"noted": (self.backwards - 1, self._claimed), "placed": placed}
-
-    def _slot(self) -> int:
-        """The push slot the next backward's gradient goes into: the one the gradients are
-        views of (CPU), or the next one taken (GPU)."""
-        assert self.slots is not None
-        if self.device.type != "cpu":
-            link = getattr(self.client, "link", None)
-            assert link is not None  # push slots come with the link
-            return link.reserve()
-        return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
     def last_reply(self) -> int:
         """The end of training: take the reply still on the wire (--overlap's, or the push a
@@ -240,10 +163,7 @@ class Trainer:
             self._skip(reply)
             return None
         self._refused_in_a_row = 0
-        if self.puller is not None:  # a GPU worker: copied to the device as its forward needs it
-            self.puller.load(reply.vector)
-        else:  # no copy: a received tensor, or the PS's reply buffer in shared memory
-            self.flat.adopt(reply.vector)
+        self.channel.load(reply)
         self.version = reply.version
         self.pushes += 1
         return reply

@@ -197,3 +197,40 @@ def assert_same_curves(got: dict, want: dict, where: str) -> None:
         assert steps == [s for s, _ in points], f"{where} {tag}"
         # TensorBoard keeps float32: each value is the record's, as a float32.
         assert [numpy.float32(v) for _, v in got[tag]] == [numpy.float32(v) for _, v in points], f"{where} {tag}"
+
+
+def recording_channel(answer=None, overlap: bool = False):
+    """A worker's real channel (app.worker.channels.PSChannel: its own seal, flip and staging)
+    whose pushes go nowhere: each is recorded in `.messages` and answered at once with
+    `answer(message, version)` (by default a Reply of zeros, one version on)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from app.contract import PS
+    from app.exchange.wire import Reply
+    from app.worker.channels import PSChannel, Route
+
+    def zeros(message, version):
+        return Reply(torch.zeros(message.numel()), version + 1, 0, 0)
+
+    class RecordingChannel(PSChannel):
+        def __init__(self) -> None:
+            super().__init__(1, timeout=10.0, address="nowhere", overlap=overlap)
+            self.routes = [Route(PS, 0, 0)]
+            self.messages: list = []
+
+        def send(self, outgoing, version, epoch=1, batch=0, samples=0):
+            self.sent += 1
+            self.messages.append(outgoing.message)
+            reply = (answer or zeros)(outgoing.message, version)
+            return SimpleNamespace(wait=lambda: reply)
+
+    return RecordingChannel()
+
+
+def started(trainer) -> None:
+    """`trainer.start_from` the state its model has, at version 0 (as a join at the start)."""
+    from app.exchange.wire import Progress, Start
+
+    trainer.start_from(Start(trainer.flat.vector.clone(), 0, Progress(1, 0, 0)))

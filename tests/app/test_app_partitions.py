@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from app.exchange.early_push import Poster
+from app.exchange.early_push import EarlyPush
 from app.exchange.layout import cut, owners
 from app.exchange.notes import Note, NoteInbox, NoteSender
 from app.exchange.ps_end import SharedExchange
 from app.exchange.segment import sweep
 from app.exchange.wire import Refusal
-from app.exchange.worker_end import SharedLink
+from app.exchange.worker_end import WorkerEnd
 from app.ps.server import ParameterServer
 from app.training.flat import FlatModel
 
@@ -66,7 +66,7 @@ class Collect(NoteSender):
         self.notes.append(note)
 
 
-def _backward(model: nn.Module, poster: Poster, backward: int) -> bool:
+def _backward(model: nn.Module, poster: EarlyPush, backward: int) -> bool:
     poster.arm(backward, 0, 7)
     model(torch.randn(16, 64)).pow(2).sum().backward()
     return poster.claims()
@@ -78,7 +78,7 @@ def test_the_backward_notes_its_partitions_last_layers_first_and_never_the_last_
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)  # one linear layer each
     sender = Collect(3)
-    poster = Poster(params, parts, sender, "worker3", [flat.message])
+    poster = EarlyPush(params, parts, sender, "worker3", [flat.message])
     assert len(parts) == 5  # 4 linears, then the BatchNorm's parameters with its buffers
     assert _backward(model, poster, 0) is False and sender.notes == []  # the first backward only counts
     assert _backward(model, poster, 1) is True
@@ -96,7 +96,7 @@ def test_a_partition_with_a_nan_or_inf_in_its_slot_is_not_noted():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
     sender = Collect()
-    poster = Poster(params, parts, sender, "worker1", [flat.message])
+    poster = EarlyPush(params, parts, sender, "worker1", [flat.message])
     _backward(model, poster, 0)
     model.layers[1].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([5]), float("inf")))
     flat.zero_grads()
@@ -113,7 +113,7 @@ def test_a_weight_used_twice_is_noted_once_its_whole_gradient_is_in():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64 * 64)
     sender = Collect()
-    poster = Poster(params, parts, sender, "worker1", [flat.message])
+    poster = EarlyPush(params, parts, sender, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is True and [n.partition for n in sender.notes] == [0]
 
@@ -135,7 +135,7 @@ def test_a_parameter_whose_gradient_never_comes_turns_the_notes_off():
     flat = FlatModel(model)
     parts = cut([p.numel() for p in params], flat.size, 64)
     sender = Collect()
-    poster = Poster(params, parts, sender, "worker1", [flat.message])
+    poster = EarlyPush(params, parts, sender, "worker1", [flat.message])
     assert _backward(model, poster, 0) is False
     assert _backward(model, poster, 1) is False and sender.notes == []
 
@@ -194,7 +194,7 @@ def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(sh
     server, exchange = _ps(shm_dir, "async")
     whole, whole_exchange = _ps(shm_dir, "async")
     try:
-        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         for s in (server, whole):
             s.join(1, "worker1")
         _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
@@ -217,7 +217,7 @@ def _two_ranks(shm_dir: Path, overlap: bool = False):
     server, exchange = _ps(shm_dir, "async", workers=2, overlap=overlap)
     whole, whole_exchange = _ps(shm_dir, "async", workers=2)
     try:
-        links = [SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)]
+        links = [WorkerEnd.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)]
         for s in (server, whole):
             s.join(1, "worker1")
             s.join(2, "worker2")
@@ -303,7 +303,7 @@ def test_a_replaced_processs_late_note_does_not_vouch_for_the_new_process_partit
     backward 2, with a NaN in partition 2, is checked there and refused."""
     with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
         joined = server.join(1, "worker1_r2")
-        assert joined.life == 2 and SharedLink.attach(exchange.offer(joined.life), 1, torch.device("cpu")).life == 2
+        assert joined.life == 2 and WorkerEnd.attach(exchange.offer(joined.life), 1, torch.device("cpu")).life == 2
         for backward in (0, 1):
             pushed = exchange.push(1, 0, "float32", server.size)
             got = server.submit(1, pushed, backward, "worker1_r2", backward=backward, noted=False).wait()
@@ -324,7 +324,7 @@ def test_a_non_finite_partition_the_worker_did_not_note_refuses_the_whole_push(s
     """The others were noted (and built or folded ahead): the PS checks what was not."""
     server, exchange = _ps(shm_dir, strategy)
     try:
-        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         server.join(1, "worker1")
         _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
         before = server.snapshot()[0]
@@ -343,7 +343,7 @@ def test_sync_partitions_folded_ahead_close_the_round_as_the_pushes_whole(shm_di
     server, exchange = _ps(shm_dir, "sync", workers=2, momentum=momentum)
     whole, whole_exchange = _ps(shm_dir, "sync", workers=2, momentum=momentum)
     try:
-        links = {r: SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
+        links = {r: WorkerEnd.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
         for s in (server, whole):
             s.join(1, "worker1")
             s.join(2, "worker2")
@@ -370,7 +370,7 @@ def test_a_new_process_of_a_rank_folds_its_push_whole_after_its_old_ones_notes(s
     server, exchange = _ps(shm_dir, "sync", workers=2, momentum=0.5)
     whole, whole_exchange = _ps(shm_dir, "sync", workers=2, momentum=0.5)
     try:
-        links = {r: SharedLink.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
+        links = {r: WorkerEnd.attach(exchange.offer(), r, torch.device("cpu")) for r in (1, 2)}
         for s in (server, whole):
             s.join(1, "worker1")
             s.join(2, "worker2")
@@ -434,7 +434,7 @@ def test_the_ps_does_not_read_a_partition_noted_ahead_again(shm_dir):
     server, exchange = _ps(shm_dir, "async")
     whole, whole_exchange = _ps(shm_dir, "async")
     try:
-        link = SharedLink.attach(exchange.offer(), 1, torch.device("cpu"))
+        link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         for s in (server, whole):
             s.join(1, "worker1")
         _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)

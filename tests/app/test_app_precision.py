@@ -14,7 +14,18 @@ from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import TopologyError, load
 from orchestrator.topology.model import parse as parse_topology
 
-from app_testkit import DIGITS, REPO, final_accuracy, finished, job_args, run_cluster, start_app, wait_for
+from app_testkit import (
+    DIGITS,
+    REPO,
+    final_accuracy,
+    finished,
+    job_args,
+    recording_channel,
+    run_cluster,
+    start_app,
+    started,
+    wait_for,
+)
 
 
 def test_precision_flag_and_fp16_needs_cuda():
@@ -30,7 +41,8 @@ def test_precision_flag_and_fp16_needs_cuda():
 def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32():
     config = parse(["worker", "--precision", "bf16"], {})
     model = models.build("cnn", 1, 10, seed=0)
-    trainer = Trainer(config, model, None, None, torch.device("cpu"), None, None)
+    trainer = Trainer(config, model, None, None, torch.device("cpu"), recording_channel(), None)
+    started(trainer)
     with runtime.autocast("bf16", torch.device("cpu")):
         assert model(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16  # autocast is on
     loss = trainer.compute_gradients(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))

@@ -13,15 +13,18 @@ from torch import nn
 from app.checkpoint import files as checkpoint_files
 from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, check_threads_env, parse
+from app.contract import PS
 from app.exchange import calls
 from app.exchange.wire import Push, Refusal, Reply
 from app.ps import rpc as endpoints
 from app.ps.members.liveness import LivenessMonitor
 from app.ps.server import ParameterServer
 from app.training.metrics import MetricsWriter
-from app.worker.client import PendingPush
+from app.worker.channels import PSChannel, Route
 from app.worker.compress import Compressor
 from app.worker.trainer import MAX_REFUSED_IN_A_ROW, Trainer
+
+from app_testkit import recording_channel, started
 
 
 class Clock:
@@ -46,24 +49,15 @@ def _bn_model() -> nn.Module:
 # 1. GPU --overlap: two pushes on the wire at once never share a staging buffer
 
 
-class _FakeClient:
-    def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
-
-    def push_async(self, message, version, epoch=1, batch=0, samples=0):
-        self.sent.append(message)
-        vector = torch.zeros(message.numel())
-        return SimpleNamespace(wait=lambda: Reply(vector, version + 1, 0, 0))
-
-
 def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire():
     config = parse(["worker", "--overlap", "true"], {})
-    client = _FakeClient()
-    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), client, None)
-    trainer.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
+    channel = recording_channel(overlap=True)
+    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    channel.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
     for _ in range(5):
         trainer.push_and_pull()
-    pointers = [m.data_ptr() for m in client.sent]
+    pointers = [m.data_ptr() for m in channel.messages]
     assert all(a != b for a, b in zip(pointers, pointers[1:])), pointers
 
 
@@ -146,12 +140,9 @@ def test_a_non_finite_push_is_refused_counted_and_changes_nothing(strategy, capl
 def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
     config = parse(["worker"], {})
 
-    class Refusing(_FakeClient):
-        def push_async(self, message, version, epoch=1, batch=0, samples=0):
-            self.sent.append(message)
-            return SimpleNamespace(wait=lambda: Refusal("nonfinite", "worker1 pushed non-finite values"))
-
-    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), Refusing(), None)
+    channel = recording_channel(lambda message, version: Refusal("nonfinite", "worker1 pushed non-finite values"))
+    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), channel, None)
+    started(trainer)
     for _ in range(MAX_REFUSED_IN_A_ROW - 1):
         assert trainer.push_and_pull() is None
     assert trainer.refused == MAX_REFUSED_IN_A_ROW - 1 and trainer.pushes == 0
@@ -199,9 +190,9 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
         assert isinstance(answer, Refusal) and answer.kind == "stale"
         assert "worker1 was replaced by worker1_r2" in answer.message
         assert isinstance(calls.rpc_finish(1, 3, "worker1"), Refusal)
-    client = SimpleNamespace(lost=None)
+    channel = PSChannel(1, timeout=10.0, address="nowhere")
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
-        PendingPush(client, future, None).wait()
+        channel.answer(Route(PS, 0, 4), future)
 
 
 # 7. drop answers the held push (sync and ssp)

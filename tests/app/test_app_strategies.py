@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from app.training.flat import FlatModel
 from app.training.metrics import read
 from app.worker.compress import Compressor
 
-from app_testkit import finished, job_args, run_cluster, start_app, wait_for
+from app_testkit import finished, job_args, recording_channel, run_cluster, start_app, started, wait_for
 
 
 def _linear(size: int) -> nn.Module:
@@ -345,47 +346,40 @@ def test_overlap_and_bf16_compression_still_learn_digits(tmp_path):
     assert sum(end["pushes"].values()) == end["step"]
 
 
-class _CheckingClient:
-    """Takes pushes; on each reply it is waited for, checks its message is as it was sent."""
-
-    def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
-        self.intact: list[bool] = []
-
-    def push_async(self, message, version, epoch=1, batch=0, samples=0):
-        from types import SimpleNamespace
-
-        from app.exchange.wire import Reply
-
-        kept = message.clone()
-        self.sent.append(message)
-
-        def wait():
-            self.intact.append(torch.equal(message, kept))
-            return Reply(torch.zeros(message.numel()) + len(self.sent), version + 1, 0, 0)
-
-        return SimpleNamespace(wait=wait)
-
-
 def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
     from app.config import parse
     from app.worker.trainer import Trainer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    client = _CheckingClient()
-    trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"), client, None)
+    intact: list[bool] = []  # each message, once its reply is waited for: as it was sent
+    channel = recording_channel(overlap=True)
+    sent = channel.send
+
+    def send(outgoing, version, epoch=1, batch=0, samples=0):
+        pending = sent(outgoing, version, epoch, batch, samples)
+        message, copy = outgoing.message, outgoing.message.clone()
+
+        def wait():
+            intact.append(torch.equal(message, copy))
+            return pending.wait()
+
+        return SimpleNamespace(wait=wait)
+
+    channel.send = send
+    trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"), channel, None)
+    started(trainer)
     for _ in range(5):
         trainer.compute_gradients(torch.randn(8, 3), torch.randint(0, 2, (8,)))
         trainer.push_and_pull()
-        on_wire = client.sent[-1]
+        on_wire = channel.messages[-1]
         assert all(
             not (on_wire.data_ptr() <= p.grad.data_ptr() < on_wire.data_ptr() + 4 * on_wire.numel())
             for p in model.parameters()
         )  # the next backward lands elsewhere
     trainer.last_reply()
-    assert client.intact == [True] * 5
-    pointers = [m.data_ptr() for m in client.sent]
+    assert intact == [True] * 5
+    pointers = [m.data_ptr() for m in channel.messages]
     assert all(a != b for a, b in zip(pointers, pointers[1:])) and len(set(pointers)) == 2  # two buffers, no copy
 
 

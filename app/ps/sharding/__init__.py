@@ -1,3 +1,3 @@
 """A PS split across K processes (`ps.shards`): `slices` (how the state vector is cut),
 `shardset` (the main PS's side: registration, readiness, gather, checkpoints, the end),
-`shard_process` (a shard's own process). The worker's side is app/worker/sharded_client.py."""
+`shard_process` (a shard's own process). The worker's side is app/worker/channels.py."""

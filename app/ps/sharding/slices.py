@@ -37,9 +37,9 @@ strategy, and sees every worker's push of its slice.
   then slices may apply them in different orders (with momentum, different
   bits). A push's staleness is the main PS's, for every slice: with
   --staleness_lr a worker sends the other slices once the main PS answered,
-  with its staleness (`ShardedClient.chained`); the reply's staleness and lead
+  with its staleness (`PSChannel.chained`); the reply's staleness and lead
   are the main PS's.
-- A worker (`ShardedClient`, app.worker.sharded_client) joins every shard, pushes
+- A worker (app.worker.channels.PSChannel, a route per shard) joins every shard, pushes
   each its slice (a contiguous copy: TensorPipe sends a view's whole storage when the view is
   more than half of it) in parallel and assembles the replies with one copy.
 """
