@@ -34,7 +34,7 @@ NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
 DEVICES = ("cpu", "cuda")
 IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/data/imagecache.py)
 
-# The user's own model or dataset (app/training/plugins.py): package.module:factory.
+# The user's own model or dataset (app/plugins.py): package.module:factory.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # A run id names a directory (checkpoints set aside: <checkpoint_dir>/previous/<run id>/; TensorBoard's runs).
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -5,7 +5,7 @@ floating-point buffers, app.training.flat) with 1000 classes and 3 input channel
 0.29. The orchestrator sizes the shared memory of the PS's exchange from it
 (app.contract.exchange_bytes); a model with fewer classes is a little smaller. A model that is
 not listed (the built-in cnn is tiny; a user's own model) adds nothing to the size: its share
-comes out of ps.shm_size. Standard library only; tests/app/test_app_model_sizes.py holds it
+comes out of ps.shm_size. Standard library only; tests/app/training/test_model_sizes.py holds it
 equal to torchvision's models.
 """
 

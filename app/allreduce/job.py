@@ -42,13 +42,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import runtime
+from app import plugins, runtime
 from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
 from app.config import Config, UsageError
 from app.data import datasets
 from app.runtime import choose_device, progress
-from app.training import loop, models, plugins
+from app.training import loop, models
 from app.training.evaluate import held_out_accuracy
 from app.training.metrics import MetricsWriter, Rates
 

@@ -21,7 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from app.data import host
 
-from app.training import plugins
+from app import plugins
 from app.data.prefetch import ReceivedAhead, wants_thread
 from app.data.imagefolder import CROP, ImageFolderData, find_samples
 from app.config import Config, UsageError

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from app import plugins
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
@@ -32,7 +33,7 @@ from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
 from app.runtime import choose_device, progress, rpc_session
-from app.training import models, plugins
+from app.training import models
 from app.training.evaluate import Evaluator
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter, Rates, run_records

@@ -1,5 +1,5 @@
 """Models by name: the built-in `cnn`, torchvision's classifiers when it imports, and
-the user's own (`pkg.module:factory`, app/training/plugins.py).
+the user's own (`pkg.module:factory`, app/plugins.py).
 
 Model code knows nothing about RPC or devices.
 """
@@ -12,9 +12,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from app import plugins
 from app.config import UsageError
 from app.runtime import first_line
-from app.training import plugins
 
 BUILT_IN = ("cnn",)
 AUX_LOGITS = ("googlenet", "inception_v3")

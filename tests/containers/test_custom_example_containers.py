@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 CONFIG = os.path.join(ROOT, "examples", "custom", "topology.yaml")
 PROJECT = "psc-test-custom"
-# PS + 2 workers as processes on a 2-core CPU VM: 0.928-0.953 (tests/app/test_app_plugins.py).
+# PS + 2 workers as processes on a 2-core CPU VM: 0.928-0.953 (tests/app/training/test_plugins.py).
 THRESHOLD = 0.85
 
 

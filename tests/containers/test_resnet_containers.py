@@ -21,7 +21,7 @@ from ps_log import last_evaluations
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 CONFIG = ROOT / "configs" / "cpu-resnet.yaml"
-# The mean of the PS's last two evaluations, as tests/app/test_app_resnet.py (whose
+# The mean of the PS's last two evaluations, as tests/app/training/test_resnet.py (whose
 # comment gives the measured spread; the same config and seed in containers, where one
 # run on a 2-core CPU VM read 0.755 0.780 (0.77)).
 THRESHOLD = 0.60

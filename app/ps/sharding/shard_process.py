@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from app import plugins
 from app.checkpoint import files as checkpoint_files
 from app.checkpoint.writer import Checkpointer
 from app.config import Config, UsageError
@@ -25,7 +26,7 @@ from app.ps.rpc import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
 from app.runtime import first_line, rpc_session
-from app.training import models, plugins
+from app.training import models
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter
 

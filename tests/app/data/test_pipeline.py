@@ -335,7 +335,7 @@ def test_a_file_cache_that_does_not_fit_is_one_line_and_leaves_no_temporary_file
         [sys.executable, "-c", FULL_DISK, str(root), str(cache_dir)],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3])),
         timeout=120,
     )
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app.config import Config, UsageError, parse
+from app.config import Config, UsageError, check_threads_env, parse
 
 
 def test_defaults_are_the_seeds():
@@ -84,3 +84,28 @@ def test_a_process_started_by_hand_keeps_its_state_where_git_does_not_look():
         assert d.startswith("./runs/app/"), d
         probe = f"{d}/x.jsonl"
         assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=repo).returncode == 0, d
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--lr", "nan"),
+        ("--momentum", "nan"),
+        ("--rpc_timeout", "inf"),
+        ("--rpc_timeout", "nan"),
+        ("--join_timeout", "nan"),
+        ("--join_timeout", "inf"),
+        ("--lr", "-inf"),
+    ],
+)
+def test_non_finite_float_flags_are_refused_naming_the_flag(flag, value):
+    with pytest.raises(UsageError, match=f"^{flag}: {value} is not a finite number"):
+        parse(["ps", f"{flag}={value}"], {})
+
+
+@pytest.mark.parametrize("value", ["4,2", "0", "abc", "-1"])
+def test_a_bad_omp_num_threads_is_refused(value):
+    with pytest.raises(UsageError, match=f"OMP_NUM_THREADS: '{value}' is not a positive integer"):
+        check_threads_env({"OMP_NUM_THREADS": value})
+    check_threads_env({"OMP_NUM_THREADS": "3"})
+    check_threads_env({})

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from app.config import parse
 from app.data import datasets
 from app.exchange.wire import Refusal
 from app.ps.server import ParameterServer
@@ -21,13 +22,14 @@ from app.training import models
 from app.training.flat import FlatModel
 from app.training.metrics import read
 from app.worker.compress import Compressor
+from app.worker.trainer import Trainer
 
 from app_testkit import finished, job_args, recording_channel, run_cluster, start_app, started, wait_for
 
 
-def _linear(size: int) -> nn.Module:
+def _linear(size: int, value: float = 0.0) -> nn.Module:
     model = nn.Linear(size, 1, bias=False)
-    nn.init.zeros_(model.weight)
+    nn.init.constant_(model.weight, value)
     return model
 
 
@@ -347,8 +349,6 @@ def test_overlap_and_bf16_compression_still_learn_digits(tmp_path):
 
 
 def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
-    from app.config import parse
-    from app.worker.trainer import Trainer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
@@ -400,3 +400,35 @@ def test_a_non_finite_compressed_gradient_is_refused_once_and_leaves_no_residual
         reply = server.push(1, compress(torch.full((n,), 0.01 * (step + 1))), 0)
         assert not isinstance(reply, Refusal) and reply.version == step + 1
     assert torch.isfinite(compress.residual).all()
+
+
+def _displacement(staleness: int) -> float:
+    server = ParameterServer(_linear(1), lr=1.0, momentum=0.9, num_trainers=2, staleness_lr=True)
+    for version in range(staleness):
+        server.push(2, torch.zeros(1), version)  # other pushes: the state moves on, not the weights
+    server.push(1, torch.ones(1), 0)
+    for _ in range(200):
+        server.push(2, torch.zeros(1), server.version)
+    return -server.state.item()
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+
+
+def test_staleness_lr_with_momentum_moves_a_stale_gradient_a_quarter_as_far():
+    assert _displacement(4) / _displacement(0) == pytest.approx(0.25, rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_compressed_pushes_carry_the_buffers_in_float32(kind):
+    server = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
+    n = server.num_params
+    message = torch.zeros(server.flat.size)
+    message[:n] = 0.5
+    message[n:] = torch.tensor([1.0001, 0.3333333, 1.0009, 7.123457])  # not 16-bit values
+    buffers = message[n:].clone()
+    wire = Compressor(kind, n, torch.device("cpu"))(message)
+    reply = server.push(1, wire, 0)
+    assert torch.equal(reply.vector[n:], buffers)

@@ -8,12 +8,15 @@ import pytest
 import torch
 from torch import nn
 
+from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, parse
 from app.ps.server import ParameterServer
 from app.ps.sharding import slices as shards
 from app.training import models
 from app.training.flat import state_size
-from app.training.metrics import read
+from app.training.metrics import MetricsWriter, read
+from app.worker.compress import Compressor
 
 import app_testkit as testkit
 from app_testkit import run_cluster
@@ -183,3 +186,79 @@ def test_sync_with_two_shards_applies_the_same_rounds_on_every_shard(tmp_path):
     assert pushes[0] == pushes[1] > 0
     assert {e["step"] for e in ends} == {pushes[0]}  # one update per round, on every shard
     assert all(e["staleness_max"] == 0 for e in ends)
+
+
+def _linear(size: int, value: float = 0.0) -> nn.Module:
+    model = nn.Linear(size, 1, bias=False)
+    nn.init.constant_(model.weight, value)
+    return model
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+
+
+def test_a_shard_takes_the_staleness_the_main_ps_computed():
+    whole = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True)
+    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
+    for server in (whole, shard):
+        server.push(2, torch.zeros(server.size), 0)
+        server.push(2, torch.zeros(server.size), 1)
+    reply = whole.push(1, torch.ones(4), 0)  # staleness 2 on the main PS
+    # the shard got rank 1's push before rank 2's: by its own count the push is fresh
+    fresh = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
+    got = fresh.push(1, torch.ones(2), 0, staleness=reply.staleness)
+    assert got.staleness == reply.staleness == 2
+    assert torch.equal(got.vector, reply.vector[2:4])
+
+
+def test_a_compressed_push_to_a_shard_straddling_params_and_buffers_decodes():
+    whole = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
+    n, size = whole.num_params, whole.flat.size
+    message = torch.arange(size, dtype=torch.float32) / 7 + 1
+    expected = message[n:].clone()
+    wire = Compressor("bf16", n, torch.device("cpu"))(message)
+    start, end = n - 2, size
+    shard = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1, part=(start, end))
+    reply = shard.push(1, Compressor.slice(wire, n, start, end), 0)
+    assert torch.equal(reply.vector[2:], expected)
+
+
+def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(tmp_path):
+    config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"], {})
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
+    asked = []
+
+    def shard_fails(version: int) -> None:
+        asked.append(version)
+        raise RuntimeError("ps1 did not write its checkpoint labelled 1: disk full")
+
+    with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
+        checkpoints = Checkpointer(server, config, {}, metrics)
+        checkpoints.before_save = shard_fails
+        server.push(1, torch.ones(4), 0)
+        checkpoints.save("every 1 updates")
+        assert asked == [1] and checkpoint_files.listing(tmp_path) == []
+        checkpoints.before_save = asked.append
+        server.push(1, torch.ones(4), 1)
+        checkpoints.save("every 1 updates")
+    assert asked == [1, 2] and [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(tmp_path)] == [
+        2
+    ]
+
+
+def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
+    from app.ps.sharding.shard_process import resume_shard
+
+    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
+    for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
+        shard.push(1, torch.ones(2), shard.version)
+        checkpoint_files.save({**shard.checkpoint(), "label": label}, tmp_path)
+    restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
+    assert "labelled" not in resume_shard(restarted, tmp_path, None)
+    assert restarted.version == 0
+    resume_shard(restarted, tmp_path, 2)  # the main PS resumed from its version 2
+    assert restarted.version == 2 and torch.equal(restarted.state, torch.full((2,), -2.0))
+    with pytest.raises(RuntimeError, match="no checkpoint labelled 7"):
+        resume_shard(restarted, tmp_path, 7)

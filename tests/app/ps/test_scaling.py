@@ -1,7 +1,7 @@
 """A job scaled while it runs: the PS's roster grows (ranks up to --max_workers join) and
 shrinks (a rank leaves: nobody waits for it), under async, ssp and sync.
 
-Unit tests drive `ParameterServer` directly, as tests/app/test_app_strategies.py does; the
+Unit tests drive `ParameterServer` directly, as tests/app/ps/test_strategies.py does; the
 slow test runs a real PS and workers over RPC on digits, adds a worker mid-run and
 stops one with SIGTERM.
 """

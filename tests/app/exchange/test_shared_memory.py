@@ -280,7 +280,7 @@ def test_both_exchanges_train_the_same_values(tmp_path, shm_dir, workers, args):
     """Through shared memory or over TensorPipe, the PS applies the same pushes to the same
     state: final.pt is the same, bit for bit (one worker; or sync, whose round is the same
     whatever order its two pushes land in). --overlap's run, which pushes from two slots in
-    turn, is compared the same way in test_app_partitions.py, with its partitions noted."""
+    turn, is compared the same way in test_partitions.py, with its partitions noted."""
     finals = {}
     for mode in ("auto", "tensorpipe"):
         run = tmp_path / mode

@@ -6,17 +6,27 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from app.checkpoint import files as checkpoint_files
+from app.checkpoint.writer import Checkpointer
 from app.config import UsageError, parse
 from app.data import datasets
 from app.exchange import group as membership
+from app.exchange.wire import Refusal, Reply
+from app.ps.members.liveness import LivenessMonitor
 from app.ps.members.roster import DROPPED, FINISHED, LIVE, Roster, StaleIncarnation
 from app.ps.server import ParameterServer
 from app.training import models
+from app.training.metrics import MetricsWriter
+
+from app_testkit import finished, free_port, start_app, wait_for
 
 
 class Clock:
@@ -203,8 +213,6 @@ def test_failure_knobs_are_checked(argv, message):
 
 
 def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch, caplog):
-    from app.checkpoint.writer import Checkpointer
-    from app.training.metrics import MetricsWriter
 
     config = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1"], {})
     server = _server()
@@ -222,3 +230,124 @@ def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, m
             saver.save("every 1 updates")
     assert "checkpoint at version 2 (every 1 updates) not written: [Errno 28] No space left on device" in caplog.text
     assert [p.name[:13] for p in checkpoint_files.listing(tmp_path / "ck")] == ["ckpt-00000001"]
+
+
+def _linear(size: int, value: float = 0.0) -> nn.Module:
+    model = nn.Linear(size, 1, bias=False)
+    nn.init.constant_(model.weight, value)
+    return model
+
+
+DIGITS = [
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--batch_size",
+    "32",
+    "--lr",
+    "0.1",
+    "--eval_every",
+    "100000",
+    "--checkpoint_every",
+    "0",
+]
+
+
+def _wait_for_text(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{text!r} not in {path.name} within {timeout} s:\n{path.read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("strategy", ["sync", "ssp"])
+def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy=strategy, staleness=0)
+    server.join(1, "worker1")
+    server.join(2, "worker2")
+    future = server.submit(2, torch.ones(4), 0, "worker2")  # ssp: one ahead of worker1, waits
+    assert not future.done()
+    assert server.drop(2, "worker2")
+    assert future.done()
+    reply = future.wait()
+    assert isinstance(reply, (Reply, Refusal))
+
+
+@pytest.mark.parametrize("strategy", ["sync", "ssp"])
+def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(strategy, caplog):
+    clock = Clock()
+    server = ParameterServer(
+        _linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock, strategy=strategy, staleness=0
+    )
+    records = []
+    liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda event, step, **f: records.append((event, f)))
+    server.join(1, "worker1")
+    server.join(2, "worker2")
+    pending = server.submit(1, torch.ones(4), 0, "worker1")  # waits for worker2
+    clock.now = 10 * liveness.FROZEN_PERIODS - 1
+    liveness.check_frozen()
+    assert not pending.done() and not records
+    clock.now = 10 * liveness.FROZEN_PERIODS + 1
+    with caplog.at_level(logging.WARNING, logger="app.ps"):
+        liveness.check_frozen()
+    assert pending.done() and isinstance(pending.wait(), Reply)
+    assert [e for e, _ in records] == ["frozen", "drop"] and records[0][1]["worker"] == "worker2"
+    assert any("worker2" in r.getMessage() and "no push" in r.getMessage() for r in caplog.records)
+
+
+def test_async_does_not_drop_a_quiet_worker():
+    clock = Clock()
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
+    liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda *a, **f: None)
+    server.join(2, "worker2")
+    clock.now = 1000
+    liveness.check_frozen()
+    assert server.live_name(2) == "worker2"
+
+
+@pytest.mark.slow
+def test_a_replaced_incarnations_push_ends_it_with_status_2_and_one_line(tmp_path):
+    common = [
+        "--world_size",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--metrics_dir",
+        str(tmp_path / "metrics"),
+        "--checkpoint_dir",
+        str(tmp_path / "ckpt"),
+        "--rpc_timeout",
+        "3",
+        "--join_timeout",
+        "20",
+        "--num_epochs",
+        "1000",
+        *DIGITS,
+    ]
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
+    try:
+        _wait_for_text(tmp_path / "ps.err", "ps joined the job", 60)
+        # The old process's own timeout is long: a push in flight when it is stopped must
+        # not time out on resuming (that is "lost the PS", exit 1); what it meets is the
+        # PS's refusal of a replaced process.
+        procs["old"] = start_app(tmp_path, "old", ["worker", "--rank", "1", *common, "--rpc_timeout", "60"])
+        _wait_for_text(tmp_path / "old.out", "Epoch: 1 | Batch: 10 |", 60)
+        procs["old"].send_signal(signal.SIGSTOP)  # frozen: its ping times out, the PS drops it
+        _wait_for_text(tmp_path / "ps.err", "dropped worker1 (rank 1)", 30)
+        procs["new"] = start_app(tmp_path, "new", ["worker", "--rank", "1", *common])
+        _wait_for_text(tmp_path / "ps.err", "worker1_r2 (rank 1) joined", 60)
+        procs["old"].send_signal(signal.SIGCONT)  # its next push comes from a replaced process
+        wait_for({"old": procs["old"]}, 30, "the replaced worker")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    old = finished(tmp_path, "old", procs["old"])
+    errors = [line for line in old.stderr.splitlines() if "error" in line.lower()]
+    assert old.returncode == 2, old.stderr
+    assert errors == ["app: error: worker1 was replaced by worker1_r2 for rank 1; exiting"], old.stderr

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -322,3 +323,93 @@ def test_with_the_file_cache_each_rank_holds_an_equal_padded_shard_and_takes_as_
     assert ends[0]["step"] == ends[1]["step"] == 12
     sizes = sorted(f.name.split("-")[2] for f in (tmp_path / "cache").glob("*.u8"))
     assert sizes == ["24", "24", "5"]  # two padded shards and rank 0's held-out set
+
+
+def _ddp_trainer(optimizer_step=None, rank0=None):
+    from app.allreduce import job as ddp
+
+    config = parse(["worker", "--strategy", "allreduce", "--eval_every", "1"], {})
+    model = _linear(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    if optimizer_step is not None:
+        optimizer.step = optimizer_step(optimizer.step)
+    state = ddp.JobState(model, optimizer)
+    world = ddp.World(0, 1, "127.0.0.1", 1, 0, False)
+    metrics = SimpleNamespace(write=lambda *a, **f: None)
+    trainer = ddp.Trainer(
+        config,
+        world,
+        _Wrapped(model),
+        optimizer,
+        state,  # type: ignore[arg-type]
+        None,
+        None,
+        torch.device("cpu"),
+        metrics,
+        rank0,
+    )
+    return trainer, state
+
+
+def _linear(size: int, value: float = 0.0) -> nn.Module:
+    model = nn.Linear(size, 1, bias=False)
+    nn.init.constant_(model.weight, value)
+    return model
+
+
+class _Wrapped(nn.Module):
+    """What DDP looks like to the Trainer: the model as `.module`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
+    import os
+    import signal
+
+    from app import runtime
+
+    def sigterm_inside(step):
+        def wrapped(*a, **k):
+            result = step(*a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)  # after the weights moved, before the count
+            return result
+
+        return wrapped
+
+    trainer, state = _ddp_trainer(sigterm_inside)
+    previous = signal.signal(signal.SIGTERM, runtime._raise_exit)
+    try:
+        with pytest.raises(SystemExit):
+            trainer.step(torch.ones(2, 4), torch.zeros(2, dtype=torch.long), epoch=1, batch=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert state.progress.step == 1 and state.progress.batch == 1  # the checkpoint's label matches
+
+
+def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it(monkeypatch):
+    import threading
+
+    from app.allreduce import job as ddp
+
+    release, evaluated = threading.Event(), []
+
+    def slow_accuracy(model, loader, device):
+        release.wait(60)
+        evaluated.append(model)
+        return 0.5, 1.0
+
+    monkeypatch.setattr(ddp, "held_out_accuracy", slow_accuracy)
+    checkpoints = SimpleNamespace(due=lambda: False)
+    trainer, state = _ddp_trainer(rank0=(checkpoints, None))
+    state.progress = ddp.Progress(step=1)
+    trainer.rank0_duties()  # returns while the evaluation is still blocked
+    assert trainer.evaluating() and not evaluated
+    release.set()
+    trainer.wait_for_evaluation()
+    assert len(evaluated) == 1 and evaluated[0] is not trainer.model.module  # a copy of the weights

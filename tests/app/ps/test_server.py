@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -10,15 +11,16 @@ from torch import nn
 
 from app.checkpoint.files import save_atomically
 from app.config import UsageError
+from app.exchange.wire import Refusal, Reply
 from app.ps.replies import ReplyBuffers
 from app.ps.server import ParameterServer
 from app.ps.tally import Tally
 from app.training import models
 
 
-def _linear(size: int) -> nn.Module:
+def _linear(size: int, value: float = 0.0) -> nn.Module:
     model = nn.Linear(size, 1, bias=False)
-    nn.init.zeros_(model.weight)
+    nn.init.constant_(model.weight, value)
     return model
 
 
@@ -289,3 +291,50 @@ def test_weight_decay_on_the_ps_is_torch_sgds(strategy, momentum):
     assert not torch.allclose(
         expected, torch.nn.utils.parameters_to_vector(models.build("cnn", 1, 10, seed=0).parameters())
     )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("strategy", ["async", "ssp", "sync"])
+def test_a_non_finite_push_is_refused_counted_and_changes_nothing(strategy, caplog):
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, strategy=strategy)
+    before = server.state.clone()
+    with caplog.at_level(logging.WARNING, logger="app.ps"):
+        for bad in (float("nan"), float("inf"), float("nan")):
+            reply = server.push(1, torch.tensor([1.0, bad, 0.0, 0.0]), 0)
+            assert isinstance(reply, Refusal) and reply.kind == "nonfinite"
+    assert server.version == 0 and torch.equal(server.state, before)
+    assert server.tally.refused == {1: 3} and server.stats()["refused"] == {"worker1": 3}
+    assert len([r for r in caplog.records if "non-finite" in r.getMessage()]) == 1  # once per worker
+    assert isinstance(server.push(1, torch.ones(4), 0), Reply)
+
+
+def test_training_time_runs_from_all_joined_to_the_last_push_applied():
+    clock = Clock()
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
+    server.join(1, "worker1")
+    clock.now = 5.0
+    server.join(2, "worker2")
+    clock.now = 6.0
+    server.push(1, torch.ones(4), 0)
+    clock.now = 9.0
+    server.push(2, torch.ones(4), 1)
+    server.finish(1, 1)
+    clock.now = 30.0
+    server.finish(2, 1)
+    assert server.training_seconds() == pytest.approx(4.0)
+
+
+def test_the_job_is_not_done_while_the_last_finish_is_being_recorded():
+    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
+    seen = []
+    server.on_finish = lambda rank: seen.append(server.done())
+    server.join(1, "worker1")
+    server.finish(1, 0, "worker1")
+    assert seen == [False] and server.done()

@@ -4,6 +4,7 @@ no module uses another app module's private names, and the contract module is to
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,16 +179,76 @@ def test_the_contract_module_imports_nothing_of_the_app():
     assert [s for s in sources if s.split(".")[0] == "app"] == []  # the standard library only: test_import_graph
 
 
-def test_the_worker_takes_its_wire_types_from_common_not_the_ps_state_machine():
-    """docs/design.md: `worker/` uses the PS's endpoints and membership, its wire types from
-    app/exchange/wire.py; nothing under `ps/` or `common/` imports `worker/`; ddp uses `common/`."""
+DESIGN = REPO / "docs" / "design.md"
+
+
+def layers() -> dict[str, int]:
+    """docs/design.md's app layer table: unit (app.<unit>) -> layer."""
+    block = DESIGN.read_text(encoding="utf-8").split("<!-- app-layers:", 1)[1].split("<!-- /app-layers -->", 1)[0]
+    out: dict[str, int] = {}
+    for line in block.splitlines():
+        columns = re.split(r"\s{2,}", line.strip())  # layer, units, what they hold
+        if columns[0].isdigit():
+            out.update({f"app.{unit}": int(columns[0]) for unit in columns[1].split()})
+    return out
+
+
+def unit_of(module: str, table: dict[str, int]) -> str:
+    """The unit of the table that `module` is or lies in."""
+    found = [u for u in table if module == u or module.startswith(u + ".")]
+    assert found, f"{module} is in no unit of docs/design.md's app layer table"
+    return max(found, key=len)
+
+
+def test_the_app_layer_table_is_read_and_names_every_module():
+    table = layers()
+    assert table["app.__main__"] == 9 and table["app.contract"] == 0
+    assert table["app.ps"] == table["app.worker"] == table["app.allreduce"]
+    modules = app_modules()
+    for module in modules:
+        if module != "app":
+            unit_of(module, table)
+    assert set(table) <= set(modules), sorted(set(table) - set(modules))  # no unit that is not there
+
+
+def test_imports_go_down_the_app_layer_table():
+    """The PS, a worker and allreduce import nothing of one another (they share a layer); they
+    meet in app.exchange and app.contract."""
+    table, edges = layers(), imports(app_modules())
+    bad = []
+    for module, found in edges.items():
+        if module == "app":
+            continue
+        mine = unit_of(module, table)
+        for target, _, line in found:
+            if target == "app":
+                continue
+            theirs = unit_of(target, table)
+            if theirs != mine and table[theirs] >= table[mine]:
+                bad.append(f"{module}:{line} (layer {table[mine]}) -> {target} (layer {table[theirs]})")
+    assert not bad, "imports against docs/design.md's app layers:\n" + "\n".join(bad)
+
+
+def test_a_worker_importing_the_ps_is_caught_by_the_table():
+    table = layers()
+    assert unit_of("app.worker.trainer", table) == "app.worker" and unit_of("app.ps.server", table) == "app.ps"
+    assert table["app.ps"] >= table["app.worker"]  # so worker -> ps is refused above, and ps -> worker
+    assert table["app.exchange"] < table["app.worker"]
+
+
+def test_only_the_exchange_maps_its_segment_or_knows_its_layout():
+    """Slots, regions and partitions are app.exchange's: no module outside it imports the
+    segment or the layout, and the worker's trainer imports nothing of the exchange's ends."""
     edges = imports(app_modules())
+    private = {"app.exchange.segment", "app.exchange.layout", "app.exchange.early_push", "app.exchange.ordered_pull"}
     bad = [
         f"{name}:{line} imports {target}"
         for name, found in edges.items()
+        if not name.startswith("app.exchange")
         for target, _, line in found
-        if (name.startswith("app.worker") and target == "app.ps.server")
-        or (name.startswith(("app.ps", "app.common")) and target.startswith("app.worker"))
+        if target in private
+    ]
+    bad += [
+        f"app.worker.trainer imports {t}" for t, _, _ in edges["app.worker.trainer"] if t == "app.exchange.worker_end"
     ]
     assert not bad, "\n".join(bad)
-    assert any(target == "app.exchange.wire" for target, _, _ in edges["app.worker.trainer"])

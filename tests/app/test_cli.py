@@ -139,3 +139,19 @@ def test_a_freed_big_tensor_stays_mapped_for_the_next_message_under_glibc():
         assert out.returncode == 0, out.stderr
         mapped[mode] = out.stdout.strip() == "1"
     assert mapped == {"tuned": True, "default": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (["ps", "--lr", "nan"], {}, "app: error: --lr: nan is not a finite number"),
+        (["worker"], {"PSC_RPC_TIMEOUT": "inf"}, "app: error: PSC_RPC_TIMEOUT: inf is not a finite number"),
+        (["ps"], {"OMP_NUM_THREADS": "4,2"}, "app: error: OMP_NUM_THREADS: '4,2' is not a positive integer"),
+        (["worker"], {"OMP_NUM_THREADS": "0"}, "app: error: OMP_NUM_THREADS: '0' is not a positive integer"),
+    ],
+)
+def test_non_finite_flags_and_bad_omp_num_threads_exit_2_with_one_line(argv, env, message):
+    result = run_app(*argv, env=app_env(**env), timeout=30)
+    assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
