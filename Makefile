@@ -26,6 +26,7 @@ help: ## list the targets
 # kernels, which nothing here uses, and `import torch` does not need it.
 INSTALL := pip install -q --require-hashes --no-deps -r
 $(VENV)/.host: requirements/host.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; v == (3, 11) or print(f"warning: the lock files are made for Python 3.11, $(PYTHON) is {v[0]}.{v[1]}: a package that only another Python needs may be missing (PYTHON=python3.11 picks another)", file=sys.stderr)'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/$(INSTALL) requirements/host.txt
 	$(VENV)/bin/pip install -q --no-deps -e .
