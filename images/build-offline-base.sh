@@ -81,7 +81,7 @@ echo "debootstrap: $((SECONDS - start)) s"
 # The lock's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
 # each checked against the lock's hashes, downloaded into the tree and installed
 # offline there, then deleted: none is kept beside the tree, where they would hold
-# 2.9 GB more while `docker import` copies it. The lock leaves out triton (0.9 GB):
+# 2.7 GB more while `docker import` copies it. The lock leaves out triton (0.9 GB):
 # it serves torch.compile's GPU kernels only, and importing torch does not need it.
 WHEELS=$ROOTFS/tmp/wheels
 mkdir -p "$WHEELS"
