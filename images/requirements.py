@@ -79,7 +79,7 @@ def installed() -> dict[str, str]:
 
 
 def pair_mismatch(pins: dict[str, Pin], have: dict[str, str]) -> list[str]:
-    """`torch 2.9.0 (the lock: 2.14.1)` for each of the pair not at the lock's version (local labels aside)."""
+    """`torch <version> (the lock: <version>)` for each of the pair not at the lock's version (local labels aside)."""
     return [
         f"{name} {have.get(name, 'missing')} (the lock: {pins[name].version})"
         for name in PAIR
