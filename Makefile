@@ -2,11 +2,6 @@
 PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# The torch + torchvision pair (images/torch-pair.txt) for the dev venv and the
-# offline image; TORCH_INDEX: an extra index that holds it (e.g. PyTorch's CPU one).
-TORCH_SPEC  ?= $(shell grep -v '^\s*\#' images/torch-pair.txt)
-TORCH_INDEX ?=
-export TORCH_SPEC TORCH_INDEX
 CONFIG  ?= configs/default.yaml
 WORKERS ?=
 STRATEGY ?=
@@ -17,29 +12,60 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup test test-fast lint render sample-data local build up logs status down scale smoke engine clean tensorboard \
+.PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard chaos soak check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-# Two stamps: the host venv (orchestrator only, no torch) is enough for
-# `make up`; the dev venv adds the app, torch and the test tools.
-$(VENV)/.host: pyproject.toml
+# Two stamps, each installed from its lock file (requirements/*.txt, `make lock`:
+# exact versions and hashes): the host venv (orchestrator only, no torch) is enough
+# for `make up`; the dev venv adds the app, the torch + torchvision pair and the
+# test tools. --no-deps: a lock holds every package the venv gets. triton (0.9 GB)
+# is left out of the locks, as of the offline image: it serves torch.compile's GPU
+# kernels, which nothing here uses, and `import torch` does not need it.
+INSTALL := pip install -q --require-hashes --no-deps -r
+$(VENV)/.host: requirements/host.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; v == (3, 11) or print(f"warning: the lock files are made for Python 3.11, $(PYTHON) is {v[0]}.{v[1]}: a package that only another Python needs may be missing (PYTHON=python3.11 picks another)", file=sys.stderr)'
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[orchestrator]'
+	$(VENV)/bin/$(INSTALL) requirements/host.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-# Without triton (0.9 GB), as in the offline image: it serves torch.compile's GPU kernels,
-# which nothing here uses, and `import torch` does not need it.
-$(VENV)/.dev: $(VENV)/.host images/torch-pair.txt
-	$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(TORCH_SPEC)
-	$(VENV)/bin/pip install -q -e '.[app,orchestrator,dev]'
-	$(VENV)/bin/pip uninstall -q -y triton 2>/dev/null || true
+$(VENV)/.dev: $(VENV)/.host requirements/dev.txt
+	$(VENV)/bin/$(INSTALL) requirements/dev.txt
 	touch $@
 
 host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
 setup: $(VENV)/.dev ## venv for the app, local runs and the tests
+
+# The lock files (docs/dependencies.md): uv resolves pyproject.toml's extras for
+# CPython 3.11 on Linux x86_64 (the dev venv's and the offline image's), whatever
+# Python or OS runs it, and keeps every version already locked (UPGRADE=1: the
+# newest that fit; LOCK_ARGS: more uv options). dev.txt first, the superset; the
+# other three take its versions. uv itself is installed in .cache/.
+UV_VERSION := 0.13.8
+UV      := .cache/uv-$(UV_VERSION)/bin/uv
+COMPILE := UV_CUSTOM_COMPILE_COMMAND="make lock" $(UV) pip compile -q --generate-hashes --python-version 3.11 \
+           --python-platform x86_64-manylinux_2_36 --no-emit-package triton $(if $(UPGRADE),--upgrade) $(LOCK_ARGS)
+
+$(UV):
+	$(PYTHON) -m venv .cache/uv-$(UV_VERSION)
+	.cache/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION)
+
+lock: $(UV) ## write requirements/*.txt (versions + hashes) from pyproject.toml and images/torch-pair.txt; UPGRADE=1 takes the newest
+	$(COMPILE) pyproject.toml --extra app --extra orchestrator --extra dev -c images/torch-pair.txt -o requirements/dev.txt
+	$(COMPILE) pyproject.toml --extra orchestrator -c requirements/dev.txt -o requirements/host.txt
+	$(COMPILE) pyproject.toml --extra app -c requirements/dev.txt -o requirements/app.txt
+	$(COMPILE) images/torch-pair.txt -c requirements/dev.txt -o requirements/torch.txt
+
+# `make clean`: what the commands write in the checkout, caches and downloads,
+# and runs/ (the state of `make local`'s runs and the record of the last `up`).
+# Never .venv, data/, a Docker volume (the checkpoints of container runs, which
+# `make down` keeps; `python -m orchestrator down -v` removes one) or an image.
+clean: ## remove runs/ (local runs' checkpoints and metrics, the last up's record), .cache/, images/.cache/, images/wheelhouse/, the pytest, mypy and ruff caches and every __pycache__; no volume, no image, not .venv
+	rm -rf runs .cache images/.cache images/wheelhouse .pytest_cache .mypy_cache .ruff_cache
+	find . -path ./.git -prune -o -path ./.venv -prune -o -path ./data -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 test: setup ## the whole test suite, containers included
 	$(PY) -m pytest --durations=25

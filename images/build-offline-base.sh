@@ -3,15 +3,16 @@
 # package mirror and the Python package index only: debootstrap a minimal
 # bookworm with python3, make a venv at /opt/venv (so `python` and `pip` are on
 # PATH, as on the official PyTorch image the Dockerfile defaults to), install
-# the torch + torchvision pair of images/torch-pair.txt into it (as the official
-# image has its own pair), and `docker import` the tree.
+# the torch + torchvision pair of images/torch-pair.txt and what it needs into
+# it, at the versions and hashes of the lock requirements/torch.txt (`make lock`;
+# as the official image has its own pair), and `docker import` the tree.
 #
-#   images/build-offline-base.sh            # skips when the image exists with this pair
+#   images/build-offline-base.sh            # skips when the image exists with this lock
 #   FORCE=1 images/build-offline-base.sh    # rebuilds
-#   TORCH_SPEC="torch==X torchvision==Y" TORCH_INDEX=URL images/build-offline-base.sh
+#   OFFLINE_BASE_IMAGE=name:tag images/build-offline-base.sh   # another image name
 #
 # Needs root (debootstrap, chroot) and a running Docker daemon; pip on the host
-# (the project's .venv, or PIP=...) downloads the pair's wheels.
+# (the project's .venv, or PIP=...) downloads the lock's wheels.
 set -euo pipefail
 # debootstrap and chroot live in /usr/sbin on Debian and Ubuntu, which a
 # non-login PATH (/usr/bin:/bin) does not search.
@@ -23,8 +24,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOTFS=$HERE/rootfs
 CACHE=$HERE/.cache/debootstrap
 ROOT=$(dirname "$HERE")
-SPEC=${TORCH_SPEC:-$(grep -v '^[[:space:]]*#' "$HERE/torch-pair.txt" | xargs)}
-LABEL=ps-compose.torch
+LOCK=$ROOT/requirements/torch.txt
+SPEC=$(grep -v '^[[:space:]]*#' "$HERE/torch-pair.txt" | xargs)
+KEY=$(sha256sum "$LOCK" | cut -c1-16)
+LABEL=ps-compose.torch       # the pair, for people and for CI's clean-up (.ci/run)
+LOCK_LABEL=ps-compose.lock   # the first 16 hex digits of requirements/torch.txt's sha256
 PIP=${PIP:-$ROOT/.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
 
@@ -34,12 +38,15 @@ mkdir -p "$HERE/.cache"
 exec 9>"$HERE/.cache/base.lock"
 flock 9
 
-have=$(docker image inspect -f "{{ index .Config.Labels \"$LABEL\" }}" "$IMAGE" 2>/dev/null || true)
-if [ -z "${FORCE:-}" ] && [ "$have" = "$SPEC" ]; then
-    echo "base image $IMAGE exists with $SPEC: nothing to do (FORCE=1 rebuilds it)"
+have=$(docker image inspect -f "{{ index .Config.Labels \"$LOCK_LABEL\" }}" "$IMAGE" 2>/dev/null || true)
+[ "$have" != "<no value>" ] || have=""
+if [ -z "${FORCE:-}" ] && [ "$have" = "$KEY" ]; then
+    echo "base image $IMAGE exists with $SPEC of lock $KEY: nothing to do (FORCE=1 rebuilds it)"
     exit 0
 fi
-[ -z "$have" ] || echo "base image $IMAGE has '$have', not '$SPEC': rebuilding it"
+if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+    echo "base image $IMAGE was built from lock '${have:-none}', not $KEY (requirements/torch.txt): rebuilding it"
+fi
 if [ "$(id -u)" != 0 ]; then
     echo "error: debootstrap needs root; run: sudo $0" >&2
     exit 2
@@ -71,25 +78,24 @@ echo "debootstrap: $((SECONDS - start)) s"
 
 "$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
 
-# The pair's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
-# downloaded into the tree and installed offline there, then deleted: none is kept
-# beside the tree, where they would hold 2.9 GB more while `docker import` copies it.
+# The lock's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
+# each checked against the lock's hashes, downloaded into the tree and installed
+# offline there, then deleted: none is kept beside the tree, where they would hold
+# 2.7 GB more while `docker import` copies it. The lock leaves out triton (0.9 GB):
+# it serves torch.compile's GPU kernels only, and importing torch does not need it.
 WHEELS=$ROOTFS/tmp/wheels
 mkdir -p "$WHEELS"
+cp "$LOCK" "$WHEELS/torch.txt"
 target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
         --platform manylinux2014_x86_64)
 for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_x86_64"); done
-index=()
-[ -z "${TORCH_INDEX:-}" ] || index=(--extra-index-url "$TORCH_INDEX")
-# shellcheck disable=SC2086 # PIP may be "python3 -m pip"; SPEC is a list of requirements
-$PIP download -q --no-cache-dir -d "$WHEELS" "${target[@]}" "${index[@]}" $SPEC
+# shellcheck disable=SC2086 # PIP may be "python3 -m pip"
+$PIP download -q --no-cache-dir --no-deps --require-hashes -d "$WHEELS" "${target[@]}" -r "$LOCK"
 echo "torch wheels: $(du -sm "$WHEELS" | cut -f1) MB, after $((SECONDS - start)) s"
 # The tree's pip sees none of the host's pip settings (PIP_* variables, config files).
 in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null "$CHROOT" "$ROOTFS" "$@"; }
-# shellcheck disable=SC2086
-in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels $SPEC
-# Triton serves torch.compile's GPU kernels only; importing torch does not need it (0.9 GB).
-in_tree pip uninstall -q -y triton 2>/dev/null || true
+in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels \
+    --no-deps --require-hashes -r /tmp/wheels/torch.txt
 rm -rf "$WHEELS"
 echo "torch pair installed: $((SECONDS - start)) s"
 # Keep it small: no package lists, caches, docs or translations in the image.
@@ -103,7 +109,7 @@ tar -C "$ROOTFS" --one-file-system -c . | docker import \
     --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["python"]' \
-    --change "LABEL $LABEL=\"$SPEC\"" \
+    --change "LABEL $LABEL=\"$SPEC\" $LOCK_LABEL=\"$KEY\"" \
     --message "debootstrap --variant=minbase bookworm + python3 venv + $SPEC" \
     - "$IMAGE" >/dev/null
 docker run --rm "$IMAGE" python -c 'import sys, torch, torchvision

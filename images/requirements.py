@@ -1,40 +1,117 @@
-"""Print one extra's requirements from pyproject.toml, one per line.
+"""Read the lock files (requirements/*.txt, written by `make lock`): what each pins,
+and the blocks (a pin with its hashes) to give `pip install --require-hashes --no-deps`.
 
-Used on the host (images/wheelhouse.sh) and inside the image build, so the
-dependency layer is built from pyproject.toml alone, before the app's code is
-copied: editing app/ does not reinstall anything.
+Used on the host (images/wheelhouse.sh, the tests) and inside the image build, where
+only the standard library is there:
 
-    python images/requirements.py pyproject.toml app [--without torch torchvision]
+    python images/requirements.py LOCK [--without OTHER_LOCK]   # LOCK's blocks, less OTHER_LOCK's packages
+    python images/requirements.py LOCK --not-installed          # LOCK's blocks for packages not installed here
+    python images/requirements.py LOCK --check-pair BASE        # torch + torchvision installed at LOCK's versions?
+    python images/requirements.py LOCK --differences            # one line per installed package not at LOCK's version
 """
+
+from __future__ import annotations
 
 import re
 import sys
+from importlib import metadata
+from typing import NamedTuple
 
-try:
-    import tomllib  # Python >= 3.11
-except ModuleNotFoundError:  # older Pythons: pip vendors the same parser
-    from pip._vendor import tomli as tomllib
-
-
-def project_name(requirement: str) -> str:
-    """The distribution name a requirement string starts with, normalised (PEP 503)."""
-    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
-    return re.sub(r"[-_.]+", "-", match.group(1)).lower() if match else ""
+PAIR = ("torch", "torchvision")
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
+_HASH = re.compile(r"--hash=(\w+:[0-9a-fA-F]+)")
 
 
-def extra_requirements(pyproject_text: str, extra: str, without: tuple[str, ...] = ()) -> list[str]:
-    """The requirement strings of `[project.optional-dependencies].<extra>`, less `without`."""
-    project = tomllib.loads(pyproject_text)["project"]
-    found = list(project.get("dependencies", [])) + list(project["optional-dependencies"][extra])
-    skip = {project_name(name) for name in without}
-    return [r for r in found if project_name(r) not in skip]
+class Pin(NamedTuple):
+    name: str  # normalised (PEP 503)
+    version: str
+    hashes: tuple[str, ...]
+    block: str  # the pin and its hashes, as pip reads them
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def public(version: str) -> str:
+    """The version without its local label: 2.14.1+cu130 -> 2.14.1."""
+    return version.split("+", 1)[0]
+
+
+def parse(text: str) -> dict[str, Pin]:
+    """Every `name==version` of a lock file with the `--hash=` lines that follow it."""
+    pins: dict[str, Pin] = {}
+    name = version = ""
+    hashes: list[str] = []
+
+    def close() -> None:
+        if name:
+            lines = [f"{name}=={version}", *(f"    --hash={h}" for h in hashes)]
+            pins[normalize(name)] = Pin(normalize(name), version, tuple(hashes), " \\\n".join(lines) + "\n")
+
+    for line in text.splitlines():
+        stripped = line.split("#", 1)[0].strip() if not line.lstrip().startswith("--hash") else line.strip()
+        if not stripped:
+            continue
+        if not line[:1].isspace():
+            close()
+            m = _PIN.match(stripped)
+            name, version, hashes = (m.group(1), m.group(2), []) if m else ("", "", [])
+        else:
+            hashes.extend(_HASH.findall(stripped))
+    close()
+    return pins
+
+
+def read(path: str) -> dict[str, Pin]:
+    with open(path, encoding="utf-8") as f:
+        return parse(f.read())
+
+
+def installed() -> dict[str, str]:
+    """The distributions this interpreter sees: normalised name -> version."""
+    found: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(normalize(name), dist.version)
+    return found
+
+
+def pair_mismatch(pins: dict[str, Pin], have: dict[str, str]) -> list[str]:
+    """`torch <version> (the lock: <version>)` for each of the pair not at the lock's version (local labels aside)."""
+    return [
+        f"{name} {have.get(name, 'missing')} (the lock: {pins[name].version})"
+        for name in PAIR
+        if name in pins and public(have.get(name, "")) != public(pins[name].version)
+    ]
 
 
 def main(argv: list[str]) -> int:
-    path, extra, *rest = argv
-    without = tuple(rest[1:]) if rest[:1] == ["--without"] else ()
-    with open(path, encoding="utf-8") as f:
-        print("\n".join(extra_requirements(f.read(), extra, without)))
+    path, *rest = argv
+    pins = read(path)
+    if rest[:1] == ["--without"]:
+        other = read(rest[1])
+        sys.stdout.write("".join(p.block for n, p in pins.items() if n not in other))
+    elif rest[:1] == ["--not-installed"]:
+        have = installed()
+        sys.stdout.write("".join(p.block for n, p in pins.items() if n not in have))
+    elif rest[:1] == ["--check-pair"]:
+        wrong = pair_mismatch(pins, installed())
+        if wrong:
+            print(
+                f"error: the base image {rest[1]} has {', '.join(wrong)}; use one with the pair of "
+                f"images/torch-pair.txt (the Dockerfile's default base has it) or change that pair and run make lock",
+                file=sys.stderr,
+            )
+            return 1
+    elif rest[:1] == ["--differences"]:
+        have = installed()
+        for n, p in pins.items():
+            if n in have and have[n] != p.version and not ("+" not in p.version and public(have[n]) == p.version):
+                print(f"note: the base's {n} {have[n]} is kept (the lock: {p.version})")
+    else:
+        sys.stdout.write("".join(p.block for p in pins.values()))
     return 0
 
 

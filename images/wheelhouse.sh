@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Fills images/wheelhouse/ with wheels of the app's Python dependencies (the
-# `app` extra of pyproject.toml) for the offline image: CPython 3.11 (Debian
-# bookworm's python3), manylinux x86_64. torch and torchvision are not among
-# them: the base image brings its own pair (images/build-offline-base.sh), as
-# the official PyTorch image does. The Dockerfile installs these wheels with
-# `pip install --no-index --find-links`.
+# Fills images/wheelhouse/ with the wheels of the app's Python dependencies for
+# the offline image, at the versions and hashes of the lock requirements/app.txt
+# (`make lock`), for CPython 3.11 (Debian bookworm's python3), manylinux x86_64.
+# The base's packages are not among them: the torch + torchvision pair and what
+# it needs (requirements/torch.txt) are in the offline base already
+# (images/build-offline-base.sh), as the official PyTorch image has its own.
+# The Dockerfile installs these wheels with `pip install --no-index --find-links`.
 #
 #   images/wheelhouse.sh                      # skips when up to date
 #   FORCE=1 PIP=pip images/wheelhouse.sh      # refills it
@@ -16,7 +17,7 @@ OUT=$HERE/wheelhouse
 PIP=${PIP:-$ROOT/.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
 
-reqs=$(python3 "$HERE/requirements.py" "$ROOT/pyproject.toml" app --without torch torchvision)
+reqs=$(python3 "$HERE/requirements.py" "$ROOT/requirements/app.txt" --without "$ROOT/requirements/torch.txt")
 key=$(printf '%s\n' "$reqs" | sha256sum | cut -c1-16)
 if [ -z "${FORCE:-}" ] && [ "$(cat "$OUT/.key" 2>/dev/null)" = "$key" ]; then
     echo "wheelhouse $OUT is up to date: nothing to do (FORCE=1 refills it)"
@@ -25,13 +26,14 @@ fi
 
 start=$SECONDS
 mkdir -p "$OUT"
-rm -f "$OUT"/*.whl "$OUT/.key"
+rm -f "$OUT"/*.whl "$OUT/.key" "$OUT/requirements.txt"
 # The image's interpreter, not the host's: pip picks wheels for these tags only.
 target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
         --platform manylinux2014_x86_64)
 for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_x86_64"); done
 
-# shellcheck disable=SC2086 # PIP may be "python3 -m pip"; one requirement a word
-$PIP download -q -d "$OUT" "${target[@]}" $reqs
+printf '%s\n' "$reqs" >"$OUT/requirements.txt"
+# shellcheck disable=SC2086 # PIP may be "python3 -m pip"
+$PIP download -q --no-deps --require-hashes -d "$OUT" "${target[@]}" -r "$OUT/requirements.txt"
 echo "$key" >"$OUT/.key"
 echo "wheelhouse: $(ls "$OUT"/*.whl | wc -l) wheels, $(du -sm "$OUT" | cut -f1) MB, in $((SECONDS - start)) s"

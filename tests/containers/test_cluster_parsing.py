@@ -166,7 +166,7 @@ def test_judge():
 
 CUDA = """
 name: gpu
-image: {base: pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime, device: cuda}
+image: {base: pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime, device: cuda}
 train: {model: cnn, dataset: synthetic, batch_size: 8, lr: 0.1, epochs: 1}
 workers: {count: 2}
 """

@@ -1,15 +1,19 @@
 """The image keeps its base's torch + torchvision, on the offline path standing in
-for the CUDA one: no package of the base is replaced, and a base whose pair does
-not import stops the build with one line saying so."""
+for the CUDA one: no package of the base is replaced, every package is at the
+version of the lock requirements/app.txt, and a base whose pair does not import,
+or is not the lock's, stops the build with one line saying so."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import re
 
 import pytest
 
 from orchestrator import images
 from orchestrator.errors import EngineError
+from orchestrator.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -37,6 +41,48 @@ def test_the_image_keeps_every_package_of_its_base(engine, offline_image):
     assert (
         _run(engine, offline_image, "import torchvision.models as m; print(m.resnet18().fc.out_features)") == "1000\n"
     )
+
+
+def _lock(name: str) -> dict[str, str]:
+    """name -> version of requirements/<name>.txt, read by the image's own reader (images/requirements.py)."""
+    spec = importlib.util.spec_from_file_location("image_requirements", ROOT / "images" / "requirements.py")
+    assert spec and spec.loader
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    return {n: p.version for n, p in reader.read(str(ROOT / "requirements" / f"{name}.txt")).items()}
+
+
+def _normalized(packages: dict[str, str]) -> dict[str, str]:
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in packages.items()}
+
+
+def test_the_image_has_the_versions_of_the_app_lock(engine, offline_image):
+    """The lock installs what the tests run: every package of requirements/app.txt, at its version,
+    in the image the container tests use (the base's part from requirements/torch.txt)."""
+    built = _normalized(_packages(engine, offline_image))
+    base = _normalized(_packages(engine, images.OFFLINE_BASE))
+    app, torch = _lock("app"), _lock("torch")
+    assert {name: built.get(name, "missing") for name in app} == app
+    assert {name: base.get(name, "missing") for name in torch} == torch
+    assert "triton" not in built
+
+
+def test_a_base_with_another_torch_stops_the_build_with_one_line(engine, offline_image):
+    other = "psc-test-base-other-torch:latest"
+    # The same files under another version number: what a base with another pair looks like to the check.
+    dockerfile = (
+        f"FROM {images.OFFLINE_BASE}\n"
+        "RUN cd /opt/venv/lib/python3.11/site-packages && mv torch-*.dist-info torch-2.8.0.dist-info"
+        " && sed -i 's/^Version: .*/Version: 2.8.0/' torch-2.8.0.dist-info/METADATA\n"
+    )
+    engine.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=other, rm=True)
+    try:
+        with pytest.raises(EngineError) as failed:
+            images.build("psc-test-app-other-torch:latest", other, "wheelhouse", out=io.StringIO())
+        first = str(failed.value).splitlines()[0]
+        assert first.startswith(f"image build failed: the base image {other} has torch 2.8.0 (the lock: "), first
+    finally:
+        engine.images.remove(other, force=True)
 
 
 def test_a_base_without_torchvision_stops_the_build_with_one_line(engine, offline_image):

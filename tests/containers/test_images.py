@@ -24,22 +24,39 @@ def test_dockerfile_default_base_is_the_default_topologys():
     assert "USER psc" in text
 
 
+def test_the_default_base_is_the_official_image_of_the_locked_torch():
+    """One torch: the CUDA image's default base ships the pair the venv and the offline image have."""
+    text = (ROOT / "images" / "Dockerfile").read_text()
+    default = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.MULTILINE).group(1)
+    torch = re.search(r"^torch==(\S+)", (ROOT / "requirements" / "app.txt").read_text(), re.MULTILINE).group(1)
+    assert re.fullmatch(rf"pytorch/pytorch:{re.escape(torch)}-cuda[\d.]+-cudnn\d+-runtime", default), (default, torch)
+
+
 def test_build_context_is_small():
     files = exclude_paths(str(ROOT), (ROOT / ".dockerignore").read_text().splitlines())
-    assert "pyproject.toml" in files and "app/__main__.py" in files
+    assert "requirements/app.txt" in files and "app/__main__.py" in files
     assert not [f for f in files if f.startswith((".venv", "runs/", ".git/", "tests/"))]
     assert not [f for f in files if "__pycache__" in f]
 
 
-def test_requirements_are_the_app_extra():
+def test_the_image_installs_the_app_lock_less_what_the_offline_base_has():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "images" / "requirements.py"), str(ROOT / "pyproject.toml"), "app"],
+        [
+            sys.executable,
+            str(ROOT / "images" / "requirements.py"),
+            str(ROOT / "requirements" / "app.txt"),
+            "--without",
+            str(ROOT / "requirements" / "torch.txt"),
+        ],
         capture_output=True,
         text=True,
         check=True,
     )
-    names = [re.split(r"[<>=!~ ;\[]", line)[0] for line in out.stdout.split()]
-    assert {"torch", "numpy", "scikit-learn"} <= set(names)
+    names = {line.split("==")[0] for line in out.stdout.splitlines() if "==" in line}
+    hashes = [line for line in out.stdout.splitlines() if line.strip().startswith("--hash=sha256:")]
+    assert {"numpy", "scikit-learn", "tensorboard"} & names == {"scikit-learn", "tensorboard"}  # numpy: the base's
+    assert not {"torch", "torchvision"} & names
+    assert len(hashes) >= len(names)
 
 
 def test_source_per_topology():
