@@ -1,4 +1,4 @@
-"""`python -m app ps|worker|health|check [flags]`: exit 0 done, 2 bad input, 1 run-time failure."""
+"""`python -m app ps|worker|health|check|export [flags]`: exit 0 done, 2 bad input, 1 run-time failure."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from app import connectivity
 
             return connectivity.run(config)
+        if config.role == "export":  # a run's model out for plain PyTorch (app/export.py)
+            from app import export
+
+            return export.run(config)
         if config.role == "ps":
             from app.ps import process as ps_process
 

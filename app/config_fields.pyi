@@ -47,6 +47,7 @@ class Config:
     host_workers: int = 1
     image_cache: str = "auto"
     cache_dir: str = "./runs/app/cache"
+    export_dir: str = "./runs/app/model"
     init_weights: str = ""
     precision: str = "fp32"
     channels_last: bool = False

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-ROLES = ("ps", "worker", "health", "check")  # every `python -m app ROLE`
+ROLES = ("ps", "worker", "health", "check", "export")  # every `python -m app ROLE`
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
 # `python -m app check` ends with one line: this mark, then a JSON object, its result for the
 # orchestrator (its other lines are for people): rank, name, passed (bool), failed (the

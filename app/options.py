@@ -363,6 +363,7 @@ OPTIONS: tuple[Option, ...] = (
         bool_aliases=("off", "memory"),
     ),
     _opt("cache_dir", "str", f"{BY_HAND}/cache", "--image_cache file: where the decoded shards are kept"),
+    _opt("export_dir", "str", f"{BY_HAND}/model", "the export role writes model.pt and model.json here"),
     _opt("init_weights", "str", "", "a state dict file (or a final.pt) the model starts from; empty: none"),
     _opt(
         "precision",

@@ -1,0 +1,134 @@
+"""`python -m app export` (app/export.py): a run's model out for plain PyTorch, loaded back in a
+fresh interpreter that reproduces the run's accuracy on its held-out split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from app import export
+from app.checkpoint import files as checkpoint_files
+from app.config import UsageError
+from app.data import datasets
+from app.training import models
+
+from app_testkit import DIGITS, app_env, final_accuracy, run_app, run_cluster
+
+# A fresh interpreter: the export's builder, its weights and the held-out tensors, nothing else.
+# With `project` False it runs where this project's code cannot be imported.
+LOAD_AND_SCORE = """
+import importlib, json, sys
+import torch
+card = json.load(open(sys.argv[1] + "/model.json"))
+module, function = card["builder"].split(":")
+model = getattr(importlib.import_module(module), function)(**card["kwargs"])
+model.load_state_dict(torch.load(sys.argv[1] + "/model.pt", weights_only=True), strict=True)
+model.eval()
+x, y = torch.load(sys.argv[2], weights_only=True)
+size, inp = card["input"], card["input"]
+x = x.float() * inp["scale"]
+x = (x - torch.tensor(inp["mean"]).view(-1, 1, 1)) / torch.tensor(inp["std"]).view(-1, 1, 1)
+if inp.get("step"):
+    x = x.expand(-1, 3, -1, -1)
+with torch.no_grad():
+    right = sum((model(x[i:i + 64]).argmax(1) == y[i:i + 64]).sum().item() for i in range(0, len(y), 64))
+print(json.dumps({"accuracy": right / len(y), "app_imported": "app" in sys.modules}))
+"""
+
+
+def _held_out_tensors(path: Path) -> Path:
+    """digits' held-out split as the PS evaluates on it, raw (before scale and normalisation)."""
+    data = datasets.load("digits", "", "test", seed=1).data
+    torch.save((data.x, data.y), path)
+    return path
+
+
+def _score(export_dir: Path, tensors: Path, project: bool) -> dict:
+    env = app_env() if project else {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_SCORE, str(export_dir), str(tensors)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=export_dir,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _run_and_export(tmp_path: Path, model: str, extra: list[str]) -> tuple[float, Path, dict]:
+    args = [*DIGITS, "--run_id", "export-run", *extra]
+    args[args.index("--model") + 1] = model
+    procs = run_cluster(tmp_path, workers=1, args=args, timeout=240)
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
+    accuracy = final_accuracy(procs["ps"].stdout)
+    out = tmp_path / "model"
+    dirs = ["--checkpoint_dir", str(tmp_path / "checkpoints"), "--metrics_dir", str(tmp_path / "metrics")]
+    result = run_app("export", *args, *dirs, "--export_dir", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    return accuracy, out, json.loads((out / "model.json").read_text())
+
+
+@pytest.mark.slow
+def test_an_exported_cnn_reproduces_the_runs_accuracy_in_a_fresh_interpreter(tmp_path):
+    accuracy, out, card = _run_and_export(tmp_path, "cnn", ["--num_epochs", "3"])
+    assert card["builder"] == "app.training.models:SmallCNN" and card["kwargs"] == {"channels": 1, "num_classes": 10}
+    assert card["run_id"] == "export-run" and card["finished"] is True and card["accuracy"] == accuracy
+    assert card["classes"] == [str(i) for i in range(10)] and card["input"]["size"] == [8, 8]
+    scored = _score(out, _held_out_tensors(tmp_path / "held_out.pt"), project=True)
+    assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_exported_torchvision_model_loads_without_the_project(tmp_path):
+    """resnet18 on one-channel digits: the app wraps it (GrayToRGB); the export is torchvision's
+    own model, its keys strict, the wrapper's work an input step."""
+    accuracy, out, card = _run_and_export(tmp_path, "resnet18", ["--num_epochs", "1", "--max_steps", "8"])
+    assert card["builder"] == "torchvision.models:resnet18" and card["kwargs"] == {"num_classes": 10}
+    assert card["input"]["step"] == export.GRAY_TO_RGB
+    scored = _score(out, _held_out_tensors(tmp_path / "held_out.pt"), project=False)
+    assert scored["app_imported"] is False
+    assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_the_gray_to_rgb_wrapper_is_not_in_the_exported_keys():
+    built = models.build("resnet18", 1, 10, seed=0)
+    assert isinstance(built, nn.Sequential) and isinstance(built[0], models.GrayToRGB)
+    weights, step = export.unwrapped(built, built.state_dict())
+    plain = models.build("resnet18", 3, 10, seed=0)
+    assert set(weights) == set(plain.state_dict()) and step == {"step": export.GRAY_TO_RGB}
+    plain.load_state_dict(weights, strict=True)
+
+
+def _checkpoint(directory: Path, version: int, run_id: str) -> None:
+    model = models.build("cnn", 1, 10, seed=0)
+    state = {"version": version, "model": model.state_dict(), "optimizer": {}, "progress": {}, "finished": False}
+    checkpoint_files.save({**state, "run_id": run_id, "channels": 1, "num_classes": 10}, directory)
+
+
+def test_an_unfinished_run_exports_its_newest_checkpoint_and_another_runs_is_found_where_it_was_set_aside(tmp_path):
+    _checkpoint(tmp_path, 5, "a")
+    _checkpoint(tmp_path, 9, "a")
+    path, state = export.find_state(tmp_path, "a")
+    assert path.name.startswith("ckpt-") and state["version"] == 9
+    checkpoint_files.set_aside(tmp_path, "a")
+    _checkpoint(tmp_path, 2, "b")
+    assert export.find_state(tmp_path, "a")[1]["version"] == 9  # under previous/a/
+    assert export.find_state(tmp_path, "b")[1]["version"] == 2
+    with pytest.raises(UsageError, match="no final.pt or checkpoint of run c in .*; earlier runs set aside: a"):
+        export.find_state(tmp_path, "c")
+
+
+def test_export_of_a_directory_with_no_run_exits_2_with_one_line(tmp_path):
+    result = run_app(
+        "export", *DIGITS, "--run_id", "none", "--checkpoint_dir", str(tmp_path), "--export_dir", str(tmp_path / "m")
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "no final.pt or checkpoint of run none" in result.stderr
