@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from app import plugins
+from app.checkpoint import export_files
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
@@ -169,6 +170,9 @@ def _report_end(
     progress.info("Accuracy: %.4f", accuracy)
     progress.info("Time: %.2f seconds", seconds)
     progress.info("Evaluation: %.2f seconds", eval_seconds)
+    if metrics.tracker is not None:  # the exported model, as `make export` writes it, to MLflow
+        about = dict(run_id=config.run_id, version=version, finished=True, accuracy=round(accuracy, 4))
+        metrics.tracker.model(export_files.files(config, evaluate.state_dict(vector), held_out, **about))
     metrics.write(
         "end",
         version,

@@ -1,6 +1,7 @@
-"""The app's metrics: one writer, two sinks. Every record (time, role, rank, event, step and
+"""The app's metrics: one writer, its sinks. Every record (time, role, rank, event, step and
 its fields; design.md) goes to the JSON lines the orchestrator reads, and its numbers to
-TensorBoard's event files (app/training/event_files.py) once the process has started training."""
+TensorBoard's event files (app/training/event_files.py) once the process has started training;
+the PS's also to MLflow where MLFLOW_TRACKING_URI is set (app/training/tracking.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.contract import RUN_ID_ENV, metrics_file
+from app.contract import PS, RUN_ID_ENV, metrics_file
+from app.options import OPTIONS
 from app.training.event_files import EventFiles
+from app.training.tracking import Tracker
 
 log = logging.getLogger("app.metrics")
 
@@ -64,6 +67,7 @@ class MetricsWriter:
         self.role, self.rank = role, rank
         self._lines = JsonLines(self.path)
         self._events: EventFiles | None = None
+        self.tracker: Tracker | None = None  # the PS's run in MLflow, from `start` on
         self._lock = threading.Lock()  # the PS writes from RPC threads too
 
     def write(self, event: str, step: int, **fields: Any) -> None:
@@ -80,6 +84,8 @@ class MetricsWriter:
             self._lines.write(record)
             if self._events is not None:
                 self._events.write(event, step, fields, now)
+            if self.tracker is not None:
+                self.tracker.record(event, step, fields)
 
     def start(self, config: Config, step: int = 0) -> None:
         """The `start` record: what this process trains, as it starts (so a reader of the
@@ -89,6 +95,8 @@ class MetricsWriter:
         with self._lock:
             if self._events is None:
                 self._events = EventFiles.open(self.metrics_dir, run_id, self.name, step)
+            if self.tracker is None and self.name == PS:
+                self.tracker = Tracker.from_env(os.environ, run_id)
         self.write(
             "start",
             step,
@@ -104,19 +112,32 @@ class MetricsWriter:
             compress=config.compress,
             run_id=run_id,
         )
+        if self.tracker is not None:
+            self.tracker.params(training_parameters(config))
 
-    def close(self) -> None:
+    def close(self, status: str = "FAILED") -> None:
+        """`status`: how the run ends in MLflow unless its `end` record ended it FINISHED."""
         with self._lock:
             self._lines.close()
             if self._events is not None:
                 self._events.close()
                 self._events = None
+            tracker, self.tracker = self.tracker, None
+        if tracker is not None:
+            tracker.close(status)
 
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close("KILLED" if kind is not None and issubclass(kind, (SystemExit, KeyboardInterrupt)) else "FAILED")
+
+
+def training_parameters(config: Config) -> dict[str, Any]:
+    """The run's parameters as the topology names them (train.*, and how many workers and PS
+    processes), for the tracker."""
+    values: dict[str, Any] = {o.topology: getattr(config, o.name) for o in OPTIONS if o.topology.startswith("train.")}
+    return {**values, "workers.count": config.num_trainers, "ps.shards": config.shards}
 
 
 class Rates:

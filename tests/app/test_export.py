@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from app import export
+from app.checkpoint import export_files
 from app.checkpoint import files as checkpoint_files
 from app.config import UsageError
 from app.data import datasets
@@ -92,7 +93,7 @@ def test_an_exported_torchvision_model_loads_without_the_project(tmp_path):
     own model, its keys strict, the wrapper's work an input step."""
     accuracy, out, card = _run_and_export(tmp_path, "resnet18", ["--num_epochs", "1", "--max_steps", "8"])
     assert card["builder"] == "torchvision.models:resnet18" and card["kwargs"] == {"num_classes": 10}
-    assert card["input"]["step"] == export.GRAY_TO_RGB
+    assert card["input"]["step"] == export_files.GRAY_TO_RGB
     scored = _score(out, _held_out_tensors(tmp_path / "held_out.pt"), project=False)
     assert scored["app_imported"] is False
     assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4)
@@ -101,9 +102,9 @@ def test_an_exported_torchvision_model_loads_without_the_project(tmp_path):
 def test_the_gray_to_rgb_wrapper_is_not_in_the_exported_keys():
     built = models.build("resnet18", 1, 10, seed=0)
     assert isinstance(built, nn.Sequential) and isinstance(built[0], models.GrayToRGB)
-    weights, step = export.unwrapped(built, built.state_dict())
+    weights, step = export_files.unwrapped(built, built.state_dict())
     plain = models.build("resnet18", 3, 10, seed=0)
-    assert set(weights) == set(plain.state_dict()) and step == {"step": export.GRAY_TO_RGB}
+    assert set(weights) == set(plain.state_dict()) and step == {"step": export_files.GRAY_TO_RGB}
     plain.load_state_dict(weights, strict=True)
 
 

@@ -1,0 +1,150 @@
+"""The run in MLflow: where MLFLOW_TRACKING_URI is set (MLflow's own convention), the PS logs
+its run there: the training parameters, loss, accuracy and samples/s at each evaluation with the
+version as the step, the exported model as an artifact, and how the run ended.
+
+A tracker that is down or slow never stops or slows training: every call only queues, and one
+thread of the tracker's own sends (MLflow is imported there too: it takes seconds). The first
+failure is said in one warning; the tracker then drops what is queued and what comes, and the run
+goes on. At the end the PS gives it `CLOSE_SECONDS` to send what is left, and no more.
+
+The experiment is MLFLOW_EXPERIMENT_NAME's (the render sets the topology's name), else
+`ps-compose`; the run is named after the run id."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("app.tracking")
+URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
+DEFAULT_EXPERIMENT = "ps-compose"
+CLOSE_SECONDS = 15.0
+# A tracker that does not answer costs one try of this many seconds, not MLflow's default
+# retries with backoff (minutes): set unless the user set them.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
+EVAL_METRICS = ("accuracy", "loss", "samples_per_s", "updates_per_s", "staleness", "workers")
+
+
+class Tracker:
+    """Queues a run's records for MLflow; a thread sends them (`record`, `model`, `close`)."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str) -> None:
+        self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self.failed = False
+        self.sent = 0  # calls MLflow took
+        self._thread = threading.Thread(target=self._send_all, name="mlflow", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], run_id: str) -> Tracker | None:
+        """A tracker where MLFLOW_TRACKING_URI is set, else None."""
+        uri = env.get(URI_ENV, "").strip()
+        if not uri:
+            return None
+        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, run_id or "unnamed")
+
+    def record(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
+        """A metrics record (app.training.metrics): `start` opens the run with its parameters,
+        `eval` and `end` log their numbers at `step` (the version), `end` ends it FINISHED."""
+        self._queue.put((event, (step, dict(fields))))
+
+    def params(self, values: Mapping[str, Any]) -> None:
+        self._queue.put(("params", dict(values)))
+
+    def model(self, files: Mapping[str, bytes]) -> None:
+        """The exported model's files (name -> bytes), logged as the run's `model` artifact."""
+        self._queue.put(("model", dict(files)))
+
+    def close(self, status: str = "FAILED", timeout: float = CLOSE_SECONDS) -> None:
+        """End the run with `status` unless an `end` record ended it FINISHED; wait at most
+        `timeout` for what is queued."""
+        self._queue.put(("close", status))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive() and not self.failed:
+            log.warning(
+                "MLflow at %s did not take the run's last records within %.0f s; not waiting", self.uri, timeout
+            )
+
+    def _send_all(self) -> None:
+        client, run_id, ended = None, "", False
+        while (item := self._queue.get()) is not None:
+            if self.failed:
+                continue
+            kind, value = item
+            try:
+                if client is None:
+                    client = self._client()
+                if not run_id and kind in ("start", "params"):
+                    run_id = self._open(client)
+                if not run_id:
+                    continue  # nothing before `start` is the run's
+                ended = self._send(client, run_id, kind, value) or ended
+                if kind == "close" and not ended:
+                    client.set_terminated(run_id, value)
+                self.sent += 1
+            except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
+                self.failed = True
+                log.warning("MLflow tracking at %s failed (%s); the run goes on without it", self.uri, _line(error))
+
+    def _client(self) -> Any:
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from mlflow import MlflowClient  # seconds to import: in this thread, never the PS's
+
+        return MlflowClient(self.uri)
+
+    def _open(self, client: Any) -> str:
+        """The MLflow run of this run id: the one a PS of the run opened before (it restarted and
+        resumed), running again, or a new one."""
+        found = client.get_experiment_by_name(self.experiment)
+        experiment = found.experiment_id if found is not None else client.create_experiment(self.experiment)
+        earlier = client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{self.run_name}'", max_results=1)
+        if earlier:
+            client.update_run(earlier[0].info.run_id, status="RUNNING")
+            return earlier[0].info.run_id
+        return client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name}).info.run_id
+
+    def _send(self, client: Any, run_id: str, kind: str, value: Any) -> bool:
+        """Send one item; True when it ended the run."""
+        if kind == "params":
+            from mlflow.entities import Param
+
+            client.log_batch(run_id, params=[Param(k, str(v)) for k, v in sorted(value.items())])
+        elif kind in ("eval", "end"):
+            from mlflow.entities import Metric
+
+            step, fields = value
+            numbers = {k: fields[k] for k in EVAL_METRICS if isinstance(fields.get(k), (int, float))}
+            if kind == "end" and isinstance(fields.get("seconds"), (int, float)):
+                numbers["training_seconds"] = fields["seconds"]
+            stamp = _now_ms()
+            client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in numbers.items()])
+            if kind == "end":
+                client.set_terminated(run_id, "FINISHED")
+                return True
+        elif kind == "model":
+            with tempfile.TemporaryDirectory() as directory:
+                for name, data in value.items():
+                    Path(directory, name).write_bytes(data)
+                client.log_artifacts(run_id, directory, artifact_path="model")
+        return False
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def _line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

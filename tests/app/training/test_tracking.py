@@ -1,0 +1,102 @@
+"""The PS's run in MLflow (app/training/tracking.py): a real tracking server (sqlite backend) reads
+back the run's parameters, curves, exported model and end; a tracker that is down costs one
+warning and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app.config import parse
+from app.training.metrics import read, training_parameters
+
+from app_testkit import DIGITS, app_env, final_accuracy, free_port, run_cluster
+
+SERVER_START_SECONDS = 180  # ~10 s on an idle 2-core CPU VM; minutes when it is loaded
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on 127.0.0.1 with a sqlite store; its URI."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+    assert mlflow, "mlflow is in the dev venv (pyproject's dev extra)"
+    argv = [mlflow, "server", "--backend-store-uri", f"sqlite:///{root}/store.db"]
+    argv += ["--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
+    with open(root / "server.log", "w") as log:
+        server = subprocess.Popen([*argv, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_SECONDS
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, (root / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, f"mlflow server not up in {SERVER_START_SECONDS} s"
+            time.sleep(1)
+        yield uri
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.mark.slow
+def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlflow_server):
+    from mlflow import MlflowClient
+
+    env = app_env(MLFLOW_TRACKING_URI=mlflow_server, MLFLOW_EXPERIMENT_NAME="tracked-digits")
+    args = [*DIGITS, "--num_epochs", "3", "--eval_every", "40", "--run_id", "tracked-1"]
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=240, env=env)
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
+    assert "MLflow" not in procs["ps"].stderr  # no warning: the tracker took every record
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("tracked-digits")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`ps-compose.run_id` = 'tracked-1'")
+    assert run.info.status == "FINISHED" and run.info.run_name == "tracked-1"
+    assert run.data.params["train.lr"] == "0.1" and run.data.params["train.model"] == "cnn"
+    assert run.data.params["workers.count"] == "2" and run.data.params["train.strategy"] == "async"
+    records = read(tmp_path / "metrics" / "ps.jsonl")
+    evals = [(r["step"], r["accuracy"]) for r in records if r["event"] in ("eval", "end")]
+    curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
+    assert curve == sorted(evals) and curve[-1][1] == final_accuracy(procs["ps"].stdout)
+    assert {m.key for m in client.get_metric_history(run.info.run_id, "samples_per_s")} == {"samples_per_s"}
+    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "model"))
+    assert names == ["model/model.json", "model/model.pt"]
+    card = json.loads(Path(client.download_artifacts(run.info.run_id, "model/model.json", str(tmp_path))).read_text())
+    assert card["builder"] == "app.training.models:SmallCNN" and card["run_id"] == "tracked-1"
+
+
+@pytest.mark.slow
+def test_a_tracker_that_is_down_costs_one_warning_and_the_run_goes_on(tmp_path):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = app_env(MLFLOW_TRACKING_URI=down)
+    procs = run_cluster(
+        tmp_path, workers=1, args=[*DIGITS, "--num_epochs", "2", "--run_id", "untracked"], timeout=240, env=env
+    )
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
+    warnings = [line for line in procs["ps"].stderr.splitlines() if "MLflow" in line]
+    assert len(warnings) == 1 and f"MLflow tracking at {down} failed" in warnings[0], warnings
+    assert final_accuracy(procs["ps"].stdout) >= 0.8
+
+
+def test_the_parameters_are_the_topologys_training_keys():
+    config = parse(["ps", "--lr", "0.05", "--batch_size", "16", "--world_size", "4"], {})
+    params = training_parameters(config)
+    assert params["train.lr"] == 0.05 and params["train.batch_size"] == 16 and params["workers.count"] == 3
+    assert all(k.startswith(("train.", "workers.", "ps.")) for k in params)
