@@ -47,16 +47,20 @@ def resolve(
     strategy: Optional[str] = None,
     name: Optional[str] = None,
 ) -> Cluster:
-    """The cluster named by `-c/--workers/--strategy` (or `name`); with none, the one the
-    target's up started last, else the default topology's."""
-    if config is None and workers is None and strategy is None and name is None:
-        last = record.load(backend)
+    """The cluster named by `-c/--workers/--strategy` (and `--name`, the topology's name
+    overridden); `--name` alone: the last up of that name (runs/<name>/), else that cluster as
+    its rendered file says; with none, the one the target's up started last, else the default
+    topology's."""
+    if config is None and workers is None and strategy is None:
+        last = record.load(backend, name=name)
         if last is not None:
             return last
+        if name is not None:
+            return Cluster(name, backend.path_of(name))
     config = config or DEFAULT_CONFIG
-    t = load_with(config, workers=workers, strategy=strategy)
-    name = name or backend.name_of(t)
-    return Cluster(name, backend.path_of(name), config, workers, strategy, t)
+    t = load_with(config, workers=workers, strategy=strategy, name=name)
+    found = backend.name_of(t)
+    return Cluster(found, backend.path_of(found), config, workers, strategy, t)
 
 
 def configured(c: Cluster) -> list[Service]:
@@ -88,6 +92,21 @@ def keep_document(backend: Backend, c: Cluster) -> None:
 
 
 # --- up -------------------------------------------------------------------
+
+
+def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
+    """UsageError (one line) when a run of cluster `c` is live on the target: a second run of
+    the same name would share its project (or stack) and state volume."""
+    live = backend.running_env(c, runs.VARIABLES)
+    if not live:
+        return
+    going = sorted(s.service for s in backend.describe(c) if s.status in ("running", "restarting"))
+    p = backend.verb_prefix
+    raise UsageError(
+        f"{p}{verb}: {backend.noun} {c.name} has a live run {live.get(runs.RUN_ID) or '(no id)'} "
+        f"({backend.unit}s running: {' '.join(going) or 'none'}); give this one another name "
+        f"(make {p}up NAME={c.name[:48]}-2, or --name), or end that one first (make {p}down NAME={c.name})"
+    )
 
 
 def preflight(backend: Backend, t: Topology, config: str, client: Any, out: TextIO) -> Facts:
@@ -139,13 +158,15 @@ def up(
     out: Optional[TextIO] = None,
 ) -> int:
     """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
-    unfinished checkpoint), or, while the cluster's run goes on, that run unchanged."""
+    unfinished checkpoint) of the topology, under `name` when given; refused (one line) while a
+    run of that name is live on the target."""
     out = out or sys.stdout
     backend.refuse("up")
-    t = load_with(config, workers=workers, strategy=strategy)
-    name = name or backend.name_of(t)
+    t = load_with(config, workers=workers, strategy=strategy, name=name)
+    name = backend.name_of(t)
     c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
     client = images.client() if backend.engine else None
+    refuse_live(backend, c, "up")
     facts = preflight(backend, t, config, client, out)
     wrote = write_if_changed(c.file, backend.document(t, facts))
     said = "rendered" if wrote else "up to date:"
