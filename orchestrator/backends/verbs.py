@@ -26,7 +26,7 @@ from orchestrator.backends.status import format_live, format_states, format_stat
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.report import stop_on_problems, summary
-from orchestrator.errors import UsageError, engine_errors
+from orchestrator.errors import EngineError, UsageError, engine_errors
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
 from orchestrator.render.compose import STATE_VOLUME
@@ -337,14 +337,25 @@ def scale(
     backend.refuse("scale")
     c = resolve(backend, config, None, None, name)
     t = scalable(c, workers)
-    running = running_workers(listed(backend, c, backend.describe(c)))
+    states = listed(backend, c, backend.describe(c))
+    running = running_workers(states)
     if running is None:
-        raise UsageError(f"scale: the PS of {backend.noun} {c.name} is not running; start it with make up")
+        raise UsageError(_not_running(backend, c, states))
     keep_document(backend, c)
     start, stop = scale_plan(running, workers)
     env = runs.start(backend.running_env(c, runs.VARIABLES), resume=False)[0] if start else {}
+    failed: Optional[EngineError] = None
     if start or stop:
-        backend.scale_to(c, start, stop, env)
+        try:
+            backend.scale_to(c, start, stop, env)
+        except EngineError as e:
+            failed = e
+    if start:  # the run may have ended while the services started: say so, and leave none half-made
+        if _ended_ps(backend.describe(c)) is not None:
+            backend.discard_created(c, start)
+            raise UsageError(_ended_line(backend, c))
+    if failed is not None:
+        raise failed
     change = "; ".join(
         part
         for part in (f"started {' '.join(start)}" if start else "", f"stopped {' '.join(stop)}" if stop else "")
@@ -357,3 +368,22 @@ def scale(
         flush=True,
     )
     return 0
+
+
+def _ended_ps(states: Sequence[ServiceState]) -> Optional[ServiceState]:
+    """The PS's state when the run has ended: it exited 0 (a failed one is restarted)."""
+    return next((s for s in states if s.service == PS_SERVICE and s.ended and s.exit_code == 0), None)
+
+
+def _ended_line(backend: Backend, c: Cluster) -> str:
+    p = backend.verb_prefix
+    return (
+        f"scale: the run of {backend.noun} {c.name} has ended (its PS exited 0): nothing to scale; "
+        f"make {p}status shows how it ended, make {p}up starts a new run"
+    )
+
+
+def _not_running(backend: Backend, c: Cluster, states: Sequence[ServiceState]) -> str:
+    if _ended_ps(states) is not None:
+        return _ended_line(backend, c)
+    return f"scale: the PS of {backend.noun} {c.name} is not running; start it with make {backend.verb_prefix}up"

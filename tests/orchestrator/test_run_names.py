@@ -1,10 +1,12 @@
 """Runs that share a name: `--name` (`make ... NAME=`) on every verb that takes a topology,
 validated as the topology's `name:`; one live run per name (a second `up` of a live one is
-refused in one line); `--name` alone finds the last up of that name. On a made-up target (the
+refused in one line); `--name` alone finds the last up of that name; a scale that comes after
+the run's end says so in one line and leaves nothing half-made. On a made-up target (the
 blocks only) and the real CLI parser."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +18,7 @@ from test_backends import FakeBackend
 from orchestrator import paths
 from orchestrator.backends import registry, verbs
 from orchestrator.backends.base import ServiceState
-from orchestrator.errors import UsageError
+from orchestrator.errors import EngineError, UsageError
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.model import load, parse
 from orchestrator.topology.services import LABEL_PROJECT
@@ -215,3 +217,58 @@ def test_a_name_alone_finds_the_last_up_of_that_name(cli, live: Live, tmp_path: 
     assert "fleet fleet-a runs 3 of at most 4 workers (started worker3)" in out
     unknown = verbs.resolve(live, None, None, name="never-up")
     assert (unknown.name, unknown.topology) == ("never-up", None)
+
+
+# --- a scale that races the end of the run -------------------------------------------------
+
+
+class Ending(Live):
+    """A fleet whose PS exits 0 while `scale_to` starts the new ships: the engine fails, as
+    compose does (`dependency failed to start: container ...-ps-1 exited (0)`), and leaves
+    them created, never started."""
+
+    def scale_to(self, c, start, stop, env) -> None:
+        self.home(c.name)
+        for name in start:
+            self.fleets[c.name][name] = ServiceState(name, "created")
+        raise EngineError("`docker compose up -d worker3` failed with exit status 1: dependency failed to start")
+
+    def discard_created(self, c, services):
+        fleet = self.fleets[c.name]
+        gone = [n for n in services if n in fleet and fleet[n].status == "created"]
+        for n in gone:
+            del fleet[n]
+        return gone
+
+
+def test_a_scale_that_comes_as_the_run_ends_says_so_and_leaves_nothing_made(cli, monkeypatch, tmp_path) -> None:  # noqa: F811
+    fake = Ending()
+    monkeypatch.setitem(registry.BACKENDS, "fake", fake)
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
+    assert cli("fake-up", "-c", str(scaled))[0] == 0
+    status, out, err = cli("fake-scale", "--workers", "4")
+    ended = (
+        "error: scale: the run of fleet fleet-cpu-smoke has ended (its PS exited 0): nothing to scale; "
+        "make fake-status shows how it ended, make fake-up starts a new run\n"
+    )
+    assert (status, out, err) == (2, "", ended)
+    fleet = fake.fleets["fleet-cpu-smoke"]
+    assert sorted(fleet) == ["ps", "worker1", "worker2"] and all(s.ended for s in fleet.values())
+    # and once it has ended, before anything is started: the same line
+    status, out, err = cli("fake-scale", "--workers", "4")
+    assert (status, out, err) == (2, "", ended)
+
+
+def test_a_scale_whose_engine_fails_while_the_run_goes_on_fails_as_before(monkeypatch, tmp_path) -> None:
+    class Failing(Live):
+        def scale_to(self, c, start, stop, env) -> None:
+            raise EngineError("`docker compose up` failed with exit status 1: no space left on device")
+
+    fake = Failing()
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
+    assert verbs.up(fake, str(scaled), out=io.StringIO()) == 0
+    assert verbs.scale(fake, None, 3) == 1  # engine_errors: one line, exit 1
