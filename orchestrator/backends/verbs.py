@@ -10,6 +10,7 @@ record.py), so the other verbs without -c act on the cluster `up` started last.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -232,14 +233,32 @@ def logs(
     done = threading.Event()
     if follow:
         threading.Thread(target=_close_when_ended, args=(backend, c, lines, done), daemon=True).start()
+    plain = not _is_terminal(out)
     try:
         for line in lines:
-            out.write(line)
+            out.write(without_escapes(line) if plain else line)
             out.flush()
     finally:
         done.set()
         lines.close()
     return 0 if follow else int(getattr(lines, "returncode", 0))
+
+
+# A terminal control sequence: CSI (ESC [ ... final byte, e.g. compose's erase-line ESC [ K), or
+# another escape (ESC, intermediate bytes, a final byte: ESC ( B, ESC 7).
+_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[ -/]*[0-~])")
+
+
+def without_escapes(line: str) -> str:
+    """`line` without terminal control sequences: what a file or a pipe should get."""
+    return _ESCAPE.sub("", line)
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # a closed stream, or none that can tell
+        return False
 
 
 def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threading.Event) -> None:

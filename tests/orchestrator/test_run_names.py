@@ -1,8 +1,8 @@
 """Runs that share a name: `--name` (`make ... NAME=`) on every verb that takes a topology,
 validated as the topology's `name:`; one live run per name (a second `up` of a live one is
 refused in one line); `--name` alone finds the last up of that name; a scale that comes after
-the run's end says so in one line and leaves nothing half-made. On a made-up target (the
-blocks only) and the real CLI parser."""
+the run's end says so in one line and leaves nothing half-made; `logs` into a file or a pipe
+writes no terminal escapes. On a made-up target (the blocks only) and the real CLI parser."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from test_backends import FakeBackend
 from orchestrator import paths
 from orchestrator.backends import registry, verbs
 from orchestrator.backends.base import ServiceState
+from orchestrator.backends.lines import ReadLines
 from orchestrator.errors import EngineError, UsageError
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.model import load, parse
@@ -272,3 +273,17 @@ def test_a_scale_whose_engine_fails_while_the_run_goes_on_fails_as_before(monkey
     scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
     assert verbs.up(fake, str(scaled), out=io.StringIO()) == 0
     assert verbs.scale(fake, None, 3) == 1  # engine_errors: one line, exit 1
+
+
+# --- logs into a file or a pipe ----------------------------------------------------------------
+
+
+def test_logs_into_a_file_writes_no_terminal_escapes(fleet: FakeBackend, tmp_path: Path) -> None:
+    class Colored(FakeBackend):
+        def log_iter(self, c, follow: bool):
+            lines = ["ps-1       | \x1b[Kps | Update: 100 | Accuracy: 0.8802\n", "\x1b[32mworker1-1\x1b[0m | x\n"]
+            return ReadLines(lines)
+
+    with open(tmp_path / "logs.txt", "w", encoding="utf-8") as out:
+        assert verbs.logs(Colored(), str(SMOKE), follow=False, out=out) == 0
+    assert (tmp_path / "logs.txt").read_text() == "ps-1       | ps | Update: 100 | Accuracy: 0.8802\nworker1-1 | x\n"
