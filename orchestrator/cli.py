@@ -420,7 +420,15 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     def run_chaos(a: argparse.Namespace) -> int:
         from orchestrator.chaos import registry
 
-        return registry.run(a.scenario, Path(a.runs), containers=not a.no_containers, minutes=a.minutes, seed=a.seed)
+        return registry.run(
+            a.scenario,
+            Path(a.runs),
+            containers=not a.no_containers,
+            minutes=a.minutes,
+            seed=a.seed,
+            seeds=a.seeds,
+            project=a.name,
+        )
 
     p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
     p.add_argument(
@@ -428,7 +436,17 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
     p.add_argument("--minutes", type=_positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
-    p.add_argument("--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)")
+    seeding = p.add_mutually_exclusive_group()
+    seeding.add_argument(
+        "--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)"
+    )
+    seeding.add_argument(
+        "--seeds",
+        type=_positive_int,
+        metavar="K",
+        help="soak: K soaks one after another, each with a random seed, then one table (seed, faults, invariants)",
+    )
+    add_name_arg(p, "soak: a project of its own, psc-soak-<6 hex digits>")
     p.add_argument("--runs", default="runs/chaos", metavar="DIR", help="logs and metrics of each scenario")
     p.set_defaults(run=run_chaos)
 

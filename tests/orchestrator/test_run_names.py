@@ -57,6 +57,7 @@ def fleet(monkeypatch, tmp_path: Path) -> FakeBackend:
         ["stack-up", "-c", str(SMOKE)],
         ["stack-status"],
         ["smoke"],
+        ["chaos", "soak"],
         ["doctor", "-c", str(SMOKE)],
     ],
 )
