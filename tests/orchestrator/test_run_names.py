@@ -195,6 +195,14 @@ def test_a_second_up_of_a_live_name_is_refused_in_one_line(cli, live: Live) -> N
     assert "==> up: fleet fleet-b." in out
 
 
+def test_a_smoke_of_a_live_name_is_refused_before_it_removes_anything(cli, live: Live) -> None:  # noqa: F811
+    """The smoke removes its project (and volume) before and after its run: never a live one."""
+    assert cli("fake-up", "-c", str(SMOKE), "--name", "x")[0] == 0
+    status, out, err = cli("fake-smoke", "-c", str(SMOKE), "--name", "fleet-x")
+    assert status == 2 and out == "" and err.startswith("error: fake-smoke: fleet fleet-x has a live run "), err
+    assert [c[0] for c in live.calls] == ["deploy"]
+
+
 def test_an_up_of_a_name_whose_run_ended_starts_a_new_run(cli, live: Live) -> None:  # noqa: F811
     assert cli("fake-up", "-c", str(SMOKE))[0] == 0
     first = live.runs["fleet-cpu-smoke"]
