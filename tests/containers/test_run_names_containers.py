@@ -1,5 +1,5 @@
 """Runs of one name in real containers: a second `up` of a project whose run is live is refused
-in one line (exit 2) and touches nothing; once that run has ended, `up` starts a new one. A
+in one line (UsageError: exit 2) and touches nothing; once that run has ended, `up` starts a new one. A
 `scale` that comes as the run ends says so in one line and leaves no container behind in
 state Created (compose used to fail raw: `dependency failed to start: container ...-ps-1
 exited (0)`)."""
@@ -20,7 +20,6 @@ from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.backend import ComposeBackend
 from orchestrator.backends.registry import get
-from orchestrator.cli import main
 from orchestrator.errors import UsageError
 from orchestrator.paths import ROOT
 
@@ -66,31 +65,29 @@ def _ended(engine, project: str) -> bool:
     return bool(states) and all(s == "exited" for s in states.values())
 
 
-def test_a_second_up_of_a_live_project_is_refused_and_one_whose_run_ended_starts_anew(
-    engine, offline_image, tmp_path, capsys
-):
+def test_a_second_up_of_a_live_project_is_refused_and_one_whose_run_ended_starts_anew(engine, offline_image, tmp_path):
     project = f"psc-names-{uuid.uuid4().hex[:6]}"
     config = _config(tmp_path, offline_image, epochs=6)
+    compose = get("compose")
     try:
         out = io.StringIO()
-        assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out) == 0, out.getvalue()
+        assert verbs.up(compose, str(config), name=project, remember=False, out=out) == 0, out.getvalue()
         first = _ids(engine, project)
-        capsys.readouterr()
-        assert main(["up", "-c", str(config), "--name", project]) == 2
-        said = capsys.readouterr()
-        assert said.out == "" and len(said.err.splitlines()) == 1, said
-        assert said.err.startswith(f"error: up: project {project} has a live run ")
-        assert f"give this one another name (make up NAME={project}-2, or --name)" in said.err
+        with pytest.raises(UsageError) as refused:
+            verbs.up(compose, str(config), name=project, remember=False, out=io.StringIO())
+        said = str(refused.value)
+        assert "\n" not in said and said.startswith(f"up: project {project} has a live run "), said
+        assert f"give this one another name (make up NAME={project}-2, or --name)" in said
         assert _ids(engine, project) == first  # nothing recreated, nothing added
 
         _until("the first run ended", lambda: _ended(engine, project))
         out = io.StringIO()
-        assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out) == 0, out.getvalue()
+        assert verbs.up(compose, str(config), name=project, remember=False, out=out) == 0, out.getvalue()
         assert "starts fresh at version 0" in out.getvalue()
         _until("the second run ended", lambda: _ended(engine, project))
         assert _runs_ended(engine, project) == 1
     finally:
-        verbs.down(get("compose"), str(config), name=project, volumes=True, out=io.StringIO())
+        verbs.down(compose, str(config), name=project, volumes=True, out=io.StringIO())
 
 
 class LookedWhileItRan(ComposeBackend):
