@@ -236,7 +236,11 @@ def logs(
     plain = not _is_terminal(out)
     try:
         for line in lines:
-            out.write(without_escapes(line) if plain else line)
+            if plain:
+                line = without_escapes(line)
+                if not line.strip():  # what compose's "\r\x1b[K<service> exited with code 0" leaves
+                    continue
+            out.write(line)
             out.flush()
     finally:
         done.set()
@@ -244,8 +248,10 @@ def logs(
     return 0 if follow else int(getattr(lines, "returncode", 0))
 
 
-# A terminal control sequence: CSI (ESC [ ... final byte, e.g. compose's erase-line ESC [ K), or
-# another escape (ESC, intermediate bytes, a final byte: ESC ( B, ESC 7).
+# A terminal control sequence: CSI (ESC [ ... final byte, e.g. the erase-line ESC [ K that compose
+# v2 writes after a carriage return before "<service> exited with code N" while it follows), or
+# another escape (ESC, intermediate bytes, a final byte: ESC ( B, ESC 7). The lines are read in
+# text mode, so the carriage return has become a line of its own, blank: dropped too.
 _ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[ -/]*[0-~])")
 
 
