@@ -6,7 +6,12 @@ CONFIG  ?= configs/default.yaml
 WORKERS ?=
 STRATEGY ?=
 ORCH    := $(PY) -m orchestrator
-CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY))
+# NAME=: the run's name (its compose project or stack, state volume and runs/NAME/) instead of
+# the topology's name:, for a second run of one config beside the first. Taken from the command
+# line only: WSL sets NAME to the host's name in every shell.
+NAME    := $(if $(filter environment%,$(origin NAME)),,$(NAME))
+NAMED   := $(if $(NAME),--name $(NAME))
+CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
 # RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
 RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
@@ -87,9 +92,9 @@ local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 conti
 	$(ORCH) local $(CFG) $(RESUMING)
 
 # The cluster in containers (orchestrator/backends/verbs.py on the compose target). logs, status and down act
-# on the cluster `up` started last, unless CONFIG or WORKERS is given.
+# on the cluster `up` started last, unless CONFIG, WORKERS or NAME is given (NAME alone: the last up of that name).
 LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
-           $(if $(STRATEGY),--strategy $(STRATEGY))
+           $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
 
 engine: ## install and start Debian's Docker engine if missing (root or sudo)
 	.ci/engine.sh
@@ -114,10 +119,10 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 tensorboard: $(if $(LOCAL),setup,host-setup) ## TensorBoard of the last up's runs at http://127.0.0.1:6006/ (RUN=<id>, PORT=N, LOCAL=1); make down stops it
 	$(ORCH) tensorboard $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN)) $(if $(PORT),--port $(PORT))
 scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up to workers.max) without stopping it
-	$(if $(WORKERS),,$(error make scale needs WORKERS=N))$(ORCH) scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(WORKERS)
+	$(if $(WORKERS),,$(error make scale needs WORKERS=N))$(ORCH) scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(WORKERS) $(NAMED)
 
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
-	$(ORCH) smoke
+	$(ORCH) smoke $(NAMED)
 
 # The connectivity check (orchestrator/connectivity.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
@@ -126,8 +131,8 @@ check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank an
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
 	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
 
-soak: host-setup ## random faults in a compose run for MINUTES (default 10; SEED=N replays one), then the invariants as a table
-	$(ORCH) chaos soak $(if $(MINUTES),--minutes $(MINUTES)) $(if $(SEED),--seed $(SEED))
+soak: host-setup ## random faults in a compose run for MINUTES (default 10; SEED=N replays one; SEEDS=K: K seeds, one table), then the invariants
+	$(ORCH) chaos soak $(if $(MINUTES),--minutes $(MINUTES)) $(if $(SEED),--seed $(SEED)) $(if $(SEEDS),--seeds $(SEEDS)) $(NAMED)
 
 gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a minute, one worker per GPU: samples/s, GPU, UUID
 	$(ORCH) gpu-check -c $(CONFIG)
@@ -144,7 +149,7 @@ stack-down: host-setup ## docker stack rm, wait until its containers and network
 	$(ORCH) stack-down $(LAST)
 
 stack-scale: host-setup ## not on Swarm yet: refused with one line (make scale runs on compose)
-	$(ORCH) stack-scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(or $(WORKERS),1)
+	$(ORCH) stack-scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(or $(WORKERS),1) $(NAMED)
 
 stack-logs: host-setup ## follow every service's log of the stack
 	$(ORCH) stack-logs $(LAST)
@@ -156,7 +161,7 @@ stack-tensorboard: host-setup ## refused with one line: a stack's event files ar
 	$(ORCH) stack-tensorboard
 
 stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
-	$(ORCH) stack-smoke
+	$(ORCH) stack-smoke $(NAMED)
 
 # Plots of runs' metrics (orchestrator/metrics/report.py) and the strategies side by side
 # (orchestrator/metrics/compare.py). RUN: run directories (default: the last `up`);

@@ -47,8 +47,27 @@ def _positive_float(text: str) -> float:
     return x
 
 
+def _run_name(text: str) -> str:
+    from orchestrator.topology.model import NAME_RULE, valid_name
+
+    if not valid_name(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; {NAME_RULE}")
+    return text
+
+
+def add_name_arg(p: argparse.ArgumentParser, default: str = "the topology's name:") -> None:
+    """`--name NAME` (`make ... NAME=`): the run's name, overriding the topology's `name:`."""
+    p.add_argument(
+        "--name",
+        type=_run_name,
+        metavar="NAME",
+        help=f"the run's name: its compose project (or stack), state volume and runs/NAME/ (default: {default})",
+    )
+
+
 def add_topology_args(p: argparse.ArgumentParser) -> None:
-    """`-c CONFIG`, `--workers N` and `--strategy S`: every verb that works on a topology takes them."""
+    """`-c CONFIG`, `--workers N`, `--strategy S` and `--name NAME`: every verb that works on a
+    topology takes them."""
     p.add_argument(
         "-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG", help=f"topology file (default: {DEFAULT_CONFIG})"
     )
@@ -59,6 +78,7 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
         help="number of workers, overriding workers.count (GPUs 0..N-1 unless listed)",
     )
     add_strategy_arg(p)
+    add_name_arg(p)
 
 
 def add_strategy_arg(p: argparse.ArgumentParser) -> None:
@@ -68,10 +88,12 @@ def add_strategy_arg(p: argparse.ArgumentParser) -> None:
 
 
 def load_topology(args: argparse.Namespace):
-    """The topology named by `-c`, with `--workers` and `--strategy` applied."""
+    """The topology named by `-c`, with `--workers`, `--strategy` and `--name` applied."""
     from orchestrator.topology.model import load_with
 
-    return load_with(args.config, workers=args.workers, strategy=getattr(args, "strategy", None))
+    return load_with(
+        args.config, workers=args.workers, strategy=getattr(args, "strategy", None), name=getattr(args, "name", None)
+    )
 
 
 def targets():
@@ -252,6 +274,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
     p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
     p.set_defaults(run=lambda a: _verbs()[0].build(a.config, a.workers, offline=a.offline, verbose=a.verbose))
+    # (build takes --name as every topology verb does; the image is the topology's whatever the name)
     for backend in targets().BACKENDS.values():
         if backend.verb_prefix is not None:
             _add_lifecycle_verbs(sub, backend)
@@ -321,7 +344,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     add_resume_arg(p)
     p.set_defaults(
         run=lambda a: _verbs()[0].up(
-            backend, a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume
+            backend, a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume, name=a.name
         )
     )
     last = f"the last {backend.verb_prefix}up"
@@ -331,13 +354,17 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
     add_strategy_arg(p)
+    add_name_arg(p, f"the topology's name: + -{backend.verb_prefix}smoke")
     p.set_defaults(
-        run=lambda a: _verbs()[1].smoke(backend, a.config, a.workers, strategy=a.strategy, timeout=a.timeout)
+        run=lambda a: _verbs()[1].smoke(
+            backend, a.config, a.workers, strategy=a.strategy, timeout=a.timeout, name=a.name
+        )
     )
     p = verb("scale")
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=_positive_int, required=True, metavar="N", help="the number of workers to run")
-    p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers))
+    add_name_arg(p, f"{last}'s")
+    p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers, name=a.name))
     _add_tensorboard_verb(verb("tensorboard"), backend, last)
 
 
@@ -345,6 +372,7 @@ def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=_positive_int, metavar="N")
     add_strategy_arg(p)
+    add_name_arg(p, f"{last}'s; alone, the last up of that name")
 
 
 def _add_last_cluster_verbs(verb, backend, last: str) -> None:
@@ -352,16 +380,22 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
     p = verb("down")
     _last_cluster_args(p, last)
     p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-    p.set_defaults(run=lambda a: _verbs()[0].down(backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes))
+    p.set_defaults(
+        run=lambda a: _verbs()[0].down(
+            backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes, name=a.name
+        )
+    )
     p = verb("logs")
     _last_cluster_args(p, last)
     p.add_argument("--no-follow", action="store_true", help="print and return")
     p.set_defaults(
-        run=lambda a: _verbs()[0].logs(backend, a.config, a.workers, strategy=a.strategy, follow=not a.no_follow)
+        run=lambda a: _verbs()[0].logs(
+            backend, a.config, a.workers, strategy=a.strategy, follow=not a.no_follow, name=a.name
+        )
     )
     p = verb("status")
     _last_cluster_args(p, last)
-    p.set_defaults(run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy))
+    p.set_defaults(run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy, name=a.name))
 
 
 def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
@@ -375,7 +409,7 @@ def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> Non
     p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
     p.set_defaults(
         run=lambda a: _verbs()[2].tensorboard(
-            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port, local=a.local
+            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port, local=a.local, name=a.name
         )
     )
 
@@ -386,7 +420,15 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     def run_chaos(a: argparse.Namespace) -> int:
         from orchestrator.chaos import registry
 
-        return registry.run(a.scenario, Path(a.runs), containers=not a.no_containers, minutes=a.minutes, seed=a.seed)
+        return registry.run(
+            a.scenario,
+            Path(a.runs),
+            containers=not a.no_containers,
+            minutes=a.minutes,
+            seed=a.seed,
+            seeds=a.seeds,
+            project=a.name,
+        )
 
     p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
     p.add_argument(
@@ -394,7 +436,17 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
     p.add_argument("--minutes", type=_positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
-    p.add_argument("--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)")
+    seeding = p.add_mutually_exclusive_group()
+    seeding.add_argument(
+        "--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)"
+    )
+    seeding.add_argument(
+        "--seeds",
+        type=_positive_int,
+        metavar="K",
+        help="soak: K soaks one after another, each with a random seed, then one table (seed, faults, invariants)",
+    )
+    add_name_arg(p, "soak: a project of its own, psc-soak-<6 hex digits>")
     p.add_argument("--runs", default="runs/chaos", metavar="DIR", help="logs and metrics of each scenario")
     p.set_defaults(run=run_chaos)
 

@@ -5,7 +5,12 @@ The same cluster as the compose file, without Docker: each service becomes a
 container (`orchestrator.render.compose.app_environment`), except the address (127.0.0.1, a free
 port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
 metrics) and the interface (loopback). Output is prefixed by service name, as
-compose prints it. Ctrl-C or SIGTERM stops every process.
+compose prints it. Ctrl-C, SIGTERM or SIGHUP (the terminal closed) stops every process;
+output that can no longer be written (a closed terminal) is dropped, the stop goes on.
+
+One live run per name (the topology's, or `--name`): the run holds runs/<name>/local.lock
+(orchestrator.run_lock) from before its first process starts until its last one ends; a
+second `local` of the name is refused with one line naming the live run.
 
 A worker that fails (exits non-zero, or is killed) is started again with the same
 environment, as compose's `restart: on-failure` does, at most WORKER_RESTARTS times
@@ -17,6 +22,7 @@ retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a w
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from orchestrator import runs
+from orchestrator import run_lock, runs
 from orchestrator.errors import UsageError
 from orchestrator.host_paths import check_paths
 from orchestrator.render.compose import app_environment
@@ -128,10 +134,17 @@ def app_argv(*args: str, python: str = sys.executable) -> list[str]:
 
 
 def spawn(
-    argv: list[str], env: dict[str, str], *, stdout: Any, stderr: Any = subprocess.STDOUT, new_session: bool = False
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    stdout: Any,
+    stderr: Any = subprocess.STDOUT,
+    new_session: bool = False,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen:
     """The one way a local process of the job starts: `env` over this process's environment,
-    unbuffered output, no stdin; `new_session` puts it (and its children) in its own group."""
+    unbuffered output, no stdin; `new_session` puts it (and its children) in its own group;
+    `pass_fds` stay open in it (the run's lock)."""
     return subprocess.Popen(
         argv,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
@@ -139,6 +152,7 @@ def spawn(
         stdout=stdout,
         stderr=stderr,
         start_new_session=new_session,
+        pass_fds=pass_fds,
     )
 
 
@@ -177,16 +191,18 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
     except OSError as e:
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
     run_id = runs.new_id()
-    specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
-    print(
-        f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, state in {run_dir}/",
-        flush=True,
-    )
-    print(f"local: {runs.describe(run_id, resume)}", flush=True)
+    lock = run_lock.hold(run_dir, run_id, t.name)
     try:
-        return Supervisor(specs, keep_going=keep_going).run()
+        specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
+        print(
+            f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, state in {run_dir}/",
+            flush=True,
+        )
+        print(f"local: {runs.describe(run_id, resume)}", flush=True)
+        return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
+        os.close(lock)
 
 
 class Supervisor:
@@ -201,8 +217,10 @@ class Supervisor:
         out: Optional[IO[str]] = None,
         grace: float = STOP_GRACE_SECONDS,
         restart_delay: float = RESTART_DELAY_SECONDS,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.specs = specs
+        self.pass_fds = pass_fds
         self.keep_going = keep_going
         self.out = out or sys.stdout
         self.grace = grace
@@ -211,6 +229,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._signal: Optional[int] = None
+        self._mute = False
 
     def run(self) -> int:
         restore = self._install_signal_handlers()
@@ -222,7 +241,7 @@ class Supervisor:
 
         def start(spec: ProcessSpec) -> None:
             # Its own session: our signals, not the terminal's, stop it.
-            p = spawn(spec.argv, spec.env, stdout=subprocess.PIPE, new_session=True)
+            p = spawn(spec.argv, spec.env, stdout=subprocess.PIPE, new_session=True, pass_fds=self.pass_fds)
             procs[spec.name] = p
             readers.append(threading.Thread(target=self._pump, args=(spec.name, p.stdout), daemon=True))
             readers[-1].start()
@@ -292,8 +311,14 @@ class Supervisor:
 
     def _say(self, name: str, line: str) -> None:
         with self._lock:
-            self.out.write(f"{name:<{self.width}} | {line}\n")
-            self.out.flush()
+            if self._mute:
+                return
+            try:
+                self.out.write(f"{name:<{self.width}} | {line}\n")
+                self.out.flush()
+            except (OSError, ValueError):  # the terminal closed (EIO), the pipe's reader left: drop it
+                self._mute = True
+                _silence(self.out)
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -303,8 +328,25 @@ class Supervisor:
             self._signal = signum
             self._stop.set()
 
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP: the terminal closed (or an ssh session ended); the run ends as on Ctrl-C.
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+def _silence(out: IO[str]) -> None:
+    """Point `out`'s file descriptor at /dev/null when it is a real one whose other end is gone,
+    so that nothing written to it later fails (the interpreter's last flush included)."""
+    try:
+        fd = out.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return
+    try:
+        os.dup2(null, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(null)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -5,10 +5,11 @@ doctor's checks and the host facts only it needs. A target the orchestrator runs
 blocks: `deploy` (start the document with the run's variables), `describe` (one
 `ServiceState` per service), `log_iter` (the services' log lines, following or not),
 `remove`, `read_records` (the app's metrics files), `running_env` (the run going on), and
-where it can `scale_to` and `serve_board`. Every user-facing verb (up, down, logs, status,
-smoke, scale, tensorboard) is written once on top of them (orchestrator/backends/verbs.py),
-with one run-record store (orchestrator/backends/record.py); the CLI builds the verbs of
-every target in the registry (orchestrator/backends/registry.py) and never names one.
+where it can `scale_to` (and `discard_created`) and `serve_board`. Every user-facing verb
+(up, down, logs, status, smoke, scale, tensorboard) is written once on top of them
+(orchestrator/backends/verbs.py), with one run-record store (orchestrator/backends/record.py);
+the CLI builds the verbs of every target in the registry (orchestrator/backends/registry.py)
+and never names one.
 
 Methods here import nothing heavy: a backend imports the Docker SDK when a block runs, so
 `render` and `doctor --target kubernetes` run without it.
@@ -174,6 +175,11 @@ class Backend:
     def scale_to(self, c: Cluster, start: Sequence[str], stop: Sequence[str], env: dict[str, str]) -> None:
         """Start the services `start` (with `env`) and stop `stop` (SIGTERM: a clean leave)."""
         raise self._not_run("scale")
+
+    def discard_created(self, c: Cluster, services: Sequence[str]) -> list[str]:
+        """Remove what of `services` was made but never started (a `scale_to` cut short by the
+        run's end); the names removed."""
+        return []
 
     def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
         """Start TensorBoard on the cluster's event files with `env` (its run and port); the

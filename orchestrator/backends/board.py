@@ -82,7 +82,8 @@ def tensorboard(
     out = out or sys.stdout
     backend.refuse("tensorboard")
     if local:
-        return board.run_local(load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy), run, port)
+        t = load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
+        return board.run_local(t, run, port)
     run = board.check_run(run)
     c = resolve(backend, config, workers, strategy, name)
     ids = _refuse_early(backend, c, run)

@@ -1,7 +1,8 @@
 """The run-record store: which cluster each target's up started last (runs/<target's
-record>), so down, logs, status, scale and tensorboard without -c act on it. One schema for
-every target; a record an older version wrote (`project`/`compose_file`, `stack`/`stack_file`)
-is read too."""
+record>), so down, logs, status, scale and tensorboard without -c act on it; and, under
+runs/<name>/, the last up of each name (`--name`/`NAME=` alone finds its config there). One
+schema for every target; a record an older version wrote (`project`/`compose_file`,
+`stack`/`stack_file`) is read too."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ from orchestrator.backends.base import Backend, Cluster
 from orchestrator.render.yamlio import write_atomic
 
 
-def path(backend: Backend, runs: Optional[Path] = None) -> Path:
+def path(backend: Backend, runs: Optional[Path] = None, name: Optional[str] = None) -> Path:
+    """The last up's record; with `name`, the last up of that name (runs/<name>/up.json,
+    stack-up.json)."""
+    if name is not None:
+        return (runs or paths.RUNS) / name / f"{backend.verb_prefix or ''}up.json"
     return (runs or paths.RUNS) / backend.record
 
 
 def save(backend: Backend, c: Cluster, runs: Optional[Path] = None) -> None:
+    """Record `c` as the last up, and as the last up of its name."""
     rec: dict[str, Any] = {
         "target": backend.name,
         "name": c.name,
@@ -27,15 +33,15 @@ def save(backend: Backend, c: Cluster, runs: Optional[Path] = None) -> None:
         "workers": c.workers,
         "strategy": c.strategy,
     }
-    where = path(backend, runs)
-    where.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(where, json.dumps(rec, indent=2) + "\n")
+    for where in (path(backend, runs), path(backend, runs, c.name)):
+        where.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(where, json.dumps(rec, indent=2) + "\n")
 
 
-def load(backend: Backend, runs: Optional[Path] = None) -> Optional[Cluster]:
-    """The cluster the last up of `backend` started (its topology not loaded: the file may
-    have changed since); None when there is no record."""
-    where = path(backend, runs)
+def load(backend: Backend, runs: Optional[Path] = None, name: Optional[str] = None) -> Optional[Cluster]:
+    """The cluster the last up of `backend` started (with `name`: the last up of that name; its
+    topology not loaded: the file may have changed since); None when there is no record."""
+    where = path(backend, runs, name)
     if not backend.record or not where.is_file():
         return None
     rec = json.loads(where.read_text(encoding="utf-8"))

@@ -14,6 +14,7 @@ from orchestrator import images, runs
 from orchestrator.backends import smoke as parts
 from orchestrator.backends.base import Backend, Cluster, ServiceState
 from orchestrator.backends.status import format_states
+from orchestrator.backends.verbs import refuse_live
 from orchestrator.errors import engine_errors
 from orchestrator.metrics.records import course, final_accuracy, parse_lines
 from orchestrator.paths import SMOKE_CONFIG
@@ -69,8 +70,10 @@ def smoke(
     verb = f"{backend.verb_prefix}smoke"
     timeout = timeout or backend.smoke_timeout
     timings = parts.Timings(verb)
-    t = load_with(config, workers=workers, strategy=strategy)
+    t = load_with(config, workers=workers, strategy=strategy, name=name)
     name = name or f"{backend.name_of(t)}-{verb}"
+    # Before anything is removed: a live run of the name (another smoke's) is not this one's.
+    refuse_live(backend, Cluster(name, backend.path_of(name)), "smoke")
     tmp = Path(tempfile.mkdtemp(prefix=f"ps-compose-{verb}-"))
     c = Cluster(name, tmp / backend.output, config, workers, strategy, t)
     try:

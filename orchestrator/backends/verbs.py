@@ -10,6 +10,7 @@ record.py), so the other verbs without -c act on the cluster `up` started last.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from orchestrator.backends.status import format_live, format_states, format_stat
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.report import stop_on_problems, summary
-from orchestrator.errors import UsageError, engine_errors
+from orchestrator.errors import EngineError, UsageError, engine_errors
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
 from orchestrator.render.compose import STATE_VOLUME
@@ -47,16 +48,20 @@ def resolve(
     strategy: Optional[str] = None,
     name: Optional[str] = None,
 ) -> Cluster:
-    """The cluster named by `-c/--workers/--strategy` (or `name`); with none, the one the
-    target's up started last, else the default topology's."""
-    if config is None and workers is None and strategy is None and name is None:
-        last = record.load(backend)
+    """The cluster named by `-c/--workers/--strategy` (and `--name`, the topology's name
+    overridden); `--name` alone: the last up of that name (runs/<name>/), else that cluster as
+    its rendered file says; with none, the one the target's up started last, else the default
+    topology's."""
+    if config is None and workers is None and strategy is None:
+        last = record.load(backend, name=name)
         if last is not None:
             return last
+        if name is not None:
+            return Cluster(name, backend.path_of(name))
     config = config or DEFAULT_CONFIG
-    t = load_with(config, workers=workers, strategy=strategy)
-    name = name or backend.name_of(t)
-    return Cluster(name, backend.path_of(name), config, workers, strategy, t)
+    t = load_with(config, workers=workers, strategy=strategy, name=name)
+    found = backend.name_of(t)
+    return Cluster(found, backend.path_of(found), config, workers, strategy, t)
 
 
 def configured(c: Cluster) -> list[Service]:
@@ -88,6 +93,21 @@ def keep_document(backend: Backend, c: Cluster) -> None:
 
 
 # --- up -------------------------------------------------------------------
+
+
+def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
+    """UsageError (one line) when a run of cluster `c` is live on the target: a second run of
+    the same name would share its project (or stack) and state volume."""
+    live = backend.running_env(c, runs.VARIABLES)
+    if not live:
+        return
+    going = sorted(s.service for s in backend.describe(c) if s.status in ("running", "restarting"))
+    p = backend.verb_prefix
+    raise UsageError(
+        f"{p}{verb}: {backend.noun} {c.name} has a live run {live.get(runs.RUN_ID) or '(no id)'} "
+        f"({backend.unit}s running: {' '.join(going) or 'none'}); give this one another name "
+        f"(make {p}up NAME={c.name[:48]}-2, or --name), or end that one first (make {p}down NAME={c.name})"
+    )
 
 
 def preflight(backend: Backend, t: Topology, config: str, client: Any, out: TextIO) -> Facts:
@@ -139,13 +159,15 @@ def up(
     out: Optional[TextIO] = None,
 ) -> int:
     """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
-    unfinished checkpoint), or, while the cluster's run goes on, that run unchanged."""
+    unfinished checkpoint) of the topology, under `name` when given; refused (one line) while a
+    run of that name is live on the target."""
     out = out or sys.stdout
     backend.refuse("up")
-    t = load_with(config, workers=workers, strategy=strategy)
-    name = name or backend.name_of(t)
+    t = load_with(config, workers=workers, strategy=strategy, name=name)
+    name = backend.name_of(t)
     c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
     client = images.client() if backend.engine else None
+    refuse_live(backend, c, "up")
     facts = preflight(backend, t, config, client, out)
     wrote = write_if_changed(c.file, backend.document(t, facts))
     said = "rendered" if wrote else "up to date:"
@@ -211,14 +233,38 @@ def logs(
     done = threading.Event()
     if follow:
         threading.Thread(target=_close_when_ended, args=(backend, c, lines, done), daemon=True).start()
+    plain = not _is_terminal(out)
     try:
         for line in lines:
+            if plain:
+                line = without_escapes(line)
+                if not line.strip():  # what compose's "\r\x1b[K<service> exited with code 0" leaves
+                    continue
             out.write(line)
             out.flush()
     finally:
         done.set()
         lines.close()
     return 0 if follow else int(getattr(lines, "returncode", 0))
+
+
+# A terminal control sequence: CSI (ESC [ ... final byte, e.g. the erase-line ESC [ K that compose
+# v2 writes after a carriage return before "<service> exited with code N" while it follows), or
+# another escape (ESC, intermediate bytes, a final byte: ESC ( B, ESC 7). The lines are read in
+# text mode, so the carriage return has become a line of its own, blank: dropped too.
+_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[ -/]*[0-~])")
+
+
+def without_escapes(line: str) -> str:
+    """`line` without terminal control sequences: what a file or a pipe should get."""
+    return _ESCAPE.sub("", line)
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # a closed stream, or none that can tell
+        return False
 
 
 def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threading.Event) -> None:
@@ -316,14 +362,25 @@ def scale(
     backend.refuse("scale")
     c = resolve(backend, config, None, None, name)
     t = scalable(c, workers)
-    running = running_workers(listed(backend, c, backend.describe(c)))
+    states = listed(backend, c, backend.describe(c))
+    running = running_workers(states)
     if running is None:
-        raise UsageError(f"scale: the PS of {backend.noun} {c.name} is not running; start it with make up")
+        raise UsageError(_not_running(backend, c, states))
     keep_document(backend, c)
     start, stop = scale_plan(running, workers)
     env = runs.start(backend.running_env(c, runs.VARIABLES), resume=False)[0] if start else {}
+    failed: Optional[EngineError] = None
     if start or stop:
-        backend.scale_to(c, start, stop, env)
+        try:
+            backend.scale_to(c, start, stop, env)
+        except EngineError as e:
+            failed = e
+    if start:  # the run may have ended while the services started: say so, and leave none half-made
+        if _ended_ps(backend.describe(c)) is not None:
+            backend.discard_created(c, start)
+            raise UsageError(_ended_line(backend, c))
+    if failed is not None:
+        raise failed
     change = "; ".join(
         part
         for part in (f"started {' '.join(start)}" if start else "", f"stopped {' '.join(stop)}" if stop else "")
@@ -336,3 +393,22 @@ def scale(
         flush=True,
     )
     return 0
+
+
+def _ended_ps(states: Sequence[ServiceState]) -> Optional[ServiceState]:
+    """The PS's state when the run has ended: it exited 0 (a failed one is restarted)."""
+    return next((s for s in states if s.service == PS_SERVICE and s.ended and s.exit_code == 0), None)
+
+
+def _ended_line(backend: Backend, c: Cluster) -> str:
+    p = backend.verb_prefix
+    return (
+        f"scale: the run of {backend.noun} {c.name} has ended (its PS exited 0): nothing to scale; "
+        f"make {p}status shows how it ended, make {p}up starts a new run"
+    )
+
+
+def _not_running(backend: Backend, c: Cluster, states: Sequence[ServiceState]) -> str:
+    if _ended_ps(states) is not None:
+        return _ended_line(backend, c)
+    return f"scale: the PS of {backend.noun} {c.name} is not running; start it with make {backend.verb_prefix}up"

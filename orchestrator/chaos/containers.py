@@ -10,6 +10,7 @@ container after it (checked on Docker 20.10).
 from __future__ import annotations
 
 import io
+import secrets
 import shutil
 import tempfile
 import time
@@ -172,10 +173,11 @@ def _scenario(
     t = t or chaos_topology()
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source, out=io.StringIO())
-    job = ContainerJob(t, project)
+    # A project of its own (the scenario's name and 6 random hex digits): two chaos runs on one
+    # engine never share, nor remove, each other's containers and volume.
+    job = ContainerJob(t, f"{project}-{secrets.token_hex(3)}")
     out = Outcome(fault)
     try:
-        job.down(volumes=True)  # leftovers of an interrupted run
         job.up()
         return body(job, out)
     except Timeout as error:

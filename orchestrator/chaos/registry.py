@@ -32,24 +32,41 @@ def scenarios(containers: bool) -> dict[str, Scenario]:
 
 
 def long_runs() -> dict[str, Callable[..., int]]:
-    """The long runs by name, each (minutes, seed, run_dir, out=...) -> exit status; they import
-    the Docker SDK, so on use."""
+    """The long runs by name, each (minutes, seed, run_dir, out=..., name=...) -> exit status;
+    they import the Docker SDK, so on use."""
     from orchestrator.chaos import soak
 
     return {"soak": soak.run}
+
+
+def series() -> dict[str, Callable[..., int]]:
+    """The long runs that run several seeds, each (minutes, count, run_dir, out=..., name=...)."""
+    from orchestrator.chaos import soak
+
+    return {"soak": soak.run_seeds}
 
 
 LONG_RUNS = ("soak",)  # the names long_runs() gives, known without importing them
 
 
 def run_long(
-    names: list[str], run_root: Path, containers: bool, minutes: float, seed: Optional[int], out: TextIO
+    names: list[str],
+    run_root: Path,
+    containers: bool,
+    minutes: float,
+    seed: Optional[int],
+    out: TextIO,
+    seeds: Optional[int] = None,
+    name: Optional[str] = None,
 ) -> int:
-    """A long run, alone and in containers; 2 (one line) when asked otherwise."""
+    """A long run, alone and in containers (`seeds`: that many, one table); 2 (one line) when
+    asked otherwise."""
     if len(names) > 1 or not containers:
         print(f"chaos: {names[0]} runs alone and in containers (no other scenario, no --no-containers)", file=out)
         return 2
-    return long_runs()[names[0]](minutes, seed, run_root / names[0], out=out)
+    if seeds is not None:
+        return series()[names[0]](minutes, seeds, run_root / names[0], out=out, name=name)
+    return long_runs()[names[0]](minutes, seed, run_root / names[0], out=out, name=name)
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
@@ -80,12 +97,17 @@ def run(
     out: Optional[TextIO] = None,
     minutes: float = 10.0,
     seed: Optional[int] = None,
+    seeds: Optional[int] = None,
+    project: Optional[str] = None,
 ) -> int:
-    """Run the named scenarios (all by default), or one long run; print the table (on `out`, else
-    stdout); 0 when all recovered."""
+    """Run the named scenarios (all by default), or one long run (`seeds`: a series of them,
+    `project`: its name); print the table (on `out`, else stdout); 0 when all recovered."""
     out = out or sys.stdout
     if any(name in LONG_RUNS for name in names):
-        return run_long(names, run_root, containers, minutes, seed, out)
+        return run_long(names, run_root, containers, minutes, seed, out, seeds=seeds, name=project)
+    if seeds is not None or project is not None:
+        print(f"chaos: --seeds and --name are for {' and '.join(LONG_RUNS)} only", file=out)
+        return 2
     known = scenarios(containers)
     outcomes = []
     for name in names or list(known):

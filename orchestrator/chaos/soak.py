@@ -7,12 +7,18 @@ size. Once it has checkpointed, the faults of the plan (soak_plan, from the seed
 another until the time is up; then the job is left to finish, and the invariants
 (soak_checks) are judged on its records, the checkpoint audits taken before and after each
 fault, the containers' end states and what is left on the engine after `down -v`.
+
+Each soak is a compose project of its own (psc-soak-<6 hex digits>), so soaks side by side on
+one engine never touch each other's cluster or volume; `--name` gives it a name instead, which
+is refused while anything of that project is on the engine (the soak ends with `down -v`).
+`--seeds K` runs K soaks one after another, each with a seed of its own, then one table.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import secrets
 import sys
 import time
 import traceback
@@ -21,18 +27,20 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from app.contract import Event
-from orchestrator import images
+from orchestrator import images, runs
+from orchestrator.backends.compose import adapter
 from orchestrator.chaos import soak_checks as checks
 from orchestrator.chaos.common import THRESHOLD, chaos_topology
 from orchestrator.chaos.soak_checks import Audit, FaultResult, Row, Shm
 from orchestrator.chaos.soak_faults import FAULTS, Context, wait_for
 from orchestrator.chaos.soak_job import SoakJob
 from orchestrator.chaos.soak_plan import job_epochs, new_seed, schedule
+from orchestrator.errors import UsageError
 from orchestrator.metrics.records import Record, events
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE
 
-PROJECT = "psc-soak"
+PROJECT_PREFIX = "psc-soak"  # each soak's project: PROJECT_PREFIX-<6 hex digits>, unless named
 VOLUME_MB = 64  # the state volume: checkpoints (~0.1 MB each), metrics and event files, with room to fill
 # cpu-smoke in this topology, undisturbed, trains ~240 epochs a minute on a 2-core CPU VM (~170
 # updates/s); a quarter more, so that the job outlives the soak even on a somewhat faster host
@@ -43,15 +51,40 @@ WARM_UP_S = 300.0  # up to the first checkpoint
 END_WAIT_FACTOR = 2.0  # after the faults, the job may take this many times the soak's minutes to finish
 
 
-def soak_topology(minutes: float, epochs: Optional[int] = None) -> Topology:
-    """The chaos topology sized for a soak of `minutes`: every kind of fault has a target."""
-    t = chaos_topology(workers=2)
+def own_project() -> str:
+    """A project name no other soak has: the prefix and 6 random hex digits."""
+    return f"{PROJECT_PREFIX}-{secrets.token_hex(3)}"
+
+
+def soak_topology(minutes: float, epochs: Optional[int] = None, project: Optional[str] = None) -> Topology:
+    """The chaos topology sized for a soak of `minutes`: every kind of fault has a target; named
+    `project` (the image stays cpu-smoke's)."""
+    t = chaos_topology(workers=2).with_name(project or own_project())
     train = t.train.model_copy(
         update={"epochs": epochs or job_epochs(minutes, EPOCHS_PER_MINUTE), "eval_every": 200, "log_every": 50}
     )
     ps = t.ps.model_copy(update={"shards": 2, "checkpoint_every": 200})
     workers = t.workers.model_copy(update={"max": 4})
-    return t.model_copy(update={"name": PROJECT, "train": train, "ps": ps, "workers": workers})
+    return t.model_copy(update={"train": train, "ps": ps, "workers": workers})
+
+
+def refuse_taken(client: Any, project: str) -> None:
+    """UsageError (one line) when a project named by --name is on the engine: live, or with
+    containers or a volume that the soak's closing `down -v` would remove."""
+    live = adapter.running_env(client, project, runs.VARIABLES)
+    found = sorted(c.name for c in adapter.containers(client, project))
+    volumes = sorted(v.name for v in client.volumes.list() if v.name.startswith(f"{project}_"))
+    other = "give the soak another name (make soak NAME=..., --name), or none: each soak then has a project of its own"
+    if live:
+        raise UsageError(
+            f"chaos soak: project {project} has a live run {live.get(runs.RUN_ID)} (containers: {' '.join(found)}); "
+            + other
+        )
+    if found or volumes:
+        raise UsageError(
+            f"chaos soak: project {project} is on this engine ({' '.join(found + volumes)}), and the soak ends "
+            f"with down -v, which would remove it; {other}"
+        )
 
 
 @dataclass
@@ -133,8 +166,6 @@ def wait_end(job: SoakJob, timeout: float) -> tuple[dict[str, dict[str, Any]], O
 def soak(job: SoakJob, seen: Observed, out: TextIO) -> None:
     """Start the job, inject the faults, let it finish, read what it left."""
     started = time.monotonic()
-    job.down(volumes=True)  # leftovers of an interrupted soak
-    job.remove_keeper()
     job.up()
     job.keep_volume()
     warm_up(job)
@@ -184,20 +215,53 @@ def judge(seen: Observed) -> list[Row]:
 
 
 def run(
-    minutes: float, seed: Optional[int], run_dir: Path, epochs: Optional[int] = None, out: TextIO = sys.stdout
+    minutes: float,
+    seed: Optional[int],
+    run_dir: Path,
+    epochs: Optional[int] = None,
+    out: TextIO = sys.stdout,
+    name: Optional[str] = None,
 ) -> int:
     """The soak; its tables on `out`, its logs and findings in `run_dir`; 0 when every invariant holds."""
+    return soak_one(minutes, seed, run_dir, epochs, out, name).code
+
+
+@dataclass
+class SeedResult:
+    """One soak of a `--seeds` series: its seed, the faults injected, the invariants."""
+
+    seed: int
+    faults: int
+    rows: list[Row]
+
+    @property
+    def code(self) -> int:
+        return 0 if all(r.passed for r in self.rows) else 1
+
+
+def soak_one(
+    minutes: float,
+    seed: Optional[int],
+    run_dir: Path,
+    epochs: Optional[int] = None,
+    out: TextIO = sys.stdout,
+    name: Optional[str] = None,
+) -> SeedResult:
+    """One soak (see `run`): its seed, faults and invariant rows."""
     seen = Observed(seed if seed is not None else new_seed(), minutes)
+    t = soak_topology(minutes, epochs, name)
+    client = images.client()
+    if name is not None:
+        refuse_taken(client, name)
     print(
-        f"==> chaos soak: {minutes:g} min of faults, seed {seen.seed} "
+        f"==> chaos soak: {minutes:g} min of faults, seed {seen.seed}, project {t.name} "
         f"(replay: python -m orchestrator chaos soak --minutes {minutes:g} --seed {seen.seed})",
         file=out,
         flush=True,
     )
-    t = soak_topology(minutes, epochs)
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source, out=io.StringIO())
-    job = SoakJob(t, PROJECT, VOLUME_MB)
+    job = SoakJob(t, t.name, VOLUME_MB)
     try:
         soak(job, seen, out)
     except Exception as error:  # noqa: BLE001 - the engine, a wait that timed out, a bug: the table says so
@@ -212,7 +276,34 @@ def run(
     seen.leftovers = job.leftovers()
     rows = judge(seen)
     report(seen, rows, run_dir, out)
-    return 0 if all(r.passed for r in rows) else 1
+    return SeedResult(seen.seed, len([r for r in seen.results if not r.skipped]), rows)
+
+
+def run_seeds(minutes: float, count: int, run_root: Path, out: TextIO = sys.stdout, name: Optional[str] = None) -> int:
+    """`count` soaks one after another, each with a new seed (its logs in run_root/seed-<seed>/),
+    then one table: seed, faults, invariants held and failed, result. 0 when every soak held."""
+    done: list[SeedResult] = []
+    for i in range(count):
+        seed = new_seed()
+        print(f"==> soak {i + 1} of {count}: seed {seed}", file=out, flush=True)
+        done.append(soak_one(minutes, seed, run_root / f"seed-{seed}", out=out, name=name))
+        print(file=out, flush=True)
+    print(f"{count} soaks of {minutes:g} min:", file=out)
+    for line in seeds_table(done):
+        print(line, file=out)
+    out.flush()
+    return 0 if all(r.code == 0 for r in done) else 1
+
+
+def seeds_table(done: list[SeedResult]) -> list[str]:
+    """One row a soak: seed, faults injected, invariants held, failed, and the failed ones named."""
+    body = []
+    for r in done:
+        failed = [row.invariant for row in r.rows if not row.passed]
+        held = len(r.rows) - len(failed)
+        result = "pass" if not failed else "FAIL: " + "; ".join(failed)
+        body.append((str(r.seed), str(r.faults), str(held), str(len(failed)), result))
+    return checks.columns([("SEED", "FAULTS", "HELD", "FAILED", "RESULT"), *body])
 
 
 def report(seen: Observed, rows: list[Row], run_dir: Path, out: TextIO) -> None:

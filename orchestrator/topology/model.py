@@ -31,7 +31,8 @@ from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES
 from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
 from orchestrator.errors import UsageError
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,49}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
+NAME_RULE = "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
@@ -433,10 +434,8 @@ class Topology(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError(
-                "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
-            )
+        if not valid_name(v):
+            raise ValueError(NAME_RULE)
         return v
 
     @property
@@ -505,6 +504,14 @@ class Topology(_Section):
         check(t, source)
         return t
 
+    def with_name(self, name: str, source: str = "--name") -> Topology:
+        """The same job under another `name` (`--name`, `make ... NAME=`): its compose project or
+        stack, its state volume and runs/<name>/; the image stays the topology's own."""
+        if not valid_name(name):
+            raise TopologyError(source, "name", f"got {name!r}; {NAME_RULE}")
+        image = self.image.model_copy(update={"tag": self.image_tag})
+        return self.model_copy(update={"name": name, "image": image})
+
     def with_strategy(self, name: str, source: str = "--strategy") -> Topology:
         """The same topology trained with strategy `name` (`--strategy`), validated again."""
         if name not in STRATEGIES:
@@ -512,6 +519,11 @@ class Topology(_Section):
         t = self.model_copy(update={"train": self.train.model_copy(update={"strategy": name})})
         check(t, source)
         return t
+
+
+def valid_name(name: str) -> bool:
+    """What the topology's `name` (and `--name`) allows: NAME_RULE, on one line."""
+    return _NAME.fullmatch(name) is not None
 
 
 def is_entry_point(value: str) -> bool:
@@ -641,10 +653,14 @@ def load(path: str | Path) -> Topology:
     return parse(text, source)
 
 
-def load_with(path: str | Path, *, workers: Optional[int] = None, strategy: Optional[str] = None) -> Topology:
-    """`load(path)` with the `--workers` and `--strategy` overrides applied (None: as in the file);
-    an error names the file and the flag."""
+def load_with(
+    path: str | Path, *, workers: Optional[int] = None, strategy: Optional[str] = None, name: Optional[str] = None
+) -> Topology:
+    """`load(path)` with the `--workers`, `--strategy` and `--name` overrides applied (None: as in
+    the file); an error names the file and the flag."""
     t = load(path)
+    if name is not None:
+        t = t.with_name(name, source=f"{path} with --name")
     if workers is not None:
         t = t.with_workers(workers, source=f"{path} with --workers {workers}")
     if strategy is not None:

@@ -32,12 +32,14 @@ def test_argv(c):
     assert compose_adapter.down_argv(c, P, volumes=True) == both + ["down", "--remove-orphans", "-v"]
     profile = ["--profile", "tensorboard"]
     assert compose_adapter.tensorboard_argv(c, P) == pre + profile + ["up", "-d", "--no-build", "tensorboard"]
-    # scale: start named services (a profile's too) without touching what runs; stop others
+    # scale: start named services (a profile's too) without touching what runs, nor starting
+    # what they depend on (a PS that has ended); stop others
     assert compose_adapter.start_services_argv(c, P, ["worker3"]) == pre + [
         "up",
         "-d",
         "--no-build",
         "--no-recreate",
+        "--no-deps",
         "worker3",
     ]
     assert compose_adapter.stop_argv(c, P, ["worker4", "worker3"], 20) == pre + [

@@ -1,16 +1,21 @@
 """A 3-minute chaos soak in real containers (orchestrator/chaos/soak.py): random faults from a
-random seed (printed, so that a failure can be replayed with `--seed`), then every row of the
-invariants table passes, and the soak did inject faults of several kinds."""
+seed drawn for each run (printed first, and in the failure, so that a failure can be replayed:
+`python -m orchestrator chaos soak --minutes 3 --seed N`, or this test with SOAK_SEED=N), then
+every row of the invariants table passes, and the soak did inject faults of several kinds."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import sys
+import uuid
 
 import pytest
 
 from orchestrator.chaos import soak
+from orchestrator.chaos.soak_plan import new_seed
+from orchestrator.errors import UsageError
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -25,13 +30,16 @@ class Tee(io.StringIO):
 
 @pytest.mark.timeout(1800)  # 3 minutes of faults, the job's end (a few minutes more), the image
 def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
+    seed = int(os.environ.get("SOAK_SEED") or new_seed())
+    replay = f"python -m orchestrator chaos soak --minutes 3 --seed {seed} (or this test with SOAK_SEED={seed})"
+    print(f"soak seed {seed}; replay: {replay}", file=sys.__stdout__, flush=True)
     out = Tee()
-    code = soak.run(3, None, tmp_path, out=out)
+    code = soak.run(3, seed, tmp_path, out=out)
 
     text = out.getvalue()
     found = json.loads((tmp_path / "soak.json").read_text())
     failed = [f"{r['invariant']}: {r['evidence']}" for r in found["invariants"] if not r["passed"]]
-    assert not failed and code == 0, f"seed {found['seed']}: {failed}\n{text}"
+    assert not failed and code == 0, f"seed {seed} (replay: {replay}): {failed}\n{text}"
     invariants = {r["invariant"] for r in found["invariants"]}
     assert {
         "the run finished",
@@ -47,3 +55,21 @@ def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
     # 3 minutes hold about one round of the 8 kinds (each fault recovers in 4-25 s on a 2-core CPU VM)
     assert len({f["kind"] for f in injected}) >= 5, text
     assert found["audits"] >= len(injected) + 2
+
+
+def test_a_soak_given_a_name_that_is_on_the_engine_refuses_in_one_line(docker_engine):
+    """The soak ends with `down -v`: a project named by --name that has a volume (or containers)
+    on the engine is never the soak's to remove."""
+    project = f"psc-names-{uuid.uuid4().hex[:6]}"
+    volume = docker_engine.volumes.create(f"{project}_state")
+    try:
+        with pytest.raises(UsageError) as refused:
+            soak.refuse_taken(docker_engine, project)
+        assert str(refused.value) == (
+            f"chaos soak: project {project} is on this engine ({project}_state), and the soak ends with down -v, "
+            "which would remove it; give the soak another name (make soak NAME=..., --name), or none: each soak "
+            "then has a project of its own"
+        )
+    finally:
+        volume.remove()
+    soak.refuse_taken(docker_engine, project)  # nothing of it left: the name is free

@@ -4,11 +4,15 @@ soak.py, soak_job.py, registry.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from orchestrator import cli
-from orchestrator.chaos import registry, soak_plan
+from orchestrator.chaos import registry, soak, soak_plan
+from orchestrator.chaos.common import chaos_topology
 from orchestrator.chaos.soak import soak_topology
+from orchestrator.chaos.soak_checks import Row
 from orchestrator.chaos.soak_job import size_limited
 from orchestrator.render import compose
 
@@ -86,3 +90,34 @@ def test_the_soak_is_a_known_name_of_the_chaos_registry(capsys):
     assert "soak" in registry.LONG_RUNS and set(registry.LONG_RUNS) == set(registry.long_runs())
     code, text = run_cli(capsys, "chaos", "no-such-scenario", "--no-containers")
     assert code == 2 and "soak" in text
+
+
+def test_each_soak_is_a_project_of_its_own_on_the_smoke_image():
+    """A soak never shares a project (its cluster, its volume) with another soak on the engine."""
+    names = {soak_topology(1).name for _ in range(20)}
+    assert len(names) == 20 and all(re.fullmatch(r"psc-soak-[0-9a-f]{6}", n) for n in names)
+    assert soak_topology(1, project="psc-mine").name == "psc-mine"
+    assert soak_topology(1).image_tag == chaos_topology().image_tag == "ps-compose-cpu-smoke:latest"
+
+
+def test_seeds_and_seed_are_one_or_the_other_and_name_and_seeds_are_the_soaks(capsys):
+    code, text = run_cli(capsys, "chaos", "soak", "--seeds", "2", "--seed", "7")
+    assert code == 2 and text.count("\n") == 1 and "not allowed with argument" in text
+    code, text = run_cli(capsys, "chaos", "soak", "--seeds", "0")
+    assert code == 2 and "--seeds: got 0; must be at least 1" in text
+    code, text = run_cli(capsys, "chaos", "worker-kill", "--no-containers", "--seeds", "2")
+    assert code == 2 and text == "chaos: --seeds and --name are for soak only\n"
+    assert set(registry.series()) == set(registry.LONG_RUNS)
+
+
+def test_the_table_of_several_seeds_has_a_row_each_naming_what_failed():
+    held = [Row("the run finished", True, "end"), Row("final accuracy >= 0.90", True, "0.97")]
+    failed = [Row("the run finished", True, "end"), Row("every container exited 0", False, "worker4 exited 143")]
+    lines = soak.seeds_table([soak.SeedResult(590333, 9, held), soak.SeedResult(777, 8, failed)])
+    assert [line.split()[:5] for line in lines] == [
+        ["SEED", "FAULTS", "HELD", "FAILED", "RESULT"],
+        ["590333", "9", "2", "0", "pass"],
+        ["777", "8", "1", "1", "FAIL:"],
+    ]
+    assert lines[2].endswith("FAIL: every container exited 0")
+    assert soak.SeedResult(777, 8, failed).code == 1 and soak.SeedResult(1, 1, held).code == 0

@@ -82,8 +82,9 @@ def up_argv(c: Compose, p: Project) -> list[str]:
 
 def start_services_argv(c: Compose, p: Project, services: Sequence[str]) -> list[str]:
     """Start `services` (a profile's too: compose starts a service named on its command line)
-    in the running project; what runs already is left as it is (`--no-recreate`)."""
-    return base_argv(c, p) + ["up", "-d", "--no-build", "--no-recreate", *services]
+    in the running project; what runs already is left as it is (`--no-recreate`), and nothing
+    else is started (`--no-deps`: a PS that has ended meanwhile is not started again)."""
+    return base_argv(c, p) + ["up", "-d", "--no-build", "--no-recreate", "--no-deps", *services]
 
 
 def stop_argv(c: Compose, p: Project, services: Sequence[str], timeout: int) -> list[str]:
@@ -213,6 +214,17 @@ def running_env(client: Any, project: str, names: Sequence[str]) -> dict[str, st
         if env.get(names[0]):
             return {n: env.get(n, "") for n in names}
     return {}
+
+
+def remove_created(client: Any, project: str, services: Sequence[str]) -> list[str]:
+    """Remove the project's containers of `services` that were created and never started
+    (compose makes a container, then fails to start it); their names."""
+    removed = []
+    for c in containers(client, project):
+        if c.labels.get(LABEL_SERVICE) in services and (c.attrs.get("State") or {}).get("Status") == "created":
+            c.remove(force=True)
+            removed.append(c.name)
+    return sorted(removed)
 
 
 def service_of(container: Any) -> str:

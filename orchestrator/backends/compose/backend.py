@@ -84,10 +84,14 @@ class ComposeBackend(Backend):
         return adapter.running_env(images.client(), c.name, names)
 
     def scale_to(self, c: Cluster, start: Sequence[str], stop: Sequence[str], env: dict[str, str]) -> None:
+        # Captured: a failure is one line (the verb says more when the run ended meanwhile).
         if start:
-            command.run(adapter.start_services_argv(_compose(), project(c), start), env=env)
+            command.run(adapter.start_services_argv(_compose(), project(c), start), env=env, capture=True)
         if stop:
-            command.run(adapter.stop_argv(_compose(), project(c), stop, SCALE_STOP_SECONDS))
+            command.run(adapter.stop_argv(_compose(), project(c), stop, SCALE_STOP_SECONDS), capture=True)
+
+    def discard_created(self, c: Cluster, services: Sequence[str]) -> list[str]:
+        return adapter.remove_created(images.client(), c.name, services)
 
     def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
         if not _has_board(c):

@@ -1,0 +1,92 @@
+"""One live `local` run per name on a host: runs/<name>/local.lock, held with flock(2) while
+the run lives.
+
+`local` takes the lock before it starts anything and hands it to the processes it starts, so
+the lock is held as long as the orchestrator or any process of its run lives, and the kernel
+drops it when the last of them ends, however it ends (a killed run leaves a file no one holds,
+which never blocks). The file says who took it: the orchestrator's pid and the run's id, for
+the one line that refuses a second run of the name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import UsageError
+
+LOCK_FILE = "local.lock"
+
+
+def hold(run_dir: Path, run_id: str, name: str) -> int:
+    """Take the lock of `run_dir` for run `run_id`: its file descriptor, inheritable (pass it to
+    the run's processes); UsageError naming the live run when another holds it."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot open: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _read(fd)
+        os.close(fd)  # before looking for the holders: this process is not one
+        raise UsageError(busy_line(run_dir, owner, holders(path), name)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "run_id": run_id}) + "\n").encode(), 0)
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def _read(fd: int) -> dict[str, Any]:
+    try:
+        found = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def holders(path: Path) -> list[int]:
+    """The pids of the processes that have `path` open (from /proc; [] where there is none)."""
+    target = str(path.resolve())
+    found = []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:  # gone, or not ours to read
+            continue
+        if target in links:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def busy_line(run_dir: Path, owner: dict[str, Any], pids: list[int], name: str) -> str:
+    """The one line that refuses a second `local` of a name whose run is live."""
+    run = owner.get("run_id") or "(id unknown)"
+    pid = owner.get("pid")
+    if isinstance(pid, int) and _alive(pid):
+        who = f"orchestrator pid {pid}; stop it with Ctrl-C in its terminal or kill {pid}"
+    else:
+        left = " ".join(str(p) for p in pids) or "unknown"
+        gone = f"its orchestrator (pid {pid}) is gone" if isinstance(pid, int) else "its orchestrator is gone"
+        who = f"{gone}, its processes still run: pids {left}"
+    return (
+        f"local: {run_dir}/ has a live run {run} ({who}); give this one another name "
+        f"(make local NAME={name[:48]}-2, or --name)"
+    )
