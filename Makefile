@@ -17,8 +17,8 @@ RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard chaos soak check
+.PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard export \
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard stack-export chaos soak check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -118,6 +118,10 @@ down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 # run side by side; RUN=<id> one run, PORT=N (default 6006 or the next free), LOCAL=1 make local's runs.
 tensorboard: $(if $(LOCAL),setup,host-setup) ## TensorBoard of the last up's runs at http://127.0.0.1:6006/ (RUN=<id>, PORT=N, LOCAL=1); make down stops it
 	$(ORCH) tensorboard $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN)) $(if $(PORT),--port $(PORT))
+# The run's trained model out for plain PyTorch (orchestrator/backends/export_verb.py): runs/<name>/model/
+# model.pt (a state_dict) and model.json; RUN=<id> an earlier run, LOCAL=1 make local's runs.
+export: $(if $(LOCAL),setup,host-setup) ## the last up's trained model to runs/<name>/model/: model.pt, model.json (RUN=<id>, LOCAL=1)
+	$(ORCH) export $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN))
 scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up to workers.max) without stopping it
 	$(if $(WORKERS),,$(error make scale needs WORKERS=N))$(ORCH) scale $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) --workers $(WORKERS) $(NAMED)
 
@@ -159,6 +163,9 @@ stack-status: host-setup ## one line per service: newest task's state, exit code
 
 stack-tensorboard: host-setup ## refused with one line: a stack's event files are on the PS node's volume
 	$(ORCH) stack-tensorboard
+
+stack-export: host-setup ## the last stack-up's trained model to runs/<name>/model/, from the state volume on this node (RUN=<id>)
+	$(ORCH) stack-export $(LAST) $(if $(RUN),--run $(RUN))
 
 stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >= 0.90, all tasks exit 0
 	$(ORCH) stack-smoke $(NAMED)

@@ -260,9 +260,9 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
 def _verbs():
     """The verbs written once on the targets' blocks (orchestrator/backends/), imported on use:
     `render` and `local` need no Docker SDK."""
-    from orchestrator.backends import board, smoke_verb, verbs
+    from orchestrator.backends import board, export_verb, smoke_verb, verbs
 
-    return verbs, smoke_verb, board
+    return verbs, smoke_verb, board, export_verb
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
@@ -366,6 +366,19 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     add_name_arg(p, f"{last}'s")
     p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers, name=a.name))
     _add_tensorboard_verb(verb("tensorboard"), backend, last)
+    _add_export_verb(verb("export"), backend, last)
+
+
+def _add_export_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
+    """The run's trained model out for plain PyTorch (orchestrator/backends/export_verb.py)."""
+    _last_cluster_args(p, last)
+    p.add_argument("--run", dest="run_id", metavar="ID", help="an earlier run (default: the newest)")
+    p.add_argument("--local", action="store_true", help="make local's runs (runs/<name>/) instead of a cluster's")
+    p.set_defaults(
+        run=lambda a: _verbs()[3].export(
+            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, local=a.local, name=a.name
+        )
+    )
 
 
 def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:

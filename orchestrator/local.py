@@ -128,6 +128,15 @@ def plan(
     return specs
 
 
+def export_environment(t: Topology, state: Path, run_id: str, into: Path) -> dict[str, str]:
+    """The whole environment of `python -m app export` on make local's run `run_id` of `t`:
+    that of its PS (allreduce: worker1), writing to `into`."""
+    # port: none is opened (the export joins no job), but the app checks it is one
+    env = local_environment(t, 0 if has_ps(t) else 1, port=1, run_dir=state, ifname=loopback_ifname(), run_id=run_id)
+    env.pop("PSC_SHM_DIR", None)
+    return {**os.environ, **env, "PSC_EXPORT_DIR": str(into.resolve())}
+
+
 def app_argv(*args: str, python: str = sys.executable) -> list[str]:
     """`python -m app ARGS` with this interpreter (the app's venv when run from it)."""
     return [python, "-m", "app", *args]

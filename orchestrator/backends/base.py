@@ -31,7 +31,7 @@ from orchestrator.render.compose import security_warnings
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import Service
 
-LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale", "tensorboard")
+LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale", "tensorboard", "export")
 ENDED = ("exited", "dead")  # a service's states after which it runs no more (unless restarted)
 
 
@@ -180,6 +180,11 @@ class Backend:
         """Remove what of `services` was made but never started (a `scale_to` cut short by the
         run's end); the names removed."""
         return []
+
+    def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
+        """Write run `run_id`'s model.pt and model.json into `into` from the cluster's state
+        (the app's export role, app/export.py)."""
+        raise self._not_run("export")
 
     def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
         """Start TensorBoard on the cluster's event files with `env` (its run and port); the

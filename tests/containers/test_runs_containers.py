@@ -5,15 +5,18 @@ stopped with `down`; `up --resume` continues its checkpoint and says which versi
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 import time
 import uuid
 
 import pytest
+import torch
 import yaml
 
-from orchestrator.backends import command, verbs
+from app.training.models import SmallCNN
+from orchestrator.backends import command, export_verb, verbs
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT, RUNS
@@ -55,6 +58,13 @@ def test_up_starts_fresh_after_an_unfinished_run_and_resume_continues_it(engine,
         run_a = re.search(r"^==> run (\S+): starts fresh at version 0", said, re.M).group(1)
         _ps_log_until(engine, project, r"checkpoint ckpt-\d+-\w+\.pt \(every 20 updates")
         down()  # SIGTERM: the PS checkpoints on the way out; run A is unfinished
+        said = io.StringIO()  # its model is exported from its newest checkpoint, and says so
+        assert export_verb.export(get("compose"), str(config), name=project, out=said) == 0
+        card = json.loads((RUNS / project / "model" / "model.json").read_text())
+        assert card["run_id"] == run_a and card["finished"] is False and card["version"] > 0
+        assert "its newest checkpoint (the run did not finish)" in said.getvalue()
+        weights = torch.load(RUNS / project / "model" / "model.pt", weights_only=True)
+        SmallCNN(**card["kwargs"]).load_state_dict(weights, strict=True)
 
         said = up(resume=True)
         run_b = re.search(

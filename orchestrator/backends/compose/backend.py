@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 import yaml
 
 from orchestrator import images
-from orchestrator.backends import command
+from orchestrator.backends import command, export_container
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.status import service_states
@@ -54,6 +55,7 @@ class ComposeBackend(Backend):
         "smoke": "the CPU cluster end to end in containers; checks accuracy and exit codes",
         "scale": "grow or shrink the running cluster to --workers N (up to workers.max) without stopping it",
         "tensorboard": "TensorBoard on every run's event files (or --run ID's), at http://127.0.0.1:PORT/",
+        "export": "the run's trained model (--run ID: an earlier run's) to runs/NAME/model/: model.pt, model.json",
     }
 
     def render(self, t: Topology, data_root: str) -> str:
@@ -92,6 +94,9 @@ class ComposeBackend(Backend):
 
     def discard_created(self, c: Cluster, services: Sequence[str]) -> list[str]:
         return adapter.remove_created(images.client(), c.name, services)
+
+    def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
+        export_container.export(images.client(), c.file, c.name, run_id, into)
 
     def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
         if not _has_board(c):

@@ -8,9 +8,11 @@ returns before the containers and the network are gone, so `remove` waits for th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional, TextIO
 
 from orchestrator import images
+from orchestrator.backends import export_container
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.command import run
 from orchestrator.backends.lines import ProcessLines
@@ -52,6 +54,7 @@ class SwarmBackend(Backend):
         "smoke": "the CPU topology as a swarm stack: accuracy and every task's exit state",
         "scale": "not on Swarm yet: refused with one line (make scale runs on compose)",
         "tensorboard": "refused, with the one line that says why (docs/reports.md)",
+        "export": "the run's trained model to runs/NAME/model/, from the state volume on this node (the PS's)",
     }
     refusals = {
         "scale": "stack-scale: a running stack is not scaled yet (its workers are not rendered beyond "
@@ -96,6 +99,9 @@ class SwarmBackend(Backend):
             raise EngineError(f"stack {c.name}: still there after {GONE_TIMEOUT:.0f} s: {', '.join(left)}")
         if volumes:
             adapter.remove_volumes(client, c.name)
+
+    def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
+        export_container.export(images.client(), c.file, c.name, run_id, into)
 
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         return adapter.read_metrics(images.client(), c.name, service)

@@ -1,0 +1,114 @@
+"""The export block of the targets that keep a run's state in a Docker volume (compose, swarm):
+`python -m app export` in a one-off container made like the run's PS (allreduce: worker1),
+with its image, environment, volumes and user as the rendered document gives them, on no
+network. It writes into the state volume; the two files come out of the container as a tar.
+
+On a swarm of several nodes the volume is the PS node's: run the export there."""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from orchestrator.errors import UsageError
+from orchestrator.render.compose import STATE_DIR
+from orchestrator.topology.services import PS_SERVICE
+
+EXPORT_IN_VOLUME = f"{STATE_DIR}/export"  # where the container writes model.pt and model.json
+FILES = ("model.pt", "model.json")
+WAIT_SECONDS = 600
+INTERPOLATED = re.compile(r"^\$\{[A-Z0-9_]+:-\}$")  # a variable the engine fills at deploy time
+
+
+def exporting_service(document: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The service whose container holds the run's checkpoints: the PS, else (allreduce) worker1."""
+    services = document.get("services") or {}
+    for name in (PS_SERVICE, "worker1"):
+        if isinstance(services.get(name), dict):
+            return name, services[name]
+    raise UsageError("the rendered document has neither a ps nor a worker1 service: nothing holds the run's state")
+
+
+def environment(service: dict[str, Any], run_id: str, export_dir: str) -> dict[str, str]:
+    """The service's environment (a mapping or KEY=VALUE list) for the export: the run's id in
+    place of the deploy-time variables, and where to write."""
+    raw = service.get("environment") or {}
+    pairs = raw.items() if isinstance(raw, dict) else (item.split("=", 1) for item in raw if "=" in item)
+    env = {str(k): str(v) for k, v in pairs if not INTERPOLATED.match(str(v))}
+    env.update(PSC_RUN_ID=run_id, PSC_EXPORT_DIR=export_dir)
+    return env
+
+
+def volumes(service: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
+    """The service's volumes as the Docker SDK takes them: a named volume under its project's
+    (stack's) name `prefix`, a bind mount as it is."""
+    out: dict[str, dict[str, str]] = {}
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, str):
+            parts = entry.split(":")
+            source, target = parts[0], parts[1]
+            mode = "ro" if len(parts) > 2 and "ro" in parts[2].split(",") else "rw"
+            kind = "bind" if source.startswith(("/", ".", "~")) else "volume"
+        else:
+            source, target = str(entry.get("source", "")), str(entry["target"])
+            mode = "ro" if entry.get("read_only") else "rw"
+            kind = str(entry.get("type", "volume"))
+        if kind == "volume":
+            source = f"{prefix}_{source}"
+        out[source] = {"bind": target, "mode": mode}
+    return out
+
+
+def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Path) -> Path:
+    """Run the export of `run_id` ('' : the newest run) from the state of cluster `prefix`, whose
+    rendered document is `document_file`; model.pt and model.json written to `into`."""
+    document = yaml.safe_load(document_file.read_text(encoding="utf-8")) or {}
+    name, service = exporting_service(document)
+    container = client.containers.run(
+        service["image"],
+        command=["export"],
+        environment=environment(service, run_id, EXPORT_IN_VOLUME),
+        volumes=volumes(service, prefix),
+        user=service.get("user"),
+        network_mode="none",
+        labels={"ps-compose.scratch": prefix},
+        detach=True,
+    )
+    try:
+        code = container.wait(timeout=WAIT_SECONDS).get("StatusCode", 1)
+        if code != 0:
+            said = container.logs(stdout=True, stderr=True).decode("utf-8", "replace").strip().splitlines()
+            raise UsageError(f"export from {name}'s state failed: {said[-1] if said else f'exit status {code}'}")
+        stream, _ = container.get_archive(EXPORT_IN_VOLUME)
+        return extract(b"".join(stream), into)
+    finally:
+        container.remove(force=True)
+
+
+def extract(archive: bytes, into: Path) -> Path:
+    """model.pt and model.json out of the export directory's tar into `into` (nothing else)."""
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name).name
+            if member.isfile() and name in FILES:
+                data = tar.extractfile(member)
+                assert data is not None  # a regular file
+                (into / name).write_bytes(data.read())
+    missing = [f for f in FILES if not (into / f).is_file()]
+    if missing:
+        raise UsageError(f"the export wrote no {', '.join(missing)}")
+    return into
+
+
+def run_of(card_file: Path) -> Optional[str]:
+    """The run id an export's model.json names."""
+    try:
+        return str(yaml.safe_load(card_file.read_text(encoding="utf-8")).get("run_id") or "") or None
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None

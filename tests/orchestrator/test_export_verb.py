@@ -1,0 +1,88 @@
+"""`python -m orchestrator export` (orchestrator/backends/export_verb.py): a run's model to
+runs/<name>/model/, from make local's runs and (tests/containers) from a compose volume."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends import export_container
+from orchestrator.errors import UsageError
+from orchestrator.render import compose as render_compose
+from orchestrator.topology.model import load
+
+from orch_helpers import REPO
+
+LOAD = """
+import json, sys, torch
+from app.training.models import SmallCNN
+card = json.load(open(sys.argv[1] + "/model.json"))
+model = SmallCNN(**card["kwargs"])
+model.load_state_dict(torch.load(sys.argv[1] + "/model.pt", weights_only=True), strict=True)
+print(card["run_id"], card["accuracy"], sum(p.numel() for p in model.parameters()))
+"""
+
+
+def test_the_export_container_is_made_like_the_ps_with_the_runs_id():
+    doc = render_compose.render(load(REPO / "configs/cpu-smoke.yaml"))
+    name, ps = export_container.exporting_service(doc)
+    env = export_container.environment(ps, "run-7", "/state/export")
+    assert name == "ps" and env["PSC_RUN_ID"] == "run-7" and env["PSC_EXPORT_DIR"] == "/state/export"
+    assert env["PSC_MODEL"] == "cnn" and "PSC_RESUME" not in env  # deploy-time variables left out
+    assert export_container.volumes(ps, "proj") == {"proj_state": {"bind": "/state", "mode": "rw"}}
+    short = {"volumes": ["state:/state", "/srv/data:/data:ro"]}
+    assert export_container.volumes(short, "p") == {
+        "p_state": {"bind": "/state", "mode": "rw"},
+        "/srv/data": {"bind": "/data", "mode": "ro"},
+    }
+
+
+def test_an_allreduce_run_is_exported_from_worker1_and_a_document_without_either_is_refused():
+    assert export_container.exporting_service({"services": {"worker1": {"image": "x"}}})[0] == "worker1"
+    with pytest.raises(UsageError, match="neither a ps nor a worker1 service"):
+        export_container.exporting_service({"services": {"tensorboard": {}}})
+
+
+def test_only_the_two_files_come_out_of_the_archive(tmp_path):
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in [("export/model.pt", b"pt"), ("export/model.json", b"{}"), ("export/../evil", b"x")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    export_container.extract(buffer.getvalue(), tmp_path / "model")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["model.json", "model.pt"]
+    with pytest.raises(UsageError, match="the export wrote no model.pt, model.json"):
+        empty = io.BytesIO()
+        tarfile.open(fileobj=empty, mode="w").close()
+        export_container.extract(empty.getvalue(), tmp_path / "none")
+
+
+def _orchestrator(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_make_local_runs_export_to_runs_name_model_and_load_as_plain_pytorch(tmp_path):
+    config = str(REPO / "configs/cpu-smoke.yaml")
+    ran = _orchestrator("local", "-c", config, "--workers", "1", "--name", "exported", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    done = _orchestrator("export", "-c", config, "--name", "exported", "--local", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    into = tmp_path / "runs" / "exported" / "model"
+    card = json.loads((into / "model.json").read_text())
+    assert f"==> export: run {card['run_id']} of make local's exported" in done.stdout and card["finished"] is True
+    accuracy = float(ran.stdout.split("Accuracy: ")[-1].split()[0])
+    assert card["accuracy"] == pytest.approx(accuracy, abs=1e-4)
+    loaded = subprocess.run([sys.executable, "-c", LOAD, str(into)], capture_output=True, text=True, cwd=REPO)
+    assert loaded.returncode == 0 and loaded.stdout.split()[0] == card["run_id"], loaded.stderr
+    again = _orchestrator("export", "-c", config, "--name", "exported", "--local", "--run", "nope", cwd=tmp_path)
+    assert again.returncode == 2 and "RUN=nope: no such run in make local's runs of exported" in again.stderr
