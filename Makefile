@@ -161,7 +161,7 @@ bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
 
-# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py
+# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py and fields.py
 # (a test fails when it is out of date).
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes
