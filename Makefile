@@ -93,7 +93,7 @@ scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up t
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke
 
-# The connectivity check (orchestrator/connectivity.py): LOCAL=1 as processes, TIMEOUT=S.
+# The connectivity check (orchestrator/check_verb.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
 	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
