@@ -42,9 +42,10 @@ host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
 setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 
 # make test runs the suite on TEST_WORKERS pytest-xdist workers (0: in one process): the tests
-# marked docker one after the other on one of them, the rest beside them (tests/conftest.py).
-TEST_WORKERS ?= 2
-test: setup ## the whole test suite, containers included (TEST_WORKERS=N side by side, default 2)
+# marked docker in two chains, each one after the other on a worker, the rest beside them
+# (tests/conftest.py).
+TEST_WORKERS ?= 3
+test: setup ## the whole test suite, containers included (TEST_WORKERS=N side by side, default 3)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: setup ## ruff (lint rules, formatting) and mypy (types) over the tree (pyproject.toml [tool.ruff], [tool.mypy]); FIX=1 applies ruff's fixes

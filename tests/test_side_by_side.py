@@ -1,7 +1,8 @@
 """`make test` runs the suite on pytest-xdist workers: the tests marked `docker` one after the
-other on a single worker (the group `engine`, tests/conftest.py), the others beside them.
-Shown on a small suite run the way `make test` runs it, with this conftest: a version of
-pytest or xdist that lets the grouping lapse fails here, not as two clusters on one engine."""
+other within their engine group (`engine`, or one they name, tests/conftest.py), each group
+on one worker, the others beside them. Shown on a small suite run the way `make test` runs
+it, with this conftest: a version of pytest or xdist that lets the grouping lapse fails
+here, not as clusters piling up on one engine."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def test_cluster(i):
     time.sleep(0.5)
     ran(f"cluster{i}")
 
+@pytest.mark.docker
+@pytest.mark.xdist_group("engine-2")
+@pytest.mark.parametrize("i", range(3))
+def test_second(i):
+    time.sleep(0.5)
+    ran(f"second{i}")
+
 @pytest.mark.parametrize("i", range(8))
 def test_processes(i):
     time.sleep(0.3)
@@ -38,7 +46,7 @@ def run_suite(tmp_path: Path, suite: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_suite.py").write_text(suite, encoding="utf-8")
     (tmp_path / "ran").mkdir()
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", "-rf"],
+        [sys.executable, "-m", "pytest", "-n", "3", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", "-rf"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -46,19 +54,23 @@ def run_suite(tmp_path: Path, suite: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_engine_tests_run_on_one_worker_and_the_others_beside_them(tmp_path: Path) -> None:
+def test_each_engine_group_runs_on_one_worker_and_the_others_beside_them(tmp_path: Path) -> None:
     r = run_suite(tmp_path, SUITE)
     assert r.returncode == 0, r.stdout + r.stderr
     ran = dict(p.name.split() for p in (tmp_path / "ran").iterdir())
-    assert len(ran) == 12 and all(re.fullmatch(r"gw\d+", w) for w in ran.values()), ran
-    engine = {worker for what, worker in ran.items() if what.startswith("cluster")}
-    assert len(engine) == 1, f"the docker tests ran on {sorted(engine)}:\n{r.stdout}"
-    others = {worker for what, worker in ran.items() if what.startswith("processes")}
-    assert others - engine, f"no other test ran beside the docker ones:\n{r.stdout}"
+    assert len(ran) == 15 and all(re.fullmatch(r"gw\d+", w) for w in ran.values()), ran
+
+    def workers(kind: str) -> set[str]:
+        return {worker for what, worker in ran.items() if what.startswith(kind)}
+
+    assert len(workers("cluster")) == 1, f"the tests of the group engine ran on {sorted(workers('cluster'))}"
+    assert len(workers("second")) == 1, f"the tests of the group engine-2 ran on {sorted(workers('second'))}"
+    assert workers("cluster") != workers("second"), "the two engine groups ran on one worker, one after the other"
+    assert workers("processes") - workers("cluster") - workers("second"), f"no other test ran beside them: {ran}"
 
 
-def test_a_docker_test_in_a_group_of_its_own_stops_the_collection(tmp_path: Path) -> None:
+def test_a_docker_test_in_a_group_that_is_no_engine_group_fails(tmp_path: Path) -> None:
     suite = "import pytest\n\n@pytest.mark.docker\n@pytest.mark.xdist_group('mine')\ndef test_x():\n    pass\n"
     r = run_suite(tmp_path, suite)
     assert r.returncode == 1
-    assert "marked docker, so in the group engine; not also mine" in r.stdout, r.stdout + r.stderr
+    assert "marked docker, so in an engine group; not in mine" in r.stdout, r.stdout + r.stderr

@@ -12,7 +12,8 @@ from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 CONFIG = os.path.join(ROOT, "configs", "cpu-smoke.yaml")
 PROJECT = "psc-test-check"

@@ -11,7 +11,8 @@ import pytest
 from orchestrator import images
 from orchestrator.errors import EngineError
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 
 def _run(engine, image: str, code: str) -> str:
