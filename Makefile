@@ -72,8 +72,12 @@ clean: ## remove runs/ (local runs' checkpoints and metrics, the last up's recor
 	rm -rf runs .cache images/.cache images/wheelhouse .pytest_cache .mypy_cache .ruff_cache
 	find . -path ./.git -prune -o -path ./.venv -prune -o -path ./data -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
-test: setup ## the whole test suite, containers included
-	$(PY) -m pytest --durations=25
+# make test runs the suite on TEST_WORKERS pytest-xdist workers (0: in one process): the tests
+# marked docker in two chains, each one after the other on a worker, the rest beside them
+# (tests/conftest.py).
+TEST_WORKERS ?= 3
+test: setup ## the whole test suite, containers included (TEST_WORKERS=N side by side, default 3)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: setup ## ruff (lint rules, formatting) and mypy (types) over the tree (pyproject.toml [tool.ruff], [tool.mypy]); FIX=1 applies ruff's fixes
 	$(if $(FIX),$(PY) -m ruff check --fix . && $(PY) -m ruff format .,$(PY) -m ruff check . && $(PY) -m ruff format --check .)
@@ -128,7 +132,7 @@ scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up t
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke $(NAMED)
 
-# The connectivity check (orchestrator/connectivity.py): LOCAL=1 as processes, TIMEOUT=S.
+# The connectivity check (orchestrator/check_verb.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
 	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
@@ -199,7 +203,7 @@ bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
 
-# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py
+# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py and fields.py
 # (a test fails when it is out of date).
 .PHONY: docs
 docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes

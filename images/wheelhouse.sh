@@ -17,6 +17,12 @@ OUT=$HERE/wheelhouse
 PIP=${PIP:-$ROOT/.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
 
+# One fill at a time (CI starts one early, in the background, and test workers build images
+# side by side): a second waits, then finds it up to date.
+mkdir -p "$HERE/.cache"
+exec 9>"$HERE/.cache/wheelhouse.lock"
+flock 9
+
 reqs=$(python3 "$HERE/requirements.py" "$ROOT/requirements/app.txt" --without "$ROOT/requirements/torch.txt")
 key=$(printf '%s\n' "$reqs" | sha256sum | cut -c1-16)
 if [ -z "${FORCE:-}" ] && [ "$(cat "$OUT/.key" 2>/dev/null)" = "$key" ]; then

@@ -290,13 +290,13 @@ def _sample_data():
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
-    """The connectivity check (orchestrator/connectivity.py, app/connectivity.py)."""
+    """The connectivity check (orchestrator/check_verb.py, app/connectivity.py)."""
 
     @engine_errors
     def run_check(a: argparse.Namespace) -> int:
-        from orchestrator import connectivity
+        from orchestrator import check_verb
 
-        return connectivity.run(
+        return check_verb.run(
             load_topology(a),
             local=a.local,
             timeout=a.timeout,

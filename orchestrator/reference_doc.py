@@ -1,4 +1,4 @@
-"""The topology reference (docs/topology.md), generated from orchestrator.topology.model.
+"""The topology reference (docs/topology.md), generated from orchestrator.topology.model (and fields).
 
 `topology_reference_markdown()` walks the pydantic models of the topology and
 writes one table per section: each key with its type, default, allowed values
@@ -25,7 +25,7 @@ REGENERATE = "make docs  (python -m orchestrator schema --markdown > docs/topolo
 _HEADER = """\
 # Topology reference
 
-<!-- Generated from the field docstrings of orchestrator/topology/model.py by
+<!-- Generated from the field docstrings of orchestrator/topology/{model,fields}.py by
      `python -m orchestrator schema --markdown`; `make docs` rewrites this file. -->
 
 A topology is one YAML file (`configs/*.yaml`) that describes a whole run: the

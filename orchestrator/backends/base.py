@@ -31,7 +31,6 @@ from orchestrator.render.compose import security_warnings
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import Service
 
-LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale", "tensorboard", "export")
 ENDED = ("exited", "dead")  # a service's states after which it runs no more (unless restarted)
 
 

@@ -1,6 +1,6 @@
 """Log lines for `Backend.log_iter`: the merged output of command lines (`docker compose logs`,
-`docker service logs` per service), or lines already read. Either can be closed from another
-thread: the processes are ended, and the iteration stops."""
+`docker service logs` per service). They can be closed from another thread: the processes
+are ended, and the iteration stops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import queue
 import subprocess
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 from orchestrator.errors import EngineError
@@ -67,17 +67,3 @@ class ProcessLines:
     def returncode(self) -> int:
         """The worst exit status of the commands (after the iteration ended)."""
         return max((p.wait() for p in self.procs), default=0)
-
-
-class ReadLines:
-    """Lines already read (a log fetched whole)."""
-
-    def __init__(self, lines: Iterable[str]) -> None:
-        self.lines = list(lines)
-        self.returncode = 0
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.lines)
-
-    def close(self) -> None:
-        pass

@@ -44,14 +44,6 @@ def read_jsonl(path: Path) -> list[Record]:
     return parse_lines(path.read_text(encoding="utf-8", errors="replace").splitlines())
 
 
-def event_of(rec: Record) -> Optional[Event]:
-    """The record's event; None for one that is not among the app's."""
-    try:
-        return Event(rec.get("event"))
-    except ValueError:
-        return None
-
-
 def is_event(rec: Record, *wanted: Event) -> bool:
     """The record is of one of the events `wanted`."""
     return rec.get("event") in wanted

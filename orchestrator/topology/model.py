@@ -7,138 +7,32 @@ whose message is a single line: the file, the YAML path of the field, the
 value found and what is allowed, e.g.
 
     configs/x.yaml: workers.gpus: got [0, 0]; GPU ids must be distinct (one GPU per worker)
+
+Here: the train and ps sections (their fields built from app/options.py), the Topology
+with what it derives, the rules between fields, and reading a file. The other sections
+are in fields.py, the kinds of value fields take in values.py, pydantic's error as one
+line in messages.py.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    create_model,
-    field_validator,
-)
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model, field_validator
 
 from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES
 from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
-from orchestrator.errors import UsageError
+from orchestrator.errors import one_line
+from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Workers
+from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
+from orchestrator.topology.values import Float, LoaderWorkers, Section, Size, size_bytes
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
 NAME_RULE = "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
-_IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-_GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-_IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
-_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)b?$")
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
-_FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
-
-
-class TopologyError(UsageError):
-    """A bad topology: `path` is the YAML path of the field at fault."""
-
-    def __init__(self, source: str, path: str, problem: str) -> None:
-        self.source, self.path, self.problem = source, path, problem
-        super().__init__(f"{source}: {path}: {problem}" if path else f"{source}: {problem}")
-
-
-def _yaml_float(value: Any) -> Any:
-    # PyYAML (YAML 1.1) reads `1e-3` as a string; accept it as the number it means.
-    if isinstance(value, str) and _FLOAT.match(value.strip()):
-        return float(value)
-    return value
-
-
-def _size(value: Any) -> Any:
-    """A size as compose takes it: bytes (int) or '512m', '2g', '1gb'."""
-    if isinstance(value, bool):
-        raise ValueError("must be a size like 512m or 2g, or a number of bytes")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
-        return value
-    if isinstance(value, str):
-        m = _SIZE.match(value.strip().lower())
-        if m and float(m.group(1)) > 0:
-            return value.strip().lower()
-    raise ValueError("must be a positive size like 512m or 2g, or a number of bytes")
-
-
-def size_bytes(size: int | str) -> int:
-    """A size as the topology takes it (bytes, '256m', '2g', '1gb') in bytes."""
-    if isinstance(size, int):
-        return size
-    m = _SIZE.match(size.strip().lower())
-    if m is None:
-        raise ValueError(f"not a size: {size!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _group(value: Any) -> Any:
-    """A group for group_add: a numeric gid or a group name."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str) and _GROUP.match(value):
-        return value
-    raise ValueError("must be a group id (a number >= 0, e.g. 44) or a group name like video")
-
-
-def _loader_workers(value: Any) -> Any:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    raise ValueError("must be auto or a whole number >= 0")
-
-
-def _image_cache(value: Any) -> Any:
-    # The field was a boolean (and YAML reads a bare off/on as one): true is memory.
-    if isinstance(value, bool):
-        return "memory" if value else "off"
-    return value
-
-
-Float = Annotated[float, BeforeValidator(_yaml_float)]
-LoaderWorkers = Annotated[Union[Literal["auto"], int], BeforeValidator(_loader_workers)]
-GroupId = Annotated[Union[int, str], BeforeValidator(lambda v: _group(v))]
-Size = Annotated[Union[int, str], BeforeValidator(_size)]
-
-
-class _Section(BaseModel):
-    # strict: `batch_size: "256"` or `count: true` is a wrong type, not coerced.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
-
-
-class Image(_Section):
-    """The one image the PS and every worker run (images/Dockerfile)."""
-
-    base: str = Field(min_length=1, pattern=r"^\S+$")
-    """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g.
-    pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
-    device: Literal["cuda", "cpu"]
-    """cuda: one GPU per worker, seen as cuda:0 inside; cpu: no GPUs."""
-    tag: Optional[str] = None
-    """Name of the built image; default ps-compose-<name>:latest."""
-    pip_source: Literal["index", "wheelhouse"] = "index"
-    """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse
-    (images/wheelhouse/, offline)."""
-    group_add: list[GroupId] = Field(default_factory=list)
-    """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group
-    (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the
-    image, not on the host. `doctor`'s probe checks it."""
-
-    @field_validator("tag")
-    @classmethod
-    def _tag(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not _IMAGE_REF.match(v):
-            raise ValueError("must be an image reference like ps-compose-x:latest (lowercase name, optional :tag)")
-        return v
 
 
 def _option_type(o: Option) -> Any:
@@ -180,7 +74,7 @@ def _with_options(
     return create_model(base.__name__.lstrip("_"), __base__=base, __doc__=doc, __module__=__name__, **fields)
 
 
-class _Train(_Section):
+class _Train(Section):
     """The checks of the train section's values (its fields: `Train`)."""
 
     @field_validator("model", check_fields=False)
@@ -235,7 +129,7 @@ else:
     )
 
 
-class _PS(_Section):
+class _PS(Section):
     """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port
     and checkpoints every checkpoint_every steps."""
 
@@ -251,172 +145,7 @@ if not TYPE_CHECKING:
     PS = _with_options("ps", _PS, _PS.__doc__ or "")
 
 
-class Workers(_Section):
-    """The training workers, ranks 1..count; on cuda each has one GPU, seen as cuda:0."""
-
-    count: int = Field(gt=0)
-    """Number of workers (ranks 1..count); `--workers N` overrides it."""
-    max: Optional[int] = Field(default=None, gt=0)
-    """The most workers `make scale WORKERS=N` may run while the job trains (ranks count+1..max are rendered, started
-    only by scale; each has its GPU id reserved); default count. Not for strategy allreduce."""
-    gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None
-    """One GPU id per worker, in rank order (cuda only); default 0..max-1."""
-    shm_size: Size = "2g"
-    """/dev/shm of each worker container."""
-
-
-class Network(_Section):
-    """The cluster's private network (a bridge with compose, an overlay on Swarm)."""
-
-    publish_rpc_port: bool = False
-    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is
-    firewalled."""
-    same_host_copy: bool = True
-    """compose (one host): pushes and replies cross through the PS's shared memory (the PS, its shards and the workers
-    share one IPC namespace, so one /dev/shm, sized for the exchange), and what still goes through TensorPipe is
-    copied process to process (its `cma` channel, one process_vm_readv) instead of through TCP over the bridge. The
-    PS, its shards and the workers share one PID and IPC namespace, held by a `pidns` service, and get SYS_PTRACE,
-    which with a non-root user and no-new-privileges only lets Docker's seccomp profile pass process_vm_readv
-    (docs/design.md). false: a namespace each, every tensor over TCP. Swarm and Kubernetes always go over TCP."""
-    ifname: str = "eth0"
-    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it;
-    NCCL_SOCKET_IFNAME on cuda)."""
-
-    @field_validator("ifname")
-    @classmethod
-    def _ifname(cls, v: str) -> str:
-        if not _IFNAME.match(v):
-            raise ValueError("must be a network interface name like eth0")
-        return v
-
-
-_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-_NODE_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}=[A-Za-z0-9._-]{1,253}$")
-_RESOURCE_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
-
-
-def _node(v: str) -> str:
-    if not (_NODE.match(v) or _NODE_LABEL.match(v)):
-        raise ValueError("must be a node hostname like gpu-a, or a node label as key=value like gpu=true")
-    return v
-
-
-Node = Annotated[str, AfterValidator(_node)]
-
-
-class Swarm(_Section):
-    """Read only by `render --target swarm` (docker stack deploy); compose ignores it."""
-
-    ps: Optional[Node] = None
-    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add).
-    Default: any node of a one-node swarm; on several nodes the manager (node.role==manager), since the PS's
-    checkpoints are in that node's volume, unless state.volume_driver is a shared one."""
-    workers: Optional[list[Node]] = Field(default=None, min_length=1)
-    """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any
-    node."""
-    gpu_resource: str = "gpu"
-    """The generic resource kind GPU nodes advertise (dockerd node-generic-resources: ["gpu=GPU-<uuid>", ...]); each
-    GPU worker reserves one."""
-
-    @field_validator("gpu_resource")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        if not _RESOURCE_KIND.match(v):
-            raise ValueError("must be a resource kind like gpu or NVIDIA-GPU")
-        return v
-
-
-_DRIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
-_DRIVER_OPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-SHARED_TYPES = ("nfs", "nfs4", "cifs")  # driver_opts `type` of Docker's local driver that mount a share
-
-
-class State(_Section):
-    """The named volume `state` (/state in every container: the PS's checkpoints, final.pt, the metrics)."""
-
-    volume_driver: Optional[str] = None
-    """Volume driver of the state volume; default: Docker's local driver, a directory on each host, so on Swarm a PS
-    that moves to another node starts from nothing (unless pinned: docs/multi-host.md). A shared volume lets it
-    resume anywhere: local with driver_opts type nfs, or a volume plugin."""
-    driver_opts: dict[str, str] = Field(default_factory=dict)
-    """Options for volume_driver (docker volume create -o), as strings, e.g. for NFS with the local driver: {type: nfs,
-    o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}. Only with volume_driver."""
-
-    @field_validator("volume_driver")
-    @classmethod
-    def _driver(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not _DRIVER.match(v):
-            raise ValueError("must be a volume driver name like local or a plugin name like vieux/sshfs")
-        return v
-
-    @field_validator("driver_opts")
-    @classmethod
-    def _opts(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not _DRIVER_OPT.match(k)]
-        if bad:
-            raise ValueError(f"option name {bad[0]!r} must be letters, digits, '.', '_' or '-' (like type, o, device)")
-        return v
-
-    @property
-    def shared(self) -> bool:
-        """The volume is one share every node mounts (an NFS/CIFS mount of the local driver, or
-        a volume plugin), not a directory of each host."""
-        if self.volume_driver is None:
-            return False
-        return self.volume_driver != "local" or self.driver_opts.get("type") in SHARED_TYPES
-
-
-_LABEL_KEY = re.compile(r"^(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
-_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-
-
-def _node_selector(v: dict[str, str]) -> dict[str, str]:
-    for key, value in v.items():
-        if not _LABEL_KEY.match(key):
-            raise ValueError(f"label key {key!r} must be a Kubernetes label key like kubernetes.io/hostname or gpu")
-        if not _LABEL_VALUE.match(value):
-            raise ValueError(f"label value {value!r} (of {key}) must be at most 63 letters, digits, '-', '_' or '.'")
-    return v
-
-
-NodeSelector = Annotated[dict[str, str], AfterValidator(_node_selector)]
-
-
-class Kubernetes(_Section):
-    """Read only by `render --target kubernetes` (kubectl apply -f); compose and Swarm ignore it."""
-
-    state_size: Size = "10g"
-    """Storage the PS's PersistentVolumeClaim asks for (its checkpoints, final.pt and metrics at /state)."""
-    storage_class: Optional[str] = None
-    """storageClassName of that claim; default: the cluster's default storage class. Strategy allreduce needs one with
-    ReadWriteMany (every rank reads rank 0's checkpoints)."""
-    data_claim: Optional[str] = None
-    """A PersistentVolumeClaim holding the data, mounted read-only at /data; default: train.data_dir as a hostPath,
-    which must then exist at that path on every node."""
-    ps_node_selector: NodeSelector = Field(default_factory=dict)
-    """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
-    worker_node_selector: NodeSelector = Field(default_factory=dict)
-    """nodeSelector of every worker, e.g. {nvidia.com/gpu.present: "true"}."""
-    ps_cpu: float = Field(default=1.0, gt=0)
-    """CPU cores the PS pod (and each shard's) requests; no CPU limit, so it may use idle cores."""
-    ps_memory: Optional[Size] = None
-    """Memory the PS pod requests and is limited to (so it is not evicted first); it holds its /dev/shm, a memory
-    emptyDir: default ps.shm_size + 4g."""
-    worker_cpu: float = Field(default=1.0, gt=0)
-    """CPU cores each worker pod requests; no CPU limit."""
-    worker_memory: Optional[Size] = None
-    """Memory each worker pod requests and is limited to; it holds its /dev/shm: default workers.shm_size + 4g."""
-
-    @field_validator("storage_class", "data_claim")
-    @classmethod
-    def _object_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not _CLAIM.match(v):
-            raise ValueError("must be a Kubernetes object name: lowercase letters, digits, '-' and '.'")
-        return v
-
-
-class Topology(_Section):
+class Topology(Section):
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
     image: Image
@@ -579,13 +308,13 @@ def _check_state(t: Topology, source: str) -> None:
         raise TopologyError(
             source,
             "state.driver_opts",
-            f"got {_show(dict(opts))}; allowed only with state.volume_driver (e.g. local, with type: nfs)",
+            f"got {show(dict(opts))}; allowed only with state.volume_driver (e.g. local, with type: nfs)",
         )
     if opts.get("type") in SHARED_TYPES and not (opts.get("device") and "addr=" in opts.get("o", "")):
         raise TopologyError(
             source,
             "state.driver_opts",
-            f"got {_show(dict(opts))}; type {opts['type']} needs "
+            f"got {show(dict(opts))}; type {opts['type']} needs "
             "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')",
         )
 
@@ -607,7 +336,7 @@ def _check_placement(t: Topology, source: str) -> None:
             raise TopologyError(
                 source,
                 f"kubernetes.{key}",
-                f"got {_show(memory)}; must be more than {shm_key} ({shm}): the pod's /dev/shm is memory it is "
+                f"got {show(memory)}; must be more than {shm_key} ({shm}): the pod's /dev/shm is memory it is "
                 "charged for",
             )
 
@@ -636,7 +365,7 @@ def _check_rules(t: Topology, source: str) -> None:
     if rule is not None:
         o = BY_NAME[rule.option]
         path = o.topology or _RULE_PATHS[o.name]
-        raise TopologyError(source, path, f"got {_show(values[o.name])}; {rule.allowed(values)}")
+        raise TopologyError(source, path, f"got {show(values[o.name])}; {rule.allowed(values)}")
 
 
 def load(path: str | Path) -> Topology:
@@ -649,7 +378,7 @@ def load(path: str | Path) -> Topology:
     except IsADirectoryError:
         raise TopologyError(source, "", "is a directory, not a topology file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise TopologyError(source, "", f"cannot read: {_one_line(e)}") from None
+        raise TopologyError(source, "", f"cannot read: {one_line(e)}") from None
     return parse(text, source)
 
 
@@ -675,15 +404,15 @@ def parse(text: str, source: str = "<topology>") -> Topology:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        what = getattr(e, "problem", None) or _one_line(e)
+        what = getattr(e, "problem", None) or one_line(e)
         raise TopologyError(source, "", f"not valid YAML: {where}{what}") from None
     if not isinstance(data, dict):
-        got = "an empty file" if data is None else f"a {_yaml_type(data)}"
-        raise TopologyError(source, "", f"got {got}; must be a mapping with keys {_keys(Topology)}")
+        got = "an empty file" if data is None else f"a {yaml_type(data)}"
+        raise TopologyError(source, "", f"got {got}; must be a mapping with keys {keys(Topology)}")
     try:
         t = Topology.model_validate(data)
     except ValidationError as e:
-        raise _error(e, source) from None
+        raise first_error(e, source, Topology) from None
     check(t, source)
     return t
 
@@ -699,59 +428,3 @@ class _StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
-
-
-def _error(e: ValidationError, source: str) -> TopologyError:
-    """The first pydantic error as one line with its YAML path."""
-    err = e.errors()[0]
-    loc = err["loc"]
-    path = _dotted(loc)
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        return TopologyError(source, path, f"unknown key; allowed: {_keys(_model_at(loc[:-1]))}")
-    if kind == "missing":
-        return TopologyError(source, path, "missing; this key is required")
-    if kind in ("model_type", "dict_type"):
-        return TopologyError(
-            source, path, f"got {_show(err['input'])}; must be a mapping with keys {_keys(_model_at(loc))}"
-        )
-    msg = err["msg"]
-    msg = re.sub(r"^Value error, ", "", msg)
-    msg = re.sub(r"^(Input|String|List) should (be|have|match)", lambda m: f"must {m.group(2)}", msg)
-    return TopologyError(source, path, f"got {_show(err['input'])}; {msg}")
-
-
-def _model_at(loc: tuple) -> type[BaseModel]:
-    model: type[BaseModel] = Topology
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            break
-        model = field.annotation
-    return model
-
-
-def _keys(model: type[BaseModel]) -> str:
-    return ", ".join(model.model_fields)
-
-
-def _dotted(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _yaml_type(value: Any) -> str:
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())

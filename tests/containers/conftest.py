@@ -28,14 +28,21 @@ def engine():
 @pytest.fixture(scope="session")
 def offline_image(engine):
     """The cpu-smoke image, built once per session on the offline path (fast when cached),
-    so a warm machine never runs an image of older app code."""
+    so a warm machine never runs an image of older app code. One build at a time on this
+    host: `make test`'s workers (tests/conftest.py) each have a session, and the second
+    finds every layer the first built."""
+    import fcntl
+
     from orchestrator import images
     from orchestrator.paths import ROOT
     from orchestrator.topology.model import load
 
     t = load(os.path.join(ROOT, SMOKE_CONFIG))
     base, pip_source = images.source(t, offline=True)
-    images.build(t.image_tag, base, pip_source)
+    os.makedirs(os.path.join(ROOT, "images", ".cache"), exist_ok=True)
+    with open(os.path.join(ROOT, "images", ".cache", "offline-image.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        images.build(t.image_tag, base, pip_source)
     return t.image_tag
 
 

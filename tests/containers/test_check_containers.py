@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from orchestrator import connectivity
+from orchestrator import check_verb
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 CONFIG = os.path.join(ROOT, "configs", "cpu-smoke.yaml")
 PROJECT = "psc-test-check"
@@ -29,7 +30,7 @@ def _left(engine) -> list:
 
 def test_check_passes_and_reports_every_rank(engine, offline_image):
     out = io.StringIO()
-    code = connectivity.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
+    code = check_verb.run_containers(load(CONFIG).with_workers(2), timeout=30, project=PROJECT, out=out)
     text = out.getvalue()
     assert code == 0, text
     rows = ROW.findall(text)
@@ -42,7 +43,7 @@ def test_check_passes_and_reports_every_rank(engine, offline_image):
 
 def test_check_with_a_rank_missing_fails_naming_it(engine, offline_image):
     out = io.StringIO()
-    code = connectivity.run_containers(
+    code = check_verb.run_containers(
         load(CONFIG).with_workers(2), timeout=5, without=["worker2"], project=PROJECT, out=out
     )
     text = out.getvalue()

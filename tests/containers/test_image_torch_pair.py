@@ -15,7 +15,8 @@ from orchestrator import images
 from orchestrator.errors import EngineError
 from orchestrator.paths import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 
 def _run(engine, image: str, code: str) -> str:

@@ -65,6 +65,7 @@ def _run(command: str, cwd: str, timeout: float) -> str:
 
 @pytest.mark.slow
 @pytest.mark.docker
+@pytest.mark.xdist_group("engine-2")  # beside the group engine (tests/conftest.py): the project cpu-smoke is its own
 def test_a_fresh_clone_runs_the_readme_quick_start(engine, tmp_path):
     if adapter.containers(engine, PROJECT):
         pytest.fail(

@@ -23,7 +23,8 @@ from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
 
 # The first test also waits for the two-node setup: seconds when the image links in, minutes when it must be loaded.
-pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1200)]
+# In the engine group beside `engine` (tests/conftest.py): its swarm is two engines of its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1200), pytest.mark.xdist_group("engine-2")]
 
 CPU = ROOT / "configs" / "cpu-smoke.yaml"
 N1, N2 = chaos_swarm.MANAGER, chaos_swarm.LOST

@@ -32,7 +32,8 @@ from orchestrator.topology.model import load
 
 from needs import unavailable
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 TAG = "ps-compose-tensorboard-test:latest"  # its own tag: the cpu-smoke image of this tree
 SCREENSHOT = ROOT / "docs" / "img" / "tensorboard.png"

@@ -24,7 +24,8 @@ from orchestrator.chaos import containers as chaos_containers
 from orchestrator.metrics.records import events, parse_lines
 from orchestrator.paths import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its projects are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 
 def test_a_crashed_worker_container_is_restarted_and_the_run_completes(docker_engine, tmp_path):

@@ -16,9 +16,8 @@ import pytest
 
 from orchestrator import paths
 from orchestrator.backends import registry
-from orchestrator.backends.base import LIFECYCLE, Backend, ServiceState
+from orchestrator.backends.base import Backend, ServiceState
 from orchestrator.backends.kubernetes import doctor as k8s_doctor
-from orchestrator.backends.lines import ReadLines
 from orchestrator.cli import build_parser
 from orchestrator.doctor.checks import Check, run_checks
 from orchestrator.doctor.facts import Facts, gather
@@ -33,6 +32,7 @@ from orch_helpers import REPO, cli  # noqa: F401 - cli is a fixture
 
 SMOKE = REPO / "configs/cpu-smoke.yaml"
 DEFAULT = REPO / "configs/default.yaml"
+LIFECYCLE = ("up", "down", "logs", "status", "smoke", "scale", "tensorboard", "export")  # every target's verbs
 
 
 def test_the_registry_names_the_three_targets_and_their_files() -> None:
@@ -96,6 +96,20 @@ def end_records(workers: int) -> list[str]:
     ]
     end = {"time": 9, "role": "ps", "rank": 0, "event": "end", "step": 300, "accuracy": 0.95, "loss": 0.2}
     return joins + [json.dumps(end)]
+
+
+class ReadLines:
+    """Log lines already read: what the made-up target's log_iter gives."""
+
+    def __init__(self, lines) -> None:
+        self.lines = list(lines)
+        self.returncode = 0
+
+    def __iter__(self):
+        return iter(self.lines)
+
+    def close(self) -> None:
+        pass
 
 
 class FakeBackend(Backend):

@@ -13,7 +13,7 @@ import yaml
 
 from orchestrator.backends import inspect as compose_inspect
 from orchestrator.chaos.processes import ProcessJob
-from orchestrator.connectivity import check_document, plan_local
+from orchestrator.check_verb import check_document, plan_local
 from orchestrator.local import plan
 from orchestrator.render import compose as render_compose
 from orchestrator.topology import services as spec_services

@@ -126,15 +126,6 @@ def running_env(client: Any, stack: str, names: Sequence[str]) -> dict[str, str]
     return {}
 
 
-def service_log(client: Any, stack: str, service: str) -> str:
-    """A service's whole log (every task), raw lines."""
-    svc = services(client, stack).get(service)
-    if svc is None:
-        return ""
-    chunks = client.api.service_logs(svc.id, stdout=True, stderr=True, follow=False)
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
 def read_metrics(client: Any, stack: str, service: str) -> dict[str, list[str]]:
     """{file name: lines} of the metrics files a service's newest container on this engine
     sees at /state/metrics (running or exited); {} when none is here (a task on another

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from app.contract import CHECK_RECORD
-from orchestrator import connectivity
+from orchestrator import check_verb
+from orchestrator.check_verb import Result, check_document, judge, plan_local, result_record
 from orchestrator.cli import build_parser, main
-from orchestrator.connectivity import Result, check_document, judge, plan_local, result_record
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
@@ -112,7 +112,7 @@ def test_check_document_is_valid_compose() -> None:
 
 
 def test_check_runs_as_its_own_project() -> None:
-    assert connectivity.project_name(load(SMOKE)) == "cpu-smoke-check"
+    assert check_verb.project_name(load(SMOKE)) == "cpu-smoke-check"
 
 
 def test_rank_0_is_the_first_service(write_config) -> None:

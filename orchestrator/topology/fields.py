@@ -1,0 +1,175 @@
+"""The topology's sections whose fields are written here: image, workers, network, swarm,
+state, kubernetes. (train and ps get their fields from app/options.py: model.py builds
+them.) Each field's docstring is its text in docs/topology.md."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from orchestrator.topology.values import GroupId, Node, NodeSelector, Section, Size
+
+_IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+_RESOURCE_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
+_DRIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
+_DRIVER_OPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SHARED_TYPES = ("nfs", "nfs4", "cifs")  # driver_opts `type` of Docker's local driver that mount a share
+_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+class Image(Section):
+    """The one image the PS and every worker run (images/Dockerfile)."""
+
+    base: str = Field(min_length=1, pattern=r"^\S+$")
+    """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g.
+    pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
+    device: Literal["cuda", "cpu"]
+    """cuda: one GPU per worker, seen as cuda:0 inside; cpu: no GPUs."""
+    tag: Optional[str] = None
+    """Name of the built image; default ps-compose-<name>:latest."""
+    pip_source: Literal["index", "wheelhouse"] = "index"
+    """Where the build installs the app's packages (build arg PIP_SOURCE): index (PyPI) or wheelhouse
+    (images/wheelhouse/, offline)."""
+    group_add: list[GroupId] = Field(default_factory=list)
+    """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group
+    (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the
+    image, not on the host. `doctor`'s probe checks it."""
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _IMAGE_REF.match(v):
+            raise ValueError("must be an image reference like ps-compose-x:latest (lowercase name, optional :tag)")
+        return v
+
+
+class Workers(Section):
+    """The training workers, ranks 1..count; on cuda each has one GPU, seen as cuda:0."""
+
+    count: int = Field(gt=0)
+    """Number of workers (ranks 1..count); `--workers N` overrides it."""
+    max: Optional[int] = Field(default=None, gt=0)
+    """The most workers `make scale WORKERS=N` may run while the job trains (ranks count+1..max are rendered, started
+    only by scale; each has its GPU id reserved); default count. Not for strategy allreduce."""
+    gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None
+    """One GPU id per worker, in rank order (cuda only); default 0..max-1."""
+    shm_size: Size = "2g"
+    """/dev/shm of each worker container."""
+
+
+class Network(Section):
+    """The cluster's private network (a bridge with compose, an overlay on Swarm)."""
+
+    publish_rpc_port: bool = False
+    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is
+    firewalled."""
+    same_host_copy: bool = True
+    """compose (one host): pushes and replies cross through the PS's shared memory (the PS, its shards and the workers
+    share one IPC namespace, so one /dev/shm, sized for the exchange), and what still goes through TensorPipe is
+    copied process to process (its `cma` channel, one process_vm_readv) instead of through TCP over the bridge. The
+    PS, its shards and the workers share one PID and IPC namespace, held by a `pidns` service, and get SYS_PTRACE,
+    which with a non-root user and no-new-privileges only lets Docker's seccomp profile pass process_vm_readv
+    (docs/design.md). false: a namespace each, every tensor over TCP. Swarm and Kubernetes always go over TCP."""
+    ifname: str = "eth0"
+    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it;
+    NCCL_SOCKET_IFNAME on cuda)."""
+
+    @field_validator("ifname")
+    @classmethod
+    def _ifname(cls, v: str) -> str:
+        if not _IFNAME.match(v):
+            raise ValueError("must be a network interface name like eth0")
+        return v
+
+
+class Swarm(Section):
+    """Read only by `render --target swarm` (docker stack deploy); compose ignores it."""
+
+    ps: Optional[Node] = None
+    """The node the PS runs on: a hostname (node.hostname), or a node label key=value (docker node update --label-add).
+    Default: any node of a one-node swarm; on several nodes the manager (node.role==manager), since the PS's
+    checkpoints are in that node's volume, unless state.volume_driver is a shared one."""
+    workers: Optional[list[Node]] = Field(default=None, min_length=1)
+    """Where each worker runs: one entry per worker in rank order, or a single entry for all of them. Default: any
+    node."""
+    gpu_resource: str = "gpu"
+    """The generic resource kind GPU nodes advertise (dockerd node-generic-resources: ["gpu=GPU-<uuid>", ...]); each
+    GPU worker reserves one."""
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if not _RESOURCE_KIND.match(v):
+            raise ValueError("must be a resource kind like gpu or NVIDIA-GPU")
+        return v
+
+
+class State(Section):
+    """The named volume `state` (/state in every container: the PS's checkpoints, final.pt, the metrics)."""
+
+    volume_driver: Optional[str] = None
+    """Volume driver of the state volume; default: Docker's local driver, a directory on each host, so on Swarm a PS
+    that moves to another node starts from nothing (unless pinned: docs/multi-host.md). A shared volume lets it
+    resume anywhere: local with driver_opts type nfs, or a volume plugin."""
+    driver_opts: dict[str, str] = Field(default_factory=dict)
+    """Options for volume_driver (docker volume create -o), as strings, e.g. for NFS with the local driver: {type: nfs,
+    o: "addr=10.0.0.5,rw,nfsvers=4", device: ":/exports/psc"}. Only with volume_driver."""
+
+    @field_validator("volume_driver")
+    @classmethod
+    def _driver(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _DRIVER.match(v):
+            raise ValueError("must be a volume driver name like local or a plugin name like vieux/sshfs")
+        return v
+
+    @field_validator("driver_opts")
+    @classmethod
+    def _opts(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not _DRIVER_OPT.match(k)]
+        if bad:
+            raise ValueError(f"option name {bad[0]!r} must be letters, digits, '.', '_' or '-' (like type, o, device)")
+        return v
+
+    @property
+    def shared(self) -> bool:
+        """The volume is one share every node mounts (an NFS/CIFS mount of the local driver, or
+        a volume plugin), not a directory of each host."""
+        if self.volume_driver is None:
+            return False
+        return self.volume_driver != "local" or self.driver_opts.get("type") in SHARED_TYPES
+
+
+class Kubernetes(Section):
+    """Read only by `render --target kubernetes` (kubectl apply -f); compose and Swarm ignore it."""
+
+    state_size: Size = "10g"
+    """Storage the PS's PersistentVolumeClaim asks for (its checkpoints, final.pt and metrics at /state)."""
+    storage_class: Optional[str] = None
+    """storageClassName of that claim; default: the cluster's default storage class. Strategy allreduce needs one with
+    ReadWriteMany (every rank reads rank 0's checkpoints)."""
+    data_claim: Optional[str] = None
+    """A PersistentVolumeClaim holding the data, mounted read-only at /data; default: train.data_dir as a hostPath,
+    which must then exist at that path on every node."""
+    ps_node_selector: NodeSelector = Field(default_factory=dict)
+    """nodeSelector of the PS (and its shards), e.g. {kubernetes.io/hostname: ps-host}."""
+    worker_node_selector: NodeSelector = Field(default_factory=dict)
+    """nodeSelector of every worker, e.g. {nvidia.com/gpu.present: "true"}."""
+    ps_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores the PS pod (and each shard's) requests; no CPU limit, so it may use idle cores."""
+    ps_memory: Optional[Size] = None
+    """Memory the PS pod requests and is limited to (so it is not evicted first); it holds its /dev/shm, a memory
+    emptyDir: default ps.shm_size + 4g."""
+    worker_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores each worker pod requests; no CPU limit."""
+    worker_memory: Optional[Size] = None
+    """Memory each worker pod requests and is limited to; it holds its /dev/shm: default workers.shm_size + 4g."""
+
+    @field_validator("storage_class", "data_claim")
+    @classmethod
+    def _object_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _CLAIM.match(v):
+            raise ValueError("must be a Kubernetes object name: lowercase letters, digits, '-' and '.'")
+        return v

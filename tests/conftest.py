@@ -1,0 +1,45 @@
+"""What every test folder shares: which tests may run side by side.
+
+`make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. A test marked
+`docker` is in an engine group: `engine` unless it names another whose name starts with
+`engine` (`@pytest.mark.xdist_group("engine-2")`). The tests of one engine group run one
+after the other on one worker, in collection order, each group on a worker of its own; the
+largest groups are handed out first (xdist's loadscope order), so they start at once. The
+other tests (processes on ephemeral ports, temporary directories, no engine) run on
+whichever worker is free.
+
+Two groups, so two clusters at most at a time: a cpu-smoke run is held up by its RPC round
+trips, not by the cores (as processes it kept 0.6 of a 2-core CPU VM's 2 cores busy on
+average), so two side by side take little longer than one, and the bounds some tests hold
+(docs/testing.md) keep their margin. Each group's tests use project names of their own;
+what changes the engine itself (a swarm init, the doctor's view of it) stays in `engine`.
+
+A docker test in a group whose name does not start with `engine` fails. Without xdist
+(one file run on its own) the marks change nothing. tests/test_side_by_side.py checks that the
+grouping holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ENGINE_GROUP = "engine"
+MISPLACED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("docker") is None:
+            continue
+        named = [m.args[0] if m.args else m.kwargs.get("name") for m in item.iter_markers("xdist_group")]
+        other = [str(name) for name in named if not str(name).startswith(ENGINE_GROUP)]
+        if other:
+            item.stash[MISPLACED] = f"marked docker, so in an engine group; not in {other[0]}"
+        if not named:
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if MISPLACED in item.stash:
+        pytest.fail(item.stash[MISPLACED], pytrace=False)
