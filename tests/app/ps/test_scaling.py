@@ -19,7 +19,7 @@ from app.ps.members.roster import LEFT, LIVE, Roster
 from app.ps.server import ParameterServer
 from app.training.metrics import read
 
-from app_testkit import finished, free_port, start_app, wait_for
+from app_testkit import finished, free_port, ps_server, start_app, submit, wait_for
 
 
 def _linear(size: int = 4) -> nn.Module:
@@ -29,7 +29,7 @@ def _linear(size: int = 4) -> nn.Module:
 
 
 def _server(strategy: str, workers: int = 2, most: int = 4, **kw) -> ParameterServer:
-    server = ParameterServer(
+    server = ps_server(
         _linear(), lr=1.0, momentum=0.0, num_trainers=workers, strategy=strategy, max_trainers=most, **kw
     )
     for rank in range(1, workers + 1):
@@ -98,22 +98,22 @@ def test_a_checkpoint_keeps_who_left_and_the_ranks_that_joined_later_within_its_
 def test_async_takes_a_new_rank_at_once_and_lets_one_leave():
     server = _server("async")
     server.join(3, "worker3")
-    assert server.submit(3, torch.ones(4), 0).wait().version == 1
-    assert server.shard_of(3) == (2, 3) and server.live_count() == 3
+    assert submit(server, 3, torch.ones(4), 0).wait().version == 1
+    assert server.share(3) == (2, 3) and server.live_count() == 3
     assert server.leave(3, pushes=1, name="worker3") is None
-    assert server.live_count() == 2 and server.shard_of(1) == (0, 2)
+    assert server.live_count() == 2 and server.share(1) == (0, 2)
 
 
 def test_a_push_that_lands_after_its_worker_left_is_refused_and_the_run_still_ends():
     """A push still on the wire when its worker left (SIGTERM) used to readmit the worker as
     live: the PS then waited for a process that had exited, and the run did not end."""
     server = _server("async")
-    server.submit(1, torch.ones(4), 0).wait()
+    submit(server, 1, torch.ones(4), 0).wait()
     assert server.leave(1, pushes=1, name="worker1") is None
-    state = server.state.clone()
-    late = server.submit(1, torch.ones(4), 1, name="worker1").wait()
+    state = server.state.vector.clone()
+    late = submit(server, 1, torch.ones(4), 1, name="worker1").wait()
     assert late.kind == "stale" and "worker1 left the job" in late.message
-    assert server.live_count() == 1 and torch.equal(server.state, state)  # not back, not applied
+    assert server.live_count() == 1 and torch.equal(server.state.vector, state)  # not back, not applied
     server.finish(2, pushes=0)
     assert server.done() and server.all_finished
 
@@ -121,10 +121,10 @@ def test_a_push_that_lands_after_its_worker_left_is_refused_and_the_run_still_en
 def test_ssp_bound_follows_the_live_set():
     server = _server("ssp", workers=2, staleness=1)
     server.join(3, "worker3")  # a new rank: ssp counts it at once
-    assert server.submit(1, torch.ones(4), 0).wait().lead == 1
-    held = server.submit(1, torch.ones(4), 1)  # 2 ahead of worker2 and worker3: waits
+    assert submit(server, 1, torch.ones(4), 0).wait().lead == 1
+    held = submit(server, 1, torch.ones(4), 1)  # 2 ahead of worker2 and worker3: waits
     assert not held.done()
-    server.submit(2, torch.ones(4), 0).wait()
+    submit(server, 2, torch.ones(4), 0).wait()
     assert not held.done()  # worker3 is still the slowest
     server.leave(3, pushes=0, name="worker3")  # it leaves: the bound is taken over ranks 1 and 2
     assert held.wait().lead == 1
@@ -132,23 +132,23 @@ def test_ssp_bound_follows_the_live_set():
 
 def test_sync_counts_a_rank_that_joins_mid_round_from_the_next_round():
     server = _server("sync", workers=2)
-    first = server.submit(1, torch.full((4,), 2.0), 0)
+    first = submit(server, 1, torch.full((4,), 2.0), 0)
     server.join(3, "worker3")  # mid-round: this round does not wait for it
-    second = server.submit(2, torch.full((4,), 4.0), 0)
+    second = submit(server, 2, torch.full((4,), 4.0), 0)
     assert first.wait().version == 1 and second.wait().version == 1
     assert torch.equal(second.wait().vector, torch.full((4,), -3.0))  # the mean of ranks 1 and 2 only
     # the next round waits for rank 3 too
-    a, b = server.submit(1, torch.ones(4), 1), server.submit(2, torch.ones(4), 1)
+    a, b = submit(server, 1, torch.ones(4), 1), submit(server, 2, torch.ones(4), 1)
     assert not a.done() and not b.done()
-    c = server.submit(3, torch.full((4,), 4.0), 1)
+    c = submit(server, 3, torch.full((4,), 4.0), 1)
     assert c.wait().version == 2 and a.done() and b.done()
     assert torch.equal(c.wait().vector, torch.full((4,), -5.0))  # -3 - mean(1, 1, 4)
 
 
 def test_sync_round_shrinks_when_a_rank_leaves():
     server = _server("sync", workers=3, most=3)
-    first = server.submit(1, torch.full((4,), 1.0), 0)
-    second = server.submit(2, torch.full((4,), 3.0), 0)
+    first = submit(server, 1, torch.full((4,), 1.0), 0)
+    second = submit(server, 2, torch.full((4,), 3.0), 0)
     assert not first.done()
     server.leave(3, pushes=0, name="worker3")
     assert first.wait().version == 1 and torch.equal(second.wait().vector, torch.full((4,), -2.0))
