@@ -6,7 +6,7 @@ for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
 - Every PS process (the main PS and each shard) serves the calls workers make
   (app.exchange.calls: join, pull, push, push through shared memory, finish, leave,
-  shard): `Endpoint` is that service, over the PS it is given (`Served`: what it calls of
+  share): `Endpoint` is that service, over the PS it is given (`Served`: what it calls of
   app.ps.server's ParameterServer, which this module does not import). `rpc_drop`: the main
   PS forwards a worker's drop to the shards.
 - The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
@@ -26,7 +26,7 @@ from torch.futures import Future
 from app.exchange import calls
 from app.exchange.notes import Note, NoteReader
 from app.exchange.ps_end import SharedExchange
-from app.exchange.wire import Joined, NotReady, Push, Refusal, Taken
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
@@ -51,7 +51,7 @@ class Served(Protocol):
     def note(self, note: Note) -> None: ...
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
     def leave(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
-    def share(self, rank: int) -> tuple[int, int]: ...
+    def share(self, rank: int, finished: Share | None = None) -> Share | None: ...
     def drop(self, rank: int, name: str) -> bool: ...
 
 
@@ -140,8 +140,8 @@ class Endpoint:
     def leave(self, rank: int, pushes: int, name: str) -> Refusal | None:
         return self.get().leave(rank, pushes, name)
 
-    def shard(self, rank: int) -> tuple[int, int]:
-        return self.get().share(rank)
+    def share(self, rank: int, finished: Share | None) -> Share | None:
+        return self.get().share(rank, finished)
 
 
 ENDPOINT = Endpoint()

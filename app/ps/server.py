@@ -39,7 +39,7 @@ from app.contract import worker_name
 from app.exchange import ps_end as exchange
 from app.exchange.notes import Note
 from app.exchange.ps_end import SharedExchange
-from app.exchange.wire import Joined, Push, Refusal, Refused
+from app.exchange.wire import Joined, Push, Refusal, Refused, Share
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members, MembersConfig
 from app.ps.members.roster import StaleIncarnation
@@ -49,6 +49,10 @@ from app.ps.replies import ReplyBuffers
 from app.ps.state import State, StateConfig
 
 log = logging.getLogger("app.ps")
+NONFINITE = (
+    "%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
+    "(further refusals of it are counted, not logged)"
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class ServerConfig:
         state (None: all of it)."""
         return cls(
             StateConfig(config.lr, config.momentum, config.weight_decay, config.staleness_lr, part),
-            MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id),
+            MembersConfig(
+                config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.num_epochs
+            ),
             PolicyConfig(config.strategy, config.staleness, config.overlap),
         )
 
@@ -109,13 +115,11 @@ class ParameterServer:
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
         self._wake_at = 0
-        # Called (outside the lock) when a dropped process calls again: app.ps.members.liveness logs it.
+        # Called outside the lock: a dropped process called again, a process left the job for good
+        # (app.ps.members.liveness records both), a rank finished (the PS process checkpoints
+        # then, before the finishing worker gets its answer, so a finish outlives a PS crash).
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
-        # Called (outside the lock) when a process left the job for good (scaled down):
-        # app.ps.members.liveness records it.
         self.on_leave: Callable[[int, str], None] = lambda rank, name: None
-        # Called (outside the lock, before the finishing worker gets its answer) after a rank
-        # finished: the PS process checkpoints then, so a finish outlives a PS crash.
         self.on_finish: Callable[[int], None] = on_finish or (lambda rank: None)
 
     @property
@@ -138,15 +142,10 @@ class ParameterServer:
             return self.state.copy()
 
     def submit(self, push: Push, message: torch.Tensor) -> Future:
-        """Take one worker's `message` ([grads | buffers]) and what `push` says of it; a future of
-        its Reply (or Refusal).
-
-        `push.epoch` and `push.batch` are the worker's progress once it is applied, `samples` the
-        batch's size. A reply's vector is one of rank's (or the round's) two reply buffers, not a
-        fresh copy: it stays unchanged until rank's next-but-one push. `push.staleness`: the
-        push's staleness as the main PS computed it (a PS shard, app.ps.sharding.slices); by
-        default this PS's own. `push.backward` and `push.noted`: which of the worker's backwards
-        the gradient comes from, and whether it noted its partitions early (app.ps.early)."""
+        """Take one worker's `message` ([grads | buffers]) and what `push` says of it
+        (app.exchange.wire.Push); a future of its Reply (or Refusal). A reply's vector is one of
+        rank's (or the round's) two reply buffers, not a fresh copy: it stays unchanged until
+        rank's next-but-one push."""
         message = self.state.message(push.rank, message)
         name = push.name or worker_name(push.rank)
         early = None
@@ -171,17 +170,12 @@ class ParameterServer:
                 ready = self.policy.take(push, message, future, staleness, early)
                 self._moved()
             elif self.counts.refuse(push.rank):
-                log.warning(
-                    "%s pushed non-finite values (NaN or inf); refused, the model is unchanged "
-                    "(further refusals of it are counted, not logged)",
-                    name,
-                )
+                log.warning(NONFINITE, name)  # once per rank
             if readmitted:
                 self._changed.notify_all()
         if not finite:
-            future.set_result(
-                Refusal(Refused.NONFINITE, f"{name} pushed non-finite values (NaN or inf); the push was refused")
-            )
+            refused = f"{name} pushed non-finite values (NaN or inf); the push was refused"
+            future.set_result(Refusal(Refused.NONFINITE, refused))
         _complete(ready)
         if readmitted:
             self.on_back(push.rank, name)
@@ -240,10 +234,11 @@ class ParameterServer:
         self.on_leave(rank, name)
         return None
 
-    def share(self, rank: int) -> tuple[int, int]:
-        """(index, count): rank's share of the next epoch's data among the ranks training now."""
+    def share(self, rank: int, finished: Share | None = None) -> Share | None:
+        """What rank trains next, having trained `finished` (app.ps.members.epochs); None: nothing
+        is left of the job's epochs."""
         with self._lock:
-            return self.members.share(rank, self.state.version)
+            return self.members.share(rank, finished, self.state.version)
 
     # What the PS process does (app.ps.process, app.ps.members.liveness).
 

@@ -1,6 +1,7 @@
 """Who trains, as the PS acts on it: the roster (app.ps.members.roster) and what follows from it:
-the ranks a push waits for, how far a rank leads the slowest, a rank's share of an epoch, the
-live processes and the frozen ones, when training started, and when the job is done.
+the ranks a push waits for, how far a rank leads the slowest, what a rank trains next in a job
+that may be scaled (app.ps.members.epochs), the live processes and the frozen ones, when
+training started, and when the job is done.
 
 No lock of its own: app.ps.server calls it under its lock, and the strategy's policy
 (app.ps.policies) reads it there. A sync round counts a rank from `round_from` on (it joined
@@ -15,6 +16,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from app.exchange.wire import Share
+from app.ps.members.epochs import EpochShares
 from app.ps.members.roster import ABSENT, FINISHED, LIVE, Member, Roster
 
 
@@ -22,12 +25,13 @@ from app.ps.members.roster import ABSENT, FINISHED, LIVE, Member, Roster
 class MembersConfig:
     """The job's ranks: 1..`num_trainers` from the start, up to `max_trainers` when it is scaled
     up; how long a missing rank is waited for; the run (a checkpoint of another run restores no
-    finish)."""
+    finish); the epochs the job trains."""
 
     num_trainers: int
     max_trainers: int = 0
     join_timeout: float = float("inf")
     run_id: str = ""
+    num_epochs: int = 1
 
 
 class Members:
@@ -37,6 +41,7 @@ class Members:
         self.config, self.clock = config, clock
         ranks = range(1, config.num_trainers + 1)
         self.roster = Roster(ranks, config.join_timeout, clock, max_rank=config.max_trainers)
+        self.epochs = EpochShares(config.num_epochs)  # who trains which share of each epoch
         self.first_join: float | None = None  # clock time of the first join
         self.all_joined: float | None = None  # clock time every rank had joined (or finished)
         self.finishing = 0  # finishes being recorded (on_finish): the job is not done before they are
@@ -62,12 +67,14 @@ class Members:
 
     def record_push(self, rank: int, epoch: int, batch: int) -> None:
         self.roster.record_push(rank, epoch, batch)
+        self.epochs.record(rank, epoch, batch)
 
     def finish(self, rank: int, name: str) -> None:
         self.roster.finish(rank, name)
 
     def leave(self, rank: int, name: str) -> None:
         self.roster.leave(rank, name)
+        self.epochs.release(rank)
 
     def drop(self, rank: int, name: str) -> bool:
         return self.roster.drop(rank, name)
@@ -87,11 +94,13 @@ class Members:
         pushes = [self.roster.members[r].pushes for r in self.training(version)]
         return self.roster.members[rank].pushes - min(pushes) if pushes else 0
 
-    def share(self, rank: int, version: int) -> tuple[int, int]:
-        """(index, count): rank's share of an epoch's data among the ranks training now (those
-        ssp and sync wait for, and rank itself), for a job that may be scaled while it runs."""
-        ranks = sorted({*self.training(version), *(m.rank for m in self.roster.live()), rank})
-        return ranks.index(rank), len(ranks)
+    def share(self, rank: int, finished: Share | None, version: int) -> Share | None:
+        """What rank trains next, having trained `finished` (app.ps.members.epochs): a new epoch
+        is split among the ranks training now (those ssp and sync wait for, the live ones, and
+        rank itself); shares of ranks that left or are missing go to whoever asks."""
+        ranks = {*self.training(version), *(m.rank for m in self.roster.live()), rank}
+        gone = {m.rank for m in self.roster.left()} | {m.rank for m in self.roster.missing()}
+        return self.epochs.next(rank, finished, sorted(ranks), gone)
 
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""
@@ -146,9 +155,14 @@ class Members:
         return self.roster.counts()
 
     def checkpoint(self) -> dict[str, Any]:
-        """Each rank's progress, its pushes, and whether every rank finished."""
-        return {"progress": self.roster.state(), "pushes": self.pushes, "finished": self.roster.all_finished}
+        """Each rank's progress, its pushes, whether every rank finished, and (a job that may be
+        scaled) who trained which share of each epoch."""
+        saved = {"progress": self.roster.state(), "pushes": self.pushes, "finished": self.roster.all_finished}
+        return {**saved, "epochs": self.epochs.state()} if self.epochs.used() else saved
 
     def restore(self, saved: dict[str, Any]) -> None:
-        """Each rank's progress from a checkpoint; its finishes only when it is of this run."""
+        """Each rank's progress from a checkpoint; its finishes only when it is of this run. Without
+        epochs' shares in it, the epochs before the earliest a rank is in count as done."""
         self.roster.restore(saved["progress"], same_run=saved.get("run_id", "") == self.config.run_id)
+        first = min((m.epoch for m in self.roster.members.values()), default=1)
+        self.epochs.restore(saved.get("epochs"), first_epoch=first)
