@@ -100,20 +100,11 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.contract import ps_name
     from app.exchange.ps_end import for_config
     from app.ps.rpc import ENDPOINT
-    from app.ps.server import ParameterServer
 
     config = _config("ps", p)
     model, part = SPECS[p["model"]].model(), _part(p, index)
     shared = for_config(config, model, part, ps_name(index))
-    server = ParameterServer(
-        model,
-        lr=0.01,
-        momentum=0.0,
-        num_trainers=config.world_size - 1,
-        part=part,
-        strategy=config.strategy,
-        shared=shared,
-    )
+    server = _server(model, config.world_size - 1, part, config.strategy, shared)
     _DONE["expected"] = config.world_size - 1
     try:
         with ENDPOINT.serving(server):
@@ -124,7 +115,31 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     finally:
         if shared is not None:
             shared.close()
-    return {"version": server.version, "state_floats": server.flat.size}
+    return {"version": server.version, "state_floats": _state_floats(server)}
+
+
+def _server(model: Any, workers: int, part: Any, strategy: str, shared: Any) -> Any:
+    """The app's ParameterServer at lr 0.01 without momentum; built from its parts' configs, or
+    (a baseline under --app-path, before them) from keywords."""
+    try:
+        from app.ps.members.members import MembersConfig
+        from app.ps.policies import PolicyConfig
+        from app.ps.server import ParameterServer, ServerConfig
+        from app.ps.state import StateConfig
+    except ImportError:
+        from app.ps.server import ParameterServer
+
+        return ParameterServer(
+            model, lr=0.01, momentum=0.0, num_trainers=workers, part=part, strategy=strategy, shared=shared
+        )
+    config = ServerConfig(StateConfig(lr=0.01, part=part), MembersConfig(workers), PolicyConfig(strategy))
+    return ParameterServer(model, config, shared=shared)
+
+
+def _state_floats(server: Any) -> int:
+    """The whole state's values (the PS's flat model: its `state`'s, or a baseline's own)."""
+    flat = server.state.flat if hasattr(server.state, "flat") else server.flat
+    return int(flat.size)
 
 
 def _starting(vector: Any, version: Any) -> Any:

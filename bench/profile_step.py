@@ -245,7 +245,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from app import runtime
-    from app.ps.server import ParameterServer
+    from app.ps.members.members import MembersConfig
+    from app.ps.policies import PolicyConfig
+    from app.ps.server import ParameterServer, ServerConfig
+    from app.ps.state import StateConfig
     from app.training import models
     from app.training.flat import FlatModel
 
@@ -255,9 +258,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     model.train()
     flat = FlatModel(model)
     x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-    server = ParameterServer(
-        models.build(args.model, 3, 10, 0), lr=0.01, momentum=args.momentum, num_trainers=args.workers, strategy="sync"
+    config = ServerConfig(
+        StateConfig(lr=0.01, momentum=args.momentum), MembersConfig(args.workers), PolicyConfig(strategy="sync")
     )
+    server = ParameterServer(models.build(args.model, 3, 10, 0), config)
     for rank in range(1, args.workers + 1):
         server.join(rank, f"worker{rank}")
     messages = [torch.randn(flat.size) * 1e-3 for _ in range(args.workers)]
@@ -292,22 +296,22 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
     """The sync PS's pieces on the workers' `messages`: checks, average, SGD, reply; and a whole round."""
     import torch
 
-    from app.exchange.wire import all_finite
+    from app.exchange.wire import Push, all_finite
     from app.ps.policies import RoundPolicy
 
     assert isinstance(server.policy, RoundPolicy)  # a sync server: its rounds average
     average = server.policy.average
 
     reply = torch.empty(flat.size)
-    n, r = flat.num_params, args.repeats
+    n, r, state = flat.num_params, args.repeats, server.state
 
     def old_step() -> None:  # what a sync round did: stack + mean, optimizer.step, copy for the reply
         mean = torch.stack(messages).mean(0)
-        server._param.grad = mean[:n]
-        server.optimizer.step()
-        server._param.grad = None
-        server.state[n:].copy_(mean[n:])
-        reply.copy_(server.state)
+        state.param.grad = mean[:n]
+        state.optimizer.step()
+        state.param.grad = None
+        state.vector[n:].copy_(mean[n:])
+        reply.copy_(state.vector)
 
     def locked(f: Any) -> Any:
         def call() -> None:
@@ -317,7 +321,7 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
         return call
 
     def round_() -> None:
-        futures = [server.submit(rank, m, server.version) for rank, m in enumerate(messages, start=1)]
+        futures = [server.submit(Push(rank, "", server.version), m) for rank, m in enumerate(messages, start=1)]
         futures[-1].wait()
 
     return {
@@ -326,10 +330,10 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
         f"ps: average {args.workers} pushes": _cpu_ms(lambda: average(messages), r),
         f"ps was: average {args.workers} pushes (stack.mean)": _cpu_ms(lambda: torch.stack(messages).mean(0), r),
         "ps: SGD into the reply buffer": _cpu_ms(
-            locked(lambda: server.step(messages[0], into=server.replies.take(0))), r
+            locked(lambda: state.step(messages[0], into=server.replies.take(0))), r
         ),
         "ps was: SGD in place + reply copy": _cpu_ms(
-            locked(lambda: (server.step(messages[0]), reply.copy_(server.state))), r
+            locked(lambda: (state.step(messages[0]), reply.copy_(state.vector))), r
         ),
         f"ps: sync round of {args.workers} (checks, average, SGD, reply)": _cpu_ms(round_, r),
         f"ps was: sync round of {args.workers} (checks, stack.mean, SGD, reply copy)": _cpu_ms(

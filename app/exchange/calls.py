@@ -11,8 +11,8 @@ hands the error back to the caller).
 - `rpc_push`: a push over TensorPipe (the message is a tensor); `rpc_push_slot`: a push whose
   message is in the worker's push slot of the PS process's segment. Both are
   `async_execution`: the answer (Reply, SlotReply or Refusal) may be held back (ssp, sync).
-- `rpc_pull`, `rpc_finish`, `rpc_leave` (scaled down), `rpc_shard` (the rank's share of the
-  next epoch).
+- `rpc_pull`, `rpc_finish`, `rpc_leave` (scaled down), `rpc_share` (what the rank trains next,
+  in a job that may be scaled).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.exchange.wire import Joined, NotReady, Push, Refusal, Taken
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
 
 
 class Service(Protocol):
@@ -37,7 +37,7 @@ class Service(Protocol):
     def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future: ...
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
     def leave(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
-    def shard(self, rank: int) -> tuple[int, int]: ...
+    def share(self, rank: int, finished: Share | None) -> Share | None: ...
 
 
 _SERVING: list[Service] = []  # the service of this process while it serves (at most one)
@@ -91,6 +91,7 @@ def rpc_leave(rank: int, pushes: int, name: str = "") -> Refusal | None:
     return service().leave(rank, pushes, name)
 
 
-def rpc_shard(rank: int) -> tuple[int, int]:
-    """(index, count): rank's share of the next epoch's data among the ranks training now."""
-    return service().shard(rank)
+def rpc_share(rank: int, finished: Share | None = None) -> Share | None:
+    """What rank trains next, having trained `finished` (None: its process starts); None: nothing
+    is left (app.ps.members.epochs)."""
+    return service().share(rank, finished)

@@ -72,6 +72,17 @@ class Push(NamedTuple):
     noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
 
 
+class Share(NamedTuple):
+    """What a worker of a job that may be scaled trains next (app.ps.members.epochs): shard
+    `shard` of `num_shards` of epoch `epoch`'s data (app.data.datasets.ShardSampler's), from its
+    batch `skip` + 1 on (the batches before were trained by the process that held it)."""
+
+    epoch: int
+    shard: int
+    num_shards: int
+    skip: int = 0
+
+
 class Reply(NamedTuple):
     """The PS's answer to a push."""
 

@@ -62,12 +62,17 @@ def run(config: Config) -> int:
     # the PS joins the job: no worker can finish earlier)
     server = ParameterServer.from_config(config, model, part, PS, on_finish=lambda rank: checkpoints.finished(rank))
     evaluate = Evaluator(build, datasets.eval_loader(held_out.data, config.batch_size, workers), device)
-    log.info("model %s: %d parameters, %d buffer values", config.model, server.flat.num_params, server.flat.num_buffers)
+    log.info(
+        "model %s: %d parameters, %d buffer values",
+        config.model,
+        server.state.flat.num_params,
+        server.state.flat.num_buffers,
+    )
     identity = _identity(config, held_out, part)
     if part is not None:
-        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.flat.size)
+        log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.state.flat.size)
     with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
-        others = ShardSet(config.shards, server.flat.size, config, metrics.write) if part is not None else None
+        others = ShardSet(config.shards, server.state.flat.size, config, metrics.write) if part is not None else None
         checkpoints = Checkpointer(server, config, identity, metrics, others.checkpoint if others else None)
         checkpoints.resume()
         ended = checkpoints.run_finished or workers_ended(config, server.version)
@@ -133,13 +138,13 @@ def _serve(
         except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned
             checkpoints.save("on exit", on_exit=True)
             raise
-        if not server.roster.all_finished:
+        if not server.all_finished:
             log.warning(
                 "ending without %s: not back within --join_timeout %.0f s",
-                ", ".join(f"rank {m.rank}" for m in server.roster.missing()),
+                ", ".join(f"rank {m.rank}" for m in server.members.roster.missing()),
                 config.join_timeout,
             )
-        if not server.finished:
+        if not server.members.finished:
             log.error("no worker finished its epochs; nothing to save as final")
             if others is not None:
                 others.end(finished=False)
@@ -180,7 +185,7 @@ def _report_end(
         loss=round(loss, 4),
         seconds=round(seconds, 2),
         eval_seconds=round(eval_seconds, 2),
-        samples=server.tally.samples,
+        samples=server.counts.samples,
         strategy=config.strategy,
         **server.stats(),
         **datasets.skipped(held_out.data),
@@ -272,7 +277,7 @@ def train_until_done(
                     version,
                     accuracy=round(accuracy, 4),
                     loss=round(loss, 4),
-                    samples=server.tally.samples,
+                    samples=server.counts.samples,
                     **pace.since(),
                 )
             next_eval = (version // config.eval_every + 1) * config.eval_every

@@ -2,7 +2,7 @@
 
 RPC sends a returned tensor from its memory after `push` returns, and a rank pushes again
 only once it has received the reply; the second buffer keeps even a reply still in flight
-then intact. Unsliced async and sync write each new state into one of them (app.ps.server's
+then intact. Unsliced async and sync write each new state into one of them (app.ps.state's
 `step` with `into`): the state itself lives there, and the reply is that buffer, not a copy.
 With a shared-memory segment (app.exchange.ps_end) a rank's reply buffers are its regions there:
 one, or two under --overlap; the PS allocates its own for ranks the segment has none for.
@@ -32,6 +32,11 @@ class ReplyBuffers:
         """The buffer rank's next `take` will give, without taking it."""
         buffers = self._of(rank)
         return buffers[-1] if len(buffers) > 1 else buffers[0]
+
+    def in_segment(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in the shared-memory segment (a push slot, which its worker
+        overwrites with its next push)."""
+        return self.shared is not None and self.shared.holds(tensor)
 
     def _of(self, rank: int) -> list[torch.Tensor]:
         buffers = self._buffers.get(rank)

@@ -6,8 +6,9 @@ for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
 - Every PS process (the main PS and each shard) serves the calls workers make
   (app.exchange.calls: join, pull, push, push through shared memory, finish, leave,
-  shard): `Endpoint` is that service. `rpc_drop`: the main PS forwards a worker's
-  drop to the shards.
+  share): `Endpoint` is that service, over the PS it is given (`Served`: what it calls of
+  app.ps.server's ParameterServer, which this module does not import). `rpc_drop`: the main
+  PS forwards a worker's drop to the shards.
 - The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
 - A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
 """
@@ -15,17 +16,17 @@ for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch.futures import Future
 
 from app.exchange import calls
-from app.exchange.notes import NoteReader
-from app.exchange.wire import Joined, NotReady, Push, Refusal, Taken
-from app.ps.server import ParameterServer
+from app.exchange.notes import Note, NoteReader
+from app.exchange.ps_end import SharedExchange
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
@@ -33,11 +34,32 @@ Resumed = Optional[tuple[int, str]]  # the main PS's newest checkpoint: (version
 SaveLabelled = Callable[[int], "str | None"]  # a shard writes its checkpoint labelled V
 
 
+class Served(Protocol):
+    """What the endpoints call of the PS they serve (app.ps.server.ParameterServer)."""
+
+    @property
+    def shared(self) -> SharedExchange | None:
+        """Its shared-memory segment, where it has one."""
+
+    @property
+    def partitions(self) -> Sequence[tuple[int, int]] | None:
+        """The partitions it takes early (app.ps.early); None: none."""
+
+    def join(self, rank: int, name: str) -> Joined: ...
+    def pull(self, rank: int) -> tuple[torch.Tensor, int]: ...
+    def submit(self, push: Push, message: torch.Tensor) -> Future: ...
+    def note(self, note: Note) -> None: ...
+    def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
+    def leave(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
+    def share(self, rank: int, finished: Share | None = None) -> Share | None: ...
+    def drop(self, rank: int, name: str) -> bool: ...
+
+
 class Endpoint:
     """What this process serves; set while it serves, None otherwise."""
 
     def __init__(self) -> None:
-        self.server: ParameterServer | None = None
+        self.server: Served | None = None
         self.admit: Admit | None = None  # app.ps.members.liveness.LivenessMonitor.join on the main PS
         self.register: Register | None = None  # the main PS of a sharded PS: ShardSet.register
         self.resumed: Callable[[], Resumed] = lambda: None  # ... and its newest checkpoint (version, run id)
@@ -46,15 +68,15 @@ class Endpoint:
         self.finished = False  # ... and whether every worker finished
 
     @contextmanager
-    def serving(self, server: ParameterServer, join: Admit | None = None) -> Iterator[ParameterServer]:
+    def serving(self, server: Served, join: Admit | None = None) -> Iterator[None]:
         """Serve `server`: its RPC entry points, and the notes on its note socket where it has one
         (a thread of their own, app.ps.early)."""
         self.server, self.admit = server, join
-        inbox = server.shared.notes if server.shared is not None and server.parts is not None else None
-        notes = NoteReader(inbox, server.ahead) if inbox is not None else None
+        inbox = server.shared.notes if server.shared is not None and server.partitions is not None else None
+        notes = NoteReader(inbox, server.note) if inbox is not None else None
         try:
             with calls.serving(self):
-                yield server
+                yield
         finally:
             if notes is not None:
                 notes.close()
@@ -81,7 +103,7 @@ class Endpoint:
         finally:
             self.save_labelled = None
 
-    def get(self) -> ParameterServer:
+    def get(self) -> Served:
         if self.server is None:
             raise RuntimeError("no parameter server is serving in this process")
         return self.server
@@ -102,7 +124,7 @@ class Endpoint:
         return self.get().pull(rank)
 
     def push(self, message: torch.Tensor, push: Push) -> Future:
-        return _submit(self.get(), message, push)
+        return self.get().submit(push, message)
 
     def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future:
         server = self.get()
@@ -110,7 +132,7 @@ class Endpoint:
         if shared is None:
             raise RuntimeError("this parameter server has no shared-memory segment")
         message = shared.push(push.rank, slot, dtype, numel)
-        return _submit(server, message, push).then(lambda done: shared.answer(done.value()))
+        return server.submit(push, message).then(lambda done: shared.answer(done.value()))
 
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None:
         return self.get().finish(rank, pushes, name)
@@ -118,8 +140,8 @@ class Endpoint:
     def leave(self, rank: int, pushes: int, name: str) -> Refusal | None:
         return self.get().leave(rank, pushes, name)
 
-    def shard(self, rank: int) -> tuple[int, int]:
-        return self.get().shard_of(rank)
+    def share(self, rank: int, finished: Share | None) -> Share | None:
+        return self.get().share(rank, finished)
 
 
 ENDPOINT = Endpoint()
@@ -153,19 +175,3 @@ def rpc_end(finished: bool) -> None:
     """Training ended (`finished`: every worker finished): the shard saves and exits."""
     ENDPOINT.finished = finished
     ENDPOINT.ended.set()
-
-
-def _submit(server: ParameterServer, message: torch.Tensor, push: Push) -> Future:
-    """`server.submit` of `message` with what `push` says of it."""
-    return server.submit(
-        push.rank,
-        message,
-        push.pulled,
-        push.name,
-        push.epoch,
-        push.batch,
-        push.samples,
-        push.staleness,
-        push.backward,
-        push.noted,
-    )

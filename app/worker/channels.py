@@ -40,6 +40,7 @@ from app.exchange.wire import (
     Refusal,
     Refused,
     Reply,
+    Share,
     SlotReply,
     Start,
     Taken,
@@ -76,7 +77,7 @@ class Channel(Protocol):
     def load(self, reply: Reply) -> None: ...
     def finish(self, pushes: int) -> None: ...
     def leave(self, pushes: int) -> None: ...
-    def shard(self) -> tuple[int, int]: ...
+    def share(self, finished: Share | None) -> Share | None: ...
 
 
 class PSUnreachable(RuntimeError):
@@ -343,9 +344,10 @@ class PSChannel:
             refused(self._call(route.name, calls.rpc_leave, self.rank, pushes, self.name))
         refused(self._call(PS, calls.rpc_leave, self.rank, pushes, self.name))
 
-    def shard(self) -> tuple[int, int]:
-        """(index, count): this rank's share of the next epoch among the ranks training now."""
-        return tuple(self._call(PS, calls.rpc_shard, self.rank))
+    def share(self, finished: Share | None) -> Share | None:
+        """What this rank trains next, having trained `finished` (None: this process starts);
+        None: nothing is left (app.ps.members.epochs)."""
+        return self._call(PS, calls.rpc_share, self.rank, finished)
 
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

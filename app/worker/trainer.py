@@ -17,6 +17,7 @@ the worker with exit 2.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -67,15 +68,15 @@ class Trainer:
         self.refused = 0  # pushes the PS refused (non-finite values)
         self._refused_in_a_row = 0
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
-        # A job that may be scaled while it runs (--max_workers): each epoch's share of the data
-        # is taken among the ranks training at its start (not with a stable shard: the image cache).
+        # A job that may be scaled while it runs (--max_workers): the PS hands out each epoch's
+        # data in shares, each trained once (not with a stable shard: the image cache).
         self.reshards = config.max_trainers > config.num_trainers and not sampler.fixed
 
     def train(self, start: Start) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
         self.model.train()
         self.start_from(start)
-        for epoch, batch, x, y in loop.resume_batches(
+        batches = loop.resume_batches(
             self.loader,
             self.sampler,
             self.config.data_dir,
@@ -83,8 +84,8 @@ class Trainer:
             start.progress.batch,
             self.config.num_epochs,
             self.config.batch_size,
-            before_epoch=self.reshard if self.reshards else None,
-        ):
+        )
+        for epoch, batch, x, y in self.shares() if self.reshards else batches:
             loss = self.compute_gradients(x, y)
             if loss is None:  # fp16: the gradient overflowed; the scale is halved
                 continue
@@ -104,12 +105,22 @@ class Trainer:
         final = self.compress is None and self.scaler is None
         self.channel.bind(self.model, self.flat, start, notes=final, messages_here=self.compress is None)
 
-    def reshard(self, epoch: int) -> None:
-        """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
-        index, count = self.channel.shard()
-        if (index, count) != (self.sampler.shard, self.sampler.num_shards):
-            log.info("%s: epoch %d shared by %d workers; share %d is this one", self.config.name, epoch, count, index)
-        self.sampler.shard, self.sampler.num_shards = index, count
+    def shares(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(epoch, batch, x, y) of each share of an epoch the PS hands this rank, until none is left
+        (a job that may be scaled: app.ps.members.epochs). A share's pushes are all answered
+        before the next is asked for: the PS counts its batches done by them."""
+        share = self.channel.share(None)
+        while share is not None:
+            if (share.shard, share.num_shards) != (self.sampler.shard, self.sampler.num_shards) or share.skip:
+                after = f", from batch {share.skip + 1}" if share.skip else ""
+                which = (share.shard + 1, share.num_shards)
+                log.info("%s: epoch %d, share %d of %d%s", self.config.name, share.epoch, *which, after)
+            self.sampler.shard, self.sampler.num_shards = share.shard, share.num_shards
+            self.sampler.set_epoch(share.epoch, skip=share.skip * self.config.batch_size)
+            for batch, (x, y) in enumerate(datasets.batches(self.loader, self.config.data_dir), start=share.skip + 1):
+                yield share.epoch, batch, x, y
+            self._wait_in_flight()
+            share = self.channel.share(share)
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward (under --precision's autocast) and backward; the float32 gradient lands in

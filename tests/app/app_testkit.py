@@ -234,3 +234,48 @@ def started(trainer) -> None:
     from app.exchange.wire import Progress, Start
 
     trainer.start_from(Start(trainer.flat.vector.clone(), 0, Progress(1, 0, 0)))
+
+
+def ps_server(
+    model,
+    lr: float,
+    momentum: float = 0.0,
+    num_trainers: int = 1,
+    *,
+    weight_decay: float = 0.0,
+    staleness_lr: bool = False,
+    part: tuple[int, int] | None = None,
+    max_trainers: int = 0,
+    join_timeout: float = float("inf"),
+    run_id: str = "",
+    strategy: str = "async",
+    staleness: int = 0,
+    overlap: bool = False,
+    **wiring,
+):
+    """A ParameterServer (app.ps.server) over `model` from keyword arguments, each given to the
+    part's config it belongs to; `wiring`: the server's own (shared, clock, on_finish)."""
+    from app.ps.members.members import MembersConfig
+    from app.ps.policies import PolicyConfig
+    from app.ps.server import ParameterServer, ServerConfig
+    from app.ps.state import StateConfig
+
+    config = ServerConfig(
+        StateConfig(lr, momentum, weight_decay, staleness_lr, part),
+        MembersConfig(num_trainers, max_trainers, join_timeout, run_id),
+        PolicyConfig(strategy, staleness, overlap),
+    )
+    return ParameterServer(model, config, **wiring)
+
+
+def submit(server, rank: int, message, pulled: int, name: str = "", **fields):
+    """`server.submit` of `message` from `rank`, computed on version `pulled`; `fields`: the rest
+    of its app.exchange.wire.Push (epoch, batch, samples, staleness, backward, noted)."""
+    from app.exchange.wire import Push
+
+    return server.submit(Push(rank, name, pulled, **fields), message)
+
+
+def push(server, rank: int, message, pulled: int, name: str = "", **fields):
+    """`submit`, waiting for its answer (a Reply or a Refusal)."""
+    return submit(server, rank, message, pulled, name, **fields).wait()

@@ -252,3 +252,53 @@ def test_only_the_exchange_maps_its_segment_or_knows_its_layout():
         f"app.worker.trainer imports {t}" for t, _, _ in edges["app.worker.trainer"] if t == "app.exchange.worker_end"
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_ps_policies_and_endpoints_import_no_server():
+    """A strategy's policy is given the PS's parts (state, members, reply buffers, counts) and
+    returns whom to answer: it imports nothing of app.ps.server, so it cannot call the server
+    back. The RPC endpoints serve what app.ps.rpc.Served says, not a server class."""
+    edges = imports(app_modules())
+    policies = [m for m in edges if m == "app.ps.policies" or m.startswith("app.ps.policies.")]
+    assert "app.ps.policies.rounds" in policies and "app.ps.rpc" in edges
+    bad = [
+        f"{name}:{line} imports {target}{'.' + imported if imported else ''}"
+        for name in [*policies, "app.ps.rpc"]
+        for target, imported, line in edges[name]
+        if target == "app.ps.server"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+SIZED = ["app/ps"]  # where the size rule holds
+MAX_CLASS_LINES, MAX_MODULE_LINES = 300, 500
+
+
+def oversized(root: Path) -> list[str]:
+    """Each module under `root` over MAX_MODULE_LINES lines, and each class over MAX_CLASS_LINES."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text, name = path.read_text(), path.relative_to(root).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
+            if lines > MAX_CLASS_LINES:
+                found.append(f"{name}: class {getattr(node, 'name', '')}, {lines} lines")
+    return found
+
+
+def test_oversized_finds_a_long_class_and_a_long_module(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
+    (tmp_path / "long.py").write_text(f"class Long:\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "short.py").write_text("class Short:\n    x = 1\n")
+    assert oversized(tmp_path) == [
+        f"long.py: {MAX_MODULE_LINES + MAX_CLASS_LINES + 1} lines",
+        f"long.py: class Long, {MAX_CLASS_LINES + 1} lines",
+    ]
+
+
+@pytest.mark.parametrize("where", SIZED)
+def test_no_class_over_300_lines_and_no_module_over_500(where):
+    found = oversized(REPO / where)
+    assert found == [], f"in {where}:\n" + "\n".join(found)

@@ -10,7 +10,8 @@ from torch import nn
 from app.config import UsageError, parse
 from app.contract import PS_STRATEGIES, STRATEGIES, strategy_of
 from app.ps.policies import AsyncPolicy, BoundedPolicy, RoundPolicy
-from app.ps.server import ParameterServer
+
+from app_testkit import ps_server, submit
 
 
 def test_each_strategy_is_what_docs_strategies_says():
@@ -46,20 +47,19 @@ def test_the_options_rule_for_overlap_is_the_descriptors(name):
 def test_each_ps_strategy_runs_its_own_policy_in_the_ps():
     """async answers at once, ssp holds a reply past its bound (1 here), sync holds every reply until the
     round closes: each in its policy class, picked from the descriptor."""
-    policies = {
-        name: ParameterServer(nn.Linear(2, 1), lr=1.0, momentum=0.0, num_trainers=2, strategy=name, staleness=1).policy
+    servers = {
+        name: ps_server(nn.Linear(2, 1), lr=1.0, momentum=0.0, num_trainers=2, strategy=name, staleness=1)
         for name in PS_STRATEGIES
     }
-    assert {name: type(p) for name, p in policies.items()} == {
+    assert {name: type(s.policy) for name, s in servers.items()} == {
         "async": AsyncPolicy,
         "ssp": BoundedPolicy,
         "sync": RoundPolicy,
     }
-    for name, policy in policies.items():
-        server = policy.ps
+    for name, server in servers.items():
         for rank in (1, 2):
             server.join(rank, f"worker{rank}")
-        first = server.submit(1, torch.ones(3), 0)
+        first = submit(server, 1, torch.ones(3), 0)
         assert first.done() is (not strategy_of(name).rounds)  # ssp: one push ahead is within its bound
-        held = server.submit(1, torch.ones(3), server.version)  # rank 1 leads rank 2 by two pushes now
+        held = submit(server, 1, torch.ones(3), server.version)  # rank 1 leads rank 2 by two pushes now
         assert held.done() is (not strategy_of(name).waits), name

@@ -115,14 +115,16 @@ class LivenessMonitor:
     def drop(self, rank: int, name: str, reason: str) -> None:
         if self.server.drop(rank, name):
             log.warning(
-                "dropped %s (rank %d): %s; training goes on without it (%s)", name, rank, reason, self.server.counts()
+                "dropped %s (rank %d): %s; training goes on without it (%s)", name, rank, reason, self.server.summary()
             )
             live = self.server.live_count()
             self.record("drop", self.server.version, worker=name, worker_rank=rank, reason=reason, workers=live)
             self.on_drop(rank, name)
 
     def back(self, rank: int, name: str) -> None:
-        log.warning("%s (rank %d) is back: it called again after it was dropped (%s)", name, rank, self.server.counts())
+        log.warning(
+            "%s (rank %d) is back: it called again after it was dropped (%s)", name, rank, self.server.summary()
+        )
         self.record("back", self.server.version, worker=name, worker_rank=rank, workers=self.server.live_count())
 
     def left(self, rank: int, name: str) -> None:

@@ -105,8 +105,8 @@ def run(config: Config) -> int:
         index,
         k,
         *part,
-        server.flat.size,
-        server.num_params,
+        server.state.flat.size,
+        server.state.num_params,
     )
     identity = dict(
         model_name=config.model,

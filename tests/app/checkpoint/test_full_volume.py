@@ -29,7 +29,7 @@ from app.config import parse
 from app.ps.server import ParameterServer
 from app.training.metrics import MetricsWriter, read
 
-from app_testkit import REPO, app_env, finished, free_port, start_app, wait_for
+from app_testkit import REPO, app_env, finished, free_port, ps_server, push, start_app, wait_for
 
 LIMIT = 256 * 1024  # the cnn's checkpoint takes ~0.6 MB; the logs and metrics of a short run fit
 RUN = "full-run"
@@ -153,7 +153,7 @@ def test_a_full_volume_at_the_end_keeps_the_model_until_it_is_written(tmp_path, 
 
 
 def _checkpointer(tmp_path: Path, run_id: str, **flags: str) -> tuple[ParameterServer, Checkpointer, MetricsWriter]:
-    server = ParameterServer(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
+    server = ps_server(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
     server.join(1, "worker1")
     argv = ["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--run_id", run_id, "--checkpoint_every", "0"]
     for flag, value in flags.items():
@@ -169,9 +169,9 @@ def test_a_run_whose_final_pt_was_written_is_finished_though_its_newest_checkpoi
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
     for step in range(3):
-        server.push(1, torch.ones(6), step)
+        push(server, 1, torch.ones(6), step)
     ck.save("every 3 updates")  # version 3 on disk
-    server.push(1, torch.ones(6), 3)
+    push(server, 1, torch.ones(6), 3)
     server.finish(1, 4, "worker1")
     checkpoint_files.save_atomically({**ck._state(), "finished": True}, tmp_path / "ck" / "final.pt")  # noqa: SLF001
     m.close()
@@ -194,13 +194,15 @@ from torch import nn
 from app.checkpoint.writer import Checkpointer
 from app.training.metrics import MetricsWriter
 from app.config import parse
-from app.ps.server import ParameterServer
+from app.ps.members.members import MembersConfig
+from app.ps.server import ParameterServer, ServerConfig
+from app.ps.state import StateConfig
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = int(sys.argv[2])
 if limit:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-server = ParameterServer(nn.Linear(300, 300), lr=0.1, momentum=0.9, num_trainers=1)
+server = ParameterServer(nn.Linear(300, 300), ServerConfig(StateConfig(lr=0.1, momentum=0.9), MembersConfig(1)))
 config = parse(["ps", "--checkpoint_dir", sys.argv[1] + "/ck", "--run_id", "r", "--momentum", "0.9"], {})
 with MetricsWriter(sys.argv[1] + "/m", "ps", "ps", 0) as metrics:
     Checkpointer(server, config, {"trainer": "ps"}, metrics).resume()

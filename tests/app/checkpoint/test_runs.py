@@ -21,7 +21,7 @@ from app.ps.server import ParameterServer
 from app.training import models
 from app.training.metrics import MetricsWriter, read
 
-from app_testkit import finished, free_port, start_app, wait_for
+from app_testkit import finished, free_port, ps_server, push, start_app, wait_for
 
 IDENTITY = {"model_name": "cnn", "trainer": "ps"}
 
@@ -97,21 +97,21 @@ def test_the_job_does_not_end_while_rejoined_finished_ranks_train(same_run):
 # --- checkpoints of runs -----------------------------------------------------
 
 
-def _server() -> ParameterServer:
-    return ParameterServer(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_trainers=2)
+def _server(run_id: str = "") -> ParameterServer:
+    return ps_server(models.build("cnn", 1, 10, seed=0), lr=0.1, momentum=0.9, num_trainers=2, run_id=run_id)
 
 
 def _run(tmp_path, run_id: str, pushes: int, *extra: str, finish: bool = False) -> Checkpointer:
     """One PS run's checkpointer on tmp_path/ck after `pushes` updates and a checkpoint."""
     config = parse(["ps", "--checkpoint_dir", str(tmp_path / "ck"), "--run_id", run_id, *extra], {})
-    server = _server()
-    server.run_id = config.run_id
+    server = _server(config.run_id)
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         saver = Checkpointer(server, config, IDENTITY, metrics)
         saver.resume()
         server.join(1, "worker1")
         for _ in range(pushes):
-            server.push(1, torch.ones(server.flat.size), server.version, "worker1", epoch=1, batch=server.version + 1)
+            message = torch.ones(server.state.size)
+            push(server, 1, message, server.version, "worker1", epoch=1, batch=server.version + 1)
         if finish:
             server.finish(1, 0, "worker1")
             server.join(2, "worker2")
@@ -147,7 +147,7 @@ def test_the_new_runs_pruning_never_reaches_the_files_set_aside(tmp_path):
         saver = Checkpointer(_server(), config, IDENTITY, metrics)
         saver.resume()
         for _ in range(checkpoint_files.KEEP + 2):
-            saver.server.push(1, torch.ones(saver.server.flat.size), saver.server.version)
+            push(saver.server, 1, torch.ones(saver.server.state.flat.size), saver.server.version)
             saver.save("test")
     assert len(checkpoint_files.listing(tmp_path / "ck")) == checkpoint_files.KEEP
     assert len(checkpoint_files.listing(tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-a")) == 1

@@ -12,6 +12,8 @@ from app.config import parse
 from app.ps.server import ParameterServer
 from app.training.metrics import MetricsWriter
 
+from app_testkit import ps_server, push
+
 
 def _linear(size: int, value: float = 0.0) -> nn.Module:
     model = nn.Linear(size, 1, bias=False)
@@ -23,7 +25,7 @@ def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1000"], {})
 
     def server() -> ParameterServer:
-        return ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, join_timeout=300)
+        return ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, join_timeout=300)
 
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         first = server()
@@ -31,11 +33,11 @@ def test_a_finish_is_checkpointed_at_once_and_survives_a_restart(tmp_path):
         checkpoints.resume()
         first.on_finish = checkpoints.finished
         first.join(1, "worker1")
-        first.push(1, torch.ones(4), 0)
+        push(first, 1, torch.ones(4), 0)
         first.finish(1, 1, "worker1")
         restarted = server()
         Checkpointer(restarted, config, {"model_name": "linear"}, metrics).resume()
-    assert restarted.finished == {1: 1} and restarted.version == 1
+    assert restarted.members.finished == {1: 1} and restarted.version == 1
 
 
 @pytest.mark.parametrize("then", ["room-made", "stopped"])
@@ -46,9 +48,9 @@ def test_a_failed_final_write_leaves_no_finished_checkpoint_and_is_tried_again(t
     from app.checkpoint import writer as checkpointer
 
     config = parse(["ps", "--checkpoint_dir", str(tmp_path)], {})
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1")
-    server.push(1, torch.ones(4), 0)
+    push(server, 1, torch.ones(4), 0)
     server.finish(1, 1, "worker1")
     (tmp_path / "final.pt").mkdir()  # the rename onto it fails, as a full disk would
     waits = []

@@ -19,8 +19,9 @@ from app.exchange.ps_end import SharedExchange
 from app.exchange.segment import sweep
 from app.exchange.wire import Refusal
 from app.exchange.worker_end import WorkerEnd
-from app.ps.server import ParameterServer
 from app.training.flat import FlatModel
+
+from app_testkit import ps_server, push, submit
 
 
 @pytest.fixture
@@ -175,7 +176,7 @@ def _ps(shm_dir: Path, strategy: str, workers: int = 1, momentum: float = 0.0, o
     exchange = SharedExchange.open(
         str(shm_dir), flat.size, workers, overlap=overlap, sync=strategy == "sync", parts=parts
     )
-    server = ParameterServer(
+    server = ps_server(
         model, lr=0.1, momentum=momentum, num_trainers=workers, strategy=strategy, shared=exchange, overlap=overlap
     )
     return server, exchange
@@ -185,9 +186,9 @@ def _push(server, exchange, link, rank, gradient, version, backward, noted_parts
     """Write `gradient` into rank's slot, note `noted_parts`, push; the answer."""
     link.slots[0][: gradient.numel()].copy_(gradient)
     for j in noted_parts:
-        server.ahead(Note(rank, backward, 0, j, version, 1))
+        server.note(Note(rank, backward, 0, j, version, 1))
     pushed = exchange.push(rank, 0, "float32", gradient.numel())
-    return server.submit(rank, pushed, version, f"worker{rank}", backward=backward, noted=noted).wait()
+    return submit(server, rank, pushed, version, f"worker{rank}", backward=backward, noted=noted).wait()
 
 
 def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(shm_dir):
@@ -197,14 +198,14 @@ def test_async_partitions_applied_ahead_give_the_same_state_as_the_push_whole(sh
         link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         for s in (server, whole):
             s.join(1, "worker1")
-        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
-        whole.push(1, torch.zeros(whole.size), 0)
+        _push(server, exchange, link, 1, torch.zeros(server.state.size), 0, 0, [], noted=False)  # the first backward
+        push(whole, 1, torch.zeros(whole.state.size), 0)
         torch.manual_seed(1)
         for step in range(1, 4):
-            gradient = torch.randn(server.size)
+            gradient = torch.randn(server.state.size)
             reply = _push(server, exchange, link, 1, gradient, step, step, [3, 2, 1, 0])
-            assert torch.equal(link.reply(exchange.answer(reply)).vector, whole.push(1, gradient.clone(), step).vector)
-        assert server.tally.ahead_done == server.tally.ahead_kept == 12
+            assert torch.equal(link.reply(exchange.answer(reply)).vector, push(whole, 1, gradient.clone(), step).vector)
+        assert server.counts.early_done == server.counts.early_kept == 12
     finally:
         exchange.close()
         whole_exchange.close()
@@ -230,41 +231,41 @@ def _two_ranks(shm_dir: Path, overlap: bool = False):
 def test_a_partition_built_before_another_push_moved_the_state_is_built_again(shm_dir):
     with _two_ranks(shm_dir) as (server, exchange, whole, (one, two)):
         torch.manual_seed(2)
-        a, b = torch.randn(server.size), torch.randn(server.size)
+        a, b = torch.randn(server.state.size), torch.randn(server.state.size)
         one.slots[0][: a.numel()].copy_(a)
-        server.ahead(Note(1, 0, 0, 3, 0, 1))  # worker1's partition 3, built from version 0 ...
+        server.note(Note(1, 0, 0, 3, 0, 1))  # worker1's partition 3, built from version 0 ...
         _push(server, exchange, two, 2, b, 0, 0, [], noted=False)  # ... then worker2's push moves the state
-        server.ahead(Note(1, 0, 0, 2, 0, 1))  # partition 2 built from version 1
+        server.note(Note(1, 0, 0, 2, 0, 1))  # partition 2 built from version 1
         got = _push(server, exchange, one, 1, a, 0, 0, [])
-        whole.push(2, b.clone(), 0)
-        want = whole.push(1, a.clone(), 0)
+        push(whole, 2, b.clone(), 0)
+        want = push(whole, 1, a.clone(), 0)
         assert torch.equal(one.reply(exchange.answer(got)).vector, want.vector)
-        assert server.tally.ahead_kept == 1  # partition 2; partition 3 was built again
+        assert server.counts.early_kept == 1  # partition 2; partition 3 was built again
 
 
 def test_under_overlap_async_builds_nothing_ahead_and_checks_no_noted_partition_again(shm_dir):
     """Workers that overlap do not wait for what is built ahead: their notes only say which
     partitions were checked, and the push is built whole when it arrives, to the same values."""
     with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
-        _push(server, exchange, one, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
-        whole.push(1, torch.zeros(whole.size), 0)
+        _push(server, exchange, one, 1, torch.zeros(server.state.size), 0, 0, [], noted=False)  # the first backward
+        push(whole, 1, torch.zeros(whole.state.size), 0)
         torch.manual_seed(3)
-        a, b = torch.randn(server.size), torch.randn(server.size)
+        a, b = torch.randn(server.state.size), torch.randn(server.state.size)
         one.slots[0][: a.numel()].copy_(a)
         for j in (3, 2):
-            server.ahead(Note(1, 1, 0, j, 1, 1))
+            server.note(Note(1, 1, 0, j, 1, 1))
         _push(server, exchange, two, 2, b, 1, 0, [], noted=False)  # another rank's push lands between
-        server.ahead(Note(1, 1, 0, 1, 2, 1))
+        server.note(Note(1, 1, 0, 1, 2, 1))
         one.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after its note: not checked again
         pushed = exchange.push(1, 0, "float32", a.numel())
-        got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()
+        got = submit(server, 1, pushed, 1, "worker1", backward=1, noted=True).wait()
         assert not isinstance(got, Refusal) and server.version == 3
-        assert server.tally.ahead_done == 0  # nothing was built before the push
-        assert server.tally.ahead_checked == 3  # the three noted partitions were not read
-        whole.push(2, b.clone(), 1)
-        want = whole.push(1, a, 1).vector
+        assert server.counts.early_done == 0  # nothing was built before the push
+        assert server.counts.early_checked == 3  # the three noted partitions were not read
+        push(whole, 2, b.clone(), 1)
+        want = push(whole, 1, a, 1).vector
         state = one.reply(exchange.answer(got)).vector
-        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
+        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.state.size)])
         assert torch.equal(state[rest], want[rest])  # the push built whole, from the state it met
         assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
 
@@ -273,25 +274,25 @@ def test_under_overlap_notes_of_a_backward_count_while_the_push_before_it_is_sti
     """A worker that overlaps notes backward 2's partitions (in its other slot) before its push
     from backward 1 is taken: they are kept, and push 2 does not read them again."""
     with _two_ranks(shm_dir, overlap=True) as (server, exchange, whole, (one, two)):
-        _push(server, exchange, one, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
-        whole.push(1, torch.zeros(whole.size), 0)
+        _push(server, exchange, one, 1, torch.zeros(server.state.size), 0, 0, [], noted=False)  # the first backward
+        push(whole, 1, torch.zeros(whole.state.size), 0)
         torch.manual_seed(5)
-        a, b = torch.randn(server.size), torch.randn(server.size)
+        a, b = torch.randn(server.state.size), torch.randn(server.state.size)
         one.slots[0][: a.numel()].copy_(a)  # push 1 on the wire from slot 0 ...
         one.slots[1][: b.numel()].copy_(b)  # ... while backward 2 writes slot 1 and notes it
         for j in (3, 2, 1, 0):
-            server.ahead(Note(1, 2, 1, j, 1, 1))
-        first = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 1, "worker1", backward=1, noted=False)
+            server.note(Note(1, 2, 1, j, 1, 1))
+        first = submit(server, 1, exchange.push(1, 0, "float32", a.numel()), 1, "worker1", backward=1, noted=False)
         assert not isinstance(first.wait(), Refusal)
         one.slots[1][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after its note: not read again
         pushed = exchange.push(1, 1, "float32", b.numel())
-        got = server.submit(1, pushed, 2, "worker1", backward=2, noted=True).wait()
+        got = submit(server, 1, pushed, 2, "worker1", backward=2, noted=True).wait()
         assert not isinstance(got, Refusal) and server.version == 3
-        assert server.tally.ahead_checked == 4 and server.tally.ahead_done == 0
-        whole.push(1, a, 1)
-        want = whole.push(1, b, 2).vector
+        assert server.counts.early_checked == 4 and server.counts.early_done == 0
+        push(whole, 1, a, 1)
+        want = push(whole, 1, b, 2).vector
         state = one.reply(exchange.answer(got)).vector
-        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.size)])
+        rest = torch.cat([torch.arange(0, 64 * 64 * 3), torch.arange(64 * 64 * 4, server.state.size)])
         assert torch.equal(state[rest], want[rest])
         assert torch.isnan(state[64 * 64 * 3 : 64 * 64 * 4]).all()
 
@@ -305,18 +306,18 @@ def test_a_replaced_processs_late_note_does_not_vouch_for_the_new_process_partit
         joined = server.join(1, "worker1_r2")
         assert joined.life == 2 and WorkerEnd.attach(exchange.offer(joined.life), 1, torch.device("cpu")).life == 2
         for backward in (0, 1):
-            pushed = exchange.push(1, 0, "float32", server.size)
-            got = server.submit(1, pushed, backward, "worker1_r2", backward=backward, noted=False).wait()
+            pushed = exchange.push(1, 0, "float32", server.state.size)
+            got = submit(server, 1, pushed, backward, "worker1_r2", backward=backward, noted=False).wait()
             assert not isinstance(got, Refusal)
-        gradient = torch.ones(server.size)
+        gradient = torch.ones(server.state.size)
         gradient[64 * 64 * 2 + 5] = float("nan")
         one.slots[0][: gradient.numel()].copy_(gradient)
-        server.ahead(Note(1, 2, 0, 2, 1, 1))  # the old process's note, late
-        server.ahead(Note(1, 2, 0, 3, 2, 2))  # the new process's own
+        server.note(Note(1, 2, 0, 2, 1, 1))  # the old process's note, late
+        server.note(Note(1, 2, 0, 3, 2, 2))  # the new process's own
         pushed = exchange.push(1, 0, "float32", gradient.numel())
-        got = server.submit(1, pushed, 2, "worker1_r2", backward=2, noted=True).wait()
+        got = submit(server, 1, pushed, 2, "worker1_r2", backward=2, noted=True).wait()
         assert isinstance(got, Refusal) and got.kind == "nonfinite"
-        assert server.tally.ahead_checked == 0 and server.version == 2
+        assert server.counts.early_checked == 0 and server.version == 2
 
 
 @pytest.mark.parametrize("strategy", ["async", "sync"])
@@ -326,14 +327,14 @@ def test_a_non_finite_partition_the_worker_did_not_note_refuses_the_whole_push(s
     try:
         link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         server.join(1, "worker1")
-        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)  # the first backward
+        _push(server, exchange, link, 1, torch.zeros(server.state.size), 0, 0, [], noted=False)  # the first backward
         before = server.snapshot()[0]
-        gradient = torch.ones(server.size)
+        gradient = torch.ones(server.state.size)
         gradient[64 * 64 * 2 + 5] = float("nan")  # in partition 2, which its worker did not note
         answer = _push(server, exchange, link, 1, gradient, 1, 1, [3, 1, 0])
         assert isinstance(answer, Refusal) and answer.kind == "nonfinite"
         assert torch.equal(server.snapshot()[0], before) and server.version == 1
-        assert server.tally.ahead_done == 3  # the noted ones were taken ahead, and are not read again
+        assert server.counts.early_done == 3  # the noted ones were taken ahead, and are not read again
     finally:
         exchange.close()
 
@@ -348,19 +349,19 @@ def test_sync_partitions_folded_ahead_close_the_round_as_the_pushes_whole(shm_di
             s.join(1, "worker1")
             s.join(2, "worker2")
         torch.manual_seed(3)
-        a, b = torch.randn(server.size), torch.randn(server.size)
+        a, b = torch.randn(server.state.size), torch.randn(server.state.size)
         links[1].slots[0][: a.numel()].copy_(a)
         links[2].slots[0][: b.numel()].copy_(b)
         # both workers' backwards overlap: their notes come interleaved, worker1 folds first everywhere
         for j in (3, 2, 1, 0):
-            server.ahead(Note(1, 0, 0, j, 0, 1))
-            server.ahead(Note(2, 0, 0, j, 0, 1))
-        held = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1", backward=0, noted=True)
-        server.submit(2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2", backward=0, noted=True).wait()
-        want = whole.submit(1, a.clone(), 0, "worker1")
-        whole.submit(2, b.clone(), 0, "worker2").wait()
+            server.note(Note(1, 0, 0, j, 0, 1))
+            server.note(Note(2, 0, 0, j, 0, 1))
+        held = submit(server, 1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1", backward=0, noted=True)
+        submit(server, 2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2", backward=0, noted=True).wait()
+        want = submit(whole, 1, a.clone(), 0, "worker1")
+        submit(whole, 2, b.clone(), 0, "worker2").wait()
         assert torch.equal(links[1].reply(exchange.answer(held.wait())).vector, want.wait().vector)
-        assert server.tally.ahead_kept == 8  # each push found its four partitions folded
+        assert server.counts.early_kept == 8  # each push found its four partitions folded
     finally:
         exchange.close()
         whole_exchange.close()
@@ -375,17 +376,17 @@ def test_a_new_process_of_a_rank_folds_its_push_whole_after_its_old_ones_notes(s
             s.join(1, "worker1")
             s.join(2, "worker2")
         torch.manual_seed(4)
-        old, a, b = torch.randn(server.size), torch.randn(server.size), torch.randn(server.size)
+        old, a, b = torch.randn(server.state.size), torch.randn(server.state.size), torch.randn(server.state.size)
         links[1].slots[0][: old.numel()].copy_(old)
-        server.ahead(Note(1, 0, 0, 3, 0, 1))  # the old process of rank 1 noted a partition, then died
+        server.note(Note(1, 0, 0, 3, 0, 1))  # the old process of rank 1 noted a partition, then died
         server.join(1, "worker1_r2")
         whole.join(1, "worker1_r2")
         links[1].slots[0][: a.numel()].copy_(a)
-        held = server.submit(1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1_r2", backward=0, noted=True)
+        held = submit(server, 1, exchange.push(1, 0, "float32", a.numel()), 0, "worker1_r2", backward=0, noted=True)
         links[2].slots[0][: b.numel()].copy_(b)
-        server.submit(2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2").wait()
-        want = whole.submit(1, a.clone(), 0, "worker1_r2")
-        whole.submit(2, b.clone(), 0, "worker2").wait()
+        submit(server, 2, exchange.push(2, 0, "float32", b.numel()), 0, "worker2").wait()
+        want = submit(whole, 1, a.clone(), 0, "worker1_r2")
+        submit(whole, 2, b.clone(), 0, "worker2").wait()
         assert torch.equal(links[1].reply(exchange.answer(held.wait())).vector, want.wait().vector)
     finally:
         exchange.close()
@@ -437,16 +438,16 @@ def test_the_ps_does_not_read_a_partition_noted_ahead_again(shm_dir):
         link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         for s in (server, whole):
             s.join(1, "worker1")
-        _push(server, exchange, link, 1, torch.zeros(server.size), 0, 0, [], noted=False)
-        whole.push(1, torch.zeros(whole.size), 0)
-        gradient = torch.randn(server.size)
+        _push(server, exchange, link, 1, torch.zeros(server.state.size), 0, 0, [], noted=False)
+        push(whole, 1, torch.zeros(whole.state.size), 0)
+        gradient = torch.randn(server.state.size)
         link.slots[0][: gradient.numel()].copy_(gradient)
         for j in (3, 2, 1, 0):
-            server.ahead(Note(1, 1, 0, j, 1, 1))
+            server.note(Note(1, 1, 0, j, 1, 1))
         link.slots[0][64 * 64 * 3 : 64 * 64 * 4] = float("nan")  # after the note: never read
         pushed = exchange.push(1, 0, "float32", gradient.numel())
-        got = server.submit(1, pushed, 1, "worker1", backward=1, noted=True).wait()
-        assert torch.equal(link.reply(exchange.answer(got)).vector, whole.push(1, gradient, 1).vector)
+        got = submit(server, 1, pushed, 1, "worker1", backward=1, noted=True).wait()
+        assert torch.equal(link.reply(exchange.answer(got)).vector, push(whole, 1, gradient, 1).vector)
     finally:
         exchange.close()
         whole_exchange.close()

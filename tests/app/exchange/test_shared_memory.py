@@ -18,10 +18,9 @@ from app.exchange.ps_end import SharedExchange, region_names
 from app.exchange.segment import Offer, Segment, ShmUnavailable, sweep
 from app.exchange.wire import Reply, SlotReply
 from app.exchange.worker_end import WorkerEnd
-from app.ps.server import ParameterServer
 from app.training.flat import FlatModel
 
-from app_testkit import REPO
+from app_testkit import REPO, ps_server, submit
 
 
 @pytest.fixture
@@ -148,7 +147,7 @@ def _shared_server(shm_dir: Path, strategy: str, momentum: float = 0.9, overlap:
     model = _bn_model()
     size = FlatModel(model, with_grads=False).size
     exchange = SharedExchange.open(str(shm_dir), size, 2, overlap=overlap, sync=strategy == "sync")
-    server = ParameterServer(model, lr=0.1, momentum=momentum, num_trainers=1, strategy=strategy, shared=exchange)
+    server = ps_server(model, lr=0.1, momentum=momentum, num_trainers=1, strategy=strategy, shared=exchange)
     return server, exchange
 
 
@@ -159,17 +158,17 @@ def test_a_push_from_a_slot_is_torch_sgd_value_for_value_and_the_reply_names_a_r
     server, exchange = _shared_server(shm_dir, strategy)
     link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
     server.join(1, "worker1")
-    n = server.num_params
+    n = server.state.num_params
     torch.manual_seed(2)
     try:
         for step in range(4):
-            message = torch.randn(server.size)
+            message = torch.randn(server.state.size)
             for p, g in zip(reference.parameters(), message[:n].split([p.numel() for p in reference.parameters()])):
                 p.grad = g.view_as(p).clone()
             optimizer.step()
             slot = link.place(message)
             pushed = exchange.push(1, slot, "float32", message.numel())
-            answer = exchange.answer(server.submit(1, pushed, step).wait())
+            answer = exchange.answer(submit(server, 1, pushed, step).wait())
             assert isinstance(answer, SlotReply)  # only the region's name crosses
             assert answer.region.startswith("round." if strategy == "sync" else "reply1.")
             reply = link.reply(answer)
@@ -196,17 +195,17 @@ def test_a_new_process_of_a_rank_does_not_change_the_held_push_of_its_old_one(sh
     model = nn.Linear(4, 1, bias=False)
     nn.init.zeros_(model.weight)
     exchange = SharedExchange.open(str(shm_dir), 4, 2, overlap=False, sync=True)
-    server = ParameterServer(model, lr=1.0, momentum=0.0, num_trainers=2, strategy="sync", shared=exchange)
+    server = ps_server(model, lr=1.0, momentum=0.0, num_trainers=2, strategy="sync", shared=exchange)
     try:
         link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
         server.join(1, "worker1")
         server.join(2, "worker2")
-        held = server.submit(1, exchange.push(1, link.place(torch.ones(4)), "float32", 4), 0, "worker1")
+        held = submit(server, 1, exchange.push(1, link.place(torch.ones(4)), "float32", 4), 0, "worker1")
         server.join(1, "worker1_r2")  # the new process of rank 1
         link.slots[0].fill_(100.0)  # ... writes its next gradient where the old push was
         # a round that does not close as it was folded is averaged again from the held pushes
         server.drop(2, "worker2")
-        assert isinstance(held.wait(), Reply) and torch.equal(server.state, torch.full((4,), -1.0))
+        assert isinstance(held.wait(), Reply) and torch.equal(server.state.vector, torch.full((4,), -1.0))
     finally:
         exchange.close()
 

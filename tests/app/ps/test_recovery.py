@@ -26,7 +26,7 @@ from app.ps.server import ParameterServer
 from app.training import models
 from app.training.metrics import MetricsWriter
 
-from app_testkit import finished, free_port, start_app, wait_for
+from app_testkit import finished, free_port, ps_server, push, start_app, submit, wait_for
 
 
 class Clock:
@@ -88,22 +88,22 @@ def test_a_finished_rank_stays_finished_across_a_checkpoint():
 
 
 def _server(seed: int = 0) -> ParameterServer:
-    return ParameterServer(models.build("cnn", 1, 10, seed=seed), lr=0.1, momentum=0.9, num_trainers=2)
+    return ps_server(models.build("cnn", 1, 10, seed=seed), lr=0.1, momentum=0.9, num_trainers=2)
 
 
 def test_checkpoint_restores_model_optimizer_version_and_progress(tmp_path):
     server = _server()
     server.join(1, "worker1")
     for batch in (1, 2, 3):
-        server.push(1, torch.ones(server.flat.size), server.version, "worker1", epoch=2, batch=batch)
+        push(server, 1, torch.ones(server.state.flat.size), server.version, "worker1", epoch=2, batch=batch)
     path = checkpoint_files.save(server.checkpoint(), tmp_path)
     assert path.name.startswith("ckpt-00000003-")
     restored = _server(seed=1)
     restored.restore(checkpoint_files.verify(path))
-    assert restored.version == 3 and torch.equal(restored.flat.vector, server.flat.vector)
+    assert restored.version == 3 and torch.equal(restored.state.flat.vector, server.state.flat.vector)
     assert torch.equal(
-        restored.optimizer.state_dict()["state"][0]["momentum_buffer"],
-        server.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        restored.state.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        server.state.optimizer.state_dict()["state"][0]["momentum_buffer"],
     )
     assert restored.join(1, "worker1_r2").progress._asdict() == {"epoch": 2, "batch": 3, "pushes": 3}
 
@@ -112,7 +112,7 @@ def _three_checkpoints(directory) -> list:
     server = _server()
     paths = []
     for _ in range(3):
-        server.push(1, torch.ones(server.flat.size), server.version)
+        push(server, 1, torch.ones(server.state.flat.size), server.version)
         paths.append(checkpoint_files.save(server.checkpoint(), directory))
     return paths
 
@@ -137,7 +137,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog,
 def test_only_the_newest_few_are_kept(tmp_path):
     server = _server()
     for _ in range(checkpoint_files.KEEP + 2):
-        server.push(1, torch.ones(server.flat.size), server.version)
+        push(server, 1, torch.ones(server.state.flat.size), server.version)
         checkpoint_files.save(server.checkpoint(), tmp_path)
     assert [int(p.name[5:13]) for p in checkpoint_files.listing(tmp_path)] == [5, 4, 3]
 
@@ -218,14 +218,14 @@ def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, m
     server = _server()
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         saver = Checkpointer(server, config, {"model_name": "cnn"}, metrics)
-        server.push(1, torch.ones(server.flat.size), 0)
+        push(server, 1, torch.ones(server.state.flat.size), 0)
         saver.save("every 1 updates")
 
         def full(*args: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(checkpoint_files.os, "replace", full)
-        server.push(1, torch.ones(server.flat.size), 1)
+        push(server, 1, torch.ones(server.state.flat.size), 1)
         with caplog.at_level(logging.WARNING, logger="app.ps"):
             saver.save("every 1 updates")
     assert "checkpoint at version 2 (every 1 updates) not written: [Errno 28] No space left on device" in caplog.text
@@ -264,10 +264,10 @@ def _wait_for_text(path: Path, text: str, timeout: float) -> None:
 
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy=strategy, staleness=0)
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy=strategy, staleness=0)
     server.join(1, "worker1")
     server.join(2, "worker2")
-    future = server.submit(2, torch.ones(4), 0, "worker2")  # ssp: one ahead of worker1, waits
+    future = submit(server, 2, torch.ones(4), 0, "worker2")  # ssp: one ahead of worker1, waits
     assert not future.done()
     assert server.drop(2, "worker2")
     assert future.done()
@@ -278,14 +278,12 @@ def test_drop_answers_the_held_push_of_the_dropped_rank(strategy):
 @pytest.mark.parametrize("strategy", ["sync", "ssp"])
 def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(strategy, caplog):
     clock = Clock()
-    server = ParameterServer(
-        _linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock, strategy=strategy, staleness=0
-    )
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock, strategy=strategy, staleness=0)
     records = []
     liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda event, step, **f: records.append((event, f)))
     server.join(1, "worker1")
     server.join(2, "worker2")
-    pending = server.submit(1, torch.ones(4), 0, "worker1")  # waits for worker2
+    pending = submit(server, 1, torch.ones(4), 0, "worker1")  # waits for worker2
     clock.now = 10 * liveness.FROZEN_PERIODS - 1
     liveness.check_frozen()
     assert not pending.done() and not records
@@ -299,7 +297,7 @@ def test_a_worker_without_a_push_for_a_set_number_of_rpc_timeouts_is_dropped(str
 
 def test_async_does_not_drop_a_quiet_worker():
     clock = Clock()
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, clock=clock)
     liveness = LivenessMonitor(server, rpc_timeout=10, record=lambda *a, **f: None)
     server.join(2, "worker2")
     clock.now = 1000

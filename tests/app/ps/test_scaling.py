@@ -2,12 +2,14 @@
 shrinks (a rank leaves: nobody waits for it), under async, ssp and sync.
 
 Unit tests drive `ParameterServer` directly, as tests/app/ps/test_strategies.py does; the
-slow test runs a real PS and workers over RPC on digits, adds a worker mid-run and
-stops one with SIGTERM.
+slow tests run a real PS and workers over RPC on digits, add a worker mid-run and stop one
+with SIGTERM, and count the updates a job of workers of unequal speed applies: each epoch
+trained once (app/ps/members/epochs.py).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -15,11 +17,13 @@ import torch
 from torch import nn
 
 from app.config import UsageError, parse
+from app.exchange.wire import Share
+from app.ps.members.epochs import EpochShares
 from app.ps.members.roster import LEFT, LIVE, Roster
 from app.ps.server import ParameterServer
 from app.training.metrics import read
 
-from app_testkit import finished, free_port, start_app, wait_for
+from app_testkit import REPO, app_env, finished, free_port, ps_server, start_app, submit, wait_for
 
 
 def _linear(size: int = 4) -> nn.Module:
@@ -29,7 +33,7 @@ def _linear(size: int = 4) -> nn.Module:
 
 
 def _server(strategy: str, workers: int = 2, most: int = 4, **kw) -> ParameterServer:
-    server = ParameterServer(
+    server = ps_server(
         _linear(), lr=1.0, momentum=0.0, num_trainers=workers, strategy=strategy, max_trainers=most, **kw
     )
     for rank in range(1, workers + 1):
@@ -92,28 +96,94 @@ def test_a_checkpoint_keeps_who_left_and_the_ranks_that_joined_later_within_its_
     assert sorted(other.members) == [1, 2]
 
 
+# --- each epoch trained once --------------------------------------------------------
+
+
+def _take(shares: EpochShares, rank: int, finished: Share | None, ranks=(1, 2), gone=()) -> Share | None:
+    return shares.next(rank, finished, list(ranks), set(gone))
+
+
+def test_a_rank_left_alone_takes_only_what_is_left_of_each_epoch():
+    """worker1 trained its share of every epoch and finished while worker2 was still in epoch 1:
+    worker2 then trained each later epoch whole again (a share of one: 17% more updates than
+    asked). Now each share of an epoch is handed out once: worker1, faster, takes the shares
+    nobody took yet, and worker2, alone, only what is left."""
+    shares = EpochShares(num_epochs=3)
+    first, second = _take(shares, 1, None), _take(shares, 2, None)
+    assert (first, second) == (Share(1, 0, 2), Share(1, 1, 2))
+    taken, done = [first, second], first
+    while (done := _take(shares, 1, done)) is not None:  # worker1 is fast: it finishes first
+        taken.append(done)
+    done = second
+    while (done := _take(shares, 2, done, ranks=(2,))) is not None:  # worker2 alone
+        taken.append(done)
+    handed = sorted((s.epoch, s.shard, s.num_shards) for s in taken)
+    assert handed == [(e, i, 2) for e in (1, 2, 3) for i in (0, 1)]  # every share of every epoch, once
+
+
+def test_a_faster_rank_takes_the_shares_nobody_took_yet():
+    shares = EpochShares(num_epochs=2)
+    a = _take(shares, 1, None)
+    b = _take(shares, 1, a)  # worker2 has not asked yet: worker1 takes the other share of epoch 1
+    assert (a, b) == (Share(1, 0, 2), Share(1, 1, 2))
+    assert _take(shares, 2, None) == Share(2, 1, 2)  # epoch 2, split between the two
+
+
+def test_the_share_of_a_rank_that_left_goes_on_from_where_it_stopped_and_a_restart_resumes_its_own():
+    shares = EpochShares(num_epochs=1)
+    own, other = _take(shares, 1, None, ranks=(1, 2, 3)), _take(shares, 3, None, ranks=(1, 2, 3))
+    assert (own, other) == (Share(1, 0, 3), Share(1, 2, 3))  # each its place among the three
+    shares.record(1, 1, 4)
+    shares.record(3, 1, 7)  # worker3 trained 7 batches of its share, then left
+    shares.release(3)
+    assert _take(shares, 1, None, ranks=(1, 2)) == own._replace(skip=4)  # a new process of rank 1
+    assert _take(shares, 2, None) == Share(1, 1, 3)  # the share nobody took yet comes first
+    assert _take(shares, 1, own) == other._replace(skip=7)
+    assert _take(shares, 2, Share(1, 1, 3)) is None and _take(shares, 1, other._replace(skip=7)) is None
+
+
+def test_a_missing_ranks_share_is_taken_over():
+    shares = EpochShares(num_epochs=1)
+    _take(shares, 1, None)
+    dropped = _take(shares, 2, None)
+    shares.record(2, 1, 3)
+    assert _take(shares, 1, Share(1, 0, 2), gone={2}) == dropped._replace(skip=3)
+    assert _take(shares, 2, None) is None  # rank 2 back after all: its share is rank 1's now
+
+
+def test_the_epochs_shares_are_in_the_ps_checkpoint_of_a_job_that_may_be_scaled():
+    server = _server("async", workers=2, most=3)
+    assert "epochs" not in server.checkpoint()  # nothing asked: a job's final.pt as before
+    first = server.share(1)
+    submit(server, 1, torch.ones(4), 0, epoch=1, batch=1).wait()
+    saved = server.checkpoint()
+    restarted = _server("async", workers=2, most=3)
+    restarted.restore(saved)
+    assert restarted.share(1) == first._replace(skip=1) and restarted.share(2) == Share(1, 1, 2)
+
+
 # --- async, ssp, sync ---------------------------------------------------------------
 
 
 def test_async_takes_a_new_rank_at_once_and_lets_one_leave():
     server = _server("async")
     server.join(3, "worker3")
-    assert server.submit(3, torch.ones(4), 0).wait().version == 1
-    assert server.shard_of(3) == (2, 3) and server.live_count() == 3
+    assert submit(server, 3, torch.ones(4), 0).wait().version == 1
+    assert server.share(3) == Share(1, 2, 3) and server.live_count() == 3  # epoch 1 among three
     assert server.leave(3, pushes=1, name="worker3") is None
-    assert server.live_count() == 2 and server.shard_of(1) == (0, 2)
+    assert server.live_count() == 2 and server.share(1) == Share(1, 0, 3)
 
 
 def test_a_push_that_lands_after_its_worker_left_is_refused_and_the_run_still_ends():
     """A push still on the wire when its worker left (SIGTERM) used to readmit the worker as
     live: the PS then waited for a process that had exited, and the run did not end."""
     server = _server("async")
-    server.submit(1, torch.ones(4), 0).wait()
+    submit(server, 1, torch.ones(4), 0).wait()
     assert server.leave(1, pushes=1, name="worker1") is None
-    state = server.state.clone()
-    late = server.submit(1, torch.ones(4), 1, name="worker1").wait()
+    state = server.state.vector.clone()
+    late = submit(server, 1, torch.ones(4), 1, name="worker1").wait()
     assert late.kind == "stale" and "worker1 left the job" in late.message
-    assert server.live_count() == 1 and torch.equal(server.state, state)  # not back, not applied
+    assert server.live_count() == 1 and torch.equal(server.state.vector, state)  # not back, not applied
     server.finish(2, pushes=0)
     assert server.done() and server.all_finished
 
@@ -121,10 +191,10 @@ def test_a_push_that_lands_after_its_worker_left_is_refused_and_the_run_still_en
 def test_ssp_bound_follows_the_live_set():
     server = _server("ssp", workers=2, staleness=1)
     server.join(3, "worker3")  # a new rank: ssp counts it at once
-    assert server.submit(1, torch.ones(4), 0).wait().lead == 1
-    held = server.submit(1, torch.ones(4), 1)  # 2 ahead of worker2 and worker3: waits
+    assert submit(server, 1, torch.ones(4), 0).wait().lead == 1
+    held = submit(server, 1, torch.ones(4), 1)  # 2 ahead of worker2 and worker3: waits
     assert not held.done()
-    server.submit(2, torch.ones(4), 0).wait()
+    submit(server, 2, torch.ones(4), 0).wait()
     assert not held.done()  # worker3 is still the slowest
     server.leave(3, pushes=0, name="worker3")  # it leaves: the bound is taken over ranks 1 and 2
     assert held.wait().lead == 1
@@ -132,23 +202,23 @@ def test_ssp_bound_follows_the_live_set():
 
 def test_sync_counts_a_rank_that_joins_mid_round_from_the_next_round():
     server = _server("sync", workers=2)
-    first = server.submit(1, torch.full((4,), 2.0), 0)
+    first = submit(server, 1, torch.full((4,), 2.0), 0)
     server.join(3, "worker3")  # mid-round: this round does not wait for it
-    second = server.submit(2, torch.full((4,), 4.0), 0)
+    second = submit(server, 2, torch.full((4,), 4.0), 0)
     assert first.wait().version == 1 and second.wait().version == 1
     assert torch.equal(second.wait().vector, torch.full((4,), -3.0))  # the mean of ranks 1 and 2 only
     # the next round waits for rank 3 too
-    a, b = server.submit(1, torch.ones(4), 1), server.submit(2, torch.ones(4), 1)
+    a, b = submit(server, 1, torch.ones(4), 1), submit(server, 2, torch.ones(4), 1)
     assert not a.done() and not b.done()
-    c = server.submit(3, torch.full((4,), 4.0), 1)
+    c = submit(server, 3, torch.full((4,), 4.0), 1)
     assert c.wait().version == 2 and a.done() and b.done()
     assert torch.equal(c.wait().vector, torch.full((4,), -5.0))  # -3 - mean(1, 1, 4)
 
 
 def test_sync_round_shrinks_when_a_rank_leaves():
     server = _server("sync", workers=3, most=3)
-    first = server.submit(1, torch.full((4,), 1.0), 0)
-    second = server.submit(2, torch.full((4,), 3.0), 0)
+    first = submit(server, 1, torch.full((4,), 1.0), 0)
+    second = submit(server, 2, torch.full((4,), 3.0), 0)
     assert not first.done()
     server.leave(3, pushes=0, name="worker3")
     assert first.wait().version == 1 and torch.equal(second.wait().vector, torch.full((4,), -2.0))
@@ -279,7 +349,7 @@ def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_
     """The file image cache gave each worker a stable shard for the whole run: worker3, added
     above the first two, kept 1/3 of the images, and the others their 1/2, whoever trained.
     Now the file holds the whole split (one file, written once, mapped by every worker) and
-    each epoch's share follows the live set: with worker1 gone, worker3 takes 1 of 2."""
+    each epoch's shares follow the live set: with worker1 gone, worker3 takes shares of 2."""
     from PIL import Image
 
     root = tmp_path / "data"
@@ -304,7 +374,7 @@ def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_
         procs["worker3"] = start_app(tmp_path, "worker3", ["worker", "--rank", "3", *common])  # scaled up
         _until("worker3 trains", lambda: len(_records(metrics / "worker3.jsonl", "train")) > 3)
         procs["worker1"].send_signal(signal.SIGTERM)  # scaled down: worker1 leaves
-        _until("worker3 takes its share of two", lambda: "shared by 2 workers; share 1" in _err(tmp_path, "worker3"))
+        _until("worker3 takes a share of two", lambda: re.search(r"share \d of 2\b", _err(tmp_path, "worker3")))
         wait_for(procs, 240)
     finally:
         for proc in procs.values():
@@ -314,7 +384,7 @@ def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_
     assert {n: p.returncode for n, p in ended.items()} == dict.fromkeys(procs, 0), {
         n: p.stderr[-600:] for n, p in ended.items()
     }
-    assert "shared by 3 workers" in ended["worker2"].stderr  # the first ones follow too
+    assert re.search(r"share \d of 3\b", ended["worker2"].stderr)  # the first ones follow too
     files = sorted(p.name.split("-")[2] for p in cache.glob("*.u8"))  # images-16px-<count>-<hash>.u8
     assert files == ["72", "8"], files  # the whole train split (72 of 80 images) and the PS's held-out 8
     assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in cache.glob("*.u8"))  # no lock left
@@ -323,3 +393,109 @@ def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_
 def _err(tmp_path, name: str) -> str:
     path = tmp_path / f"{name}.err"
     return path.read_text() if path.exists() else ""
+
+
+# --- each epoch trained once, as processes ----------------------------------------------
+
+# A model whose training step takes SLOW_STEP_S seconds more in the process that has it set: a
+# worker slower than the others, as a cluster's mixed cards make one (the user's own model,
+# app/plugins.py; the PS evaluates it in eval mode, unslowed).
+SLOW_MODEL = """
+import os, time
+from torch import nn
+from app.training.models import SmallCNN
+
+class Slowed(nn.Module):
+    def __init__(self, channels, num_classes):
+        super().__init__()
+        self.inner = SmallCNN(channels, num_classes)
+        self.pause = float(os.environ.get("SLOW_STEP_S", "0"))
+
+    def forward(self, x):
+        if self.training and self.pause:
+            time.sleep(self.pause)
+        return self.inner(x)
+
+def build(num_classes, channels):
+    return Slowed(channels, num_classes)
+"""
+EPOCHS = 6
+BATCHES = 84  # digits' 1,438 training images in batches of 17: 84 an epoch, cut into 1 to 4 shares alike
+
+
+def _unequal_job(tmp_path, most: int | None, epochs: int = EPOCHS) -> tuple[list[str], dict[str, str]]:
+    """The flags of a digits job of two workers (up to `most`) and `epochs` epochs, and the
+    environment its processes share (`slowed`: that environment, a step slower by s seconds)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "slowed.py").write_text(SLOW_MODEL)
+    env = app_env()
+    env["PYTHONPATH"] = f"{REPO}:{code}"
+    common = [
+        *("--world_size", "3", "--strategy", "async"),
+        *(("--max_workers", str(most)) if most else ()),
+        *("--master_addr", "127.0.0.1", "--master_port", str(free_port())),
+        *("--metrics_dir", str(tmp_path / "metrics"), "--checkpoint_dir", str(tmp_path / "checkpoints")),
+        *("--model", "slowed:build", "--dataset", "digits", "--batch_size", "17", "--lr", "0.05"),
+        *("--num_epochs", str(epochs), "--rpc_timeout", "30", "--seed", "3", "--log_every", "1"),
+        *("--eval_every", "100000"),
+    ]
+    return common, env
+
+
+def slowed(env: dict[str, str], seconds: float) -> dict[str, str]:
+    return {**env, "SLOW_STEP_S": str(seconds)}
+
+
+def _applied(tmp_path, procs: dict) -> int:
+    """Every process exited 0: the updates the PS applied (its `end` record)."""
+    ended = {name: finished(tmp_path, name, proc) for name, proc in procs.items()}
+    assert {n: p.returncode for n, p in ended.items()} == dict.fromkeys(procs, 0), {
+        n: p.stderr[-800:] for n, p in ended.items()
+    }
+    end = _records(tmp_path / "metrics" / "ps.jsonl", "end")[-1]
+    assert sum(end["pushes"].values()) == end["step"]  # async: one update a push
+    return end["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("most", [3, None], ids=["max_workers", "fixed"])
+def test_workers_of_unequal_speed_train_each_epoch_once(tmp_path, most):
+    """worker2 is slower: worker1 finishes first. With --max_workers, worker2, alone, trained
+    every epoch it had left whole again (cpu-smoke with max 4: 1,540 updates where 1,320 were
+    asked). The updates applied are the job's epochs x an epoch's batches, with a fixed shard
+    each (no --max_workers) as with shares handed out by the PS."""
+    common, env = _unequal_job(tmp_path, most)
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common], env)}
+    procs["worker1"] = start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common], env)
+    procs["worker2"] = start_app(tmp_path, "worker2", ["worker", "--rank", "2", *common], slowed(env, 0.04))
+    wait_for(procs, 420)
+    applied = _applied(tmp_path, procs)
+    assert abs(applied - EPOCHS * BATCHES) <= 2, f"{applied} updates applied; {EPOCHS} x {BATCHES} asked"
+
+
+@pytest.mark.slow
+def test_each_epoch_is_trained_once_across_a_scale_up_and_down(tmp_path):
+    """worker2 three times as slow as worker1, worker3 added mid-run, then scaled down again
+    (SIGTERM) in the middle of a share: what it left of that share is trained by another, from
+    where it stopped."""
+    epochs = 2 * EPOCHS  # every step slowed: long enough for worker3 to start, join and train
+    common, env = _unequal_job(tmp_path, 3, epochs)
+    metrics = tmp_path / "metrics"
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common], env)}
+    try:
+        procs["worker1"] = start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common], slowed(env, 0.03))
+        procs["worker2"] = start_app(tmp_path, "worker2", ["worker", "--rank", "2", *common], slowed(env, 0.1))
+        _until("both workers train", lambda: len(_records(metrics / "worker2.jsonl", "train")) > 0, 180)
+        worker3 = ["worker", "--rank", "3", *common]
+        procs["worker3"] = start_app(tmp_path, "worker3", worker3, slowed(env, 0.03))  # scaled up
+        _until("worker3 trains", lambda: len(_records(metrics / "worker3.jsonl", "train")) > 10, 180)
+        procs["worker3"].send_signal(signal.SIGTERM)  # scaled down: it leaves mid-share
+        wait_for(procs, 420)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    applied = _applied(tmp_path, procs)
+    assert [r["worker"] for r in _records(metrics / "ps.jsonl", "left")] == ["worker3"]
+    assert abs(applied - epochs * BATCHES) <= 3, f"{applied} updates applied; {epochs} x {BATCHES} asked"

@@ -19,7 +19,7 @@ from app.training.metrics import MetricsWriter, read
 from app.worker.compress import Compressor
 
 import app_testkit as testkit
-from app_testkit import run_cluster
+from app_testkit import ps_server, push, run_cluster, submit
 
 
 @pytest.mark.parametrize("size,k", [(10, 1), (10, 3), (11, 2), (7, 7), (3, 5), (0, 2), (11_689_512, 8)])
@@ -43,9 +43,9 @@ def _model() -> nn.Module:
 
 def _servers(strategy: str, k: int, workers: int = 2) -> tuple[ParameterServer, list[ParameterServer]]:
     kw = dict(lr=0.1, momentum=0.9, num_trainers=workers, strategy=strategy)
-    whole = ParameterServer(_model(), **kw)
-    parts = shards.bounds(whole.flat.size, k)
-    sliced = [ParameterServer(_model(), part=part, **kw) for part in parts]
+    whole = ps_server(_model(), **kw)
+    parts = shards.bounds(whole.state.flat.size, k)
+    sliced = [ps_server(_model(), part=part, **kw) for part in parts]
     for server in [whole, *sliced]:
         for rank in range(1, workers + 1):
             server.join(rank, f"worker{rank}")
@@ -55,17 +55,17 @@ def _servers(strategy: str, k: int, workers: int = 2) -> tuple[ParameterServer, 
 @pytest.mark.parametrize("k", [2, 3, 5, 40])  # 40: slices of buffers only, of a few values
 def test_sharded_async_pushes_give_exactly_the_unsliced_vector(k):
     whole, sliced = _servers("async", k)
-    assert whole.flat.num_buffers > 0 and sum(s.num_params for s in sliced) == whole.flat.num_params
-    assert any(s.num_params == 0 for s in sliced) == (k >= 5)  # 53 parameter values of 67
+    assert whole.state.flat.num_buffers > 0 and sum(s.state.num_params for s in sliced) == whole.state.flat.num_params
+    assert any(s.state.num_params == 0 for s in sliced) == (k >= 5)  # 53 parameter values of 67
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
         rank = 1 + step % 2
-        message = torch.randn(whole.flat.size, generator=generator)
-        expected = whole.push(rank, message, step).vector
-        replies = [s.push(rank, message[s.part[0] : s.part[1]].clone(), step) for s in sliced]
+        message = torch.randn(whole.state.flat.size, generator=generator)
+        expected = push(whole, rank, message, step).vector
+        replies = [push(s, rank, message[s.state.part[0] : s.state.part[1]].clone(), step) for s in sliced]
         assert torch.equal(torch.cat([r.vector for r in replies]), expected)
         assert {r.version for r in replies} == {step + 1}
-    assert torch.equal(torch.cat([s.pull(0)[0] for s in sliced]), whole.flat.vector)
+    assert torch.equal(torch.cat([s.pull(0)[0] for s in sliced]), whole.state.flat.vector)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -73,10 +73,10 @@ def test_sharded_sync_rounds_give_exactly_the_unsliced_vector(k):
     whole, sliced = _servers("sync", k)
     generator = torch.Generator().manual_seed(1)
     for round_ in range(4):
-        messages = {rank: torch.randn(whole.flat.size, generator=generator) for rank in (1, 2)}
-        futures = {rank: whole.submit(rank, m, round_) for rank, m in messages.items()}
+        messages = {rank: torch.randn(whole.state.flat.size, generator=generator) for rank in (1, 2)}
+        futures = {rank: submit(whole, rank, m, round_) for rank, m in messages.items()}
         parts = {
-            rank: [s.submit(rank, m[s.part[0] : s.part[1]].clone(), round_) for s in sliced]
+            rank: [submit(s, rank, m[s.state.part[0] : s.state.part[1]].clone(), round_) for s in sliced]
             for rank, m in messages.items()
         }
         expected = futures[1].wait().vector
@@ -85,45 +85,46 @@ def test_sharded_sync_rounds_give_exactly_the_unsliced_vector(k):
     # a drop forwarded to every shard closes rounds without the dropped rank
     for server in [whole, *sliced]:
         server.drop(2, "worker2")
-    message = torch.randn(whole.flat.size, generator=generator)
-    expected = whole.push(1, message, 4).vector
-    got = torch.cat([s.push(1, message[s.part[0] : s.part[1]].clone(), 4).vector for s in sliced])
+    message = torch.randn(whole.state.flat.size, generator=generator)
+    expected = push(whole, 1, message, 4).vector
+    got = torch.cat([push(s, 1, message[s.state.part[0] : s.state.part[1]].clone(), 4).vector for s in sliced])
     assert torch.equal(got, expected)
 
 
 def test_a_shard_refuses_a_push_of_the_whole_vector():
     _, sliced = _servers("async", 2)
     with pytest.raises(ValueError, match=r"worker1 pushed \d+ .* values \d+\.\.\d+ of the model"):
-        sliced[1].push(1, torch.ones(sliced[1].flat.size), 0)
+        push(sliced[1], 1, torch.ones(sliced[1].state.flat.size), 0)
 
 
 def test_a_shards_checkpoint_holds_its_slice_and_restores_only_into_the_same_slice():
     _, sliced = _servers("async", 3)
     shard = sliced[1]
-    shard.push(1, torch.ones(shard.size), 0)
+    push(shard, 1, torch.ones(shard.state.size), 0)
     state = shard.checkpoint()
-    assert state["model"] == {} and state["part"] == list(shard.part) and state["vector"].numel() == shard.size
-    fresh = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=shard.part)
+    assert state["model"] == {} and state["part"] == list(shard.state.part)
+    assert state["vector"].numel() == shard.state.size
+    fresh = ps_server(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=shard.state.part)
     fresh.restore(state)
-    assert fresh.version == 1 and torch.equal(fresh.state, shard.state)
+    assert fresh.version == 1 and torch.equal(fresh.state.vector, shard.state.vector)
     assert torch.equal(
-        fresh.optimizer.state_dict()["state"][0]["momentum_buffer"],
-        shard.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        fresh.state.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        shard.state.optimizer.state_dict()["state"][0]["momentum_buffer"],
     )
-    other = ParameterServer(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=sliced[2].part)
+    other = ps_server(_model(), lr=0.1, momentum=0.9, num_trainers=2, part=sliced[2].state.part)
     with pytest.raises(ValueError, match="this shard"):
         other.restore(state)
 
 
 def test_one_shard_is_the_unsliced_server():
-    server = ParameterServer(
+    server = ps_server(
         models.build("cnn", 1, 10, seed=0),
         lr=0.1,
         momentum=0.0,
         num_trainers=1,
         part=(0, state_size(models.build("cnn", 1, 10, seed=0))),
     )
-    assert not server.sliced and server.state is server.flat.vector
+    assert not server.state.sliced and server.state.vector is server.state.flat.vector
 
 
 def test_shard_flags():
@@ -200,34 +201,34 @@ def _bn_model() -> nn.Module:
 
 
 def test_a_shard_takes_the_staleness_the_main_ps_computed():
-    whole = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True)
-    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
+    whole = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True)
+    shard = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
     for server in (whole, shard):
-        server.push(2, torch.zeros(server.size), 0)
-        server.push(2, torch.zeros(server.size), 1)
-    reply = whole.push(1, torch.ones(4), 0)  # staleness 2 on the main PS
+        push(server, 2, torch.zeros(server.state.size), 0)
+        push(server, 2, torch.zeros(server.state.size), 1)
+    reply = push(whole, 1, torch.ones(4), 0)  # staleness 2 on the main PS
     # the shard got rank 1's push before rank 2's: by its own count the push is fresh
-    fresh = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
-    got = fresh.push(1, torch.ones(2), 0, staleness=reply.staleness)
+    fresh = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, staleness_lr=True, part=(2, 4))
+    got = push(fresh, 1, torch.ones(2), 0, staleness=reply.staleness)
     assert got.staleness == reply.staleness == 2
     assert torch.equal(got.vector, reply.vector[2:4])
 
 
 def test_a_compressed_push_to_a_shard_straddling_params_and_buffers_decodes():
-    whole = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
-    n, size = whole.num_params, whole.flat.size
+    whole = ps_server(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
+    n, size = whole.state.num_params, whole.state.flat.size
     message = torch.arange(size, dtype=torch.float32) / 7 + 1
     expected = message[n:].clone()
     wire = Compressor("bf16", n, torch.device("cpu"))(message)
     start, end = n - 2, size
-    shard = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1, part=(start, end))
-    reply = shard.push(1, Compressor.slice(wire, n, start, end), 0)
+    shard = ps_server(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1, part=(start, end))
+    reply = push(shard, 1, Compressor.slice(wire, n, start, end), 0)
     assert torch.equal(reply.vector[2:], expected)
 
 
 def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(tmp_path):
     config = parse(["ps", "--checkpoint_dir", str(tmp_path), "--checkpoint_every", "1"], {})
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     asked = []
 
     def shard_fails(version: int) -> None:
@@ -237,11 +238,11 @@ def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(t
     with MetricsWriter(str(tmp_path / "m"), "ps", "ps", 0) as metrics:
         checkpoints = Checkpointer(server, config, {}, metrics)
         checkpoints.before_save = shard_fails
-        server.push(1, torch.ones(4), 0)
+        push(server, 1, torch.ones(4), 0)
         checkpoints.save("every 1 updates")
         assert asked == [1] and checkpoint_files.listing(tmp_path) == []
         checkpoints.before_save = asked.append
-        server.push(1, torch.ones(4), 1)
+        push(server, 1, torch.ones(4), 1)
         checkpoints.save("every 1 updates")
     assert asked == [1, 2] and [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(tmp_path)] == [
         2
@@ -251,14 +252,14 @@ def test_the_main_ps_writes_no_checkpoint_unless_every_shard_wrote_its_partner(t
 def test_a_shard_resumes_from_its_checkpoint_labelled_with_the_main_ps_version(tmp_path):
     from app.ps.sharding.shard_process import resume_shard
 
-    shard = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
+    shard = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     for label in (1, 2, 3):  # the shard wrote 3; the main PS crashed before writing its own
-        shard.push(1, torch.ones(2), shard.version)
+        push(shard, 1, torch.ones(2), shard.version)
         checkpoint_files.save({**shard.checkpoint(), "label": label}, tmp_path)
-    restarted = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
+    restarted = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1, part=(2, 4))
     assert "labelled" not in resume_shard(restarted, tmp_path, None)
     assert restarted.version == 0
     resume_shard(restarted, tmp_path, 2)  # the main PS resumed from its version 2
-    assert restarted.version == 2 and torch.equal(restarted.state, torch.full((2,), -2.0))
+    assert restarted.version == 2 and torch.equal(restarted.state.vector, torch.full((2,), -2.0))
     with pytest.raises(RuntimeError, match="no checkpoint labelled 7"):
         resume_shard(restarted, tmp_path, 7)

@@ -28,7 +28,7 @@ from app.config import UsageError, parse
 from app.ps.server import ParameterServer
 from app.training.metrics import MetricsWriter
 
-from app_testkit import finished, free_port, run_app, start_app, wait_for
+from app_testkit import finished, free_port, ps_server, push, run_app, start_app, wait_for
 
 DIGITS = [
     "--model",
@@ -53,7 +53,7 @@ DIGITS = [
 
 
 def _server() -> ParameterServer:
-    server = ParameterServer(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
+    server = ps_server(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
     server.join(1, "worker1")
     return server
 
@@ -76,7 +76,7 @@ def test_a_run_stopped_before_any_push_writes_nothing_and_resume_continues_the_r
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
     for step in range(3):
-        server.push(1, torch.ones(6), step)
+        push(server, 1, torch.ones(6), step)
     ck.save("on exit", on_exit=True)
     m.close()
     server, ck, m = _checkpointer(tmp_path, "runB")  # a new run: A is set aside
@@ -101,7 +101,7 @@ def test_a_stop_at_the_version_just_checkpointed_writes_nothing_and_names_the_fi
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
     for step in range(3):
-        server.push(1, torch.ones(6), step)
+        push(server, 1, torch.ones(6), step)
     ck.save("every 3 updates")
     ck.save("on exit", on_exit=True)  # the last push was checkpointed already
     m.close()
@@ -116,7 +116,7 @@ def test_a_stop_at_the_version_just_checkpointed_writes_nothing_and_names_the_fi
 def test_a_stop_right_after_a_resume_names_the_checkpoint_it_resumed_from(tmp_path):
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
-    server.push(1, torch.ones(6), 0)
+    push(server, 1, torch.ones(6), 0)
     ck.save("on exit", on_exit=True)
     m.close()
     server, ck, m = _checkpointer(tmp_path, "runA")  # the same run, restarted, stopped before any push
@@ -133,7 +133,7 @@ def test_a_stop_right_after_a_resume_names_the_checkpoint_it_resumed_from(tmp_pa
 def test_a_finished_run_restarted_has_nothing_to_do_and_keeps_its_final_pt(tmp_path):
     server, ck, m = _checkpointer(tmp_path, "runA")
     ck.resume()
-    server.push(1, torch.ones(6), 0)
+    push(server, 1, torch.ones(6), 0)
     server.finish(1, 1, "worker1")  # every worker finished: the checkpoint final() writes says so
     ck.final()
     m.close()

@@ -24,7 +24,18 @@ from app.training.metrics import read
 from app.worker.compress import Compressor
 from app.worker.trainer import Trainer
 
-from app_testkit import finished, job_args, recording_channel, run_cluster, start_app, started, wait_for
+from app_testkit import (
+    finished,
+    job_args,
+    ps_server,
+    push,
+    recording_channel,
+    run_cluster,
+    start_app,
+    started,
+    submit,
+    wait_for,
+)
 
 
 def _linear(size: int, value: float = 0.0) -> nn.Module:
@@ -34,7 +45,7 @@ def _linear(size: int, value: float = 0.0) -> nn.Module:
 
 
 def _server(strategy: str, workers: int = 2, size: int = 4, **kw) -> ParameterServer:
-    server = ParameterServer(_linear(size), lr=1.0, momentum=0.0, num_trainers=workers, strategy=strategy, **kw)
+    server = ps_server(_linear(size), lr=1.0, momentum=0.0, num_trainers=workers, strategy=strategy, **kw)
     for rank in range(1, workers + 1):
         server.join(rank, f"worker{rank}")
     return server
@@ -45,64 +56,64 @@ def _server(strategy: str, workers: int = 2, size: int = 4, **kw) -> ParameterSe
 
 def test_sync_holds_each_push_until_every_worker_pushed_then_applies_the_average():
     server = _server("sync", workers=3)
-    first = server.submit(1, torch.full((4,), 1.0), 0)
-    second = server.submit(2, torch.full((4,), 2.0), 0)
+    first = submit(server, 1, torch.full((4,), 1.0), 0)
+    second = submit(server, 2, torch.full((4,), 2.0), 0)
     assert not first.done() and not second.done() and server.version == 0
-    third = server.submit(3, torch.full((4,), 6.0), 0)
+    third = submit(server, 3, torch.full((4,), 6.0), 0)
     replies = [f.wait() for f in (first, second, third)]
     assert [r.version for r in replies] == [1, 1, 1]
     assert all(torch.equal(r.vector, torch.full((4,), -3.0)) for r in replies)  # 0 - 1.0 * mean(1, 2, 6)
-    assert server.pushes == {1: 1, 2: 1, 3: 1} and server.stats()["staleness_max"] == 0
+    assert server.members.pushes == {1: 1, 2: 1, 3: 1} and server.stats()["staleness_max"] == 0
 
 
 def test_a_sync_round_folded_as_it_landed_is_averaged_again_when_a_pusher_is_dropped():
     """Each push is folded into the round as it lands; a rank dropped after its push was
     folded leaves the round, and the round's mean is the remaining pushes' alone."""
     server = _server("sync", workers=3)
-    first = server.submit(1, torch.full((4,), 2.0), 0)
-    dropped = server.submit(2, torch.full((4,), 100.0), 0)
+    first = submit(server, 1, torch.full((4,), 2.0), 0)
+    dropped = submit(server, 2, torch.full((4,), 100.0), 0)
     server.drop(2, "worker2")  # answered with the current state; its push is not applied
     assert dropped.wait().version == 0 and not first.done()
-    last = server.submit(3, torch.full((4,), 4.0), 0)
+    last = submit(server, 3, torch.full((4,), 4.0), 0)
     assert [f.wait().version for f in (first, last)] == [1, 1]
     assert torch.equal(last.wait().vector, torch.full((4,), -3.0))  # 0 - 1.0 * mean(2, 4)
 
 
 def test_a_rank_that_pushes_again_from_a_new_process_counts_once_in_the_round():
     server = _server("sync", workers=2)
-    old = server.submit(1, torch.full((4,), 50.0), 0)
+    old = submit(server, 1, torch.full((4,), 50.0), 0)
     server.join(1, "worker1-b")  # its new process
-    new = server.submit(1, torch.full((4,), 2.0), 0, name="worker1-b")
+    new = submit(server, 1, torch.full((4,), 2.0), 0, name="worker1-b")
     assert old.wait().kind == "stale" and not new.done()
-    other = server.submit(2, torch.full((4,), 4.0), 0)
+    other = submit(server, 2, torch.full((4,), 4.0), 0)
     assert torch.equal(other.wait().vector, torch.full((4,), -3.0)) and new.wait().version == 1
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_a_sharded_sync_round_is_the_whole_vectors_round_on_its_slice(momentum):
     """A PS shard folds its slice of each push as the whole PS does."""
-    whole = ParameterServer(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync")
-    part = ParameterServer(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync", part=(2, 5))
+    whole = ps_server(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync")
+    part = ps_server(_linear(6), lr=0.5, momentum=momentum, num_trainers=2, strategy="sync", part=(2, 5))
     for server in (whole, part):
         for rank in (1, 2):
             server.join(rank, f"worker{rank}")
     torch.manual_seed(4)
     for round_ in range(3):
-        pushes = [torch.randn(whole.size) for _ in (1, 2)]
-        a = [whole.submit(r, p, round_) for r, p in zip((1, 2), pushes)]
-        b = [part.submit(r, p[2:5].clone(), round_) for r, p in zip((1, 2), pushes)]
+        pushes = [torch.randn(whole.state.size) for _ in (1, 2)]
+        a = [submit(whole, r, p, round_) for r, p in zip((1, 2), pushes)]
+        b = [submit(part, r, p[2:5].clone(), round_) for r, p in zip((1, 2), pushes)]
         assert torch.allclose(b[0].wait().vector, a[0].wait().vector[2:5], rtol=1e-6, atol=1e-7)
 
 
 def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
     server = _server("sync", workers=3)
     server.finish(3, pushes=0)
-    first = server.submit(1, torch.full((4,), 2.0), 0)
+    first = submit(server, 1, torch.full((4,), 2.0), 0)
     assert not first.done()
-    second = server.submit(2, torch.full((4,), 4.0), 0)
+    second = submit(server, 2, torch.full((4,), 4.0), 0)
     assert second.wait().version == 1 and first.done()
     # worker2 dies before its next push: dropping it answers worker1 alone
-    alone = server.submit(1, torch.full((4,), 1.0), 1)
+    alone = submit(server, 1, torch.full((4,), 1.0), 1)
     assert not alone.done()
     server.drop(2, "worker2")
     reply = alone.wait()
@@ -112,24 +123,24 @@ def test_sync_round_closes_without_a_rank_that_finished_or_was_dropped():
 def test_a_first_rank_joining_while_a_round_is_open_is_counted_in_that_round():
     """A rank of the job's start that joins after another pushed is waited for in that round
     (the open round already counted it): one update for the two pushes, not two."""
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
     server.join(1, "worker1")
-    early = server.submit(1, torch.full((4,), 2.0), 0)
+    early = submit(server, 1, torch.full((4,), 2.0), 0)
     server.join(2, "worker2")  # the round is open: worker1's push is held
     server.unblock()  # the PS process's tick
     assert not early.done()
-    late = server.submit(2, torch.full((4,), 4.0), 0)
+    late = submit(server, 2, torch.full((4,), 4.0), 0)
     assert [f.wait().version for f in (early, late)] == [1, 1] and server.version == 1
     assert torch.equal(late.wait().vector, torch.full((4,), -3.0))
 
 
 def test_sync_waits_for_a_rank_that_has_not_joined_yet():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=2, strategy="sync")
     server.join(1, "worker1")
-    early = server.submit(1, torch.ones(4), 0)
+    early = submit(server, 1, torch.ones(4), 0)
     assert not early.done()
     server.join(2, "worker2")
-    server.submit(2, torch.ones(4), 0)
+    submit(server, 2, torch.ones(4), 0)
     assert early.wait().version == 1
 
 
@@ -138,10 +149,10 @@ def test_sync_waits_for_a_rank_that_has_not_joined_yet():
 
 def test_ssp_answers_a_worker_only_within_the_staleness_bound_of_the_slowest():
     server = _server("ssp", workers=2, staleness=1)
-    assert server.submit(1, torch.ones(4), 0).wait().lead == 1  # 1 ahead of worker2: allowed
-    held = server.submit(1, torch.ones(4), 1)  # 2 ahead: waits
+    assert submit(server, 1, torch.ones(4), 0).wait().lead == 1  # 1 ahead of worker2: allowed
+    held = submit(server, 1, torch.ones(4), 1)  # 2 ahead: waits
     assert not held.done() and server.version == 2  # applied at once all the same
-    reply = server.submit(2, torch.ones(4), 0).wait()
+    reply = submit(server, 2, torch.ones(4), 0).wait()
     assert reply.staleness == 2 and reply.lead == 0
     released = held.wait()
     assert released.lead == 1 and released.version == 3  # the state when it was let go
@@ -150,18 +161,18 @@ def test_ssp_answers_a_worker_only_within_the_staleness_bound_of_the_slowest():
 def test_async_never_holds_a_reply():
     server = _server("async", workers=2)
     for step in range(5):
-        assert server.submit(1, torch.ones(4), step).done()
-    assert server.lead(1) == 5
+        assert submit(server, 1, torch.ones(4), step).done()
+    assert server.members.lead(1, server.version) == 5
 
 
 def test_staleness_aware_lr_divides_the_step_by_the_staleness():
     server = _server("ssp", workers=2, staleness=10, staleness_lr=True)
-    server.push(1, torch.ones(4), 0)  # staleness 0: full lr, w = -1
-    server.push(1, torch.ones(4), 1)  # staleness 0: w = -2
-    server.push(2, torch.ones(4), 0)  # staleness 2: lr / 2, w = -2.5
+    push(server, 1, torch.ones(4), 0)  # staleness 0: full lr, w = -1
+    push(server, 1, torch.ones(4), 1)  # staleness 0: w = -2
+    push(server, 2, torch.ones(4), 0)  # staleness 2: lr / 2, w = -2.5
     vector, version = server.pull(0)
     assert version == 3 and torch.allclose(vector, torch.full((4,), -2.5))
-    assert server.optimizer.param_groups[0]["lr"] == 1.0
+    assert server.state.optimizer.param_groups[0]["lr"] == 1.0
 
 
 # --- compression --------------------------------------------------------------------
@@ -187,7 +198,7 @@ def test_compression_error_feedback_carries_what_rounding_lost(kind):
 
 def test_the_ps_takes_a_16_bit_push():
     server = _server("async", workers=1)
-    reply = server.push(1, torch.full((4,), 0.5, dtype=torch.bfloat16), 0)
+    reply = push(server, 1, torch.full((4,), 0.5, dtype=torch.bfloat16), 0)
     assert reply.vector.dtype == torch.float32 and torch.equal(reply.vector, torch.full((4,), -0.5))
 
 
@@ -389,27 +400,27 @@ def test_a_non_finite_compressed_gradient_is_refused_once_and_leaves_no_residual
     and skipped; the error-feedback residual must not carry it into every later push (it
     did: every push after it was refused, and the worker exited after 20)."""
     n = 6
-    server = ParameterServer(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
+    server = ps_server(nn.Linear(2, 2), lr=0.1, momentum=0.0, num_trainers=1)
     server.join(1, "worker1")
     compress = Compressor(kind, n, torch.device("cpu"))
     first = torch.tensor([0.1, bad, 0.3, 0.4, 0.5, 0.6])
-    refused = server.push(1, compress(first), 0)
+    refused = push(server, 1, compress(first), 0)
     assert isinstance(refused, Refusal) and refused.kind == "nonfinite" and server.version == 0
     assert torch.equal(compress.residual, torch.zeros(n))
     for step in range(3):
-        reply = server.push(1, compress(torch.full((n,), 0.01 * (step + 1))), 0)
+        reply = push(server, 1, compress(torch.full((n,), 0.01 * (step + 1))), 0)
         assert not isinstance(reply, Refusal) and reply.version == step + 1
     assert torch.isfinite(compress.residual).all()
 
 
 def _displacement(staleness: int) -> float:
-    server = ParameterServer(_linear(1), lr=1.0, momentum=0.9, num_trainers=2, staleness_lr=True)
+    server = ps_server(_linear(1), lr=1.0, momentum=0.9, num_trainers=2, staleness_lr=True)
     for version in range(staleness):
-        server.push(2, torch.zeros(1), version)  # other pushes: the state moves on, not the weights
-    server.push(1, torch.ones(1), 0)
+        push(server, 2, torch.zeros(1), version)  # other pushes: the state moves on, not the weights
+    push(server, 1, torch.ones(1), 0)
     for _ in range(200):
-        server.push(2, torch.zeros(1), server.version)
-    return -server.state.item()
+        push(server, 2, torch.zeros(1), server.version)
+    return -server.state.vector.item()
 
 
 def _bn_model() -> nn.Module:
@@ -423,12 +434,12 @@ def test_staleness_lr_with_momentum_moves_a_stale_gradient_a_quarter_as_far():
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_compressed_pushes_carry_the_buffers_in_float32(kind):
-    server = ParameterServer(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
-    n = server.num_params
-    message = torch.zeros(server.flat.size)
+    server = ps_server(_bn_model(), lr=0.1, momentum=0.0, num_trainers=1)
+    n = server.state.num_params
+    message = torch.zeros(server.state.flat.size)
     message[:n] = 0.5
     message[n:] = torch.tensor([1.0001, 0.3333333, 1.0009, 7.123457])  # not 16-bit values
     buffers = message[n:].clone()
     wire = Compressor(kind, n, torch.device("cpu"))(message)
-    reply = server.push(1, wire, 0)
+    reply = push(server, 1, wire, 0)
     assert torch.equal(reply.vector[n:], buffers)

@@ -11,11 +11,10 @@ from app.contract import PS
 from app.exchange import calls
 from app.exchange.wire import Push, Refusal
 from app.ps import rpc as endpoints
-from app.ps.server import ParameterServer
 from app.worker.channels import PSChannel, Route
 from app.worker.trainer import Trainer
 
-from app_testkit import recording_channel, started
+from app_testkit import ps_server, recording_channel, started
 
 
 def _linear(size: int, value: float = 0.0) -> nn.Module:
@@ -37,7 +36,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
 
 
 def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_usage_error():
-    server = ParameterServer(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
+    server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
     with endpoints.ENDPOINT.serving(server):
         future = calls.rpc_push(torch.ones(4), Push(1, "worker1", 0))

@@ -1,9 +1,8 @@
 """What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
 the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
-per rank, and the partitions applied ahead of their push or noted checked ahead of it
-(app.ps.early).
+per rank, and the partitions of a push taken early, before the push (app.ps.early).
 
-Plain counters: app.ps.server changes and reads them under its lock.
+Plain counters: app.ps.server and the strategy's policy change them under the server's lock.
 """
 
 from __future__ import annotations
@@ -14,16 +13,16 @@ from typing import Any
 
 
 @dataclass
-class Tally:
+class PushCounts:
     applied: int = 0  # pushes applied by this process (the version may start from a checkpoint)
     samples: int = 0  # training samples behind the updates applied by this process
     staleness_sum: int = 0
     staleness_max: int = 0
     staleness_hist: Counter[int] = field(default_factory=Counter)
     refused: Counter[int] = field(default_factory=Counter)  # rank -> non-finite pushes refused
-    ahead_done: int = 0  # partitions applied (async) or folded (sync) ahead of their push
-    ahead_kept: int = 0  # ... and kept when the push came (async: from the state it met)
-    ahead_checked: int = 0  # partitions of pushes applied not read for NaN or inf: noted ahead, checked by their worker
+    early_done: int = 0  # partitions applied (async) or folded (sync) early, before their push
+    early_kept: int = 0  # ... and kept when the push came (async: from the state it met)
+    early_checked: int = 0  # partitions of pushes applied not read for NaN or inf: noted early, checked by their worker
 
     def count(self, staleness: int) -> None:
         """One push applied, `staleness` updates late."""
@@ -32,16 +31,21 @@ class Tally:
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_hist[staleness] += 1
 
-    def fields(self, pushes: dict[int, int], ahead: bool) -> dict[str, Any]:
+    def refuse(self, rank: int) -> bool:
+        """One push of rank's refused (NaN or inf); True when it is rank's first."""
+        self.refused[rank] += 1
+        return self.refused[rank] == 1
+
+    def fields(self, pushes: dict[int, int], early: bool) -> dict[str, Any]:
         """The `end` record's fields: `pushes` per rank, the staleness, the refusals, and
-        with `ahead` (partitions are applied ahead) what was built ahead."""
+        with `early` (partitions are taken early) what was: the record's `ahead`."""
         mean = self.staleness_sum / self.applied if self.applied else 0.0
-        done_ahead = {"done": self.ahead_done, "kept": self.ahead_kept, "checked": self.ahead_checked}
+        taken_early = {"done": self.early_done, "kept": self.early_kept, "checked": self.early_checked}
         return {
             "pushes": {f"worker{r}": n for r, n in sorted(pushes.items())},
             "staleness_mean": round(mean, 3),
             "staleness_max": self.staleness_max,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
-            **({"ahead": done_ahead} if ahead else {}),
+            **({"ahead": taken_early} if early else {}),
         }
