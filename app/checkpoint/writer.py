@@ -28,7 +28,7 @@ REMIND_SECONDS = 60.0  # ... and said again this often
 
 
 class Checkpointable(Protocol):
-    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.allreduce.job.JobState)."""
+    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.allreduce.trainer.JobState)."""
 
     @property
     def version(self) -> int: ...
