@@ -15,7 +15,7 @@ from torch import nn
 
 from app.contract import exchange_bytes, exchange_regions
 from app.exchange.ps_end import SharedExchange, region_names
-from app.exchange.segment import Offer, Segment, ShmUnavailable, sweep
+from app.exchange.segment import Offer, Segment, ShmUnavailable, segment_bytes, sweep
 from app.exchange.wire import Reply, SlotReply
 from app.exchange.worker_end import WorkerEnd
 from app.ps.server import ParameterServer
@@ -137,7 +137,7 @@ def test_the_segment_has_the_size_the_render_plans_for(ahead):
     for workers, overlap, sync in [(1, False, False), (3, True, False), (4, False, True), (8, True, True)]:
         names = region_names(workers, overlap, sync, ahead)
         assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync, ahead)
-        needed = SharedExchange.bytes_needed(1234, workers, overlap, sync, ahead)
+        needed = segment_bytes(1234, len(names))  # what SharedExchange.open makes for them
         assert needed == exchange_bytes(1234, workers, overlap, sync, ahead)
 
 
