@@ -52,6 +52,11 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """`1 worker`, `3 workers`: a count and its noun for a log line (`plural` when not noun + s)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 class PortUnreachable(RuntimeError):
     """A TCP port did not accept a connection in time; the message is the last reason."""
 

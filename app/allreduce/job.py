@@ -175,11 +175,11 @@ def join_job(
     run already finished. The backend's name."""
     backend = rendezvous(world, device, config.rpc_timeout)
     log.info(
-        "%s joined the allreduce job at %s:%d (%d workers, %s)",
+        "%s joined the allreduce job at %s:%d (%s, %s)",
         config.name,
         world.addr,
         world.port,
-        world.size,
+        runtime.counted(world.size, "worker"),
         backend,
     )
     finished = start_state(state, checkpoints, device)

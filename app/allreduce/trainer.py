@@ -155,7 +155,7 @@ class AllreduceTrainer:
 
     def lost(self, error: BaseException) -> PeerLost:
         return PeerLost(
-            f"lost a peer of the allreduce job ({self.world.size} workers, rendezvous "
+            f"lost a peer of the allreduce job ({runtime.counted(self.world.size, 'worker')}, rendezvous "
             f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
             f"{reason(error)}"
         )
@@ -174,7 +174,7 @@ class AllreduceTrainer:
             )
             self.evaluation.start()
         if checkpoints.due():
-            checkpoints.save(f"every {self.config.checkpoint_every} steps")
+            checkpoints.save(f"every {runtime.counted(self.config.checkpoint_every, 'step')}")
 
     def evaluating(self) -> bool:
         """A periodic evaluation still runs (the next one is skipped, not queued)."""

@@ -75,7 +75,7 @@ def rendezvous(world: World, device: torch.device, timeout: float) -> str:
             )
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError...
             raise PeerLost(
-                f"the rendezvous of {world.size} workers at {where} failed "
+                f"the rendezvous of {runtime.counted(world.size, 'worker')} at {where} failed "
                 f"within --rpc_timeout {timeout:.0f} s: {reason(error)}"
             ) from error
     return backend

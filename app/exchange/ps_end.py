@@ -171,12 +171,14 @@ def open_exchange(
         log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
         return None
     log.info(
-        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %d workers%s); "
+        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s%s); "
         "a worker that cannot map it uses TensorPipe",
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,
-        max_rank,
-        f"; {len(exchange.parts)} partitions applied as backward finishes them" if exchange.parts else "",
+        runtime.counted(max_rank, "worker"),
+        f"; {runtime.counted(len(exchange.parts), 'partition')} applied as backward finishes them"
+        if exchange.parts
+        else "",
     )
     return exchange

@@ -55,6 +55,7 @@ from app.ps.policies import Held, policy_for
 from app.ps.replies import ReplyBuffers
 from app.ps.tally import Tally
 from app.ps.update import sgd_direction
+from app.runtime import counted
 from app.training.flat import FlatModel
 
 log = logging.getLogger("app.ps")
@@ -449,7 +450,7 @@ class ParameterServer:
             counts = self.roster.counts()
             ready = self._unblock()
         _complete(ready)
-        log.info("%s finished after %d pushes (%s)", name or worker_name(rank), pushes, counts)
+        log.info("%s finished after %s (%s)", name or worker_name(rank), counted(pushes, "push", "pushes"), counts)
         try:
             self.on_finish(rank)
         finally:
@@ -472,7 +473,7 @@ class ParameterServer:
             self._event()
             counts = self.roster.counts()
         _complete(ready)
-        log.info("%s left after %d pushes (%s)", name, pushes, counts)
+        log.info("%s left after %s (%s)", name, counted(pushes, "push", "pushes"), counts)
         self.on_leave(rank, name)
         return None
 

@@ -77,31 +77,32 @@ class EventFiles:
         """The record's scalars; dropped while the event files do not fit. `room`: the record's
         JSON line fit, so a new event file is worth a try."""
         values = scalars(event, fields)
-        if not values or (self._writer is None and not self._reopen(room)):
+        writer = (self._writer or self._reopen(room)) if values else None
+        if writer is None:
             return
         try:
             for tag, value in values.items():
-                self._writer.add_scalar(tag, value, global_step=step, walltime=wall_time)
+                writer.add_scalar(tag, value, global_step=step, walltime=wall_time)
         except OSError as error:
             self._drop(error, "scalars are dropped until there is room again (the JSON lines keep what fits)")
 
-    def _reopen(self, room: bool) -> bool:
+    def _reopen(self, room: bool) -> Any | None:
         """A new event file after a failed one, once there is room again (not more often than
-        every RETRY_SECONDS); whether there is one."""
+        every RETRY_SECONDS); its writer, or None."""
         if not room or time.monotonic() < self._retry_at:
-            return False
+            return None
         self._retry_at = time.monotonic() + RETRY_SECONDS
         from torch.utils.tensorboard import SummaryWriter
 
         try:
             self._writer = SummaryWriter(self.directory, flush_secs=FLUSH_SECONDS)
         except OSError:
-            return False
+            return None
         log.info(
             "TensorBoard event files in %s: written again (a new file; the scalars meanwhile were dropped)",
             self.directory,
         )
-        return True
+        return self._writer
 
     def _drop(self, error: OSError, what: str) -> None:
         """The writer failed (its thread died on `error`): one warning, and no writer until `_reopen`."""
@@ -109,7 +110,8 @@ class EventFiles:
         writer, self._writer = self._writer, None
         self._retry_at = time.monotonic() + RETRY_SECONDS
         try:
-            writer.close()
+            if writer is not None:
+                writer.close()
         except OSError:
             pass  # the same error again: said already
 

@@ -137,7 +137,8 @@ def join_and_train(
                     **datasets.skipped(train.data),
                 )
         except SystemExit:
-            log.info("%s finished its epochs after %d pushes; stopped (SIGTERM) as it ended", name, pushes)
+            done = runtime.counted(pushes, "push", "pushes")
+            log.info("%s finished its epochs after %s; stopped (SIGTERM) as it ended", name, done)
     return 0
 
 
@@ -156,6 +157,6 @@ def leave(
     except PSUnreachable as error:  # the PS stops too (the whole cluster stops): nothing to tell it
         log.info("%s stopped (SIGTERM) without leaving: %s", channel.name, error)
         return 128 + signal.SIGTERM
-    log.info("%s left the job after %d pushes (SIGTERM)", channel.name, pushes)
+    log.info("%s left the job after %s (SIGTERM)", channel.name, runtime.counted(pushes, "push", "pushes"))
     metrics.write("left", pushes, worker=channel.name, seconds=round(time.monotonic() - started, 2))
     return 0

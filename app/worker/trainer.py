@@ -108,7 +108,8 @@ class Trainer:
         """Take this rank's fair share of `epoch` among the ranks the PS has training now."""
         index, count = self.channel.shard()
         if (index, count) != (self.sampler.shard, self.sampler.num_shards):
-            log.info("%s: epoch %d shared by %d workers; share %d is this one", self.config.name, epoch, count, index)
+            shared = runtime.counted(count, "worker")
+            log.info("%s: epoch %d shared by %s; share %d is this one", self.config.name, epoch, shared, index)
         self.sampler.shard, self.sampler.num_shards = index, count
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
