@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.role == "health":
         return health(config)
 
+    # A PS's worker told to stop (a scale down) leaves with status 0 at any moment of its life:
+    # at once before it joined, through the PS once joined (app.worker.process). A SIGTERM
+    # while torch loads is held until the handler below is in place.
+    ps_worker = config.role == "worker" and strategy_of(config.strategy).has_ps
+    held: list[int] = []
+    if ps_worker:
+        signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     # TensorPipe warns on stderr each time a peer's connection closes, which is
     # every normal exit in a job whose members leave without waiting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -41,7 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.setup_logging()
     runtime.keep_freed_memory()
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
-    runtime.handle_sigterm(grace=PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0))
+    grace = PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0)
+    if ps_worker:
+        runtime.sigterm_exits_at_once(f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave")
+    runtime.handle_sigterm(grace, announce=not ps_worker)  # a worker's leave is its one line
+    if held:
+        os.kill(os.getpid(), signal.SIGTERM)
     runtime.set_threads(runtime.sharing_cpus(config))
     try:
         if config.role == "check":  # the connectivity check (app/connectivity.py)
@@ -66,7 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"app: error: {error}", file=sys.stderr)
         return 2
-    except Exception as error:  # a failure at run time: one line, status 1
+    except (SystemExit, Exception) as error:
+        if ps_worker and runtime.sigterm_received():  # told to stop: what broke on the way out is no failure
+            said = f": {type(error).__name__}: {runtime.first_line(error)}" if isinstance(error, Exception) else ""
+            runtime.log.info("%s: stopped (SIGTERM)%s", config.name, said)
+            return 0
+        if isinstance(error, SystemExit):
+            raise
+        # a failure at run time: one line, status 1
         runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, runtime.first_line(error))
         runtime.log.debug("traceback", exc_info=True)
         # Exit now: tearing torch's RPC and threads down after a lost peer takes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
@@ -140,6 +141,11 @@ def validate(config: Config, sources: Optional[Mapping[str, str]] = None) -> Non
         where = sources.get(o.name, o.flag)
         raise UsageError(f"{where}: got {o.text(getattr(config, o.name))}; {rule.allowed(values)}")
     _check_ranks(config, sources)
+    if not os.path.isabs(config.shm_dir):  # handed to workers as it is: one directory for all
+        raise UsageError(
+            f"{sources.get('shm_dir', '--shm_dir')}: {config.shm_dir!r} is not an absolute path; "
+            "give the tmpfs directory the PS and its workers share (/dev/shm by default)"
+        )
 
 
 def _check_names(config: Config) -> None:

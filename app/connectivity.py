@@ -152,7 +152,7 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
             f"{me.label()} cannot host the store on port {config.master_port}: {runtime.first_line(error)}"
         ) from None
     _say(
-        f"check: {me.label()} on {me.host} {me.addr} waits for {config.world_size - 1} ranks "
+        f"check: {me.label()} on {me.host} {me.addr} waits for {runtime.counted(config.world_size - 1, 'rank')} "
         f"at {_where(config)} (at most {config.rpc_timeout:g} s)"
     )
     members = _wait_registered(store, config, names)

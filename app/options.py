@@ -252,7 +252,8 @@ OPTIONS: tuple[Option, ...] = (
         "shm_dir",
         "str",
         "/dev/shm",
-        "Where the PS makes its shared-memory segment for --exchange auto (a tmpfs the workers share).",
+        "Where the PS makes its shared-memory segment for --exchange auto: an absolute path on a tmpfs the "
+        "workers share (made there when missing, only inside a tmpfs directory; elsewhere: TensorPipe).",
     ),
     _opt(
         "compress",

@@ -52,6 +52,11 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """`1 worker`, `3 workers`: a count and its noun for a log line (`plural` when not noun + s)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 class PortUnreachable(RuntimeError):
     """A TCP port did not accept a connection in time; the message is the last reason."""
 
@@ -193,32 +198,58 @@ def gpu_identity(device: torch.device) -> dict[str, str]:
     return {"gpu": p.name, "gpu_uuid": f"GPU-{p.uuid}"}
 
 
-def handle_sigterm(grace: float) -> None:
+def handle_sigterm(grace: float, announce: bool = True) -> None:
     """SIGTERM ends the process even as PID 1 and even while blocked inside torch.
 
     Python runs signal handlers only between bytecodes of the main thread,
     which may sit in a C++ wait (rendezvous, an RPC). The handler raises
     SystemExit for the normal path; a watcher thread, woken through the
     signal wakeup fd, ends the process with 143 if it is still alive `grace`
-    seconds later.
+    seconds later (`announce`: it says so in one line as the signal comes).
+    While `sigterm_exits_at_once` holds a line, the watcher ends the process
+    at once with that line and status 0 instead.
     """
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, _raise_exit)
-    threading.Thread(target=_exit_after_sigterm, args=(read_fd, grace), name="sigterm-watch", daemon=True).start()
+    threading.Thread(
+        target=_exit_after_sigterm, args=(read_fd, grace, announce), name="sigterm-watch", daemon=True
+    ).start()
 
 
 class _Sigterm:
     deferring = False  # inside `sigterm_deferred`
     pending = False  # a SIGTERM came meanwhile
+    received = False  # a SIGTERM came at all
+    at_once = ""  # `sigterm_exits_at_once`'s line
+    lock = threading.Lock()  # `at_once` against the watcher's reading of it
 
 
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    if _Sigterm.deferring:
+    _Sigterm.received = True
+    if _Sigterm.deferring or _Sigterm.at_once:  # the watcher ends the process (at_once) or the block raises
         _Sigterm.pending = True
         return
     raise SystemExit(128 + signum)
+
+
+def sigterm_received() -> bool:
+    """Whether this process was told to stop (SIGTERM)."""
+    return _Sigterm.received
+
+
+def sigterm_exits_at_once(line: str) -> None:
+    """From now on a SIGTERM ends the process at once with status 0 and `line` (logged), even
+    while the main thread waits inside torch: for a stretch with nothing to hand over or undo
+    (a worker that has not joined its job yet). '' ends that stretch; a SIGTERM that came in
+    it and did not end the process raises SystemExit here (or at the end of the enclosing
+    `sigterm_deferred`)."""
+    with _Sigterm.lock:
+        _Sigterm.at_once = line
+    if not line and _Sigterm.pending and not _Sigterm.deferring:
+        _Sigterm.pending = False
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 @contextmanager
@@ -236,10 +267,16 @@ def sigterm_deferred() -> Iterator[None]:
             raise SystemExit(128 + signal.SIGTERM)
 
 
-def _exit_after_sigterm(read_fd: int, grace: float) -> None:
+def _exit_after_sigterm(read_fd: int, grace: float, announce: bool) -> None:
     while signal.SIGTERM not in os.read(read_fd, 64):
         pass
-    log.info("SIGTERM: stopping (at most %.0f s)", grace)
+    _Sigterm.received = True
+    with _Sigterm.lock:
+        if _Sigterm.at_once:
+            log.info("%s", _Sigterm.at_once)
+            exit_now(0)
+    if announce:
+        log.info("SIGTERM: stopping (at most %.0f s)", grace)
     time.sleep(grace)
     _hard_exit(f"still running {grace:.0f} s after SIGTERM", 128 + signal.SIGTERM)
 

@@ -1,11 +1,10 @@
 """`--strategy allreduce`: the workers train one model with DistributedDataParallel; no PS.
 
 The usual DDP job: a DistributedSampler with `set_epoch`, gradients averaged by
-DDP's allreduce, rank-0 checkpoints, Gloo on CPU and NCCL on GPU. The world is
-the workers alone: DDP rank = --rank - 1 and world size = --world_size - 1 (the
-config counts a PS slot), rendezvous at --master_addr:--master_port (worker1's
-service in compose). Under torchrun, its RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT (and LOCAL_RANK) win.
+DDP's allreduce, rank-0 checkpoints, Gloo on CPU and NCCL on GPU. Its parts: the
+world and its rendezvous (app.allreduce.world), one rank's loop
+(app.allreduce.trainer), --compress's hooks (app.allreduce.hooks); this module runs
+a rank from its start to its exit:
 
     rendezvous (init_process_group, bounded by --rpc_timeout)
     rank 0 resumes from its newest good checkpoint; DDP broadcasts rank 0's
@@ -23,310 +22,33 @@ resumes from rank 0's newest checkpoint (written on the way out, too).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 import logging
 import os
-import re
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 
 from app import plugins, runtime
+from app.allreduce.hooks import compress_hook
+from app.allreduce.trainer import AllreduceTrainer, EpochSampler, JobState, Progress
+from app.allreduce.world import World, leave_together, rendezvous, world_of
 from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
-from app.config import Config, UsageError
+from app.config import Config
 from app.data import datasets
 from app.runtime import choose_device, progress
-from app.training import loop, models
+from app.training import models
 from app.training.evaluate import held_out_accuracy
-from app.training.metrics import MetricsWriter, Rates
+from app.training.metrics import MetricsWriter
 
-log = logging.getLogger("app.allreduce.job")
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class PeerLost(RuntimeError):
-    """A collective failed: another rank died, or did not answer within --rpc_timeout."""
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place in the DDP job."""
-
-    rank: int  # 0..size-1; rank 0 is worker1
-    size: int  # the number of workers
-    addr: str
-    port: int
-    local_rank: int  # torchrun's LOCAL_RANK: the GPU of this process on a multi-GPU node
-    torchrun: bool  # the rendezvous comes from torchrun's environment (init_method env://)
-
-
-def world_of(config: Config, env: Mapping[str, str]) -> World:
-    """torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT when all are set, else the config's."""
-    if all(env.get(k) for k in TORCHRUN_ENV):
-        try:
-            rank, size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
-            local_rank = int(env.get("LOCAL_RANK") or 0)
-        except ValueError:
-            raise UsageError(
-                "torchrun's RANK, WORLD_SIZE, MASTER_PORT and LOCAL_RANK must be whole numbers, "
-                f"got {', '.join(f'{k}={env.get(k)!r}' for k in (*TORCHRUN_ENV, 'LOCAL_RANK'))}"
-            ) from None
-        if not 0 <= rank < size:
-            raise UsageError(f"RANK {rank} must be in 0..{size - 1} (WORLD_SIZE {size})")
-        return World(rank, size, env["MASTER_ADDR"], port, local_rank, True)
-    return World(config.rank - 1, config.num_trainers, config.master_addr, config.master_port, 0, False)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where the job is: optimizer steps, the last batch done of `epoch`, samples of all ranks."""
-
-    step: int = 0
-    epoch: int = 1
-    batch: int = 0
-    samples: int = 0
-
-
-class EpochSampler(DistributedSampler):
-    """DistributedSampler (padded: every rank gets as many samples, so every rank takes
-    as many steps), which can also leave out an epoch's first `skip` indices: those a
-    resumed job trained on before it stopped."""
-
-    def __init__(self, dataset: Dataset, world: World, seed: int) -> None:
-        super().__init__(dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed)
-        self.skip = 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-
-class JobState:
-    """The model, optimizer and progress in the shape a Checkpointer saves and restores
-    (`version`, `checkpoint()`, `restore()`); tensors are written on CPU."""
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-        self.progress = Progress()
-        self.finished = False
-
-    @property
-    def version(self) -> int:
-        return self.progress.step
-
-    def checkpoint(self) -> dict[str, Any]:
-        return {
-            "version": self.progress.step,
-            "model": cpu_copy(self.module.state_dict()),
-            "optimizer": cpu_copy(self.optimizer.state_dict()),
-            # Not per rank (the PS's shape): every rank of a DDP job is at the same place.
-            "progress": dataclasses.asdict(self.progress),
-            "finished": self.finished,
-        }
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.progress = Progress(**state["progress"])
-
-
-class Trainer:
-    """The loop of one rank; rank 0 also evaluates and checkpoints (`rank0` is not None)."""
-
-    def __init__(
-        self,
-        config: Config,
-        world: World,
-        model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
-        state: JobState,
-        loader: DataLoader,
-        sampler: EpochSampler,
-        device: torch.device,
-        metrics: MetricsWriter,
-        rank0: Optional[tuple[Checkpointer, DataLoader]],
-    ) -> None:
-        self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
-        self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
-        self.metrics, self.rank0 = metrics, rank0
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.format = runtime.memory_format(config, device)
-        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
-        self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
-        self.reporter = loop.Reporter(config.name, config.log_every, metrics)
-        self.rates = Rates(state.progress.step, state.progress.samples)  # rank 0: the pace between evaluations
-
-    def train(self) -> None:
-        """From `state.progress` to the last epoch (or --max_steps)."""
-        self.model.train()
-        start = self.state.progress
-        for epoch, batch, x, y in loop.resume_batches(
-            self.loader,
-            self.sampler,
-            self.config.data_dir,
-            start.epoch,
-            start.batch,
-            self.config.num_epochs,
-            self.config.batch_size,
-        ):
-            loss = self.step(x, y, epoch, batch)
-            self.reporter.batch_done(self.loader, self.state.progress.step, epoch, batch, len(y), loss)
-            self.rank0_duties()
-            if 0 < self.config.max_steps <= self.state.progress.step:
-                return
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, epoch: int = 1, batch: int = 0) -> float:
-        """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step, and
-        the progress that labels it: a SIGTERM lands before both or after both."""
-        x, y = loop.on_device(x, y, self.loader, self.device, self.format)
-        self.optimizer.zero_grad(set_to_none=True)
-        with runtime.autocast(self.config.precision, self.device):
-            loss = self.loss_fn(self.model(x), y)
-        try:
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-        except RuntimeError as error:  # gloo/NCCL: a peer died or timed out
-            raise self.lost(error) from error
-        with runtime.sigterm_deferred():
-            if self.scaler is None:
-                self.optimizer.step()
-            else:  # skips the step when the gradient overflowed (every rank alike: it is averaged)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            p = self.state.progress
-            self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
-        return loss.item()
-
-    def lost(self, error: BaseException) -> PeerLost:
-        return PeerLost(
-            f"lost a peer of the allreduce job ({self.world.size} workers, rendezvous "
-            f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
-            f"{_reason(error)}"
-        )
-
-    def rank0_duties(self) -> None:
-        if self.rank0 is None:
-            return
-        checkpoints, held_out = self.rank0
-        step = self.state.progress.step
-        if step % self.config.eval_every == 0 and not self.evaluating():
-            model = copy.deepcopy(self.model.module)  # this step's weights; training goes on
-            at = self.state.progress
-            pace = self.rates.since(at.step, at.samples)
-            self.evaluation = threading.Thread(
-                target=self._evaluate, args=(model, held_out, at, pace), name="evaluation", daemon=True
-            )
-            self.evaluation.start()
-        if checkpoints.due():
-            checkpoints.save(f"every {self.config.checkpoint_every} steps")
-
-    def evaluating(self) -> bool:
-        """A periodic evaluation still runs (the next one is skipped, not queued)."""
-        return self.evaluation is not None and self.evaluation.is_alive()
-
-    def wait_for_evaluation(self) -> None:
-        if self.evaluation is not None:
-            self.evaluation.join()
-
-    def _evaluate(self, model: nn.Module, held_out: DataLoader, at: Progress, pace: dict[str, float]) -> None:
-        accuracy, loss = held_out_accuracy(model, held_out, self.device)
-        progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, at.step, accuracy)
-        self.metrics.write(
-            "eval",
-            at.step,
-            accuracy=round(accuracy, 4),
-            loss=round(loss, 4),
-            samples=at.samples,
-            workers=self.world.size,
-            **pace,
-        )
-
-
-def _reason(error: BaseException) -> str:
-    """The gist of a gloo/NCCL error: its first sentence, without the source location."""
-    return re.sub(r"^\[[^\]]*\]\s*", "", runtime.first_line(error)).split(". ")[0]
-
-
-def rendezvous(world: World, device: torch.device, timeout: float) -> str:
-    """Join the process group (every rank waits for all); the backend's name."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    runtime.set_gloo_interface(world.addr)
-    init = "env://" if world.torchrun else f"tcp://{world.addr}:{world.port}"
-    where = f"{world.addr}:{world.port}"
-    with runtime.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
-        try:
-            dist.init_process_group(
-                backend, init_method=init, rank=world.rank, world_size=world.size, timeout=timedelta(seconds=timeout)
-            )
-        except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError...
-            raise PeerLost(
-                f"the rendezvous of {world.size} workers at {where} failed "
-                f"within --rpc_timeout {timeout:.0f} s: {_reason(error)}"
-            ) from error
-    return backend
-
-
-def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> str:
-    """Rank 0 resumes from its checkpoint, then tells every rank where the job is and
-    the optimizer's state (DDP itself broadcasts rank 0's parameters and buffers).
-    Returns, on every rank, why there is nothing to do ('' when there is): this run
-    already finished (a restart after its end)."""
-    if checkpoints is not None:
-        checkpoints.resume()
-    box: list[Any] = [None]
-    if checkpoints is not None:
-        box = [
-            {
-                "progress": dataclasses.asdict(state.progress),
-                "optimizer": cpu_copy(state.optimizer.state_dict()),
-                "finished": checkpoints.run_finished,
-            }
-        ]
-    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    if checkpoints is None:
-        state.progress = Progress(**box[0]["progress"])
-        state.optimizer.load_state_dict(box[0]["optimizer"])
-    return box[0]["finished"]
-
-
-def compress_hook(name: str, backend: str) -> Any:
-    """DDP's fp16_compress_hook / bf16_compress_hook (registered with state None). torch's
-    bf16 hook refuses anything but NCCL, though Gloo reduces bfloat16: on Gloo, the same
-    hook written out (`bf16_gloo_hook`)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if name == "fp16":
-        return default_hooks.fp16_compress_hook
-    return default_hooks.bf16_compress_hook if backend == "nccl" else bf16_gloo_hook
-
-
-def bf16_gloo_hook(process_group, bucket):
-    """What bf16_compress_hook does: the bucket cast to bfloat16, divided by the world size,
-    allreduced, cast back into the bucket. (No annotations: register_comm_hook compares them
-    with the real classes, and this module's are strings.)"""
-    group = process_group if process_group is not None else dist.group.WORLD
-    assert group is not None, "DDP calls its hooks in a joined process group"
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())
-
-    def decompress(fut):
-        return buffer.copy_(fut.value()[0])
-
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+log = logging.getLogger("app.allreduce")
 
 
 def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
@@ -355,7 +77,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         rank0 = None
         if checkpoints is not None and inputs.held_out is not None:
             rank0 = (checkpoints, datasets.eval_loader(inputs.held_out.data, config.batch_size, inputs.loader_workers))
-        trainer = Trainer(
+        trainer = AllreduceTrainer(
             config, world, model, state.optimizer, state, inputs.loader, inputs.sampler, device, metrics, rank0
         )
         seconds = train_timed(trainer, checkpoints)
@@ -453,11 +175,11 @@ def join_job(
     run already finished. The backend's name."""
     backend = rendezvous(world, device, config.rpc_timeout)
     log.info(
-        "%s joined the allreduce job at %s:%d (%d workers, %s)",
+        "%s joined the allreduce job at %s:%d (%s, %s)",
         config.name,
         world.addr,
         world.port,
-        world.size,
+        runtime.counted(world.size, "worker"),
         backend,
     )
     finished = start_state(state, checkpoints, device)
@@ -467,7 +189,7 @@ def join_job(
     return backend
 
 
-def train_timed(trainer: Trainer, checkpoints: Optional[Checkpointer]) -> float:
+def train_timed(trainer: AllreduceTrainer, checkpoints: Optional[Checkpointer]) -> float:
     """`trainer.train()`; its seconds. On the way out with an error, rank 0 checkpoints first."""
     started = time.monotonic()
     try:
@@ -502,12 +224,24 @@ def finish_rank0(
     )
 
 
-def leave_together(world: World) -> None:
-    """A last barrier: every rank is past its last step before any of them exits
-    (an exit while a peer still reads from it would fail that peer's step)."""
-    try:
-        dist.barrier()
-    except RuntimeError as error:  # every step was done: the job's result stands
-        log.warning(
-            "rank %d: a peer left before the final barrier (%s); every step was done", world.rank, _reason(error)
-        )
+def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> str:
+    """Rank 0 resumes from its checkpoint, then tells every rank where the job is and
+    the optimizer's state (DDP itself broadcasts rank 0's parameters and buffers).
+    Returns, on every rank, why there is nothing to do ('' when there is): this run
+    already finished (a restart after its end)."""
+    if checkpoints is not None:
+        checkpoints.resume()
+    box: list[Any] = [None]
+    if checkpoints is not None:
+        box = [
+            {
+                "progress": dataclasses.asdict(state.progress),
+                "optimizer": cpu_copy(state.optimizer.state_dict()),
+                "finished": checkpoints.run_finished,
+            }
+        ]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if checkpoints is None:
+        state.progress = Progress(**box[0]["progress"])
+        state.optimizer.load_state_dict(box[0]["optimizer"])
+    return box[0]["finished"]

@@ -1,4 +1,5 @@
-"""A training state's checkpoints: resume from the newest good one, periodic, on exit, on a finish, final.
+"""A training state's checkpoints: periodic, on exit, on a finish, and final.pt (the resume decision
+is app.checkpoint.resume's).
 
 Used by the PS (app.ps.process), a PS shard (app.ps.sharding.shard_process) and a DDP
 job's rank 0 (app.allreduce.job): anything `Checkpointable`.
@@ -16,17 +17,18 @@ from typing import Any, Protocol
 import torch
 
 from app.checkpoint import files as checkpoint_files
+from app.checkpoint import resume
 from app.config import Config
 from app.contract import worker_name
 from app.training.metrics import MetricsWriter
 
-log = logging.getLogger("app.ps")
+log = logging.getLogger("app.checkpoint")
 RETRY_SECONDS = 5.0  # final.pt that did not fit: tried again this often
 REMIND_SECONDS = 60.0  # ... and said again this often
 
 
 class Checkpointable(Protocol):
-    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.allreduce.job.JobState)."""
+    """What a Checkpointer saves and restores (app.ps.server.ParameterServer, app.allreduce.trainer.JobState)."""
 
     @property
     def version(self) -> int: ...
@@ -58,42 +60,24 @@ class Checkpointer:
         self.before_save: Callable[[int], None] = before_save or (lambda version: None)
         self._lock = threading.Lock()  # a finish's checkpoint comes from an RPC thread
         self.run_finished = ""  # set by `resume` when this run id has already finished
-        self._final: dict[str, Any] | None = None  # what final.pt says of its run (resume)
 
     def resume(self) -> None:
-        """Continue from the newest good checkpoint of an unfinished run of this job, when it
-        is this run's (same --run_id: a restarted PS), or --resume, or no run id was given.
-
-        Otherwise this is a new run: it starts at version 0 and sets the files it found aside
-        (`checkpoint.set_aside`, one log line saying where), so they are neither resumed nor
-        pruned by this run's checkpoints. With --resume and nothing to continue here, the
-        newest unfinished run set aside earlier (`previous/`) is moved back and continued.
+        """Continue from the newest good checkpoint this run continues, or start at version 0
+        (app.checkpoint.resume decides, and sets aside what it does not continue).
 
         A checkpoint directory this process cannot write to is a UsageError now, not a
         warning at every checkpoint and a failure at the end; one with room for fewer than
         two checkpoints is a warning (`check_room`). `run_finished` is set (one line for the
-        log) when this run id has already finished (a checkpoint marked finished, or its
-        final.pt: written first, it ends the run even when that checkpoint could not be
-        written after it): its final.pt stays."""
+        log) when this run id has already finished: its final.pt stays."""
         checkpoint_files.check_writable(self.directory)  # creates it when missing
         if checkpoint_files.remove_temp_files(self.directory):
             log.info("removed temp files of an interrupted checkpoint write in %s", self.directory)
-        found = checkpoint_files.newest_good(self.directory)
-        self._final = checkpoint_files.final_state(self.directory)
-        for path, state in ([found] if found is not None else []) + self._final_as_found():
-            if self._finished_here(state):
-                self.run_finished = (
-                    f"run {self.config.run_id} already finished at version {state['version']} "
-                    f"({path.name}; {self.directory / 'final.pt'} kept): nothing to do"
-                )
-                return
-        if found is not None and self._not_resumable(found[1]):
-            self._start_fresh(*found, self._not_resumable(found[1]))
-            found, self._final = None, None
-        if found is None and self.config.resume:
-            found = self._from_previous()
-        if found is not None:
-            self._restore(*found)
+        decision = resume.decide(self.directory, self.config, self.identity)
+        if decision.finished:
+            self.run_finished = decision.finished
+            return
+        if decision.found is not None:
+            self._restore(*decision.found)
         self.check_room()
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -126,87 +110,6 @@ class Checkpointer:
             size(free),
             limit,
             size(nbytes),
-        )
-
-    def _final_as_found(self) -> list[tuple[Path, dict[str, Any]]]:
-        """final.pt as a finished checkpoint of its run (its values other than the tensors'):
-        a run whose final.pt was written has ended, even when the checkpoint marked finished
-        after it could not be written (a full disk) and an older one is the newest."""
-        if self._final is None:
-            return []
-        return [(self.directory / "final.pt", {"finished": True, **self._final})]
-
-    def _ended_with_final(self, state: dict[str, Any]) -> bool:
-        """final.pt holds the end of the run `state` is a checkpoint of (same run id, same job,
-        not older): that run is not continued from `state`."""
-        final = self._final
-        return bool(
-            final is not None
-            and final.get("run_id", "") == state.get("run_id", "")
-            and final["version"] >= state["version"]
-            and not self._other_job(final)
-        )
-
-    def _finished_here(self, state: dict[str, Any]) -> bool:
-        """This run (same non-empty run id, same job) ended: a restart of its PS has nothing to do."""
-        return bool(
-            state["finished"]
-            and self.config.run_id
-            and state.get("run_id") == self.config.run_id
-            and not self._other_job(state)
-        )
-
-    def _from_previous(self) -> tuple[Path, dict[str, Any]] | None:
-        """--resume with nothing here to continue: the newest unfinished run of this job set
-        aside in previous/, moved back; None when there is none."""
-        for where, (path, state) in checkpoint_files.set_aside_runs(self.directory):
-            ended = checkpoint_files.final_state(where)
-            if ended is not None and ended.get("run_id", "") == state.get("run_id", ""):
-                continue  # that run wrote its final.pt: it ended
-            if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
-                moved = checkpoint_files.move_back(where, self.directory)
-                log.info(
-                    "--resume: moved %d file(s) of run %s back from %s",
-                    moved,
-                    state.get("run_id") or "without an id",
-                    where,
-                )
-                return self.directory / path.relative_to(where), state
-        return None
-
-    def _other_job(self, state: dict[str, Any]) -> str:
-        """'it is of another job (...)' when `state`'s identity is not this job's, else ''."""
-        defaults = {"shards": 1, "shard": 0}  # identity keys of a sharded PS (app.ps.sharding.slices)
-        expected = {**defaults, **self.identity}
-        mismatch = {k: state.get(k, defaults.get(k)) for k, v in expected.items() if state.get(k, defaults.get(k)) != v}
-        return f"it is of another job ({mismatch})" if mismatch else ""
-
-    def _not_resumable(self, state: dict[str, Any]) -> str:
-        """Why `state` is not continued by this run ('' when it is)."""
-        if self._other_job(state):
-            return self._other_job(state)
-        if state["finished"]:
-            return "it ended a finished run"
-        if self._ended_with_final(state):
-            return f"its run ended at version {self._final['version']} (final.pt)"  # type: ignore[index]
-        run = state.get("run_id", "")
-        if self.config.run_id and run != self.config.run_id and not self.config.resume:
-            return (
-                f"it is of run {run or 'without an id'}, this is run {self.config.run_id} "
-                "(--resume, make up RESUME=1, continues it)"
-            )
-        return ""
-
-    def _start_fresh(self, path: Path, state: dict[str, Any], why: str) -> None:
-        label = state.get("run_id") or f"version-{state['version']}"
-        moved = checkpoint_files.set_aside(self.directory, label)
-        where = f"; its files moved to {moved[0]}" if moved else ""
-        log.info(
-            "not resuming from %s (version %d): %s; starting a new run at version 0%s",
-            path.name,
-            state["version"],
-            why,
-            where,
         )
 
     def due(self) -> bool:

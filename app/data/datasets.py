@@ -268,7 +268,11 @@ def _cached(
             return imagecache.CachedImageFolder(mine, train, crop=crop, threads=cache.threads), mine is not chosen
     if mode == "off":
         return None, False
-    data = imagecache.CachedImageFolder(mine, train, crop=crop, cache_dir=cache.directory, threads=cache.threads)
+    try:
+        data = imagecache.CachedImageFolder(mine, train, crop=crop, cache_dir=cache.directory, threads=cache.threads)
+    except imagecache.NoRoom as error:  # a full volume is a warning: the images are decoded as they come
+        log.warning("image cache: %s; decoding the images every epoch instead (free space there for the cache)", error)
+        return None, False
     return data, mine is not chosen
 
 

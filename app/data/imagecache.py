@@ -170,20 +170,12 @@ class CachedImageFolder(Dataset):
         n = len(samples)
         if cache_dir is not None and n:  # an empty shard (more workers than images) needs no file
             self.path = Path(cache_dir) / (cache_key(samples, size) + SUFFIX)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # One process writes a cache file; the others that need it (every worker, when it
-            # holds the whole split) wait, then map what it wrote.
-            with exclusive(self.path.with_name(f".{self.path.name}.lock"), "writing it"):
-                if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
-                    log.warning(
-                        "image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
-                        self.path,
-                        self.path.stat().st_size,
-                        _file_bytes(n, size),
-                    )
-                    self.path.unlink(missing_ok=True)
-                if not self.path.exists():
-                    _write_cache_file(self.path, samples, size, threads)
+            try:
+                self._file(threads)
+            except OSError as error:  # a full volume: not even the directory or the lock fits
+                if error.errno not in NO_ROOM:
+                    raise
+                raise NoRoom(_no_room(_file_bytes(n, size), self.path.parent, error.strerror or str(error))) from None
             self._map()
             return
         storage = _shared_storage(max(1, n * 3 * size * size))
@@ -192,6 +184,25 @@ class CachedImageFolder(Dataset):
         self.bad = torch.zeros(n, dtype=torch.uint8).share_memory_()
         # A skipped file's slot takes its stand-in's label too.
         self.labels = torch.tensor([label for _, label in samples], dtype=torch.long).share_memory_()
+
+    def _file(self, threads: int) -> None:
+        """The cache file, whole: written here, or by another process meanwhile."""
+        assert self.path is not None
+        n, size = len(self.samples), self.size
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One process writes a cache file; the others that need it (every worker, when it
+        # holds the whole split) wait, then map what it wrote.
+        with exclusive(self.path.with_name(f".{self.path.name}.lock"), "writing it"):
+            if self.path.exists() and self.path.stat().st_size != _file_bytes(n, size):
+                log.warning(
+                    "image cache: %s is damaged (%d bytes, %d expected); decoding the shard again",
+                    self.path,
+                    self.path.stat().st_size,
+                    _file_bytes(n, size),
+                )
+                self.path.unlink(missing_ok=True)
+            if not self.path.exists():
+                _write_cache_file(self.path, samples=self.samples, size=size, threads=threads)
 
     def _map(self) -> None:
         """Map the cache file (copy-on-write, lazily paged): labels, bad flags, images."""
@@ -309,20 +320,28 @@ def _gathered_crops(
     return batch[images, channels, rows[:, None, :, None], cols[:, None, None, :]]
 
 
+class NoRoom(Exception):
+    """The cache file does not fit where it goes (a full volume); the message says where, how
+    much it needs and how much is free, in one line."""
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def reserve(fd: int, nbytes: int, directory: Path) -> None:
     """Give the file `fd` its `nbytes` on disk now (posix_fallocate), so that a full disk is
-    one error here and not a SIGBUS when a page of the mapping is first written; UsageError
-    (one line: where, how much is needed and free, what to set) when it does not fit."""
+    one error here and not a SIGBUS when a page of the mapping is first written; NoRoom when
+    it does not fit."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
         return
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # no room (ENOSPC, EDQUOT, EFBIG)
-            raise UsageError(_no_room(nbytes, directory, e.strerror or str(e))) from None
+            raise NoRoom(_no_room(nbytes, directory, e.strerror or str(e))) from None
     # A filesystem without fallocate: check the free space, then size the file.
     free = shutil.disk_usage(directory).free
     if free < nbytes:
-        raise UsageError(_no_room(nbytes, directory, "not enough free space"))
+        raise NoRoom(_no_room(nbytes, directory, "not enough free space"))
     os.ftruncate(fd, nbytes)
 
 
@@ -331,10 +350,7 @@ def _no_room(nbytes: int, directory: Path, why: str) -> str:
         free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free"
     except OSError:
         free = "free space unknown"
-    return (
-        f"--image_cache file: cannot reserve {nbytes / 2**30:.2f} GiB for the cache file in {directory} "
-        f"({why}; {free}); free space there, or set train.image_cache to memory or off"
-    )
+    return f"no room for the {nbytes / 2**30:.2f} GiB cache file in {directory} ({why}; {free})"
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:

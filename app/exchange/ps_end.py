@@ -35,7 +35,7 @@ from app.exchange.layout import cut
 from app.exchange.notes import SUFFIX as NOTES_SUFFIX
 from app.exchange.notes import NoteInbox
 from app.exchange.segment import SUFFIX as SHM_SUFFIX
-from app.exchange.segment import Offer, Segment, ShmUnavailable, segment_bytes
+from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.wire import Reply, SlotReply
 from app.training.flat import state_size
 
@@ -84,10 +84,6 @@ class SharedExchange:
             segment.close()
             raise ShmUnavailable(f"cannot make the note socket beside {segment.path}: {error.strerror}") from None
         return cls(segment, parts, notes)
-
-    @staticmethod
-    def bytes_needed(floats: int, max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
-        return segment_bytes(floats, len(region_names(max_rank, overlap, sync, ahead)))
 
     def offer(self, life: int = 0) -> Offer:
         """What a worker maps; `life`: which of its rank's joins this answers (its notes say it)."""
@@ -175,12 +171,14 @@ def open_exchange(
         log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
         return None
     log.info(
-        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %d workers%s); "
+        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s%s); "
         "a worker that cannot map it uses TensorPipe",
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,
-        max_rank,
-        f"; {len(exchange.parts)} partitions applied as backward finishes them" if exchange.parts else "",
+        runtime.counted(max_rank, "worker"),
+        f"; {runtime.counted(len(exchange.parts), 'partition')} applied as backward finishes them"
+        if exchange.parts
+        else "",
     )
     return exchange

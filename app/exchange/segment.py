@@ -9,10 +9,16 @@ later), maps it and holds an exclusive `flock` on it for as long as it lives; th
 it by the path and checks the nonce its PS gave it, so a file of the same name that is not
 the same memory (another host, another IPC namespace) is refused, not used.
 
+The directory (--shm_dir, /dev/shm by default; `orchestrator local` gives each run its own,
+`/dev/shm/psc-<name>-<run id>`) must be on a tmpfs: elsewhere the segment would be written back
+to a disk. It is made (0700) only where its parent is a tmpfs directory already; otherwise the
+exchange is not had here (one line says why) and nothing is created.
+
 Nothing is left behind: the owner unlinks the file when it ends; a file whose owner was killed
-(no lock held any more) is removed by `sweep`, which every PS runs before it creates its own
-and the orchestrator after a local run. A worker never unlinks: its mapping keeps the memory
-alive until it unmaps, whatever happens to the name.
+(no lock held any more) is removed by `sweep`, which every PS runs before it creates its own:
+in its directory, in the `psc-*` directories in it and, for a run's own directory, in the
+other runs' beside it, each removed once nothing of it is left. A worker never unlinks: its
+mapping keeps the memory alive until it unmaps, whatever happens to the name.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -44,6 +51,7 @@ MAGIC = b"PSCSHM01"
 PAGE = SHM_PAGE
 HEADER = PAGE  # magic, nonce; the rest of the page is reserved
 FLOAT = 4
+STALE_SECONDS = 60.0  # an empty psc-* directory unchanged this long is a dead run's: swept
 
 
 class ShmUnavailable(RuntimeError):
@@ -89,20 +97,29 @@ class Segment:
     @classmethod
     def create(cls, directory: str, floats: int, names: Sequence[str]) -> Segment:
         """A new segment in `directory`, owned (locked) by this process; ShmUnavailable when
-        the directory is missing or too small for it. It is made under a name `sweep` does
-        not look at, locked, reserved and stamped, and only then renamed to its own."""
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as error:
-            raise ShmUnavailable(f"cannot make {directory}: {error.strerror}") from None
-        sweep(directory)
+        the directory is not a tmpfs one (`make_directory`) or too small for it. It is made
+        under a name `sweep` does not look at, locked, reserved and stamped, and only then
+        renamed to its own."""
+        if os.path.basename(directory.rstrip("/")).startswith(PREFIX):  # a run's own: the other runs' beside it
+            sweep(os.path.dirname(directory.rstrip("/")))
         size = segment_bytes(floats, len(names))
         stem = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         path, making = os.path.join(directory, stem + SUFFIX), os.path.join(directory, f".{stem}{MAKING}")
-        try:
-            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as error:
-            raise ShmUnavailable(f"cannot create a file in {directory}: {error.strerror}") from None
+        for tries_left in (1, 0):
+            made = make_directory(directory)
+            sweep(directory)
+            try:
+                fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileNotFoundError:
+                if tries_left:  # another run's sweep took the empty directory meanwhile: make it again
+                    continue
+                raise ShmUnavailable(f"cannot create a file in {directory}: it was removed meanwhile") from None
+            except OSError as error:
+                if made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)
+                raise ShmUnavailable(f"cannot create a file in {directory}: {error.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _reserve(fd, size, directory)
@@ -115,6 +132,9 @@ class Segment:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name)
             os.close(fd)
+            if made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
             raise
 
     @classmethod
@@ -171,6 +191,55 @@ class Segment:
             self._fd = None
 
 
+def make_directory(directory: str) -> bool:
+    """Check that `directory` is a tmpfs directory, making it (0700) when missing and its parent
+    is one; whether it was made. ShmUnavailable, in one line, when it is not absolute, not
+    there and cannot be made there, or not on a tmpfs: nothing is created then."""
+    if not os.path.isabs(directory):
+        raise ShmUnavailable(f"{directory} is not an absolute path")
+    made = False
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(directory.rstrip("/")) or "/"
+        if not os.path.isdir(parent):
+            raise ShmUnavailable(f"{directory} does not exist, nor does {parent}")
+        kind = filesystem_of(parent)
+        if kind not in ("tmpfs", ""):
+            raise ShmUnavailable(f"{directory} does not exist, and {parent} is on {kind}, not a tmpfs")
+        try:
+            os.mkdir(directory, 0o700)
+            made = True
+        except FileExistsError:
+            pass  # another PS process of the run made it meanwhile
+        except OSError as error:
+            raise ShmUnavailable(f"cannot make {directory}: {error.strerror}") from None
+    kind = filesystem_of(directory)
+    if kind not in ("tmpfs", ""):
+        raise ShmUnavailable(f"{directory} is on {kind}, not a tmpfs: a segment there would be written to disk")
+    return made
+
+
+def filesystem_of(path: str) -> str:
+    """The type of the filesystem `path` is on (`tmpfs`, `ext4`...), from /proc/self/mountinfo;
+    '' where that cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    path = os.path.realpath(path)
+    found, kind = "", ""
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # \040: a space
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(found):  # the deepest; of equals, the last mounted
+            found, kind = point, rest.split()[0]
+    return kind
+
+
 def _reserve(fd: int, size: int, directory: str) -> None:
     """Reserve `size` bytes for the file now; ShmUnavailable naming what is free when they
     do not fit (tmpfs otherwise allocates on first touch, and a full one is a SIGBUS)."""
@@ -192,19 +261,45 @@ def free_bytes(directory: str) -> int:
 
 
 def sweep(directory: str = DEFAULT_DIR) -> list[str]:
-    """Remove the segments in `directory` whose owner is gone (no lock held on them), and
-    half-made ones of a process that died making them; the paths removed. A live owner's
-    segment, and files that are not segments, stay."""
-    found = sorted(Path(directory).glob(f"{PREFIX}*{SUFFIX}")) + sorted(Path(directory).glob(f".{PREFIX}*{MAKING}"))
+    """Remove what processes that ended left in `directory` and in the `psc-*` directories in it
+    (runs' own, `orchestrator local`'s): segments whose owner is gone (no lock held on them),
+    half-made ones of a process that died making them, note sockets whose segment is gone, and
+    such a directory once nothing is left in it; the paths removed. A live owner's segment, a
+    directory a live run may still fill (emptied by nobody, changed in the last minute), and
+    files that are not segments stay."""
+    removed = _sweep_files(Path(directory))
+    for run in sorted(Path(directory).glob(f"{PREFIX}*")):
+        if run.is_dir() and not run.is_symlink():
+            gone = _sweep_files(run)
+            removed += gone
+            if _remove_if_ended(run, emptied=bool(gone)):
+                removed.append(str(run))
+    if removed:
+        log.info("removed %d shared-memory file(s) left by processes that ended: %s", len(removed), removed)
+    return removed
+
+
+def _sweep_files(directory: Path) -> list[str]:
+    found = sorted(directory.glob(f"{PREFIX}*{SUFFIX}")) + sorted(directory.glob(f".{PREFIX}*{MAKING}"))
     removed = [str(path) for path in found if _remove_unowned(path)]
-    for notes in sorted(Path(directory).glob(f"{PREFIX}*{NOTES_SUFFIX}")):  # a note socket whose segment is gone
+    for notes in sorted(directory.glob(f"{PREFIX}*{NOTES_SUFFIX}")):  # a note socket whose segment is gone
         if not notes.with_suffix(SUFFIX).exists():
             with contextlib.suppress(OSError):
                 notes.unlink()
                 removed.append(str(notes))
-    if removed:
-        log.info("removed %d shared-memory segment(s) left by a process that ended: %s", len(removed), removed)
     return removed
+
+
+def _remove_if_ended(run: Path, emptied: bool) -> bool:
+    """Remove a run's directory that is empty: just emptied of a dead owner's files, or left
+    unchanged for STALE_SECONDS (a run that made it and ended). rmdir: never one with files."""
+    try:
+        if not emptied and time.time() - run.stat().st_mtime < STALE_SECONDS:
+            return False
+        run.rmdir()
+        return True
+    except OSError:  # not empty, or gone already
+        return False
 
 
 def _remove_unowned(path: Path) -> bool:

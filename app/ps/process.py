@@ -33,7 +33,7 @@ from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
-from app.runtime import choose_device, progress, rpc_session
+from app.runtime import choose_device, counted, progress, rpc_session
 from app.training import models
 from app.training.evaluate import Evaluator
 from app.training.flat import state_size
@@ -282,4 +282,4 @@ def train_until_done(
                 )
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():
-            checkpoints.save(f"every {config.checkpoint_every} updates")
+            checkpoints.save(f"every {counted(config.checkpoint_every, 'update')}")

@@ -47,6 +47,7 @@ from app.ps.policies import PolicyConfig, policy_for
 from app.ps.policies.base import Ready
 from app.ps.replies import ReplyBuffers
 from app.ps.state import State, StateConfig
+from app.runtime import counted
 
 log = logging.getLogger("app.ps")
 NONFINITE = (
@@ -207,7 +208,7 @@ class ParameterServer:
             ready = self.policy.unblock()
             self._moved()
         _complete(ready)
-        log.info("%s finished after %d pushes (%s)", name, pushes, summary)
+        log.info("%s finished after %s (%s)", name, counted(pushes, "push", "pushes"), summary)
         try:
             self.on_finish(rank)
         finally:
@@ -230,7 +231,7 @@ class ParameterServer:
             self._event()
             summary = self.members.summary()
         _complete(ready)
-        log.info("%s left after %d pushes (%s)", name, pushes, summary)
+        log.info("%s left after %s (%s)", name, counted(pushes, "push", "pushes"), summary)
         self.on_leave(rank, name)
         return None
 

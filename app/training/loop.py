@@ -1,4 +1,4 @@
-"""The training loop's pieces that a PS worker (app.worker.trainer) and a DDP rank (app.allreduce.job) share:
+"""The training loop's pieces that a PS worker (app.worker.trainer) and a DDP rank (app.allreduce.trainer) share:
 the resumable walk over epochs and batches, a batch put on the device, and the progress report."""
 
 from __future__ import annotations

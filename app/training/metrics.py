@@ -34,7 +34,8 @@ class JsonLines:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.dropped = 0  # records not written since the last one that was
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> bool:
+        """Append `record`; whether it fit."""
         line = (json.dumps(record) + "\n").encode()
         size = os.fstat(self._fd).st_size
         try:
@@ -46,10 +47,11 @@ class JsonLines:
             if not self.dropped:
                 log.warning("metrics: record not written to %s (%s); dropping records until it fits", self.path, error)
             self.dropped += 1
-            return
+            return False
         if self.dropped:
             log.warning("metrics: writing to %s again; %d record(s) were dropped", self.path, self.dropped)
             self.dropped = 0
+        return True
 
     def close(self) -> None:
         os.close(self._fd)
@@ -81,9 +83,9 @@ class MetricsWriter:
             **fields,
         }
         with self._lock:
-            self._lines.write(record)
+            fit = self._lines.write(record)
             if self._events is not None:
-                self._events.write(event, step, fields, now)
+                self._events.write(event, step, fields, now, room=fit)
             if self.tracker is not None:
                 self.tracker.record(event, step, fields)
 

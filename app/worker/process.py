@@ -1,14 +1,17 @@
 """The worker process: check input, join (or rejoin) the job, train, report, leave.
 
-SIGTERM while it trains (a scale down, or the cluster stopping) is a clean leave:
-the push on the wire is answered, the PS records the rank as `left` and stops
-waiting for it, and the process exits 0."""
+SIGTERM (a scale down, or the cluster stopping) ends it with status 0 and one line at any
+moment of its life. Before it asks the PS to join, it exits at once: nothing to hand over
+(app.__main__ sets that up). From its join on, the PS has the rank: the join's answer is
+taken, the push on the wire is answered, the PS records the rank as `left` and stops waiting
+for it. Once it trained its epochs, its finish and `end` record are made whole first."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -20,6 +23,7 @@ from app.contract import PS, strategy_of
 from app.data import datasets
 from app.data.datasets import LabeledData, ShardSampler
 from app.exchange import group
+from app.exchange.wire import Start
 from app.runtime import choose_device, gpu_identity, rpc_session
 from app.training import models
 from app.training.metrics import MetricsWriter, run_records
@@ -103,40 +107,56 @@ def join_and_train(
     )
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
-    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics:
+    with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics, ExitStack() as session:
         started = time.monotonic()
-        with rpc_session(config, rank=rpc_id, name=name):
-            start = channel.join()
+        start: Start | None = None
+        trainer: Trainer | None = None
+        try:
+            # In the RPC group, the process is on its member list until the PS takes it off as it
+            # joins (app.exchange.group): a SIGTERM from here on joins first, then leaves.
+            with runtime.sigterm_deferred():
+                runtime.sigterm_exits_at_once("")
+                session.enter_context(rpc_session(config, rank=rpc_id, name=name))
+                start = channel.join()
             at = start.progress
             metrics.start(config, at.pushes)
             metrics.write("join", at.pushes, worker=name, epoch=at.epoch, batch=at.batch, **gpu_identity(device))
             trainer = Trainer(config, model, loader, sampler, device, channel, metrics)
-            try:
-                pushes = trainer.train(start)
-            except SystemExit:  # SIGTERM: scaled down (or the cluster stops): leave the job cleanly
-                return leave(trainer, channel, metrics, started)
-            channel.finish(pushes)
-            metrics.write(
-                "end",
-                pushes,
-                seconds=round(time.monotonic() - started, 2),
-                refused=trainer.refused,
-                skipped=trainer.skipped,
-                **datasets.skipped(train.data),
-            )
+            pushes = trainer.train(start)
+        except SystemExit:  # SIGTERM: scaled down (or the cluster stops): leave the job cleanly
+            return leave(start, trainer, channel, metrics, started)
+        try:
+            with runtime.sigterm_deferred():  # its finish and `end` record whole
+                channel.finish(pushes)
+                metrics.write(
+                    "end",
+                    pushes,
+                    seconds=round(time.monotonic() - started, 2),
+                    refused=trainer.refused,
+                    skipped=trainer.skipped,
+                    **datasets.skipped(train.data),
+                )
+        except SystemExit:
+            done = runtime.counted(pushes, "push", "pushes")
+            log.info("%s finished its epochs after %s; stopped (SIGTERM) as it ended", name, done)
     return 0
 
 
-def leave(trainer: Trainer, channel: Channel, metrics: MetricsWriter, started: float) -> int:
+def leave(
+    start: Start | None, trainer: Trainer | None, channel: Channel, metrics: MetricsWriter, started: float
+) -> int:
     """After SIGTERM: take the answer to a push still on the wire, tell the PS this rank leaves
     (it stops waiting for it: a `left` record, not a drop) and exit 0, so compose's restart
     policy (on-failure) leaves it stopped. When the PS is gone too, 143 as any SIGTERM."""
+    if start is None:  # its join failed as the SIGTERM came: the PS does not have it
+        log.info("%s stopped (SIGTERM) while joining the job", channel.name)
+        return 0
     try:
-        pushes = trainer.last_reply()
+        pushes = max(trainer.last_reply() if trainer is not None else 0, start.progress.pushes)
         channel.leave(pushes)
     except PSUnreachable as error:  # the PS stops too (the whole cluster stops): nothing to tell it
         log.info("%s stopped (SIGTERM) without leaving: %s", channel.name, error)
         return 128 + signal.SIGTERM
-    log.info("%s left the job after %d pushes (SIGTERM)", channel.name, pushes)
+    log.info("%s left the job after %s (SIGTERM)", channel.name, runtime.counted(pushes, "push", "pushes"))
     metrics.write("left", pushes, worker=channel.name, seconds=round(time.monotonic() - started, 2))
     return 0

@@ -207,6 +207,7 @@ def judge(seen: Observed) -> list[Row]:
         checks.accuracy(seen.ps, THRESHOLD),
         checks.containers_exited(seen.states, seen.ctx.scaled if seen.ctx else set()),
         checks.faults_recovered(seen.results),
+        checks.full_volume_restarts_none(seen.results),
         *checks.segment_rows(seen.results),
         checks.shm_at_end(seen.shm_end),
         *checks.nothing_left(seen.leftovers, final),

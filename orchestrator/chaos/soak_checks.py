@@ -198,6 +198,19 @@ def faults_recovered(results: list[FaultResult]) -> Row:
     return Row("every fault recovered", bool(done) and not missing, evidence)
 
 
+def full_volume_restarts_none(results: list[FaultResult]) -> Row:
+    """A state volume that filled up restarted no container: the app says a file that does not
+    fit in one line and goes on (the fill fault notes which ones Docker restarted meanwhile)."""
+    name = "a full state volume restarts no process"
+    fills = [r for r in results if r.kind == "fill" and not r.skipped]
+    if not fills:
+        return Row(name, True, "no fill in this soak")
+    restarted = sorted({s for r in fills for s in r.details.get("restarted", [])})
+    if restarted:
+        return Row(name, False, f"Docker restarted {', '.join(restarted)} while the volume was full or after")
+    return Row(name, True, f"{len(fills)} fill{'s' if len(fills) != 1 else ''}, no container restarted")
+
+
 def segment_rows(results: list[FaultResult]) -> list[Row]:
     """The shared-memory exchange through the faults, where the soak could observe it."""
     rows = []

@@ -275,15 +275,15 @@ def fill(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     meanwhile = [r for r in ps_after(job, filled, Event.CHECKPOINT) if r["time"] <= released]
     held = f"filled {info['written'] / 1e6:.1f} MB for {released - filled:.1f} s"
     held += f" ({len(meanwhile)} checkpoints written meanwhile)"
+    crashed = sorted(s for s, v in job.states().items() if v["restarts"] > restarts.get(s, 0))
+    out.details["restarted"] = crashed  # judged by soak_checks.full_volume_restarts_none
+    if crashed:
+        held += f"; Docker restarted {', '.join(crashed)} meanwhile"
     if not checkpoints:
         out.notes = f"{held}; no checkpoint within {ctx.recovery_s:.0f} s after"
         return out
     out.recovered_s = checkpoints[0]["time"] - start
     out.notes = f"{held}; checkpointed again at version {checkpoints[0]['step']}"
-    crashed = sorted(s for s, v in job.states().items() if v["restarts"] > restarts.get(s, 0))
-    out.details["restarted"] = crashed
-    if crashed:
-        out.notes += f"; Docker restarted {', '.join(crashed)} meanwhile"
     return out
 
 

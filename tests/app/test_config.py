@@ -56,6 +56,9 @@ def test_other_env_vars_are_ignored():
             {},
             "--overlap: got true; allowed only with strategy async",
         ),
+        # handed to the workers as it is: a relative one was accepted and meant another directory to each
+        (["ps"], {"PSC_SHM_DIR": "shm"}, "PSC_SHM_DIR: 'shm' is not an absolute path; give the tmpfs directory"),
+        (["worker", "--shm_dir", "./x"], {}, "--shm_dir: './x' is not an absolute path"),
     ],
 )
 def test_bad_input_raises_usage_error_naming_it(argv, env, message):

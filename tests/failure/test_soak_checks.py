@@ -117,6 +117,19 @@ def test_every_injected_fault_must_recover_and_a_skipped_one_does_not_count():
     assert not checks.faults_recovered([skipped]).passed  # a soak that injected nothing proves nothing
 
 
+def test_a_fill_that_restarted_a_container_fails_naming_it():
+    """The soak's fill fault once restarted the PS, the shard and the workers (an event file's
+    OSError ended each) and still counted as recovered: this row fails on it."""
+    calm = FaultResult("fill", "the state volume", 1.0, recovered_s=3.0, details={"restarted": []})
+    crashed = FaultResult("fill", "the state volume", 9.0, recovered_s=4.0, details={"restarted": ["ps", "worker1"]})
+    assert checks.full_volume_restarts_none([calm]).passed
+    assert checks.full_volume_restarts_none([calm]).evidence == "1 fill, no container restarted"
+    row = checks.full_volume_restarts_none([calm, crashed])
+    assert not row.passed and row.evidence == "Docker restarted ps, worker1 while the volume was full or after"
+    skipped = FaultResult("fill", "the state volume", 1.0, skipped="no room")
+    assert checks.full_volume_restarts_none([skipped]).evidence == "no fill in this soak"
+
+
 def test_segment_observations_pass_when_seen_and_held_and_say_when_not_seen():
     results = [
         FaultResult("worker-kill", "worker1", 0.0, segment_reused=True),

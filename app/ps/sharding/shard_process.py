@@ -142,8 +142,17 @@ def run(config: Config) -> int:
                     _save_on_exit(server, identity, own.checkpoint_dir)
                     raise
             state = {**server.checkpoint(), **identity, "finished": ENDPOINT.finished}
-            path = checkpoint_files.save(state, own.checkpoint_dir)
-            log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
+            try:
+                path = checkpoint_files.save(state, own.checkpoint_dir)
+            except OSError as error:  # a full volume: the main PS's final.pt holds the whole model
+                log.warning(
+                    "%s: training ended; its last checkpoint (version %d) not written: %s",
+                    name,
+                    state["version"],
+                    first_line(error),
+                )
+            else:
+                log.info("%s: training ended; last checkpoint %s (version %d)", name, path.name, state["version"])
         metrics.write("end", server.version, **server.stats())
     return 0
 

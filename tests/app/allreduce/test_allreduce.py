@@ -1,4 +1,4 @@
-"""Strategy allreduce (app/allreduce/job.py): DDP workers, no PS. Units without processes,
+"""Strategy allreduce (app/allreduce/): DDP workers, no PS. Units without processes,
 then 2 real processes on 127.0.0.1 (CPU, Gloo, the built-in CNN on digits)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from app.allreduce import job as ddp
+from app.allreduce import hooks, world
+from app.allreduce import trainer as ddp
 from app.checkpoint import files as checkpoint_files
 from app.config import UsageError, parse
 from app.contract import UNNAMED_RUN, event_dir
@@ -75,19 +76,19 @@ def config(*args: str, env: dict[str, str] | None = None):
 
 
 def test_world_is_the_workers_or_torchrun():
-    w = ddp.world_of(config("--rank", "3", "--world_size", "4", "--master_addr", "w1", "--master_port", "7"), {})
+    w = world.world_of(config("--rank", "3", "--world_size", "4", "--master_addr", "w1", "--master_port", "7"), {})
     assert (w.rank, w.size, w.addr, w.port, w.torchrun) == (2, 3, "w1", 7, False)
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "LOCAL_RANK": "1"}
-    w = ddp.world_of(config(), env)
+    w = world.world_of(config(), env)
     assert (w.rank, w.size, w.addr, w.port, w.local_rank, w.torchrun) == (1, 2, "10.0.0.1", 29400, 1, True)
-    assert ddp.world_of(config(), {"RANK": "1"}).torchrun is False  # only all four together
+    assert world.world_of(config(), {"RANK": "1"}).torchrun is False  # only all four together
     with pytest.raises(UsageError, match="RANK 2 must be in 0..1"):
-        ddp.world_of(config(), {**env, "RANK": "2"})
+        world.world_of(config(), {**env, "RANK": "2"})
 
 
 def test_every_rank_takes_as_many_steps_and_a_resumed_epoch_skips_what_it_trained():
     train = datasets.load("digits", "", "train", 0).data  # 1438 samples: not divisible by 3
-    worlds = [ddp.World(r, 3, "x", 1, 0, False) for r in range(3)]
+    worlds = [world.World(r, 3, "x", 1, 0, False) for r in range(3)]
     samplers = [ddp.EpochSampler(train, w, seed=5) for w in worlds]
     for s in samplers:
         s.set_epoch(2)
@@ -124,9 +125,9 @@ def test_job_state_round_trips_through_a_verified_checkpoint(tmp_path):
 def test_compression_hooks():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    assert ddp.compress_hook("fp16", "gloo") is default_hooks.fp16_compress_hook
-    assert ddp.compress_hook("bf16", "nccl") is default_hooks.bf16_compress_hook
-    assert ddp.compress_hook("bf16", "gloo") is ddp.bf16_gloo_hook  # torch's refuses Gloo
+    assert hooks.compress_hook("fp16", "gloo") is default_hooks.fp16_compress_hook
+    assert hooks.compress_hook("bf16", "nccl") is default_hooks.bf16_compress_hook
+    assert hooks.compress_hook("bf16", "gloo") is hooks.bf16_gloo_hook  # torch's refuses Gloo
 
 
 def test_evaluate_leaves_the_model_training():
@@ -326,19 +327,17 @@ def test_with_the_file_cache_each_rank_holds_an_equal_padded_shard_and_takes_as_
 
 
 def _ddp_trainer(optimizer_step=None, rank0=None):
-    from app.allreduce import job as ddp
-
     config = parse(["worker", "--strategy", "allreduce", "--eval_every", "1"], {})
     model = _linear(4)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     if optimizer_step is not None:
         optimizer.step = optimizer_step(optimizer.step)
     state = ddp.JobState(model, optimizer)
-    world = ddp.World(0, 1, "127.0.0.1", 1, 0, False)
+    at = world.World(0, 1, "127.0.0.1", 1, 0, False)
     metrics = SimpleNamespace(write=lambda *a, **f: None)
-    trainer = ddp.Trainer(
+    trainer = ddp.AllreduceTrainer(
         config,
-        world,
+        at,
         _Wrapped(model),
         optimizer,
         state,  # type: ignore[arg-type]
@@ -394,8 +393,6 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
 
 def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it(monkeypatch):
     import threading
-
-    from app.allreduce import job as ddp
 
     release, evaluated = threading.Event(), []
 

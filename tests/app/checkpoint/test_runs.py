@@ -125,7 +125,7 @@ def _run(tmp_path, run_id: str, pushes: int, *extra: str, finish: bool = False) 
 def test_a_new_run_starts_fresh_and_sets_an_unfinished_runs_files_aside(tmp_path, caplog):
     _run(tmp_path, "run-a", 3)
     old = {p.name: p.read_bytes() for p in (tmp_path / "ck").glob("ckpt-*.pt")}
-    with caplog.at_level(logging.INFO, logger="app.ps"):
+    with caplog.at_level(logging.INFO, logger="app.checkpoint"):
         fresh = _run(tmp_path, "run-b", 0)
     assert fresh.server.version == 0 and fresh.saved_version == -1
     aside = tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-a"
@@ -156,7 +156,7 @@ def test_the_new_runs_pruning_never_reaches_the_files_set_aside(tmp_path):
 
 def test_resume_continues_another_runs_checkpoint_and_says_which_version(tmp_path, caplog):
     _run(tmp_path, "run-a", 4)
-    with caplog.at_level(logging.INFO, logger="app.ps"):
+    with caplog.at_level(logging.INFO, logger="app.checkpoint"):
         resumed = _run(tmp_path, "run-b", 0, "--resume", "true")
     assert resumed.server.version == 4 and resumed.saved_version == 4
     assert re.search(

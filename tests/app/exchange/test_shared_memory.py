@@ -3,7 +3,9 @@ worker's link to it (app.exchange.worker_end), in one process and between real p
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,8 +16,8 @@ import torch
 from torch import nn
 
 from app.contract import exchange_bytes, exchange_regions
-from app.exchange.ps_end import SharedExchange, region_names
-from app.exchange.segment import Offer, Segment, ShmUnavailable, sweep
+from app.exchange.ps_end import SharedExchange, open_exchange, region_names
+from app.exchange.segment import Offer, Segment, ShmUnavailable, filesystem_of, segment_bytes, sweep
 from app.exchange.wire import Reply, SlotReply
 from app.exchange.worker_end import WorkerEnd
 from app.training.flat import FlatModel
@@ -29,9 +31,7 @@ def shm_dir(tmp_path):
     path = Path("/dev/shm") / f"psc-test-{os.getpid()}-{tmp_path.name}"
     path.mkdir()
     yield path
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
+    shutil.rmtree(path, ignore_errors=True)  # a PS's sweep may have taken it once it was empty a while
 
 
 def _bn_model() -> nn.Module:
@@ -112,6 +112,57 @@ def test_sweep_removes_the_segment_of_a_killed_owner_and_keeps_a_live_ones(shm_d
         live.close()
 
 
+def test_a_killed_runs_directory_is_swept_by_the_next_run_subdirectories_included(shm_dir):
+    """`orchestrator local` gives each run its own directory; SIGKILL of a run left its segment
+    there, and each later PS swept only its own run's directory: it survived every later run.
+    Now the next run's PS removes it, its note socket and its directory; a live run's stay."""
+    killed, live_run, empty_run = shm_dir / "psc-job-run1", shm_dir / "psc-job-run2", shm_dir / "psc-job-run0"
+    killed.mkdir()
+    empty_run.mkdir()  # a live run that has not made its segment yet
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWN_AND_WAIT, str(killed)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    dead = Path(owner.stdout.readline().strip())
+    (killed / dead.name.replace(".shm", ".notes")).touch()  # its note socket's name
+    live = Segment.create(str(live_run), 100, ["a"])
+    try:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert dead.exists()  # SIGKILL ran no cleanup
+        nxt = Segment.create(str(shm_dir / "psc-job-run3"), 100, ["a"])  # the next run
+        nxt.close()
+        assert not killed.exists()
+        assert Path(live.path).exists() and empty_run.is_dir()
+    finally:
+        owner.stdout.close()
+        live.close()
+
+
+def test_the_shm_dir_is_a_tmpfs_directory_and_nothing_is_made_elsewhere(tmp_path, shm_dir, caplog):
+    """A missing --shm_dir was made with makedirs, parents and all (as root, /nonexistent
+    appeared at /), on any filesystem (the segment went to disk). Now: made only inside a tmpfs
+    directory, else one line saying why and TensorPipe instead, and nothing created."""
+    assert filesystem_of("/dev/shm") == "tmpfs" and filesystem_of(str(tmp_path)) != "tmpfs"
+    on_disk = tmp_path / "nonexistent" / "shm"
+    for where in (on_disk, tmp_path):
+        with pytest.raises(ShmUnavailable, match="not a tmpfs|does not exist"):
+            Segment.create(str(where), 10, ["a"])
+    assert not (tmp_path / "nonexistent").exists() and list(tmp_path.iterdir()) == []
+    with caplog.at_level(logging.INFO, logger="app.ps"):
+        assert open_exchange("auto", str(on_disk), 10, 1, overlap=False, sync=False, who="ps") is None
+    [line] = caplog.messages
+    assert line == (
+        f"ps: no shared memory for the exchange ({on_disk} does not exist, nor does {on_disk.parent}); "
+        "workers push over TensorPipe"
+    )
+    inside = Segment.create(str(shm_dir / "psc-run"), 10, ["a"])  # a run's own, in a tmpfs directory: made
+    inside.close()
+    assert (shm_dir / "psc-run").is_dir()
+
+
 TOO_SMALL = """
 import resource, signal, sys
 from app.exchange.segment import Segment, ShmUnavailable
@@ -136,7 +187,7 @@ def test_the_segment_has_the_size_the_render_plans_for(ahead):
     for workers, overlap, sync in [(1, False, False), (3, True, False), (4, False, True), (8, True, True)]:
         names = region_names(workers, overlap, sync, ahead)
         assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync, ahead)
-        needed = SharedExchange.bytes_needed(1234, workers, overlap, sync, ahead)
+        needed = segment_bytes(1234, len(names))  # what SharedExchange.open makes for them
         assert needed == exchange_bytes(1234, workers, overlap, sync, ahead)
 
 

@@ -226,7 +226,7 @@ def test_the_ps_goes_on_training_when_a_checkpoint_cannot_be_written(tmp_path, m
 
         monkeypatch.setattr(checkpoint_files.os, "replace", full)
         push(server, 1, torch.ones(server.state.flat.size), 1)
-        with caplog.at_level(logging.WARNING, logger="app.ps"):
+        with caplog.at_level(logging.WARNING, logger="app.checkpoint"):
             saver.save("every 1 updates")
     assert "checkpoint at version 2 (every 1 updates) not written: [Errno 28] No space left on device" in caplog.text
     assert [p.name[:13] for p in checkpoint_files.listing(tmp_path / "ck")] == ["ckpt-00000001"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,17 @@ from app.config import parse
 from app.contract import TENSORBOARD_DIR, event_dir
 from app.training.metrics import MetricsWriter, read
 
-from app_testkit import assert_same_curves, curves, expected_curves, finished, free_port, start_app, wait_for
+from app_testkit import (
+    REPO,
+    app_env,
+    assert_same_curves,
+    curves,
+    expected_curves,
+    finished,
+    free_port,
+    start_app,
+    wait_for,
+)
 
 
 def _config(run_id: str, name: str = "worker1"):
@@ -87,6 +98,69 @@ def test_without_tensorboard_the_app_writes_the_json_lines_alone(tmp_path, monke
     assert not (tmp_path / TENSORBOARD_DIR).exists()
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith("no TensorBoard event files (") and "JSON lines only" in warning
+
+
+FILLS_UP = """
+import logging, resource, signal, sys, threading, time
+from pathlib import Path
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from app.config import parse
+from app.training import event_files
+from app.training.metrics import MetricsWriter
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails (EFBIG), as a full disk does
+event_files.FLUSH_SECONDS, event_files.RETRY_SECONDS = 0.2, 0.0
+failed = threading.Event()
+
+
+class Seen(logging.Handler):
+    def emit(self, record):
+        if record.name == "app.training.event_files" and "not written" in record.getMessage():
+            failed.set()
+
+
+logging.getLogger("app.training.event_files").addHandler(Seen())
+directory = Path(sys.argv[1])
+with MetricsWriter(str(directory), "worker1", "worker", 1) as metrics:
+    metrics.start(parse(["worker", "--rank", "1", "--run_id", "full"], {}), 0)
+    metrics.write("train", 1, loss=1.0)
+    events = next((directory / "tensorboard").rglob("events.out.*"))
+    while not EventAccumulator(str(events.parent)).Reload().Tags()["scalars"]:  # the first point is on disk
+        time.sleep(0.05)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (events.stat().st_size, resource.RLIM_INFINITY))  # the volume fills
+    step, deadline = 2, time.monotonic() + 120
+    while not failed.is_set() and time.monotonic() < deadline:  # until the writer's thread meets it
+        metrics.write("train", step, loss=1.0 / step)
+        step += 1
+        time.sleep(0.02)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # room made
+    metrics.write("end", step, accuracy=0.9)
+print("went on", step)
+"""
+
+
+def test_event_files_that_do_not_fit_are_one_warning_and_start_again_when_there_is_room(tmp_path):
+    """A full volume under the event files: TensorBoard's writer thread died with a traceback
+    and the next scalar raised its OSError out of the worker (`worker1 failed: OSError: [Errno
+    28]`, exit 1). Now one warning, the process goes on, and once room is made the scalars
+    after it reach TensorBoard again in a new event file."""
+    r = subprocess.run(
+        [sys.executable, "-c", FILLS_UP, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=app_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "went on" in r.stdout, out
+    assert "Traceback" not in out and "Exception in thread" not in out, out
+    said = [line for line in r.stdout.splitlines() if line.startswith("WARNING app.training.event_files")]
+    assert len(said) == 1 and "not written (File too large): scalars are dropped until there is room" in said[0], out
+    last = int(r.stdout.split("went on ")[1])
+    got = curves(event_dir(str(tmp_path), "full", "worker1"))
+    assert got["train/loss"][0] == (1, 1.0) and got["end/accuracy"] == [(last, pytest.approx(0.9))], got
 
 
 # --- real processes: a PS run, killed and resumed within its run ------------------
