@@ -168,4 +168,5 @@ def _submit(server: ParameterServer, message: torch.Tensor, push: Push) -> Futur
         push.staleness,
         push.backward,
         push.noted,
+        push.finite,
     )

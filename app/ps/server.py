@@ -258,6 +258,7 @@ class ParameterServer:
         staleness: int | None = None,
         backward: int | None = None,
         noted: bool = False,
+        finite: bool = False,
     ) -> Future:
         """Take one worker's `[grads | buffers]`; a future of its Reply (or Refusal).
 
@@ -267,7 +268,9 @@ class ParameterServer:
         rank's next-but-one push. `staleness`: the push's staleness as the main
         PS computed it (a PS shard, app.ps.sharding.slices); by default this PS's own.
         `backward`: which of the worker's backwards the gradient comes from, where it notes
-        partitions ahead (app.ps.early), and `noted`: it noted this one's.
+        partitions ahead (app.ps.early), and `noted`: it noted this one's. `finite`: the
+        worker found every value finite where it computed them (a GPU worker's flags,
+        app.exchange.slot_copies): not checked again here.
         """
         message = self._check(rank, message)
         name = name or worker_name(rank)
@@ -276,7 +279,7 @@ class ParameterServer:
         if not noted:
             ahead, backward = None, None
         checked = self.policy.checked(rank, backward, ahead)
-        finite = self._finite(message, checked)
+        finite = finite or self._finite(message, checked)
         with self._lock:
             try:
                 readmitted = self.roster.seen(rank, name)

@@ -115,7 +115,7 @@ class Trainer:
         """Forward (under --precision's autocast) and backward; the float32 gradient lands in
         self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
-        with self.flat.writing_grads(), self.channel.backward(self.version):  # each gradient written once
+        with self.channel.backward(self.version), self.flat.writing_grads():
             with runtime.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
