@@ -1,12 +1,24 @@
 """A uint8 batch of the image cache made the model's input as tensor ops, on whatever device
 the batch is on: only uint8 crosses /dev/shm and pinned memory, 4x less than float32, and
-the float work runs on the training device."""
+the float work runs on the training device. On a GPU nothing in it waits for the device: the
+crops' random numbers are drawn there (its own generator) and the normalisation's constants
+are kept there, so no small tensor is copied from pageable host memory (such a copy waits for
+everything queued on the stream before it)."""
 
 from __future__ import annotations
 
 import torch
 
 from app.data.imagefolder import CROP, MEAN, STD
+
+_NORMALISE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (scale, shift), made once
+
+
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 / (255 std), mean / std) per channel on `device`, copied there once per process."""
+    if device not in _NORMALISE:
+        _NORMALISE[device] = ((1.0 / (255.0 * STD)).to(device), (MEAN / STD).to(device))
+    return _NORMALISE[device]
 
 
 def augment(
@@ -22,13 +34,15 @@ def augment(
     the CPU one slice copy per image (memcpy speed), on a GPU (`gather`, by default
     wherever the batch is not on the CPU) one indexing op for the whole batch, crops
     and flips at once, where a copy per image would cost a kernel launch each; the
-    two give the same pixels. The one float pass normalises."""
+    two give the same pixels. The one float pass normalises. The random numbers come from
+    `generator`, on its device, or else from the batch's device's default generator."""
     b, c, h, w = batch.shape
     device = batch.device
     if train:
-        tops = torch.randint(0, h - crop + 1, (b,), generator=generator)
-        lefts = torch.randint(0, w - crop + 1, (b,), generator=generator)
-        flip = torch.rand(b, generator=generator) < 0.5
+        where = generator.device if generator is not None else device
+        tops = torch.randint(0, h - crop + 1, (b,), generator=generator, device=where)
+        lefts = torch.randint(0, w - crop + 1, (b,), generator=generator, device=where)
+        flip = torch.rand(b, generator=generator, device=where) < 0.5
         if device.type != "cpu" if gather is None else gather:
             x = _gathered_crops(batch, tops, lefts, flip, crop)
         else:
@@ -41,8 +55,7 @@ def augment(
     else:
         top, left = (h - crop) // 2, (w - crop) // 2
         x = batch[:, :, top : top + crop, left : left + crop]
-    scale = (1.0 / (255.0 * STD)).to(device)
-    shift = (MEAN / STD).to(device)
+    scale, shift = normalisation(device)
     return x.float().mul_(scale).sub_(shift)
 
 

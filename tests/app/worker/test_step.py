@@ -20,6 +20,7 @@ from app.exchange.ordered_pull import BUFFERS, plan, waits
 from app.exchange.ps_end import SharedExchange
 from app.exchange.wire import Reply, all_finite, finite_flag
 from app.exchange.worker_end import WorkerEnd
+from app.training import loop
 from app.training.flat import FlatModel
 from app.worker.channels import Route
 from app.worker.trainer import Trainer
@@ -160,6 +161,40 @@ def test_a_gpu_workers_forward_waits_once_per_partition_where_it_first_needs_it(
     assert all(first_run[j] is module for module, copies in planned for j in copies)
 
 
+@pytest.mark.parametrize("overlap,lag", [(True, 2), (False, 1)])
+def test_the_overlap_contract_push_t_computed_on_reply_t_minus_2_and_sent_after_it_is_taken(overlap, lag):
+    """--overlap: the push of batch t is sent once the reply to push t-1 is taken, and batch t+1
+    computes on that reply's state: every push after the first two is computed on the state of
+    the reply two pushes back (one push on the wire). Without it, each push is computed on the
+    reply just before it."""
+    events: list[tuple[str, int]] = []
+
+    def answer(message, version):
+        events.append(("sent", version))
+        return Reply(torch.zeros(message.numel()), len([e for e in events if e[0] == "sent"]), 0, 0)
+
+    channel = recording_channel(answer, overlap=overlap)
+    loaded = channel.load
+
+    def load(reply):
+        events.append(("loaded", reply.version))
+        loaded(reply)
+
+    channel.load = load
+    config = parse(["worker", "--overlap", str(overlap).lower()], {})
+    trainer = Trainer(config, torch.nn.Linear(3, 1), None, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    for _ in range(6):
+        trainer.compute_gradients(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+        trainer.push_and_pull()
+    trainer.last_reply()
+    sent = [v for kind, v in events if kind == "sent"]
+    assert sent == [0] + [max(0, k - lag + 1) for k in range(1, 6)], sent
+    sends = [i for i, e in enumerate(events) if e[0] == "sent"]
+    # each push goes only after the reply to the one before it is taken: one push on the wire
+    assert all(events.index(("loaded", k)) < sends[k] for k in range(1, 6)), events
+
+
 def test_device_flags_are_true_only_for_finite_values_and_a_false_one_is_checked_again():
     values = torch.randn(1000)
     flag = finite_flag(values)
@@ -172,3 +207,34 @@ def test_device_flags_are_true_only_for_finite_values_and_a_false_one_is_checked
     assert not bool(finite_flag(huge)) and all_finite(huge)
     both = torch.tensor([float("inf"), -float("inf")])
     assert not bool(finite_flag(both))  # inf - inf: NaN, not finite
+
+
+def test_batches_on_the_device_are_the_loaders_in_order_with_the_same_values():
+    from torch.utils.data import DataLoader
+
+    from app.data.datasets import InMemoryData
+
+    g = torch.Generator().manual_seed(0)
+    data = InMemoryData(torch.randint(0, 255, (40, 1, 6, 6), generator=g), torch.arange(40) % 3, [0.5], [0.25], 1 / 255)
+    loader = DataLoader(data, batch_size=None, sampler=torch.utils.data.BatchSampler(range(40), 8, False))
+    plain = [loop.on_device(x, y, loader, torch.device("cpu"), torch.contiguous_format) for x, y in loader]
+    prepared = list(loop.device_batches(loader, torch.device("cpu"), torch.contiguous_format)(iter(loader)))
+    assert len(prepared) == len(plain) == 5
+    for (a, b), (c, d) in zip(plain, prepared):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_a_loss_on_the_cpu_is_read_at_once_and_a_held_report_is_written_with_the_next_batch(tmp_path):
+    from app.training.metrics import MetricsWriter, read
+
+    with MetricsWriter(str(tmp_path), "worker1", "worker", 1) as metrics:
+        reporter = loop.Reporter("worker1", 1, metrics)
+        loader = torch.utils.data.DataLoader(list(range(40)), batch_size=4)  # 10 batches
+        reporter.batch_done(loader, 1, 1, 1, 4, loop.Loss(torch.tensor(2.5), ready=True))
+        assert [r["loss"] for r in read(tmp_path / "worker1.jsonl") if r["event"] == "train"] == [2.5]
+        reporter.batch_done(loader, 2, 1, 2, 4, loop.Loss(torch.tensor(1.5), ready=False))  # a GPU's, on its way
+        assert len([r for r in read(tmp_path / "worker1.jsonl") if r["event"] == "train"]) == 1
+        reporter.batch_done(loader, 3, 1, 3, 4, loop.Loss(torch.tensor(0.5), ready=False))
+        reporter.flush()
+    got = [(r["batch"], r["loss"]) for r in read(tmp_path / "worker1.jsonl") if r["event"] == "train"]
+    assert got == [(1, 2.5), (2, 1.5), (3, 0.5)]
