@@ -32,7 +32,9 @@ from app.training.flat import FlatModel
 from app.worker.channels import PSChannel, Route
 from app.worker.trainer import Trainer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+import needs
+
+pytestmark = needs.cuda_gpu()
 CUDA = torch.device("cuda")
 
 
