@@ -197,7 +197,7 @@ bench-full: setup ## the full matrix: app vs official-example PS vs Gloo vs memc
 bench-gpu: setup ## the GPU regime on CPU: ResNet-18's 44.8 MB, compute a sleep over its layers; C 13/25 ms, processes and compose (<5 min; --full: the sweep)
 	$(PY) -m bench gpu $(BENCH_ARGS)
 
-bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the app (async, overlap, sync; 1-2 workers; fp32, bf16) (~6 min)
+bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the app (async, overlap, sync, allreduce; 1-2 workers; fp32, bf16; GPU idle share) (~8 min, estimated)
 	$(PY) -m bench cuda $(BENCH_ARGS)
 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio

@@ -9,13 +9,22 @@ the crop, flip and normalisation run on the GPU), in fp32 and in bf16 autocast +
 - the app as processes, `python -m app ps|worker` with its own flags (the PS on the CPU, each
   worker on `cuda`, every worker on the one GPU): async, `--overlap` and sync with 1 and 2
   workers, through shared memory (`--exchange auto`), and 1 worker async over TensorPipe
-  (`--exchange tensorpipe`) beside it.
+  (`--exchange tensorpipe`) beside it;
+- the app's own allreduce (`--strategy allreduce`: DDP, no PS) with 1 and 2 workers on the one
+  GPU. NCCL refuses two ranks of one job on one GPU ("Duplicate GPU detected"): each rank is
+  given an NCCL_HOSTID of its own, so NCCL takes them for two hosts and joins them over its
+  socket transport.
 
-A step's time comes from the workers' `train` records (bench/gpu_report.py's steady state);
-`samples/s` is every worker's together, and `x GPU` that over compute alone's. Needs only
-torch, torchvision, Pillow and numpy (no orchestrator, no Docker): it runs on a bare GPU host.
-`--device cpu` runs the same plumbing on a CPU, small, to try the script where there is no GPU.
-Each case is written to `--out` as it ends, so a run cut short keeps what it measured.
+A step's time comes from the workers' `train` records (bench/gpu_report.py's steady state),
+which a worker writes every `--log_every` batches as a real run does (the app's default, or
+more often where the run is short: bench/gpu.py's `log_every`); `samples/s` is every worker's
+together, and `x GPU` that over compute alone's. `GPU idle`: after the timed batches each
+worker runs `--profile-steps` more under torch.profiler (bench/cuda_trace.py), and the column is
+the share of that span in which the GPU ran none of their kernels, copies or fills.
+Needs only torch, torchvision, Pillow and numpy (no orchestrator, no Docker): it runs on a bare
+GPU host. `--device cpu` runs the same plumbing on a CPU, small, to try the script where there
+is no GPU (no GPU idle share there). Each case is written to `--out` as it ends, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -32,12 +41,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_report, harness
+from bench import cuda_trace, gpu_report, harness
+from bench.gpu import log_every
 from bench.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PRECISIONS = {"fp32": ("fp32", False), "bf16+cl": ("bf16", True)}
-SYSTEMS = {"async": ("async", False), "overlap": ("async", True), "sync": ("sync", False)}
+SYSTEMS = {
+    "async": ("async", False),
+    "overlap": ("async", True),
+    "sync": ("sync", False),
+    "allreduce": ("allreduce", False),
+}
 # (precision, system, workers, exchange), most wanted first: a run cut short keeps these.
 CASES = [
     ("fp32", "overlap", 1, "auto"),
@@ -46,6 +61,8 @@ CASES = [
     ("bf16+cl", "async", 1, "auto"),
     ("fp32", "overlap", 2, "auto"),
     ("bf16+cl", "overlap", 2, "auto"),
+    ("fp32", "allreduce", 1, "-"),
+    ("fp32", "allreduce", 2, "-"),
     ("fp32", "sync", 2, "auto"),
     ("fp32", "async", 2, "auto"),
     ("bf16+cl", "sync", 2, "auto"),
@@ -53,6 +70,8 @@ CASES = [
     ("fp32", "async", 1, "tensorpipe"),
     ("fp32", "sync", 1, "auto"),
     ("bf16+cl", "sync", 1, "auto"),
+    ("bf16+cl", "allreduce", 1, "-"),
+    ("bf16+cl", "allreduce", 2, "-"),
 ]
 
 
@@ -100,40 +119,78 @@ def compute_alone(precision: str, args: argparse.Namespace) -> list[list[float]]
     return [ends]
 
 
+def timed(args: argparse.Namespace) -> int:
+    """The batches a worker times: the warm-up and the timed ones (the profiled ones follow)."""
+    return args.warmup + args.steps
+
+
 def app_argv(
     role: str, rank: int, case: tuple[str, str, int, str], args: argparse.Namespace, port: int, tmp: Path
 ) -> list[str]:
-    """`python -m app ROLE ...` for one process of `case` (the PS on the CPU, workers on the GPU)."""
+    """`python -m app ROLE ...` for one process of `case` (the PS on the CPU, workers on the GPU);
+    a worker under bench.cuda_trace, which profiles its batches after the timed ones."""
     precision, system, workers, exchange = case
     dtype, channels_last = PRECISIONS[precision]
     strategy, overlap = SYSTEMS[system]
-    argv = [sys.executable, "-m", "app", role, "--rank", str(rank), "--world_size", str(workers + 1)]
+    batches = timed(args) + args.profile_steps
+    argv = [role, "--rank", str(rank), "--world_size", str(workers + 1)]
     argv += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--run_id", "cuda-bench"]
     argv += ["--device", args.device if role == "worker" else "cpu", "--host_workers", str(workers)]
     argv += ["--model", "resnet18", "--dataset", "imagefolder", "--data_dir", str(tmp / "images")]
     argv += ["--image_cache", "memory", "--image_size", str(args.image_size), "--batch_size", str(args.batch)]
-    argv += ["--lr", "0.01", "--seed", "0", "--num_epochs", "100000", "--max_steps", str(args.warmup + args.steps)]
-    argv += ["--eval_every", "100000000", "--log_every", "1", "--checkpoint_every", "0"]
-    argv += ["--strategy", strategy, "--overlap", str(overlap).lower(), "--exchange", exchange]
-    argv += ["--precision", dtype, "--channels_last", str(channels_last).lower()]
+    argv += ["--lr", "0.01", "--seed", "0", "--num_epochs", "100000", "--max_steps", str(batches)]
+    argv += ["--eval_every", "100000000", "--log_every", str(log_every(timed(args))), "--checkpoint_every", "0"]
+    argv += ["--strategy", strategy, "--precision", dtype, "--channels_last", str(channels_last).lower()]
+    if strategy != "allreduce":
+        argv += ["--overlap", str(overlap).lower(), "--exchange", exchange]
     argv += ["--metrics_dir", str(tmp / "metrics"), "--checkpoint_dir", str(tmp / "checkpoints")]
-    return argv
+    if role != "worker" or args.profile_steps <= 0:
+        return [sys.executable, "-m", "app", *argv]
+    trace = ["--after", str(timed(args)), "--steps", str(args.profile_steps), "--out", str(trace_path(tmp, rank))]
+    return [sys.executable, "-m", "bench.cuda_trace", *trace, "--", *argv]
 
 
-def run_app(case: tuple[str, str, int, str], args: argparse.Namespace, images: Path, logs: Path) -> list[list[float]]:
-    """One case as processes; each worker's `train` record times. Logs kept under `logs`."""
-    workers = case[2]
+def batches_done(train: list[dict[str, Any]]) -> list[int]:
+    """The batches a worker had done at each of its `train` records (epoch, batch within it): a
+    worker reports at every epoch's last batch, so an epoch's length is the last batch of any
+    epoch it finished (a run that did not resume: every epoch from batch 1)."""
+    if not train:
+        return []
+    first, last = train[0]["epoch"], train[-1]["epoch"]
+    length = max((r["batch"] for r in train if r["epoch"] < last), default=0)
+    return [(r["epoch"] - first) * length + r["batch"] for r in train]
+
+
+def trace_path(tmp: Path, rank: int) -> Path:
+    return tmp / f"worker{rank}.trace.json"
+
+
+class Measured(list):
+    """Each worker's `train` record times (a list per worker), with the batch each one ended
+    (`numbers`) and the GPU's idle share over the profiled batches (`gpu_idle`, None on a CPU)."""
+
+    numbers: list[list[int]]
+    gpu_idle: float | None = None
+
+
+def run_app(case: tuple[str, str, int, str], args: argparse.Namespace, images: Path, logs: Path) -> Measured:
+    """One case as processes; each worker's `train` record times up to its last timed batch.
+    Logs kept under `logs`."""
+    workers, allreduce = case[2], case[1] == "allreduce"
     with tempfile.TemporaryDirectory(prefix="cuda-bench-") as name:
         tmp = Path(name)
         (tmp / "images").symlink_to(images)
         port = free_port()
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         procs = {}
-        for role, rank in [("ps", 0)] + [("worker", r) for r in range(1, workers + 1)]:
+        roles = ([] if allreduce else [("ps", 0)]) + [("worker", r) for r in range(1, workers + 1)]
+        for role, rank in roles:
             who = "ps" if role == "ps" else f"worker{rank}"
             out = open(logs / f"{label(case).replace('+', '_')}.{who}.log", "w")
+            # two DDP ranks on one GPU: NCCL takes ranks of distinct host ids for distinct hosts
+            mine = dict(env, NCCL_HOSTID=f"cuda-bench-{who}") if allreduce and workers > 1 else env
             procs[who] = subprocess.Popen(
-                app_argv(role, rank, case, args, port, tmp), env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT
+                app_argv(role, rank, case, args, port, tmp), env=mine, cwd=tmp, stdout=out, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + args.timeout
         if args.pyspy:
@@ -149,11 +206,16 @@ def run_app(case: tuple[str, str, int, str], args: argparse.Namespace, images: P
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        times = []
+        times = Measured()
+        times.numbers = []
         for rank in range(1, workers + 1):
             lines = (tmp / "metrics" / f"worker{rank}.jsonl").read_text().splitlines()
             records = [json.loads(line) for line in lines if line.strip()]
-            times.append([r["time"] for r in records if r["event"] == "train"])
+            train = [r for r in records if r["event"] == "train"]
+            numbered = [(n, r) for n, r in zip(batches_done(train), train) if n <= timed(args)]
+            times.append([r["time"] for _, r in numbered])
+            times.numbers.append([n for n, _ in numbered])
+        times.gpu_idle = cuda_trace.idle_share(cuda_trace.read([trace_path(tmp, r) for r in range(1, workers + 1)]))
         return times
 
 
@@ -171,15 +233,27 @@ def _spy(
 
 
 def row(case: tuple[str, str, int, str], times: list[list[float]], args: argparse.Namespace) -> dict[str, Any]:
+    """A case's figures from its workers' batch times (`Measured`: with the batch each ended
+    and the GPU's idle share; plain lists: batches 1, 2, 3...)."""
     precision, system, workers, exchange = case
-    steady = gpu_report.steady_step(times, args.warmup)
+    steady = gpu_report.steady_step(times, args.warmup, getattr(times, "numbers", None))
     samples = sum(args.batch / s for s in steady["per_worker_step_s"])
-    return dict(precision=precision, system=system, workers=workers, exchange=exchange, samples_per_s=samples, **steady)
+    idle = getattr(times, "gpu_idle", None)
+    return dict(
+        precision=precision,
+        system=system,
+        workers=workers,
+        exchange=exchange,
+        samples_per_s=samples,
+        gpu_idle=idle,
+        **steady,
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Per precision: each case's s/step, x its compute alone, samples/s and x the GPU alone's."""
-    out = [f"  {'case':<44} {'s/step':>7} {'x compute':>9} {'samples/s':>9} {'x GPU':>6}"]
+    """Per precision: each case's s/step, x its compute alone, samples/s, x the GPU alone's and
+    the GPU's idle share over the profiled batches."""
+    out = [f"  {'case':<44} {'s/step':>7} {'x compute':>9} {'samples/s':>9} {'x GPU':>6} {'GPU idle':>8}"]
     for precision in PRECISIONS:
         alone = next((r for r in rows if r["precision"] == precision and r["system"] == "compute"), None)
         for r in (r for r in rows if r["precision"] == precision):
@@ -190,7 +264,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 name += ", TensorPipe" if r["exchange"] == "tensorpipe" else ""
             vs = f"{r['step_s'] / alone['step_s']:.2f}x" if alone else "-"
             gpu = f"{r['samples_per_s'] / alone['samples_per_s']:.2f}x" if alone else "-"
-            out.append(f"  {name:<44} {r['step_s']:>7.4f} {vs:>9} {r['samples_per_s']:>9.0f} {gpu:>6}")
+            idle = f"{100 * r['gpu_idle']:.0f}%" if r.get("gpu_idle") is not None else "-"
+            out.append(f"  {name:<44} {r['step_s']:>7.4f} {vs:>9} {r['samples_per_s']:>9.0f} {gpu:>6} {idle:>8}")
     return "\n".join(out)
 
 
@@ -260,6 +335,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for one case")
     p.add_argument("--budget", type=float, default=480.0, help="start no case after this many seconds")
     p.add_argument("--only", nargs="*", default=[], help="cases by label, e.g. fp32-overlap-1-auto")
+    p.add_argument(
+        "--profile-steps",
+        dest="profile_steps",
+        type=int,
+        default=5,
+        help="batches each worker runs under torch.profiler after the timed ones (the GPU idle column; 0: none)",
+    )
     p.add_argument("--pyspy", default="", help="a py-spy binary: profile each process of each case after its warm-up")
     p.add_argument("--spy-seconds", dest="spy_seconds", type=int, default=6)
     p.add_argument("--out", default="cuda-bench", help="directory: cuda.json, cuda.txt, logs/")

@@ -47,7 +47,8 @@ def measure(root: Path, batch: int) -> dict[str, float]:
     import torch
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-    from app.data.imagecache import CachedImageFolder, augment
+    from app.data.augment import augment
+    from app.data.imagecache import CachedImageFolder
     from app.data.imagefolder import ImageFolderData, find_samples
 
     torch.set_num_threads(1)  # one core per worker

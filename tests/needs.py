@@ -17,3 +17,12 @@ def unavailable(what: str) -> None:
     if in_ci():
         pytest.fail(f"CI=true and {what}", pytrace=False)
     pytest.skip(what)
+
+
+def cuda_gpu() -> pytest.MarkDecorator:
+    """The mark of a test that needs a CUDA GPU: without one it skips, under CI=true too (CI
+    runs on CPU machines; this is the one kind of test that may skip there), with the reason
+    "needs a CUDA GPU"."""
+    import torch
+
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

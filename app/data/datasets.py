@@ -245,15 +245,15 @@ def _cached(
     sees the others' reservations.
     In a job that may be scaled (`follow`) the file cache holds the whole split, one file
     every worker maps, so that each epoch's share can follow the live set."""
-    from app.data import imagecache
+    from app.data import imagecache, store
 
     mine = chosen
     if cache.shard is not None:
         index, count = cache.shard
         mine = [chosen[i] for i in stable_shard(len(chosen), count, index, cache.seed, cache.pad)]
-    with imagecache.shm_choice(cache.mode):
-        mode, why = imagecache.choose_mode(
-            cache.mode, imagecache.cache_bytes(len(mine), crop), host.shm_free(), host.memory_available()
+    with store.shm_choice(cache.mode):
+        mode, why = store.choose_mode(
+            cache.mode, store.cache_bytes(len(mine), crop), host.shm_free(), host.memory_available()
         )
         if mode == "file" and cache.follow:
             mine = chosen

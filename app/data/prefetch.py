@@ -1,4 +1,5 @@
-"""A DataLoader's batches received from its processes in a thread, one batch ahead of the loop.
+"""A DataLoader's batches received from its processes in a thread, one batch ahead of the loop;
+on a GPU, each batch put on the device and augmented there one batch ahead, on a side stream.
 
 A batch a loader process made reaches the training process as shared memory: each of its
 tensors' storage is handed over as a file descriptor, over a connection to that process opened
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 JOIN_SECONDS = 10.0  # closed early: how long the receiving thread may take to finish a receive
@@ -79,3 +81,50 @@ class ReceivedAhead:
     def receiving(self) -> bool:
         """Whether the thread still runs."""
         return self._thread.is_alive()
+
+
+class DeviceBatches:
+    """The batches of `batches` (one epoch, host tensors) made the model's input by `prepare`
+    (the copy to `device` and whatever the dataset does there), in order, the same values. On a
+    GPU one batch ahead: `prepare` of the next runs on a side stream, queued when this one is
+    handed out; the compute stream waits for it on the device. On the CPU, when taken."""
+
+    def __init__(
+        self,
+        batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+    ) -> None:
+        self.batches, self.prepare = batches, prepare
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device = device
+        self.ahead = self._start() if self.stream is not None else None
+
+    def _start(self) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+        """The next batch, its preparation queued on the side stream; None after the last."""
+        try:
+            x, y = next(self.batches)
+        except StopIteration:
+            return None
+        with torch.cuda.stream(self.stream):
+            x, y = self.prepare(x, y)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return x, y, ready
+
+    def __iter__(self) -> DeviceBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stream is None:
+            return self.prepare(*next(self.batches))
+        if self.ahead is None:
+            raise StopIteration
+        x, y, ready = self.ahead
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(ready)
+        # made on the side stream, used on the compute stream: not reused before that is done
+        x.record_stream(compute)
+        y.record_stream(compute)
+        self.ahead = self._start()
+        return x, y

@@ -70,6 +70,7 @@ class Push(NamedTuple):
     staleness: int | None = None  # a chained PS shard: the main PS's; None: the receiver's own
     backward: int | None = None  # through shared memory: the worker's backward it comes from ...
     noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
+    finite: bool = False  # the worker found every value finite where it computed them (a GPU's flags)
 
 
 class Share(NamedTuple):
@@ -135,6 +136,14 @@ def to_float32(message: torch.Tensor, num_params: int) -> torch.Tensor:
     if message.dtype == torch.float32:
         return message
     return torch.cat([message[:num_params].float(), message[num_params:].clone().view(torch.float32)])
+
+
+def finite_flag(values: torch.Tensor) -> torch.Tensor:
+    """Whether `values` holds no NaN or inf, as a one-value bool tensor on their device, computed
+    there (one sum, no host wait: a GPU worker copies the flag beside its values). True proves
+    it: a NaN or inf anywhere makes the sum NaN or inf. False may also be a sum of finite values
+    that overflowed: whoever reads a False checks the values themselves (`all_finite`)."""
+    return torch.isfinite(values.sum())
 
 
 def all_finite(message: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from app.exchange.layout import cut
 from app.exchange.notes import NoteSender
 from app.exchange.ordered_pull import OrderedPull
 from app.exchange.segment import Offer, Segment, ShmUnavailable
+from app.exchange.slot_copies import SlotCopies
 from app.exchange.wire import Reply, SlotReply
 from app.training.flat import FlatModel
 
@@ -43,12 +44,20 @@ log = logging.getLogger("app.worker")
 
 class Sealed(NamedTuple):
     """What a push through shared memory says of its message besides the values: the slot it is
-    in already (a GPU worker's early push copied it there), and where partitions were noted,
-    the backward the gradient comes from and whether its notes hold (app.ps.early)."""
+    in already (a GPU worker copies it there), and where partitions were noted, the backward the
+    gradient comes from and whether its notes hold (app.ps.early). A GPU worker's copies are
+    still running when it seals: the push is sent once `ready` has passed, and then `flags`
+    (pinned, one a partition) say whether every value is finite."""
 
     placed: int | None = None
     backward: int | None = None
     noted: bool = False
+    ready: Any = None  # torch.cuda.Event: the message is in its slot
+    flags: torch.Tensor | None = None
+
+    def finite(self) -> bool:
+        """Once `ready` has passed: whether the flags prove every value finite."""
+        return self.flags is not None and bool(self.flags.all())
 
 
 class WorkerEnd:
@@ -69,6 +78,7 @@ class WorkerEnd:
         self.life = 0  # which of its rank's joins at the PS this process is: its notes carry it
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
+        self.copies: SlotCopies | None = None  # a GPU worker's copies into its slots, once bound
         self.flat: FlatModel | None = None  # the worker's model, once bound
         self.early: EarlyPush | None = None  # notes partitions as the backward finishes them
         self.ordered: OrderedPull | None = None  # a GPU worker's partitions back, in forward order
@@ -104,21 +114,18 @@ class WorkerEnd:
         return pinned
 
     def place(self, message: torch.Tensor) -> int:
-        """Put `message` (any device, float32 or 16-bit) in a push slot; the slot's index. A
+        """Put `message` (in host memory, float32 or 16-bit) in a push slot; the slot's index. A
         message that is already in a slot (the worker's backward wrote it there) is not copied.
-        A device message is copied on the current stream and waited for: the slot is complete
-        when this returns."""
+        (A GPU worker's message is copied into its slot as it is sealed: `seal`.)"""
         for k, slot in enumerate(self.slots):
-            if message.device.type == "cpu" and message.data_ptr() == slot.data_ptr():
+            if message.data_ptr() == slot.data_ptr():
                 self._next = (k + 1) % len(self.slots)
                 return k
         k, self._next = self._next, (self._next + 1) % len(self.slots)
         view = self.slots[k].view(message.dtype)
         if message.numel() > view.numel():
             raise ValueError(f"a message of {message.numel()} {message.dtype} values does not fit a push slot")
-        view[: message.numel()].copy_(message, non_blocking=message.is_cuda)
-        if message.is_cuda:
-            torch.cuda.current_stream(message.device).synchronize()
+        view[: message.numel()].copy_(message)
         return k
 
     def bind(self, model: nn.Module, flat: FlatModel, name: str, notes: bool, messages_here: bool) -> None:
@@ -135,22 +142,25 @@ class WorkerEnd:
             if messages_here:
                 flat.keep_views_of(self.slots)
                 flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
+        parts = self.parts or cut([p.numel() for p in model.parameters()], flat.size)
+        if not cpu:
+            self.copies = SlotCopies(self.device, self.slots, parts)
         if notes and self.parts:
             params = list(model.parameters())
             sender = NoteSender(self.notes, self.rank, self.life)
-            self.early = (
-                EarlyPush(params, self.parts, sender, name, self.slots)
-                if cpu
-                else DeviceEarlyPush(params, self.parts, sender, name, flat, self.slots)
-            )
+            if self.copies is None:
+                self.early = EarlyPush(params, self.parts, sender, name, self.slots)
+            else:
+                self.early = DeviceEarlyPush(params, self.parts, sender, name, flat, self.copies)
         if not cpu:
-            parts = self.parts or cut([p.numel() for p in model.parameters()], flat.size)
             self.ordered = OrderedPull(model, flat, parts)
 
     @contextlib.contextmanager
     def backward(self, version: int) -> Iterator[None]:
         """Around one backward, from the state of `version`: its partitions noted as it finishes
         them; afterwards, whether its notes hold."""
+        if self.copies is not None:  # the copies out of the device message ran before it is written again
+            self.copies.release(self.device)
         if self.early is not None:
             self.early.arm(self.backwards, self._slot(), version)
         self.backwards += 1
@@ -165,13 +175,23 @@ class WorkerEnd:
             return self.reserve()
         return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
-    def seal(self) -> Sealed:
-        """What the push of the last backward's message says of it: where it noted partitions,
-        which backward it comes from and whether its notes hold, and the slot a GPU worker's
-        early push has copied it into (the rest of it copied now, and waited for)."""
-        if self.early is None:
-            return Sealed()
-        return Sealed(self.early.finish(), self.backwards - 1, self._claimed)
+    def seal(self, message: torch.Tensor) -> Sealed:
+        """What the push of `message` (the last backward's) says of it: where it noted partitions,
+        which backward it comes from and whether its notes hold. A GPU worker's message is being
+        copied into its slot (the rest of it starts now): the slot, and the event to send after.
+        A CPU message is put in its slot when it is sent (`slot_for`)."""
+        backward, noted = (self.backwards - 1, self._claimed) if self.early is not None else (None, False)
+        if isinstance(self.early, DeviceEarlyPush) and message is self.early.flat.message:
+            slot, ready, flags = self.early.finish()
+            return Sealed(slot, backward, noted, ready, flags)
+        if self.copies is not None and message.is_cuda:  # no early push (--compress, fp16, no partitions)
+            slot = self.reserve()
+            if message.dtype != torch.float32:
+                return Sealed(slot, backward, noted, self.copies.copy_whole(message, slot))
+            for j in range(len(self.copies.pieces)):
+                self.copies.copy(message, slot, j)
+            return Sealed(slot, backward, noted, self.copies.landed(), self.copies.flags[slot])
+        return Sealed(None, backward, noted)
 
     def slot_for(self, message: torch.Tensor, sealed: Sealed) -> int:
         """The push slot that holds `message`: the one it was sealed in, or the one `place` puts it in."""

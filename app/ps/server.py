@@ -154,7 +154,8 @@ class ParameterServer:
             with self._lock:
                 early = self.policy.early_of(push)
         checked = self.policy.checked(push, early)
-        finite = self.state.finite(message, self.partitions or (), checked)  # outside the lock: a pass over it
+        # a GPU worker's flags say finite where it computed them (app.exchange.slot_copies): not checked again
+        finite = push.finite or self.state.finite(message, self.partitions or (), checked)  # outside the lock
         future: Future = Future()
         ready: Ready = []
         with self._lock:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -85,10 +86,16 @@ class PSUnreachable(RuntimeError):
 
 
 class Outgoing(NamedTuple):
-    """A push's message as it will travel, and what the push says of it (app.exchange.worker_end)."""
+    """A push's message as it will travel, and what the push says of it (app.exchange.worker_end).
+    `ready`: a GPU worker's message is still being copied where it travels from; the push is
+    sent once this event has passed (the copy staged in pinned memory, or the slot's)."""
 
     message: torch.Tensor
     sealed: Sealed = NOTHING_SEALED
+    ready: Any = None  # torch.cuda.Event
+
+    def event(self) -> Any:
+        return self.ready if self.ready is not None else self.sealed.ready
 
 
 @dataclass
@@ -169,6 +176,10 @@ class PSChannel:
         # wire while the next fills).
         self.staging: list[torch.Tensor] | None = None
         self.sent = 0  # pushes sent by this process
+        # A GPU worker's pushes are sent from this thread, each once its copies have landed, so the
+        # training loop goes on launching the next step's kernels meanwhile (one push at a time,
+        # in order). Made at the first such push.
+        self.sender: ThreadPoolExecutor | None = None
 
     # Joining: the routes, and the state to start from.
 
@@ -239,17 +250,23 @@ class PSChannel:
 
     def seal(self, message: torch.Tensor) -> Outgoing:
         """The message as it will travel: staged in pinned memory (a GPU worker over
-        TensorPipe), or in its push slot (what the early push copied is waited for); with
+        TensorPipe: copied on the compute stream, not waited for here), or in its push slot (a
+        GPU worker's copies into it run on a side stream: app.exchange.slot_copies); with
         --overlap on the CPU, the next backward writes into the other message buffer, so the
         one sent stays intact on the wire."""
         end = self._single_end()
         if self.staging is not None:  # the other buffer may still be on the wire
             staged = self.staging[self.sent % 2].view(message.dtype)[: message.numel()]
-            return Outgoing(staged.copy_(message))
+            staged.copy_(message, non_blocking=True)  # pinned: no host wait
+            if not message.is_cuda:
+                return Outgoing(staged)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(message.device))
+            return Outgoing(staged, ready=ready)
         assert self.flat is not None  # bound
         if self.overlap and message is self.flat.message and self.device.type == "cpu":
             self.flat.flip()
-        return Outgoing(message, end.seal() if end is not None else Sealed())
+        return Outgoing(message, end.seal(message) if end is not None else Sealed())
 
     def load(self, reply: Reply) -> None:
         """Continue from the reply's state (no copy where it can be used where it is)."""
@@ -263,10 +280,23 @@ class PSChannel:
     # The push: one path for one PS process and for a sharded PS's every process.
 
     def send(self, outgoing: Outgoing, version: Version, epoch: int = 1, batch: int = 0, samples: int = 0) -> Pending:
-        """Send the push now (to the main PS only first, when chained); `.wait()` on the result
-        gives the Reply. A sharded PS's push that holds NaN or inf is refused here."""
-        message = outgoing.message
+        """Send the push (to the main PS only first, when chained): now, or, for a message a GPU
+        is still copying, from the sender thread once the copy has landed; `.wait()` on the
+        result gives the Reply. A sharded PS's push that holds NaN or inf is refused here."""
         self.sent += 1
+        ready = outgoing.event()
+        if ready is None:
+            return self._send_now(outgoing, version, epoch, batch, samples)
+        if self.sender is None:
+            self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
+        return Deferred(self.sender.submit(self._send_landed, ready, outgoing, version, epoch, batch, samples))
+
+    def _send_landed(self, ready: Any, outgoing: Outgoing, version: Version, *where: int) -> Pending:
+        ready.synchronize()  # wait here, in the sender thread: the message is in host memory
+        return self._send_now(outgoing, version, *where)
+
+    def _send_now(self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int) -> Pending:
+        message = outgoing.message
         if len(self.routes) > 1 and not self._finite(message):
             why = f"{self.name} computed non-finite values (NaN or inf); the push was not sent"
             return Answered(Refusal(Refused.NONFINITE, why))
@@ -305,12 +335,18 @@ class PSChannel:
             if end is not None:
                 if sealed.backward is not None:
                     push = push._replace(backward=sealed.backward, noted=sealed.noted)
+                if sealed.finite():  # a GPU's flags, read once its copies landed: the PS need not check
+                    push = push._replace(finite=True)
                 dtype = str(part.dtype).removeprefix("torch.")
                 args: tuple[Any, ...] = (end.slot_for(part, sealed), dtype, part.numel(), push)
-                return rpc.rpc_async(route.name, calls.rpc_push_slot, args=args, timeout=self.push_timeout)
-            return rpc.rpc_async(route.name, calls.rpc_push, args=(part, push), timeout=self.push_timeout)
+                return self.call_async(route.name, calls.rpc_push_slot, args)
+            return self.call_async(route.name, calls.rpc_push, (part, push))
         except RuntimeError as error:
             raise self.lost(route.name, calls.rpc_push, error) from error
+
+    def call_async(self, to: str, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """The RPC future of `function(*args)` on `to` (a push: it may wait `push_wait` too)."""
+        return rpc.rpc_async(to, function, args=args, timeout=self.push_timeout)
 
     def send_rest(self, rest: list[Slice], where: tuple[int, int, int], staleness: int) -> list[tuple[Route, Any]]:
         """A chained push's other slices, once the main PS answered with `staleness`."""
@@ -366,6 +402,18 @@ class PSChannel:
             f"lost parameter server shard {name} (job at {self.address}) "
             f"during {function.__name__}: {first_line(error)}"
         )
+
+
+class Deferred:
+    """A push the sender thread sends once its copies have landed: `wait` waits for that, then
+    for the PS's answer (what the send raised is raised here)."""
+
+    def __init__(self, sent: Future) -> None:
+        self.sent = sent
+
+    def wait(self) -> Reply | Refusal:
+        pending: Pending = self.sent.result()
+        return pending.wait()
 
 
 class Answered:

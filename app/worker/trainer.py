@@ -68,9 +68,11 @@ class Trainer:
         self.refused = 0  # pushes the PS refused (non-finite values)
         self._refused_in_a_row = 0
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
+        self.losses = loop.Losses(device)
         # A job that may be scaled while it runs (--max_workers): the PS hands out each epoch's
         # data in shares, each trained once (not with a stable shard: the image cache).
         self.reshards = config.max_trainers > config.num_trainers and not sampler.fixed
+        self.on_device = loop.device_batches(self.loader, device, self.format)
 
     def train(self, start: Start) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
@@ -84,6 +86,7 @@ class Trainer:
             start.progress.batch,
             self.config.num_epochs,
             self.config.batch_size,
+            on_device=self.on_device,
         )
         for epoch, batch, x, y in self.shares() if self.reshards else batches:
             loss = self.compute_gradients(x, y)
@@ -117,29 +120,32 @@ class Trainer:
                 log.info("%s: epoch %d, share %d of %d%s", self.config.name, share.epoch, *which, after)
             self.sampler.shard, self.sampler.num_shards = share.shard, share.num_shards
             self.sampler.set_epoch(share.epoch, skip=share.skip * self.config.batch_size)
-            for batch, (x, y) in enumerate(datasets.batches(self.loader, self.config.data_dir), start=share.skip + 1):
+            epoch = self.on_device(datasets.batches(self.loader, self.config.data_dir))
+            for batch, (x, y) in enumerate(epoch, start=share.skip + 1):
                 yield share.epoch, batch, x, y
             self._wait_in_flight()
             share = self.channel.share(share)
 
-    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        """Forward (under --precision's autocast) and backward; the float32 gradient lands in
-        self.flat.grads. None when fp16's gradient overflowed (nothing to push)."""
-        x, y = loop.on_device(x, y, self.loader, self.device, self.format)
-        with self.flat.writing_grads(), self.channel.backward(self.version):  # each gradient written once
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor) -> loop.Loss | None:
+        """Forward (under --precision's autocast) and backward of a batch already on the device;
+        the float32 gradient lands in self.flat.grads (app.training.flat.FlatModel.writing_grads).
+        The loss as the host will read it, without waiting for the GPU; None when fp16's
+        gradient overflowed (nothing to push)."""
+        with self.channel.backward(self.version), self.flat.writing_grads():
             with runtime.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.scaler is None:
-            return loss.item()
+            return self.losses.take(loss)
         assert self._unscaler is not None  # made with the scaler
         self.scaler.unscale_(self._unscaler)
+        # A wait the data needs: whether fp16's gradient overflowed decides whether there is a push.
         overflow = sum(v.item() for v in self.scaler._found_inf_per_device(self._unscaler).values())
         self.scaler.update()
         if overflow:
             self.skipped += 1
             return None
-        return loss.item()
+        return self.losses.take(loss)
 
     def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply | None:
         """Send [grads | buffers] as one tensor (and where this worker is: `batch` of
@@ -151,17 +157,21 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        outgoing = self.channel.seal(message)
+        outgoing = self.channel.seal(message)  # on a GPU its copies to the host are queued, not waited for
         computed_on = self.version  # the state this gradient comes from, before the reply below
+        # A wait the data needs (--overlap): the next batch computes on the state of the previous
+        # push's reply; on a GPU this one's backward is still running meanwhile.
         reply = self._wait_in_flight() if self.config.overlap else None
         with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
             self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples)
+        # A wait the data needs (no --overlap): the next batch computes on this push's reply.
         return reply if self.config.overlap else self._wait_in_flight()
 
     def last_reply(self) -> int:
         """The end of training: take the reply still on the wire (--overlap's, or the push a
-        SIGTERM came after); the pushes made."""
+        SIGTERM came after), and write the report that waited for its loss; the pushes made."""
         self._wait_in_flight()
+        self.reporter.flush()
         return self.pushes
 
     def _wait_in_flight(self) -> Reply | None:

@@ -1,4 +1,4 @@
-"""The uint8 image cache and the tensor-op augmentation (app/data/imagecache.py)."""
+"""The uint8 image cache and the tensor-op augmentation (app/data/imagecache.py, augment.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from app.data.imagecache import CachedImageFolder, augment
+from app.data.augment import augment
+from app.data.imagecache import CachedImageFolder
 from app.data.imagefolder import ImageFolderData, find_samples
 from app.training.metrics import read
 

@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from app.config import UsageError, parse
-from app.data import datasets, host, imagecache
-from app.data.imagecache import CachedImageFolder, choose_mode
+from app.data import datasets, decode, host, imagecache, store
+from app.data.imagecache import CachedImageFolder
+from app.data.store import choose_mode
 from app.data.imagefolder import ImageFolderData, find_samples
 
 SIZE = 16  # crop; decoded at 18 px
@@ -36,14 +37,15 @@ def decodes(monkeypatch) -> list[str]:
     """Every path imagecache decodes (from any thread), in call order."""
     calls: list[str] = []
     lock = threading.Lock()
-    real = imagecache.decode
+    real = decode.decode
 
-    def counting(path: str, size: int = imagecache.RESIZE) -> torch.Tensor:
+    def counting(path: str, size: int = decode.RESIZE) -> torch.Tensor:
         with lock:
             calls.append(path)
         return real(path, size)
 
-    monkeypatch.setattr(imagecache, "decode", counting)
+    monkeypatch.setattr(imagecache, "decode", counting)  # the memory cache's fill
+    monkeypatch.setattr(decode, "decode", counting)  # the file cache's one pass
     return calls
 
 
@@ -281,12 +283,12 @@ def test_auto_caches_in_memory_where_it_fits(tmp_path):
 
 def test_cache_files_are_named_by_the_file_list_and_the_size(tmp_path):
     samples = find_samples(_tree(tmp_path / "data", per_class=2))[1]
-    key = imagecache.cache_key(samples, 18)
-    assert key == imagecache.cache_key(list(samples), 18)
-    assert key != imagecache.cache_key(samples, 20)
-    assert key != imagecache.cache_key(samples[1:], 18)
+    key = store.cache_key(samples, 18)
+    assert key == store.cache_key(list(samples), 18)
+    assert key != store.cache_key(samples, 20)
+    assert key != store.cache_key(samples[1:], 18)
     os.utime(samples[0][0], ns=(0, 10**9))
-    assert key != imagecache.cache_key(samples, 18)
+    assert key != store.cache_key(samples, 18)
 
 
 def test_a_memory_cache_that_does_not_fit_in_shm_is_one_line_saying_what_to_set(tmp_path, monkeypatch):
@@ -373,7 +375,7 @@ def test_a_temporary_file_nobody_writes_is_removed_and_a_live_writers_is_kept(tm
     fd = os.open(live, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a writer still at work
     try:
-        assert imagecache.remove_stale_temp_files(cache_dir) == [dead]
+        assert store.remove_stale_temp_files(cache_dir) == [dead]
         assert not dead.exists() and live.exists()
     finally:
         os.close(fd)

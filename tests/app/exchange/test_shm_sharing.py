@@ -52,14 +52,14 @@ while not os.path.exists(stop):
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from app.data import imagecache
+from app.data import imagecache, store
 from app.data.datasets import stable_shard
 from app.data.imagefolder import find_samples
 root, start, stop, index, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 out = Path(start).parent / "out"
 samples = find_samples(Path(root) / "train")[1]
 mine = [samples[i] for i in stable_shard(len(samples), count, index)]
-with imagecache.shm_choice("auto"):
+with store.shm_choice("auto"):
     print("ready", flush=True)
     others = [out / f"p{i}.out" for i in range(1, count)]
     while not all("chose" in p.read_text() or "waiting for it" in p.read_text() for p in others):

@@ -46,7 +46,7 @@ def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32()
     with runtime.autocast("bf16", torch.device("cpu")):
         assert model(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16  # autocast is on
     loss = trainer.compute_gradients(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))
-    assert loss > 0 and trainer.flat.message.dtype == torch.float32
+    assert float(loss) > 0 and trainer.flat.message.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert trainer.flat.grads.abs().sum() > 0
 
