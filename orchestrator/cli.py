@@ -14,86 +14,19 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
+from orchestrator.arguments import (
+    Parser,
+    add_name_arg,
+    add_strategy_arg,
+    add_topology_args,
+    load_topology,
+    positive_float,
+    positive_int,
+)
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; must be a whole number >= 1") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"got {n}; must be at least 1")
-    return n
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; must be a number > 0") from None
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"got {text}; must be a number > 0")
-    return x
-
-
-def _run_name(text: str) -> str:
-    from orchestrator.topology.model import NAME_RULE, valid_name
-
-    if not valid_name(text):
-        raise argparse.ArgumentTypeError(f"got {text!r}; {NAME_RULE}")
-    return text
-
-
-def add_name_arg(p: argparse.ArgumentParser, default: str = "the topology's name:") -> None:
-    """`--name NAME` (`make ... NAME=`): the run's name, overriding the topology's `name:`."""
-    p.add_argument(
-        "--name",
-        type=_run_name,
-        metavar="NAME",
-        help=f"the run's name: its compose project (or stack), state volume and runs/NAME/ (default: {default})",
-    )
-
-
-def add_topology_args(p: argparse.ArgumentParser) -> None:
-    """`-c CONFIG`, `--workers N`, `--strategy S` and `--name NAME`: every verb that works on a
-    topology takes them."""
-    p.add_argument(
-        "-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG", help=f"topology file (default: {DEFAULT_CONFIG})"
-    )
-    p.add_argument(
-        "--workers",
-        type=_positive_int,
-        metavar="N",
-        help="number of workers, overriding workers.count (GPUs 0..N-1 unless listed)",
-    )
-    add_strategy_arg(p)
-    add_name_arg(p)
-
-
-def add_strategy_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--strategy", metavar="S", help="async, sync, ssp or allreduce (DDP, no PS), overriding train.strategy"
-    )
-
-
-def load_topology(args: argparse.Namespace):
-    """The topology named by `-c`, with `--workers`, `--strategy` and `--name` applied."""
-    from orchestrator.topology.model import load_with
-
-    return load_with(
-        args.config, workers=args.workers, strategy=getattr(args, "strategy", None), name=getattr(args, "name", None)
-    )
 
 
 def targets():
@@ -225,7 +158,7 @@ def _add_host_verbs(sub: argparse._SubParsersAction) -> None:
         help=f"the cuda topology whose image and group_add to use (default: {DEFAULT_CONFIG})",
     )
     p.add_argument(
-        "--seconds", type=_positive_int, default=60, metavar="SECONDS", help="how long the run trains (default: 60)"
+        "--seconds", type=positive_int, default=60, metavar="SECONDS", help="how long the run trains (default: 60)"
     )
     p.set_defaults(run=run_gpu_trial)
 
@@ -253,7 +186,7 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where the tree goes (default: data/sample-imagenette, configs/cpu-resnet.yaml's data_dir)",
     )
-    p.add_argument("--size", type=_positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
+    p.add_argument("--size", type=positive_int, default=32, metavar="PIXELS", help="image side (default: 32)")
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
 
 
@@ -314,7 +247,7 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", action="store_true", help="as processes on 127.0.0.1 instead of containers")
     p.add_argument(
         "--timeout",
-        type=_positive_int,
+        type=positive_int,
         default=30,
         metavar="SECONDS",
         help="how long rank 0 waits for every rank to register (default: 30)",
@@ -351,8 +284,8 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     _add_last_cluster_verbs(verb, backend, last)
     p = verb("smoke")
     p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
-    p.add_argument("--workers", type=_positive_int, default=2, metavar="N")
-    p.add_argument("--timeout", type=_positive_int, default=backend.smoke_timeout, metavar="SECONDS")
+    p.add_argument("--workers", type=positive_int, default=2, metavar="N")
+    p.add_argument("--timeout", type=positive_int, default=backend.smoke_timeout, metavar="SECONDS")
     add_strategy_arg(p)
     add_name_arg(p, f"the topology's name: + -{backend.verb_prefix}smoke")
     p.set_defaults(
@@ -362,7 +295,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     )
     p = verb("scale")
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
-    p.add_argument("--workers", type=_positive_int, required=True, metavar="N", help="the number of workers to run")
+    p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="the number of workers to run")
     add_name_arg(p, f"{last}'s")
     p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers, name=a.name))
     _add_tensorboard_verb(verb("tensorboard"), backend, last)
@@ -383,7 +316,7 @@ def _add_export_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
 
 def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
-    p.add_argument("--workers", type=_positive_int, metavar="N")
+    p.add_argument("--workers", type=positive_int, metavar="N")
     add_strategy_arg(p)
     add_name_arg(p, f"{last}'s; alone, the last up of that name")
 
@@ -418,7 +351,7 @@ def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> Non
     p.add_argument(
         "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"
     )
-    p.add_argument("--port", type=_positive_int, metavar="PORT", help="on 127.0.0.1 (default: 6006, else a free one)")
+    p.add_argument("--port", type=positive_int, metavar="PORT", help="on 127.0.0.1 (default: 6006, else a free one)")
     p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
     p.set_defaults(
         run=lambda a: _verbs()[2].tensorboard(
@@ -448,14 +381,14 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
         "scenario", nargs="*", help="scenarios to run (default: all), or `soak` alone: random faults, then invariants"
     )
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
-    p.add_argument("--minutes", type=_positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
+    p.add_argument("--minutes", type=positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
     seeding = p.add_mutually_exclusive_group()
     seeding.add_argument(
-        "--seed", type=_positive_int, help="soak: the seed of its faults (default: a random one, printed)"
+        "--seed", type=positive_int, help="soak: the seed of its faults (default: a random one, printed)"
     )
     seeding.add_argument(
         "--seeds",
-        type=_positive_int,
+        type=positive_int,
         metavar="K",
         help="soak: K soaks one after another, each with a random seed, then one table (seed, faults, invariants)",
     )
@@ -481,15 +414,15 @@ def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
     report().add_arguments(p)
     p.set_defaults(run=lambda a: report().run_cli(a))
     p = sub.add_parser("compare", help="the CPU job under each strategy as local processes; one report, one table")
-    compare().add_arguments(p, _positive_int)
+    compare().add_arguments(p, positive_int)
     p.set_defaults(run=lambda a: compare().run_cli(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="python -m orchestrator", description="Parameter-Server training cluster from a YAML topology."
     )
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=Parser)
     _add_verbs(sub)
     return parser
 

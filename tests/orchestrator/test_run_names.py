@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_backends import FakeBackend
+from test_backends import FakeBackend, ReadLines
 
 from orchestrator import paths
 from orchestrator.backends import registry, verbs
 from orchestrator.backends.base import ServiceState
-from orchestrator.backends.lines import ReadLines
 from orchestrator.errors import EngineError, UsageError
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.model import load, parse
