@@ -79,6 +79,9 @@ def local_environment(
     env.update(runs.environment(run_id, resume))
     if run_id and has_ps(t):
         env["PSC_SHM_DIR"] = str(shm_dir(t, run_id))
+    if rank == 0 and has_ps(t):  # the PS logs the run to MLflow where the caller set a tracking URI
+        env["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI", "")
+        env["MLFLOW_EXPERIMENT_NAME"] = os.environ.get("MLFLOW_EXPERIMENT_NAME") or t.name
     if t.code is not None:  # the user's code first on sys.path, then what the caller had
         inherited = os.environ.get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(t.code).expanduser().resolve()), inherited]))

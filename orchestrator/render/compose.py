@@ -66,6 +66,8 @@ TENSORBOARD_CONTAINER_PORT = 6006
 TENSORBOARD_RUN = "PSC_TENSORBOARD_RUN"
 TENSORBOARD_PORT = "PSC_TENSORBOARD_PORT"
 
+MLFLOW_ENVIRONMENT = {"MLFLOW_TRACKING_URI": "${MLFLOW_TRACKING_URI:-}"}
+
 HEALTHCHECK = {
     "test": ["CMD", "python", "-m", "app", "health"],
     "interval": "3s",
@@ -245,6 +247,10 @@ def state_volume(t: Topology) -> dict[str, Any]:
 
 def _ps(t: Topology) -> dict[str, Any]:
     svc = _builds(t, _common(t, 0, "ps", t.ps.shm_size, t.ps_gpu()))
+    # The PS logs the run to MLflow where the compose (or stack) call has MLFLOW_TRACKING_URI
+    # set (app.training.tracking); empty: no tracking. The experiment: the run's name.
+    svc["environment"].update(MLFLOW_ENVIRONMENT)
+    svc["environment"]["MLFLOW_EXPERIMENT_NAME"] = f"${{MLFLOW_EXPERIMENT_NAME:-{t.name}}}"
     svc["healthcheck"] = dict(HEALTHCHECK)
     # Time to write a checkpoint on SIGTERM before compose sends SIGKILL.
     svc["stop_grace_period"] = "30s"

@@ -1,7 +1,8 @@
 """A 3-minute chaos soak in real containers (orchestrator/chaos/soak.py): random faults from a
 seed drawn for each run (printed first, and in the failure, so that a failure can be replayed:
 `python -m orchestrator chaos soak --minutes 3 --seed N`, or this test with SOAK_SEED=N), then
-every row of the invariants table passes, and the soak did inject faults of several kinds."""
+every row of the invariants table passes, and the soak did inject faults of several kinds,
+each kind once before any is repeated."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import uuid
 
 import pytest
 
-from orchestrator.chaos import soak
+from orchestrator.chaos import soak, soak_plan
 from orchestrator.chaos.soak_plan import new_seed
 from orchestrator.errors import UsageError
 
@@ -52,8 +53,11 @@ def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
         "nothing left on the engine after down -v",
     } <= invariants
     injected = [f for f in found["faults"] if not f["skipped"]]
-    # 3 minutes hold about one round of the 8 kinds (each fault recovers in 4-25 s on a 2-core CPU VM)
-    assert len({f["kind"] for f in injected}) >= 5, text
+    # The plan's first round: every kind once, shuffled by the seed. How many fit in 3 minutes
+    # depends on the host (each fault recovers in 4-25 s on a quiet 2-core CPU VM, up to 47 s
+    # beside the rest of the suite): three at least, none of them a kind seen before.
+    kinds = [f["kind"] for f in injected]
+    assert len(kinds) >= 3 and len(set(kinds[: len(soak_plan.KINDS)])) == min(len(kinds), len(soak_plan.KINDS)), text
     assert found["audits"] >= len(injected) + 2
 
 

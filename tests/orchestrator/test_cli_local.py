@@ -23,7 +23,8 @@ from orchestrator.topology.services import service_names
 from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal. The run's
-# variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.runs).
+# variables: values for a local run, `${PSC_RUN_ID:-}` in the compose file (orchestrator.runs);
+# MLflow's, from the caller's environment.
 HOST_SPECIFIC = {
     "PSC_MASTER_ADDR",
     "PSC_MASTER_PORT",
@@ -35,6 +36,8 @@ HOST_SPECIFIC = {
     "NCCL_SOCKET_IFNAME",
     "PSC_RUN_ID",
     "PSC_RESUME",
+    "MLFLOW_TRACKING_URI",  # the caller's, interpolated by compose; a local process is given its value
+    "MLFLOW_EXPERIMENT_NAME",
 }
 
 

@@ -30,18 +30,3 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
     assert trainer.refused == MAX_REFUSED_IN_A_ROW - 1 and trainer.pushes == 0
     with pytest.raises(RuntimeError, match=f"{MAX_REFUSED_IN_A_ROW} pushes in a row were refused"):
         trainer.push_and_pull()
-
-
-def test_an_epoch_one_worker_trains_says_so_in_the_singular(caplog):
-    """`epoch 21 shared by 1 workers` was the line when a worker trained an epoch alone."""
-    from types import SimpleNamespace
-
-    config = parse(["worker", "--max_workers", "2"], {})
-    channel = recording_channel()
-    channel.shard = lambda: (0, 1)  # the PS has one rank training
-    sampler = SimpleNamespace(shard=1, num_shards=2, fixed=False)
-    trainer = Trainer(config, _linear(4), None, sampler, torch.device("cpu"), channel, None)
-    with caplog.at_level("INFO", logger="app.worker"):
-        trainer.reshard(21)
-    assert caplog.messages == ["worker1: epoch 21 shared by 1 worker; share 0 is this one"]
-    assert (sampler.shard, sampler.num_shards) == (0, 1)
