@@ -25,7 +25,7 @@ from orchestrator.topology.model import load_with
 from orchestrator.topology.services import PS_SERVICE
 
 MODEL_DIR = "model"  # runs/<name>/model/
-LOAD_DOC = "docs/running.md#export-the-trained-model"
+LOAD_DOC = "docs/running.md#export-the-trained-model-and-track-runs-in-mlflow"
 
 
 @engine_errors
