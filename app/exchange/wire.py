@@ -71,6 +71,7 @@ class Push(NamedTuple):
     backward: int | None = None  # through shared memory: the worker's backward it comes from ...
     noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
     finite: bool = False  # the worker found every value finite where it computed them (a GPU's flags)
+    to_go: int = -1  # pushes the rank has still to make after this one, as planned now; -1: unknown
 
 
 class Share(NamedTuple):

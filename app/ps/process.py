@@ -5,6 +5,8 @@
     until every worker finished (or the missing ones are past --join_timeout):
         wait for pushes; ping quiet workers; evaluate every --eval_every updates;
         checkpoint every --checkpoint_every updates
+    (each evaluation's line and `eval` record also say how far the run is: step of total,
+    percent, samples/s and the ETA at the pace since the previous one, app.training.progress)
     save final.pt, print Accuracy, Time (training: from every worker joined to
     the last update applied) and Evaluation (the final evaluation's seconds)
 
@@ -38,6 +40,7 @@ from app.training import models
 from app.training.evaluate import Evaluator
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter, Rates, run_records
+from app.training.progress import RunProgress
 
 log = logging.getLogger("app.ps")
 TICK_SECONDS = 1.0
@@ -271,14 +274,17 @@ def train_until_done(
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
             if vector is not None:
                 accuracy, loss = evaluate(vector)
-                progress.info("ps | Update: %d | Accuracy: %.4f", version, accuracy)
+                since = pace.since()
+                where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
+                progress.info("ps | Update: %d | Accuracy: %.4f | %s", version, accuracy, where.line())
                 metrics.write(
                     "eval",
                     version,
                     accuracy=round(accuracy, 4),
                     loss=round(loss, 4),
                     samples=server.counts.samples,
-                    **pace.since(),
+                    **since,
+                    **where.fields(),
                 )
             next_eval = (version // config.eval_every + 1) * config.eval_every
         if checkpoints.due():

@@ -300,6 +300,13 @@ class ParameterServer:
             c = self.counts
             return self.state.version, c.samples, c.applied, c.staleness_sum, self.members.live_count()
 
+    def total_updates(self) -> int | None:
+        """The version this PS process will reach at the end, as the ranks' last pushes plan it
+        now (app.ps.members.members.Members.updates_left); None when it cannot be known."""
+        with self._lock:
+            left = self.members.updates_left(self.config.policy.kind.rounds)
+            return None if left is None else self.state.version + left
+
     def training_seconds(self) -> float | None:
         """From every rank joined (or, if one never did, the first join) to the last update."""
         with self._lock:

@@ -74,7 +74,9 @@ class Channel(Protocol):
     def bind(self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool) -> None: ...
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
-    def send(self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int) -> Pending: ...
+    def send(
+        self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int, to_go: int = -1
+    ) -> Pending: ...
     def load(self, reply: Reply) -> None: ...
     def finish(self, pushes: int) -> None: ...
     def leave(self, pushes: int) -> None: ...
@@ -279,23 +281,35 @@ class PSChannel:
 
     # The push: one path for one PS process and for a sharded PS's every process.
 
-    def send(self, outgoing: Outgoing, version: Version, epoch: int = 1, batch: int = 0, samples: int = 0) -> Pending:
+    def send(
+        self,
+        outgoing: Outgoing,
+        version: Version,
+        epoch: int = 1,
+        batch: int = 0,
+        samples: int = 0,
+        to_go: int = -1,
+    ) -> Pending:
         """Send the push (to the main PS only first, when chained): now, or, for a message a GPU
         is still copying, from the sender thread once the copy has landed; `.wait()` on the
-        result gives the Reply. A sharded PS's push that holds NaN or inf is refused here."""
+        result gives the Reply. A sharded PS's push that holds NaN or inf is refused here.
+        `to_go`: the pushes the rank has still to make after this one (-1: unknown), for the
+        main PS's progress."""
         self.sent += 1
         ready = outgoing.event()
         if ready is None:
-            return self._send_now(outgoing, version, epoch, batch, samples)
+            return self._send_now(outgoing, version, epoch, batch, samples, to_go)
         if self.sender is None:
             self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
-        return Deferred(self.sender.submit(self._send_landed, ready, outgoing, version, epoch, batch, samples))
+        return Deferred(self.sender.submit(self._send_landed, ready, outgoing, version, epoch, batch, samples, to_go))
 
     def _send_landed(self, ready: Any, outgoing: Outgoing, version: Version, *where: int) -> Pending:
         ready.synchronize()  # wait here, in the sender thread: the message is in host memory
         return self._send_now(outgoing, version, *where)
 
-    def _send_now(self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int) -> Pending:
+    def _send_now(
+        self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int, to_go: int = -1
+    ) -> Pending:
         message = outgoing.message
         if len(self.routes) > 1 and not self._finite(message):
             why = f"{self.name} computed non-finite values (NaN or inf); the push was not sent"
@@ -306,7 +320,7 @@ class PSChannel:
         now = sends[: len(sends) - len(rest)]
         where = (epoch, batch, samples)
         futures = [
-            (route, self._send(route, part, Push(self.rank, self.name, pulled, *where), outgoing.sealed))
+            (route, self._send(route, part, Push(self.rank, self.name, pulled, *where, to_go=to_go), outgoing.sealed))
             for route, part, pulled in now
         ]
         return PendingPush(self, futures, rest, where, message)

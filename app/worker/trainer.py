@@ -163,7 +163,7 @@ class Trainer:
         # push's reply; on a GPU this one's backward is still running meanwhile.
         reply = self._wait_in_flight() if self.config.overlap else None
         with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
-            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples)
+            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples, self.to_go(epoch, batch))
         # A wait the data needs (no --overlap): the next batch computes on this push's reply.
         return reply if self.config.overlap else self._wait_in_flight()
 
@@ -202,6 +202,22 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write("refused", self.pushes, refused=self.refused)
         return None
+
+    def to_go(self, epoch: int, batch: int) -> int:
+        """The pushes this rank has still to make after the one of `batch` of `epoch`, as planned
+        now: the rest of its epochs' batches, at most --max_steps in all (the PS adds them up into
+        the run's total updates). -1 where it cannot be known: a job that may be scaled (the PS
+        hands out each epoch's shares as it goes), or a loader without a length."""
+        if self.reshards:
+            return -1
+        try:
+            per_epoch = len(self.loader)
+        except TypeError:  # an iterable dataset of the user's own
+            return -1
+        left = per_epoch - batch + (self.config.num_epochs - epoch) * per_epoch
+        if self.config.max_steps > 0:
+            left = min(left, self.config.max_steps - (self.pushes + 1))  # this push is the next one answered
+        return max(0, left)
 
     def reached_max_steps(self) -> bool:
         sent = self.pushes + (self.in_flight is not None)

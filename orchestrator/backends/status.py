@@ -2,7 +2,8 @@
 
 Two tables: the metrics columns (state, exit code, last step, loss, accuracy: compose) and
 the tasks' (newest task's state, exit code, retries, error: swarm); under the metrics table,
-the live line: the workers the PS counts as joined whose service runs now.
+the live line: the workers the PS counts as joined whose service runs now, and the progress
+line: how far the run was at the PS's last evaluation (step of total, percent, samples/s, ETA).
 """
 
 from __future__ import annotations
@@ -56,6 +57,44 @@ def format_live(live: Optional[dict[str, Any]]) -> str:
         return "live workers: - (no worker joined yet)"
     names = " ".join(live["workers"]) or "none"
     return f"live workers: {len(live['workers'])} ({names}), last change at version {live['version']}"
+
+
+def latest_progress(lines: Iterable[str]) -> Optional[dict[str, Any]]:
+    """The PS's newest `eval` or `end` record of its newest run (since its last `start`); None
+    before its first evaluation."""
+    last: Optional[dict[str, Any]] = None
+    for rec in parse_lines(lines):
+        if is_event(rec, Event.START):
+            last = None
+        elif is_event(rec, Event.EVAL, Event.END):
+            last = rec
+    return last
+
+
+def clock(seconds: float) -> str:
+    """`H:MM:SS`, rounded to the second (app.training.progress.clock's format)."""
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def format_progress(rec: Optional[dict[str, Any]], now: float) -> str:
+    """`progress: step 1200 of 4680 (25.6%), 812 samples/s, ETA 0:04:17 (at the PS's last
+    evaluation, 9 s ago)`: the PS's eval line's words (app.training.progress), from its record;
+    the ETA is as of that evaluation, at the pace since the one before it."""
+    if rec is None:
+        return "progress: - (no evaluation yet)"
+    step = rec.get("step")
+    if is_event(rec, Event.END):
+        return f"progress: ended at step {step}"
+    total, pace = rec.get("total"), f"{rec.get('samples_per_s', 0):.0f} samples/s"
+    if total is None:
+        where = f"step {step} (total unknown), {pace}"
+    else:
+        eta = rec.get("eta_s")
+        where = (
+            f"step {step} of {total} ({rec.get('percent')}%), {pace}, ETA {'unknown' if eta is None else clock(eta)}"
+        )
+    return f"progress: {where} (at the PS's last evaluation, {max(0, round(now - rec['time']))} s ago)"
 
 
 def service_row(state: ServiceState, metric_lines: list[str]) -> dict[str, Any]:

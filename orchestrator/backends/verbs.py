@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
@@ -23,7 +24,15 @@ from orchestrator import images, runs
 from orchestrator.backends import record
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.inspect import from_compose
-from orchestrator.backends.status import format_live, format_states, format_status, live_workers, service_row
+from orchestrator.backends.status import (
+    format_live,
+    format_progress,
+    format_states,
+    format_status,
+    latest_progress,
+    live_workers,
+    service_row,
+)
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.report import stop_on_problems, summary
@@ -292,7 +301,7 @@ def status(
     name: Optional[str] = None,
     out: Optional[TextIO] = None,
 ) -> int:
-    """One line per service; under the metrics table, the live workers."""
+    """One line per service; under the metrics table, the live workers and the run's progress."""
     out = out or sys.stdout
     backend.refuse("status")
     c = resolve(backend, config, workers, strategy, name)
@@ -308,7 +317,9 @@ def status(
         print(line, file=out)
     if any(s.service == PS_SERVICE for s in rows):
         running = {s.spec.rank for s in rows if s.spec and s.spec.role == "worker" and s.running}
-        print(format_live(live_workers(records.get(f"{PS_SERVICE}.jsonl", []), running)), file=out)
+        ps_lines = records.get(f"{PS_SERVICE}.jsonl", [])
+        print(format_live(live_workers(ps_lines, running)), file=out)
+        print(format_progress(latest_progress(ps_lines), time.time()), file=out)
     return 0
 
 

@@ -202,7 +202,8 @@ def assert_same_curves(got: dict, want: dict, where: str) -> None:
 def recording_channel(answer=None, overlap: bool = False):
     """A worker's real channel (app.worker.channels.PSChannel: its own seal, flip and staging)
     whose pushes go nowhere: each is recorded in `.messages` and answered at once with
-    `answer(message, version)` (by default a Reply of zeros, one version on)."""
+    `answer(message, version)` (by default a Reply of zeros, one version on); the pushes the
+    trainer said its rank has still to make after each one, in `.to_go`."""
     from types import SimpleNamespace
 
     import torch
@@ -219,10 +220,12 @@ def recording_channel(answer=None, overlap: bool = False):
             super().__init__(1, timeout=10.0, address="nowhere", overlap=overlap)
             self.routes = [Route(PS, 0, 0)]
             self.messages: list = []
+            self.to_go: list[int] = []
 
-        def send(self, outgoing, version, epoch=1, batch=0, samples=0):
+        def send(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1):
             self.sent += 1
             self.messages.append(outgoing.message)
+            self.to_go.append(to_go)
             reply = (answer or zeros)(outgoing.message, version)
             return SimpleNamespace(wait=lambda: reply)
 

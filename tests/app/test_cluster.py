@@ -24,7 +24,11 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     assert final_accuracy(ps_out) >= 0.90
     assert re.search(r"^Time: \d+\.\d\d seconds$", ps_out, re.M), ps_out
     assert re.search(r"^Evaluation: \d+\.\d\d seconds$", ps_out, re.M), ps_out
-    assert re.search(r"^ps \| Update: \d+ \| Accuracy: 0\.\d{4}$", ps_out, re.M), ps_out
+    assert re.search(
+        r"^ps \| Update: (\d+) \| Accuracy: 0\.\d{4} \| step \1 of \d+ \(\d+\.\d%\), \d+ samples/s, ETA \d+:\d\d:\d\d$",
+        ps_out,
+        re.M,
+    ), ps_out
     for rank in (1, 2):
         assert re.search(
             rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$", procs[f"worker{rank}"].stdout, re.M
@@ -60,6 +64,9 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     assert 0 < end["seconds"] and end["eval_seconds"] >= 0  # training time; evaluation apart
     final = torch.load(tmp_path / "checkpoints" / "final.pt")
     assert final["version"] == end["step"] > 0
+    # every evaluation that knew the total (both ranks had pushed) knew it right: where the run ended
+    totals = [r["total"] for r in read(tmp_path / "metrics" / "ps.jsonl") if r["event"] == "eval" and "total" in r]
+    assert totals and set(totals) == {end["step"]}, totals
     assert set(final["model"]) == {
         "features.0.weight",
         "features.0.bias",

@@ -68,9 +68,10 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
         assert verbs.status(get("compose"), CONFIG, 2, out=out, **kw) == 0
         lines = out.getvalue().splitlines()
         assert lines[1].split() == ["SERVICE", "STATE", "EXIT", "STEP", "LOSS", "ACCURACY"]
-        table = [line for line in lines[2:] if line.strip() and not line.startswith("live workers:")]
-        assert lines[-1].startswith("live workers: "), lines  # the PS's live set (make scale)
+        table = [line for line in lines[2:] if line.strip() and not line.startswith(("live workers:", "progress:"))]
+        assert lines[-2].startswith("live workers: "), lines  # the PS's live set (make scale)
         rows = {line.split()[0]: line.split() for line in table}
+        assert lines[-1] == f"progress: ended at step {rows['ps'][3]}", lines  # the PS's `end` record
         assert sorted(rows) == ["ps", "worker1", "worker2"]
         for _service, row in rows.items():
             assert row[1:3] == ["exited", "0"], lines
@@ -84,7 +85,7 @@ def test_up_status_logs_down(version, engine, offline_image, tmp_path, monkeypat
             listed = {
                 line.split()[0]: line.split()
                 for line in out.getvalue().splitlines()[2:]
-                if line.strip() and not line.startswith("live workers:")
+                if line.strip() and not line.startswith(("live workers:", "progress:"))
             }
             assert sorted(listed) == expected, out.getvalue()
             assert listed["worker2"][1:3] == ["exited", "0"], out.getvalue()

@@ -84,7 +84,9 @@ def test_a_fresh_clone_runs_the_readme_quick_start(engine, tmp_path):
 
         lines = _run(status, str(clone), timeout=120).splitlines()
         header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["SERVICE"])
-        table = [line for line in lines[header + 1 :] if line.strip() and not line.startswith("live workers:")]
+        table = [
+            line for line in lines[header + 1 :] if line.strip() and not line.startswith(("live workers:", "progress:"))
+        ]
         rows = {line.split()[0]: line.split() for line in table}
         assert sorted(rows) == ["ps", "worker1", "worker2"], lines
         for service, row in rows.items():

@@ -201,7 +201,10 @@ def test_a_new_target_is_its_blocks_and_one_registry_line(cli, monkeypatch, tmp_
         ["worker2", "running"],
         ["worker3", "running"],
     ]
-    assert out.splitlines()[-1] == "live workers: 3 (worker1 worker2 worker3), last change at version 3"
+    assert out.splitlines()[-2:] == [
+        "live workers: 3 (worker1 worker2 worker3), last change at version 3",
+        "progress: ended at step 300",  # the PS's `end` record is its newest
+    ]
     status, out, err = cli("fake-scale", "--workers", "2")
     assert status == 0, err
     assert fake.calls[-1] == ("scale", ([], ["worker3"])) and "(stopped worker3)" in out

@@ -65,8 +65,8 @@ class Members:
         """A call from `name` (app.ps.members.roster.Roster.seen): True when it readmits the rank."""
         return self.roster.seen(rank, name)
 
-    def record_push(self, rank: int, epoch: int, batch: int) -> None:
-        self.roster.record_push(rank, epoch, batch)
+    def record_push(self, rank: int, epoch: int, batch: int, to_go: int = -1) -> None:
+        self.roster.record_push(rank, epoch, batch, to_go)
         self.epochs.record(rank, epoch, batch)
 
     def finish(self, rank: int, name: str) -> None:
@@ -101,6 +101,24 @@ class Members:
         ranks = {*self.training(version), *(m.rank for m in self.roster.live()), rank}
         gone = {m.rank for m in self.roster.left()} | {m.rank for m in self.roster.missing()}
         return self.epochs.next(rank, finished, sorted(ranks), gone)
+
+    def updates_left(self, rounds: bool) -> int | None:
+        """The updates still to come, as the ranks' last pushes planned them: each rank still
+        expected to train (live, or yet to join within join_timeout) has `to_go` pushes left;
+        async and ssp apply each push (their sum), sync one update a round of every rank still
+        training (the most any rank has left). Finished, left, dropped and missing ranks add
+        none. None when a rank expected to train has not said (not pushed yet, or -1: a job that
+        may be scaled, whose shares are handed out as it goes)."""
+        missing = {m.rank for m in self.roster.missing()}
+        left = []
+        for m in self.roster.members.values():
+            if m.state == LIVE or (m.state == ABSENT and m.rank not in missing):
+                if m.to_go < 0:
+                    return None
+                left.append(m.to_go)
+        if not left:
+            return 0
+        return max(left) if rounds else sum(left)
 
     def live_name(self, rank: int) -> str | None:
         """The RPC name of rank's live process, if one is live."""

@@ -49,6 +49,7 @@ class Member:
     pushes: int = 0
     joins: int = 0
     round_from: int = 0  # sync: the first version whose round counts this rank (it joined mid-round)
+    to_go: int = -1  # pushes the rank has still to make after its last one applied; -1: unknown
 
     def progress(self) -> Progress:
         return Progress(self.epoch, self.batch, self.pushes)
@@ -103,9 +104,9 @@ class Roster:
             return True
         return False
 
-    def record_push(self, rank: int, epoch: int, batch: int) -> None:
+    def record_push(self, rank: int, epoch: int, batch: int, to_go: int = -1) -> None:
         m = self.members[rank]
-        m.epoch, m.batch, m.pushes = epoch, batch, m.pushes + 1
+        m.epoch, m.batch, m.pushes, m.to_go = epoch, batch, m.pushes + 1, to_go
 
     def finish(self, rank: int, name: str) -> None:
         self.seen(rank, name)

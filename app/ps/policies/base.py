@@ -38,6 +38,7 @@ class Waiting(NamedTuple):
     epoch: int
     batch: int
     staleness: int
+    to_go: int = -1  # the pushes the rank has still to make after this one (app.exchange.wire.Push)
 
 
 def noted_backward(push: Push) -> int | None:
@@ -111,8 +112,8 @@ class Policy:
         buffer its answer goes in), keep its answer waiting, and release the answers that may go."""
         into = self.into(push.rank)
         self.apply(message, self.state.scale_for(staleness), into, early)
-        self.count(push.rank, push.epoch, push.batch, staleness)
-        self.hold(push.rank, Waiting(future, None, push.epoch, push.batch, staleness))
+        self.count(push.rank, push.epoch, push.batch, staleness, push.to_go)
+        self.hold(push.rank, Waiting(future, None, push.epoch, push.batch, staleness, push.to_go))
         return self.release(fresh=push.rank if into is not None else None)
 
     def apply(
@@ -126,9 +127,10 @@ class Policy:
         (not a PS shard's, whose state is a view of the model); None: in place."""
         return None
 
-    def count(self, rank: int, epoch: int, batch: int, staleness: int) -> None:
-        """One push of rank's applied: where the rank is now, and the push counts."""
-        self.members.record_push(rank, epoch, batch)
+    def count(self, rank: int, epoch: int, batch: int, staleness: int, to_go: int = -1) -> None:
+        """One push of rank's applied: where the rank is now (and the pushes it has still to
+        make), and the push counts."""
+        self.members.record_push(rank, epoch, batch, to_go)
         self.counts.count(staleness)
 
     def hold(self, rank: int, waiting: Waiting) -> None:

@@ -71,7 +71,7 @@ class RoundPolicy(Policy):
         """Keep the push waiting and fold it into the open round (the partitions folded early
         from its backward are in it already); close the round if it was the last one awaited."""
         state = self.state
-        self.hold(push.rank, Waiting(future, message, push.epoch, push.batch, 0))
+        self.hold(push.rank, Waiting(future, message, push.epoch, push.batch, 0, push.to_go))
         self._open_round().fold(push.rank, message, state.vector, state.num_params, state.lr, noted_backward(push))
         return self._close_round()
 
@@ -139,7 +139,7 @@ class RoundPolicy(Policy):
             if state.sliced:
                 vector.copy_(state.vector)
         for rank, w in waiting.items():
-            self.count(rank, w.epoch, w.batch, 0)
+            self.count(rank, w.epoch, w.batch, 0, w.to_go)
         return [(w.future, Reply(vector, state.version, 0, 0)) for w in waiting.values()]
 
     def average(self, messages: list[torch.Tensor]) -> torch.Tensor:

@@ -49,7 +49,8 @@ def test_last_evaluations_reads_the_periodic_ones_then_the_final():
     )
     assert last_evaluations(local) == [0.6, 0.7, 0.65]
     container = (
-        "ps | Update: 50 | Accuracy: 0.3000\nps | Update: 100 | Accuracy: 0.5000\n"
+        "ps | Update: 50 | Accuracy: 0.3000 | step 50 (total unknown), 640 samples/s\n"
+        "ps | Update: 100 | Accuracy: 0.5000 | step 100 of 600 (16.7%), 640 samples/s, ETA 0:00:16\n"
         "ps | Update: 150 | Accuracy: 0.6000\nAccuracy: 0.7000\n"
     )
     assert last_evaluations(container) == [0.5, 0.6, 0.7]

@@ -30,3 +30,38 @@ def test_a_worker_skips_refused_pushes_and_gives_up_after_a_run_of_them():
     assert trainer.refused == MAX_REFUSED_IN_A_ROW - 1 and trainer.pushes == 0
     with pytest.raises(RuntimeError, match=f"{MAX_REFUSED_IN_A_ROW} pushes in a row were refused"):
         trainer.push_and_pull()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # 3 epochs of 4 batches from the start: 11 pushes after the first, down to none after the last
+        ([], [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]),
+        # --max_steps 5: five pushes in all, whatever the epochs hold
+        (["--max_steps", "5"], [4, 3, 2, 1, 0]),
+    ],
+)
+def test_each_push_says_the_pushes_its_rank_has_still_to_make(flags, expected):
+    config = parse(["worker", "--num_epochs", "3", *flags], {})
+    channel = recording_channel()
+    batches = [None] * 4  # an epoch of 4 batches: all that to_go reads of the loader is its length
+    trainer = Trainer(config, _linear(4), batches, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    for epoch in range(1, 4):
+        for batch in range(1, 5):
+            trainer.push_and_pull(epoch, batch, 8)
+            if trainer.reached_max_steps():
+                break
+        else:
+            continue
+        break
+    assert channel.to_go == expected
+
+
+def test_a_loader_without_a_length_leaves_the_pushes_to_go_unknown():
+    config = parse(["worker"], {})
+    channel = recording_channel()
+    trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    trainer.push_and_pull(1, 1, 8)
+    assert channel.to_go == [-1]
