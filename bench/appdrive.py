@@ -111,7 +111,7 @@ def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
             _init(config, ps_name(index), p["rank"])
             if not _DONE["event"].wait(timeout=p["timeout"]):
                 raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
-            rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+            loop.shutdown_after_steps(ps_name(index), graceful=True, timeout=RPC_TIMEOUT)
     finally:
         if shared is not None:
             shared.close()
@@ -191,7 +191,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         time.sleep(p["idle_seconds"])
     for name in [PS, *shard_names]:
         rpc.rpc_sync(name, rpc_done, args=(config.rank,), timeout=RPC_TIMEOUT)
-    rpc.shutdown(graceful=True, timeout=RPC_TIMEOUT)
+    loop.shutdown_after_steps(config.name, graceful=True, timeout=RPC_TIMEOUT)
     floats = trainer.flat.size
     push_bytes = floats * (2 if p.get("compress", "none") != "none" else 4)
     result.update(compute_only_s=compute_only, push_bytes=push_bytes, pull_bytes=4 * floats)

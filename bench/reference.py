@@ -23,7 +23,6 @@ cores/world threads).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -163,10 +162,5 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _shutdown(name: str) -> None:
-    """The published example's graceful `rpc.shutdown()`. Its last exchange can race the
-    other processes' exit ("Connection reset by peer" once every trainer's result is already
-    with the PS): the measured steps are over by then, so that is reported and not a failure."""
-    try:
-        rpc.shutdown()
-    except RuntimeError as error:  # DistNetworkError is one
-        print(f"{name}: rpc.shutdown after the measured steps: {type(error).__name__}: {error}", file=sys.stderr)
+    """The published example's graceful `rpc.shutdown()`, after the measured steps."""
+    loop.shutdown_after_steps(name)
