@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from orchestrator.chaos.common import (
     chaos_topology,
     wait_until,
 )
-from orchestrator.local import app_argv, free_port, loopback_ifname, service_environment, shm_dir, spawn
+from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, shm_dir, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
@@ -48,8 +49,17 @@ class ProcessJob:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, *names: str) -> None:
+        """Start `names` (all by default). With the PS among them, the others start once its
+        store accepts connections, as compose starts workers once the PS is healthy: a worker
+        started beside a PS that is still importing torch on a loaded host would otherwise spend
+        its --rpc_timeout (10 s here) waiting for it, and exit 1."""
         known = by_name(self.t)
-        for name in names or list(known):
+        chosen = list(names or known)
+        if PS_SERVICE in chosen and len(chosen) > 1:
+            self.start(PS_SERVICE)
+            wait_until(f"the PS listens on port {self.port}", self._ps_listens, RUN_TIMEOUT)
+            chosen.remove(PS_SERVICE)
+        for name in chosen:
             service = known[name]
             env = service_environment(
                 self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname, run_id=self.run_id
@@ -60,6 +70,15 @@ class ProcessJob:
                 open(self.run_dir / "logs" / f"{name}.{n}.err", "w") as err,
             ):
                 self.procs[name] = spawn(app_argv(service.role), env, stdout=out, stderr=err)
+
+    def _ps_listens(self) -> bool:
+        if self.procs[PS_SERVICE].poll() is not None:
+            raise Timeout(f"the PS exited ({self.procs[PS_SERVICE].returncode}) before it listened on port {self.port}")
+        try:
+            socket.create_connection((LOCALHOST, self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
 
     def signal(self, name: str, sig: int) -> float:
         self.procs[name].send_signal(sig)

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("eng
 def test_a_crashed_worker_container_is_restarted_and_the_run_completes(docker_engine, tmp_path):
     out = chaos_containers.worker_kill(tmp_path)
 
-    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    assert out.recovered, f"{out!r}\n{(tmp_path / 'containers.log').read_text()[-5000:]}"
     states = out.details["states"]
     assert states["worker2"]["restarts"] >= 1
     assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
@@ -42,7 +42,7 @@ def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_p
     t = chaos_common.chaos_topology()
     out = chaos_containers.ps_kill(tmp_path, t)
 
-    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    assert out.recovered, f"{out!r}\n{(tmp_path / 'containers.log').read_text()[-5000:]}"
     # A bound that is the behaviour: workers that lose the PS exit within the RPC timeout
     # (10 s) instead of hanging, so Docker restarts them; + 10 s for a loaded host.
     # Measured 0.8-1.8 s on a 2-core CPU VM (docs/failure.md).
@@ -61,7 +61,7 @@ def test_make_down_of_a_sharded_ps_keeps_every_slice_and_resume_continues(docker
     out = chaos_containers.sharded_stop_and_up(tmp_path)
 
     log = (tmp_path / "containers.log").read_text()
-    assert out.recovered, (out, log[-5000:])
+    assert out.recovered, f"{out!r}\n{log[-5000:]}"
     assert out.details["resumed_version"] == out.details["on_exit"][-1]["step"] > 0
     assert "written on exit at this shard's version" in log  # the slice the shard wrote on SIGTERM, resumed
     assert out.accuracy >= 0.90
@@ -71,7 +71,7 @@ def test_a_crashed_ps_shard_container_is_restarted_and_takes_its_slice_back(dock
     out = chaos_containers.ps_shard_kill(tmp_path)
 
     log = (tmp_path / "containers.log").read_text()
-    assert out.recovered, (out, log[-5000:])
+    assert out.recovered, f"{out!r}\n{log[-5000:]}"
     assert out.details["states"]["ps-shard1"]["restarts"] >= 1
     assert "(the main parameter server's version" in log  # from its labelled checkpoint, not the initial values
     assert out.accuracy >= 0.90
@@ -82,7 +82,7 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_and_every_container_exi
     then they get SIGTERM, leave cleanly (recorded as `left`, never as a drop) and exit 0."""
     out = chaos_containers.scale(tmp_path)
 
-    assert out.recovered, (out, (tmp_path / "containers.log").read_text()[-5000:])
+    assert out.recovered, f"{out!r}\n{(tmp_path / 'containers.log').read_text()[-5000:]}"
     states = out.details["states"]
     assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4", "pidns"}
     assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
@@ -137,6 +137,21 @@ def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
         )
         print(f"make logs returned {returned[0] - last_exit.timestamp():.1f} s after the last container exited")
         assert returned[0] - last_exit.timestamp() <= 10
+    except chaos_common.Timeout as late:
+        pytest.fail(f"{late}\n{_containers_now(docker_engine, project)}")
     finally:
         verbs.down(compose, str(config), name=project, volumes=True, out=io.StringIO())
         shutil.rmtree(compose.path_of(project).parent, ignore_errors=True)
+
+
+def _containers_now(engine, project: str, lines: int = 30) -> str:
+    """Each container of the project: its state, restarts and the last lines of its log."""
+    told = []
+    for container in adapter.containers(engine, project):
+        state = container.attrs["State"]
+        log = container.logs(tail=lines).decode(errors="replace")
+        told.append(
+            f"--- {container.name}: {state['Status']} (exit {state['ExitCode']}, "
+            f"{container.attrs.get('RestartCount', 0)} restarts)\n{log}"
+        )
+    return "\n".join(told) or f"no container of {project} on the engine"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +17,20 @@ from orchestrator.chaos import processes as chaos_processes
 pytestmark = pytest.mark.slow
 
 
+def _explain(out: chaos_common.Outcome, run_dir: Path, lines: int = 12) -> str:
+    """The outcome whole (pytest shortens an object's repr), then each process's last log lines."""
+    told = [repr(out)]
+    for err in sorted((run_dir / "logs").glob("*.err")):
+        tail = err.read_text(errors="replace").splitlines()[-lines:]
+        told.append(f"--- {err.name}\n" + "\n".join(tail))
+    return "\n".join(told)
+
+
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path):
     out = chaos_processes.worker_kill(tmp_path)
     print(f"worker killed: dropped after {out.detected_s:.1f} s")
 
-    assert out.recovered, out
+    assert out.recovered, _explain(out, tmp_path)
     assert out.accuracy >= 0.90
     assert out.details["exit_codes"] == {"ps": 0, "worker1": 0, "worker2": 0, "worker3": 0}
     # A bound that is the behaviour: the PS drops a dead worker within its RPC timeout
@@ -39,7 +49,7 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
     out = chaos_processes.ps_kill(tmp_path, t)
     print(f"PS killed: workers exited after {out.details['worker_exits']}")
 
-    assert out.recovered, out
+    assert out.recovered, _explain(out, tmp_path)
     # A bound that is the behaviour: workers that lose the PS exit within the RPC timeout
     # (10 s) instead of hanging; + 10 s for a loaded host. Measured 0.07-0.1 s.
     for name, (code, seconds) in out.details["worker_exits"].items():
@@ -57,7 +67,7 @@ def test_a_killed_ps_shard_is_started_again_and_takes_its_slice_back_from_its_ch
     out = chaos_processes.ps_shard_kill(tmp_path)
     print(f"PS shard killed: noticed after {out.detected_s:.1f} s, whole again after {out.recovered_s:.1f} s")
 
-    assert out.recovered, out
+    assert out.recovered, _explain(out, tmp_path)
     assert out.accuracy >= 0.90
     assert set(out.details["exit_codes"].values()) == {0}
     assert out.details["lost"]["shard"] == 1

@@ -44,7 +44,7 @@ DIGITS = [
     "--eval_every",
     "100000",
     "--rpc_timeout",
-    "20",
+    "60",
     "--seed",
     "1",
     "--join_timeout",
