@@ -1,4 +1,5 @@
-"""`make tensorboard` for real: a finished cpu-smoke run in containers, the project's
+"""MLflow tracking and `make tensorboard` for real: a finished cpu-smoke run in containers, its
+PS tracking it to a real `mlflow server` on the host (read back with MLflow's client), the project's
 `tensorboard` service answering TensorBoard's scalars API with the JSONL records' values, a
 headless Chromium screenshot of its scalars page showing the accuracy curve
 (docs/img/tensorboard.png), and `make down` removing the service with the rest."""
@@ -14,8 +15,10 @@ import subprocess
 import urllib.parse
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow_testkit
 import numpy
 import pytest
 import yaml
@@ -30,6 +33,7 @@ from orchestrator.paths import ROOT, RUNS
 from orchestrator.render.compose import TENSORBOARD_SERVICE
 from orchestrator.topology.model import load
 
+from app_testkit import free_port
 from needs import unavailable
 
 # In the engine group beside `engine` (tests/conftest.py): its projects are its own.
@@ -78,58 +82,108 @@ def coloured(pixels: numpy.ndarray) -> numpy.ndarray:
     return (pixels.max(axis=2) - pixels.min(axis=2)) > 60
 
 
-def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, image, chromium, tmp_path):
+@dataclass
+class FinishedRun:
+    """A cpu-smoke run in containers, finished, its PS tracking it to a real MLflow server."""
+
+    project: str
+    config: Path
+    run_id: str
+    evals: list[dict]
+    mlflow: str  # the tracking server's URI, as the PS's container reached it
+
+
+@pytest.fixture(scope="module")
+def finished(engine, image, tmp_path_factory):
+    """`make up` of cpu-smoke (4 epochs) with MLFLOW_TRACKING_URI set, as a user with a team's
+    tracking server sets it: an `mlflow server` on the host, at the engine's bridge gateway (an
+    address of the host that containers reach, and nothing outside it). Waited to its end."""
     project = f"tb-{uuid.uuid4().hex[:8]}"
+    root = tmp_path_factory.mktemp("tracked")
     doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
     doc["name"], doc["image"]["tag"] = project, image
     doc["train"]["epochs"] = 4
     doc["train"]["eval_every"] = 50
-    config = tmp_path / "tb.yaml"
+    config = root / "tb.yaml"
     config.write_text(yaml.safe_dump(doc))
+    gateway = engine.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
     found = adapter.detect()
     proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
-    try:
-        assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=io.StringIO()) == 0
-        states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
-        assert states and all(s.exit_code == 0 for s in states), states
-        records = parse_lines(adapter.read_metrics(engine, project, adapter.containers(engine, project))["ps.jsonl"])
-        [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
-        evals = [r for r in records if r["event"] == "eval"]
-        assert evals, records
+    (root / "mlflow").mkdir()
+    with mlflow_testkit.serve(root / "mlflow", gateway, free_port()) as uri, pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", uri)
+        env.setenv("MLFLOW_EXPERIMENT_NAME", "tracked-in-containers")
+        try:
+            assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=io.StringIO()) == 0
+            states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
+            assert states and all(s.exit_code == 0 for s in states), states
+            metrics = adapter.read_metrics(engine, project, adapter.containers(engine, project))
+            records = parse_lines(metrics["ps.jsonl"])
+            [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
+            evals = [r for r in records if r["event"] in ("eval", "end")]
+            assert [r for r in evals if r["event"] == "eval"], records
+            yield FinishedRun(project, config, run_id, evals, uri)
+        finally:
+            command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+            shutil.rmtree(RUNS / project, ignore_errors=True)
 
-        out = io.StringIO()
-        assert board.tensorboard(BACKENDS["compose"], str(config), name=project, out=out) == 0
-        port = int(re.search(r"==> tensorboard: http://127\.0\.0\.1:(\d+)/ \(every run", out.getvalue()).group(1))
-        tags = get(port, "/data/plugin/scalars/tags")
-        run = f"{run_id}/ps"
-        assert {"eval/accuracy", "eval/loss", "eval/updates_per_s", "eval/workers"} <= set(tags[run]), tags
-        assert {"train/loss", "train/step_seconds"} <= set(tags[f"{run_id}/worker1"]), tags
-        points = get(port, "/data/plugin/scalars/scalars", run=run, tag="eval/accuracy")
-        assert [(step, numpy.float32(v)) for _, step, v in points] == [
-            (r["step"], numpy.float32(r["accuracy"])) for r in evals
-        ]
-        # A trained model's curve: 4 epochs are ~150 updates, which end at 0.90-0.95 as processes
-        # (13 runs), lower in a loaded CI's containers; the smokes hold a finished 10-epoch run
-        # to 0.90. Here the curve must rise from its first point to a model well past chance.
-        course = [(step, round(v, 4)) for _, step, v in points]
-        assert points[-1][2] >= 0.8 and points[-1][2] > points[0][2], course
 
-        # The scalars page, accuracy alone, against the same page with a filter no tag matches:
-        # the curve is what the first has in colour and the second has not, across the chart.
-        page = f"http://127.0.0.1:{port}/?darkMode=false#scalars&tagFilter="
-        shown = screenshot(chromium, page + urllib.parse.quote("^eval/accuracy$"), tmp_path / "accuracy.png")
-        empty = screenshot(chromium, page + "no-such-tag", tmp_path / "empty.png")
-        curve = coloured(shown) & ~coloured(empty)
-        columns = numpy.flatnonzero(curve.any(axis=0))
-        assert curve.sum() > 300 and columns.size and columns[-1] - columns[0] > 200, (
-            f"no accuracy curve drawn: {curve.sum()} coloured pixels over {columns.size} columns"
-        )
-        if os.environ.get("UPDATE_SCREENSHOT") == "1":
-            shutil.copyfile(tmp_path / "accuracy.png", SCREENSHOT)
+def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
+    """The run's parameters, its accuracy curve (the PS's `eval` and `end` records, the version as
+    the step), the exported model and FINISHED, read back with MLflow's client."""
+    from mlflow import MlflowClient
 
-        command.run(adapter.down_argv(found, proj))
-        left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
-        assert TENSORBOARD_SERVICE not in left and left == [], left
-    finally:
-        command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
-        shutil.rmtree(RUNS / project, ignore_errors=True)
+    client = MlflowClient(finished.mlflow)
+    experiment = client.get_experiment_by_name("tracked-in-containers")
+    assert experiment is not None, "no experiment: the PS's container did not reach the tracking server"
+    runs = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`ps-compose.run_id` = '{finished.run_id}'"
+    )
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == finished.run_id
+    assert run.data.params["train.model"] == "cnn" and run.data.params["train.epochs"] == "4"
+    curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
+    assert curve == sorted((r["step"], r["accuracy"]) for r in finished.evals)
+    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "model"))
+    assert names == ["model/model.json", "model/model.pt"]
+
+
+def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, finished, chromium, tmp_path):
+    project, config, run_id = finished.project, finished.config, finished.run_id
+    evals = [r for r in finished.evals if r["event"] == "eval"]
+    found = adapter.detect()
+    proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
+    out = io.StringIO()
+    assert board.tensorboard(BACKENDS["compose"], str(config), name=project, out=out) == 0
+    port = int(re.search(r"==> tensorboard: http://127\.0\.0\.1:(\d+)/ \(every run", out.getvalue()).group(1))
+    tags = get(port, "/data/plugin/scalars/tags")
+    run = f"{run_id}/ps"
+    assert {"eval/accuracy", "eval/loss", "eval/updates_per_s", "eval/workers"} <= set(tags[run]), tags
+    assert {"train/loss", "train/step_seconds"} <= set(tags[f"{run_id}/worker1"]), tags
+    points = get(port, "/data/plugin/scalars/scalars", run=run, tag="eval/accuracy")
+    assert [(step, numpy.float32(v)) for _, step, v in points] == [
+        (r["step"], numpy.float32(r["accuracy"])) for r in evals
+    ]
+    # A trained model's curve: 4 epochs are ~150 updates, which end at 0.90-0.95 as processes
+    # (13 runs), lower in a loaded CI's containers; the smokes hold a finished 10-epoch run
+    # to 0.90. Here the curve must rise from its first point to a model well past chance.
+    course = [(step, round(v, 4)) for _, step, v in points]
+    assert points[-1][2] >= 0.8 and points[-1][2] > points[0][2], course
+
+    # The scalars page, accuracy alone, against the same page with a filter no tag matches:
+    # the curve is what the first has in colour and the second has not, across the chart.
+    page = f"http://127.0.0.1:{port}/?darkMode=false#scalars&tagFilter="
+    shown = screenshot(chromium, page + urllib.parse.quote("^eval/accuracy$"), tmp_path / "accuracy.png")
+    empty = screenshot(chromium, page + "no-such-tag", tmp_path / "empty.png")
+    curve = coloured(shown) & ~coloured(empty)
+    columns = numpy.flatnonzero(curve.any(axis=0))
+    assert curve.sum() > 300 and columns.size and columns[-1] - columns[0] > 200, (
+        f"no accuracy curve drawn: {curve.sum()} coloured pixels over {columns.size} columns"
+    )
+    if os.environ.get("UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(tmp_path / "accuracy.png", SCREENSHOT)
+
+    command.run(adapter.down_argv(found, proj))
+    left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
+    assert TENSORBOARD_SERVICE not in left and left == [], left

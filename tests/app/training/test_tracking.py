@@ -5,13 +5,9 @@ warning and the run goes on."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
+import mlflow_testkit
 import pytest
 
 from app.config import parse
@@ -19,40 +15,12 @@ from app.training.metrics import read, training_parameters
 
 from app_testkit import DIGITS, app_env, final_accuracy, free_port, run_cluster
 
-SERVER_START_SECONDS = 180  # ~10 s on an idle 2-core CPU VM; minutes when it is loaded
-
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1 with a sqlite store; its URI."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
-    assert mlflow, "mlflow is in the dev venv (pyproject's dev extra)"
-    argv = [mlflow, "server", "--backend-store-uri", f"sqlite:///{root}/store.db"]
-    argv += ["--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
-    with open(root / "server.log", "w") as log:
-        server = subprocess.Popen([*argv, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_SECONDS
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, (root / "server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, f"mlflow server not up in {SERVER_START_SECONDS} s"
-            time.sleep(1)
+    with mlflow_testkit.serve(tmp_path_factory.mktemp("mlflow"), "127.0.0.1", free_port()) as uri:
         yield uri
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 @pytest.mark.slow
