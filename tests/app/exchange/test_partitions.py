@@ -27,7 +27,7 @@ from app_testkit import ps_server, push, submit
 
 @pytest.fixture
 def shm_dir(tmp_path):
-    path = Path("/dev/shm") / f"psc-test-{os.getpid()}-{tmp_path.name}"
+    path = Path("/dev/shm") / f"test-psc-{os.getpid()}-{tmp_path.name}"
     path.mkdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)  # a PS's sweep may have taken it once it was empty a while

@@ -27,11 +27,12 @@ from app_testkit import REPO, ps_server, submit
 
 @pytest.fixture
 def shm_dir(tmp_path):
-    """A directory of its own in /dev/shm (a tmpfs, as in production), removed afterwards."""
-    path = Path("/dev/shm") / f"psc-test-{os.getpid()}-{tmp_path.name}"
+    """A directory of its own in /dev/shm (a tmpfs, as in production), removed afterwards. Not
+    named psc-*: a PS of another test sweeps those in /dev/shm and may take its files."""
+    path = Path("/dev/shm") / f"test-psc-{os.getpid()}-{tmp_path.name}"
     path.mkdir()
     yield path
-    shutil.rmtree(path, ignore_errors=True)  # a PS's sweep may have taken it once it was empty a while
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _bn_model() -> nn.Module:
@@ -398,7 +399,7 @@ def test_a_ps_without_room_for_its_segment_says_so_and_the_job_trains_over_tenso
     """The PS's /dev/shm is too small for the exchange: one warning line, and every worker pushes
     over TensorPipe (they are told of no segment)."""
     _as_root_in_own_mount_namespace()
-    shm = Path("/dev/shm") / f"psc-small-{os.getpid()}"
+    shm = Path("/dev/shm") / f"test-psc-small-{os.getpid()}"
     shm.mkdir()
     try:
         script = f'mount -t tmpfs -o size=64k tmpfs {shm} && exec {sys.executable} -m app "$@"'

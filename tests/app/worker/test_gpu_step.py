@@ -40,7 +40,7 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture
 def shm_dir(tmp_path):
-    path = Path("/dev/shm") / f"psc-test-{os.getpid()}-{tmp_path.name}"
+    path = Path("/dev/shm") / f"test-psc-{os.getpid()}-{tmp_path.name}"
     path.mkdir()
     yield path
     for child in path.iterdir():
