@@ -19,6 +19,12 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
+def host_has(present: bool, what: str) -> pytest.MarkDecorator:
+    """The mark of a test that needs something of its host (`what`): without it the test skips,
+    and under CI=true it runs and fails (CI's hosts have it; a skip there would hide the test)."""
+    return pytest.mark.skipif(not present and not in_ci(), reason=f"needs {what}")
+
+
 def cuda_gpu() -> pytest.MarkDecorator:
     """The mark of a test that needs a CUDA GPU: without one it skips, under CI=true too (CI
     runs on CPU machines; this is the one kind of test that may skip there), with the reason

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app_testkit import app_env, free_port, run_app
+from needs import unavailable
 
 pytestmark = pytest.mark.slow  # each test starts `python -m app` (no RPC, a second or two)
 
@@ -125,7 +126,7 @@ def test_a_freed_big_tensor_stays_mapped_for_the_next_message_under_glibc():
     import sys
 
     if platform.libc_ver()[0] != "glibc":
-        pytest.skip("mallopt tuning is glibc-only")
+        unavailable("mallopt tuning is glibc-only")
     code = (
         "import sys, torch; from app import runtime;"
         "sys.argv[1] == 'tuned' and runtime.keep_freed_memory();"

@@ -20,6 +20,7 @@ from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load
 from orchestrator.topology.services import service_names
 
+from needs import host_has
 from orch_helpers import REPO, topology
 
 # What differs between a container and a local process; everything else is equal. The run's
@@ -313,7 +314,7 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker's process in /proc")
+@host_has(Path("/proc/self/environ").exists(), "/proc, to find the worker's process")
 def test_local_restarts_a_killed_worker_which_rejoins_and_the_run_finishes_0(tmp_path: Path) -> None:
     """kill -9 worker2 of a real `local` run mid-training: the supervisor starts it again,
     it rejoins the PS under a new RPC name and trains, and the run ends 0 at the usual accuracy."""

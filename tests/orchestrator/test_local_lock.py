@@ -12,11 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from test_cli_local import _orchestrator, fake_app  # noqa: F401 - fake_app is a fixture
 
+from needs import host_has
+
 NAMES = ("ps", "worker1", "worker2")
-pytestmark = pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal and flock")
+pytestmark = host_has(hasattr(os, "openpty"), "a pseudo-terminal and flock")
 
 
 def _started(where: Path, p: subprocess.Popen) -> list[int]:

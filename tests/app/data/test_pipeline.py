@@ -18,6 +18,7 @@ from app.data import datasets, decode, host, imagecache, store
 from app.data.imagecache import CachedImageFolder
 from app.data.store import choose_mode
 from app.data.imagefolder import ImageFolderData, find_samples
+from needs import unavailable
 
 SIZE = 16  # crop; decoded at 18 px
 
@@ -275,7 +276,7 @@ def test_the_held_out_set_is_cached_the_same_way_for_the_ps(tmp_path, decodes):
 
 def test_auto_caches_in_memory_where_it_fits(tmp_path):
     if host.shm_free() is not None and host.shm_free() < 2**20:
-        pytest.skip("this host's /dev/shm is nearly full")
+        unavailable("this host's /dev/shm is nearly full")
     root = _tree(tmp_path / "data")
     train = datasets.load("imagefolder", str(root), "train", 0, SIZE, "auto", shard=(0, 2))
     assert isinstance(train.data, CachedImageFolder) and train.data.path is None and train.sharded
