@@ -63,13 +63,14 @@ lock: $(UV) ## write requirements/*.txt (versions + hashes) from pyproject.toml 
 	$(COMPILE) pyproject.toml --extra orchestrator -c requirements/dev.txt -o requirements/host.txt
 	$(COMPILE) pyproject.toml --extra app -c requirements/dev.txt -o requirements/app.txt
 	$(COMPILE) images/torch-pair.txt -c requirements/dev.txt -o requirements/torch.txt
+	$(COMPILE) pyproject.toml --extra tracking-server -c requirements/dev.txt -o requirements/tracking-server.txt
 
 # `make clean`: what the commands write in the checkout, caches and downloads,
 # and runs/ (the state of `make local`'s runs and the record of the last `up`).
 # Never .venv, data/, a Docker volume (the checkpoints of container runs, which
 # `make down` keeps; `python -m orchestrator down -v` removes one) or an image.
-clean: ## remove runs/ (local runs' checkpoints and metrics, the last up's record), .cache/, images/.cache/, images/wheelhouse/, the pytest, mypy and ruff caches and every __pycache__; no volume, no image, not .venv
-	rm -rf runs .cache images/.cache images/wheelhouse .pytest_cache .mypy_cache .ruff_cache
+clean: ## remove runs/ (local runs' checkpoints and metrics, the last up's record), .cache/, images/.cache/, images/wheelhouse/ and images/wheelhouse-tracking/, the pytest, mypy and ruff caches and every __pycache__; no volume, no image, not .venv
+	rm -rf runs .cache images/.cache images/wheelhouse images/wheelhouse-tracking .pytest_cache .mypy_cache .ruff_cache
 	find . -path ./.git -prune -o -path ./.venv -prune -o -path ./data -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # make test runs the suite on TEST_WORKERS pytest-xdist workers (0: in one process): the tests

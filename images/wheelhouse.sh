@@ -6,14 +6,19 @@
 # it needs (requirements/torch.txt) are in the offline base already
 # (images/build-offline-base.sh), as the official PyTorch image has its own.
 # The Dockerfile installs these wheels with `pip install --no-index --find-links`.
+# LOCK and OUT fill another folder from another lock the same way: the MLflow
+# tracking server's image (orchestrator/tracking_image.py) takes
+# requirements/tracking-server.txt into images/wheelhouse-tracking/.
 #
 #   images/wheelhouse.sh                      # skips when up to date
 #   FORCE=1 PIP=pip images/wheelhouse.sh      # refills it
+#   LOCK=requirements/tracking-server.txt OUT=images/wheelhouse-tracking images/wheelhouse.sh
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
-OUT=$HERE/wheelhouse
+LOCK=$(realpath "${LOCK:-$ROOT/requirements/app.txt}")
+OUT=$(realpath -m "${OUT:-$HERE/wheelhouse}")
 PIP=${PIP:-$ROOT/.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
 
@@ -23,7 +28,7 @@ mkdir -p "$HERE/.cache"
 exec 9>"$HERE/.cache/wheelhouse.lock"
 flock 9
 
-reqs=$(python3 "$HERE/requirements.py" "$ROOT/requirements/app.txt" --without "$ROOT/requirements/torch.txt")
+reqs=$(python3 "$HERE/requirements.py" "$LOCK" --without "$ROOT/requirements/torch.txt")
 key=$(printf '%s\n' "$reqs" | sha256sum | cut -c1-16)
 if [ -z "${FORCE:-}" ] && [ "$(cat "$OUT/.key" 2>/dev/null)" = "$key" ]; then
     echo "wheelhouse $OUT is up to date: nothing to do (FORCE=1 refills it)"
@@ -42,4 +47,4 @@ printf '%s\n' "$reqs" >"$OUT/requirements.txt"
 # shellcheck disable=SC2086 # PIP may be "python3 -m pip"
 $PIP download -q --no-deps --require-hashes -d "$OUT" "${target[@]}" -r "$OUT/requirements.txt"
 echo "$key" >"$OUT/.key"
-echo "wheelhouse: $(ls "$OUT"/*.whl | wc -l) wheels, $(du -sm "$OUT" | cut -f1) MB, in $((SECONDS - start)) s"
+echo "wheelhouse $(basename "$OUT"): $(ls "$OUT"/*.whl | wc -l) wheels, $(du -sm "$OUT" | cut -f1) MB, in $((SECONDS - start)) s"

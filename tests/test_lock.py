@@ -16,7 +16,14 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "requirements"
 # Which extras of pyproject.toml each lock resolves (the Makefile's `lock` target).
-EXTRAS = {"host": ["orchestrator"], "app": ["app"], "dev": ["app", "orchestrator", "dev"], "torch": []}
+EXTRAS = {
+    "host": ["orchestrator"],
+    "app": ["app"],
+    "dev": ["app", "orchestrator", "dev"],
+    "torch": [],
+    "tracking-server": ["tracking-server"],
+}
+NO_TORCH = ("host", "tracking-server")  # the orchestrator's venv; the MLflow server's image
 
 
 def _requirements_module() -> ModuleType:
@@ -49,7 +56,7 @@ def test_every_package_of_a_lock_has_an_exact_version_and_its_hashes(name):
     assert "#    make lock" in text  # written by `make lock`, not by hand
 
 
-@pytest.mark.parametrize("name", ["host", "app", "torch"])
+@pytest.mark.parametrize("name", ["host", "app", "torch", "tracking-server"])
 def test_each_lock_has_the_dev_locks_versions(name):
     dev = pins("dev")
     assert {n: p.version for n, p in pins(name).items()} == {n: dev[n].version for n in pins(name)}
@@ -65,7 +72,7 @@ def test_each_lock_satisfies_pyproject_and_the_torch_pair(name):
     """A line added to pyproject.toml (or a new pair) without `make lock` fails here."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [Requirement(r) for extra in EXTRAS[name] for r in project["optional-dependencies"][extra]]
-    if name != "host":
+    if name not in NO_TORCH:
         wanted += [Requirement(f"{n}=={v}") for n, v in _pair().items()]
     found = pins(name)
     wrong = [
@@ -76,8 +83,9 @@ def test_each_lock_satisfies_pyproject_and_the_torch_pair(name):
     assert not wrong, f"requirements/{name}.txt is out of date with pyproject.toml; run make lock: {wrong}"
 
 
-def test_the_host_lock_has_no_torch():
-    assert not {"torch", "torchvision"} & set(pins("host"))
+@pytest.mark.parametrize("name", NO_TORCH)
+def test_the_locks_without_torch_have_none(name):
+    assert not {"torch", "torchvision"} & set(pins(name))
 
 
 def test_the_venv_the_tests_run_in_has_the_dev_locks_versions():

@@ -20,7 +20,7 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import images, runs
+from orchestrator import images, runs, tracking_image
 from orchestrator.backends import record
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.inspect import from_compose
@@ -39,6 +39,7 @@ from orchestrator.doctor.report import stop_on_problems, summary
 from orchestrator.errors import EngineError, UsageError, engine_errors
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
+from orchestrator.render import tracking
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_if_changed
 from orchestrator.topology.model import Topology, load_with
@@ -136,21 +137,26 @@ def preflight(backend: Backend, t: Topology, config: str, client: Any, out: Text
 
 
 def ensure_image(backend: Backend, client: Any, t: Topology, offline: bool, out: TextIO) -> None:
+    """The app's image, built when missing; the MLflow server's too where the topology has one."""
     if not backend.engine:
         return
+    base, pip_source = images.source(t, offline)
     if images.image_exists(client, t.image_tag):
         print(f"==> image {t.image_tag} present {backend.image_note}", file=out, flush=True)
     else:
-        base, pip_source = images.source(t, offline)
         images.build(t.image_tag, base, pip_source, out=out)
+    if tracking.tracked_by_own_server(t) and has_ps(t):
+        tracking_image.ensure(client, base, pip_source, out)
 
 
 @engine_errors
 def build(config: str, workers: Optional[int] = None, *, offline: bool = False, verbose: bool = False) -> int:
-    """(Re)build the topology's image."""
+    """(Re)build the topology's image (and its MLflow server's, where it has one)."""
     t = load_with(config, workers=workers)
     base, pip_source = images.source(t, offline)
     images.build(t.image_tag, base, pip_source, verbose=verbose)
+    if tracking.tracked_by_own_server(t) and has_ps(t):
+        tracking_image.build(base, pip_source)
     return 0
 
 
@@ -190,6 +196,8 @@ def up(
         record.save(backend, c)
     p = backend.verb_prefix
     print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
+    if tracking.tracked_by_own_server(t) and has_ps(t):
+        print(f"==> MLflow: the run is tracked at {tracking.ui_address()} (experiment {c.name})", file=out, flush=True)
     return 0
 
 

@@ -25,6 +25,7 @@ from app.contract import TENSORBOARD_DIR
 from app.options import ALWAYS, BY_NAME, OPTIONS, Option
 from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
+from orchestrator.render import tracking
 from orchestrator.render.shm_sizing import compose_size, shared_shm_bytes
 from orchestrator.render.yamlio import yaml_text
 from orchestrator.topology.model import Topology
@@ -65,6 +66,8 @@ TENSORBOARD_CONTAINER_PORT = 6006
 # (empty: every run of the project) and the host port on 127.0.0.1.
 TENSORBOARD_RUN = "PSC_TENSORBOARD_RUN"
 TENSORBOARD_PORT = "PSC_TENSORBOARD_PORT"
+# Services that show a run and are no part of it: what waits for a run's end and `make status` leave them out.
+SERVING = (TENSORBOARD_SERVICE, tracking.MLFLOW_SERVICE)
 
 MLFLOW_ENVIRONMENT = {"MLFLOW_TRACKING_URI": "${MLFLOW_TRACKING_URI:-}"}
 
@@ -168,10 +171,15 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
         for svc in services.values():
             svc["environment"].update(TENSORPIPE_ONLY)
     services[TENSORBOARD_SERVICE] = _tensorboard(t)
+    volumes = {STATE_VOLUME: state_volume(t)}
+    if tracking.tracked_by_own_server(t) and has_ps(t):
+        tracking.track_in_own_server(services[PS_SERVICE])
+        services[tracking.MLFLOW_SERVICE] = tracking.mlflow_service(t, NETWORK, APP_USER)
+        volumes[tracking.MLFLOW_VOLUME] = tracking.mlflow_volume(t)
     return {
         "services": services,
         "networks": {NETWORK: {"driver": "bridge", "labels": {LABEL_PROJECT: t.name}}},
-        "volumes": {STATE_VOLUME: state_volume(t)},
+        "volumes": volumes,
     }
 
 

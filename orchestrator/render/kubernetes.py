@@ -49,7 +49,7 @@ import posixpath
 from typing import Any, Optional
 
 from orchestrator import runs
-from orchestrator.render import compose
+from orchestrator.render import compose, tracking
 from orchestrator.render.yamlio import yaml_text
 from orchestrator.topology.model import Topology, size_bytes
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
@@ -79,6 +79,7 @@ def rendezvous_name(t: Topology) -> str:
 def render(t: Topology, *, data_root: str) -> list[dict[str, Any]]:
     """The manifests of `t` (pure: no I/O), in the order `kubectl apply` creates them.
     `data_root` is the absolute directory relative host paths are taken from."""
+    tracking.refuse_own_server(t, "kubernetes")
     name = object_name(t)
     docs = [_claim(t), _rendezvous_service(t)]
     if has_ps(t):

@@ -48,7 +48,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from orchestrator.render import compose
+from orchestrator.render import compose, tracking
 from orchestrator.render.yamlio import yaml_text
 from orchestrator.topology.model import Topology, size_bytes
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, has_ps, rendezvous_service
@@ -98,6 +98,7 @@ def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
     """The whole stack document for `t` (pure: no I/O). `data_root` is the
     absolute directory a relative `train.data_dir` is taken from; `nodes` the swarm's
     node count when known (stack-up asks the engine; 0: decide from `t` alone)."""
+    tracking.refuse_own_server(t, "swarm")
     doc = compose.render(t, one_host=False)
     pinned = state_writers(t) if pins_state(t, nodes) else []
     services = {}

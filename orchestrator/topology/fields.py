@@ -1,5 +1,5 @@
 """The topology's sections whose fields are written here: image, workers, network, swarm,
-state, kubernetes. (train and ps get their fields from app/options.py: model.py builds
+state, kubernetes, tracking. (train and ps get their fields from app/options.py: model.py builds
 them.) Each field's docstring is its text in docs/topology.md."""
 
 from __future__ import annotations
@@ -173,3 +173,13 @@ class Kubernetes(Section):
         if v is not None and not _CLAIM.match(v):
             raise ValueError("must be a Kubernetes object name: lowercase letters, digits, '-' and '.'")
         return v
+
+
+class Tracking(Section):
+    """Where the PS logs its runs (parameters, curves, the exported model): an MLflow tracking server."""
+
+    mlflow: bool = False
+    """true: an MLflow tracking server of the project's own runs beside the cluster (service `mlflow`, compose target
+    only): its runs in sqlite on the volume `mlflow`, which `make down` keeps, its UI on http://127.0.0.1:5000 (another
+    host port: PSC_MLFLOW_PORT), and the PS logs to it unless MLFLOW_TRACKING_URI names another server. false: the
+    PS logs to MLFLOW_TRACKING_URI where the call sets it, else nowhere."""

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model, field_validator
 
-from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES
+from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, strategy_of
 from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
 from orchestrator.errors import one_line
-from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Workers
+from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Tracking, Workers
 from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
 from orchestrator.topology.values import Float, LoaderWorkers, Section, Size, size_bytes
 
@@ -156,6 +156,7 @@ class Topology(Section):
     swarm: Swarm = Field(default_factory=Swarm)
     state: State = Field(default_factory=State)
     kubernetes: Kubernetes = Field(default_factory=Kubernetes)
+    tracking: Tracking = Field(default_factory=Tracking)
     code: Optional[str] = Field(default=None, min_length=1)
     """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like
     train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
@@ -262,7 +263,7 @@ def is_entry_point(value: str) -> bool:
 
 def check(t: Topology, source: str) -> None:
     """The checks that span fields (pydantic has checked each field); the first problem raises."""
-    for part in (_check_inputs, _check_rules, _check_gpus, _check_state, _check_placement):
+    for part in (_check_inputs, _check_rules, _check_gpus, _check_state, _check_placement, _check_tracking):
         part(t, source)
 
 
@@ -316,6 +317,16 @@ def _check_state(t: Topology, source: str) -> None:
             "state.driver_opts",
             f"got {show(dict(opts))}; type {opts['type']} needs "
             "device (the export, e.g. ':/exports/psc') and o with addr=SERVER (e.g. 'addr=10.0.0.5,rw')",
+        )
+
+
+def _check_tracking(t: Topology, source: str) -> None:
+    if t.tracking.mlflow and not strategy_of(t.train.strategy).has_ps:
+        raise TopologyError(
+            source,
+            "tracking.mlflow",
+            f"got true; the PS logs the run to MLflow, and strategy {t.train.strategy} has none: "
+            "allowed only with a strategy that has a PS (async, ssp, sync)",
         )
 
 

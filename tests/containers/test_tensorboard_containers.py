@@ -1,8 +1,9 @@
-"""MLflow tracking and `make tensorboard` for real: a finished cpu-smoke run in containers, its
-PS tracking it to a real `mlflow server` on the host (read back with MLflow's client), the project's
-`tensorboard` service answering TensorBoard's scalars API with the JSONL records' values, a
-headless Chromium screenshot of its scalars page showing the accuracy curve
-(docs/img/tensorboard.png), and `make down` removing the service with the rest."""
+"""MLflow tracking and `make tensorboard` for real: a finished cpu-smoke run in containers with
+`tracking.mlflow: true`, its PS tracking it to the project's own `mlflow server` (its image built
+from the offline base; the run read back with MLflow's client on the host's published port), the
+project's `tensorboard` service answering TensorBoard's scalars API with the JSONL records' values,
+a headless Chromium screenshot of its scalars page showing the accuracy curve
+(docs/img/tensorboard.png), and `make down` removing both services with the rest, the volumes kept."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow_testkit
 import numpy
 import pytest
 import yaml
@@ -30,6 +30,7 @@ from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import BACKENDS
 from orchestrator.metrics.records import parse_lines
 from orchestrator.paths import ROOT, RUNS
+from orchestrator.render import tracking
 from orchestrator.render.compose import TENSORBOARD_SERVICE
 from orchestrator.topology.model import load
 
@@ -84,45 +85,52 @@ def coloured(pixels: numpy.ndarray) -> numpy.ndarray:
 
 @dataclass
 class FinishedRun:
-    """A cpu-smoke run in containers, finished, its PS tracking it to a real MLflow server."""
+    """A cpu-smoke run in containers, finished, its PS tracking it to the project's MLflow server."""
 
     project: str
     config: Path
     run_id: str
     evals: list[dict]
-    mlflow: str  # the tracking server's URI, as the PS's container reached it
+    mlflow: str  # the tracking server's UI and API on the host
 
 
 @pytest.fixture(scope="module")
 def finished(engine, image, tmp_path_factory):
-    """`make up` of cpu-smoke (4 epochs) with MLFLOW_TRACKING_URI set, as a user with a team's
-    tracking server sets it: an `mlflow server` on the host, at the engine's bridge gateway (an
-    address of the host that containers reach, and nothing outside it). Waited to its end."""
+    """`make up` of cpu-smoke (4 epochs) with `tracking.mlflow: true`, its server published on a
+    free port of the host's loopback (PSC_MLFLOW_PORT), as two projects on one host need. Waited
+    to its end; `down -v` at the end."""
     project = f"tb-{uuid.uuid4().hex[:8]}"
     root = tmp_path_factory.mktemp("tracked")
     doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
     doc["name"], doc["image"]["tag"] = project, image
     doc["train"]["epochs"] = 4
     doc["train"]["eval_every"] = 50
+    doc["tracking"] = {"mlflow": True}
     config = root / "tb.yaml"
     config.write_text(yaml.safe_dump(doc))
-    gateway = engine.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
     found = adapter.detect()
     proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
-    (root / "mlflow").mkdir()
-    with mlflow_testkit.serve(root / "mlflow", gateway, free_port()) as uri, pytest.MonkeyPatch.context() as env:
-        env.setenv("MLFLOW_TRACKING_URI", uri)
-        env.setenv("MLFLOW_EXPERIMENT_NAME", "tracked-in-containers")
+    port = free_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(tracking.MLFLOW_PORT, str(port))
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
         try:
-            assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=io.StringIO()) == 0
+            said = io.StringIO()
+            assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=said) == 0
+            assert (
+                f"==> MLflow: the run is tracked at http://127.0.0.1:{port} (experiment {project})" in said.getvalue()
+            )
             states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
             assert states and all(s.exit_code == 0 for s in states), states
+            server = [c for c in adapter.containers(engine, project) if adapter.service_of(c) == "mlflow"]
+            assert [c.status for c in server] == ["running"]  # it outlives the run, for its UI
             metrics = adapter.read_metrics(engine, project, adapter.containers(engine, project))
             records = parse_lines(metrics["ps.jsonl"])
             [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
             evals = [r for r in records if r["event"] in ("eval", "end")]
             assert [r for r in evals if r["event"] == "eval"], records
-            yield FinishedRun(project, config, run_id, evals, uri)
+            yield FinishedRun(project, config, run_id, evals, f"http://127.0.0.1:{port}")
         finally:
             command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
             shutil.rmtree(RUNS / project, ignore_errors=True)
@@ -134,7 +142,7 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     from mlflow import MlflowClient
 
     client = MlflowClient(finished.mlflow)
-    experiment = client.get_experiment_by_name("tracked-in-containers")
+    experiment = client.get_experiment_by_name(finished.project)  # the experiment: the run's name
     assert experiment is not None, "no experiment: the PS's container did not reach the tracking server"
     runs = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.`ps-compose.run_id` = '{finished.run_id}'"
@@ -187,3 +195,5 @@ def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, 
     command.run(adapter.down_argv(found, proj))
     left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
     assert TENSORBOARD_SERVICE not in left and left == [], left
+    kept = sorted(v.name for v in engine.volumes.list(filters={"label": f"com.docker.compose.project={project}"}))
+    assert kept == [f"{project}_mlflow", f"{project}_state"]  # `make down` keeps the runs and checkpoints

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.render.compose import TENSORBOARD_SERVICE
+from orchestrator.render.compose import SERVING
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -24,11 +24,12 @@ BASE: dict[str, Any] = {
 
 
 def training(doc: dict[str, Any]) -> dict[str, Any]:
-    """A compose document's training services: all but `make tensorboard`'s (never started by `up`)
-    and the `pidns` holder of the shared PID namespace (network.same_host_copy)."""
+    """A compose document's training services: all but those that serve the run (`make tensorboard`'s,
+    the MLflow server of tracking.mlflow) and the `pidns` holder of the shared PID namespace
+    (network.same_host_copy)."""
     from orchestrator.topology.services import PIDNS_SERVICE
 
-    return {n: s for n, s in doc["services"].items() if n not in (TENSORBOARD_SERVICE, PIDNS_SERVICE)}
+    return {n: s for n, s in doc["services"].items() if n not in (*SERVING, PIDNS_SERVICE)}
 
 
 def topology(**sections: Any) -> dict[str, Any]:
@@ -66,3 +67,15 @@ def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
         return status, out, err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def schema_validator():
+    """The Compose Specification's JSON schema (compose-spec.json), checked, as a validator."""
+    import json
+
+    import jsonschema
+
+    schema = json.loads((HERE / "compose-spec.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)

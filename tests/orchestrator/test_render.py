@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
 
@@ -56,13 +54,6 @@ def test_top_level_compose_yaml_is_up_to_date() -> None:
     assert (REPO / "compose.yaml").read_text() == text, (
         "compose.yaml is out of date with configs/default.yaml: run `make render`"
     )
-
-
-@pytest.fixture(scope="module")
-def schema_validator() -> jsonschema.Draft7Validator:
-    schema = json.loads((HERE / "compose-spec.json").read_text())
-    jsonschema.Draft7Validator.check_schema(schema)
-    return jsonschema.Draft7Validator(schema)
 
 
 @pytest.mark.parametrize("golden,config,workers", CASES, ids=IDS)

@@ -97,6 +97,20 @@ BAD = [
         [],
         "train.image_cache: got 'disk'; must be 'auto', 'off', 'memory' or 'file'",
     ),
+    (
+        "tracking-mlflow-string",
+        topology(tracking={"mlflow": "yes"}),
+        [],
+        "tracking.mlflow: got 'yes'; must be a valid boolean",
+    ),
+    ("tracking-unknown-key", topology(tracking={"server": True}), [], "tracking.server: unknown key; allowed: mlflow"),
+    (
+        "tracking-mlflow-without-a-ps",
+        topology(tracking={"mlflow": True}, train={"strategy": "allreduce"}),
+        [],
+        "tracking.mlflow: got true; the PS logs the run to MLflow, and strategy allreduce has none: "
+        "allowed only with a strategy that has a PS (async, ssp, sync)",
+    ),
     ("workers-zero-flag", topology(), ["--workers", "0"], "--workers: got 0; must be at least 1"),
     ("workers-not-number", topology(), ["--workers", "two"], "--workers: got 'two'"),
 ]

@@ -37,6 +37,7 @@ from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import (
     METRICS_DIR,
     SCALE_PROFILE,
+    SERVING,
     STATE_DIR,
     STATE_VOLUME,
     TENSORBOARD_PROFILE,
@@ -236,8 +237,9 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
     """The lines of every metrics file in the project's /state volume, by file name.
     Read from a container of the project in `found` (running or stopped); with none, from
     a container created (never started) on the volume for the purpose."""
-    # The PS's container, else any (allreduce has no PS): they all mount the volume.
-    source = next((c for c in found if c.labels.get(LABEL_SERVICE) == PS_SERVICE), found[0] if found else None)
+    # The PS's container, else any that trains (allreduce has no PS): they all mount the volume.
+    training = [c for c in found if service_of(c) not in SERVING]
+    source = next((c for c in training if c.labels.get(LABEL_SERVICE) == PS_SERVICE), training[0] if training else None)
     scratch = None
     try:
         if source is None:
@@ -296,13 +298,18 @@ def print_logs(client: Any, project: str, out: TextIO) -> None:
 def wait_exited(
     client: Any, project: str, count: int, timeout: float, out: TextIO, every: float = 2.0
 ) -> Optional[list[ServiceState]]:
-    """Poll until the project's `count` containers have all exited; their states,
-    or None at the timeout. A container restarting again and again ends the wait."""
+    """Poll until the project's `count` containers have all exited (those that serve the run,
+    like its MLflow server, left out); their states, or None at the timeout. A container
+    restarting again and again ends the wait."""
 
     def done(states: list[ServiceState]) -> bool:
         exited = len(states) >= count and all(s.ended for s in states)
         return exited or any(s.restarts >= 3 for s in states)
 
     return wait(
-        lambda: [container_state(c.attrs) for c in containers(client, project)], done, timeout, out, every=every
+        lambda: [container_state(c.attrs) for c in containers(client, project) if service_of(c) not in SERVING],
+        done,
+        timeout,
+        out,
+        every=every,
     )

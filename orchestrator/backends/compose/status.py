@@ -8,7 +8,7 @@ from typing import Any
 
 from orchestrator.backends.base import ServiceState
 from orchestrator.backends.inspect import from_container
-from orchestrator.render.compose import TENSORBOARD_SERVICE
+from orchestrator.render.compose import SERVING
 
 # Labels compose (v1 and v2) puts on every container it creates.
 LABEL_PROJECT = "com.docker.compose.project"
@@ -31,14 +31,15 @@ def container_state(attrs: dict[str, Any]) -> ServiceState:
 
 def service_states(containers: Sequence[dict[str, Any]]) -> list[ServiceState]:
     """One state per service of the project's containers (`docker inspect` attrs), `make
-    tensorboard`'s left out (it is no part of the run). Of several containers of one service,
+    tensorboard`'s and the MLflow server's left out (no part of the run: they serve it, and the
+    MLflow server outlives it). Of several containers of one service,
     a one-off (`compose run`) counts only when there is no other; among equals, the newest
     (`Created`) counts."""
     chosen: dict[str, ServiceState] = {}
     ranked = sorted(containers, key=lambda a: (not _one_off(a), a.get("Created") or ""))
     for attrs in ranked:  # the best last: it overwrites
         s = container_state(attrs)
-        if s.service != TENSORBOARD_SERVICE:
+        if s.service not in SERVING:
             chosen[s.service] = s
     return list(chosen.values())
 

@@ -1,0 +1,109 @@
+"""The project's own MLflow tracking server in the compose document (`tracking.mlflow: true`).
+
+Pure, like the rest of the render: the service `mlflow` (its image: orchestrator/tracking_image.py,
+images/tracking.Dockerfile), its volume, and what the PS gets from it: the tracking URI, unless
+the compose call names another server in MLFLOW_TRACKING_URI, and a start after it is healthy (a
+server that goes down mid-run costs the PS one warning, never the run: app.training.tracking).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from orchestrator.errors import UsageError
+from orchestrator.topology.model import Topology
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE
+
+MLFLOW_SERVICE = "mlflow"
+MLFLOW_VOLUME = "mlflow"  # compose calls it <project>_mlflow; `make down` keeps it, `down -v` removes it
+MLFLOW_IMAGE = "ps-compose-mlflow:latest"  # one for every project: it holds no project's data
+MLFLOW_DIR = "/mlflow"  # the volume inside: the sqlite store and the artifacts
+MLFLOW_CONTAINER_PORT = 5000
+MLFLOW_PORT = "PSC_MLFLOW_PORT"  # the host port on 127.0.0.1, from the compose call's environment
+MLFLOW_URI = f"http://{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT}"
+# The Host headers the server answers (MLflow refuses others, against DNS rebinding): the PS's
+# calls over the project's network, and the UI and clients on the host's published port.
+ALLOWED_HOSTS = f"{MLFLOW_SERVICE},{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT},localhost,localhost:*,127.0.0.1,127.0.0.1:*"
+# Healthy once it answers a search of runs: the server loads that code on the first search, which
+# took over the PS's 10 s request timeout on a loaded 2-core CPU VM (the PS then tracks nothing).
+HEALTH_PROBE = (
+    "import urllib.request as u; "
+    f"u.urlopen(u.Request('http://127.0.0.1:{MLFLOW_CONTAINER_PORT}/api/2.0/mlflow/runs/search', "
+    """data=b'{"experiment_ids": ["0"], "max_results": 1}', headers={'Content-Type': 'application/json'}), """
+    "timeout=30).close()"
+)
+
+
+def tracked_by_own_server(t: Topology) -> bool:
+    return t.tracking.mlflow
+
+
+def refuse_own_server(t: Topology, target: str) -> None:
+    """The project's own server is a compose service: other targets are told to name one."""
+    if t.tracking.mlflow:
+        raise UsageError(
+            f"tracking.mlflow: got true; the project's own MLflow server runs with the compose target only, "
+            f"not --target {target}: set tracking.mlflow to false and MLFLOW_TRACKING_URI to a tracking server of "
+            "yours, which the PS then logs to"
+        )
+
+
+def mlflow_service(t: Topology, network: str, user: str) -> dict[str, Any]:
+    """`mlflow server` on the project's network, its store on the volume, its UI published on
+    127.0.0.1 only (like `make tensorboard`): one worker process, the runs in sqlite, artifacts
+    (the exported model) served through it, so the PS needs nothing but its URI."""
+    return {
+        "image": MLFLOW_IMAGE,
+        "command": [
+            "--backend-store-uri",
+            f"sqlite:///{MLFLOW_DIR}/mlflow.db",
+            "--artifacts-destination",
+            f"{MLFLOW_DIR}/artifacts",
+            "--host",
+            "0.0.0.0",  # inside the container; the host side is 127.0.0.1 (ports)
+            "--port",
+            str(MLFLOW_CONTAINER_PORT),
+            "--workers",
+            "1",
+            "--allowed-hosts",
+            ALLOWED_HOSTS,
+            "--uvicorn-opts",
+            "--no-access-log",  # a line per request (the health probe's every 5 s) would bury the rest
+        ],
+        "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: MLFLOW_SERVICE},
+        "user": user,
+        "init": True,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "networks": [network],
+        "volumes": [{"type": "volume", "source": MLFLOW_VOLUME, "target": MLFLOW_DIR}],
+        "ports": [f"127.0.0.1:${{{MLFLOW_PORT}:-{MLFLOW_CONTAINER_PORT}}}:{MLFLOW_CONTAINER_PORT}"],
+        "healthcheck": {
+            "test": ["CMD", "python", "-c", HEALTH_PROBE],
+            "interval": "5s",
+            "timeout": "40s",
+            "retries": 30,
+            "start_period": "30s",
+        },
+        # Up for the whole project: it outlives the run, so that its UI shows the finished run.
+        "restart": "unless-stopped",
+    }
+
+
+def ui_address(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where the server's UI is on the host, for the port the compose call publishes it on."""
+    port = (os.environ if environ is None else environ).get(MLFLOW_PORT) or MLFLOW_CONTAINER_PORT
+    return f"http://127.0.0.1:{port}"
+
+
+def mlflow_volume(t: Topology) -> dict[str, Any]:
+    return {"labels": {LABEL_PROJECT: t.name}}
+
+
+def track_in_own_server(ps: dict[str, Any]) -> None:
+    """The PS's service: MLflow's URI defaults to the project's server, and it starts once that
+    server answers (its first record then lands)."""
+    ps["environment"]["MLFLOW_TRACKING_URI"] = f"${{MLFLOW_TRACKING_URI:-{MLFLOW_URI}}}"
+    ps["depends_on"] = {**ps.get("depends_on", {}), MLFLOW_SERVICE: {"condition": "service_healthy"}}

@@ -1,0 +1,111 @@
+"""The image of the project's own MLflow tracking server (`tracking.mlflow: true`):
+images/tracking.Dockerfile FROM the app's base, with the lock requirements/tracking-server.txt.
+
+Its build context is a tar made here (the Dockerfile, the lock, images/requirements.py and, offline,
+the wheels of images/wheelhouse-tracking/), so the app's builds never send those wheels. The
+image carries a label with a key of what it was built from (the Dockerfile, the lock, the base and
+the pip source): `ensure` builds it when it is missing or its key is not today's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import docker.errors
+
+from orchestrator import images
+from orchestrator.errors import EngineError
+from orchestrator.paths import ROOT
+from orchestrator.render.tracking import MLFLOW_IMAGE
+
+DOCKERFILE = ROOT / "images" / "tracking.Dockerfile"
+LOCK = ROOT / "requirements" / "tracking-server.txt"
+REQUIREMENTS_PY = ROOT / "images" / "requirements.py"
+WHEELHOUSE = ROOT / "images" / "wheelhouse-tracking"
+KEY_LABEL = "ps-compose.tracking-key"
+
+
+def key(base: str, pip_source: str) -> str:
+    """16 hex digits of what the image is built from."""
+    h = hashlib.sha256()
+    for part in (DOCKERFILE.read_bytes(), LOCK.read_bytes(), REQUIREMENTS_PY.read_bytes()):
+        h.update(hashlib.sha256(part).digest())
+    h.update(f"{base}\n{pip_source}".encode())
+    return h.hexdigest()[:16]
+
+
+def ensure(client: Any, base: str, pip_source: str, out: TextIO = sys.stdout) -> None:
+    """The tracking server's image, built unless one of today's key is there."""
+    want = key(base, pip_source)
+    try:
+        have = (client.images.get(MLFLOW_IMAGE).labels or {}).get(KEY_LABEL)
+    except docker.errors.ImageNotFound:
+        have = None
+    if have == want:
+        print(f"==> image {MLFLOW_IMAGE} present (MLflow tracking server)", file=out, flush=True)
+        return
+    if have is not None:
+        print(f"==> image {MLFLOW_IMAGE} was built from another lock, Dockerfile or base: rebuilding it", file=out)
+    build(base, pip_source, out=out)
+
+
+def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
+    """Build MLFLOW_IMAGE FROM `base`, its packages from PyPI (`index`) or the wheelhouse; its id."""
+    if pip_source not in ("index", "wheelhouse"):
+        raise EngineError(f"pip source {pip_source!r}: must be index or wheelhouse")
+    c = images.client()
+    images.prepare(base, "index", out)  # the offline base, when it is the base
+    if pip_source == "wheelhouse":
+        fill_wheelhouse(out)
+    print(f"==> building {MLFLOW_IMAGE} FROM {base} (MLflow tracking server; packages from: {pip_source})", file=out)
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as context:
+        write_context(context, with_wheels=pip_source == "wheelhouse")
+        context.seek(0)
+        stream = c.api.build(
+            fileobj=context,
+            custom_context=True,
+            dockerfile="Dockerfile",
+            tag=MLFLOW_IMAGE,
+            buildargs={"BASE_IMAGE": base, "PIP_SOURCE": pip_source},
+            labels={KEY_LABEL: key(base, pip_source)},
+            decode=True,
+            rm=True,
+            forcerm=True,
+            pull=False,
+        )
+        image_id = images.follow_build(stream, out)
+    print(f"    built {MLFLOW_IMAGE} ({image_id[:19]}) in {time.monotonic() - start:.0f} s", file=out, flush=True)
+    return image_id
+
+
+def fill_wheelhouse(out: TextIO) -> None:
+    """images/wheelhouse-tracking/ from the lock (images/wheelhouse.sh: skipped when up to date)."""
+    start = time.monotonic()
+    print(f"==> offline wheelhouse: {WHEELHOUSE.relative_to(ROOT)}", file=out, flush=True)
+    env = {**os.environ, "LOCK": str(LOCK), "OUT": str(WHEELHOUSE)}
+    r = subprocess.run([str(images.WHEELHOUSE_SCRIPT)], cwd=ROOT, env=env)
+    if r.returncode != 0:
+        raise EngineError(
+            f"images/wheelhouse.sh (for {WHEELHOUSE.relative_to(ROOT)}) failed with exit status {r.returncode}"
+        )
+    print(f"    wheelhouse ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
+
+
+def write_context(fileobj: Any, *, with_wheels: bool) -> None:
+    """The build context as a tar: Dockerfile, build/{tracking-server.txt, requirements.py, wheels/}."""
+    with tarfile.open(fileobj=fileobj, mode="w") as tar:
+        tar.add(DOCKERFILE, arcname="Dockerfile")
+        tar.add(LOCK, arcname="build/tracking-server.txt")
+        tar.add(REQUIREMENTS_PY, arcname="build/requirements.py")
+        if with_wheels:
+            for wheel in sorted(Path(WHEELHOUSE).glob("*.whl")):
+                tar.add(wheel, arcname=f"build/wheels/{wheel.name}")
