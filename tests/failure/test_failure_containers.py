@@ -1,7 +1,8 @@
 """Faults in real containers (orchestrator/chaos/containers.py, the offline cpu-smoke
 image): a crashed worker is restarted by Docker and rejoins; a crashed PS makes the
 workers exit non-zero in time, and once restarted resumes from its checkpoint; a sharded
-PS stopped by `make down` keeps every slice, and a crashed shard takes its slice back."""
+PS stopped by `make down` keeps every slice, and a crashed shard takes its slice back; a
+scale 2 -> 4 -> 2 mid-run through the verbs, and `make logs` returning after it."""
 
 from __future__ import annotations
 
@@ -77,26 +78,13 @@ def test_a_crashed_ps_shard_container_is_restarted_and_takes_its_slice_back(dock
     assert out.accuracy >= 0.90
 
 
-def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_and_every_container_exits_0(docker_engine, tmp_path):
-    """The chaos row `scale`: workers 3 and 4 start mid-run, join the running job and train;
-    then they get SIGTERM, leave cleanly (recorded as `left`, never as a drop) and exit 0."""
-    out = chaos_containers.scale(tmp_path)
-
-    assert out.recovered, f"{out!r}\n{(tmp_path / 'containers.log').read_text()[-5000:]}"
-    states = out.details["states"]
-    assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4", "pidns"}
-    assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
-    assert out.details["started"] == ["worker3", "worker4"] and out.details["stopped"] == ["worker4", "worker3"]
-    joins = {w: (version, live) for w, version, live in out.details["joins"]}
-    assert joins["worker3"][0] > 0 and joins["worker4"][0] > 0  # they joined a job that was training
-    assert max(live for _, live in joins.values()) == 4
-    left = {w: (version, live) for w, version, live in out.details["left"]}
-    assert set(left) == {"worker3", "worker4"} and min(live for _, live in left.values()) == 2
-    assert out.details["drops"] == 0 and out.accuracy >= 0.90
-
-
-def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
-    """`make up` (workers.max 4), `make scale WORKERS=4`, `make scale WORKERS=2`, `make logs`: the
+def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0_and_make_logs_returns(
+    docker_engine, tmp_path
+):
+    """`make up` (workers.max 4), `make scale WORKERS=4`, `make scale WORKERS=2`, `make logs`, through
+    the verbs users call (the chaos row `scale` injects the same): workers 3 and 4 join the running
+    job and train; on SIGTERM they leave cleanly (recorded as `left`, never as a drop) and exit 0;
+    the run ends at the usual accuracy with every container exited 0 and none restarted; and the
     logs verb returns within 10 s of the last container's exit (before: `compose logs -f` with the
     scale profile went on following the exited project)."""
     compose = BACKENDS["compose"]
@@ -110,16 +98,38 @@ def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
     config.write_text(yaml.safe_dump(doc))
     c = verbs.resolve(compose, str(config), None, name=project)
 
-    def joined(ranks: set[int]) -> bool:
+    def ps_events(event: str, since: float = 0.0) -> list[dict]:
         lines = compose.read_records(c, "ps").get("ps.jsonl", [])
-        return ranks <= {r.get("worker_rank") for r in events(parse_lines(lines), Event.JOIN)}
+        return [r for r in events(parse_lines(lines), event) if r["time"] >= since]
+
+    def joined(ranks: set[int], since: float = 0.0) -> list[dict]:
+        found = [r for r in ps_events(Event.JOIN, since) if r.get("worker_rank") in ranks]
+        return found if {r["worker_rank"] for r in found} == ranks else []
+
+    def trained(worker: str, since: float) -> bool:
+        lines = compose.read_records(c, worker).get(f"{worker}.jsonl", [])
+        return len([r for r in events(parse_lines(lines), Event.TRAIN) if r["time"] >= since]) >= 3
 
     try:
         assert verbs.up(compose, str(config), name=project, remember=False, offline=True, out=io.StringIO()) == 0
         chaos_common.wait_until("workers 1 and 2 join", lambda: joined({1, 2}), 300)
+        wall = time.time()
         assert verbs.scale(compose, str(config), 4, name=project, out=io.StringIO()) == 0
-        chaos_common.wait_until("workers 3 and 4 join", lambda: joined({3, 4}), 300)
+        joins = chaos_common.wait_until("workers 3 and 4 join", lambda: joined({3, 4}, wall), 300)
+        assert all(r["step"] > 0 for r in joins), joins  # they joined a job that was training
+        assert max(r.get("workers", 0) for r in joins) == 4, joins
+        chaos_common.wait_until(
+            "workers 3 and 4 train", lambda: trained("worker3", wall) and trained("worker4", wall), 300
+        )
+        down = time.time()
         assert verbs.scale(compose, str(config), 2, name=project, out=io.StringIO()) == 0
+
+        def both_left() -> list[dict]:
+            found = ps_events(Event.LEFT, down)
+            return found if len(found) >= 2 else []
+
+        left = chaos_common.wait_until("workers 3 and 4 leave", both_left, 300)
+        assert {r["worker"] for r in left} == {"worker3", "worker4"} and min(r["workers"] for r in left) == 2, left
         returned: list[float] = []
 
         def follow_logs() -> None:
@@ -137,6 +147,13 @@ def test_make_logs_returns_after_a_scaled_run(docker_engine, tmp_path):
         )
         print(f"make logs returned {returned[0] - last_exit.timestamp():.1f} s after the last container exited")
         assert returned[0] - last_exit.timestamp() <= 10
+
+        states = {s.service: s for s in compose.describe(c)}
+        assert set(states) == {"ps", "worker1", "worker2", "worker3", "worker4", "pidns"}, states
+        assert all(s.exit_code == 0 and s.restarts == 0 for s in states.values()), states
+        assert ps_events(Event.DROP, wall) == []
+        [end] = ps_events(Event.END)
+        assert end["accuracy"] >= 0.90, end
     except chaos_common.Timeout as late:
         pytest.fail(f"{late}\n{_containers_now(docker_engine, project)}")
     finally:
