@@ -204,6 +204,17 @@ def up(
 # --- down, logs, status ---------------------------------------------------
 
 
+def _has_own_tracker(c: Cluster) -> bool:
+    """Whether the cluster has the project's own MLflow server (its topology, else its document)."""
+    if c.topology is not None:
+        return tracking.tracked_by_own_server(c.topology) and has_ps(c.topology)
+    try:
+        doc = yaml.safe_load(c.file.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and tracking.MLFLOW_SERVICE in (doc.get("services") or {})
+
+
 @engine_errors
 def down(
     backend: Backend,
@@ -220,10 +231,12 @@ def down(
     c = resolve(backend, config, workers, strategy, name)
     keep_document(backend, c)
     backend.remove(c, volumes)
+    tracked = _has_own_tracker(c)
     kept = (
-        "volume removed"
+        ("volumes removed" if tracked else "volume removed")
         if volumes
         else f"checkpoints and metrics kept in volume {c.name}_{STATE_VOLUME}{backend.volume_where}"
+        + (f", MLflow's runs in {c.name}_{tracking.MLFLOW_VOLUME}" if tracked else "")
     )
     print(f"==> down: {backend.noun} {c.name} {backend.removed}; {kept}", file=out, flush=True)
     return 0

@@ -160,8 +160,6 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
 def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, finished, chromium, tmp_path):
     project, config, run_id = finished.project, finished.config, finished.run_id
     evals = [r for r in finished.evals if r["event"] == "eval"]
-    found = adapter.detect()
-    proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
     out = io.StringIO()
     assert board.tensorboard(BACKENDS["compose"], str(config), name=project, out=out) == 0
     port = int(re.search(r"==> tensorboard: http://127\.0\.0\.1:(\d+)/ \(every run", out.getvalue()).group(1))
@@ -192,7 +190,9 @@ def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, 
     if os.environ.get("UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(tmp_path / "accuracy.png", SCREENSHOT)
 
-    command.run(adapter.down_argv(found, proj))
+    said = io.StringIO()
+    assert verbs.down(BACKENDS["compose"], str(config), name=project, out=said) == 0
+    assert f"kept in volume {project}_state, MLflow's runs in {project}_mlflow" in said.getvalue(), said.getvalue()
     left = [adapter.service_of(c) for c in adapter.containers(engine, project)]
     assert TENSORBOARD_SERVICE not in left and left == [], left
     kept = sorted(v.name for v in engine.volumes.list(filters={"label": f"com.docker.compose.project={project}"}))
