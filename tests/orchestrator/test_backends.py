@@ -288,13 +288,23 @@ def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
 
 
-def _follow_to_the_end(fleet: FakeBackend, monkeypatch) -> tuple[bool, str]:
-    """`logs` on a fleet whose every ship has exited 0, in a thread: (it returned within 30 s, what it wrote)."""
+def _follow_to_the_end(fleet: FakeBackend, monkeypatch, printed: Path) -> tuple[bool, str]:
+    """`logs` on a fleet whose every ship has exited 0 once the follow has `printed` its line (a
+    loaded host takes more than the three looks' 0.6 s to start a Python), in a thread: (it
+    returned within 30 s, what it wrote)."""
     import threading
 
     from orchestrator.backends import verbs
 
-    fleet.ships = {"ps": ServiceState("ps", "exited", exit_code=0), "worker1": ServiceState("worker1", "exited", 0)}
+    ended = [ServiceState("ps", "exited", exit_code=0), ServiceState("worker1", "exited", exit_code=0)]
+    running = [replace(s, status="running", exit_code=None) for s in ended]
+    look = fleet.describe
+
+    def describe(c):
+        look(c)  # the fleet's own look: counted, and it may fail
+        return ended if printed.exists() else running
+
+    monkeypatch.setattr(fleet, "describe", describe)
     monkeypatch.setattr(verbs, "POLL", 0.2)
     out = io.StringIO()
     done = threading.Event()
@@ -302,24 +312,28 @@ def _follow_to_the_end(fleet: FakeBackend, monkeypatch) -> tuple[bool, str]:
     return done.wait(30), out.getvalue()
 
 
-def _following_for_ever(line: str):
-    """A log follow that never ends by itself: `line`, then nothing for 10 minutes."""
+def _following_for_ever(line: str, printed: Path):
+    """A log follow that never ends by itself: `line` (then the file `printed` made), then nothing
+    for 10 minutes."""
     import sys
 
     from orchestrator.backends.lines import ProcessLines
 
-    return ProcessLines([[sys.executable, "-c", f"import time; print({line!r}, flush=True); time.sleep(600)"]])
+    code = f"import time; print({line!r}, flush=True); open({str(printed)!r}, 'w').close(); time.sleep(600)"
+    return ProcessLines([[sys.executable, "-c", code]])
 
 
 def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path: Path) -> None:
     """A follow that never ends by itself (as `compose logs -f` with the scale profile did after
     a scaled run) is closed once every service has ended, on two looks in a row."""
 
+    printed = tmp_path / "printed"
+
     class Following(FakeBackend):
         def log_iter(self, c, follow: bool):
-            return _following_for_ever("ps | Accuracy: 0.97")
+            return _following_for_ever("ps | Accuracy: 0.97", printed)
 
-    returned, out = _follow_to_the_end(Following(), monkeypatch)
+    returned, out = _follow_to_the_end(Following(), monkeypatch, printed)
     assert returned, "logs still follows a cluster whose every service has ended"
     assert out == "ps | Accuracy: 0.97\n"
 
@@ -329,11 +343,13 @@ def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch
     its inspect) does not end the watch: the next looks still close the follow."""
     import docker.errors
 
+    printed = tmp_path / "printed"
+
     class Unsteady(FakeBackend):
         failed = False
 
         def log_iter(self, c, follow: bool):
-            return _following_for_ever("ps | up")
+            return _following_for_ever("ps | up", printed)
 
         def describe(self, c):
             if not self.failed:
@@ -342,6 +358,6 @@ def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch
             return super().describe(c)
 
     fleet = Unsteady()
-    returned, out = _follow_to_the_end(fleet, monkeypatch)
+    returned, out = _follow_to_the_end(fleet, monkeypatch, printed)
     assert returned, "logs follows for ever once one look at the cluster failed"
     assert fleet.failed and fleet.looks >= 2 and out == "ps | up\n"
