@@ -48,7 +48,9 @@ VOLUME_MB = 64  # the state volume: checkpoints (~0.1 MB each), metrics and even
 EPOCHS_PER_MINUTE = 300
 RECOVERY_S = 240.0  # a fault not recovered by then is reported so, and the soak goes on
 WARM_UP_S = 300.0  # up to the first checkpoint
-END_WAIT_FACTOR = 2.0  # after the faults, the job may take this many times the soak's minutes to finish
+# After the faults, the job may take this many times the soak's minutes (+ 5 min) to finish: CI's
+# 3-minute soak beside the rest of the suite took about 510 s of its 660 s at a factor of 2.
+END_WAIT_FACTOR = 3.0
 
 
 def own_project() -> str:
