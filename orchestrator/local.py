@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -211,10 +212,22 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
             flush=True,
         )
         print(f"local: {runs.describe(run_id, resume)}", flush=True)
+        said = tracking_note(t, os.environ)
+        if said:
+            print(f"local: {said}", flush=True)
         return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
         os.close(lock)
+
+
+def tracking_note(t: Topology, environ: Mapping[str, str]) -> Optional[str]:
+    """What a local run says of `tracking.mlflow: true`: its server is a compose service, and the
+    processes log where MLFLOW_TRACKING_URI says (as without it); None without it."""
+    if not t.tracking.mlflow:
+        return None
+    where = environ.get("MLFLOW_TRACKING_URI") or "nowhere (MLFLOW_TRACKING_URI is not set)"
+    return f"tracking.mlflow: the project's own MLflow server is a compose service; the PS logs to {where}"
 
 
 class Supervisor:

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from orchestrator import local
 from orchestrator.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 from orchestrator.render import compose as render_compose
+from orchestrator.topology.fields import Tracking
 from orchestrator.topology.model import load
 from orchestrator.topology.services import service_names
 
@@ -353,3 +355,15 @@ def test_local_restarts_a_killed_worker_which_rejoins_and_the_run_finishes_0(tmp
     assert re.search(r"^worker2 +\| exited with code 0$", out, re.M)
     final = re.findall(r"^ps +\| Accuracy: ([0-9.]+)$", out, re.M)
     assert final and float(final[-1]) >= 0.90, out[-3000:]
+
+
+def test_a_local_run_says_where_its_ps_logs_when_the_topology_asks_for_the_own_mlflow_server() -> None:
+    smoke = load(REPO / "configs" / "cpu-smoke.yaml")
+    tracked = smoke.model_copy(update={"tracking": Tracking(mlflow=True)})
+    assert local.tracking_note(smoke, {"MLFLOW_TRACKING_URI": "http://h:5000"}) is None
+    assert local.tracking_note(tracked, {}) == (
+        "tracking.mlflow: the project's own MLflow server is a compose service; "
+        "the PS logs to nowhere (MLFLOW_TRACKING_URI is not set)"
+    )
+    said = local.tracking_note(tracked, {"MLFLOW_TRACKING_URI": "http://h:5000"})
+    assert said is not None and said.endswith("the PS logs to http://h:5000")
