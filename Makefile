@@ -104,7 +104,7 @@ LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),-
 engine: ## install and start Debian's Docker engine if missing (root or sudo)
 	.ci/engine.sh
 
-build: host-setup ## build CONFIG's image (Docker SDK, progress streamed)
+build: host-setup ## build CONFIG's image, and its MLflow server's with tracking.mlflow: true (Docker SDK, progress streamed)
 	$(ORCH) build $(CFG)
 
 up: host-setup ## render, build if missing, start PS + WORKERS workers detached (a new run; RESUME=1 continues the newest checkpoint)
