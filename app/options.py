@@ -297,7 +297,8 @@ OPTIONS: tuple[Option, ...] = (
         "join_timeout",
         "float",
         300.0,
-        "Seconds the PS waits for a missing worker to join or rejoin before it ends without it.",
+        "Seconds the PS waits for a missing worker to join or rejoin before it ends without it, "
+        "counted from when a worker can join (the PS listens and every shard is up).",
         low=0,
         low_open=True,
         topology="ps.join_timeout",

@@ -75,7 +75,11 @@ def run(config: Config) -> int:
     if part is not None:
         log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.state.flat.size)
     with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
-        others = ShardSet(config.shards, server.state.flat.size, config, metrics.write) if part is not None else None
+        others = (
+            ShardSet(config.shards, server.state.flat.size, config, metrics.write, server.open_joins)
+            if part is not None
+            else None
+        )
         checkpoints = Checkpointer(server, config, identity, metrics, others.checkpoint if others else None)
         checkpoints.resume()
         ended = checkpoints.run_finished or workers_ended(config, server.version)
@@ -136,6 +140,7 @@ def _serve(
         ENDPOINT.serving_main(others.register if others is not None else None, resumed),
         rpc_session(config, rank=0),
     ):
+        server.open_joins()  # it listens: the workers' join_timeout counts from now
         try:
             train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
         except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned

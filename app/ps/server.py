@@ -258,6 +258,13 @@ class ParameterServer:
         _complete(ready)
         return True
 
+    def open_joins(self) -> None:
+        """Workers can join from now on: the ranks not in the job get their whole join_timeout
+        from now (the PS process calls it once it listens, and a sharded PS whenever its shards
+        are all up again)."""
+        with self._lock:
+            self.members.open()
+
     def unblock(self) -> None:
         """Answer waiting pushes that no longer wait for anyone (a rank past join_timeout);
         the PS process calls it every tick."""

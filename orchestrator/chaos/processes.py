@@ -118,6 +118,20 @@ def _training(job: ProcessJob, worker: str, epoch: int) -> bool:
     return any(r["epoch"] >= epoch for r in job.events(worker, Event.TRAIN))
 
 
+def _wait_mid_run(job: ProcessJob) -> None:
+    """Until every worker trains and the PS has a checkpoint at version >= CHECKPOINT_VERSION:
+    the PS scenarios strike a job in full swing. On a loaded host one worker can still be
+    starting (importing torch, loading its shard) when the others have pushed that far, and a
+    PS killed then meets it in its store handshake, not mid-push."""
+    workers = [n for n in job.procs if by_name(job.t)[n].role == "worker"]
+    wait_until("every worker trains", lambda: all(_training(job, w, 0) for w in workers), RUN_TIMEOUT)
+    wait_until(
+        f"a checkpoint at version >= {CHECKPOINT_VERSION}",
+        lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
+        RUN_TIMEOUT,
+    )
+
+
 def _finish(job: ProcessJob, outcome: Outcome, expect_ok: Callable[[], bool]) -> Outcome:
     codes = job.wait_all()
     outcome.details["exit_codes"] = codes
@@ -202,11 +216,7 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     limit = job.t.ps.rpc_timeout + 10
     try:
         job.start()
-        wait_until(
-            f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-            lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
-            RUN_TIMEOUT,
-        )
+        _wait_mid_run(job)
         start, wall = job.signal(PS_SERVICE, signal.SIGKILL), time.time()
         workers = [n for n in job.procs if n != PS_SERVICE]
         exits = {}
@@ -252,11 +262,7 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     out = Outcome("kill -9 a PS shard (ps.shards: 2), start it again (processes)")
     try:
         job.start()
-        wait_until(
-            f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-            lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
-            RUN_TIMEOUT,
-        )
+        _wait_mid_run(job)
         job.signal(shard, signal.SIGKILL)
         wall = time.time()
         job.wait_exit(shard, 10)

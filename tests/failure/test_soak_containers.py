@@ -29,6 +29,18 @@ class Tee(io.StringIO):
         return super().write(text)
 
 
+def _trouble(run_dir, most: int = 80) -> str:
+    """The containers' warnings and errors, the last `most` of them: CI keeps no run directory,
+    and they are what tells a slow recovery from a process that failed."""
+    log = run_dir / "containers.log"
+    if not log.exists():
+        return "(no containers.log)"
+    marks = (" ERROR ", " WARNING ", "Traceback", "Error:", "exited with code")
+    # one container's lines after another's: in time order (each line opens with its time)
+    lines = sorted(line for line in log.read_text(errors="replace").splitlines() if any(m in line for m in marks))
+    return f"the containers' last {min(most, len(lines))} warnings and errors:\n" + "\n".join(lines[-most:])
+
+
 @pytest.mark.timeout(1800)  # 3 minutes of faults, the job's end (a few minutes more), the image
 def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
     seed = int(os.environ.get("SOAK_SEED") or new_seed())
@@ -40,7 +52,7 @@ def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
     text = out.getvalue()
     found = json.loads((tmp_path / "soak.json").read_text())
     failed = [f"{r['invariant']}: {r['evidence']}" for r in found["invariants"] if not r["passed"]]
-    assert not failed and code == 0, f"seed {seed} (replay: {replay}): {failed}\n{text}"
+    assert not failed and code == 0, f"seed {seed} (replay: {replay}): {failed}\n{text}\n{_trouble(tmp_path)}"
     invariants = {r["invariant"] for r in found["invariants"]}
     assert {
         "the run finished",

@@ -56,6 +56,10 @@ class Members:
             self.all_joined = self.clock()
         return member
 
+    def open(self) -> None:
+        """Joins can reach the PS from now on (app.ps.members.roster.Roster.open)."""
+        self.roster.open()
+
     def joins(self, rank: int) -> int | None:
         """How many processes of `rank` joined (its last one's notes carry it); None: no member."""
         member = self.roster.members.get(rank)

@@ -137,6 +137,16 @@ class Roster:
         states = [m.state for m in self.members.values()]
         return FINISHED in states and all(s in (FINISHED, LEFT) for s in states)
 
+    def open(self) -> None:
+        """Workers can join from now on (the PS listens, every shard is up): each rank not in the
+        job (absent, or dropped) is waited for a whole join_timeout from now, not from when this
+        roster was made: a loaded host can spend most of a short join_timeout starting the PS or
+        a shard, and a PS that then gave up on workers that could not join yet would exit 1."""
+        now = self.clock()
+        for m in self.members.values():
+            if m.state in (ABSENT, DROPPED):
+                m.since = now
+
     def missing(self) -> list[Member]:
         """Ranks that are neither live nor finished, and have been so for join_timeout."""
         now = self.clock()

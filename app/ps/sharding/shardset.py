@@ -30,8 +30,17 @@ PING_SECONDS = 1.0
 class ShardSet:
     """On the main PS: the other shards, by index; readiness, gather, drops, end."""
 
-    def __init__(self, k: int, size: int, config: Config, record: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        k: int,
+        size: int,
+        config: Config,
+        record: Callable[..., None],
+        on_ready: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_ready`: called each time every shard is up (again): workers can join from then on."""
         self.k, self.size, self.timeout, self.record = k, size, config.rpc_timeout, record
+        self.on_ready = on_ready
         self.address = (config.master_addr, config.master_port)
         self._store: Any = None  # a client of this process's own store, as workers see it
         self.bounds = bounds(size, k)
@@ -64,6 +73,7 @@ class ShardSet:
         self.record("shard", 0, shard=index, name=name)
         if ready:
             self._ready_key(True)
+            self.on_ready()
         return None
 
     def _ready_key(self, ready: bool) -> None:

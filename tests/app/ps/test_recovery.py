@@ -77,6 +77,43 @@ def test_the_job_ends_when_all_finished_or_the_missing_are_past_join_timeout():
     assert roster.done() and roster.all_finished
 
 
+def test_the_join_window_opens_when_the_ps_can_take_joins_not_when_it_was_made():
+    """A PS slow to start (a loaded host, a shard still starting) does not count that time
+    against the workers' join_timeout: it would give up on ranks that could not join yet."""
+    clock = Clock()
+    roster = Roster([1, 2], join_timeout=30, clock=clock)
+    clock.now = 40  # the PS took 40 s to listen
+    roster.open()
+    clock.now = 65
+    assert not roster.done() and roster.missing() == []
+    clock.now = 70
+    assert roster.done() and [m.rank for m in roster.missing()] == [1, 2]
+
+
+def test_opening_the_window_again_restarts_it_for_dropped_ranks_but_not_for_live_or_finished_ones():
+    clock = Clock()
+    roster = Roster([1, 2, 3], join_timeout=30, clock=clock)
+    roster.join(1, "worker1")
+    roster.join(2, "worker2")
+    roster.join(3, "worker3")
+    roster.finish(1, "worker1")
+    roster.drop(3, "worker3")
+    clock.now = 50  # every shard is up again (one was lost)
+    roster.open()
+    assert [(m.rank, m.since) for m in roster.members.values()] == [(1, 0.0), (2, 0.0), (3, 50.0)]
+
+
+def test_a_server_opened_late_waits_its_join_timeout_from_then():
+    clock = Clock()
+    server = ps_server(nn.Linear(2, 1), lr=0.1, num_trainers=2, join_timeout=30, clock=clock)
+    clock.now = 45
+    server.open_joins()
+    clock.now = 60
+    assert not server.done()
+    clock.now = 76
+    assert server.done()
+
+
 def test_a_finished_rank_stays_finished_across_a_checkpoint():
     roster = Roster([1, 2], join_timeout=30, clock=Clock())
     roster.join(1, "worker1")

@@ -142,6 +142,29 @@ def test_shard_flags():
             parse(argv, {})
 
 
+def test_the_main_ps_opens_the_workers_join_window_each_time_every_shard_is_up():
+    """Workers cannot join before every shard is up (NotReady), so the join window opens then:
+    once when the last shard registers, again when a lost one registers anew."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.exchange.group import READY_KEY
+    from app.ps.sharding.shardset import ShardSet
+
+    port = testkit.free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10))
+    config = parse(["ps", "--shards", "3", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
+    opened: list[int] = []
+    others = ShardSet(3, 30, config, lambda *args, **fields: None, on_ready=lambda: opened.append(len(opened)))
+    assert others.register(1, "ps1", 3, others.bounds[1]) is None
+    assert opened == [] and not store.check([READY_KEY])
+    assert others.register(2, "ps2", 3, others.bounds[2]) is None
+    assert opened == [0] and store.check([READY_KEY])
+    assert others.register(2, "ps2_r2", 3, others.bounds[2]) is None  # a lost shard, started again
+    assert opened == [0, 1]
+
+
 DIGITS = [*testkit.DIGITS, "--momentum", "0.5", "--checkpoint_every", "200"]
 
 
