@@ -18,8 +18,9 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
-from typing import Any, TextIO
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Optional, TextIO
 
 import docker
 import docker.errors
@@ -61,21 +62,24 @@ def prepare(base: str, pip_source: str, out: TextIO = sys.stdout) -> None:
     """What the offline path needs before a build: the base image (when it is the
     offline base) and the wheelhouse (for `wheelhouse`), each made only when
     missing or stale, each step timed."""
-    steps = []
     if base == OFFLINE_BASE:
-        steps.append(("base image", BASE_SCRIPT))
+        run_step("base image", BASE_SCRIPT, out)
     if pip_source == "wheelhouse":
-        steps.append(("wheelhouse", WHEELHOUSE_SCRIPT))
-    for what, script in steps:
-        start = time.monotonic()
-        print(f"==> offline {what}: {script.relative_to(ROOT)}", file=out, flush=True)
-        argv = [str(script)]
-        if script is BASE_SCRIPT and os.geteuid() != 0 and not _base_present():
-            argv = ["sudo", *argv]  # debootstrap and chroot need root
-        r = subprocess.run(argv, cwd=ROOT)
-        if r.returncode != 0:
-            raise EngineError(f"{script.relative_to(ROOT)} failed with exit status {r.returncode}")
-        print(f"    {what} ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
+        run_step("wheelhouse", WHEELHOUSE_SCRIPT, out)
+
+
+def run_step(what: str, script: Path, out: TextIO, env: Optional[Mapping[str, str]] = None) -> None:
+    """One step of the offline path: `script` (it does nothing when its result is up to date),
+    with `env` added to this process's environment; timed, EngineError when it fails."""
+    start = time.monotonic()
+    print(f"==> offline {what}: {script.relative_to(ROOT)}", file=out, flush=True)
+    argv = [str(script)]
+    if script == BASE_SCRIPT and os.geteuid() != 0 and not _base_present():
+        argv = ["sudo", *argv]  # debootstrap and chroot need root
+    r = subprocess.run(argv, cwd=ROOT, env=None if env is None else {**os.environ, **env})
+    if r.returncode != 0:
+        raise EngineError(f"{script.relative_to(ROOT)} ({what}) failed with exit status {r.returncode}")
+    print(f"    {what} ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
 
 
 def _base_present() -> bool:
@@ -101,21 +105,42 @@ def build(
     """Build `tag` from images/Dockerfile FROM `base`, pip packages from `pip_source`
     (`index` or `wheelhouse`); returns the image id. Step lines are printed as
     the daemon streams them (every output line with `verbose`)."""
-    if pip_source not in ("index", "wheelhouse"):
-        raise EngineError(f"pip source {pip_source!r}: must be index or wheelhouse")
+    check_pip_source(pip_source)
     c = client()
     prepare(base, pip_source, out)
-    print(f"==> building {tag} FROM {base} (pip packages from: {pip_source})", file=out, flush=True)
+    return stream_build(c, tag, base, pip_source, out, verbose=verbose, path=str(ROOT), dockerfile=DOCKERFILE)
+
+
+def check_pip_source(pip_source: str) -> None:
+    if pip_source not in ("index", "wheelhouse"):
+        raise EngineError(f"pip source {pip_source!r}: must be index or wheelhouse")
+
+
+def stream_build(
+    c: docker.DockerClient,
+    tag: str,
+    base: str,
+    pip_source: str,
+    out: TextIO,
+    *,
+    verbose: bool = False,
+    what: str = "",
+    **context: Any,
+) -> str:
+    """`docker build` of `tag` with the build arguments BASE_IMAGE and PIP_SOURCE, from `context`
+    (the Docker SDK's: `path` and `dockerfile`, or a tar as `fileobj` with `custom_context`, and
+    `labels`), its progress printed (follow_build) and timed; the image id. `what`: the image's
+    purpose, for the first line."""
+    print(f"==> building {tag} FROM {base} ({what}pip packages from: {pip_source})", file=out, flush=True)
     start = time.monotonic()
     stream = c.api.build(
-        path=str(ROOT),
-        dockerfile=DOCKERFILE,
         tag=tag,
         buildargs={"BASE_IMAGE": base, "PIP_SOURCE": pip_source},
         decode=True,
         rm=True,
         forcerm=True,
         pull=False,
+        **context,
     )
     image_id = follow_build(stream, out, verbose=verbose)
     print(f"    built {tag} ({image_id[:19]}) in {time.monotonic() - start:.0f} s", file=out, flush=True)

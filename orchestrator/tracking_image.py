@@ -10,19 +10,15 @@ the pip source): `ensure` builds it when it is missing or its key is not today's
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import docker.errors
 
 from orchestrator import images
-from orchestrator.errors import EngineError
 from orchestrator.paths import ROOT
 from orchestrator.render.tracking import MLFLOW_IMAGE
 
@@ -59,45 +55,32 @@ def ensure(client: Any, base: str, pip_source: str, out: TextIO = sys.stdout) ->
 
 def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
     """Build MLFLOW_IMAGE FROM `base`, its packages from PyPI (`index`) or the wheelhouse; its id."""
-    if pip_source not in ("index", "wheelhouse"):
-        raise EngineError(f"pip source {pip_source!r}: must be index or wheelhouse")
+    images.check_pip_source(pip_source)
     c = images.client()
     images.prepare(base, "index", out)  # the offline base, when it is the base
     if pip_source == "wheelhouse":
         fill_wheelhouse(out)
-    print(f"==> building {MLFLOW_IMAGE} FROM {base} (MLflow tracking server; packages from: {pip_source})", file=out)
-    start = time.monotonic()
     with tempfile.TemporaryFile() as context:
         write_context(context, with_wheels=pip_source == "wheelhouse")
         context.seek(0)
-        stream = c.api.build(
+        return images.stream_build(
+            c,
+            MLFLOW_IMAGE,
+            base,
+            pip_source,
+            out,
+            what="MLflow tracking server; ",
             fileobj=context,
             custom_context=True,
             dockerfile="Dockerfile",
-            tag=MLFLOW_IMAGE,
-            buildargs={"BASE_IMAGE": base, "PIP_SOURCE": pip_source},
             labels={KEY_LABEL: key(base, pip_source)},
-            decode=True,
-            rm=True,
-            forcerm=True,
-            pull=False,
         )
-        image_id = images.follow_build(stream, out)
-    print(f"    built {MLFLOW_IMAGE} ({image_id[:19]}) in {time.monotonic() - start:.0f} s", file=out, flush=True)
-    return image_id
 
 
 def fill_wheelhouse(out: TextIO) -> None:
     """images/wheelhouse-tracking/ from the lock (images/wheelhouse.sh: skipped when up to date)."""
-    start = time.monotonic()
-    print(f"==> offline wheelhouse: {WHEELHOUSE.relative_to(ROOT)}", file=out, flush=True)
-    env = {**os.environ, "LOCK": str(LOCK), "OUT": str(WHEELHOUSE)}
-    r = subprocess.run([str(images.WHEELHOUSE_SCRIPT)], cwd=ROOT, env=env)
-    if r.returncode != 0:
-        raise EngineError(
-            f"images/wheelhouse.sh (for {WHEELHOUSE.relative_to(ROOT)}) failed with exit status {r.returncode}"
-        )
-    print(f"    wheelhouse ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
+    where = str(WHEELHOUSE.relative_to(ROOT))
+    images.run_step(f"wheelhouse {where}", images.WHEELHOUSE_SCRIPT, out, {"LOCK": str(LOCK), "OUT": str(WHEELHOUSE)})
 
 
 def write_context(fileobj: Any, *, with_wheels: bool) -> None:

@@ -145,7 +145,7 @@ def ensure_image(backend: Backend, client: Any, t: Topology, offline: bool, out:
         print(f"==> image {t.image_tag} present {backend.image_note}", file=out, flush=True)
     else:
         images.build(t.image_tag, base, pip_source, out=out)
-    if tracking.tracked_by_own_server(t) and has_ps(t):
+    if tracking.tracked_by_own_server(t):
         tracking_image.ensure(client, base, pip_source, out)
 
 
@@ -155,7 +155,7 @@ def build(config: str, workers: Optional[int] = None, *, offline: bool = False, 
     t = load_with(config, workers=workers)
     base, pip_source = images.source(t, offline)
     images.build(t.image_tag, base, pip_source, verbose=verbose)
-    if tracking.tracked_by_own_server(t) and has_ps(t):
+    if tracking.tracked_by_own_server(t):
         tracking_image.build(base, pip_source)
     return 0
 
@@ -196,7 +196,7 @@ def up(
         record.save(backend, c)
     p = backend.verb_prefix
     print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
-    if tracking.tracked_by_own_server(t) and has_ps(t):
+    if tracking.tracked_by_own_server(t):
         print(f"==> MLflow: the run is tracked at {tracking.ui_address()} (experiment {c.name})", file=out, flush=True)
     return 0
 
@@ -207,7 +207,7 @@ def up(
 def _has_own_tracker(c: Cluster) -> bool:
     """Whether the cluster has the project's own MLflow server (its topology, else its document)."""
     if c.topology is not None:
-        return tracking.tracked_by_own_server(c.topology) and has_ps(c.topology)
+        return tracking.tracked_by_own_server(c.topology)
     try:
         doc = yaml.safe_load(c.file.read_text())
     except (OSError, yaml.YAMLError):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology
-from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE
+from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
 
 MLFLOW_SERVICE = "mlflow"
 MLFLOW_VOLUME = "mlflow"  # compose calls it <project>_mlflow; `make down` keeps it, `down -v` removes it
@@ -37,7 +37,9 @@ HEALTH_PROBE = (
 
 
 def tracked_by_own_server(t: Topology) -> bool:
-    return t.tracking.mlflow
+    """The job runs the project's own MLflow server: `tracking.mlflow`, and a PS to log to (a
+    loaded topology cannot have the one without the other; a copy made in code is not checked)."""
+    return t.tracking.mlflow and has_ps(t)
 
 
 def refuse_own_server(t: Topology, target: str) -> None:
