@@ -10,6 +10,8 @@ import pytest
 
 from bench import host_cpu
 
+from needs import host_has
+
 STAT = """cpu  100 5 20 800 50 3 2 10 0 0
 cpu0 50 2 10 400 25 1 1 5 0 0
 cpu1 50 3 10 400 25 2 1 5 0 0
@@ -37,7 +39,7 @@ def test_busy_share_reads_the_samples_inside_the_window():
     assert host_cpu.busy_share([], 0.0, 9.0) is None
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+@host_has(sys.platform.startswith("linux"), "/proc/stat (Linux)")
 def test_the_sampler_reads_proc_stat_from_entry_to_exit_and_sees_a_spinning_core():
     with host_cpu.Sampler(every=0.01) as cpu:
         t = cpu.samples[0][0]
@@ -79,7 +81,7 @@ def test_cpu_seconds_per_role_count_each_process_from_the_first_sample_inside_th
     assert host_cpu.cpu_seconds([(0.0, 0, 0, {}), (1.0, 0, 0, {})], 0.0, 1.0) == {}  # no app process
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+@host_has(sys.platform.startswith("linux"), "/proc (Linux)")
 def test_the_sampler_counts_the_cpu_of_a_real_app_process_that_became_one_by_exec(tmp_path, monkeypatch):
     """A shell that execs `python -m app worker` (an `app` package that spins) under its own pid,
     as a container's init does: once its command line says so, its CPU is the worker role's."""
