@@ -140,8 +140,8 @@ check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank an
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
 	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
 
-soak: host-setup ## random faults in a compose run for MINUTES (default 10; SEED=N replays one; SEEDS=K: K seeds, one table), then the invariants
-	$(ORCH) chaos soak $(if $(MINUTES),--minutes $(MINUTES)) $(if $(SEED),--seed $(SEED)) $(if $(SEEDS),--seeds $(SEEDS)) $(NAMED)
+soak: host-setup ## random faults in a compose run for MINUTES (default 10; FAULTS=N: at least N; SEED=N replays one; SEEDS=K: K seeds, one table), then the invariants
+	$(ORCH) chaos soak $(if $(MINUTES),--minutes $(MINUTES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED)) $(if $(SEEDS),--seeds $(SEEDS)) $(NAMED)
 
 gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a minute, one worker per GPU: samples/s, GPU, UUID
 	$(ORCH) gpu-check -c $(CONFIG)

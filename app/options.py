@@ -298,7 +298,8 @@ OPTIONS: tuple[Option, ...] = (
         "float",
         300.0,
         "Seconds the PS waits for a missing worker to join or rejoin before it ends without it, "
-        "counted from when a worker can join (the PS listens and every shard is up).",
+        "counted while a worker can join (the PS listens and every shard is up); also how long a "
+        "worker or PS shard started before its PS waits for it.",
         low=0,
         low_open=True,
         topology="ps.join_timeout",

@@ -374,6 +374,7 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
             seed=a.seed,
             seeds=a.seeds,
             project=a.name,
+            faults=a.faults,
         )
 
     p = sub.add_parser("chaos", help="kill workers, the PS, checkpoint writes; print fault, recovered, time, accuracy")
@@ -382,6 +383,13 @@ def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-containers", action="store_true", help="only the process scenarios (no Docker)")
     p.add_argument("--minutes", type=positive_float, default=10.0, help="soak: minutes of faults (default: 10)")
+    p.add_argument(
+        "--faults",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="soak: at least N faults, even past --minutes when recoveries are slow (default: the minutes decide)",
+    )
     seeding = p.add_mutually_exclusive_group()
     seeding.add_argument(
         "--seed", type=positive_int, help="soak: the seed of its faults (default: a random one, printed)"

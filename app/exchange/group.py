@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from app import runtime
 from app.contract import ps_name, worker_name
 
 log = logging.getLogger("app.membership")
+GIVE_UP_POLL_SECONDS = 5.0  # wait_for_ps asks whether to give up this often
 READY_KEY = "psc/shards_ready"  # in the main PS's store once every shard registered (app.ps.sharding)
 
 
@@ -49,6 +52,40 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
         raise StoreUnreachable(
             f"cannot reach the parameter server at {host}:{port} within {timeout:.0f} s: {error}"
         ) from None
+
+
+def wait_for_ps(
+    host: str, port: int, timeout: float, given_up: Callable[[], bool] = lambda: False, who: str = ""
+) -> bool:
+    """Until the PS's store accepts connections, up to `timeout` (--join_timeout): a process
+    (re)started before its PS (a PS restarted beside it, a loaded host) waits for it, instead of
+    exiting and being restarted, which costs a whole start on a host that is busy starting the PS.
+    `given_up()` is asked every few seconds meanwhile (a worker: the run has ended); False when
+    it said so. StoreUnreachable after `timeout`."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            runtime.wait_for_port(host, port, max(0.1, min(GIVE_UP_POLL_SECONDS, deadline - time.monotonic())))
+            return True
+        except runtime.PortUnreachable as error:
+            if given_up():
+                return False
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(
+                    f"cannot reach the parameter server at {host}:{port} within {timeout:.0f} s "
+                    f"(--join_timeout): {error}"
+                ) from None
+            if not told:
+                log.info(
+                    "%swaiting for the parameter server at %s:%d (%s; up to %.0f s, --join_timeout)",
+                    f"{who}: " if who else "",
+                    host,
+                    port,
+                    error,
+                    timeout,
+                )
+                told = True
 
 
 def claim_identity(rank: int, master_addr: str, master_port: int, timeout: float) -> tuple[str, int]:

@@ -76,7 +76,9 @@ def run(config: Config) -> int:
         log.info("shard 0 of %d: values %d..%d of %d", config.shards, *part, server.state.flat.size)
     with MetricsWriter(config.metrics_dir, PS, PS, 0) as metrics:
         others = (
-            ShardSet(config.shards, server.state.flat.size, config, metrics.write, server.open_joins)
+            ShardSet(
+                config.shards, server.state.flat.size, config, metrics.write, server.open_joins, server.close_joins
+            )
             if part is not None
             else None
         )
@@ -135,12 +137,15 @@ def _serve(
     def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard
         return (checkpoints.saved_version, checkpoints.saved_run) if checkpoints.saved_version >= 0 else None
 
+    if others is not None:  # workers can join once every shard is up (ShardSet's on_ready), not before
+        server.close_joins()
     with (
         ENDPOINT.serving(server, join=join),
         ENDPOINT.serving_main(others.register if others is not None else None, resumed),
         rpc_session(config, rank=0),
     ):
-        server.open_joins()  # it listens: the workers' join_timeout counts from now
+        if others is None:
+            server.open_joins()  # it listens: the workers' join_timeout counts from now
         try:
             train_until_done(server, liveness, checkpoints, evaluate, metrics, config, others)
         except BaseException:  # SIGTERM (SystemExit) or a failure: keep what was learned

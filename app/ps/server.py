@@ -265,6 +265,12 @@ class ParameterServer:
         with self._lock:
             self.members.open()
 
+    def close_joins(self) -> None:
+        """No worker can join until `open_joins` (a sharded PS whose shards are not all up): no
+        rank's join_timeout runs meanwhile."""
+        with self._lock:
+            self.members.close()
+
     def unblock(self) -> None:
         """Answer waiting pushes that no longer wait for anyone (a rank past join_timeout);
         the PS process calls it every tick."""

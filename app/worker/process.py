@@ -8,6 +8,7 @@ for it. Once it trained its epochs, its finish and `end` record are made whole f
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -53,6 +54,11 @@ def run(config: Config) -> int:
     log.info("%s: shard of %d samples (%s)", config.name, len(sampler), datasets.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
     try:
+        # a worker (re)started before its PS waits for it (--join_timeout), and exits 0 with one
+        # line when the PS's records say the run ended meanwhile
+        ended = functools.partial(run_ended, config)
+        if not group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, ended, config.name):
+            return 0
         return join_and_train(config, device, model, train, loader, sampler)
     except UsageError:
         raise

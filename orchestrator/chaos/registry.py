@@ -32,7 +32,7 @@ def scenarios(containers: bool) -> dict[str, Scenario]:
 
 
 def long_runs() -> dict[str, Callable[..., int]]:
-    """The long runs by name, each (minutes, seed, run_dir, out=..., name=...) -> exit status;
+    """The long runs by name, each (minutes, seed, run_dir, out=..., name=..., faults=...) -> exit status;
     they import the Docker SDK, so on use."""
     from orchestrator.chaos import soak
 
@@ -40,7 +40,7 @@ def long_runs() -> dict[str, Callable[..., int]]:
 
 
 def series() -> dict[str, Callable[..., int]]:
-    """The long runs that run several seeds, each (minutes, count, run_dir, out=..., name=...)."""
+    """The long runs that run several seeds, each (minutes, count, run_dir, out=..., name=..., faults=...)."""
     from orchestrator.chaos import soak
 
     return {"soak": soak.run_seeds}
@@ -58,15 +58,16 @@ def run_long(
     out: TextIO,
     seeds: Optional[int] = None,
     name: Optional[str] = None,
+    faults: int = 0,
 ) -> int:
-    """A long run, alone and in containers (`seeds`: that many, one table); 2 (one line) when
-    asked otherwise."""
+    """A long run, alone and in containers (`seeds`: that many, one table; `faults`: at least that
+    many in each); 2 (one line) when asked otherwise."""
     if len(names) > 1 or not containers:
         print(f"chaos: {names[0]} runs alone and in containers (no other scenario, no --no-containers)", file=out)
         return 2
     if seeds is not None:
-        return series()[names[0]](minutes, seeds, run_root / names[0], out=out, name=name)
-    return long_runs()[names[0]](minutes, seed, run_root / names[0], out=out, name=name)
+        return series()[names[0]](minutes, seeds, run_root / names[0], out=out, name=name, faults=faults)
+    return long_runs()[names[0]](minutes, seed, run_root / names[0], out=out, name=name, faults=faults)
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
@@ -99,14 +100,15 @@ def run(
     seed: Optional[int] = None,
     seeds: Optional[int] = None,
     project: Optional[str] = None,
+    faults: int = 0,
 ) -> int:
     """Run the named scenarios (all by default), or one long run (`seeds`: a series of them,
     `project`: its name); print the table (on `out`, else stdout); 0 when all recovered."""
     out = out or sys.stdout
     if any(name in LONG_RUNS for name in names):
-        return run_long(names, run_root, containers, minutes, seed, out, seeds=seeds, name=project)
-    if seeds is not None or project is not None:
-        print(f"chaos: --seeds and --name are for {' and '.join(LONG_RUNS)} only", file=out)
+        return run_long(names, run_root, containers, minutes, seed, out, seeds=seeds, name=project, faults=faults)
+    if seeds is not None or project is not None or faults:
+        print(f"chaos: --seeds, --faults and --name are for {' and '.join(LONG_RUNS)} only", file=out)
         return 2
     known = scenarios(containers)
     outcomes = []

@@ -95,6 +95,7 @@ class Observed:
 
     seed: int
     minutes: float
+    faults: int = 0  # at least this many faults, past the minutes when recoveries are slow
     results: list[FaultResult] = field(default_factory=list)
     audits: list[Audit] = field(default_factory=list)
     ctx: Optional[Context] = None
@@ -105,6 +106,7 @@ class Observed:
     error: str = ""
     job_minutes: float = 0.0
     ended_early: Optional[float] = None  # the job ended this many minutes into the faults
+    faults_minutes: float = 0.0  # how long the faults went on
 
 
 def warm_up(job: SoakJob) -> None:
@@ -120,12 +122,14 @@ def warm_up(job: SoakJob) -> None:
 
 
 def inject(job: SoakJob, seen: Observed, out: TextIO) -> None:
-    """The faults of the plan, one after the other, until the minutes have passed or the job ended."""
+    """The faults of the plan, one after the other, until the minutes have passed (and at least
+    `seen.faults` were injected: a slow host's recoveries take longer) or the job ended."""
     assert seen.ctx is not None
     began = time.monotonic()
     end = began + seen.minutes * 60
     for step in schedule(seen.seed):
-        if time.monotonic() + step.pause_s >= end:
+        injected = len([r for r in seen.results if not r.skipped])
+        if time.monotonic() + step.pause_s >= end and injected >= seen.faults:
             break
         time.sleep(step.pause_s)
         if job.states().get(PS_SERVICE, {}).get("status") == "exited":
@@ -141,6 +145,7 @@ def inject(job: SoakJob, seen: Observed, out: TextIO) -> None:
         seen.results.append(result)
         seen.audits.append(job.audit())
         print(f"    [{(time.monotonic() - began) / 60:4.1f} min] {describe(result)}", file=out, flush=True)
+    seen.faults_minutes = (time.monotonic() - began) / 60
 
 
 def describe(r: FaultResult) -> str:
@@ -171,7 +176,8 @@ def soak(job: SoakJob, seen: Observed, out: TextIO) -> None:
     job.up()
     job.keep_volume()
     warm_up(job)
-    print(f"==> the job trains and has checkpointed; faults for {seen.minutes:g} min", file=out, flush=True)
+    at_least = f" (and at least {seen.faults} faults)" if seen.faults else ""
+    print(f"==> the job trains and has checkpointed; faults for {seen.minutes:g} min{at_least}", file=out, flush=True)
     seen.ctx = Context(job.t.workers.count, job.t.max_workers, job.t.ps.rpc_timeout, RECOVERY_S)
     seen.audits.append(job.audit())
     inject(job, seen, out)
@@ -198,7 +204,7 @@ def collect(job: SoakJob, seen: Observed, run_dir: Path) -> None:
 def judge(seen: Observed) -> list[Row]:
     final = seen.audits[-1] if seen.audits else Audit(0.0, {})
     corrupted = seen.ctx.corrupted if seen.ctx else set()
-    ran = f"faults for {seen.minutes:g} min, the job ran {seen.job_minutes:.1f} min in all"
+    ran = f"faults for {seen.faults_minutes or seen.minutes:.1f} min, the job ran {seen.job_minutes:.1f} min in all"
     if seen.ended_early is not None:
         ran = f"the job ended {seen.ended_early:.1f} min into the {seen.minutes:g} min of faults (a faster host?)"
     rows = [Row("the soak ran to its end", not seen.error and seen.ended_early is None, seen.error or ran)]
@@ -224,9 +230,11 @@ def run(
     epochs: Optional[int] = None,
     out: TextIO = sys.stdout,
     name: Optional[str] = None,
+    faults: int = 0,
 ) -> int:
-    """The soak; its tables on `out`, its logs and findings in `run_dir`; 0 when every invariant holds."""
-    return soak_one(minutes, seed, run_dir, epochs, out, name).code
+    """The soak; its tables on `out`, its logs and findings in `run_dir`; 0 when every invariant
+    holds. `faults`: at least that many, even past the minutes (a slow host's recoveries)."""
+    return soak_one(minutes, seed, run_dir, epochs, out, name, faults).code
 
 
 @dataclass
@@ -249,16 +257,18 @@ def soak_one(
     epochs: Optional[int] = None,
     out: TextIO = sys.stdout,
     name: Optional[str] = None,
+    faults: int = 0,
 ) -> SeedResult:
     """One soak (see `run`): its seed, faults and invariant rows."""
-    seen = Observed(seed if seed is not None else new_seed(), minutes)
+    seen = Observed(seed if seed is not None else new_seed(), minutes, faults)
     t = soak_topology(minutes, epochs, name)
     client = images.client()
     if name is not None:
         refuse_taken(client, name)
     print(
         f"==> chaos soak: {minutes:g} min of faults, seed {seen.seed}, project {t.name} "
-        f"(replay: python -m orchestrator chaos soak --minutes {minutes:g} --seed {seen.seed})",
+        f"(replay: python -m orchestrator chaos soak --minutes {minutes:g}"
+        f"{f' --faults {faults}' if faults else ''} --seed {seen.seed})",
         file=out,
         flush=True,
     )
@@ -282,14 +292,21 @@ def soak_one(
     return SeedResult(seen.seed, len([r for r in seen.results if not r.skipped]), rows)
 
 
-def run_seeds(minutes: float, count: int, run_root: Path, out: TextIO = sys.stdout, name: Optional[str] = None) -> int:
+def run_seeds(
+    minutes: float,
+    count: int,
+    run_root: Path,
+    out: TextIO = sys.stdout,
+    name: Optional[str] = None,
+    faults: int = 0,
+) -> int:
     """`count` soaks one after another, each with a new seed (its logs in run_root/seed-<seed>/),
     then one table: seed, faults, invariants held and failed, result. 0 when every soak held."""
     done: list[SeedResult] = []
     for i in range(count):
         seed = new_seed()
         print(f"==> soak {i + 1} of {count}: seed {seed}", file=out, flush=True)
-        done.append(soak_one(minutes, seed, run_root / f"seed-{seed}", out=out, name=name))
+        done.append(soak_one(minutes, seed, run_root / f"seed-{seed}", out=out, name=name, faults=faults))
         print(file=out, flush=True)
     print(f"{count} soaks of {minutes:g} min:", file=out)
     for line in seeds_table(done):

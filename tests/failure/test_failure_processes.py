@@ -45,9 +45,9 @@ def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path)
 
 
 def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tmp_path):
-    # --rpc_timeout 30, not the chaos topology's 10: it is also how long a worker waits for the
-    # PS's store as it starts, and under CI's load a worker started once the PS's port accepted
-    # still timed out in the store's handshake (StoreUnreachable) and exited 1 before the kill.
+    # --rpc_timeout 30, not the chaos topology's 10: it is how long a worker's first call to the
+    # PS's store may take once the port accepts, and under CI's load a worker's handshake still
+    # timed out (StoreUnreachable) and exited 1 before the kill.
     base = chaos_common.chaos_topology()
     t = base.model_copy(update={"ps": base.ps.model_copy(update={"rpc_timeout": 30})})
     out = chaos_processes.ps_kill(tmp_path, t)

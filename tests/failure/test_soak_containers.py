@@ -44,15 +44,19 @@ def _trouble(run_dir, most: int = 80) -> str:
 @pytest.mark.timeout(1800)  # 3 minutes of faults, the job's end (a few minutes more), the image
 def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
     seed = int(os.environ.get("SOAK_SEED") or new_seed())
-    replay = f"python -m orchestrator chaos soak --minutes 3 --seed {seed} (or this test with SOAK_SEED={seed})"
+    replay = (
+        f"python -m orchestrator chaos soak --minutes 3 --faults 3 --seed {seed} (or this test with SOAK_SEED={seed})"
+    )
     print(f"soak seed {seed}; replay: {replay}", file=sys.__stdout__, flush=True)
     out = Tee()
-    code = soak.run(3, seed, tmp_path, out=out)
+    # at least 3 faults, however long a loaded host takes to recover from the first ones
+    code = soak.run(3, seed, tmp_path, out=out, faults=3)
 
     text = out.getvalue()
     found = json.loads((tmp_path / "soak.json").read_text())
     failed = [f"{r['invariant']}: {r['evidence']}" for r in found["invariants"] if not r["passed"]]
-    assert not failed and code == 0, f"seed {seed} (replay: {replay}): {failed}\n{text}\n{_trouble(tmp_path)}"
+    why = f"seed {seed} (replay: {replay}): {failed}\n{text}\n{_trouble(tmp_path)}"
+    assert not failed and code == 0, why
     invariants = {r["invariant"] for r in found["invariants"]}
     assert {
         "the run finished",
@@ -63,14 +67,14 @@ def test_a_three_minute_soak_keeps_every_invariant(docker_engine, tmp_path):
         "nothing left in the job's /dev/shm",
         "no temporary file in the state volume",
         "nothing left on the engine after down -v",
-    } <= invariants
+    } <= invariants, why
     injected = [f for f in found["faults"] if not f["skipped"]]
     # The plan's first round: every kind once, shuffled by the seed. How many fit in 3 minutes
-    # depends on the host (each fault recovers in 4-25 s on a quiet 2-core CPU VM, up to 47 s
-    # beside the rest of the suite): three at least, none of them a kind seen before.
+    # depends on the host (each fault recovers in 4-40 s on a 2-core CPU VM, slower beside the
+    # rest of the suite), and --faults 3 goes on past them until three: none a kind seen before.
     kinds = [f["kind"] for f in injected]
-    assert len(kinds) >= 3 and len(set(kinds[: len(soak_plan.KINDS)])) == min(len(kinds), len(soak_plan.KINDS)), text
-    assert found["audits"] >= len(injected) + 2
+    assert len(kinds) >= 3 and len(set(kinds[: len(soak_plan.KINDS)])) == min(len(kinds), len(soak_plan.KINDS)), why
+    assert found["audits"] >= len(injected) + 2, why
 
 
 def test_a_soak_given_a_name_that_is_on_the_engine_refuses_in_one_line(docker_engine):

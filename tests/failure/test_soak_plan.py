@@ -4,6 +4,7 @@ soak.py, soak_job.py, registry.py)."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
@@ -12,7 +13,8 @@ from orchestrator import cli
 from orchestrator.chaos import registry, soak, soak_plan
 from orchestrator.chaos.common import chaos_topology
 from orchestrator.chaos.soak import soak_topology
-from orchestrator.chaos.soak_checks import Row
+from orchestrator.chaos.soak_checks import Audit, FaultResult, Row
+from orchestrator.chaos.soak_faults import Context
 from orchestrator.chaos.soak_job import size_limited
 from orchestrator.render import compose
 
@@ -106,7 +108,7 @@ def test_seeds_and_seed_are_one_or_the_other_and_name_and_seeds_are_the_soaks(ca
     code, text = run_cli(capsys, "chaos", "soak", "--seeds", "0")
     assert code == 2 and "--seeds: got 0; must be at least 1" in text
     code, text = run_cli(capsys, "chaos", "worker-kill", "--no-containers", "--seeds", "2")
-    assert code == 2 and text == "chaos: --seeds and --name are for soak only\n"
+    assert code == 2 and text == "chaos: --seeds, --faults and --name are for soak only\n"
     assert set(registry.series()) == set(registry.LONG_RUNS)
 
 
@@ -121,3 +123,38 @@ def test_the_table_of_several_seeds_has_a_row_each_naming_what_failed():
     ]
     assert lines[2].endswith("FAIL: every container exited 0")
     assert soak.SeedResult(777, 8, failed).code == 1 and soak.SeedResult(1, 1, held).code == 0
+
+
+class _Job:
+    """The soak's job as `inject` sees it: a PS that runs, and an audit after each fault."""
+
+    def states(self):
+        return {"ps": {"status": "running"}}
+
+    def audit(self):
+        return Audit(0.0, {})
+
+
+def _inject(monkeypatch, minutes: float, faults: int) -> list[str]:
+    """The kinds `inject` strikes with faults that recover at once and pauses of no time."""
+    monkeypatch.setattr(soak.time, "sleep", lambda seconds: None)
+    for kind in soak_plan.KINDS:
+        monkeypatch.setitem(soak.FAULTS, kind, lambda job, step, ctx: FaultResult(step.kind, "x", 0.0, 1.0))
+    seen = soak.Observed(7, minutes, faults, ctx=Context(2, 4, 10.0, 240.0))
+    soak.inject(_Job(), seen, io.StringIO())
+    return [r.kind for r in seen.results]
+
+
+def test_with_faults_n_the_soak_strikes_at_least_n_faults_however_short_its_minutes(monkeypatch):
+    """A slow host's recoveries can take a soak's whole minutes: `--faults N` still strikes N,
+    each kind once before any is repeated."""
+    assert _inject(monkeypatch, minutes=1e-6, faults=0) == []
+    kinds = _inject(monkeypatch, minutes=1e-6, faults=3)
+    assert kinds == [s.kind for s in soak_plan.first(7, 3)] and len(set(kinds)) == 3
+
+
+def test_faults_is_the_soaks_option(capsys):
+    code, text = run_cli(capsys, "chaos", "worker-kill", "--no-containers", "--faults", "3")
+    assert code == 2 and text == "chaos: --seeds, --faults and --name are for soak only\n"
+    code, text = run_cli(capsys, "chaos", "soak", "--faults", "0")
+    assert code == 2 and "--faults: got 0; must be at least 1" in text

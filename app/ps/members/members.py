@@ -60,6 +60,10 @@ class Members:
         """Joins can reach the PS from now on (app.ps.members.roster.Roster.open)."""
         self.roster.open()
 
+    def close(self) -> None:
+        """No join can reach the PS until `open` (app.ps.members.roster.Roster.close)."""
+        self.roster.close()
+
     def joins(self, rank: int) -> int | None:
         """How many processes of `rank` joined (its last one's notes carry it); None: no member."""
         member = self.roster.members.get(rank)

@@ -69,6 +69,7 @@ class Roster:
         now = clock()
         self.members = {r: Member(r, since=now, last_seen=now) for r in ranks}
         self.max_rank = max(max_rank, *self.members)  # ranks above the first ones join when scaled up
+        self.closed = False  # no worker can join (a sharded PS with a shard down): nobody times out
 
     def __getitem__(self, rank: int) -> Member:
         if rank not in self.members:
@@ -143,12 +144,21 @@ class Roster:
         roster was made: a loaded host can spend most of a short join_timeout starting the PS or
         a shard, and a PS that then gave up on workers that could not join yet would exit 1."""
         now = self.clock()
+        self.closed = False
         for m in self.members.values():
             if m.state in (ABSENT, DROPPED):
                 m.since = now
 
+    def close(self) -> None:
+        """No worker can join until `open` (a sharded PS whose shards are not all up): the ranks
+        not in the job are not counted missing meanwhile, however long it takes."""
+        self.closed = True
+
     def missing(self) -> list[Member]:
-        """Ranks that are neither live nor finished, and have been so for join_timeout."""
+        """Ranks that are neither live nor finished, and have been so for join_timeout while
+        workers could join."""
+        if self.closed:
+            return []
         now = self.clock()
         return [m for m in self.members.values() if m.state in (ABSENT, DROPPED) and now - m.since >= self.join_timeout]
 

@@ -128,6 +128,7 @@ def run(config: Config) -> int:
         checkpoints = Checkpointer(server, own, identity, metrics)
         checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
         checkpoint_files.remove_temp_files(own.checkpoint_dir)
+        group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, who=f"shard {index}")
         name, rpc_id = group.claim_shard_identity(index, config.master_addr, config.master_port, config.rpc_timeout)
         metrics.start(config)
         with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):

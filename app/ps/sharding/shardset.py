@@ -37,10 +37,12 @@ class ShardSet:
         config: Config,
         record: Callable[..., None],
         on_ready: Callable[[], None] = lambda: None,
+        on_lost: Callable[[], None] = lambda: None,
     ) -> None:
-        """`on_ready`: called each time every shard is up (again): workers can join from then on."""
+        """`on_ready`: called each time every shard is up (again): workers can join from then on;
+        `on_lost`: each time a shard is lost: no worker can join until `on_ready`."""
         self.k, self.size, self.timeout, self.record = k, size, config.rpc_timeout, record
-        self.on_ready = on_ready
+        self.on_ready, self.on_lost = on_ready, on_lost
         self.address = (config.master_addr, config.master_port)
         self._store: Any = None  # a client of this process's own store, as workers see it
         self.bounds = bounds(size, k)
@@ -180,6 +182,7 @@ class ShardSet:
             if self.names.get(index) != name:
                 return
             del self.names[index]
+        self.on_lost()
         log.warning("lost shard %d (%s): %s; workers wait for its next process", index, name, why)
         self.record("shard_lost", 0, shard=index, name=name, reason=why)
         try:

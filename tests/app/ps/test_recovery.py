@@ -114,6 +114,34 @@ def test_a_server_opened_late_waits_its_join_timeout_from_then():
     assert server.done()
 
 
+def test_while_the_window_is_closed_no_rank_times_out_and_reopening_gives_each_its_whole_wait():
+    """A sharded PS with a shard down: workers cannot join, so however long the shard takes
+    to come back, the PS does not end for want of them."""
+    clock = Clock()
+    roster = Roster([1, 2], join_timeout=30, clock=clock)
+    roster.join(1, "worker1")
+    roster.close()  # a shard is lost
+    roster.drop(1, "worker1")  # its worker lost the shard too
+    clock.now = 500
+    assert roster.missing() == [] and not roster.done()
+    roster.open()  # every shard is up again
+    clock.now = 529
+    assert not roster.done()
+    clock.now = 530
+    assert roster.done() and [m.rank for m in roster.missing()] == [1, 2]
+
+
+def test_a_server_with_joins_closed_does_not_end_until_they_open_and_its_wait_runs_out():
+    clock = Clock()
+    server = ps_server(nn.Linear(2, 1), lr=0.1, num_trainers=2, join_timeout=30, clock=clock)
+    server.close_joins()
+    clock.now = 300
+    assert not server.done()
+    server.open_joins()
+    clock.now = 331
+    assert server.done()
+
+
 def test_a_finished_rank_stays_finished_across_a_checkpoint():
     roster = Roster([1, 2], join_timeout=30, clock=Clock())
     roster.join(1, "worker1")

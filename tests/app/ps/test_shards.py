@@ -165,6 +165,32 @@ def test_the_main_ps_opens_the_workers_join_window_each_time_every_shard_is_up()
     assert opened == [0, 1]
 
 
+def test_the_main_ps_closes_the_workers_join_window_when_it_loses_a_shard():
+    """A lost shard: READY_KEY is gone and workers cannot join until it is back, so their
+    join_timeout stops running until it registers again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.exchange.group import READY_KEY
+    from app.ps.sharding.shardset import ShardSet
+
+    port = testkit.free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10))
+    config = parse(["ps", "--shards", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
+    window: list[str] = []
+    others = ShardSet(
+        2, 20, config, lambda *args, **fields: None, lambda: window.append("open"), lambda: window.append("closed")
+    )
+    assert others.register(1, "ps1", 2, others.bounds[1]) is None
+    others._lost(1, "ps1", "it did not answer a ping")
+    assert window == ["open", "closed"] and not store.check([READY_KEY])
+    others._lost(1, "ps1", "a second report of the same loss")  # no longer its shard: nothing changes
+    assert window == ["open", "closed"]
+    assert others.register(1, "ps1_r2", 2, others.bounds[1]) is None
+    assert window == ["open", "closed", "open"] and store.check([READY_KEY])
+
+
 DIGITS = [*testkit.DIGITS, "--momentum", "0.5", "--checkpoint_every", "200"]
 
 

@@ -4,9 +4,13 @@ again until then, and only for that error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from app.worker import channels
+
+import app_testkit as testkit
 
 
 class FakeRpc:
@@ -47,3 +51,32 @@ def test_a_ps_that_never_enters_the_group_fails_the_join_after_the_timeout(monke
     with pytest.raises(RuntimeError, match="could not find destination name ps"):
         channels.call_joining("ps", _join, (1, "worker1"), timeout=0.25)
     assert 1 < len(fake.calls) < 1000
+
+
+@pytest.mark.slow
+def test_workers_and_a_shard_started_before_their_ps_wait_for_it_and_the_run_ends_0(tmp_path):
+    """A PS restarted beside its workers, or one slow to start on a loaded host: the workers and
+    the shard wait for its port (--join_timeout), not --rpc_timeout, and train once it listens.
+    The PS starts after 3 of these --rpc_timeout, each of which used to end a waiting process."""
+    common = [
+        *testkit.job_args(tmp_path, 3),
+        *testkit.DIGITS,
+        *("--num_epochs", "3", "--shards", "2", "--rpc_timeout", "4", "--join_timeout", "120"),
+    ]
+    procs = {
+        "ps1": testkit.start_app(tmp_path, "ps1", ["ps", "--shard", "1", *common]),
+        "worker1": testkit.start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common]),
+        "worker2": testkit.start_app(tmp_path, "worker2", ["worker", "--rank", "2", *common]),
+    }
+    time.sleep(12)
+    assert all(p.poll() is None for p in procs.values()), {n: p.poll() for n, p in procs.items()}
+    procs["ps"] = testkit.start_app(tmp_path, "ps", ["ps", *common])
+    testkit.wait_for(procs, 240, "the run started after its workers")
+
+    ended = {name: testkit.finished(tmp_path, name, proc) for name, proc in procs.items()}
+    assert {n: p.returncode for n, p in ended.items()} == {"ps1": 0, "worker1": 0, "worker2": 0, "ps": 0}, {
+        n: p.stderr[-2000:] for n, p in ended.items()
+    }
+    for name in ("ps1", "worker1", "worker2"):
+        assert "waiting for the parameter server at 127.0.0.1:" in ended[name].stderr, ended[name].stderr
+    assert testkit.final_accuracy(ended["ps"].stdout) >= 0.85
