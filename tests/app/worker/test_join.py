@@ -26,6 +26,9 @@ class FakeRpc:
         return {"version": 0}
 
 
+WAITING = "waiting for the parameter server at 127.0.0.1:"
+
+
 def _join():  # stands for calls.rpc_join
     return None
 
@@ -57,7 +60,7 @@ def test_a_ps_that_never_enters_the_group_fails_the_join_after_the_timeout(monke
 def test_workers_and_a_shard_started_before_their_ps_wait_for_it_and_the_run_ends_0(tmp_path):
     """A PS restarted beside its workers, or one slow to start on a loaded host: the workers and
     the shard wait for its port (--join_timeout), not --rpc_timeout, and train once it listens.
-    The PS starts after 3 of these --rpc_timeout, each of which used to end a waiting process."""
+    The PS starts once each waits, and 3 of their --rpc_timeout later: each used to end a waiting process."""
     common = [
         *testkit.job_args(tmp_path, 3),
         *testkit.DIGITS,
@@ -68,8 +71,19 @@ def test_workers_and_a_shard_started_before_their_ps_wait_for_it_and_the_run_end
         "worker1": testkit.start_app(tmp_path, "worker1", ["worker", "--rank", "1", *common]),
         "worker2": testkit.start_app(tmp_path, "worker2", ["worker", "--rank", "2", *common]),
     }
-    time.sleep(12)
-    assert all(p.poll() is None for p in procs.values()), {n: p.poll() for n, p in procs.items()}
+    try:  # each waits, however long its start takes on a loaded host; then 3 of its --rpc_timeout pass
+        deadline = time.monotonic() + 180
+        while not all(WAITING in (tmp_path / f"{name}.err").read_text() for name in procs):
+            assert all(p.poll() is None for p in procs.values()), {n: p.poll() for n, p in procs.items()}
+            assert time.monotonic() < deadline, {n: (tmp_path / f"{n}.err").read_text()[-800:] for n in procs}
+            time.sleep(0.5)
+        time.sleep(12)
+        assert all(p.poll() is None for p in procs.values()), {n: p.poll() for n, p in procs.items()}
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        raise
     procs["ps"] = testkit.start_app(tmp_path, "ps", ["ps", *common])
     testkit.wait_for(procs, 240, "the run started after its workers")
 
@@ -78,5 +92,5 @@ def test_workers_and_a_shard_started_before_their_ps_wait_for_it_and_the_run_end
         n: p.stderr[-2000:] for n, p in ended.items()
     }
     for name in ("ps1", "worker1", "worker2"):
-        assert "waiting for the parameter server at 127.0.0.1:" in ended[name].stderr, ended[name].stderr
+        assert ended[name].stderr.count(WAITING) == 1, ended[name].stderr
     assert testkit.final_accuracy(ended["ps"].stdout) >= 0.85
