@@ -307,9 +307,7 @@ def _ps_parts(args: argparse.Namespace, server: Any, flat: Any, messages: list[A
 
     def old_step() -> None:  # what a sync round did: stack + mean, optimizer.step, copy for the reply
         mean = torch.stack(messages).mean(0)
-        state.param.grad = mean[:n]
-        state.optimizer.step()
-        state.param.grad = None
+        state.optimizer.step(mean[:n])
         state.vector[n:].copy_(mean[n:])
         reply.copy_(state.vector)
 

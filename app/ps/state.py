@@ -1,6 +1,6 @@
 """What a PS process serves: the state vector [params | buffers] (the whole model's, or a PS
-shard's slice of it), its SGD optimizer and its version; the step a push makes, value for value
-torch.optim.SGD's; a copy, a checkpoint and a restore of itself.
+shard's slice of it), its SGD optimizer (app.ps.sgd) and its version; the step a push makes, value
+for value torch.optim.SGD's; a copy, a checkpoint and a restore of itself.
 
 A push is `[grads | buffers]` as one flat tensor: SGD steps the parameters, and the buffers
 (BatchNorm running stats) replace the global ones. Every worker starts each forward from the
@@ -23,6 +23,7 @@ from torch import nn
 
 from app.checkpoint.files import cpu_copy
 from app.exchange.wire import WIRE_DTYPES, all_finite, to_float32, wire_size
+from app.ps.sgd import SGD
 from app.training.flat import FlatModel
 
 
@@ -59,9 +60,7 @@ class State:
         self.num_params = min(max(self._flat.num_params - start, 0), self.size)
         self.lr = config.lr
         self.param = nn.Parameter(self.vector[: self.num_params])  # shares storage with the model
-        self.optimizer = torch.optim.SGD(
-            [self.param], lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
+        self.optimizer = SGD(self.param, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
         self.version = 0
         self.last_applied: float | None = None  # clock time of the last update applied
 
@@ -118,8 +117,7 @@ class State:
     def plain_sgd(self) -> bool:
         """No momentum and no weight decay: a step is elementwise state - lr * grads, so it can
         be built partition by partition."""
-        group = self.optimizer.param_groups[0]
-        return not (group["momentum"] or group["weight_decay"])
+        return self.optimizer.plain
 
     def step(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
         """One SGD step with `message`'s grads times `scale`; its buffers become the global ones.
@@ -131,12 +129,10 @@ class State:
         n = self.num_params
         grads = message[:n] if scale == 1.0 else message[:n] * scale
         if into is None:
-            self.param.grad = grads
-            self.optimizer.step()
-            self.param.grad = None
+            self.optimizer.step(grads)
             self.vector[n:].copy_(message[n:])
         else:
-            torch.add(self.vector[:n], sgd_direction(self.optimizer, self.param, grads), alpha=-self.lr, out=into[:n])
+            torch.add(self.vector[:n], self.optimizer.direction(grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
         self.adopt(into)
 
@@ -179,23 +175,3 @@ class State:
             self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.version = int(saved["version"])
-
-
-def sgd_direction(optimizer: torch.optim.SGD, param: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """What SGD subtracts `lr` times from `param`: the gradient (plus weight_decay times
-    the parameters), or with momentum the optimizer's momentum buffer updated with it
-    (torch.optim.SGD's rule, no dampening or nesterov); the buffer stays in the
-    optimizer's state, so checkpoints carry it."""
-    group = optimizer.param_groups[0]
-    if group["weight_decay"]:
-        grads = grads.add(param.detach(), alpha=group["weight_decay"])
-    momentum = group["momentum"]
-    if not momentum:
-        return grads
-    state = optimizer.state[param]
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        buf = state["momentum_buffer"] = grads.detach().clone()
-    else:
-        buf.mul_(momentum).add_(grads)
-    return buf

@@ -172,7 +172,7 @@ def test_staleness_aware_lr_divides_the_step_by_the_staleness():
     push(server, 2, torch.ones(4), 0)  # staleness 2: lr / 2, w = -2.5
     vector, version = server.pull(0)
     assert version == 3 and torch.allclose(vector, torch.full((4,), -2.5))
-    assert server.state.optimizer.param_groups[0]["lr"] == 1.0
+    assert server.state.optimizer.lr == 1.0
 
 
 # --- compression --------------------------------------------------------------------
