@@ -100,3 +100,21 @@ def test_a_base_without_torchvision_stops_the_build_with_one_line(engine, offlin
         ), first
     finally:
         engine.images.remove(broken, force=True)
+
+
+def test_every_module_a_ps_or_worker_imports_from_the_app_or_the_standard_library_has_its_bytecode(
+    engine, offline_image
+):
+    """The containers run as psc and cannot write bytecode: the image brings it, so no process
+    (a health check every few seconds among them) compiles the app or the standard library again."""
+    code = (
+        "import importlib.util, os, sys, sysconfig\n"
+        "import app.ps.process, app.worker.process, app.__main__\n"
+        "roots = ('/opt/ps-compose/app/', sysconfig.get_paths()['stdlib'] + '/')\n"
+        "files = [getattr(m, '__file__', None) or '' for m in list(sys.modules.values())]\n"
+        "ours = [f for f in files if f.startswith(roots) and f.endswith('.py')]\n"
+        "print(len(ours), sorted(f for f in ours if not os.path.exists(importlib.util.cache_from_source(f))))\n"
+    )
+    out = engine.containers.run(offline_image, ["python", "-c", code], entrypoint=[], remove=True, user="psc")
+    count, missing = out.decode().split(" ", 1)
+    assert int(count) > 100 and missing.strip() == "[]", out.decode()
