@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from docker.errors import APIError
+
 from app.contract import Event
 from orchestrator.chaos.soak_checks import FaultResult, Shm, restarted, segment_replaced, slot_reused
 from orchestrator.chaos.soak_job import SoakJob
@@ -20,6 +22,7 @@ from orchestrator.topology.services import PS_SERVICE, shard_service
 POLL_S = 1.0
 SEGMENT_WAIT_S = 20.0  # a restarted process names its segment in its log soon after it joins
 SHARD = shard_service(1)
+PAUSE_TRIES, PAUSE_RETRY_S = 5, 2.0  # docker pause: runc's freezer may give up on a busy container
 
 
 @dataclass
@@ -230,6 +233,21 @@ def scale(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     return out
 
 
+def pause_container(container: Any, tries: int = PAUSE_TRIES) -> int:
+    """`docker pause` the container; the try it took. runc's freezer gives up on a cgroup whose
+    processes do not all freeze in time ("unable to freeze", moby/moby#48205; seen on a loaded
+    2-core CPU VM), thaws it again and fails: that try is repeated after PAUSE_RETRY_S."""
+    for attempt in range(1, tries + 1):
+        try:
+            container.pause()
+            return attempt
+        except APIError as error:
+            if "unable to freeze" not in str(error) or attempt == tries:
+                raise
+            time.sleep(PAUSE_RETRY_S)
+    raise AssertionError("unreachable")
+
+
 def pause(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     """`docker pause` a worker until the PS drops it (past the RPC timeout), `step.hold_s`
     more, then unpause: it comes back (`back`), or fails and is restarted (`join`)."""
@@ -239,7 +257,7 @@ def pause(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     target = choose(candidates, step.pick)
     rank, container = rank_of(target), job.containers()[target]
     start = time.time()
-    container.pause()
+    tries = pause_container(container)
     out = FaultResult("pause", target, start)
     try:
         drops = wait_for(lambda: ps_after(job, start, Event.DROP, rank=rank), ctx.rpc_timeout + 30)
@@ -251,7 +269,9 @@ def pause(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
         container.unpause()
     back = wait_for(lambda: ps_after(job, thawed, Event.BACK, Event.JOIN, rank=rank), ctx.recovery_s)
     out.detected_s = drops[0]["time"] - start if drops else None
-    held = f"paused {thawed - start:.0f} s"
+    held = f"paused {thawed - start:.0f} s" + (
+        f" (paused at try {tries}: runc could not freeze it before)" if tries > 1 else ""
+    )
     if not drops:
         out.notes = f"{held}; the PS did not drop it within {ctx.rpc_timeout + 30:.0f} s"
         return out

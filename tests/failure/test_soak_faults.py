@@ -9,6 +9,7 @@ import time
 from typing import Any, cast
 
 import pytest
+from docker.errors import APIError
 
 from orchestrator.chaos import soak_faults
 from orchestrator.chaos.soak_faults import Context
@@ -18,14 +19,25 @@ from orchestrator.chaos.soak_plan import Step
 ENGINE_ANSWER_S = 0.3  # from the thaw to the engine's answer to `unpause`
 
 
+FREEZE_FAILED = APIError(
+    '500 Server Error: Internal Server Error ("Cannot pause container 4b1c: OCI runtime pause failed: '
+    'unable to freeze: unknown")'
+)
+
+
 class Worker:
     """A worker's container: paused, the PS drops it; thawed, it calls at once (`back`), and
-    the engine answers the unpause call only ENGINE_ANSWER_S later."""
+    the engine answers the unpause call only ENGINE_ANSWER_S later. The first `unfrozen`
+    pauses fail as runc's does when its freezer gives up."""
 
-    def __init__(self, records: list[dict[str, Any]], comes_back: bool) -> None:
-        self.records, self.comes_back = records, comes_back
+    def __init__(self, records: list[dict[str, Any]], comes_back: bool, unfrozen: int = 0) -> None:
+        self.records, self.comes_back, self.unfrozen = records, comes_back, unfrozen
+        self.pauses = 0
 
     def pause(self) -> None:
+        self.pauses += 1
+        if self.pauses <= self.unfrozen:
+            raise FREEZE_FAILED
         self.records.append(ps_record("drop", 100))
 
     def unpause(self) -> None:
@@ -37,9 +49,9 @@ class Worker:
 class Job:
     """The part of SoakJob the pause fault uses."""
 
-    def __init__(self, comes_back: bool) -> None:
+    def __init__(self, comes_back: bool, unfrozen: int = 0) -> None:
         self.ps: list[dict[str, Any]] = [ps_record("start", 0)]
-        self.worker = Worker(self.ps, comes_back)
+        self.worker = Worker(self.ps, comes_back, unfrozen)
 
     def running(self, prefix: str = "") -> list[str]:
         return [s for s in ("ps", "worker1") if s.startswith(prefix)]
@@ -59,6 +71,7 @@ def ps_record(event: str, step: int) -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(soak_faults, "POLL_S", 0.01)
+    monkeypatch.setattr(soak_faults, "PAUSE_RETRY_S", 0.01)
 
 
 def pause(job: Job) -> soak_faults.FaultResult:
@@ -78,3 +91,29 @@ def test_a_worker_that_never_calls_again_is_not_recovered():
 
     assert result.recovered_s is None
     assert "dropped after" in result.notes and "not back within 1 s" in result.notes
+
+
+def test_a_pause_runc_could_not_freeze_is_tried_again_and_the_fault_goes_on():
+    job = Job(comes_back=True, unfrozen=2)
+    result = pause(job)
+
+    assert job.worker.pauses == 3 and result.recovered_s is not None, result.notes
+    assert "(paused at try 3: runc could not freeze it before)" in result.notes
+
+
+def test_a_pause_that_never_freezes_or_fails_otherwise_is_the_engines_error():
+    job = Job(comes_back=True, unfrozen=soak_faults.PAUSE_TRIES)
+    with pytest.raises(APIError, match="unable to freeze"):
+        pause(job)
+    assert job.worker.pauses == soak_faults.PAUSE_TRIES
+
+    class Gone(Worker):
+        def pause(self) -> None:
+            self.pauses += 1
+            raise APIError('404 Client Error: Not Found ("No such container: 4b1c")')
+
+    other = Job(comes_back=True)
+    other.worker = Gone(other.ps, comes_back=True)
+    with pytest.raises(APIError, match="No such container"):
+        pause(other)
+    assert other.worker.pauses == 1  # not a freezer's failure: not tried again
