@@ -33,6 +33,8 @@ HOLDER = "pidns"  # the service that holds the job's PID and IPC namespaces (/de
 FILL_FILE = f"{STATE_DIR}/{soak_probes.FILL_PREFIX}"
 
 PROBES = Path(soak_probes.__file__).read_text(encoding="utf-8")  # run as `python -c PROBES COMMAND ARG...`
+READ_ONLY = ("audit", "shm")  # probes that change nothing: run again when their output is lost
+PROBE_TRIES = 3
 KEEP = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\nwhile True: time.sleep(60)\n"
 
 
@@ -83,12 +85,19 @@ class SoakJob(ContainerJob):
         super().close()
 
     def probe(self, container: Any, command: str, *args: str) -> Any:
-        """Run soak_probes' `command` in `container` as uid 1000; the JSON object it printed."""
-        rc, output = container.exec_run(["python", "-c", PROBES, command, *args], user="1000:1000")
-        text = output.decode("utf-8", "replace").strip()
-        if rc != 0:
-            raise RuntimeError(f"soak probe {command} in {container.name}: exit {rc}: {text.splitlines()[-1:]}")
-        return json.loads(text.splitlines()[-1])
+        """Run soak_probes' `command` in `container` as uid 1000; the JSON object it printed.
+
+        The engine now and then hands back an exec's exit status without its output (moby/moby#27289,
+        seen under load on a 2-core CPU VM): a probe that only reads (READ_ONLY) is run again; one
+        that changed something is not, and says so."""
+        for _ in range(PROBE_TRIES if command in READ_ONLY else 1):
+            rc, output = container.exec_run(["python", "-c", PROBES, command, *args], user="1000:1000")
+            text = output.decode("utf-8", "replace").strip()
+            if rc != 0:
+                raise RuntimeError(f"soak probe {command} in {container.name}: exit {rc}: {text.splitlines()[-1:]}")
+            if text:
+                return json.loads(text.splitlines()[-1])
+        raise RuntimeError(f"soak probe {command} in {container.name}: exit 0, and the engine gave back no output")
 
     def in_keeper(self, command: str, *args: str) -> Any:
         assert self.keeper is not None, "keep_volume() first"
