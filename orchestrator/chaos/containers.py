@@ -155,7 +155,13 @@ def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str,
     return out
 
 
-def _wait_checkpoint(job: ContainerJob) -> None:
+def _wait_mid_run(job: ContainerJob) -> None:
+    """Until every worker trains and the PS has a checkpoint at version >= CHECKPOINT_VERSION:
+    the PS scenarios strike a job in full swing, as the processes' do. On a loaded host one
+    worker's container can still be starting (importing torch) when the others have pushed
+    that far: a PS killed then is never that worker's to lose, and it joins the next PS."""
+    workers = [s for s in service_names(job.t) if s != PS_SERVICE and by_name(job.t)[s].role == "worker"]
+    wait_until("every worker trains", lambda: all(job.events(w, Event.TRAIN) for w in workers), RUN_TIMEOUT)
     wait_until(
         f"a checkpoint at version >= {CHECKPOINT_VERSION}",
         lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
@@ -216,7 +222,7 @@ def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     restarts the PS (and the workers), it resumes from its newest checkpoint."""
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_checkpoint(job)
+        _wait_mid_run(job)
         workers = [s for s in service_names(job.t) if s != PS_SERVICE]
         wall = job.kill_app(PS_SERVICE)
         exits: dict[str, float] = {}
@@ -256,7 +262,7 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     out; `make up RESUME=1` resumes from that checkpoint and finishes."""
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_checkpoint(job)
+        _wait_mid_run(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
@@ -286,7 +292,7 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     shard = shard_service(1)
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_checkpoint(job)
+        _wait_mid_run(job)
         wall = job.kill_app(shard)
         lost = wait_until(
             "the PS notices", lambda: job.events(PS_SERVICE, Event.SHARD_LOST, wall), job.t.ps.rpc_timeout + 10
@@ -315,7 +321,7 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     slice is written on the way out; `make up RESUME=1` continues from there."""
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_checkpoint(job)
+        _wait_mid_run(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
