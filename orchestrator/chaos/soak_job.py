@@ -143,7 +143,7 @@ class SoakJob(ContainerJob):
         before (what it sets off may be recorded before the exec returns)."""
         container = self.containers()[service]
         sent = time.time()
-        container.exec_run(["python", "-c", signal_app_code(signal_name)])
+        container.exec_run(["python", "-c", signal_app_code(signal_name)], detach=True)  # as kill_app's
         return sent
 
     def shm(self) -> Optional[Shm]:
