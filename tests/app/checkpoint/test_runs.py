@@ -334,12 +334,16 @@ def test_resume_keeps_the_ps_up_while_rejoined_finished_ranks_train(unfinished_r
     try:
         for rank in (2, 4):
             job.worker(rank, "--num_epochs", "6")
-        job.wait_until(
-            "ranks 2 and 4 train again",
-            lambda: all(any(r["epoch"] >= 2 for r in job.records(f"worker{rank}", "train")) for rank in (2, 4)),
-        )
-        for rank in (2, 4):  # held mid-epoch: still training when 1 and 3 finish
+        # Each held mid-run as soon as it trains past its resumed epoch, so that it is still
+        # training when 1 and 3 finish. Held together, once both had, the faster one could run
+        # through its last epochs (a few steps each) while the other caught up, and finish first.
+        for rank in (2, 4):
+            job.wait_until(
+                f"rank {rank} trains again",
+                lambda name=f"worker{rank}": any(r["epoch"] >= 2 for r in job.records(name, "train")),
+            )
             job.procs[f"worker{rank}"].send_signal(signal.SIGSTOP)
+            assert job.procs[f"worker{rank}"].poll() is None, f"worker{rank} ended before it was held"
         for rank in (1, 3):
             job.worker(rank, "--num_epochs", "6", "--max_steps", "3")
         job.wait_until("ranks 1 and 3 finished", lambda: all(job.procs[f"worker{r}"].poll() == 0 for r in (1, 3)))
