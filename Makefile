@@ -29,16 +29,33 @@ help: ## list the targets
 # test tools. --no-deps: a lock holds every package the venv gets. triton (0.9 GB)
 # is left out of the locks, as of the offline image: it serves torch.compile's GPU
 # kernels, which nothing here uses, and `import torch` does not need it.
-INSTALL := pip install -q --require-hashes --no-deps -r
+# uv installs them (itself installed in .cache/ when a venv is made): the same hash
+# checks as pip, on every core, bytecode compiled as pip does; the dev venv took 186 s
+# with pip on a 2-core CPU VM, 96 s with uv (docs/dependencies.md). INSTALLER=pip
+# uses the venv's own pip: a host whose package index is set in pip's configuration,
+# which uv does not read.
+UV_VERSION := 0.13.8
+UV      := .cache/uv-$(UV_VERSION)/bin/uv
+INSTALLER ?= uv
+ifeq ($(INSTALLER),pip)
+GET_INSTALLER := @true
+PIP_INSTALL := $(VENV)/bin/pip install -q
+else
+GET_INSTALLER := @test -x $(UV) || $(MAKE) --no-print-directory $(UV)
+PIP_INSTALL := $(UV) pip install -q --python $(VENV)/bin/python --compile-bytecode
+endif
+INSTALL := $(PIP_INSTALL) --require-hashes --no-deps -r
 $(VENV)/.host: requirements/host.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; v == (3, 11) or print(f"warning: the lock files are made for Python 3.11, $(PYTHON) is {v[0]}.{v[1]}: a package that only another Python needs may be missing (PYTHON=python3.11 picks another)", file=sys.stderr)'
+	$(GET_INSTALLER)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/$(INSTALL) requirements/host.txt
-	$(VENV)/bin/pip install -q --no-deps -e .
+	$(INSTALL) requirements/host.txt
+	$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.host requirements/dev.txt
-	$(VENV)/bin/$(INSTALL) requirements/dev.txt
+	$(GET_INSTALLER)
+	$(INSTALL) requirements/dev.txt
 	touch $@
 
 host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
@@ -48,9 +65,7 @@ setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 # CPython 3.11 on Linux x86_64 (the dev venv's and the offline image's), whatever
 # Python or OS runs it, and keeps every version already locked (UPGRADE=1: the
 # newest that fit; LOCK_ARGS: more uv options). dev.txt first, the superset; the
-# other three take its versions. uv itself is installed in .cache/.
-UV_VERSION := 0.13.8
-UV      := .cache/uv-$(UV_VERSION)/bin/uv
+# other three take its versions.
 COMPILE := UV_CUSTOM_COMPILE_COMMAND="make lock" $(UV) pip compile -q --generate-hashes --python-version 3.11 \
            --python-platform x86_64-manylinux_2_36 --no-emit-package triton $(if $(UPGRADE),--upgrade) $(LOCK_ARGS)
 
