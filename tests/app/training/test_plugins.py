@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from app import plugins
+from app.config import UsageError
 from app.training import models
 
 from app_testkit import REPO, app_env, free_port, run_app, run_cluster, start_app, wait_for
@@ -96,56 +99,81 @@ GOOD = """
 """
 
 
+# A broken `--model` or `--dataset` entry point: (model, dataset, the error's one line).
+BROKEN = [
+    (
+        "nosuch.net:build",
+        "digits",
+        "--model nosuch.net:build: cannot import 'nosuch.net': No module named 'nosuch' "
+        "(is the topology's `code` directory the one that holds it?)",
+    ),
+    ("mymods.net:missing", "digits", "--model mymods.net:missing: module 'mymods.net' has no attribute 'missing'"),
+    (
+        "mymods.net:not_callable",
+        "digits",
+        "--model mymods.net:not_callable: 'not_callable' is a int, not a callable",
+    ),
+    (
+        "mymods.net:not_a_module",
+        "digits",
+        "--model mymods.net:not_a_module: returned a str; must return a torch.nn.Module",
+    ),
+    ("mymods.net:raises", "digits", "--model mymods.net:raises: calling it failed: ValueError: no such layer size"),
+    (
+        "cnn",
+        "mymods.net:two_things",
+        "--dataset mymods.net:two_things: returned a tuple of 2; must return (Dataset, channels, num_classes)",
+    ),
+    (
+        "cnn",
+        "mymods.net:a_list",
+        "--dataset mymods.net:a_list: returned a list as the dataset; must be a torch.utils.data.Dataset",
+    ),
+    (
+        "cnn",
+        "mymods.net:float_channels",
+        "--dataset mymods.net:float_channels: returned channels 1.0; must be an int >= 1",
+    ),
+]
+BROKEN_IDS = [
+    "import",
+    "attribute",
+    "not-callable",
+    "not-a-module",
+    "factory-raises",
+    "tuple-shape",
+    "not-a-dataset",
+    "float-channels",
+]
+
+
+@pytest.fixture
+def mymods(tmp_path, monkeypatch):
+    """GOOD's package `mymods` on sys.path, imported afresh by this test and forgotten after it."""
+    code = _code(tmp_path, GOOD)
+    monkeypatch.syspath_prepend(str(code))
+    for name in ("mymods", "mymods.net"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield code
+    for name in ("mymods", "mymods.net"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("model, dataset, expected", BROKEN, ids=BROKEN_IDS)
+def test_a_broken_entry_point_is_a_usage_error_naming_the_flag_and_why(mymods, model, dataset, expected):
+    """What the process prints after `app: error: ` (below), for each way an entry point breaks."""
+    with pytest.raises(UsageError) as error:
+        if plugins.is_entry_point(model):
+            plugins.build_model(model, 1, 10)
+        else:
+            plugins.load_dataset(dataset, "", True, 0)
+    assert str(error.value) == expected
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "model, dataset, expected",
-    [
-        (
-            "nosuch.net:build",
-            "digits",
-            "--model nosuch.net:build: cannot import 'nosuch.net': No module named 'nosuch' "
-            "(is the topology's `code` directory the one that holds it?)",
-        ),
-        ("mymods.net:missing", "digits", "--model mymods.net:missing: module 'mymods.net' has no attribute 'missing'"),
-        (
-            "mymods.net:not_callable",
-            "digits",
-            "--model mymods.net:not_callable: 'not_callable' is a int, not a callable",
-        ),
-        (
-            "mymods.net:not_a_module",
-            "digits",
-            "--model mymods.net:not_a_module: returned a str; must return a torch.nn.Module",
-        ),
-        ("mymods.net:raises", "digits", "--model mymods.net:raises: calling it failed: ValueError: no such layer size"),
-        (
-            "cnn",
-            "mymods.net:two_things",
-            "--dataset mymods.net:two_things: returned a tuple of 2; must return (Dataset, channels, num_classes)",
-        ),
-        (
-            "cnn",
-            "mymods.net:a_list",
-            "--dataset mymods.net:a_list: returned a list as the dataset; must be a torch.utils.data.Dataset",
-        ),
-        (
-            "cnn",
-            "mymods.net:float_channels",
-            "--dataset mymods.net:float_channels: returned channels 1.0; must be an int >= 1",
-        ),
-    ],
-    ids=[
-        "import",
-        "attribute",
-        "not-callable",
-        "not-a-module",
-        "factory-raises",
-        "tuple-shape",
-        "not-a-dataset",
-        "float-channels",
-    ],
-)
-def test_a_broken_entry_point_is_one_line_and_exit_2(tmp_path, model, dataset, expected):
+@pytest.mark.parametrize("case", ["import", "not-a-dataset"])  # one of each flag; the rest above
+def test_a_worker_given_a_broken_entry_point_exits_2_with_its_one_line(tmp_path, case):
+    model, dataset, expected = BROKEN[BROKEN_IDS.index(case)]
     code = _code(tmp_path, GOOD)
     r = run_app(
         "worker",
