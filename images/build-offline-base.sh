@@ -11,8 +11,9 @@
 #   FORCE=1 images/build-offline-base.sh    # rebuilds
 #   OFFLINE_BASE_IMAGE=name:tag images/build-offline-base.sh   # another image name
 #
-# Needs root (debootstrap, chroot) and a running Docker daemon; pip on the host
-# (the project's .venv, or PIP=...) downloads the lock's wheels.
+# Needs root (debootstrap, chroot) and a running Docker daemon. uv (from `make
+# setup`, or UV=...) installs the lock's wheels in the tree; without it, pip on the
+# host (the project's .venv, or PIP=...) downloads them and the tree's pip installs them.
 set -euo pipefail
 # debootstrap and chroot live in /usr/sbin on Debian and Ubuntu, which a
 # non-login PATH (/usr/bin:/bin) does not search.
@@ -79,25 +80,56 @@ echo "debootstrap: $((SECONDS - start)) s"
 "$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
 
 # The lock's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
-# each checked against the lock's hashes, downloaded into the tree and installed
-# offline there, then deleted: none is kept beside the tree, where they would hold
-# 2.7 GB more while `docker import` copies it. The lock leaves out triton (0.9 GB):
-# it serves torch.compile's GPU kernels only, and importing torch does not need it.
+# each checked against the lock's hashes and installed in the tree's venv; none is
+# kept beside the tree, where they would hold 2.7 GB more while `docker import`
+# copies it. The lock leaves out triton (0.9 GB): it serves torch.compile's GPU
+# kernels only, and importing torch does not need it.
 WHEELS=$ROOTFS/tmp/wheels
 mkdir -p "$WHEELS"
 cp "$LOCK" "$WHEELS/torch.txt"
-target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
-        --platform manylinux2014_x86_64)
-for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_x86_64"); done
-# shellcheck disable=SC2086 # PIP may be "python3 -m pip"
-$PIP download -q --no-cache-dir --no-deps --require-hashes -d "$WHEELS" "${target[@]}" -r "$LOCK"
-echo "torch wheels: $(du -sm "$WHEELS" | cut -f1) MB, after $((SECONDS - start)) s"
-# The tree's pip sees none of the host's pip settings (PIP_* variables, config files).
-in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null "$CHROOT" "$ROOTFS" "$@"; }
-in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels \
-    --no-deps --require-hashes -r /tmp/wheels/torch.txt
-rm -rf "$WHEELS"
-echo "torch pair installed: $((SECONDS - start)) s"
+# The tree's installers see none of the host's settings (PIP_*/UV_* variables, config files).
+in_tree() { env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/root PIP_CONFIG_FILE=/dev/null UV_NO_CONFIG=1 "$CHROOT" "$ROOTFS" "$@"; }
+# uv (the one `make setup` installs in .cache/, or UV=...), run in the tree: it downloads,
+# checks and unpacks on every core and compiles the bytecode as pip does, in about half
+# pip's CPU time. Its cache lives in the tree's /tmp, on the venv's disk, and goes with it.
+UV=${UV:-$(ls -d "$ROOT"/.cache/uv-*/bin/uv 2>/dev/null | sort -V | tail -1 || true)}
+with_uv() {
+    [ -n "$UV" ] && [ -x "$UV" ] || return 1
+    cp "$UV" "$ROOTFS/tmp/uv"
+    # It downloads as the host does: through the host's proxy, trusting the host's CAs (a
+    # proxy that inspects TLS signs with a CA the tree's own bundle does not hold).
+    local settings=(UV_CACHE_DIR=/tmp/uv-cache) ca=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt} v
+    if [ -r "$ca" ]; then
+        cp "$ca" "$ROOTFS/tmp/host-ca.pem"
+        settings+=(SSL_CERT_FILE=/tmp/host-ca.pem)
+    fi
+    for v in HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy; do
+        [ -z "${!v:-}" ] || settings+=("$v=${!v}")
+    done
+    in_tree env "${settings[@]}" /tmp/uv pip install -q --python /opt/venv/bin/python \
+        --compile-bytecode --no-deps --require-hashes -r /tmp/wheels/torch.txt
+}
+with_pip() {
+    target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
+            --platform manylinux2014_x86_64)
+    for v in $(seq 17 36); do target+=(--platform "manylinux_2_${v}_x86_64"); done
+    # shellcheck disable=SC2086 # PIP may be "python3 -m pip"
+    $PIP download -q --no-cache-dir --no-deps --require-hashes -d "$WHEELS" "${target[@]}" -r "$LOCK"
+    echo "torch wheels: $(du -sm "$WHEELS" | cut -f1) MB, after $((SECONDS - start)) s"
+    in_tree pip install -q --no-cache-dir --disable-pip-version-check --no-index --find-links /tmp/wheels \
+        --no-deps --require-hashes -r /tmp/wheels/torch.txt
+}
+if with_uv; then
+    installer="uv ($("$UV" --version))"
+else
+    [ -z "$UV" ] || echo "uv could not install the pair in the tree (above); pip downloads and installs it instead" >&2
+    rm -rf "$ROOTFS/tmp/uv-cache" "$ROOTFS/opt/venv"  # whatever it left: a venv made afresh
+    "$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
+    with_pip
+    installer=pip
+fi
+rm -rf "$WHEELS" "$ROOTFS/tmp/uv" "$ROOTFS/tmp/uv-cache" "$ROOTFS/tmp/host-ca.pem"
+echo "torch pair installed by $installer: $((SECONDS - start)) s"
 # Keep it small: no package lists, caches, docs or translations in the image.
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* \
        "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* \
