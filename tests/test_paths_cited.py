@@ -17,6 +17,7 @@ NOT_PATHS = {
     "docs/topology.md.tmp",
     "images/s",
     "images/wheelhouse",
+    "images/wheelhouse-tracking",  # the MLflow server's wheels, made by its first build (gitignored)
     "images/.cache",  # the debootstrap cache and build logs, made by the first build (gitignored)
 }
 
