@@ -42,10 +42,15 @@ from orchestrator.topology.services import PS_SERVICE
 
 PROJECT_PREFIX = "psc-soak"  # each soak's project: PROJECT_PREFIX-<6 hex digits>, unless named
 VOLUME_MB = 64  # the state volume: checkpoints (~0.1 MB each), metrics and event files, with room to fill
-# cpu-smoke in this topology, undisturbed, trains ~240 epochs a minute on a 2-core CPU VM (~170
-# updates/s); a quarter more, so that the job outlives the soak even on a somewhat faster host
-# (the faults slow it too: by about a third on that VM).
-EPOCHS_PER_MINUTE = 300
+# Each worker's container is held to WORKER_CPUS (compose's `cpus`): the job's pace then has a
+# ceiling that more or idle cores do not raise, so a job sized to outlive the faults on a quiet
+# host does not also train for minutes past them where it runs slower (beside other work, as in
+# CI). Held so, on a 2-core CPU VM, cpu-smoke in this topology trains ~53 epochs a minute
+# undisturbed (39 updates/s, 0.6 cores; unheld: ~190 epochs a minute on 1.7 cores) and ~38 a
+# minute under a quiet soak's faults: a job of 75 a minute of faults outlives them twice over.
+# A 3-minute soak alone there: 274 CPU-s instead of 582, its job 6.2 min instead of 5.6.
+WORKER_CPUS = 0.2
+EPOCHS_PER_MINUTE = 75
 RECOVERY_S = 240.0  # a fault not recovered by then is reported so, and the soak goes on
 WARM_UP_S = 300.0  # up to the first checkpoint
 # After the faults, the job may take this many times the soak's minutes (+ 5 min) to finish: CI's
@@ -274,7 +279,7 @@ def soak_one(
     )
     base, pip_source = images.source(t, offline=True)
     images.build(t.image_tag, base, pip_source, out=io.StringIO())
-    job = SoakJob(t, t.name, VOLUME_MB)
+    job = SoakJob(t, t.name, VOLUME_MB, WORKER_CPUS)
     try:
         soak(job, seen, out)
     except Exception as error:  # noqa: BLE001 - the engine, a wait that timed out, a bug: the table says so

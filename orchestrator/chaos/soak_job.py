@@ -24,7 +24,7 @@ from orchestrator.chaos.containers import ContainerJob, signal_app_code
 from orchestrator.chaos.soak_checks import Audit, Shm
 from orchestrator.metrics.records import Record, metrics_from_tar, parse_lines
 from orchestrator.render import compose
-from orchestrator.render.compose import CHECKPOINT_DIR, METRICS_DIR, STATE_DIR, STATE_VOLUME
+from orchestrator.render.compose import CHECKPOINT_DIR, LABEL_ROLE, METRICS_DIR, STATE_DIR, STATE_VOLUME
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
 
@@ -49,12 +49,26 @@ def size_limited(doc: dict[str, Any], megabytes: int) -> dict[str, Any]:
     return {**doc, "volumes": volumes}
 
 
-class SoakJob(ContainerJob):
-    """The chaos topology on a size-limited state volume, held mounted by a keeper."""
+def workers_limited(doc: dict[str, Any], cpus: Optional[float]) -> dict[str, Any]:
+    """The compose document with each worker's container (the scale profile's too) held to `cpus`
+    CPUs (compose's `cpus`, a CFS quota); None: as rendered (pure)."""
+    if cpus is None:
+        return doc
+    services = {
+        name: {**s, "cpus": cpus} if s.get("labels", {}).get(LABEL_ROLE) == "worker" else s
+        for name, s in doc["services"].items()
+    }
+    return {**doc, "services": services}
 
-    def __init__(self, t: Topology, project: str, volume_mb: int) -> None:
+
+class SoakJob(ContainerJob):
+    """The chaos topology on a size-limited state volume, held mounted by a keeper; its workers
+    held to `worker_cpus` CPUs each (None: no limit)."""
+
+    def __init__(self, t: Topology, project: str, volume_mb: int, worker_cpus: Optional[float] = None) -> None:
         super().__init__(t, project)
-        write_atomic(self.project.file, compose.dump(size_limited(compose.render(t), volume_mb), t.name))
+        doc = workers_limited(size_limited(compose.render(t), volume_mb), worker_cpus)
+        write_atomic(self.project.file, compose.dump(doc, t.name))
         self.volume = f"{project}_{STATE_VOLUME}"
         self.keeper: Optional[Any] = None
 

@@ -15,7 +15,7 @@ from orchestrator.chaos.common import chaos_topology
 from orchestrator.chaos.soak import soak_topology
 from orchestrator.chaos.soak_checks import Audit, FaultResult, Row
 from orchestrator.chaos.soak_faults import Context
-from orchestrator.chaos.soak_job import size_limited
+from orchestrator.chaos.soak_job import size_limited, workers_limited
 from orchestrator.render import compose
 
 
@@ -55,7 +55,8 @@ def test_the_soak_topology_gives_every_kind_of_fault_a_target_and_outlives_the_s
     assert t.ps.shards == 2  # shard-kill
     assert t.max_workers > t.workers.count  # scale
     assert t.ps.rpc_timeout <= 10  # pause: the drop comes within seconds
-    assert t.train.epochs == soak_plan.job_epochs(3, 300) and soak_topology(10).train.epochs > t.train.epochs
+    assert t.train.epochs == soak_plan.job_epochs(3, soak.EPOCHS_PER_MINUTE)
+    assert soak_topology(10).train.epochs > t.train.epochs
     assert soak_topology(3, epochs=5).train.epochs == 5
 
 
@@ -66,6 +67,15 @@ def test_the_state_volume_is_a_tmpfs_of_the_size_asked_owned_by_the_app_user():
     assert volume["driver_opts"] == {"type": "tmpfs", "device": "tmpfs", "o": "size=64m,uid=1000,gid=1000"}
     assert volume["labels"]  # the render's labels are kept
     assert "driver_opts" not in compose.render(soak_topology(1))["volumes"]["state"]  # the input is not changed
+
+
+def test_the_soak_holds_each_worker_to_its_cpus_the_scaled_ones_too_and_nothing_else():
+    rendered = compose.render(soak_topology(1))
+    doc = workers_limited(rendered, 0.2)
+    held = {name: s["cpus"] for name, s in doc["services"].items() if "cpus" in s}
+    assert held == {"worker1": 0.2, "worker2": 0.2, "worker3": 0.2, "worker4": 0.2}
+    assert not any("cpus" in s for s in rendered["services"].values())  # the input is not changed
+    assert workers_limited(rendered, None) == rendered
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
