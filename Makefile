@@ -30,10 +30,8 @@ help: ## list the targets
 # is left out of the locks, as of the offline image: it serves torch.compile's GPU
 # kernels, which nothing here uses, and `import torch` does not need it.
 # uv installs them (itself installed in .cache/ when a venv is made): the same hash
-# checks as pip, on every core; the dev venv took 186 s with pip on a 2-core CPU VM,
-# 96 s with uv (docs/dependencies.md). Bytecode is left to the first import of each
-# module, as uv does by default: compiling all 17,500 files at install took 77 CPU-s,
-# and the runs and tests import a fraction of them. INSTALLER=pip
+# checks as pip, on every core, bytecode compiled as pip does; the dev venv took 186 s
+# with pip on a 2-core CPU VM, 96 s with uv (docs/dependencies.md). INSTALLER=pip
 # uses the venv's own pip: a host whose package index is set in pip's configuration,
 # which uv does not read.
 UV_VERSION := 0.13.8
@@ -44,7 +42,7 @@ GET_INSTALLER := @true
 PIP_INSTALL := $(VENV)/bin/pip install -q
 else
 GET_INSTALLER := @test -x $(UV) || $(MAKE) --no-print-directory $(UV)
-PIP_INSTALL := $(UV) pip install -q --python $(VENV)/bin/python
+PIP_INSTALL := $(UV) pip install -q --python $(VENV)/bin/python --compile-bytecode
 endif
 INSTALL := $(PIP_INSTALL) --require-hashes --no-deps -r
 $(VENV)/.host: requirements/host.txt pyproject.toml
