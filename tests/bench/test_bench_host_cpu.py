@@ -5,6 +5,7 @@ over a window, and the sampler over a real /proc."""
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -92,8 +93,16 @@ def test_the_sampler_counts_the_cpu_of_a_real_app_process_that_became_one_by_exe
     (tmp_path / "app" / "__main__.py").write_text(
         "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
     )
-    proc = subprocess.Popen(["sh", "-c", f"sleep 0.2; exec {sys.executable} -m app worker"], cwd=tmp_path)
+    # The shell execs once the sampler has taken two samples (`go` made): a loaded host may take
+    # longer than any fixed sleep to enter the sampler.
+    gate = tmp_path / "go"
+    shell = f"while [ ! -e {gate} ]; do sleep 0.02; done; exec {sys.executable} -m app worker"
+    proc = subprocess.Popen(["sh", "-c", shell], cwd=tmp_path)
     with host_cpu.Sampler(every=0.05) as cpu:
+        deadline = time.monotonic() + 30
+        while len(cpu.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.touch()
         proc.wait(timeout=30)
     seen = [sample[3][f"worker:{proc.pid}"] for sample in cpu.samples if f"worker:{proc.pid}" in sample[3]]
     assert len(seen) >= 2 and 0 < seen[-1] - seen[0] <= host_cpu.TICKS  # its spin, ~0.6 s of a core
