@@ -3,6 +3,7 @@ the same batches in the same order, errors where the loop takes its next batch, 
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -70,6 +71,10 @@ def test_a_read_that_fails_in_a_loader_process_is_one_clear_error_after_the_batc
     with pytest.raises(datasets.DataUnavailable, match="reading the data under /data/images failed"):
         next(batches)
     assert _receiving() == []
+    # Its loader process goes here, not in whichever test's collection would find it: shutting
+    # it down waits out the loader's 5 s join, which stalled an unrelated test's clock.
+    del batches, loader
+    gc.collect()
 
 
 def test_received_ahead_gives_every_item_then_what_the_iterator_raised():
