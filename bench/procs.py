@@ -10,11 +10,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# How a case's process starts: the tests put a fork in its place (tests/app/forkserver.py).
+popen: Callable[..., subprocess.Popen] = subprocess.Popen
 
 
 class CaseFailed(RuntimeError):
@@ -138,9 +141,7 @@ def _start_nodes(
             json.dumps(dict(base, rank=rank)),
             str(tmp / f"{name}.json"),
         ]
-        procs[name] = subprocess.Popen(
-            argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        procs[name] = popen(argv, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _measure_idle(

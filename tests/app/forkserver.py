@@ -45,10 +45,13 @@ HEADER = struct.Struct("!I")
 
 
 def can_fork(env: dict[str, str]) -> bool:
-    """False under TESTS_EXEC_APP=1, or when ENV's PYTHONPATH puts a module of its own in place
-    of one the server has imported already (a test's stand-in for torchvision)."""
+    """False under TESTS_EXEC_APP=1, when ENV's OMP_NUM_THREADS is not the server's, or when its
+    PYTHONPATH puts a module of its own in place of one the server has imported already (a
+    test's stand-in for torchvision)."""
     if os.environ.get("TESTS_EXEC_APP") == "1":
         return False
+    if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS"):
+        return False  # OpenMP read it once, as the server imported torch
     preloaded = {module.split(".")[0] for module in PRELOAD}
     for entry in env.get("PYTHONPATH", "").split(os.pathsep):
         if entry and any(os.path.exists(os.path.join(entry, name)) for name in preloaded):
@@ -129,15 +132,15 @@ class _Server:
                     raise TimeoutError("the app's fork server did not listen within 120 s") from None
                 time.sleep(0.05)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stdio: tuple[int, int, int]) -> int:
-        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
+    def spawn(self, request: dict, stdio: tuple[int, int, int]) -> int:
+        message = json.dumps(request).encode()
         with self.lock, self.connect() as sock:
             # A subreaper only while the server forks: the orphan it makes comes here, and the
             # orphans of anything else, at other times, go to init as they would (here they would
             # stay zombies until the test process ends, and `kill -0` finds a zombie alive).
             self._subreaper(1)
             try:
-                socket.send_fds(sock, [HEADER.pack(len(request)) + request], list(stdio))
+                socket.send_fds(sock, [HEADER.pack(len(message)) + message], list(stdio))
                 reply = b""
                 while chunk := sock.recv(64):
                     reply += chunk
@@ -165,13 +168,37 @@ class _Server:
 _SERVER: _Server | None = None
 
 
-def start(argv: list[str], env: dict[str, str], cwd: Path, stdout: int, stderr: int, stdin: int = 0) -> ForkedApp:
-    """`python -m app ARGV` with ENV in CWD, its output to the descriptors STDOUT and STDERR."""
+def start(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdout: int,
+    stderr: int,
+    stdin: int = 0,
+    module: str = "app",
+    new_session: bool = False,
+) -> ForkedApp:
+    """`python -m MODULE ARGV` with ENV in CWD, its output to the descriptors STDOUT and STDERR
+    (`new_session`: in a session of its own, as Popen's start_new_session)."""
     global _SERVER
     if _SERVER is None:
         _SERVER = _Server()
-    pid = _SERVER.spawn(argv, env, cwd, (stdin, stdout, stderr))
-    return ForkedApp([sys.executable, "-m", "app", *argv], pid)
+    request = {"argv": argv, "env": env, "cwd": str(cwd), "module": module, "session": new_session}
+    pid = _SERVER.spawn(request, (stdin, stdout, stderr))
+    return ForkedApp([sys.executable, "-m", module, *argv], pid)
+
+
+FORKED_MODULES = ("app", "bench.node")
+
+
+def popen(argv: list[str], *, stdout: Any, stderr: Any, env: dict[str, str], start_new_session: bool = False):
+    """subprocess.Popen, with `python -m app` and `python -m bench.node` forked (bench/procs.py)."""
+    forked = len(argv) > 2 and argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED_MODULES
+    if not forked or not can_fork(env):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env, start_new_session=start_new_session)
+    out = stdout.fileno()
+    err = out if stderr == subprocess.STDOUT else stderr.fileno()
+    return start(argv[3:], env, Path.cwd(), out, err, module=argv[2], new_session=start_new_session)
 
 
 def spawn(
@@ -284,7 +311,7 @@ def _fork_orphan() -> int | None:
 
 
 def _become_app(request: dict, fds: list[int]) -> None:
-    """This process as `python -m app ARGV` started with the request's environment and directory."""
+    """This process as `python -m MODULE ARGV` started with the request's environment and directory."""
     import io
     import runpy
     import signal
@@ -314,8 +341,10 @@ def _become_app(request: dict, fds: list[int]) -> None:
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.getcwd(), *extra, *own]
     numpy.random.seed()  # a fresh interpreter's global generator is seeded from the OS
+    if request["session"]:
+        os.setsid()
     sys.argv = ["-m", *request["argv"]]
-    runpy.run_module("app", run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
 def _main(path: str) -> None:
