@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -53,12 +54,13 @@ def can_fork(env: dict[str, str]) -> bool:
     if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS"):
         return False  # OpenMP read it once, as the server imported torch
     preloaded = {module.split(".")[0] for module in PRELOAD}
-    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and any(os.path.exists(os.path.join(entry, name)) for name in preloaded):
-            return False
-        if entry and any(os.path.exists(os.path.join(entry, f"{name}.py")) for name in preloaded):
-            return False
-    return True
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return not any(
+        os.path.exists(os.path.join(entry, name + suffix))
+        for entry in entries
+        for name in preloaded
+        for suffix in ("", ".py")
+    )
 
 
 # --- the test's side ------------------------------------------------------------
@@ -158,11 +160,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for name in (self.path, self.dir):
-            try:
-                os.rmdir(name) if name == self.dir else os.unlink(name)
-            except OSError:
-                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _SERVER: _Server | None = None
@@ -191,14 +189,25 @@ def start(
 FORKED_MODULES = ("app", "bench.node")
 
 
-def popen(argv: list[str], *, stdout: Any, stderr: Any, env: dict[str, str], start_new_session: bool = False):
-    """subprocess.Popen, with `python -m app` and `python -m bench.node` forked (bench/procs.py)."""
-    forked = len(argv) > 2 and argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED_MODULES
-    if not forked or not can_fork(env):
-        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env, start_new_session=start_new_session)
+def _module(argv: list[str]) -> str | None:
+    """The module of a `python -m MODULE ...` this server can fork, else None."""
+    if len(argv) > 2 and argv[:2] == [sys.executable, "-m"] and argv[2] in FORKED_MODULES:
+        return argv[2]
+    return None
+
+
+def _forked(argv: list[str], env: dict[str, str], stdout: Any, stderr: Any, **how: Any) -> ForkedApp:
+    """ARGV forked, its output to the files STDOUT and STDERR (subprocess.STDOUT: the same)."""
     out = stdout.fileno()
     err = out if stderr == subprocess.STDOUT else stderr.fileno()
-    return start(argv[3:], env, Path.cwd(), out, err, module=argv[2], new_session=start_new_session)
+    return start(argv[3:], env, Path.cwd(), out, err, module=argv[2], **how)
+
+
+def popen(argv: list[str], *, stdout: Any, stderr: Any, env: dict[str, str], start_new_session: bool = False):
+    """subprocess.Popen, with `python -m app` and `python -m bench.node` forked (bench/procs.py)."""
+    if _module(argv) is None or not can_fork(env):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env, start_new_session=start_new_session)
+    return _forked(argv, env, stdout, stderr, new_session=start_new_session)
 
 
 def spawn(
@@ -210,18 +219,15 @@ def spawn(
     new_session: bool = False,
     pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen | ForkedApp:
-    """orchestrator.local.spawn, with `python -m app` forked where nothing asks for an exec
-    (a session of its own, descriptors passed on)."""
+    """orchestrator.local.spawn (the same signature: it stands in for it), with `python -m app`
+    forked unless descriptors are passed on."""
     from orchestrator import local
 
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    app = argv[:3] == [sys.executable, "-m", "app"]
-    if not app or new_session or pass_fds or not can_fork(full):
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}  # what local.spawn gives the process
+    if _module(argv) is None or pass_fds or not can_fork(full):
         return local.spawn(argv, env, stdout=stdout, stderr=stderr, new_session=new_session, pass_fds=pass_fds)
-    out = stdout.fileno()
-    err = out if stderr == subprocess.STDOUT else stderr.fileno()
     with open(os.devnull) as devnull:
-        return start(argv[3:], full, Path.cwd(), out, err, stdin=devnull.fileno())
+        return _forked(argv, full, stdout, stderr, stdin=devnull.fileno(), new_session=new_session)
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
