@@ -27,7 +27,7 @@ MLFLOW_URI = f"http://{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT}"
 # calls over the project's network, and the UI and clients on the host's published port.
 ALLOWED_HOSTS = f"{MLFLOW_SERVICE},{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT},localhost,localhost:*,127.0.0.1,127.0.0.1:*"
 # Healthy once it answers a search of runs: the server loads that code on the first search, which
-# took over the PS's 10 s request timeout on a loaded 2-core CPU VM (the PS then tracks nothing).
+# took over 10 s on a loaded 2-core CPU VM (a PS whose first request times out tracks nothing).
 HEALTH_PROBE = (
     "import urllib.request as u; "
     f"u.urlopen(u.Request('http://127.0.0.1:{MLFLOW_CONTAINER_PORT}/api/2.0/mlflow/runs/search', "

@@ -92,6 +92,7 @@ class FinishedRun:
     run_id: str
     evals: list[dict]
     mlflow: str  # the tracking server's UI and API on the host
+    said: str  # the PS's lines about MLflow and the server's last lines: why, when it went wrong
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,10 @@ def finished(engine, image, tmp_path_factory):
             [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
             evals = [r for r in records if r["event"] in ("eval", "end")]
             assert [r for r in evals if r["event"] == "eval"], records
-            yield FinishedRun(project, config, run_id, evals, f"http://127.0.0.1:{port}")
+            ps_lines = [line for line in adapter.log_text(engine, project, "ps").splitlines() if "MLflow" in line]
+            server_lines = adapter.log_text(engine, project, "mlflow").splitlines()[-20:]
+            said = "\n".join(["the PS:", *ps_lines, "the server:", *server_lines])
+            yield FinishedRun(project, config, run_id, evals, f"http://127.0.0.1:{port}", said)
         finally:
             command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
             shutil.rmtree(RUNS / project, ignore_errors=True)
@@ -143,7 +147,7 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
 
     client = MlflowClient(finished.mlflow)
     experiment = client.get_experiment_by_name(finished.project)  # the experiment: the run's name
-    assert experiment is not None, "no experiment: the PS's container did not reach the tracking server"
+    assert experiment is not None, f"no experiment: the PS's container did not reach the server\n{finished.said}"
     runs = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.`ps-compose.run_id` = '{finished.run_id}'"
     )
