@@ -25,11 +25,16 @@ log = logging.getLogger("app.tracking")
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
 DEFAULT_EXPERIMENT = "ps-compose"
 CLOSE_SECONDS = 15.0
-# One try per request, not MLflow's default retries with backoff (minutes; a retried write can
-# log a metric twice), each waiting up to a minute for its answer: a server whose disk or CPU is
-# busy can take over 10 s for a write, and the first failure ends the tracking. The wait is this
-# thread's alone; the PS's end still waits CLOSE_SECONDS at most. Set unless the user set them.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+# A request waits up to a minute for its answer (a server whose disk or CPU is busy took over
+# 10 s for a write) and is tried twice more, 0-1 then 2-3 s later, where MLflow retries (refused,
+# 429 and 5xx answers, timeouts): seconds, not MLflow's default of 7 retries with backoff
+# (minutes), before the first failure ends the tracking. The waits are this thread's alone; the
+# PS's end still waits CLOSE_SECONDS at most. Set unless the user set them.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
 EVAL_METRICS = ("accuracy", "loss", "samples_per_s", "updates_per_s", "staleness", "workers")
 

@@ -72,26 +72,31 @@ def test_a_tracker_that_is_down_costs_one_warning_and_the_run_goes_on(tmp_path):
 
 
 @contextlib.contextmanager
-def slow_first_write(upstream: str, seconds: float) -> Iterator[str]:
-    """An HTTP proxy to `upstream` that holds the answer to the first POST `seconds` (a server
-    whose disk or CPU is busy), then answers as `upstream` did; its URI."""
-    held = threading.Event()
+def first_write(upstream: str, *, hold: float = 0.0, refuse: bool = False) -> Iterator[str]:
+    """An HTTP proxy to `upstream` whose first POST is answered `hold` seconds late (a server whose
+    disk or CPU is busy), or, with `refuse`, not sent on but answered 503 (a server restarting);
+    every other request is sent on and answered as `upstream` answered it. Its URI."""
+    first = threading.Event()
 
     class Forward(http.server.BaseHTTPRequestHandler):
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else None
-            request = urllib.request.Request(
-                upstream + self.path, data=body, method=self.command,
-                headers={"Content-Type": self.headers.get("Content-Type") or "application/json"},
-            )  # fmt: skip
-            try:
-                with urllib.request.urlopen(request, timeout=60) as answer:
-                    status, data = answer.status, answer.read()
-            except urllib.error.HTTPError as refused:
-                status, data = refused.code, refused.read()
-            if self.command == "POST" and not held.is_set():
-                held.set()
-                time.sleep(seconds)
+            is_first = self.command == "POST" and not first.is_set()
+            if is_first:
+                first.set()
+            if is_first and refuse:
+                status, data = 503, b'{"error_code": "TEMPORARILY_UNAVAILABLE"}'
+            else:
+                request = urllib.request.Request(
+                    upstream + self.path, data=body, method=self.command,
+                    headers={"Content-Type": self.headers.get("Content-Type") or "application/json"},
+                )  # fmt: skip
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as answer:
+                        status, data = answer.status, answer.read()
+                except urllib.error.HTTPError as refused:
+                    status, data = refused.code, refused.read()
+                time.sleep(hold if is_first else 0.0)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -108,22 +113,33 @@ def slow_first_write(upstream: str, seconds: float) -> Iterator[str]:
     thread.start()
     try:
         yield f"http://127.0.0.1:{proxy.server_address[1]}"
-        assert held.is_set(), "no write went through the proxy"
+        assert first.is_set(), "no write went through the proxy"
     finally:
         proxy.shutdown()
         proxy.server_close()
 
 
 @pytest.mark.slow
-def test_a_tracker_whose_first_write_takes_12_s_still_gets_the_whole_run(mlflow_server, monkeypatch, caplog):
-    """MLflow answering a write in 12 s (its disk busy with a loaded host's image builds) is slow,
-    not down: the run is tracked whole, with no warning."""
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param({"hold": 12.0}, id="first-write-answered-in-12-s"),
+        pytest.param({"refuse": True}, id="first-write-refused-503"),
+    ],
+)
+def test_a_tracker_whose_server_is_slow_or_refuses_once_still_gets_the_whole_run(
+    mlflow_server, server, monkeypatch, caplog
+):
+    """MLflow answering a write in 12 s (its disk busy with a loaded host's image builds), or once
+    with 503, is slow or busy, not down: the run is tracked whole, once, with no warning."""
     from mlflow import MlflowClient
 
     for key in tracking.HTTP_DEFAULTS:  # the tracker sets its defaults; the test's end removes them
-        monkeypatch.delenv(key, raising=False)
-    with slow_first_write(mlflow_server, 12.0) as uri:
-        tracker = tracking.Tracker(uri, "slow-server", "slow-1")
+        monkeypatch.setenv(key, "")  # recorded as it was (unset), so that the undo unsets it
+        monkeypatch.delenv(key)
+    name = "slow-1" if server.get("hold") else "refused-1"
+    with first_write(mlflow_server, **server) as uri:
+        tracker = tracking.Tracker(uri, "slow-server", name)
         tracker.params({"train.lr": 0.1})
         tracker.record("start", 0, {})
         tracker.record("eval", 40, {"accuracy": 0.5, "loss": 1.5})
@@ -133,7 +149,7 @@ def test_a_tracker_whose_first_write_takes_12_s_still_gets_the_whole_run(mlflow_
 
     client = MlflowClient(mlflow_server)
     experiment = client.get_experiment_by_name("slow-server")
-    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`ps-compose.run_id` = 'slow-1'")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`ps-compose.run_id` = '{name}'")
     assert run.info.status == "FINISHED" and run.data.params == {"train.lr": "0.1"}
     curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
     assert curve == [(40, 0.5), (80, 0.75)]
