@@ -208,7 +208,9 @@ import json, os, sys, time
 role = sys.argv[1]
 name = "ps" if role == "ps" else "worker" + os.environ["PSC_RANK"]
 env = {k: v for k, v in os.environ.items() if k.startswith(("PSC_", "TP_"))}
-open(f"{name}.json", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "pid": os.getpid()}))
+# whole or not there: the tests wait for the file to exist, then read it
+open(f"{name}.json.tmp", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "pid": os.getpid()}))
+os.replace(f"{name}.json.tmp", f"{name}.json")
 print(f"{name} started", flush=True)
 if os.environ.get("FAKE_SLEEP"):
     time.sleep(120)

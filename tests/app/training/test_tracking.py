@@ -121,14 +121,14 @@ def first_write(upstream: str, *, hold: float = 0.0, refuse: bool = False) -> It
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "server",
+    ("server", "name"),
     [
-        pytest.param({"hold": 12.0}, id="first-write-answered-in-12-s"),
-        pytest.param({"refuse": True}, id="first-write-refused-503"),
+        pytest.param({"hold": 12.0}, "slow-1", id="first-write-answered-in-12-s"),
+        pytest.param({"refuse": True}, "refused-1", id="first-write-refused-503"),
     ],
 )
 def test_a_tracker_whose_server_is_slow_or_refuses_once_still_gets_the_whole_run(
-    mlflow_server, server, monkeypatch, caplog
+    mlflow_server, server, name, monkeypatch, caplog
 ):
     """MLflow answering a write in 12 s (its disk busy with a loaded host's image builds), or once
     with 503, is slow or busy, not down: the run is tracked whole, once, with no warning."""
@@ -137,7 +137,6 @@ def test_a_tracker_whose_server_is_slow_or_refuses_once_still_gets_the_whole_run
     for key in tracking.HTTP_DEFAULTS:  # the tracker sets its defaults; the test's end removes them
         monkeypatch.setenv(key, "")  # recorded as it was (unset), so that the undo unsets it
         monkeypatch.delenv(key)
-    name = "slow-1" if server.get("hold") else "refused-1"
     with first_write(mlflow_server, **server) as uri:
         tracker = tracking.Tracker(uri, "slow-server", name)
         tracker.params({"train.lr": 0.1})
