@@ -219,13 +219,11 @@ bench-cuda: setup ## on a GPU host: ResNet-18 b128 224 px, plain PyTorch vs the 
 bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): throughput ratio
 	$(PY) -m bench containers $(BENCH_ARGS)
 
-# docs/topology.md is generated from the field docstrings of orchestrator/topology/model.py and fields.py
+# docs/topology.md is generated from the field docs of app/options.py and orchestrator/topology/
 # (a test fails when it is out of date).
 .PHONY: docs
-docs: host-setup ## regenerate docs/topology.md from the topology's field docstrings, and the typing stubs of the option-built classes
+docs: host-setup ## regenerate docs/topology.md from the topology's field docs
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
-	$(PY) -m orchestrator.topology.stub > sections.pyi.tmp && mv sections.pyi.tmp orchestrator/topology/sections.pyi
-	$(PY) -c 'from app.config import type_stub; print(type_stub(), end="")' > config.pyi.tmp && mv config.pyi.tmp app/config_fields.pyi
 
 bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
 	$(PY) -m bench data $(BENCH_ARGS)

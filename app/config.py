@@ -1,6 +1,7 @@
 """Command line and PSC_* environment: one frozen Config, flag > env > default.
 
-The options, their kinds, defaults, bounds and help are declared in app/options.py.
+The options, their kinds, defaults, bounds and help are the fields of app/options.py's dataclasses;
+`Config` is all of them at once.
 
 Pure: no torch import, so `python -m app health` and bad-flag errors are fast.
 """
@@ -11,10 +12,11 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from app.contract import DATASETS, ENTRY_POINT, ROLES, RUN_ID, process_name
-from app.options import BY_NAME, OPTIONS, Option, broken_rule
+from app.option_table import BY_NAME, OPTIONS, Option
+from app.options import ProcessOptions, PSOptions, TrainOptions, broken_rule
 
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # a Kubernetes Indexed Job's pod index
 
@@ -23,16 +25,11 @@ class UsageError(Exception):
     """Bad input (flag, model, dataset, data dir, device): one line on stderr, exit 2."""
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "auto_int": str}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(PSOptions, TrainOptions, ProcessOptions):
+    """Everything a process of the app needs: its role and one field per option of app/options.py."""
 
-
-class _ConfigMethods:
-    # Fields of Config that these read (declared for the type checker; the dataclass sets them).
     role: str
-    rank: int
-    shard: int
-    world_size: int
-    max_workers: int
 
     @property
     def num_trainers(self) -> int:
@@ -48,19 +45,6 @@ class _ConfigMethods:
     def name(self) -> str:
         """This process's RPC name: `ps`, `ps<shard>` or `worker<rank>`."""
         return process_name(self.role, self.rank, self.shard)
-
-
-if TYPE_CHECKING:  # the same class, declared field by field (written from app/options.py)
-    from app.config_fields import Config
-else:
-    Config = dataclasses.make_dataclass(
-        "Config",
-        [("role", str)] + [(o.name, _TYPES[o.kind], dataclasses.field(default=o.default)) for o in OPTIONS],
-        bases=(_ConfigMethods,),
-        frozen=True,
-    )
-    Config.__module__ = __name__  # pickles as app.config.Config
-    Config.__doc__ = "Everything a process of the app needs: its role and one field per option of app/options.py."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,7 +63,12 @@ def _parser() -> _Parser:
     for o in OPTIONS:
         metavar = "AUTO|N" if o.kind == "auto_int" else o.kind.upper()
         parser.add_argument(
-            o.flag, type=str, default=None, metavar=metavar, help=f"{o.help} (default {o.default!r}, env {o.env})"
+            o.flag,
+            dest=o.name,
+            type=str,
+            default=None,
+            metavar=metavar,
+            help=f"{o.help} (default {o.default!r}, env {o.env})",
         )
     return parser
 
@@ -185,26 +174,6 @@ def _check_ranks(config: Config, sources: Mapping[str, str]) -> None:
             f"{rank}: {config.rank} must be in 1..{config.max_trainers} "
             f"for a worker (--world_size {config.world_size}{scaled})"
         )
-
-
-def type_stub() -> str:
-    """app/config_fields.pyi: `Config` declared field by field for the type checker (this module
-    builds it at run time); `make docs` writes it, tests/orchestrator/test_typing.py holds it so."""
-    kinds = {"int": "int", "float": "float", "bool": "bool", "str": "str", "auto_int": "str"}
-    fields = [f"    {o.name}: {kinds[o.kind]} = {o.default!r}".replace("'", '"') for o in OPTIONS]
-    derived = [
-        f"    @property\n    def {name}(self) -> {prop.fget.__annotations__['return']}: ..."
-        for name, prop in vars(_ConfigMethods).items()
-        if isinstance(prop, property) and prop.fget is not None
-    ]
-    return (
-        '"""The app\'s Config, declared field by field for the type checker.\n\n'
-        "Written by app/config.py `type_stub` from app/options.py (`make docs`); do not edit.\n"
-        'app/config.py builds the real class at run time and imports this under TYPE_CHECKING alone.\n"""\n\n'
-        "import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Config:\n"
-        '    """Everything a process of the app needs: its role and one field per option of app/options.py."""\n\n'
-        "    role: str\n" + "\n".join(fields) + "\n\n" + "\n".join(derived) + "\n"
-    )
 
 
 def check_threads_env(env: Mapping[str, str]) -> None:

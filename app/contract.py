@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
 
 ROLES = ("ps", "worker", "health", "check", "export")  # every `python -m app ROLE`
 TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are probes)
@@ -21,18 +22,24 @@ TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are 
 # problem, or null), blame (the rank names it holds responsible), unreachable (it never
 # reached rank 0), called_off (rank 0 ended the check), report (rank 0: its `check:` lines).
 CHECK_RECORD = "psc-check-record "
-STRATEGIES = ("async", "sync", "ssp", "allreduce")
+StrategyName = Literal["async", "sync", "ssp", "allreduce"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
-COMPRESSIONS = ("none", "bf16", "fp16")
-EXCHANGES = ("auto", "tensorpipe")  # how pushes cross: shared memory where it can be had, or TensorPipe
-PRECISIONS = ("fp32", "bf16", "fp16")
+Compression = Literal["none", "bf16", "fp16"]
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+Exchange = Literal["auto", "tensorpipe"]  # how pushes cross: shared memory where it can be had, or TensorPipe
+EXCHANGES: tuple[str, ...] = get_args(Exchange)
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
 # The datasets the app reads from files under --data_dir (the others ship in a package or are
 # generated, and need no mount).
 FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
 NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
-DEVICES = ("cpu", "cuda")
-IMAGE_CACHES = ("auto", "off", "memory", "file")  # imagefolder's decoded-image cache (app/data/imagecache.py)
+Device = Literal["cpu", "cuda"]
+DEVICES: tuple[str, ...] = get_args(Device)
+ImageCache = Literal["auto", "off", "memory", "file"]  # imagefolder's decoded-image cache (app/data/imagecache.py)
+IMAGE_CACHES: tuple[str, ...] = get_args(ImageCache)
 
 # The user's own model or dataset (app/plugins.py): package.module:factory.
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from app.options import OPTIONS
+from app.option_table import OPTIONS
 from bench import gpu_report, harness, host_cpu, launch
 
 APP_LOG_EVERY = next(o.default for o in OPTIONS if o.name == "log_every")  # the app's: every 10 batches

@@ -1,6 +1,7 @@
-"""The topology reference (docs/topology.md), generated from orchestrator.topology.model (and fields).
+"""The topology reference (docs/topology.md), generated from the topology's sections.
 
-`topology_reference_markdown()` walks the pydantic models of the topology and
+`topology_reference_markdown()` walks the sections of the topology (pydantic models, and the
+dataclasses of app/options.py's options that pydantic validates) and
 writes one table per section: each key with its type, default, allowed values
 and its attribute docstring. Pure: the same models give the same text, so a
 test can hold docs/topology.md equal to it. Whatever fields the models have
@@ -14,10 +15,10 @@ import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
-from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from orchestrator.topology.messages import is_section, section_fields
 from orchestrator.topology.model import Topology
 
 REGENERATE = "make docs  (python -m orchestrator schema --markdown > docs/topology.md)"
@@ -25,8 +26,8 @@ REGENERATE = "make docs  (python -m orchestrator schema --markdown > docs/topolo
 _HEADER = """\
 # Topology reference
 
-<!-- Generated from the field docstrings of orchestrator/topology/{model,fields}.py by
-     `python -m orchestrator schema --markdown`; `make docs` rewrites this file. -->
+<!-- Generated from the field docs of app/options.py and orchestrator/topology/{model,fields}.py
+     by `python -m orchestrator schema --markdown`; `make docs` rewrites this file. -->
 
 A topology is one YAML file (`configs/*.yaml`) that describes a whole run: the
 image, the training job, the parameter server, the workers, the network and,
@@ -53,17 +54,17 @@ where one applies.
 def topology_reference_markdown() -> str:
     """The whole reference as Markdown: the header, then the top-level keys, then one section per model."""
     parts = [_HEADER]
-    top = [(name, f) for name, f in Topology.model_fields.items() if _section_model(f.annotation) is None]
+    top = [(name, f) for name, f in section_fields(Topology).items() if _section_model(f.annotation) is None]
     if top:
         parts.append(_table("Top level", None, [(name, f) for name, f in top]))
-    for name, f in Topology.model_fields.items():
+    for name, f in section_fields(Topology).items():
         model = _section_model(f.annotation)
         if model is not None:
             parts.extend(_sections(name, f, model))
     return "\n".join(parts)
 
 
-def _sections(path: str, field: FieldInfo, model: type[BaseModel]) -> list[str]:
+def _sections(path: str, field: FieldInfo, model: type) -> list[str]:
     """The table of one section, then those of the sections nested in it."""
     intro = " ".join(
         filter(
@@ -75,9 +76,10 @@ def _sections(path: str, field: FieldInfo, model: type[BaseModel]) -> list[str]:
             ],
         )
     )
-    leaves = [(f"{path}.{name}", f) for name, f in model.model_fields.items() if _section_model(f.annotation) is None]
+    fields = section_fields(model)
+    leaves = [(f"{path}.{name}", f) for name, f in fields.items() if _section_model(f.annotation) is None]
     out = [_table(f"`{path}`", intro, leaves)]
-    for name, f in model.model_fields.items():
+    for name, f in fields.items():
         nested = _section_model(f.annotation)
         if nested is not None:
             out.extend(_sections(f"{path}.{name}", f, nested))
@@ -95,10 +97,10 @@ def _table(title: str, intro: str | None, fields: list[tuple[str, FieldInfo]]) -
     return "\n".join(lines) + "\n"
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The model of a section field (also when Optional), else None."""
+def _section_model(annotation: Any) -> type | None:
+    """The model (or dataclass) of a section field (also when Optional), else None."""
     inner = _strip_none(annotation)
-    return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    return inner if is_section(inner) else None
 
 
 def _strip_none(annotation: Any) -> Any:

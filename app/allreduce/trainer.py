@@ -123,7 +123,7 @@ class AllreduceTrainer:
             self.config.data_dir,
             start.epoch,
             start.batch,
-            self.config.num_epochs,
+            self.config.epochs,
             self.config.batch_size,
         ):
             loss = self.step(x, y, epoch, batch)

@@ -73,7 +73,7 @@ def auto_loader_workers(
     return chosen, why
 
 
-def loader_workers(setting: str, host_workers: int) -> tuple[int, str]:
+def loader_workers(setting: str | int, host_workers: int) -> tuple[int, str]:
     """(DataLoader processes, why) for the --loader_workers setting: `auto` or a number."""
     if setting != "auto":
         return int(setting), "set by --loader_workers"

@@ -70,9 +70,7 @@ class ServerConfig:
         state (None: all of it)."""
         return cls(
             StateConfig(config.lr, config.momentum, config.weight_decay, config.staleness_lr, part),
-            MembersConfig(
-                config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.num_epochs
-            ),
+            MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs),
             PolicyConfig(config.strategy, config.staleness, config.overlap),
         )
 

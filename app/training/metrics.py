@@ -15,7 +15,7 @@ from typing import Any
 
 from app.config import Config
 from app.contract import PS, RUN_ID_ENV, metrics_file
-from app.options import OPTIONS
+from app.option_table import OPTIONS
 from app.training.event_files import EventFiles
 from app.training.tracking import Tracker
 

@@ -84,7 +84,7 @@ class Trainer:
             self.config.data_dir,
             start.progress.epoch,
             start.progress.batch,
-            self.config.num_epochs,
+            self.config.epochs,
             self.config.batch_size,
             on_device=self.on_device,
         )
@@ -214,7 +214,7 @@ class Trainer:
             per_epoch = len(self.loader)
         except TypeError:  # an iterable dataset of the user's own
             return -1
-        left = per_epoch - batch + (self.config.num_epochs - epoch) * per_epoch
+        left = per_epoch - batch + (self.config.epochs - epoch) * per_epoch
         if self.config.max_steps > 0:
             left = min(left, self.config.max_steps - (self.pushes + 1))  # this push is the next one answered
         return max(0, left)

@@ -8,6 +8,7 @@ again, the final held-out accuracy. Nothing here imports a scenario.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ CHECKPOINT_VERSION = 200  # the PS scenarios strike once a checkpoint this new e
 def chaos_topology(config: str = SMOKE_CONFIG, workers: int = 3) -> Topology:
     """The smoke topology with runs long enough to be hit mid-run, and short timeouts."""
     t = load_with(config, workers=workers)
-    train = t.train.model_copy(update={"epochs": 30, "eval_every": 500, "log_every": 5})
-    ps = t.ps.model_copy(update={"rpc_timeout": 10, "join_timeout": 60, "checkpoint_every": 100})
+    train = dataclasses.replace(t.train, epochs=30, eval_every=500, log_every=5)
+    ps = dataclasses.replace(t.ps, rpc_timeout=10, join_timeout=60, checkpoint_every=100)
     return t.model_copy(update={"train": train, "ps": ps})
 
 

@@ -9,6 +9,7 @@ container after it (checked on Docker 20.10).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import secrets
 import shutil
@@ -284,7 +285,7 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
 def sharded(t: Optional[Topology] = None) -> Topology:
     """The chaos topology with its PS split in two (ps.shards: 2)."""
     t = t or chaos_topology()
-    return t.model_copy(update={"ps": t.ps.model_copy(update={"shards": 2})})
+    return t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=2)})
 
 
 def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
@@ -347,7 +348,7 @@ def scalable(t: Optional[Topology] = None, most: int = 4) -> Topology:
     """The chaos topology (2 workers) that may grow to `most` workers while it runs."""
     t = t or chaos_topology(workers=2)
     # long enough for the new workers to start (~10 s each on a 2-core CPU VM) and train a while
-    train = t.train.model_copy(update={"epochs": 100})
+    train = dataclasses.replace(t.train, epochs=100)
     return t.model_copy(update={"train": train, "workers": t.workers.model_copy(update={"max": most})})
 
 

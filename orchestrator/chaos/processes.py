@@ -8,6 +8,7 @@ run the same scenarios and assert on their details.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import socket
@@ -256,7 +257,7 @@ def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     started again (as compose's restart: on-failure does), the shard takes its slice back
     from its checkpoint labelled with the PS's version, and the run ends as usual."""
     base = t or chaos_topology()
-    t = base.model_copy(update={"ps": base.ps.model_copy(update={"shards": 2})})
+    t = base.model_copy(update={"ps": dataclasses.replace(base.ps, shards=2)})
     job = ProcessJob(t, run_dir)
     shard = shard_service(1)
     out = Outcome("kill -9 a PS shard (ps.shards: 2), start it again (processes)")

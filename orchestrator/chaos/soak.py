@@ -16,6 +16,7 @@ is refused while anything of that project is on the engine (the soak ends with `
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import secrets
@@ -67,10 +68,10 @@ def soak_topology(minutes: float, epochs: Optional[int] = None, project: Optiona
     """The chaos topology sized for a soak of `minutes`: every kind of fault has a target; named
     `project` (the image stays cpu-smoke's)."""
     t = chaos_topology(workers=2).with_name(project or own_project())
-    train = t.train.model_copy(
-        update={"epochs": epochs or job_epochs(minutes, EPOCHS_PER_MINUTE), "eval_every": 200, "log_every": 50}
+    train = dataclasses.replace(
+        t.train, epochs=epochs or job_epochs(minutes, EPOCHS_PER_MINUTE), eval_every=200, log_every=50
     )
-    ps = t.ps.model_copy(update={"shards": 2, "checkpoint_every": 200})
+    ps = dataclasses.replace(t.ps, shards=2, checkpoint_every=200)
     workers = t.workers.model_copy(update={"max": 4})
     return t.model_copy(update={"train": train, "ps": ps, "workers": workers})
 

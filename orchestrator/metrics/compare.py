@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -78,7 +79,7 @@ def topology_for(
     """`base` with this strategy (and + options), epoch count and eval interval, named after
     the entry (so local.run puts it in <runs>/<entry>/), with `workers` workers."""
     strategy, options = parse_entry(entry)
-    train = base.train.model_copy(update={"epochs": epochs, "eval_every": eval_every, **options})
+    train = dataclasses.replace(base.train, epochs=epochs, eval_every=eval_every, **options)
     t = base.model_copy(update={"name": entry.replace("+", "-"), "train": train})
     t = t.with_strategy(strategy, source=f"{source} with --strategy {entry}")
     return t.with_workers(workers, source=f"{source} with --strategy {entry}")  # both check the result

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from app.contract import TENSORBOARD_DIR
-from app.options import ALWAYS, BY_NAME, OPTIONS, Option
+from app.option_table import BY_NAME, OPTIONS, Option
+from app.options import ALWAYS
 from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render import tracking

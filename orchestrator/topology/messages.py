@@ -3,11 +3,16 @@ found (shortened) and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
+from app.option_table import BY_NAME
 from orchestrator.errors import UsageError
 
 
@@ -25,11 +30,11 @@ def first_error(e: ValidationError, source: str, root: type[BaseModel]) -> Topol
     loc = err["loc"]
     path = _dotted(loc)
     kind = err["type"]
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's; a dataclass section's
         return TopologyError(source, path, f"unknown key; allowed: {keys(_model_at(root, loc[:-1]))}")
-    if kind == "missing":
+    if kind in ("missing", "missing_keyword_only_argument"):
         return TopologyError(source, path, "missing; this key is required")
-    if kind in ("model_type", "dict_type"):
+    if kind in ("model_type", "dict_type", "dataclass_type"):
         return TopologyError(
             source, path, f"got {show(err['input'])}; must be a mapping with keys {keys(_model_at(root, loc))}"
         )
@@ -39,18 +44,40 @@ def first_error(e: ValidationError, source: str, root: type[BaseModel]) -> Topol
     return TopologyError(source, path, f"got {show(err['input'])}; {msg}")
 
 
-def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel]:
+def _model_at(root: type, loc: tuple) -> type:
     model = root
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        field = section_fields(model).get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not is_section(field.annotation):
             break
         model = field.annotation
     return model
 
 
-def keys(model: type[BaseModel]) -> str:
-    return ", ".join(model.model_fields)
+def is_section(annotation: Any) -> bool:
+    """A section of the topology: a pydantic model, or a dataclass pydantic validates (train, ps)."""
+    return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
+
+
+def section_fields(section: type) -> dict[str, FieldInfo]:
+    """The fields of a section as pydantic reads them (a dataclass's: from each field's type and
+    metadata, its description included), in order."""
+    if issubclass(section, BaseModel):
+        return dict(section.model_fields)
+    assert dataclasses.is_dataclass(section), section
+    hints = typing.get_type_hints(section, include_extras=True)
+    out = {}
+    for f in dataclasses.fields(section):
+        info = FieldInfo.from_annotated_attribute(hints[f.name], f)
+        option = BY_NAME.get(f.name)
+        if option is not None and option.required:  # the app has a default, a topology file gives it
+            info.default = PydanticUndefined
+        out[f.name] = info
+    return out
+
+
+def keys(model: type) -> str:
+    return ", ".join(section_fields(model))
 
 
 def _dotted(loc: tuple) -> str:

@@ -8,144 +8,129 @@ value found and what is allowed, e.g.
 
     configs/x.yaml: workers.gpus: got [0, 0]; GPU ids must be distinct (one GPU per worker)
 
-Here: the train and ps sections (their fields built from app/options.py), the Topology
-with what it derives, the rules between fields, and reading a file. The other sections
+Here: the train and ps sections (app/options.py's `TrainOptions` and `PSOptions`, with
+the host paths and the checks only a topology has; pydantic validates these dataclasses
+directly), the Topology with what it derives, the rules between fields, and reading a file. The other sections
 are in fields.py, the kinds of value fields take in values.py, pydantic's error as one
 line in messages.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, cast
+from typing import Annotated, Any, Optional, cast
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
 
-from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, strategy_of
-from app.options import BY_NAME, OPTIONS, Option, broken_rule, in_topology
+from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
+from app.option_table import BY_NAME, OPTIONS, in_topology
+from app.options import PSOptions, TrainOptions, broken_rule
 from orchestrator.errors import one_line
 from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Tracking, Workers
 from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
-from orchestrator.topology.values import Float, LoaderWorkers, Section, Size, size_bytes
+from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
 NAME_RULE = "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
 _MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
-def _option_type(o: Option) -> Any:
-    """The topology's type of a declared option (app/options.py)."""
-    kind = o.topology_kind or o.kind
-    if o.choices:
-        allowed = cast(Any, Literal)[o.choices]  # the option's choices, known at run time
-        if o.bool_aliases[0]:  # the field was a boolean (YAML reads a bare on/off as one)
-            return Annotated[
-                allowed, BeforeValidator(lambda v, a=o.bool_aliases: a[int(v)] if isinstance(v, bool) else v)
-            ]
-        return allowed
-    return {"int": int, "float": Float, "bool": bool, "str": str, "auto_int": LoaderWorkers}[kind]
+def _image_cache(v: Any) -> Any:
+    """image_cache was a boolean: YAML's bare true/false (on/off) still mean memory/off."""
+    aliases = BY_NAME["image_cache"].bool_aliases
+    return aliases[int(v)] if isinstance(v, bool) else v
 
 
-def _option_field(o: Option) -> Any:
-    """A declared option as a topology field: its default (none when the file must give
-    it), its bounds and its help as the field's description."""
-    bounds: dict[str, Any] = {}
-    if o.low is not None:
-        bounds["gt" if o.low_open else "ge"] = o.low
-    if o.high is not None:
-        bounds["lt" if o.high_open else "le"] = o.high
-    if o.required:
-        return Field(description=o.help, **bounds)
-    default = int(o.default) if o.topology_kind == "int" else o.default
-    return Field(default=default, description=o.help, **bounds)
+def _plain(section: str) -> list[str]:
+    """The keys of a section's options of a plain kind (int, float, bool, str without choices)."""
+    return [o.key for o in in_topology(section) if o.kind != "auto_int" and not o.choices]
 
 
-def _with_options(
-    name: str, base: type[BaseModel], doc: str, after: Optional[dict[str, dict[str, Any]]] = None
-) -> type[BaseModel]:
-    """`base` (validators, its own fields first) with one field per option of app/options.py
-    that the section `name` sets; `after`: the section's other fields, placed after an option."""
-    fields: dict[str, Any] = {}
-    for o in in_topology(name):
-        fields[o.key] = (_option_type(o), _option_field(o))
-        fields.update((after or {}).get(o.key, {}))
-    return create_model(base.__name__.lstrip("_"), __base__=base, __doc__=doc, __module__=__name__, **fields)
+def _exact(v: Any, info: ValidationInfo) -> Any:
+    """An option's value as the file gives it: no coercion (values.exact_value)."""
+    assert info.field_name is not None
+    return exact_value(BY_NAME[info.field_name].kind, v)
 
 
-class _Train(Section):
-    """The checks of the train section's values (its fields: `Train`)."""
+@dataclass(frozen=True, kw_only=True)
+class Train(TrainOptions):
+    """The training job: model, data, optimizer and strategy."""
 
-    @field_validator("model", check_fields=False)
+    __pydantic_config__ = SECTION_CONFIG
+    # The host paths a topology gives beside the app's options (the render mounts them).
+    data_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "min_length": 1,
+            "description": (
+                "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
+                "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class "
+                "folders (Imagenette's layout: the PS evaluates on val/)."
+            ),
+        },
+    )
+    init_weights: Optional[str] = field(
+        default=None,
+        metadata={
+            "min_length": 1,
+            "description": (
+                "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
+                "Mounted read-only."
+            ),
+        },
+    )
+
+    @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
         if not (_MODEL.match(v) or ENTRY_POINT.match(v)):
             raise ValueError("must be a model name like cnn or resnet18, or an entry point package.module:factory")
         return v
 
-    @field_validator("dataset", check_fields=False)
+    @field_validator("dataset")
     @classmethod
     def _dataset(cls, v: str) -> str:
         if v not in DATASETS and not ENTRY_POINT.match(v):
             raise ValueError(f"must be one of {', '.join(DATASETS)}, or an entry point package.module:factory")
         return v
 
-
-# The host paths a topology gives beside the app's options (the render mounts them).
-_TRAIN_PATHS = {
-    "data_dir": (
-        Optional[str],
-        Field(
-            default=None,
-            min_length=1,
-            description=(
-                "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
-                "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class "
-                "folders "
-                "(Imagenette's layout: the PS evaluates on val/)."
-            ),
-        ),
-    ),
-    "init_weights": (
-        Optional[str],
-        Field(
-            default=None,
-            min_length=1,
-            description=(
-                "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
-                "Mounted read-only."
-            ),
-        ),
-    ),
-}
-# The fields of a section that are no option of the app, after the option they follow.
-SECTION_EXTRAS: dict[str, dict[str, dict[str, Any]]] = {"train": {"dataset": _TRAIN_PATHS}}
-if TYPE_CHECKING:  # the same classes, declared field by field (written from app/options.py)
-    from orchestrator.topology.sections import PS, Train
-else:
-    Train = _with_options(
-        "train", _Train, "The training job: model, data, optimizer and strategy.", after=SECTION_EXTRAS["train"]
-    )
+    _plain_values = field_validator(*_plain("train"), mode="before")(_exact)
+    _cache = field_validator("image_cache", mode="before")(_image_cache)
+    _loaders = field_validator("loader_workers", mode="before")(loader_workers)
 
 
-class _PS(Section):
+@dataclass(frozen=True, kw_only=True)
+class PS(PSOptions):
     """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port
     and checkpoints every checkpoint_every steps."""
 
-    shm_size: Size = "1g"
-    """/dev/shm of the PS container."""
-    gpu: Optional[int] = Field(default=None, ge=0)
-    """GPU id for the PS (cuda only); default none: the PS runs on CPU."""
-    rpc_port: int = Field(default=29500, ge=1024, le=65535)
-    """The PS's rendezvous port (inside the network; published only if network.publish_rpc_port)."""
+    __pydantic_config__ = SECTION_CONFIG
+    shm_size: Size = field(default="1g", metadata={"description": "/dev/shm of the PS container."})
+    gpu: Optional[Annotated[int, Strict()]] = field(
+        default=None,
+        metadata={"ge": 0, "description": "GPU id for the PS (cuda only); default none: the PS runs on CPU."},
+    )
+    rpc_port: Annotated[int, Strict()] = field(
+        default=29500,
+        metadata={
+            "ge": 1024,
+            "le": 65535,
+            "description": "The PS's rendezvous port (inside the network; published only if network.publish_rpc_port).",
+        },
+    )
+
+    _plain_values = field_validator(*_plain("ps"), mode="before")(_exact)
 
 
-if not TYPE_CHECKING:
-    PS = _with_options("ps", _PS, _PS.__doc__ or "")
+class Topology(BaseModel):
+    # Not strict as a whole: pydantic's strict mode takes a dataclass section (train, ps) only as
+    # an instance; each section is strict on its own values.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-
-class Topology(Section):
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
     image: Image
@@ -246,7 +231,7 @@ class Topology(Section):
         """The same topology trained with strategy `name` (`--strategy`), validated again."""
         if name not in STRATEGIES:
             raise TopologyError(source, "train.strategy", f"got {name!r}; must be one of {', '.join(STRATEGIES)}")
-        t = self.model_copy(update={"train": self.train.model_copy(update={"strategy": name})})
+        t = self.model_copy(update={"train": dataclasses.replace(self.train, strategy=cast(StrategyName, name))})
         check(t, source)
         return t
 
@@ -424,8 +409,17 @@ def parse(text: str, source: str = "<topology>") -> Topology:
         t = Topology.model_validate(data)
     except ValidationError as e:
         raise first_error(e, source, Topology) from None
+    _check_required(data, source)
     check(t, source)
     return t
+
+
+def _check_required(data: dict, source: str) -> None:
+    """The options a topology file must give (the app has a default for each: the dataclass
+    field has one, so pydantic cannot tell; checked once every given key is known)."""
+    for o in OPTIONS:
+        if o.required and o.key not in data.get(o.section, {}):
+            raise TopologyError(source, o.topology, "missing; this key is required")
 
 
 class _StrictLoader(yaml.SafeLoader):

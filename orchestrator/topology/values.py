@@ -7,7 +7,7 @@ section's base: strict types, no unknown key, frozen."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
@@ -17,10 +17,30 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
 
 
-def _yaml_float(value: Any) -> Any:
+def yaml_float(value: Any) -> Any:
     # PyYAML (YAML 1.1) reads `1e-3` as a string; accept it as the number it means.
     if isinstance(value, str) and _FLOAT.match(value.strip()):
         return float(value)
+    return value
+
+
+_TYPE_NAMES = {"int": "integer", "float": "number", "bool": "boolean", "str": "string"}
+
+
+def exact_value(kind: str, value: Any) -> Any:
+    """A YAML value as an option of `kind` (int, float, bool, str) takes it: no coercion
+    (`batch_size: "256"` is a string, `lr: true` no number), but a float PyYAML read as
+    text (`1e-3`) is the number it means. ValueError in pydantic's own words otherwise."""
+    if kind == "float":
+        value = yaml_float(value)
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+    }[kind](value)
+    if not ok:
+        raise ValueError(f"Input should be a valid {_TYPE_NAMES[kind]}")
     return value
 
 
@@ -58,14 +78,12 @@ def _group(value: Any) -> Any:
     raise ValueError("must be a group id (a number >= 0, e.g. 44) or a group name like video")
 
 
-def _loader_workers(value: Any) -> Any:
+def loader_workers(value: Any) -> Any:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
     raise ValueError("must be auto or a whole number >= 0")
 
 
-Float = Annotated[float, BeforeValidator(_yaml_float)]
-LoaderWorkers = Annotated[Union[Literal["auto"], int], BeforeValidator(_loader_workers)]
 GroupId = Annotated[Union[int, str], BeforeValidator(lambda v: _group(v))]
 Size = Annotated[Union[int, str], BeforeValidator(_size)]
 
@@ -73,6 +91,12 @@ Size = Annotated[Union[int, str], BeforeValidator(_size)]
 class Section(BaseModel):
     # strict: `batch_size: "256"` or `count: true` is a wrong type, not coerced.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+
+
+# The pydantic config of a section that is a dataclass (train, ps: app/options.py's fields).
+# Not strict as a whole (pydantic would then take only an instance): the section's checks take
+# each value as it is (`exact_value`).
+SECTION_CONFIG = ConfigDict(extra="forbid", frozen=True)
 
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")

@@ -12,7 +12,7 @@ from app.config import Config, UsageError, check_threads_env, parse
 def test_defaults_are_the_seeds():
     config = parse(["worker"], {})
     assert (config.model, config.dataset, config.data_dir) == ("resnet18", "imagefolder", "./imagenette2/val")
-    assert (config.rank, config.world_size, config.batch_size, config.lr, config.num_epochs) == (1, 3, 256, 0.01, 150)
+    assert (config.rank, config.world_size, config.batch_size, config.lr, config.epochs) == (1, 3, 256, 0.01, 150)
     assert (config.master_addr, config.master_port) == ("localhost", 6100)
 
 

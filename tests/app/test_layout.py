@@ -202,7 +202,7 @@ def unit_of(module: str, table: dict[str, int]) -> str:
 
 def test_the_app_layer_table_is_read_and_names_every_module():
     table = layers()
-    assert table["app.__main__"] == 9 and table["app.contract"] == 0
+    assert table["app.__main__"] == max(table.values()) and table["app.contract"] == 0
     assert table["app.ps"] == table["app.worker"] == table["app.allreduce"]
     modules = app_modules()
     for module in modules:

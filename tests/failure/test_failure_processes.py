@@ -4,6 +4,7 @@ started twice."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
     # PS's store may take once the port accepts, and under CI's load a worker's handshake still
     # timed out (StoreUnreachable) and exited 1 before the kill.
     base = chaos_common.chaos_topology()
-    t = base.model_copy(update={"ps": base.ps.model_copy(update={"rpc_timeout": 30})})
+    t = base.model_copy(update={"ps": dataclasses.replace(base.ps, rpc_timeout=30)})
     out = chaos_processes.ps_kill(tmp_path, t)
     print(f"PS killed: workers exited after {out.details['worker_exits']}")
 
@@ -93,8 +94,8 @@ def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path
     # found that version on disk already, and the PS rightly wrote no "on exit" checkpoint.
     t = t.model_copy(
         update={
-            "train": t.train.model_copy(update={"epochs": 500}),
-            "ps": t.ps.model_copy(update={"checkpoint_every": 0}),
+            "train": dataclasses.replace(t.train, epochs=500),
+            "ps": dataclasses.replace(t.ps, checkpoint_every=0),
         }
     )
     job = chaos_processes.ProcessJob(t, tmp_path)

@@ -8,6 +8,7 @@ restarted."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -26,8 +27,8 @@ def test_a_full_state_volume_holds_the_model_until_there_is_room_then_ends_0(doc
     t = chaos_topology(workers=2)
     t = t.model_copy(
         update={
-            "train": t.train.model_copy(update={"epochs": 10}),
-            "ps": t.ps.model_copy(update={"checkpoint_every": 20}),
+            "train": dataclasses.replace(t.train, epochs=10),
+            "ps": dataclasses.replace(t.ps, checkpoint_every=20),
             "state": State(volume_driver="local", driver_opts=TMPFS_1M),
         }
     )

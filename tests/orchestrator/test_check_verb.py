@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -262,7 +263,7 @@ def test_check_names_ps_shards_as_the_app_does() -> None:
     from app.connectivity import rank_names as app_rank_names
 
     base = load(SMOKE)
-    t = base.model_copy(update={"ps": base.ps.model_copy(update={"shards": 2})})
+    t = base.model_copy(update={"ps": dataclasses.replace(base.ps, shards=2)})
     doc = check_document(t, timeout=7)
     assert list(doc["services"]) == ["ps", "ps-shard1", "worker1", "worker2"]
     env = doc["services"]["ps-shard1"]["environment"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -191,7 +192,7 @@ def test_plan_restarts_workers_only_and_not_under_allreduce(tmp_path: Path) -> N
         ("worker1", WORKER_RESTARTS),
         ("worker2", WORKER_RESTARTS),
     ]
-    allreduce = t.model_copy(update={"train": t.train.model_copy(update={"strategy": "allreduce"})})
+    allreduce = t.model_copy(update={"train": dataclasses.replace(t.train, strategy="allreduce")})
     assert [(s.name, s.restarts) for s in plan(allreduce, port=1, run_dir=tmp_path, ifname="lo")] == [
         ("worker1", 0),
         ("worker2", 0),

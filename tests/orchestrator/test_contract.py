@@ -16,6 +16,7 @@ from app import contract
 from app.config import UsageError, parse
 from app.options import RULES
 from orchestrator.topology import model
+from orchestrator.topology.messages import section_fields
 from orchestrator.topology.model import TopologyError, Train, load
 from orchestrator.topology.model import parse as parse_topology
 from orchestrator.topology.services import metrics_file, services
@@ -37,13 +38,13 @@ def test_the_topology_accepts_exactly_these() -> None:
         ("precision", contract.PRECISIONS),
         ("image_cache", contract.IMAGE_CACHES),
     ):
-        assert Train.model_fields[field].annotation.__args__ == values
+        assert section_fields(Train)[field].annotation.__args__ == values
 
 
 def test_rpc_names_are_the_apps() -> None:
     base = parse(["ps"], {})
     t = load(REPO / "configs/cpu-smoke.yaml").with_workers(3)
-    t = t.model_copy(update={"ps": t.ps.model_copy(update={"shards": 3})})
+    t = t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=3)})
     for s in services(t):
         app_name = dataclasses.replace(base, role=s.role, rank=s.rank, shard=s.shard).name
         assert f"{app_name}.jsonl" == s.metrics_file == metrics_file(s.role, s.rank, s.shard)

@@ -6,6 +6,7 @@ here: nothing is applied."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def topo(config: str, workers: Optional[int] = None, variant: Optional[str] = No
     if variant == "allreduce":
         t = t.with_strategy("allreduce")
     if variant == "shards":
-        t = t.model_copy(update={"ps": t.ps.model_copy(update={"shards": 2})})
+        t = t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=2)})
     return t
 
 

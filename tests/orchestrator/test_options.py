@@ -12,8 +12,10 @@ import typing
 import pytest
 
 from app.config import parse
-from app.options import ALWAYS, CHANGED, OPTIONS, in_topology
+from app.option_table import OPTIONS, in_topology
+from app.options import ALWAYS, CHANGED
 from orchestrator.render import compose as render_compose
+from orchestrator.topology.messages import section_fields
 from orchestrator.topology.model import PS, Train
 from orchestrator.topology.model import parse as parse_topology
 
@@ -31,7 +33,7 @@ OTHER = {
     "batch_size": 7,
     "lr": 0.25,
     "momentum": 0.5,
-    "num_epochs": 3,
+    "epochs": 3,
     "max_steps": 9,
     "strategy": "ssp",
     "staleness": 2,
@@ -105,14 +107,12 @@ def test_topology_render_and_parser_agree_on_every_value() -> None:
         value = getattr(getattr(t, o.section), o.key)
         assert value == OTHER[o.name], o.name
         assert env[o.env] == o.text(value), o.name
-        assert getattr(config, o.name) == (str(value) if o.kind == "auto_int" else value), (
-            o.name
-        )  # auto_int: the app keeps text
+        assert getattr(config, o.name) == value, o.name
 
 
 def test_the_topology_fields_are_the_declarations() -> None:
     for o in TOPOLOGY_OPTIONS:
-        field = MODELS[o.section].model_fields[o.key]
+        field = section_fields(MODELS[o.section])[o.key]
         assert field.description == o.help, o.name
         assert field.is_required() == o.required, o.name
         if not o.required:
@@ -132,7 +132,7 @@ def test_the_topology_fields_are_the_declarations() -> None:
 def test_a_bound_is_the_same_on_both_sides(o) -> None:
     """Just past a bound, the topology refuses the value and so does the app's parser."""
     bad = o.low - (0 if o.low_open else 1) if o.low is not None else o.high + (0 if o.high_open else 1)
-    bad = int(bad) if (o.topology_kind or o.kind) == "int" else float(bad)
+    bad = int(bad) if o.kind == "int" else float(bad)
     doc = dict(
         name="t",
         image={"base": "b", "device": "cpu"},

@@ -5,20 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from orchestrator.reference_doc import REGENERATE, topology_reference_markdown
+from orchestrator.topology.messages import is_section, section_fields
 from orchestrator.topology.model import Topology
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "topology.md"
 
 
-def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]]:
+def _leaves(model: type, prefix: str = "") -> list[tuple[str, object]]:
     """Every key of the topology that is not a section, dotted, with its FieldInfo."""
     out = []
-    for name, f in model.model_fields.items():
+    for name, f in section_fields(model).items():
         key = f"{prefix}{name}"
-        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+        if isinstance(f.annotation, type) and is_section(f.annotation):
             out.extend(_leaves(f.annotation, f"{key}."))
         else:
             out.append((key, f))

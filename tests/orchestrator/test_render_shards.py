@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ GOLDEN = HERE / "golden" / "cpu-smoke-shards2.yaml"
 
 def _smoke(shards: int) -> Topology:
     t = load(REPO / "configs/cpu-smoke.yaml")
-    return t.model_copy(update={"ps": t.ps.model_copy(update={"shards": shards})})
+    return t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=shards)})
 
 
 def test_golden_with_two_shards() -> None:

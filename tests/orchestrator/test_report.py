@@ -6,6 +6,7 @@ known figures; the slow ones read the metrics of real runs (`local`, `compare`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -350,7 +351,7 @@ def test_topology_for_changes_only_strategy_epochs_eval_and_workers() -> None:
     base = load(REPO / "configs/cpu-smoke.yaml")
     t = compare.topology_for(base, "sync", workers=3, epochs=2, eval_every=5)
     assert (t.name, t.train.strategy, t.train.epochs, t.train.eval_every, t.workers.count) == ("sync", "sync", 2, 5, 3)
-    assert t.train.model_copy(update={"strategy": "async", "epochs": 10, "eval_every": 100}) == base.train
+    assert dataclasses.replace(t.train, strategy="async", epochs=10, eval_every=100) == base.train
     assert t.image == base.image and t.ps == base.ps
 
 

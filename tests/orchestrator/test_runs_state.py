@@ -4,6 +4,7 @@ volume's driver, and where the PS goes on a swarm of several nodes (and what doc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -37,7 +38,7 @@ def topo(extra: str = "", text: str = CPU) -> Topology:
 
 
 def sharded(t: Topology, shards: int = 2) -> Topology:
-    return t.model_copy(update={"ps": t.ps.model_copy(update={"shards": shards})})
+    return t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=shards)})
 
 
 def placements(t: Topology, nodes: int = 0) -> dict[str, list[str] | None]:

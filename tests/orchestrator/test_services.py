@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ SMOKE = REPO / "configs/cpu-smoke.yaml"
 
 def _shards(k: int):
     base = load(SMOKE)
-    return base.model_copy(update={"ps": base.ps.model_copy(update={"shards": k})})
+    return base.model_copy(update={"ps": dataclasses.replace(base.ps, shards=k)})
 
 
 def test_services_of_a_sharded_ps() -> None:

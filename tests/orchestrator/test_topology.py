@@ -217,10 +217,12 @@ def test_defaults_and_descriptions() -> None:
     assert t.network.publish_rpc_port is False
     assert t.image_tag == "ps-compose-t:latest"
     assert t.train.data_dir is None
+    from orchestrator.topology.messages import section_fields
     from orchestrator.topology.model import Train, Workers
 
     assert "GPU id" in Workers.model_fields["gpus"].description
-    assert Train.model_fields["lr"].description
+    assert section_fields(Train)["lr"].description
+    assert section_fields(Train)["lr"].is_required()  # the app has a default; a topology file gives it
 
 
 def _yaml(doc: dict) -> str:

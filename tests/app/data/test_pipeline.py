@@ -102,7 +102,7 @@ def test_cpu_quota_and_memory_are_read_from_cgroup_v2_files(tmp_path):
 
 def test_loader_workers_flag_takes_auto_or_a_number():
     assert parse(["worker"], {}).loader_workers == "auto"
-    assert parse(["worker", "--loader_workers", "3"], {}).loader_workers == "3"
+    assert parse(["worker", "--loader_workers", "3"], {}).loader_workers == 3
     assert host.loader_workers("3", 4) == (3, "set by --loader_workers")
     for bad in ("-1", "many", "1.5"):
         with pytest.raises(UsageError, match=rf"^--loader_workers: '{bad}' is not auto or a whole number >= 0$"):

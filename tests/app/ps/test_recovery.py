@@ -255,7 +255,7 @@ def test_a_data_dir_that_vanishes_mid_run_is_one_clear_error(tmp_path):
     sampler = datasets.ShardSampler(len(train.data), 1, 0)
     loader = datasets.train_loader(train.data, sampler, 2, 0, pin_memory=False)
     shutil.rmtree(root)
-    batches = loop.resume_batches(loader, sampler, config.data_dir, 1, 0, config.num_epochs, config.batch_size)
+    batches = loop.resume_batches(loader, sampler, config.data_dir, 1, 0, config.epochs, config.batch_size)
     with pytest.raises(DataUnavailable, match=f"reading the data under {root} failed \\(did it vanish\\?\\)"):
         next(batches)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
@@ -55,7 +57,7 @@ def test_precision_renders_only_when_not_fp32():
     smoke = load(REPO / "configs/cpu-smoke.yaml")
     doc = yaml.safe_load(render_compose.dump(render_compose.render(smoke), "cpu-smoke"))
     assert all("PSC_PRECISION" not in s.get("environment", {}) for s in doc["services"].values())
-    bf16 = smoke.model_copy(update={"train": smoke.train.model_copy(update={"precision": "bf16"})})
+    bf16 = smoke.model_copy(update={"train": dataclasses.replace(smoke.train, precision="bf16")})
     doc = yaml.safe_load(render_compose.dump(render_compose.render(bf16), "cpu-smoke"))
     assert {s["environment"]["PSC_PRECISION"] for s in doc["services"].values() if "environment" in s} == {"bf16"}
 
