@@ -61,7 +61,7 @@ def _parser() -> _Parser:
     )
     parser.add_argument("role", choices=ROLES)
     for o in OPTIONS:
-        metavar = "AUTO|N" if o.kind == "auto_int" else o.kind.upper()
+        metavar = {"auto_int": "AUTO|N", "spec": "NAME|JSON"}.get(o.kind, o.kind.upper())
         parser.add_argument(
             o.flag,
             dest=o.name,
@@ -130,6 +130,11 @@ def validate(config: Config, sources: Optional[Mapping[str, str]] = None) -> Non
         where = sources.get(o.name, o.flag)
         raise UsageError(f"{where}: got {o.text(getattr(config, o.name))}; {rule.allowed(values)}")
     _check_ranks(config, sources)
+    if "lr" in sources and "lr" in config.optimizer:
+        raise UsageError(
+            f"{sources['lr']}: got {config.lr}; the optimizer gives its own lr ({config.optimizer['lr']}): "
+            "give the rate once"
+        )
     if not os.path.isabs(config.shm_dir):  # handed to workers as it is: one directory for all
         raise UsageError(
             f"{sources.get('shm_dir', '--shm_dir')}: {config.shm_dir!r} is not an absolute path; "

@@ -31,7 +31,7 @@ Exchange = Literal["auto", "tensorpipe"]  # how pushes cross: shared memory wher
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic")  # built in
+DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic", "stdlib_text")  # built in
 # The datasets the app reads from files under --data_dir (the others ship in a package or are
 # generated, and need no mount).
 FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})

@@ -55,7 +55,7 @@ def run(config: Config) -> int:
         run_id=run_id,
         version=int(state.get("version", 0)),
         finished=path.name == "final.pt",
-        accuracy=last_accuracy(config, run_id),
+        **export_files.scored(last_scores(config, run_id)),
         source=str(path),
     )
     out = Path(config.export_dir)
@@ -86,11 +86,11 @@ def find_state(directory: Path, run_id: str) -> tuple[Path, dict[str, Any]]:
     raise UsageError(f"no final.pt or checkpoint of {which} in {directory}{have}")
 
 
-def last_accuracy(config: Config, run_id: str) -> float | None:
-    """The accuracy of the run's last evaluation (its `end` record, else its last `eval`), from
-    the PS's metrics (an allreduce job's: worker1's)."""
+def last_scores(config: Config, run_id: str) -> dict[str, Any] | None:
+    """The run's last evaluation (its `end` record, else its last `eval`), from the PS's metrics
+    (an allreduce job's: worker1's); None when there is none."""
     for name in (PS, worker_name(1)):
         records = [r for r in run_records(config.metrics_dir, name, run_id) if r.get("event") in ("eval", "end")]
         if records:
-            return records[-1].get("accuracy")
+            return records[-1]
     return None

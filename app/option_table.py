@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from app.contract import ENV_PREFIX
 from app.options import ALWAYS, OPTION_KEY, SECTIONS, AutoInt
+from app.recipes import Problem, Spec, spec_of, spec_text
 
-KINDS = ("int", "float", "bool", "str", "auto_int")  # auto_int: `auto` or a whole number >= 0
+# auto_int: `auto` or a whole number >= 0; spec: a name, or a mapping {name: ..., keyword: value}
+KINDS = ("int", "float", "bool", "str", "auto_int", "spec")
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -41,6 +43,7 @@ class Option:
     emit: str = ALWAYS
     bool_aliases: tuple[str, str] = ("", "")  # (false, true) -> these choices (a field that was a boolean)
     flag_name: str = ""  # the flag's name when it differs from `name`
+    checks: Optional[Callable[[Any], Optional[Problem]]] = None  # a spec's or a name's (app/recipes.py)
 
     @property
     def env(self) -> str:
@@ -69,6 +72,10 @@ class Option:
             if text.lower() != "auto" and not text.isdigit():
                 raise ValueError(f"{raw!r} is not auto or a whole number >= 0")
             return "auto" if text.lower() == "auto" else int(text)
+        if self.kind == "spec":
+            value = spec_of(raw)
+            self.check(value)
+            return value
         if self.kind == "bool":
             if text.lower() not in BOOLS:
                 raise ValueError(f"{raw!r} is not one of true, false (or 1, 0)")
@@ -81,8 +88,17 @@ class Option:
         self.check(value)
         return value
 
+    def problem(self, value: Any) -> Optional[Problem]:
+        """What is wrong with a spec (or a checked name): the key at fault and why; None."""
+        return self.checks(value) if self.checks is not None else None
+
     def check(self, value: Any) -> None:
-        """ValueError when `value` is outside the choices or bounds."""
+        """ValueError when `value` is outside the choices or bounds, or a spec with a problem."""
+        problem = self.problem(value)
+        if problem is not None:
+            raise ValueError(f"{problem.key}: {problem.text}" if problem.key else problem.text)
+        if self.kind == "spec" or self.checks is not None:
+            return
         if self.choices and value not in self.choices:
             raise ValueError(f"{value!r} is not one of {', '.join(self.choices)}")
         if self.kind == "auto_int":
@@ -98,6 +114,8 @@ class Option:
 
     def text(self, value: Any) -> str:
         """`value` as the environment carries it (what `convert` reads back)."""
+        if self.kind == "spec":
+            return spec_text(value)
         if isinstance(value, bool):
             return str(value).lower()
         if isinstance(value, float):
@@ -113,6 +131,8 @@ def _kind(hint: Any) -> tuple[str, tuple[str, ...]]:
     """(kind, choices) of a field's type: int, float, bool, str, a Literal of strings, AutoInt."""
     if hint == AutoInt:
         return "auto_int", ()
+    if hint == Spec:
+        return "spec", ()
     if typing.get_origin(hint) is Literal:
         return "str", typing.get_args(hint)
     names = {int: "int", float: "float", bool: "bool", str: "str"}
@@ -139,11 +159,12 @@ def fields_of(cls: type) -> list[Option]:
         kind, choices = _kind(hints[f.name])
         low, low_open = _bound(f.metadata, "ge", "gt")
         high, high_open = _bound(f.metadata, "le", "lt")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         out.append(
             Option(
                 f.name,
                 kind,
-                f.default,
+                default,
                 f.metadata["description"],
                 choices,
                 low,
@@ -155,6 +176,7 @@ def fields_of(cls: type) -> list[Option]:
                 extra.emit,
                 extra.bool_aliases,
                 extra.flag,
+                extra.check,
             )
         )
     return out

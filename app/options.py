@@ -41,6 +41,15 @@ from app.contract import (
     Precision,
     StrategyName,
 )
+from app.recipes import (
+    Problem,
+    Spec,
+    loss_problem,
+    metric_problem,
+    optimizer_problem,
+    resolve_optimizer,
+    schedule_problem,
+)
 
 # Where a process started by hand (no --checkpoint_dir, --metrics_dir, --cache_dir) keeps its
 # state: under runs/, which git ignores, never in the tree's own folders (the render and `make
@@ -61,6 +70,7 @@ class Extra:
     required: bool = False
     emit: str = ALWAYS
     bool_aliases: tuple[str, str] = ("", "")
+    check: Optional[Callable[[Any], Optional[Problem]]] = None  # a spec's (app/recipes.py)
 
 
 def option(
@@ -75,6 +85,7 @@ def option(
     required: bool = False,
     emit: str = ALWAYS,
     bool_aliases: tuple[str, str] = ("", ""),
+    check: Optional[Callable[[Any], Optional[Problem]]] = None,
 ) -> Any:
     """One option as a dataclass field.
 
@@ -83,12 +94,16 @@ def option(
     values (`*_open`: excluded); `flag`: the flag's name when it is not the field's
     (`--num_epochs` for `epochs`, as PyTorch's examples spell it); `required`: the topology file must give it;
     `emit`: ALWAYS, or CHANGED (the render writes it only when it is not `default`);
-    `bool_aliases`: (false, true) -> these choices, for a field that was a boolean."""
-    meta: dict[str, Any] = {"description": help, OPTION_KEY: Extra(flag, required, emit, bool_aliases)}
+    `bool_aliases`: (false, true) -> these choices, for a field that was a boolean;
+    `check`: a spec's checks (app/recipes.py), the Problem with a value or None. A mapping
+    default (a spec) is copied for each instance."""
+    meta: dict[str, Any] = {"description": help, OPTION_KEY: Extra(flag, required, emit, bool_aliases, check)}
     if low is not None:
         meta["gt" if low_open else "ge"] = low
     if high is not None:
         meta["lt" if high_open else "le"] = high
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -256,6 +271,55 @@ class TrainOptions:
         low=0,
         emit=CHANGED,
     )
+    optimizer: Spec = option(
+        {"name": "sgd"},
+        "The optimizer the PS steps its vector with: a torch.optim optimizer by name (sgd, adam, adamw, adamax, "
+        "adagrad, adadelta, adafactor, asgd, nadam, radam, rmsprop, rprop), or as a mapping with its keyword "
+        "arguments ({name: adamw, lr: 3e-4, betas: [0.9, 0.95], weight_decay: 0.1}), or your own "
+        "package.module:factory (factory(param_groups, **kwargs) -> a torch.optim.Optimizer). Its lr is train.lr "
+        "unless it gives one; train.momentum and train.weight_decay, where not 0, are its momentum and "
+        "weight_decay. norm_and_bias_decay: false leaves norms and biases out of weight decay (adamw's "
+        "default). The fused kernels where torch has them; the optimizer's state is in every checkpoint.",
+        emit=CHANGED,
+        check=optimizer_problem,
+    )
+    schedule: Spec = option(
+        {"name": "constant"},
+        "The learning rate by the PS's version (the updates applied): constant, cosine (eta_min: the last rate), "
+        "step (step_size: updates or a fraction of the run; gamma) or linear (end_factor), after a linear "
+        "warmup of warmup updates (or that fraction of the run) from warmup_start_factor (1/3) of the rate, "
+        "as torch's LinearLR, CosineAnnealingLR and StepLR. The run's length is the updates it plans at its "
+        "start: epochs x the batches of an epoch over the whole training split (sync: divided by the workers), "
+        "or max_steps; make scale leaves it as it is.",
+        emit=CHANGED,
+        check=schedule_problem,
+    )
+    clip_grad_norm: float = option(
+        0.0,
+        "Clip each push's gradient to this global L2 norm (as torch.nn.utils.clip_grad_norm_): the worker "
+        "computes the norm on its device and sends it with the push, so every PS shard scales its slice alike; "
+        "0: no clipping.",
+        low=0,
+        emit=CHANGED,
+    )
+    loss: Spec = option(
+        {"name": "cross_entropy"},
+        "The loss the workers train with: cross_entropy (label_smoothing, ignore_index), nll, mse, l1, "
+        "smooth_l1 (beta), huber (delta), bce_with_logits, or your own package.module:factory "
+        "(factory(**kwargs) -> a callable loss(outputs, targets)). A sequence model's outputs [batch, length, "
+        "classes] against targets [batch, length] are taken position by position.",
+        emit=CHANGED,
+        check=loss_problem,
+    )
+    metrics: str = option(
+        "accuracy",
+        "The PS's evaluation of the held-out split: accuracy, perplexity (exp of the mean cross-entropy), loss "
+        "(the mean loss alone), or your own package.module:function (function(model, batches, loss) -> "
+        "{name: value, ...}). Its first metric is the run's headline: the eval line, progress, status, MLflow, "
+        "the export and the report.",
+        emit=CHANGED,
+        check=metric_problem,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +373,16 @@ class Rule:
     allowed: Callable[[Mapping[str, Any]], str]
 
 
+def _optimizer_clash(v: Mapping[str, Any], key: str) -> Optional[str]:
+    """train.momentum or train.weight_decay (`key`) that the optimizer has no use for, or gives too."""
+    given = {"momentum": 0.0, "weight_decay": 0.0, key: v[key]}
+    try:
+        resolve_optimizer(v["optimizer"], v["lr"], given["momentum"], given["weight_decay"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _workers(v: Mapping[str, Any]) -> int:
     """The number of workers the job starts with (--world_size less the PS)."""
     return int(v["world_size"]) - 1
@@ -338,6 +412,24 @@ RULES: tuple[Rule, ...] = (
         lambda v: (
             f"strategy allreduce has a fixed world size (leave it out, or equal to the number of workers, "
             f"{_workers(v)})"
+        ),
+    ),
+    Rule(
+        "momentum",
+        lambda v: _optimizer_clash(v, "momentum") is not None,
+        lambda v: str(_optimizer_clash(v, "momentum")),
+    ),
+    Rule(
+        "weight_decay",
+        lambda v: _optimizer_clash(v, "weight_decay") is not None,
+        lambda v: str(_optimizer_clash(v, "weight_decay")),
+    ),
+    Rule(
+        "optimizer",
+        lambda v: v["optimizer"]["name"] == "adafactor" and v["shards"] > 1,
+        lambda v: (
+            "adafactor factors each weight matrix by its rows and columns, and a PS shard steps pieces "
+            "of them: allowed with one PS process (ps.shards 1)"
         ),
     ),
     Rule(

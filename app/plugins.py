@@ -46,7 +46,7 @@ def is_entry_point(name: str) -> bool:
     return ":" in name
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = first_line(error)
     return text if text == type(error).__name__ else f"{type(error).__name__}: {text}"
 
@@ -65,7 +65,7 @@ def resolve(flag: str, spec: str) -> Callable[..., Any]:
             "(is the topology's `code` directory the one that holds it?)"
         ) from None
     except Exception as error:  # noqa: BLE001 - the user's module failed while importing
-        raise UsageError(f"{where}: importing {module_name!r} failed: {_one_line(error)}") from None
+        raise UsageError(f"{where}: importing {module_name!r} failed: {one_line(error)}") from None
     if not hasattr(module, attr):
         raise UsageError(f"{where}: module {module_name!r} has no attribute {attr!r}")
     factory = getattr(module, attr)
@@ -74,18 +74,19 @@ def resolve(flag: str, spec: str) -> Callable[..., Any]:
     return factory
 
 
-def _call(where: str, factory: Callable[..., Any], *args: Any) -> Any:
+def call(where: str, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`factory(*args, **kwargs)`; UsageError `where: calling it failed: why` when it raises."""
     try:
-        return factory(*args)
+        return factory(*args, **kwargs)
     except UsageError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's factory failed
-        raise UsageError(f"{where}: calling it failed: {_one_line(error)}") from None
+        raise UsageError(f"{where}: calling it failed: {one_line(error)}") from None
 
 
 def build_model(spec: str, channels: int, num_classes: int) -> nn.Module:
     """`factory(num_classes, channels)`, checked to be an nn.Module."""
-    model = _call(f"--model {spec}", resolve("model", spec), num_classes, channels)
+    model = call(f"--model {spec}", resolve("model", spec), num_classes, channels)
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {spec}: returned a {type(model).__name__}; must return a torch.nn.Module")
     return model
@@ -94,7 +95,7 @@ def build_model(spec: str, channels: int, num_classes: int) -> nn.Module:
 def load_dataset(spec: str, root: str, train: bool, seed: int) -> DatasetSpec:
     """`factory(root, train, seed)`, checked to be (Dataset, channels, num_classes)."""
     where = f"--dataset {spec}"
-    got = _call(where, resolve("dataset", spec), root, train, seed)
+    got = call(where, resolve("dataset", spec), root, train, seed)
     if not isinstance(got, tuple) or len(got) != 3:
         shape = f"a tuple of {len(got)}" if isinstance(got, tuple) else f"a {type(got).__name__}"
         raise UsageError(f"{where}: returned {shape}; must return (Dataset, channels, num_classes)")

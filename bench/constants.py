@@ -39,6 +39,10 @@ MEASURES = {  # figure -> what it is; the order of the printed list
     "memcpy_s": "one memcpy of the state, s",
     "memcpy_gb_s": "memcpy bandwidth, GB/s",
     "sgd_s": "PS: one SGD step over the parameters (p -= lr * g), s",
+    "ps_sgd_momentum_s": "PS: its SGD with momentum 0.9 and weight decay on the model's vector (app.ps.state), s",
+    "ps_adamw_s": "PS: its AdamW on the model's vector (torch.optim's fused kernel, groups: app.ps.optim), s",
+    "adamw_foreach_s": "torch.optim.AdamW foreach=True on the same parameters (not fused), s",
+    "adamw_vs_memcpy": "the PS's AdamW step / one memcpy of the state",
     "sync_mean_s": "PS, sync: average of two pushes by stack + mean (how the PS once did it), s",
     "sync_inplace_s": "PS, sync: the same summed in place into one buffer (how the PS does it), s",
     "bf16_pack_s": "worker, --compress bf16: Compressor (cast + error feedback), s",
@@ -100,8 +104,31 @@ def in_process(model_name: str, repeats: int) -> dict[str, float]:
     out["sgd_s"] = timed(lambda: p.add_(g, alpha=-1e-6), repeats)
     out["sync_mean_s"] = timed(lambda: torch.stack([state, other]).mean(0), repeats)
     out["sync_inplace_s"] = timed(lambda: copy_into.copy_(state).add_(other).mul_(0.5), repeats)
+    out.update(_ps_steps(model, repeats))
+    out["adamw_vs_memcpy"] = out["ps_adamw_s"] / out["memcpy_s"]
     out.update(_bf16(params, floats, other, repeats))
     out.update(_pickling(model, repeats))
+    return out
+
+
+def _ps_steps(model: nn.Module, repeats: int) -> dict[str, float]:
+    """The PS's own step (app.ps.state.State.step: the recipe's optimizer on the model's vector,
+    stepped in place) with SGD + momentum and with AdamW, and torch's AdamW with foreach."""
+    from app.ps.state import State, StateConfig
+
+    out: dict[str, float] = {}
+    for figure, config in (
+        ("ps_sgd_momentum_s", StateConfig(0.01, momentum=0.9, weight_decay=1e-4)),
+        ("ps_adamw_s", StateConfig(0.01, optimizer={"name": "adamw", "weight_decay": 0.1})),
+    ):
+        state = State(model, config)
+        message = torch.randn(state.size) * 1e-3
+        out[figure] = timed(lambda s=state, m=message: s.step(m), repeats)
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    foreach = torch.optim.AdamW(params, lr=0.01, foreach=True)
+    out["adamw_foreach_s"] = timed(foreach.step, repeats)
     return out
 
 
@@ -260,7 +287,7 @@ def rpc_round_trips(model_name: str, repeats: int) -> dict[str, float]:
 
 def lines(figures: dict[str, float]) -> str:
     """One line per figure measured, in MEASURES order."""
-    return "\n".join(f"{name:<16} {figures[name]:>10.4g}  {what}" for name, what in MEASURES.items() if name in figures)
+    return "\n".join(f"{name:<18} {figures[name]:>10.4g}  {what}" for name, what in MEASURES.items() if name in figures)
 
 
 def add_parser(sub: Any) -> None:

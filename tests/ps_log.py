@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 # the periodic line ends with the run's progress (` | step N of T (P%), S samples/s, ETA H:MM:SS`)
-_ACCURACY = re.compile(r"(?:^|\| )(?:ps \| Update: \d+ \| )?Accuracy: ([0-9.]+)(?: \| step .*)?$", re.MULTILINE)
+_ACCURACY = re.compile(r"(?:^|\| )(?:ps \| Update: \d+ \| )?Accuracy: ([0-9.]+)(?: \| (?:lr|step) .*)?$", re.MULTILINE)
 
 
 def last_evaluations(ps_log: str, count: int = 3) -> list[float]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from app import plugins, runtime
+from app import plugins, recipes, runtime
 from app.allreduce.hooks import compress_hook
 from app.allreduce.trainer import AllreduceTrainer, EpochSampler, JobState, Progress
 from app.allreduce.world import World, leave_together, rendezvous, world_of
@@ -44,8 +44,8 @@ from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.data import datasets
 from app.runtime import choose_device, progress
-from app.training import models
-from app.training.evaluate import held_out_accuracy
+from app.training import losses, models, optimizers
+from app.training.evaluate import evaluate, fields, line
 from app.training.metrics import MetricsWriter
 
 log = logging.getLogger("app.allreduce")
@@ -86,7 +86,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         if rank0 is None:
             metrics.write("end", state.progress.step, seconds=round(seconds, 2), **datasets.skipped(inputs.train.data))
         else:
-            finish_rank0(state, *rank0, device, metrics, config.eval_every, seconds)
+            finish_rank0(config, state, *rank0, device, metrics, seconds)
     # Leave without tearing torch down: destroying DDP's Gloo process group can
     # deadlock (seen in containers, torch 2.13: the main thread, holding the GIL,
     # joins Gloo's run-loop thread, which needs the GIL to free its last work).
@@ -139,16 +139,15 @@ def load_inputs(config: Config, world: World, device: torch.device) -> Inputs:
 
 
 def build_state(config: Config, train: datasets.LabeledData, device: torch.device) -> JobState:
-    """The model (--init_weights on every rank, so none starts from other weights than rank 0's) and its SGD."""
+    """The model (--init_weights on every rank, so none starts from other weights than rank 0's) and its
+    optimizer (train.optimizer, as the PS builds it: app.training.optimizers)."""
     module = models.build(config.model, train.channels, train.num_classes, config.seed)
     if config.init_weights:
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
     module = module.to(memory_format=runtime.memory_format(config, device))
-    optimizer = torch.optim.SGD(
-        module.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
-    return JobState(module, optimizer)
+    recipe = recipes.resolve_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
+    return JobState(module, optimizers.make(recipe, optimizers.model_groups(module, recipe)))
 
 
 def rank0_checkpointer(
@@ -202,26 +201,24 @@ def train_timed(trainer: AllreduceTrainer, checkpoints: Optional[Checkpointer]) 
 
 
 def finish_rank0(
+    config: Config,
     state: JobState,
     checkpoints: Checkpointer,
     held_out: DataLoader,
     device: torch.device,
     metrics: MetricsWriter,
-    eval_every: int,
     seconds: float,
 ) -> None:
-    """The last checkpoint (finished) and final.pt; the held-out accuracy, printed as the PS does."""
+    """The last checkpoint (finished) and final.pt; the held-out metrics, printed as the PS does."""
     state.finished = True
     checkpoints.final()
-    accuracy, loss = held_out_accuracy(state.module, held_out, device)
-    progress.info("Accuracy: %.4f", accuracy)
+    scores = evaluate(state.module, held_out, device, config.metrics, losses.build(config.loss))
+    progress.info("%s", line(scores))
     progress.info("Time: %.2f seconds", seconds)
     p = state.progress
-    if p.step % eval_every:  # not evaluated at this step yet
-        metrics.write("eval", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), samples=p.samples)
-    metrics.write(
-        "end", p.step, accuracy=round(accuracy, 4), loss=round(loss, 4), seconds=round(seconds, 2), samples=p.samples
-    )
+    if p.step % config.eval_every:  # not evaluated at this step yet
+        metrics.write("eval", p.step, **fields(scores), samples=p.samples)
+    metrics.write("end", p.step, **fields(scores), seconds=round(seconds, 2), samples=p.samples)
 
 
 def start_state(state: JobState, checkpoints: Optional[Checkpointer], device: torch.device) -> str:

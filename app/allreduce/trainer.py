@@ -20,14 +20,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import runtime
+from app import recipes, runtime
 from app.allreduce.world import PeerLost, World, reason
 from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.runtime import progress
-from app.training import loop
-from app.training.evaluate import held_out_accuracy
+from app.training import loop, losses, optimizers
+from app.training.evaluate import evaluate, fields, line
 from app.training.metrics import MetricsWriter, Rates
 
 
@@ -87,6 +87,16 @@ class JobState:
         self.progress = Progress(**state["progress"])
 
 
+def planned_steps(loader: DataLoader, epochs: int, max_steps: int) -> int:
+    """The steps an allreduce job plans (its schedule spans them): every rank's batches of every
+    epoch, at most --max_steps; 0 for a loader without a length."""
+    try:
+        total = len(loader) * epochs
+    except TypeError:
+        return 0
+    return min(total, max_steps) if max_steps else total
+
+
 class AllreduceTrainer:
     """The loop of one rank; rank 0 also evaluates and checkpoints (`rank0` is not None)."""
 
@@ -106,7 +116,10 @@ class AllreduceTrainer:
         self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
         self.state, self.loader, self.sampler, self.device = state, loader, sampler, device
         self.metrics, self.rank0 = metrics, rank0
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = losses.build(config.loss)
+        self.losses = loop.Losses(device)  # a step's loss read a step later: no host wait
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.total = planned_steps(loader, config.epochs, config.max_steps)
         self.format = runtime.memory_format(config, device)
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
         self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
@@ -130,19 +143,27 @@ class AllreduceTrainer:
             self.reporter.batch_done(self.loader, self.state.progress.step, epoch, batch, len(y), loss)
             self.rank0_duties()
             if 0 < self.config.max_steps <= self.state.progress.step:
-                return
+                break
+        self.reporter.flush()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, epoch: int = 1, batch: int = 0) -> float:
-        """Forward, backward (DDP allreduces the gradients meanwhile), one SGD step, and
-        the progress that labels it: a SIGTERM lands before both or after both."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, epoch: int = 1, batch: int = 0) -> loop.Loss:
+        """Forward, backward (DDP allreduces the gradients meanwhile), the gradient clipped
+        (train.clip_grad_norm), one optimizer step at the schedule's rate for this step, and
+        the progress that labels it: a SIGTERM lands before both or after both. The loss as
+        the host will read it, without waiting for the GPU."""
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
         self.optimizer.zero_grad(set_to_none=True)
+        self.set_rate()
         with runtime.autocast(self.config.precision, self.device):
             loss = self.loss_fn(self.model(x), y)
         try:
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         except RuntimeError as error:  # gloo/NCCL: a peer died or timed out
             raise self.lost(error) from error
+        if self.config.clip_grad_norm:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         with runtime.sigterm_deferred():
             if self.scaler is None:
                 self.optimizer.step()
@@ -151,7 +172,15 @@ class AllreduceTrainer:
                 self.scaler.update()
             p = self.state.progress
             self.state.progress = Progress(p.step + 1, epoch, batch, p.samples + len(y) * self.world.size)
-        return loss.item()
+        return self.losses.take(loss)
+
+    def set_rate(self) -> None:
+        """The schedule's rate for the next step (app/recipes.py lr_factor): by the job's steps."""
+        schedule = self.config.schedule
+        if schedule["name"] == "constant" and not schedule.get("warmup"):
+            return
+        factor = recipes.lr_factor(schedule, self.state.progress.step, self.total, self.base_lrs[0])
+        optimizers.set_rates(self.optimizer, self.base_lrs, factor)
 
     def lost(self, error: BaseException) -> PeerLost:
         return PeerLost(
@@ -185,13 +214,13 @@ class AllreduceTrainer:
             self.evaluation.join()
 
     def _evaluate(self, model: nn.Module, held_out: DataLoader, at: Progress, pace: dict[str, float]) -> None:
-        accuracy, loss = held_out_accuracy(model, held_out, self.device)
-        progress.info("%s | Step: %d | Accuracy: %.4f", self.config.name, at.step, accuracy)
+        scores = evaluate(model, held_out, self.device, self.config.metrics, self.loss_fn)
+        progress.info("%s | Step: %d | %s", self.config.name, at.step, line(scores))
         self.metrics.write(
             "eval",
             at.step,
-            accuracy=round(accuracy, 4),
-            loss=round(loss, 4),
+            **fields(scores),
+            lr=self.optimizer.param_groups[0]["lr"],
             samples=at.samples,
             workers=self.world.size,
             **pace,

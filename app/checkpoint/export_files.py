@@ -9,13 +9,15 @@ them for a run; the PS hands them to its tracker at the end).
   models, so that loading one needs no code of this project) and its keyword arguments; the
   input the model was trained on (channels, size, how the values are scaled and normalised,
   channels_last, a step before the model where there is one); the class names where the dataset
-  has them; precision; the run id, the version and the accuracy of the run's last evaluation.
+  has them; precision; the run id, the version and the metrics of the run's last evaluation
+  (`metrics`, its `headline` first; `accuracy` too where it is one).
 """
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from app.config import Config
-from app.data import datasets
+from app.data import datasets, text
 from app.data.imagefolder import MEAN, STD, find_samples
 from app.training import models
 
@@ -36,8 +38,8 @@ def files(
     config: Config, trained: dict[str, torch.Tensor], held_out: datasets.LabeledData, **about: Any
 ) -> dict[str, bytes]:
     """model.pt and model.json (name -> bytes) of the model `trained` (its state dict as the app
-    built it), trained on data like `held_out`; `about`: run_id, version, finished, accuracy,
-    source, as model.json says them."""
+    built it), trained on data like `held_out`; `about`: run_id, version, finished, the metrics
+    (`scored`), source, as model.json says them."""
     built = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
     weights, step = unwrapped(built, trained)
     card = {
@@ -57,6 +59,20 @@ def files(
     return {"model.pt": buffer.getvalue(), "model.json": (json.dumps(card, indent=2) + "\n").encode()}
 
 
+def scored(record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """model.json's metrics from an `eval` or `end` record (app.training.evaluate.fields): the
+    headline's name, every metric, and `accuracy` where it is one; nothing without a record."""
+    if not record:
+        return {"accuracy": None}
+    names = record.get("metrics") or ["accuracy"]
+    metrics = {name: record.get(name) for name in names}
+    return {
+        "headline": names[0],
+        "metrics": metrics,
+        **({"accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}),
+    }
+
+
 def unwrapped(built: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """`state` (the trained model's, as the app built it) loaded into `built`, and the state
     dict of the model its builder makes: without the app's GrayToRGB wrapper, whose work
@@ -71,6 +87,8 @@ def builder(name: str, channels: int, num_classes: int) -> dict[str, Any]:
     """How to build the model empty: "module:function" and its keyword arguments."""
     if name == "cnn":
         return {"builder": "app.training.models:SmallCNN", "kwargs": {"channels": channels, "num_classes": num_classes}}
+    if name == "char_transformer":
+        return {"builder": "app.training.transformer:CharTransformer", "kwargs": {"num_classes": num_classes}}
     if ":" in name:  # the user's own factory(num_classes, channels) (app/plugins.py)
         return {"builder": name, "kwargs": {"num_classes": num_classes, "channels": channels}}
     extra = {"aux_logits": False} if name in models.AUX_LOGITS else {}
@@ -86,6 +104,12 @@ def describe_input(data: Dataset) -> dict[str, Any]:
             "mean": data.mean.flatten().tolist(),
             "std": data.std.flatten().tolist(),
             "values": "x * scale, then (x - mean) / std per channel",
+        }
+    if isinstance(data, text.TextWindows):
+        return {
+            "size": [data.context],
+            "values": "class indices of characters (`classes`: the vocabulary, the last one any other character); "
+            "the model gives the next character's logits at each position",
         }
     crop = getattr(data, "crop", None)
     if crop is not None:  # an image folder, decoded or cached
@@ -107,6 +131,8 @@ def class_names(config: Config, num_classes: int) -> list[str] | None:
         return [str(i) for i in range(num_classes)]
     if config.dataset == "cifar10":
         return list(CIFAR10_CLASSES)
+    if config.dataset == "stdlib_text":
+        return [*text.VOCABULARY, "<other>"]
     if config.dataset == "imagefolder":
         root = Path(config.data_dir)
         classes, _ = find_samples(root / "train" if (root / "train").is_dir() else root)

@@ -1,7 +1,8 @@
 """Datasets by name, each with a held-out split for the PS, and per-worker shards.
 
 Nothing is downloaded: mnist and cifar10 read the files torchvision would have
-saved, digits ships inside scikit-learn (read without importing it), synthetic is generated from the seed.
+saved, digits ships inside scikit-learn (read without importing it), synthetic is generated from the seed,
+stdlib_text is Python's own standard library source, read as characters (app/data/text.py).
 Held-out splits are fixed (they do not depend on --seed), so accuracies of
 different runs compare.
 """
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
-from app.data import host
+from app.data import host, text
 
 from app import plugins
 from app.data.prefetch import ReceivedAhead, wants_thread
@@ -30,7 +31,8 @@ from app.contract import DATASETS
 
 SPLITS = ("train", "test")
 FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
-IN_MEMORY = ("mnist", "cifar10", "digits", "synthetic")  # InMemoryData: no decoding to spread over processes
+# InMemoryData, TextWindows: no decoding to spread over processes
+IN_MEMORY = ("mnist", "cifar10", "digits", "synthetic", "stdlib_text")
 HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
 SPLIT_SEED = 0
 
@@ -138,6 +140,8 @@ def load(
             image_size,
             ImageCacheSettings(str(mode), cache_dir, shard, seed, threads, pad, follow),
         )
+    if dataset == "stdlib_text":
+        return LabeledData(text.load(split == "train"), 1, text.NUM_CLASSES)
     loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
     return loader(Path(data_dir), split == "train", seed)
 
@@ -397,7 +401,7 @@ def _loader(
     data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool, loader_workers: int, pin_memory: bool
 ) -> DataLoader:
     persistent = loader_workers > 0
-    if isinstance(data, InMemoryData) or hasattr(data, "on_device"):  # one indexing op per batch, no collate
+    if isinstance(data, (InMemoryData, text.TextWindows)) or hasattr(data, "on_device"):  # one indexing op a batch
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(
             data,

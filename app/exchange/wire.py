@@ -72,6 +72,8 @@ class Push(NamedTuple):
     noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
     finite: bool = False  # the worker found every value finite where it computed them (a GPU's flags)
     to_go: int = -1  # pushes the rank has still to make after this one, as planned now; -1: unknown
+    grad_norm: float = -1.0  # the gradient's global L2 norm (train.clip_grad_norm); -1: not computed
+    epoch_batches: int = 0  # the batches of one epoch over the whole training split (the schedule's plan)
 
 
 class Share(NamedTuple):

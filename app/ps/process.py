@@ -36,8 +36,8 @@ from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
 from app.runtime import choose_device, counted, progress, rpc_session
-from app.training import models
-from app.training.evaluate import Evaluator
+from app.training import losses, models
+from app.training.evaluate import Evaluator, fields, line
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter, Rates, run_records
 from app.training.progress import RunProgress
@@ -64,7 +64,8 @@ def run(config: Config) -> int:
     # a finish is checkpointed before its worker hears back (checkpoints is set below, before
     # the PS joins the job: no worker can finish earlier)
     server = ParameterServer.from_config(config, model, part, PS, on_finish=lambda rank: checkpoints.finished(rank))
-    evaluate = Evaluator(build, datasets.eval_loader(held_out.data, config.batch_size, workers), device)
+    loader = datasets.eval_loader(held_out.data, config.batch_size, workers)
+    evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss))
     log.info(
         "model %s: %d parameters, %d buffer values",
         config.model,
@@ -182,20 +183,19 @@ def _report_end(
 ) -> None:
     """The final evaluation: Accuracy, Time and Evaluation printed, the `end` record."""
     evaluated = time.monotonic()
-    accuracy, loss = evaluate(vector)
+    scores = evaluate(vector)
     eval_seconds = time.monotonic() - evaluated
     seconds = server.training_seconds() or 0.0
-    progress.info("Accuracy: %.4f", accuracy)
+    progress.info("%s", line(scores))
     progress.info("Time: %.2f seconds", seconds)
     progress.info("Evaluation: %.2f seconds", eval_seconds)
     if metrics.tracker is not None:  # the exported model, as `make export` writes it, to MLflow
-        about = dict(run_id=config.run_id, version=version, finished=True, accuracy=round(accuracy, 4))
+        about = dict(run_id=config.run_id, version=version, finished=True, **export_files.scored(fields(scores)))
         metrics.tracker.model(export_files.files(config, evaluate.state_dict(vector), held_out, **about))
     metrics.write(
         "end",
         version,
-        accuracy=round(accuracy, 4),
-        loss=round(loss, 4),
+        **fields(scores),
         seconds=round(seconds, 2),
         eval_seconds=round(eval_seconds, 2),
         samples=server.counts.samples,
@@ -283,15 +283,16 @@ def train_until_done(
             if others is not None:
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
             if vector is not None:
-                accuracy, loss = evaluate(vector)
+                scores = evaluate(vector)
                 since = pace.since()
                 where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
-                progress.info("ps | Update: %d | Accuracy: %.4f | %s", version, accuracy, where.line())
+                rate = f" | lr {server.state.lr:.4g}" if server.state.scheduled else ""
+                progress.info("ps | Update: %d | %s%s | %s", version, line(scores), rate, where.line())
                 metrics.write(
                     "eval",
                     version,
-                    accuracy=round(accuracy, 4),
-                    loss=round(loss, 4),
+                    **fields(scores),
+                    lr=server.state.lr,
                     samples=server.counts.samples,
                     **since,
                     **where.fields(),

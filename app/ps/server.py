@@ -46,7 +46,7 @@ from app.ps.members.roster import StaleIncarnation
 from app.ps.policies import PolicyConfig, policy_for
 from app.ps.policies.base import Ready
 from app.ps.replies import ReplyBuffers
-from app.ps.state import State, StateConfig
+from app.ps.state import Plan, State, StateConfig
 from app.runtime import counted
 
 log = logging.getLogger("app.ps")
@@ -69,7 +69,17 @@ class ServerConfig:
         """The settings of the job `config` describes, for the PS process serving `part` of the
         state (None: all of it)."""
         return cls(
-            StateConfig(config.lr, config.momentum, config.weight_decay, config.staleness_lr, part),
+            StateConfig(
+                config.lr,
+                config.momentum,
+                config.weight_decay,
+                config.staleness_lr,
+                part,
+                config.optimizer,
+                config.schedule,
+                config.clip_grad_norm,
+                Plan(config.strategy, config.epochs, config.num_trainers, config.max_steps),
+            ),
             MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs),
             PolicyConfig(config.strategy, config.staleness, config.overlap),
         )
@@ -164,6 +174,7 @@ class ParameterServer:
                 future.set_result(Refusal(Refused.STALE, str(error)))
                 return future
             if finite:
+                self.state.plan(push.epoch_batches)
                 self.counts.samples += push.samples
                 self.counts.early_checked += len(checked)
                 staleness = self.state.version - push.pulled if push.staleness is None else push.staleness

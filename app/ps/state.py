@@ -1,6 +1,8 @@
 """What a PS process serves: the state vector [params | buffers] (the whole model's, or a PS
-shard's slice of it), its SGD optimizer (app.ps.sgd) and its version; the step a push makes, value
-for value torch.optim.SGD's; a copy, a checkpoint and a restore of itself.
+shard's slice of it), its optimizer (app.ps.optim: the recipe's, SGD by default) and its version;
+the step a push makes, value for value torch.optim's, at the rate the schedule gives the version
+(app/recipes.py lr_factor), its gradient clipped to train.clip_grad_norm by the norm the worker
+sent; a copy, a checkpoint and a restore of itself.
 
 A push is `[grads | buffers]` as one flat tensor: SGD steps the parameters, and the buffers
 (BatchNorm running stats) replace the global ones. Every worker starts each forward from the
@@ -15,16 +17,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from app.checkpoint.files import cpu_copy
 from app.exchange.wire import WIRE_DTYPES, all_finite, to_float32, wire_size
+from app.ps import optim
 from app.ps.sgd import SGD
+from app.recipes import Spec, lr_factor, planned_updates, resolve_optimizer
 from app.training.flat import FlatModel
+
+# torch.nn.utils.clip_grad_norm_'s: the gradient times max_norm / (norm + 1e-6), at most 1.
+CLIP_EPS = 1e-6
+
+
+class Plan(NamedTuple):
+    """What a run's length is planned from (app/recipes.py planned_updates), besides the batches
+    of an epoch that the pushes say."""
+
+    strategy: str = "async"
+    epochs: int = 1
+    workers: int = 1
+    max_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,10 @@ class StateConfig:
     weight_decay: float = 0.0
     staleness_lr: bool = False  # a push `staleness` updates late counts 1 / staleness as much
     part: tuple[int, int] | None = None  # a PS shard (app.ps.sharding.slices): values start..end
+    optimizer: Spec = field(default_factory=lambda: {"name": "sgd"})
+    schedule: Spec = field(default_factory=lambda: {"name": "constant"})
+    clip_grad_norm: float = 0.0
+    plan: Plan = Plan()
 
 
 class State:
@@ -58,10 +79,14 @@ class State:
         self.size = end - start
         # The parameter values in the slice (it may hold buffers only, or straddle both).
         self.num_params = min(max(self._flat.num_params - start, 0), self.size)
-        self.lr = config.lr
+        recipe = resolve_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
+        self.base_lr = float(recipe.kwargs["lr"])
         self.param = nn.Parameter(self.vector[: self.num_params])  # shares storage with the model
-        self.optimizer = SGD(self.param, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        self.optimizer = optim.build(self.param, model, (start, start + self.num_params), recipe)
         self.version = 0
+        self.total: int | None = None  # the run's planned updates, once a push said its epoch's batches
+        self.lr = self.base_lr
+        self._set_lr()
         self.last_applied: float | None = None  # clock time of the last update applied
 
     @property
@@ -109,15 +134,52 @@ class State:
         rest = [(s, min(e, n)) for j, (s, e) in enumerate(partitions) if j not in checked] + [(n, self.size)]
         return all(all_finite(message[s:e]) for s, e in rest if e > s)
 
-    def scale_for(self, staleness: int) -> float:
-        """Zhang et al. 2016: a push `staleness` updates late counts 1 / staleness as much
-        (its gradient is scaled, so momentum carries the scaled gradient too)."""
-        return 1.0 / max(1, staleness) if self.config.staleness_lr else 1.0
+    def scale_for(self, staleness: int, norm: float = -1.0) -> float:
+        """What a push's gradient is multiplied by: Zhang et al. 2016, a push `staleness` updates
+        late counts 1 / staleness as much (so momentum carries the scaled gradient too); and,
+        with train.clip_grad_norm, the clipping of a gradient of global norm `norm`."""
+        scale = 1.0 / max(1, staleness) if self.config.staleness_lr else 1.0
+        return scale * self.clip_factor(norm)
+
+    def clip_factor(self, norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_'s factor for a gradient of global norm `norm` (-1: not
+        computed); 1.0 without clipping."""
+        clip = self.config.clip_grad_norm
+        return min(1.0, clip / (norm + CLIP_EPS)) if clip and norm >= 0 else 1.0
+
+    def plan(self, epoch_batches: int) -> None:
+        """The run's length, from the first push that says its epoch's batches (every push of the
+        run says the same): the schedule spans it."""
+        if self.total is None and epoch_batches > 0:
+            p = self.config.plan
+            self.total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
+            self._set_lr()
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the rate changes with the version (a schedule other than a constant rate)."""
+        schedule = self.config.schedule
+        return schedule["name"] != "constant" or bool(schedule.get("warmup"))
+
+    def _set_lr(self) -> None:
+        """The rate of the next update: the optimizer's times the schedule's factor at this version."""
+        if self.scheduled:
+            self.lr = self.base_lr * lr_factor(self.config.schedule, self.version, self.total or 0, self.base_lr)
+        if isinstance(self.optimizer, SGD):
+            self.optimizer.lr = self.lr
+        else:
+            self.optimizer.set_lr(self.lr / self.base_lr)
+
+    @property
+    def writes_into(self) -> bool:
+        """Whether a step can write the new state into a reply buffer (SGD's), rather than step the
+        state in place and have the reply copied."""
+        return isinstance(self.optimizer, SGD)
 
     def plain_sgd(self) -> bool:
-        """No momentum and no weight decay: a step is elementwise state - lr * grads, so it can
-        be built partition by partition."""
-        return self.optimizer.plain
+        """No momentum, no weight decay, no clipping: a step is elementwise state - lr * grads, so
+        it can be built partition by partition."""
+        return isinstance(self.optimizer, SGD) and self.optimizer.plain and not self.config.clip_grad_norm
 
     def step(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
         """One SGD step with `message`'s grads times `scale`; its buffers become the global ones.
@@ -128,9 +190,12 @@ class State:
         the optimizer's."""
         n = self.num_params
         grads = message[:n] if scale == 1.0 else message[:n] * scale
-        if into is None:
+        if into is None or not isinstance(self.optimizer, SGD):
             self.optimizer.step(grads)
             self.vector[n:].copy_(message[n:])
+            if into is not None and into is not self.vector:  # a torch optimizer steps in place
+                into.copy_(self.vector)
+            into = None
         else:
             torch.add(self.vector[:n], self.optimizer.direction(grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
@@ -150,6 +215,7 @@ class State:
             self.vector = into
             self.param.data = into[: self.num_params]
         self.version += 1
+        self._set_lr()
         self.last_applied = self.clock()
 
     def checkpoint(self) -> dict[str, Any]:
@@ -160,6 +226,7 @@ class State:
             "version": self.version,
             "model": model,
             "optimizer": cpu_copy(self.optimizer.state_dict()),
+            "total": self.total,
         }
         if self.sliced:
             saved.update(vector=self.vector.clone(), part=list(self.part))
@@ -175,3 +242,5 @@ class State:
             self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.version = int(saved["version"])
+        self.total = saved.get("total", self.total)
+        self._set_lr()

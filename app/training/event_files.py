@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 FLUSH_SECONDS = 5  # the newest points reach the files (and TensorBoard) at most this late
 RETRY_SECONDS = 30.0  # event files that could not be written: a new one tried at most this often
 # The records' fields that become scalars, per event (design.md: Metrics).
+# An eval or end record's own metrics (its `metrics`: accuracy, perplexity, the user's) too.
 SCALARS = {
     "train": ("loss", "step_seconds", "samples_per_s", "staleness"),
-    "eval": ("accuracy", "loss", "updates_per_s", "samples_per_s", "staleness", "workers"),
+    "eval": ("accuracy", "loss", "lr", "updates_per_s", "samples_per_s", "staleness", "workers"),
     "end": ("accuracy", "loss"),
 }
 
@@ -40,7 +41,8 @@ SCALARS = {
 def scalars(event: str, fields: dict[str, Any]) -> dict[str, float]:
     """The tags and values a record of `event` with `fields` gives (numbers only)."""
     out = {}
-    for name in SCALARS.get(event, ()):
+    own = fields.get("metrics", ()) if event in ("eval", "end") else ()
+    for name in dict.fromkeys([*own, *SCALARS.get(event, ())]):
         value = fields.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out[f"{event}/{name}"] = float(value)

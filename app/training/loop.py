@@ -3,6 +3,7 @@ the resumable walk over epochs and batches, a batch put on the device, and the p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -48,6 +49,16 @@ def resume_batches(
         batches = datasets.batches(loader, data_dir)
         for batch, (x, y) in enumerate(on_device(batches) if on_device else batches, start=done + 1):
             yield epoch, batch, x, y
+
+
+def epoch_batches(loader: DataLoader, batch_size: int) -> int:
+    """The batches of one epoch over the whole training split at `batch_size` (whoever trains
+    them): what a run's schedule is planned by (app/recipes.py planned_updates); 0 for a
+    dataset without a length (or no loader: a trainer driven batch by batch)."""
+    try:
+        return math.ceil(len(loader.dataset) / batch_size)  # type: ignore[arg-type]
+    except (TypeError, AttributeError):
+        return 0
 
 
 def on_device(

@@ -1,4 +1,5 @@
-"""Models by name: the built-in `cnn`, torchvision's classifiers when it imports, and
+"""Models by name: the built-in `cnn` and `char_transformer` (a small language model,
+app/training/transformer.py), torchvision's classifiers when it imports, and
 the user's own (`pkg.module:factory`, app/plugins.py).
 
 Model code knows nothing about RPC or devices.
@@ -15,8 +16,9 @@ from torch import nn
 from app import plugins
 from app.config import UsageError
 from app.runtime import first_line
+from app.training.transformer import CharTransformer
 
-BUILT_IN = ("cnn",)
+BUILT_IN = ("cnn", "char_transformer")
 AUX_LOGITS = ("googlenet", "inception_v3")
 
 
@@ -103,6 +105,8 @@ def build(name: str, channels: int, num_classes: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if name == "cnn":
         return SmallCNN(channels, num_classes)
+    if name == "char_transformer":
+        return CharTransformer(num_classes, channels)
     if plugins.is_entry_point(name):
         return plugins.build_model(name, channels, num_classes)
     tv = _torchvision_models()

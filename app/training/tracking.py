@@ -36,7 +36,8 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
 }
 RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
-EVAL_METRICS = ("accuracy", "loss", "samples_per_s", "updates_per_s", "staleness", "workers")
+# Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
+EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
 
 
 class Tracker:
@@ -130,7 +131,8 @@ class Tracker:
             from mlflow.entities import Metric
 
             step, fields = value
-            numbers = {k: fields[k] for k in EVAL_METRICS if isinstance(fields.get(k), (int, float))}
+            names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS])
+            numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}
             if kind == "end" and isinstance(fields.get("seconds"), (int, float)):
                 numbers["training_seconds"] = fields["seconds"]
             stamp = _now_ms()

@@ -75,7 +75,14 @@ class Channel(Protocol):
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
     def send(
-        self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int, to_go: int = -1
+        self,
+        outgoing: Outgoing,
+        version: Version,
+        epoch: int,
+        batch: int,
+        samples: int,
+        to_go: int = -1,
+        epoch_batches: int = 0,
     ) -> Pending: ...
     def load(self, reply: Reply) -> None: ...
     def finish(self, pushes: int) -> None: ...
@@ -95,6 +102,7 @@ class Outgoing(NamedTuple):
     message: torch.Tensor
     sealed: Sealed = NOTHING_SEALED
     ready: Any = None  # torch.cuda.Event
+    norm: torch.Tensor | None = None  # the gradient's global norm (train.clip_grad_norm), read once `ready` passed
 
     def event(self) -> Any:
         return self.ready if self.ready is not None else self.sealed.ready
@@ -289,41 +297,43 @@ class PSChannel:
         batch: int = 0,
         samples: int = 0,
         to_go: int = -1,
+        epoch_batches: int = 0,
     ) -> Pending:
         """Send the push (to the main PS only first, when chained): now, or, for a message a GPU
         is still copying, from the sender thread once the copy has landed; `.wait()` on the
         result gives the Reply. A sharded PS's push that holds NaN or inf is refused here.
         `to_go`: the pushes the rank has still to make after this one (-1: unknown), for the
-        main PS's progress."""
+        main PS's progress; `epoch_batches`: the batches of one epoch over the whole training
+        split (every PS process plans the run's schedule by it)."""
         self.sent += 1
+        push = Push(self.rank, self.name, 0, epoch, batch, samples, to_go=to_go, epoch_batches=epoch_batches)
         ready = outgoing.event()
         if ready is None:
-            return self._send_now(outgoing, version, epoch, batch, samples, to_go)
+            return self._send_now(outgoing, version, push)
         if self.sender is None:
             self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
-        return Deferred(self.sender.submit(self._send_landed, ready, outgoing, version, epoch, batch, samples, to_go))
+        return Deferred(self.sender.submit(self._send_landed, ready, outgoing, version, push))
 
-    def _send_landed(self, ready: Any, outgoing: Outgoing, version: Version, *where: int) -> Pending:
+    def _send_landed(self, ready: Any, outgoing: Outgoing, version: Version, push: Push) -> Pending:
         ready.synchronize()  # wait here, in the sender thread: the message is in host memory
-        return self._send_now(outgoing, version, *where)
+        return self._send_now(outgoing, version, push)
 
-    def _send_now(
-        self, outgoing: Outgoing, version: Version, epoch: int, batch: int, samples: int, to_go: int = -1
-    ) -> Pending:
+    def _send_now(self, outgoing: Outgoing, version: Version, push: Push) -> Pending:
         message = outgoing.message
         if len(self.routes) > 1 and not self._finite(message):
             why = f"{self.name} computed non-finite values (NaN or inf); the push was not sent"
             return Answered(Refusal(Refused.NONFINITE, why))
+        if outgoing.norm is not None:  # on a GPU: copied to pinned memory before `ready`, no wait here
+            push = push._replace(grad_norm=float(outgoing.norm))
         versions = version if isinstance(version, tuple) else (version,)
         sends = [(route, self._part(message, route), pulled) for route, pulled in zip(self.routes, versions)]
         rest = sends[1:] if self.chained else []
         now = sends[: len(sends) - len(rest)]
-        where = (epoch, batch, samples)
         futures = [
-            (route, self._send(route, part, Push(self.rank, self.name, pulled, *where, to_go=to_go), outgoing.sealed))
+            (route, self._send(route, part, push._replace(pulled=pulled), outgoing.sealed))
             for route, part, pulled in now
         ]
-        return PendingPush(self, futures, rest, where, message)
+        return PendingPush(self, futures, rest, push._replace(to_go=-1), message)
 
     def _finite(self, message: torch.Tensor) -> bool:
         assert self.flat is not None  # bound
@@ -362,10 +372,10 @@ class PSChannel:
         """The RPC future of `function(*args)` on `to` (a push: it may wait `push_wait` too)."""
         return rpc.rpc_async(to, function, args=args, timeout=self.push_timeout)
 
-    def send_rest(self, rest: list[Slice], where: tuple[int, int, int], staleness: int) -> list[tuple[Route, Any]]:
+    def send_rest(self, rest: list[Slice], push: Push, staleness: int) -> list[tuple[Route, Any]]:
         """A chained push's other slices, once the main PS answered with `staleness`."""
         return [
-            (route, self._send(route, part, Push(self.rank, self.name, pulled, *where, staleness)))
+            (route, self._send(route, part, push._replace(pulled=pulled, staleness=staleness)))
             for route, part, pulled in rest
         ]
 
@@ -443,23 +453,24 @@ class Answered:
 class PendingPush:
     """A push on the wire to each route; holds its message until the replies came (RPC sends from
     it). `wait` gives one Reply for the whole vector (staleness and lead: the main PS's); `rest`:
-    the slices still to send once the main PS answered, with its staleness (chained)."""
+    the slices still to send once the main PS answered, with its staleness (chained), as `push`
+    says."""
 
     def __init__(
         self,
         channel: PSChannel,
         futures: list[tuple[Route, Any]],
         rest: list[Slice],
-        where: tuple[int, int, int],
+        push: Push,
         message: torch.Tensor,
     ) -> None:
-        self.channel, self.futures, self.rest, self.where, self.message = channel, futures, rest, where, message
+        self.channel, self.futures, self.rest, self.push, self.message = channel, futures, rest, push, message
 
     def wait(self) -> Reply | Refusal:
         first = self.channel.answer(*self.futures[0])
         if isinstance(first, Refusal) or len(self.futures) + len(self.rest) == 1:
             return first
-        sent = self.channel.send_rest(self.rest, self.where, first.staleness) if self.rest else []
+        sent = self.channel.send_rest(self.rest, self.push, first.staleness) if self.rest else []
         replies = [first] + [self.channel.answer(route, future) for route, future in self.futures[1:] + sent]
         done = []
         for reply in replies:

@@ -26,7 +26,7 @@ from app import runtime
 from app.config import Config
 from app.data import datasets
 from app.exchange.wire import Refusal, Reply, Start, Version
-from app.training import loop
+from app.training import loop, losses
 from app.training.flat import FlatModel
 from app.training.metrics import MetricsWriter
 from app.worker.channels import Channel, Pending
@@ -52,7 +52,12 @@ class Trainer:
         self.config, self.model, self.loader, self.sampler = config, model, loader, sampler
         self.device, self.channel, self.metrics = device, channel, metrics
         self.flat = FlatModel(model, own_buffers=True)
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = losses.build(config.loss)
+        # train.clip_grad_norm: the gradient's norm, computed on the device, travels with the push
+        # (on a GPU through a pinned scalar, copied before the push's `ready` event: no host wait).
+        # Two, used in turn: with --overlap one push is on the wire while the next one's is taken.
+        self.norm_host = torch.empty(2, pin_memory=True) if config.clip_grad_norm and device.type == "cuda" else None
+        self.epoch_batches = loop.epoch_batches(loader, config.batch_size)
         self.format = runtime.memory_format(config, device)
         # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
         # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
@@ -154,18 +159,35 @@ class Trainer:
         With --overlap, the reply waited for is the previous push's, and this push
         stays on the wire while the next batch runs; None on the first push.
         """
+        norm = self.grad_norm()
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
         outgoing = self.channel.seal(message)  # on a GPU its copies to the host are queued, not waited for
+        if norm is not None:
+            outgoing = outgoing._replace(norm=norm)
         computed_on = self.version  # the state this gradient comes from, before the reply below
         # A wait the data needs (--overlap): the next batch computes on the state of the previous
         # push's reply; on a GPU this one's backward is still running meanwhile.
         reply = self._wait_in_flight() if self.config.overlap else None
         with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
-            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples, self.to_go(epoch, batch))
+            to_go = self.to_go(epoch, batch)
+            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples, to_go, self.epoch_batches)
         # A wait the data needs (no --overlap): the next batch computes on this push's reply.
         return reply if self.config.overlap else self._wait_in_flight()
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """train.clip_grad_norm: the global L2 norm of this batch's gradient (before --compress),
+        as torch.nn.utils.clip_grad_norm_ takes it; None without clipping. On a GPU a pinned host
+        copy, queued on the compute stream: it has landed once the push's copies have."""
+        if not self.config.clip_grad_norm:
+            return None
+        norm = torch.linalg.vector_norm(self.flat.grads)
+        if self.norm_host is None:
+            return norm
+        host = self.norm_host[self.sent % 2]
+        host.copy_(norm, non_blocking=True)
+        return host
 
     def last_reply(self) -> int:
         """The end of training: take the reply still on the wire (--overlap's, or the push a

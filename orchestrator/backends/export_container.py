@@ -11,7 +11,7 @@ import io
 import re
 import tarfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -104,11 +104,3 @@ def extract(archive: bytes, into: Path) -> Path:
     if missing:
         raise UsageError(f"the export wrote no {', '.join(missing)}")
     return into
-
-
-def run_of(card_file: Path) -> Optional[str]:
-    """The run id an export's model.json names."""
-    try:
-        return str(yaml.safe_load(card_file.read_text(encoding="utf-8")).get("run_id") or "") or None
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None

@@ -60,9 +60,11 @@ def export(
     card = json.loads((into / "model.json").read_text(encoding="utf-8"))
     what = "its final model" if card.get("finished") else "its newest checkpoint (the run did not finish)"
     run_id = card.get("run_id") or "(no id)"
+    metric = card.get("headline") or "accuracy"
+    value = (card.get("metrics") or {}).get(metric, card.get("accuracy"))
     print(
-        f"==> export: run {run_id} of {where}, version {card.get('version')}, {what}, accuracy "
-        f"{card.get('accuracy')}: {into}/model.pt and model.json ({card.get('builder')}; to load it: {LOAD_DOC})",
+        f"==> export: run {run_id} of {where}, version {card.get('version')}, {what}, {metric} "
+        f"{value}: {into}/model.pt and model.json ({card.get('builder')}; to load it: {LOAD_DOC})",
         file=out,
         flush=True,
     )

@@ -13,17 +13,21 @@ from typing import Any, Optional
 
 from app.contract import Event
 from orchestrator.backends.base import ServiceState
-from orchestrator.metrics.records import is_event, parse_lines
+from orchestrator.metrics.records import headline, is_event, parse_lines
 from orchestrator.topology.services import worker_name
 
 
 def summarize_metrics(lines: Iterable[str]) -> dict[str, Any]:
-    """Last step, loss and accuracy in a metrics file; bad or partial lines are skipped."""
-    out: dict[str, Any] = {"step": None, "loss": None, "accuracy": None, "event": None}
+    """Last step, loss and headline metric (`metric`: its name, accuracy unless the run's
+    evaluation gives another; `value`) in a metrics file; bad or partial lines are skipped."""
+    out: dict[str, Any] = {"step": None, "loss": None, "metric": "accuracy", "value": None, "event": None}
     for rec in parse_lines(lines):
-        for key in ("step", "loss", "accuracy", "event"):
+        for key in ("step", "loss", "event"):
             if rec.get(key) is not None:
                 out[key] = rec[key]
+        name = headline(rec)
+        if rec.get(name) is not None and is_event(rec, Event.EVAL, Event.END):
+            out["metric"], out["value"] = name, rec[name]
     return out
 
 
@@ -110,12 +114,14 @@ def service_row(state: ServiceState, metric_lines: list[str]) -> dict[str, Any]:
 
 
 def format_status(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per service: state, exit code, last step, loss, accuracy."""
+    """One line per service: state, exit code, last step, loss, the headline metric (ACCURACY,
+    or the run's own: PERPLEXITY...)."""
 
     def num(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"{'SERVICE':<10} {'STATE':<22} {'EXIT':>4} {'STEP':>7} {'LOSS':>8} {'ACCURACY':>8}"]
+    metric = next((r["metric"] for r in rows if r.get("value") is not None), "accuracy")
+    lines = [f"{'SERVICE':<10} {'STATE':<22} {'EXIT':>4} {'STEP':>7} {'LOSS':>8} {metric.upper():>8}"]
     for r in rows:
         state = r["status"] + (f" ({r['health']})" if r.get("health") and r["status"] == "running" else "")
         if r.get("restarts"):
@@ -123,7 +129,7 @@ def format_status(rows: list[dict[str, Any]]) -> list[str]:
         exit_code = "-" if r["status"] in ("running", "no container", "created") else num(r["exit_code"], "d")
         lines.append(
             f"{r['service']:<10} {state:<22} {exit_code:>4} {num(r['step'], 'd'):>7} "
-            f"{num(r['loss'], '.4f'):>8} {num(r['accuracy'], '.4f'):>8}"
+            f"{num(r['loss'], '.4f'):>8} {num(r.get('value'), '.4f'):>{max(8, len(metric))}}"
         )
     return lines
 

@@ -162,7 +162,7 @@ def format_table(outcomes: Sequence[Outcome], threshold: float = THRESHOLD) -> l
             status = f"ok, never reached {th}"
         lines.append(
             f"{o.strategy:<{w}} {fmt(s and s.time_to, '.1f', ' s'):>12} "
-            f"{fmt(s and s.final_accuracy, '.4f'):>9} {fmt(s and s.samples_per_s, '.0f'):>9} "
+            f"{fmt(s and s.final_value, '.4f'):>9} {fmt(s and s.samples_per_s, '.0f'):>9} "
             f"{fmt(s and s.samples_to, '.0f'):>15} {o.seconds:>5.0f}s  {status}"
         )
     return lines
@@ -207,7 +207,7 @@ def run(
             for line in _tail(o.run_dir / "output.log", LOG_TAIL):
                 print(f"    | {line}", file=out)
         else:
-            acc = fmt(o.summary and o.summary.final_accuracy, ".4f")
+            acc = fmt(o.summary and o.summary.final_value, ".4f")
             print(f"    {o.strategy}: done in {o.seconds:.0f} s, final accuracy {acc}", file=out, flush=True)
         if o.code is not None and o.code >= 128:  # a signal (Ctrl-C): stop here
             return o.code

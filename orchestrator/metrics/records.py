@@ -54,6 +54,13 @@ def events(records: Iterable[Record], event: Event, since: float = 0.0) -> list[
     return [r for r in records if is_event(r, event) and r["time"] >= since]
 
 
+def headline(record: Record) -> str:
+    """The name of an `eval` or `end` record's headline metric (its `metrics`' first; accuracy
+    for a record without them)."""
+    names = record.get("metrics")
+    return str(names[0]) if isinstance(names, list) and names else "accuracy"
+
+
 def final_accuracy(records: Iterable[Record]) -> Optional[float]:
     """The held-out accuracy of a run's last `end` record (the PS's, or allreduce's rank 0);
     None when it wrote none (the run did not get that far)."""

@@ -102,20 +102,23 @@ def plot_loss(runs: Sequence[Run], out: Path) -> Path:
 
 
 def plot_accuracy(runs: Sequence[Run], out: Path, threshold: float = THRESHOLD) -> Path:
-    fig, (ax_t, ax_s) = _figure("Held-out accuracy")
+    """The held-out headline metric over time and samples: accuracy.png, or `<metric>.png` for
+    runs whose headline is another (perplexity, the user's)."""
+    metric = next((p.metric for run in runs for p in eval_points(run) if p.metric != "accuracy"), "accuracy")
+    fig, (ax_t, ax_s) = _figure(f"Held-out {metric}")
     for run in runs:
         points = eval_points(run)
         if not points:
             continue
         label = run.label if len(runs) > 1 else "held-out"
-        ax_t.plot([p.seconds for p in points], [p.accuracy for p in points], marker="o", ms=3, label=label)
+        ax_t.plot([p.seconds for p in points], [p.value for p in points], marker="o", ms=3, label=label)
         with_samples = [p for p in points if p.samples is not None]
-        ax_s.plot([p.samples for p in with_samples], [p.accuracy for p in with_samples], marker="o", ms=3, label=label)
-    for ax in (ax_t, ax_s):
+        ax_s.plot([p.samples for p in with_samples], [p.value for p in with_samples], marker="o", ms=3, label=label)
+    for ax in (ax_t, ax_s) if metric == "accuracy" else ():  # the threshold is an accuracy's
         ax.axhline(threshold, color="grey", ls="--", lw=1, label=f"{threshold:.2f}")
-    _axes(ax_t, "wall time (s)", "accuracy")
-    _axes(ax_s, "training samples (all workers)", "accuracy")
-    return _save(fig, out / "accuracy.png")
+    _axes(ax_t, "wall time (s)", metric)
+    _axes(ax_s, "training samples (all workers)", metric)
+    return _save(fig, out / f"{metric}.png")
 
 
 def _smooth(values: list[float], window: int = SMOOTH) -> list[float]:

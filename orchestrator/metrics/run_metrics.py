@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from app.contract import NO_PS_STRATEGY, Event
 from orchestrator.errors import UsageError
-from orchestrator.metrics.records import Record, is_event, last_segment, read_jsonl
+from orchestrator.metrics.records import Record, headline, is_event, last_segment, read_jsonl
 
 THRESHOLD = 0.90
 
@@ -264,21 +264,24 @@ class Point:
     seconds: float
     samples: Optional[float]
     step: int
-    accuracy: float
+    value: float  # the headline metric's (accuracy, perplexity, the user's first)
     loss: Optional[float]
+    metric: str = "accuracy"
 
 
 def eval_points(run: Run) -> list[Point]:
-    """Held-out accuracy (and loss) over the run: its eval and end records."""
+    """The held-out headline metric (and loss) over the run: its eval and end records."""
     t0, samples_at = start_time(run), SamplesAt(run)
     points = []
     for r in run.records(Event.EVAL, Event.END):
-        if r.get("accuracy") is None:
+        metric = headline(r)
+        if not isinstance(r.get(metric), (int, float)):
             continue
         samples = r.get("samples")
         if samples is None and run.batch_size:
             samples = samples_at(r["time"])
-        points.append(Point(r["time"] - t0, samples, int(r.get("step") or 0), float(r["accuracy"]), r.get("loss")))
+        step = int(r.get("step") or 0)
+        points.append(Point(r["time"] - t0, samples, step, float(r[metric]), r.get("loss"), metric))
     return points
 
 
@@ -327,7 +330,7 @@ class Summary:
     label: str
     strategy: Optional[str]
     workers: int
-    final_accuracy: Optional[float]
+    final_value: Optional[float]  # the headline metric's at the end (`metric`)
     final_loss: Optional[float]
     time_to: Optional[float]  # seconds to the threshold accuracy
     samples_to: Optional[float]  # samples to the threshold accuracy
@@ -337,14 +340,16 @@ class Summary:
     seconds: Optional[float]  # the run's training time (its end record), else its span
     threshold: float = THRESHOLD
     notes: list[str] = field(default_factory=list)
+    metric: str = "accuracy"
 
 
 def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
     points = eval_points(run)
     final = points[-1] if points else None
-    reached = next((p for p in points if p.accuracy >= threshold), None)
+    # the threshold is an accuracy's: a run with another headline has no time to it
+    reached = next((p for p in points if p.metric == "accuracy" and p.value >= threshold), None)
     rates = [x for x in (worker_rate(v) for v in run.worker_files.values()) if x is not None]
-    end = next((r for r in reversed(run.records(Event.END)) if r.get("accuracy") is not None), None)
+    end = next((r for r in reversed(run.records(Event.END)) if r.get(headline(r)) is not None), None)
     counts, _ = staleness_counts(run)
     s_mean: Optional[float] = None
     s_max: Optional[int] = None
@@ -375,7 +380,7 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
         run.label or run.name,
         run.strategy,
         run.workers,
-        final.accuracy if final else None,
+        final.value if final else None,
         final.loss if final else None,
         reached.seconds if reached else None,
         reached.samples if reached else None,
@@ -385,6 +390,7 @@ def summarize(run: Run, threshold: float = THRESHOLD) -> Summary:
         seconds,
         threshold,
         notes,
+        final.metric if final else "accuracy",
     )
 
 
@@ -399,14 +405,16 @@ def format_summary(summaries: Sequence[Summary]) -> list[str]:
     samples/s, staleness mean/max."""
     th = summaries[0].threshold if summaries else THRESHOLD
     width = max([len("RUN")] + [len(s.label) for s in summaries])
+    metric = next((s.metric for s in summaries if s.metric != "accuracy"), "accuracy")
+    final = "FINAL ACC" if metric == "accuracy" else f"FINAL {metric[:3].upper()}"
     lines = [
-        f"{'RUN':<{width}}  {'STRATEGY':<9} {'WORKERS':>7} {'FINAL ACC':>9} {f'TIME TO {th:.2f}':>12} "
+        f"{'RUN':<{width}}  {'STRATEGY':<9} {'WORKERS':>7} {final:>9} {f'TIME TO {th:.2f}':>12} "
         f"{f'SAMPLES TO {th:.2f}':>15} {'SAMPLES/S':>9} {'STALENESS MEAN/MAX':>18}"
     ]
     for s in summaries:
         stale = "-" if s.staleness_mean is None else f"{s.staleness_mean:.2f}/{fmt(s.staleness_max, 'd')}"
         lines.append(
-            f"{s.label:<{width}}  {s.strategy or '?':<9} {s.workers:>7} {fmt(s.final_accuracy, '.4f'):>9} "
+            f"{s.label:<{width}}  {s.strategy or '?':<9} {s.workers:>7} {fmt(s.final_value, '.4f'):>9} "
             f"{fmt(s.time_to, '.1f', ' s'):>12} {fmt(s.samples_to, '.0f'):>15} "
             f"{fmt(s.samples_per_s, '.0f'):>9} {stale:>18}"
         )

@@ -150,6 +150,8 @@ def _passed_on(o: Option, t: Topology) -> bool:
     topology's value is not the app's default, which the app then uses."""
     if o.name == "image_size" and t.train.dataset != "imagefolder":
         return False  # only imagefolder crops
+    if o.name == "lr" and "lr" in t.train.optimizer:
+        return False  # the optimizer gives its own rate
     value = getattr(getattr(t, o.section), o.key)
     return o.emit == ALWAYS or value != o.default
 

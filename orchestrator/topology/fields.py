@@ -25,7 +25,7 @@ class Image(Section):
 
     base: str = Field(min_length=1, pattern=r"^\S+$")
     """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g.
-    pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime."""
+    pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime."""
     device: Literal["cuda", "cpu"]
     """cuda: one GPU per worker, seen as cuda:0 inside; cpu: no GPUs."""
     tag: Optional[str] = None

@@ -29,10 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, Vali
 from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
 from app.option_table import BY_NAME, OPTIONS, in_topology
 from app.options import PSOptions, TrainOptions, broken_rule
+from app.recipes import spec_of
 from orchestrator.errors import one_line
 from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Tracking, Workers
 from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
-from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes
+from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes, yaml_float
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
 NAME_RULE = "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
@@ -47,7 +48,21 @@ def _image_cache(v: Any) -> Any:
 
 def _plain(section: str) -> list[str]:
     """The keys of a section's options of a plain kind (int, float, bool, str without choices)."""
-    return [o.key for o in in_topology(section) if o.kind != "auto_int" and not o.choices]
+    return [o.key for o in in_topology(section) if o.kind in ("int", "float", "bool", "str") and not o.choices]
+
+
+def _spec(v: Any) -> Any:
+    """An optimizer, schedule or loss: a name, or a mapping with its name and keyword arguments
+    (a number PyYAML read as text, `3e-4`, is the number it means)."""
+    if isinstance(v, str) and not v.strip().startswith("{"):
+        return spec_of(v)
+    if not (isinstance(v, dict) and isinstance(v.get("name"), str)):
+        raise ValueError("must be a name, or a mapping with a name and its keyword arguments")
+    return spec_of({k: _numbers(x) for k, x in v.items()})
+
+
+def _numbers(v: Any) -> Any:
+    return [_numbers(x) for x in v] if isinstance(v, list) else yaml_float(v)
 
 
 def _exact(v: Any, info: ValidationInfo) -> Any:
@@ -99,6 +114,7 @@ class Train(TrainOptions):
         return v
 
     _plain_values = field_validator(*_plain("train"), mode="before")(_exact)
+    _specs = field_validator(*[o.key for o in in_topology("train") if o.kind == "spec"], mode="before")(_spec)
     _cache = field_validator("image_cache", mode="before")(_image_cache)
     _loaders = field_validator("loader_workers", mode="before")(loader_workers)
 
@@ -173,8 +189,16 @@ class Topology(BaseModel):
         )
 
     def entry_points(self) -> list[tuple[str, str]]:
-        """(YAML path, value) of train.model and train.dataset when they name the user's code."""
-        fields = (("train.model", self.train.model), ("train.dataset", self.train.dataset))
+        """(YAML path, value) of train.model, train.dataset, the optimizer, the loss and the
+        metrics when they name the user's code."""
+        tr = self.train
+        fields = (
+            ("train.model", tr.model),
+            ("train.dataset", tr.dataset),
+            ("train.optimizer.name", tr.optimizer["name"]),
+            ("train.loss.name", tr.loss["name"]),
+            ("train.metrics", tr.metrics),
+        )
         return [(path, v) for path, v in fields if is_entry_point(v)]
 
     @property
@@ -248,7 +272,15 @@ def is_entry_point(value: str) -> bool:
 
 def check(t: Topology, source: str) -> None:
     """The checks that span fields (pydantic has checked each field); the first problem raises."""
-    for part in (_check_inputs, _check_rules, _check_gpus, _check_state, _check_placement, _check_tracking):
+    for part in (
+        _check_inputs,
+        _check_recipe,
+        _check_rules,
+        _check_gpus,
+        _check_state,
+        _check_placement,
+        _check_tracking,
+    ):
         part(t, source)
 
 
@@ -267,6 +299,15 @@ def _check_inputs(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
+
+
+def _check_recipe(t: Topology, source: str) -> None:
+    """The optimizer, the schedule, the loss and the metrics: each name and key (app/recipes.py)."""
+    for o in in_topology("train"):
+        problem = o.problem(getattr(t.train, o.key))
+        if problem is not None:
+            path = f"{o.topology}.{problem.key}" if problem.key else o.topology
+            raise TopologyError(source, path, problem.text)
 
 
 def _check_gpus(t: Topology, source: str) -> None:
@@ -417,8 +458,14 @@ def parse(text: str, source: str = "<topology>") -> Topology:
 def _check_required(data: dict, source: str) -> None:
     """The options a topology file must give (the app has a default for each: the dataclass
     field has one, so pydantic cannot tell; checked once every given key is known)."""
+    train = data.get("train", {})
+    own_lr = isinstance(train.get("optimizer"), dict) and "lr" in train["optimizer"]
+    if own_lr and "lr" in train:
+        raise TopologyError(
+            source, "train.lr", f"got {show(train['lr'])}; train.optimizer gives its own lr: give the rate once"
+        )
     for o in OPTIONS:
-        if o.required and o.key not in data.get(o.section, {}):
+        if o.required and o.key not in data.get(o.section, {}) and not (o.name == "lr" and own_lr):
             raise TopologyError(source, o.topology, "missing; this key is required")
 
 

@@ -221,7 +221,8 @@ def recording_channel(answer=None, overlap: bool = False):
     """A worker's real channel (app.worker.channels.PSChannel: its own seal, flip and staging)
     whose pushes go nowhere: each is recorded in `.messages` and answered at once with
     `answer(message, version)` (by default a Reply of zeros, one version on); the pushes the
-    trainer said its rank has still to make after each one, in `.to_go`."""
+    trainer said its rank has still to make after each one, in `.to_go`; each push's gradient
+    norm in `.norms` and the epoch's batches it said in `.epoch_batches`."""
     from types import SimpleNamespace
 
     import torch
@@ -239,11 +240,15 @@ def recording_channel(answer=None, overlap: bool = False):
             self.routes = [Route(PS, 0, 0)]
             self.messages: list = []
             self.to_go: list[int] = []
+            self.norms: list = []  # each push's gradient norm (train.clip_grad_norm), None without
+            self.epoch_batches: list[int] = []
 
-        def send(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1):
+        def send(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
             self.sent += 1
             self.messages.append(outgoing.message)
             self.to_go.append(to_go)
+            self.norms.append(None if outgoing.norm is None else float(outgoing.norm))
+            self.epoch_batches.append(epoch_batches)
             reply = (answer or zeros)(outgoing.message, version)
             return SimpleNamespace(wait=lambda: reply)
 

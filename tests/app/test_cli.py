@@ -95,7 +95,7 @@ def test_torchvision_model_with_a_mismatched_torchvision_says_so(tmp_path):
     line = _one_error_line(result)
     assert "torchvision does not import beside torch" in line, line
     assert "RuntimeError: operator torchvision::nms does not exist" in line and "images/torch-pair.txt" in line
-    assert line.endswith(": cnn"), line
+    assert line.endswith(": cnn, char_transformer"), line
 
 
 def test_torchvision_model_without_torchvision_names_what_exists(tmp_path):
@@ -105,7 +105,7 @@ def test_torchvision_model_without_torchvision_names_what_exists(tmp_path):
     result = run_app("ps", "--model", "resnet18", "--dataset", "digits", env=env)
     assert result.returncode == 2
     line = _one_error_line(result)
-    assert "torchvision is not installed" in line and line.endswith(": cnn"), line
+    assert "torchvision is not installed" in line and line.endswith(": cnn, char_transformer"), line
 
 
 def test_health_is_0_when_the_port_listens_and_1_when_not():

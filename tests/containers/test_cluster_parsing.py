@@ -57,13 +57,15 @@ def test_summarize_metrics_keeps_the_last_values_and_skips_bad_lines():
     assert backend_status.summarize_metrics(WORKER_LINES) == {
         "step": 110,
         "loss": 0.0795,
-        "accuracy": None,
+        "metric": "accuracy",
+        "value": None,
         "event": "end",
     }
     assert backend_status.summarize_metrics(PS_LINES) == {
         "step": 220,
         "loss": 0.1243,
-        "accuracy": 0.9666,
+        "metric": "accuracy",
+        "value": 0.9666,
         "event": "end",
     }
     assert backend_status.summarize_metrics(["", "[1, 2]", "not json"])["step"] is None
@@ -97,6 +99,36 @@ def test_status_lines():
         "worker1    exited                    0     110   0.0795        -",
         "worker2    restarting x2             1       -        -        -",
         "worker3    no container              -       -        -        -",
+    ]
+
+
+def test_a_run_whose_headline_is_another_metric_shows_it_in_status():
+    lines = [
+        json.dumps(
+            {
+                "time": 1.0,
+                "event": "eval",
+                "step": 100,
+                "perplexity": 12.5,
+                "loss": 2.53,
+                "metrics": ["perplexity", "loss"],
+            }
+        ),
+        json.dumps(
+            {
+                "time": 2.0,
+                "event": "end",
+                "step": 500,
+                "perplexity": 8.6631,
+                "loss": 2.159,
+                "metrics": ["perplexity", "loss"],
+            }
+        ),
+    ]
+    rows = [backend_status.service_row(state(attrs("ps", "exited", 0)), lines)]
+    assert backend_status.format_status(rows) == [
+        "SERVICE    STATE                  EXIT    STEP     LOSS PERPLEXITY",
+        "ps         exited                    0     500   2.1590     8.6631",
     ]
 
 

@@ -69,6 +69,18 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         topology(train={"strategy": "allreduce"}, workers={"count": 2, "max": 3}),
         ["worker", "--strategy", "allreduce", "--world_size", "3", "--max_workers", "3"],
     ),
+    "momentum": (
+        topology(train={"momentum": 0.9, "optimizer": "adamw"}),
+        ["worker", "--momentum", "0.9", "--optimizer", "adamw"],
+    ),
+    "weight_decay": (
+        topology(train={"weight_decay": 0.1, "optimizer": {"name": "sgd", "weight_decay": 0.2}}),
+        ["worker", "--weight_decay", "0.1", "--optimizer", '{"name": "sgd", "weight_decay": 0.2}'],
+    ),
+    "optimizer adafactor": (
+        topology(train={"optimizer": "adafactor"}, ps={"shards": 2}),
+        ["ps", "--optimizer", "adafactor", "--shards", "2"],
+    ),
     "precision": (
         topology(train={"precision": "fp16"}),
         ["worker", "--precision", "fp16"],

@@ -53,6 +53,11 @@ OTHER = {
     "precision": "bf16",
     "channels_last": True,
     "weight_decay": 0.001,
+    "optimizer": {"name": "rmsprop", "alpha": 0.9},
+    "schedule": {"name": "cosine", "warmup": 0.1, "eta_min": 0.001},
+    "clip_grad_norm": 1.5,
+    "loss": {"name": "cross_entropy", "label_smoothing": 0.1},
+    "metrics": "perplexity",
 }
 
 
@@ -116,7 +121,7 @@ def test_the_topology_fields_are_the_declarations() -> None:
         assert field.description == o.help, o.name
         assert field.is_required() == o.required, o.name
         if not o.required:
-            assert field.default == o.default, o.name
+            assert field.get_default(call_default_factory=True) == o.default, o.name
         if o.choices:
             literal = next(
                 a

@@ -118,7 +118,7 @@ def test_summary_of_known_records(tmp_path: Path) -> None:
     run = run_metrics.load_run(make_run(tmp_path / "r"))
     s = run_metrics.summarize(run)
     assert (run.strategy, run.workers, run.batch_size) == ("async", 2, 32)
-    assert s.final_accuracy == 0.96 and s.final_loss == pytest.approx(0.04)
+    assert s.final_value == 0.96 and s.final_loss == pytest.approx(0.04)
     assert s.time_to == pytest.approx(2.0)  # the first eval at >= 0.90 (a later dip does not count)
     assert s.samples_to == 1280  # its `samples`
     assert s.samples_per_s == pytest.approx(2560 / 4.0)
@@ -132,7 +132,7 @@ def test_summary_of_known_records(tmp_path: Path) -> None:
 def test_threshold_never_reached_and_other_threshold(tmp_path: Path) -> None:
     run = run_metrics.load_run(make_run(tmp_path / "r", accuracies=(0.5, 0.6), final=0.7))
     s = run_metrics.summarize(run)
-    assert s.time_to is None and s.samples_to is None and s.final_accuracy == 0.7
+    assert s.time_to is None and s.samples_to is None and s.final_value == 0.7
     assert "-" in run_metrics.format_summary([s])[1].split()
     assert run_metrics.summarize(run, threshold=0.55).time_to == pytest.approx(2.0)
 
@@ -183,7 +183,7 @@ def test_only_the_last_run_of_appended_files(tmp_path: Path) -> None:
     assert sorted(run.files) == ["ps", "worker1", "worker2"] and run.workers == 2
     assert all(r["time"] >= T0 + 100 for recs in run.files.values() for r in recs)
     s = run_metrics.summarize(run)
-    assert s.final_accuracy == 0.96 and s.time_to == pytest.approx(2.0)
+    assert s.final_value == 0.96 and s.time_to == pytest.approx(2.0)
     assert run.dropped == 3 * len(worker_records(1)) + len(ps_records(accuracies=(0.2, 0.3)))
     assert any("earlier runs" in n for n in s.notes)
 
@@ -204,7 +204,7 @@ def test_bad_lines_are_skipped(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "r")
     with open(run_dir / "metrics" / "worker1.jsonl", "a") as f:
         f.write('{"time": 1000010.0, "role": "wor')  # killed mid-write
-    assert run_metrics.summarize(run_metrics.load_run(run_dir)).final_accuracy == 0.96
+    assert run_metrics.summarize(run_metrics.load_run(run_dir)).final_value == 0.96
 
 
 def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_allreduce_run_has_no_ps_file(tmp_path: Path) -> None:
     run = run_metrics.load_run(tmp_path / "allreduce")
     assert run.strategy == "allreduce" and run.workers == 2
     s = run_metrics.summarize(run)
-    assert s.final_accuracy == 0.96 and s.time_to == pytest.approx(2.0)
+    assert s.final_value == 0.96 and s.time_to == pytest.approx(2.0)
     assert s.staleness_mean is None and s.staleness_max is None
     written = report.write_report([run], tmp_path / "out")
     assert not (tmp_path / "out" / "staleness.png").exists()
@@ -451,10 +451,10 @@ def test_report_of_a_real_local_run(tmp_path: Path) -> None:
     assert run.workers == 2 and run.strategy == "async" and run.batch_size
     s = run_metrics.summarize(run)
     points = run_metrics.eval_points(run)
-    assert s.final_accuracy is not None and s.final_accuracy == points[-1].accuracy
+    assert s.final_value is not None and s.final_value == points[-1].value
     assert all(p.samples is not None for p in points)
     assert [p.seconds for p in points] == sorted(p.seconds for p in points) and points[0].seconds >= 0
-    reached = [p for p in points if p.accuracy >= 0.90]
+    reached = [p for p in points if p.value >= 0.90]
     assert s.time_to == (reached[0].seconds if reached else None)
     written = report.write_report([run], tmp_path / "out")
     for p in written[:-1]:
@@ -474,5 +474,5 @@ def test_compare_async_for_real(cli, tmp_path: Path) -> None:
     for name in ("loss.png", "accuracy.png", "throughput.png", "staleness.png"):
         assert read_png(tmp_path / "cmp" / "report" / name).ndim == 3
     s = run_metrics.summarize(run_metrics.load_run(tmp_path / "cmp" / "async"))
-    assert s.final_accuracy is not None and s.workers == 2
-    assert f"{s.final_accuracy:.4f}" in table[1].split()
+    assert s.final_value is not None and s.workers == 2
+    assert f"{s.final_value:.4f}" in table[1].split()

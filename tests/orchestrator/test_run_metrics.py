@@ -67,7 +67,7 @@ def test_the_start_record_gives_strategy_batch_and_workers(tmp_path: Path) -> No
     assert not run.batch_estimated and run.info_from == "start records"
     assert run.start is not None and run.start["role"] == "ps" and run.start["run_id"] == "r-1"
     summary = run_metrics.summarize(run)
-    assert summary.strategy == "ssp" and summary.workers == 3 and summary.final_accuracy == 0.93
+    assert summary.strategy == "ssp" and summary.workers == 3 and summary.final_value == 0.93
 
 
 def test_workers_from_world_size_when_only_the_ps_wrote_one(tmp_path: Path) -> None:

@@ -176,13 +176,18 @@ def test_shipped_configs_load() -> None:
         "resnet18",
         "imagefolder",
         256,
-        0.01,
+        0.1,
         150,
     )
+    assert d.train.optimizer == {"name": "sgd", "momentum": 0.9, "weight_decay": 1e-4}  # torchvision's recipe
+    assert d.train.schedule["name"] == "step"
     assert d.cuda and d.workers.count == 3 and d.worker_gpus() == [0, 1, 2]
     s = load(REPO / "configs/cpu-smoke.yaml")
     assert not s.cuda and s.train.model == "cnn" and s.train.dataset == "digits" and s.workers.count == 2
     assert s.worker_gpus() == [] and not s.reads_files
+    lm = load(REPO / "configs/cpu-lm.yaml")
+    assert (lm.train.model, lm.train.dataset, lm.train.metrics) == ("char_transformer", "stdlib_text", "perplexity")
+    assert lm.train.optimizer["name"] == "adamw" and lm.train.clip_grad_norm == 1.0 and not lm.reads_files
 
 
 def test_workers_override_defaults_gpus() -> None:

@@ -50,7 +50,9 @@ class AsyncPolicy(Policy):
         return taken < note.backward <= taken + 2
 
     def into(self, rank: int) -> torch.Tensor | None:
-        return None if self.state.sliced else self.replies.take(rank)
+        """The rank's reply buffer, where SGD writes the new state; None (in place, the reply a
+        copy) for a PS shard and for an optimizer that steps in place (app.ps.optim)."""
+        return None if self.state.sliced or not self.state.writes_into else self.replies.take(rank)
 
     def apply(
         self, message: torch.Tensor, scale: float, into: torch.Tensor | None, early: EarlyPartitions | None

@@ -111,7 +111,7 @@ class Policy:
         """Apply the push now (the rest of it, where its partitions were applied early into the
         buffer its answer goes in), keep its answer waiting, and release the answers that may go."""
         into = self.into(push.rank)
-        self.apply(message, self.state.scale_for(staleness), into, early)
+        self.apply(message, self.state.scale_for(staleness, push.grad_norm), into, early)
         self.count(push.rank, push.epoch, push.batch, staleness, push.to_go)
         self.hold(push.rank, Waiting(future, None, push.epoch, push.batch, staleness, push.to_go))
         return self.release(fresh=push.rank if into is not None else None)

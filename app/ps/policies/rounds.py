@@ -71,6 +71,9 @@ class RoundPolicy(Policy):
         """Keep the push waiting and fold it into the open round (the partitions folded early
         from its backward are in it already); close the round if it was the last one awaited."""
         state = self.state
+        clip = state.clip_factor(push.grad_norm)
+        if clip != 1.0:  # each push's gradient clipped by its own norm before the round's mean
+            message[: state.num_params].mul_(clip)
         self.hold(push.rank, Waiting(future, message, push.epoch, push.batch, 0, push.to_go))
         self._open_round().fold(push.rank, message, state.vector, state.num_params, state.lr, noted_backward(push))
         return self._close_round()

@@ -22,7 +22,7 @@ from app.config import UsageError, parse
 from app.contract import UNNAMED_RUN, event_dir
 from app.data import datasets
 from app.training import models
-from app.training.evaluate import held_out_accuracy
+from app.training.evaluate import evaluate
 from app.training.metrics import read
 
 from app_testkit import (
@@ -133,8 +133,11 @@ def test_compression_hooks():
 def test_evaluate_leaves_the_model_training():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.BatchNorm1d(10))
     held_out = datasets.load("digits", "", "test", 0)
-    accuracy, loss = held_out_accuracy(model, datasets.eval_loader(held_out.data, 64, 0), torch.device("cpu"))
-    assert 0 <= accuracy <= 1 and loss > 0 and model.training
+    scores = evaluate(
+        model, datasets.eval_loader(held_out.data, 64, 0), torch.device("cpu"), "accuracy", nn.CrossEntropyLoss()
+    )
+    assert list(scores) == ["accuracy", "loss"] and 0 <= scores["accuracy"] <= 1 and scores["loss"] > 0
+    assert model.training
 
 
 # --- processes ----------------------------------------------------------------
@@ -396,12 +399,12 @@ def test_rank0_evaluates_in_the_background_so_the_next_step_does_not_wait_for_it
 
     release, evaluated = threading.Event(), []
 
-    def slow_accuracy(model, loader, device):
+    def slow_accuracy(model, loader, device, metrics, loss):
         release.wait(60)
         evaluated.append(model)
-        return 0.5, 1.0
+        return {"accuracy": 0.5, "loss": 1.0}
 
-    monkeypatch.setattr(ddp, "held_out_accuracy", slow_accuracy)
+    monkeypatch.setattr(ddp, "evaluate", slow_accuracy)
     checkpoints = SimpleNamespace(due=lambda: False)
     trainer, state = _ddp_trainer(rank0=(checkpoints, None))
     state.progress = ddp.Progress(step=1)

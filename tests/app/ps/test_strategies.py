@@ -367,7 +367,7 @@ def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
     channel = recording_channel(overlap=True)
     sent = channel.send
 
-    def send(outgoing, version, epoch=1, batch=0, samples=0, to_go=-1):
+    def send(outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
         pending = sent(outgoing, version, epoch, batch, samples, to_go)
         message, copy = outgoing.message, outgoing.message.clone()
 

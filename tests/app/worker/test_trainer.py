@@ -65,3 +65,23 @@ def test_a_loader_without_a_length_leaves_the_pushes_to_go_unknown():
     started(trainer)
     trainer.push_and_pull(1, 1, 8)
     assert channel.to_go == [-1]
+
+
+def test_with_clipping_each_push_carries_its_gradients_global_norm_and_the_epochs_batches():
+    """train.clip_grad_norm: the worker computes the norm of the gradient it pushes (the PS scales
+    by it, every shard alike: tests/app/ps/test_optim.py); without clipping, none is sent."""
+    model = _linear(4, 1.0)
+    x, y = torch.ones(8, 4), torch.zeros(8, 1)
+    for flags, norm_sent in ((["--clip_grad_norm", "0.5"], True), ([], False)):
+        config = parse(["worker", "--loss", "mse", "--batch_size", "8", *flags], {})
+        channel = recording_channel()
+        trainer = Trainer(config, model, [(x, y)] * 3, None, torch.device("cpu"), channel, None)
+        started(trainer)
+        trainer.compute_gradients(x, y)
+        grads = trainer.flat.grads.clone()
+        trainer.push_and_pull(1, 1, 8)
+        if norm_sent:
+            assert channel.norms == [pytest.approx(float(torch.linalg.vector_norm(grads)))]
+            assert channel.norms[0] > 0.5  # a gradient the PS will clip
+        else:
+            assert channel.norms == [None]
