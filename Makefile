@@ -111,7 +111,7 @@ sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) f
 local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
 	$(ORCH) local $(CFG) $(RESUMING)
 
-# The cluster in containers (orchestrator/backends/verbs.py on the compose target). logs, status and down act
+# The cluster in containers (orchestrator/verbs/cluster.py on the compose target). logs, status and down act
 # on the cluster `up` started last, unless CONFIG, WORKERS or NAME is given (NAME alone: the last up of that name).
 LAST    := $(if $(filter file,$(origin CONFIG)),,-c $(CONFIG)) $(if $(WORKERS),--workers $(WORKERS)) \
            $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
@@ -134,11 +134,11 @@ status: host-setup ## one line per service: state, exit code, step, loss
 down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 	$(ORCH) down $(LAST)
 
-# TensorBoard on the runs' event files (orchestrator/tensorboard.py): the last up's project, every
+# TensorBoard on the runs' event files (orchestrator/verbs/tensorboard.py): the last up's project, every
 # run side by side; RUN=<id> one run, PORT=N (default 6006 or the next free), LOCAL=1 make local's runs.
 tensorboard: $(if $(LOCAL),setup,host-setup) ## TensorBoard of the last up's runs at http://127.0.0.1:6006/ (RUN=<id>, PORT=N, LOCAL=1); make down stops it
 	$(ORCH) tensorboard $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN)) $(if $(PORT),--port $(PORT))
-# The run's trained model out for plain PyTorch (orchestrator/backends/export_verb.py): runs/<name>/model/
+# The run's trained model out for plain PyTorch (orchestrator/verbs/export.py): runs/<name>/model/
 # model.pt (a state_dict) and model.json; RUN=<id> an earlier run, LOCAL=1 make local's runs.
 export: $(if $(LOCAL),setup,host-setup) ## the last up's trained model to runs/<name>/model/: model.pt, model.json (RUN=<id>, LOCAL=1)
 	$(ORCH) export $(if $(LOCAL),$(CFG) --local,$(LAST)) $(if $(RUN),--run $(RUN))
@@ -148,7 +148,7 @@ scale: host-setup ## grow or shrink the running cluster to WORKERS workers (up t
 smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all exit 0
 	$(ORCH) smoke $(NAMED)
 
-# The connectivity check (orchestrator/check_verb.py): LOCAL=1 as processes, TIMEOUT=S.
+# The connectivity check (orchestrator/verbs/check.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
 	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
@@ -164,7 +164,7 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
 	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
 
-# The same topology on Docker Swarm (orchestrator/backends/verbs.py on the swarm target, docs/multi-host.md).
+# The same topology on Docker Swarm (orchestrator/verbs/cluster.py on the swarm target, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
 	$(ORCH) stack-up $(CFG) $(RESUMING)

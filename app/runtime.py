@@ -1,7 +1,6 @@
-"""Process plumbing: logging, threads, device choice, and the one RPC session.
+"""Process plumbing: logging, threads, device choice, signals, deadlines, exit.
 
-Everything about starting and stopping torch.distributed.rpc lives in
-`rpc_session`, so failure handling changes one place.
+RPC itself (the group's session, calls) is app/exchange/transport.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from app.config import Config, UsageError
 
@@ -32,15 +30,6 @@ log = logging.getLogger("app")
 # through this logger to stdout, bare; diagnostics go through `app` to stderr.
 progress = logging.getLogger("app.progress")
 
-# TensorPipe: the `uv` (TCP) transport only. The default `shm` transport spins a
-# core while idle; `cuda_ipc` crashes with one GPU per container (pytorch#95487),
-# so the channels are listed explicitly and tensors cross on CPU. `cma` (one
-# process_vm_readv copy) is taken between processes of one PID namespace, the
-# local runs; it costs ~40% less CPU than `mpt_uv` per tensor (`python -m bench
-# constants`: rpc_cma_cpu_s, rpc_mpt_uv_cpu_s). Containers have a PID namespace
-# each, so TensorPipe passes over it there and takes `mpt_uv`.
-TRANSPORTS = ["uv"]
-CHANNELS = ["cma", "mpt_uv", "basic"]
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
@@ -291,40 +280,6 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
-
-
-def backend_options(config: Config) -> rpc.TensorPipeRpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{config.master_addr}:{config.master_port}",
-        rpc_timeout=config.rpc_timeout,
-        num_worker_threads=max(8, 2 * (config.max_trainers + 1)),  # every worker the job may be scaled to
-        _transports=TRANSPORTS,
-        _channels=CHANNELS,
-    )
-
-
-@contextmanager
-def rpc_session(config: Config, rank: int, name: str | None = None) -> Iterator[None]:
-    """Be in the job's RPC group as `name` (default config.name) with RPC id `rank`.
-
-    The group is dynamic (`world_size=None`): the PS (id 0) starts it, workers
-    join and leave at any time (app.exchange.group says why each piece is as it
-    is). Joining is bounded by rpc_timeout. Leaving never waits for peers
-    (`graceful=False`): a graceful shutdown waits for every member, so one
-    dead member would hang it, and a graceful leave of a dynamic group calls
-    every member. Every RPC a process cares about has returned by then.
-    """
-    name = name or config.name
-    if config.master_addr in LOOPBACK:
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    with deadline(config.rpc_timeout, f"{name}: joining the job at {config.master_addr}:{config.master_port}"):
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=backend_options(config))
-    log.info("%s joined the job", name)
-    try:
-        yield
-    finally:
-        with deadline(config.rpc_timeout + 10, f"{name}: RPC shutdown"):
-            rpc.shutdown(graceful=False)
 
 
 _CLEANUPS: list[Callable[[], None]] = []

@@ -73,7 +73,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_gpu_trial(args: argparse.Namespace) -> int:
-    from orchestrator import gpu_trial
+    from orchestrator.verbs import gpu_trial
 
     return engine_errors(gpu_trial.run)(args.config, seconds=args.seconds)
 
@@ -94,7 +94,7 @@ def run_schema(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from orchestrator.local import run
+    from orchestrator.verbs.local import run
 
     return run(load_topology(args), source=args.config, keep_going=args.keep_going, resume=args.resume)
 
@@ -193,9 +193,9 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
 def _verbs():
     """The verbs written once on the targets' blocks (orchestrator/backends/), imported on use:
     `render` and `local` need no Docker SDK."""
-    from orchestrator.backends import board, export_verb, smoke_verb, verbs
+    from orchestrator.verbs import board, cluster, export, smoke
 
-    return verbs, smoke_verb, board, export_verb
+    return cluster, smoke, board, export
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
@@ -223,13 +223,13 @@ def _sample_data():
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
-    """The connectivity check (orchestrator/check_verb.py, app/connectivity.py)."""
+    """The connectivity check (orchestrator/verbs/check.py, app/connectivity.py)."""
 
     @engine_errors
     def run_check(a: argparse.Namespace) -> int:
-        from orchestrator import check_verb
+        from orchestrator.verbs import check
 
-        return check_verb.run(
+        return check.run(
             load_topology(a),
             local=a.local,
             timeout=a.timeout,
@@ -303,7 +303,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
 
 
 def _add_export_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
-    """The run's trained model out for plain PyTorch (orchestrator/backends/export_verb.py)."""
+    """The run's trained model out for plain PyTorch (orchestrator/verbs/export.py)."""
     _last_cluster_args(p, last)
     p.add_argument("--run", dest="run_id", metavar="ID", help="an earlier run (default: the newest)")
     p.add_argument("--local", action="store_true", help="make local's runs (runs/<name>/) instead of a cluster's")
@@ -345,8 +345,8 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
 
 
 def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
-    """TensorBoard on the runs' event files (orchestrator/backends/board.py), or with --local
-    a process on `make local`'s runs (orchestrator/tensorboard.py)."""
+    """TensorBoard on the runs' event files (orchestrator/verbs/board.py), or with --local
+    a process on `make local`'s runs (orchestrator/verbs/tensorboard.py)."""
     _last_cluster_args(p, last)
     p.add_argument(
         "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"

@@ -51,9 +51,7 @@ def links(path: Path) -> list[tuple[int, str]]:
 
 
 def test_the_anchor_rule_is_githubs() -> None:
-    assert anchor("The exchange on one host: shared memory (`app/ps/exchange.py`)") == (
-        "the-exchange-on-one-host-shared-memory-apppsexchangepy"
-    )
+    assert anchor("A heading (`a/b_c.py`), with: punctuation") == "a-heading-ab_cpy-with-punctuation"
     assert anchor("`scale`: grow or shrink a running cluster") == "scale-grow-or-shrink-a-running-cluster"
 
 

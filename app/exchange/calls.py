@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import torch
-import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from app.exchange.transport import answered_later
 from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
 
 
@@ -67,14 +67,14 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
     return service().pull(rank)
 
 
-@rpc.functions.async_execution
+@answered_later
 def rpc_push(message: torch.Tensor, push: Push) -> Future:
     """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
     Any other error is raised here, and RPC hands it to the caller as an error."""
     return service().push(message, push)
 
 
-@rpc.functions.async_execution
+@answered_later
 def rpc_push_slot(slot: int, dtype: str, numel: int, push: Push) -> Future:
     """rpc_push for a worker on the PS's host: its message is `numel` values of `dtype` in its
     push slot `slot`; the answer names the region that holds the new state (a SlotReply), or is

@@ -15,7 +15,7 @@ its answer here:
   (app.ps.members.listing): joiners only ever call the PS. If a joiner dies
   holding the token anyway, the PS frees it.
 - A graceful leave calls every member and takes that token too: processes
-  leave with `rpc.shutdown(graceful=False)` (app.runtime.rpc_session).
+  leave with `rpc.shutdown(graceful=False)` (app.exchange.transport.session).
 
 This module is what a joining process (worker or PS shard) does, and `pong`, which the PS calls
 to see that a process is alive.

@@ -29,13 +29,14 @@ from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
 from app.data import datasets
+from app.exchange import transport
 from app.ps.members.liveness import LivenessMonitor
 from app.ps.rpc import ENDPOINT, Admit
 from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
-from app.runtime import choose_device, counted, progress, rpc_session
+from app.runtime import choose_device, counted, progress
 from app.training import losses, models
 from app.training.evaluate import Evaluator, fields, line
 from app.training.flat import state_size
@@ -143,7 +144,7 @@ def _serve(
     with (
         ENDPOINT.serving(server, join=join),
         ENDPOINT.serving_main(others.register if others is not None else None, resumed),
-        rpc_session(config, rank=0),
+        transport.session(config, rank=0),
     ):
         if others is None:
             server.open_joins()  # it listens: the workers' join_timeout counts from now

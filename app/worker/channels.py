@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.distributed.rpc as rpc
 from torch import nn
 
 from app.config import UsageError
 from app.contract import PS, worker_name
-from app.exchange import calls, group
+from app.exchange import calls, group, transport
 from app.exchange.group import READY_KEY
 from app.exchange.wire import (
     Joined,
@@ -133,14 +132,14 @@ def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None
 
 
 def call_joining(to: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
-    """`rpc.rpc_sync` of a worker's join to `to` (the PS or a shard). A worker can enter the RPC
+    """`transport.call` of a worker's join to `to` (the PS or a shard). A worker can enter the RPC
     group before `to` has (the PS hosts the group's store, then enters it): `to` tells every
     member of itself as it enters, and until then RPC cannot find its name, so the call is tried
     again every 0.1 s, within `timeout`; any other error, or that one past `timeout`, raises."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return rpc.rpc_sync(to, function, args=args, timeout=timeout)
+            return transport.call(to, function, args, timeout=timeout)
         except RuntimeError as error:
             if NOT_IN_GROUP_YET not in str(error) or time.monotonic() >= deadline:
                 raise
@@ -370,7 +369,7 @@ class PSChannel:
 
     def call_async(self, to: str, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """The RPC future of `function(*args)` on `to` (a push: it may wait `push_wait` too)."""
-        return rpc.rpc_async(to, function, args=args, timeout=self.push_timeout)
+        return transport.call_async(to, function, args, timeout=self.push_timeout)
 
     def send_rest(self, rest: list[Slice], push: Push, staleness: int) -> list[tuple[Route, Any]]:
         """A chained push's other slices, once the main PS answered with `staleness`."""
@@ -411,7 +410,7 @@ class PSChannel:
 
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
-            return rpc.rpc_sync(name, function, args=args, timeout=self.timeout)
+            return transport.call(name, function, args, timeout=self.timeout)
         except RuntimeError as error:
             raise self.lost(name, function, error) from error
 

@@ -23,9 +23,9 @@ from app.config import Config, UsageError
 from app.contract import PS, strategy_of
 from app.data import datasets
 from app.data.datasets import LabeledData, ShardSampler
-from app.exchange import group
+from app.exchange import group, transport
 from app.exchange.wire import Start
-from app.runtime import choose_device, gpu_identity, rpc_session
+from app.runtime import choose_device, gpu_identity
 from app.training import models
 from app.training.metrics import MetricsWriter, run_records
 from app.worker.channels import Channel, PSChannel, PSUnreachable, wait_until_ready
@@ -122,7 +122,7 @@ def join_and_train(
             # joins (app.exchange.group): a SIGTERM from here on joins first, then leaves.
             with runtime.sigterm_deferred():
                 runtime.sigterm_exits_at_once("")
-                session.enter_context(rpc_session(config, rank=rpc_id, name=name))
+                session.enter_context(transport.session(config, rank=rpc_id, name=name))
                 start = channel.join()
             at = start.progress
             metrics.start(config, at.pushes)

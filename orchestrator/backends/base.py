@@ -7,7 +7,7 @@ blocks: `deploy` (start the document with the run's variables), `describe` (one
 `remove`, `read_records` (the app's metrics files), `running_env` (the run going on), and
 where it can `scale_to` (and `discard_created`) and `serve_board`. Every user-facing verb
 (up, down, logs, status, smoke, scale, tensorboard) is written once on top of them
-(orchestrator/backends/verbs.py), with one run-record store (orchestrator/backends/record.py);
+(orchestrator/verbs/cluster.py), with one run-record store (orchestrator/backends/record.py);
 the CLI builds the verbs of every target in the registry (orchestrator/backends/registry.py)
 and never names one.
 

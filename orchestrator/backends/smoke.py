@@ -1,4 +1,4 @@
-"""The parts of the smoke verb (orchestrator/backends/verbs.py): waiting for a cluster to
+"""The parts of the smoke verb (orchestrator/verbs/cluster.py): waiting for a cluster to
 finish, timing its steps, and judging its end (pure: `judge`; the accuracy is rank 0's
 `end` record, orchestrator.metrics.records.final_accuracy), on `ServiceState`s."""
 

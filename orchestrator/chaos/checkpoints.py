@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from orchestrator.chaos.common import Outcome, Scenario
-from orchestrator.local import spawn
 from orchestrator.paths import ROOT
+from orchestrator.verbs.local import spawn
 
 CHECKPOINT_MODULE = "app.checkpoint.files"  # the app's checkpoint code (save, listing, verify, newest_good)
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from app.contract import Event
 from orchestrator import images, runs
-from orchestrator.backends import command, verbs
+from orchestrator.backends import command
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.backend import SCALE_STOP_SECONDS
 from orchestrator.backends.compose.status import service_states
@@ -41,6 +41,7 @@ from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
+from orchestrator.verbs import cluster
 
 
 # Run inside a container (as its user): send a signal (SIGKILL unless said) to the `python -m app
@@ -133,10 +134,10 @@ class ContainerJob:
 
     def scale(self, workers: int) -> tuple[list[str], list[str]]:
         """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
-        running = verbs.running_workers(service_states([c.attrs for c in self.containers().values()]))
+        running = cluster.running_workers(service_states([c.attrs for c in self.containers().values()]))
         if running is None:
             raise Timeout("scale: the PS is not running")
-        start, stop = verbs.scale_plan(running, workers)
+        start, stop = cluster.scale_plan(running, workers)
         if start:
             env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
             command.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)

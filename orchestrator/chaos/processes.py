@@ -30,10 +30,18 @@ from orchestrator.chaos.common import (
     chaos_topology,
     wait_until,
 )
-from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, shm_dir, spawn
 from orchestrator.metrics.records import Record, events, read_jsonl
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
+from orchestrator.verbs.local import (
+    LOCALHOST,
+    app_argv,
+    free_port,
+    loopback_ifname,
+    service_environment,
+    shm_dir,
+    spawn,
+)
 
 
 class ProcessJob:

@@ -1,7 +1,7 @@
 """`python -m orchestrator compare`: the same short CPU job under each strategy, side by side.
 
 Each strategy runs configs/cpu-smoke.yaml (digits, the small CNN) with the
-same workers, epochs and seed as local processes (orchestrator/local.py) in
+same workers, epochs and seed as local processes (orchestrator/verbs/local.py) in
 `<runs>/<strategy>/` (metrics/, checkpoints/, output.log, run.json), one after
 the other; then `report` draws all of them on one set of plots in
 `<runs>/report/` and a table is printed: strategy, time and samples to 0.90
@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from app.contract import STRATEGIES
-from orchestrator import local
 from orchestrator.errors import UsageError
 from orchestrator.metrics import run_metrics
 from orchestrator.metrics.report import write_report
 from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load
+from orchestrator.verbs import local
 
 BASE_CONFIG = SMOKE_CONFIG
 RUNS_DIR = "runs/compare"

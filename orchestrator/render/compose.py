@@ -57,7 +57,7 @@ CODE_DIR = "/code"  # the user's Python code (`code`), read-only, on PYTHONPATH
 INIT_WEIGHTS = "/init/weights.pt"  # train.init_weights, read-only
 APP_DIR = "/opt/ps-compose"  # the app in the image (images/Dockerfile's PYTHONPATH)
 
-# `make tensorboard` (orchestrator/backends/board.py): TensorBoard on the state
+# `make tensorboard` (orchestrator/verbs/board.py): TensorBoard on the state
 # volume, a service of the project that `up` leaves alone (its profile is never active there).
 TENSORBOARD_SERVICE = "tensorboard"
 TENSORBOARD_PROFILE = "tensorboard"

@@ -219,9 +219,9 @@ def spawn(
     new_session: bool = False,
     pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen | ForkedApp:
-    """orchestrator.local.spawn (the same signature: it stands in for it), with `python -m app`
+    """orchestrator.verbs.local.spawn (the same signature: it stands in for it), with `python -m app`
     forked unless descriptors are passed on."""
-    from orchestrator import local
+    from orchestrator.verbs import local
 
     full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}  # what local.spawn gives the process
     if _module(argv) is None or pass_fds or not can_fork(full):

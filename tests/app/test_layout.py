@@ -302,3 +302,14 @@ def test_oversized_finds_a_long_class_and_a_long_module(tmp_path):
 def test_no_class_over_300_lines_and_no_module_over_500(where):
     found = oversized(REPO / where)
     assert found == [], f"in {where}:\n" + "\n".join(found)
+
+
+def test_rpc_is_reached_through_one_module():
+    """torch.distributed.rpc is imported (or named) by app/exchange/transport.py alone: another
+    transport replaces that module, nothing else."""
+    naming = sorted(
+        str(path.relative_to(APP.parent))
+        for path in APP.rglob("*.py")
+        if "torch.distributed.rpc" in path.read_text(encoding="utf-8")
+    )
+    assert naming == ["app/exchange/transport.py"]

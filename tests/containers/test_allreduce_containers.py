@@ -10,11 +10,12 @@ import time
 import pytest
 
 from orchestrator import paths
-from orchestrator.backends import smoke_verb, verbs
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.registry import get
 from orchestrator.chaos.containers import KILL_APP
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import smoke as smoke_verb
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

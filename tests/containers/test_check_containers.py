@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from orchestrator import check_verb
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
+from orchestrator.verbs import check as check_verb
 
 # In the engine group beside `engine` (tests/conftest.py): its projects are its own.
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]

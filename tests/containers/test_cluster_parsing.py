@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import paths
-from orchestrator.backends import record, smoke, verbs
+from orchestrator.backends import record, smoke
 from orchestrator.backends import status as backend_status
 from orchestrator.backends.base import Cluster, ServiceState
 from orchestrator.backends.compose import doctor as compose_doctor
@@ -22,6 +22,7 @@ from orchestrator.errors import UsageError
 from orchestrator.metrics import records
 from orchestrator.topology.model import load, parse
 from orchestrator.topology.services import services
+from orchestrator.verbs import cluster as verbs
 
 PS_LINES = [
     '{"time": 1, "role": "ps", "rank": 0, "event": "eval", "step": 50, "accuracy": 0.78, "loss": 1.2}',
@@ -361,7 +362,7 @@ def test_status_shows_the_live_set_from_the_ps_records():
 
 
 def test_scale_starts_the_missing_ranks_and_stops_the_highest_first():
-    from orchestrator.backends.verbs import scale_plan
+    from orchestrator.verbs.cluster import scale_plan
 
     assert scale_plan({1: "worker1", 2: "worker2"}, 4) == (["worker3", "worker4"], [])
     assert scale_plan({1: "worker1", 2: "worker2", 3: "worker3", 4: "worker4"}, 2) == ([], ["worker4", "worker3"])

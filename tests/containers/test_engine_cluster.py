@@ -15,10 +15,10 @@ import sys
 import pytest
 
 from orchestrator import paths
-from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
 
 from needs import unavailable
 

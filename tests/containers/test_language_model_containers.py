@@ -13,13 +13,14 @@ import sys
 import pytest
 
 from orchestrator import images, paths
-from orchestrator.backends import export_verb, verbs
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.registry import get
 from orchestrator.metrics import records
 from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
 from orchestrator.topology.services import PIDNS_SERVICE
+from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import export as export_verb
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from orchestrator import paths, sample_data
-from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter as compose_adapter
 from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
 
 from ps_log import last_evaluations
 

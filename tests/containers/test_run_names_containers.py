@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.backend import ComposeBackend
 from orchestrator.backends.registry import get
 from orchestrator.errors import UsageError
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 TIMEOUT = 240.0

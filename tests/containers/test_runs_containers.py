@@ -16,10 +16,12 @@ import torch
 import yaml
 
 from app.training.models import SmallCNN
-from orchestrator.backends import command, export_verb, verbs
+from orchestrator.backends import command
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import get
 from orchestrator.paths import ROOT, RUNS
+from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import export as export_verb
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 TIMEOUT = 120

@@ -15,12 +15,13 @@ import time
 import pytest
 
 from orchestrator import paths
-from orchestrator.backends import smoke, verbs
+from orchestrator.backends import smoke
 from orchestrator.backends.registry import get
-from orchestrator.backends.smoke_verb import finished
 from orchestrator.backends.swarm import adapter as swarm_adapter
 from orchestrator.chaos import swarm as chaos_swarm
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs.smoke import finished
 
 # The first test also waits for the two-node setup: seconds when the image links in, minutes when it must be loaded.
 # In the engine group beside `engine` (tests/conftest.py): its swarm is two engines of its own.

@@ -15,10 +15,10 @@ import subprocess
 
 import pytest
 
-from orchestrator.backends import smoke_verb
 from orchestrator.backends.registry import get
 from orchestrator.backends.swarm import adapter as swarm_adapter
 from orchestrator.paths import ROOT
+from orchestrator.verbs import smoke as smoke_verb
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

@@ -25,7 +25,7 @@ import yaml
 from PIL import Image
 
 from orchestrator import images
-from orchestrator.backends import board, command, verbs
+from orchestrator.backends import command
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import BACKENDS
 from orchestrator.metrics.records import parse_lines
@@ -33,6 +33,8 @@ from orchestrator.paths import ROOT, RUNS
 from orchestrator.render import tracking
 from orchestrator.render.compose import TENSORBOARD_SERVICE
 from orchestrator.topology.model import load
+from orchestrator.verbs import board
+from orchestrator.verbs import cluster as verbs
 
 from app_testkit import free_port
 from needs import unavailable

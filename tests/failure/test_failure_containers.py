@@ -17,13 +17,13 @@ import pytest
 import yaml
 
 from app.contract import Event
-from orchestrator.backends import verbs
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.registry import BACKENDS
 from orchestrator.chaos import common as chaos_common
 from orchestrator.chaos import containers as chaos_containers
 from orchestrator.metrics.records import events, parse_lines
 from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
 
 # In the engine group beside `engine` (tests/conftest.py): its projects are its own.
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]

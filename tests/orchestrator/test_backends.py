@@ -273,8 +273,8 @@ def test_kubernetes_doctor_validates_the_real_render_for_three_workers(monkeypat
 
 
 def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
-    from orchestrator.backends import verbs
     from orchestrator.errors import UsageError
+    from orchestrator.verbs import cluster as verbs
 
     config = tmp_path / "t.yaml"
     config.write_text(
@@ -294,7 +294,7 @@ def _follow_to_the_end(fleet: FakeBackend, monkeypatch, printed: Path) -> tuple[
     returned within 30 s, what it wrote)."""
     import threading
 
-    from orchestrator.backends import verbs
+    from orchestrator.verbs import cluster as verbs
 
     ended = [ServiceState("ps", "exited", exit_code=0), ServiceState("worker1", "exited", exit_code=0)]
     running = [replace(s, status="running", exit_code=None) for s in ended]

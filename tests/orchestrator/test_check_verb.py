@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from app.contract import CHECK_RECORD
-from orchestrator import check_verb
-from orchestrator.check_verb import Result, check_document, judge, plan_local, result_record
 from orchestrator.cli import build_parser, main
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, rendezvous_service, service_names
+from orchestrator.verbs import check as check_verb
+from orchestrator.verbs.check import Result, check_document, judge, plan_local, result_record
 
 from orch_helpers import HERE, REPO, topology
 

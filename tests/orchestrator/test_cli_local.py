@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import local
-from orchestrator.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.fields import Tracking
 from orchestrator.topology.model import load
 from orchestrator.topology.services import service_names
+from orchestrator.verbs import local
+from orchestrator.verbs.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 
 from needs import host_has
 from orch_helpers import REPO, topology

@@ -1,4 +1,4 @@
-"""`python -m orchestrator export` (orchestrator/backends/export_verb.py): a run's model to
+"""`python -m orchestrator export` (orchestrator/verbs/export.py): a run's model to
 runs/<name>/model/, from make local's runs and (tests/containers) from a compose volume."""
 
 from __future__ import annotations

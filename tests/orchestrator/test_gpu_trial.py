@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app import runtime
-from orchestrator import gpu_trial as g
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load, parse
+from orchestrator.verbs import gpu_trial as g
 
 from needs import unavailable
 from orch_helpers import REPO, training

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.local import local_environment
 from orchestrator.render import compose as render_compose
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
+from orchestrator.verbs.local import local_environment
 
 from orch_helpers import REPO, topology, training
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 APP_LOG_PHRASES = ("Accuracy:", "joined at version", "| Epoch:", "Update:", "resumed from ckpt-", r"\bdropped")
 # Reading a rendered compose file back for a setting of the run.
 COMPOSE_READ_BACK = ("PSC_STRATEGY", "PSC_BATCH_SIZE")
-WRITERS = ("orchestrator/render/", "orchestrator/check_verb.py", "orchestrator/local.py")  # they set them
+WRITERS = ("orchestrator/render/", "orchestrator/verbs/check.py", "orchestrator/verbs/local.py")  # they set them
 
 
 def string_constants(path: Path) -> list[tuple[int, str]]:

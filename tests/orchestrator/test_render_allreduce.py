@@ -15,14 +15,15 @@ import yaml
 from test_compose_config import check, compose_v1, compose_v2, need
 from test_swarm_render import DATA_ROOT, stack_config
 
-from orchestrator import local
-from orchestrator.backends import smoke, verbs
+from orchestrator.backends import smoke
 from orchestrator.backends.base import ServiceState
 from orchestrator.backends.registry import get
 from orchestrator.render import compose as render_compose
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
 from orchestrator.topology.services import rendezvous_service, service_names
+from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import local
 
 from orch_helpers import HERE, REPO, topology, training
 

@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator import local
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import Topology, TopologyError, load, parse
 from orchestrator.topology.services import describe, service_names
+from orchestrator.verbs import local
 
 from orch_helpers import HERE, REPO, topology, training
 

@@ -16,12 +16,13 @@ import yaml
 from test_backends import FakeBackend, ReadLines
 
 from orchestrator import paths
-from orchestrator.backends import registry, verbs
+from orchestrator.backends import registry
 from orchestrator.backends.base import ServiceState
 from orchestrator.errors import EngineError, UsageError
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.model import load, parse
 from orchestrator.topology.services import LABEL_PROJECT
+from orchestrator.verbs import cluster as verbs
 
 from orch_helpers import REPO, cli  # noqa: F401 - cli is a fixture
 

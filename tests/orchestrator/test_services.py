@@ -14,12 +14,12 @@ import yaml
 
 from orchestrator.backends import inspect as compose_inspect
 from orchestrator.chaos.processes import ProcessJob
-from orchestrator.check_verb import check_document, plan_local
-from orchestrator.local import plan
 from orchestrator.render import compose as render_compose
 from orchestrator.topology import services as spec_services
 from orchestrator.topology.model import load
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, Service, service_names
+from orchestrator.verbs.check import check_document, plan_local
+from orchestrator.verbs.local import plan
 
 from orch_helpers import REPO, topology, training
 

@@ -44,8 +44,8 @@ EVAL |= {"updates_per_s": 13.5, "samples_per_s": 812.4, "total": 4680, "percent"
 
 
 def status_of(monkeypatch: pytest.MonkeyPatch, containers: list[dict]) -> str:
-    from orchestrator.backends import verbs
     from orchestrator.backends.registry import get
+    from orchestrator.verbs import cluster as verbs
 
     monkeypatch.setattr(images, "client", lambda timeout=600: RecordedEngine(containers, {"ps.jsonl": ps_records()}))
     out = io.StringIO()

@@ -9,9 +9,10 @@ import socket
 import pytest
 from recorded_engine import RecordedEngine, recorded
 
-from orchestrator import images, tensorboard
+from orchestrator import images
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import load
+from orchestrator.verbs import tensorboard
 
 from orch_helpers import REPO
 

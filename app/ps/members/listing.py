@@ -16,19 +16,17 @@ import os
 import time
 
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
+
+from app.exchange import transport
 
 log = logging.getLogger("app.membership")
-TOKEN_KEY = "RpcGroupManagementToken"  # torch.distributed.rpc._utils
+TOKEN_KEY = "RpcGroupManagementToken"  # the name torch RPC's own _utils give it
 LISTING_KEY = "_ALL_WORKER_INFOS"  # "name-id,name-id," under the agent's "names/" prefix
 POLL_SECONDS = 0.05
 
 
 def _stores() -> tuple[dist.Store, dist.Store]:
-    agent = rpc.api._get_current_rpc_agent()
-    if not isinstance(agent, rpc.TensorPipeAgent):  # the only RPC agent with a store
-        raise RuntimeError(f"the membership store needs the TensorPipe RPC agent, not {type(agent).__name__}")
-    return agent.store, dist.PrefixStore("names", agent.store)
+    return transport.stores()
 
 
 def _take_token(store: dist.Store, mine: str, timeout: float) -> bool:

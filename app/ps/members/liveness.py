@@ -22,10 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed.rpc as rpc
-
 from app.contract import PS
-from app.exchange import group
+from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
 from app.ps.members import listing
 from app.ps.server import ParameterServer
@@ -53,7 +51,7 @@ class Pinger:
             if name in self._pinging:
                 return
             self._pinging.add(name)
-        future = rpc.rpc_async(name, group.pong, timeout=self.timeout)
+        future = transport.call_async(name, group.pong, timeout=self.timeout)
         future.add_done_callback(lambda f: self._answered(name, f, lost))
 
     def _answered(self, name: str, future: Any, lost: Callable[[str], None]) -> None:
@@ -163,7 +161,7 @@ class LivenessMonitor:
     def _ping(self, name: str, timeout: float) -> str | None:
         """None when `name` answers within `timeout`, else why not."""
         try:
-            rpc.rpc_sync(name, group.pong, timeout=timeout)
+            transport.call(name, group.pong, timeout=timeout)
             return None
         except Exception as error:  # noqa: BLE001
             return first_line(error)

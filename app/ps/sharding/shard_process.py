@@ -12,20 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.rpc as rpc
-
 from app import plugins
 from app.checkpoint import files as checkpoint_files
 from app.checkpoint.writer import Checkpointer
 from app.config import Config, UsageError
 from app.contract import PS
 from app.data import datasets
-from app.exchange import group
+from app.exchange import group, transport
 from app.ps import rpc as endpoints
 from app.ps.rpc import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
-from app.runtime import first_line, rpc_session
+from app.runtime import first_line
 from app.training import models
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter
@@ -131,7 +129,7 @@ def run(config: Config) -> int:
         group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, who=f"shard {index}")
         name, rpc_id = group.claim_shard_identity(index, config.master_addr, config.master_port, config.rpc_timeout)
         metrics.start(config)
-        with ENDPOINT.serving(server), rpc_session(config, rank=rpc_id, name=name):
+        with ENDPOINT.serving(server), transport.session(config, rank=rpc_id, name=name):
             _resume_from_main(server, config, own.checkpoint_dir, metrics, name)
             with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
                 error = _call_main(config, endpoints.rpc_register, index, name, k, part)
@@ -161,7 +159,7 @@ def run(config: Config) -> int:
 def _call_main(config: Config, function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)` on the main PS, its answer; MainPSLost when it cannot be reached."""
     try:
-        return rpc.rpc_sync(PS, function, args=args, timeout=config.rpc_timeout)
+        return transport.call(PS, function, args, timeout=config.rpc_timeout)
     except RuntimeError as lost:
         address = f"{config.master_addr}:{config.master_port}"
         raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
@@ -184,7 +182,7 @@ def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, confi
         server.unblock()
         if time.monotonic() - last_ping >= PING_SECONDS and not ENDPOINT.ended.is_set():
             try:
-                rpc.rpc_sync(PS, group.pong, timeout=config.rpc_timeout)
+                transport.call(PS, group.pong, timeout=config.rpc_timeout)
             except RuntimeError as error:
                 if ENDPOINT.ended.is_set():
                     return

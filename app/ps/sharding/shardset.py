@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from app.config import Config
-from app.exchange import calls, group
+from app.exchange import calls, group, transport
 from app.exchange.group import READY_KEY
 from app.exchange.wire import Joined, NotReady, Taken
 from app.ps import rpc as endpoints
@@ -118,7 +117,7 @@ class ShardSet:
             self._skip("not every shard is up")
             return None
         futures = [
-            (i, name, rpc.rpc_async(name, calls.rpc_pull, args=(0,), timeout=self.timeout)) for i, name in shards
+            (i, name, transport.call_async(name, calls.rpc_pull, (0,), timeout=self.timeout)) for i, name in shards
         ]
         for i, name, future in futures:
             try:
@@ -141,7 +140,7 @@ class ShardSet:
         """Forward a worker's drop, so no shard waits for it (sync rounds, ssp leads)."""
         for _, shard in self._shards():
             try:
-                future = rpc.rpc_async(shard, endpoints.rpc_drop, args=(rank, name), timeout=self.timeout)
+                future = transport.call_async(shard, endpoints.rpc_drop, (rank, name), timeout=self.timeout)
                 future.add_done_callback(_ignore)
             except RuntimeError:
                 pass
@@ -151,7 +150,7 @@ class ShardSet:
         be written); RuntimeError naming the first that could not."""
         for _, name in self._shards():
             try:
-                error = rpc.rpc_sync(name, endpoints.rpc_checkpoint, args=(version,), timeout=self.timeout)
+                error = transport.call(name, endpoints.rpc_checkpoint, (version,), timeout=self.timeout)
             except Exception as lost:  # noqa: BLE001
                 error = first_line(lost)
             if error:
@@ -163,7 +162,7 @@ class ShardSet:
         """Training ended: every shard writes its last checkpoint and exits 0."""
         for _, name in self._shards():
             try:
-                rpc.rpc_sync(name, endpoints.rpc_end, args=(finished,), timeout=self.timeout)
+                transport.call(name, endpoints.rpc_end, (finished,), timeout=self.timeout)
             except Exception as error:  # noqa: BLE001
                 log.warning("could not tell %s that training ended: %s", name, first_line(error))
 

@@ -1,6 +1,6 @@
 """The compose target: one host, `docker compose` (render: orchestrator/render/compose.py;
 the command line and the SDK reads: backends/compose/adapter.py; the verbs on top of these
-blocks: orchestrator/backends/verbs.py)."""
+blocks: orchestrator/verbs/cluster.py)."""
 
 from __future__ import annotations
 

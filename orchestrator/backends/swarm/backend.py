@@ -1,6 +1,6 @@
 """The swarm target: `docker stack deploy` on one or more hosts (render:
 orchestrator/render/swarm.py; the command lines and the SDK reads: backends/swarm/adapter.py;
-the verbs on top of these blocks, named stack-*: orchestrator/backends/verbs.py).
+the verbs on top of these blocks, named stack-*: orchestrator/verbs/cluster.py).
 
 A stack's tasks are one-shot: a service has ended when its newest task has; `stack rm`
 returns before the containers and the network are gone, so `remove` waits for them."""
@@ -21,9 +21,14 @@ from orchestrator.doctor.facts import Facts
 from orchestrator.errors import EngineError
 from orchestrator.paths import ROOT
 from orchestrator.render import swarm
-from orchestrator.tensorboard import SWARM_REFUSAL
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import describe, order
+
+# A stack's event files are on the PS's node; no service there shows them (yet).
+SWARM_REFUSAL = (
+    "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
+    "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
+)
 
 GONE_TIMEOUT = 120.0  # seconds `stack rm` has to remove the stack's containers and network
 

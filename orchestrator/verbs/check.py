@@ -33,12 +33,12 @@ from typing import Any, Optional, TextIO
 
 from app.contract import CHECK_RECORD
 from orchestrator.errors import UsageError
-from orchestrator.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, spawn
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import LABEL_RANK, LABEL_ROLE, services
+from orchestrator.verbs.local import LOCALHOST, app_argv, free_port, loopback_ifname, service_environment, spawn
 
 DEFAULT_TIMEOUT = 30.0
 # What a service of the check keeps from the training render: who runs it, where, how safely.

@@ -14,13 +14,13 @@ from orchestrator import images, runs
 from orchestrator.backends import smoke as parts
 from orchestrator.backends.base import Backend, Cluster, ServiceState
 from orchestrator.backends.status import format_states
-from orchestrator.backends.verbs import refuse_live
 from orchestrator.errors import engine_errors
 from orchestrator.metrics.records import course, final_accuracy, parse_lines
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import PS_SERVICE, by_name, describe, rendezvous_service, service_names
+from orchestrator.verbs.cluster import refuse_live
 
 RESTARTS = 3  # a service restarted this often is in a loop: the wait ends
 

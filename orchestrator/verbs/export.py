@@ -17,12 +17,12 @@ from typing import Optional, TextIO
 
 from orchestrator import paths
 from orchestrator.backends.base import Backend
-from orchestrator.backends.board import run_ids
-from orchestrator.backends.verbs import resolve
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.topology.model import load_with
 from orchestrator.topology.services import PS_SERVICE
+from orchestrator.verbs.board import run_ids
+from orchestrator.verbs.cluster import resolve
 
 MODEL_DIR = "model"  # runs/<name>/model/
 LOAD_DOC = "docs/running.md#export-the-trained-model-and-track-runs-in-mlflow"
@@ -43,7 +43,7 @@ def export(
     out = out or sys.stdout
     if local:
         t = load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
-        from orchestrator.local import RUNS_DIR
+        from orchestrator.verbs.local import RUNS_DIR
 
         state = Path(RUNS_DIR) / t.name  # where make local keeps it (runs/, from where it runs)
         into = state / MODEL_DIR
@@ -94,7 +94,7 @@ def _local_runs(metrics: Path) -> list[str]:
 
 def _export_local(t, state: Path, run_id: str, into: Path) -> None:
     """`python -m app export` with the environment make local's PS (or worker1) had."""
-    from orchestrator import local
+    from orchestrator.verbs import local
 
     env = local.export_environment(t, state, run_id, into)
     result = subprocess.run(local.app_argv("export"), env=env, capture_output=True, text=True)

@@ -1,6 +1,6 @@
 """The tensorboard verb, once for every target: TensorBoard on the event files of the cluster
 `up` started last (or -c's), every run side by side or one (`run`), on 127.0.0.1 at a free
-port; with `local`, a process on the runs of `make local` (orchestrator/tensorboard.py).
+port; with `local`, a process on the runs of `make local` (orchestrator/verbs/tensorboard.py).
 
 Refused with one line before anything starts: the image not built yet (`make up` or `make
 build` first), or a run id that is not among the cluster's runs (the ones that exist are
@@ -16,15 +16,15 @@ import yaml
 
 from app.contract import Event
 from orchestrator import images
-from orchestrator import tensorboard as board
 from orchestrator.backends.base import Backend, Cluster
-from orchestrator.backends.verbs import keep_document, resolve
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.render.compose import TENSORBOARD_PORT, TENSORBOARD_RUN
 from orchestrator.topology.model import load_with
 from orchestrator.topology.services import PS_SERVICE
+from orchestrator.verbs import tensorboard as board
+from orchestrator.verbs.cluster import keep_document, resolve
 
 
 def image_of(c: Cluster) -> Optional[str]:

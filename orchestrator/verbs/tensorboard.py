@@ -4,7 +4,7 @@ answers on, and for `make tensorboard LOCAL=1` the local process on runs/<name>/
 The app writes `<metrics_dir>/tensorboard/<run id>/<process>/` (app/contract.py `event_dir`);
 TensorBoard shows every run under the directory it is given, so the default (the whole
 `tensorboard/` directory) puts a topology's runs side by side, and a run id narrows it to one.
-The verb is orchestrator/backends/board.py; compose serves it as a profiled service of the project.
+The verb is orchestrator/verbs/board.py; compose serves it as a profiled service of the project.
 """
 
 from __future__ import annotations
@@ -83,15 +83,8 @@ def wait_until_answers(port: int, timeout: float = ANSWER_TIMEOUT, alive=lambda:
     return False
 
 
-# A stack's event files are on the PS's node; no service there shows them (yet).
-SWARM_REFUSAL = (
-    "stack-tensorboard: not done for a swarm stack: its event files are on the state volume of the PS's node; "
-    "there, `python -m tensorboard.main --logdir <that volume>/metrics/tensorboard` shows them"
-)
-
-
 def local_logdir(t: Topology, run: str, runs_dir: str = "runs") -> Path:
-    """Where `make local` runs of `t` keep their event files (orchestrator/local.py: runs/<name>/metrics)."""
+    """Where `make local` runs of `t` keep their event files (orchestrator/verbs/local.py: runs/<name>/metrics)."""
     return Path(runs_dir) / t.name / "metrics" / TENSORBOARD_DIR / run
 
 

@@ -1,6 +1,6 @@
 """The user-facing verbs, written once on top of a target's blocks (orchestrator/backends/base.py):
-build, up, down, logs, status, scale, smoke (orchestrator/backends/smoke_verb.py) and
-tensorboard (orchestrator/backends/board.py).
+build, up, down, logs, status, scale, smoke (orchestrator/verbs/smoke.py) and
+tensorboard (orchestrator/verbs/board.py).
 
 Each verb takes the target (`Backend`) and returns an exit status; the CLI only parses and
 calls them. `up` renders the topology to runs/<name>/<the target's file> (compose.yaml at the

@@ -1,0 +1,1 @@
+"""The verbs: what each command a user types does, on the topology and the backends."""
