@@ -44,18 +44,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # TensorPipe warns on stderr each time a peer's connection closes, which is
     # every normal exit in a job whose members leave without waiting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from app import runtime  # imports torch: only for the roles that need it
+    from app.runtime import lifecycle, logs, machine, words  # imports torch: only for the roles that need it
 
-    runtime.setup_logging()
-    runtime.keep_freed_memory()
+    logs.setup_logging()
+    machine.keep_freed_memory()
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
     grace = PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0)
     if ps_worker:
-        runtime.sigterm_exits_at_once(f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave")
-    runtime.handle_sigterm(grace, announce=not ps_worker)  # a worker's leave is its one line
+        lifecycle.sigterm_exits_at_once(f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave")
+    lifecycle.handle_sigterm(grace, announce=not ps_worker)  # a worker's leave is its one line
     if held:
         os.kill(os.getpid(), signal.SIGTERM)
-    runtime.set_threads(runtime.sharing_cpus(config))
+    machine.set_threads(machine.sharing_cpus(config))
     try:
         if config.role == "check":  # the connectivity check (app/connectivity.py)
             from app import connectivity
@@ -80,21 +80,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"app: error: {error}", file=sys.stderr)
         return 2
     except (SystemExit, Exception) as error:
-        if ps_worker and runtime.sigterm_received():  # told to stop: what broke on the way out is no failure
-            said = f": {type(error).__name__}: {runtime.first_line(error)}" if isinstance(error, Exception) else ""
-            runtime.log.info("%s: stopped (SIGTERM)%s", config.name, said)
+        if ps_worker and lifecycle.sigterm_received():  # told to stop: what broke on the way out is no failure
+            said = f": {type(error).__name__}: {words.first_line(error)}" if isinstance(error, Exception) else ""
+            logs.log.info("%s: stopped (SIGTERM)%s", config.name, said)
             return 0
         if isinstance(error, SystemExit):
             raise
         # a failure at run time: one line, status 1
-        runtime.log.error("%s failed: %s: %s", config.name, type(error).__name__, runtime.first_line(error))
-        runtime.log.debug("traceback", exc_info=True)
+        logs.log.error("%s failed: %s: %s", config.name, type(error).__name__, words.first_line(error))
+        logs.log.debug("traceback", exc_info=True)
         # Exit now: tearing torch's RPC and threads down after a lost peer takes
         # seconds, and nothing is left to save.
-        runtime.exit_now(1)
+        lifecycle.exit_now(1)
         return 1
     finally:
-        runtime.run_cleanups()
+        lifecycle.run_cleanups()
 
 
 if __name__ == "__main__":

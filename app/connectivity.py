@@ -31,9 +31,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app import runtime
 from app.config import Config
 from app.contract import CHECK_RECORD, service_names
+from app.runtime import lifecycle, machine, words
 
 SMALL = torch.tensor([42.0])  # the message of the classic torchrun message-passing check
 LARGE_BYTES = 8 << 20
@@ -99,7 +99,7 @@ def run(config: Config) -> int:
     """Run the check as `config.rank` and end the process with its exit status (at
     once: the interpreter's teardown of torch takes seconds, longer than the check)."""
     status = _run(config)
-    runtime.exit_now(status)
+    lifecycle.exit_now(status)
     return status
 
 
@@ -108,7 +108,7 @@ def _run(config: Config) -> int:
     me = Member(
         config.rank, names[config.rank], socket.gethostname(), local_addr(config.master_addr, config.master_port)
     )
-    runtime.set_gloo_interface(config.master_addr)
+    machine.set_gloo_interface(config.master_addr)
     record = {
         "rank": me.rank,
         "name": me.name,
@@ -149,10 +149,10 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
         store = dist.TCPStore("127.0.0.1", config.master_port, None, True, timeout, wait_for_workers=False)
     except Exception as error:  # noqa: BLE001 - port taken, no permission...
         raise CheckFailed(
-            f"{me.label()} cannot host the store on port {config.master_port}: {runtime.first_line(error)}"
+            f"{me.label()} cannot host the store on port {config.master_port}: {words.first_line(error)}"
         ) from None
     _say(
-        f"check: {me.label()} on {me.host} {me.addr} waits for {runtime.counted(config.world_size - 1, 'rank')} "
+        f"check: {me.label()} on {me.host} {me.addr} waits for {words.counted(config.world_size - 1, 'rank')} "
         f"at {_where(config)} (at most {config.rpc_timeout:g} s)"
     )
     members = _wait_registered(store, config, names)
@@ -182,7 +182,7 @@ def _rank0(config: Config, names: list[str], me: Member) -> None:
             raise CheckFailed(f"{m.label()} on {m.host} {m.addr}: {error}", blame=[m.name]) from None
         except Exception as error:  # noqa: BLE001 - gloo: connection reset, timeout
             raise CheckFailed(
-                f"no round trip with {m.label()} on {m.host} {m.addr}: {runtime.first_line(error)}", blame=[m.name]
+                f"no round trip with {m.label()} on {m.host} {m.addr}: {words.first_line(error)}", blame=[m.name]
             ) from None
         gbps = 2 * LARGE_BYTES / (large_ms / 1e3) / 1e9
         _say(
@@ -242,8 +242,8 @@ def _round_trips(tensor: torch.Tensor, rank: int, reps: int) -> float:
 def _reach(config: Config, names: list[str], me: Member) -> None:
     """Wait until rank 0's port accepts a TCP connection; CheckFailed at rpc_timeout."""
     try:
-        runtime.wait_for_port(config.master_addr, config.master_port, config.rpc_timeout)
-    except runtime.PortUnreachable as error:
+        machine.wait_for_port(config.master_addr, config.master_port, config.rpc_timeout)
+    except machine.PortUnreachable as error:
         raise CheckFailed(
             f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
             f"within {config.rpc_timeout:g} s: {error}",
@@ -259,7 +259,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
     except Exception as error:  # noqa: BLE001 - refused, unknown host, timeout
         raise CheckFailed(
             f"{me.label()} could not reach {names[0]} (rank 0) at {_where(config)} "
-            f"within {config.rpc_timeout:g} s: {runtime.first_line(error)}",
+            f"within {config.rpc_timeout:g} s: {words.first_line(error)}",
             unreachable=True,
         ) from None
     if store.add(KEY_CLAIM.format(rank=me.rank), 1) > 1:
@@ -271,7 +271,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
         verdict = store.get(KEY_VERDICT).decode()
     except Exception as error:  # noqa: BLE001
         raise CheckFailed(
-            f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: {runtime.first_line(error)}"
+            f"{me.label()}: no word from {names[0]} (rank 0) at {_where(config)}: {words.first_line(error)}"
         ) from None
     if verdict != "go":
         store.add(KEY_DONE, 1)
@@ -287,9 +287,7 @@ def _other(config: Config, names: list[str], me: Member) -> None:
                 dist.recv(buf, src=0)
                 dist.send(buf, dst=0)
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(
-            f"{me.label()}: exchange with {names[0]} (rank 0) broke: {runtime.first_line(error)}"
-        ) from None
+        raise CheckFailed(f"{me.label()}: exchange with {names[0]} (rank 0) broke: {words.first_line(error)}") from None
     print(
         f"check: {me.label()} on {me.host} {me.addr} received {small} from {names[0]} and sent back both tensors",
         flush=True,
@@ -307,4 +305,4 @@ def _init_group(store: dist.TCPStore, config: Config, me: Member) -> None:
             timeout=timedelta(seconds=config.rpc_timeout),
         )
     except Exception as error:  # noqa: BLE001
-        raise CheckFailed(f"{me.label()}: the gloo group did not form: {runtime.first_line(error)}") from None
+        raise CheckFailed(f"{me.label()}: the gloo group did not form: {words.first_line(error)}") from None

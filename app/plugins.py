@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from app.config import UsageError
 from app.contract import ENTRY_POINT
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 
 class DatasetSpec(NamedTuple):

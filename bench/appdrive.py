@@ -5,7 +5,7 @@ What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
 (`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
 `app.worker.channels.PSChannel`), the flat buffers (`app.training.flat`), the TensorPipe
 options (`app.exchange.transport.backend_options`) and thread count
-(`app.runtime.set_threads`). What is the bench's: the model (bench.models),
+(`app.runtime.machine.set_threads`). What is the bench's: the model (bench.models),
 a fixed synthetic batch, and the lifecycle of the RPC group (a static group
 with a graceful end), so that changes to the app's membership and failure
 handling do not change what is measured. Every use of the app's interfaces
@@ -73,12 +73,12 @@ def _config(role: str, p: dict[str, Any]):
 
 
 def _init(config: Any, name: str, rank: int) -> None:
-    from app import runtime
     from app.exchange import transport
+    from app.runtime import machine
 
-    runtime.keep_freed_memory()  # what `python -m app` does at start
+    machine.keep_freed_memory()  # what `python -m app` does at start
     world = config.world_size + config.shards - 1
-    runtime.set_threads(runtime.sharing_cpus(config))  # as `python -m app` does
+    machine.set_threads(machine.sharing_cpus(config))  # as `python -m app` does
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=transport.backend_options(config))
 
 

@@ -80,9 +80,9 @@ def timed(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time
 
 def in_process(model_name: str, repeats: int) -> dict[str, float]:
     """The figures measured in this process (see MEASURES)."""
-    from app import runtime
+    from app.runtime import machine
 
-    runtime.keep_freed_memory()  # as the app's processes do: no fresh mmap per 45 MB buffer
+    machine.keep_freed_memory()  # as the app's processes do: no fresh mmap per 45 MB buffer
     torch.set_num_threads(1)
     spec = SPECS[model_name]
     model, loss_fn = spec.model(), nn.CrossEntropyLoss()
@@ -247,10 +247,10 @@ def _echo_process(rank: int, floats: int, channels: list[str], port: int, repeat
 
     import torch.distributed.rpc as rpc
 
-    from app import runtime
+    from app.runtime import machine
 
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, at init and shutdown
-    runtime.keep_freed_memory()
+    machine.keep_freed_memory()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, _transports=["uv"], _channels=channels)

@@ -139,15 +139,15 @@ def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
     one-worker job takes (`python -m app` sets them; the bench's own count is put back after)."""
     import torch
 
-    from app import runtime
     from app.config import parse
+    from app.runtime import machine
 
     if str(CODE) not in sys.path:
         sys.path.insert(0, str(CODE))
     argv = ["worker", "--world_size", "2", "--model", f"sleep_resnet:resnet18_{compute_ms}ms", "--batch_size", "20"]
     config = parse(argv, {})
     threads = torch.get_num_threads()
-    runtime.set_threads(runtime.sharing_cpus(config))
+    machine.set_threads(machine.sharing_cpus(config))
     try:
         return [_compute_steps(config, compute_ms, batches)]
     finally:

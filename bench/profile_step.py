@@ -244,15 +244,15 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     and the PS's copies and arithmetic as the app has them now, and as they were (`was:`)."""
     import torch
 
-    from app import runtime
     from app.ps.members.members import MembersConfig
     from app.ps.policies import PolicyConfig
     from app.ps.server import ParameterServer, ServerConfig
     from app.ps.state import StateConfig
+    from app.runtime import machine
     from app.training import models
     from app.training.flat import FlatModel
 
-    runtime.keep_freed_memory()
+    machine.keep_freed_memory()
     torch.set_num_threads(1)
     model = models.build(args.model, 3, 10, 0)
     model.train()

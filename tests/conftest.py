@@ -26,7 +26,7 @@ import os
 import pytest
 
 # torch in a test's own process computes on one thread (unless OMP_NUM_THREADS says otherwise),
-# as the app's processes on a 2-core host do (app.runtime.set_threads): the pytest-xdist workers
+# as the app's processes on a 2-core host do (app.runtime.machine.set_threads): the pytest-xdist workers
 # share the cores with each other and with the clusters the tests start. With two threads each,
 # a test's tensor work took a third more CPU time on a loaded 2-core CPU VM (each parallel
 # region's threads spin at its end while the other core is busy). Set before any test imports

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from app import plugins, recipes, runtime
+from app import plugins, recipes
 from app.allreduce.hooks import compress_hook
 from app.allreduce.trainer import AllreduceTrainer, EpochSampler, JobState, Progress
 from app.allreduce.world import World, leave_together, rendezvous, world_of
@@ -43,7 +43,9 @@ from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.data import datasets
-from app.runtime import choose_device, progress
+from app.runtime import devices, lifecycle, machine, words
+from app.runtime.devices import choose_device
+from app.runtime.logs import progress
 from app.training import losses, models, optimizers
 from app.training.evaluate import evaluate, fields, line
 from app.training.metrics import MetricsWriter
@@ -61,7 +63,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     )
     device = rank_device(config, world)
     models.check(config.model)
-    runtime.set_threads(world.size)
+    machine.set_threads(world.size)
     inputs = load_inputs(config, world, device)
     state = build_state(config, inputs.train, device)
 
@@ -70,7 +72,7 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
         backend = join_job(config, world, device, state, checkpoints)
         p = state.progress
         metrics.start(config, p.step)
-        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch, **runtime.gpu_identity(device))
+        metrics.write("join", p.step, worker=config.name, epoch=p.epoch, batch=p.batch, **devices.gpu_identity(device))
         model = DistributedDataParallel(state.module, device_ids=[device.index] if device.type == "cuda" else None)
         if config.compress != "none":
             model.register_comm_hook(None, compress_hook(config.compress, backend))
@@ -91,14 +93,14 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
     # deadlock (seen in containers, torch 2.13: the main thread, holding the GIL,
     # joins Gloo's run-loop thread, which needs the GIL to free its last work).
     # Everything is written; the job ended for every rank (leave_together).
-    runtime.exit_now(0)
+    lifecycle.exit_now(0)
     return 0
 
 
 def rank_device(config: Config, world: World) -> torch.device:
     """--device, tuned; under torchrun with several GPUs a node, the GPU of LOCAL_RANK."""
     device = choose_device(config.device)
-    runtime.tune_for(device)
+    devices.tune_for(device)
     if device.type == "cuda" and world.local_rank < torch.cuda.device_count():
         device = torch.device(f"cuda:{world.local_rank}")  # torchrun, several GPUs per node
         torch.cuda.set_device(device)
@@ -145,7 +147,7 @@ def build_state(config: Config, train: datasets.LabeledData, device: torch.devic
     if config.init_weights:
         plugins.load_weights(module, config.init_weights)
     module = module.to(device)
-    module = module.to(memory_format=runtime.memory_format(config, device))
+    module = module.to(memory_format=devices.memory_format(config, device))
     recipe = recipes.resolve_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
     return JobState(module, optimizers.make(recipe, optimizers.model_groups(module, recipe)))
 
@@ -178,13 +180,13 @@ def join_job(
         config.name,
         world.addr,
         world.port,
-        runtime.counted(world.size, "worker"),
+        words.counted(world.size, "worker"),
         backend,
     )
     finished = start_state(state, checkpoints, device)
     if finished:
         log.info("%s", finished)
-        runtime.exit_now(0)
+        lifecycle.exit_now(0)
     return backend
 
 

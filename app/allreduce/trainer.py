@@ -20,12 +20,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from app import recipes, runtime
+from app import recipes
 from app.allreduce.world import PeerLost, World, reason
 from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
-from app.runtime import progress
+from app.runtime import devices, lifecycle, words
+from app.runtime.logs import progress
 from app.training import loop, losses, optimizers
 from app.training.evaluate import evaluate, fields, line
 from app.training.metrics import MetricsWriter, Rates
@@ -120,7 +121,7 @@ class AllreduceTrainer:
         self.losses = loop.Losses(device)  # a step's loss read a step later: no host wait
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.total = planned_steps(loader, config.epochs, config.max_steps)
-        self.format = runtime.memory_format(config, device)
+        self.format = devices.memory_format(config, device)
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None  # CUDA only
         self.evaluation: threading.Thread | None = None  # rank 0: the periodic evaluation running
         self.reporter = loop.Reporter(config.name, config.log_every, metrics)
@@ -154,7 +155,7 @@ class AllreduceTrainer:
         x, y = loop.on_device(x, y, self.loader, self.device, self.format)
         self.optimizer.zero_grad(set_to_none=True)
         self.set_rate()
-        with runtime.autocast(self.config.precision, self.device):
+        with devices.autocast(self.config.precision, self.device):
             loss = self.loss_fn(self.model(x), y)
         try:
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
@@ -164,7 +165,7 @@ class AllreduceTrainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
-        with runtime.sigterm_deferred():
+        with lifecycle.sigterm_deferred():
             if self.scaler is None:
                 self.optimizer.step()
             else:  # skips the step when the gradient overflowed (every rank alike: it is averaged)
@@ -184,7 +185,7 @@ class AllreduceTrainer:
 
     def lost(self, error: BaseException) -> PeerLost:
         return PeerLost(
-            f"lost a peer of the allreduce job ({runtime.counted(self.world.size, 'worker')}, rendezvous "
+            f"lost a peer of the allreduce job ({words.counted(self.world.size, 'worker')}, rendezvous "
             f"{self.world.addr}:{self.world.port}) at step {self.state.progress.step + 1}: "
             f"{reason(error)}"
         )
@@ -203,7 +204,7 @@ class AllreduceTrainer:
             )
             self.evaluation.start()
         if checkpoints.due():
-            checkpoints.save(f"every {runtime.counted(self.config.checkpoint_every, 'step')}")
+            checkpoints.save(f"every {words.counted(self.config.checkpoint_every, 'step')}")
 
     def evaluating(self) -> bool:
         """A periodic evaluation still runs (the next one is skipped, not queued)."""

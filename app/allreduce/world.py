@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app import runtime
 from app.config import Config, UsageError
+from app.runtime import lifecycle, machine, words
 
 log = logging.getLogger("app.allreduce")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -59,23 +59,23 @@ def world_of(config: Config, env: Mapping[str, str]) -> World:
 
 def reason(error: BaseException) -> str:
     """The gist of a gloo/NCCL error: its first sentence, without the source location."""
-    return re.sub(r"^\[[^\]]*\]\s*", "", runtime.first_line(error)).split(". ")[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", words.first_line(error)).split(". ")[0]
 
 
 def rendezvous(world: World, device: torch.device, timeout: float) -> str:
     """Join the process group (every rank waits for all); the backend's name."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    runtime.set_gloo_interface(world.addr)
+    machine.set_gloo_interface(world.addr)
     init = "env://" if world.torchrun else f"tcp://{world.addr}:{world.port}"
     where = f"{world.addr}:{world.port}"
-    with runtime.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
+    with lifecycle.deadline(timeout + 10, f"rank {world.rank}: the rendezvous at {where}"):
         try:
             dist.init_process_group(
                 backend, init_method=init, rank=world.rank, world_size=world.size, timeout=timedelta(seconds=timeout)
             )
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError...
             raise PeerLost(
-                f"the rendezvous of {runtime.counted(world.size, 'worker')} at {where} failed "
+                f"the rendezvous of {words.counted(world.size, 'worker')} at {where} failed "
                 f"within --rpc_timeout {timeout:.0f} s: {reason(error)}"
             ) from error
     return backend

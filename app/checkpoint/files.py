@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from app.config import UsageError
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 log = logging.getLogger("app.checkpoint")
 KEEP = 3

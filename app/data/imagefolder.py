@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from app.config import UsageError
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CROP = 224

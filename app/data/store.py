@@ -30,7 +30,7 @@ import torch
 
 from app.config import UsageError
 from app.data.decode import decode_or_error, decoded_size, warn_bad
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
 SUFFIX = ".u8"

@@ -32,8 +32,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from app import runtime
 from app.contract import ps_name, worker_name
+from app.runtime import machine, words
 
 log = logging.getLogger("app.membership")
 GIVE_UP_POLL_SECONDS = 5.0  # wait_for_ps asks whether to give up this often
@@ -47,8 +47,8 @@ class StoreUnreachable(RuntimeError):
 def wait_for_port(host: str, port: int, timeout: float) -> None:
     """Until the PS's store accepts connections (torch's own retry logs a C++ stack trace)."""
     try:
-        runtime.wait_for_port(host, port, timeout)
-    except runtime.PortUnreachable as error:
+        machine.wait_for_port(host, port, timeout)
+    except machine.PortUnreachable as error:
         raise StoreUnreachable(
             f"cannot reach the parameter server at {host}:{port} within {timeout:.0f} s: {error}"
         ) from None
@@ -66,9 +66,9 @@ def wait_for_ps(
     told = False
     while True:
         try:
-            runtime.wait_for_port(host, port, max(0.1, min(GIVE_UP_POLL_SECONDS, deadline - time.monotonic())))
+            machine.wait_for_port(host, port, max(0.1, min(GIVE_UP_POLL_SECONDS, deadline - time.monotonic())))
             return True
-        except runtime.PortUnreachable as error:
+        except machine.PortUnreachable as error:
             if given_up():
                 return False
             if time.monotonic() >= deadline:
@@ -109,7 +109,7 @@ def _claim(key: str, master_addr: str, master_port: int, timeout: float) -> tupl
     except (RuntimeError, ValueError) as error:  # DistError subclasses RuntimeError
         raise StoreUnreachable(
             f"cannot reach the parameter server at {master_addr}:{master_port} "
-            f"within {timeout:.0f} s: {runtime.first_line(error)}"
+            f"within {timeout:.0f} s: {words.first_line(error)}"
         ) from None
 
 

@@ -28,7 +28,6 @@ import logging
 import torch
 from torch import nn
 
-from app import runtime
 from app.config import Config
 from app.contract import applies_ahead, strategy_of
 from app.exchange.layout import cut
@@ -37,6 +36,7 @@ from app.exchange.notes import NoteInbox
 from app.exchange.segment import SUFFIX as SHM_SUFFIX
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.wire import Reply, SlotReply
+from app.runtime import lifecycle, words
 from app.training.flat import state_size
 
 log = logging.getLogger("app.ps")
@@ -132,7 +132,7 @@ class SharedExchange:
 def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, who: str) -> SharedExchange | None:
     """The segment PS process `who` offers its workers for `model`'s state (or the slice `part`
     of it), or None (--exchange tensorpipe, or no shared memory here: said in one line, and
-    every worker pushes over TensorPipe). It is removed when the process ends (runtime.on_exit)."""
+    every worker pushes over TensorPipe). It is removed when the process ends (lifecycle.on_exit)."""
     floats = part[1] - part[0] if part is not None else state_size(model)
     sizes = [p.numel() for p in model.parameters()]
     ahead = part is None and applies_ahead(config.strategy, config.momentum, config.weight_decay, config.shards)
@@ -147,7 +147,7 @@ def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, w
         cut(sizes, floats, config.partition_values) if ahead else None,
     )
     if shared is not None:
-        runtime.on_exit(shared.close)
+        lifecycle.on_exit(shared.close)
     return shared
 
 
@@ -176,8 +176,8 @@ def open_exchange(
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,
-        runtime.counted(max_rank, "worker"),
-        f"; {runtime.counted(len(exchange.parts), 'partition')} applied as backward finishes them"
+        words.counted(max_rank, "worker"),
+        f"; {words.counted(len(exchange.parts), 'partition')} applied as backward finishes them"
         if exchange.parts
         else "",
     )

@@ -25,7 +25,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from app.config import Config
-from app.runtime import LOOPBACK, deadline
+from app.runtime.lifecycle import deadline
+from app.runtime.machine import LOOPBACK
 
 log = logging.getLogger("app")
 TRANSPORTS = ["uv"]

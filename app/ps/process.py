@@ -36,7 +36,9 @@ from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
 from app.ps.sharding.slices import bounds
-from app.runtime import choose_device, counted, progress
+from app.runtime.devices import choose_device
+from app.runtime.logs import progress
+from app.runtime.words import counted
 from app.training import losses, models
 from app.training.evaluate import Evaluator, fields, line
 from app.training.flat import state_size

@@ -47,7 +47,7 @@ from app.ps.policies import PolicyConfig, policy_for
 from app.ps.policies.base import Ready
 from app.ps.replies import ReplyBuffers
 from app.ps.state import Plan, State, StateConfig
-from app.runtime import counted
+from app.runtime.words import counted
 
 log = logging.getLogger("app.ps")
 NONFINITE = (

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from app.data import datasets
 from app.data.prefetch import DeviceBatches
-from app.runtime import progress
+from app.runtime.logs import progress
 from app.training.metrics import MetricsWriter
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -15,7 +15,7 @@ from torch import nn
 
 from app import plugins
 from app.config import UsageError
-from app.runtime import first_line
+from app.runtime.words import first_line
 from app.training.transformer import CharTransformer
 
 BUILT_IN = ("cnn", "char_transformer")

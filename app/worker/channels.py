@@ -48,7 +48,7 @@ from app.exchange.wire import (
     all_finite,
 )
 from app.exchange.worker_end import Sealed, WorkerEnd, attach
-from app.runtime import first_line
+from app.runtime.words import first_line
 from app.training.flat import FlatModel
 from app.worker.compress import Compressor
 

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from app import runtime
 from app.config import Config, UsageError
 from app.contract import PS, strategy_of
 from app.data import datasets
 from app.data.datasets import LabeledData, ShardSampler
 from app.exchange import group, transport
 from app.exchange.wire import Start
-from app.runtime import choose_device, gpu_identity
+from app.runtime import devices, lifecycle, words
+from app.runtime.devices import choose_device, gpu_identity
 from app.training import models
 from app.training.metrics import MetricsWriter, run_records
 from app.worker.channels import Channel, PSChannel, PSUnreachable, wait_until_ready
@@ -39,7 +39,7 @@ def run(config: Config) -> int:
     when the run has ended already (a worker scaled up just before the end, or restarted
     after it), and 0 after a failure to reach the PS that the PS's end explains."""
     device = choose_device(config.device)
-    runtime.tune_for(device)
+    devices.tune_for(device)
     models.check(config.model)
     if run_ended(config):
         return 0
@@ -120,8 +120,8 @@ def join_and_train(
         try:
             # In the RPC group, the process is on its member list until the PS takes it off as it
             # joins (app.exchange.group): a SIGTERM from here on joins first, then leaves.
-            with runtime.sigterm_deferred():
-                runtime.sigterm_exits_at_once("")
+            with lifecycle.sigterm_deferred():
+                lifecycle.sigterm_exits_at_once("")
                 session.enter_context(transport.session(config, rank=rpc_id, name=name))
                 start = channel.join()
             at = start.progress
@@ -132,7 +132,7 @@ def join_and_train(
         except SystemExit:  # SIGTERM: scaled down (or the cluster stops): leave the job cleanly
             return leave(start, trainer, channel, metrics, started)
         try:
-            with runtime.sigterm_deferred():  # its finish and `end` record whole
+            with lifecycle.sigterm_deferred():  # its finish and `end` record whole
                 channel.finish(pushes)
                 metrics.write(
                     "end",
@@ -143,7 +143,7 @@ def join_and_train(
                     **datasets.skipped(train.data),
                 )
         except SystemExit:
-            done = runtime.counted(pushes, "push", "pushes")
+            done = words.counted(pushes, "push", "pushes")
             log.info("%s finished its epochs after %s; stopped (SIGTERM) as it ended", name, done)
     return 0
 
@@ -163,6 +163,6 @@ def leave(
     except PSUnreachable as error:  # the PS stops too (the whole cluster stops): nothing to tell it
         log.info("%s stopped (SIGTERM) without leaving: %s", channel.name, error)
         return 128 + signal.SIGTERM
-    log.info("%s left the job after %s (SIGTERM)", channel.name, runtime.counted(pushes, "push", "pushes"))
+    log.info("%s left the job after %s (SIGTERM)", channel.name, words.counted(pushes, "push", "pushes"))
     metrics.write("left", pushes, worker=channel.name, seconds=round(time.monotonic() - started, 2))
     return 0

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from app import runtime
 from app.config import Config
 from app.data import datasets
 from app.exchange.wire import Refusal, Reply, Start, Version
+from app.runtime import devices, lifecycle
 from app.training import loop, losses
 from app.training.flat import FlatModel
 from app.training.metrics import MetricsWriter
@@ -58,7 +58,7 @@ class Trainer:
         # Two, used in turn: with --overlap one push is on the wire while the next one's is taken.
         self.norm_host = torch.empty(2, pin_memory=True) if config.clip_grad_norm and device.type == "cuda" else None
         self.epoch_batches = loop.epoch_batches(loader, config.batch_size)
-        self.format = runtime.memory_format(config, device)
+        self.format = devices.memory_format(config, device)
         # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
         # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
         # The scaler needs an optimizer to unscale through: a local one, never stepped.
@@ -137,7 +137,7 @@ class Trainer:
         The loss as the host will read it, without waiting for the GPU; None when fp16's
         gradient overflowed (nothing to push)."""
         with self.channel.backward(self.version), self.flat.writing_grads():
-            with runtime.autocast(self.config.precision, self.device):
+            with devices.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.scaler is None:
@@ -170,7 +170,7 @@ class Trainer:
         # A wait the data needs (--overlap): the next batch computes on the state of the previous
         # push's reply; on a GPU this one's backward is still running meanwhile.
         reply = self._wait_in_flight() if self.config.overlap else None
-        with runtime.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
+        with lifecycle.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
             to_go = self.to_go(epoch, batch)
             self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples, to_go, self.epoch_batches)
         # A wait the data needs (no --overlap): the next batch computes on this push's reply.

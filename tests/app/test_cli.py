@@ -128,8 +128,8 @@ def test_a_freed_big_tensor_stays_mapped_for_the_next_message_under_glibc():
     if platform.libc_ver()[0] != "glibc":
         unavailable("mallopt tuning is glibc-only")
     code = (
-        "import sys, torch; from app import runtime;"
-        "sys.argv[1] == 'tuned' and runtime.keep_freed_memory();"
+        "import sys, torch; from app.runtime import machine;"
+        "sys.argv[1] == 'tuned' and machine.keep_freed_memory();"
         "t = torch.empty(12_000_000); t.fill_(1.0); p = t.data_ptr(); del t;"
         "spans = [[int(x, 16) for x in line.split()[0].split('-')] for line in open('/proc/self/maps')];"
         "print(int(any(lo <= p < hi for lo, hi in spans)))"

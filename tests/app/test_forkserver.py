@@ -9,7 +9,7 @@ import signal
 import forkserver
 import pytest
 
-from app import runtime
+from app.runtime import machine
 
 from app_testkit import DIGITS, REPO, app_env, finished, free_port, run_app, start_app
 
@@ -37,7 +37,7 @@ def test_a_forked_app_is_the_test_process_child_in_its_directory_and_a_sigterm_e
     with open(f"/proc/{proc.pid}/stat") as stat:
         assert int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()  # its parent: this process
     assert os.readlink(f"/proc/{proc.pid}/cwd") == str(REPO)
-    runtime.wait_for_port("127.0.0.1", int(argv[argv.index("--master_port") + 1]), timeout=60)
+    machine.wait_for_port("127.0.0.1", int(argv[argv.index("--master_port") + 1]), timeout=60)
     assert proc.poll() is None  # the PS waits for its worker
     proc.send_signal(signal.SIGTERM)  # its handler in place: SystemExit(128 + 15) once it comes
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, finished(tmp_path, "ps", proc).stderr

@@ -204,8 +204,8 @@ def test_compute_alone_runs_with_a_workers_threads_and_gives_the_bench_its_own_b
 
     import torch
 
-    from app import runtime
     from app.config import parse
+    from app.runtime import machine
 
     seen = []
     monkeypatch.setattr(gpu, "_compute_steps", lambda config, c, batches: seen.append(torch.get_num_threads()) or [])
@@ -217,6 +217,6 @@ def test_compute_alone_runs_with_a_workers_threads_and_gives_the_bench_its_own_b
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    one_worker_job = runtime.sharing_cpus(parse(["worker", "--world_size", "2"], {}))
+    one_worker_job = machine.sharing_cpus(parse(["worker", "--world_size", "2"], {}))
     assert seen == [max(1, len(os.sched_getaffinity(0)) // one_worker_job)]
     assert after == 7

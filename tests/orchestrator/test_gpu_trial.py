@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from app import runtime
+from app.runtime import devices
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.model import load, parse
 from orchestrator.verbs import gpu_trial as g
@@ -82,7 +82,7 @@ def test_two_workers_on_one_gpu_or_no_gpu_fail() -> None:
 
 
 def test_the_join_record_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert runtime.gpu_identity(torch.device("cpu")) == {}
+    assert devices.gpu_identity(torch.device("cpu")) == {}
 
     class Props:  # the two fields torch.cuda's device properties carry (name, uuid)
         name = A100
@@ -90,7 +90,7 @@ def test_the_join_record_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert {"name", "uuid"} <= set(dir(torch._C._CudaDeviceProperties))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
-    assert runtime.gpu_identity(torch.device("cuda:0")) == {
+    assert devices.gpu_identity(torch.device("cuda:0")) == {
         "gpu": A100,
         "gpu_uuid": "GPU-4f5c2a1e-9b3d-7c60-2e8a-1d4b6f0c9a37",
     }

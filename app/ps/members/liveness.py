@@ -27,7 +27,7 @@ from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
 from app.ps.members import listing
 from app.ps.server import ParameterServer
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 log = logging.getLogger("app.ps")
 QUIET_SECONDS = 1.0

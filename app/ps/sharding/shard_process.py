@@ -23,7 +23,7 @@ from app.ps import rpc as endpoints
 from app.ps.rpc import ENDPOINT
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
-from app.runtime import first_line
+from app.runtime.words import first_line
 from app.training import models
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter

@@ -20,7 +20,7 @@ from app.ps import rpc as endpoints
 from app.ps.members import listing
 from app.ps.members.liveness import Pinger
 from app.ps.sharding.slices import bounds
-from app.runtime import first_line
+from app.runtime.words import first_line
 
 log = logging.getLogger("app.ps")
 PING_SECONDS = 1.0

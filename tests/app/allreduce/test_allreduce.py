@@ -374,7 +374,7 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
     import os
     import signal
 
-    from app import runtime
+    from app.runtime import lifecycle
 
     def sigterm_inside(step):
         def wrapped(*a, **k):
@@ -385,7 +385,7 @@ def test_a_sigterm_during_a_ddp_step_lands_after_the_step_and_its_label():
         return wrapped
 
     trainer, state = _ddp_trainer(sigterm_inside)
-    previous = signal.signal(signal.SIGTERM, runtime._raise_exit)
+    previous = signal.signal(signal.SIGTERM, lifecycle._raise_exit)
     try:
         with pytest.raises(SystemExit):
             trainer.step(torch.ones(2, 4), torch.zeros(2, dtype=torch.long), epoch=1, batch=1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
-from app import runtime
 from app.config import UsageError, parse
+from app.runtime import devices
 from app.training import models
 from app.worker.trainer import Trainer
 from orchestrator.render import compose as render_compose
@@ -45,7 +45,7 @@ def test_bf16_autocast_on_cpu_keeps_parameters_and_the_pushed_gradient_float32()
     model = models.build("cnn", 1, 10, seed=0)
     trainer = Trainer(config, model, None, None, torch.device("cpu"), recording_channel(), None)
     started(trainer)
-    with runtime.autocast("bf16", torch.device("cpu")):
+    with devices.autocast("bf16", torch.device("cpu")):
         assert model(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16  # autocast is on
     loss = trainer.compute_gradients(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))
     assert float(loss) > 0 and trainer.flat.message.dtype == torch.float32
