@@ -3,7 +3,8 @@ its run there: the training parameters, loss, accuracy and samples/s at each eva
 version as the step, the exported model as an artifact, and how the run ended.
 
 A tracker that is down or slow never stops or slows training: every call only queues, and one
-thread of the tracker's own sends (MLflow is imported there too: it takes seconds). The first
+thread of the tracker's own sends (MLflow is imported there too: it takes seconds); the
+evaluations queued while it waited for an answer go in one request. The first
 failure is said in one warning; the tracker then drops what is queued and what comes, and the run
 goes on. At the end the PS gives it `CLOSE_SECONDS` to send what is left, and no more.
 
@@ -25,6 +26,9 @@ log = logging.getLogger("app.tracking")
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
 DEFAULT_EXPERIMENT = "ps-compose"
 CLOSE_SECONDS = 15.0
+# The eval and end records queued while a request was out go in one log_batch (MLflow takes up to
+# 1000 metrics a request; a record holds at most a dozen).
+BATCH_RECORDS = 50
 # A request waits up to a minute for its answer (a server whose disk or CPU is busy took over
 # 10 s for a write) and is tried twice more, 0-1 then 2-3 s later, where MLflow retries (refused,
 # 429 and 5xx answers, timeouts): seconds, not MLflow's default of 7 retries with backoff
@@ -84,10 +88,15 @@ class Tracker:
 
     def _send_all(self) -> None:
         client, run_id, ended = None, "", False
-        while (item := self._queue.get()) is not None:
+        held: tuple[str, Any] | None = None  # an item taken while gathering a batch, sent next
+        while (item := held if held is not None else self._queue.get()) is not None:
+            held = None
             if self.failed:
                 continue
             kind, value = item
+            if kind in ("eval", "end"):  # every record queued meanwhile, in one request
+                value, held = self._gather(kind, value)
+                kind = "end" if any(k == "end" for k, _ in value) else "eval"
             try:
                 if client is None:
                     client = self._client()
@@ -102,6 +111,21 @@ class Tracker:
             except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
                 self.failed = True
                 log.warning("MLflow tracking at %s failed (%s); the run goes on without it", self.uri, _line(error))
+
+    def _gather(self, kind: str, value: Any) -> tuple[list[tuple[str, Any]], tuple[str, Any] | None]:
+        """This record and the eval and end records queued behind it (up to an `end`, at most
+        BATCH_RECORDS); the first other item taken meanwhile, or None."""
+        records = [(kind, value)]
+        while kind != "end" and len(records) < BATCH_RECORDS:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return records, None
+            if item is None or item[0] not in ("eval", "end"):
+                return records, item
+            kind, value = item
+            records.append(item)
+        return records, None
 
     def _client(self) -> Any:
         for key, value in HTTP_DEFAULTS.items():
@@ -122,7 +146,7 @@ class Tracker:
         return client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name}).info.run_id
 
     def _send(self, client: Any, run_id: str, kind: str, value: Any) -> bool:
-        """Send one item; True when it ended the run."""
+        """Send one item (eval and end: a list of records, in one request); True when it ended the run."""
         if kind == "params":
             from mlflow.entities import Param
 
@@ -130,13 +154,15 @@ class Tracker:
         elif kind in ("eval", "end"):
             from mlflow.entities import Metric
 
-            step, fields = value
-            names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS])
-            numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}
-            if kind == "end" and isinstance(fields.get("seconds"), (int, float)):
-                numbers["training_seconds"] = fields["seconds"]
-            stamp = _now_ms()
-            client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in numbers.items()])
+            metrics = []
+            for event, (step, fields) in value:
+                names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS])
+                numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}
+                if event == "end" and isinstance(fields.get("seconds"), (int, float)):
+                    numbers["training_seconds"] = fields["seconds"]
+                stamp = int(fields["time"] * 1000) if isinstance(fields.get("time"), (int, float)) else _now_ms()
+                metrics += [Metric(k, float(v), stamp, step) for k, v in numbers.items()]
+            client.log_batch(run_id, metrics=metrics)
             if kind == "end":
                 client.set_terminated(run_id, "FINISHED")
                 return True

@@ -159,3 +159,54 @@ def test_the_parameters_are_the_topologys_training_keys():
     params = training_parameters(config)
     assert params["train.lr"] == 0.05 and params["train.batch_size"] == 16 and params["workers.count"] == 3
     assert all(k.startswith(("train.", "workers.", "ps.")) for k in params)
+
+
+class _SlowClient:
+    """An MlflowClient's calls the tracker makes; its first log_batch (the parameters) waits for
+    `release`, so the records that come meanwhile queue up behind it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.batches, self.ended = threading.Event(), [], []
+
+    def get_experiment_by_name(self, name):
+        return None
+
+    def create_experiment(self, name):
+        return "1"
+
+    def search_runs(self, *args, **kwargs):
+        return []
+
+    def create_run(self, experiment, run_name, tags):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+
+    def log_batch(self, run_id, metrics=(), params=()):
+        if params:
+            self.release.wait(10)
+        if metrics:
+            self.batches.append(sorted({(m.key, m.step) for m in metrics if m.key == "accuracy"}))
+
+    def set_terminated(self, run_id, status):
+        self.ended.append(status)
+
+
+def test_the_records_queued_while_a_request_is_out_go_in_one_request(monkeypatch):
+    """The tracker batches: while MLflow is slow with one write, the evaluations that come are
+    sent together in the next request, not one request each (the run's end comes in time)."""
+    client = _SlowClient()
+    monkeypatch.setattr(tracking.Tracker, "_client", lambda self: client)
+    tracker = tracking.Tracker("http://nowhere", "e", "run-1")
+    tracker.record("start", 0, {})
+    tracker.params({"train.lr": 0.1})
+    tracker.record("eval", 10, {"accuracy": 0.5, "metrics": ["accuracy", "loss"]})
+    for step in (20, 30, 40):
+        tracker.record("eval", step, {"accuracy": step / 100, "metrics": ["accuracy", "loss"]})
+    tracker.record("end", 50, {"accuracy": 0.9, "seconds": 3.0, "metrics": ["accuracy", "loss"]})
+    client.release.set()
+    tracker.close("FINISHED", timeout=10)
+    assert client.batches == [[("accuracy", s) for s in (10, 20, 30, 40, 50)]]  # one request
+    assert client.ended == ["FINISHED"] and not tracker.failed
