@@ -4,6 +4,7 @@ tracking: from the dev venv, on a host address of the caller's choice."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -22,8 +23,12 @@ def serve(root: Path, host: str, port: int) -> Iterator[str]:
     assert mlflow, "mlflow is in the dev venv (pyproject's dev extra)"
     argv = [mlflow, "server", "--backend-store-uri", f"sqlite:///{root}/store.db", "--workers", "1"]
     argv += ["--artifacts-destination", str(root / "artifacts"), "--host", host, "--port", str(port)]
+    # As the project's own server runs (orchestrator/render/tracking.py): MLflow 3's job runner off,
+    # its ~10 consumer processes and the store it leaves in /dev/shm with it.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     with open(root / "server.log", "w") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     uri = f"http://{host}:{port}"
     deadline = time.monotonic() + START_SECONDS
     try:
@@ -44,3 +49,5 @@ def serve(root: Path, host: str, port: int) -> Iterator[str]:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+        left = set(os.listdir("/dev/shm")) - shm_before if os.path.isdir("/dev/shm") else set()
+        assert not [n for n in left if n.startswith("tmp")], f"the mlflow server left {sorted(left)} in /dev/shm"

@@ -52,6 +52,9 @@ def refuse_own_server(t: Topology, target: str) -> None:
         )
 
 
+JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
 def mlflow_service(t: Topology, network: str, user: str) -> dict[str, Any]:
     """`mlflow server` on the project's network, its store on the volume, its UI published on
     127.0.0.1 only (like `make tensorboard`): one worker process, the runs in sqlite, artifacts
@@ -74,6 +77,9 @@ def mlflow_service(t: Topology, network: str, user: str) -> dict[str, Any]:
             "--uvicorn-opts",
             "--no-access-log",  # a line per request (the health probe's every 5 s) would bury the rest
         ],
+        # MLflow 3's job runner (GenAI evaluation jobs, ~10 huey consumer processes and their store
+        # in /dev/shm) serves nothing a training run logs: off.
+        "environment": {JOB_EXECUTION: "false"},
         "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: MLFLOW_SERVICE},
         "user": user,
         "init": True,
