@@ -113,6 +113,10 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0
     try:
         assert verbs.up(compose, str(config), name=project, remember=False, offline=True, out=io.StringIO()) == 0
         chaos_common.wait_until("workers 1 and 2 join", lambda: joined({1, 2}), 300)
+        # Workers 1 and 2 get a fifth of a core each until 3 and 4 have joined and trained, so
+        # the run cannot end first however long a loaded host takes to start them (under CI's
+        # load it once ended 70 s later with neither joined); the PS runs at full speed.
+        _limit_cpu(docker_engine, project, {"worker1", "worker2"}, THROTTLED_QUOTA)
         wall = time.time()
         assert verbs.scale(compose, str(config), 4, name=project, out=io.StringIO()) == 0
         joins = chaos_common.wait_until("workers 3 and 4 join", lambda: joined({3, 4}, wall), 300)
@@ -121,6 +125,7 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0
         chaos_common.wait_until(
             "workers 3 and 4 train", lambda: trained("worker3", wall) and trained("worker4", wall), 300
         )
+        _limit_cpu(docker_engine, project, {"worker1", "worker2"}, UNLIMITED)
         down = time.time()
         assert verbs.scale(compose, str(config), 2, name=project, out=io.StringIO()) == 0
 
@@ -161,14 +166,28 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0
         shutil.rmtree(compose.path_of(project).parent, ignore_errors=True)
 
 
+CPU_PERIOD = 100_000  # µs: the CFS period docker's --cpu-quota is a share of
+THROTTLED_QUOTA = 20_000  # a fifth of a core
+UNLIMITED = -1
+
+
+def _limit_cpu(engine, project: str, services: set[str], quota: int) -> None:
+    """`docker update --cpu-quota` on the project's containers of `services` (-1: no limit)."""
+    for container in adapter.containers(engine, project):
+        if container.labels.get("com.docker.compose.service") in services:
+            container.update(cpu_period=CPU_PERIOD, cpu_quota=quota)
+
+
 def _containers_now(engine, project: str, lines: int = 30) -> str:
-    """Each container of the project: its state, restarts and the last lines of its log."""
-    told = []
+    """Each container of the project: the last lines of its log, then one line of state per
+    container at the end (what a CI log's tail keeps)."""
+    logs, states = [], []
     for container in adapter.containers(engine, project):
         state = container.attrs["State"]
-        log = container.logs(tail=lines).decode(errors="replace")
-        told.append(
+        line = (
             f"--- {container.name}: {state['Status']} (exit {state['ExitCode']}, "
-            f"{container.attrs.get('RestartCount', 0)} restarts)\n{log}"
+            f"{container.attrs.get('RestartCount', 0)} restarts)"
         )
-    return "\n".join(told) or f"no container of {project} on the engine"
+        logs.append(f"{line}\n{container.logs(tail=lines).decode(errors='replace')}")
+        states.append(line)
+    return "\n".join(logs + states) or f"no container of {project} on the engine"
