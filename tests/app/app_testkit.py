@@ -19,24 +19,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The CPU job of the cluster tests: the built-in CNN on digits, chosen so that a run takes
 # seconds on 2 cores (10 epochs of ~700 samples per worker) and reaches >= 0.90.
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--num_epochs",
-    "10",
-    "--eval_every",
-    "100",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "1",
-]
+DIGITS_JOB = {"model": "cnn", "dataset": "digits", "batch_size": 32}
+
+
+def digits(**flags: object) -> list[str]:
+    """`python -m app` flags of the digits job with `flags` (`--name value`, a later value
+    replacing the job's own): each test file's variant of the one job, not a copy of it."""
+    return [item for name, value in {**DIGITS_JOB, **flags}.items() for item in (f"--{name}", str(value))]
+
+
+DIGITS = digits(lr=0.1, num_epochs=10, eval_every=100, rpc_timeout=30, seed=1)
 
 
 def free_port() -> int:

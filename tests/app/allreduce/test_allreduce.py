@@ -31,6 +31,7 @@ from app_testkit import (
     app_env,
     assert_same_curves,
     curves,
+    digits,
     expected_curves,
     finished,
     free_port,
@@ -43,28 +44,9 @@ from needs import unavailable
 # As configs/cpu-smoke.yaml: 10 epochs, each of 2 ranks takes 22 steps an epoch.
 EPOCHS, STEPS_PER_EPOCH = 10, 22
 STEPS = EPOCHS * STEPS_PER_EPOCH
-DIGITS = [
-    "--strategy",
-    "allreduce",
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--num_epochs",
-    str(EPOCHS),
-    "--eval_every",
-    "100",
-    "--checkpoint_every",
-    "100",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "1",
-]
+DIGITS = digits(
+    strategy="allreduce", lr=0.1, num_epochs=EPOCHS, eval_every=100, checkpoint_every=100, rpc_timeout=30, seed=1
+)
 CAP_SECONDS = 90
 
 

@@ -21,7 +21,7 @@ from app.ps.server import ParameterServer
 from app.training import models
 from app.training.metrics import MetricsWriter, read
 
-from app_testkit import finished, free_port, ps_server, push, start_app, wait_for
+from app_testkit import digits, finished, free_port, ps_server, push, start_app, wait_for
 
 IDENTITY = {"model_name": "cnn", "trainer": "ps"}
 
@@ -225,30 +225,16 @@ def test_run_id_and_resume_come_from_the_environment_too():
 
 # --- real processes: the defect, a fresh start and --resume ----------------
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--seed",
-    "1",
-    "--world_size",
-    "5",
-    "--eval_every",
-    "1000",
-    "--log_every",
-    "1",
-    "--rpc_timeout",
-    "60",
-    "--join_timeout",
-    "180",
-    "--master_addr",
-    "127.0.0.1",
-]
+DIGITS = digits(
+    lr=0.1,
+    seed=1,
+    world_size=5,
+    eval_every=1000,
+    log_every=1,
+    rpc_timeout=60,
+    join_timeout=180,
+    master_addr="127.0.0.1",
+)
 TIMEOUT = 240
 
 

@@ -22,7 +22,7 @@ from app.exchange.wire import Refusal
 from app.exchange.worker_end import WorkerEnd
 from app.training.flat import FlatModel
 
-from app_testkit import ps_server, push, submit
+from app_testkit import digits, ps_server, push, submit
 
 
 @pytest.fixture
@@ -407,12 +407,12 @@ def test_processes_apply_partitions_ahead_to_the_same_values_as_tensorpipe(tmp_p
     final.pt is the same bits as the same run over TensorPipe."""
     from app_testkit import app_env, run_cluster
 
-    digits = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1"]
+    job = digits(lr=0.1, seed=1)
     finals, ends = {}, {}
     for mode in ("auto", "tensorpipe"):
         run = tmp_path / mode
         run.mkdir()
-        common = [*digits, "--num_epochs", "2", "--rpc_timeout", "30", "--exchange", mode, "--partition_values", "2000"]
+        common = [*job, "--num_epochs", "2", "--rpc_timeout", "30", "--exchange", mode, "--partition_values", "2000"]
         procs = run_cluster(run, workers, [*common, *args], 240, env=app_env(PSC_SHM_DIR=str(shm_dir)))
         assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-2000:] for n, p in procs.items()}
         finals[mode] = torch.load(run / "checkpoints" / "final.pt")

@@ -22,7 +22,7 @@ from app.exchange.wire import Reply, SlotReply
 from app.exchange.worker_end import WorkerEnd
 from app.training.flat import FlatModel
 
-from app_testkit import REPO, ps_server, submit
+from app_testkit import REPO, digits, ps_server, submit
 
 
 @pytest.fixture
@@ -298,7 +298,7 @@ def test_backward_writes_the_gradient_into_the_push_slot(shm_dir):
 
 # --- real processes ----------------------------------------------------------------------------
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.1", "--seed", "1"]
+DIGITS = digits(lr=0.1, seed=1)
 
 
 def _cluster(tmp_path: Path, shm_dir: Path, workers: int, *args: str, **kw):

@@ -26,7 +26,7 @@ from app.ps.server import ParameterServer
 from app.training import models
 from app.training.metrics import MetricsWriter
 
-from app_testkit import finished, free_port, ps_server, push, start_app, submit, wait_for
+from app_testkit import digits, finished, free_port, ps_server, push, start_app, submit, wait_for
 
 
 class Clock:
@@ -303,20 +303,7 @@ def _linear(size: int, value: float = 0.0) -> nn.Module:
     return model
 
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--eval_every",
-    "100000",
-    "--checkpoint_every",
-    "0",
-]
+DIGITS = digits(lr=0.1, eval_every=100000, checkpoint_every=0)
 
 
 def _wait_for_text(path: Path, text: str, timeout: float) -> None:

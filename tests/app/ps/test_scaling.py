@@ -23,7 +23,7 @@ from app.ps.members.roster import LEFT, LIVE, Roster
 from app.ps.server import ParameterServer
 from app.training.metrics import read
 
-from app_testkit import REPO, app_env, finished, free_port, ps_server, start_app, submit, wait_for
+from app_testkit import REPO, app_env, digits, finished, free_port, ps_server, start_app, submit, wait_for
 
 
 def _linear(size: int = 4) -> nn.Module:
@@ -273,7 +273,7 @@ def test_a_worker_added_mid_run_joins_then_leaves_on_sigterm_and_the_run_ends_0(
         *("--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "checkpoints")),
         # 40 epochs: worker3 joined and left by epoch 9-12 on a quiet 2-core CPU VM (with 100, ~88%
         # of the run came after what this test checks)
-        *("--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.05", "--num_epochs", "40"),
+        *digits(lr=0.05, num_epochs=40),
         *("--rpc_timeout", "30", "--seed", "3", "--log_every", "1", "--eval_every", "500"),
     ]
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
@@ -317,7 +317,7 @@ def test_a_worker_that_starts_after_the_run_ended_exits_0_with_one_line(tmp_path
     common = [
         *("--world_size", "2", "--max_workers", "3", "--run_id", "late-run"),
         *("--master_addr", "127.0.0.1", "--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "ck")),
-        *("--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--num_epochs", "2", "--seed", "3"),
+        *digits(num_epochs=2, seed=3),
     ]
     procs = {
         "ps": start_app(tmp_path, "ps", ["ps", *common, "--master_port", str(port)]),

@@ -28,28 +28,9 @@ from app.config import UsageError, parse
 from app.ps.server import ParameterServer
 from app.training.metrics import MetricsWriter
 
-from app_testkit import finished, free_port, ps_server, push, run_app, start_app, wait_for
+from app_testkit import digits, finished, free_port, ps_server, push, run_app, start_app, wait_for
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--momentum",
-    "0.5",
-    "--eval_every",
-    "100000",
-    "--rpc_timeout",
-    "60",
-    "--seed",
-    "1",
-    "--join_timeout",
-    "60",
-]
+DIGITS = digits(lr=0.1, momentum=0.5, eval_every=100000, rpc_timeout=60, seed=1, join_timeout=60)
 
 
 def _server() -> ParameterServer:

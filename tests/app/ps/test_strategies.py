@@ -25,6 +25,7 @@ from app.worker.compress import Compressor
 from app.worker.trainer import Trainer
 
 from app_testkit import (
+    digits,
     finished,
     job_args,
     ps_server,
@@ -204,24 +205,7 @@ def test_the_ps_takes_a_16_bit_push():
 
 # --- real processes ---------------------------------------------------------------
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--rpc_timeout",
-    "30",
-    "--seed",
-    "3",
-    "--log_every",
-    "1",
-    "--eval_every",
-    "1000",
-]
+DIGITS = digits(lr=0.1, rpc_timeout=30, seed=3, log_every=1, eval_every=1000)
 
 
 def _ok(procs):

@@ -15,7 +15,7 @@ from app import plugins
 from app.config import UsageError
 from app.training import models
 
-from app_testkit import REPO, app_env, free_port, run_app, run_cluster, start_app, wait_for
+from app_testkit import REPO, app_env, digits, free_port, run_app, run_cluster, start_app, wait_for
 
 EXAMPLE = REPO / "examples" / "custom"
 EXAMPLE_ARGS = [
@@ -40,7 +40,7 @@ EXAMPLE_ARGS = [
 ]
 # Measured as PS + 2 workers on a 2-core CPU VM: 0.928-0.953 over seeds 0-3.
 EXAMPLE_ACCURACY = 0.85
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--rpc_timeout", "30"]
+DIGITS = digits(rpc_timeout=30)
 
 
 def _env_with(*paths: Path) -> dict[str, str]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app_testkit import app_env, finished, job_args, run_cluster, start_app, wait_for
+from app_testkit import app_env, digits, finished, job_args, run_cluster, start_app, wait_for
 
-DIGITS = ["--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--seed", "0"]
+DIGITS = digits(seed=0)
 
 USER_CODE = """
 import torch

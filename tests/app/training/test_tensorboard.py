@@ -22,6 +22,7 @@ from app_testkit import (
     app_env,
     assert_same_curves,
     curves,
+    digits,
     expected_curves,
     finished,
     free_port,
@@ -165,34 +166,18 @@ def test_event_files_that_do_not_fit_are_one_warning_and_start_again_when_there_
 
 # --- real processes: a PS run, killed and resumed within its run ------------------
 
-DIGITS = [
-    "--model",
-    "cnn",
-    "--dataset",
-    "digits",
-    "--batch_size",
-    "32",
-    "--lr",
-    "0.1",
-    "--seed",
-    "1",
-    "--eval_every",
-    "10",
-    "--checkpoint_every",
-    "30",
-    "--log_every",
-    "2",
-    "--rpc_timeout",
-    "30",
-    "--join_timeout",
-    "120",
-    "--master_addr",
-    "127.0.0.1",
-    "--world_size",
-    "3",
-    "--num_epochs",
-    "4",
-]
+DIGITS = digits(
+    lr=0.1,
+    seed=1,
+    eval_every=10,
+    checkpoint_every=30,
+    log_every=2,
+    rpc_timeout=30,
+    join_timeout=120,
+    master_addr="127.0.0.1",
+    world_size=3,
+    num_epochs=4,
+)
 NAMES = ("ps", "worker1", "worker2")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app_testkit import REPO, app_env, finished, free_port, start_app, wait_for
+from app_testkit import REPO, app_env, digits, finished, free_port, start_app, wait_for
 
 # Each worker sends itself SIGTERM at one moment of its life, then runs on as it would.
 AT_A_MOMENT = """
@@ -103,7 +103,7 @@ def test_a_worker_stopped_at_any_moment_of_its_life_exits_0_with_one_line(tmp_pa
         *("--world_size", "2", "--max_workers", str(1 + len(MOMENTS))),
         *("--master_addr", "127.0.0.1", "--master_port", str(free_port())),
         *("--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "checkpoints")),
-        *("--model", "cnn", "--dataset", "digits", "--batch_size", "32", "--lr", "0.05", "--num_epochs", "100"),
+        *digits(lr=0.05, num_epochs=100),
         *("--rpc_timeout", "60", "--join_timeout", "240", "--seed", "3", "--eval_every", "100000"),
     ]
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}
