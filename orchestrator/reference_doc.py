@@ -45,6 +45,11 @@ error: t.yaml: train.epoch: unknown key; allowed: model, dataset, ...
 error: configs/default.yaml with --workers 5: workers.gpus: got [0, 1, 2] for 5 workers; must list one GPU id per worker (or leave it out for 0..4)
 ```
 
+The file itself is read within limits, each one far past any real topology: at
+most 1 MiB, nested at most 32 levels, at most 10,000 values with its YAML
+aliases expanded, keys that are strings, numbers or booleans (each once per
+mapping), and at most 1,024 workers (`workers.count`, `workers.max`).
+
 Some rules span several keys (for example `train.overlap` only with `async` or
 `ssp`, `ps.shards` only with a parameter server); the descriptions below say
 where one applies.

@@ -18,6 +18,7 @@ _DRIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 _DRIVER_OPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHARED_TYPES = ("nfs", "nfs4", "cifs")  # driver_opts `type` of Docker's local driver that mount a share
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+MAX_WORKERS = 1024  # a service each in the render, and a rank each in the PS's tables
 
 
 class Image(Section):
@@ -49,9 +50,9 @@ class Image(Section):
 class Workers(Section):
     """The training workers, ranks 1..count; on cuda each has one GPU, seen as cuda:0."""
 
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=MAX_WORKERS)
     """Number of workers (ranks 1..count); `--workers N` overrides it."""
-    max: Optional[int] = Field(default=None, gt=0)
+    max: Optional[int] = Field(default=None, gt=0, le=MAX_WORKERS)
     """The most workers `make scale WORKERS=N` may run while the job trains (ranks count+1..max are rendered, started
     only by scale; each has its GPU id reserved); default count. Not for strategy allreduce."""
     gpus: Optional[list[Annotated[int, Field(ge=0)]]] = None

@@ -31,7 +31,18 @@ from app.option_table import BY_NAME, OPTIONS, in_topology
 from app.options import PSOptions, TrainOptions, broken_rule
 from app.recipes import spec_of
 from orchestrator.errors import one_line
-from orchestrator.topology.fields import SHARED_TYPES, Image, Kubernetes, Network, State, Swarm, Tracking, Workers
+from orchestrator.topology import yaml_text
+from orchestrator.topology.fields import (
+    MAX_WORKERS,
+    SHARED_TYPES,
+    Image,
+    Kubernetes,
+    Network,
+    State,
+    Swarm,
+    Tracking,
+    Workers,
+)
 from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
 from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes, yaml_float
 
@@ -237,8 +248,8 @@ class Topology(BaseModel):
 
     def with_workers(self, count: int, source: str = "--workers") -> Topology:
         """The same topology with `count` workers (GPUs 0..count-1 unless listed)."""
-        if count < 1:
-            raise TopologyError(source, "workers.count", f"got {count}; must be at least 1")
+        if not 1 <= count <= MAX_WORKERS:
+            raise TopologyError(source, "workers.count", f"got {count}; must be from 1 to {MAX_WORKERS}")
         t = self.model_copy(update={"workers": self.workers.model_copy(update={"count": count})})
         check(t, source)
         return t
@@ -437,7 +448,9 @@ def load_with(
 def parse(text: str, source: str = "<topology>") -> Topology:
     """Validate a topology given as YAML text (`source` names it in errors)."""
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml_text.load(text)
+    except yaml_text.LimitError as e:
+        raise TopologyError(source, "", f"not a topology: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -467,16 +480,3 @@ def _check_required(data: dict, source: str) -> None:
     for o in OPTIONS:
         if o.required and o.key not in data.get(o.section, {}) and not (o.name == "lr" and own_lr):
             raise TopologyError(source, o.topology, "missing; this key is required")
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
