@@ -23,6 +23,13 @@ EXPORT_IN_VOLUME = f"{STATE_DIR}/export"  # where the container writes model.pt 
 FILES = ("model.pt", "model.json")
 WAIT_SECONDS = 600
 INTERPOLATED = re.compile(r"^\$\{[A-Z0-9_]+:-\}$")  # a variable the engine fills at deploy time
+_COMPOSE_VALUE = re.compile(r"\$\$|\$\{[A-Za-z0-9_]+(?::?-([^}]*))?\}")
+
+
+def as_compose_reads(value: str) -> str:
+    """A value of the rendered document as compose gives it to a container with none of its
+    variables set: `$$` is `$`, `${VAR:-default}` its default (the render writes no other form)."""
+    return _COMPOSE_VALUE.sub(lambda m: "$" if m.group(0) == "$$" else (m.group(1) or ""), value)
 
 
 def exporting_service(document: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -39,14 +46,15 @@ def environment(service: dict[str, Any], run_id: str, export_dir: str) -> dict[s
     place of the deploy-time variables, and where to write."""
     raw = service.get("environment") or {}
     pairs = raw.items() if isinstance(raw, dict) else (item.split("=", 1) for item in raw if "=" in item)
-    env = {str(k): str(v) for k, v in pairs if not INTERPOLATED.match(str(v))}
+    env = {str(k): as_compose_reads(str(v)) for k, v in pairs if not INTERPOLATED.match(str(v))}
     env.update(PSC_RUN_ID=run_id, PSC_EXPORT_DIR=export_dir)
     return env
 
 
-def volumes(service: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
+def volumes(service: dict[str, Any], prefix: str, directory: Path) -> dict[str, dict[str, str]]:
     """The service's volumes as the Docker SDK takes them: a named volume under its project's
-    (stack's) name `prefix`, a bind mount as it is."""
+    (stack's) name `prefix`; a bind mount's source as compose resolves it, an absolute path
+    (a relative one under the project's `directory`, `~` the user's home)."""
     out: dict[str, dict[str, str]] = {}
     for entry in service.get("volumes") or []:
         if isinstance(entry, str):
@@ -60,20 +68,23 @@ def volumes(service: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
             kind = str(entry.get("type", "volume"))
         if kind == "volume":
             source = f"{prefix}_{source}"
+        else:
+            source = str(directory / Path(as_compose_reads(source)).expanduser())
         out[source] = {"bind": target, "mode": mode}
     return out
 
 
-def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Path) -> Path:
+def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Path, directory: Path) -> Path:
     """Run the export of `run_id` ('' : the newest run) from the state of cluster `prefix`, whose
-    rendered document is `document_file`; model.pt and model.json written to `into`."""
+    rendered document is `document_file` (its relative paths under `directory`); model.pt and
+    model.json written to `into`."""
     document = yaml.safe_load(document_file.read_text(encoding="utf-8")) or {}
     name, service = exporting_service(document)
     container = client.containers.run(
         service["image"],
         command=["export"],
         environment=environment(service, run_id, EXPORT_IN_VOLUME),
-        volumes=volumes(service, prefix),
+        volumes=volumes(service, prefix, directory),
         user=service.get("user"),
         network_mode="none",
         labels={"ps-compose.scratch": prefix},

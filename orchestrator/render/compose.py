@@ -251,7 +251,7 @@ def state_volume(t: Topology) -> dict[str, Any]:
     if t.state.volume_driver is not None:
         volume["driver"] = t.state.volume_driver
         if t.state.driver_opts:
-            volume["driver_opts"] = dict(t.state.driver_opts)
+            volume["driver_opts"] = {name: literal(value) for name, value in t.state.driver_opts.items()}
     volume["labels"] = {LABEL_PROJECT: t.name}
     return volume
 
@@ -291,7 +291,7 @@ def _builds(t: Topology, svc: dict[str, Any]) -> dict[str, Any]:
         "build": {
             "context": ".",
             "dockerfile": DOCKERFILE,
-            "args": {"BASE_IMAGE": t.image.base, "PIP_SOURCE": t.image.pip_source},
+            "args": {"BASE_IMAGE": literal(t.image.base), "PIP_SOURCE": t.image.pip_source},
         },
         **svc,
     }
@@ -343,6 +343,12 @@ def _tensorboard(t: Topology) -> dict[str, Any]:
     }
 
 
+def literal(text: str) -> str:
+    """`text` as compose (and `docker stack deploy`) read it as it is: each `$` doubled, since
+    both interpolate `$VAR` and `${VAR}` in every value of the file."""
+    return text.replace("$", "$$")
+
+
 def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optional[int]) -> dict[str, Any]:
     env = app_environment(
         t,
@@ -356,16 +362,24 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         init_weights=INIT_WEIGHTS,
         cache_dir=CACHE_DIR,
     )
+    env = {name: literal(value) for name, value in env.items()}  # the topology's strings, as given
     volumes: list[dict[str, Any]] = []
     if t.reads_files:
-        volumes.append({"type": "bind", "source": _bind_source(t.data_dir()), "target": DATA_DIR, "read_only": True})
+        volumes.append(
+            {"type": "bind", "source": literal(_bind_source(t.data_dir())), "target": DATA_DIR, "read_only": True}
+        )
     if t.code is not None:
         # Mounted, not copied into the image: edit and run again without a rebuild.
-        volumes.append({"type": "bind", "source": _bind_source(t.code), "target": CODE_DIR, "read_only": True})
+        volumes.append(_bind(t.code, CODE_DIR))
         env["PYTHONPATH"] = f"{APP_DIR}:{CODE_DIR}"
     if t.train.init_weights is not None:
         volumes.append(
-            {"type": "bind", "source": _bind_source(t.train.init_weights), "target": INIT_WEIGHTS, "read_only": True}
+            {
+                "type": "bind",
+                "source": literal(_bind_source(t.train.init_weights)),
+                "target": INIT_WEIGHTS,
+                "read_only": True,
+            }
         )
     volumes.append({"type": "volume", "source": STATE_VOLUME, "target": STATE_DIR})
     # The run's id and --resume, from the environment of the compose / stack call (orchestrator.runs):
@@ -401,6 +415,11 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         # runtime is nvidia, a service without a GPU would otherwise see every GPU.
         env["NVIDIA_VISIBLE_DEVICES"] = "void"
     return svc
+
+
+def _bind(path: str, target: str) -> dict[str, Any]:
+    """A read-only bind mount of the host's `path` at `target`."""
+    return {"type": "bind", "source": literal(_bind_source(path)), "target": target, "read_only": True}
 
 
 def _bind_source(path: str) -> str:

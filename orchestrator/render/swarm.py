@@ -165,7 +165,7 @@ def constraint(node: str) -> str:
 def _absolute(volume: dict[str, Any], data_root: str) -> dict[str, Any]:
     if volume["type"] != "bind" or posixpath.isabs(volume["source"]):
         return volume
-    return {**volume, "source": posixpath.normpath(posixpath.join(data_root, volume["source"]))}
+    return {**volume, "source": posixpath.normpath(posixpath.join(compose.literal(data_root), volume["source"]))}
 
 
 def dump(doc: dict[str, Any], name: str) -> str:

@@ -1,9 +1,10 @@
 """Your own model and dataset in real containers: examples/custom/topology.yaml (a
 tiny CNN on digits.npz, both from the read-only `code` mount) with `up`, PS + 2
-workers; the PS exits 0 with its `Accuracy:` line. Own project name, torn down
-before and after."""
+workers; the PS exits 0 with its `Accuracy:` line, and `export` writes its model. Own
+project name, torn down before and after."""
 
 import io
+import json
 import os
 
 import pytest
@@ -16,6 +17,7 @@ from orchestrator.paths import ROOT
 from orchestrator.topology.model import load
 from orchestrator.topology.services import PIDNS_SERVICE
 from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import export as export_verb
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -47,5 +49,13 @@ def test_the_custom_example_trains_in_containers(engine, offline_image, tmp_path
         accuracy = records.final_accuracy(records.parse_lines(files.get("ps.jsonl", [])))
         assert accuracy is not None and accuracy >= THRESHOLD, ps_log[-3000:]
         assert "held-out split: 359 samples, 1 channel(s), 10 classes" in ps_log, ps_log[-3000:]
+
+        # the export container mounts the same `code` dir, a relative bind source (before: the
+        # SDK's "includes invalid characters for a local volume name", exit 1)
+        said = io.StringIO()
+        assert export_verb.export(get("compose"), CONFIG, name=PROJECT, out=said) == 0, said.getvalue()
+        model = tmp_path / PROJECT / "model"
+        card = json.loads((model / "model.json").read_text())
+        assert card["accuracy"] == pytest.approx(accuracy) and (model / "model.pt").stat().st_size > 0
     finally:
         verbs.down(get("compose"), CONFIG, 2, volumes=True, name=PROJECT)

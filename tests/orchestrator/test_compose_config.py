@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+import yaml
 from test_render import CASES, IDS, rendered
+
+from orchestrator.backends import export_container
+from orchestrator.paths import ROOT
+from orchestrator.render import compose as render_compose
+from orchestrator.topology.model import parse
 
 from needs import unavailable
 
@@ -70,3 +76,29 @@ def test_compose_config_has_teeth(tmp_path: Path, which: str) -> None:
     )
     with pytest.raises(AssertionError):
         check([binary], tmp_path, text)
+
+
+@pytest.mark.parametrize("which", ["v1", "v2"])
+def test_a_dollar_in_the_topology_reaches_the_containers_as_written(tmp_path: Path, which: str) -> None:
+    """compose interpolates `$VAR` in every value: the render doubles each `$` of the topology's
+    strings, so compose mounts `./data$set` (before: `./data`, and a warning that `set` is
+    unset), and the export reads the document back the same way."""
+    binary = need(compose_v2() if which == "v2" else compose_v1(), f"compose {which}")
+    doc = yaml.safe_load((ROOT / "configs/cpu-resnet.yaml").read_text())
+    doc["train"]["data_dir"] = "./data$set"
+    doc["train"]["metrics"] = "accuracy"
+    doc["image"]["base"] = "base$x:1"
+    text = render_compose.dump(render_compose.render(parse(yaml.safe_dump(doc))), "pscheck")
+    (tmp_path / "compose.yaml").write_text(text)
+    p = subprocess.run(
+        [binary, "-f", "compose.yaml", "-p", "pscheck", "config"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert p.returncode == 0 and "not set" not in p.stderr, p.stderr
+    ps = yaml.safe_load(p.stdout)["services"]["ps"]  # a compose file again: each `$` doubled
+    mounts = [v if isinstance(v, str) else v["source"] for v in ps["volumes"]]
+    assert any(m.split(":")[0].endswith("/data$$set") for m in mounts), mounts
+    assert ps["build"]["args"]["BASE_IMAGE"] == "base$$x:1"
+
+    _, rendered_ps = export_container.exporting_service(yaml.safe_load(text))
+    binds = export_container.volumes(rendered_ps, "pscheck", tmp_path)
+    assert str(tmp_path / "data$set") in binds, binds

@@ -35,12 +35,25 @@ def test_the_export_container_is_made_like_the_ps_with_the_runs_id():
     env = export_container.environment(ps, "run-7", "/state/export")
     assert name == "ps" and env["PSC_RUN_ID"] == "run-7" and env["PSC_EXPORT_DIR"] == "/state/export"
     assert env["PSC_MODEL"] == "cnn" and "PSC_RESUME" not in env  # deploy-time variables left out
-    assert export_container.volumes(ps, "proj") == {"proj_state": {"bind": "/state", "mode": "rw"}}
+    assert export_container.volumes(ps, "proj", REPO) == {"proj_state": {"bind": "/state", "mode": "rw"}}
     short = {"volumes": ["state:/state", "/srv/data:/data:ro"]}
-    assert export_container.volumes(short, "p") == {
+    assert export_container.volumes(short, "p", REPO) == {
         "p_state": {"bind": "/state", "mode": "rw"},
         "/srv/data": {"bind": "/data", "mode": "ro"},
     }
+
+
+def test_a_relative_bind_mount_is_given_to_the_engine_under_the_project_directory():
+    """The README's cpu-resnet (data_dir) and the custom example (code:) mount relative host
+    paths; the SDK takes only absolute ones (before: `APIError: 400 ... includes invalid
+    characters for a local volume name`, exit 1)."""
+    for config in ("configs/cpu-resnet.yaml", "examples/custom/topology.yaml"):
+        _, ps = export_container.exporting_service(render_compose.render(load(REPO / config)))
+        binds = {k: v for k, v in export_container.volumes(ps, "proj", REPO).items() if k != "proj_state"}
+        assert binds and all(Path(k).is_absolute() and k.startswith(str(REPO)) for k in binds), binds
+        assert all(v["mode"] == "ro" for v in binds.values()), binds
+    home = export_container.volumes({"volumes": ["~/data:/data:ro"]}, "p", REPO)
+    assert list(home) == [str(Path.home() / "data")]
 
 
 def test_an_allreduce_run_is_exported_from_worker1_and_a_document_without_either_is_refused():

@@ -96,7 +96,7 @@ class ComposeBackend(Backend):
         return adapter.remove_created(images.client(), c.name, services)
 
     def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
-        export_container.export(images.client(), c.file, c.name, run_id, into)
+        export_container.export(images.client(), c.file, c.name, run_id, into, ROOT)
 
     def serve_board(self, c: Cluster, env: dict[str, str]) -> str:
         if not _has_board(c):

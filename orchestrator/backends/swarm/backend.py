@@ -106,7 +106,7 @@ class SwarmBackend(Backend):
             adapter.remove_volumes(client, c.name)
 
     def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
-        export_container.export(images.client(), c.file, c.name, run_id, into)
+        export_container.export(images.client(), c.file, c.name, run_id, into, ROOT)
 
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         return adapter.read_metrics(images.client(), c.name, service)
