@@ -4,20 +4,32 @@ version as the step, the exported model as an artifact, and how the run ended.
 
 A tracker that is down or slow never stops or slows training: every call only queues, and one
 thread of the tracker's own sends (MLflow is imported there too: it takes seconds); the
-evaluations queued while it waited for an answer go in one request. The first
-failure is said in one warning; the tracker then drops what is queued and what comes, and the run
-goes on. At the end the PS gives it `CLOSE_SECONDS` to send what is left, and no more.
+evaluations queued while it waited for an answer go in one request. A server that does not
+answer (down, restarting, refusing) is tried again, 1 s then up to 30 s apart, until the run
+ends, with one warning when it stops answering and one line when it answers again; at most
+`MAX_QUEUED` records wait meanwhile. An answer that no retry can change (a bad value, no
+permission) ends the tracking with one warning, and the run goes on. At the end the PS gives the
+tracker `CLOSE_SECONDS` to send what is left, and no more.
+
+Writes are safe to repeat: MLflow's client retries a request whose answer was lost, so an
+experiment that already exists is the one, and the run is found by its tag before one is made
+(a second one made by a retried request is deleted). A URI's user and password are never
+printed.
 
 The experiment is MLFLOW_EXPERIMENT_NAME's (the render sets the topology's name), else
-`ps-compose`; the run is named after the run id."""
+`ps-compose`; the run is named after the run id (a process started without one: `unnamed-`
+and a suffix of its own, so that two such runs are two MLflow runs)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import queue
+import re
 import tempfile
 import threading
+import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +52,22 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
 }
 RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
+RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # between tries of one request while MLflow does not answer
+MAX_QUEUED = 10_000  # records kept while MLflow does not answer (an eval each); later ones are dropped
+# MLflow's answers that say the request itself is wrong: trying it again cannot help.
+FINAL_ERRORS = frozenset(
+    {
+        "INVALID_PARAMETER_VALUE",
+        "BAD_REQUEST",
+        "RESOURCE_DOES_NOT_EXIST",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "CUSTOMER_UNAUTHORIZED",
+        "INVALID_STATE",
+        "ENDPOINT_NOT_FOUND",
+    }
+)
+_USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
 # Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
 EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
 
@@ -49,8 +77,11 @@ class Tracker:
 
     def __init__(self, uri: str, experiment: str, run_name: str) -> None:
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self.shown = shown(uri)  # the URI as logs print it
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self.failed = False
+        self.failed = False  # MLflow refused a request for good: the tracking has ended
+        self.unanswered = False  # the last try of a request got no answer; tried again
+        self.dropped = 0  # records not kept while MLflow did not answer (MAX_QUEUED)
         self.sent = 0  # calls MLflow took
         self._thread = threading.Thread(target=self._send_all, name="mlflow", daemon=True)
         self._thread.start()
@@ -61,11 +92,19 @@ class Tracker:
         uri = env.get(URI_ENV, "").strip()
         if not uri:
             return None
-        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, run_id or "unnamed")
+        name = run_id or f"unnamed-{uuid.uuid4().hex[:8]}"
+        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, name)
 
     def record(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
         """A metrics record (app.training.metrics): `start` opens the run with its parameters,
         `eval` and `end` log their numbers at `step` (the version), `end` ends it FINISHED."""
+        if event == "eval" and self._queue.qsize() >= MAX_QUEUED:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning(
+                    "MLflow at %s: %d records wait for it; later evaluations are not kept", self.shown, MAX_QUEUED
+                )
+            return
         self._queue.put((event, (step, dict(fields))))
 
     def params(self, values: Mapping[str, Any]) -> None:
@@ -83,11 +122,12 @@ class Tracker:
         self._thread.join(timeout)
         if self._thread.is_alive() and not self.failed:
             log.warning(
-                "MLflow at %s did not take the run's last records within %.0f s; not waiting", self.uri, timeout
+                "MLflow at %s did not take the run's last records within %.0f s; not waiting", self.shown, timeout
             )
 
     def _send_all(self) -> None:
-        client, run_id, ended = None, "", False
+        client: Any = None
+        run_id, ended = "", False
         held: tuple[str, Any] | None = None  # an item taken while gathering a batch, sent next
         while (item := held if held is not None else self._queue.get()) is not None:
             held = None
@@ -97,20 +137,38 @@ class Tracker:
             if kind in ("eval", "end"):  # every record queued meanwhile, in one request
                 value, held = self._gather(kind, value)
                 kind = "end" if any(k == "end" for k, _ in value) else "eval"
-            try:
-                if client is None:
-                    client = self._client()
-                if not run_id and kind in ("start", "params"):
-                    run_id = self._open(client)
-                if not run_id:
-                    continue  # nothing before `start` is the run's
-                ended = self._send(client, run_id, kind, value) or ended
-                if kind == "close" and not ended:
-                    client.set_terminated(run_id, value)
-                self.sent += 1
-            except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
-                self.failed = True
-                log.warning("MLflow tracking at %s failed (%s); the run goes on without it", self.uri, _line(error))
+            tries = 0
+            while True:  # until it is taken or refused for good (a daemon thread: the PS's exit ends it)
+                try:
+                    if client is None:
+                        client = self._client()
+                    if not run_id and kind in ("start", "params"):
+                        run_id = self._open(client)
+                    if run_id:  # nothing before `start` is the run's
+                        ended = self._send(client, run_id, kind, value) or ended
+                        if kind == "close" and not ended:
+                            client.set_terminated(run_id, value)
+                        self.sent += 1
+                    break
+                except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
+                    if _final(error):
+                        self.failed = True
+                        log.warning(
+                            "MLflow tracking at %s failed (%s); the run goes on without it", self.shown, _line(error)
+                        )
+                        break
+                    if not self.unanswered:
+                        log.warning(
+                            "MLflow tracking at %s failed (%s); trying again until the run ends, and the run goes on",
+                            self.shown,
+                            _line(error),
+                        )
+                    self.unanswered = True
+                    time.sleep(RETRY_SECONDS[min(tries, len(RETRY_SECONDS) - 1)])
+                    tries += 1
+            if self.unanswered and not self.failed:
+                self.unanswered = False
+                log.info("MLflow at %s answers again; the run's records go on to it", self.shown)
 
     def _gather(self, kind: str, value: Any) -> tuple[list[tuple[str, Any]], tuple[str, Any] | None]:
         """This record and the eval and end records queued behind it (up to an `end`, at most
@@ -137,13 +195,38 @@ class Tracker:
     def _open(self, client: Any) -> str:
         """The MLflow run of this run id: the one a PS of the run opened before (it restarted and
         resumed), running again, or a new one."""
-        found = client.get_experiment_by_name(self.experiment)
-        experiment = found.experiment_id if found is not None else client.create_experiment(self.experiment)
-        earlier = client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{self.run_name}'", max_results=1)
+        experiment = self._experiment(client)
+        earlier = self._runs(client, experiment)
         if earlier:
             client.update_run(earlier[0].info.run_id, status="RUNNING")
             return earlier[0].info.run_id
-        return client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name}).info.run_id
+        client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name})
+        first, *again = self._runs(client, experiment)  # a retried create made one more: the first is the run
+        for extra in again:
+            client.delete_run(extra.info.run_id)
+        return first.info.run_id
+
+    def _experiment(self, client: Any) -> str:
+        """The experiment's id; made if there is none (one a lost answer's retry finds made is the one)."""
+        found = client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return client.create_experiment(self.experiment)
+        except Exception as error:
+            if getattr(error, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def _runs(self, client: Any, experiment: str) -> list[Any]:
+        """The runs of this run id in `experiment` (its tag), the first made first."""
+        return list(
+            client.search_runs(
+                [experiment],
+                filter_string=f"tags.`{RUN_TAG}` = '{self.run_name}'",
+                order_by=["attributes.start_time ASC"],
+            )
+        )
 
     def _send(self, client: Any, run_id: str, kind: str, value: Any) -> bool:
         """Send one item (eval and end: a list of records, in one request); True when it ended the run."""
@@ -175,11 +258,21 @@ class Tracker:
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
+
+
+def shown(text: str) -> str:
+    """`text` with the user and password of every URI in it left out."""
+    return _USER_INFO.sub(r"\1***@", text)
+
+
+def _final(error: BaseException) -> bool:
+    """Whether trying again cannot help: MLflow's answer says the request is wrong, or the error
+    is neither MLflow's (which carries a code: a lost connection's too) nor the network's."""
+    code = getattr(error, "error_code", None)
+    return code in FINAL_ERRORS if code is not None else not isinstance(error, OSError)
 
 
 def _line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    return shown(f"{type(error).__name__}: {text[0] if text else ''}")[:300]

@@ -59,7 +59,7 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
 
 
 @pytest.mark.slow
-def test_a_tracker_that_is_down_costs_one_warning_and_the_run_goes_on(tmp_path):
+def test_a_tracker_that_is_down_costs_two_warnings_and_the_run_goes_on(tmp_path):
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     env = app_env(MLFLOW_TRACKING_URI=down)
     procs = run_cluster(
@@ -67,21 +67,26 @@ def test_a_tracker_that_is_down_costs_one_warning_and_the_run_goes_on(tmp_path):
     )
     assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
     warnings = [line for line in procs["ps"].stderr.splitlines() if "MLflow" in line]
-    assert len(warnings) == 1 and f"MLflow tracking at {down} failed" in warnings[0], warnings
+    # one when it stops answering, one at the end for what was never sent
+    assert len(warnings) == 2, warnings
+    assert f"MLflow tracking at {down} failed" in warnings[0] and "trying again until the run ends" in warnings[0]
+    assert "did not take the run's last records within 15 s" in warnings[1], warnings
     assert final_accuracy(procs["ps"].stdout) >= 0.8
 
 
 @contextlib.contextmanager
-def first_write(upstream: str, *, hold: float = 0.0, refuse: bool = False) -> Iterator[str]:
+def first_write(upstream: str, *, hold: float = 0.0, refuse: bool = False, lose: str = "") -> Iterator[str]:
     """An HTTP proxy to `upstream` whose first POST is answered `hold` seconds late (a server whose
     disk or CPU is busy), or, with `refuse`, not sent on but answered 503 (a server restarting);
-    every other request is sent on and answered as `upstream` answered it. Its URI."""
+    with `lose`, the first POST whose path ends with it is sent on and done, but its answer is
+    lost: 503 (MLflow's client then sends it again). Every other request is sent on and
+    answered as `upstream` answered it. Its URI."""
     first = threading.Event()
 
     class Forward(http.server.BaseHTTPRequestHandler):
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else None
-            is_first = self.command == "POST" and not first.is_set()
+            is_first = self.command == "POST" and not first.is_set() and self.path.endswith(lose)
             if is_first:
                 first.set()
             if is_first and refuse:
@@ -97,6 +102,9 @@ def first_write(upstream: str, *, hold: float = 0.0, refuse: bool = False) -> It
                 except urllib.error.HTTPError as refused:
                     status, data = refused.code, refused.read()
                 time.sleep(hold if is_first else 0.0)
+                if is_first and lose:
+                    status, data = 503, b'{"error_code": "TEMPORARILY_UNAVAILABLE"}'
+
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -168,7 +176,7 @@ class _SlowClient:
     def __init__(self) -> None:
         import threading
 
-        self.release, self.batches, self.ended = threading.Event(), [], []
+        self.release, self.batches, self.ended, self.runs = threading.Event(), [], [], []
 
     def get_experiment_by_name(self, name):
         return None
@@ -177,12 +185,13 @@ class _SlowClient:
         return "1"
 
     def search_runs(self, *args, **kwargs):
-        return []
+        return list(self.runs)
 
     def create_run(self, experiment, run_name, tags):
         from types import SimpleNamespace
 
-        return SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+        self.runs.append(SimpleNamespace(info=SimpleNamespace(run_id=f"r{len(self.runs) + 1}")))
+        return self.runs[-1]
 
     def log_batch(self, run_id, metrics=(), params=()):
         if params:
@@ -210,3 +219,125 @@ def test_the_records_queued_while_a_request_is_out_go_in_one_request(monkeypatch
     tracker.close("FINISHED", timeout=10)
     assert client.batches == [[("accuracy", s) for s in (10, 20, 30, 40, 50)]]  # one request
     assert client.ended == ["FINISHED"] and not tracker.failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["experiments/create", "runs/create"])
+def test_a_write_whose_answer_was_lost_is_tried_again_without_a_second_experiment_or_run(
+    mlflow_server, lost, monkeypatch, caplog
+):
+    """MLflow's client sends a write again when its answer is lost (503): an experiment it finds
+    made is the one (before: RESOURCE_ALREADY_EXISTS ended the tracking, the experiment left
+    with no run), and a second run made with the run's tag is deleted (before: two runs, one
+    RUNNING forever with no points)."""
+    from mlflow import MlflowClient
+
+    for key in tracking.HTTP_DEFAULTS:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    name = f"lost-{lost.split('/')[0]}"
+    with first_write(mlflow_server, lose=lost) as uri:
+        tracker = tracking.Tracker(uri, f"lost-answers-{lost.split('/')[0]}", name)
+        tracker.record("start", 0, {})
+        tracker.record("eval", 40, {"accuracy": 0.5})
+        tracker.record("end", 80, {"accuracy": 0.75, "seconds": 9.0})
+        tracker.close(timeout=120)
+    assert not tracker.failed and not [r for r in caplog.records if "MLflow" in r.getMessage()], caplog.text
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name(f"lost-answers-{lost.split('/')[0]}")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`ps-compose.run_id` = '{name}'")
+    assert run.info.status == "FINISHED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy")) == [
+        (40, 0.5),
+        (80, 0.75),
+    ]
+
+
+@pytest.mark.slow
+def test_a_server_restarted_mid_run_gets_the_whole_run_after_it(tmp_path, monkeypatch, caplog):
+    """`docker restart` of the server mid-run (before: one warning, then nothing more was sent:
+    the run RUNNING forever with the points before the restart): the tracker tries again until
+    it answers, and the run ends FINISHED with every point, one warning and one line on its
+    return."""
+    from mlflow import MlflowClient
+
+    for key in tracking.HTTP_DEFAULTS:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    caplog.set_level("INFO", logger="app.tracking")
+    root, port = tmp_path / "server", free_port()
+    root.mkdir()
+    with mlflow_testkit.serve(root, "127.0.0.1", port) as uri:
+        tracker = tracking.Tracker(uri, "restarted", "restarted-1")
+        tracker.record("start", 0, {})
+        tracker.record("eval", 10, {"accuracy": 0.25})
+        _wait(lambda: tracker.sent >= 2, "the first evaluation sent")
+    tracker.record("eval", 20, {"accuracy": 0.5})  # the server is down
+    _wait(lambda: tracker.unanswered, "the tracker finding the server down")
+    tracker.record("eval", 30, {"accuracy": 0.625})
+    with mlflow_testkit.serve(root, "127.0.0.1", port):
+        tracker.record("end", 40, {"accuracy": 0.75, "seconds": 9.0})
+        tracker.close(timeout=120)
+        client = MlflowClient(uri)
+        (run,) = client.search_runs(
+            [client.get_experiment_by_name("restarted").experiment_id],
+            filter_string="tags.`ps-compose.run_id` = 'restarted-1'",
+        )
+        curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
+    assert not tracker.failed and run.info.status == "FINISHED"
+    assert curve == [(10, 0.25), (20, 0.5), (30, 0.625), (40, 0.75)]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "MLflow" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "trying again until the run ends" in said[0][1] and "answers again" in said[1][1]
+
+
+@pytest.mark.slow
+def test_a_uri_with_a_password_is_never_printed_with_it(caplog):
+    """Credentials in MLFLOW_TRACKING_URI (before: `MLflow tracking at http://alice:s3cr3t-pw@...
+    failed`, in the PS's log)."""
+    tracker = tracking.Tracker(f"http://alice:s3cr3t-pw@127.0.0.1:{free_port()}", "e", "secret-1")
+    tracker.record("start", 0, {})
+    _wait(lambda: tracker.unanswered, "the tracker finding nothing there")
+    tracker.close(timeout=1)
+    assert "s3cr3t" not in caplog.text and "http://***@127.0.0.1:" in caplog.text, caplog.text
+    assert tracking.shown("see https://bob:pw@host/x and http://host/y") == "see https://***@host/x and http://host/y"
+
+
+def test_two_runs_without_a_run_id_are_two_mlflow_runs():
+    """(before: both named `unnamed`, the second's points and model landing in the first's)"""
+    env = {tracking.URI_ENV: "http://127.0.0.1:1"}
+    first, second = (tracking.Tracker.from_env(env, "") for _ in range(2))
+    for tracker in (first, second):
+        tracker.close(timeout=5)
+    assert first.run_name.startswith("unnamed-") and second.run_name.startswith("unnamed-")
+    assert first.run_name != second.run_name
+    assert tracking.Tracker.from_env(env, "run-7").run_name == "run-7"
+
+
+def test_an_answer_no_retry_can_change_ends_the_tracking_with_one_warning(monkeypatch, caplog):
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    client = _SlowClient()
+    client.release.set()
+
+    def refuse(run_id, metrics=(), params=()):
+        raise MlflowException("Changing param values is not allowed", error_code=INVALID_PARAMETER_VALUE)
+
+    client.log_batch = refuse
+    monkeypatch.setattr(tracking.Tracker, "_client", lambda self: client)
+    tracker = tracking.Tracker("http://nowhere", "e", "run-1")
+    tracker.record("start", 0, {})
+    tracker.params({"train.lr": 0.1})
+    tracker.record("eval", 10, {"accuracy": 0.5})
+    tracker.close("FINISHED", timeout=10)
+    warnings = [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()]
+    assert tracker.failed and len(warnings) == 1 and "the run goes on without it" in warnings[0], warnings
+
+
+def _wait(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.1)
