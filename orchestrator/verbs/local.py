@@ -22,8 +22,12 @@ retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a w
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
 import io
 import os
+import re
 import shutil
 import signal
 import socket
@@ -100,6 +104,34 @@ def shm_dir(t: Topology, run_id: str) -> Path:
     return SHM_ROOT / f"psc-{t.name}-{run_id}"
 
 
+def remove_stale_shm(t: Topology) -> list[Path]:
+    """The directories of earlier runs of `t`'s name that /dev/shm still holds (their launcher
+    was killed before it could remove them), removed: called with the run's lock held, so
+    no other run of the name is live."""
+    mapped = _mapped_shm()
+    stale = [
+        d
+        for d in (SHM_ROOT.glob(f"psc-{glob.escape(t.name)}-*") if SHM_ROOT.is_dir() else [])
+        if re.fullmatch(rf"psc-{re.escape(t.name)}-\d{{8}}-\d{{6}}-[0-9a-f]{{6}}", d.name) and d.name not in mapped
+    ]
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
+    return stale
+
+
+def _mapped_shm() -> set[str]:
+    """The /dev/shm directories some process maps a file of (a run of another runs/ directory
+    may be live under the same name): their names."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's
+            continue
+        names.update(re.findall(r"/dev/shm/(psc-[^/\s]+)/", text))
+    return names
+
+
 def service_environment(
     t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: bool = False
 ) -> dict[str, str]:
@@ -157,7 +189,8 @@ def spawn(
 ) -> subprocess.Popen:
     """The one way a local process of the job starts: `env` over this process's environment,
     unbuffered output, no stdin; `new_session` puts it (and its children) in its own group;
-    `pass_fds` stay open in it (the run's lock)."""
+    `pass_fds` stay open in it (the run's lock). It gets SIGTERM when the thread that started
+    it ends, so a launcher killed with SIGKILL leaves no process of its job training on."""
     return subprocess.Popen(
         argv,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
@@ -166,7 +199,21 @@ def spawn(
         stderr=stderr,
         start_new_session=new_session,
         pass_fds=pass_fds,
+        preexec_fn=functools.partial(_end_with, os.getpid()),
     )
+
+
+def _end_with(launcher: int) -> None:
+    """In the child before exec: SIGTERM when the launcher's thread ends (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), and at once if the launcher is already gone."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def check_host(t: Topology, source: str) -> None:
@@ -206,6 +253,7 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
     run_id = runs.new_id()
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
+        remove_stale_shm(t)
         specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
         print(
             f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, state in {run_dir}/",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,6 +269,52 @@ def test_local_sigterm_stops_every_process(fake_app: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_local_killed_with_sigkill_takes_its_processes_with_it(fake_app: Path) -> None:
+    """Each process of the job gets SIGTERM when its launcher dies (before: they ran in
+    sessions of their own, with PPID 1, training on to the end with nobody to stop them)."""
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1")
+    names = ("ps", "worker1", "worker2")
+    deadline = time.monotonic() + 30
+    while not all((fake_app / f"{n}.json").exists() for n in names):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.1)
+    pids = [json.loads((fake_app / f"{n}.json").read_text())["pid"] for n in names]
+    p.kill()
+    p.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while alive := [pid for pid in pids if _running(pid)]:
+        assert time.monotonic() < deadline, f"still running 30 s after their launcher's SIGKILL: {alive}"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """`pid` is a process that has not exited (a zombie waiting for init has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_next_run_removes_what_a_killed_run_left_in_dev_shm_and_nothing_live(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL cannot remove its run's /dev/shm directory: the next run
+    of the name does, leaving one that a live process maps (a run of the name from another
+    checkout) and those of other names."""
+    t = load(REPO / "configs" / "cpu-smoke.yaml").with_name(f"shm-test-{os.getpid()}")
+    left = local.SHM_ROOT / f"psc-{t.name}-20261202-010203-abcdef"
+    live = local.SHM_ROOT / f"psc-{t.name}-20261202-010204-123456"
+    other = local.SHM_ROOT / f"psc-{t.name}-x-20261202-010205-654321"  # the topology `<name>-x`
+    try:
+        for d in (left, live, other):
+            d.mkdir()
+            (d / "segment").write_bytes(b"\0" * 4096)
+        with open(live / "segment", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert local.remove_stale_shm(t) == [left]
+            assert not left.exists() and live.exists() and other.exists()
+    finally:
+        for d in (left, live, other):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_local_missing_data_dir_starts_nothing(fake_app: Path) -> None:
