@@ -53,10 +53,24 @@ def export(
     else:
         backend.refuse("export")
         c = resolve(backend, config, workers, strategy, name)
-        run_id = _chosen(run, run_ids(backend.read_records(c, PS_SERVICE)), f"{backend.noun} {c.name}")
+        from orchestrator.verbs.local import RUNS_DIR
+
+        local_ids = _local_runs(Path(RUNS_DIR) / c.name / "metrics")
+        aside = (
+            f"make local's runs of {c.name} ({Path(RUNS_DIR) / c.name}/): export one with --local "
+            f"(make export LOCAL=1), newest {local_ids[-1]}"
+            if local_ids
+            else ""
+        )
+        ids = run_ids(backend.read_records(c, PS_SERVICE))
+        if not ids and not run and aside:
+            raise UsageError(f"export: {backend.noun} {c.name} has no run yet (no metrics); {aside}")
+        run_id = _chosen(run, ids, f"{backend.noun} {c.name}")
         into = paths.RUNS / c.name / MODEL_DIR
         backend.export_model(c, run_id, into)
         where = f"{backend.noun} {c.name}"
+        if aside:
+            print(f"export: {where}'s run, not {aside}", file=out, flush=True)
     card = json.loads((into / "model.json").read_text(encoding="utf-8"))
     what = "its final model" if card.get("finished") else "its newest checkpoint (the run did not finish)"
     run_id = card.get("run_id") or "(no id)"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import paths
 from orchestrator.backends import export_container
 from orchestrator.errors import UsageError
 from orchestrator.render import compose as render_compose
@@ -99,3 +100,42 @@ def test_make_local_runs_export_to_runs_name_model_and_load_as_plain_pytorch(tmp
     assert loaded.returncode == 0 and loaded.stdout.split()[0] == card["run_id"], loaded.stderr
     again = _orchestrator("export", "-c", config, "--name", "exported", "--local", "--run", "nope", cwd=tmp_path)
     assert again.returncode == 2 and "RUN=nope: no such run in make local's runs of exported" in again.stderr
+
+
+def _start_line(run_id: str) -> str:
+    return json.dumps({"event": "start", "run_id": run_id, "time": 1.0, "step": 0})
+
+
+def test_export_of_a_name_only_make_local_ran_says_to_add_local_and_one_beside_a_cluster_says_which(
+    tmp_path, monkeypatch
+):
+    """(before: "project cpu-smoke has no run yet (no metrics): nothing to export", and where a
+    compose run of the name existed, its model, silently, not the local run just made)"""
+    from orchestrator.backends.registry import BACKENDS
+    from orchestrator.verbs import export as export_verb
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    metrics = tmp_path / "runs" / "cpu-smoke" / "metrics"
+    metrics.mkdir(parents=True)
+    (metrics / "ps.jsonl").write_text(_start_line("20261202-000000-abcdef") + "\n")
+    compose = BACKENDS["compose"]
+    config = str(REPO / "configs/cpu-smoke.yaml")
+    monkeypatch.setattr(compose, "read_records", lambda c, service: {})
+    with pytest.raises(UsageError) as said:
+        export_verb.export(compose, config)
+    assert "project cpu-smoke has no run yet (no metrics); make local's runs of cpu-smoke" in str(said.value)
+    assert "--local (make export LOCAL=1), newest 20261202-000000-abcdef" in str(said.value)
+
+    def exported(c, run_id, into):
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "model.json").write_text(json.dumps({"run_id": run_id, "version": 9, "finished": True}))
+
+    monkeypatch.setattr(
+        compose, "read_records", lambda c, service: {"ps.jsonl": [_start_line("20261201-000000-fedcba")]}
+    )
+    monkeypatch.setattr(compose, "export_model", exported)
+    out = io.StringIO()
+    assert export_verb.export(compose, config, out=out) == 0
+    assert "export: project cpu-smoke's run, not make local's runs of cpu-smoke" in out.getvalue()
+    assert "==> export: run 20261201-000000-fedcba of project cpu-smoke" in out.getvalue()
