@@ -219,7 +219,8 @@ def test_a_new_process_pushing_while_the_old_ones_push_waits_refuses_the_old_one
     parts.join(1, "worker1-b")  # its old process died waiting
     new, ready = parts.take(1, full(2), name="worker1-b")
     assert ready == [] and not new.done()
-    refusal = old.wait()  # refused at once by the policy itself (Policy.hold), not through Ready
+    assert old.done()  # refused at once by the policy itself (Policy.hold), not through Ready
+    refusal = old.wait()
     assert isinstance(refusal, Refusal) and refusal.kind is Refused.STALE and "worker1" in refusal.message
     other, ready = parts.take(2, full(4))
     a, b = answered(ready, new, other)
