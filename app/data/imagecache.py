@@ -31,8 +31,18 @@ from torch.utils.data import Dataset
 
 from app.data.augment import augment
 from app.data.decode import decode, decoded_size, warn_bad
-from app.data.imagefolder import CROP
-from app.data.store import NO_ROOM, SUFFIX, NoRoom, cache_key, exclusive, file_bytes, no_room, shared_storage, write_cache_file
+from app.data.imagefolder import CROP, NothingDecodes
+from app.data.store import (
+    NO_ROOM,
+    SUFFIX,
+    NoRoom,
+    cache_key,
+    exclusive,
+    file_bytes,
+    no_room,
+    shared_storage,
+    write_cache_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +162,7 @@ class CachedImageFolder(Dataset):
             self.labels[i] = self.labels[j]
             self.filled[i] = 1  # last: a reader never sees a half-written image as filled
             return
-        raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")
+        raise NothingDecodes.of(self.samples)
 
     def on_device(self, batch: torch.Tensor) -> torch.Tensor:
         return augment(batch, self.train, self.crop)

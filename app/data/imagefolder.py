@@ -40,10 +40,37 @@ BACKGROUND = (255, 255, 255)  # under transparent pixels
 log = logging.getLogger(__name__)
 
 
-def _scan(directory: str, found: list[tuple[str, list[str]]]) -> None:
+class NothingDecodes(UsageError):
+    """No image of a split decodes: bad input, one line (exit 2). Raised in a DataLoader
+    process, it comes back as this type with that process's traceback as its text: the last
+    line is the message."""
+
+    def __init__(self, text: str) -> None:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else text
+        super().__init__(last.split(f"{NothingDecodes.__name__}: ", 1)[-1])
+
+    @classmethod
+    def of(cls, samples: list[tuple[str, int]]) -> NothingDecodes:
+        return cls(
+            f"data dir: none of the {len(samples)} images of this split decodes (the first: {samples[0][0]}); "
+            "put images Pillow reads there"
+        )
+
+
+def _scan(directory: str, found: list[tuple[str, list[str]]], above: frozenset[tuple[int, int]] = frozenset()) -> None:
     """Append (dirpath, its image file names sorted) for `directory` and every directory
     below it (symlinks followed, as os.walk(followlinks=True)). No stat per file: the
-    dirent type tells directories from the rest, and the rest counts as files, as in os.walk."""
+    dirent type tells directories from the rest, and the rest counts as files, as in os.walk.
+    A link back to a directory it is in (`above`: theirs, device and inode) is a UsageError
+    naming it, where os.walk would follow it until the path is too long."""
+    here = os.stat(directory)
+    mine = (here.st_dev, here.st_ino)
+    if mine in above:
+        raise UsageError(
+            f"data dir: {directory} leads back to {os.path.realpath(directory)}, a folder it is in "
+            "(a symlink loop); remove the link"
+        )
     files: list[str] = []
     subdirs: list[str] = []
     with os.scandir(directory) as entries:
@@ -54,7 +81,7 @@ def _scan(directory: str, found: list[tuple[str, list[str]]]) -> None:
                 files.append(entry.name)
     found.append((directory, sorted(files)))
     for sub in subdirs:
-        _scan(sub, found)
+        _scan(sub, found, above | {mine})
 
 
 def class_files(class_dir: str) -> list[str]:
@@ -137,7 +164,7 @@ class ImageFolderData(Dataset):
                 raise  # the data dir vanished: not a bad file (app.data.datasets.batches)
             except Exception as error:  # noqa: BLE001 - Pillow raises many types for a bad file
                 self._mark_bad(i, error)
-        raise OSError(f"no image under the data dir decodes (the first: {self.samples[0][0]})")
+        raise NothingDecodes.of(self.samples)
 
     def _mark_bad(self, i: int, error: Exception) -> None:
         # A sample is fetched by one loader process at a time, so set-once needs no lock.

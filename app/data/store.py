@@ -30,6 +30,7 @@ import torch
 
 from app.config import UsageError
 from app.data.decode import decode_or_error, decoded_size, warn_bad
+from app.data.imagefolder import NothingDecodes
 from app.runtime.words import first_line
 
 SHM_FRACTION = 0.5  # auto: the cache may take this much of the free /dev/shm (and of the available RAM)
@@ -208,7 +209,7 @@ def write_cache_file(path: Path, samples: list[tuple[str, int]], size: int, thre
                     images[i] = got.numpy()
         good = np.flatnonzero(bad == 0)
         if len(good) == 0:
-            raise OSError(f"no image under the data dir decodes (the first: {samples[0][0]})")
+            raise NothingDecodes.of(samples)
         for slot in np.flatnonzero(bad):  # the next decodable image stands in, wrapping round
             j = good[np.searchsorted(good, slot) % len(good)]
             images[slot], labels[slot] = images[j], labels[j]

@@ -136,6 +136,50 @@ def test_one_class_is_an_error(tmp_path):
         find_samples(tmp_path)
 
 
+def test_a_symlink_loop_is_one_line_naming_the_link(tmp_path):
+    """(before: os.walk's way, followed until `OSError: [Errno 40] Too many levels of symbolic
+    links: '.../loop/loop/loop/...'`, a 476-character line and exit 1)"""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "1.png")
+    (tmp_path / "a" / "loop").symlink_to(tmp_path / "a")
+    (tmp_path / "b" / "also-a").symlink_to(tmp_path / "a")  # a link to a folder it is not in: followed
+    with pytest.raises(UsageError) as e:
+        find_samples(tmp_path)
+    assert str(e.value) == (
+        f"data dir: {tmp_path}/a/loop leads back to {tmp_path}/a, a folder it is in (a symlink loop); remove the link"
+    )
+    (tmp_path / "a" / "loop").unlink()
+    classes, samples = find_samples(tmp_path)
+    assert classes == ["a", "b"] and [p for p, _ in samples] == [
+        f"{tmp_path}/a/1.png",
+        f"{tmp_path}/b/1.png",
+        f"{tmp_path}/b/also-a/1.png",
+    ]
+
+
+@pytest.mark.parametrize("cache", ["off", "memory"])
+def test_a_split_where_nothing_decodes_is_one_line_from_the_loader_processes(tmp_path, cache):
+    """(before: `OSError: Caught OSError in DataLoader worker process 0.`, exit 1)"""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "1.jpg").write_text("not an image")
+    _, samples = find_samples(tmp_path)
+    if cache == "off":
+        dataset = ImageFolderData(samples, train=False)
+    else:
+        from app.data.imagecache import CachedImageFolder
+
+        dataset = CachedImageFolder(samples, train=False, crop=32)
+    loader = datasets.eval_loader(dataset, 2, loader_workers=1)
+    with pytest.raises(UsageError) as e:
+        list(datasets.batches(loader, str(tmp_path)))
+    assert str(e.value) == (
+        f"data dir: none of the 2 images of this split decodes (the first: {tmp_path}/a/1.jpg); "
+        "put images Pillow reads there"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, expected",
