@@ -24,6 +24,7 @@ from app.checkpoint import files as checkpoint_files
 from app.config import Config, UsageError
 from app.contract import PS, worker_name
 from app.data import datasets
+from app.publish import publish
 from app.training.metrics import run_records
 
 log = logging.getLogger("app.export")
@@ -58,10 +59,7 @@ def run(config: Config) -> int:
         **export_files.scored(last_scores(config, run_id)),
         source=str(path),
     )
-    out = Path(config.export_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, data in written.items():
-        (out / name).write_bytes(data)
+    out = publish(written, Path(config.export_dir))
     log.info("exported %s (version %s) to %s: %s", path.name, state.get("version"), out, " and ".join(written))
     return 0
 

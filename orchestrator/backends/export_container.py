@@ -1,7 +1,8 @@
 """The export block of the targets that keep a run's state in a Docker volume (compose, swarm):
 `python -m app export` in a one-off container made like the run's PS (allreduce: worker1),
 with its image, environment, volumes and user as the rendered document gives them, on no
-network. It writes into the state volume; the two files come out of the container as a tar.
+network. It writes into its own file system; the two files come out of the container as a tar
+and replace the export directory whole (app.publish).
 
 On a swarm of several nodes the volume is the PS node's: run the export there."""
 
@@ -15,11 +16,13 @@ from typing import Any
 
 import yaml
 
+from app.publish import publish
 from orchestrator.errors import UsageError
-from orchestrator.render.compose import STATE_DIR
 from orchestrator.topology.services import PS_SERVICE
 
-EXPORT_IN_VOLUME = f"{STATE_DIR}/export"  # where the container writes model.pt and model.json
+# Where the container writes model.pt and model.json: its own file system, not the state
+# volume, so two exports of one name at once each get their own run, and none leaves files there.
+EXPORT_IN_CONTAINER = "/tmp/export"
 FILES = ("model.pt", "model.json")
 WAIT_SECONDS = 600
 INTERPOLATED = re.compile(r"^\$\{[A-Z0-9_]+:-\}$")  # a variable the engine fills at deploy time
@@ -83,7 +86,7 @@ def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Pat
     container = client.containers.run(
         service["image"],
         command=["export"],
-        environment=environment(service, run_id, EXPORT_IN_VOLUME),
+        environment=environment(service, run_id, EXPORT_IN_CONTAINER),
         volumes=volumes(service, prefix, directory),
         user=service.get("user"),
         network_mode="none",
@@ -95,7 +98,7 @@ def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Pat
         if code != 0:
             said = container.logs(stdout=True, stderr=True).decode("utf-8", "replace").strip().splitlines()
             raise UsageError(f"export from {name}'s state failed: {said[-1] if said else f'exit status {code}'}")
-        stream, _ = container.get_archive(EXPORT_IN_VOLUME)
+        stream, _ = container.get_archive(EXPORT_IN_CONTAINER)
         return extract(b"".join(stream), into)
     finally:
         container.remove(force=True)
@@ -103,15 +106,15 @@ def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Pat
 
 def extract(archive: bytes, into: Path) -> Path:
     """model.pt and model.json out of the export directory's tar into `into` (nothing else)."""
-    into.mkdir(parents=True, exist_ok=True)
+    found: dict[str, bytes] = {}
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             name = Path(member.name).name
             if member.isfile() and name in FILES:
                 data = tar.extractfile(member)
                 assert data is not None  # a regular file
-                (into / name).write_bytes(data.read())
-    missing = [f for f in FILES if not (into / f).is_file()]
+                found[name] = data.read()
+    missing = [f for f in FILES if f not in found]
     if missing:
         raise UsageError(f"the export wrote no {', '.join(missing)}")
-    return into
+    return publish(found, into)

@@ -33,8 +33,8 @@ print(card["run_id"], card["accuracy"], sum(p.numel() for p in model.parameters(
 def test_the_export_container_is_made_like_the_ps_with_the_runs_id():
     doc = render_compose.render(load(REPO / "configs/cpu-smoke.yaml"))
     name, ps = export_container.exporting_service(doc)
-    env = export_container.environment(ps, "run-7", "/state/export")
-    assert name == "ps" and env["PSC_RUN_ID"] == "run-7" and env["PSC_EXPORT_DIR"] == "/state/export"
+    env = export_container.environment(ps, "run-7", "/tmp/export")
+    assert name == "ps" and env["PSC_RUN_ID"] == "run-7" and env["PSC_EXPORT_DIR"] == "/tmp/export"
     assert env["PSC_MODEL"] == "cnn" and "PSC_RESUME" not in env  # deploy-time variables left out
     assert export_container.volumes(ps, "proj", REPO) == {"proj_state": {"bind": "/state", "mode": "rw"}}
     short = {"volumes": ["state:/state", "/srv/data:/data:ro"]}
