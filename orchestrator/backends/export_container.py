@@ -8,9 +8,13 @@ On a swarm of several nodes the volume is the PS node's: run the export there.""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
+import signal
 import tarfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ import yaml
 
 from app.publish import publish
 from orchestrator.errors import UsageError
-from orchestrator.topology.services import PS_SERVICE
+from orchestrator.topology.services import PS_SERVICE, SCRATCH_LABEL
 
 # Where the container writes model.pt and model.json: its own file system, not the state
 # volume, so two exports of one name at once each get their own run, and none leaves files there.
@@ -83,6 +87,32 @@ def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Pat
     model.json written to `into`."""
     document = yaml.safe_load(document_file.read_text(encoding="utf-8")) or {}
     name, service = exporting_service(document)
+    with _sigterm_as_exit():
+        return _run(client, name, service, prefix, run_id, into, directory)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM as SystemExit(143) while the export runs (main thread only), so its container is
+    removed on the way out, not left running with the state volume held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(
+    client: Any, name: str, service: dict[str, Any], prefix: str, run_id: str, into: Path, directory: Path
+) -> Path:
+    """The export container run to its end, its two files taken out, and it removed."""
     container = client.containers.run(
         service["image"],
         command=["export"],
@@ -90,7 +120,7 @@ def export(client: Any, document_file: Path, prefix: str, run_id: str, into: Pat
         volumes=volumes(service, prefix, directory),
         user=service.get("user"),
         network_mode="none",
-        labels={"ps-compose.scratch": prefix},
+        labels={SCRATCH_LABEL: prefix},
         detach=True,
     )
     try:

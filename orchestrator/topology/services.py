@@ -27,6 +27,7 @@ PIDNS_SERVICE = "pidns"
 LABEL_PROJECT = "ps-compose.project"
 LABEL_ROLE = "ps-compose.role"
 LABEL_RANK = "ps-compose.rank"
+SCRATCH_LABEL = "ps-compose.scratch"  # a one-off container of a project's (its metrics read, its export)
 
 
 def has_ps(t: Topology) -> bool:

@@ -211,6 +211,9 @@ import json, os, sys, time
 role = sys.argv[1]
 name = "ps" if role == "ps" else "worker" + os.environ["PSC_RANK"]
 env = {k: v for k, v in os.environ.items() if k.startswith(("PSC_", "TP_"))}
+if os.environ.get("FAKE_IGNORE_TERM"):  # a process that outlives its launcher's death (before it says it started)
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 # whole or not there: the tests wait for the file to exist, then read it
 open(f"{name}.json.tmp", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "pid": os.getpid()}))
 os.replace(f"{name}.json.tmp", f"{name}.json")

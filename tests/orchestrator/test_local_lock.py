@@ -84,7 +84,9 @@ def test_a_second_local_of_a_live_name_is_refused_naming_the_live_run(fake_app: 
 
 
 def test_a_killed_run_never_blocks_the_next_but_its_live_processes_do(fake_app: Path) -> None:  # noqa: F811
-    first = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1")
+    # Processes that ignore the SIGTERM their launcher's death sends them (test_cli_local.py: the
+    # others end with it), so they outlive it.
+    first = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1", FAKE_IGNORE_TERM="1")
     pids = _started(fake_app, first)
     try:
         first.kill()  # the orchestrator alone: its processes (sessions of their own) go on

@@ -43,7 +43,7 @@ from orchestrator.render.compose import (
     TENSORBOARD_PROFILE,
     TENSORBOARD_SERVICE,
 )
-from orchestrator.topology.services import PS_SERVICE
+from orchestrator.topology.services import PS_SERVICE, SCRATCH_LABEL
 
 ENV_OVERRIDE = "PS_COMPOSE_CMD"
 
@@ -251,7 +251,7 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
                 image,
                 command=["true"],
                 volumes={volume: {"bind": STATE_DIR, "mode": "ro"}},
-                labels={"ps-compose.scratch": project},
+                labels={SCRATCH_LABEL: project},
             )
         stream, _ = source.get_archive(METRICS_DIR)
         return metrics_from_tar(b"".join(stream))
@@ -260,6 +260,19 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
     finally:
         if scratch is not None:
             scratch.remove(force=True)
+
+
+def remove_scratch(client: Any, project: str) -> list[str]:
+    """Remove the project's one-off containers a killed verb left (they hold its volumes); their names."""
+    found = client.containers.list(all=True, filters={"label": f"{SCRATCH_LABEL}={project}"}, ignore_removed=True)
+    for container in found:
+        container.remove(force=True)
+    return [container.name for container in found]
+
+
+def volumes_left(client: Any, project: str) -> list[str]:
+    """The project's named volumes the engine still has."""
+    return [v.name for v in client.volumes.list(filters={"label": f"{LABEL_PROJECT}={project}"})]
 
 
 def _any_image(client: Any) -> Optional[str]:

@@ -17,7 +17,7 @@ from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.status import service_states
 from orchestrator.backends.lines import ProcessLines
-from orchestrator.errors import UsageError
+from orchestrator.errors import EngineError, UsageError
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.topology.model import Topology
@@ -76,7 +76,11 @@ class ComposeBackend(Backend):
         return ProcessLines([adapter.logs_argv(_compose(), project(c), follow=follow, color=False)])
 
     def remove(self, c: Cluster, volumes: bool) -> None:
+        adapter.remove_scratch(images.client(), c.name)  # a killed export's container holds the volume
         command.run(adapter.down_argv(_compose(), project(c), volumes=volumes))
+        left = adapter.volumes_left(images.client(), c.name) if volumes else []
+        if left:  # compose only warns ("Resource is still in use") and exits 0
+            raise EngineError(f"down -v: volume {', '.join(left)} still there: a container outside the project uses it")
 
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         client = images.client()
