@@ -48,6 +48,10 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 ENV_PREFIX = "PSC_"  # every flag --x is also PSC_X in the environment
 RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when set
+# The PS's MLflow server as the host reaches it (PSC_MLFLOW_UI) where the PS reaches it at
+# another address (PSC_MLFLOW_SERVER: the project's own server, inside its network): the run's
+# address in the PS's log is the host's.
+MLFLOW_UI_ENV, MLFLOW_SERVER_ENV = "PSC_MLFLOW_UI", "PSC_MLFLOW_SERVER"
 
 PS = "ps"  # the main PS: RPC name, metrics file and compose service
 SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV
+
 log = logging.getLogger("app.tracking")
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
 DEFAULT_EXPERIMENT = "ps-compose"
@@ -50,6 +52,9 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    # MLflow's own "View run at" line would name the URI the PS reaches, which the host may not;
+    # the tracker logs the run's address as the host sees it instead.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
 RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # between tries of one request while MLflow does not answer
@@ -75,9 +80,11 @@ EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "sta
 class Tracker:
     """Queues a run's records for MLflow; a thread sends them (`record`, `model`, `close`)."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str) -> None:
+    def __init__(self, uri: str, experiment: str, run_name: str, ui: str = "") -> None:
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.shown = shown(uri)  # the URI as logs print it
+        self.ui = shown(ui or uri).rstrip("/")  # the server as the host reaches it
+        self.address = ""  # the run's page, once it is open
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self.failed = False  # MLflow refused a request for good: the tracking has ended
         self.unanswered = False  # the last try of a request got no answer; tried again
@@ -93,7 +100,8 @@ class Tracker:
         if not uri:
             return None
         name = run_id or f"unnamed-{uuid.uuid4().hex[:8]}"
-        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, name)
+        ui = env.get(MLFLOW_UI_ENV, "") if uri.rstrip("/") == env.get(MLFLOW_SERVER_ENV, "").rstrip("/") else ""
+        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, name, ui)
 
     def record(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
         """A metrics record (app.training.metrics): `start` opens the run with its parameters,
@@ -144,6 +152,7 @@ class Tracker:
                         client = self._client()
                     if not run_id and kind in ("start", "params"):
                         run_id = self._open(client)
+                        log.info("MLflow run %s: %s", self.run_name, self.address)
                     if run_id:  # nothing before `start` is the run's
                         ended = self._send(client, run_id, kind, value) or ended
                         if kind == "close" and not ended:
@@ -199,12 +208,16 @@ class Tracker:
         earlier = self._runs(client, experiment)
         if earlier:
             client.update_run(earlier[0].info.run_id, status="RUNNING")
-            return earlier[0].info.run_id
+            return self._opened(experiment, earlier[0].info.run_id)
         client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name})
         first, *again = self._runs(client, experiment)  # a retried create made one more: the first is the run
         for extra in again:
             client.delete_run(extra.info.run_id)
-        return first.info.run_id
+        return self._opened(experiment, first.info.run_id)
+
+    def _opened(self, experiment: str, run_id: str) -> str:
+        self.address = f"{self.ui}/#/experiments/{experiment}/runs/{run_id}"  # MLflow UI's route
+        return run_id
 
     def _experiment(self, client: Any) -> str:
         """The experiment's id; made if there is none (one a lost answer's retry finds made is the one)."""
@@ -248,6 +261,7 @@ class Tracker:
             client.log_batch(run_id, metrics=metrics)
             if kind == "end":
                 client.set_terminated(run_id, "FINISHED")
+                log.info("MLflow run %s finished: %s", self.run_name, self.address)
                 return True
         elif kind == "model":
             with tempfile.TemporaryDirectory() as directory:

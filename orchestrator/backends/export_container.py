@@ -53,7 +53,8 @@ def environment(service: dict[str, Any], run_id: str, export_dir: str) -> dict[s
     place of the deploy-time variables, and where to write."""
     raw = service.get("environment") or {}
     pairs = raw.items() if isinstance(raw, dict) else (item.split("=", 1) for item in raw if "=" in item)
-    env = {str(k): as_compose_reads(str(v)) for k, v in pairs if not INTERPOLATED.match(str(v))}
+    # A null value (a variable compose takes from its caller: credentials) is not the export's.
+    env = {str(k): as_compose_reads(str(v)) for k, v in pairs if v is not None and not INTERPOLATED.match(str(v))}
     env.update(PSC_RUN_ID=run_id, PSC_EXPORT_DIR=export_dir)
     return env
 

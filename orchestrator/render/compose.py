@@ -262,6 +262,7 @@ def _ps(t: Topology) -> dict[str, Any]:
     # set (app.training.tracking); empty: no tracking. The experiment: the run's name.
     svc["environment"].update(MLFLOW_ENVIRONMENT)
     svc["environment"]["MLFLOW_EXPERIMENT_NAME"] = f"${{MLFLOW_EXPERIMENT_NAME:-{t.name}}}"
+    svc["environment"].update(dict.fromkeys(tracking.FROM_CALLER))  # credentials: by name, never a value
     svc["healthcheck"] = dict(HEALTHCHECK)
     # Time to write a checkpoint on SIGTERM before compose sends SIGKILL.
     svc["stop_grace_period"] = "30s"

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV
 from orchestrator.errors import UsageError
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_ROLE, has_ps
@@ -52,6 +53,21 @@ def refuse_own_server(t: Topology, target: str) -> None:
         )
 
 
+# MLflow's own variables for a secured server and an S3 artifact store: the PS alone gets them, by
+# name, from the environment of the compose (or stack) call. A null value is compose's "from the
+# caller; unset where the caller has not set it": no secret is written into a rendered file.
+FROM_CALLER = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "MLFLOW_S3_ENDPOINT_URL",
+    "MLFLOW_S3_IGNORE_TLS",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+)
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
@@ -114,4 +130,7 @@ def track_in_own_server(ps: dict[str, Any]) -> None:
     """The PS's service: MLflow's URI defaults to the project's server, and it starts once that
     server answers (its first record then lands)."""
     ps["environment"]["MLFLOW_TRACKING_URI"] = f"${{MLFLOW_TRACKING_URI:-{MLFLOW_URI}}}"
+    # The run's address in the PS's log, as the host reaches this server (app.training.tracking).
+    ps["environment"][MLFLOW_SERVER_ENV] = MLFLOW_URI
+    ps["environment"][MLFLOW_UI_ENV] = f"http://127.0.0.1:${{{MLFLOW_PORT}:-{MLFLOW_CONTAINER_PORT}}}"
     ps["depends_on"] = {**ps.get("depends_on", {}), MLFLOW_SERVICE: {"condition": "service_healthy"}}

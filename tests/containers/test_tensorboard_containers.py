@@ -133,7 +133,8 @@ def finished(engine, image, tmp_path_factory):
             [run_id] = {r["run_id"] for r in records if r["event"] == "start"}
             evals = [r for r in records if r["event"] in ("eval", "end")]
             assert [r for r in evals if r["event"] == "eval"], records
-            ps_lines = [line for line in adapter.log_text(engine, project, "ps").splitlines() if "MLflow" in line]
+            ps_log = adapter.log_text(engine, project, "ps").splitlines()
+            ps_lines = [line for line in ps_log if "MLflow" in line or "View run" in line]
             server_lines = adapter.log_text(engine, project, "mlflow").splitlines()[-20:]
             said = "\n".join(["the PS:", *ps_lines, "the server:", *server_lines])
             yield FinishedRun(project, config, run_id, evals, f"http://127.0.0.1:{port}", said)
@@ -161,6 +162,10 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     assert curve == sorted((r["step"], r["accuracy"]) for r in finished.evals)
     names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "model"))
     assert names == ["model/model.json", "model/model.pt"]
+    # The run's address in the PS's log is the host's (not http://mlflow:5000, the network's).
+    address = f"{finished.mlflow}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+    assert f"MLflow run {finished.run_id} finished: {address}" in finished.said, finished.said
+    assert "View run" not in finished.said and "http://mlflow:" not in finished.said
 
 
 def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, finished, chromium, tmp_path):

@@ -6,6 +6,7 @@ Without a binary the test skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import importlib.resources
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ from test_render import CASES, IDS, rendered
 from orchestrator.backends import export_container
 from orchestrator.paths import ROOT
 from orchestrator.render import compose as render_compose
+from orchestrator.render import tracking as render_tracking
 from orchestrator.topology.model import parse
 
 from needs import unavailable
@@ -102,3 +104,37 @@ def test_a_dollar_in_the_topology_reaches_the_containers_as_written(tmp_path: Pa
     _, rendered_ps = export_container.exporting_service(yaml.safe_load(text))
     binds = export_container.volumes(rendered_ps, "pscheck", tmp_path)
     assert str(tmp_path / "data$set") in binds, binds
+
+
+@pytest.mark.parametrize("which", ["v1", "v2"])
+def test_mlflow_credentials_reach_the_ps_alone_from_the_caller_and_are_never_written(
+    tmp_path: Path, which: str
+) -> None:
+    """A secured MLflow server's and an S3 artifact store's variables are rendered as names
+    only: compose gives the PS the caller's values, leaves unset those the caller has not set,
+    and no value is in the rendered file, in a worker or in what the export runs with."""
+    binary = need(compose_v2() if which == "v2" else compose_v1(), f"compose {which}")
+    text = rendered("configs/cpu-smoke.yaml", None)[1]
+    secret = "s3cr3t-pw-for-the-test"
+    assert secret not in text
+    (tmp_path / "compose.yaml").write_text(text)
+    caller = {"PATH": os.environ["PATH"], "MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": secret}
+    p = subprocess.run(
+        [binary, "-f", "compose.yaml", "-p", "pscheck", "config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=caller,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    services = yaml.safe_load(p.stdout)["services"]
+    ps = services["ps"]["environment"]
+    assert ps["MLFLOW_TRACKING_USERNAME"] == "alice" and ps["MLFLOW_TRACKING_PASSWORD"] == secret
+    assert ps.get("AWS_SECRET_ACCESS_KEY") is None  # not set by the caller: not set in the container
+    workers = [svc for name, svc in services.items() if name.startswith("worker")]
+    assert workers and all("MLFLOW_TRACKING_PASSWORD" not in (w.get("environment") or {}) for w in workers)
+
+    _, rendered_ps = export_container.exporting_service(yaml.safe_load(text))
+    env = export_container.environment(rendered_ps, "run-1", "/tmp/export")
+    assert not any(name in env for name in render_tracking.FROM_CALLER), env

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.render import compose as render_compose
+from orchestrator.render import tracking as render_tracking
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, load, parse
 from orchestrator.topology.services import LABEL_PROJECT, LABEL_RANK, LABEL_ROLE, PIDNS_SERVICE, service_names
@@ -112,7 +113,10 @@ def test_services_ranks_and_env() -> None:
         assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
         assert env["PSC_DATA_DIR"] == "/data" and env["TP_SOCKET_IFNAME"] == "eth0"
         assert env["PSC_CHECKPOINT_DIR"] == "/state/checkpoints" and env["PSC_METRICS_DIR"] == "/state/metrics"
-        assert all(isinstance(v, str) for v in env.values())
+        # The PS's MLflow credentials are names, compose's null: taken from the caller, never written.
+        passed = {k for k, v in env.items() if v is None}
+        assert passed == (set(render_tracking.FROM_CALLER) if rank == 0 else set())
+        assert all(isinstance(v, str) for k, v in env.items() if k not in passed)
         assert svc["command"] == (["ps"] if rank == 0 else ["worker"])
         assert svc["labels"] == {
             LABEL_PROJECT: t.name,

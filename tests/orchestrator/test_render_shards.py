@@ -42,7 +42,8 @@ def test_shard_services_share_the_ps_image_env_and_volume() -> None:
     for index in (1, 2):
         svc = doc["services"][f"ps-shard{index}"]
         assert svc["image"] == ps["image"] and "build" not in svc and svc["command"] == ["ps"]
-        own = {k: v for k, v in ps["environment"].items() if not k.startswith("MLFLOW_")}  # the PS logs the run
+        # The PS alone logs the run (and takes the credentials for it)
+        own = {k: v for k, v in ps["environment"].items() if not k.startswith("MLFLOW_") and v is not None}
         assert svc["environment"] == {**own, "PSC_SHARD": str(index)}
         assert svc["depends_on"] == {"pidns": {"condition": "service_started"}, "ps": {"condition": "service_healthy"}}
         assert svc["pid"] == "service:pidns" and svc["cap_add"] == ["SYS_PTRACE"]

@@ -39,7 +39,8 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
     args = [*DIGITS, "--num_epochs", "3", "--eval_every", "40", "--run_id", "tracked-1"]
     procs = run_cluster(tmp_path, workers=2, args=args, timeout=240, env=env)
     assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
-    assert "MLflow" not in procs["ps"].stderr  # no warning: the tracker took every record
+    warned = [line for line in procs["ps"].stderr.splitlines() if "MLflow" in line and "INFO" not in line]
+    assert not warned  # no warning: the tracker took every record
 
     client = MlflowClient(mlflow_server)
     experiment = client.get_experiment_by_name("tracked-digits")
@@ -56,6 +57,11 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
     assert names == ["model/model.json", "model/model.pt"]
     card = json.loads(Path(client.download_artifacts(run.info.run_id, "model/model.json", str(tmp_path))).read_text())
     assert card["builder"] == "app.training.models:SmallCNN" and card["run_id"] == "tracked-1"
+    # The run's address, once opened and once finished; not MLflow's own "View run" line.
+    address = f"{mlflow_server}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+    output = procs["ps"].stdout + procs["ps"].stderr
+    assert f"MLflow run tracked-1: {address}" in output and f"MLflow run tracked-1 finished: {address}" in output
+    assert "View run" not in output
 
 
 @pytest.mark.slow
@@ -287,7 +293,8 @@ def test_a_server_restarted_mid_run_gets_the_whole_run_after_it(tmp_path, monkey
         curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
     assert not tracker.failed and run.info.status == "FINISHED"
     assert curve == [(10, 0.25), (20, 0.5), (30, 0.625), (40, 0.75)]
-    said = [(r.levelname, r.getMessage()) for r in caplog.records if "MLflow" in r.getMessage()]
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    said = [(level, m) for level, m in messages if "MLflow" in m and "MLflow run" not in m]  # not the run's address
     assert [level for level, _ in said] == ["WARNING", "INFO"], said
     assert "trying again until the run ends" in said[0][1] and "answers again" in said[1][1]
 
@@ -341,3 +348,21 @@ def _wait(check, what: str, timeout: float = 60.0) -> None:
     while not check():
         assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
         time.sleep(0.1)
+
+
+def test_the_run_address_is_the_hosts_where_the_ps_reaches_the_server_at_another():
+    """The project's own server is http://mlflow:5000 inside its network and 127.0.0.1:<port> on
+    the host (the render says both); a server the caller named is the same address for both."""
+    own = {
+        tracking.URI_ENV: "http://mlflow:5000",
+        "PSC_MLFLOW_SERVER": "http://mlflow:5000",
+        "PSC_MLFLOW_UI": "http://127.0.0.1:5123",
+    }
+    trackers = [
+        tracking.Tracker.from_env(own, "run-1"),
+        tracking.Tracker.from_env({**own, tracking.URI_ENV: "https://bob:pw@mlflow.example.com/"}, "run-2"),
+    ]
+    for tracker in trackers:
+        tracker.close(timeout=0)
+    assert trackers[0].ui == "http://127.0.0.1:5123"
+    assert trackers[1].ui == "https://***@mlflow.example.com"
