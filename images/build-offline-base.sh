@@ -5,7 +5,9 @@
 # PATH, as on the official PyTorch image the Dockerfile defaults to), install
 # the torch + torchvision pair of images/torch-pair.txt and what it needs into
 # it, at the versions and hashes of the lock requirements/torch.txt (`make lock`;
-# as the official image has its own pair), and `docker import` the tree.
+# as the official image has its own pair), and `docker import` the tree. The tree
+# before the pair is imported too, as ps-compose-python:bookworm: the base of the
+# images that need a Python and no torch (the MLflow server's).
 #
 #   images/build-offline-base.sh            # skips when the image exists with this lock
 #   FORCE=1 images/build-offline-base.sh    # rebuilds
@@ -20,6 +22,7 @@ set -euo pipefail
 PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 IMAGE=${OFFLINE_BASE_IMAGE:-ps-compose-base:bookworm}
+PYTHON_IMAGE=${OFFLINE_PYTHON_IMAGE:-ps-compose-python:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOTFS=$HERE/rootfs
@@ -39,14 +42,19 @@ mkdir -p "$HERE/.cache"
 exec 9>"$HERE/.cache/base.lock"
 flock 9
 
-have=$(docker image inspect -f "{{ index .Config.Labels \"$LOCK_LABEL\" }}" "$IMAGE" 2>/dev/null || true)
-[ "$have" != "<no value>" ] || have=""
-if [ -z "${FORCE:-}" ] && [ "$have" = "$KEY" ]; then
-    echo "base image $IMAGE exists with $SPEC of lock $KEY: nothing to do (FORCE=1 rebuilds it)"
+lock_of() {  # $1: an image; the lock it was built from, empty if none
+    local have
+    have=$(docker image inspect -f "{{ index .Config.Labels \"$LOCK_LABEL\" }}" "$1" 2>/dev/null || true)
+    [ "$have" != "<no value>" ] || have=""
+    echo "$have"
+}
+have=$(lock_of "$IMAGE")
+if [ -z "${FORCE:-}" ] && [ "$have" = "$KEY" ] && [ "$(lock_of "$PYTHON_IMAGE")" = "$KEY" ]; then
+    echo "base image $IMAGE exists with $SPEC of lock $KEY, and $PYTHON_IMAGE: nothing to do (FORCE=1 rebuilds them)"
     exit 0
 fi
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
-    echo "base image $IMAGE was built from lock '${have:-none}', not $KEY (requirements/torch.txt): rebuilding it"
+    echo "base image $IMAGE was built from lock '${have:-none}', not $KEY (requirements/torch.txt), or $PYTHON_IMAGE is missing: rebuilding them"
 fi
 if [ "$(id -u)" != 0 ]; then
     echo "error: debootstrap needs root; run: sudo $0" >&2
@@ -78,6 +86,23 @@ fi
 echo "debootstrap: $((SECONDS - start)) s"
 
 "$CHROOT" "$ROOTFS" /usr/bin/python3 -m venv /opt/venv
+# Keep it small: no package lists, caches, docs or translations in the images.
+rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* \
+       "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* \
+       "$ROOTFS"/usr/share/locale/* "$ROOTFS"/var/log/*
+find "$ROOTFS" -path "$ROOTFS/opt/venv" -prune -o -name __pycache__ -prune -exec rm -rf {} +
+import_tree() {  # $1: the image; $2: what it holds
+    tar -C "$ROOTFS" --one-file-system -c . | docker import \
+        --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV LANG=C.UTF-8' \
+        --change 'CMD ["python"]' \
+        --change "LABEL $LABEL=\"$2\" $LOCK_LABEL=\"$KEY\"" \
+        --message "debootstrap --variant=minbase bookworm + python3 venv${2:+ + $2}" \
+        - "$1" >/dev/null
+}
+# The Python alone (its label says: no torch); CI's clean-up finds it by the label as the base.
+import_tree "$PYTHON_IMAGE" "none"
+docker run --rm "$PYTHON_IMAGE" python -c 'import sys; print("python", sys.version.split()[0], "ok")'
 
 # The lock's wheels, for the image's interpreter (CPython 3.11, manylinux x86_64),
 # each checked against the lock's hashes and installed in the tree's venv; none is
@@ -131,20 +156,8 @@ else
 fi
 rm -rf "$WHEELS" "$ROOTFS/tmp/uv" "$ROOTFS/tmp/uv-cache" "$ROOTFS/tmp/host-ca.pem"
 echo "torch pair installed by $installer: $((SECONDS - start)) s"
-# Keep it small: no package lists, caches, docs or translations in the image.
-rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* \
-       "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* \
-       "$ROOTFS"/usr/share/locale/* "$ROOTFS"/var/log/*
 # (torch's own bytecode stays: without it every process would compile torch at import.)
-find "$ROOTFS" -path "$ROOTFS/opt/venv" -prune -o -name __pycache__ -prune -exec rm -rf {} +
-
-tar -C "$ROOTFS" --one-file-system -c . | docker import \
-    --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' \
-    --change 'CMD ["python"]' \
-    --change "LABEL $LABEL=\"$SPEC\" $LOCK_LABEL=\"$KEY\"" \
-    --message "debootstrap --variant=minbase bookworm + python3 venv + $SPEC" \
-    - "$IMAGE" >/dev/null
+import_tree "$IMAGE" "$SPEC"
 docker run --rm "$IMAGE" python -c 'import sys, torch, torchvision
 print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__, "ok")'
 echo "base image $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'), built in $((SECONDS - start)) s"

@@ -5,11 +5,12 @@
 # and, offline, the wheels of images/wheelhouse-tracking/ (images/wheelhouse.sh
 # with LOCK and OUT).
 #
-# FROM the app's base (the official PyTorch image, or the offline base): it has a
-# python with pip, and its layers are on the host already. pip installs the lock's
-# packages that the base lacks, each checked against its hashes, as the app's
-# image does (images/Dockerfile).
-ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime
+# FROM a Python with pip and no torch (a server imports none): the official Python
+# image, or offline ps-compose-python:bookworm, the offline base's tree before its
+# torch pair (images/build-offline-base.sh). pip installs the lock's packages that
+# the base lacks, each checked against its hashes, as the app's image does
+# (images/Dockerfile).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
 ARG PIP_SOURCE=index

@@ -6,13 +6,14 @@
 # it needs (requirements/torch.txt) are in the offline base already
 # (images/build-offline-base.sh), as the official PyTorch image has its own.
 # The Dockerfile installs these wheels with `pip install --no-index --find-links`.
-# LOCK and OUT fill another folder from another lock the same way: the MLflow
-# tracking server's image (orchestrator/tracking_image.py) takes
-# requirements/tracking-server.txt into images/wheelhouse-tracking/.
+# LOCK and OUT fill another folder from another lock the same way, and WITHOUT
+# names the lock whose packages the image's base has (empty: none): the MLflow
+# tracking server's image (orchestrator/tracking_image.py), FROM a Python without
+# torch, takes all of requirements/tracking-server.txt into images/wheelhouse-tracking/.
 #
 #   images/wheelhouse.sh                      # skips when up to date
 #   FORCE=1 PIP=pip images/wheelhouse.sh      # refills it
-#   LOCK=requirements/tracking-server.txt OUT=images/wheelhouse-tracking images/wheelhouse.sh
+#   LOCK=requirements/tracking-server.txt OUT=images/wheelhouse-tracking WITHOUT= images/wheelhouse.sh
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -28,7 +29,8 @@ mkdir -p "$HERE/.cache"
 exec 9>"$HERE/.cache/wheelhouse.lock"
 flock 9
 
-reqs=$(python3 "$HERE/requirements.py" "$LOCK" --without "$ROOT/requirements/torch.txt")
+WITHOUT=${WITHOUT-$ROOT/requirements/torch.txt}
+reqs=$(python3 "$HERE/requirements.py" "$LOCK" ${WITHOUT:+--without "$WITHOUT"})
 key=$(printf '%s\n' "$reqs" | sha256sum | cut -c1-16)
 if [ -z "${FORCE:-}" ] && [ "$(cat "$OUT/.key" 2>/dev/null)" = "$key" ]; then
     echo "wheelhouse $OUT is up to date: nothing to do (FORCE=1 refills it)"

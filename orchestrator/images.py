@@ -29,6 +29,11 @@ from orchestrator.errors import EngineError, daemon_reason
 from orchestrator.paths import DOCKERFILE, ROOT
 
 OFFLINE_BASE = "ps-compose-base:bookworm"
+# The base of an image that needs a Python and no torch (the MLflow server's): the offline base's
+# tree before the torch pair (made with it), or online the official Python image of its Debian
+# and Python.
+OFFLINE_PYTHON = "ps-compose-python:bookworm"
+ONLINE_PYTHON = "python:3.11-slim-bookworm"
 BASE_SCRIPT = ROOT / "images" / "build-offline-base.sh"
 WHEELHOUSE_SCRIPT = ROOT / "images" / "wheelhouse.sh"
 
@@ -83,7 +88,13 @@ def run_step(what: str, script: Path, out: TextIO, env: Optional[Mapping[str, st
 
 
 def _base_present() -> bool:
-    return subprocess.run(["docker", "image", "inspect", OFFLINE_BASE], capture_output=True).returncode == 0
+    inspect = ["docker", "image", "inspect", OFFLINE_BASE, OFFLINE_PYTHON]
+    return subprocess.run(inspect, capture_output=True).returncode == 0
+
+
+def python_base(base: str) -> str:
+    """The torch-free base beside the app's `base`: the offline one's Python, else the official Python image."""
+    return OFFLINE_PYTHON if base == OFFLINE_BASE else ONLINE_PYTHON
 
 
 def source(t: Any, offline: bool = False) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """The image of the project's own MLflow tracking server (`tracking.mlflow: true`):
-images/tracking.Dockerfile FROM the app's base, with the lock requirements/tracking-server.txt.
+images/tracking.Dockerfile FROM a Python without torch (`images.python_base`: the offline base's
+Python, or the official Python image), with the lock requirements/tracking-server.txt.
 
 Its build context is a tar made here (the Dockerfile, the lock, images/requirements.py and, offline,
 the wheels of images/wheelhouse-tracking/), so the app's builds never send those wheels. The
@@ -39,8 +40,8 @@ def key(base: str, pip_source: str) -> str:
 
 
 def ensure(client: Any, base: str, pip_source: str, out: TextIO = sys.stdout) -> None:
-    """The tracking server's image, built unless one of today's key is there."""
-    want = key(base, pip_source)
+    """The tracking server's image beside the app's `base`, built unless one of today's key is there."""
+    want = key(images.python_base(base), pip_source)
     try:
         have = (client.images.get(MLFLOW_IMAGE).labels or {}).get(KEY_LABEL)
     except docker.errors.ImageNotFound:
@@ -54,10 +55,12 @@ def ensure(client: Any, base: str, pip_source: str, out: TextIO = sys.stdout) ->
 
 
 def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
-    """Build MLFLOW_IMAGE FROM `base`, its packages from PyPI (`index`) or the wheelhouse; its id."""
+    """Build MLFLOW_IMAGE FROM the Python beside the app's `base`, its packages from PyPI (`index`)
+    or the wheelhouse; its id."""
     images.check_pip_source(pip_source)
     c = images.client()
-    images.prepare(base, "index", out)  # the offline base, when it is the base
+    images.prepare(base, "index", out)  # the offline base and its Python, when it is the base
+    base = images.python_base(base)
     if pip_source == "wheelhouse":
         fill_wheelhouse(out)
     with tempfile.TemporaryFile() as context:
@@ -80,7 +83,9 @@ def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
 def fill_wheelhouse(out: TextIO) -> None:
     """images/wheelhouse-tracking/ from the lock (images/wheelhouse.sh: skipped when up to date)."""
     where = str(WHEELHOUSE.relative_to(ROOT))
-    images.run_step(f"wheelhouse {where}", images.WHEELHOUSE_SCRIPT, out, {"LOCK": str(LOCK), "OUT": str(WHEELHOUSE)})
+    # Every package of the lock: its base is a Python without torch, which has none of them.
+    wanted = {"LOCK": str(LOCK), "OUT": str(WHEELHOUSE), "WITHOUT": ""}
+    images.run_step(f"wheelhouse {where}", images.WHEELHOUSE_SCRIPT, out, wanted)
 
 
 def write_context(fileobj: Any, *, with_wheels: bool) -> None:

@@ -168,6 +168,16 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     assert "View run" not in finished.said and "http://mlflow:" not in finished.said
 
 
+def test_the_mlflow_servers_image_is_a_python_without_torch(engine, finished):
+    """The server imports no torch: its image is FROM the offline base's Python, not the base
+    (before: 5.83 GB, the base's torch pair in it)."""
+    image = engine.images.get(tracking.MLFLOW_IMAGE)
+    assert image.attrs["Size"] < 1.5e9, f"{image.attrs['Size'] / 1e9:.2f} GB"
+    probe = "import importlib.util as u, mlflow; print(u.find_spec('torch') is None, mlflow.__version__)"
+    said = engine.containers.run(tracking.MLFLOW_IMAGE, ["-c", probe], entrypoint="python", remove=True)
+    assert said.decode().split()[0] == "True", said
+
+
 def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, finished, chromium, tmp_path):
     project, config, run_id = finished.project, finished.config, finished.run_id
     evals = [r for r in finished.evals if r["event"] == "eval"]
