@@ -61,24 +61,31 @@ $(VENV)/.dev: $(VENV)/.host requirements/dev.txt
 host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
 setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 
-# The lock files (docs/dependencies.md): uv resolves pyproject.toml's extras for
+# The lock files (docs/dependencies.md): uv resolves pyproject.toml's dependencies and extras for
 # CPython 3.11 on Linux x86_64 (the dev venv's and the offline image's), whatever
 # Python or OS runs it, and keeps every version already locked (UPGRADE=1: the
 # newest that fit; LOCK_ARGS: more uv options). dev.txt first, the superset; the
-# other three take its versions.
+# other four take its versions. host.txt is the project's own dependencies (the orchestrator's);
+# app.txt and tracking-server.txt an extra alone, without them (the images carry no Docker SDK):
+# uv reads pyproject.toml's project with its dependencies always, so those two are
+# compiled from the extra's lines, written to .cache/lock/EXTRA.in (tomllib: Python 3.11 or newer).
 COMPILE := UV_CUSTOM_COMPILE_COMMAND="make lock" $(UV) pip compile -q --generate-hashes --python-version 3.11 \
            --python-platform x86_64-manylinux_2_36 --no-emit-package triton $(if $(UPGRADE),--upgrade) $(LOCK_ARGS)
+EXTRA_IN = mkdir -p .cache/lock && $(PYTHON) -c 'import sys, tomllib; \
+           print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' \
+           $(1) > .cache/lock/$(1).in
 
 $(UV):
 	$(PYTHON) -m venv .cache/uv-$(UV_VERSION)
 	.cache/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION)
 
 lock: $(UV) ## write requirements/*.txt (versions + hashes) from pyproject.toml and images/torch-pair.txt; UPGRADE=1 takes the newest
-	$(COMPILE) pyproject.toml --extra app --extra orchestrator --extra dev -c images/torch-pair.txt -o requirements/dev.txt
-	$(COMPILE) pyproject.toml --extra orchestrator -c requirements/dev.txt -o requirements/host.txt
-	$(COMPILE) pyproject.toml --extra app -c requirements/dev.txt -o requirements/app.txt
+	$(COMPILE) pyproject.toml --extra app --extra dev -c images/torch-pair.txt -o requirements/dev.txt
+	$(COMPILE) pyproject.toml -c requirements/dev.txt -o requirements/host.txt
+	$(call EXTRA_IN,app) && $(COMPILE) .cache/lock/app.in -c requirements/dev.txt -o requirements/app.txt
 	$(COMPILE) images/torch-pair.txt -c requirements/dev.txt -o requirements/torch.txt
-	$(COMPILE) pyproject.toml --extra tracking-server -c requirements/dev.txt -o requirements/tracking-server.txt
+	$(call EXTRA_IN,tracking-server) && $(COMPILE) .cache/lock/tracking-server.in -c requirements/dev.txt \
+		-o requirements/tracking-server.txt
 
 # `make clean`: what the commands write in the checkout, caches and downloads,
 # and runs/ (the state of `make local`'s runs and the record of the last `up`).

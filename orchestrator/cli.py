@@ -427,8 +427,10 @@ def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    installed = os.path.basename(sys.argv[0]) == "ps-compose"  # pyproject.toml's [project.scripts]
     parser = Parser(
-        prog="python -m orchestrator", description="Parameter-Server training cluster from a YAML topology."
+        prog="ps-compose" if installed else "python -m orchestrator",
+        description="Parameter-Server training cluster from a YAML topology.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=Parser)
     _add_verbs(sub)

@@ -19,13 +19,13 @@ from typing import Any, TextIO
 import docker.errors
 
 from orchestrator import images
-from orchestrator.paths import ROOT
+from orchestrator.paths import HOME
 from orchestrator.render.tracking import MLFLOW_IMAGE
 
-DOCKERFILE = ROOT / "images" / "tracking.Dockerfile"
-LOCK = ROOT / "requirements" / "tracking-server.txt"
-REQUIREMENTS_PY = ROOT / "images" / "requirements.py"
-WHEELHOUSE = ROOT / "images" / "wheelhouse-tracking"
+DOCKERFILE = HOME / "images" / "tracking.Dockerfile"
+LOCK = HOME / "requirements" / "tracking-server.txt"
+REQUIREMENTS_PY = HOME / "images" / "requirements.py"
+WHEELHOUSE = HOME / "images" / "wheelhouse-tracking"
 KEY_LABEL = "ps-compose.tracking-key"
 
 
@@ -79,7 +79,7 @@ def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
 
 def fill_wheelhouse(out: TextIO) -> None:
     """images/wheelhouse-tracking/ from the lock (images/wheelhouse.sh: skipped when up to date)."""
-    where = str(WHEELHOUSE.relative_to(ROOT))
+    where = str(WHEELHOUSE.relative_to(HOME))
     images.run_step(f"wheelhouse {where}", images.WHEELHOUSE_SCRIPT, out, {"LOCK": str(LOCK), "OUT": str(WHEELHOUSE)})
 
 

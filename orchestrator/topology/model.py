@@ -31,6 +31,7 @@ from app.option_table import BY_NAME, OPTIONS, in_topology
 from app.options import PSOptions, TrainOptions, broken_rule
 from app.recipes import spec_of
 from orchestrator.errors import one_line
+from orchestrator.paths import config_file
 from orchestrator.topology import yaml_text
 from orchestrator.topology.fields import (
     MAX_WORKERS,
@@ -420,7 +421,7 @@ def load(path: str | Path) -> Topology:
     """Read, parse and validate a topology file."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = config_file(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TopologyError(source, "", "no such file") from None
     except IsADirectoryError:

@@ -141,9 +141,15 @@ def test_missing_file(cli, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_default_config_missing_in_cwd(cli, tmp_path: Path) -> None:
-    status, _, stderr = cli("render")
-    assert status == 2 and stderr == "error: configs/default.yaml: no such file\n"
+def test_config_missing_in_cwd_and_in_the_project(cli, tmp_path: Path) -> None:
+    status, _, stderr = cli("render", "-c", "nothing.yaml")
+    assert status == 2 and stderr == "error: nothing.yaml: no such file\n"
+
+
+def test_default_config_missing_in_cwd_is_the_projects_own(cli, tmp_path: Path) -> None:
+    status, out, _ = cli("render", "-o", "-")  # configs/default.yaml, installed with the package
+    assert status == 0 and "services:" in out
+    assert not list(tmp_path.iterdir())
 
 
 def test_unwritable_output(cli, write_config) -> None:
