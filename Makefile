@@ -12,6 +12,10 @@ ORCH    := $(PY) -m orchestrator
 NAME    := $(if $(filter environment%,$(origin NAME)),,$(NAME))
 NAMED   := $(if $(NAME),--name $(NAME))
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
+# ARGS="...": more arguments for the verbs that read a topology (render, doctor, build, up, local, check,
+# stack-up), after the others: KEY=VALUE overrides of the topology (ARGS="train.lr=0.05 workers.count=3"),
+# or a verb's flags.
+ARGS    ?=
 # RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
 RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
@@ -110,13 +114,13 @@ test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
 
 render: host-setup ## write compose.yaml from CONFIG (and WORKERS); TARGET=swarm writes stack.yaml, TARGET=kubernetes kubernetes.yaml
-	$(ORCH) render $(CFG) $(if $(TARGET),--target $(TARGET))
+	$(ORCH) render $(CFG) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) from scikit-learn's digits, for configs/cpu-resnet.yaml
 	$(ORCH) sample-data
 
 local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
-	$(ORCH) local $(CFG) $(RESUMING)
+	$(ORCH) local $(CFG) $(RESUMING) $(ARGS)
 
 # The cluster in containers (orchestrator/verbs/cluster.py on the compose target). logs, status and down act
 # on the cluster `up` started last, unless CONFIG, WORKERS or NAME is given (NAME alone: the last up of that name).
@@ -127,10 +131,10 @@ engine: ## install and start Debian's Docker engine if missing (root or sudo)
 	.ci/engine.sh
 
 build: host-setup ## build CONFIG's image, and its MLflow server's with tracking.mlflow: true (Docker SDK, progress streamed)
-	$(ORCH) build $(CFG)
+	$(ORCH) build $(CFG) $(ARGS)
 
 up: host-setup ## render, build if missing, start PS + WORKERS workers detached (a new run; RESUME=1 continues the newest checkpoint)
-	$(ORCH) up $(CFG) $(RESUMING)
+	$(ORCH) up $(CFG) $(RESUMING) $(ARGS)
 
 logs: host-setup ## follow every service's log, prefixed by service
 	$(ORCH) logs $(LAST)
@@ -157,7 +161,7 @@ smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all 
 
 # The connectivity check (orchestrator/verbs/check.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
-	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
+	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(ARGS)
 
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
 	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
@@ -169,12 +173,12 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 	$(ORCH) gpu-check -c $(CONFIG)
 
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
-	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
+	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe) $(ARGS)
 
 # The same topology on Docker Swarm (orchestrator/verbs/cluster.py on the swarm target, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
-	$(ORCH) stack-up $(CFG) $(RESUMING)
+	$(ORCH) stack-up $(CFG) $(RESUMING) $(ARGS)
 
 stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
 	$(ORCH) stack-down $(LAST)

@@ -17,7 +17,12 @@ BAD = [
     ("empty-file", "", [], "got an empty file"),
     ("duplicate-key", "name: a\nname: b\n", [], "duplicate key 'name'"),
     ("unknown-top-key", topology(bogus=1), [], "bogus: unknown key; allowed: name, image"),
-    ("unknown-nested-key", topology(train={"epoch": 3}), [], "train.epoch: unknown key; allowed: model,"),
+    (
+        "unknown-nested-key",
+        topology(train={"epoch": 3}),
+        [],
+        "train.epoch: unknown key; did you mean epochs? allowed: model,",
+    ),
     ("section-not-mapping", topology(train=5), [], "train: got 5; must be a mapping"),
     ("missing-key", {k: v for k, v in topology().items() if k != "train"}, [], "train: missing"),
     ("missing-nested-key", topology(image={"base": "x"}) | {"image": {"base": "x"}}, [], "image.device: missing"),
