@@ -24,8 +24,34 @@ RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 .PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard export \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard stack-export chaos soak check
 
+# make help: the names in a column as wide as the longest, each description wrapped to the
+# terminal's width (COLUMNS=N sets it; 100 without a terminal); below 30 columns left for the
+# descriptions, each goes under its name.
+define HELP_AWK
+function out(s) { printf "%s%s\n", (first ? sprintf("  make %-" w "s ", name) : pad), s; first = 0 }
+{ names[NR] = $$1; texts[NR] = $$2; if (length($$1) > w) w = length($$1) }
+END {
+	indent = w + 8; avail = cols - indent
+	if (avail < 30) { indent = 6; avail = cols - indent; under = 1 }
+	if (avail < 20) avail = 20
+	pad = sprintf("%" indent "s", "")
+	for (i = 1; i <= NR; i++) {
+		name = names[i]; first = !under; line = ""
+		if (under) printf "  make %s\n", name
+		n = split(texts[i], words, " ")
+		for (j = 1; j <= n; j++) {
+			if (line != "" && length(line) + 1 + length(words[j]) > avail) { out(line); line = words[j] }
+			else line = (line == "" ? words[j] : line " " words[j])
+		}
+		out(line)
+	}
+}
+endef
+export HELP_AWK
+
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@cols=$${COLUMNS:-$$(stty size 2>/dev/null </dev/tty | cut -d' ' -f2)}; \
+	grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' -v cols="$${cols:-100}" "$$HELP_AWK"
 
 # Two stamps, each installed from its lock file (requirements/*.txt, `make lock`:
 # exact versions and hashes): the host venv (orchestrator only, no torch) is enough
