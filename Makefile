@@ -12,6 +12,10 @@ ORCH    := $(PY) -m orchestrator
 NAME    := $(if $(filter environment%,$(origin NAME)),,$(NAME))
 NAMED   := $(if $(NAME),--name $(NAME))
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
+# ARGS="...": more arguments for the verbs that read a topology (render, doctor, build, up, local, check,
+# stack-up), after the others: KEY=VALUE overrides of the topology (ARGS="train.lr=0.05 workers.count=3"),
+# or a verb's flags.
+ARGS    ?=
 # RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
 RESUME  ?=
 RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
@@ -20,8 +24,34 @@ RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 .PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard export \
         doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard stack-export chaos soak check
 
+# make help: the names in a column as wide as the longest, each description wrapped to the
+# terminal's width (COLUMNS=N sets it; 100 without a terminal); below 30 columns left for the
+# descriptions, each goes under its name.
+define HELP_AWK
+function out(s) { printf "%s%s\n", (first ? sprintf("  make %-" w "s ", name) : pad), s; first = 0 }
+{ names[NR] = $$1; texts[NR] = $$2; if (length($$1) > w) w = length($$1) }
+END {
+	indent = w + 8; avail = cols - indent
+	if (avail < 30) { indent = 6; avail = cols - indent; under = 1 }
+	if (avail < 20) avail = 20
+	pad = sprintf("%" indent "s", "")
+	for (i = 1; i <= NR; i++) {
+		name = names[i]; first = !under; line = ""
+		if (under) printf "  make %s\n", name
+		n = split(texts[i], words, " ")
+		for (j = 1; j <= n; j++) {
+			if (line != "" && length(line) + 1 + length(words[j]) > avail) { out(line); line = words[j] }
+			else line = (line == "" ? words[j] : line " " words[j])
+		}
+		out(line)
+	}
+}
+endef
+export HELP_AWK
+
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@cols=$${COLUMNS:-$$(stty size 2>/dev/null </dev/tty | cut -d' ' -f2)}; \
+	grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' -v cols="$${cols:-100}" "$$HELP_AWK"
 
 # Two stamps, each installed from its lock file (requirements/*.txt, `make lock`:
 # exact versions and hashes): the host venv (orchestrator only, no torch) is enough
@@ -61,24 +91,31 @@ $(VENV)/.dev: $(VENV)/.host requirements/dev.txt
 host-setup: $(VENV)/.host ## venv for running the cluster (no torch)
 setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 
-# The lock files (docs/dependencies.md): uv resolves pyproject.toml's extras for
+# The lock files (docs/dependencies.md): uv resolves pyproject.toml's dependencies and extras for
 # CPython 3.11 on Linux x86_64 (the dev venv's and the offline image's), whatever
 # Python or OS runs it, and keeps every version already locked (UPGRADE=1: the
 # newest that fit; LOCK_ARGS: more uv options). dev.txt first, the superset; the
-# other three take its versions.
+# other four take its versions. host.txt is the project's own dependencies (the orchestrator's);
+# app.txt and tracking-server.txt an extra alone, without them (the images carry no Docker SDK):
+# uv reads pyproject.toml's project with its dependencies always, so those two are
+# compiled from the extra's lines, written to .cache/lock/EXTRA.in (tomllib: Python 3.11 or newer).
 COMPILE := UV_CUSTOM_COMPILE_COMMAND="make lock" $(UV) pip compile -q --generate-hashes --python-version 3.11 \
            --python-platform x86_64-manylinux_2_36 --no-emit-package triton $(if $(UPGRADE),--upgrade) $(LOCK_ARGS)
+EXTRA_IN = mkdir -p .cache/lock && $(PYTHON) -c 'import sys, tomllib; \
+           print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' \
+           $(1) > .cache/lock/$(1).in
 
 $(UV):
 	$(PYTHON) -m venv .cache/uv-$(UV_VERSION)
 	.cache/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION)
 
 lock: $(UV) ## write requirements/*.txt (versions + hashes) from pyproject.toml and images/torch-pair.txt; UPGRADE=1 takes the newest
-	$(COMPILE) pyproject.toml --extra app --extra orchestrator --extra dev -c images/torch-pair.txt -o requirements/dev.txt
-	$(COMPILE) pyproject.toml --extra orchestrator -c requirements/dev.txt -o requirements/host.txt
-	$(COMPILE) pyproject.toml --extra app -c requirements/dev.txt -o requirements/app.txt
+	$(COMPILE) pyproject.toml --extra app --extra dev -c images/torch-pair.txt -o requirements/dev.txt
+	$(COMPILE) pyproject.toml -c requirements/dev.txt -o requirements/host.txt
+	$(call EXTRA_IN,app) && $(COMPILE) .cache/lock/app.in -c requirements/dev.txt -o requirements/app.txt
 	$(COMPILE) images/torch-pair.txt -c requirements/dev.txt -o requirements/torch.txt
-	$(COMPILE) pyproject.toml --extra tracking-server -c requirements/dev.txt -o requirements/tracking-server.txt
+	$(call EXTRA_IN,tracking-server) && $(COMPILE) .cache/lock/tracking-server.in -c requirements/dev.txt \
+		-o requirements/tracking-server.txt
 
 # `make clean`: what the commands write in the checkout, caches and downloads,
 # and runs/ (the state of `make local`'s runs and the record of the last `up`).
@@ -103,13 +140,13 @@ test-fast: setup ## unit tests only (no processes, no containers)
 	$(PY) -m pytest -m 'not slow'
 
 render: host-setup ## write compose.yaml from CONFIG (and WORKERS); TARGET=swarm writes stack.yaml, TARGET=kubernetes kubernetes.yaml
-	$(ORCH) render $(CFG) $(if $(TARGET),--target $(TARGET))
+	$(ORCH) render $(CFG) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 sample-data: setup ## write data/sample-imagenette/ (train/, val/ of JPEG/PNG) from scikit-learn's digits, for configs/cpu-resnet.yaml
 	$(ORCH) sample-data
 
 local: setup ## PS + workers as local processes (CONFIG, WORKERS; RESUME=1 continues the newest checkpoint)
-	$(ORCH) local $(CFG) $(RESUMING)
+	$(ORCH) local $(CFG) $(RESUMING) $(ARGS)
 
 # The cluster in containers (orchestrator/verbs/cluster.py on the compose target). logs, status and down act
 # on the cluster `up` started last, unless CONFIG, WORKERS or NAME is given (NAME alone: the last up of that name).
@@ -120,10 +157,10 @@ engine: ## install and start Debian's Docker engine if missing (root or sudo)
 	.ci/engine.sh
 
 build: host-setup ## build CONFIG's image, and its MLflow server's with tracking.mlflow: true (Docker SDK, progress streamed)
-	$(ORCH) build $(CFG)
+	$(ORCH) build $(CFG) $(ARGS)
 
 up: host-setup ## render, build if missing, start PS + WORKERS workers detached (a new run; RESUME=1 continues the newest checkpoint)
-	$(ORCH) up $(CFG) $(RESUMING)
+	$(ORCH) up $(CFG) $(RESUMING) $(ARGS)
 
 logs: host-setup ## follow every service's log, prefixed by service
 	$(ORCH) logs $(LAST)
@@ -150,7 +187,7 @@ smoke: host-setup ## cpu-smoke, 2 workers, in containers: accuracy >= 0.90, all 
 
 # The connectivity check (orchestrator/verbs/check.py): LOCAL=1 as processes, TIMEOUT=S.
 check: $(if $(LOCAL),setup,host-setup) ## rank 0 sends a tensor to every rank and back: one line per rank; a missing rank fails by name
-	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT))
+	$(ORCH) check $(CFG) $(if $(LOCAL),--local) $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(ARGS)
 
 chaos: setup ## kill workers, the PS, checkpoint writes (processes, containers, a swarm node); print how each recovered
 	$(ORCH) chaos $(SCENARIOS) $(if $(NO_CONTAINERS),--no-containers)
@@ -162,12 +199,12 @@ gpu-check: host-setup ## doctor with the GPU probe, then cnn on digits for a min
 	$(ORCH) gpu-check -c $(CONFIG)
 
 doctor: host-setup ## check this host for CONFIG: one line per check (TARGET=swarm for a stack; NO_PROBE=1 skips the GPU probe container)
-	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe)
+	$(ORCH) doctor $(CFG) $(if $(TARGET),--target $(TARGET)) $(if $(NO_PROBE),--no-probe) $(ARGS)
 
 # The same topology on Docker Swarm (orchestrator/verbs/cluster.py on the swarm target, docs/multi-host.md).
 # stack-logs, stack-status and stack-down act on the last stack-up unless CONFIG is given.
 stack-up: host-setup ## doctor (swarm), render runs/<name>/stack.yaml, docker stack deploy (RESUME=1 as for up)
-	$(ORCH) stack-up $(CFG) $(RESUMING)
+	$(ORCH) stack-up $(CFG) $(RESUMING) $(ARGS)
 
 stack-down: host-setup ## docker stack rm, wait until its containers and network are gone
 	$(ORCH) stack-down $(LAST)

@@ -68,6 +68,19 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     )
     add_strategy_arg(p)
     add_name_arg(p)
+    add_overrides_arg(p)
+
+
+def add_overrides_arg(p: argparse.ArgumentParser) -> None:
+    """KEY=VALUE ... after the flags (or after `--`): any key of the topology, Hydra's way
+    (orchestrator/topology/overrides.py); applied before --workers, --strategy and --name."""
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override a key of the topology, e.g. train.lr=0.05 workers.count=3 (the value read as YAML; "
+        "~KEY removes one), validated as the file is",
+    )
 
 
 def add_strategy_arg(p: argparse.ArgumentParser) -> None:
@@ -77,9 +90,14 @@ def add_strategy_arg(p: argparse.ArgumentParser) -> None:
 
 
 def load_topology(args: argparse.Namespace):
-    """The topology named by `-c`, with `--workers`, `--strategy` and `--name` applied."""
+    """The topology named by `-c`, with its KEY=VALUE overrides, `--workers`, `--strategy` and
+    `--name` applied."""
     from orchestrator.topology.model import load_with
 
     return load_with(
-        args.config, workers=args.workers, strategy=getattr(args, "strategy", None), name=getattr(args, "name", None)
+        args.config,
+        workers=args.workers,
+        strategy=getattr(args, "strategy", None),
+        name=getattr(args, "name", None),
+        overrides=getattr(args, "overrides", None) or (),
     )

@@ -206,7 +206,11 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     add_topology_args(p)
     p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
     p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
-    p.set_defaults(run=lambda a: _verbs()[0].build(a.config, a.workers, offline=a.offline, verbose=a.verbose))
+    p.set_defaults(
+        run=lambda a: _verbs()[0].build(
+            a.config, a.workers, offline=a.offline, verbose=a.verbose, overrides=tuple(a.overrides)
+        )
+    )
     # (build takes --name as every topology verb does; the image is the topology's whatever the name)
     for backend in targets().BACKENDS.values():
         if backend.verb_prefix is not None:
@@ -277,7 +281,14 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     add_resume_arg(p)
     p.set_defaults(
         run=lambda a: _verbs()[0].up(
-            backend, a.config, a.workers, strategy=a.strategy, offline=a.offline, resume=a.resume, name=a.name
+            backend,
+            a.config,
+            a.workers,
+            strategy=a.strategy,
+            offline=a.offline,
+            resume=a.resume,
+            name=a.name,
+            overrides=tuple(a.overrides),
         )
     )
     last = f"the last {backend.verb_prefix}up"
@@ -427,8 +438,10 @@ def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    installed = os.path.basename(sys.argv[0]) == "ps-compose"  # pyproject.toml's [project.scripts]
     parser = Parser(
-        prog="python -m orchestrator", description="Parameter-Server training cluster from a YAML topology."
+        prog="ps-compose" if installed else "python -m orchestrator",
+        description="Parameter-Server training cluster from a YAML topology.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=Parser)
     _add_verbs(sub)

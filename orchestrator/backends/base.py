@@ -76,6 +76,7 @@ class Cluster:
     workers: Optional[int] = None
     strategy: Optional[str] = None
     topology: Optional[Topology] = None
+    overrides: tuple[str, ...] = ()  # the KEY=VALUE its up was given (recorded), for a topology read again
 
 
 class LogLines(Protocol):

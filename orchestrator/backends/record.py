@@ -32,6 +32,7 @@ def save(backend: Backend, c: Cluster, runs: Optional[Path] = None) -> None:
         "config": c.config,
         "workers": c.workers,
         "strategy": c.strategy,
+        "overrides": list(c.topology.overrides) if c.topology is not None else [],  # KEY=VALUE, as typed
     }
     for where in (path(backend, runs), path(backend, runs, c.name)):
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -47,4 +48,5 @@ def load(backend: Backend, runs: Optional[Path] = None, name: Optional[str] = No
     rec = json.loads(where.read_text(encoding="utf-8"))
     name = rec.get("name") or rec.get("project") or rec.get("stack")
     file = rec.get("file") or rec.get("compose_file") or rec.get("stack_file") or backend.path_of(name)
-    return Cluster(name, Path(file), rec.get("config"), rec.get("workers"), rec.get("strategy"))
+    overrides = tuple(rec.get("overrides") or ())
+    return Cluster(name, Path(file), rec.get("config"), rec.get("workers"), rec.get("strategy"), overrides=overrides)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from orchestrator.chaos.common import Outcome, Scenario
-from orchestrator.paths import ROOT
+from orchestrator.paths import HOME
 from orchestrator.verbs.local import spawn
 
 CHECKPOINT_MODULE = "app.checkpoint.files"  # the app's checkpoint code (save, listing, verify, newest_good)
@@ -68,7 +68,7 @@ print(json.dumps(problems), flush=True)
 
 
 def _env() -> dict[str, str]:
-    return {"PYTHONPATH": str(ROOT)}
+    return {"PYTHONPATH": str(HOME)}
 
 
 def kill_loop(run_dir: Path, rounds: int = 10, mb: int = 16, seed: int = 0) -> Outcome:

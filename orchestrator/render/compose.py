@@ -447,10 +447,20 @@ def security_warnings(t: Topology) -> list[str]:
     return out
 
 
-def dump(doc: dict[str, Any], name: str) -> str:
-    """The compose file as text; the same document gives the same bytes."""
+def dump(doc: dict[str, Any], name: str, overrides: tuple[str, ...] = ()) -> str:
+    """The compose file as text; the same document gives the same bytes. `overrides`: the
+    command line's KEY=VALUE the topology was loaded with, recorded in the header."""
     header = (
         f"# Rendered from the topology {name!r} by `python -m orchestrator render`.\n"
         "# Do not edit: change configs/*.yaml and render again.\n"
     )
-    return header + yaml_text(doc)
+    return header + overrides_line(overrides) + yaml_text(doc)
+
+
+def overrides_line(overrides: tuple[str, ...]) -> str:
+    """The header's record of the command line's overrides ("" for none), one comment line
+    whatever they hold (a value with a space, a newline or a quote is written as Python's repr)."""
+    if not overrides:
+        return ""
+    shown = (o if o.isprintable() and not any(c in o for c in " '\"#") else repr(o) for o in overrides)
+    return f"# With the overrides: {' '.join(shown)}\n"

@@ -303,11 +303,12 @@ def quantity(size: int | str) -> str:
     return str(n)
 
 
-def dump(docs: list[dict[str, Any]], name: str) -> str:
-    """The manifests as one multi-document YAML file (same documents, same bytes)."""
+def dump(docs: list[dict[str, Any]], name: str, overrides: tuple[str, ...] = ()) -> str:
+    """The manifests as one multi-document YAML file (same documents, same bytes); `overrides`
+    as compose.dump's."""
     header = (
         f"# Kubernetes manifests rendered from the topology {name!r}\n"
         "# by `python -m orchestrator render --target kubernetes`. Do not edit: change configs/*.yaml.\n"
         "# kubectl apply -f this file; docs/multi-host.md says what else the cluster needs.\n"
     )
-    return header + "---\n".join(yaml_text(d) for d in docs)
+    return header + compose.overrides_line(overrides) + "---\n".join(yaml_text(d) for d in docs)

@@ -168,10 +168,10 @@ def _absolute(volume: dict[str, Any], data_root: str) -> dict[str, Any]:
     return {**volume, "source": posixpath.normpath(posixpath.join(compose.literal(data_root), volume["source"]))}
 
 
-def dump(doc: dict[str, Any], name: str) -> str:
-    """The stack file as text (same document, same bytes)."""
+def dump(doc: dict[str, Any], name: str, overrides: tuple[str, ...] = ()) -> str:
+    """The stack file as text (same document, same bytes); `overrides` as compose.dump's."""
     header = (
         f"# Stack file for `docker stack deploy`, rendered from the topology {name!r}\n"
         "# by `python -m orchestrator render --target swarm`. Do not edit: change configs/*.yaml.\n"
     )
-    return header + yaml_text(doc)
+    return header + compose.overrides_line(overrides) + yaml_text(doc)

@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional, cast
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, ValidationInfo, field_validator
 
 from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
 from app.option_table import BY_NAME, OPTIONS, in_topology
 from app.options import PSOptions, TrainOptions, broken_rule
 from app.recipes import spec_of
 from orchestrator.errors import one_line
+from orchestrator.paths import config_file
+from orchestrator.topology import overrides as override
 from orchestrator.topology import yaml_text
 from orchestrator.topology.fields import (
     MAX_WORKERS,
@@ -43,7 +46,7 @@ from orchestrator.topology.fields import (
     Tracking,
     Workers,
 )
-from orchestrator.topology.messages import TopologyError, first_error, keys, show, yaml_type
+from orchestrator.topology.messages import TopologyError, check_required, first_error, keys, show, yaml_type
 from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes, yaml_float
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
@@ -157,6 +160,7 @@ class Topology(BaseModel):
     # Not strict as a whole: pydantic's strict mode takes a dataclass section (train, ps) only as
     # an instance; each section is strict on its own values.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    _overrides: tuple[str, ...] = PrivateAttr(default=())
 
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
@@ -269,6 +273,11 @@ class Topology(BaseModel):
         t = self.model_copy(update={"train": dataclasses.replace(self.train, strategy=cast(StrategyName, name))})
         check(t, source)
         return t
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The command line's KEY=VALUE overrides this topology was loaded with, as typed."""
+        return self._overrides
 
 
 def valid_name(name: str) -> bool:
@@ -416,26 +425,31 @@ def _check_rules(t: Topology, source: str) -> None:
         raise TopologyError(source, path, f"got {show(values[o.name])}; {rule.allowed(values)}")
 
 
-def load(path: str | Path) -> Topology:
-    """Read, parse and validate a topology file."""
+def load(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
+    """Read, parse and validate a topology file, with the command line's `overrides` applied."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = config_file(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TopologyError(source, "", "no such file") from None
     except IsADirectoryError:
         raise TopologyError(source, "", "is a directory, not a topology file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise TopologyError(source, "", f"cannot read: {one_line(e)}") from None
-    return parse(text, source)
+    return parse(text, source, overrides)
 
 
 def load_with(
-    path: str | Path, *, workers: Optional[int] = None, strategy: Optional[str] = None, name: Optional[str] = None
+    path: str | Path,
+    *,
+    workers: Optional[int] = None,
+    strategy: Optional[str] = None,
+    name: Optional[str] = None,
+    overrides: Sequence[str] = (),
 ) -> Topology:
-    """`load(path)` with the `--workers`, `--strategy` and `--name` overrides applied (None: as in
-    the file); an error names the file and the flag."""
-    t = load(path)
+    """`load(path, overrides)` with the `--workers`, `--strategy` and `--name` overrides applied
+    (None: as in the file); an error names the file and the flag."""
+    t = load(path, overrides)
     if name is not None:
         t = t.with_name(name, source=f"{path} with --name")
     if workers is not None:
@@ -445,8 +459,9 @@ def load_with(
     return t
 
 
-def parse(text: str, source: str = "<topology>") -> Topology:
-    """Validate a topology given as YAML text (`source` names it in errors)."""
+def parse(text: str, source: str = "<topology>", overrides: Sequence[str] = ()) -> Topology:
+    """Validate a topology given as YAML text (`source` names it in errors), with `overrides`
+    (`train.lr=0.05`: orchestrator/topology/overrides.py) applied to its mapping first."""
     try:
         data = yaml_text.load(text)
     except yaml_text.LimitError as e:
@@ -459,24 +474,20 @@ def parse(text: str, source: str = "<topology>") -> Topology:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else f"a {yaml_type(data)}"
         raise TopologyError(source, "", f"got {got}; must be a mapping with keys {keys(Topology)}")
-    try:
-        t = Topology.model_validate(data)
-    except ValidationError as e:
-        raise first_error(e, source, Topology) from None
-    _check_required(data, source)
-    check(t, source)
+    if not overrides:
+        return validate(data, source)
+    given = [override.parse(o) for o in overrides]
+    t = override.validated(override.apply(data, given), source, given, validate)
+    t._overrides = tuple(o.text for o in given)
     return t
 
 
-def _check_required(data: dict, source: str) -> None:
-    """The options a topology file must give (the app has a default for each: the dataclass
-    field has one, so pydantic cannot tell; checked once every given key is known)."""
-    train = data.get("train", {})
-    own_lr = isinstance(train.get("optimizer"), dict) and "lr" in train["optimizer"]
-    if own_lr and "lr" in train:
-        raise TopologyError(
-            source, "train.lr", f"got {show(train['lr'])}; train.optimizer gives its own lr: give the rate once"
-        )
-    for o in OPTIONS:
-        if o.required and o.key not in data.get(o.section, {}) and not (o.name == "lr" and own_lr):
-            raise TopologyError(source, o.topology, "missing; this key is required")
+def validate(data: dict, source: str) -> Topology:
+    """The topology of a file's mapping, validated (TopologyError: one line)."""
+    try:
+        t = Topology.model_validate(data)
+    except ValidationError as e:
+        raise first_error(e, source, Topology, data) from None
+    check_required(data, source)
+    check(t, source)
+    return t

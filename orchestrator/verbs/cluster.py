@@ -150,9 +150,16 @@ def ensure_image(backend: Backend, client: Any, t: Topology, offline: bool, out:
 
 
 @engine_errors
-def build(config: str, workers: Optional[int] = None, *, offline: bool = False, verbose: bool = False) -> int:
+def build(
+    config: str,
+    workers: Optional[int] = None,
+    *,
+    offline: bool = False,
+    verbose: bool = False,
+    overrides: tuple[str, ...] = (),
+) -> int:
     """(Re)build the topology's image (and its MLflow server's, where it has one)."""
-    t = load_with(config, workers=workers)
+    t = load_with(config, workers=workers, overrides=overrides)
     base, pip_source = images.source(t, offline)
     images.build(t.image_tag, base, pip_source, verbose=verbose)
     if tracking.tracked_by_own_server(t):
@@ -172,13 +179,14 @@ def up(
     name: Optional[str] = None,
     remember: bool = True,
     out: Optional[TextIO] = None,
+    overrides: tuple[str, ...] = (),
 ) -> int:
     """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
     unfinished checkpoint) of the topology, under `name` when given; refused (one line) while a
     run of that name is live on the target."""
     out = out or sys.stdout
     backend.refuse("up")
-    t = load_with(config, workers=workers, strategy=strategy, name=name)
+    t = load_with(config, workers=workers, strategy=strategy, name=name, overrides=overrides)
     name = backend.name_of(t)
     c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
     client = images.client() if backend.engine else None
@@ -369,7 +377,7 @@ def scalable(c: Cluster, workers: int) -> Topology:
     if t is None:
         if not c.config:
             raise UsageError(f"scale: the topology of {c.name} is unknown; give it with -c CONFIG")
-        t = load_with(c.config, workers=c.workers, strategy=c.strategy)
+        t = load_with(c.config, workers=c.workers, strategy=c.strategy, overrides=c.overrides)
     if not has_ps(t):
         raise UsageError(
             "scale: strategy allreduce has a fixed world size; stop it (make down) and start it again with "

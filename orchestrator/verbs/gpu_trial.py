@@ -30,7 +30,7 @@ from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.probe import check_probe
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import is_event, parse_lines
-from orchestrator.paths import DEFAULT_CONFIG, ROOT, RUNS, SMOKE_CONFIG
+from orchestrator.paths import DEFAULT_CONFIG, HOME, ROOT, RUNS, SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load, parse
 from orchestrator.topology.services import describe, worker_name
 
@@ -128,7 +128,7 @@ def run(config: str = DEFAULT_CONFIG, *, seconds: float = RUN_SECONDS, out: Text
     if not t.cuda:
         raise UsageError(f"{config}: image.device: got 'cpu'; gpu-check needs a cuda topology (configs/default.yaml)")
     client = images.client()
-    smoke = load(ROOT / SMOKE_CONFIG)
+    smoke = load(HOME / SMOKE_CONFIG)
     # First without the probe: the host's GPUs (one worker each), or CONFIG's ids when it cannot list them.
     facts = gather(check_topology(t, t.worker_gpus(), smoke), client=client, target=doctor.gather_facts)
     gpus, _ = host_gpus(facts)

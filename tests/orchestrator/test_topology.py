@@ -17,7 +17,12 @@ BAD = [
     ("empty-file", "", [], "got an empty file"),
     ("duplicate-key", "name: a\nname: b\n", [], "duplicate key 'name'"),
     ("unknown-top-key", topology(bogus=1), [], "bogus: unknown key; allowed: name, image"),
-    ("unknown-nested-key", topology(train={"epoch": 3}), [], "train.epoch: unknown key; allowed: model,"),
+    (
+        "unknown-nested-key",
+        topology(train={"epoch": 3}),
+        [],
+        "train.epoch: unknown key; did you mean epochs? allowed: model,",
+    ),
     ("section-not-mapping", topology(train=5), [], "train: got 5; must be a mapping"),
     ("missing-key", {k: v for k, v in topology().items() if k != "train"}, [], "train: missing"),
     ("missing-nested-key", topology(image={"base": "x"}) | {"image": {"base": "x"}}, [], "image.device: missing"),
@@ -141,9 +146,15 @@ def test_missing_file(cli, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_default_config_missing_in_cwd(cli, tmp_path: Path) -> None:
-    status, _, stderr = cli("render")
-    assert status == 2 and stderr == "error: configs/default.yaml: no such file\n"
+def test_config_missing_in_cwd_and_in_the_project(cli, tmp_path: Path) -> None:
+    status, _, stderr = cli("render", "-c", "nothing.yaml")
+    assert status == 2 and stderr == "error: nothing.yaml: no such file\n"
+
+
+def test_default_config_missing_in_cwd_is_the_projects_own(cli, tmp_path: Path) -> None:
+    status, out, _ = cli("render", "-o", "-")  # configs/default.yaml, installed with the package
+    assert status == 0 and "services:" in out
+    assert not list(tmp_path.iterdir())
 
 
 def test_unwritable_output(cli, write_config) -> None:

@@ -59,7 +59,7 @@ class ComposeBackend(Backend):
     }
 
     def render(self, t: Topology, data_root: str) -> str:
-        return compose.dump(compose.render(t), t.name)
+        return compose.dump(compose.render(t), t.name, t.overrides)
 
     def name_of(self, t: Topology) -> str:
         return compose.project_name(t)

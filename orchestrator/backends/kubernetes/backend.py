@@ -21,7 +21,7 @@ class KubernetesBackend(Backend):
     engine = False
 
     def render(self, t: Topology, data_root: str) -> str:
-        return kubernetes.dump(kubernetes.render(t, data_root=data_root), t.name)
+        return kubernetes.dump(kubernetes.render(t, data_root=data_root), t.name, t.overrides)
 
     def name_of(self, t: Topology) -> str:
         return kubernetes.object_name(t)

@@ -70,12 +70,12 @@ class SwarmBackend(Backend):
 
     def render(self, t: Topology, data_root: str) -> str:
         # A relative train.data_dir is taken from `data_root` (absolute in the stack file).
-        return swarm.dump(swarm.render(t, data_root=data_root), t.name)
+        return swarm.dump(swarm.render(t, data_root=data_root), t.name, t.overrides)
 
     def document(self, t: Topology, facts: Optional[Facts] = None) -> str:
         """The stack file for this swarm: its node count from the doctor's facts, else asked."""
         nodes = len(doctor.nodes(facts)) if facts is not None else _node_count()
-        return swarm.dump(swarm.render(t, data_root=str(ROOT), nodes=nodes), t.name)
+        return swarm.dump(swarm.render(t, data_root=str(ROOT), nodes=nodes), t.name, t.overrides)
 
     def name_of(self, t: Topology) -> str:
         return swarm.stack_name(t)
