@@ -6,6 +6,7 @@ failed with exit 1 and left `pidns` running beside 4 created containers)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import paths
 from orchestrator.backends.compose import doctor as compose_doctor
 from orchestrator.doctor.facts import Facts
 from orchestrator.topology.model import parse
@@ -105,7 +107,10 @@ def test_up_refuses_a_taken_port_and_creates_nothing(tmp_path: Path, held_port: 
     config.write_text(TRACKED)
     env = {**os.environ, "PSC_MLFLOW_PORT": str(port)}
     cmd = [sys.executable, "-m", "orchestrator", "up", "-c", str(config), "--name", name]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        shutil.rmtree(paths.RUNS / name, ignore_errors=True)  # its up.lock (orchestrator.run_lock.starting)
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and f"PSC_MLFLOW_PORT {port}" in lines[0] and f"pid {pid} (python)" in lines[0], lines
