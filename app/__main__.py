@@ -51,7 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The PS may be writing a checkpoint when SIGTERM comes (compose waits 30 s).
     grace = PS_SIGTERM_GRACE if config.role == "ps" else min(config.rpc_timeout, 5.0)
     if ps_worker:
-        lifecycle.sigterm_exits_at_once(f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave")
+        from app.exchange import group
+
+        # its PS is told, so that it stops waiting for the rank (a scale down of a rank not joined yet)
+        lifecycle.sigterm_exits_at_once(
+            f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave",
+            farewell=lambda: group.say_not_joining(config.rank, config.master_addr, config.master_port),
+        )
     lifecycle.handle_sigterm(grace, announce=not ps_worker)  # a worker's leave is its one line
     if held:
         os.kill(os.getpid(), signal.SIGTERM)

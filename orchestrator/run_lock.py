@@ -1,5 +1,5 @@
 """One live `local` run per name on a host: runs/<name>/local.lock, held with flock(2) while
-the run lives.
+the run lives; and one `up` at a time per name and target: runs/<name>/up.lock (`starting`).
 
 `local` takes the lock before it starts anything and hands it to the processes it starts, so
 the lock is held as long as the orchestrator or any process of its run lives, and the kernel
@@ -13,12 +13,44 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UsageError
 
 LOCK_FILE = "local.lock"
+STARTING_FILE = "up.lock"  # prefixed by the target's verbs: stack-up.lock
+
+
+@contextmanager
+def starting(run_dir: Path, verb: str, what: str) -> Iterator[None]:
+    """Held while `verb` (`up`, `stack-up`) checks that `what` (e.g. `project cpu-smoke`) has no
+    live run and creates one: a second one of the name at that moment is refused in one line
+    (UsageError) instead of passing the same check. Not inherited by what it starts; the kernel
+    drops it however this process ends."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"{verb}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot open: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read(fd).get("pid")
+            by = f" (orchestrator pid {pid})" if isinstance(pid, int) and _alive(pid) else ""
+            raise UsageError(
+                f"{verb}: another {verb} of {what} is starting it now{by}; let it finish, then "
+                f"make {verb.removesuffix('up')}status shows its run (or give this one another name: --name)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid()}) + "\n").encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def hold(run_dir: Path, run_id: str, name: str) -> int:

@@ -38,6 +38,8 @@ from app.runtime import machine, words
 log = logging.getLogger("app.membership")
 GIVE_UP_POLL_SECONDS = 5.0  # wait_for_ps asks whether to give up this often
 READY_KEY = "psc/shards_ready"  # in the main PS's store once every shard registered (app.ps.sharding)
+NOT_JOINING_KEY = "psc/not_joining/"  # + rank: its process ended cleanly before it joined (say_not_joining)
+NOT_JOINING_SECONDS = 5.0  # how long a process on its way out tries to say so
 
 
 class StoreUnreachable(RuntimeError):
@@ -116,6 +118,29 @@ def _claim(key: str, master_addr: str, master_port: int, timeout: float) -> tupl
 def connect(master_addr: str, master_port: int, timeout: float) -> dist.TCPStore:
     """A client of the PS's store."""
     return dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def say_not_joining(rank: int, master_addr: str, master_port: int, timeout: float = NOT_JOINING_SECONDS) -> bool:
+    """Tell the PS that this process of `rank` ends cleanly (scaled down, or its code exited 0)
+    before it joined: the PS stops waiting for the rank (app.ps.members.liveness), instead of
+    holding the run for --join_timeout. A note in the PS's store, not an RPC (the process is in
+    no group); best effort: False when the store did not take it within `timeout` (no PS yet:
+    it then waits for the rank as for any that has not joined)."""
+    try:
+        machine.wait_for_port(master_addr, master_port, timeout)
+        connect(master_addr, master_port, timeout).set(f"{NOT_JOINING_KEY}{rank}", str(os.getpid()))
+        return True
+    except (machine.PortUnreachable, RuntimeError, ValueError):  # DistError subclasses RuntimeError
+        return False
+
+
+def not_joining(store: dist.Store, ranks: list[int]) -> list[int]:
+    """Of `ranks`, those a process said it will not join for (say_not_joining), each note taken
+    off the store as it is read: it counts once."""
+    said = [r for r in ranks if store.check([f"{NOT_JOINING_KEY}{r}"])]
+    for r in said:
+        store.delete_key(f"{NOT_JOINING_KEY}{r}")
+    return said
 
 
 def incarnation_name(rank: int, incarnation: int) -> str:

@@ -135,7 +135,13 @@ def _serve(
 ) -> tuple[torch.Tensor, int] | None:
     """Serve the job until it ends; final.pt written. The trained state and its version, or
     None when no worker finished its epochs."""
-    liveness = LivenessMonitor(server, config.rpc_timeout, metrics.write, others.drop if others else None)
+    liveness = LivenessMonitor(
+        server,
+        config.rpc_timeout,
+        metrics.write,
+        others.drop if others else None,
+        address=(config.master_addr, config.master_port),
+    )
     join: Admit = functools.partial(others.join, liveness.join) if others is not None else liveness.join
 
     def resumed() -> tuple[int, str] | None:  # the newest checkpoint, for a (re)starting shard

@@ -253,14 +253,14 @@ class ParameterServer:
 
     # What the PS process does (app.ps.process, app.ps.members.liveness).
 
-    def drop(self, rank: int, name: str) -> bool:
-        """Stop waiting for `name`; False when it is not rank's live process (any more).
-
-        Its push waiting for an answer gets the current state (ssp: it was applied; sync:
-        it was not, and the round goes on without it): if the process is alive after
-        all, it continues, and its next call readmits it."""
+    def drop(self, rank: int, name: str | None) -> bool:
+        """Stop waiting for `name`; False when it is not rank's live process (any more). Its push
+        waiting for an answer gets the current state (ssp: it was applied; sync: it was not, and
+        the round goes on without it): if it is alive after all, its next call readmits it.
+        `name` None: a process of rank ended cleanly before it joined (app.exchange.group's
+        say_not_joining): the rank is left, unless it is live or finished by now (False)."""
         with self._lock:
-            if not self.members.drop(rank, name):
+            if not (self.members.drop(rank, name) if name is not None else self.members.withdraw(rank)):
                 return False
             ready = self.policy.let_go(rank)
             self._event()

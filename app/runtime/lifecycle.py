@@ -41,6 +41,7 @@ class _Sigterm:
     pending = False  # a SIGTERM came meanwhile
     received = False  # a SIGTERM came at all
     at_once = ""  # `sigterm_exits_at_once`'s line
+    farewell: Callable[[], object] | None = None  # and what it does first
     lock = threading.Lock()  # `at_once` against the watcher's reading of it
 
 
@@ -57,14 +58,15 @@ def sigterm_received() -> bool:
     return _Sigterm.received
 
 
-def sigterm_exits_at_once(line: str) -> None:
+def sigterm_exits_at_once(line: str, farewell: Callable[[], object] | None = None) -> None:
     """From now on a SIGTERM ends the process at once with status 0 and `line` (logged), even
     while the main thread waits inside torch: for a stretch with nothing to hand over or undo
-    (a worker that has not joined its job yet). '' ends that stretch; a SIGTERM that came in
-    it and did not end the process raises SystemExit here (or at the end of the enclosing
-    `sigterm_deferred`)."""
+    (a worker that has not joined its job yet). `farewell`: called first (a worker telling its
+    PS not to wait for it); the main thread goes no further meanwhile. '' ends that stretch; a
+    SIGTERM that came in it and did not end the process raises SystemExit here (or at the end
+    of the enclosing `sigterm_deferred`)."""
     with _Sigterm.lock:
-        _Sigterm.at_once = line
+        _Sigterm.at_once, _Sigterm.farewell = line, farewell if line else None
     if not line and _Sigterm.pending and not _Sigterm.deferring:
         _Sigterm.pending = False
         raise SystemExit(128 + signal.SIGTERM)
@@ -91,6 +93,11 @@ def _exit_after_sigterm(read_fd: int, grace: float, announce: bool) -> None:
     _Sigterm.received = True
     with _Sigterm.lock:
         if _Sigterm.at_once:
+            if _Sigterm.farewell is not None:
+                try:
+                    _Sigterm.farewell()
+                except Exception as error:  # noqa: BLE001 - on the way out: say it, and go
+                    log.warning("on SIGTERM: %s", first_line(error))
             log.info("%s", _Sigterm.at_once)
             exit_now(0)
     if announce:

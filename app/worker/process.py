@@ -2,9 +2,11 @@
 
 SIGTERM (a scale down, or the cluster stopping) ends it with status 0 and one line at any
 moment of its life. Before it asks the PS to join, it exits at once: nothing to hand over
-(app.__main__ sets that up). From its join on, the PS has the rank: the join's answer is
-taken, the push on the wire is answered, the PS records the rank as `left` and stops waiting
-for it. Once it trained its epochs, its finish and `end` record are made whole first."""
+(app.__main__ sets that up), but it tells the PS first, as when the user's code exits 0 before
+the join, so that the PS does not wait --join_timeout for the rank. From its join on, the PS
+has the rank: the join's answer is taken, the push on the wire is answered, the PS records the
+rank as `left` and stops waiting for it. Once it trained its epochs, its finish and `end`
+record are made whole first."""
 
 from __future__ import annotations
 
@@ -43,16 +45,12 @@ def run(config: Config) -> int:
     models.check(config.model)
     if run_ended(config):
         return 0
-    workers, why = datasets.loader_choice(config)
-    # A rank above the first ones (the job was scaled up) starts from a share among as many;
-    # each epoch's share then comes from the PS (Trainer.reshard).
-    shards = max(config.num_trainers, config.rank)
-    train = datasets.load_for(config, "train", workers, shard=(config.rank - 1, shards))
-    datasets.log_loader(config.name, workers, why)
-    sampler = datasets.shard_sampler(train, shards, config.rank - 1, config.seed)
-    loader = datasets.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
-    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), datasets.describe(train))
-    model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    try:
+        train, loader, sampler, model = prepare(config, device)
+    except SystemExit as end:  # the user's code (a model or dataset factory) ended the process
+        if end.code in (None, 0):  # cleanly: its PS is told not to wait for the rank
+            group.say_not_joining(config.rank, config.master_addr, config.master_port)
+        raise
     try:
         # a worker (re)started before its PS waits for it (--join_timeout), and exits 0 with one
         # line when the PS's records say the run ended meanwhile
@@ -66,6 +64,21 @@ def run(config: Config) -> int:
         if run_ended(config):
             return 0
         raise
+
+
+def prepare(config: Config, device: torch.device) -> tuple[LabeledData, DataLoader, ShardSampler, nn.Module]:
+    """The worker's shard of the training data, its loader and sampler, and the model on `device`."""
+    workers, why = datasets.loader_choice(config)
+    # A rank above the first ones (the job was scaled up) starts from a share among as many;
+    # each epoch's share then comes from the PS (Trainer.reshard).
+    shards = max(config.num_trainers, config.rank)
+    train = datasets.load_for(config, "train", workers, shard=(config.rank - 1, shards))
+    datasets.log_loader(config.name, workers, why)
+    sampler = datasets.shard_sampler(train, shards, config.rank - 1, config.seed)
+    loader = datasets.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
+    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), datasets.describe(train))
+    model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
+    return train, loader, sampler, model
 
 
 def run_ended(config: Config) -> bool:

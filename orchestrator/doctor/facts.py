@@ -157,6 +157,40 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+def port_free(host: str, port: int) -> bool:
+    """True when a TCP listener can bind `host`:`port` on this host now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def listening_process(port: int) -> Optional[str]:
+    """`pid N (command)` of a process of this user listening on TCP `port`; None when none is
+    found (the listener is another user's, or not in this PID namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{cols[9]}]")
+    for proc in Path("/proc").iterdir() if inodes else []:
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return f"pid {proc.name} ({(proc / 'comm').read_text().strip()})"
+        except OSError:
+            continue
+    return None
+
+
 def _disk_free(root: Optional[str], host: str) -> Optional[int]:
     if not root or not host.startswith("unix://") or not os.path.isdir(root):
         return None

@@ -20,7 +20,7 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import images, runs, tracking_image
+from orchestrator import images, run_lock, runs, tracking_image
 from orchestrator.backends import record
 from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
 from orchestrator.backends.inspect import from_compose
@@ -189,20 +189,22 @@ def up(
     t = load_with(config, workers=workers, strategy=strategy, name=name, overrides=overrides)
     name = backend.name_of(t)
     c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
-    client = images.client() if backend.engine else None
-    refuse_live(backend, c, "up")
-    facts = preflight(backend, t, config, client, out)
-    wrote = write_if_changed(c.file, backend.document(t, facts))
-    said = "rendered" if wrote else "up to date:"
-    print(f"==> {said} {relative(c.file)}: {describe(t)}, {backend.noun} {c.name}", file=out, flush=True)
-    ensure_image(backend, client, t, offline, out)
-    env, line = runs.start(backend.running_env(c, runs.VARIABLES), resume)
-    print(f"==> {line}", file=out, flush=True)
-    for problem in backend.deploy(c, env, out):
-        print(f"warning: {problem}", file=out, flush=True)
-    if remember:
-        record.save(backend, c)
     p = backend.verb_prefix
+    # the check for a live run and the start, one `up` of the name at a time (run_lock.starting)
+    with run_lock.starting(c.file.parent, f"{p}up", f"{backend.noun} {c.name}"):
+        client = images.client() if backend.engine else None
+        refuse_live(backend, c, "up")
+        facts = preflight(backend, t, config, client, out)
+        wrote = write_if_changed(c.file, backend.document(t, facts))
+        said = "rendered" if wrote else "up to date:"
+        print(f"==> {said} {relative(c.file)}: {describe(t)}, {backend.noun} {c.name}", file=out, flush=True)
+        ensure_image(backend, client, t, offline, out)
+        env, line = runs.start(backend.running_env(c, runs.VARIABLES), resume)
+        print(f"==> {line}", file=out, flush=True)
+        for problem in backend.deploy(c, env, out):
+            print(f"warning: {problem}", file=out, flush=True)
+        if remember:
+            record.save(backend, c)
     print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
     if tracking.tracked_by_own_server(t):
         print(f"==> MLflow: the run is tracked at {tracking.ui_address()} (experiment {c.name})", file=out, flush=True)

@@ -133,3 +133,43 @@ def test_export_of_a_directory_with_no_run_exits_2_with_one_line(tmp_path):
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no final.pt or checkpoint of run none" in result.stderr
+
+
+def _torn_final(directory: Path, version: int, run_id: str) -> None:
+    """final.pt of `run_id` at `version`, cut short as a full disk or a crash leaves it."""
+    model = models.build("cnn", 1, 10, seed=0)
+    torch.save({"version": version, "model": model.state_dict(), "run_id": run_id}, directory / "final.pt")
+    whole = (directory / "final.pt").read_bytes()
+    (directory / "final.pt").write_bytes(whole[: len(whole) // 10])
+
+
+def _ps_records(metrics: Path, run_id: str, *evals: tuple[str, int, float]) -> None:
+    metrics.mkdir(parents=True)
+    lines = [{"event": "start", "step": 0, "run_id": run_id}]
+    lines += [{"event": e, "step": v, "accuracy": a, "metrics": ["accuracy"]} for e, v, a in evals]
+    (metrics / "ps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.mark.parametrize("eval_at_160", [True, False], ids=["its_eval", "evaluated_here"])
+def test_a_torn_final_pt_exports_the_newest_checkpoint_labelled_with_its_own_version_and_scores(tmp_path, eval_at_160):
+    """Before: "run torn has no final.pt (it did not finish)", and version 160 labelled with the
+    accuracy of version 176 (the `end` record), which final.pt held and the export did not."""
+    checkpoints, metrics, out = tmp_path / "checkpoints", tmp_path / "metrics", tmp_path / "model"
+    checkpoints.mkdir()
+    _checkpoint(checkpoints, 160, "torn")
+    _torn_final(checkpoints, 176, "torn")
+    _ps_records(metrics, "torn", ("eval", 160 if eval_at_160 else 150, 0.5), ("end", 176, 0.9))
+    dirs = ["--checkpoint_dir", str(checkpoints), "--metrics_dir", str(metrics), "--export_dir", str(out)]
+    result = run_app("export", *DIGITS, "--run_id", "torn", *dirs, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "did not finish" not in result.stderr
+    assert "run torn has a final.pt that does not load (cut short or damaged" in result.stderr, result.stderr
+    card = json.loads((out / "model.json").read_text())
+    assert card["version"] == 160 and card["finished"] is False and card["source"].endswith(".pt")
+    assert "final.pt" not in card["source"]
+    if eval_at_160:
+        assert card["accuracy"] == 0.5
+    else:  # no record at 160: scored here, as a fresh interpreter scores the exported files
+        assert "no evaluation at version 160; evaluated here: Accuracy: " in result.stderr
+        scored = _score(out, _held_out_tensors(tmp_path / "held_out.pt"), project=True)
+        assert card["accuracy"] == pytest.approx(scored["accuracy"], abs=1e-4) and card["accuracy"] != 0.9

@@ -318,7 +318,7 @@ def test_cli_all_pass_on_this_engine() -> None:
     if "PROBLEM  daemon" in p.stdout:
         unavailable("no Docker engine answers (doctor: PROBLEM  daemon)")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.rstrip().endswith("doctor: all 9 checks passed")
+    assert p.stdout.rstrip().endswith("doctor: all 10 checks passed")
 
 
 def test_missing_data_dir_says_how_to_get_it():

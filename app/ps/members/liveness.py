@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.contract import PS
+from app.contract import PS, worker_name
 from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
 from app.ps.members import listing
@@ -75,8 +75,13 @@ class LivenessMonitor:
         rpc_timeout: float,
         record: Event,
         on_drop: Callable[[int, str], None] | None = None,
+        address: tuple[str, int] | None = None,
     ) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
+        # The PS's store (host, port), where a process that ends before it joins says so
+        # (app.exchange.group.say_not_joining); None: nobody is asked.
+        self.address = address
+        self._store: Any = None
         self._pinger = Pinger(rpc_timeout)
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
@@ -140,6 +145,20 @@ class LivenessMonitor:
                 self._ping_async(rank, name)
         self.check_frozen()
         self._sweep(now)
+        self._not_joining()
+
+    def _not_joining(self) -> None:
+        """Stop waiting for the ranks whose process said it ended cleanly before it joined (a
+        `left` record, as for a leave); the notes of ranks that joined again since are dropped."""
+        if self.address is None:
+            return
+        if self._store is None:
+            self._store = group.connect(*self.address, self.rpc_timeout)
+        for rank in group.not_joining(self._store, list(range(1, self.server.members.roster.max_rank + 1))):
+            if self.server.drop(rank, None):
+                log.info("rank %d left before it joined: its process ended cleanly (%s)", rank, self.server.summary())
+                name, workers = worker_name(rank), self.server.live_count()
+                self.record("left", self.server.version, worker=name, worker_rank=rank, workers=workers, joined=False)
 
     def check_frozen(self) -> None:
         """ssp/sync: report and drop live workers that stopped pushing (they answer pings)."""

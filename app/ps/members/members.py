@@ -84,6 +84,13 @@ class Members:
         self.roster.leave(rank, name)
         self.epochs.release(rank)
 
+    def withdraw(self, rank: int) -> bool:
+        """A process of `rank` ended cleanly before it joined (app.ps.members.roster.Roster.withdraw)."""
+        if not self.roster.withdraw(rank):
+            return False
+        self.epochs.release(rank)
+        return True
+
     def drop(self, rank: int, name: str) -> bool:
         return self.roster.drop(rank, name)
 

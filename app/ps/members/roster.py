@@ -4,7 +4,8 @@ Pure Python, no RPC and no lock of its own: the ParameterServer calls it
 under its lock, so progress and the model version always match in a
 checkpoint. A rank is `absent` (not joined yet), `live`, `finished`,
 `dropped` (its incarnation died or stopped answering) or `left` (it was
-scaled down: it said so before it exited, and nobody waits for it). A restarted process
+scaled down: it said so before it exited, or its process said before it joined that it
+ended cleanly; nobody waits for it). A restarted process
 of the same rank joins under a new RPC name (`worker1`, `worker1_r2`, ...)
 and resumes the rank's progress.
 
@@ -117,6 +118,17 @@ class Roster:
         """`name` leaves the job for good (scaled down): nobody waits for the rank any more."""
         self.seen(rank, name)
         self._set(self.members[rank], LEFT)
+
+    def withdraw(self, rank: int) -> bool:
+        """A process of `rank` ended cleanly before it joined (scaled down, or its code exited 0):
+        nobody waits for the rank any more, as for one that left. False, and nothing changes,
+        unless the rank is one the job waits to join (absent, or dropped): a rank live again
+        by now (a new process joined) or finished keeps its state."""
+        m = self.members.get(rank)
+        if m is None or m.state not in (ABSENT, DROPPED):
+            return False
+        self._set(m, LEFT)
+        return True
 
     def drop(self, rank: int, name: str) -> bool:
         """Stop waiting for incarnation `name`; False when it is no longer rank's live one."""

@@ -205,6 +205,11 @@ def containers(client: Any, project: str) -> list[Any]:
     return client.containers.list(all=True, filters={"label": f"{LABEL_PROJECT}={project}"}, ignore_removed=True)
 
 
+def publishing(client: Any) -> list[dict[str, Any]]:
+    """The engine's running containers as its list gives them (names, labels, published ports)."""
+    return list(client.api.containers())
+
+
 def running_env(client: Any, project: str, names: Sequence[str]) -> dict[str, str]:
     """The variables `names` as a running (or restarting) container of the project has them
     ({} when none runs): an `up` while a run goes on keeps its id, so compose recreates nothing."""
