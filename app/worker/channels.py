@@ -34,6 +34,7 @@ from app.contract import PS, worker_name
 from app.exchange import calls, group, transport
 from app.exchange.group import READY_KEY
 from app.exchange.wire import (
+    InSlot,
     Joined,
     NotReady,
     Push,
@@ -361,8 +362,8 @@ class PSChannel:
                 if sealed.finite():  # a GPU's flags, read once its copies landed: the PS need not check
                     push = push._replace(finite=True)
                 dtype = str(part.dtype).removeprefix("torch.")
-                args: tuple[Any, ...] = (end.slot_for(part, sealed), dtype, part.numel(), push)
-                return self.call_async(route.name, calls.rpc_push_slot, args)
+                slot = InSlot(end.slot_for(part, sealed), dtype, part.numel())
+                return self.call_async(route.name, calls.rpc_push, (slot, push))
             return self.call_async(route.name, calls.rpc_push, (part, push))
         except RuntimeError as error:
             raise self.lost(route.name, calls.rpc_push, error) from error
