@@ -168,7 +168,7 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}", sharded=bool(shard_names), overlap=config.overlap
     )
     _init(config, worker_name(config.rank), config.rank)
-    if shard_names:  # app-sharded: the worker's routes to app.ps.sharding.slices' shards, listed here
+    if shard_names:  # app-sharded: the worker's links to app.ps.sharding.slices' shards, listed here
         cpu = torch.device("cpu")
         channel.links = [TensorPipeLink(ps_name(i), *_part(p, i), cpu, config.overlap) for i in range(config.shards)]
         pulled = [rpc.rpc_sync(link.name, rpc_pull, args=(config.rank,)) for link in channel.links]
