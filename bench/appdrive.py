@@ -156,7 +156,8 @@ def _starting(vector: Any, version: Any) -> Any:
 def worker_main(p: dict[str, Any]) -> dict[str, Any]:
     from app.contract import PS, ps_name, worker_name
     from app.exchange.calls import rpc_pull
-    from app.worker.channels import PSChannel, Route
+    from app.worker.channels import PSChannel
+    from app.worker.links import TensorPipeLink
     from app.worker.trainer import Trainer
 
     config = _config("worker", p)
@@ -167,9 +168,10 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
         config.rank, config.rpc_timeout, f"{ADDR}:{p['port']}", sharded=bool(shard_names), overlap=config.overlap
     )
     _init(config, worker_name(config.rank), config.rank)
-    if shard_names:  # app-sharded: the worker's routes to app.ps.sharding.slices' shards, listed here
-        channel.routes = [Route(ps_name(i), *_part(p, i)) for i in range(config.shards)]
-        pulled = [rpc.rpc_sync(route.name, rpc_pull, args=(config.rank,)) for route in channel.routes]
+    if shard_names:  # app-sharded: the worker's links to app.ps.sharding.slices' shards, listed here
+        cpu = torch.device("cpu")
+        channel.links = [TensorPipeLink(ps_name(i), *_part(p, i), cpu, config.overlap) for i in range(config.shards)]
+        pulled = [rpc.rpc_sync(link.name, rpc_pull, args=(config.rank,)) for link in channel.links]
         start = _starting(torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled))
     else:
         start = channel.join()

@@ -8,8 +8,8 @@ hands the error back to the caller).
 
 - `rpc_join`: a worker process starts: the state, its rank's progress (Joined), or Taken /
   NotReady; with the PS process's shared-memory offer where it has one.
-- `rpc_push`: a push over TensorPipe (the message is a tensor); `rpc_push_slot`: a push whose
-  message is in the worker's push slot of the PS process's segment. Both are
+- `rpc_push`: a push; its message is a tensor (over TensorPipe) or an InSlot (the worker's push
+  slot of the PS process's segment that holds it), and the PS resolves which. It is
   `async_execution`: the answer (Reply, SlotReply or Refusal) may be held back (ssp, sync).
 - `rpc_pull`, `rpc_finish`, `rpc_leave` (scaled down), `rpc_share` (what the rank trains next,
   in a job that may be scaled).
@@ -25,7 +25,7 @@ import torch
 from torch.futures import Future
 
 from app.exchange.transport import answered_later
-from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
+from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 
 class Service(Protocol):
@@ -33,8 +33,7 @@ class Service(Protocol):
 
     def join(self, rank: int, name: str) -> Joined | Taken | NotReady: ...
     def pull(self, rank: int) -> tuple[torch.Tensor, int]: ...
-    def push(self, message: torch.Tensor, push: Push) -> Future: ...
-    def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future: ...
+    def push(self, message: torch.Tensor | InSlot, push: Push) -> Future: ...
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
     def leave(self, rank: int, pushes: int, name: str) -> Refusal | None: ...
     def share(self, rank: int, finished: Share | None) -> Share | None: ...
@@ -68,18 +67,12 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
 
 
 @answered_later
-def rpc_push(message: torch.Tensor, push: Push) -> Future:
-    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up.
-    Any other error is raised here, and RPC hands it to the caller as an error."""
+def rpc_push(message: torch.Tensor | InSlot, push: Push) -> Future:
+    """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up. A
+    message in a push slot (a worker on the PS's host) is answered with the region that holds
+    the new state (a SlotReply). Any other error is raised here, and RPC hands it to the caller
+    as an error."""
     return service().push(message, push)
-
-
-@answered_later
-def rpc_push_slot(slot: int, dtype: str, numel: int, push: Push) -> Future:
-    """rpc_push for a worker on the PS's host: its message is `numel` values of `dtype` in its
-    push slot `slot`; the answer names the region that holds the new state (a SlotReply), or is
-    a Refusal."""
-    return service().push_slot(slot, dtype, numel, push)
 
 
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:

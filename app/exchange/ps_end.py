@@ -1,7 +1,7 @@
 """The PS side of the same-host exchange: a shared-memory segment (app.exchange.segment) holding each
 rank's push slots and reply buffers, so that a worker on this host hands its push over as
 memory and reads the PS's answer in place; RPC carries only which slot, the version and
-where the worker is (app.ps.rpc.rpc_push_slot).
+where the worker is (app.exchange.calls.rpc_push, its message an InSlot).
 
 Per rank r (1..the most workers the job may have): `slots` push slots `push<r>.<k>`, where the
 worker writes `[grads | buffers]` (its backward writes the gradients straight into one when it

@@ -110,6 +110,15 @@ class Refusal(NamedTuple):
     message: str  # one line, naming the worker
 
 
+class InSlot(NamedTuple):
+    """A push's message that is in the worker's push slot `slot` of its PS process's segment
+    (app.exchange.ps_end): `numel` values of `dtype`; only this crosses, not the values."""
+
+    slot: int
+    dtype: str  # e.g. float32, bfloat16
+    numel: int
+
+
 class SlotReply(NamedTuple):
     """The PS's answer to a push through shared memory (app.exchange.ps_end): the new state is in
     region `region` of the PS's segment, which the worker maps; nothing else crosses."""

@@ -9,7 +9,7 @@ pushes over TensorPipe. A GPU worker pins the regions it copies to and from
 (cudaHostRegister), so the device-host copies are asynchronous DMA, not staged through
 pageable memory.
 
-What a worker's channel (app.worker.channels) asks of it:
+What a worker's shared-memory link (app.worker.links.SharedMemoryLink) asks of it:
 
     bind(model, flat, ...)     once, after join: where the model reads its state and writes its
                                gradient; the hooks of the early push and the ordered pull
@@ -219,7 +219,7 @@ class WorkerEnd:
 
 
 def attach(offer: Offer | None, rank: int, device: torch.device, mode: str, who: str, peer: str) -> WorkerEnd | None:
-    """The link to `peer`'s segment, or None: TensorPipe (logged in one line, once per peer)."""
+    """The end of `peer`'s segment, or None: TensorPipe (logged in one line, once per peer)."""
     if offer is None:
         return None  # the PS has no segment, and said why in its own log
     if mode == "tensorpipe":

@@ -5,7 +5,7 @@ from them: `ENDPOINT` is the app's one piece of process-wide state, set only
 for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
 
 - Every PS process (the main PS and each shard) serves the calls workers make
-  (app.exchange.calls: join, pull, push, push through shared memory, finish, leave,
+  (app.exchange.calls: join, pull, push (a tensor, or a push slot), finish, leave,
   share): `Endpoint` is that service, over the PS it is given (`Served`: what it calls of
   app.ps.server's ParameterServer, which this module does not import). `rpc_drop`: the main
   PS forwards a worker's drop to the shards.
@@ -26,7 +26,7 @@ from torch.futures import Future
 from app.exchange import calls
 from app.exchange.notes import Note, NoteReader
 from app.exchange.ps_end import SharedExchange
-from app.exchange.wire import Joined, NotReady, Push, Refusal, Share, Taken
+from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
 Register = Callable[[int, str, int, tuple[int, int]], "str | None"]  # a shard announces itself
@@ -123,16 +123,17 @@ class Endpoint:
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         return self.get().pull(rank)
 
-    def push(self, message: torch.Tensor, push: Push) -> Future:
-        return self.get().submit(push, message)
-
-    def push_slot(self, slot: int, dtype: str, numel: int, push: Push) -> Future:
+    def push(self, message: torch.Tensor | InSlot, push: Push) -> Future:
+        """The push's message resolved: a tensor as it came, or the push slot that holds it (the
+        answer then names the region of the new state)."""
         server = self.get()
+        if not isinstance(message, InSlot):
+            return server.submit(push, message)
         shared = server.shared
         if shared is None:
             raise RuntimeError("this parameter server has no shared-memory segment")
-        message = shared.push(push.rank, slot, dtype, numel)
-        return server.submit(push, message).then(lambda done: shared.answer(done.value()))
+        values = shared.push(push.rank, message.slot, message.dtype, message.numel)
+        return server.submit(push, values).then(lambda done: shared.answer(done.value()))
 
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None:
         return self.get().finish(rank, pushes, name)

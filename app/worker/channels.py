@@ -2,18 +2,17 @@
 
 The trainer (app.worker.trainer) holds a `Channel` and nothing else of the PS. `PSChannel` is
 the one kind there is: its PS is one process or a sharded PS's K processes
-(app.ps.sharding.slices), each a `Route` that serves a slice of the state vector. A push sends
-each route its slice, over the route's shared memory where the worker could map it at join
-(app.exchange.worker_end: the message in a push slot, RPC carries only which one), else over
-TensorPipe as a tensor; the answers come back as one Reply (or a Refusal).
+(app.ps.sharding.slices), each reached through a link (app.worker.links: shared memory or
+TensorPipe, chosen once as it joins) that serves a slice of the state vector. The channel only
+shards; the answers come back as one Reply (or a Refusal).
 
-- One PS process: the reply's state is used where it arrived (the PS's reply buffer in shared
-  memory, or the tensor RPC received), and where the PS applies partitions early the worker's
-  backward notes them as it finishes them (the route's end does it).
-- A sharded PS: a non-finite message is refused here, before any shard applies a slice of it;
-  with `chained` (--staleness_lr) the main PS's slice goes first and the others follow once it
-  answered, with its staleness, so every slice of a push is scaled alike; otherwise every slice
-  goes at once. The reply is the slices put together (one copy), its version a tuple, its
+- One PS process: its link carries the whole push (binds the model, is around each backward,
+  seals the message, loads the reply).
+- A sharded PS: the channel carries the whole as RPC does (app.worker.links.Carried) and sends
+  each link its slice; a non-finite message is refused here, before any shard applies a slice of
+  it; with `chained` (--staleness_lr) the main PS's slice goes first and the others follow once
+  it answered, with its staleness, so every slice of a push is scaled alike; otherwise every
+  slice goes at once. The reply is the slices put together (one copy), its version a tuple, its
   staleness and lead the main PS's.
 """
 
@@ -21,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,29 +31,16 @@ from app.config import UsageError
 from app.contract import PS, worker_name
 from app.exchange import calls, group, transport
 from app.exchange.group import READY_KEY
-from app.exchange.wire import (
-    Joined,
-    NotReady,
-    Push,
-    Refusal,
-    Refused,
-    Reply,
-    Share,
-    SlotReply,
-    Start,
-    Taken,
-    Version,
-    all_finite,
-)
-from app.exchange.worker_end import Sealed, WorkerEnd, attach
+from app.exchange.wire import Joined, NotReady, Push, Refusal, Refused, Reply, Share, Start, Taken, Version, all_finite
+from app.exchange.worker_end import Sealed
 from app.runtime.words import first_line
 from app.training.flat import FlatModel
 from app.worker.compress import Compressor
+from app.worker.links import NOTHING_SEALED, Carried, Link, Outgoing, connect
 
 NOT_IN_GROUP_YET = "could not find destination name"
 POLL_SECONDS = 0.1
-NOTHING_SEALED = Sealed()  # a push through TensorPipe, or one that noted nothing
-Slice = tuple["Route", torch.Tensor, int]  # a route, its part of a message, the version of its state pulled
+Slice = tuple[Link, torch.Tensor, int]  # a link, its part of a message, the version of its state pulled
 
 
 class Pending(Protocol):
@@ -91,31 +76,6 @@ class Channel(Protocol):
 
 class PSUnreachable(RuntimeError):
     """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
-
-
-class Outgoing(NamedTuple):
-    """A push's message as it will travel, and what the push says of it (app.exchange.worker_end).
-    `ready`: a GPU worker's message is still being copied where it travels from; the push is
-    sent once this event has passed (the copy staged in pinned memory, or the slot's)."""
-
-    message: torch.Tensor
-    sealed: Sealed = NOTHING_SEALED
-    ready: Any = None  # torch.cuda.Event
-    norm: torch.Tensor | None = None  # the gradient's global norm (train.clip_grad_norm), read once `ready` passed
-
-    def event(self) -> Any:
-        return self.ready if self.ready is not None else self.sealed.ready
-
-
-@dataclass
-class Route:
-    """One PS process: its RPC name, the values start..end of the state it serves, and its
-    shared memory where this worker mapped it."""
-
-    name: str
-    start: int
-    end: int
-    end_of_link: WorkerEnd | None = None
 
 
 def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None:
@@ -178,24 +138,20 @@ class PSChannel:
         self.push_timeout = timeout + push_wait
         self.exchange, self.device = exchange, device or torch.device("cpu")
         self.sharded, self.chained, self.overlap = sharded, chained, overlap
-        self.routes: list[Route] = []
+        self.links: list[Link] = []
         self.flat: FlatModel | None = None
-        # RPC carries CPU tensors only: a GPU worker whose message does not go into a push slot
-        # stages it here (two buffers, used by pushes sent in turn: with --overlap one is on the
-        # wire while the next fills).
-        self.staging: list[torch.Tensor] | None = None
-        self.sent = 0  # pushes sent by this process
+        self.carried = Carried(self.device, overlap)  # a sharded PS's whole push
         # A GPU worker's pushes are sent from this thread, each once its copies have landed, so the
         # training loop goes on launching the next step's kernels meanwhile (one push at a time,
         # in order). Made at the first such push.
         self.sender: ThreadPoolExecutor | None = None
 
-    # Joining: the routes, and the state to start from.
+    # Joining: the links, and the state to start from.
 
     def join(self) -> Start:
         """The state to start from and this rank's progress (the main PS is the authority on
         it); UsageError if the rank is taken, PSUnreachable if the PS cannot be reached or its
-        shards are not all up. Maps each PS process's shared memory where it offers it."""
+        shards are not all up. Each PS process's link is chosen as it is joined."""
         joined = self._join(PS, lost=self.lost)
         if isinstance(joined, Taken):
             raise UsageError(joined.message)
@@ -204,16 +160,16 @@ class PSChannel:
         if self.sharded and joined.part is None:
             raise RuntimeError("the parameter server answered as one process; this worker was started with shards")
         start, end = joined.part or (0, joined.vector.numel())
-        self.routes = [Route(PS, start, end, self._attach(joined, PS))]
+        self.links = [self._link(joined, (PS, start, end))]
         slices, versions = [joined.vector], [joined.version]
         for name, start, end in joined.shards:
             got = self._join(name, lost=self.lost)
             if not isinstance(got, Joined):
                 raise UsageError(got.message)
-            self.routes.append(Route(name, start, end, self._attach(got, name)))
+            self.links.append(self._link(got, (name, start, end)))
             slices.append(got.vector)
             versions.append(got.version)
-        if len(self.routes) == 1:
+        if len(self.links) == 1:
             return Start(joined.vector, joined.version, joined.progress)
         return Start(torch.cat(slices), tuple(versions), joined.progress)
 
@@ -223,68 +179,34 @@ class PSChannel:
         except RuntimeError as error:
             raise lost(name, calls.rpc_join, error) from error
 
-    def _attach(self, joined: Joined, peer: str) -> WorkerEnd | None:
-        return attach(joined.exchange, self.rank, self.device, self.exchange, self.name, peer)
+    def _link(self, joined: Joined, part: tuple[str, int, int]) -> Link:
+        return connect(joined, part, self.rank, self.device, self.exchange, self.name, self.overlap)
 
     # The model's side: where it reads its state and writes its gradient.
 
+    def whole(self) -> Link | Carried:
+        """What carries a whole push: the one PS process's link, or, for a sharded PS, RPC (each
+        shard takes its slice of the message: no one link holds a whole push)."""
+        return self.links[0] if len(self.links) == 1 else self.carried
+
     def bind(self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool) -> None:
-        """Make `start`'s state the model's; one PS process reached through shared memory gets
-        the model pointed at it (app.exchange.worker_end.WorkerEnd.bind: `notes`, the early
-        push; `messages_here`, float32 messages written into the push slots)."""
+        """Make `start`'s state the model's, and point the model where its pushes travel from
+        (`notes`: the early push; `messages_here`: float32 messages, written where they travel)."""
         self.flat = flat
         flat.adopt(start.vector)
-        end = self._single_end()
-        if end is not None:
-            end.bind(model, flat, self.name, notes, messages_here)
-        if self.device.type == "cuda" and end is None:
-            size = flat.message.numel()  # the widest message: float32 (16-bit ones are smaller)
-            self.staging = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.whole().bind(model, flat, self.name, notes, messages_here)
 
-    def _single_end(self) -> WorkerEnd | None:
-        """The shared memory of the one PS process this worker pushes to; None for a sharded PS
-        (each shard takes its slice of the message: no one slot holds a whole push)."""
-        return self.routes[0].end_of_link if len(self.routes) == 1 else None
-
-    @contextlib.contextmanager
-    def backward(self, version: Version) -> Iterator[None]:
+    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
         """Around one backward from the state of `version`."""
-        end = self._single_end()
-        if end is None:
-            yield
-            return
-        assert isinstance(version, int)  # one PS process's
-        with end.backward(version):
-            yield
+        return self.whole().backward(version)
 
     def seal(self, message: torch.Tensor) -> Outgoing:
-        """The message as it will travel: staged in pinned memory (a GPU worker over
-        TensorPipe: copied on the compute stream, not waited for here), or in its push slot (a
-        GPU worker's copies into it run on a side stream: app.exchange.slot_copies); with
-        --overlap on the CPU, the next backward writes into the other message buffer, so the
-        one sent stays intact on the wire."""
-        end = self._single_end()
-        if self.staging is not None:  # the other buffer may still be on the wire
-            staged = self.staging[self.sent % 2].view(message.dtype)[: message.numel()]
-            staged.copy_(message, non_blocking=True)  # pinned: no host wait
-            if not message.is_cuda:
-                return Outgoing(staged)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(message.device))
-            return Outgoing(staged, ready=ready)
-        assert self.flat is not None  # bound
-        if self.overlap and message is self.flat.message and self.device.type == "cpu":
-            self.flat.flip()
-        return Outgoing(message, end.seal(message) if end is not None else Sealed())
+        """The message as it will travel (a GPU worker's: its copies queued, not waited for)."""
+        return self.whole().seal(message)
 
     def load(self, reply: Reply) -> None:
         """Continue from the reply's state (no copy where it can be used where it is)."""
-        end = self._single_end()
-        if end is not None:
-            end.load(reply)
-        else:
-            assert self.flat is not None  # bound
-            self.flat.adopt(reply.vector)
+        self.whole().load(reply)
 
     # The push: one path for one PS process and for a sharded PS's every process.
 
@@ -304,7 +226,6 @@ class PSChannel:
         `to_go`: the pushes the rank has still to make after this one (-1: unknown), for the
         main PS's progress; `epoch_batches`: the batches of one epoch over the whole training
         split (every PS process plans the run's schedule by it)."""
-        self.sent += 1
         push = Push(self.rank, self.name, 0, epoch, batch, samples, to_go=to_go, epoch_batches=epoch_batches)
         ready = outgoing.event()
         if ready is None:
@@ -319,18 +240,17 @@ class PSChannel:
 
     def _send_now(self, outgoing: Outgoing, version: Version, push: Push) -> Pending:
         message = outgoing.message
-        if len(self.routes) > 1 and not self._finite(message):
+        if len(self.links) > 1 and not self._finite(message):
             why = f"{self.name} computed non-finite values (NaN or inf); the push was not sent"
             return Answered(Refusal(Refused.NONFINITE, why))
         if outgoing.norm is not None:  # on a GPU: copied to pinned memory before `ready`, no wait here
             push = push._replace(grad_norm=float(outgoing.norm))
         versions = version if isinstance(version, tuple) else (version,)
-        sends = [(route, self._part(message, route), pulled) for route, pulled in zip(self.routes, versions)]
+        sends = [(link, self._part(message, link), pulled) for link, pulled in zip(self.links, versions)]
         rest = sends[1:] if self.chained else []
         now = sends[: len(sends) - len(rest)]
         futures = [
-            (route, self._send(route, part, push._replace(pulled=pulled), outgoing.sealed))
-            for route, part, pulled in now
+            (link, self._send(link, part, push._replace(pulled=pulled), outgoing.sealed)) for link, part, pulled in now
         ]
         return PendingPush(self, futures, rest, push._replace(to_go=-1), message)
 
@@ -338,69 +258,53 @@ class PSChannel:
         assert self.flat is not None  # bound
         return all_finite(message[: self.flat.num_params] if message.dtype != torch.float32 else message)
 
-    def _part(self, message: torch.Tensor, route: Route) -> torch.Tensor:
-        """The route's values of the message: all of it (one PS process), or values
-        start..end (a view: shared memory copies it into the slot; TensorPipe sends a
-        contiguous copy, only its own bytes)."""
-        if len(self.routes) == 1:
+    def _part(self, message: torch.Tensor, link: Link) -> torch.Tensor:
+        """The link's values of the message: all of it (one PS process), or values start..end
+        as the link sends them (`Link.own`)."""
+        if len(self.links) == 1:
             return message
         if message.dtype != torch.float32:  # --compress (app.worker.compress.Compressor)
             assert self.flat is not None  # bound
-            part = Compressor.slice(message, self.flat.num_params, route.start, route.end)
+            part = Compressor.slice(message, self.flat.num_params, link.start, link.end)
         else:
-            part = message[route.start : route.end]
-        return part if route.end_of_link is not None else part.clone()
+            part = message[link.start : link.end]
+        return link.own(part)
 
-    def _send(self, route: Route, part: torch.Tensor, push: Push, sealed: Sealed = NOTHING_SEALED) -> Any:
-        """The RPC future of `push` to `route`: through its push slot, or as a tensor."""
-        end = route.end_of_link
+    def _send(self, link: Link, part: torch.Tensor, push: Push, sealed: Sealed = NOTHING_SEALED) -> Any:
+        """The RPC future of `push` to `link`."""
         try:
-            if end is not None:
-                if sealed.backward is not None:
-                    push = push._replace(backward=sealed.backward, noted=sealed.noted)
-                if sealed.finite():  # a GPU's flags, read once its copies landed: the PS need not check
-                    push = push._replace(finite=True)
-                dtype = str(part.dtype).removeprefix("torch.")
-                args: tuple[Any, ...] = (end.slot_for(part, sealed), dtype, part.numel(), push)
-                return self.call_async(route.name, calls.rpc_push_slot, args)
-            return self.call_async(route.name, calls.rpc_push, (part, push))
+            return link.send(part, push, sealed, self.push_timeout)
         except RuntimeError as error:
-            raise self.lost(route.name, calls.rpc_push, error) from error
+            raise self.lost(link.name, calls.rpc_push, error) from error
 
-    def call_async(self, to: str, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """The RPC future of `function(*args)` on `to` (a push: it may wait `push_wait` too)."""
-        return transport.call_async(to, function, args, timeout=self.push_timeout)
-
-    def send_rest(self, rest: list[Slice], push: Push, staleness: int) -> list[tuple[Route, Any]]:
+    def send_rest(self, rest: list[Slice], push: Push, staleness: int) -> list[tuple[Link, Any]]:
         """A chained push's other slices, once the main PS answered with `staleness`."""
         return [
-            (route, self._send(route, part, push._replace(pulled=pulled, staleness=staleness)))
-            for route, part, pulled in rest
+            (link, self._send(link, part, push._replace(pulled=pulled, staleness=staleness)))
+            for link, part, pulled in rest
         ]
 
-    def answer(self, route: Route, future: Any) -> Reply | Refusal:
-        """The answer of `route` to a push: a Reply whose state is where it arrived."""
+    def answer(self, link: Link, future: Any) -> Reply | Refusal:
+        """The answer of `link` to a push: a Reply whose state is where it arrived."""
         try:
-            answer = future.wait()
+            answer = link.answer(future)
         except RuntimeError as error:
-            raise self.lost(route.name, calls.rpc_push, error) from error
-        if isinstance(answer, SlotReply) and route.end_of_link is not None:
-            return route.end_of_link.reply(answer)
+            raise self.lost(link.name, calls.rpc_push, error) from error
         return refused(answer)
 
     # The rest of a worker's calls.
 
     def finish(self, pushes: int) -> None:
         """The other shards first: once the main PS hears the last finish, it ends them."""
-        for route in self.routes[1:]:
-            refused(self._call(route.name, calls.rpc_finish, self.rank, pushes, self.name))
+        for link in self.links[1:]:
+            refused(self._call(link.name, calls.rpc_finish, self.rank, pushes, self.name))
         refused(self._call(PS, calls.rpc_finish, self.rank, pushes, self.name))
 
     def leave(self, pushes: int) -> None:
         """Leave the job for good (scaled down): the other shards first, then the main PS (which
         records it); the PS stops waiting for this rank."""
-        for route in self.routes[1:]:
-            refused(self._call(route.name, calls.rpc_leave, self.rank, pushes, self.name))
+        for link in self.links[1:]:
+            refused(self._call(link.name, calls.rpc_leave, self.rank, pushes, self.name))
         refused(self._call(PS, calls.rpc_leave, self.rank, pushes, self.name))
 
     def share(self, finished: Share | None) -> Share | None:
@@ -450,7 +354,7 @@ class Answered:
 
 
 class PendingPush:
-    """A push on the wire to each route; holds its message until the replies came (RPC sends from
+    """A push on the wire to each link; holds its message until the replies came (RPC sends from
     it). `wait` gives one Reply for the whole vector (staleness and lead: the main PS's); `rest`:
     the slices still to send once the main PS answered, with its staleness (chained), as `push`
     says."""
@@ -458,7 +362,7 @@ class PendingPush:
     def __init__(
         self,
         channel: PSChannel,
-        futures: list[tuple[Route, Any]],
+        futures: list[tuple[Link, Any]],
         rest: list[Slice],
         push: Push,
         message: torch.Tensor,
@@ -470,7 +374,7 @@ class PendingPush:
         if isinstance(first, Refusal) or len(self.futures) + len(self.rest) == 1:
             return first
         sent = self.channel.send_rest(self.rest, self.push, first.staleness) if self.rest else []
-        replies = [first] + [self.channel.answer(route, future) for route, future in self.futures[1:] + sent]
+        replies = [first] + [self.channel.answer(link, future) for link, future in self.futures[1:] + sent]
         done = []
         for reply in replies:
             if isinstance(reply, Refusal):

@@ -210,7 +210,8 @@ def assert_same_curves(got: dict, want: dict, where: str) -> None:
 
 
 def recording_channel(answer=None, overlap: bool = False):
-    """A worker's real channel (app.worker.channels.PSChannel: its own seal, flip and staging)
+    """A worker's channel (app.worker.channels.Channel) whose model's side is a real link's
+    (app.worker.links: its seal, flip and staging)
     whose pushes go nowhere: each is recorded in `.messages` and answered at once with
     `answer(message, version)` (by default a Reply of zeros, one version on); the pushes the
     trainer said its rank has still to make after each one, in `.to_go`; each push's gradient
@@ -221,28 +222,54 @@ def recording_channel(answer=None, overlap: bool = False):
 
     from app.contract import PS
     from app.exchange.wire import Reply
-    from app.worker.channels import PSChannel, Route
+    from app.worker.links import TensorPipeLink
 
     def zeros(message, version):
         return Reply(torch.zeros(message.numel()), version + 1, 0, 0)
 
-    class RecordingChannel(PSChannel):
+    class RecordingChannel:  # an app.worker.channels.Channel
         def __init__(self) -> None:
-            super().__init__(1, timeout=10.0, address="nowhere", overlap=overlap)
-            self.routes = [Route(PS, 0, 0)]
+            self.name = "worker1"
+            # the model's side, as a worker's one PS process over TensorPipe has it (a test may
+            # set another link: app.worker.links)
+            self.link = TensorPipeLink(PS, 0, 0, torch.device("cpu"), overlap)
             self.messages: list = []
             self.to_go: list[int] = []
             self.norms: list = []  # each push's gradient norm (train.clip_grad_norm), None without
             self.epoch_batches: list[int] = []
 
+        def join(self):
+            raise AssertionError("a recording channel joins no PS")
+
+        def bind(self, model, flat, start, notes, messages_here):
+            flat.adopt(start.vector)
+            self.link.bind(model, flat, self.name, notes, messages_here)
+
+        def backward(self, version):
+            return self.link.backward(version)
+
+        def seal(self, message):
+            return self.link.seal(message)
+
         def send(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
-            self.sent += 1
             self.messages.append(outgoing.message)
             self.to_go.append(to_go)
             self.norms.append(None if outgoing.norm is None else float(outgoing.norm))
             self.epoch_batches.append(epoch_batches)
             reply = (answer or zeros)(outgoing.message, version)
             return SimpleNamespace(wait=lambda: reply)
+
+        def load(self, reply):
+            self.link.load(reply)
+
+        def finish(self, pushes):
+            pass
+
+        def leave(self, pushes):
+            pass
+
+        def share(self, finished):
+            return None
 
     return RecordingChannel()
 

@@ -39,7 +39,7 @@ strategy, and sees every worker's push of its slice.
   --staleness_lr a worker sends the other slices once the main PS answered,
   with its staleness (`PSChannel.chained`); the reply's staleness and lead
   are the main PS's.
-- A worker (app.worker.channels.PSChannel, a route per shard) joins every shard, pushes
+- A worker (app.worker.channels.PSChannel, a link per shard) joins every shard, pushes
   each its slice (a contiguous copy: TensorPipe sends a view's whole storage when the view is
   more than half of it) in parallel and assembles the replies with one copy.
 """

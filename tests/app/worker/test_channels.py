@@ -11,7 +11,8 @@ from app.contract import PS
 from app.exchange import calls
 from app.exchange.wire import Push, Refusal
 from app.ps import rpc as endpoints
-from app.worker.channels import PSChannel, Route
+from app.worker.channels import PSChannel
+from app.worker.links import TensorPipeLink
 from app.worker.trainer import Trainer
 
 from app_testkit import ps_server, recording_channel, started
@@ -28,7 +29,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
     channel = recording_channel(overlap=True)
     trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), channel, None)
     started(trainer)
-    channel.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
+    channel.link.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
     for _ in range(5):
         trainer.push_and_pull()
     pointers = [m.data_ptr() for m in channel.messages]
@@ -46,4 +47,4 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
         assert isinstance(calls.rpc_finish(1, 3, "worker1"), Refusal)
     channel = PSChannel(1, timeout=10.0, address="nowhere")
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
-        channel.answer(Route(PS, 0, 4), future)
+        channel.answer(TensorPipeLink(PS, 0, 4, torch.device("cpu"), False), future)

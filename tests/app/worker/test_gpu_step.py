@@ -29,7 +29,8 @@ from app.ps.rpc import ENDPOINT
 from app.ps.server import ParameterServer
 from app.training import loop
 from app.training.flat import FlatModel
-from app.worker.channels import PSChannel, Route
+from app.worker.channels import PSChannel
+from app.worker.links import SharedMemoryLink
 from app.worker.trainer import Trainer
 
 import needs
@@ -69,11 +70,9 @@ class Images(Dataset):
         return augment(batch, True, self.crop)
 
 
-class InProcess(PSChannel):
-    """The worker's real channel, its pushes served by a PS in this process (no RPC)."""
-
-    def call_async(self, to, function, args):
-        return function(*args)
+def in_process(to, function, args, timeout):
+    """A link's call (app.worker.links.Call) served by the PS in this process (no RPC)."""
+    return function(*args)
 
 
 @contextlib.contextmanager
@@ -133,8 +132,8 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
         with ENDPOINT.serving(server):
             joined = server.join(1, "worker1")
             end = WorkerEnd.attach(exchange.offer(joined.life), 1, CUDA)
-            channel = InProcess(1, 30.0, "in-process", "worker1", device=CUDA, overlap=overlap)
-            channel.routes = [Route(PS, 0, size, end)]
+            channel = PSChannel(1, 30.0, "in-process", "worker1", device=CUDA, overlap=overlap)
+            channel.links = [SharedMemoryLink(PS, 0, size, end, overlap, call=in_process)]
             trainer = Trainer(config, model.to(CUDA), loader, None, CUDA, channel, None)
             trainer.start_from(Start(joined.vector, joined.version, joined.progress))
             batches = loop.device_batches(loader, CUDA, torch.contiguous_format)

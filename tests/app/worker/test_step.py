@@ -22,7 +22,7 @@ from app.exchange.wire import Reply, all_finite, finite_flag
 from app.exchange.worker_end import WorkerEnd
 from app.training import loop
 from app.training.flat import FlatModel
-from app.worker.channels import Route
+from app.worker.links import SharedMemoryLink
 from app.worker.trainer import Trainer
 
 from app_testkit import recording_channel, started
@@ -92,7 +92,7 @@ def _count_steps(shm_dir: Path, monkeypatch, accumulate: bool, steps: int = 3):
     end = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
     state: list[torch.Tensor] = []  # the state the PS answers with: the one the worker started from
     channel = recording_channel(lambda message, version: Reply(state[0].clone(), version + 1, 0, 0))
-    channel.routes = [Route(PS, 0, flat_size, end)]
+    channel.link = SharedMemoryLink(PS, 0, flat_size, end, False)
     trainer = Trainer(parse(["worker"], {}), model, None, None, torch.device("cpu"), channel, None)
     started(trainer)
     state.append(trainer.flat.vector.clone())
