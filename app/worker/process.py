@@ -142,8 +142,10 @@ def join_and_train(
             metrics.write("join", at.pushes, worker=name, epoch=at.epoch, batch=at.batch, **gpu_identity(device))
             trainer = Trainer(config, model, loader, sampler, device, channel, metrics)
             pushes = trainer.train(start)
-        except SystemExit:  # SIGTERM: scaled down (or the cluster stops): leave the job cleanly
-            return leave(start, trainer, channel, metrics, started)
+        except SystemExit:
+            if not lifecycle.sigterm_received():  # the user's code ended the process: its status stands
+                raise
+            return leave(start, trainer, channel, metrics, started)  # scaled down (or the cluster stops)
         try:
             with lifecycle.sigterm_deferred():  # its finish and `end` record whole
                 channel.finish(pushes)
@@ -156,6 +158,8 @@ def join_and_train(
                     **datasets.skipped(train.data),
                 )
         except SystemExit:
+            if not lifecycle.sigterm_received():
+                raise
             done = words.counted(pushes, "push", "pushes")
             log.info("%s finished its epochs after %s; stopped (SIGTERM) as it ended", name, done)
     return 0

@@ -117,3 +117,50 @@ def test_a_worker_that_ends_cleanly_before_it_joined_is_not_waited_for(tmp_path,
     assert "rank 2 left before it joined: its process ended cleanly" in ended["ps"].stderr
     assert "ending without" not in ended["ps"].stderr
     assert _records(ps, "end") and _records(metrics / "worker1.jsonl", "end")
+
+
+ENDS_MID_RUN = """
+import sys
+from app.training.models import SmallCNN
+
+class EndsAtItsFifthBatch(SmallCNN):
+    calls = 0
+
+    def forward(self, x):
+        EndsAtItsFifthBatch.calls += 1
+        if EndsAtItsFifthBatch.calls == 5:
+            sys.exit(3)
+        return super().forward(x)
+
+def build(num_classes, channels):
+    return EndsAtItsFifthBatch(channels=channels, num_classes=num_classes)
+"""
+
+
+@pytest.mark.slow
+def test_the_users_code_ending_a_joined_worker_keeps_its_exit_status(tmp_path):
+    """A SystemExit from the user's code mid-run is not a scale down: the worker exits with the
+    status the code gave, and does not tell the PS it left (before: "left the job", exit 0)."""
+    metrics = tmp_path / "metrics"
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "ends.py").write_text(ENDS_MID_RUN)
+    common = [
+        *("--world_size", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())),
+        *("--metrics_dir", str(metrics), "--checkpoint_dir", str(tmp_path / "checkpoints")),
+        *("--run_id", "ends-mid-run"),
+    ]
+    env = {**app_env(), "PYTHONPATH": f"{REPO}:{code}"}
+    procs = {"ps": start_app(tmp_path, "ps", ["ps", *common, *digits(lr=0.1, num_epochs=3)])}
+    try:
+        worker = ["worker", "--rank", "1", *common, *digits(lr=0.1, num_epochs=3, model="ends:build")]
+        procs["worker1"] = start_app(tmp_path, "worker1", worker, env, fork=False)
+        procs["worker1"].wait(timeout=240)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ended = finished(tmp_path, "worker1", procs["worker1"])
+    assert ended.returncode == 3, ended.stderr[-800:]
+    assert "left the job" not in ended.stderr and not _records(metrics / "ps.jsonl", "left")
