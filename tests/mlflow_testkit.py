@@ -17,8 +17,10 @@ START_SECONDS = 180  # ~10 s on an idle 2-core CPU VM; minutes when it is loaded
 
 
 @contextlib.contextmanager
-def serve(root: Path, host: str, port: int) -> Iterator[str]:
-    """`mlflow server` on host:port with its store under `root`, until the block ends; its URI."""
+def serve(root: Path, host: str, port: int, admin: tuple[str, str] | None = None) -> Iterator[str]:
+    """`mlflow server` on host:port with its store under `root`, until the block ends; its URI.
+    With `admin` (user, password): MLflow's basic auth (`--app-name basic-auth`), that user its
+    admin, every other request refused."""
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
     assert mlflow, "mlflow is in the dev venv (pyproject's dev extra)"
     argv = [mlflow, "server", "--backend-store-uri", f"sqlite:///{root}/store.db", "--workers", "1"]
@@ -26,6 +28,17 @@ def serve(root: Path, host: str, port: int) -> Iterator[str]:
     # As the project's own server runs (orchestrator/render/tracking.py): MLflow 3's job runner off,
     # its ~10 consumer processes and the store it leaves in /dev/shm with it.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    root.mkdir(parents=True, exist_ok=True)
+    if admin is not None:
+        (root / "basic_auth.ini").write_text(
+            "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+            f"database_uri = sqlite:///{root}/auth.db\nadmin_username = {admin[0]}\nadmin_password = {admin[1]}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        )
+        argv += ["--app-name", "basic-auth"]
+        env.update(
+            MLFLOW_AUTH_CONFIG_PATH=str(root / "basic_auth.ini"), MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex()
+        )
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     with open(root / "server.log", "w") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

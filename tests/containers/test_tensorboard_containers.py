@@ -8,6 +8,7 @@ a headless Chromium screenshot of its scalars page showing the accuracy curve
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow_testkit
 import numpy
 import pytest
 import yaml
@@ -218,3 +220,54 @@ def test_tensorboard_shows_a_finished_cpu_smoke_run_and_down_removes_it(engine, 
     assert TENSORBOARD_SERVICE not in left and left == [], left
     kept = sorted(v.name for v in engine.volumes.list(filters={"label": f"com.docker.compose.project={project}"}))
     assert kept == [f"{project}_mlflow", f"{project}_state"]  # `make down` keeps the runs and checkpoints
+
+
+def test_a_basic_auth_server_on_the_host_gets_the_run_from_compose_and_the_password_is_written_nowhere(
+    engine, image, tmp_path_factory
+):
+    """A server of the user's own with MLflow's basic auth, on the Docker bridge's gateway (the
+    host's address the containers reach), the credentials in MLflow's own variables of the `up`
+    call: the PS alone gets them, the run reaches the server, and the password is in no rendered
+    file, no file under runs/ and no container's log."""
+    from mlflow import MlflowClient
+
+    ipam = engine.networks.get("bridge").attrs["IPAM"]["Config"][0]  # Docker 20.10 names no gateway: the first host
+    gateway = ipam.get("Gateway") or str(next(ipaddress.ip_network(ipam["Subnet"]).hosts()))
+    user, password = "alice", f"Pw-{uuid.uuid4().hex}"
+    project = f"auth-{uuid.uuid4().hex[:8]}"
+    doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
+    doc["name"], doc["image"]["tag"] = project, image
+    doc["train"]["epochs"] = 2
+    root = tmp_path_factory.mktemp("auth")
+    config = root / "auth.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    found = adapter.detect()
+    proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
+    with mlflow_testkit.serve(root / "server", gateway, free_port(), (user, password)) as uri:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_TRACKING_URI", uri)
+            env.setenv("MLFLOW_TRACKING_USERNAME", user)
+            env.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+            try:
+                assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=io.StringIO()) == 0
+                states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
+                assert states and all(s.exit_code == 0 for s in states), states
+                logs = {s: adapter.log_text(engine, project, s) for s in ("ps", "worker1", "worker2")}
+                client = MlflowClient(uri)
+                experiment = client.get_experiment_by_name(project)
+                assert experiment is not None, logs["ps"][-2000:]
+                (run,) = client.search_runs([experiment.experiment_id])
+                assert run.info.status == "FINISHED" and client.get_metric_history(run.info.run_id, "accuracy")
+                for container in adapter.containers(engine, project):
+                    names = {e.split("=", 1)[0] for e in container.attrs["Config"]["Env"]}
+                    service = adapter.service_of(container)
+                    assert ("MLFLOW_TRACKING_PASSWORD" in names) == (service == "ps"), (service, names)
+                assert not [s for s, text in logs.items() if password in text]
+                written = [
+                    f for f in (RUNS / project).rglob("*") if f.is_file() and password.encode() in f.read_bytes()
+                ]
+                assert not written and password not in Path(proj.file).read_text()
+            finally:
+                command.run(adapter.down_argv(found, proj, volumes=True), capture=True, check=False)
+                shutil.rmtree(RUNS / project, ignore_errors=True)

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +63,40 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
     output = procs["ps"].stdout + procs["ps"].stderr
     assert f"MLflow run tracked-1: {address}" in output and f"MLflow run tracked-1 finished: {address}" in output
     assert "View run" not in output
+
+
+@pytest.mark.slow
+def test_a_server_with_basic_auth_gets_the_run_and_the_password_is_written_nowhere(
+    tmp_path, tmp_path_factory, monkeypatch
+):
+    """MLflow's own MLFLOW_TRACKING_USERNAME/PASSWORD, in the PS's environment: the run reaches a
+    server started with `--app-name basic-auth`; the password is in no file the run wrote and in
+    no line it printed."""
+    from mlflow import MlflowClient
+
+    user, password = "alice", f"Pw-{uuid.uuid4().hex}"
+    with mlflow_testkit.serve(
+        tmp_path_factory.mktemp("mlflow-auth"), "127.0.0.1", free_port(), (user, password)
+    ) as uri:
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the server wants credentials
+            urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+        assert refused.value.code == 401
+        env = app_env(MLFLOW_TRACKING_URI=uri, MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password)
+        args = [*DIGITS, "--num_epochs", "2", "--run_id", "auth-1"]
+        procs = run_cluster(tmp_path, workers=1, args=args, timeout=240, env=env)
+        assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        client = MlflowClient(uri)
+        (run,) = client.search_runs(
+            [client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id],
+            filter_string="tags.`ps-compose.run_id` = 'auth-1'",
+        )
+        assert run.info.status == "FINISHED" and client.get_metric_history(run.info.run_id, "accuracy")
+    for p in procs.values():
+        assert password not in p.stdout + p.stderr
+    written = [f for f in tmp_path.rglob("*") if f.is_file() and password.encode() in f.read_bytes()]
+    assert not written, written
 
 
 @pytest.mark.slow
