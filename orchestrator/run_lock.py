@@ -90,12 +90,21 @@ def holders(path: Path) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            fds = list((entry / "fd").iterdir())
         except OSError:  # gone, or not ours to read
             continue
-        if target in links:
+        if target in (_link(fd) for fd in fds):
             found.append(int(entry.name))
     return sorted(found)
+
+
+def _link(fd: Path) -> str:
+    """Where an open file descriptor of /proc/<pid>/fd points; "" for one closed meanwhile (a
+    process that opens and closes files as it is read is still read whole)."""
+    try:
+        return os.readlink(fd)
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
