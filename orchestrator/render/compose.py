@@ -176,7 +176,7 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     services[TENSORBOARD_SERVICE] = _tensorboard(t)
     volumes = {STATE_VOLUME: state_volume(t)}
     if tracking.tracked_by_own_server(t):
-        tracking.track_in_own_server(services[PS_SERVICE])
+        tracking.track_in_own_server(services[PS_SERVICE], t.tracking.auth)
         services[tracking.MLFLOW_SERVICE] = tracking.mlflow_service(t, NETWORK, APP_USER)
         volumes[tracking.MLFLOW_VOLUME] = tracking.mlflow_volume(t)
     return {

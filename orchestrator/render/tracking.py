@@ -29,12 +29,35 @@ MLFLOW_URI = f"http://{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT}"
 ALLOWED_HOSTS = f"{MLFLOW_SERVICE},{MLFLOW_SERVICE}:{MLFLOW_CONTAINER_PORT},localhost,localhost:*,127.0.0.1,127.0.0.1:*"
 # Healthy once it answers a search of runs: the server loads that code on the first search, which
 # took over 10 s on a loaded 2-core CPU VM (a PS whose first request times out tracks nothing).
+# With tracking.auth, as the server's admin (the variables it was given); a refusal of those (a
+# volume whose admin has another password) is an answer too: the PS then warns and trains on.
 HEALTH_PROBE = (
-    "import urllib.request as u; "
-    f"u.urlopen(u.Request('http://127.0.0.1:{MLFLOW_CONTAINER_PORT}/api/2.0/mlflow/runs/search', "
-    """data=b'{"experiment_ids": ["0"], "max_results": 1}', headers={'Content-Type': 'application/json'}), """
-    "timeout=30).close()"
+    "import base64, os, urllib.error as e, urllib.request as u\n"
+    "who = os.environ.get('MLFLOW_AUTH_ADMIN_USERNAME', '') + ':' + os.environ.get('MLFLOW_AUTH_ADMIN_PASSWORD', '')\n"
+    "auth = {'Authorization': 'Basic ' + base64.b64encode(who.encode()).decode()} if who != ':' else {}\n"
+    f"search = u.Request('http://127.0.0.1:{MLFLOW_CONTAINER_PORT}/api/2.0/mlflow/runs/search', "
+    """data=b'{"experiment_ids": ["0"], "max_results": 1}', headers={'Content-Type': 'application/json', **auth})\n"""
+    "try:\n    u.urlopen(search, timeout=30).close()\n"
+    "except e.HTTPError as refused:\n    raise SystemExit(refused.code not in (401, 403))\n"
 )
+# tracking.auth: MLflow's basic auth, its admin the caller's MLFLOW_TRACKING_USERNAME (default
+# admin) with MLFLOW_TRACKING_PASSWORD, as compose interpolates them (the file holds the names);
+# its user store beside the runs, on the volume (the server's working directory). Flask's secret
+# key, which MLflow's auth app wants, is drawn at each start.
+AUTH_USER, AUTH_DEFAULT_USER, AUTH_PASSWORD = "MLFLOW_TRACKING_USERNAME", "admin", "MLFLOW_TRACKING_PASSWORD"
+AUTH_MIN_PASSWORD = 12  # MLflow refuses a shorter admin password
+AUTH_ENVIRONMENT = {
+    "MLFLOW_AUTH_ADMIN_USERNAME": f"${{{AUTH_USER}:-{AUTH_DEFAULT_USER}}}",
+    "MLFLOW_AUTH_ADMIN_PASSWORD": f"${{{AUTH_PASSWORD}:-}}",
+}
+AUTH_ENTRYPOINT = [
+    "/bin/sh",
+    "-c",
+    # `$$`: compose's `$`, for the shell
+    "export MLFLOW_FLASK_SERVER_SECRET_KEY=\"$$(python -c 'import secrets; print(secrets.token_hex(32))')\"; "
+    'exec mlflow server --app-name basic-auth "$$@"',
+    "mlflow-server",
+]
 
 
 def tracked_by_own_server(t: Topology) -> bool:
@@ -74,8 +97,9 @@ JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 def mlflow_service(t: Topology, network: str, user: str) -> dict[str, Any]:
     """`mlflow server` on the project's network, its store on the volume, its UI published on
     127.0.0.1 only (like `make tensorboard`): one worker process, the runs in sqlite, artifacts
-    (the exported model) served through it, so the PS needs nothing but its URI."""
-    return {
+    (the exported model) served through it, so the PS needs nothing but its URI (and with
+    tracking.auth, the caller's user and password)."""
+    svc: dict[str, Any] = {
         "image": MLFLOW_IMAGE,
         "command": [
             "--backend-store-uri",
@@ -114,6 +138,25 @@ def mlflow_service(t: Topology, network: str, user: str) -> dict[str, Any]:
         # Up for the whole project: it outlives the run, so that its UI shows the finished run.
         "restart": "unless-stopped",
     }
+    if t.tracking.auth:
+        svc["entrypoint"] = AUTH_ENTRYPOINT
+        svc["environment"].update(AUTH_ENVIRONMENT)
+    return svc
+
+
+def auth_refusal(t: Topology, environ: Mapping[str, str]) -> Optional[str]:
+    """Why `up` cannot start the project's server with tracking.auth in `environ`; None if it can."""
+    if not (t.tracking.auth and tracked_by_own_server(t)):
+        return None
+    password = environ.get(AUTH_PASSWORD, "")
+    if len(password) >= AUTH_MIN_PASSWORD:
+        return None
+    got = "not set" if not password else f"{len(password)} characters"
+    return (
+        f"tracking.auth: got true; {AUTH_PASSWORD} is {got}: set it to the server's admin password "
+        f"(at least {AUTH_MIN_PASSWORD} characters; the user: {AUTH_USER}, default {AUTH_DEFAULT_USER}) "
+        "in the environment of `make up`"
+    )
 
 
 def ui_address(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -126,10 +169,12 @@ def mlflow_volume(t: Topology) -> dict[str, Any]:
     return {"labels": {LABEL_PROJECT: t.name}}
 
 
-def track_in_own_server(ps: dict[str, Any]) -> None:
+def track_in_own_server(ps: dict[str, Any], auth: bool = False) -> None:
     """The PS's service: MLflow's URI defaults to the project's server, and it starts once that
-    server answers (its first record then lands)."""
+    server answers (its first record then lands); with `auth`, as the server's admin."""
     ps["environment"]["MLFLOW_TRACKING_URI"] = f"${{MLFLOW_TRACKING_URI:-{MLFLOW_URI}}}"
+    if auth:  # the password stays a name, taken from the caller (FROM_CALLER)
+        ps["environment"][AUTH_USER] = f"${{{AUTH_USER}:-{AUTH_DEFAULT_USER}}}"
     # The run's address in the PS's log, as the host reaches this server (app.training.tracking).
     ps["environment"][MLFLOW_SERVER_ENV] = MLFLOW_URI
     ps["environment"][MLFLOW_UI_ENV] = f"http://127.0.0.1:${{{MLFLOW_PORT}:-{MLFLOW_CONTAINER_PORT}}}"

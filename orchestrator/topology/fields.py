@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from orchestrator.topology.values import GroupId, Node, NodeSelector, Section, Size
 
@@ -184,3 +184,16 @@ class Tracking(Section):
     only): its runs in sqlite on the volume `mlflow`, which `make down` keeps, its UI on http://127.0.0.1:5000 (another
     host port: PSC_MLFLOW_PORT), and the PS logs to it unless MLFLOW_TRACKING_URI names another server. false: the
     PS logs to MLFLOW_TRACKING_URI where the call sets it, else nowhere."""
+
+    auth: bool = False
+    """true: the project's own server (tracking.mlflow: true) asks every request for a user and password (MLflow's
+    basic auth, `mlflow server --app-name basic-auth`): its admin is MLFLOW_TRACKING_USERNAME (default admin) with
+    MLFLOW_TRACKING_PASSWORD, both from the environment of `make up` (which refuses without the password), and the
+    PS logs with them. false: any local user of the host reaches the server's runs and models."""
+
+    @field_validator("auth")
+    @classmethod
+    def _own_server(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and not info.data.get("mlflow"):
+            raise ValueError("true needs tracking.mlflow: true (it guards the project's own server)")
+        return v

@@ -10,6 +10,7 @@ record.py), so the other verbs without -c act on the cluster `up` started last.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -187,6 +188,9 @@ def up(
     out = out or sys.stdout
     backend.refuse("up")
     t = load_with(config, workers=workers, strategy=strategy, name=name, overrides=overrides)
+    refused = tracking.auth_refusal(t, os.environ)
+    if refused is not None:
+        raise UsageError(refused)
     name = backend.name_of(t)
     c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
     p = backend.verb_prefix
@@ -207,7 +211,9 @@ def up(
             record.save(backend, c)
     print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
     if tracking.tracked_by_own_server(t):
-        print(f"==> MLflow: the run is tracked at {tracking.ui_address()} (experiment {c.name})", file=out, flush=True)
+        who = f", user {os.environ.get(tracking.AUTH_USER) or tracking.AUTH_DEFAULT_USER}" if t.tracking.auth else ""
+        where = f"{tracking.ui_address()} (experiment {c.name}{who})"
+        print(f"==> MLflow: the run is tracked at {where}", file=out, flush=True)
     return 0
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
@@ -110,7 +111,7 @@ def finished(engine, image, tmp_path_factory):
     doc["name"], doc["image"]["tag"] = project, image
     doc["train"]["epochs"] = 4
     doc["train"]["eval_every"] = 50
-    doc["tracking"] = {"mlflow": True}
+    doc["tracking"] = {"mlflow": True, "auth": True}  # its basic auth: the caller's user and password
     config = root / "tb.yaml"
     config.write_text(yaml.safe_dump(doc))
     found = adapter.detect()
@@ -118,13 +119,16 @@ def finished(engine, image, tmp_path_factory):
     port = free_port()
     with pytest.MonkeyPatch.context() as env:
         env.setenv(tracking.MLFLOW_PORT, str(port))
+        env.setenv("MLFLOW_TRACKING_USERNAME", "alice")  # the tests' MLflow clients log in with them too
+        env.setenv("MLFLOW_TRACKING_PASSWORD", f"Pw-{uuid.uuid4().hex}")
         env.delenv("MLFLOW_TRACKING_URI", raising=False)
         env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
         try:
             said = io.StringIO()
             assert verbs.up(BACKENDS["compose"], str(config), name=project, remember=False, out=said) == 0
             assert (
-                f"==> MLflow: the run is tracked at http://127.0.0.1:{port} (experiment {project})" in said.getvalue()
+                f"==> MLflow: the run is tracked at http://127.0.0.1:{port} (experiment {project}, user alice)"
+                in said.getvalue()
             )
             states = adapter.wait_exited(engine, project, 3, 600, io.StringIO())
             assert states and all(s.exit_code == 0 for s in states), states
@@ -150,7 +154,10 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     the step), the exported model and FINISHED, read back with MLflow's client."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(finished.mlflow)
+    with pytest.raises(urllib.error.HTTPError) as refused:  # tracking.auth: no user, no answer
+        urllib.request.urlopen(f"{finished.mlflow}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+    assert refused.value.code == 401
+    client = MlflowClient(finished.mlflow)  # as alice (the environment)
     experiment = client.get_experiment_by_name(finished.project)  # the experiment: the run's name
     assert experiment is not None, f"no experiment: the PS's container did not reach the server\n{finished.said}"
     runs = client.search_runs(
@@ -168,6 +175,9 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     address = f"{finished.mlflow}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
     assert f"MLflow run {finished.run_id} finished: {address}" in finished.said, finished.said
     assert "View run" not in finished.said and "http://mlflow:" not in finished.said
+    password = os.environ["MLFLOW_TRACKING_PASSWORD"]  # the server's admin's (the fixture's)
+    rendered = Path(BACKENDS["compose"].path_of(finished.project)).read_text()
+    assert password not in finished.said and password not in rendered
 
 
 def test_the_mlflow_servers_image_is_a_python_without_torch(engine, finished):

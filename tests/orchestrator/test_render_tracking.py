@@ -46,6 +46,44 @@ def test_the_own_server_is_a_service_on_its_volume_published_on_loopback_that_th
     assert list(schema_validator.iter_errors(yaml.safe_load(render_compose.dump(doc, t.name)))) == []
 
 
+def test_auth_asks_every_request_for_the_callers_user_and_password_and_writes_neither(schema_validator):
+    """tracking.auth: MLflow's basic auth on the project's server, its admin the caller's
+    MLFLOW_TRACKING_USERNAME (default admin) and MLFLOW_TRACKING_PASSWORD, which the PS logs with;
+    the file holds their names only."""
+    t = parse(yaml.safe_dump(topology(tracking={"mlflow": True, "auth": True})))
+    doc = render_compose.render(t)
+    server, ps = doc["services"]["mlflow"], doc["services"]["ps"]
+    assert server["entrypoint"][:2] == ["/bin/sh", "-c"] and "--app-name basic-auth" in server["entrypoint"][2]
+    assert server["environment"]["MLFLOW_AUTH_ADMIN_USERNAME"] == "${MLFLOW_TRACKING_USERNAME:-admin}"
+    assert server["environment"]["MLFLOW_AUTH_ADMIN_PASSWORD"] == "${MLFLOW_TRACKING_PASSWORD:-}"
+    assert ps["environment"]["MLFLOW_TRACKING_USERNAME"] == "${MLFLOW_TRACKING_USERNAME:-admin}"
+    assert ps["environment"]["MLFLOW_TRACKING_PASSWORD"] is None  # compose: the caller's
+    assert "Authorization" in server["healthcheck"]["test"][-1]  # the probe logs in as the admin
+    assert list(schema_validator.iter_errors(yaml.safe_load(render_compose.dump(doc, t.name)))) == []
+    unguarded = render_compose.render(tracked())["services"]["mlflow"]
+    assert "entrypoint" not in unguarded and "MLFLOW_AUTH_ADMIN_PASSWORD" not in unguarded["environment"]
+
+
+def test_auth_is_refused_in_one_line_without_the_servers_own_or_a_password_mlflow_takes(cli, write_config):
+    config = write_config(topology(tracking={"auth": True}))
+    status, out, err = cli("render", "-c", str(config), "-o", "out.yaml")
+    assert status == 2 and len(err.splitlines()) == 1 and "tracking.auth: got True" in err, err
+    assert "needs tracking.mlflow: true" in err
+    t = parse(yaml.safe_dump(topology(tracking={"mlflow": True, "auth": True})))
+    assert "MLFLOW_TRACKING_PASSWORD is not set" in tracking.auth_refusal(t, {})
+    assert "is 11 characters" in tracking.auth_refusal(t, {"MLFLOW_TRACKING_PASSWORD": "x" * 11})
+    assert tracking.auth_refusal(t, {"MLFLOW_TRACKING_PASSWORD": "x" * 12}) is None
+    assert tracking.auth_refusal(tracked(), {}) is None
+
+
+def test_up_with_auth_and_no_password_is_refused_before_anything_starts(cli, write_config, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    config = write_config(topology(tracking={"mlflow": True, "auth": True}))
+    status, out, err = cli("up", "-c", str(config))
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: tracking.auth: got true; MLFLOW_TRACKING_PASSWORD is not set")
+
+
 def test_without_tracking_no_server_is_rendered_and_the_ps_logs_only_where_the_call_says():
     t = parse(yaml.safe_dump(topology()))
     doc = render_compose.render(t)
