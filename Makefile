@@ -14,7 +14,7 @@ NAMED   := $(if $(NAME),--name $(NAME))
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
 # ARGS="...": more arguments for the verbs that read a topology (render, doctor, build, up, local, check,
 # stack-up), after the others: KEY=VALUE overrides of the topology (ARGS="train.lr=0.05 workers.count=3"),
-# or a verb's flags.
+# or a verb's flags (logs and status too: ARGS=--json, ARGS="--tail 20 --timestamps").
 ARGS    ?=
 # RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
 RESUME  ?=
@@ -163,10 +163,10 @@ up: host-setup ## render, build if missing, start PS + WORKERS workers detached 
 	$(ORCH) up $(CFG) $(RESUMING) $(ARGS)
 
 logs: host-setup ## follow every service's log, prefixed by service
-	$(ORCH) logs $(LAST)
+	$(ORCH) logs $(LAST) $(ARGS)
 
 status: host-setup ## one line per service: state, exit code, step, loss
-	$(ORCH) status $(LAST)
+	$(ORCH) status $(LAST) $(ARGS)
 
 down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 	$(ORCH) down $(LAST)

@@ -93,10 +93,12 @@ def stop_argv(c: Compose, p: Project, services: Sequence[str], timeout: int) -> 
     return base_argv(c, p) + ["stop", "-t", str(timeout), *services]
 
 
-def logs_argv(c: Compose, p: Project, *, follow: bool = True, color: bool = True) -> list[str]:
+def logs_argv(
+    c: Compose, p: Project, *, follow: bool = True, color: bool = True, extra: Sequence[str] = ()
+) -> list[str]:
     """Every service's log, each line prefixed by its service (compose does it); the workers
-    `scale` started (profile `scale`) too."""
-    argv = base_argv(c, p) + ["--profile", SCALE_PROFILE, "logs"]
+    `scale` started (profile `scale`) too; `extra`: more of `logs`' flags (--timestamps, --tail N, --since X)."""
+    argv = base_argv(c, p) + ["--profile", SCALE_PROFILE, "logs", *extra]
     if follow:
         argv.append("-f")
     if not color:
