@@ -218,6 +218,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
         if backend.verb_prefix is not None:
             _add_lifecycle_verbs(sub, backend)
     _add_check_verb(sub)
+    _add_runs_verb(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
 
@@ -226,6 +227,18 @@ def _sample_data():
     from orchestrator import sample_data
 
     return sample_data
+
+
+def _add_runs_verb(sub: argparse._SubParsersAction) -> None:
+    """Every run this host knows: list, show one, remove one (orchestrator/verbs/inventory.py)."""
+    from orchestrator.verbs import inventory
+
+    p = sub.add_parser(
+        "runs",
+        help="every run this host knows (local, compose, swarm): name, run id, target, state, started, "
+        "steps, metric, where its state lives; `runs show`, `runs rm`",
+    )
+    inventory.add_arguments(p, ["local", *(b.name for b in targets().BACKENDS.values() if b.verb_prefix is not None)])
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:

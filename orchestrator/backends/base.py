@@ -191,6 +191,15 @@ class Backend:
         """{file name: lines} of the metrics files `service` sees (the state volume)."""
         return {}
 
+    def remove_state(self, name: str) -> None:
+        """Remove the state volume of cluster `name`, of which nothing else is left."""
+        raise self._not_run("runs rm")
+
+    def known_clusters(self) -> list[str]:
+        """The names of the clusters whose state the target keeps (a state volume), whatever
+        the records under runs/ say; [] where the target cannot tell cheaply."""
+        return []
+
     def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
         """The variables `names` of the run going on ({} when none runs)."""
         return {}

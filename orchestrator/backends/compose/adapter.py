@@ -282,6 +282,20 @@ def volumes_left(client: Any, project: str) -> list[str]:
     return [v.name for v in client.volumes.list(filters={"label": f"{LABEL_PROJECT}={project}"})]
 
 
+def remove_volume(client: Any, name: str) -> None:
+    """Remove volume `name` (EngineError, one line, while a container uses it)."""
+    try:
+        client.volumes.get(name).remove()
+    except Exception as e:  # noqa: BLE001 - docker.errors.APIError: in use, or gone meanwhile
+        raise EngineError(f"volume {name}: cannot remove: {str(e).splitlines()[0]}") from None
+
+
+def state_volume_projects(client: Any) -> list[str]:
+    """The compose projects that have a state volume on the engine (the volume's labels say)."""
+    found = client.volumes.list(filters={"label": f"com.docker.compose.volume={STATE_VOLUME}"})
+    return sorted({(v.attrs.get("Labels") or {}).get(LABEL_PROJECT, "") for v in found} - {""})
+
+
 def _any_image(client: Any) -> Optional[str]:
     for img in client.images.list(filters={"dangling": False}):
         if any(tag.startswith("ps-compose-") for tag in img.tags):

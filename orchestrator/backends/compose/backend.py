@@ -89,6 +89,12 @@ class ComposeBackend(Backend):
         client = images.client()
         return adapter.read_metrics(client, c.name, adapter.containers(client, c.name))
 
+    def remove_state(self, name: str) -> None:
+        adapter.remove_volume(images.client(), f"{name}_{compose.STATE_VOLUME}")
+
+    def known_clusters(self) -> list[str]:
+        return adapter.state_volume_projects(images.client())
+
     def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
         return adapter.running_env(images.client(), c.name, names)
 
