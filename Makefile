@@ -14,7 +14,7 @@ NAMED   := $(if $(NAME),--name $(NAME))
 CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),--strategy $(STRATEGY)) $(NAMED)
 # ARGS="...": more arguments for the verbs that read a topology (render, doctor, build, up, local, check,
 # stack-up), after the others: KEY=VALUE overrides of the topology (ARGS="train.lr=0.05 workers.count=3"),
-# or a verb's flags.
+# or a verb's flags (logs, status and runs too: ARGS=--json, ARGS="--tail 20 --timestamps").
 ARGS    ?=
 # RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
 RESUME  ?=
@@ -22,7 +22,7 @@ RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard export \
-        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard stack-export chaos soak check
+        doctor gpu-check stack-up stack-down stack-logs stack-status stack-smoke stack-scale stack-tensorboard stack-export chaos soak check runs
 
 # make help: the names in a column as wide as the longest, each description wrapped to the
 # terminal's width (COLUMNS=N sets it; 100 without a terminal); below 30 columns left for the
@@ -163,13 +163,16 @@ up: host-setup ## render, build if missing, start PS + WORKERS workers detached 
 	$(ORCH) up $(CFG) $(RESUMING) $(ARGS)
 
 logs: host-setup ## follow every service's log, prefixed by service
-	$(ORCH) logs $(LAST)
+	$(ORCH) logs $(LAST) $(ARGS)
 
 status: host-setup ## one line per service: state, exit code, step, loss
-	$(ORCH) status $(LAST)
+	$(ORCH) status $(LAST) $(ARGS)
 
 down: host-setup ## stop and remove the cluster; checkpoints and metrics stay
 	$(ORCH) down $(LAST)
+
+runs: ## every run on this host (local, compose, swarm): id, state, steps, metric, where (ARGS="show ID", ARGS="rm NAME")
+	$(ORCH) runs $(ARGS)
 
 # TensorBoard on the runs' event files (orchestrator/verbs/tensorboard.py): the last up's project, every
 # run side by side; RUN=<id> one run, PORT=N (default 6006 or the next free), LOCAL=1 make local's runs.

@@ -4,6 +4,7 @@ flag, what it got and what is allowed (argparse's exit status 2)."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import NoReturn
 
 from orchestrator.paths import DEFAULT_CONFIG
@@ -81,6 +82,49 @@ def add_overrides_arg(p: argparse.ArgumentParser) -> None:
         help="override a key of the topology, e.g. train.lr=0.05 workers.count=3 (the value read as YAML; "
         "~KEY removes one), validated as the file is",
     )
+
+
+def log_tail(text: str) -> str:
+    """`--tail`: a count of lines (0 and up) or `all`, as compose takes it."""
+    if text == "all" or (text.isdigit() and text.isascii()):
+        return text
+    raise argparse.ArgumentTypeError(f"got {text!r}; must be a whole number >= 0 or 'all'")
+
+
+# compose's and docker's --since: a Go duration back from now (42m, 1h30m, 2.5h), a Unix
+# timestamp (1733140800, 1733140800.5), or a date and time (YYYY-MM-DD, YYYY-MM-DDThh:mm:ssZ).
+_DURATION = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?(?:ns|us|µs|ms|s|m|h))+")
+_UNIX = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+_DATE = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]+)?)?(?:Z|[+-][0-9]{2}:[0-9]{2})?)?"
+)
+
+
+def log_since(text: str) -> str:
+    """`--since`: what `docker compose logs --since` takes."""
+    if any(p.fullmatch(text) for p in (_DURATION, _UNIX, _DATE)):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"got {text!r}; must be a duration back from now (42m, 1h30m), a Unix timestamp or a date "
+        "and time (YYYY-MM-DDThh:mm:ssZ)"
+    )
+
+
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    """`-t/--timestamps`, `-n/--tail N`, `--since X`: `docker compose logs`' flags, passed on."""
+    p.add_argument("-t", "--timestamps", action="store_true", help="show timestamps (the engine's, per line)")
+    p.add_argument("-n", "--tail", type=log_tail, metavar="N", help="the last N lines of each service (default: all)")
+    p.add_argument(
+        "--since",
+        type=log_since,
+        metavar="X",
+        help="lines since X: a duration back from now (42m, 1h30m), a Unix timestamp or YYYY-MM-DDThh:mm:ssZ",
+    )
+
+
+def add_json_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """`--json` (`docker compose ps --format json`'s): one JSON document on stdout instead of the table."""
+    p.add_argument("--json", action="store_true", help=f"{what} as one JSON document (stable keys, null where unknown)")
 
 
 def add_strategy_arg(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ from typing import Optional
 
 from orchestrator.arguments import (
     Parser,
+    add_json_arg,
+    add_log_args,
     add_name_arg,
     add_strategy_arg,
     add_topology_args,
@@ -216,6 +218,7 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
         if backend.verb_prefix is not None:
             _add_lifecycle_verbs(sub, backend)
     _add_check_verb(sub)
+    _add_runs_verb(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
 
@@ -224,6 +227,18 @@ def _sample_data():
     from orchestrator import sample_data
 
     return sample_data
+
+
+def _add_runs_verb(sub: argparse._SubParsersAction) -> None:
+    """Every run this host knows: list, show one, remove one (orchestrator/verbs/inventory.py)."""
+    from orchestrator.verbs import inventory
+
+    p = sub.add_parser(
+        "runs",
+        help="every run this host knows (local, compose, swarm): name, run id, target, state, started, "
+        "steps, metric, where its state lives; `runs show`, `runs rm`",
+    )
+    inventory.add_arguments(p, ["local", *(b.name for b in targets().BACKENDS.values() if b.verb_prefix is not None)])
 
 
 def _add_check_verb(sub: argparse._SubParsersAction) -> None:
@@ -345,14 +360,30 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
     p = verb("logs")
     _last_cluster_args(p, last)
     p.add_argument("--no-follow", action="store_true", help="print and return")
+    add_log_args(p)
     p.set_defaults(
         run=lambda a: _verbs()[0].logs(
-            backend, a.config, a.workers, strategy=a.strategy, follow=not a.no_follow, name=a.name
+            backend,
+            a.config,
+            a.workers,
+            strategy=a.strategy,
+            follow=not a.no_follow,
+            name=a.name,
+            options=_log_options(a),
         )
     )
     p = verb("status")
     _last_cluster_args(p, last)
-    p.set_defaults(run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy, name=a.name))
+    add_json_arg(p, "the services, live workers and progress")
+    p.set_defaults(
+        run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy, name=a.name, as_json=a.json)
+    )
+
+
+def _log_options(a: argparse.Namespace):
+    from orchestrator.backends.base import LogOptions
+
+    return LogOptions(timestamps=a.timestamps, tail=a.tail, since=a.since)
 
 
 def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> None:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from orchestrator.errors import UsageError
 
@@ -71,6 +71,24 @@ def hold(run_dir: Path, run_id: str, name: str) -> int:
     os.pwrite(fd, (json.dumps({"pid": os.getpid(), "run_id": run_id}) + "\n").encode(), 0)
     os.set_inheritable(fd, True)
     return fd
+
+
+def live_run(run_dir: Path) -> Optional[str]:
+    """The id of the live `local` run of `run_dir` (its lock held; "" when its file names no
+    id); None when none lives. Looks without waiting: the lock is taken and let go at once."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return str(_read(fd).get("run_id") or "")
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read(fd: int) -> dict[str, Any]:

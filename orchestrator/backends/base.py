@@ -79,6 +79,28 @@ class Cluster:
     overrides: tuple[str, ...] = ()  # the KEY=VALUE its up was given (recorded), for a topology read again
 
 
+@dataclass(frozen=True)
+class LogOptions:
+    """`logs --timestamps/--tail N/--since X`, as `docker compose logs` and `docker service
+    logs` take them (their words, passed on): `tail` a count or `all`, `since` a timestamp or a
+    duration back from now (`42m`)."""
+
+    timestamps: bool = False
+    tail: Optional[str] = None
+    since: Optional[str] = None
+
+    def flags(self) -> list[str]:
+        """The flags both commands take, in their spelling."""
+        return (
+            (["--timestamps"] if self.timestamps else [])
+            + (["--tail", self.tail] if self.tail is not None else [])
+            + (["--since", self.since] if self.since is not None else [])
+        )
+
+
+EVERY_LINE = LogOptions()  # logs without a flag: every line, no timestamps
+
+
 class LogLines(Protocol):
     """What `log_iter` returns: lines (each with its newline), and `close()`, which ends the
     reading from another thread (a follow that has nothing more to wait for)."""
@@ -156,8 +178,9 @@ class Backend:
         """Every service of the cluster found on the target, one state each."""
         raise self._not_run("status")
 
-    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
-        """Every service's log lines, prefixed by service; following: until closed or the target ends them."""
+    def log_iter(self, c: Cluster, follow: bool, options: LogOptions = EVERY_LINE) -> LogLines:
+        """Every service's log lines, prefixed by service; following: until closed or the target
+        ends them; `options`: timestamps, the last lines only, the lines since a time."""
         raise self._not_run("logs")
 
     def remove(self, c: Cluster, volumes: bool) -> None:
@@ -167,6 +190,15 @@ class Backend:
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         """{file name: lines} of the metrics files `service` sees (the state volume)."""
         return {}
+
+    def remove_state(self, name: str) -> None:
+        """Remove the state volume of cluster `name`, of which nothing else is left."""
+        raise self._not_run("runs rm")
+
+    def known_clusters(self) -> list[str]:
+        """The names of the clusters whose state the target keeps (a state volume), whatever
+        the records under runs/ say; [] where the target cannot tell cheaply."""
+        return []
 
     def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
         """The variables `names` of the run going on ({} when none runs)."""

@@ -134,6 +134,32 @@ def format_status(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def status_document(
+    target: str,
+    name: str,
+    file: str,
+    rows: list[dict[str, Any]],
+    live: Optional[dict[str, Any]] = None,
+    progress: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """What `status --json` prints: one document, the same keys whatever the run's state
+    (null where not known): the cluster, one object per service (the table's columns), the PS's
+    live workers and its last evaluation record."""
+    return {"target": target, "name": name, "file": file, "services": rows, "live": live, "progress": progress}
+
+
+def state_row(s: ServiceState) -> dict[str, Any]:
+    """A task-table line (swarm) as `status --json` gives it."""
+    return {
+        "service": s.service,
+        "status": s.status,
+        "task": s.task,
+        "exit_code": s.exit_code,
+        "restarts": s.restarts,
+        "error": s.error,
+    }
+
+
 def format_states(states: list[ServiceState]) -> list[str]:
     """One line per service: newest task's state, exit code, retries, error."""
     lines = [f"{'SERVICE':<10} {'TASK':<10} {'EXIT':>4} {'RETRIES':>7}  ERROR"]

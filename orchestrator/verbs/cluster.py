@@ -10,6 +10,7 @@ record.py), so the other verbs without -c act on the cluster `up` started last.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ import yaml
 
 from orchestrator import images, run_lock, runs, tracking_image
 from orchestrator.backends import record
-from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
 from orchestrator.backends.inspect import from_compose
 from orchestrator.backends.status import (
     format_live,
@@ -33,6 +34,8 @@ from orchestrator.backends.status import (
     latest_progress,
     live_workers,
     service_row,
+    state_row,
+    status_document,
 )
 from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, gather
@@ -267,15 +270,17 @@ def logs(
     strategy: Optional[str] = None,
     follow: bool = True,
     name: Optional[str] = None,
+    options: LogOptions = EVERY_LINE,
     out: Optional[TextIO] = None,
 ) -> int:
     """Every service's log; following, until every service of the cluster has ended (on two
-    looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too."""
+    looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too;
+    `options`: timestamps, --tail, --since, passed to the target's command."""
     out = out or sys.stdout
     backend.refuse("logs")
     c = resolve(backend, config, workers, strategy, name)
     keep_document(backend, c)
-    lines = backend.log_iter(c, follow)
+    lines = backend.log_iter(c, follow, options)
     done = threading.Event()
     if follow:
         threading.Thread(target=_close_when_ended, args=(backend, c, lines, done), daemon=True).start()
@@ -336,27 +341,40 @@ def status(
     *,
     strategy: Optional[str] = None,
     name: Optional[str] = None,
+    as_json: bool = False,
     out: Optional[TextIO] = None,
 ) -> int:
-    """One line per service; under the metrics table, the live workers and the run's progress."""
+    """One line per service; under the metrics table, the live workers and the run's progress.
+    `as_json`: the same as one JSON document (backends/status.py: `status_document`)."""
     out = out or sys.stdout
     backend.refuse("status")
     c = resolve(backend, config, workers, strategy, name)
     rows = listed(backend, c, backend.describe(c))
+    where = str(relative(Path(c.file)))
     if backend.task_table:
+        if as_json:
+            print(json.dumps(status_document(backend.name, c.name, where, [state_row(s) for s in rows])), file=out)
+            return 0
         print(f"{backend.noun} {c.name}", file=out)
         for line in format_states(rows):
             print(line, file=out)
         return 0
     records = backend.read_records(c, PS_SERVICE)
-    print(f"{backend.noun} {c.name} ({relative(Path(c.file))})", file=out)
-    for line in format_status([service_row(s, records.get(s.spec.metrics_file, []) if s.spec else []) for s in rows]):
-        print(line, file=out)
+    table = [service_row(s, records.get(s.spec.metrics_file, []) if s.spec else []) for s in rows]
+    live = progress = None
     if any(s.service == PS_SERVICE for s in rows):
         running = {s.spec.rank for s in rows if s.spec and s.spec.role == "worker" and s.running}
         ps_lines = records.get(f"{PS_SERVICE}.jsonl", [])
-        print(format_live(live_workers(ps_lines, running)), file=out)
-        print(format_progress(latest_progress(ps_lines), time.time()), file=out)
+        live, progress = live_workers(ps_lines, running), latest_progress(ps_lines)
+    if as_json:
+        print(json.dumps(status_document(backend.name, c.name, where, table, live, progress)), file=out)
+        return 0
+    print(f"{backend.noun} {c.name} ({where})", file=out)
+    for line in format_status(table):
+        print(line, file=out)
+    if any(s.service == PS_SERVICE for s in rows):
+        print(format_live(live), file=out)
+        print(format_progress(progress, time.time()), file=out)
     return 0
 
 

@@ -155,7 +155,7 @@ class FakeBackend(Backend):
             self.ships = {n: replace(s, status="exited", exit_code=0) for n, s in self.ships.items()}
         return list(self.ships.values())
 
-    def log_iter(self, c, follow: bool):
+    def log_iter(self, c, follow: bool, options=None):
         return ReadLines(f"{n} | at sea\n" for n in self.ships)
 
     def remove(self, c, volumes: bool) -> None:
@@ -330,7 +330,7 @@ def test_logs_stops_following_once_every_service_has_ended(monkeypatch, tmp_path
     printed = tmp_path / "printed"
 
     class Following(FakeBackend):
-        def log_iter(self, c, follow: bool):
+        def log_iter(self, c, follow: bool, options=None):
             return _following_for_ever("ps | Accuracy: 0.97", printed)
 
     returned, out = _follow_to_the_end(Following(), monkeypatch, printed)
@@ -348,7 +348,7 @@ def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch
     class Unsteady(FakeBackend):
         failed = False
 
-        def log_iter(self, c, follow: bool):
+        def log_iter(self, c, follow: bool, options=None):
             return _following_for_ever("ps | up", printed)
 
         def describe(self, c):

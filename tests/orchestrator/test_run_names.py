@@ -289,7 +289,7 @@ def test_a_scale_whose_engine_fails_while_the_run_goes_on_fails_as_before(monkey
 
 def test_logs_into_a_file_writes_no_terminal_escapes(fleet: FakeBackend, tmp_path: Path) -> None:
     class Colored(FakeBackend):
-        def log_iter(self, c, follow: bool):
+        def log_iter(self, c, follow: bool, options=None):
             # compose v2 following: "\r\x1b[Kps-1 exited with code 0", its \r read as a line end
             lines = ["ps-1 | Accuracy: 0.9805\n", "\n", "\x1b[Kps-1 exited with code 0\n", "\x1b[32mw-1\x1b[0m | x\n"]
             return ReadLines(lines)

@@ -108,3 +108,38 @@ def test_the_status_line_and_the_ps_eval_line_say_the_same() -> None:
     unknown = RunProgress(done=1200, total=None, updates_per_s=13.5, samples_per_s=812.4)
     record = {"time": 0.0, "event": "eval", "step": 1200, "samples_per_s": 812.4, **unknown.fields()}
     assert format_progress(record, 0.0) == f"progress: {unknown.line()} (at the PS's last evaluation, 0 s ago)"
+
+
+def test_status_json_is_one_document_with_the_tables_rows_and_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.backends.registry import get
+    from orchestrator.verbs import cluster as verbs
+
+    monkeypatch.setattr(
+        images,
+        "client",
+        lambda timeout=600: RecordedEngine(recorded("status-workers3.json"), {"ps.jsonl": ps_records()}),
+    )
+    out = io.StringIO()
+    assert verbs.status(get("compose"), SMOKE, 3, name="cpu-smoke", as_json=True, out=out) == 0
+    doc = json.loads(out.getvalue())  # the whole output parses: nothing but the document
+    assert set(doc) == {"target", "name", "file", "services", "live", "progress"}
+    assert (doc["target"], doc["name"]) == ("compose", "cpu-smoke")
+    by_service = {r["service"]: r for r in doc["services"]}
+    assert list(by_service) == ["ps", "worker1", "worker2", "worker3"]
+    for row in doc["services"]:
+        assert set(row) == {"service", "status", "exit_code", "health", "restarts", "step", "loss", "metric", "value"}
+    assert by_service["worker2"]["status"] == "restarting"
+    assert doc["live"] == {"workers": ["worker3"], "version": 520}
+    assert doc["progress"]["step"] == 600 and doc["progress"]["total"] == 4680
+
+
+def test_status_json_of_a_cluster_with_nothing_found_keeps_its_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.backends.registry import get
+    from orchestrator.verbs import cluster as verbs
+
+    monkeypatch.setattr(images, "client", lambda timeout=600: RecordedEngine([], {}))
+    out = io.StringIO()
+    assert verbs.status(get("compose"), SMOKE, 2, name="cpu-smoke", as_json=True, out=out) == 0
+    doc = json.loads(out.getvalue())
+    assert [r["status"] for r in doc["services"]] == ["no container"] * 3
+    assert doc["live"] is None and doc["progress"] is None

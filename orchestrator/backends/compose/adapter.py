@@ -93,10 +93,12 @@ def stop_argv(c: Compose, p: Project, services: Sequence[str], timeout: int) -> 
     return base_argv(c, p) + ["stop", "-t", str(timeout), *services]
 
 
-def logs_argv(c: Compose, p: Project, *, follow: bool = True, color: bool = True) -> list[str]:
+def logs_argv(
+    c: Compose, p: Project, *, follow: bool = True, color: bool = True, extra: Sequence[str] = ()
+) -> list[str]:
     """Every service's log, each line prefixed by its service (compose does it); the workers
-    `scale` started (profile `scale`) too."""
-    argv = base_argv(c, p) + ["--profile", SCALE_PROFILE, "logs"]
+    `scale` started (profile `scale`) too; `extra`: more of `logs`' flags (--timestamps, --tail N, --since X)."""
+    argv = base_argv(c, p) + ["--profile", SCALE_PROFILE, "logs", *extra]
     if follow:
         argv.append("-f")
     if not color:
@@ -278,6 +280,20 @@ def remove_scratch(client: Any, project: str) -> list[str]:
 def volumes_left(client: Any, project: str) -> list[str]:
     """The project's named volumes the engine still has."""
     return [v.name for v in client.volumes.list(filters={"label": f"{LABEL_PROJECT}={project}"})]
+
+
+def remove_volume(client: Any, name: str) -> None:
+    """Remove volume `name` (EngineError, one line, while a container uses it)."""
+    try:
+        client.volumes.get(name).remove()
+    except Exception as e:  # noqa: BLE001 - docker.errors.APIError: in use, or gone meanwhile
+        raise EngineError(f"volume {name}: cannot remove: {str(e).splitlines()[0]}") from None
+
+
+def state_volume_projects(client: Any) -> list[str]:
+    """The compose projects that have a state volume on the engine (the volume's labels say)."""
+    found = client.volumes.list(filters={"label": f"com.docker.compose.volume={STATE_VOLUME}"})
+    return sorted({(v.attrs.get("Labels") or {}).get(LABEL_PROJECT, "") for v in found} - {""})
 
 
 def _any_image(client: Any) -> Optional[str]:

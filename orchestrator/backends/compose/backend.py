@@ -13,7 +13,7 @@ import yaml
 
 from orchestrator import images
 from orchestrator.backends import command, export_container
-from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.status import service_states
 from orchestrator.backends.lines import ProcessLines
@@ -72,8 +72,11 @@ class ComposeBackend(Backend):
     def describe(self, c: Cluster) -> list[ServiceState]:
         return service_states([x.attrs for x in adapter.containers(images.client(), c.name)])
 
-    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
-        return ProcessLines([adapter.logs_argv(_compose(), project(c), follow=follow, color=False)])
+    def log_iter(self, c: Cluster, follow: bool, options: LogOptions = EVERY_LINE) -> LogLines:
+        found = _compose()
+        if options.since is not None and found.version < 2:
+            raise UsageError(f"--since: {found} has no --since; drop it, or use compose v2")
+        return ProcessLines([adapter.logs_argv(found, project(c), follow=follow, color=False, extra=options.flags())])
 
     def remove(self, c: Cluster, volumes: bool) -> None:
         adapter.remove_scratch(images.client(), c.name)  # a killed export's container holds the volume
@@ -85,6 +88,12 @@ class ComposeBackend(Backend):
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         client = images.client()
         return adapter.read_metrics(client, c.name, adapter.containers(client, c.name))
+
+    def remove_state(self, name: str) -> None:
+        adapter.remove_volume(images.client(), f"{name}_{compose.STATE_VOLUME}")
+
+    def known_clusters(self) -> list[str]:
+        return adapter.state_volume_projects(images.client())
 
     def running_env(self, c: Cluster, names: Sequence[str]) -> dict[str, str]:
         return adapter.running_env(images.client(), c.name, names)

@@ -41,9 +41,18 @@ def rm_argv(stack: str) -> list[str]:
     return [DOCKER, "stack", "rm", stack]
 
 
-def logs_argv(stack: str, service: str, *, follow: bool) -> list[str]:
-    """One service's log, each line prefixed `<stack>_<service>.<slot>@<node> |`."""
-    return [DOCKER, "service", "logs", "--no-task-ids", *(["-f"] if follow else []), service_name(stack, service)]
+def logs_argv(stack: str, service: str, *, follow: bool, extra: Sequence[str] = ()) -> list[str]:
+    """One service's log, each line prefixed `<stack>_<service>.<slot>@<node> |`; `extra`: more
+    of its flags (--timestamps, --tail N, --since X: docker service logs takes compose's)."""
+    return [
+        DOCKER,
+        "service",
+        "logs",
+        "--no-task-ids",
+        *(["-f"] if follow else []),
+        *extra,
+        service_name(stack, service),
+    ]
 
 
 def service_name(stack: str, service: str) -> str:

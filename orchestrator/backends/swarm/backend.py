@@ -13,7 +13,7 @@ from typing import Optional, TextIO
 
 from orchestrator import images
 from orchestrator.backends import export_container
-from orchestrator.backends.base import Backend, Cluster, LogLines, ServiceState
+from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
 from orchestrator.backends.command import run
 from orchestrator.backends.lines import ProcessLines
 from orchestrator.backends.swarm import adapter, doctor
@@ -89,12 +89,12 @@ class SwarmBackend(Backend):
     def describe(self, c: Cluster) -> list[ServiceState]:
         return list(adapter.states(images.client(), c.name).values())
 
-    def log_iter(self, c: Cluster, follow: bool) -> LogLines:
+    def log_iter(self, c: Cluster, follow: bool, options: LogOptions = EVERY_LINE) -> LogLines:
         """Every service's log at once (`docker service logs` each), prefixed by task and node."""
         names = order(adapter.services(images.client(), c.name), c.topology)
         if not names:
             raise EngineError(f"no stack {c.name} (make stack-up first)")
-        return ProcessLines([adapter.logs_argv(c.name, s, follow=follow) for s in names])
+        return ProcessLines([adapter.logs_argv(c.name, s, follow=follow, extra=options.flags()) for s in names])
 
     def remove(self, c: Cluster, volumes: bool) -> None:
         client = images.client()
