@@ -106,14 +106,17 @@ class GraphedStep:
         views = [p.grad for p in self.params]  # each a view of the flat message (FlatModel)
         saved = [b.detach().clone() for b in self.model.buffers()]
         try:
-            self._warm_up()
+            self._warm_up()  # eager steps: an error there is the model's own, not the capture's
             graph = torch.cuda.CUDAGraph()
             self._clear_grads()
-            with torch.cuda.graph(graph):
-                self.static_loss = self._forward_backward(cache=False)
-        except Exception as error:  # noqa: BLE001 - what torch raises for a capture varies
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise UsageError(f"--cuda_graphs: model {self.name} cannot be captured as a CUDA graph: {first}") from None
+            try:
+                with torch.cuda.graph(graph):
+                    self.static_loss = self._forward_backward(cache=False)
+            except Exception as error:  # noqa: BLE001 - what torch raises for a capture varies
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise UsageError(
+                    f"--cuda_graphs: model {self.name} cannot be captured as a CUDA graph: {first}"
+                ) from None
         finally:
             for b, value in zip(self.model.buffers(), saved):
                 b.copy_(value)
