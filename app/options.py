@@ -302,6 +302,12 @@ class TrainOptions:
         low=0,
         emit=CHANGED,
     )
+    cuda_graphs: bool = option(
+        False,
+        "GPU workers: the step's forward and backward captured once as a CUDA graph and replayed each step "
+        "(a batch of another shape, the last partial one, runs eagerly); on a CPU worker the step runs eagerly.",
+        emit=CHANGED,
+    )
     loss: Spec = option(
         {"name": "cross_entropy"},
         "The loss the workers train with: cross_entropy (label_smoothing, ignore_index), nll, mse, l1, "
@@ -436,6 +442,16 @@ RULES: tuple[Rule, ...] = (
         "precision",
         lambda v: v["precision"] == "fp16" and v["device"] != "cuda" and v.get("role") in (None, "worker"),
         lambda v: "needs a GPU, device cuda (loss scaling runs on the GPU); on CPU use bf16",
+    ),
+    Rule(
+        "cuda_graphs",
+        lambda v: bool(v["cuda_graphs"]) and v["precision"] == "fp16",
+        lambda v: "not with precision fp16 (the loss scale and its overflow check are host decisions each step)",
+    ),
+    Rule(
+        "cuda_graphs",
+        lambda v: bool(v["cuda_graphs"]) and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: "allowed only with a parameter server (strategy async, sync or ssp): DDP's hooks run in the step",
     ),
 )
 

@@ -9,7 +9,8 @@ the crop, flip and normalisation run on the GPU), in fp32 and in bf16 autocast +
 - the app as processes, `python -m app ps|worker` with its own flags (the PS on the CPU, each
   worker on `cuda`, every worker on the one GPU): async, `--overlap` and sync with 1 and 2
   workers, through shared memory (`--exchange auto`), and 1 worker async over TensorPipe
-  (`--exchange tensorpipe`) beside it;
+  (`--exchange tensorpipe`) beside it; and 1 worker async and `--overlap` with `--cuda_graphs`
+  (the step's forward and backward replayed as a CUDA graph), against the same cases without;
 - the app's own allreduce (`--strategy allreduce`: DDP, no PS) with 1 and 2 workers on the one
   GPU. NCCL refuses two ranks of one job on one GPU ("Duplicate GPU detected"): each rank is
   given an NCCL_HOSTID of its own, so NCCL takes them for two hosts and joins them over its
@@ -47,11 +48,14 @@ from bench.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PRECISIONS = {"fp32": ("fp32", False), "bf16+cl": ("bf16", True)}
+# system -> (strategy, overlap, cuda_graphs)
 SYSTEMS = {
-    "async": ("async", False),
-    "overlap": ("async", True),
-    "sync": ("sync", False),
-    "allreduce": ("allreduce", False),
+    "async": ("async", False, False),
+    "overlap": ("async", True, False),
+    "sync": ("sync", False, False),
+    "allreduce": ("allreduce", False, False),
+    "async+graphs": ("async", False, True),
+    "overlap+graphs": ("async", True, True),
 }
 # (precision, system, workers, exchange), most wanted first: a run cut short keeps these.
 CASES = [
@@ -61,6 +65,9 @@ CASES = [
     ("bf16+cl", "async", 1, "auto"),
     ("fp32", "overlap", 2, "auto"),
     ("bf16+cl", "overlap", 2, "auto"),
+    ("fp32", "overlap+graphs", 1, "auto"),
+    ("fp32", "async+graphs", 1, "auto"),
+    ("bf16+cl", "overlap+graphs", 1, "auto"),
     ("fp32", "allreduce", 1, "-"),
     ("fp32", "allreduce", 2, "-"),
     ("fp32", "sync", 2, "auto"),
@@ -131,7 +138,7 @@ def app_argv(
     a worker under bench.cuda_trace, which profiles its batches after the timed ones."""
     precision, system, workers, exchange = case
     dtype, channels_last = PRECISIONS[precision]
-    strategy, overlap = SYSTEMS[system]
+    strategy, overlap, graphs = SYSTEMS[system]
     batches = timed(args) + args.profile_steps
     argv = [role, "--rank", str(rank), "--world_size", str(workers + 1)]
     argv += ["--master_addr", "127.0.0.1", "--master_port", str(port), "--run_id", "cuda-bench"]
@@ -143,6 +150,8 @@ def app_argv(
     argv += ["--strategy", strategy, "--precision", dtype, "--channels_last", str(channels_last).lower()]
     if strategy != "allreduce":
         argv += ["--overlap", str(overlap).lower(), "--exchange", exchange]
+    if graphs:
+        argv += ["--cuda_graphs", "true"]
     argv += ["--metrics_dir", str(tmp / "metrics"), "--checkpoint_dir", str(tmp / "checkpoints")]
     if role != "worker" or args.profile_steps <= 0:
         return [sys.executable, "-m", "app", *argv]
@@ -323,7 +332,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "cuda", help="ResNet-18 on a real GPU: compute alone vs the app (async, overlap, sync; 1, 2 workers)"
+        "cuda",
+        help="ResNet-18 on a real GPU: compute alone vs the app (async, overlap, sync; 1, 2 workers; CUDA graphs)",
     )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: try the plumbing small, no GPU")
     p.add_argument("--batch", type=int, default=128)

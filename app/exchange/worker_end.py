@@ -128,13 +128,16 @@ class WorkerEnd:
         view[: message.numel()].copy_(message)
         return k
 
-    def bind(self, model: nn.Module, flat: FlatModel, name: str, notes: bool, messages_here: bool) -> None:
+    def bind(
+        self, model: nn.Module, flat: FlatModel, name: str, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None:
         """Point the worker's model at this end. On the CPU the model reads its state where the
         PS wrote a reply (no copy) and, with `messages_here` (float32 messages), its backward
         writes the gradient straight into a push slot. With `notes` (no fp16 loss scaling, no
         --compress: the gradient is final as the backward writes it), where the PS applies
         partitions early, each partition is noted as the backward finishes it. A GPU worker
-        takes each reply back partition by partition, in the order its forward needs them."""
+        takes each reply back partition by partition, in the order its forward needs them; without
+        `ordered` (a step replayed as a CUDA graph, where no hook runs) whole, on the compute stream."""
         self.flat = flat
         cpu = self.device.type == "cpu"
         if cpu:  # the model is pointed at the PS's reply buffers: their views once
@@ -152,7 +155,7 @@ class WorkerEnd:
                 self.early = EarlyPush(params, self.parts, sender, name, self.slots)
             else:
                 self.early = DeviceEarlyPush(params, self.parts, sender, name, flat, self.copies)
-        if not cpu:
+        if not cpu and ordered:
             self.ordered = OrderedPull(model, flat, parts)
 
     @contextlib.contextmanager

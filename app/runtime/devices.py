@@ -10,11 +10,13 @@ import torch
 from app.config import Config, UsageError
 
 
-def autocast(precision: str, device: torch.device) -> Any:
-    """The forward's autocast context for --precision (none for fp32); bf16 runs on CPU too."""
+def autocast(precision: str, device: torch.device, cache: bool = True) -> Any:
+    """The forward's autocast context for --precision (none for fp32); bf16 runs on CPU too.
+    `cache` False: no cache of the cast weights (a CUDA graph's capture needs none)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 def tune_for(device: torch.device) -> None:

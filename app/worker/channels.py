@@ -55,7 +55,9 @@ class Channel(Protocol):
     name: str
 
     def join(self) -> Start: ...
-    def bind(self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool) -> None: ...
+    def bind(
+        self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None: ...
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
     def send(
@@ -189,12 +191,15 @@ class PSChannel:
         shard takes its slice of the message: no one link holds a whole push)."""
         return self.links[0] if len(self.links) == 1 else self.carried
 
-    def bind(self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool) -> None:
+    def bind(
+        self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None:
         """Make `start`'s state the model's, and point the model where its pushes travel from
-        (`notes`: the early push; `messages_here`: float32 messages, written where they travel)."""
+        (`notes`: the early push; `messages_here`: float32 messages, written where they travel;
+        `ordered`: a GPU worker's replies taken back as its forward needs them, else whole)."""
         self.flat = flat
         flat.adopt(start.vector)
-        self.whole().bind(model, flat, self.name, notes, messages_here)
+        self.whole().bind(model, flat, self.name, notes, messages_here, ordered)
 
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
         """Around one backward from the state of `version`."""

@@ -49,7 +49,9 @@ class Outgoing(NamedTuple):
 class Whole(Protocol):
     """The model's side of a whole push: where the model reads its state and writes its gradient."""
 
-    def bind(self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool) -> None: ...
+    def bind(
+        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None: ...
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
     def load(self, reply: Reply) -> None: ...
@@ -88,7 +90,9 @@ class Carried:
         self.staging: list[torch.Tensor] | None = None
         self.staged = 0  # messages sealed (each is sent)
 
-    def bind(self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool) -> None:
+    def bind(
+        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None:
         self.flat = flat
         if self.device.type == "cuda":
             size = flat.message.numel()  # the widest message: float32 (16-bit ones are smaller)
@@ -156,11 +160,14 @@ class SharedMemoryLink:
         self.overlap = overlap
         self.flat: FlatModel | None = None
 
-    def bind(self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool) -> None:
+    def bind(
+        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+    ) -> None:
         """The model pointed at the segment (app.exchange.worker_end.WorkerEnd.bind: `notes`, the
-        early push; `messages_here`, float32 messages written into the push slots)."""
+        early push; `messages_here`, float32 messages written into the push slots; `ordered`, the
+        ordered pull)."""
         self.flat = flat
-        self.shared.bind(model, flat, who, notes, messages_here)
+        self.shared.bind(model, flat, who, notes, messages_here, ordered)
 
     def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
         assert isinstance(version, int)  # one PS process's

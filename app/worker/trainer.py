@@ -29,6 +29,7 @@ from app.runtime import devices, lifecycle
 from app.training import loop, losses
 from app.training.flat import FlatModel
 from app.training.metrics import MetricsWriter
+from app.worker import graphed
 from app.worker.channels import Channel, Pending
 from app.worker.compress import Compressor
 
@@ -66,6 +67,8 @@ class Trainer:
         self._unscaler = torch.optim.SGD(model.parameters(), lr=0.0) if self.scaler else None
         self.skipped = 0  # fp16: batches not pushed (gradient overflow)
         self.compress = Compressor(config.compress, self.flat.num_params, device) if config.compress != "none" else None
+        # train.cuda_graphs (a GPU worker): the step's forward and backward replayed as a CUDA graph.
+        self.graphed = graphed.for_worker(config, model, self.flat, self.loss_fn, device)
         self.in_flight: Pending | None = None  # --overlap: the push on the wire
         self.version: Version = 0  # of the state this worker computes on (a tuple over PS shards)
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
@@ -108,10 +111,13 @@ class Trainer:
         """Take the PS's answer to join: the state, its version, the rank's pushes; the channel
         points the model where it exchanges its state and gradient. Partitions may be noted as
         the backward finishes them only where the gradient is final then (no fp16 loss scaling,
-        no --compress); messages go into the channel's buffers where they are float32."""
+        no --compress, no CUDA graph: no hook runs in a replay); messages go into the channel's
+        buffers where they are float32. With a CUDA graph each reply is loaded whole, before the step."""
         self.version, self.pushes = start.version, start.progress.pushes
-        final = self.compress is None and self.scaler is None
-        self.channel.bind(self.model, self.flat, start, notes=final, messages_here=self.compress is None)
+        hooks = self.graphed is None
+        final = self.compress is None and self.scaler is None and hooks
+        messages_here = self.compress is None
+        self.channel.bind(self.model, self.flat, start, notes=final, messages_here=messages_here, ordered=hooks)
 
     def shares(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(epoch, batch, x, y) of each share of an epoch the PS hands this rank, until none is left
@@ -135,7 +141,11 @@ class Trainer:
         """Forward (under --precision's autocast) and backward of a batch already on the device;
         the float32 gradient lands in self.flat.grads (app.training.flat.FlatModel.writing_grads).
         The loss as the host will read it, without waiting for the GPU; None when fp16's
-        gradient overflowed (nothing to push)."""
+        gradient overflowed (nothing to push). With --cuda_graphs a batch of the captured shape
+        replays the graph (app.worker.graphed)."""
+        if self.graphed is not None and self.graphed.fits(x, y):
+            with self.channel.backward(self.version):
+                return self.losses.take(self.graphed.step(x, y))
         with self.channel.backward(self.version), self.flat.writing_grads():
             with devices.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)

@@ -241,9 +241,9 @@ def recording_channel(answer=None, overlap: bool = False):
         def join(self):
             raise AssertionError("a recording channel joins no PS")
 
-        def bind(self, model, flat, start, notes, messages_here):
+        def bind(self, model, flat, start, notes, messages_here, ordered=True):
             flat.adopt(start.vector)
-            self.link.bind(model, flat, self.name, notes, messages_here)
+            self.link.bind(model, flat, self.name, notes, messages_here, ordered)
 
         def backward(self, version):
             return self.link.backward(version)

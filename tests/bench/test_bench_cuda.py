@@ -36,7 +36,8 @@ def test_every_process_of_every_case_is_a_command_line_the_app_accepts(case, tmp
         assert config.device == ("cuda" if role == "worker" else "cpu")
         assert config.world_size == workers + 1 and config.batch_size == 128
         assert config.strategy == {"sync": "sync", "allreduce": "allreduce"}.get(system, "async")
-        assert config.overlap == (system == "overlap")
+        assert config.overlap == system.startswith("overlap")
+        assert config.cuda_graphs == system.endswith("+graphs")
         assert config.exchange == (exchange if system != "allreduce" else "auto")
         assert (config.precision, config.channels_last) == cuda.PRECISIONS[precision]
         assert config.max_steps == args.warmup + args.steps + args.profile_steps
@@ -51,6 +52,13 @@ def test_both_strategies_are_measured_with_one_and_two_workers_on_the_gpu():
     for precision in cuda.PRECISIONS:
         for system in ("overlap", "async", "sync", "allreduce"):
             assert {(precision, system, 1), (precision, system, 2)} <= systems
+
+
+def test_every_case_with_cuda_graphs_is_measured_beside_the_same_case_without():
+    graphed = [c for c in cuda.CASES if c[1].endswith("+graphs")]
+    assert {(p, s) for p, s, _, _ in graphed} >= {("fp32", "async+graphs"), ("fp32", "overlap+graphs")}
+    for precision, system, workers, exchange in graphed:
+        assert (precision, system.removesuffix("+graphs"), workers, exchange) in cuda.CASES
 
 
 def test_rows_count_every_workers_samples_and_the_table_divides_by_compute_alone():

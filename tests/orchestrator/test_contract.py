@@ -85,6 +85,14 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         topology(train={"precision": "fp16"}),
         ["worker", "--precision", "fp16"],
     ),
+    "cuda_graphs fp16": (
+        topology(train={"precision": "fp16", "cuda_graphs": True}, image={"device": "cuda"}),
+        ["worker", "--precision", "fp16", "--cuda_graphs", "true", "--device", "cuda"],
+    ),
+    "cuda_graphs allreduce": (
+        topology(train={"strategy": "allreduce", "cuda_graphs": True}),
+        ["worker", "--strategy", "allreduce", "--cuda_graphs", "true"],
+    ),
 }
 
 

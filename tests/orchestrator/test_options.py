@@ -56,6 +56,7 @@ OTHER = {
     "optimizer": {"name": "rmsprop", "alpha": 0.9},
     "schedule": {"name": "cosine", "warmup": 0.1, "eta_min": 0.001},
     "clip_grad_norm": 1.5,
+    "cuda_graphs": True,
     "loss": {"name": "cross_entropy", "label_smoothing": 0.1},
     "metrics": "perplexity",
 }
