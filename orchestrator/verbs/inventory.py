@@ -95,6 +95,20 @@ def rows_of(name: str, target: str, where: str, records: dict[str, list[str]], l
     return rows
 
 
+def check_resumable(name: str, target: str, records: dict[str, list[str]], run_id: str) -> None:
+    """`--resume RUN_ID`: UsageError (one line) unless `run_id` is an unfinished run of `name` on
+    `target`, by the PS's metrics `records`."""
+    rows = {r["run_id"]: r for r in rows_of(name, target, "", records, None)}
+    row = rows.get(run_id)
+    if row is None:
+        known = ", ".join(rows) or "none yet"
+        raise UsageError(f"--resume: got {run_id!r}; {name} ({target}) has no run of that id (its runs: {known})")
+    if row["state"] == "finished":
+        raise UsageError(
+            f"--resume: got {run_id!r}; that run of {name} finished at step {row['steps']}: nothing to resume"
+        )
+
+
 # --- where runs are ----------------------------------------------------------
 
 
@@ -106,16 +120,26 @@ def local_dirs(base: Path) -> list[Path]:
         return []
 
 
+def local_records(d: Path) -> dict[str, list[str]]:
+    """{file name: lines} of the PS's and worker1's metrics of the local runs in `d`."""
+    records = {}
+    for file in (f"{PS_SERVICE}.jsonl", "worker1.jsonl"):
+        try:
+            records[file] = (d / "metrics" / file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+    return records
+
+
+def check_local_resume(name: str, run_id: str) -> None:
+    """`local --resume RUN_ID`: check_resumable over the local runs of `name`."""
+    check_resumable(name, LOCAL, local_records(Path(RUNS_DIR) / name), run_id)
+
+
 def local_rows(base: Path) -> list[dict]:
     rows = []
     for d in local_dirs(base):
-        records = {}
-        for file in (f"{PS_SERVICE}.jsonl", "worker1.jsonl"):
-            try:
-                records[file] = (d / "metrics" / file).read_text(encoding="utf-8").splitlines()
-            except OSError:
-                continue
-        rows += rows_of(d.name, LOCAL, f"{d}/", records, run_lock.live_run(d))
+        rows += rows_of(d.name, LOCAL, f"{d}/", local_records(d), run_lock.live_run(d))
     return rows
 
 
