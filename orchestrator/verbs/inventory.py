@@ -47,7 +47,8 @@ LOCAL_VOLUMES = ("checkpoints", "metrics")  # a local run's state: what --volume
 
 def segments(records: dict[str, list[str]]) -> dict[str, list[str]]:
     """{run id: its lines} of the PS's metrics file (else worker1's), in the order they ran:
-    each `start` record with a run id opens one (a restarted PS's `start` of the same id goes on)."""
+    each `start` record with a run id opens one (a restarted PS's `start` of the same id goes on),
+    and the `resume` record a PS writes before it, of another run's checkpoint, is neither's."""
     lines = records.get(f"{PS_SERVICE}.jsonl") or records.get("worker1.jsonl") or []
     out: dict[str, list[str]] = {}
     current: Optional[str] = None
@@ -57,6 +58,8 @@ def segments(records: dict[str, list[str]]) -> dict[str, list[str]]:
             continue
         if is_event(rec, Event.START) and rec.get("run_id"):
             current = str(rec["run_id"])
+        elif is_event(rec, Event.RESUME) and rec.get("run_id") != current:
+            continue  # a PS's first record, of the checkpoint it resumes, before its own `start`
         if current is not None:
             out.setdefault(current, []).append(line)
     return out
