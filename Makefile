@@ -16,9 +16,10 @@ CFG     := -c $(CONFIG) $(if $(WORKERS),--workers $(WORKERS)) $(if $(STRATEGY),-
 # stack-up), after the others: KEY=VALUE overrides of the topology (ARGS="train.lr=0.05 workers.count=3"),
 # or a verb's flags (logs, status and runs too: ARGS=--json, ARGS="--tail 20 --timestamps").
 ARGS    ?=
-# RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0).
+# RESUME=1: up, stack-up and local continue the newest unfinished checkpoint (default: a new run at version 0);
+# RESUME=RUN_ID: that run (`make runs` lists them), under its own id.
 RESUME  ?=
-RESUMING := $(if $(filter-out 0,$(RESUME)),--resume)
+RESUMING := $(if $(filter-out 0,$(RESUME)),--resume$(if $(filter-out 1,$(RESUME)),=$(RESUME)))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup host-setup lock clean test test-fast lint render sample-data local build up logs status down scale smoke engine tensorboard export \

@@ -45,6 +45,32 @@ def run_name(text: str) -> str:
     return text
 
 
+def run_id_arg(text: str) -> str:
+    """`--resume RUN_ID`'s run id (app.contract.RUN_ID); an override there was meant for the topology."""
+    from app.contract import RUN_ID
+
+    if "=" in text:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, an override: give it before --resume, or the run id as --resume=RUN_ID"
+        )
+    if not RUN_ID.match(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; must be a run id (letters, digits, '.', '_', '-')")
+    return text
+
+
+def add_resume_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=run_id_arg,
+        metavar="RUN_ID",
+        help="continue the newest unfinished checkpoint; with RUN_ID (`runs` lists them), that run, under its "
+        "own id (default: a new run starts at version 0 and moves older checkpoints to checkpoints/previous/)",
+    )
+
+
 def add_name_arg(p: argparse.ArgumentParser, default: str = "the topology's name:") -> None:
     """`--name NAME` (`make ... NAME=`): the run's name, overriding the topology's `name:`."""
     p.add_argument(

@@ -21,6 +21,7 @@ from orchestrator.arguments import (
     add_json_arg,
     add_log_args,
     add_name_arg,
+    add_resume_arg,
     add_strategy_arg,
     add_topology_args,
     load_topology,
@@ -96,18 +97,13 @@ def run_schema(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
+    from orchestrator.verbs import inventory
     from orchestrator.verbs.local import run
 
-    return run(load_topology(args), source=args.config, keep_going=args.keep_going, resume=args.resume)
-
-
-def add_resume_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the newest unfinished checkpoint (default: a new run starts at version 0 "
-        "and moves older checkpoints to checkpoints/previous/)",
-    )
+    t = load_topology(args)
+    if isinstance(args.resume, str):  # --resume RUN_ID: a run of the name that did not finish
+        inventory.check_local_resume(t.name, args.resume)
+    return run(t, source=args.config, keep_going=args.keep_going, resume=args.resume)
 
 
 def _add_document_verbs(sub: argparse._SubParsersAction) -> None:

@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Optional
+from typing import Optional, Union
 
 RUN_ID = "PSC_RUN_ID"  # the app's --run_id
 RESUME = "PSC_RESUME"  # the app's --resume
 VARIABLES = (RUN_ID, RESUME)
+# What an `up` (`stack-up`, `local`) starts: False, a new run at version 0; True (`--resume`), a new
+# run that continues the newest unfinished checkpoint; a run id (`--resume RUN_ID`), that run again,
+# under its own id, from its newest checkpoint (moved back where a later run set it aside).
+Resume = Union[bool, str]
+
+
+def chosen(resume: Resume) -> str:
+    """The run id `--resume RUN_ID` gave; "" for a new run."""
+    return resume if isinstance(resume, str) else ""
 
 
 def interpolated() -> dict[str, str]:
@@ -34,15 +43,20 @@ def new_id(now: Optional[float] = None) -> str:
     return f"{stamp}-{secrets.token_hex(3)}"
 
 
-def environment(run_id: str, resume: bool) -> dict[str, str]:
+def environment(run_id: str, resume: Resume) -> dict[str, str]:
     """The variables for the PS (and every process) of run `run_id`."""
     return {RUN_ID: run_id, RESUME: "true" if resume else "false"}
 
 
-def describe(run_id: str, resume: bool, kept: bool = False) -> str:
+def describe(run_id: str, resume: Resume, kept: bool = False) -> str:
     """One line for the CLI: which run, and what the PS does with older checkpoints."""
     if kept:
         return f"run {run_id} (still running: its id is kept, so its PS resumes its own checkpoints)"
+    if chosen(resume):
+        return (
+            f"run {run_id} again (--resume {run_id}): the PS continues its newest checkpoint, moved back where "
+            "a later run set it aside (its log says which version)"
+        )
     if resume:
         return f"run {run_id}: --resume: the PS continues the newest unfinished checkpoint (its log says which version)"
     return (
@@ -51,11 +65,11 @@ def describe(run_id: str, resume: bool, kept: bool = False) -> str:
     )
 
 
-def start(running: dict[str, str], resume: bool) -> tuple[dict[str, str], str]:
+def start(running: dict[str, str], resume: Resume) -> tuple[dict[str, str], str]:
     """The variables for an `up` / `stack-up` and its one line: those of the run still going
-    on (`running`, read from its containers: compose and Swarm then restart nothing), else a
-    new run's."""
+    on (`running`, read from its containers: compose and Swarm then restart nothing), else
+    those of the run `--resume RUN_ID` chose, else a new run's."""
     if running.get(RUN_ID):
         return dict(running), describe(running[RUN_ID], resume, kept=True)
-    run_id = new_id()
+    run_id = chosen(resume) or new_id()
     return environment(run_id, resume), describe(run_id, resume)

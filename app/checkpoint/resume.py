@@ -4,10 +4,11 @@ A run continues the newest good checkpoint of an unfinished run of its job when 
 run (the same --run_id: a restarted PS), or --resume says so, or no run id was given. Otherwise
 it is a new run: it starts at version 0 and the files it found are set aside
 (`files.set_aside`, one log line saying where), so they are neither resumed nor pruned by its
-checkpoints. With --resume and nothing to continue here, the newest unfinished run set aside
-earlier (`previous/`) is moved back and continued. A run id that already finished (a checkpoint
-marked finished, or its final.pt: written first, it ends the run even when that checkpoint could
-not be written after it) has nothing to do: its final.pt stays.
+checkpoints. With --resume and nothing to continue here, an unfinished run set aside earlier
+(`previous/`) is moved back and continued: the one of this run id if there is one (`up --resume
+RUN_ID`: another run's files here are set aside for it), else the newest. A run id that already
+finished (a checkpoint marked finished, or its final.pt: written first, it ends the run even when
+that checkpoint could not be written after it) has nothing to do: its final.pt stays.
 """
 
 from __future__ import annotations
@@ -57,9 +58,31 @@ class _Runs:
         if found is not None and self._not_resumable(found[1]):
             self._start_fresh(*found, self._not_resumable(found[1]))
             found, self.final = None, None
+        if found is not None and self._own_run_set_aside(found[1]):
+            self._set_aside_for_own(*found)
+            found, self.final = None, None
         if found is None and self.config.resume:
             found = self._from_previous()
         return Decision(found)
+
+    def _own_run_set_aside(self, state: dict[str, Any]) -> bool:
+        """--resume of a run id whose checkpoints were set aside, while another run's are here
+        (`state`): that run is the one continued (`up --resume RUN_ID`)."""
+        own = self.config.run_id
+        return bool(self.config.resume and own and state.get("run_id") != own and self._resumable_set_aside(own))
+
+    def _set_aside_for_own(self, path: Path, state: dict[str, Any]) -> None:
+        label = state.get("run_id") or f"version-{state['version']}"
+        moved = checkpoint_files.set_aside(self.directory, label)
+        log.info(
+            "--resume of run %s: the files of run %s here (%s, version %d) moved to %s, to continue %s",
+            self.config.run_id,
+            state.get("run_id") or "without an id",
+            path.name,
+            state["version"],
+            moved[0] if moved else self.directory,
+            self.config.run_id,
+        )
 
     def _final_as_found(self) -> list[Found]:
         """final.pt as a finished checkpoint of its run (its values other than the tensors'):
@@ -89,22 +112,34 @@ class _Runs:
             and not self._other_job(state)
         )
 
-    def _from_previous(self) -> Found | None:
-        """--resume with nothing here to continue: the newest unfinished run of this job set
-        aside in previous/, moved back; None when there is none."""
+    def _resumable_set_aside(self, run_id: str = "") -> list[tuple[Path, Found]]:
+        """The unfinished runs of this job set aside in previous/, newest first (of `run_id` alone
+        when given)."""
+        runs = []
         for where, (path, state) in checkpoint_files.set_aside_runs(self.directory):
             ended = checkpoint_files.final_state(where)
             if ended is not None and ended.get("run_id", "") == state.get("run_id", ""):
                 continue  # that run wrote its final.pt: it ended
+            if run_id and state.get("run_id") != run_id:
+                continue
             if not state["finished"] and not self._not_resumable({**state, "run_id": self.config.run_id}):
-                moved = checkpoint_files.move_back(where, self.directory)
-                log.info(
-                    "--resume: moved %d file(s) of run %s back from %s",
-                    moved,
-                    state.get("run_id") or "without an id",
-                    where,
-                )
-                return self.directory / path.relative_to(where), state
+                runs.append((where, (path, state)))
+        return runs
+
+    def _from_previous(self) -> Found | None:
+        """--resume with nothing here to continue: the run of this run id set aside in previous/
+        (`up --resume RUN_ID`), else the newest unfinished run of this job there, moved back;
+        None when there is none."""
+        chosen = self._resumable_set_aside(self.config.run_id) if self.config.run_id else []
+        for where, (path, state) in (chosen or self._resumable_set_aside())[:1]:
+            moved = checkpoint_files.move_back(where, self.directory)
+            log.info(
+                "--resume: moved %d file(s) of run %s back from %s",
+                moved,
+                state.get("run_id") or "without an id",
+                where,
+            )
+            return self.directory / path.relative_to(where), state
         return None
 
     def _other_job(self, state: dict[str, Any]) -> str:

@@ -179,7 +179,7 @@ def up(
     *,
     strategy: Optional[str] = None,
     offline: bool = False,
-    resume: bool = False,
+    resume: runs.Resume = False,
     name: Optional[str] = None,
     remember: bool = True,
     out: Optional[TextIO] = None,
@@ -201,6 +201,10 @@ def up(
     with run_lock.starting(c.file.parent, f"{p}up", f"{backend.noun} {c.name}"):
         client = images.client() if backend.engine else None
         refuse_live(backend, c, "up")
+        if runs.chosen(resume):
+            from orchestrator.verbs import inventory  # its runs, as `runs` lists them
+
+            inventory.check_resumable(c.name, backend.name, backend.read_records(c, PS_SERVICE), runs.chosen(resume))
         facts = preflight(backend, t, config, client, out)
         wrote = write_if_changed(c.file, backend.document(t, facts))
         said = "rendered" if wrote else "up to date:"

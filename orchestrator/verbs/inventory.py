@@ -47,7 +47,8 @@ LOCAL_VOLUMES = ("checkpoints", "metrics")  # a local run's state: what --volume
 
 def segments(records: dict[str, list[str]]) -> dict[str, list[str]]:
     """{run id: its lines} of the PS's metrics file (else worker1's), in the order they ran:
-    each `start` record with a run id opens one (a restarted PS's `start` of the same id goes on)."""
+    each `start` record with a run id opens one (a restarted PS's `start` of the same id goes on),
+    and the `resume` record a PS writes before it, of another run's checkpoint, is neither's."""
     lines = records.get(f"{PS_SERVICE}.jsonl") or records.get("worker1.jsonl") or []
     out: dict[str, list[str]] = {}
     current: Optional[str] = None
@@ -57,6 +58,8 @@ def segments(records: dict[str, list[str]]) -> dict[str, list[str]]:
             continue
         if is_event(rec, Event.START) and rec.get("run_id"):
             current = str(rec["run_id"])
+        elif is_event(rec, Event.RESUME) and rec.get("run_id") != current:
+            continue  # a PS's first record, of the checkpoint it resumes, before its own `start`
         if current is not None:
             out.setdefault(current, []).append(line)
     return out
@@ -95,6 +98,20 @@ def rows_of(name: str, target: str, where: str, records: dict[str, list[str]], l
     return rows
 
 
+def check_resumable(name: str, target: str, records: dict[str, list[str]], run_id: str) -> None:
+    """`--resume RUN_ID`: UsageError (one line) unless `run_id` is an unfinished run of `name` on
+    `target`, by the PS's metrics `records`."""
+    rows = {r["run_id"]: r for r in rows_of(name, target, "", records, None)}
+    row = rows.get(run_id)
+    if row is None:
+        known = ", ".join(rows) or "none yet"
+        raise UsageError(f"--resume: got {run_id!r}; {name} ({target}) has no run of that id (its runs: {known})")
+    if row["state"] == "finished":
+        raise UsageError(
+            f"--resume: got {run_id!r}; that run of {name} finished at step {row['steps']}: nothing to resume"
+        )
+
+
 # --- where runs are ----------------------------------------------------------
 
 
@@ -106,16 +123,26 @@ def local_dirs(base: Path) -> list[Path]:
         return []
 
 
+def local_records(d: Path) -> dict[str, list[str]]:
+    """{file name: lines} of the PS's and worker1's metrics of the local runs in `d`."""
+    records = {}
+    for file in (f"{PS_SERVICE}.jsonl", "worker1.jsonl"):
+        try:
+            records[file] = (d / "metrics" / file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+    return records
+
+
+def check_local_resume(name: str, run_id: str) -> None:
+    """`local --resume RUN_ID`: check_resumable over the local runs of `name`."""
+    check_resumable(name, LOCAL, local_records(Path(RUNS_DIR) / name), run_id)
+
+
 def local_rows(base: Path) -> list[dict]:
     rows = []
     for d in local_dirs(base):
-        records = {}
-        for file in (f"{PS_SERVICE}.jsonl", "worker1.jsonl"):
-            try:
-                records[file] = (d / "metrics" / file).read_text(encoding="utf-8").splitlines()
-            except OSError:
-                continue
-        rows += rows_of(d.name, LOCAL, f"{d}/", records, run_lock.live_run(d))
+        rows += rows_of(d.name, LOCAL, f"{d}/", local_records(d), run_lock.live_run(d))
     return rows
 
 

@@ -63,7 +63,7 @@ class ProcessSpec:
 
 
 def local_environment(
-    t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: bool = False
+    t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: runs.Resume = False
 ) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
     (orchestrator.runs; empty: the app resumes any checkpoint)."""
@@ -133,7 +133,14 @@ def _mapped_shm() -> set[str]:
 
 
 def service_environment(
-    t: Topology, service: Service, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: bool = False
+    t: Topology,
+    service: Service,
+    *,
+    port: int,
+    run_dir: Path,
+    ifname: str,
+    run_id: str = "",
+    resume: runs.Resume = False,
 ) -> dict[str, str]:
     """`local_environment` of one service: its rank's, plus PSC_SHARD for a PS shard."""
     env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
@@ -150,7 +157,7 @@ def plan(
     ifname: str,
     python: str = sys.executable,
     run_id: str = "",
-    resume: bool = False,
+    resume: runs.Resume = False,
 ) -> list[ProcessSpec]:
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first), every one in run `run_id`."""
@@ -240,9 +247,11 @@ def loopback_ifname() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR, resume: bool = False) -> int:
+def run(
+    t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR, resume: runs.Resume = False
+) -> int:
     """Run the cluster of `t` as processes, as a new run (orchestrator.runs; `resume`: it
-    continues the newest unfinished checkpoint); the exit status of the whole run."""
+    continues the newest unfinished checkpoint, or the run of that id); the exit status of the whole run."""
     check_host(t, source)
     run_dir = Path(runs_dir) / t.name
     try:
@@ -250,7 +259,7 @@ def run(t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = R
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
-    run_id = runs.new_id()
+    run_id = runs.chosen(resume) or runs.new_id()
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
         remove_stale_shm(t)

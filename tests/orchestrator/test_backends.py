@@ -361,3 +361,38 @@ def test_logs_stops_following_after_a_look_the_engine_did_not_answer(monkeypatch
     returned, out = _follow_to_the_end(fleet, monkeypatch, printed)
     assert returned, "logs follows for ever once one look at the cluster failed"
     assert fleet.failed and fleet.looks >= 2 and out == "ps | up\n"
+
+
+class ResumableFleet(FakeBackend):
+    """A fleet whose state holds one stopped run (r-a, at step 3) and one finished (r-b)."""
+
+    def read_records(self, c, service: str) -> dict[str, list[str]]:
+        lines = [
+            {"event": "start", "run_id": "r-a", "time": 1, "step": 0},
+            {"event": "eval", "step": 3, "accuracy": 0.5, "time": 2},
+            {"event": "start", "run_id": "r-b", "time": 3, "step": 0},
+            {"event": "end", "step": 9, "accuracy": 0.9, "time": 4},
+        ]
+        return {"ps.jsonl": [json.dumps(r) for r in lines]}
+
+
+def test_up_resume_of_a_run_id_deploys_that_run_and_refuses_one_the_state_does_not_hold(
+    cli,  # noqa: F811
+    monkeypatch,
+    tmp_path: Path,
+) -> None:
+    """`up --resume RUN_ID` on a target: the run ids are read from the PS's metrics in the state
+    (as `runs` lists them): a stopped one is deployed under its own id, resuming; an unknown or a
+    finished one is one line, exit 2, nothing deployed."""
+    fake = ResumableFleet()
+    monkeypatch.setitem(registry.BACKENDS, "fake", fake)
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    status, out, err = cli("fake-up", "-c", str(SMOKE), "--resume", "r-a")
+    assert status == 0, err
+    assert fake.calls[-1] == ("deploy", {"PSC_RUN_ID": "r-a", "PSC_RESUME": "true"})
+    assert "run r-a again (--resume r-a)" in out
+    fake.ships, fake.calls = {}, []
+    for run, said in [("nope", "has no run of that id (its runs: r-a, r-b)"), ("r-b", "finished at step 9")]:
+        status, out, err = cli("fake-up", "-c", str(SMOKE), "--resume", run)
+        assert status == 2 and len(err.splitlines()) == 1 and said in err, err
+        assert not fake.calls

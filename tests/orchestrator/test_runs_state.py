@@ -68,6 +68,8 @@ def test_up_keeps_the_run_that_still_goes_on_else_starts_a_new_one():
     assert env["PSC_RESUME"] == "false" and line.startswith(f"run {env['PSC_RUN_ID']}: starts fresh at version 0")
     env, line = runs.start({}, resume=True)
     assert env["PSC_RESUME"] == "true" and "--resume: the PS continues the newest" in line
+    env, line = runs.start({}, resume="r-7")  # --resume RUN_ID: that run again, under its own id
+    assert env == {"PSC_RUN_ID": "r-7", "PSC_RESUME": "true"} and line.startswith("run r-7 again (--resume r-7)")
     going = {"PSC_RUN_ID": "r-1", "PSC_RESUME": "false"}
     assert runs.start(going, resume=True) == (
         going,
@@ -131,6 +133,50 @@ def test_local_gives_every_process_one_new_run_and_the_resume_flag(tmp_path, res
     assert len({s["PSC_RUN_ID"] for s in seen}) == 1 and seen[0]["PSC_RUN_ID"]
     assert {s["PSC_RESUME"] for s in seen} == {"true" if resume else "false"}
     assert f"local: run {seen[0]['PSC_RUN_ID']}: " in p.stdout
+
+
+def _local(where, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml", *args],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_local_resume_of_a_run_id_gives_every_process_that_id_and_refuses_one_it_does_not_know(tmp_path):
+    """`local --resume RUN_ID` (`make local RESUME=RUN_ID`): the run's processes take that id, and
+    the PS continues it (app.checkpoint.resume); an id the name never ran, or a run that finished,
+    is one line, exit 2, nothing started."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__init__.py").write_text("")
+    (tmp_path / "app" / "__main__.py").write_text(FAKE_APP)
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topology()))
+    metrics = tmp_path / "runs" / "t" / "metrics"
+    metrics.mkdir(parents=True)
+    records = [
+        {"event": "start", "run_id": "r-a", "time": 1.0, "step": 0},
+        {"event": "eval", "step": 3, "accuracy": 0.5, "time": 2.0},
+        {"event": "start", "run_id": "r-b", "time": 3.0, "step": 0},
+        {"event": "end", "step": 9, "accuracy": 0.9, "time": 4.0},
+    ]
+    (metrics / "ps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = _local(tmp_path, "--resume", "r-a")
+    assert p.returncode == 0, p.stderr
+    seen = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ps", "worker1", "worker2")]
+    assert {(s["PSC_RUN_ID"], s["PSC_RESUME"]) for s in seen} == {("r-a", "true")}
+    assert "local: run r-a again (--resume r-a)" in p.stdout
+    for args, said in [
+        (["--resume", "nope"], "--resume: got 'nope'; t (local) has no run of that id (its runs: r-a, r-b)"),
+        (["--resume", "r-b"], "--resume: got 'r-b'; that run of t finished at step 9: nothing to resume"),
+        (["--resume", "train.lr=0.1"], "got 'train.lr=0.1', an override: give it before --resume"),
+    ]:
+        (tmp_path / "ps.json").unlink(missing_ok=True)
+        p = _local(tmp_path, *args)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and said in p.stderr, p.stderr
+        assert not (tmp_path / "ps.json").exists()
 
 
 # --- the state volume --------------------------------------------------------

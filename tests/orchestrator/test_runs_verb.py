@@ -209,3 +209,21 @@ def test_a_compose_runs_state_volume_is_listed_and_rm_volumes_removes_it(tmp_pat
         subprocess.run([*argv, "down", "-v"], capture_output=True)
         for left in client.volumes.list(filters={"name": f"{name}_state"}):
             left.remove(force=True)
+
+
+def test_a_resumed_runs_first_record_is_not_the_run_before_it():
+    """A PS that resumes writes `resume` (of the checkpoint's run) before its `start`: run B,
+    which finished before run A was resumed (`--resume A`), stays finished at its own step."""
+    records = [
+        {"event": "start", "run_id": "A", "time": 1, "step": 0},
+        {"event": "eval", "step": 20, "accuracy": 0.5, "time": 2},
+        {"event": "start", "run_id": "B", "time": 3, "step": 0},
+        {"event": "end", "step": 8, "accuracy": 0.9, "time": 4},
+        {"event": "resume", "run_id": "A", "step": 20, "time": 5},
+        {"event": "start", "run_id": "A", "time": 5, "step": 20},
+        {"event": "eval", "step": 30, "accuracy": 0.6, "time": 6},
+    ]
+    from orchestrator.verbs import inventory
+
+    rows = inventory.rows_of("t", "local", "", {"ps.jsonl": [json.dumps(r) for r in records]}, None)
+    assert [(r["run_id"], r["state"], r["steps"]) for r in rows] == [("A", "stopped", 30), ("B", "finished", 8)]

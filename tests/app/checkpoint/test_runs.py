@@ -385,3 +385,20 @@ def test_a_new_run_after_an_unfinished_one_starts_at_version_0_and_says_so(unfin
     assert (join["epoch"], join["batch"], join["step"]) == (1, 0, 0)  # not the old run's progress
     saved = [checkpoint_files.verify(p) for p in checkpoint_files.listing(state)]
     assert saved and {s["run_id"] for s in saved} == {"run-new"} and max(s["version"] for s in saved) == 3
+
+
+def test_resume_of_a_run_id_continues_that_run_not_the_newest(tmp_path, caplog):
+    """`up --resume RUN_ID`: run-a was set aside by run-b, which is newer and further on; a PS
+    of run-a with --resume continues run-a's version 3 (run-b's files set aside in turn)."""
+    _run(tmp_path, "run-a", 3)
+    _run(tmp_path, "run-b", 5)  # sets run-a aside, then gets to version 5
+    with caplog.at_level(logging.INFO, logger="app.checkpoint"):
+        resumed = _run(tmp_path, "run-a", 0, "--resume", "true")
+    assert resumed.server.version == 3
+    assert all(checkpoint_files.verify(p)["run_id"] == "run-a" for p in checkpoint_files.listing(tmp_path / "ck"))
+    aside = tmp_path / "ck" / checkpoint_files.PREVIOUS / "run-b"
+    assert [checkpoint_files.verify(p)["version"] for p in checkpoint_files.listing(aside)] == [5]
+    assert "--resume of run run-a: the files of run run-b here" in caplog.text, caplog.text
+    # and with run-b's files already set aside, the same: run-a, not the newest
+    assert _run(tmp_path, "run-c", 0).server.version == 0  # sets run-a (now at 3) aside
+    assert _run(tmp_path, "run-b", 0, "--resume", "true").server.version == 5
