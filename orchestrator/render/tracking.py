@@ -50,11 +50,20 @@ AUTH_ENVIRONMENT = {
     "MLFLOW_AUTH_ADMIN_USERNAME": f"${{{AUTH_USER}:-{AUTH_DEFAULT_USER}}}",
     "MLFLOW_AUTH_ADMIN_PASSWORD": f"${{{AUTH_PASSWORD}:-}}",
 }
+# MLflow's auth configuration, its defaults but one: a user's password is checked once per 5
+# minutes, not on every request (a PBKDF2 hash each: CPU seconds for a run's records on a loaded
+# host, whose last ones then missed the PS's 15 s at its end). Its user store on the volume (the
+# server's working directory); a password changed through MLflow's API holds within 5 minutes.
+AUTH_CONFIG = (  # \\n: a new line, for printf
+    "[mlflow]\\ndefault_permission = READ\\ndatabase_uri = sqlite:///basic_auth.db\\n"
+    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\\nauth_cache_ttl_seconds = 300\\n"
+)
 AUTH_ENTRYPOINT = [
     "/bin/sh",
     "-c",
     # `$$`: compose's `$`, for the shell
-    "export MLFLOW_FLASK_SERVER_SECRET_KEY=\"$$(python -c 'import secrets; print(secrets.token_hex(32))')\"; "
+    f"printf '{AUTH_CONFIG}' > /tmp/basic_auth.ini && export MLFLOW_AUTH_CONFIG_PATH=/tmp/basic_auth.ini && "
+    "export MLFLOW_FLASK_SERVER_SECRET_KEY=\"$$(python -c 'import secrets; print(secrets.token_hex(32))')\" && "
     'exec mlflow server --app-name basic-auth "$$@"',
     "mlflow-server",
 ]
