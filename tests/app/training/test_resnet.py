@@ -28,11 +28,13 @@ CPU_RESNET = REPO / "configs" / "cpu-resnet.yaml"
 #   seed 0: 0.739 0.739 (0.74) | 0.722 0.717 (0.72) | 0.757 0.784 (0.77) | 0.711 0.677 (0.69)
 #           0.784 0.780 (0.78)
 #   seed 1: 0.682 0.746 (0.71) | seed 2: 0.697 0.690 (0.69) | seed 3: 0.742 0.733 (0.74)
-#   a loaded CI run: 0.63 0.588 (0.61)
+#   loaded CI runs: 0.63 0.588 (0.61) | 0.595 0.541 (0.57), beside the suite's other workers
+#   after both cores ran busy loops for its first 10 minutes
 # Earlier final figures on the same VM: 0.71, 0.79, 0.73. Momentum 0.5 at lr 0.025 was
-# no steadier (finals 0.77, 0.78, 0.64, 0.72, 0.81). Chance is 0.10; a run that learns
-# much less than these fails.
-CPU_RESNET_THRESHOLD = 0.60
+# no steadier (finals 0.77, 0.78, 0.64, 0.72, 0.81). The workers' pace, and so the
+# staleness of their pushes, follows the host's load: a loaded run learns less in its 6
+# epochs. Chance is 0.10; a run that learns much less than the loaded runs fails.
+CPU_RESNET_THRESHOLD = 0.45
 
 
 @pytest.fixture(scope="module")
