@@ -14,6 +14,12 @@ average), so two side by side take little longer than one, and the bounds some t
 (docs/testing.md) keep their margin. Each group's tests use project names of their own;
 what changes the engine itself (a swarm init, the doctor's view of it) stays in `engine`.
 
+The swarm test of `engine` leaves the swarm it made only while no test of another group has
+a project up (tests/engine_networks.py: `docker swarm leave` drops the names of every bridge
+network of the moment): each docker test outside `engine` holds the engine's networks in use
+while it runs (`engine_networks_in_use`), a module fixture that keeps a project up across its
+tests holds them for the module.
+
 A docker test in a group whose name does not start with `engine` fails. Without xdist
 (one file run on its own) the marks change nothing. tests/test_side_by_side.py checks that the
 grouping holds.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from engine_networks import using_networks
 
 # torch in a test's own process computes on one thread (unless OMP_NUM_THREADS says otherwise),
 # as the app's processes on a 2-core host do (app.runtime.machine.set_threads): the pytest-xdist workers
@@ -53,3 +60,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if MISPLACED in item.stash:
         pytest.fail(item.stash[MISPLACED], pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def engine_networks_in_use(request: pytest.FixtureRequest):
+    """A docker test outside the group `engine` holds the host engine's networks in use while
+    it runs: the swarm test of that group leaves its swarm only when no one does
+    (tests/engine_networks.py: a leave drops the names of every bridge network there)."""
+    groups = [m.args[0] if m.args else m.kwargs.get("name") for m in request.node.iter_markers("xdist_group")]
+    if request.node.get_closest_marker("docker") is None or ENGINE_GROUP in groups:
+        yield
+        return
+    with using_networks():
+        yield

@@ -14,6 +14,7 @@ import re
 import subprocess
 
 import pytest
+from engine_networks import alone_on_networks
 
 from orchestrator.backends.registry import get
 from orchestrator.backends.swarm import adapter as swarm_adapter
@@ -47,7 +48,8 @@ def swarm(engine, offline_image):
         pytest.fail(f"this engine is in a swarm, but not as a working manager: {state}", pytrace=False)
     yield engine
     if created:
-        subprocess.run(["docker", "swarm", "leave", "--force"], capture_output=True, timeout=120)
+        with alone_on_networks():  # a leave drops the names of every bridge network of the moment
+            subprocess.run(["docker", "swarm", "leave", "--force"], capture_output=True, timeout=120)
         if not bridge_before:  # `swarm init` made it; `leave` keeps it
             subprocess.run(["docker", "network", "rm", GWBRIDGE], capture_output=True, timeout=120)
 

@@ -25,6 +25,7 @@ import mlflow_testkit
 import numpy
 import pytest
 import yaml
+from engine_networks import using_networks
 from PIL import Image
 
 from orchestrator import images
@@ -117,7 +118,8 @@ def finished(engine, image, tmp_path_factory):
     found = adapter.detect()
     proj = adapter.Project(project, str(BACKENDS["compose"].path_of(project)), str(ROOT))
     port = free_port()
-    with pytest.MonkeyPatch.context() as env:
+    # its network lives as long as the module: a swarm leave meanwhile would drop its names
+    with using_networks(), pytest.MonkeyPatch.context() as env:
         env.setenv(tracking.MLFLOW_PORT, str(port))
         env.setenv("MLFLOW_TRACKING_USERNAME", "alice")  # the tests' MLflow clients log in with them too
         env.setenv("MLFLOW_TRACKING_PASSWORD", f"Pw-{uuid.uuid4().hex}")
