@@ -28,8 +28,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, ValidationInfo, field_validator
 
 from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
+from app.option_rules import broken_rule
 from app.option_table import BY_NAME, OPTIONS, in_topology
-from app.options import PSOptions, TrainOptions, broken_rule
+from app.options import PSOptions, TrainOptions
 from app.recipes import spec_of
 from orchestrator.errors import one_line
 from orchestrator.paths import config_file
@@ -403,7 +404,7 @@ _RULE_PATHS = {"max_workers": "workers.max", "device": "image.device", "world_si
 
 
 def rule_values(t: Topology) -> dict[str, Any]:
-    """The job's values as the rules between options (app/options.py RULES) read them."""
+    """The job's values as the rules between options (app/option_rules.py RULES) read them."""
     values: dict[str, Any] = {o.name: getattr(getattr(t, o.section), o.key) for o in OPTIONS if o.topology}
     values.update(
         max_workers=t.workers.max,

@@ -1,7 +1,7 @@
 """One contract: what the app and the orchestrator must agree on is declared once, in the app's
-standard-library modules app/contract.py and app/options.py, and the orchestrator reads it from
-there (choices, names, patterns, the rules between options). This test imports the rest of the
-app (a test may) to hold the app's own uses to the same declarations."""
+standard-library modules app/contract.py, app/options.py and app/option_rules.py, and the
+orchestrator reads it from there (choices, names, patterns, the rules between options). This test
+imports the rest of the app (a test may) to hold the app's own uses to the same declarations."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from app import contract
 from app.config import UsageError, parse
-from app.options import RULES
+from app.option_rules import RULES
 from orchestrator.topology import model
 from orchestrator.topology.messages import section_fields
 from orchestrator.topology.model import TopologyError, Train, load
@@ -51,7 +51,7 @@ def test_rpc_names_are_the_apps() -> None:
         assert s.rpc_name == app_name
 
 
-# Each rule of app/options.py RULES broken once as a topology and once as the app's flags.
+# Each rule of app/option_rules.py RULES broken once as a topology and once as the app's flags.
 BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
     "overlap": (
         topology(train={"strategy": "sync", "overlap": True}),
