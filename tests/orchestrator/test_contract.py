@@ -15,10 +15,11 @@ import pytest
 from app import contract
 from app.config import UsageError, parse
 from app.option_rules import RULES
-from orchestrator.topology import model
+from orchestrator.topology import option_sections
 from orchestrator.topology.messages import section_fields
-from orchestrator.topology.model import TopologyError, Train, load
+from orchestrator.topology.model import TopologyError, load
 from orchestrator.topology.model import parse as parse_topology
+from orchestrator.topology.option_sections import Train
 from orchestrator.topology.services import metrics_file, services
 
 from orch_helpers import REPO, topology
@@ -26,7 +27,7 @@ from orch_helpers import REPO, topology
 
 def test_no_copy_of_the_contract_is_left_in_the_orchestrator() -> None:
     assert not (REPO / "orchestrator" / "topology" / "contract.py").exists()  # the copies it held
-    assert model.ENTRY_POINT is contract.ENTRY_POINT
+    assert option_sections.ENTRY_POINT is contract.ENTRY_POINT
     data = importlib.import_module("app.data.datasets")
     assert contract.FILE_DATASETS == frozenset(data.FILE_DATASETS)
 
