@@ -191,9 +191,9 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
 def _verbs():
     """The verbs written once on the targets' blocks (orchestrator/backends/), imported on use:
     `render` and `local` need no Docker SDK."""
-    from orchestrator.verbs import board, cluster, export, smoke
+    from orchestrator.verbs import board, cluster, export, scaling, smoke
 
-    return cluster, smoke, board, export
+    return cluster, smoke, board, export, scaling
 
 
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
@@ -319,7 +319,7 @@ def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="the number of workers to run")
     add_name_arg(p, f"{last}'s")
-    p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers, name=a.name))
+    p.set_defaults(run=lambda a: _verbs()[4].scale(backend, a.config, a.workers, name=a.name))
     _add_tensorboard_verb(verb("tensorboard"), backend, last)
     _add_export_verb(verb("export"), backend, last)
 

@@ -274,17 +274,17 @@ def test_kubernetes_doctor_validates_the_real_render_for_three_workers(monkeypat
 
 def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
     from orchestrator.errors import UsageError
-    from orchestrator.verbs import cluster as verbs
+    from orchestrator.verbs import scaling
 
     config = tmp_path / "t.yaml"
     config.write_text(
         Path(SMOKE).read_text().replace("strategy: async", "strategy: allreduce").replace("name: cpu-smoke", "name: t")
     )
     with pytest.raises(UsageError, match="strategy allreduce has a fixed world size; .* RESUME=1") as e:
-        verbs.scale(registry.get("compose"), str(config), 3)
+        scaling.scale(registry.get("compose"), str(config), 3)
     assert "\n" not in str(e.value)
     with pytest.raises(UsageError, match="stack-scale: a running stack is not scaled yet") as e:
-        verbs.scale(registry.get("swarm"), None, 3)
+        scaling.scale(registry.get("swarm"), None, 3)
     assert "\n" not in str(e.value)
 
 
