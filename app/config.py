@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, Optional
 
 from app.contract import DATASETS, ENTRY_POINT, ROLES, RUN_ID, process_name
+from app.option_rules import broken_rule
 from app.option_table import BY_NAME, OPTIONS, Option
-from app.options import ProcessOptions, PSOptions, TrainOptions, broken_rule
+from app.options import ProcessOptions, PSOptions, TrainOptions
 
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # a Kubernetes Indexed Job's pod index
 

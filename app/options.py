@@ -21,19 +21,19 @@ them), `option(...)` its default, bounds and help. Everything else reads these:
 Adding a training option is one field here (and the code that uses it).
 `tests/orchestrator/test_options.py` fails when the parser, the topology, the
 render and docs/topology.md disagree. The rules between options (`RULES`) are
-declared here too, and both the parser and the topology evaluate them. Standard
-library only: the orchestrator reads this module on a host without torch.
+declared beside it, in app/option_rules.py, and both the parser and the topology
+evaluate them. Standard library only: the orchestrator reads this module on a host
+without torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from app.contract import (
-    NO_PS_STRATEGY,
     Compression,
     Device,
     Exchange,
@@ -47,7 +47,6 @@ from app.recipes import (
     loss_problem,
     metric_problem,
     optimizer_problem,
-    resolve_optimizer,
     schedule_problem,
 )
 
@@ -359,103 +358,3 @@ class PSOptions:
 # The topology section each dataclass is ("": none, the render places them), in the order
 # the render writes their options into a service's environment.
 SECTIONS: tuple[tuple[type, str], ...] = ((ProcessOptions, ""), (TrainOptions, "train"), (PSOptions, "ps"))
-
-
-# --- the rules between options ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A rule between options, evaluated by the app's parser (app/config.py `validate`) and by
-    the topology (orchestrator/topology/model.py `check`), each on its own values and naming the
-    option its own way (the flag or variable it came from; its YAML path).
-
-    `broken(v)`: the job's values `v`, by option name (`given`: the names of the options set
-    rather than left to their defaults; `role`: the process's, None for a whole job), break
-    it; `option`: the one at fault; `allowed(v)`: what is allowed, in words."""
-
-    option: str
-    broken: Callable[[Mapping[str, Any]], bool]
-    allowed: Callable[[Mapping[str, Any]], str]
-
-
-def _optimizer_clash(v: Mapping[str, Any], key: str) -> Optional[str]:
-    """train.momentum or train.weight_decay (`key`) that the optimizer has no use for, or gives too."""
-    given = {"momentum": 0.0, "weight_decay": 0.0, key: v[key]}
-    try:
-        resolve_optimizer(v["optimizer"], v["lr"], given["momentum"], given["weight_decay"])
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def _workers(v: Mapping[str, Any]) -> int:
-    """The number of workers the job starts with (--world_size less the PS)."""
-    return int(v["world_size"]) - 1
-
-
-RULES: tuple[Rule, ...] = (
-    Rule(
-        "overlap",
-        lambda v: bool(v["overlap"]) and v["strategy"] in ("sync", NO_PS_STRATEGY),
-        lambda v: (
-            f"allowed only with strategy async or ssp ({v['strategy']} waits for every worker's gradient each step)"
-        ),
-    ),
-    Rule(
-        "shards",
-        lambda v: v["shards"] > 1 and v["strategy"] == NO_PS_STRATEGY,
-        lambda v: "allowed only with a parameter server (strategy async, sync or ssp); allreduce has none",
-    ),
-    Rule(
-        "max_workers",
-        lambda v: "max_workers" in v["given"] and v["max_workers"] < _workers(v),
-        lambda v: f"must be at least the number of workers ({_workers(v)}), or left out",
-    ),
-    Rule(
-        "max_workers",
-        lambda v: "max_workers" in v["given"] and v["max_workers"] > _workers(v) and v["strategy"] == NO_PS_STRATEGY,
-        lambda v: (
-            f"strategy allreduce has a fixed world size (leave it out, or equal to the number of workers, "
-            f"{_workers(v)})"
-        ),
-    ),
-    Rule(
-        "momentum",
-        lambda v: _optimizer_clash(v, "momentum") is not None,
-        lambda v: str(_optimizer_clash(v, "momentum")),
-    ),
-    Rule(
-        "weight_decay",
-        lambda v: _optimizer_clash(v, "weight_decay") is not None,
-        lambda v: str(_optimizer_clash(v, "weight_decay")),
-    ),
-    Rule(
-        "optimizer",
-        lambda v: v["optimizer"]["name"] == "adafactor" and v["shards"] > 1,
-        lambda v: (
-            "adafactor factors each weight matrix by its rows and columns, and a PS shard steps pieces "
-            "of them: allowed with one PS process (ps.shards 1)"
-        ),
-    ),
-    Rule(
-        "precision",
-        lambda v: v["precision"] == "fp16" and v["device"] != "cuda" and v.get("role") in (None, "worker"),
-        lambda v: "needs a GPU, device cuda (loss scaling runs on the GPU); on CPU use bf16",
-    ),
-    Rule(
-        "cuda_graphs",
-        lambda v: bool(v["cuda_graphs"]) and v["precision"] == "fp16",
-        lambda v: "not with precision fp16 (the loss scale and its overflow check are host decisions each step)",
-    ),
-    Rule(
-        "cuda_graphs",
-        lambda v: bool(v["cuda_graphs"]) and v["strategy"] == NO_PS_STRATEGY,
-        lambda v: "allowed only with a parameter server (strategy async, sync or ssp): DDP's hooks run in the step",
-    ),
-)
-
-
-def broken_rule(values: Mapping[str, Any]) -> Optional[Rule]:
-    """The first rule of RULES that `values` break; None when they keep every one."""
-    return next((rule for rule in RULES if rule.broken(values)), None)

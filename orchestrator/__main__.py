@@ -1,4 +1,4 @@
-"""`python -m orchestrator ...`: see orchestrator/cli.py."""
+"""`python -m orchestrator ...`: see orchestrator/cli/."""
 
 import sys
 

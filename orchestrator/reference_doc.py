@@ -26,7 +26,7 @@ REGENERATE = "make docs  (python -m orchestrator schema --markdown > docs/topolo
 _HEADER = """\
 # Topology reference
 
-<!-- Generated from the field docs of app/options.py and orchestrator/topology/{model,fields}.py
+<!-- Generated from the field docs of app/options.py and orchestrator/topology/{model,option_sections,fields}.py
      by `python -m orchestrator schema --markdown`; `make docs` rewrites this file. -->
 
 A topology is one YAML file (`configs/*.yaml`) that describes a whole run: the

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from app.config import Config
-from app.data import datasets, text
+from app.data import builtin, datasets, text
 from app.data.imagefolder import MEAN, STD, find_samples
 from app.training import models
 
@@ -97,7 +97,7 @@ def builder(name: str, channels: int, num_classes: int) -> dict[str, Any]:
 
 def describe_input(data: Dataset) -> dict[str, Any]:
     """What the held-out split gives the model: its shape and how its values are made."""
-    if isinstance(data, datasets.InMemoryData):
+    if isinstance(data, builtin.InMemoryData):
         return {
             "size": list(data.x.shape[-2:]),
             "scale": data.scale,

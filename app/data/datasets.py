@@ -1,40 +1,34 @@
 """Datasets by name, each with a held-out split for the PS, and per-worker shards.
 
-Nothing is downloaded: mnist and cifar10 read the files torchvision would have
-saved, digits ships inside scikit-learn (read without importing it), synthetic is generated from the seed,
-stdlib_text is Python's own standard library source, read as characters (app/data/text.py).
+Nothing is downloaded: mnist, cifar10, digits and synthetic are read into one tensor
+(app/data/builtin.py), imagefolder reads an image tree (app/data/imagefolder.py, its cache
+app/data/imagecache.py), stdlib_text is Python's own standard library source, read as
+characters (app/data/text.py), and your own comes from its factory (app/plugins.py).
 Held-out splits are fixed (they do not depend on --seed), so accuracies of
 different runs compare.
 """
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
 import logging
-import pickle
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
-from app.data import host, text
-
 from app import plugins
-from app.data.prefetch import ReceivedAhead, wants_thread
-from app.data.imagefolder import CROP, ImageFolderData, find_samples
 from app.config import Config, UsageError
 from app.contract import DATASETS
+from app.data import builtin, host, text
+from app.data.imagefolder import CROP, ImageFolderData, find_samples
+from app.data.prefetch import ReceivedAhead, wants_thread
 
 SPLITS = ("train", "test")
 FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
 # InMemoryData, TextWindows: no decoding to spread over processes
 IN_MEMORY = ("mnist", "cifar10", "digits", "synthetic", "stdlib_text")
-HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
-SPLIT_SEED = 0
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +53,6 @@ def batches(loader: DataLoader, data_dir: str) -> Iterator[tuple[torch.Tensor, t
     finally:
         if ahead is not None:
             ahead.close()
-
-
-class InMemoryData(Dataset):
-    """Samples in one tensor, normalised per batch; indexed by a list of indices."""
-
-    def __init__(
-        self, x: torch.Tensor, y: torch.Tensor, mean: Sequence[float], std: Sequence[float], scale: float = 1.0
-    ) -> None:
-        self.x, self.y = x, y.long()
-        self.scale = scale
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.x[index].float().mul_(self.scale)
-        return (batch - self.mean) / self.std, self.y[index]
 
 
 @dataclass(frozen=True)
@@ -142,8 +117,7 @@ def load(
         )
     if dataset == "stdlib_text":
         return LabeledData(text.load(split == "train"), 1, text.NUM_CLASSES)
-    loader = {"mnist": _mnist, "cifar10": _cifar10, "digits": _digits, "synthetic": _synthetic}[dataset]
-    return loader(Path(data_dir), split == "train", seed)
+    return LabeledData(*builtin.read(dataset, Path(data_dir), split == "train", seed))
 
 
 @dataclass(frozen=True)
@@ -188,51 +162,6 @@ def stable_shard(size: int, num_shards: int, shard: int, seed: int = 0, pad: boo
     return sorted(order[shard::num_shards].tolist())
 
 
-def _held_out_mask(n: int, fraction: float) -> torch.Tensor:
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[perm[: max(1, round(n * fraction))]] = True
-    return mask
-
-
-DIGITS_FILE = ("datasets", "data", "digits.csv.gz")  # in the scikit-learn package
-
-
-def digits_table() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits, as its `load_digits()` gives them: (1797 x 64 pixel values 0..16
-    as float64, 1797 labels as int64), read from the file the package ships without importing
-    it: importing scikit-learn (scipy, pandas) costs each process ~2.5 CPU-seconds, as much as
-    torch's own import, and every process of a digits run loads them."""
-    spec = importlib.util.find_spec("sklearn")  # a top-level package's spec: nothing of it runs
-    if spec is None:
-        raise UsageError("dataset digits: its file ships inside scikit-learn, which is not installed")
-    found = [Path(folder, *DIGITS_FILE) for folder in spec.submodule_search_locations or []]
-    path = next((p for p in found if p.is_file()), None)
-    if path is None:
-        raise UsageError(f"dataset digits: scikit-learn ({spec.origin}) has no {'/'.join(DIGITS_FILE)}")
-    table = np.loadtxt(path, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(int, copy=False)
-
-
-def _digits(root: Path, train: bool, seed: int) -> LabeledData:
-    pixels, labels = digits_table()
-    x = torch.from_numpy(pixels.astype(np.float32)).view(-1, 1, 8, 8)
-    y = torch.from_numpy(labels)
-    keep = _held_out_mask(len(y), HELD_OUT) ^ train
-    return LabeledData(InMemoryData(x[keep], y[keep], [0.3], [0.4], scale=1 / 16), 1, 10)
-
-
-def _synthetic(root: Path, train: bool, seed: int) -> LabeledData:
-    """10 classes of 3x32x32 images: a fixed random pattern per class plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    n = 5120
-    patterns = torch.randn(10, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (n,), generator=g)
-    x = patterns[y] + torch.randn(n, 3, 32, 32, generator=g)
-    keep = _held_out_mask(n, HELD_OUT) ^ train
-    return LabeledData(InMemoryData(x[keep], y[keep], [0.0] * 3, [1.4] * 3), 3, 10)
-
-
 def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings = ImageCacheSettings()) -> LabeledData:
     """Imagenette's layout (`train/` and `val/`, each of class folders): workers read
     train/, the PS evaluates on val/. Class folders directly under the root: 10% of
@@ -248,7 +177,7 @@ def _imagefolder(root: Path, train: bool, crop: int, cache: ImageCacheSettings =
                 )
     else:
         classes, samples = find_samples(root)
-        held_out = _held_out_mask(len(samples), 0.1)
+        held_out = builtin.held_out_mask(len(samples), 0.1)
         chosen = [s for s, out in zip(samples, held_out.tolist()) if out != train]
     if cache.mode == "off":
         return LabeledData(ImageFolderData(chosen, train, crop), 3, len(classes))
@@ -304,43 +233,6 @@ def to_device(x: torch.Tensor, dataset: Dataset | None, device: torch.device) ->
     x = x.to(device, non_blocking=True)
     prepare = getattr(dataset, "on_device", None)
     return prepare(x) if prepare is not None else x
-
-
-def _find(root: Path, names: Sequence[str], what: str) -> Path:
-    for folder in (root, root / "raw", root / "MNIST" / "raw", root / "cifar-10-batches-py"):
-        for name in names:
-            if (folder / name).is_file():
-                return folder / name
-    raise UsageError(f"no {what} file ({' or '.join(names)}) under {root}")
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-def _mnist(root: Path, train: bool, seed: int) -> LabeledData:
-    prefix = "train" if train else "t10k"
-    images = _read_idx(_find(root, [f"{prefix}-images-idx3-ubyte", f"{prefix}-images-idx3-ubyte.gz"], "MNIST"))
-    labels = _read_idx(_find(root, [f"{prefix}-labels-idx1-ubyte", f"{prefix}-labels-idx1-ubyte.gz"], "MNIST"))
-    x = torch.from_numpy(images.copy()).unsqueeze(1)
-    return LabeledData(InMemoryData(x, torch.from_numpy(labels.astype(np.int64)), [0.1307], [0.3081], 1 / 255), 1, 10)
-
-
-def _cifar10(root: Path, train: bool, seed: int) -> LabeledData:
-    names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
-    xs, ys = [], []
-    for name in names:
-        with open(_find(root, [name], "CIFAR-10"), "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-        ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
-    x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
-    return LabeledData(InMemoryData(x, y, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616], 1 / 255), 3, 10)
 
 
 class ShardSampler(Sampler[int]):
@@ -401,7 +293,8 @@ def _loader(
     data: Dataset, sampler: Sampler[int], batch_size: int, drop_last: bool, loader_workers: int, pin_memory: bool
 ) -> DataLoader:
     persistent = loader_workers > 0
-    if isinstance(data, (InMemoryData, text.TextWindows)) or hasattr(data, "on_device"):  # one indexing op a batch
+    # one indexing op a batch
+    if isinstance(data, (builtin.InMemoryData, text.TextWindows)) or hasattr(data, "on_device"):
         batches = BatchSampler(sampler, batch_size, drop_last)
         return DataLoader(
             data,

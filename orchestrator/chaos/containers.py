@@ -41,7 +41,7 @@ from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
-from orchestrator.verbs import cluster
+from orchestrator.verbs import scaling
 
 
 # Run inside a container (as its user): send a signal (SIGKILL unless said) to the `python -m app
@@ -134,10 +134,10 @@ class ContainerJob:
 
     def scale(self, workers: int) -> tuple[list[str], list[str]]:
         """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
-        running = cluster.running_workers(service_states([c.attrs for c in self.containers().values()]))
+        running = scaling.running_workers(service_states([c.attrs for c in self.containers().values()]))
         if running is None:
             raise Timeout("scale: the PS is not running")
-        start, stop = cluster.scale_plan(running, workers)
+        start, stop = scaling.scale_plan(running, workers)
         if start:
             env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
             command.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)

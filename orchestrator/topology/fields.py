@@ -1,6 +1,6 @@
 """The topology's sections whose fields are written here: image, workers, network, swarm,
-state, kubernetes, tracking. (train and ps get their fields from app/options.py: model.py builds
-them.) Each field's docstring is its text in docs/topology.md."""
+state, kubernetes, tracking. (train and ps get their fields from app/options.py: option_sections.py
+builds them.) Each field's docstring is its text in docs/topology.md."""
 
 from __future__ import annotations
 

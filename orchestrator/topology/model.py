@@ -8,11 +8,10 @@ value found and what is allowed, e.g.
 
     configs/x.yaml: workers.gpus: got [0, 0]; GPU ids must be distinct (one GPU per worker)
 
-Here: the train and ps sections (app/options.py's `TrainOptions` and `PSOptions`, with
-the host paths and the checks only a topology has; pydantic validates these dataclasses
-directly), the Topology with what it derives, the rules between fields, and reading a file. The other sections
-are in fields.py, the kinds of value fields take in values.py, pydantic's error as one
-line in messages.py.
+Here: the Topology with what it derives, the rules between fields, and reading a file. The
+train and ps sections (app/options.py's `TrainOptions` and `PSOptions`, as a topology
+holds them) are in option_sections.py, the other sections in fields.py, the kinds of value
+fields take in values.py, pydantic's error as one line in messages.py.
 """
 
 from __future__ import annotations
@@ -20,17 +19,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Optional, cast
+from typing import Any, Optional, cast
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from app.contract import DATASETS, ENTRY_POINT, FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
+from app.contract import FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
+from app.option_rules import broken_rule
 from app.option_table import BY_NAME, OPTIONS, in_topology
-from app.options import PSOptions, TrainOptions, broken_rule
-from app.recipes import spec_of
 from orchestrator.errors import one_line
 from orchestrator.paths import config_file
 from orchestrator.topology import overrides as override
@@ -47,113 +44,11 @@ from orchestrator.topology.fields import (
     Workers,
 )
 from orchestrator.topology.messages import TopologyError, check_required, first_error, keys, show, yaml_type
-from orchestrator.topology.values import SECTION_CONFIG, Size, exact_value, loader_workers, size_bytes, yaml_float
+from orchestrator.topology.option_sections import PS, Train
+from orchestrator.topology.values import size_bytes
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,49}")  # fullmatch: one line, no trailing newline
 NAME_RULE = "must be lowercase letters, digits, '-' or '_', starting with a letter or digit, at most 50 characters"
-_MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-
-
-def _image_cache(v: Any) -> Any:
-    """image_cache was a boolean: YAML's bare true/false (on/off) still mean memory/off."""
-    aliases = BY_NAME["image_cache"].bool_aliases
-    return aliases[int(v)] if isinstance(v, bool) else v
-
-
-def _plain(section: str) -> list[str]:
-    """The keys of a section's options of a plain kind (int, float, bool, str without choices)."""
-    return [o.key for o in in_topology(section) if o.kind in ("int", "float", "bool", "str") and not o.choices]
-
-
-def _spec(v: Any) -> Any:
-    """An optimizer, schedule or loss: a name, or a mapping with its name and keyword arguments
-    (a number PyYAML read as text, `3e-4`, is the number it means)."""
-    if isinstance(v, str) and not v.strip().startswith("{"):
-        return spec_of(v)
-    if not (isinstance(v, dict) and isinstance(v.get("name"), str)):
-        raise ValueError("must be a name, or a mapping with a name and its keyword arguments")
-    return spec_of({k: _numbers(x) for k, x in v.items()})
-
-
-def _numbers(v: Any) -> Any:
-    return [_numbers(x) for x in v] if isinstance(v, list) else yaml_float(v)
-
-
-def _exact(v: Any, info: ValidationInfo) -> Any:
-    """An option's value as the file gives it: no coercion (values.exact_value)."""
-    assert info.field_name is not None
-    return exact_value(BY_NAME[info.field_name].kind, v)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Train(TrainOptions):
-    """The training job: model, data, optimizer and strategy."""
-
-    __pydantic_config__ = SECTION_CONFIG
-    # The host paths a topology gives beside the app's options (the render mounts them).
-    data_dir: Optional[str] = field(
-        default=None,
-        metadata={
-            "min_length": 1,
-            "description": (
-                "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
-                "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class "
-                "folders (Imagenette's layout: the PS evaluates on val/)."
-            ),
-        },
-    )
-    init_weights: Optional[str] = field(
-        default=None,
-        metadata={
-            "min_length": 1,
-            "description": (
-                "A state dict file (or a final.pt of an earlier run) the model starts from (relative: like data_dir). "
-                "Mounted read-only."
-            ),
-        },
-    )
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: str) -> str:
-        if not (_MODEL.match(v) or ENTRY_POINT.match(v)):
-            raise ValueError("must be a model name like cnn or resnet18, or an entry point package.module:factory")
-        return v
-
-    @field_validator("dataset")
-    @classmethod
-    def _dataset(cls, v: str) -> str:
-        if v not in DATASETS and not ENTRY_POINT.match(v):
-            raise ValueError(f"must be one of {', '.join(DATASETS)}, or an entry point package.module:factory")
-        return v
-
-    _plain_values = field_validator(*_plain("train"), mode="before")(_exact)
-    _specs = field_validator(*[o.key for o in in_topology("train") if o.kind == "spec"], mode="before")(_spec)
-    _cache = field_validator("image_cache", mode="before")(_image_cache)
-    _loaders = field_validator("loader_workers", mode="before")(loader_workers)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PS(PSOptions):
-    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port
-    and checkpoints every checkpoint_every steps."""
-
-    __pydantic_config__ = SECTION_CONFIG
-    shm_size: Size = field(default="1g", metadata={"description": "/dev/shm of the PS container."})
-    gpu: Optional[Annotated[int, Strict()]] = field(
-        default=None,
-        metadata={"ge": 0, "description": "GPU id for the PS (cuda only); default none: the PS runs on CPU."},
-    )
-    rpc_port: Annotated[int, Strict()] = field(
-        default=29500,
-        metadata={
-            "ge": 1024,
-            "le": 65535,
-            "description": "The PS's rendezvous port (inside the network; published only if network.publish_rpc_port).",
-        },
-    )
-
-    _plain_values = field_validator(*_plain("ps"), mode="before")(_exact)
 
 
 class Topology(BaseModel):
@@ -403,7 +298,7 @@ _RULE_PATHS = {"max_workers": "workers.max", "device": "image.device", "world_si
 
 
 def rule_values(t: Topology) -> dict[str, Any]:
-    """The job's values as the rules between options (app/options.py RULES) read them."""
+    """The job's values as the rules between options (app/option_rules.py RULES) read them."""
     values: dict[str, Any] = {o.name: getattr(getattr(t, o.section), o.key) for o in OPTIONS if o.topology}
     values.update(
         max_workers=t.workers.max,

@@ -48,7 +48,7 @@ def test_other_env_vars_are_ignored():
         (["ps", "--master_port", "70000"], {}, "--master_port: 70000 must be <= 65535"),
         (["worker", "--rank", "3", "--world_size", "3"], {}, "--rank: 3 must be in 1..2"),
         (["worker", "--rank", "0"], {}, "--rank: 0 must be in 1..2"),
-        # the rules between options (app/options.py RULES), as the topology names them
+        # the rules between options (app/option_rules.py RULES), as the topology names them
         (["ps"], {"PSC_MAX_WORKERS": "1"}, "PSC_MAX_WORKERS: got 1; must be at least the number of workers (2), or"),
         (["ps", "--world_size", "4", "--max_workers", "0"], {}, "--max_workers: got 0; must be at least the number"),
         (

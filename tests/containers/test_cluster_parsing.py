@@ -362,7 +362,7 @@ def test_status_shows_the_live_set_from_the_ps_records():
 
 
 def test_scale_starts_the_missing_ranks_and_stops_the_highest_first():
-    from orchestrator.verbs.cluster import scale_plan
+    from orchestrator.verbs.scaling import scale_plan
 
     assert scale_plan({1: "worker1", 2: "worker2"}, 4) == (["worker3", "worker4"], [])
     assert scale_plan({1: "worker1", 2: "worker2", 3: "worker3", 4: "worker4"}, 2) == ([], ["worker4", "worker3"])

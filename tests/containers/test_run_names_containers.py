@@ -22,6 +22,7 @@ from orchestrator.backends.registry import get
 from orchestrator.errors import UsageError
 from orchestrator.paths import ROOT
 from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import scaling
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 TIMEOUT = 240.0
@@ -121,7 +122,7 @@ def test_a_scale_as_the_run_ends_says_so_in_one_line_and_leaves_nothing_created(
         _until("the run ended", lambda: _ended(engine, project))
 
         with pytest.raises(UsageError) as refused:
-            verbs.scale(LookedWhileItRan(list(running)), str(config), 4, name=project, out=io.StringIO())
+            scaling.scale(LookedWhileItRan(list(running)), str(config), 4, name=project, out=io.StringIO())
         assert str(refused.value) == (
             f"scale: the run of project {project} has ended (its PS exited 0): nothing to scale; "
             "make status shows how it ended, make up starts a new run"

@@ -24,6 +24,7 @@ from orchestrator.chaos import containers as chaos_containers
 from orchestrator.metrics.records import events, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import scaling
 
 # In the engine group beside `engine` (tests/conftest.py): its projects are its own.
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
@@ -118,7 +119,7 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0
         # load it once ended 70 s later with neither joined); the PS runs at full speed.
         _limit_cpu(docker_engine, project, {"worker1", "worker2"}, THROTTLED_QUOTA)
         wall = time.time()
-        assert verbs.scale(compose, str(config), 4, name=project, out=io.StringIO()) == 0
+        assert scaling.scale(compose, str(config), 4, name=project, out=io.StringIO()) == 0
         joins = chaos_common.wait_until("workers 3 and 4 join", lambda: joined({3, 4}, wall), 300)
         assert all(r["step"] > 0 for r in joins), joins  # they joined a job that was training
         assert max(r.get("workers", 0) for r in joins) == 4, joins
@@ -127,7 +128,7 @@ def test_make_scale_2_to_4_to_2_mid_run_joins_and_leaves_every_container_exits_0
         )
         _limit_cpu(docker_engine, project, {"worker1", "worker2"}, UNLIMITED)
         down = time.time()
-        assert verbs.scale(compose, str(config), 2, name=project, out=io.StringIO()) == 0
+        assert scaling.scale(compose, str(config), 2, name=project, out=io.StringIO()) == 0
 
         def both_left() -> list[dict]:
             found = ps_events(Event.LEFT, down)

@@ -76,7 +76,7 @@ def test_render_target_kubernetes_writes_kubernetes_yaml(cli, tmp_path: Path) ->
 
 def test_neither_the_cli_nor_doctor_compares_target_names() -> None:
     names = set(registry.BACKENDS)
-    files = [REPO / "orchestrator/cli.py", *sorted((REPO / "orchestrator/doctor").glob("*.py"))]
+    files = [*sorted((REPO / "orchestrator/cli").glob("*.py")), *sorted((REPO / "orchestrator/doctor").glob("*.py"))]
     found = [
         f"{f.relative_to(REPO)}:{node.lineno}: {node.value!r}"
         for f in files
@@ -274,17 +274,17 @@ def test_kubernetes_doctor_validates_the_real_render_for_three_workers(monkeypat
 
 def test_scale_refuses_allreduce_and_swarm_in_one_line(tmp_path: Path) -> None:
     from orchestrator.errors import UsageError
-    from orchestrator.verbs import cluster as verbs
+    from orchestrator.verbs import scaling
 
     config = tmp_path / "t.yaml"
     config.write_text(
         Path(SMOKE).read_text().replace("strategy: async", "strategy: allreduce").replace("name: cpu-smoke", "name: t")
     )
     with pytest.raises(UsageError, match="strategy allreduce has a fixed world size; .* RESUME=1") as e:
-        verbs.scale(registry.get("compose"), str(config), 3)
+        scaling.scale(registry.get("compose"), str(config), 3)
     assert "\n" not in str(e.value)
     with pytest.raises(UsageError, match="stack-scale: a running stack is not scaled yet") as e:
-        verbs.scale(registry.get("swarm"), None, 3)
+        scaling.scale(registry.get("swarm"), None, 3)
     assert "\n" not in str(e.value)
 
 

@@ -1,7 +1,7 @@
 """One contract: what the app and the orchestrator must agree on is declared once, in the app's
-standard-library modules app/contract.py and app/options.py, and the orchestrator reads it from
-there (choices, names, patterns, the rules between options). This test imports the rest of the
-app (a test may) to hold the app's own uses to the same declarations."""
+standard-library modules app/contract.py, app/options.py and app/option_rules.py, and the
+orchestrator reads it from there (choices, names, patterns, the rules between options). This test
+imports the rest of the app (a test may) to hold the app's own uses to the same declarations."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import pytest
 
 from app import contract
 from app.config import UsageError, parse
-from app.options import RULES
-from orchestrator.topology import model
+from app.option_rules import RULES
+from orchestrator.topology import option_sections
 from orchestrator.topology.messages import section_fields
-from orchestrator.topology.model import TopologyError, Train, load
+from orchestrator.topology.model import TopologyError, load
 from orchestrator.topology.model import parse as parse_topology
+from orchestrator.topology.option_sections import Train
 from orchestrator.topology.services import metrics_file, services
 
 from orch_helpers import REPO, topology
@@ -26,7 +27,7 @@ from orch_helpers import REPO, topology
 
 def test_no_copy_of_the_contract_is_left_in_the_orchestrator() -> None:
     assert not (REPO / "orchestrator" / "topology" / "contract.py").exists()  # the copies it held
-    assert model.ENTRY_POINT is contract.ENTRY_POINT
+    assert option_sections.ENTRY_POINT is contract.ENTRY_POINT
     data = importlib.import_module("app.data.datasets")
     assert contract.FILE_DATASETS == frozenset(data.FILE_DATASETS)
 
@@ -51,7 +52,7 @@ def test_rpc_names_are_the_apps() -> None:
         assert s.rpc_name == app_name
 
 
-# Each rule of app/options.py RULES broken once as a topology and once as the app's flags.
+# Each rule of app/option_rules.py RULES broken once as a topology and once as the app's flags.
 BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
     "overlap": (
         topology(train={"strategy": "sync", "overlap": True}),

@@ -98,7 +98,15 @@ def test_cycles_are_found() -> None:
 
 
 # The app's declarations the orchestrator reads: standard library only (held so below).
-APP_DECLARATIONS = ("app.options", "app.option_table", "app.recipes", "app.contract", "app.model_sizes", "app.publish")
+APP_DECLARATIONS = (
+    "app.options",
+    "app.option_rules",
+    "app.option_table",
+    "app.recipes",
+    "app.contract",
+    "app.model_sizes",
+    "app.publish",
+)
 
 
 def test_no_torch_and_no_app() -> None:

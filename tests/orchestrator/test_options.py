@@ -16,8 +16,8 @@ from app.option_table import OPTIONS, in_topology
 from app.options import ALWAYS, CHANGED
 from orchestrator.render import compose as render_compose
 from orchestrator.topology.messages import section_fields
-from orchestrator.topology.model import PS, Train
 from orchestrator.topology.model import parse as parse_topology
+from orchestrator.topology.option_sections import PS, Train
 
 from orch_helpers import REPO
 

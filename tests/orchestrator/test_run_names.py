@@ -23,6 +23,7 @@ from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.model import load, parse
 from orchestrator.topology.services import LABEL_PROJECT
 from orchestrator.verbs import cluster as verbs
+from orchestrator.verbs import scaling
 
 from orch_helpers import REPO, cli  # noqa: F401 - cli is a fixture
 
@@ -281,7 +282,7 @@ def test_a_scale_whose_engine_fails_while_the_run_goes_on_fails_as_before(monkey
     scaled = tmp_path / "scaled.yaml"
     scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
     assert verbs.up(fake, str(scaled), out=io.StringIO()) == 0
-    assert verbs.scale(fake, None, 3) == 1  # engine_errors: one line, exit 1
+    assert scaling.scale(fake, None, 3) == 1  # engine_errors: one line, exit 1
 
 
 # --- logs into a file or a pipe ----------------------------------------------------------------

@@ -233,8 +233,9 @@ def test_defaults_and_descriptions() -> None:
     assert t.network.publish_rpc_port is False
     assert t.image_tag == "ps-compose-t:latest"
     assert t.train.data_dir is None
+    from orchestrator.topology.fields import Workers
     from orchestrator.topology.messages import section_fields
-    from orchestrator.topology.model import Train, Workers
+    from orchestrator.topology.option_sections import Train
 
     assert "GPU id" in Workers.model_fields["gpus"].description
     assert section_fields(Train)["lr"].description

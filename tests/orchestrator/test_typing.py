@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from app import config, option_table, options
-from orchestrator.topology import model
+from orchestrator.topology import option_sections
 
 from orch_helpers import REPO
 
@@ -24,8 +24,8 @@ def test_the_config_is_every_option_and_the_role() -> None:
 
 def test_the_topology_sections_are_the_option_dataclasses_with_their_own_keys() -> None:
     for section, base, own in (
-        (model.Train, options.TrainOptions, ["data_dir", "init_weights"]),
-        (model.PS, options.PSOptions, ["shm_size", "gpu", "rpc_port"]),
+        (option_sections.Train, options.TrainOptions, ["data_dir", "init_weights"]),
+        (option_sections.PS, options.PSOptions, ["shm_size", "gpu", "rpc_port"]),
     ):
         assert issubclass(section, base)
         assert [f.name for f in dataclasses.fields(section)] == [f.name for f in dataclasses.fields(base)] + own

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.config import UsageError
-from app.data import datasets
+from app.data import builtin, datasets
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -47,7 +47,7 @@ def test_digits_train_and_held_out_split_the_dataset():
     train = datasets.load("digits", "", "train", seed=0)
     test = datasets.load("digits", "", "test", seed=5)
     assert len(train.data) + len(test.data) == 1797
-    assert len(test.data) == round(1797 * datasets.HELD_OUT)
+    assert len(test.data) == round(1797 * builtin.HELD_OUT)
     assert (train.channels, train.num_classes) == (1, 10)
     x, y = test.data[[0, 1, 2]]
     assert x.shape == (3, 1, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
@@ -57,7 +57,7 @@ def test_digits_are_scikit_learns_load_digits_value_for_value():
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    pixels, labels = datasets.digits_table()
+    pixels, labels = builtin.digits_table()
     assert pixels.dtype == bunch.data.dtype and labels.dtype == bunch.target.dtype
     assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
 
@@ -68,11 +68,11 @@ def test_loading_digits_does_not_import_scikit_learn():
         "print(len(d.data), sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy', 'pandas')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert done.stdout.split() == [str(1797 - round(1797 * datasets.HELD_OUT)), "[]"]
+    assert done.stdout.split() == [str(1797 - round(1797 * builtin.HELD_OUT)), "[]"]
 
 
 def test_digits_without_scikit_learn_is_one_line_naming_it(monkeypatch):
-    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(builtin.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UsageError, match=r"^dataset digits: its file ships inside scikit-learn, which is not installed"):
         datasets.load("digits", "", "train", seed=0)
 

@@ -212,7 +212,7 @@ def test_device_flags_are_true_only_for_finite_values_and_a_false_one_is_checked
 def test_batches_on_the_device_are_the_loaders_in_order_with_the_same_values():
     from torch.utils.data import DataLoader
 
-    from app.data.datasets import InMemoryData
+    from app.data.builtin import InMemoryData
 
     g = torch.Generator().manual_seed(0)
     data = InMemoryData(torch.randint(0, 255, (40, 1, 6, 6), generator=g), torch.arange(40) % 3, [0.5], [0.25], 1 / 255)

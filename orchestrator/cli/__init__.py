@@ -4,7 +4,9 @@ Exit status: 0 ok; 2 bad input (`UsageError`: a flag, a config, a path),
 one line on stderr; 1 a failure at run time.
 
 A verb is a sub-parser with `set_defaults(run=FUNCTION)`, where FUNCTION takes
-the parsed arguments and returns the exit status; see `_add_verbs`.
+the parsed arguments and returns the exit status; see `_add_verbs`. The verbs on a
+cluster (build, and each target's up, down, logs, status, smoke, scale, tensorboard,
+export) are parsed in orchestrator/cli/cluster.py.
 """
 
 from __future__ import annotations
@@ -18,18 +20,16 @@ from typing import Optional
 
 from orchestrator.arguments import (
     Parser,
-    add_json_arg,
-    add_log_args,
     add_name_arg,
     add_resume_arg,
-    add_strategy_arg,
     add_topology_args,
     load_topology,
     positive_float,
     positive_int,
 )
+from orchestrator.cli.cluster import add_build_verb, add_cluster_verbs
 from orchestrator.errors import UsageError, engine_errors
-from orchestrator.paths import DEFAULT_CONFIG, SMOKE_CONFIG
+from orchestrator.paths import DEFAULT_CONFIG
 
 
 def targets():
@@ -188,31 +188,14 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda a: _sample_data().run(a.out, a.size))
 
 
-def _verbs():
-    """The verbs written once on the targets' blocks (orchestrator/backends/), imported on use:
-    `render` and `local` need no Docker SDK."""
-    from orchestrator.verbs import board, cluster, export, smoke
-
-    return cluster, smoke, board, export
-
-
 def _add_verbs(sub: argparse._SubParsersAction) -> None:
     _add_document_verbs(sub)
     _add_host_verbs(sub)
     _add_local_verbs(sub)
-    p = sub.add_parser("build", help="build the topology's image (Docker SDK, progress streamed)")
-    add_topology_args(p)
-    p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
-    p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
-    p.set_defaults(
-        run=lambda a: _verbs()[0].build(
-            a.config, a.workers, offline=a.offline, verbose=a.verbose, overrides=tuple(a.overrides)
-        )
-    )
-    # (build takes --name as every topology verb does; the image is the topology's whatever the name)
+    add_build_verb(sub)
     for backend in targets().BACKENDS.values():
         if backend.verb_prefix is not None:
-            _add_lifecycle_verbs(sub, backend)
+            add_cluster_verbs(sub, backend)
     _add_check_verb(sub)
     _add_runs_verb(sub)
     _add_chaos_verb(sub)
@@ -276,126 +259,6 @@ def _add_check_verb(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--build", action="store_true", help="(re)build the image first (else only when missing)")
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     p.set_defaults(run=run_check)
-
-
-def _add_lifecycle_verbs(sub: argparse._SubParsersAction, backend) -> None:
-    """PREFIX + up, down, logs, status, smoke, scale, tensorboard of one target (backends/base.py:
-    `Backend`). down, logs, status, scale and tensorboard without -c act on the cluster PREFIX +
-    up started last."""
-
-    def verb(name: str) -> argparse.ArgumentParser:
-        return sub.add_parser(backend.verb_prefix + name, help=backend.verb_help.get(name, name))
-
-    p = verb("up")
-    add_topology_args(p)
-    p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
-    add_resume_arg(p)
-    p.set_defaults(
-        run=lambda a: _verbs()[0].up(
-            backend,
-            a.config,
-            a.workers,
-            strategy=a.strategy,
-            offline=a.offline,
-            resume=a.resume,
-            name=a.name,
-            overrides=tuple(a.overrides),
-        )
-    )
-    last = f"the last {backend.verb_prefix}up"
-    _add_last_cluster_verbs(verb, backend, last)
-    p = verb("smoke")
-    p.add_argument("-c", "--config", default=SMOKE_CONFIG, metavar="CONFIG")
-    p.add_argument("--workers", type=positive_int, default=2, metavar="N")
-    p.add_argument("--timeout", type=positive_int, default=backend.smoke_timeout, metavar="SECONDS")
-    add_strategy_arg(p)
-    add_name_arg(p, f"the topology's name: + -{backend.verb_prefix}smoke")
-    p.set_defaults(
-        run=lambda a: _verbs()[1].smoke(
-            backend, a.config, a.workers, strategy=a.strategy, timeout=a.timeout, name=a.name
-        )
-    )
-    p = verb("scale")
-    p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
-    p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="the number of workers to run")
-    add_name_arg(p, f"{last}'s")
-    p.set_defaults(run=lambda a: _verbs()[0].scale(backend, a.config, a.workers, name=a.name))
-    _add_tensorboard_verb(verb("tensorboard"), backend, last)
-    _add_export_verb(verb("export"), backend, last)
-
-
-def _add_export_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
-    """The run's trained model out for plain PyTorch (orchestrator/verbs/export.py)."""
-    _last_cluster_args(p, last)
-    p.add_argument("--run", dest="run_id", metavar="ID", help="an earlier run (default: the newest)")
-    p.add_argument("--local", action="store_true", help="make local's runs (runs/<name>/) instead of a cluster's")
-    p.set_defaults(
-        run=lambda a: _verbs()[3].export(
-            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, local=a.local, name=a.name
-        )
-    )
-
-
-def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
-    p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
-    p.add_argument("--workers", type=positive_int, metavar="N")
-    add_strategy_arg(p)
-    add_name_arg(p, f"{last}'s; alone, the last up of that name")
-
-
-def _add_last_cluster_verbs(verb, backend, last: str) -> None:
-    """down, logs and status: the cluster named by -c, else the last up's."""
-    p = verb("down")
-    _last_cluster_args(p, last)
-    p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
-    p.set_defaults(
-        run=lambda a: _verbs()[0].down(
-            backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes, name=a.name
-        )
-    )
-    p = verb("logs")
-    _last_cluster_args(p, last)
-    p.add_argument("--no-follow", action="store_true", help="print and return")
-    add_log_args(p)
-    p.set_defaults(
-        run=lambda a: _verbs()[0].logs(
-            backend,
-            a.config,
-            a.workers,
-            strategy=a.strategy,
-            follow=not a.no_follow,
-            name=a.name,
-            options=_log_options(a),
-        )
-    )
-    p = verb("status")
-    _last_cluster_args(p, last)
-    add_json_arg(p, "the services, live workers and progress")
-    p.set_defaults(
-        run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy, name=a.name, as_json=a.json)
-    )
-
-
-def _log_options(a: argparse.Namespace):
-    from orchestrator.backends.base import LogOptions
-
-    return LogOptions(timestamps=a.timestamps, tail=a.tail, since=a.since)
-
-
-def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> None:
-    """TensorBoard on the runs' event files (orchestrator/verbs/board.py), or with --local
-    a process on `make local`'s runs (orchestrator/verbs/tensorboard.py)."""
-    _last_cluster_args(p, last)
-    p.add_argument(
-        "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"
-    )
-    p.add_argument("--port", type=positive_int, metavar="PORT", help="on 127.0.0.1 (default: 6006, else a free one)")
-    p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
-    p.set_defaults(
-        run=lambda a: _verbs()[2].tensorboard(
-            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port, local=a.local, name=a.name
-        )
-    )
 
 
 def _add_chaos_verb(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,112 @@
+"""The rules between options (app/options.py): each a condition on the job's values that
+breaks it, the option at fault and what is allowed, in words. The app's parser
+(app/config.py `validate`) and the topology (orchestrator/topology/model.py `check`) evaluate
+the same RULES, each naming the option its own way. Standard library only, as app/options.py:
+the orchestrator reads this module on a host without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from app.contract import NO_PS_STRATEGY
+from app.recipes import resolve_optimizer
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between options, evaluated by the app's parser (app/config.py `validate`) and by
+    the topology (orchestrator/topology/model.py `check`), each on its own values and naming the
+    option its own way (the flag or variable it came from; its YAML path).
+
+    `broken(v)`: the job's values `v`, by option name (`given`: the names of the options set
+    rather than left to their defaults; `role`: the process's, None for a whole job), break
+    it; `option`: the one at fault; `allowed(v)`: what is allowed, in words."""
+
+    option: str
+    broken: Callable[[Mapping[str, Any]], bool]
+    allowed: Callable[[Mapping[str, Any]], str]
+
+
+def _optimizer_clash(v: Mapping[str, Any], key: str) -> Optional[str]:
+    """train.momentum or train.weight_decay (`key`) that the optimizer has no use for, or gives too."""
+    given = {"momentum": 0.0, "weight_decay": 0.0, key: v[key]}
+    try:
+        resolve_optimizer(v["optimizer"], v["lr"], given["momentum"], given["weight_decay"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _workers(v: Mapping[str, Any]) -> int:
+    """The number of workers the job starts with (--world_size less the PS)."""
+    return int(v["world_size"]) - 1
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "overlap",
+        lambda v: bool(v["overlap"]) and v["strategy"] in ("sync", NO_PS_STRATEGY),
+        lambda v: (
+            f"allowed only with strategy async or ssp ({v['strategy']} waits for every worker's gradient each step)"
+        ),
+    ),
+    Rule(
+        "shards",
+        lambda v: v["shards"] > 1 and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: "allowed only with a parameter server (strategy async, sync or ssp); allreduce has none",
+    ),
+    Rule(
+        "max_workers",
+        lambda v: "max_workers" in v["given"] and v["max_workers"] < _workers(v),
+        lambda v: f"must be at least the number of workers ({_workers(v)}), or left out",
+    ),
+    Rule(
+        "max_workers",
+        lambda v: "max_workers" in v["given"] and v["max_workers"] > _workers(v) and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: (
+            f"strategy allreduce has a fixed world size (leave it out, or equal to the number of workers, "
+            f"{_workers(v)})"
+        ),
+    ),
+    Rule(
+        "momentum",
+        lambda v: _optimizer_clash(v, "momentum") is not None,
+        lambda v: str(_optimizer_clash(v, "momentum")),
+    ),
+    Rule(
+        "weight_decay",
+        lambda v: _optimizer_clash(v, "weight_decay") is not None,
+        lambda v: str(_optimizer_clash(v, "weight_decay")),
+    ),
+    Rule(
+        "optimizer",
+        lambda v: v["optimizer"]["name"] == "adafactor" and v["shards"] > 1,
+        lambda v: (
+            "adafactor factors each weight matrix by its rows and columns, and a PS shard steps pieces "
+            "of them: allowed with one PS process (ps.shards 1)"
+        ),
+    ),
+    Rule(
+        "precision",
+        lambda v: v["precision"] == "fp16" and v["device"] != "cuda" and v.get("role") in (None, "worker"),
+        lambda v: "needs a GPU, device cuda (loss scaling runs on the GPU); on CPU use bf16",
+    ),
+    Rule(
+        "cuda_graphs",
+        lambda v: bool(v["cuda_graphs"]) and v["precision"] == "fp16",
+        lambda v: "not with precision fp16 (the loss scale and its overflow check are host decisions each step)",
+    ),
+    Rule(
+        "cuda_graphs",
+        lambda v: bool(v["cuda_graphs"]) and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: "allowed only with a parameter server (strategy async, sync or ssp): DDP's hooks run in the step",
+    ),
+)
+
+
+def broken_rule(values: Mapping[str, Any]) -> Optional[Rule]:
+    """The first rule of RULES that `values` break; None when they keep every one."""
+    return next((rule for rule in RULES if rule.broken(values)), None)
