@@ -25,7 +25,7 @@ from torch.futures import Future
 
 from app.exchange import calls
 from app.exchange.notes import Note, NoteReader
-from app.exchange.ps_end import SharedExchange
+from app.exchange.ps_end import PSEnd
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
@@ -38,8 +38,8 @@ class Served(Protocol):
     """What the endpoints call of the PS they serve (app.ps.server.ParameterServer)."""
 
     @property
-    def shared(self) -> SharedExchange | None:
-        """Its shared-memory segment, where it has one."""
+    def shared(self) -> PSEnd:
+        """Its end of the exchange: its shared-memory segment, or NO_SEGMENT."""
 
     @property
     def partitions(self) -> Sequence[tuple[int, int]] | None:
@@ -72,7 +72,7 @@ class Endpoint:
         """Serve `server`: its RPC entry points, and the notes on its note socket where it has one
         (a thread of their own, app.ps.early)."""
         self.server, self.admit = server, join
-        inbox = server.shared.notes if server.shared is not None and server.partitions is not None else None
+        inbox = server.shared.notes if server.partitions is not None else None
         notes = NoteReader(inbox, server.note) if inbox is not None else None
         try:
             with calls.serving(self):
@@ -116,7 +116,7 @@ class Endpoint:
         shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
         server = self.get()
         answer = self.admit(rank, name) if self.admit is not None else server.join(rank, name)
-        if server.shared is not None and isinstance(answer, Joined):
+        if isinstance(answer, Joined):
             return answer._replace(exchange=server.shared.offer(answer.life))
         return answer
 
@@ -129,9 +129,7 @@ class Endpoint:
         server = self.get()
         if not isinstance(message, InSlot):
             return server.submit(push, message)
-        shared = server.shared
-        if shared is None:
-            raise RuntimeError("this parameter server has no shared-memory segment")
+        shared = server.shared  # NO_SEGMENT refuses the slot
         values = shared.push(push.rank, message.slot, message.dtype, message.numel)
         return server.submit(push, values).then(lambda done: shared.answer(done.value()))
 
