@@ -100,21 +100,23 @@ def shard_main(p: dict[str, Any]) -> dict[str, Any]:
 def ps_main(p: dict[str, Any], index: int = 0) -> dict[str, Any]:
     from app.contract import ps_name
     from app.exchange.ps_end import for_config
-    from app.ps.rpc import ENDPOINT
+    from app.ps import rpc
 
     config = _config("ps", p)
     model, part = SPECS[p["model"]].model(), _part(p, index)
     shared = for_config(config, model, part, ps_name(index))
     server = _server(model, config.world_size - 1, part, config.strategy, shared)
     _DONE["expected"] = config.world_size - 1
+    # an Endpoint built per serving; a baseline under --app-path before it: the process-wide one
+    serving = rpc.ENDPOINT.serving(server) if hasattr(rpc, "ENDPOINT") else rpc.Endpoint(server).serving()
     try:
-        with ENDPOINT.serving(server):
+        with serving:
             _init(config, ps_name(index), p["rank"])
             if not _DONE["event"].wait(timeout=p["timeout"]):
                 raise TimeoutError(f"the workers did not finish within {p['timeout']} s")
             loop.shutdown_after_steps(ps_name(index), graceful=True, timeout=RPC_TIMEOUT)
     finally:
-        if shared is not None:
+        if shared is not None:  # None: a baseline before NO_SEGMENT
             shared.close()
     return {"version": server.version, "state_floats": _state_floats(server)}
 

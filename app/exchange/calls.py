@@ -2,9 +2,11 @@
 
 RPC sends a call as its function's qualified name, so the caller and the callee must import the
 same function. These are those functions; each hands its call to the `Service` the PS process
-serves (app.ps.rpc installs it with `serving` while it serves), so a worker imports this module
-and the wire types, never the PS's code. A call to a process that serves nothing raises (RPC
-hands the error back to the caller).
+serves (an app.ps.rpc Endpoint, which installs itself with `serving` while it serves), so a
+worker imports this module and the wire types, never the PS's code. `serving`'s table is the
+process's one: the calls between the PS's own processes (app.ps.rpc) find their endpoint there
+too (`service`). A call to a process that serves nothing raises (RPC hands the error back to
+the caller).
 
 - `rpc_join`: a worker process starts: the state, its rank's progress (Joined), or Taken /
   NotReady; with the PS process's shared-memory offer where it has one.
@@ -53,6 +55,7 @@ def serving(service: Service) -> Iterator[None]:
 
 
 def service() -> Service:
+    """What this process serves; RuntimeError when it serves nothing."""
     if not _SERVING:
         raise RuntimeError("no parameter server is serving in this process")
     return _SERVING[-1]

@@ -19,11 +19,17 @@ with plain SGD, sync; one PS process), the offer also names the partitions (app.
 and a note socket beside the segment (app.exchange.notes) on which a worker notes each partition its
 backward has finished; under async each rank then has two reply buffers, so the next state can
 be built in the one the worker is not computing on.
+
+The PS asks its end of the exchange (`PSEnd`) the same questions whether it has a segment or
+not: `for_config` decides once, where the segment is made, and a PS process without one (its
+workers all push over TensorPipe) holds `NO_SEGMENT`, which offers nothing, holds no tensor, has
+no reply buffers, partitions or note inbox, and refuses a push from a slot.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,6 +56,53 @@ def region_names(max_rank: int, overlap: bool, sync: bool, ahead: bool = False) 
     for rank in range(1, max_rank + 1):
         names += [f"push{rank}.{k}" for k in range(pushes)] + [f"reply{rank}.{k}" for k in range(replies)]
     return names
+
+
+class PSEnd(Protocol):
+    """What the PS asks of its end of the exchange: a segment's (`SharedExchange`), or none's
+    (`NO_SEGMENT`)."""
+
+    parts: list[tuple[int, int]] | None
+    notes: NoteInbox | None
+
+    def offer(self, life: int = 0) -> Offer | None: ...
+    def reply_buffers(self, rank: int) -> list[torch.Tensor] | None: ...
+    def push(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor: ...
+    def holds(self, tensor: torch.Tensor) -> bool: ...
+    def answer(self, reply: object) -> object: ...
+    def close(self) -> None: ...
+
+
+class NoSegment:
+    """The end of a PS process without a segment (--exchange tensorpipe, or no shared memory
+    here): every push and reply crosses over TensorPipe."""
+
+    parts: list[tuple[int, int]] | None = None
+    notes: NoteInbox | None = None
+
+    def offer(self, life: int = 0) -> Offer | None:
+        """Nothing to map: the worker pushes over TensorPipe."""
+        return None
+
+    def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
+        """None: the PS keeps every rank's reply buffers in its own memory."""
+        return None
+
+    def push(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor:
+        """Refused: no worker was offered a slot."""
+        raise RuntimeError("this parameter server has no shared-memory segment")
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def answer(self, reply: object) -> object:
+        return reply
+
+    def close(self) -> None:
+        pass
+
+
+NO_SEGMENT = NoSegment()
 
 
 class SharedExchange:
@@ -129,9 +182,9 @@ class SharedExchange:
         self.segment.close()
 
 
-def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, who: str) -> SharedExchange | None:
+def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, who: str) -> PSEnd:
     """The segment PS process `who` offers its workers for `model`'s state (or the slice `part`
-    of it), or None (--exchange tensorpipe, or no shared memory here: said in one line, and
+    of it), or NO_SEGMENT (--exchange tensorpipe, or no shared memory here: said in one line, and
     every worker pushes over TensorPipe). It is removed when the process ends (lifecycle.on_exit)."""
     floats = part[1] - part[0] if part is not None else state_size(model)
     sizes = [p.numel() for p in model.parameters()]
@@ -146,8 +199,7 @@ def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, w
         who,
         cut(sizes, floats, config.partition_values) if ahead else None,
     )
-    if shared is not None:
-        lifecycle.on_exit(shared.close)
+    lifecycle.on_exit(shared.close)
     return shared
 
 
@@ -160,16 +212,16 @@ def open_exchange(
     sync: bool,
     who: str,
     parts: list[tuple[int, int]] | None = None,
-) -> SharedExchange | None:
+) -> PSEnd:
     """As `for_config`, from its parts."""
     if mode == "tensorpipe":
         log.info("%s: exchange over TensorPipe (--exchange tensorpipe)", who)
-        return None
+        return NO_SEGMENT
     try:
         exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync, parts)
     except ShmUnavailable as error:
         log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
-        return None
+        return NO_SEGMENT
     log.info(
         "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s%s); "
         "a worker that cannot map it uses TensorPipe",

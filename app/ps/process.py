@@ -31,7 +31,7 @@ from app.contract import PS, worker_name
 from app.data import datasets
 from app.exchange import transport
 from app.ps.members.liveness import LivenessMonitor
-from app.ps.rpc import ENDPOINT, Admit
+from app.ps.rpc import Admit, Endpoint, Main
 from app.ps.server import ParameterServer
 from app.ps.sharding import shard_process
 from app.ps.sharding.shardset import ShardSet
@@ -149,11 +149,8 @@ def _serve(
 
     if others is not None:  # workers can join once every shard is up (ShardSet's on_ready), not before
         server.close_joins()
-    with (
-        ENDPOINT.serving(server, join=join),
-        ENDPOINT.serving_main(others.register if others is not None else None, resumed),
-        transport.session(config, rank=0),
-    ):
+    main = Main(others.register if others is not None else None, resumed)
+    with Endpoint(server, join, main=main).serving(), transport.session(config, rank=0):
         if others is None:
             server.open_joins()  # it listens: the workers' join_timeout counts from now
         try:

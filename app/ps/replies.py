@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from app.exchange.ps_end import SharedExchange
+from app.exchange.ps_end import NO_SEGMENT, PSEnd
 
 
 class ReplyBuffers:
-    def __init__(self, size: int, shared: SharedExchange | None = None) -> None:
+    def __init__(self, size: int, shared: PSEnd = NO_SEGMENT) -> None:
         self.size, self.shared = size, shared
         self._buffers: dict[int, list[torch.Tensor]] = {}
 
@@ -36,11 +36,11 @@ class ReplyBuffers:
     def in_segment(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in the shared-memory segment (a push slot, which its worker
         overwrites with its next push)."""
-        return self.shared is not None and self.shared.holds(tensor)
+        return self.shared.holds(tensor)
 
     def _of(self, rank: int) -> list[torch.Tensor]:
         buffers = self._buffers.get(rank)
         if buffers is None:
-            shared = self.shared.reply_buffers(rank) if self.shared is not None else None
+            shared = self.shared.reply_buffers(rank)
             buffers = self._buffers[rank] = shared or [torch.empty(self.size) for _ in range(2)]
         return buffers

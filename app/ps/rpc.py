@@ -1,16 +1,18 @@
 """What a PS process serves over RPC, and the calls between the PS's own processes.
 
-RPC runs plain functions by name, so what a process serves has to be reachable
-from them: `ENDPOINT` is the app's one piece of process-wide state, set only
-for the duration of `serving()` (its parts: `serving_main`, `serving_shard`).
+RPC runs plain functions by name, so what a process serves has to be reachable from them:
+an `Endpoint` is built for each serving, over the PS it serves and the hooks of its role, and
+`Endpoint.serving()` installs it, for the duration of the block, in the one table the calls
+read (app.exchange.calls' `serving`): the workers' calls there and the PS's own below find it
+through that table, and nothing else of it is process-wide.
 
 - Every PS process (the main PS and each shard) serves the calls workers make
   (app.exchange.calls: join, pull, push (a tensor, or a push slot), finish, leave,
   share): `Endpoint` is that service, over the PS it is given (`Served`: what it calls of
   app.ps.server's ParameterServer, which this module does not import). `rpc_drop`: the main
   PS forwards a worker's drop to the shards.
-- The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them).
-- A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them).
+- The main PS of a sharded PS: `rpc_register`, `rpc_resumed` (shards call them; its `Main`).
+- A shard: `rpc_checkpoint`, `rpc_end` (the main PS calls them; its `Shard`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -25,7 +28,7 @@ from torch.futures import Future
 
 from app.exchange import calls
 from app.exchange.notes import Note, NoteReader
-from app.exchange.ps_end import SharedExchange
+from app.exchange.ps_end import PSEnd
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 Admit = Callable[[int, str], "Joined | Taken | NotReady"]  # (rank, name) -> the answer to a join
@@ -38,8 +41,8 @@ class Served(Protocol):
     """What the endpoints call of the PS they serve (app.ps.server.ParameterServer)."""
 
     @property
-    def shared(self) -> SharedExchange | None:
-        """Its shared-memory segment, where it has one."""
+    def shared(self) -> PSEnd:
+        """Its end of the exchange: its shared-memory segment, or NO_SEGMENT."""
 
     @property
     def partitions(self) -> Sequence[tuple[int, int]] | None:
@@ -55,24 +58,54 @@ class Served(Protocol):
     def drop(self, rank: int, name: str) -> bool: ...
 
 
-class Endpoint:
-    """What this process serves; set while it serves, None otherwise."""
+@dataclass(frozen=True)
+class Main:
+    """The main PS's side of the calls its shards make. Shards register through `register`
+    (None: --shards 1) and resume from the checkpoint labelled `resumed()`: the main PS's
+    newest, the one it resumed from or wrote since (None: none yet, a new run), so a shard
+    restarted mid-run gets its slice back from the last checkpoint rather than the initial
+    values."""
+
+    register: Register | None = None  # ShardSet.register
+    resumed: Callable[[], Resumed] = lambda: None
+
+
+class Shard:
+    """A shard's side of the calls the main PS makes: it checkpoints through the writer
+    `checkpointing` gives it (once it resumed), and training ends (`ended`; `finished`:
+    whether every worker finished)."""
 
     def __init__(self) -> None:
-        self.server: Served | None = None
-        self.admit: Admit | None = None  # app.ps.members.liveness.LivenessMonitor.join on the main PS
-        self.register: Register | None = None  # the main PS of a sharded PS: ShardSet.register
-        self.resumed: Callable[[], Resumed] = lambda: None  # ... and its newest checkpoint (version, run id)
-        self.save_labelled: SaveLabelled | None = None  # a shard's checkpoint writer
-        self.ended = threading.Event()  # a shard: the main PS said training ended
-        self.finished = False  # ... and whether every worker finished
+        self.save_labelled: SaveLabelled | None = None
+        self.ended = threading.Event()
+        self.finished = False
 
     @contextmanager
-    def serving(self, server: Served, join: Admit | None = None) -> Iterator[None]:
-        """Serve `server`: its RPC entry points, and the notes on its note socket where it has one
-        (a thread of their own, app.ps.early)."""
-        self.server, self.admit = server, join
-        inbox = server.shared.notes if server.shared is not None and server.partitions is not None else None
+    def checkpointing(self, save_labelled: SaveLabelled) -> Iterator[None]:
+        """The main PS asks this shard to checkpoint through `save_labelled` while the block runs."""
+        self.save_labelled = save_labelled
+        try:
+            yield
+        finally:
+            self.save_labelled = None
+
+
+class Endpoint:
+    """What one serving of a PS process answers: the workers' calls, over `server` (its joins
+    through `join` where given: app.ps.members.liveness.LivenessMonitor.join on the main PS),
+    and the calls between the PS's processes, through its role's hooks (`main`, `shard`)."""
+
+    def __init__(
+        self, server: Served, join: Admit | None = None, main: Main | None = None, shard: Shard | None = None
+    ) -> None:
+        self.server, self.admit, self.main, self.shard = server, join, main, shard
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Serve: the RPC entry points answer through this endpoint, and the notes on the server's
+        note socket are read where it has one (a thread of their own, app.ps.early)."""
+        server = self.server
+        inbox = server.shared.notes if server.partitions is not None else None
         notes = NoteReader(inbox, server.note) if inbox is not None else None
         try:
             with calls.serving(self):
@@ -80,33 +113,6 @@ class Endpoint:
         finally:
             if notes is not None:
                 notes.close()
-            self.server, self.admit = None, None
-
-    @contextmanager
-    def serving_main(self, register: Register | None, resumed: Callable[[], Resumed] = lambda: None) -> Iterator[None]:
-        """The main PS: shards register through `register` (None: --shards 1) and resume from
-        the checkpoint labelled `resumed()`: the main PS's newest, the one it resumed from or
-        wrote since (None: none yet, a new run), so a shard restarted mid-run gets its slice
-        back from the last checkpoint rather than the initial values."""
-        self.register, self.resumed = register, resumed
-        try:
-            yield
-        finally:
-            self.register, self.resumed = None, lambda: None
-
-    @contextmanager
-    def serving_shard(self, save_labelled: SaveLabelled) -> Iterator[None]:
-        """A shard: the main PS asks it to checkpoint through `save_labelled`."""
-        self.save_labelled = save_labelled
-        try:
-            yield
-        finally:
-            self.save_labelled = None
-
-    def get(self) -> Served:
-        if self.server is None:
-            raise RuntimeError("no parameter server is serving in this process")
-        return self.server
 
     # The calls workers make (app.exchange.calls.Service).
 
@@ -114,65 +120,86 @@ class Endpoint:
         """A worker process starts: the state to start from and its rank's progress (Joined; Taken
         when another process holds the rank), and where this PS process has one, its
         shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
-        server = self.get()
-        answer = self.admit(rank, name) if self.admit is not None else server.join(rank, name)
-        if server.shared is not None and isinstance(answer, Joined):
-            return answer._replace(exchange=server.shared.offer(answer.life))
+        answer = self.admit(rank, name) if self.admit is not None else self.server.join(rank, name)
+        if isinstance(answer, Joined):
+            return answer._replace(exchange=self.server.shared.offer(answer.life))
         return answer
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
-        return self.get().pull(rank)
+        return self.server.pull(rank)
 
     def push(self, message: torch.Tensor | InSlot, push: Push) -> Future:
         """The push's message resolved: a tensor as it came, or the push slot that holds it (the
         answer then names the region of the new state)."""
-        server = self.get()
+        server = self.server
         if not isinstance(message, InSlot):
             return server.submit(push, message)
-        shared = server.shared
-        if shared is None:
-            raise RuntimeError("this parameter server has no shared-memory segment")
+        shared = server.shared  # NO_SEGMENT refuses the slot
         values = shared.push(push.rank, message.slot, message.dtype, message.numel)
         return server.submit(push, values).then(lambda done: shared.answer(done.value()))
 
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None:
-        return self.get().finish(rank, pushes, name)
+        return self.server.finish(rank, pushes, name)
 
     def leave(self, rank: int, pushes: int, name: str) -> Refusal | None:
-        return self.get().leave(rank, pushes, name)
+        return self.server.leave(rank, pushes, name)
 
     def share(self, rank: int, finished: Share | None) -> Share | None:
-        return self.get().share(rank, finished)
+        return self.server.share(rank, finished)
+
+    # The calls between the PS's processes (below).
+
+    def drop(self, rank: int, name: str) -> bool:
+        return self.server.drop(rank, name)
+
+    def resumed(self) -> Resumed:
+        return self.main.resumed() if self.main is not None else None
+
+    def register(self, index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
+        if self.main is None or self.main.register is None:
+            return "the main parameter server runs with --shards 1"
+        return self.main.register(index, name, k, part)
+
+    def checkpoint(self, version: int) -> str | None:
+        if self.shard is None or self.shard.save_labelled is None:
+            return "this shard is not serving yet"
+        return self.shard.save_labelled(version)
+
+    def end(self, finished: bool) -> None:
+        if self.shard is None:
+            raise RuntimeError("this parameter server process is not a shard")
+        self.shard.finished = finished
+        self.shard.ended.set()
 
 
-ENDPOINT = Endpoint()
+def endpoint() -> Endpoint:
+    """The endpoint this process serves (app.exchange.calls' table); RuntimeError when none."""
+    served = calls.service()
+    if not isinstance(served, Endpoint):
+        raise RuntimeError("no parameter server's endpoint is serving in this process")
+    return served
 
 
 def rpc_drop(rank: int, name: str) -> bool:
-    return ENDPOINT.get().drop(rank, name)
+    return endpoint().drop(rank, name)
 
 
 def rpc_resumed() -> tuple[int, str] | None:
     """The main PS's newest checkpoint, (version, run id), which a (re)starting shard resumes
     from (None: none yet)."""
-    return ENDPOINT.resumed()
+    return endpoint().resumed()
 
 
 def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
     """A shard announces itself to the main PS; an error line, or None."""
-    if ENDPOINT.register is None:
-        return "the main parameter server runs with --shards 1"
-    return ENDPOINT.register(index, name, k, part)
+    return endpoint().register(index, name, k, part)
 
 
 def rpc_checkpoint(version: int) -> str | None:
     """Write this shard's checkpoint labelled `version`; an error line, or None."""
-    if ENDPOINT.save_labelled is None:
-        return "this shard is not serving yet"
-    return ENDPOINT.save_labelled(version)
+    return endpoint().checkpoint(version)
 
 
 def rpc_end(finished: bool) -> None:
     """Training ended (`finished`: every worker finished): the shard saves and exits."""
-    ENDPOINT.finished = finished
-    ENDPOINT.ended.set()
+    endpoint().end(finished)

@@ -38,7 +38,7 @@ from app.config import Config
 from app.contract import worker_name
 from app.exchange import ps_end as exchange
 from app.exchange.notes import Note
-from app.exchange.ps_end import SharedExchange
+from app.exchange.ps_end import NO_SEGMENT, PSEnd
 from app.exchange.wire import Joined, Push, Refusal, Refused, Share
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members, MembersConfig
@@ -107,7 +107,7 @@ class ParameterServer:
         self,
         model: nn.Module,
         config: ServerConfig,
-        shared: SharedExchange | None = None,
+        shared: PSEnd = NO_SEGMENT,
         clock: Callable[[], float] = time.monotonic,
         on_finish: Callable[[int], None] | None = None,
     ) -> None:
@@ -117,8 +117,7 @@ class ParameterServer:
         self.counts = PushCounts()
         self.replies = ReplyBuffers(self.state.size, shared)  # two per rank, used in turn
         # Partitions a push may be taken early by (app.ps.early): the segment's, on an unsliced PS.
-        early = shared is not None and shared.parts and not self.state.sliced
-        self.partitions = shared.parts if early and shared is not None else None
+        self.partitions = shared.parts if shared.parts and not self.state.sliced else None
         self.policy = policy_for(config.policy, self.state, self.members, self.replies, self.counts, self.partitions)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -197,7 +196,7 @@ class ParameterServer:
         A note of another process of the rank (a replaced one: its join count is not the rank's
         last), or of the last partition (the buffers go with the push), is passed over."""
         partitions = self.partitions
-        if partitions is None or not 0 <= note.partition < len(partitions) - 1 or self.shared is None:
+        if partitions is None or not 0 <= note.partition < len(partitions) - 1:
             return
         message = self.shared.push(note.rank, note.slot, "float32", self.state.size)
         with self._lock:

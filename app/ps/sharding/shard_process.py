@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from app.contract import PS
 from app.data import datasets
 from app.exchange import group, transport
 from app.ps import rpc as endpoints
-from app.ps.rpc import ENDPOINT
+from app.ps.rpc import Endpoint, Shard
 from app.ps.server import ParameterServer
 from app.ps.sharding.slices import MainPSLost, bounds
 from app.runtime.words import first_line
@@ -120,8 +121,7 @@ def run(config: Config) -> int:
     own = dataclasses.replace(
         config, checkpoint_dir=str(Path(config.checkpoint_dir) / f"shard{index}"), checkpoint_every=0
     )
-    ENDPOINT.ended.clear()
-    ENDPOINT.finished = False
+    shard = Shard()  # what the main PS's calls to this shard reach: its checkpoints, the end
     with MetricsWriter(config.metrics_dir, config.name, "ps", 0) as metrics:
         checkpoints = Checkpointer(server, own, identity, metrics)
         checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
@@ -129,18 +129,19 @@ def run(config: Config) -> int:
         group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, who=f"shard {index}")
         name, rpc_id = group.claim_shard_identity(index, config.master_addr, config.master_port, config.rpc_timeout)
         metrics.start(config)
-        with ENDPOINT.serving(server), transport.session(config, rank=rpc_id, name=name):
+        with Endpoint(server, shard=shard).serving(), transport.session(config, rank=rpc_id, name=name):
             _resume_from_main(server, config, own.checkpoint_dir, metrics, name)
-            with ENDPOINT.serving_shard(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
+            with shard.checkpointing(functools.partial(_save_labelled, server, identity, own.checkpoint_dir)):
                 error = _call_main(config, endpoints.rpc_register, index, name, k, part)
                 if error:  # this shard is not one of the main PS's job
                     raise UsageError(error)
+                address = f"{config.master_addr}:{config.master_port}"
                 try:
-                    _serve_until_ended(server, checkpoints, config, f"{config.master_addr}:{config.master_port}")
+                    _serve_until_ended(server, checkpoints, config, address, shard.ended)
                 except BaseException:  # SIGTERM (SystemExit), the main PS lost: keep this slice
                     _save_on_exit(server, identity, own.checkpoint_dir)
                     raise
-            state = {**server.checkpoint(), **identity, "finished": ENDPOINT.finished}
+            state = {**server.checkpoint(), **identity, "finished": shard.finished}
             try:
                 path = checkpoint_files.save(state, own.checkpoint_dir)
             except OSError as error:  # a full volume: the main PS's final.pt holds the whole model
@@ -175,16 +176,19 @@ def _resume_from_main(
         metrics.write("resume", server.version, label=resumed[0] if isinstance(resumed, tuple) else resumed)
 
 
-def _serve_until_ended(server: ParameterServer, checkpoints: Checkpointer, config: Config, address: str) -> None:
+def _serve_until_ended(
+    server: ParameterServer, checkpoints: Checkpointer, config: Config, address: str, ended: threading.Event
+) -> None:
+    """Serve until the main PS says training `ended`; MainPSLost when it stops answering pings."""
     last_ping = time.monotonic()
-    while not ENDPOINT.ended.is_set():
+    while not ended.is_set():
         server.wait(checkpoints.next_version or server.version + (1 << 62), timeout=TICK_SECONDS)
         server.unblock()
-        if time.monotonic() - last_ping >= PING_SECONDS and not ENDPOINT.ended.is_set():
+        if time.monotonic() - last_ping >= PING_SECONDS and not ended.is_set():
             try:
                 transport.call(PS, group.pong, timeout=config.rpc_timeout)
             except RuntimeError as error:
-                if ENDPOINT.ended.is_set():
+                if ended.is_set():
                     return
                 raise MainPSLost(f"lost the main parameter server at {address}: {first_line(error)}") from None
             last_ping = time.monotonic()

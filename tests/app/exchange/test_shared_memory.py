@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from app.contract import exchange_bytes, exchange_regions
-from app.exchange.ps_end import SharedExchange, open_exchange, region_names
+from app.exchange.ps_end import NO_SEGMENT, SharedExchange, open_exchange, region_names
 from app.exchange.segment import Offer, Segment, ShmUnavailable, filesystem_of, segment_bytes, sweep
 from app.exchange.wire import Reply, SlotReply
 from app.exchange.worker_end import WorkerEnd
@@ -153,7 +153,7 @@ def test_the_shm_dir_is_a_tmpfs_directory_and_nothing_is_made_elsewhere(tmp_path
             Segment.create(str(where), 10, ["a"])
     assert not (tmp_path / "nonexistent").exists() and list(tmp_path.iterdir()) == []
     with caplog.at_level(logging.INFO, logger="app.ps"):
-        assert open_exchange("auto", str(on_disk), 10, 1, overlap=False, sync=False, who="ps") is None
+        assert open_exchange("auto", str(on_disk), 10, 1, overlap=False, sync=False, who="ps") is NO_SEGMENT
     [line] = caplog.messages
     assert line == (
         f"ps: no shared memory for the exchange ({on_disk} does not exist, nor does {on_disk.parent}); "
@@ -229,6 +229,22 @@ def test_a_push_from_a_slot_is_torch_sgd_value_for_value_and_the_reply_names_a_r
             assert torch.equal(server.snapshot()[0], reply.vector)
     finally:
         exchange.close()
+
+
+def test_without_a_segment_the_ps_end_offers_nothing_holds_nothing_and_refuses_a_slot():
+    """NO_SEGMENT (--exchange tensorpipe, or no shared memory): the same questions as a segment,
+    each answered as a PS whose workers all push over TensorPipe."""
+    assert NO_SEGMENT.offer(life=1) is None and NO_SEGMENT.parts is None and NO_SEGMENT.notes is None
+    assert NO_SEGMENT.reply_buffers(1) is None and NO_SEGMENT.reply_buffers(0) is None
+    assert not NO_SEGMENT.holds(torch.zeros(4))
+    reply = Reply(torch.zeros(4), 3, 0, 0)
+    assert NO_SEGMENT.answer(reply) is reply
+    with pytest.raises(RuntimeError, match="^this parameter server has no shared-memory segment$"):
+        NO_SEGMENT.push(1, 0, "float32", 4)
+    NO_SEGMENT.close()  # nothing to remove
+    server = ps_server(_bn_model(), lr=0.1)  # a server given no segment keeps its replies itself
+    assert server.shared is NO_SEGMENT and server.partitions is None
+    assert server.replies.take(1).numel() == server.state.size and not server.replies.in_segment(server.replies.next(1))
 
 
 def test_a_state_outside_the_segment_goes_as_a_tensor(shm_dir):

@@ -39,7 +39,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
 def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_usage_error():
     server = ps_server(_linear(4), lr=1.0, momentum=0.0, num_trainers=1)
     server.join(1, "worker1_r2")
-    with endpoints.ENDPOINT.serving(server):
+    with endpoints.Endpoint(server).serving():
         future = calls.rpc_push(torch.ones(4), Push(1, "worker1", 0))
         answer = future.wait()  # a value: what RPC carries back is a normal reply
         assert isinstance(answer, Refusal) and answer.kind == "stale"

@@ -25,7 +25,7 @@ from app.exchange.layout import cut
 from app.exchange.ps_end import SharedExchange
 from app.exchange.wire import Start, finite_flag
 from app.exchange.worker_end import WorkerEnd
-from app.ps.rpc import ENDPOINT
+from app.ps.rpc import Endpoint
 from app.ps.server import ParameterServer
 from app.training import loop
 from app.training.flat import FlatModel
@@ -129,7 +129,7 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
     data = Images()
     loader = DataLoader(data, sampler=BatchSampler(SequentialSampler(data), 16, True), batch_size=None, pin_memory=True)
     try:
-        with ENDPOINT.serving(server):
+        with Endpoint(server).serving():
             joined = server.join(1, "worker1")
             end = WorkerEnd.attach(exchange.offer(joined.life), 1, CUDA)
             channel = PSChannel(1, 30.0, "in-process", "worker1", device=CUDA, overlap=overlap)
