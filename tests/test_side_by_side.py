@@ -41,7 +41,8 @@ def test_processes(i):
 
 
 def run_suite(tmp_path: Path, suite: str) -> subprocess.CompletedProcess:
-    (tmp_path / "conftest.py").write_text((HERE / "conftest.py").read_text(encoding="utf-8"), encoding="utf-8")
+    for kit in ("conftest.py", "engine_networks.py"):  # the grouping, and the holds it takes
+        (tmp_path / kit).write_text((HERE / kit).read_text(encoding="utf-8"), encoding="utf-8")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    docker: needs a Docker engine\n", encoding="utf-8")
     (tmp_path / "test_suite.py").write_text(suite, encoding="utf-8")
     (tmp_path / "ran").mkdir()
