@@ -34,7 +34,7 @@ from orchestrator.arguments import Parser, add_json_arg
 from orchestrator.backends import record
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.backends.status import summarize_metrics
-from orchestrator.errors import UsageError, engine_errors
+from orchestrator.errors import EngineError, UsageError, engine_errors
 from orchestrator.metrics.records import is_event, parse_line
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.services import PS_SERVICE
@@ -272,11 +272,12 @@ def remove(
     its volume) only with `volumes`."""
     out = out or sys.stdout
     base = base or paths.RUNS
-    where = [LOCAL] if (Path(RUNS_DIR) / name / "metrics").is_dir() else []
+    local = (Path(RUNS_DIR) / name / "metrics").is_dir()
+    where = [LOCAL] if local else []
     where += [
         b.name
         for b in engine_targets(None)
-        if (target in (None, b.name)) and (record.path(b, base, name).is_file() or name in b.known_clusters())
+        if (target in (None, b.name)) and (record.path(b, base, name).is_file() or _holds(b, name, local))
     ]
     if target is not None:
         where = [t for t in where if t == target] or ([target] if target != LOCAL else [])
@@ -289,6 +290,18 @@ def remove(
     from orchestrator.backends.registry import get
 
     return _remove_cluster(get(where[0]), name, base, volumes, out)
+
+
+def _holds(backend: Backend, name: str, local: bool) -> bool:
+    """Whether `backend`'s engine holds a state volume of `name`. An engine that does not
+    answer holds none when `name` has a local run (that one is removed without it), and is
+    the error otherwise."""
+    try:
+        return name in backend.known_clusters()
+    except EngineError:
+        if local:
+            return False
+        raise
 
 
 def _remove_local(d: Path, volumes: bool, out: TextIO) -> int:

@@ -227,3 +227,17 @@ def test_a_resumed_runs_first_record_is_not_the_run_before_it():
 
     rows = inventory.rows_of("t", "local", "", {"ps.jsonl": [json.dumps(r) for r in records]}, None)
     assert [(r["run_id"], r["state"], r["steps"]) for r in rows] == [("A", "stopped", 30), ("B", "finished", 8)]
+
+
+def test_runs_rm_of_a_local_run_needs_no_docker_engine(here: Path) -> None:
+    """With no engine answering, a local run is still removed (its state kept, then with
+    --volumes); a name with no local run is the engine's one line (its clusters are unknown)."""
+    assert orch(here, "local", "-c", "topo.yaml").returncode == 0
+    no_engine = {"DOCKER_HOST": f"unix://{here}/no-engine.sock"}
+    kept = orch(here, "runs", "rm", "t", **no_engine)
+    assert kept.returncode == 0 and "local t removed" in kept.stdout, kept.stderr
+    gone = orch(here, "runs", "rm", "t", "--volumes", **no_engine)
+    assert gone.returncode == 0 and not (here / "runs" / "t").exists(), gone.stderr
+    unknown = orch(here, "runs", "rm", "t", **no_engine)
+    assert unknown.returncode == 1 and "no-engine.sock" in unknown.stderr, unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1
