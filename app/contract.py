@@ -86,8 +86,7 @@ EVENTS = tuple(e.value for e in Event)
 
 # The PS's shared-memory segment for the same-host exchange (app.exchange.ps_end, app.exchange.segment):
 # a page of header, then for each possible worker its push slots (one, two with --overlap) and
-# reply buffers (one; two with --overlap, or when the PS applies a push's partitions ahead of it
-# under async), and under sync a round's two reply buffers; every region holds the state's
+# reply buffers (one, two with --overlap), and under sync a round's two reply buffers; every region holds the state's
 # float32 values, rounded up to a page. The render sizes /dev/shm from this; the PS makes it.
 
 
@@ -136,26 +135,16 @@ def strategy_of(name: str) -> Strategy:
 SHM_PAGE = 4096
 
 
-def applies_ahead(strategy: str, momentum: float, weight_decay: float, shards: int) -> bool:
-    """Whether the PS applies a push's partitions as the worker's backward finishes them,
-    before the push itself (app.ps.early): under async with plain SGD (the new state is
-    built partition by partition in the rank's next reply buffer) and under sync (each
-    partition folded into the round), on one PS process (a shard takes its slice whole)."""
-    plain = momentum == 0 and weight_decay == 0
-    s = strategy_of(strategy)
-    return shards == 1 and s.has_ps and (s.rounds or (not s.waits and plain))
+def exchange_regions(max_workers: int, overlap: bool, sync: bool) -> int:
+    """How many regions a PS process's segment holds."""
+    per_worker = 2 * (2 if overlap else 1)  # its push slots and its reply buffers
+    return max_workers * per_worker + (2 if sync else 0)
 
 
-def exchange_regions(max_workers: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
-    """How many regions a PS process's segment holds (`ahead`: async partitions applied ahead)."""
-    pushes, replies = (2 if overlap else 1), (2 if overlap or (ahead and not sync) else 1)
-    return max_workers * (pushes + replies) + (2 if sync else 0)
-
-
-def exchange_bytes(floats: int, max_workers: int, overlap: bool, sync: bool, ahead: bool = False) -> int:
+def exchange_bytes(floats: int, max_workers: int, overlap: bool, sync: bool) -> int:
     """The size of a PS process's segment for a state (or a shard's slice) of `floats` values."""
     stride = -(-floats * 4 // SHM_PAGE) * SHM_PAGE
-    return SHM_PAGE + exchange_regions(max_workers, overlap, sync, ahead) * stride
+    return SHM_PAGE + exchange_regions(max_workers, overlap, sync) * stride
 
 
 def worker_name(rank: int) -> str:

@@ -133,13 +133,6 @@ class ProcessOptions:
         "compose project), else over TensorPipe, chosen per worker and logged once; tensorpipe: always "
         "over TensorPipe.",
     )
-    partition_values: int = option(
-        1 << 20,
-        "Through shared memory, under async with plain SGD and under sync: the PS applies a push in "
-        "partitions of at least this many values (cut at parameter boundaries; 4 MiB of float32 by default) "
-        "as the worker's backward finishes each, before the push itself arrives.",
-        low=1,
-    )
     shm_dir: str = option(
         "/dev/shm",
         "Where the PS makes its shared-memory segment for --exchange auto: an absolute path on a tmpfs the "

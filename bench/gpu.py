@@ -157,7 +157,7 @@ def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
 class ComputeAlone:
     """The channel of a worker with no PS: its backward is all there is (compute alone)."""
 
-    def backward(self, version: int) -> Any:
+    def backward(self) -> Any:
         import contextlib
 
         return contextlib.nullcontext()

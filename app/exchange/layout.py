@@ -1,11 +1,12 @@
-"""The state vector cut into partitions: what a worker posts to the PS as its backward finishes
-each one, and what the PS applies as it lands (app.exchange.early_push, app.ps.early).
+"""The state vector cut into partitions: the pieces a GPU worker copies its gradient out in as
+its backward finishes each one (app.exchange.backward_copies), and the state back in as its
+forward needs each one (app.exchange.ordered_pull).
 
 Partitions are contiguous ranges of the flat state [params | float buffers] (app.training.flat),
 cut at parameter boundaries, each at least `target` values (a parameter larger than that is a
 partition of its own); the last one runs to the end of the vector, so it also holds the
 buffers. The backward produces the gradients of the last layers first, so the last partitions
-are posted first.
+are copied out first.
 """
 
 from __future__ import annotations

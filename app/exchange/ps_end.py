@@ -14,16 +14,10 @@ the round's two reply buffers `round.0`, `round.1` are shared by every rank.
 A worker on another host, or one that cannot map the segment, pushes over TensorPipe as before:
 the reply buffers serve both ways.
 
-Where the PS applies a push's partitions ahead of the push (app.contract.applies_ahead: async
-with plain SGD, sync; one PS process), the offer also names the partitions (app.exchange.layout)
-and a note socket beside the segment (app.exchange.notes) on which a worker notes each partition its
-backward has finished; under async each rank then has two reply buffers, so the next state can
-be built in the one the worker is not computing on.
-
 The PS asks its end of the exchange (`PSEnd`) the same questions whether it has a segment or
 not: `for_config` decides once, where the segment is made, and a PS process without one (its
 workers all push over TensorPipe) holds `NO_SEGMENT`, which offers nothing, holds no tensor, has
-no reply buffers, partitions or note inbox, and refuses a push from a slot.
+no reply buffers, and refuses a push from a slot.
 """
 
 from __future__ import annotations
@@ -35,11 +29,7 @@ import torch
 from torch import nn
 
 from app.config import Config
-from app.contract import applies_ahead, strategy_of
-from app.exchange.layout import cut
-from app.exchange.notes import SUFFIX as NOTES_SUFFIX
-from app.exchange.notes import NoteInbox
-from app.exchange.segment import SUFFIX as SHM_SUFFIX
+from app.contract import strategy_of
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.wire import Reply, SlotReply
 from app.runtime import lifecycle, words
@@ -49,9 +39,9 @@ log = logging.getLogger("app.ps")
 WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def region_names(max_rank: int, overlap: bool, sync: bool, ahead: bool = False) -> list[str]:
+def region_names(max_rank: int, overlap: bool, sync: bool) -> list[str]:
     """Every region of a segment, in file order (app.contract.exchange_regions counts them)."""
-    pushes, replies = (2 if overlap else 1), (2 if overlap or (ahead and not sync) else 1)
+    pushes = replies = 2 if overlap else 1
     names = [f"round.{k}" for k in range(2)] if sync else []
     for rank in range(1, max_rank + 1):
         names += [f"push{rank}.{k}" for k in range(pushes)] + [f"reply{rank}.{k}" for k in range(replies)]
@@ -62,10 +52,7 @@ class PSEnd(Protocol):
     """What the PS asks of its end of the exchange: a segment's (`SharedExchange`), or none's
     (`NO_SEGMENT`)."""
 
-    parts: list[tuple[int, int]] | None
-    notes: NoteInbox | None
-
-    def offer(self, life: int = 0) -> Offer | None: ...
+    def offer(self) -> Offer | None: ...
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None: ...
     def push(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor: ...
     def holds(self, tensor: torch.Tensor) -> bool: ...
@@ -77,10 +64,7 @@ class NoSegment:
     """The end of a PS process without a segment (--exchange tensorpipe, or no shared memory
     here): every push and reply crosses over TensorPipe."""
 
-    parts: list[tuple[int, int]] | None = None
-    notes: NoteInbox | None = None
-
-    def offer(self, life: int = 0) -> Offer | None:
+    def offer(self) -> Offer | None:
         """Nothing to map: the worker pushes over TensorPipe."""
         return None
 
@@ -106,44 +90,19 @@ NO_SEGMENT = NoSegment()
 
 
 class SharedExchange:
-    """A PS process's segment, read as ranks' slots and reply buffers; `parts` and `notes` when
-    the PS applies partitions ahead of a push."""
+    """A PS process's segment, read as ranks' slots and reply buffers."""
 
-    def __init__(
-        self, segment: Segment, parts: list[tuple[int, int]] | None = None, notes: NoteInbox | None = None
-    ) -> None:
-        self.segment, self.parts, self.notes = segment, parts, notes
-        self.floats = segment.floats
+    def __init__(self, segment: Segment) -> None:
+        self.segment, self.floats = segment, segment.floats
 
     @classmethod
-    def open(
-        cls,
-        directory: str,
-        floats: int,
-        max_rank: int,
-        overlap: bool,
-        sync: bool,
-        parts: list[tuple[int, int]] | None = None,
-    ) -> SharedExchange:
-        """A new segment for a state of `floats` values; ShmUnavailable when it cannot be had.
-        `parts`: the partitions the PS applies ahead of a push (None: it takes pushes whole)."""
-        ahead = parts is not None and len(parts) > 1
-        segment = Segment.create(directory, floats, region_names(max_rank, overlap, sync, ahead))
-        if not ahead:
-            return cls(segment)
-        try:
-            notes = NoteInbox(segment.path.removesuffix(SHM_SUFFIX) + NOTES_SUFFIX)
-        except OSError as error:
-            segment.close()
-            raise ShmUnavailable(f"cannot make the note socket beside {segment.path}: {error.strerror}") from None
-        return cls(segment, parts, notes)
+    def open(cls, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool) -> SharedExchange:
+        """A new segment for a state of `floats` values; ShmUnavailable when it cannot be had."""
+        return cls(Segment.create(directory, floats, region_names(max_rank, overlap, sync)))
 
-    def offer(self, life: int = 0) -> Offer:
-        """What a worker maps; `life`: which of its rank's joins this answers (its notes say it)."""
-        offer = self.segment.offer()
-        if self.notes is None or self.parts is None:
-            return offer
-        return offer._replace(parts=tuple(self.parts), notes=self.notes.path, life=life)
+    def offer(self) -> Offer:
+        """What a worker maps."""
+        return self.segment.offer()
 
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
         """Rank's reply buffers (rank 0: a sync round's), in the segment; None for a rank it
@@ -177,8 +136,6 @@ class SharedExchange:
         return reply
 
     def close(self) -> None:
-        if self.notes is not None:
-            self.notes.close()
         self.segment.close()
 
 
@@ -187,8 +144,6 @@ def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, w
     of it), or NO_SEGMENT (--exchange tensorpipe, or no shared memory here: said in one line, and
     every worker pushes over TensorPipe). It is removed when the process ends (lifecycle.on_exit)."""
     floats = part[1] - part[0] if part is not None else state_size(model)
-    sizes = [p.numel() for p in model.parameters()]
-    ahead = part is None and applies_ahead(config.strategy, config.momentum, config.weight_decay, config.shards)
     shared = open_exchange(
         config.exchange,
         config.shm_dir,
@@ -197,7 +152,6 @@ def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, w
         config.overlap,
         strategy_of(config.strategy).rounds,
         who,
-        cut(sizes, floats, config.partition_values) if ahead else None,
     )
     lifecycle.on_exit(shared.close)
     return shared
@@ -211,26 +165,22 @@ def open_exchange(
     overlap: bool,
     sync: bool,
     who: str,
-    parts: list[tuple[int, int]] | None = None,
 ) -> PSEnd:
     """As `for_config`, from its parts."""
     if mode == "tensorpipe":
         log.info("%s: exchange over TensorPipe (--exchange tensorpipe)", who)
         return NO_SEGMENT
     try:
-        exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync, parts)
+        exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync)
     except ShmUnavailable as error:
         log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
         return NO_SEGMENT
     log.info(
-        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s%s); "
+        "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s); "
         "a worker that cannot map it uses TensorPipe",
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,
         words.counted(max_rank, "worker"),
-        f"; {words.counted(len(exchange.parts), 'partition')} applied as backward finishes them"
-        if exchange.parts
-        else "",
     )
     return exchange

@@ -39,7 +39,6 @@ from typing import NamedTuple
 import torch
 
 from app.contract import SHM_PAGE
-from app.exchange.notes import SUFFIX as NOTES_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,6 @@ class Offer(NamedTuple):
     nonce: str
     floats: int  # values in each region
     names: tuple[str, ...]  # the regions, in file order
-    parts: tuple[tuple[int, int], ...] = ()  # the partitions the PS applies ahead of a push (app.ps.early)
-    notes: str = ""  # where the worker notes each partition its backward finished (app.exchange.notes)
-    life: int = 0  # which of the worker's rank's joins this answers: its notes carry it (app.exchange.notes)
 
 
 def stride(floats: int) -> int:
@@ -263,10 +259,9 @@ def free_bytes(directory: str) -> int:
 def sweep(directory: str = DEFAULT_DIR) -> list[str]:
     """Remove what processes that ended left in `directory` and in the `psc-*` directories in it
     (runs' own, `orchestrator local`'s): segments whose owner is gone (no lock held on them),
-    half-made ones of a process that died making them, note sockets whose segment is gone, and
-    such a directory once nothing is left in it; the paths removed. A live owner's segment, a
-    directory a live run may still fill (emptied by nobody, changed in the last minute), and
-    files that are not segments stay."""
+    half-made ones of a process that died making them, and such a directory once nothing is
+    left in it; the paths removed. A live owner's segment, a directory a live run may still fill
+    (emptied by nobody, changed in the last minute), and files that are not segments stay."""
     removed = _sweep_files(Path(directory))
     for run in sorted(Path(directory).glob(f"{PREFIX}*")):
         if run.is_dir() and not run.is_symlink():
@@ -281,13 +276,7 @@ def sweep(directory: str = DEFAULT_DIR) -> list[str]:
 
 def _sweep_files(directory: Path) -> list[str]:
     found = sorted(directory.glob(f"{PREFIX}*{SUFFIX}")) + sorted(directory.glob(f".{PREFIX}*{MAKING}"))
-    removed = [str(path) for path in found if _remove_unowned(path)]
-    for notes in sorted(directory.glob(f"{PREFIX}*{NOTES_SUFFIX}")):  # a note socket whose segment is gone
-        if not notes.with_suffix(SUFFIX).exists():
-            with contextlib.suppress(OSError):
-                notes.unlink()
-                removed.append(str(notes))
-    return removed
+    return [str(path) for path in found if _remove_unowned(path)]
 
 
 def _remove_if_ended(run: Path, emptied: bool) -> bool:

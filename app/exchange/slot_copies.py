@@ -2,7 +2,7 @@
 side stream once the compute stream has written it, with a flag of whether it is finite computed
 on the device beside it (app.exchange.wire.finite_flag) and copied with it into pinned host
 memory. The host reads a flag only once the event recorded after its copy has passed, in a thread
-that waits for it (the notes thread, the push's sender), never in the training loop.
+that waits for it (the push's sender), never in the training loop.
 
 The message on the device is free to be written again (the next backward, the next compressed
 message) once the last copy out of it has run: the compute stream waits for that event before it

@@ -34,7 +34,6 @@ class Joined(NamedTuple):
     exchange: Offer | None = None  # this PS process's shared memory, for a worker on its host
     part: tuple[int, int] | None = None  # a sharded PS: the main PS's slice of the state
     shards: tuple[tuple[str, int, int], ...] = ()  # ... and each other shard's name and slice
-    life: int = 0  # which of the rank's joins at this PS process this is (1: its first process)
 
 
 class Taken(NamedTuple):
@@ -68,8 +67,6 @@ class Push(NamedTuple):
     batch: int = 0  # batches of `epoch` done
     samples: int = 0  # the batch's size
     staleness: int | None = None  # a chained PS shard: the main PS's; None: the receiver's own
-    backward: int | None = None  # through shared memory: the worker's backward it comes from ...
-    noted: bool = False  # ... and whether its partitions were noted ahead (app.ps.early)
     finite: bool = False  # the worker found every value finite where it computed them (a GPU's flags)
     to_go: int = -1  # pushes the rank has still to make after this one, as planned now; -1: unknown
     grad_norm: float = -1.0  # the gradient's global L2 norm (train.clip_grad_norm); -1: not computed

@@ -1,7 +1,7 @@
-"""A worker's end of a PS process's shared-memory segment (app.exchange.ps_end): its push slots,
-the regions the PS's replies are in, and, where the PS applies partitions early, what the
-worker's backward sends it ahead of the push (app.exchange.early_push) and how its forward takes
-the reply back (app.exchange.ordered_pull).
+"""A worker's end of a PS process's shared-memory segment (app.exchange.ps_end): its push slots
+and the regions the PS's replies are in; a GPU worker's copies of its gradient into a slot as
+its backward finishes each partition (app.exchange.backward_copies) and of the reply back to the
+device in the order its forward needs them (app.exchange.ordered_pull).
 
 The worker maps the segment its PS offered when it joined; if it cannot (another host, another
 IPC namespace, a /dev/shm it does not share, --exchange tensorpipe) it says so in one line and
@@ -12,9 +12,9 @@ pageable memory.
 What a worker's shared-memory link (app.worker.links.SharedMemoryLink) asks of it:
 
     bind(model, flat, ...)     once, after join: where the model reads its state and writes its
-                               gradient; the hooks of the early push and the ordered pull
-    with backward(version):    around each backward (the early push notes its partitions)
-    seal()                     after it: what the push says of its message
+                               gradient; a GPU worker's copy hooks
+    with backward():           around each backward (a GPU worker's copies start during it)
+    seal()                     after it: the slot the message is in, once its copies landed
     slot_for(message, sealed)  the push slot the message is in (copied there if it is not)
     reply(answer)              an answer as a Reply whose state is where the PS wrote it
     load(reply)                continue from a reply's state
@@ -30,9 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from app.exchange.early_push import DeviceEarlyPush, EarlyPush
+from app.exchange.backward_copies import BackwardCopies
 from app.exchange.layout import cut
-from app.exchange.notes import NoteSender
 from app.exchange.ordered_pull import OrderedPull
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.slot_copies import SlotCopies
@@ -44,14 +43,11 @@ log = logging.getLogger("app.worker")
 
 class Sealed(NamedTuple):
     """What a push through shared memory says of its message besides the values: the slot it is
-    in already (a GPU worker copies it there), and where partitions were noted, the backward the
-    gradient comes from and whether its notes hold (app.ps.early). A GPU worker's copies are
-    still running when it seals: the push is sent once `ready` has passed, and then `flags`
-    (pinned, one a partition) say whether every value is finite."""
+    in already (a GPU worker copies it there). A GPU worker's copies are still running when it
+    seals: the push is sent once `ready` has passed, and then `flags` (pinned, one a partition)
+    say whether every value is finite."""
 
     placed: int | None = None
-    backward: int | None = None
-    noted: bool = False
     ready: Any = None  # torch.cuda.Event: the message is in its slot
     flags: torch.Tensor | None = None
 
@@ -62,8 +58,8 @@ class Sealed(NamedTuple):
 
 class WorkerEnd:
     """Rank `rank`'s slots in a mapped segment. `place` puts a message in a push slot,
-    `reply` reads an answer's state where the PS wrote it; once bound to the worker's model,
-    the early push and the ordered pull."""
+    `reply` reads an answer's state where the PS wrote it; once bound to a GPU worker's model,
+    its copies out (during the backward) and back (in the forward's order)."""
 
     def __init__(self, segment: Segment, rank: int, device: torch.device) -> None:
         self.segment, self.rank, self.device = segment, rank, device
@@ -73,27 +69,20 @@ class WorkerEnd:
         self.slots = [segment.region(n) for n in names]
         # the regions its replies come in: its own reply buffers, and a sync round's
         self.replies = [segment.region(n) for n in segment.names if n.startswith((f"reply{rank}.", "round."))]
-        self.parts: list[tuple[int, int]] = []  # the partitions the PS applies ahead (app.ps.early)
-        self.notes = ""  # where this worker notes them (app.exchange.notes)
-        self.life = 0  # which of its rank's joins at the PS this process is: its notes carry it
         self._next = 0
         self.pinned = self._pin(rank) if device.type == "cuda" else []
         self.copies: SlotCopies | None = None  # a GPU worker's copies into its slots, once bound
         self.flat: FlatModel | None = None  # the worker's model, once bound
-        self.early: EarlyPush | None = None  # notes partitions as the backward finishes them
+        self.outbound: BackwardCopies | None = None  # a GPU worker's gradient out as the backward finishes it
         self.ordered: OrderedPull | None = None  # a GPU worker's partitions back, in forward order
-        self.backwards = 0  # backwards run by this process: which one a push's gradient comes from
-        self._claimed = False  # the last backward's notes hold
 
     @classmethod
     def attach(cls, offer: Offer, rank: int, device: torch.device) -> WorkerEnd:
-        link = cls(Segment.attach(offer), rank, device)
-        link.parts, link.notes, link.life = [(start, end) for start, end in offer.parts], offer.notes, offer.life
-        return link
+        return cls(Segment.attach(offer), rank, device)
 
     def reserve(self) -> int:
         """The push slot the next message goes into, taken now (a GPU worker copies its
-        partitions into it during the backward, app.exchange.early_push)."""
+        partitions into it during the backward, app.exchange.backward_copies)."""
         k, self._next = self._next, (self._next + 1) % len(self.slots)
         return k
 
@@ -129,72 +118,53 @@ class WorkerEnd:
         return k
 
     def bind(
-        self, model: nn.Module, flat: FlatModel, name: str, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, name: str, final: bool, messages_here: bool, ordered: bool = True
     ) -> None:
         """Point the worker's model at this end. On the CPU the model reads its state where the
         PS wrote a reply (no copy) and, with `messages_here` (float32 messages), its backward
-        writes the gradient straight into a push slot. With `notes` (no fp16 loss scaling, no
-        --compress: the gradient is final as the backward writes it), where the PS applies
-        partitions early, each partition is noted as the backward finishes it. A GPU worker
-        takes each reply back partition by partition, in the order its forward needs them; without
-        `ordered` (a step replayed as a CUDA graph, where no hook runs) whole, on the compute stream."""
+        writes the gradient straight into a push slot. A GPU worker copies its gradient into a
+        slot as the backward finishes each partition where the gradient is `final` then (no fp16
+        loss scaling, no --compress, no CUDA graph), else after it; it takes each reply back
+        partition by partition, in the order its forward needs them, or without `ordered` (a step
+        replayed as a CUDA graph, where no hook runs) whole, on the compute stream."""
         self.flat = flat
-        cpu = self.device.type == "cpu"
-        if cpu:  # the model is pointed at the PS's reply buffers: their views once
+        if self.device.type == "cpu":  # the model is pointed at the PS's reply buffers: their views once
             flat.keep_views_of(self.replies)
             if messages_here:
                 flat.keep_views_of(self.slots)
                 flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
-        parts = self.parts or cut([p.numel() for p in model.parameters()], flat.size)
-        if not cpu:
-            self.copies = SlotCopies(self.device, self.slots, parts)
-        if notes and self.parts:
-            params = list(model.parameters())
-            sender = NoteSender(self.notes, self.rank, self.life)
-            if self.copies is None:
-                self.early = EarlyPush(params, self.parts, sender, name, self.slots)
-            else:
-                self.early = DeviceEarlyPush(params, self.parts, sender, name, flat, self.copies)
-        if not cpu and ordered:
+            return
+        parts = cut([p.numel() for p in model.parameters()], flat.size)
+        self.copies = SlotCopies(self.device, self.slots, parts)
+        if final:
+            self.outbound = BackwardCopies(list(model.parameters()), name, flat, self.copies)
+        if ordered:
             self.ordered = OrderedPull(model, flat, parts)
 
     @contextlib.contextmanager
-    def backward(self, version: int) -> Iterator[None]:
-        """Around one backward, from the state of `version`: its partitions noted as it finishes
-        them; afterwards, whether its notes hold."""
+    def backward(self) -> Iterator[None]:
+        """Around one backward: a GPU worker's copies of its partitions start as it finishes them."""
         if self.copies is not None:  # the copies out of the device message ran before it is written again
             self.copies.release(self.device)
-        if self.early is not None:
-            self.early.arm(self.backwards, self._slot(), version)
-        self.backwards += 1
+        if self.outbound is not None:
+            self.outbound.arm(self.reserve)
         yield
-        self._claimed = self.early is not None and self.early.claims()
-
-    def _slot(self) -> int:
-        """The push slot the next backward's gradient goes into: the one the gradients are
-        views of (CPU), or the next one taken (GPU)."""
-        assert self.flat is not None  # bound
-        if self.device.type != "cpu":
-            return self.reserve()
-        return next(k for k, slot in enumerate(self.slots) if slot.data_ptr() == self.flat.message.data_ptr())
 
     def seal(self, message: torch.Tensor) -> Sealed:
-        """What the push of `message` (the last backward's) says of it: where it noted partitions,
-        which backward it comes from and whether its notes hold. A GPU worker's message is being
-        copied into its slot (the rest of it starts now): the slot, and the event to send after.
-        A CPU message is put in its slot when it is sent (`slot_for`)."""
-        backward, noted = (self.backwards - 1, self._claimed) if self.early is not None else (None, False)
-        if isinstance(self.early, DeviceEarlyPush) and message is self.early.flat.message:
-            slot, ready, flags = self.early.finish()
-            return Sealed(slot, backward, noted, ready, flags)
-        if self.copies is not None and message.is_cuda:  # no early push (--compress, fp16, no partitions)
-            slot = self.reserve()
-            if message.dtype != torch.float32:
-                return Sealed(slot, backward, noted, self.copies.copy_whole(message, slot))
-            for j in range(len(self.copies.pieces)):
-                self.copies.copy(message, slot, j)
-            return Sealed(slot, backward, noted, self.copies.landed(), self.copies.flags[slot])
-        return Sealed(None, backward, noted)
+        """Where a GPU worker's `message` is being copied (the rest of it starts now): its slot,
+        and the event to send after. A CPU message is put in its slot when it is sent (`slot_for`)."""
+        if self.copies is None or not message.is_cuda:
+            return Sealed()
+        if self.outbound is not None and message is self.outbound.flat.message and self.outbound.slot is not None:
+            slot = self.outbound.slot
+            ready, flags = self.outbound.finish(slot)
+            return Sealed(slot, ready, flags)
+        slot = self.reserve()  # --compress, fp16, a CUDA graph's step, the first backward
+        if message.dtype != torch.float32:
+            return Sealed(slot, self.copies.copy_whole(message, slot))
+        for j in range(len(self.copies.pieces)):
+            self.copies.copy(message, slot, j)
+        return Sealed(slot, self.copies.landed(), self.copies.flags[slot])
 
     def slot_for(self, message: torch.Tensor, sealed: Sealed) -> int:
         """The push slot that holds `message`: the one it was sealed in, or the one `place` puts it in."""

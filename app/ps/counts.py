@@ -1,6 +1,6 @@
 """What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
 the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
-per rank, and the partitions of a push taken early, before the push (app.ps.early).
+per rank.
 
 Plain counters: app.ps.server and the strategy's policy change them under the server's lock.
 """
@@ -20,9 +20,6 @@ class PushCounts:
     staleness_max: int = 0
     staleness_hist: Counter[int] = field(default_factory=Counter)
     refused: Counter[int] = field(default_factory=Counter)  # rank -> non-finite pushes refused
-    early_done: int = 0  # partitions applied (async) or folded (sync) early, before their push
-    early_kept: int = 0  # ... and kept when the push came (async: from the state it met)
-    early_checked: int = 0  # partitions of pushes applied not read for NaN or inf: noted early, checked by their worker
 
     def count(self, staleness: int) -> None:
         """One push applied, `staleness` updates late."""
@@ -36,16 +33,13 @@ class PushCounts:
         self.refused[rank] += 1
         return self.refused[rank] == 1
 
-    def fields(self, pushes: dict[int, int], early: bool) -> dict[str, Any]:
-        """The `end` record's fields: `pushes` per rank, the staleness, the refusals, and
-        with `early` (partitions are taken early) what was: the record's `ahead`."""
+    def fields(self, pushes: dict[int, int]) -> dict[str, Any]:
+        """The `end` record's fields: `pushes` per rank, the staleness, the refusals."""
         mean = self.staleness_sum / self.applied if self.applied else 0.0
-        taken_early = {"done": self.early_done, "kept": self.early_kept, "checked": self.early_checked}
         return {
             "pushes": {f"worker{r}": n for r, n in sorted(pushes.items())},
             "staleness_mean": round(mean, 3),
             "staleness_max": self.staleness_max,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
-            **({"ahead": taken_early} if early else {}),
         }

@@ -28,11 +28,6 @@ class ReplyBuffers:
         buffers.reverse()
         return buffers[0]
 
-    def next(self, rank: int) -> torch.Tensor:
-        """The buffer rank's next `take` will give, without taking it."""
-        buffers = self._of(rank)
-        return buffers[-1] if len(buffers) > 1 else buffers[0]
-
     def in_segment(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in the shared-memory segment (a push slot, which its worker
         overwrites with its next push)."""

@@ -18,7 +18,7 @@ through that table, and nothing else of it is process-wide.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -27,7 +27,6 @@ import torch
 from torch.futures import Future
 
 from app.exchange import calls
-from app.exchange.notes import Note, NoteReader
 from app.exchange.ps_end import PSEnd
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
@@ -44,14 +43,9 @@ class Served(Protocol):
     def shared(self) -> PSEnd:
         """Its end of the exchange: its shared-memory segment, or NO_SEGMENT."""
 
-    @property
-    def partitions(self) -> Sequence[tuple[int, int]] | None:
-        """The partitions it takes early (app.ps.early); None: none."""
-
     def join(self, rank: int, name: str) -> Joined: ...
     def pull(self, rank: int) -> tuple[torch.Tensor, int]: ...
     def submit(self, push: Push, message: torch.Tensor) -> Future: ...
-    def note(self, note: Note) -> None: ...
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
     def leave(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
     def share(self, rank: int, finished: Share | None = None) -> Share | None: ...
@@ -102,17 +96,9 @@ class Endpoint:
 
     @contextmanager
     def serving(self) -> Iterator[None]:
-        """Serve: the RPC entry points answer through this endpoint, and the notes on the server's
-        note socket are read where it has one (a thread of their own, app.ps.early)."""
-        server = self.server
-        inbox = server.shared.notes if server.partitions is not None else None
-        notes = NoteReader(inbox, server.note) if inbox is not None else None
-        try:
-            with calls.serving(self):
-                yield
-        finally:
-            if notes is not None:
-                notes.close()
+        """Serve: the RPC entry points answer through this endpoint."""
+        with calls.serving(self):
+            yield
 
     # The calls workers make (app.exchange.calls.Service).
 
@@ -122,7 +108,7 @@ class Endpoint:
         shared-memory segment (`exchange`: an Offer the worker maps when it is on this host)."""
         answer = self.admit(rank, name) if self.admit is not None else self.server.join(rank, name)
         if isinstance(answer, Joined):
-            return answer._replace(exchange=self.server.shared.offer(answer.life))
+            return answer._replace(exchange=self.server.shared.offer())
         return answer
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:

@@ -37,7 +37,6 @@ from torch.futures import Future
 from app.config import Config
 from app.contract import worker_name
 from app.exchange import ps_end as exchange
-from app.exchange.notes import Note
 from app.exchange.ps_end import NO_SEGMENT, PSEnd
 from app.exchange.wire import Joined, Push, Refusal, Refused, Share
 from app.ps.counts import PushCounts
@@ -81,7 +80,7 @@ class ServerConfig:
                 Plan(config.strategy, config.epochs, config.num_trainers, config.max_steps),
             ),
             MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs),
-            PolicyConfig(config.strategy, config.staleness, config.overlap),
+            PolicyConfig(config.strategy, config.staleness),
         )
 
 
@@ -116,9 +115,7 @@ class ParameterServer:
         self.members = Members(config.members, clock)
         self.counts = PushCounts()
         self.replies = ReplyBuffers(self.state.size, shared)  # two per rank, used in turn
-        # Partitions a push may be taken early by (app.ps.early): the segment's, on an unsliced PS.
-        self.partitions = shared.parts if shared.parts and not self.state.sliced else None
-        self.policy = policy_for(config.policy, self.state, self.members, self.replies, self.counts, self.partitions)
+        self.policy = policy_for(config.policy, self.state, self.members, self.replies, self.counts)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
@@ -142,7 +139,7 @@ class ParameterServer:
             round_from = self.policy.admit(rank)
             member = self.members.join(rank, name, round_from)
             self._event()
-            return Joined(self.state.vector.clone(), self.state.version, member.progress(), life=member.joins)
+            return Joined(self.state.vector.clone(), self.state.version, member.progress())
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""
@@ -156,13 +153,8 @@ class ParameterServer:
         rank's next-but-one push."""
         message = self.state.message(push.rank, message)
         name = push.name or worker_name(push.rank)
-        early = None
-        if push.backward is not None:
-            with self._lock:
-                early = self.policy.early_of(push)
-        checked = self.policy.checked(push, early)
         # a GPU worker's flags say finite where it computed them (app.exchange.slot_copies): not checked again
-        finite = push.finite or self.state.finite(message, self.partitions or (), checked)  # outside the lock
+        finite = push.finite or self.state.finite(message)  # outside the lock
         future: Future = Future()
         ready: Ready = []
         with self._lock:
@@ -175,9 +167,8 @@ class ParameterServer:
             if finite:
                 self.state.plan(push.epoch_batches)
                 self.counts.samples += push.samples
-                self.counts.early_checked += len(checked)
                 staleness = self.state.version - push.pulled if push.staleness is None else push.staleness
-                ready = self.policy.take(push, message, future, staleness, early)
+                ready = self.policy.take(push, message, future, staleness)
                 self._moved()
             elif self.counts.refuse(push.rank):
                 log.warning(NONFINITE, name)  # once per rank
@@ -190,18 +181,6 @@ class ParameterServer:
         if readmitted:
             self.on_back(push.rank, name)
         return future
-
-    def note(self, note: Note) -> None:
-        """A partition of rank's next push is in its slot (app.ps.early): the policy takes it early.
-        A note of another process of the rank (a replaced one: its join count is not the rank's
-        last), or of the last partition (the buffers go with the push), is passed over."""
-        partitions = self.partitions
-        if partitions is None or not 0 <= note.partition < len(partitions) - 1:
-            return
-        message = self.shared.push(note.rank, note.slot, "float32", self.state.size)
-        with self._lock:
-            if self.members.joins(note.rank) == note.life:
-                self.policy.note(note, message)
 
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
         """A worker has run all its epochs; recorded durably (on_finish) before it returns.
@@ -374,7 +353,7 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         """The `end` record's counts (app.ps.counts)."""
         with self._lock:
-            return self.counts.fields(self.members.pushes, early=bool(self.partitions))
+            return self.counts.fields(self.members.pushes)
 
     def _moved(self) -> None:
         """The policy may have applied an update: wake `wait` if it waits for this version."""

@@ -16,7 +16,7 @@ No lock of its own: app.ps.server calls it under its lock, and the strategy's po
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -125,14 +125,9 @@ class State:
             )
         return to_float32(message, self.num_params)
 
-    def finite(self, message: torch.Tensor, partitions: Sequence[tuple[int, int]], checked: set[int]) -> bool:
-        """No NaN or inf in `message`; partitions `checked` (of `partitions`) are not read again:
-        their worker checked each where it wrote it before it noted it (app.exchange.early_push)."""
-        if not checked:
-            return all_finite(message)
-        n = self.num_params
-        rest = [(s, min(e, n)) for j, (s, e) in enumerate(partitions) if j not in checked] + [(n, self.size)]
-        return all(all_finite(message[s:e]) for s, e in rest if e > s)
+    def finite(self, message: torch.Tensor) -> bool:
+        """No NaN or inf in `message`."""
+        return all_finite(message)
 
     def scale_for(self, staleness: int, norm: float = -1.0) -> float:
         """What a push's gradient is multiplied by: Zhang et al. 2016, a push `staleness` updates
@@ -178,7 +173,7 @@ class State:
 
     def plain_sgd(self) -> bool:
         """No momentum, no weight decay, no clipping: a step is elementwise state - lr * grads, so
-        it can be built partition by partition."""
+        a sync round can build the new state push by push."""
         return isinstance(self.optimizer, SGD) and self.optimizer.plain and not self.config.clip_grad_norm
 
     def step(self, message: torch.Tensor, scale: float = 1.0, into: torch.Tensor | None = None) -> None:
@@ -200,13 +195,6 @@ class State:
             torch.add(self.vector[:n], self.optimizer.direction(grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
         self.adopt(into)
-
-    def step_values(self, grads: torch.Tensor, scale: float, into: torch.Tensor, start: int, end: int) -> None:
-        """Plain SGD on values start..end of the state (`grads` are those values'): the new values
-        into `into`, the state unchanged."""
-        if scale != 1.0:
-            grads = grads * scale
-        torch.add(self.vector[start:end], grads, alpha=-self.lr, out=into[start:end])
 
     def adopt(self, into: torch.Tensor | None) -> None:
         """`into` (when given) holds the new state: it becomes the state (the optimizer's

@@ -56,9 +56,9 @@ class Channel(Protocol):
 
     def join(self) -> Start: ...
     def bind(
-        self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, start: Start, final: bool, messages_here: bool, ordered: bool = True
     ) -> None: ...
-    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
+    def backward(self) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
     def send(
         self,
@@ -192,18 +192,19 @@ class PSChannel:
         return self.links[0] if len(self.links) == 1 else self.carried
 
     def bind(
-        self, model: nn.Module, flat: FlatModel, start: Start, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, start: Start, final: bool, messages_here: bool, ordered: bool = True
     ) -> None:
         """Make `start`'s state the model's, and point the model where its pushes travel from
-        (`notes`: the early push; `messages_here`: float32 messages, written where they travel;
+        (`final`: a GPU worker's gradient copied out as the backward finishes it; `messages_here`:
+        float32 messages, written where they travel;
         `ordered`: a GPU worker's replies taken back as its forward needs them, else whole)."""
         self.flat = flat
         flat.adopt(start.vector)
-        self.whole().bind(model, flat, self.name, notes, messages_here, ordered)
+        self.whole().bind(model, flat, self.name, final, messages_here, ordered)
 
-    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
-        """Around one backward from the state of `version`."""
-        return self.whole().backward(version)
+    def backward(self) -> contextlib.AbstractContextManager[None]:
+        """Around one backward."""
+        return self.whole().backward()
 
     def seal(self, message: torch.Tensor) -> Outgoing:
         """The message as it will travel (a GPU worker's: its copies queued, not waited for)."""

@@ -9,7 +9,7 @@ message the worker pushes (app.training.flat.FlatModel). A batch of another shap
 captured one (the last, partial batch of an epoch) runs eagerly, as without graphs.
 
 No Python runs inside a replay, so the worker's link is bound without the hooks a step would
-run: no early push of partitions (the push is sealed whole after the step) and no ordered pull
+run: no copies of partitions during the backward (the push is copied whole after the step) and no ordered pull
 (the reply is copied whole onto the compute stream before the replay). The warm-up's forwards
 update BatchNorm's running stats: they are put back as they were, so the first replayed step
 computes on the state the PS sent. A model that cannot be captured (control flow that depends

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from app.exchange import calls, transport
-from app.exchange.wire import InSlot, Joined, Push, Refusal, Reply, SlotReply, Version
+from app.exchange.wire import InSlot, Joined, Push, Refusal, Reply, SlotReply
 from app.exchange.worker_end import Sealed, WorkerEnd, attach
 from app.training.flat import FlatModel
 
 log = logging.getLogger("app.worker")
-NOTHING_SEALED = Sealed()  # a push through TensorPipe, or one that noted nothing
+NOTHING_SEALED = Sealed()  # a push through TensorPipe, or a CPU worker's (put in its slot when sent)
 Call = Callable[..., Any]  # (to, function, args, timeout) -> the future of function(*args) on `to`
 
 
@@ -50,9 +50,9 @@ class Whole(Protocol):
     """The model's side of a whole push: where the model reads its state and writes its gradient."""
 
     def bind(
-        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, who: str, final: bool, messages_here: bool, ordered: bool = True
     ) -> None: ...
-    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]: ...
+    def backward(self) -> contextlib.AbstractContextManager[None]: ...
     def seal(self, message: torch.Tensor) -> Outgoing: ...
     def load(self, reply: Reply) -> None: ...
 
@@ -91,14 +91,14 @@ class Carried:
         self.staged = 0  # messages sealed (each is sent)
 
     def bind(
-        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, who: str, final: bool, messages_here: bool, ordered: bool = True
     ) -> None:
         self.flat = flat
         if self.device.type == "cuda":
             size = flat.message.numel()  # the widest message: float32 (16-bit ones are smaller)
             self.staging = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
 
-    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
+    def backward(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def seal(self, message: torch.Tensor) -> Outgoing:
@@ -161,17 +161,16 @@ class SharedMemoryLink:
         self.flat: FlatModel | None = None
 
     def bind(
-        self, model: nn.Module, flat: FlatModel, who: str, notes: bool, messages_here: bool, ordered: bool = True
+        self, model: nn.Module, flat: FlatModel, who: str, final: bool, messages_here: bool, ordered: bool = True
     ) -> None:
-        """The model pointed at the segment (app.exchange.worker_end.WorkerEnd.bind: `notes`, the
-        early push; `messages_here`, float32 messages written into the push slots; `ordered`, the
-        ordered pull)."""
+        """The model pointed at the segment (app.exchange.worker_end.WorkerEnd.bind: `final`, a GPU
+        worker's copies during the backward; `messages_here`, float32 messages written into the
+        push slots; `ordered`, the ordered pull)."""
         self.flat = flat
-        self.shared.bind(model, flat, who, notes, messages_here, ordered)
+        self.shared.bind(model, flat, who, final, messages_here, ordered)
 
-    def backward(self, version: Version) -> contextlib.AbstractContextManager[None]:
-        assert isinstance(version, int)  # one PS process's
-        return self.shared.backward(version)
+    def backward(self) -> contextlib.AbstractContextManager[None]:
+        return self.shared.backward()
 
     def seal(self, message: torch.Tensor) -> Outgoing:
         """In its push slot (a GPU worker's copies into it run on a side stream:
@@ -188,8 +187,6 @@ class SharedMemoryLink:
 
     def send(self, message: torch.Tensor, push: Push, sealed: Sealed, timeout: float) -> Any:
         """The push, its message in a push slot: the slot's number crosses, not the values."""
-        if sealed.backward is not None:
-            push = push._replace(backward=sealed.backward, noted=sealed.noted)
         if sealed.finite():  # a GPU's flags, read once its copies landed: the PS need not check
             push = push._replace(finite=True)
         dtype = str(message.dtype).removeprefix("torch.")

@@ -109,15 +109,16 @@ class Trainer:
 
     def start_from(self, start: Start) -> None:
         """Take the PS's answer to join: the state, its version, the rank's pushes; the channel
-        points the model where it exchanges its state and gradient. Partitions may be noted as
-        the backward finishes them only where the gradient is final then (no fp16 loss scaling,
-        no --compress, no CUDA graph: no hook runs in a replay); messages go into the channel's
-        buffers where they are float32. With a CUDA graph each reply is loaded whole, before the step."""
+        points the model where it exchanges its state and gradient. A GPU worker's gradient may be
+        copied out as the backward finishes each partition only where it is final then (no fp16
+        loss scaling, no --compress, no CUDA graph: no hook runs in a replay); messages go into
+        the channel's buffers where they are float32. With a CUDA graph each reply is loaded
+        whole, before the step."""
         self.version, self.pushes = start.version, start.progress.pushes
         hooks = self.graphed is None
         final = self.compress is None and self.scaler is None and hooks
         messages_here = self.compress is None
-        self.channel.bind(self.model, self.flat, start, notes=final, messages_here=messages_here, ordered=hooks)
+        self.channel.bind(self.model, self.flat, start, final=final, messages_here=messages_here, ordered=hooks)
 
     def shares(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(epoch, batch, x, y) of each share of an epoch the PS hands this rank, until none is left
@@ -144,9 +145,9 @@ class Trainer:
         gradient overflowed (nothing to push). With --cuda_graphs a batch of the captured shape
         replays the graph (app.worker.graphed)."""
         if self.graphed is not None and self.graphed.fits(x, y):
-            with self.channel.backward(self.version):
+            with self.channel.backward():
                 return self.losses.take(self.graphed.step(x, y))
-        with self.channel.backward(self.version), self.flat.writing_grads():
+        with self.channel.backward(), self.flat.writing_grads():
             with devices.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()

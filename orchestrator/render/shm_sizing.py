@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from app.contract import applies_ahead, exchange_bytes, strategy_of
+from app.contract import exchange_bytes, strategy_of
 from app.model_sizes import STATE_FLOATS
 from orchestrator.topology.model import Topology, size_bytes
 
@@ -27,8 +27,7 @@ def exchange_estimate(t: Topology) -> int | None:
         return None
     shards, train = t.ps.shards, t.train
     sync = strategy_of(train.strategy).rounds
-    ahead = applies_ahead(train.strategy, train.momentum, train.weight_decay, shards)
-    return shards * exchange_bytes(math.ceil(floats / shards), t.max_workers, train.overlap, sync, ahead)
+    return shards * exchange_bytes(math.ceil(floats / shards), t.max_workers, train.overlap, sync)
 
 
 def shared_shm_bytes(t: Topology) -> int:

@@ -241,12 +241,12 @@ def recording_channel(answer=None, overlap: bool = False):
         def join(self):
             raise AssertionError("a recording channel joins no PS")
 
-        def bind(self, model, flat, start, notes, messages_here, ordered=True):
+        def bind(self, model, flat, start, final, messages_here, ordered=True):
             flat.adopt(start.vector)
-            self.link.bind(model, flat, self.name, notes, messages_here, ordered)
+            self.link.bind(model, flat, self.name, final, messages_here, ordered)
 
-        def backward(self, version):
-            return self.link.backward(version)
+        def backward(self):
+            return self.link.backward()
 
         def seal(self, message):
             return self.link.seal(message)
@@ -295,7 +295,6 @@ def ps_server(
     run_id: str = "",
     strategy: str = "async",
     staleness: int = 0,
-    overlap: bool = False,
     **wiring,
 ):
     """A ParameterServer (app.ps.server) over `model` from keyword arguments, each given to the
@@ -308,14 +307,14 @@ def ps_server(
     config = ServerConfig(
         StateConfig(lr, momentum, weight_decay, staleness_lr, part),
         MembersConfig(num_trainers, max_trainers, join_timeout, run_id),
-        PolicyConfig(strategy, staleness, overlap),
+        PolicyConfig(strategy, staleness),
     )
     return ParameterServer(model, config, **wiring)
 
 
 def submit(server, rank: int, message, pulled: int, name: str = "", **fields):
     """`server.submit` of `message` from `rank`, computed on version `pulled`; `fields`: the rest
-    of its app.exchange.wire.Push (epoch, batch, samples, staleness, backward, noted)."""
+    of its app.exchange.wire.Push (epoch, batch, samples, staleness, finite, ...)."""
     from app.exchange.wire import Push
 
     return server.submit(Push(rank, name, pulled, **fields), message)

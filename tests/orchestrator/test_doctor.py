@@ -120,10 +120,10 @@ def test_gpu_generic_resources_on_swarm() -> None:
 
 def test_shm() -> None:
     assert only(d.check_shm, topo(), facts()).ok
-    # 2g + 3 x 4g, and the exchange's segments: each worker's push slot and two reply buffers (async, plain SGD)
+    # 2g + 3 x 4g, and the exchange's segments: each worker's push slot and reply buffer (async)
     c = only(d.check_shm, topo(GPU), facts(info=dict(INFO, MemTotal=8 * GIB)))
-    assert c.ok is False and "14.4 GiB" in c.text and "workers.shm_size" in c.fix
-    assert "one for the job" in c.text and "0.4 GiB of it the exchange's shared memory (resnet18, 3 workers)" in c.text
+    assert c.ok is False and "14.3 GiB" in c.text and "workers.shm_size" in c.fix
+    assert "one for the job" in c.text and "0.3 GiB of it the exchange's shared memory (resnet18, 3 workers)" in c.text
     small = topo(
         CPU.replace("  log_every: 10", "  log_every: 10\n  loader_workers: 2").replace(
             "  count: 2\n  shm_size: 256m", "  count: 2\n  shm_size: 64m"

@@ -1,8 +1,7 @@
 """When the PS applies a push and when its answer goes: one policy per strategy.
 
 - `AsyncPolicy` (asynchronous.py): applied at once into the rank's reply buffer, answered at
-  once; partitions noted early are built into that buffer as they land (plain SGD, workers
-  that do not --overlap).
+  once.
 - `BoundedPolicy` (bounded.py, ssp): applied at once; answered once the pusher is at most
   `staleness` pushes ahead of the slowest rank still training.
 - `RoundPolicy` (rounds.py, sync): folded into the open round as it lands; once every rank still
@@ -21,7 +20,7 @@ from app.contract import PS_STRATEGIES, Strategy, strategy_of
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members
 from app.ps.policies.asynchronous import AsyncPolicy
-from app.ps.policies.base import Partitions, Policy
+from app.ps.policies.base import Policy
 from app.ps.policies.bounded import BoundedPolicy
 from app.ps.policies.rounds import RoundPolicy
 from app.ps.replies import ReplyBuffers
@@ -32,12 +31,10 @@ __all__ = ["AsyncPolicy", "BoundedPolicy", "Policy", "PolicyConfig", "RoundPolic
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The strategy (a PS one), ssp's bound, and whether the job's workers run --overlap (async
-    then builds nothing early: app.ps.policies.asynchronous)."""
+    """The strategy (a PS one) and ssp's bound."""
 
     strategy: str = "async"
     staleness: int = 0
-    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not self.kind.has_ps:
@@ -54,13 +51,11 @@ def policy_for(
     members: Members,
     replies: ReplyBuffers,
     counts: PushCounts,
-    partitions: Partitions | None = None,
 ) -> Policy:
-    """The policy of `config`'s strategy over these parts; `partitions`: those a push may be taken
-    early by (None: pushes are taken whole)."""
+    """The policy of `config`'s strategy over these parts."""
     kind = config.kind
     if kind.rounds:
-        return RoundPolicy(state, members, replies, counts, partitions)
+        return RoundPolicy(state, members, replies, counts)
     if kind.bounded:
-        return BoundedPolicy(state, members, replies, counts, partitions, bound=config.staleness)
-    return AsyncPolicy(state, members, replies, counts, partitions, build_early=not config.overlap)
+        return BoundedPolicy(state, members, replies, counts, bound=config.staleness)
+    return AsyncPolicy(state, members, replies, counts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members
-from app.ps.policies.base import Partitions, Policy
+from app.ps.policies.base import Policy
 from app.ps.replies import ReplyBuffers
 from app.ps.state import State
 
@@ -15,15 +15,9 @@ class BoundedPolicy(Policy):
     at most `bound` pushes (or it trains no more)."""
 
     def __init__(
-        self,
-        state: State,
-        members: Members,
-        replies: ReplyBuffers,
-        counts: PushCounts,
-        partitions: Partitions | None = None,
-        bound: int = 0,
+        self, state: State, members: Members, replies: ReplyBuffers, counts: PushCounts, bound: int = 0
     ) -> None:
-        super().__init__(state, members, replies, counts, partitions)
+        super().__init__(state, members, replies, counts)
         self.bound = bound
 
     def may_answer(self, rank: int, lead: int) -> bool:

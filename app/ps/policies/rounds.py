@@ -8,13 +8,7 @@ the pushes' mean is built the same way (push/N, then + each next one / N) and th
 follows it at the close. Either way, when the last push lands one pass over it is left.
 N: the ranks the round waits for when its first push lands. With two pushes the mean is the
 same bits in either order; the new state built in the reply buffer (plain SGD), and any sum of
-more than two, may differ in the last bit with the order the pushes (or, taken early, their
-partitions) land in.
-
-A push is folded partition by partition (app.exchange.layout; one partition, the whole
-vector, when the PS does not take partitions early): a worker whose backward has finished a
-partition may have it folded before its push arrives (app.ps.early), and the push folds
-the rest. Every element is folded once per push, in the order the pushes reach it.
+more than two, may differ in the last bit with the order the pushes land in.
 """
 
 from __future__ import annotations
@@ -24,12 +18,10 @@ from collections.abc import Collection
 import torch
 from torch.futures import Future
 
-from app.exchange.notes import Note
 from app.exchange.wire import Push, Reply
 from app.ps.counts import PushCounts
-from app.ps.early import EarlyPartitions
 from app.ps.members.members import Members
-from app.ps.policies.base import Partitions, Policy, Ready, Waiting, noted_backward
+from app.ps.policies.base import Policy, Ready, Waiting
 from app.ps.replies import ReplyBuffers
 from app.ps.state import State
 
@@ -38,15 +30,8 @@ class RoundPolicy(Policy):
     """sync: one push from every rank still training, folded as they land (`Round`); their
     average applied as one update, the same answer to all."""
 
-    def __init__(
-        self,
-        state: State,
-        members: Members,
-        replies: ReplyBuffers,
-        counts: PushCounts,
-        partitions: Partitions | None = None,
-    ) -> None:
-        super().__init__(state, members, replies, counts, partitions)
+    def __init__(self, state: State, members: Members, replies: ReplyBuffers, counts: PushCounts) -> None:
+        super().__init__(state, members, replies, counts)
         self._sum: torch.Tensor | None = None  # where a round's messages are averaged
         self._round: Round | None = None  # the open round's pushes, folded as they land
 
@@ -65,53 +50,31 @@ class RoundPolicy(Policy):
         open_round = self.waiting and rank not in self.waiting and not waited_for
         return version + 1 if open_round else 0
 
-    def take(
-        self, push: Push, message: torch.Tensor, future: Future, staleness: int, early: EarlyPartitions | None
-    ) -> Ready:
-        """Keep the push waiting and fold it into the open round (the partitions folded early
-        from its backward are in it already); close the round if it was the last one awaited."""
+    def take(self, push: Push, message: torch.Tensor, future: Future, staleness: int) -> Ready:
+        """Keep the push waiting and fold it into the open round; close the round if it was the
+        last one awaited."""
         state = self.state
         clip = state.clip_factor(push.grad_norm)
         if clip != 1.0:  # each push's gradient clipped by its own norm before the round's mean
             message[: state.num_params].mul_(clip)
         self.hold(push.rank, Waiting(future, message, push.epoch, push.batch, 0, push.to_go))
-        self._open_round().fold(push.rank, message, state.vector, state.num_params, state.lr, noted_backward(push))
+        self._open_round().fold(push.rank, message, state.vector, state.num_params, state.lr)
         return self._close_round()
 
     def unblock(self) -> Ready:
         return self._close_round()
-
-    def take_partition(self, note: Note, message: torch.Tensor) -> None:
-        """Fold the partition into the open round, once per rank and partition."""
-        state, round_ = self.state, self._open_round()
-        if note.rank in round_.folded[note.partition]:
-            return
-        round_.fold_part(note.rank, note.partition, message, state.vector, state.num_params, state.lr, note.backward)
-        self.counts.early_done += 1
-
-    def forget(self, rank: int) -> None:
-        if self._round is not None:
-            self._round.forget(rank)
-
-    def checked(self, push: Push, early: EarlyPartitions | None) -> set[int]:
-        """The partitions of the push folded early into the open round, from its backward."""
-        r, backward = self._round, noted_backward(push)
-        if r is None or backward is None:
-            return set()
-        return {j for j, by in enumerate(r.backward) if by.get(push.rank) == backward}
 
     def _open_round(self) -> Round:
         """The open round, opened now if none is."""
         state = self.state
         if self._round is None:
             expected = max(1, len(self.members.training(state.version)))
-            partitions = self.partitions or [(0, state.size)]
             if state.plain_sgd():  # the new state built in the reply buffer
-                self._round = Round(expected, self.replies.take(0), None, partitions)  # one buffer pair for the round
+                self._round = Round(expected, self.replies.take(0), None)  # one buffer pair for the round
             else:
                 if self._sum is None:
                     self._sum = torch.empty_like(state.vector)
-                self._round = Round(expected, None, self._sum, partitions)
+                self._round = Round(expected, None, self._sum)
         return self._round
 
     def _close_round(self) -> Ready:
@@ -128,8 +91,6 @@ class RoundPolicy(Policy):
         self.waiting = {}
         r, self._round = self._round, None
         vector = r.into if r is not None and r.into is not None else self.replies.take(0)
-        if r is not None and r.matches(waiting):
-            self.counts.early_kept += r.kept
         if r is not None and r.matches(waiting) and r.into is not None:
             if state.sliced:  # a PS shard's state is a slice of the model's vector: copied, not moved
                 state.vector.copy_(vector)
@@ -166,53 +127,20 @@ def mean_into(messages: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 class Round:
     """`expected`: the ranks the round waited for when its first push landed (each push counts
-    1/expected); `partitions`: those a push is folded by. `into` (the round's reply
-    buffer) holds the new state under plain SGD, otherwise `mean` holds the pushes' mean. Valid
-    at the close only if the round closes with exactly the pushes folded (`matches`)."""
+    1/expected). `into` (the round's reply buffer) holds the new state under plain SGD,
+    otherwise `mean` holds the pushes' mean. Valid at the close only if the round closes with
+    exactly the pushes folded (`matches`)."""
 
-    def __init__(
-        self, expected: int, into: torch.Tensor | None, mean: torch.Tensor | None, partitions: Partitions
-    ) -> None:
-        self.expected, self.into, self.mean, self.partitions = expected, into, mean, list(partitions)
-        self.folded: list[set[int]] = [set() for _ in self.partitions]  # the ranks folded into each partition
-        self.counts = [0] * len(self.partitions)  # folds into each partition (a rank's new process may fold again)
-        self.backward: list[dict[int, int]] = [{} for _ in self.partitions]  # rank -> the backward folded early
-        self.kept = 0  # partitions folded early that their push found folded
+    def __init__(self, expected: int, into: torch.Tensor | None, mean: torch.Tensor | None) -> None:
+        self.expected, self.into, self.mean = expected, into, mean
+        self.folded: list[int] = []  # the ranks folded, in order (a rank's new process may fold again)
 
-    def fold(
-        self,
-        rank: int,
-        message: torch.Tensor,
-        state: torch.Tensor,
-        num_params: int,
-        lr: float,
-        backward: int | None = None,
-    ) -> None:
-        """Take rank's pushed `[grads | buffers]`, coming from its backward `backward`: every
-        partition not folded early from that very backward. `state` is the state the round
-        started from. A push from a new process of the rank folds again (and the round then
-        closes on the waiting pushes)."""
-        for j in range(len(self.partitions)):
-            if backward is None or self.backward[j].get(rank) != backward:
-                self.fold_part(rank, j, message, state, num_params, lr)
-            else:
-                self.kept += 1
-
-    def fold_part(
-        self,
-        rank: int,
-        j: int,
-        message: torch.Tensor,
-        state: torch.Tensor,
-        num_params: int,
-        lr: float,
-        backward: int | None = None,
-    ) -> None:
-        """Fold partition `j` of rank's push (values start..end of `message`); `backward`: it is
-        folded early, before the push, from that backward of the rank's."""
-        start, end = self.partitions[j]
-        first, scale = self.counts[j] == 0, 1.0 / self.expected
-        p, b = slice(start, max(start, min(end, num_params))), slice(max(start, num_params), end)  # params, buffers
+    def fold(self, rank: int, message: torch.Tensor, state: torch.Tensor, num_params: int, lr: float) -> None:
+        """Take rank's pushed `[grads | buffers]`; `state` is the state the round started from.
+        A push from a new process of the rank folds again (and the round then closes on the
+        waiting pushes)."""
+        first, scale = not self.folded, 1.0 / self.expected
+        p, b = slice(0, num_params), slice(num_params, None)  # params, buffers
         if self.into is not None:
             if first:
                 torch.add(state[p], message[p], alpha=-lr * scale, out=self.into[p])
@@ -223,25 +151,11 @@ class Round:
         else:
             assert self.mean is not None  # a round holds its reply buffer or its mean
             if first:
-                torch.mul(message[start:end], scale, out=self.mean[start:end])
+                torch.mul(message, scale, out=self.mean)
             else:
-                self.mean[start:end].add_(message[start:end], alpha=scale)
-        self.folded[j].add(rank)
-        self.counts[j] += 1
-        if backward is not None:
-            self.backward[j][rank] = backward
-
-    def forget(self, rank: int) -> None:
-        """A new process of `rank` joined: what its old one folded early is no part of the new
-        one's push (which then folds every partition again)."""
-        for early in self.backward:
-            early.pop(rank, None)
+                self.mean.add_(message, alpha=scale)
+        self.folded.append(rank)
 
     def matches(self, waiting: Collection[int]) -> bool:
-        """Whether the round closes with exactly the pushes folded (ranks `waiting`), every
-        partition of each once."""
-        ranks = set(waiting)
-        return all(
-            count == len(waiting) == self.expected and folded == ranks
-            for count, folded in zip(self.counts, self.folded)
-        )
+        """Whether the round closes with exactly the pushes folded (ranks `waiting`), each once."""
+        return len(self.folded) == len(waiting) == self.expected and set(self.folded) == set(waiting)

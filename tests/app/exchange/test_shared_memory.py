@@ -116,7 +116,7 @@ def test_sweep_removes_the_segment_of_a_killed_owner_and_keeps_a_live_ones(shm_d
 def test_a_killed_runs_directory_is_swept_by_the_next_run_subdirectories_included(shm_dir):
     """`orchestrator local` gives each run its own directory; SIGKILL of a run left its segment
     there, and each later PS swept only its own run's directory: it survived every later run.
-    Now the next run's PS removes it, its note socket and its directory; a live run's stay."""
+    Now the next run's PS removes it and its directory; a live run's stay."""
     killed, live_run, empty_run = shm_dir / "psc-job-run1", shm_dir / "psc-job-run2", shm_dir / "psc-job-run0"
     killed.mkdir()
     empty_run.mkdir()  # a live run that has not made its segment yet
@@ -127,7 +127,6 @@ def test_a_killed_runs_directory_is_swept_by_the_next_run_subdirectories_include
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     dead = Path(owner.stdout.readline().strip())
-    (killed / dead.name.replace(".shm", ".notes")).touch()  # its note socket's name
     live = Segment.create(str(live_run), 100, ["a"])
     try:
         owner.send_signal(signal.SIGKILL)
@@ -183,13 +182,12 @@ def test_a_segment_that_does_not_fit_is_one_line_and_leaves_no_file(shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_the_segment_has_the_size_the_render_plans_for(ahead):
+def test_the_segment_has_the_size_the_render_plans_for():
     for workers, overlap, sync in [(1, False, False), (3, True, False), (4, False, True), (8, True, True)]:
-        names = region_names(workers, overlap, sync, ahead)
-        assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync, ahead)
+        names = region_names(workers, overlap, sync)
+        assert len(names) == len(set(names)) == exchange_regions(workers, overlap, sync)
         needed = segment_bytes(1234, len(names))  # what SharedExchange.open makes for them
-        assert needed == exchange_bytes(1234, workers, overlap, sync, ahead)
+        assert needed == exchange_bytes(1234, workers, overlap, sync)
 
 
 # --- the PS's replies and the worker's slots, in one process ---------------------------------
@@ -234,7 +232,7 @@ def test_a_push_from_a_slot_is_torch_sgd_value_for_value_and_the_reply_names_a_r
 def test_without_a_segment_the_ps_end_offers_nothing_holds_nothing_and_refuses_a_slot():
     """NO_SEGMENT (--exchange tensorpipe, or no shared memory): the same questions as a segment,
     each answered as a PS whose workers all push over TensorPipe."""
-    assert NO_SEGMENT.offer(life=1) is None and NO_SEGMENT.parts is None and NO_SEGMENT.notes is None
+    assert NO_SEGMENT.offer() is None
     assert NO_SEGMENT.reply_buffers(1) is None and NO_SEGMENT.reply_buffers(0) is None
     assert not NO_SEGMENT.holds(torch.zeros(4))
     reply = Reply(torch.zeros(4), 3, 0, 0)
@@ -243,8 +241,8 @@ def test_without_a_segment_the_ps_end_offers_nothing_holds_nothing_and_refuses_a
         NO_SEGMENT.push(1, 0, "float32", 4)
     NO_SEGMENT.close()  # nothing to remove
     server = ps_server(_bn_model(), lr=0.1)  # a server given no segment keeps its replies itself
-    assert server.shared is NO_SEGMENT and server.partitions is None
-    assert server.replies.take(1).numel() == server.state.size and not server.replies.in_segment(server.replies.next(1))
+    assert server.shared is NO_SEGMENT
+    assert server.replies.take(1).numel() == server.state.size and not server.replies.in_segment(server.replies.take(1))
 
 
 def test_a_state_outside_the_segment_goes_as_a_tensor(shm_dir):
@@ -340,14 +338,13 @@ def test_processes_exchange_through_shared_memory_and_leave_nothing_behind(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "workers,args",
-    [(1, ["--strategy", "async"]), (2, ["--strategy", "sync", "--momentum", "0.5"])],
-    ids=["async-1", "sync-2"],
+    [(1, ["--strategy", "async"]), (2, ["--strategy", "sync", "--momentum", "0.5"]), (1, ["--overlap", "true"])],
+    ids=["async-1", "sync-2", "overlap-1"],
 )
 def test_both_exchanges_train_the_same_values(tmp_path, shm_dir, workers, args):
     """Through shared memory or over TensorPipe, the PS applies the same pushes to the same
     state: final.pt is the same, bit for bit (one worker; or sync, whose round is the same
-    whatever order its two pushes land in). --overlap's run, which pushes from two slots in
-    turn, is compared the same way in test_partitions.py, with its partitions noted."""
+    whatever order its two pushes land in; --overlap pushes from two slots in turn)."""
     finals = {}
     for mode in ("auto", "tensorpipe"):
         run = tmp_path / mode

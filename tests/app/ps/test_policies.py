@@ -81,7 +81,7 @@ class Parts:
         self.members.seen(rank, name)
         future: Future = Future()
         staleness = self.state.version - pulled
-        return future, self.policy.take(Push(rank, name, pulled), grads, future, staleness, None)
+        return future, self.policy.take(Push(rank, name, pulled), grads, future, staleness)
 
 
 def answer(ready: Ready) -> None:
@@ -241,11 +241,8 @@ def test_policy_for_picks_the_class_of_each_ps_strategy(strategy, kind):
     assert type(parts.policy) is kind
 
 
-def test_policy_for_gives_ssp_its_bound_and_async_whether_to_build_early():
+def test_policy_for_gives_ssp_its_bound():
     parts = Parts("ssp")
     args = (parts.state, parts.members, parts.replies, parts.counts)
     ssp = policy_for(PolicyConfig("ssp", staleness=3), *args)
     assert isinstance(ssp, BoundedPolicy) and ssp.bound == 3
-    plain, overlapped = (policy_for(PolicyConfig("async", overlap=overlap), *args) for overlap in (False, True))
-    assert isinstance(plain, AsyncPolicy) and isinstance(overlapped, AsyncPolicy)
-    assert plain.build_early and not overlapped.build_early

@@ -163,12 +163,10 @@ class _Segment:
 def test_reply_buffers_use_a_segments_region_and_two_of_their_own_for_other_ranks():
     segment = _Segment()
     replies = ReplyBuffers(4, segment)  # type: ignore[arg-type]  # the one method it calls
-    assert replies.next(1) is segment.region and replies.take(1) is segment.region
+    assert replies.take(1) is segment.region
     assert replies.take(1) is segment.region  # one region: every reply of rank 1 is written there
-    first = replies.next(2)
-    assert replies.take(2) is first
-    second = replies.next(2)
-    assert second is not first and replies.take(2) is second and replies.take(2) is first
+    first, second = replies.take(2), replies.take(2)
+    assert second is not first and replies.take(2) is first and replies.take(2) is second
     assert first.shape == (4,) and first.dtype == torch.float32
 
 
@@ -177,15 +175,14 @@ def test_the_push_counts_count_staleness_and_give_the_end_records_fields():
     for staleness in (0, 1, 1, 3):
         counts.count(staleness)
     counts.refused[2] += 1
-    assert counts.fields({1: 3, 2: 1}, early=False) == {
+    assert counts.fields({1: 3, 2: 1}) == {
         "pushes": {"worker1": 3, "worker2": 1},
         "staleness_mean": 1.25,
         "staleness_max": 3,
         "staleness_hist": {"0": 1, "1": 2, "3": 1},
         "refused": {"worker2": 1},
     }
-    assert counts.fields({}, early=True)["ahead"] == {"done": 0, "kept": 0, "checked": 0}
-    assert PushCounts().fields({}, early=False)["staleness_mean"] == 0.0  # no push yet
+    assert PushCounts().fields({})["staleness_mean"] == 0.0  # no push yet
 
 
 def _bn_model() -> nn.Module:

@@ -1,10 +1,10 @@
 """A GPU worker's step runs ahead of its GPU (app.worker.trainer, app.exchange.slot_copies,
-early_push, ordered_pull, app.data.prefetch, app.data.augment): N steps of each PS strategy
+backward_copies, ordered_pull, app.data.prefetch, app.data.augment): N steps of each PS strategy
 with torch.cuda.set_sync_debug_mode("error"), so any call that makes the host wait for the GPU
 (`.item()`, a stream's synchronize, a synchronous copy) fails the step, and with every host
 copy to or from the device checked to use pinned memory (the debug mode does not see a copy
 from pageable memory, which waits for the stream all the same). The waits the step keeps are
-event waits in the sender and notes threads, which the GPU does not notice. Needs a CUDA GPU:
+event waits in the sender thread, which the GPU does not notice. Needs a CUDA GPU:
 skipped elsewhere."""
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 
 from app.config import parse
 from app.contract import PS
-from app.exchange.layout import cut
 from app.exchange.ps_end import SharedExchange
 from app.exchange.wire import Start, finite_flag
 from app.exchange.worker_end import WorkerEnd
 from app.ps.rpc import Endpoint
-from app.ps.server import ParameterServer
 from app.training import loop
 from app.training.flat import FlatModel
 from app.worker.channels import PSChannel
@@ -34,6 +32,7 @@ from app.worker.links import SharedMemoryLink
 from app.worker.trainer import Trainer
 
 import needs
+from app_testkit import ps_server
 
 pytestmark = needs.cuda_gpu()
 CUDA = torch.device("cuda")
@@ -112,18 +111,9 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
     ps_model = torchvision.models.resnet18(num_classes=10)
     ps_model.load_state_dict(model.state_dict())
     size = FlatModel(ps_model, with_grads=False).size
-    parts = cut([p.numel() for p in ps_model.parameters()], size)
-    exchange = SharedExchange.open(str(shm_dir), size, 1, overlap=overlap, sync=strategy == "sync", parts=parts)
-    server = ParameterServer(
-        ps_model,
-        lr=0.01,
-        momentum=0.0,
-        num_trainers=1,
-        strategy=strategy,
-        staleness=2 if strategy == "ssp" else 0,
-        shared=exchange,
-        overlap=overlap,
-    )
+    exchange = SharedExchange.open(str(shm_dir), size, 1, overlap=overlap, sync=strategy == "sync")
+    staleness = 2 if strategy == "ssp" else 0
+    server = ps_server(ps_model, lr=0.01, strategy=strategy, staleness=staleness, shared=exchange)
     argv = ["worker", "--device", "cuda", "--strategy", strategy, "--overlap", str(overlap).lower()]
     config = parse(argv, {})
     data = Images()
@@ -131,7 +121,7 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
     try:
         with Endpoint(server).serving():
             joined = server.join(1, "worker1")
-            end = WorkerEnd.attach(exchange.offer(joined.life), 1, CUDA)
+            end = WorkerEnd.attach(exchange.offer(), 1, CUDA)
             channel = PSChannel(1, 30.0, "in-process", "worker1", device=CUDA, overlap=overlap)
             channel.links = [SharedMemoryLink(PS, 0, size, end, overlap, call=in_process)]
             trainer = Trainer(config, model.to(CUDA), loader, None, CUDA, channel, None)
@@ -153,7 +143,7 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
             pageable.__exit__(None, None, None)
             trainer.last_reply()
             assert steps == 12 and trainer.pushes == steps and trainer.refused == 0
-            assert end.early is not None and end.early.on and end.early.unfinite == 0
+            assert end.outbound is not None and end.outbound.on  # copied out as each backward finished it
             assert torch.isfinite(trainer.flat.own).all()
     finally:
         torch.cuda.set_sync_debug_mode("default")

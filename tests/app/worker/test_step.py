@@ -1,6 +1,6 @@
 """One worker step without host waits or per-parameter Python (app.worker.trainer with
-app.exchange's early push, ordered pull and slot copies, app.training.loop, app.data.prefetch):
-counted and checked on the CPU; what needs a GPU is in test_gpu_step.py."""
+app.exchange's backward copies, ordered pull and slot copies, app.training.loop,
+app.data.prefetch): counted and checked on the CPU; what needs a GPU is in test_gpu_step.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torchvision
 
 from app.config import parse
 from app.contract import PS
+from app.exchange.backward_copies import BackwardCopies
 from app.exchange.layout import cut
 from app.exchange.ordered_pull import BUFFERS, plan, waits
 from app.exchange.ps_end import SharedExchange
@@ -80,15 +81,15 @@ class Callbacks:
 
 
 def _count_steps(shm_dir: Path, monkeypatch, accumulate: bool, steps: int = 3):
-    """A ResNet-18 worker on the CPU whose pushes go through a real push slot with partitions (its
-    PS end in this process, the replies the state it started from): (the callbacks of `steps`
-    steps after two warm-up ones, the partitions, the worker's end, the channel, the trainer).
+    """A ResNet-18 worker on the CPU whose pushes go through a real push slot (its PS end in this
+    process, the replies the state it started from): (the callbacks of `steps` steps after two
+    warm-up ones, the partitions, the worker's end, the channel, the trainer).
     `accumulate`: its FlatModel adds the gradients into the zeroed message, as on a GPU."""
     monkeypatch.setattr("app.worker.trainer.FlatModel", functools.partial(FlatModel, accumulate=accumulate))
     model = _resnet18()
     parts = _parts(model)
     flat_size = parts[-1][1]
-    exchange = SharedExchange.open(str(shm_dir), flat_size, 1, overlap=False, sync=False, parts=parts)
+    exchange = SharedExchange.open(str(shm_dir), flat_size, 1, overlap=False, sync=False)
     end = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
     state: list[torch.Tensor] = []  # the state the PS answers with: the one the worker started from
     channel = recording_channel(lambda message, version: Reply(state[0].clone(), version + 1, 0, 0))
@@ -109,33 +110,60 @@ def _count_steps(shm_dir: Path, monkeypatch, accumulate: bool, steps: int = 3):
     return counted.calls, parts, end, channel, trainer
 
 
-def test_a_resnet18_workers_step_calls_back_into_python_at_most_twice_a_partition(shm_dir, monkeypatch):
+class Recorded:
+    """app.exchange.slot_copies.SlotCopies as BackwardCopies asks it (the copies need a GPU): the
+    pieces, and the copies asked for, recorded."""
+
+    def __init__(self, pieces: list[tuple[int, int]]) -> None:
+        self.pieces, self.asked = pieces, 0
+        self.flags = torch.ones(1, len(pieces), dtype=torch.bool)
+
+    def copy(self, message: torch.Tensor, slot: int, piece: int) -> None:
+        self.asked += 1
+
+    def landed(self) -> None:
+        return None
+
+
+def test_a_resnet18_backward_calls_back_into_python_once_a_partition_but_the_last(shm_dir, monkeypatch):
     """Gradients added in place into the zeroed message (a GPU worker's way, here on the CPU): no
-    hook per parameter; after the first backward one post-accumulate hook per noted partition.
-    ResNet-18 has 62 parameters in 7 partitions: 6 callbacks a step (the last partition goes with
-    the push; a GPU worker's forward adds one wait per partition and one for the buffers, 8: the
-    test below), where a hook per parameter made 124 (a tensor hook and a post-accumulate hook
-    each). The gradient pushed is the write-once one's, value for value."""
-    steps = 3
-    calls, parts, end, channel, trainer = _count_steps(shm_dir, monkeypatch, accumulate=True, steps=steps)
-    assert len(parts) == 7 and len(calls) == steps * (len(parts) - 1), calls
-    assert len(calls) / steps <= 2 * len(parts) + 2
-    notes = end.early.sender  # type: ignore[union-attr]
-    assert notes.sent + notes.dropped == (len(parts) - 1) * (steps + 1)  # nobody reads them: most drop
+    hook per parameter. A GPU worker's copies out (app.exchange.backward_copies) add one
+    post-accumulate hook per partition but the last, from the second backward on: ResNet-18 has
+    62 parameters in 7 partitions, so 6 callbacks a step (a GPU worker's forward adds one wait per
+    partition and one for the buffers, 8: the test below), where a hook per parameter made 124 (a
+    tensor hook and a post-accumulate hook each). The gradient pushed is the write-once one's,
+    value for value."""
+    calls, parts, end, channel, trainer = _count_steps(shm_dir, monkeypatch, accumulate=True, steps=3)
+    assert len(parts) == 7 and calls == []  # a CPU worker: nothing runs in Python during a step
     assert channel.messages[-1].data_ptr() == end.slots[0].data_ptr()  # the backward wrote the gradient there
     pushed = channel.messages[-1].clone()
     monkeypatch.undo()
     calls, _, _, channel, _ = _count_steps(shm_dir, monkeypatch, accumulate=False, steps=1)
     assert torch.equal(channel.messages[-1], pushed)
 
+    model = _resnet18()
+    flat = FlatModel(model, accumulate=True)
+    recorded = Recorded(parts)
+    copies = BackwardCopies(list(model.parameters()), "worker1", flat, recorded)  # type: ignore[arg-type]
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    steps = 3
+    for _ in range(steps + 1):  # the first backward records the order the gradients come in
+        with Callbacks() as counted:
+            copies.arm(lambda: 0)
+            with flat.writing_grads():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        copies.finish(0)
+    assert len(counted.calls) == len(parts) - 1, counted.calls
+    assert recorded.asked == len(parts) * (steps + 1)  # every partition once a step: during it or at the push
+
 
 def test_a_cpu_workers_step_writes_each_gradient_once_through_a_hook_a_parameter(shm_dir, monkeypatch):
     """On the CPU a gradient is copied into its place in the push slot by a hook on it (one write
     of its bytes, where a fill and an in-place add cost ~2 ms more a step there): 62 tensor hooks
-    and 6 partition hooks a step, where it was 124."""
+    a step, where it was 124."""
     calls, parts, end, channel, trainer = _count_steps(shm_dir, monkeypatch, accumulate=False, steps=2)
     params = len(list(trainer.model.parameters()))
-    assert params == 62 and len(calls) == 2 * (params + len(parts) - 1), len(calls)
+    assert params == 62 and len(calls) == 2 * params, len(calls)
 
 
 def test_a_gpu_workers_forward_waits_once_per_partition_where_it_first_needs_it():
