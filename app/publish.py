@@ -6,6 +6,7 @@ container with it too."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -37,7 +38,8 @@ def _sibling(into: Path, what: str) -> Path:
 
 def _swap(new: Path, into: Path) -> None:
     """`new` renamed to `into`, the old `into` moved aside first and then removed. Another
-    publish may put its own `into` back between the two renames: moved aside in turn."""
+    publish may put its own `into` back between the two renames: moved aside in turn, and the
+    rename tried again."""
     while True:
         old = _sibling(into, "old")
         try:
@@ -46,8 +48,10 @@ def _swap(new: Path, into: Path) -> None:
             pass
         try:
             new.rename(into)
-        except OSError:
-            if not into.exists():
+        except OSError as error:
+            # another publish put its `into` back between the renames (it may have moved that
+            # aside again since: its existence now says nothing); anything else is an error
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             shutil.rmtree(old, ignore_errors=True)
             continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -58,4 +59,32 @@ def test_exports_of_one_name_at_once_leave_one_whole_pair(tmp_path):
     assert not errors, errors
     pair = {p.name: p.read_bytes() for p in into.iterdir()}
     assert set(pair) == {"model.pt", "model.json"} and pair["model.pt"] == pair["model.json"], pair
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_a_publish_whose_rename_meets_another_runs_directory_that_is_then_moved_aside_tries_again(
+    tmp_path, monkeypatch
+):
+    """Three exports at once: this one's rename finds a second one's `model` in place (not empty),
+    and by the time it looks, a third has moved that aside. It tries again, and its pair is what
+    stays (before, it raised "Directory not empty" because `model` was gone when it looked)."""
+    into = tmp_path / "model"
+    real_rename = Path.rename
+    raced = []
+
+    def rename(self: Path, target: Path) -> Path:
+        if Path(target) == into and self.name.startswith(".model.new-") and not raced:
+            raced.append(self)
+            into.mkdir()
+            (into / "model.pt").write_bytes(b"another run")  # a second export's, swapped in
+            try:
+                return real_rename(self, target)
+            finally:
+                (into / "model.pt").unlink()  # a third export moves it aside and removes it
+                into.rmdir()
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    publish.publish({"model.pt": b"mine", "model.json": b"mine"}, into)
+    assert raced and {p.name: p.read_bytes() for p in into.iterdir()} == {"model.pt": b"mine", "model.json": b"mine"}
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
