@@ -98,6 +98,7 @@ def test_runs_show_of_an_unknown_run_is_one_line_and_exit_2(here: Path) -> None:
     assert "'nope'" in p.stderr and "names: t" in p.stderr, p.stderr
 
 
+@pytest.mark.docker  # its last call: a name with no run anywhere, which the engine is asked about
 def test_a_live_local_run_is_running_and_runs_rm_refuses_it_until_it_ends(here: Path) -> None:
     live = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "local", "-c", "topo.yaml"],
@@ -132,6 +133,8 @@ def test_a_live_local_run_is_running_and_runs_rm_refuses_it_until_it_ends(here: 
     assert gone.returncode == 0 and not (here / "runs" / "t").exists()
     assert listed(here) == []
     again = orch(here, "runs", "rm", "t")
+    if again.returncode == 1 and "docker" in again.stderr.lower():
+        unavailable(f"no Docker engine answers: {again.stderr.strip()}")
     assert again.returncode == 2 and "no run named 't'" in again.stderr
 
 
