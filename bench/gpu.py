@@ -11,7 +11,9 @@ compose (bench/launch.py). A step's time comes from the workers' `train`
 metrics records (one a batch): the steady state of bench/gpu_report.py.
 `compute alone` runs the app's worker step (`Trainer.compute_gradients`) with
 no PS; `official` is the published PyTorch example (bench/official.py) on the
-same model.
+same model. Under each C's async rows, their floor: compute alone plus the PS's
+update of one push measured alone (bench/ps_update.py), as a worker's next
+forward waits for it.
 
 Default (under 5 minutes on a 2-core CPU VM): C = 13 and 25 ms (ResNet-18,
 batch 128 at 224 px, on an H200 in bf16 + channels_last and in fp32), 1 and 2
@@ -32,7 +34,7 @@ import time
 from typing import Any
 
 from app.option_table import OPTIONS
-from bench import gpu_report, harness, host_cpu, launch
+from bench import gpu_report, harness, host_cpu, launch, ps_update
 
 APP_LOG_EVERY = next(o.default for o in OPTIONS if o.name == "log_every")  # the app's: every 10 batches
 CODE = launch.ROOT / "bench" / "sleep_model"
@@ -243,6 +245,8 @@ def main(args: argparse.Namespace) -> int:
     if any(w == "containers" for _, _, _, w, _ in todo):
         print("bench gpu: building the image ...", file=sys.stderr, flush=True)
         launch.build_image(_validated(topology("sync", todo[0][0], 2, 1, 2)))
+    # measured first, on a quiet host: the floor under each C's async rows
+    update = ps_update.measure(str(CODE)) if any(s == "async" for *_, s in todo) else None
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     for repeat in range(1, args.repeats + 1):
@@ -257,9 +261,12 @@ def main(args: argparse.Namespace) -> int:
     wall = time.monotonic() - started
     where["loadavg_end"] = os.getloadavg()
     what = f"steady state: {args.steps} timed batches per worker after {args.warmup} of warm-up, medians"
-    text = gpu_report.table(rows) + "\n" + harness.run_line(what, args.repeats, wall, where)
+    text = gpu_report.table(rows, update) + "\n" + harness.run_line(what, args.repeats, wall, where)
     return harness.close(
-        text, failures, args.json, lambda: gpu_report.document(rows, runs, _settings(args), where, failures, wall)
+        text,
+        failures,
+        args.json,
+        lambda: dict(gpu_report.document(rows, runs, _settings(args), where, failures, wall), ps_update=update),
     )
 
 

@@ -123,10 +123,11 @@ def _find(rs: list[dict[str, Any]], like: dict[str, Any]) -> Optional[dict[str, 
     return next((r for r in rs if key(r) == key(like)), None)
 
 
-def table(rs: list[dict[str, Any]]) -> str:
+def table(rs: list[dict[str, Any]], update: dict[str, Any] | None = None) -> str:
     """One block per C: each case's s/step, x compute alone, x processes, the host's cores
     busy, the CPU milliseconds a worker step and a PS push took, the shortest step that CPU
-    allows on the host's cores (x compute alone: `cores x`), steps, range."""
+    allows on the host's cores (x compute alone: `cores x`), steps, range; and, given the PS's
+    `update` of one async push alone (bench.ps_update), the floor it puts under async's step."""
     blocks = []
     for c in dict.fromkeys(r["compute_ms"] for r in rs):
         head = (
@@ -144,8 +145,26 @@ def table(rs: list[dict[str, Any]]) -> str:
                 f" {floor:>7} {r['steps']:>5}  {rows.range_text(r)}"
             )
         title = f"C = {c} ms (ResNet-18's 11.2 M parameters, batch 20, compute a sleep of C over its layers)"
+        alone = _compute_alone(rs, c)
+        if update is not None and alone is not None and any(r["system"] == "async" for r in rs if r["compute_ms"] == c):
+            lines.append(async_floor_line(alone["step_s"], update))
         blocks.append("\n".join(rows.block(title, head, lines)))
     return "\n\n".join(blocks)
+
+
+def async_floor(compute_s: float, update_s: float) -> float:
+    """The shortest plain async step, x compute alone: a worker's next forward waits for its
+    push to be applied, so a step is at least compute alone plus the PS's update of that push."""
+    return (compute_s + update_s) / compute_s
+
+
+def async_floor_line(compute_s: float, update: dict[str, Any]) -> str:
+    """The line under a block that says that floor, from the update's figures (bench.ps_update)."""
+    floor = async_floor(compute_s, update["update_s"])
+    return (
+        f"  floor of async: compute alone + the PS's update of one push alone, {1000 * update['update_s']:.1f} ms "
+        f"(NaN/inf check {1000 * update['check_s']:.1f} ms, {update['threads']} threads): {floor:.2f}x"
+    )
 
 
 def _ms(value: float | None) -> str:

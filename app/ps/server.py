@@ -114,7 +114,7 @@ class ParameterServer:
         self.state = State(model, config.state, clock)
         self.members = Members(config.members, clock)
         self.counts = PushCounts()
-        self.replies = ReplyBuffers(self.state.size, shared)  # two per rank, used in turn
+        self.replies = ReplyBuffers(self.state.size, shared)  # per rank, used in turn
         self.policy = policy_for(config.policy, self.state, self.members, self.replies, self.counts)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -149,8 +149,8 @@ class ParameterServer:
     def submit(self, push: Push, message: torch.Tensor) -> Future:
         """Take one worker's `message` ([grads | buffers]) and what `push` says of it
         (app.exchange.wire.Push); a future of its Reply (or Refusal). A reply's vector is one of
-        rank's (or the round's) two reply buffers, not a fresh copy: it stays unchanged until
-        rank's next-but-one push."""
+        rank's (or the round's) reply buffers (app.ps.replies), not a fresh copy: it stays
+        unchanged until rank's next push at the earliest."""
         message = self.state.message(push.rank, message)
         name = push.name or worker_name(push.rank)
         # a GPU worker's flags say finite where it computed them (app.exchange.slot_copies): not checked again

@@ -220,3 +220,44 @@ def test_compute_alone_runs_with_a_workers_threads_and_gives_the_bench_its_own_b
     one_worker_job = machine.sharing_cpus(parse(["worker", "--world_size", "2"], {}))
     assert seen == [max(1, len(os.sched_getaffinity(0)) // one_worker_job)]
     assert after == 7
+
+
+def test_under_each_c_with_async_rows_the_floor_is_compute_alone_plus_the_ps_update_of_a_push():
+    update = {"update_s": 0.008, "check_s": 0.002, "threads": 2, "pushes": 22}
+    assert gpu_report.async_floor(0.025, 0.008) == pytest.approx(1.32)
+    runs = [
+        _run("compute", 0.025, c=25),
+        _run("async", 0.04, c=25),
+        _run("compute", 0.013, c=13),
+        _run("sync", 0.03, c=13),
+    ]
+    text = gpu_report.table(gpu_report.aggregate(runs), update)
+    blocks = {block.splitlines()[0].split(" ms ")[0]: block for block in text.split("\n\n")}
+    floor = next(line for line in blocks["C = 25"].splitlines() if "floor of async" in line)
+    assert "8.0 ms" in floor and "check 2.0 ms" in floor and "2 threads" in floor and floor.endswith("1.32x")
+    assert "floor of async" not in blocks["C = 13"]  # no async row there: sync's floor is another
+    assert "floor of async" not in gpu_report.table(gpu_report.aggregate(runs))  # not measured
+
+
+def test_the_ps_update_is_the_apps_own_with_a_ps_processs_threads_and_gives_the_bench_its_own_back(monkeypatch):
+    import os
+
+    import torch
+
+    from app.config import parse
+    from app.runtime import machine
+    from bench import ps_update
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cores' share, as `python -m app ps` takes it
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)
+        got = ps_update.measure(str(gpu.CODE), repeats=3)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    ps_process = machine.sharing_cpus(parse(["ps", "--world_size", "3"], {}))
+    assert got["threads"] == max(1, len(os.sched_getaffinity(0)) // ps_process)
+    assert got["pushes"] == 3 + 2  # every push timed (and the two before) was applied, none refused
+    assert got["update_s"] > 0 and got["check_s"] > 0
+    assert after == 7
