@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # its PS is told, so that it stops waiting for the rank (a scale down of a rank not joined yet)
         lifecycle.sigterm_exits_at_once(
             f"{config.name}: stopped (SIGTERM) before it joined the job; nothing to leave",
-            farewell=lambda: group.say_not_joining(config.rank, config.master_addr, config.master_port),
+            farewell=lambda: group.say_not_joining(config),
         )
     lifecycle.handle_sigterm(grace, announce=not ps_worker)  # a worker's leave is its one line
     if held:

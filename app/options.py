@@ -40,6 +40,7 @@ from app.contract import (
     ImageCache,
     Precision,
     StrategyName,
+    Transport,
 )
 from app.recipes import (
     Problem,
@@ -124,6 +125,27 @@ class ProcessOptions:
     )
     master_addr: str = option("localhost", "the PS's address")
     master_port: int = option(6100, "the PS's rendezvous port", low=1, high=65535)
+    transport: Transport = option(
+        "tensorpipe",
+        "What carries the job's calls, the same in every process: zmq, the job's own (every connection proves "
+        "the run's secret, --secret_file, before anything is read; nothing received is unpickled); tensorpipe: "
+        "torch RPC over TensorPipe, which admits whoever reaches its port.",
+    )
+    secret_file: str = option(
+        "",
+        "zmq: a file holding the run's secret (at least 32 hex characters), readable by the job's processes "
+        "alone; the orchestrator makes one for each run.",
+    )
+    socket_dir: str = option(
+        "",
+        "zmq: a directory for the job's UNIX sockets (every process on one host; made 0700 when missing): only "
+        "who may open it may connect; empty: TCP at --master_addr:--master_port.",
+    )
+    encrypt: bool = option(
+        True,
+        "zmq over TCP: encrypt every message (CURVE); false: authenticate only (PLAIN, the password derived from "
+        "the secret crosses in the clear), for a network no one else reads.",
+    )
     device: Device = option("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)")
     data_dir: str = option("./imagenette2/val", "data root (unused by digits and synthetic)")
     exchange: Exchange = option(

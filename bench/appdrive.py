@@ -4,7 +4,7 @@ What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
 `app.exchange.calls.rpc_*` calls the workers make), the worker's step
 (`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
 `app.worker.channels.PSChannel`), the flat buffers (`app.training.flat`), the TensorPipe
-options (`app.exchange.transport.backend_options`) and thread count
+options (`app.exchange.tensorpipe.backend_options`) and thread count
 (`app.runtime.machine.set_threads`). What is the bench's: the model (bench.models),
 a fixed synthetic batch, and the lifecycle of the RPC group (a static group
 with a graceful end), so that changes to the app's membership and failure
@@ -73,8 +73,12 @@ def _config(role: str, p: dict[str, Any]):
 
 
 def _init(config: Any, name: str, rank: int) -> None:
-    from app.exchange import transport
     from app.runtime import machine
+
+    try:
+        from app.exchange import tensorpipe as transport
+    except ImportError:  # a baseline under --app-path from before the transport's choice
+        from app.exchange import transport  # type: ignore[no-redef]
 
     machine.keep_freed_memory()  # what `python -m app` does at start
     world = config.world_size + config.shards - 1

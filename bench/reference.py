@@ -129,7 +129,7 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
     if p.get("transports") == "uv":  # `ref-uv`: no shm transport, nothing else changed
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
-        from app.exchange.transport import CHANNELS, TRANSPORTS
+        from app.exchange.tensorpipe import CHANNELS, TRANSPORTS
 
         options = rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=TRANSPORTS, _channels=CHANNELS

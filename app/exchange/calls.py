@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch.futures import Future
 
-from app.exchange.transport import answered_later
+from app.exchange.transport import answered_later, served
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 
@@ -61,10 +61,12 @@ def service() -> Service:
     return _SERVING[-1]
 
 
+@served
 def rpc_join(rank: int, name: str) -> Joined | Taken | NotReady:
     return service().join(rank, name)
 
 
+@served
 def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
     return service().pull(rank)
 
@@ -78,15 +80,18 @@ def rpc_push(message: torch.Tensor | InSlot, push: Push) -> Future:
     return service().push(message, push)
 
 
+@served
 def rpc_finish(rank: int, pushes: int, name: str = "") -> Refusal | None:
     return service().finish(rank, pushes, name)
 
 
+@served
 def rpc_leave(rank: int, pushes: int, name: str = "") -> Refusal | None:
     """A worker scaled down leaves the job for good (after its last push)."""
     return service().leave(rank, pushes, name)
 
 
+@served
 def rpc_share(rank: int, finished: Share | None = None) -> Share | None:
     """What rank trains next, having trained `finished` (None: its process starts); None: nothing
     is left (app.ps.members.epochs)."""

@@ -1,94 +1,256 @@
-"""The one module of the app that imports torch.distributed.rpc: how a process joins the job's
-group, calls another by name (and waits, or not), serves calls whose answer comes later, reads
-the group's store, and leaves. Both sides (a worker, every PS process) and the connectivity
-check reach RPC through these functions only, so another transport (c10d point-to-point with a
-store, say: RPC and TensorPipe are in maintenance mode upstream) replaces this module alone.
+"""How the job's processes reach one another: the one module the rest of the app calls a peer
+through. Every process (a worker, every PS process, the connectivity check) joins with
+`session`, calls another by name with `call` or `call_async`, serves the functions marked
+`served` (`answered_later`: its answer is a Future, held without holding a thread), reads the
+job's store through `store`, and leaves as the session ends.
 
-TensorPipe: the `uv` (TCP) transport only. The default `shm` transport spins a core while idle;
-`cuda_ipc` crashes with one GPU per container (pytorch#95487), so the channels are listed
-explicitly and tensors cross on CPU. `cma` (one process_vm_readv copy) is taken between processes
-of one PID namespace, the local runs; it costs ~40% less CPU than `mpt_uv` per tensor (`python -m
-bench constants`: rpc_cma_cpu_s, rpc_mpt_uv_cpu_s). Containers have a PID namespace each, so
-TensorPipe passes over it there and takes `mpt_uv`.
+The transport is chosen once, for the whole job (--transport):
+
+- `zmq`, the job's own (app.exchange.node): ZeroMQ sockets that prove the run's secret
+  (--secret_file) before any message is read, and messages that are a typed header plus raw
+  tensor buffers (app.exchange.codec), never unpickled. With --socket_dir, UNIX sockets in that
+  directory (one host: only who may open the directory may connect); else TCP at
+  --master_addr:--master_port, encrypted (CURVE) unless --encrypt false.
+- `tensorpipe`: torch RPC (app.exchange.tensorpipe), which admits anyone who reaches
+  its port and unpickles what they send.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 import os
+import socket
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-import torch.distributed as dist
-import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from app.config import Config
-from app.runtime.lifecycle import deadline
-from app.runtime.machine import LOOPBACK
+from app.config import Config, UsageError
+from app.contract import PS
+from app.exchange import secret, tensorpipe
+from app.exchange.node import SERVED, Node, mechanism_for, unlink_socket
+from app.exchange.store import RemoteStore, Store
+from app.runtime import lifecycle, machine
 
-log = logging.getLogger("app")
-TRANSPORTS = ["uv"]
-CHANNELS = ["cma", "mpt_uv", "basic"]
 F = TypeVar("F", bound=Callable[..., Any])
+ENDPOINT_KEY = "psc/endpoint/"  # + a PS shard's name: where it listens (set by the shard as it joins)
+_NODES: list[Node] = []  # this process's node while its session lasts (zmq)
 
 
-def backend_options(config: Config) -> rpc.TensorPipeRpcBackendOptions:
-    """The group's TensorPipe settings for the job `config` describes."""
-    return rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{config.master_addr}:{config.master_port}",
-        rpc_timeout=config.rpc_timeout,
-        num_worker_threads=max(8, 2 * (config.max_trainers + 1)),  # every worker the job may be scaled to
-        _transports=TRANSPORTS,
-        _channels=CHANNELS,
-    )
+class KeyValues(Protocol):
+    """The job's store, as group membership uses it (torch's TCPStore, or app.exchange.store)."""
+
+    def add(self, key: str, amount: int) -> int: ...
+    def set(self, key: str, value: str) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
 
 
-@contextmanager
-def session(config: Config, rank: int, name: str | None = None) -> Iterator[None]:
-    """Be in the job's RPC group as `name` (default config.name) with RPC id `rank`.
-
-    The group is dynamic (`world_size=None`): the PS (id 0) starts it, workers join and leave at
-    any time (app.exchange.group says why each piece is as it is). Joining is bounded by
-    rpc_timeout. Leaving never waits for peers (`graceful=False`): a graceful shutdown waits for
-    every member, so one dead member would hang it, and a graceful leave of a dynamic group calls
-    every member. Every RPC a process cares about has returned by then.
-    """
-    name = name or config.name
-    if config.master_addr in LOOPBACK:
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    with deadline(config.rpc_timeout, f"{name}: joining the job at {config.master_addr}:{config.master_port}"):
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=backend_options(config))
-    log.info("%s joined the job", name)
-    try:
-        yield
-    finally:
-        with deadline(config.rpc_timeout + 10, f"{name}: RPC shutdown"):
-            rpc.shutdown(graceful=False)
+def name_of(function: Callable[..., Any]) -> str:
+    """The name a call of `function` travels under: its module and qualified name."""
+    return f"{function.__module__}.{function.__qualname__}"
 
 
-def call(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Any:
-    """`function(*args)` run in the process named `to`; its answer (RuntimeError when the call
-    failed or timed out: `timeout` seconds, -1 the group's default)."""
-    return rpc.rpc_sync(to, function, args=args, timeout=timeout)
-
-
-def call_async(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Future:
-    """The same, not waited for: a future of the answer (`.wait()` raises as `call` does)."""
-    return rpc.rpc_async(to, function, args=args, timeout=timeout)
+def served(function: F) -> F:
+    """Mark `function` as one other processes may call (zmq answers no other name)."""
+    SERVED[name_of(function)] = function
+    return function
 
 
 def answered_later(function: F) -> F:
     """A served function that returns a Future of its answer: the call holds no thread of the
-    server while the answer waits (torch's `async_execution`)."""
-    return rpc.functions.async_execution(function)
+    server while the answer waits (torch's `async_execution` under tensorpipe)."""
+    wrapped = tensorpipe.answered_later(function)
+    SERVED[name_of(function)] = wrapped
+    return wrapped
 
 
-def stores() -> tuple[dist.Store, dist.Store]:
-    """The group's store (the PS's TCP store) and, under its `names/` prefix, the member list
-    (app.ps.members.listing keeps it short)."""
-    agent = rpc.api._get_current_rpc_agent()
-    if not isinstance(agent, rpc.TensorPipeAgent):  # the only RPC agent with a store
-        raise RuntimeError(f"the membership store needs the TensorPipe RPC agent, not {type(agent).__name__}")
-    return agent.store, dist.PrefixStore("names", agent.store)
+# The session, and calls.
+
+
+@contextmanager
+def session(config: Config, rank: int, name: str | None = None) -> Iterator[None]:
+    """Be in the job as `name` (default config.name) with RPC id `rank` (tensorpipe's). The main
+    PS listens (and holds the store); a PS shard listens too, and says where in the store; every
+    process but the main PS connects to it."""
+    name = name or config.name
+    if config.transport == "tensorpipe":
+        with tensorpipe.session(config, rank, name):
+            yield
+        return
+    node = _node(config, name, listens=config.role == "ps")
+    try:
+        if config.role == "ps" and config.shard:
+            where = advertised(node.address, config)
+            _remote(node, config.rpc_timeout).set(f"{ENDPOINT_KEY}{name}", where)
+        _NODES.append(node)
+        yield
+    finally:
+        if node in _NODES:
+            _NODES.remove(node)
+        node.close()
+
+
+def call(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Any:
+    """`function(*args)` run in the process named `to`; its answer (RuntimeError when the call
+    failed or timed out: `timeout` seconds, -1 the job's --rpc_timeout)."""
+    if not _NODES:  # tensorpipe (or no session: RPC says so)
+        return tensorpipe.call(to, function, args, timeout)
+    return call_async(to, function, args, timeout).wait()
+
+
+def call_async(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Future:
+    """The same, not waited for: a future of the answer (`.wait()` raises as `call` does)."""
+    if not _NODES:  # tensorpipe (or no session: RPC says so)
+        return tensorpipe.call_async(to, function, args, timeout)
+    node = _NODES[-1]
+    if not node.knows(to):
+        where = _endpoint_of(node, to, timeout)
+        if where is None:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError(f"{name_of(function)} on {to} failed: {to} is not in the job"))
+            return failed
+        node.connect(to, where)
+    return node.call_async(to, name_of(function), tuple(args), timeout)
+
+
+def _endpoint_of(node: Node, name: str, timeout: float) -> str | None:
+    """Where the PS shard `name` listens, as it said in the store."""
+    found = (
+        node.store.get(f"{ENDPOINT_KEY}{name}")
+        if node.store is not None
+        else _remote(node, timeout).get(f"{ENDPOINT_KEY}{name}")
+    )
+    return found.decode() if isinstance(found, bytes) else found
+
+
+# The store.
+
+
+@contextmanager
+def store(config: Config, timeout: float) -> Iterator[KeyValues]:
+    """The job's store: the main PS's (tensorpipe: its TCPStore), reached from any process, in the
+    job or not yet (a short connection of its own then). Its calls raise RuntimeError when the
+    PS does not answer within `timeout`."""
+    if config.transport == "tensorpipe":
+        yield tensorpipe.store_client(config.master_addr, config.master_port, timeout)
+        return
+    if _NODES and _NODES[-1].store is not None:
+        yield _NODES[-1].store
+        return
+    if _NODES:
+        yield _remote(_NODES[-1], timeout)
+        return
+    node = _node(config, f"{config.name}.{os.getpid()}.store", listens=False)
+    try:
+        yield _remote(node, timeout)
+    finally:
+        node.close()
+
+
+def own_store(config: Config, timeout: float) -> KeyValues:
+    """The store as the main PS holds it, within its session (kept for the session's length)."""
+    if config.transport == "tensorpipe":
+        return tensorpipe.store_client(config.master_addr, config.master_port, timeout)
+    if not _NODES or _NODES[-1].store is None:
+        raise RuntimeError("the job's store is the main parameter server's, within its session")
+    return _NODES[-1].store
+
+
+def stores() -> tuple[Any, Any]:
+    """tensorpipe: the group's store and its member list (app.ps.members.listing keeps it short)."""
+    return tensorpipe.stores()
+
+
+def keeps_member_list(config: Config) -> bool:
+    """Whether the PS must keep the transport's member list short (tensorpipe's; app.exchange.group)."""
+    return config.transport == "tensorpipe"
+
+
+def _remote(node: Node, timeout: float) -> RemoteStore:
+    def ask(function: str, args: tuple[Any, ...], seconds: float) -> Any:
+        return node.call_async(PS, function, args, seconds).wait()
+
+    return RemoteStore(ask, timeout)
+
+
+# Where a process listens and connects.
+
+
+def wait_for_ps(config: Config, timeout: float) -> None:
+    """Until the main PS listens (machine.PortUnreachable after `timeout`): its TCP port, or its
+    UNIX socket."""
+    if config.transport == "zmq" and config.socket_dir:
+        machine.wait_for_socket(os.path.join(config.socket_dir, f"{PS}.sock"), timeout)
+    else:
+        machine.wait_for_port(config.master_addr, config.master_port, timeout)
+
+
+def ps_endpoint(config: Config) -> str:
+    """Where the main PS listens, as others connect to it."""
+    if config.socket_dir:
+        return f"ipc://{os.path.join(config.socket_dir, PS)}.sock"
+    return f"tcp://{config.master_addr}:{config.master_port}"
+
+
+def listen_endpoint(config: Config, name: str) -> str:
+    """Where a PS process binds: the main PS at --master_port (every interface), a shard on a
+    port of the system's choice; or each its UNIX socket in --socket_dir."""
+    if config.socket_dir:
+        return f"ipc://{os.path.join(config.socket_dir, PS if not config.shard else name)}.sock"
+    return f"tcp://*:{config.master_port}" if not config.shard else "tcp://*:0"
+
+
+def advertised(bound: str, config: Config) -> str:
+    """The endpoint others connect to for a socket bound at `bound`: a TCP wildcard becomes this
+    host's address on the route to the main PS."""
+    if not bound.startswith("tcp://"):
+        return bound
+    port = bound.rsplit(":", 1)[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((config.master_addr, config.master_port))  # no packet: a route is chosen
+        host = probe.getsockname()[0]
+    return f"tcp://{host}:{port}"
+
+
+def _node(config: Config, name: str, listens: bool) -> Node:
+    if not config.secret_file:
+        raise UsageError(
+            "--secret_file is required with --transport zmq: a file only the job's processes can read, "
+            "holding the run's secret (the orchestrator makes one for each run)"
+        )
+    try:
+        credentials = secret.derive(secret.read(config.secret_file))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    mechanism = mechanism_for(ps_endpoint(config), credentials, config.encrypt)
+    main = listens and not config.shard
+    if config.socket_dir:
+        private_directory(config.socket_dir)
+    node = Node(
+        name,
+        mechanism,
+        config.rpc_timeout,
+        threads=max(8, 2 * (config.max_trainers + 1)),
+        serve=listen_endpoint(config, name) if listens else None,
+        store=Store() if main else None,
+    )
+    if not main:
+        node.connect(PS, ps_endpoint(config))
+    if node.address:  # its socket's file goes however the process ends, short of SIGKILL
+        lifecycle.on_exit(functools.partial(unlink_socket, node.address))
+    return node
+
+
+def private_directory(path: str) -> None:
+    """`path` made 0700 when missing; UsageError unless it is this user's and closed to everyone
+    else (the kernel then refuses every other account's connection before a byte is read)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    mode = os.stat(path)
+    if mode.st_uid != os.getuid() or mode.st_mode & 0o077:
+        raise UsageError(
+            f"--socket_dir {path} must be this user's (uid {os.getuid()}) and closed to everyone else "
+            f"(mode 0700); it is uid {mode.st_uid}'s, mode {stat.S_IMODE(mode.st_mode):04o}"
+        )

@@ -140,7 +140,7 @@ def _serve(
         config.rpc_timeout,
         metrics.write,
         others.drop if others else None,
-        address=(config.master_addr, config.master_port),
+        config=config,
     )
     join: Admit = functools.partial(others.join, liveness.join) if others is not None else liveness.join
 

@@ -26,7 +26,7 @@ from typing import Optional, Protocol
 import torch
 from torch.futures import Future
 
-from app.exchange import calls
+from app.exchange import calls, transport
 from app.exchange.ps_end import PSEnd
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
@@ -166,26 +166,31 @@ def endpoint() -> Endpoint:
     return served
 
 
+@transport.served
 def rpc_drop(rank: int, name: str) -> bool:
     return endpoint().drop(rank, name)
 
 
+@transport.served
 def rpc_resumed() -> tuple[int, str] | None:
     """The main PS's newest checkpoint, (version, run id), which a (re)starting shard resumes
     from (None: none yet)."""
     return endpoint().resumed()
 
 
+@transport.served
 def rpc_register(index: int, name: str, k: int, part: tuple[int, int]) -> str | None:
     """A shard announces itself to the main PS; an error line, or None."""
     return endpoint().register(index, name, k, part)
 
 
+@transport.served
 def rpc_checkpoint(version: int) -> str | None:
     """Write this shard's checkpoint labelled `version`; an error line, or None."""
     return endpoint().checkpoint(version)
 
 
+@transport.served
 def rpc_end(finished: bool) -> None:
     """Training ended (`finished`: every worker finished): the shard saves and exits."""
     endpoint().end(finished)

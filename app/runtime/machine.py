@@ -37,6 +37,22 @@ def wait_for_port(host: str, port: int, timeout: float, poll: float = 0.2) -> No
         time.sleep(poll)
 
 
+def wait_for_socket(path: str, timeout: float, poll: float = 0.2) -> None:
+    """Until the UNIX socket at `path` accepts a connection; PortUnreachable after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
+                probe.connect(path)
+                return
+        except OSError as error:
+            reason = f"{path}: {error.strerror or error}"
+        if time.monotonic() + poll >= deadline:
+            raise PortUnreachable(reason)
+        time.sleep(poll)
+
+
 def set_gloo_interface(master_addr: str) -> None:
     """Gloo binds the interface of this host's name unless told: the loopback for a loopback
     master, else TensorPipe's TP_SOCKET_IFNAME (the render's network.ifname); an explicit

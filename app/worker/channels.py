@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from app.config import UsageError
+from app.config import Config, UsageError
 from app.contract import PS, worker_name
 from app.exchange import calls, group, transport
 from app.exchange.group import READY_KEY
@@ -80,17 +80,17 @@ class PSUnreachable(RuntimeError):
     """A call to the PS failed (it died, or did not answer within rpc_timeout)."""
 
 
-def wait_until_ready(master_addr: str, master_port: int, timeout: float) -> None:
-    """Before a worker of a sharded PS joins the RPC group: until every shard has registered with
-    the main PS (so the join makes this process known to every shard, and them to it)."""
-    store = group.connect(master_addr, master_port, timeout)
+def wait_until_ready(config: Config, timeout: float) -> None:
+    """Before a worker of a sharded PS joins the job: until every shard has registered with the
+    main PS (so the join makes this process known to every shard, and them to it)."""
     deadline = time.monotonic() + timeout
-    while not store.check([READY_KEY]):
-        if time.monotonic() > deadline:
-            raise group.StoreUnreachable(
-                f"the parameter server at {master_addr}:{master_port} did not get all its shards within {timeout:.0f} s"
-            )
-        time.sleep(POLL_SECONDS)
+    with transport.store(config, timeout) as store:
+        while not store.check([READY_KEY]):
+            if time.monotonic() > deadline:
+                raise group.StoreUnreachable(
+                    f"the parameter server at {group.where(config)} did not get all its shards within {timeout:.0f} s"
+                )
+            time.sleep(POLL_SECONDS)
 
 
 def call_joining(to: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:

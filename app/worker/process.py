@@ -49,13 +49,13 @@ def run(config: Config) -> int:
         train, loader, sampler, model = prepare(config, device)
     except SystemExit as end:  # the user's code (a model or dataset factory) ended the process
         if end.code in (None, 0):  # cleanly: its PS is told not to wait for the rank
-            group.say_not_joining(config.rank, config.master_addr, config.master_port)
+            group.say_not_joining(config)
         raise
     try:
         # a worker (re)started before its PS waits for it (--join_timeout), and exits 0 with one
         # line when the PS's records say the run ended meanwhile
         ended = functools.partial(run_ended, config)
-        if not group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, ended, config.name):
+        if not group.wait_for_ps(config, config.join_timeout, ended, config.name):
             return 0
         return join_and_train(config, device, model, train, loader, sampler)
     except UsageError:
@@ -108,14 +108,14 @@ def join_and_train(
     sampler: ShardSampler,
 ) -> int:
     """Join the job as a new process of config.rank, train to the last epoch, tell the PS."""
-    name, rpc_id = group.claim_identity(config.rank, config.master_addr, config.master_port, config.rpc_timeout)
+    name, rpc_id = group.claim_identity(config)
     # Under ssp and sync a push waits for the slowest worker, which may be a rank the
     # PS waits join_timeout for.
     push_wait = config.join_timeout if strategy_of(config.strategy).waits else 0.0
     channel = PSChannel(
         config.rank,
         config.rpc_timeout,
-        f"{config.master_addr}:{config.master_port}",
+        group.where(config),
         name,
         push_wait,
         exchange=config.exchange,
@@ -125,7 +125,7 @@ def join_and_train(
         overlap=config.overlap,
     )
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
-        wait_until_ready(config.master_addr, config.master_port, config.join_timeout)
+        wait_until_ready(config, config.join_timeout)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics, ExitStack() as session:
         started = time.monotonic()
         start: Start | None = None

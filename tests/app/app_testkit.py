@@ -31,6 +31,20 @@ def digits(**flags: object) -> list[str]:
 DIGITS = digits(lr=0.1, num_epochs=10, eval_every=100, rpc_timeout=30, seed=1)
 
 
+def app_config(role: str = "worker", **flags: object):
+    """The app's Config for `python -m app ROLE --name value ...` (no environment)."""
+    from app.config import parse
+
+    return parse([role, *(item for name, value in flags.items() for item in (f"--{name}", str(value)))], {})
+
+
+def secret_file(directory: Path) -> Path:
+    """A run's secret for processes started by hand, as the orchestrator makes one (0600)."""
+    from app.exchange import secret
+
+    return secret.make(directory / "secret")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -310,11 +310,12 @@ def test_no_class_over_300_lines_and_no_module_over_500(where):
 
 
 def test_rpc_is_reached_through_one_module():
-    """torch.distributed.rpc is imported (or named) by app/exchange/transport.py alone: another
-    transport replaces that module, nothing else."""
+    """torch.distributed.rpc is imported (or named) by app/exchange/tensorpipe.py alone, which
+    app/exchange/transport.py chooses (--transport tensorpipe): the job's own transport replaces
+    that module, nothing else."""
     naming = sorted(
         str(path.relative_to(APP.parent))
         for path in APP.rglob("*.py")
         if "torch.distributed.rpc" in path.read_text(encoding="utf-8")
     )
-    assert naming == ["app/exchange/transport.py"]
+    assert naming == ["app/exchange/tensorpipe.py"]

@@ -231,11 +231,11 @@ def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
 
 
 def test_constants_time_each_channel_the_app_lists_and_name_each_figure():
-    from app.exchange import transport
+    from app.exchange import tensorpipe
     from bench import constants
 
     measured = {channels[0] for channels in constants.ECHO_CHANNELS.values()}
-    assert measured == set(transport.CHANNELS) - {"basic"}
+    assert measured == set(tensorpipe.CHANNELS) - {"basic"}
     assert set(constants.ECHO_CHANNELS) <= set(constants.MEASURES)
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.config import Config
 from app.contract import PS, worker_name
 from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
@@ -75,12 +76,14 @@ class LivenessMonitor:
         rpc_timeout: float,
         record: Event,
         on_drop: Callable[[int, str], None] | None = None,
-        address: tuple[str, int] | None = None,
+        config: Config | None = None,
     ) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
-        # The PS's store (host, port), where a process that ends before it joins says so
-        # (app.exchange.group.say_not_joining); None: nobody is asked.
-        self.address = address
+        # The job whose store holds the notes of processes that end before they join
+        # (app.exchange.group.say_not_joining), and whether its transport keeps a member list
+        # (tensorpipe's); None: nobody is asked, no list is kept.
+        self.config = config
+        self.listed = config is not None and transport.keeps_member_list(config)
         self._store: Any = None
         self._pinger = Pinger(rpc_timeout)
         self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
@@ -101,7 +104,7 @@ class LivenessMonitor:
                     f"(start each rank once; this process is {name})"
                 )
             self.drop(rank, old, f"replaced by {name} ({error})")
-        if not listing.unlist([name], self.rpc_timeout):
+        if self.listed and not listing.unlist([name], self.rpc_timeout):
             log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
         joined = self.server.join(rank, name)
         progress = joined.progress
@@ -144,16 +147,17 @@ class LivenessMonitor:
             if now - last_seen >= QUIET_SECONDS:
                 self._ping_async(rank, name)
         self.check_frozen()
-        self._sweep(now)
+        if self.listed:
+            self._sweep(now)
         self._not_joining()
 
     def _not_joining(self) -> None:
         """Stop waiting for the ranks whose process said it ended cleanly before it joined (a
         `left` record, as for a leave); the notes of ranks that joined again since are dropped."""
-        if self.address is None:
+        if self.config is None:
             return
         if self._store is None:
-            self._store = group.connect(*self.address, self.rpc_timeout)
+            self._store = transport.own_store(self.config, self.rpc_timeout)
         for rank in group.not_joining(self._store, list(range(1, self.server.members.roster.max_rank + 1))):
             if self.server.drop(rank, None):
                 log.info("rank %d left before it joined: its process ended cleanly (%s)", rank, self.server.summary())

@@ -126,8 +126,8 @@ def run(config: Config) -> int:
         checkpoints = Checkpointer(server, own, identity, metrics)
         checkpoint_files.check_writable(own.checkpoint_dir)  # creates it when missing
         checkpoint_files.remove_temp_files(own.checkpoint_dir)
-        group.wait_for_ps(config.master_addr, config.master_port, config.join_timeout, who=f"shard {index}")
-        name, rpc_id = group.claim_shard_identity(index, config.master_addr, config.master_port, config.rpc_timeout)
+        group.wait_for_ps(config, config.join_timeout, who=f"shard {index}")
+        name, rpc_id = group.claim_shard_identity(config)
         metrics.start(config)
         with Endpoint(server, shard=shard).serving(), transport.session(config, rank=rpc_id, name=name):
             _resume_from_main(server, config, own.checkpoint_dir, metrics, name)
@@ -135,7 +135,7 @@ def run(config: Config) -> int:
                 error = _call_main(config, endpoints.rpc_register, index, name, k, part)
                 if error:  # this shard is not one of the main PS's job
                     raise UsageError(error)
-                address = f"{config.master_addr}:{config.master_port}"
+                address = group.where(config)
                 try:
                     _serve_until_ended(server, checkpoints, config, address, shard.ended)
                 except BaseException:  # SIGTERM (SystemExit), the main PS lost: keep this slice
@@ -162,7 +162,7 @@ def _call_main(config: Config, function: Callable[..., Any], *args: Any) -> Any:
     try:
         return transport.call(PS, function, args, timeout=config.rpc_timeout)
     except RuntimeError as lost:
-        address = f"{config.master_addr}:{config.master_port}"
+        address = group.where(config)
         raise MainPSLost(f"lost the main parameter server at {address}: {first_line(lost)}") from None
 
 

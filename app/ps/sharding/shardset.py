@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from app.config import Config
-from app.exchange import calls, group, transport
+from app.exchange import calls, transport
 from app.exchange.group import READY_KEY
 from app.exchange.wire import Joined, NotReady, Taken
 from app.ps import rpc as endpoints
@@ -42,8 +42,8 @@ class ShardSet:
         `on_lost`: each time a shard is lost: no worker can join until `on_ready`."""
         self.k, self.size, self.timeout, self.record = k, size, config.rpc_timeout, record
         self.on_ready, self.on_lost = on_ready, on_lost
-        self.address = (config.master_addr, config.master_port)
-        self._store: Any = None  # a client of this process's own store, as workers see it
+        self.config = config
+        self._store: Any = None  # this process's own store, as workers see it
         self.bounds = bounds(size, k)
         self.names: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -80,7 +80,7 @@ class ShardSet:
     def _ready_key(self, ready: bool) -> None:
         """READY_KEY in the store (RPC's own keys carry a prefix, so through a plain client)."""
         if self._store is None:
-            self._store = group.connect(*self.address, self.timeout)
+            self._store = transport.own_store(self.config, self.timeout)
         if ready:
             self._store.set(READY_KEY, "1")
         else:
@@ -186,7 +186,8 @@ class ShardSet:
         self.record("shard_lost", 0, shard=index, name=name, reason=why)
         try:
             self._ready_key(False)
-            listing.unlist([name], self.timeout)
+            if transport.keeps_member_list(self.config):
+                listing.unlist([name], self.timeout)
         except Exception as error:  # noqa: BLE001
             log.warning("could not take %s off the store's member list: %s", name, first_line(error))
 

@@ -11,6 +11,7 @@ module of the test's own) marks that it is being built, then blocks or exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from datetime import timedelta
@@ -23,7 +24,7 @@ from app.exchange import group
 from app.ps.members.roster import ABSENT, FINISHED, LEFT, LIVE, Roster
 from app.training.metrics import read
 
-from app_testkit import REPO, app_env, digits, finished, free_port, start_app, wait_for
+from app_testkit import REPO, app_config, app_env, digits, finished, free_port, secret_file, start_app, wait_for
 
 PLUGIN = """
 import os, sys, threading
@@ -54,14 +55,26 @@ def test_a_rank_not_joined_is_taken_as_left_and_no_other():
     assert {m.state for m in Roster([1], join_timeout=600.0).members.values()} == {ABSENT}
 
 
-def test_a_note_in_the_store_counts_once_and_only_for_its_rank():
+@pytest.mark.parametrize("transport", ["zmq", "tensorpipe"])
+def test_a_note_in_the_store_counts_once_and_only_for_its_rank(tmp_path, transport):
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-    assert group.not_joining(store, [1, 2, 3]) == []
-    assert group.say_not_joining(2, "127.0.0.1", port)
-    assert group.not_joining(store, [1, 2, 3]) == [2]
-    assert group.not_joining(store, [1, 2, 3]) == []  # taken off as read
-    assert not group.say_not_joining(2, "127.0.0.1", free_port(), timeout=0.5)  # no PS: False, at once
+    job = dict(master_addr="127.0.0.1", master_port=port, transport=transport, secret_file=secret_file(tmp_path))
+    if transport == "tensorpipe":
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+        ps = contextlib.nullcontext()
+    else:  # the main PS's own store, in its session
+        from app.exchange import transport as the_transport
+
+        ps = the_transport.session(app_config("ps", **job), rank=0)
+    with ps:
+        if transport == "zmq":
+            store = the_transport.own_store(app_config("ps", **job), 30)
+        assert group.not_joining(store, [1, 2, 3]) == []
+        assert group.say_not_joining(app_config("worker", rank=2, **job))
+        assert group.not_joining(store, [1, 2, 3]) == [2]
+        assert group.not_joining(store, [1, 2, 3]) == []  # taken off as read
+    gone = app_config("worker", rank=2, **{**job, "master_port": free_port()})
+    assert not group.say_not_joining(gone, timeout=0.5)  # no PS: False, at once
 
 
 def _records(path: Path, event: str) -> list[dict]:

@@ -1,0 +1,503 @@
+"""One process's end of the job's own transport: ZeroMQ sockets, one I/O thread, calls by name.
+
+A process that serves (every PS process) binds one ROUTER socket; a process that calls another
+(a worker calls the PS and its shards, a shard calls the main PS) connects a DEALER socket to
+it, with its name as the socket's routing id. Both ways of a connection carry calls: the PS
+pings a worker over the worker's own connection. Every socket authenticates before any message
+is read (app.exchange.secret: CURVE over TCP, PLAIN over a UNIX socket or an unencrypted TCP
+link; the ROUTER's ZAP handler admits only the job's credentials).
+
+A message is a header and frames (app.exchange.codec): a call {"k": "c", "i": id, "f": name}
+with its arguments, its reply {"k": "r", "i": id} with the value, or {"k": "e", "i": id, "m":
+why} when the call failed. A call names a function a process serves (`SERVED`, filled by
+app.exchange.transport.served); any other name is answered with an error. A served function may
+return a Future: the reply goes once it is done, and no thread waits for it meanwhile.
+
+Only the I/O thread touches a socket; other threads hand it what to send (a queue and a pipe
+that wakes it). Calls are answered in a pool of threads. A peer that is gone is found out:
+its connection closing (a process that died), or, for one that stopped answering, the
+heartbeats of the connection (ZMTP's PING, `timeout` seconds). A call to it then fails at once;
+every call also fails past its own timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import hmac
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+import zmq
+import zmq.auth.thread
+import zmq.utils.monitor
+from torch.futures import Future
+
+from app.exchange import codec
+from app.exchange.secret import USER, Credentials
+from app.exchange.store import CALLS as STORE_CALLS
+from app.exchange.store import Store
+from app.runtime.words import first_line
+
+log = logging.getLogger("app.transport")
+SERVED: dict[str, Callable[..., Any]] = {}  # what any process answers, by name (app.exchange.transport.served)
+POLL_MS = 1000  # the I/O thread wakes at least this often to expire calls (it sleeps in between)
+REFUSAL_WARNING_SECONDS = 60.0  # refused connections: one warning line a minute at most, with the count
+PEER_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+SERVER_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class Mechanism(NamedTuple):
+    """How a socket proves the job's secret: `curve` (encrypted) or `plain`."""
+
+    name: str
+    credentials: Credentials
+
+
+class Pending(NamedTuple):
+    future: Future
+    to: str
+    deadline: float
+    what: str
+
+
+class Peer:
+    """An outgoing connection: its socket, its monitor, and what its handshakes said."""
+
+    def __init__(self, name: str, endpoint: str, socket: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.name, self.endpoint, self.socket, self.monitor = name, endpoint, socket, monitor
+        self.connected = False
+        self.failed = ""  # why calls to it fail at once, once it is lost or refused us
+
+
+class Node:
+    """The transport of one process: `serve` binds the endpoint others connect to (None: this
+    process only calls); `store`: the job's key-value store, on the main PS only."""
+
+    def __init__(
+        self,
+        name: str,
+        mechanism: Mechanism,
+        timeout: float,
+        threads: int = 8,
+        serve: str | None = None,
+        store: Store | None = None,
+    ) -> None:
+        self.name, self.mechanism, self.timeout, self.store = name, mechanism, timeout, store
+        self.context = zmq.Context()
+        self.context.setsockopt(zmq.LINGER, 0)
+        self.peers: dict[str, Peer] = {}
+        self.seen: set[str] = set()  # names that called this process's ROUTER (it can call them back)
+        self._connected: set[str] = set()  # names connected to (or about to be)
+        self._pending: dict[int, Pending] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._warned: set[str] = set()
+        self._refused = [0, 0.0]  # connections refused since the last warning, when it was
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-call")
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self.router: zmq.Socket | None = None
+        self.router_monitor: zmq.Socket | None = None
+        self.address = ""
+        if serve is not None:
+            self._serve(serve)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        if self.router is not None:
+            self._poller.register(self.router, zmq.POLLIN)
+            self._poller.register(self.router_monitor, zmq.POLLIN)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-io", daemon=True)
+        self._thread.start()
+
+    # Set-up and end.
+
+    def _serve(self, endpoint: str) -> None:
+        mechanism, credentials = self.mechanism
+        self._auth = zmq.auth.thread.ThreadAuthenticator(self.context, log=logging.getLogger("app.transport.zap"))
+        self._auth.start()
+        if mechanism == "curve":
+            self._auth.configure_curve_callback("psc", _OnlyKey(credentials.client_public))
+        else:
+            self._auth.configure_plain("psc", {USER.decode(): credentials.password.decode()})
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a call to a peer that is gone fails at once
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        router.setsockopt(zmq.ZAP_DOMAIN, b"psc")
+        if mechanism == "curve":
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, credentials.server_secret)
+        else:
+            router.setsockopt(zmq.PLAIN_SERVER, 1)
+        self.router_monitor = router.get_monitor_socket(SERVER_EVENTS)
+        router.bind(endpoint)
+        self.router = router
+        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self) -> None:
+        """Stop: calls still pending fail; nothing is waited for (a peer may be gone)."""
+        if self._stopping:
+            return
+        self._command(("stop",))
+        self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._auth is not None:
+            self._auth.stop()
+        self.context.destroy(linger=0)
+        unlink_socket(self.address)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # Calls out.
+
+    def connect(self, name: str, endpoint: str) -> None:
+        """Calls to `name` go to `endpoint`, over a connection of its own (made once: a second
+        connect of the same name is ignored)."""
+        with self._lock:
+            if name in self._connected:
+                return
+            self._connected.add(name)
+        self._command(("connect", name, endpoint))
+
+    def knows(self, name: str) -> bool:
+        """Whether a call to `name` has a way to go: a connection to it, or its calls to this process."""
+        with self._lock:
+            return name in self._connected or name in self.seen
+
+    def call_async(self, to: str, function: str, args: tuple[Any, ...], timeout: float = -1) -> Future:
+        """A future of `function(*args)` run in the process named `to`: its value, or a
+        RuntimeError saying why not (the error it raised there, a lost peer, the timeout)."""
+        future: Future = Future()
+        seconds = timeout if timeout and timeout > 0 else self.timeout
+        call = next(self._ids)
+        try:
+            frames = codec.pack({"k": "c", "i": call, "f": function}, tuple(args))
+        except TypeError as error:
+            future.set_exception(RuntimeError(f"{function} cannot be sent: {error}"))
+            return future
+        with self._lock:
+            peer = self.peers.get(to)
+            if peer is not None and peer.failed:
+                future.set_exception(RuntimeError(peer.failed))
+                return future
+            self._pending[call] = Pending(future, to, time.monotonic() + seconds, f"{function} on {to}")
+        self._command(("send", to, frames, call))
+        return future
+
+    # Calls in, and their replies.
+
+    def _serve_call(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, function: str, args: Any) -> None:
+        served = SERVED.get(function)
+        if function in STORE_CALLS and self.store is not None:
+            served = functools.partial(self.store.answer, function)
+        if served is None:
+            self._reply(reply_to, call, error=f"no such call: {function}")
+            return
+        if not isinstance(args, tuple):
+            self._reply(reply_to, call, error=f"{function}: its arguments are not a tuple")
+            return
+        if function in STORE_CALLS:
+            args = (args,)
+        try:
+            result = served(*args)
+        except Exception as error:  # noqa: BLE001 - the caller gets it, as a local call would raise it
+            self._reply(reply_to, call, error=f"{type(error).__name__}: {first_line(error)}")
+            return
+        if isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
+            result.add_done_callback(lambda done: self._reply_done(reply_to, call, done))
+        else:
+            self._reply(reply_to, call, value=result)
+
+    def _reply_done(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, done: Future) -> None:
+        try:
+            value = done.value()
+        except Exception as error:  # noqa: BLE001
+            self._reply(reply_to, call, error=f"{type(error).__name__}: {first_line(error)}")
+            return
+        self._reply(reply_to, call, value=value)
+
+    def _reply(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, value: Any = None, error: str = "") -> None:
+        try:
+            frames = codec.pack({"k": "e", "i": call, "m": error} if error else {"k": "r", "i": call}, value)
+        except TypeError as why:
+            frames = codec.pack({"k": "e", "i": call, "m": f"the answer cannot be sent: {why}"})
+        self._command(("reply", reply_to, frames))
+
+    # The I/O thread.
+
+    def _command(self, command: tuple[Any, ...]) -> None:
+        self._commands.append(command)
+        if threading.current_thread() is not self._thread:
+            os.write(self._wake_w, b"x")
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                ready = dict(self._poller.poll(self._poll_ms()))
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                self._run_commands()
+                for socket in ready:
+                    if not isinstance(socket, zmq.Socket):
+                        continue  # the wake-up pipe
+                    if socket is self.router:
+                        self._drain(socket, routed=True)
+                    elif socket is self.router_monitor:
+                        self._server_event(socket)
+                    else:
+                        self._peer_socket(socket)
+                self._expire()
+        except Exception:  # a bug here would hang every call: say so, and fail them
+            log.exception("%s: the transport's I/O thread stopped", self.name)
+        finally:
+            self._stopping = True
+            self._fail_all("the transport is closed")
+
+    def _poll_ms(self) -> int:
+        with self._lock:
+            if not self._pending:
+                return POLL_MS
+            soonest = min(p.deadline for p in self._pending.values())
+        return max(0, min(POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            kind = command[0]
+            if kind == "send":
+                self._send(*command[1:])
+            elif kind == "reply":
+                (socket, routing), frames = command[1], command[2]
+                self._write(socket, [routing, *frames] if routing is not None else frames)
+            elif kind == "connect":
+                self._connect(command[1], command[2])
+            elif kind == "stop":
+                self._stopping = True
+
+    def _send(self, to: str, frames: list[Any], call: int) -> None:
+        peer = self.peers.get(to)
+        if peer is not None:
+            why = peer.failed or self._write(peer.socket, frames)
+        elif self.router is not None and to in self.seen:
+            why = self._write(self.router, [to.encode(), *frames])
+        else:
+            why = f"{to} is not connected to {self.name}"
+        if why:
+            self._fail(call, why)
+
+    def _write(self, socket: zmq.Socket, frames: list[Any]) -> str:
+        """'' once sent, else why not (the peer is gone, or its queue is full)."""
+        try:
+            socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return ""
+        except zmq.ZMQError as error:
+            if error.errno == errno.EHOSTUNREACH:
+                return "its connection is closed (the process ended, or its host is unreachable)"
+            return f"cannot send: {error}"
+
+    def _connect(self, name: str, endpoint: str) -> None:
+        if name in self.peers:
+            return
+        mechanism, credentials = self.mechanism
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
+        if mechanism == "curve":
+            socket.setsockopt(zmq.CURVE_SERVERKEY, credentials.server_public)
+            socket.setsockopt(zmq.CURVE_PUBLICKEY, credentials.client_public)
+            socket.setsockopt(zmq.CURVE_SECRETKEY, credentials.client_secret)
+        else:
+            socket.setsockopt(zmq.PLAIN_USERNAME, USER)
+            socket.setsockopt(zmq.PLAIN_PASSWORD, credentials.password)
+        monitor = socket.get_monitor_socket(PEER_EVENTS)
+        socket.connect(endpoint)
+        peer = Peer(name, endpoint, socket, monitor)
+        with self._lock:
+            self.peers[name] = peer
+        self._poller.register(socket, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _peer_socket(self, socket: zmq.Socket) -> None:
+        for peer in list(self.peers.values()):
+            if socket is peer.socket:
+                self._drain(socket, routed=False, peer=peer.name)
+            elif socket is peer.monitor:
+                self._peer_event(peer)
+
+    def _drain(self, socket: zmq.Socket, routed: bool, peer: str = "") -> None:
+        for _ in range(64):  # then the other sockets get their turn
+            try:
+                frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            routing = frames[0].bytes if routed else None
+            self._received(socket, routing, frames[1:] if routed else frames, peer)
+
+    def _received(self, socket: zmq.Socket, routing: bytes | None, frames: list[Any], peer: str) -> None:
+        sender = routing.decode(errors="replace") if routing is not None else peer
+        if routing is not None:
+            with self._lock:
+                self.seen.add(sender)
+        try:
+            header, value = codec.unpack(frames)
+            kind, call = header.get("k"), header.get("i")
+            if kind == "p":  # a probe of the connection (_probe_callers): nothing to do
+                return
+            if not isinstance(call, int) or kind not in ("c", "r", "e"):
+                raise codec.Malformed(f"a header of kind {str(kind)[:10]!r}")
+        except codec.Malformed as error:
+            self._malformed(sender, frames, error)
+            return
+        if kind == "c":
+            function = header.get("f")
+            if not isinstance(function, str):
+                self._malformed(sender, frames, codec.Malformed("a call without a function's name"))
+                return
+            self._pool.submit(self._serve_call, (socket, routing), call, function, value)
+            return
+        with self._lock:
+            pending = self._pending.pop(call, None)
+        if pending is None or pending.to != sender:
+            return  # the answer to a call that timed out, or not ours to take
+        if kind == "r":
+            pending.future.set_result(value)
+        else:
+            pending.future.set_exception(RuntimeError(f"{pending.what} failed: {header.get('m')}"))
+
+    def _malformed(self, sender: str, frames: list[Any], error: Exception) -> None:
+        """Dropped, with one warning per sender; a reply that does not parse fails its call."""
+        try:
+            call = codec.header_of(frames).get("i")
+        except (ValueError, UnicodeDecodeError):
+            call = None
+        with self._lock:
+            pending = self._pending.get(call) if isinstance(call, int) else None
+        if pending is not None and pending.to == sender:
+            self._fail(call, f"its answer does not parse: {error}")  # type: ignore[arg-type]
+        if sender not in self._warned:
+            self._warned.add(sender)
+            log.warning("%s: dropped a message from %s that does not parse (%s)", self.name, sender, error)
+
+    def _peer_event(self, peer: Peer) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(peer.monitor)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            peer.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and peer.connected:
+            self._lost(peer, f"lost the connection to {peer.name} ({peer.endpoint}): its process ended or froze")
+        elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            self._lost(
+                peer, f"{peer.name} ({peer.endpoint}) refused this process: one of them holds another run's secret"
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # CURVE: the server could not read our hello
+            self._lost(
+                peer,
+                f"the handshake with {peer.name} ({peer.endpoint}) failed: one of them holds another run's "
+                "secret, or it is not this job's transport",
+            )
+
+    def _lost(self, peer: Peer, why: str) -> None:
+        with self._lock:
+            peer.failed = why
+            calls = [c for c, p in self._pending.items() if p.to == peer.name]
+        for call in calls:
+            self._fail(call, why)
+
+    def _server_event(self, monitor: zmq.Socket) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._probe_callers()
+        elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):  # not the job's
+            count, since = self._refused
+            now = time.monotonic()
+            if now - since >= REFUSAL_WARNING_SECONDS:
+                log.warning(
+                    "%s: refused a connection that did not prove the run's secret%s",
+                    self.name,
+                    f" ({count} more since the last warning)" if count else "",
+                )
+                self._refused[:] = [0, now]
+            else:
+                self._refused[0] = count + 1
+        # A connection closed before its handshake (a probe of the port, a health check): closed, and
+        # nothing is said.
+
+    def _probe_callers(self) -> None:
+        """A connection to the ROUTER closed: fail the calls to a peer that is gone at once."""
+        with self._lock:
+            waiting = {p.to for p in self._pending.values() if p.to not in self.peers}
+        for name in waiting:
+            if self._write(self.router, [name.encode(), *codec.pack({"k": "p", "i": 0})]):  # type: ignore[arg-type]
+                with self._lock:
+                    calls = [c for c, p in self._pending.items() if p.to == name]
+                for call in calls:
+                    self._fail(call, f"lost the connection to {name}: its process ended")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [(c, p) for c, p in self._pending.items() if p.deadline <= now]
+        for call, pending in late:
+            self._fail(call, f"{pending.what} timed out")
+
+    def _fail(self, call: int, why: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(call, None)
+        if pending is not None:
+            pending.future.set_exception(RuntimeError(f"{pending.what} failed: {why}"))
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            calls = list(self._pending)
+        for call in calls:
+            self._fail(call, why)
+
+
+class _OnlyKey:
+    """The ZAP handler's test of a CURVE client: the job's client key, and no other."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.key)
+
+
+def unlink_socket(endpoint: str) -> None:
+    """Remove the file of a UNIX socket this process bound (libzmq leaves it when the context ends)."""
+    if endpoint.startswith("ipc://"):
+        try:
+            os.unlink(endpoint.removeprefix("ipc://"))
+        except FileNotFoundError:
+            pass
+
+
+def mechanism_for(endpoint: str, credentials: Credentials, encrypt: bool = True) -> Mechanism:
+    """CURVE over TCP unless `encrypt` is off; PLAIN over a UNIX socket (its directory keeps
+    others out, and nothing crosses a network to be read)."""
+    return Mechanism("curve" if endpoint.startswith("tcp://") and encrypt else "plain", credentials)
