@@ -30,7 +30,8 @@ from torch.futures import Future
 from app.config import Config, UsageError
 from app.contract import PS
 from app.exchange import secret, tensorpipe
-from app.exchange.node import SERVED, Node, mechanism_for, unlink_socket
+from app.exchange.node import SERVED, Node
+from app.exchange.sockets import mechanism_for, unlink_socket
 from app.exchange.store import RemoteStore, Store
 from app.runtime import lifecycle, machine
 
