@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -99,6 +100,7 @@ class Node:
             self._poller.register(self.router, zmq.POLLIN)
             self._poller.register(self.router_monitor, zmq.POLLIN)
         self._stopping = False
+        self._probed = 0.0  # when _probe_callers last ran
         self._thread = threading.Thread(target=self._loop, name=f"{name}-io", daemon=True)
         self._thread.start()
 
@@ -224,6 +226,8 @@ class Node:
                     else:
                         self._peer_socket(socket)
                 self._pending.expire()
+                if self.router is not None and time.monotonic() - self._probed >= POLL_MS / 1000:
+                    self._probe_callers()  # a DISCONNECTED event can come before the ROUTER drops the peer
         except Exception:  # a bug here would hang every call: say so, and fail them
             log.exception("%s: the transport's I/O thread stopped", self.name)
         finally:
@@ -352,7 +356,10 @@ class Node:
         # nothing is said.
 
     def _probe_callers(self) -> None:
-        """A connection to the ROUTER closed: fail the calls to a peer that is gone at once."""
+        """Fail the calls to a caller that is gone: on a connection to the ROUTER closing, and each
+        POLL_MS while calls wait on callers (the ROUTER forgets a closed connection a moment after
+        its monitor tells of it)."""
+        self._probed = time.monotonic()
         with self._lock:
             waiting = self._pending.waiting_on() - set(self.peers)
         for name in waiting:

@@ -240,8 +240,9 @@ def test_a_peer_that_dies_fails_its_calls_at_once_not_at_their_timeout(tmp_path)
 
 
 def test_a_call_back_to_a_peer_that_died_fails_at_once(tmp_path):
-    """The PS's ping of a worker whose process is gone: no connection, no wait."""
-    server, client = pair(tmp_path, timeout=600)
+    """The PS's ping of a worker whose process is gone: no connection, no wait (the call's own
+    timeout, 120 s, would say "timed out" instead)."""
+    server, client = pair(tmp_path, timeout=120)
     try:
         assert client.call_async("ps", "store.add", ("x", 1)).wait() == 1  # the PS knows worker1 now
         pending = server.call_async("worker1", transport.name_of(held), ())
