@@ -23,17 +23,14 @@ every call also fails past its own timeout.
 from __future__ import annotations
 
 import collections
-import errno
 import functools
-import hmac
 import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import zmq
@@ -41,8 +38,9 @@ import zmq.auth.thread
 import zmq.utils.monitor
 from torch.futures import Future
 
-from app.exchange import codec
-from app.exchange.secret import USER, Credentials
+from app.exchange import codec, sockets
+from app.exchange.pending import PendingCalls
+from app.exchange.sockets import Mechanism, unlink_socket
 from app.exchange.store import CALLS as STORE_CALLS
 from app.exchange.store import Store
 from app.runtime.words import first_line
@@ -50,34 +48,6 @@ from app.runtime.words import first_line
 log = logging.getLogger("app.transport")
 SERVED: dict[str, Callable[..., Any]] = {}  # what any process answers, by name (app.exchange.transport.served)
 POLL_MS = 1000  # the I/O thread wakes at least this often to expire calls (it sleeps in between)
-REFUSAL_WARNING_SECONDS = 60.0  # refused connections: one warning line a minute at most, with the count
-PEER_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-SERVER_EVENTS = (
-    zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-
-class Mechanism(NamedTuple):
-    """How a socket proves the job's secret: `curve` (encrypted) or `plain`."""
-
-    name: str
-    credentials: Credentials
-
-
-class Pending(NamedTuple):
-    future: Future
-    to: str
-    deadline: float
-    what: str
 
 
 class Peer:
@@ -108,14 +78,14 @@ class Node:
         self.peers: dict[str, Peer] = {}
         self.seen: set[str] = set()  # names that called this process's ROUTER (it can call them back)
         self._connected: set[str] = set()  # names connected to (or about to be)
-        self._pending: dict[int, Pending] = {}
+        self._pending = PendingCalls()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._warned: set[str] = set()
-        self._refused = [0, 0.0]  # connections refused since the last warning, when it was
+        self._refused = sockets.Refusals(name, log)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-call")
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self.router: zmq.Socket | None = None
@@ -135,26 +105,8 @@ class Node:
     # Set-up and end.
 
     def _serve(self, endpoint: str) -> None:
-        mechanism, credentials = self.mechanism
-        self._auth = zmq.auth.thread.ThreadAuthenticator(self.context, log=logging.getLogger("app.transport.zap"))
-        self._auth.start()
-        if mechanism == "curve":
-            self._auth.configure_curve_callback("psc", _OnlyKey(credentials.client_public))
-        else:
-            self._auth.configure_plain("psc", {USER.decode(): credentials.password.decode()})
-        router = self.context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a call to a peer that is gone fails at once
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        router.setsockopt(zmq.ZAP_DOMAIN, b"psc")
-        if mechanism == "curve":
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, credentials.server_secret)
-        else:
-            router.setsockopt(zmq.PLAIN_SERVER, 1)
-        self.router_monitor = router.get_monitor_socket(SERVER_EVENTS)
-        router.bind(endpoint)
-        self.router = router
-        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        served = sockets.serving(self.context, endpoint, self.mechanism)
+        self._auth, self.router, self.router_monitor, self.address = served
 
     def close(self) -> None:
         """Stop: calls still pending fail; nothing is waited for (a peer may be gone)."""
@@ -202,7 +154,7 @@ class Node:
             if peer is not None and peer.failed:
                 future.set_exception(RuntimeError(peer.failed))
                 return future
-            self._pending[call] = Pending(future, to, time.monotonic() + seconds, f"{function} on {to}")
+            self._pending.add(call, future, to, seconds, f"{function} on {to}")
         self._command(("send", to, frames, call))
         return future
 
@@ -255,7 +207,7 @@ class Node:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                ready = dict(self._poller.poll(self._poll_ms()))
+                ready = dict(self._poller.poll(self._pending.ms_to_next_deadline(POLL_MS)))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
@@ -271,19 +223,12 @@ class Node:
                         self._server_event(socket)
                     else:
                         self._peer_socket(socket)
-                self._expire()
+                self._pending.expire()
         except Exception:  # a bug here would hang every call: say so, and fail them
             log.exception("%s: the transport's I/O thread stopped", self.name)
         finally:
             self._stopping = True
-            self._fail_all("the transport is closed")
-
-    def _poll_ms(self) -> int:
-        with self._lock:
-            if not self._pending:
-                return POLL_MS
-            soonest = min(p.deadline for p in self._pending.values())
-        return max(0, min(POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
+            self._pending.fail_all("the transport is closed")
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -293,7 +238,7 @@ class Node:
                 self._send(*command[1:])
             elif kind == "reply":
                 (socket, routing), frames = command[1], command[2]
-                self._write(socket, [routing, *frames] if routing is not None else frames)
+                sockets.write(socket, [routing, *frames] if routing is not None else frames)
             elif kind == "connect":
                 self._connect(command[1], command[2])
             elif kind == "stop":
@@ -302,41 +247,18 @@ class Node:
     def _send(self, to: str, frames: list[Any], call: int) -> None:
         peer = self.peers.get(to)
         if peer is not None:
-            why = peer.failed or self._write(peer.socket, frames)
+            why = peer.failed or sockets.write(peer.socket, frames)
         elif self.router is not None and to in self.seen:
-            why = self._write(self.router, [to.encode(), *frames])
+            why = sockets.write(self.router, [to.encode(), *frames])
         else:
             why = f"{to} is not connected to {self.name}"
         if why:
-            self._fail(call, why)
-
-    def _write(self, socket: zmq.Socket, frames: list[Any]) -> str:
-        """'' once sent, else why not (the peer is gone, or its queue is full)."""
-        try:
-            socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            return ""
-        except zmq.ZMQError as error:
-            if error.errno == errno.EHOSTUNREACH:
-                return "its connection is closed (the process ended, or its host is unreachable)"
-            return f"cannot send: {error}"
+            self._pending.fail(call, why)
 
     def _connect(self, name: str, endpoint: str) -> None:
         if name in self.peers:
             return
-        mechanism, credentials = self.mechanism
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.ROUTING_ID, self.name.encode())
-        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
-        if mechanism == "curve":
-            socket.setsockopt(zmq.CURVE_SERVERKEY, credentials.server_public)
-            socket.setsockopt(zmq.CURVE_PUBLICKEY, credentials.client_public)
-            socket.setsockopt(zmq.CURVE_SECRETKEY, credentials.client_secret)
-        else:
-            socket.setsockopt(zmq.PLAIN_USERNAME, USER)
-            socket.setsockopt(zmq.PLAIN_PASSWORD, credentials.password)
-        monitor = socket.get_monitor_socket(PEER_EVENTS)
-        socket.connect(endpoint)
+        socket, monitor = sockets.calling(self.context, self.name, endpoint, self.mechanism, self.timeout)
         peer = Peer(name, endpoint, socket, monitor)
         with self._lock:
             self.peers[name] = peer
@@ -381,14 +303,10 @@ class Node:
                 return
             self._pool.submit(self._serve_call, (socket, routing), call, function, value)
             return
-        with self._lock:
-            pending = self._pending.pop(call, None)
-        if pending is None or pending.to != sender:
-            return  # the answer to a call that timed out, or not ours to take
         if kind == "r":
-            pending.future.set_result(value)
+            self._pending.answer(call, sender, value=value)
         else:
-            pending.future.set_exception(RuntimeError(f"{pending.what} failed: {header.get('m')}"))
+            self._pending.answer(call, sender, error=str(header.get("m")))
 
     def _malformed(self, sender: str, frames: list[Any], error: Exception) -> None:
         """Dropped, with one warning per sender; a reply that does not parse fails its call."""
@@ -396,10 +314,8 @@ class Node:
             call = codec.header_of(frames).get("i")
         except (ValueError, UnicodeDecodeError):
             call = None
-        with self._lock:
-            pending = self._pending.get(call) if isinstance(call, int) else None
-        if pending is not None and pending.to == sender:
-            self._fail(call, f"its answer does not parse: {error}")  # type: ignore[arg-type]
+        if self._pending.to_of(call) == sender:
+            self._pending.fail(call, f"its answer does not parse: {error}")  # type: ignore[arg-type]
         if sender not in self._warned:
             self._warned.add(sender)
             log.warning("%s: dropped a message from %s that does not parse (%s)", self.name, sender, error)
@@ -424,80 +340,21 @@ class Node:
     def _lost(self, peer: Peer, why: str) -> None:
         with self._lock:
             peer.failed = why
-            calls = [c for c, p in self._pending.items() if p.to == peer.name]
-        for call in calls:
-            self._fail(call, why)
+        self._pending.fail_to(peer.name, why)
 
     def _server_event(self, monitor: zmq.Socket) -> None:
         event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self._probe_callers()
         elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):  # not the job's
-            count, since = self._refused
-            now = time.monotonic()
-            if now - since >= REFUSAL_WARNING_SECONDS:
-                log.warning(
-                    "%s: refused a connection that did not prove the run's secret%s",
-                    self.name,
-                    f" ({count} more since the last warning)" if count else "",
-                )
-                self._refused[:] = [0, now]
-            else:
-                self._refused[0] = count + 1
+            self._refused.one()
         # A connection closed before its handshake (a probe of the port, a health check): closed, and
         # nothing is said.
 
     def _probe_callers(self) -> None:
         """A connection to the ROUTER closed: fail the calls to a peer that is gone at once."""
         with self._lock:
-            waiting = {p.to for p in self._pending.values() if p.to not in self.peers}
+            waiting = self._pending.waiting_on() - set(self.peers)
         for name in waiting:
-            if self._write(self.router, [name.encode(), *codec.pack({"k": "p", "i": 0})]):  # type: ignore[arg-type]
-                with self._lock:
-                    calls = [c for c, p in self._pending.items() if p.to == name]
-                for call in calls:
-                    self._fail(call, f"lost the connection to {name}: its process ended")
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            late = [(c, p) for c, p in self._pending.items() if p.deadline <= now]
-        for call, pending in late:
-            self._fail(call, f"{pending.what} timed out")
-
-    def _fail(self, call: int, why: str) -> None:
-        with self._lock:
-            pending = self._pending.pop(call, None)
-        if pending is not None:
-            pending.future.set_exception(RuntimeError(f"{pending.what} failed: {why}"))
-
-    def _fail_all(self, why: str) -> None:
-        with self._lock:
-            calls = list(self._pending)
-        for call in calls:
-            self._fail(call, why)
-
-
-class _OnlyKey:
-    """The ZAP handler's test of a CURVE client: the job's client key, and no other."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return hmac.compare_digest(key, self.key)
-
-
-def unlink_socket(endpoint: str) -> None:
-    """Remove the file of a UNIX socket this process bound (libzmq leaves it when the context ends)."""
-    if endpoint.startswith("ipc://"):
-        try:
-            os.unlink(endpoint.removeprefix("ipc://"))
-        except FileNotFoundError:
-            pass
-
-
-def mechanism_for(endpoint: str, credentials: Credentials, encrypt: bool = True) -> Mechanism:
-    """CURVE over TCP unless `encrypt` is off; PLAIN over a UNIX socket (its directory keeps
-    others out, and nothing crosses a network to be read)."""
-    return Mechanism("curve" if endpoint.startswith("tcp://") and encrypt else "plain", credentials)
+            if sockets.write(self.router, [name.encode(), *codec.pack({"k": "p", "i": 0})]):  # type: ignore[arg-type]
+                self._pending.fail_to(name, f"lost the connection to {name}: its process ended")

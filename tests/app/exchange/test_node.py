@@ -18,7 +18,8 @@ import zmq
 from torch.futures import Future
 
 from app.exchange import secret, transport
-from app.exchange.node import Mechanism, Node
+from app.exchange.node import Node
+from app.exchange.sockets import Mechanism
 from app.exchange.store import Store
 from app.exchange.wire import Push, Reply
 
@@ -191,7 +192,8 @@ def test_a_call_past_its_timeout_fails_and_its_late_answer_is_dropped(tmp_path):
 SERVER = """
 import sys, time
 from app.exchange import secret, transport
-from app.exchange.node import Mechanism, Node
+from app.exchange.node import Node
+from app.exchange.sockets import Mechanism
 
 @transport.answered_later
 def never():
