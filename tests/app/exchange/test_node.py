@@ -133,7 +133,12 @@ def test_another_runs_secret_is_refused_before_anything_is_read(tmp_path, way, c
         with caplog.at_level(logging.WARNING, logger="app.transport"):
             with pytest.raises(RuntimeError, match="another run's secret"):
                 intruder.call_async("ps", transport.name_of(scaled), (torch.ones(1), Push(1, "x", 0))).wait()
-            time.sleep(0.2)
+            # The server's I/O thread logs the refusal as its monitor reports it (a moment later).
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                "refused a connection that did not prove the run's secret" in r.getMessage() for r in caplog.records
+            ):
+                time.sleep(0.05)
         assert RAN == []
         assert any("refused a connection that did not prove the run's secret" in r.getMessage() for r in caplog.records)
     finally:
