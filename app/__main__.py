@@ -9,15 +9,21 @@ import sys
 from collections.abc import Sequence
 
 from app.config import Config, UsageError, check_threads_env, parse
-from app.contract import strategy_of
+from app.contract import PS, strategy_of
 
 HEALTH_TIMEOUT = 2.0
 PS_SIGTERM_GRACE = 20.0
 
 
 def health(config: Config) -> int:
-    """0 when the PS's rendezvous port accepts a TCP connection on 127.0.0.1."""
+    """0 when the main PS accepts a connection: its UNIX socket in --socket_dir (zmq), else its
+    port on 127.0.0.1. Nothing is sent: the connection proves only that it listens."""
     try:
+        if config.transport == "zmq" and config.socket_dir:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(HEALTH_TIMEOUT)
+                probe.connect(os.path.join(config.socket_dir, f"{PS}.sock"))
+            return 0
         with socket.create_connection(("127.0.0.1", config.master_port), timeout=HEALTH_TIMEOUT):
             return 0
     except OSError:

@@ -126,7 +126,7 @@ class ProcessOptions:
     master_addr: str = option("localhost", "the PS's address")
     master_port: int = option(6100, "the PS's rendezvous port", low=1, high=65535)
     transport: Transport = option(
-        "tensorpipe",
+        "zmq",
         "What carries the job's calls, the same in every process: zmq, the job's own (every connection proves "
         "the run's secret, --secret_file, before anything is read; nothing received is unpickled); tensorpipe: "
         "torch RPC over TensorPipe, which admits whoever reaches its port.",
@@ -134,7 +134,7 @@ class ProcessOptions:
     secret_file: str = option(
         "",
         "zmq: a file holding the run's secret (at least 32 hex characters), readable by the job's processes "
-        "alone; the orchestrator makes one for each run.",
+        "alone; the orchestrator makes one for each run, and the main PS makes one where the file is missing.",
     )
     socket_dir: str = option(
         "",
@@ -152,8 +152,8 @@ class ProcessOptions:
         "auto",
         "How pushes and replies cross between a worker and the PS: auto: through shared memory the PS "
         "offers (/dev/shm) when the worker can map it (the same host and /dev/shm: local processes, one "
-        "compose project), else over TensorPipe, chosen per worker and logged once; tensorpipe: always "
-        "over TensorPipe.",
+        "compose project), else over the job's transport (--transport), chosen per worker and logged once; "
+        "tensorpipe: always over the job's transport.",
     )
     shm_dir: str = option(
         "/dev/shm",

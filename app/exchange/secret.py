@@ -41,7 +41,7 @@ class Credentials(NamedTuple):
 def make(path: str | Path) -> Path:
     """A new secret in `path` (0600 from its creation; replaced whole if one is there)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w") as out:

@@ -18,6 +18,7 @@ The transport is chosen once, for the whole job (--transport):
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 import stat
@@ -35,6 +36,7 @@ from app.exchange.sockets import mechanism_for, unlink_socket
 from app.exchange.store import RemoteStore, Store
 from app.runtime import lifecycle, machine
 
+log = logging.getLogger("app.transport")
 F = TypeVar("F", bound=Callable[..., Any])
 ENDPOINT_KEY = "psc/endpoint/"  # + a PS shard's name: where it listens (set by the shard as it joins)
 _NODES: list[Node] = []  # this process's node while its session lasts (zmq)
@@ -87,6 +89,7 @@ def session(config: Config, rank: int, name: str | None = None) -> Iterator[None
             where = advertised(node.address, config)
             _remote(node, config.rpc_timeout).set(f"{ENDPOINT_KEY}{name}", where)
         _NODES.append(node)
+        log.info("%s joined the job", name)
         yield
     finally:
         if node in _NODES:
@@ -222,12 +225,14 @@ def _node(config: Config, name: str, listens: bool) -> Node:
             "--secret_file is required with --transport zmq: a file only the job's processes can read, "
             "holding the run's secret (the orchestrator makes one for each run)"
         )
+    main = listens and not config.shard
+    if main and not os.path.exists(config.secret_file):
+        secret.make(config.secret_file)  # the run's first process: every other one reads it
     try:
         credentials = secret.derive(secret.read(config.secret_file))
     except ValueError as error:
         raise UsageError(str(error)) from None
     mechanism = mechanism_for(ps_endpoint(config), credentials, config.encrypt)
-    main = listens and not config.shard
     if config.socket_dir:
         private_directory(config.socket_dir)
     node = Node(

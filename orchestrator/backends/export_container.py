@@ -22,6 +22,8 @@ import yaml
 
 from app.publish import publish
 from orchestrator.errors import UsageError
+from orchestrator.job_secret import SECRET_ENV, SOCKET_DIR_ENV
+from orchestrator.render.compose import EXCHANGE_VOLUME
 from orchestrator.topology.services import PS_SERVICE, SCRATCH_LABEL
 
 # Where the container writes model.pt and model.json: its own file system, not the state
@@ -56,6 +58,8 @@ def environment(service: dict[str, Any], run_id: str, export_dir: str) -> dict[s
     # A null value (a variable compose takes from its caller: credentials) is not the export's.
     env = {str(k): as_compose_reads(str(v)) for k, v in pairs if v is not None and not INTERPOLATED.match(str(v))}
     env.update(PSC_RUN_ID=run_id, PSC_EXPORT_DIR=export_dir)
+    for joins_no_job in (SECRET_ENV, SOCKET_DIR_ENV):
+        env.pop(joins_no_job, None)
     return env
 
 
@@ -74,6 +78,8 @@ def volumes(service: dict[str, Any], prefix: str, directory: Path) -> dict[str, 
             source, target = str(entry.get("source", "")), str(entry["target"])
             mode = "ro" if entry.get("read_only") else "rw"
             kind = str(entry.get("type", "volume"))
+        if kind == "volume" and source == EXCHANGE_VOLUME:
+            continue  # the job's sockets and secret: the export joins no job
         if kind == "volume":
             source = f"{prefix}_{source}"
         else:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from app.contract import Event
-from orchestrator import runs
+from orchestrator import job_secret, runs
 from orchestrator.chaos.common import (
     CHECKPOINT_VERSION,
     RUN_TIMEOUT,
@@ -34,7 +34,6 @@ from orchestrator.metrics.records import Record, events, read_jsonl
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import PS_SERVICE, by_name, shard_service
 from orchestrator.verbs.local import (
-    LOCALHOST,
     app_argv,
     free_port,
     loopback_ifname,
@@ -53,6 +52,8 @@ class ProcessJob:
         self.run_id = runs.new_id()
         self.port = free_port()
         self.ifname = loopback_ifname()
+        self._exchange = job_secret.private_exchange(run_dir)
+        self.exchange = self._exchange.__enter__()  # the run's secret and sockets, until close()
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -66,12 +67,18 @@ class ProcessJob:
         chosen = list(names or known)
         if PS_SERVICE in chosen and len(chosen) > 1:
             self.start(PS_SERVICE)
-            wait_until(f"the PS listens on port {self.port}", self._ps_listens, RUN_TIMEOUT)
+            wait_until("the PS listens", self._ps_listens, RUN_TIMEOUT)
             chosen.remove(PS_SERVICE)
         for name in chosen:
             service = known[name]
             env = service_environment(
-                self.t, service, port=self.port, run_dir=self.run_dir, ifname=self.ifname, run_id=self.run_id
+                self.t,
+                service,
+                port=self.port,
+                run_dir=self.run_dir,
+                ifname=self.ifname,
+                run_id=self.run_id,
+                exchange=self.exchange,
             )
             n = self.starts[name] = self.starts.get(name, 0) + 1
             with (
@@ -82,9 +89,11 @@ class ProcessJob:
 
     def _ps_listens(self) -> bool:
         if self.procs[PS_SERVICE].poll() is not None:
-            raise Timeout(f"the PS exited ({self.procs[PS_SERVICE].returncode}) before it listened on port {self.port}")
+            raise Timeout(f"the PS exited ({self.procs[PS_SERVICE].returncode}) before it listened")
         try:
-            socket.create_connection((LOCALHOST, self.port), timeout=1).close()
+            with socket.socket(socket.AF_UNIX) as probe:
+                probe.settimeout(1)
+                probe.connect(str(Path(self.exchange[job_secret.SOCKET_DIR_ENV]) / f"{PS_SERVICE}.sock"))
         except OSError:
             return False
         return True
@@ -116,6 +125,7 @@ class ProcessJob:
                 p.kill()
                 p.wait()
         shutil.rmtree(shm_dir(self.t, self.run_id), ignore_errors=True)
+        self._exchange.__exit__(None, None, None)
 
 
 def _accuracy(job: ProcessJob) -> Optional[float]:

@@ -176,8 +176,8 @@ def check_port(t: Topology, f: Facts) -> Check:
     return Check(
         "rpc port",
         True,
-        f"{port} published on every host address: PyTorch RPC has no authentication, "
-        "firewall it (network.publish_rpc_port: false keeps it private)",
+        f"{port} published on every host address: a connection must prove the run's secret before a message "
+        "is read, yet anyone may try and load the PS: firewall it (network.publish_rpc_port: false keeps it private)",
     )
 
 

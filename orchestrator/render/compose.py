@@ -45,6 +45,13 @@ from orchestrator.topology.services import (
 NETWORK = "cluster"
 SCALE_PROFILE = "scale"  # the workers above workers.count: started only by `scale`
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
+# The job's private exchange on one host (a PS job): a tmpfs volume only its PS, shards and
+# workers mount, holding the run's secret (made by the PS as the run's first process) and the
+# UNIX sockets they talk over. 0700, the app user's: no other account, on the host or in another
+# container, may open it; its files go when the job's last container stops (a new secret each run).
+EXCHANGE_VOLUME = "exchange"
+EXCHANGE_DIR = "/run/psc"
+EXCHANGE_SECRET = f"{EXCHANGE_DIR}/secret"
 APP_USER = "1000:1000"  # psc, created by images/Dockerfile
 
 # Paths inside the containers (docs/design.md).
@@ -173,8 +180,14 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
     elif has_ps(t):  # a /dev/shm each: the PS makes no segment its workers could not map
         for svc in services.values():
             svc["environment"].update(TENSORPIPE_ONLY)
+    if one_host and has_ps(t):
+        for svc in services.values():
+            if svc.get("command"):  # the PS, its shards and the workers (not pidns)
+                _private_exchange(svc, sockets=not t.network.publish_rpc_port)
     services[TENSORBOARD_SERVICE] = _tensorboard(t)
     volumes = {STATE_VOLUME: state_volume(t)}
+    if one_host and has_ps(t):
+        volumes[EXCHANGE_VOLUME] = exchange_volume(t)
     if tracking.tracked_by_own_server(t):
         tracking.track_in_own_server(services[PS_SERVICE], t.tracking.auth)
         services[tracking.MLFLOW_SERVICE] = tracking.mlflow_service(t, NETWORK, APP_USER)
@@ -242,6 +255,25 @@ def _join_namespaces(svc: dict[str, Any]) -> None:
     svc["cap_add"] = ["SYS_PTRACE"]
     svc["init"] = False
     svc["depends_on"] = {PIDNS_SERVICE: {"condition": "service_started"}, **svc.get("depends_on", {})}
+
+
+def _private_exchange(svc: dict[str, Any], sockets: bool) -> None:
+    """`svc` on the job's private exchange: the volume, the secret and (`sockets`) the UNIX
+    sockets in it; without them (a published port) the PS listens on TCP, encrypted (CURVE)."""
+    svc["volumes"].append({"type": "volume", "source": EXCHANGE_VOLUME, "target": EXCHANGE_DIR})
+    svc["environment"][BY_NAME["secret_file"].env] = EXCHANGE_SECRET
+    if sockets:
+        svc["environment"][BY_NAME["socket_dir"].env] = EXCHANGE_DIR
+
+
+def exchange_volume(t: Topology) -> dict[str, Any]:
+    """The tmpfs volume of the private exchange (see EXCHANGE_VOLUME), the app user's, 0700."""
+    uid, gid = APP_USER.split(":")
+    return {
+        "driver": "local",
+        "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": f"uid={uid},gid={gid},mode=0700,size=1m"},
+        "labels": {LABEL_PROJECT: t.name},
+    }
 
 
 def state_volume(t: Topology) -> dict[str, Any]:
@@ -438,7 +470,8 @@ def security_warnings(t: Topology) -> list[str]:
             f"network.publish_rpc_port: {'the PS' if has_ps(t) else worker_name(1)}'s port {t.ps.rpc_port} "
             "is published on every host address; "
             + (
-                "PyTorch RPC has no authentication (whoever reaches it can run code)"
+                "each connection must prove the run's secret (CURVE) before a message is read, yet anyone may "
+                "try it and load the PS"
                 if has_ps(t)
                 else "the DDP rendezvous (a c10d TCPStore) has no authentication"
             )

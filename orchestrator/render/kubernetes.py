@@ -26,8 +26,12 @@ What the objects are, and why:
   the rendezvous name, resolving to index 0's pod IP (`clusterIP: None`, like
   Swarm's dnsrr). `publishNotReadyAddresses`: the PS resolves its own name before
   it listens.
-- NetworkPolicy `<name>-rpc`: only the job's own pods reach its pods (PyTorch RPC
-  has no authentication); `network.publish_rpc_port` exposes nothing here.
+- NetworkPolicy `<name>-rpc`: only the job's own pods reach its pods;
+  `network.publish_rpc_port` exposes nothing here.
+- The run's secret (a PS job): the Secret `<name>-exchange` (key `secret`), which the
+  manifests only name (no secret is written into a rendered file): create it before
+  `kubectl apply` (docs/multi-host.md). Mounted read-only at /run/secrets/psc, 0440 to the
+  pod's fsGroup; every connection between the job's pods proves it and is encrypted (CURVE).
 - The run's id is the PS Job's uid (the downward API's controller-uid label): a
   PS pod that is replaced keeps it and resumes its run; `kubectl delete` then
   `apply` is a new run that sets older checkpoints aside, as a new `make up` does.
@@ -64,11 +68,18 @@ STOP_GRACE_S = 30  # the PS writes its checkpoint on SIGTERM
 APP_UID = 1000  # psc, created by images/Dockerfile
 DEFAULT_MEMORY_HEADROOM = 4 * 1024**3  # a pod's memory beyond its /dev/shm unless kubernetes.*_memory says
 TMP_SIZE = "1Gi"  # /tmp: the root filesystem is read-only
+SECRET_KEY = "secret"  # the run's secret in the Secret `secret_name(t)`
+SECRET_DIR = "/run/secrets/psc"
 
 
 def object_name(t: Topology) -> str:
     """The prefix of every object's name: the topology's name, '_' as '-'."""
     return t.name.replace("_", "-")
+
+
+def secret_name(t: Topology) -> str:
+    """The Secret that holds the run's secret (made by the user: docs/multi-host.md)."""
+    return f"{object_name(t)}-exchange"
 
 
 def rendezvous_name(t: Topology) -> str:
@@ -216,6 +227,7 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
     if has_ps(t):
         env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
+        env[compose.BY_NAME["secret_file"].env] = f"{SECRET_DIR}/{SECRET_KEY}"
     if t.cuda and not _gpu(t, ps):
         env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one
     if t.code is not None:
@@ -276,6 +288,18 @@ def _volumes(t: Topology, ps: bool, data_root: str) -> tuple[list[dict[str, Any]
     else:
         volumes.append({"name": "state", "emptyDir": {}})
     mounts.append({"name": "state", "mountPath": compose.STATE_DIR})
+    if has_ps(t):
+        volumes.append(
+            {
+                "name": "exchange",
+                "secret": {
+                    "secretName": secret_name(t),
+                    "defaultMode": 0o440,
+                    "items": [{"key": SECRET_KEY, "path": SECRET_KEY}],
+                },
+            }
+        )
+        mounts.append({"name": "exchange", "mountPath": SECRET_DIR, "readOnly": True})
     return volumes, mounts
 
 

@@ -40,7 +40,12 @@ topology and rewrites what Swarm does differently (facts checked on Docker
   the same hostname); with several managers it may be any of them, and `doctor` says to
   set `swarm.ps`;
 - relative bind sources (`train.data_dir`) become absolute under `data_root`:
-  `docker stack deploy` sends them to other nodes as they are.
+  `docker stack deploy` sends them to other nodes as they are;
+- the run's secret (a PS job): the Docker secret `<stack>_exchange`, which stack-up makes
+  anew before each deploy and stack-down removes, readable by the app user alone in each
+  task (/run/secrets/psc_exchange, 0400); the tasks talk over TCP on the overlay, each
+  connection proving the secret and encrypted (CURVE), no UNIX socket (the tasks may be on
+  different nodes).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ ON_FAILURE = {"condition": "on-failure", "delay": "10s", "max_attempts": 3, "win
 NO_RESTART = {"condition": "none"}
 # Compose keys `docker stack deploy` ignores or rejects; replaced below.
 # group_add too: `docker stack deploy` rejects it (docker/cli#3777); docs/gpu.md says what to do instead.
+SECRET = "exchange"  # the stack's name for the run's secret (the swarm's: `secret_name`)
+SECRET_TARGET = "psc_exchange"  # /run/secrets/<this> in each task
+SECRET_FILE = f"/run/secrets/{SECRET_TARGET}"
 _NOT_IN_SWARM = (
     "build",
     "depends_on",
@@ -78,6 +86,11 @@ _NOT_IN_SWARM = (
 def stack_name(t: Topology) -> str:
     """The stack's name: services are <stack>_ps, <stack>_worker1, ..."""
     return t.name
+
+
+def secret_name(t: Topology) -> str:
+    """The Docker secret that holds a run's secret (made by stack-up, one per stack)."""
+    return f"{stack_name(t)}_{SECRET}"
 
 
 def pins_state(t: Topology, nodes: int = 0) -> bool:
@@ -107,12 +120,15 @@ def render(t: Topology, *, data_root: str, nodes: int = 0) -> dict[str, Any]:
             continue
         rank = int(svc["labels"][LABEL_RANK])
         services[name] = _service(t, svc, rank, data_root, name == rendezvous_service(t), name in pinned)
-    return {
+    stack = {
         "version": STACK_VERSION,
         "services": services,
         "networks": {compose.NETWORK: {"driver": "overlay", "labels": {LABEL_PROJECT: t.name}}},
         "volumes": doc["volumes"],
     }
+    if has_ps(t):
+        stack["secrets"] = {SECRET: {"external": True, "name": secret_name(t)}}
+    return stack
 
 
 def _service(
@@ -149,6 +165,10 @@ def _service(
             }
         }
     svc["deploy"] = deploy
+    if has_ps(t):
+        uid, gid = compose.APP_USER.split(":")
+        svc["secrets"] = [{"source": SECRET, "target": SECRET_TARGET, "uid": uid, "gid": gid, "mode": 0o400}]
+        svc["environment"] = {**svc["environment"], compose.BY_NAME["secret_file"].env: SECRET_FILE}
     if rendezvous and t.network.publish_rpc_port:
         svc["ports"] = [{"target": t.ps.rpc_port, "published": t.ps.rpc_port, "protocol": "tcp", "mode": "host"}]
     return svc

@@ -65,8 +65,8 @@ class Network(Section):
     """The cluster's private network (a bridge with compose, an overlay on Swarm)."""
 
     publish_rpc_port: bool = False
-    """Publish the PS's rpc_port on the host. PyTorch RPC has no authentication: keep false unless the host is
-    firewalled."""
+    """Publish the PS's rpc_port on the host (TCP, CURVE). A connection must prove the run's secret before a message
+    is read, yet anyone may try and load the PS: keep false unless the host is firewalled."""
     same_host_copy: bool = True
     """compose (one host): pushes and replies cross through the PS's shared memory (the PS, its shards and the workers
     share one IPC namespace, so one /dev/shm, sized for the exchange), and what still goes through TensorPipe is

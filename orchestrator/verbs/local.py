@@ -4,7 +4,9 @@ The same cluster as the compose file, without Docker: each service becomes a
 `python -m app ps|worker` process with the environment the render gives its
 container (`orchestrator.render.compose.app_environment`), except the address (127.0.0.1, a free
 port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
-metrics) and the interface (loopback). Output is prefixed by service name, as
+metrics), the interface (loopback) and the exchange: a PS job's processes talk over UNIX
+sockets in a 0700 directory of the run's, proving the run's secret (runs/<name>/secret, 0600),
+both made as the run starts and removed as it ends (orchestrator.job_secret). Output is prefixed by service name, as
 compose prints it. Ctrl-C, SIGTERM or SIGHUP (the terminal closed) stops every process;
 output that can no longer be written (a closed terminal) is dropped, the stop goes on.
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from orchestrator import run_lock, runs
+from orchestrator import job_secret, run_lock, runs
 from orchestrator.errors import UsageError
 from orchestrator.host_paths import check_paths
 from orchestrator.render.compose import app_environment
@@ -63,10 +65,19 @@ class ProcessSpec:
 
 
 def local_environment(
-    t: Topology, rank: int, *, port: int, run_dir: Path, ifname: str, run_id: str = "", resume: runs.Resume = False
+    t: Topology,
+    rank: int,
+    *,
+    port: int,
+    run_dir: Path,
+    ifname: str,
+    run_id: str = "",
+    resume: runs.Resume = False,
+    exchange: Optional[Mapping[str, str]] = None,
 ) -> dict[str, str]:
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
-    (orchestrator.runs; empty: the app resumes any checkpoint)."""
+    (orchestrator.runs; empty: the app resumes any checkpoint), with the run's private
+    `exchange` (orchestrator.job_secret) where the job has a PS."""
     data_dir = str(Path(t.data_dir()).expanduser().resolve()) if t.reads_files else None
     weights = t.train.init_weights
     env = app_environment(
@@ -82,6 +93,8 @@ def local_environment(
         init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
     )
     env.update(runs.environment(run_id, resume))
+    if exchange and has_ps(t):
+        env.update(exchange)
     if run_id and has_ps(t):
         env["PSC_SHM_DIR"] = str(shm_dir(t, run_id))
     if rank == 0 and has_ps(t):  # the PS logs the run to MLflow where the caller set a tracking URI
@@ -141,9 +154,12 @@ def service_environment(
     ifname: str,
     run_id: str = "",
     resume: runs.Resume = False,
+    exchange: Optional[Mapping[str, str]] = None,
 ) -> dict[str, str]:
     """`local_environment` of one service: its rank's, plus PSC_SHARD for a PS shard."""
-    env = local_environment(t, service.rank, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
+    env = local_environment(
+        t, service.rank, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume, exchange=exchange
+    )
     if service.shard:
         env["PSC_SHARD"] = str(service.shard)
     return env
@@ -158,13 +174,16 @@ def plan(
     python: str = sys.executable,
     run_id: str = "",
     resume: runs.Resume = False,
+    exchange: Optional[Mapping[str, str]] = None,
 ) -> list[ProcessSpec]:
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first), every one in run `run_id`."""
     specs = []
     restarts = WORKER_RESTARTS if has_ps(t) else 0
     for s in services(t):
-        env = service_environment(t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume)
+        env = service_environment(
+            t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume, exchange=exchange
+        )
         specs.append(
             ProcessSpec(s.name, app_argv(s.role, python=python), env, restarts=restarts if s.role == "worker" else 0)
         )
@@ -263,16 +282,27 @@ def run(
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
         remove_stale_shm(t)
-        specs = plan(t, port=free_port(), run_dir=run_dir, ifname=loopback_ifname(), run_id=run_id, resume=resume)
-        print(
-            f"local: {t.name}: {describe(t)} on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}, state in {run_dir}/",
-            flush=True,
-        )
-        print(f"local: {runs.describe(run_id, resume)}", flush=True)
-        said = tracking_note(t, os.environ)
-        if said:
-            print(f"local: {said}", flush=True)
-        return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
+        with job_secret.private_exchange(run_dir) as exchange:
+            specs = plan(
+                t,
+                port=free_port(),
+                run_dir=run_dir,
+                ifname=loopback_ifname(),
+                run_id=run_id,
+                resume=resume,
+                exchange=exchange,
+            )
+            where = (
+                f"on UNIX sockets in {exchange[job_secret.SOCKET_DIR_ENV]}"
+                if has_ps(t)
+                else f"on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}"
+            )
+            print(f"local: {t.name}: {describe(t)} {where}, state in {run_dir}/", flush=True)
+            print(f"local: {runs.describe(run_id, resume)}", flush=True)
+            said = tracking_note(t, os.environ)
+            if said:
+                print(f"local: {said}", flush=True)
+            return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
         os.close(lock)

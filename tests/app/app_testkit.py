@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -51,10 +55,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def session_secret() -> str:
+    """One run's secret for the jobs the tests start by hand (each on its own port and
+    directories): made once, 0600, removed when the tests end."""
+    directory = Path(tempfile.mkdtemp(prefix="psc-test-secret-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return str(secret_file(directory))
+
+
 def app_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without PSC_* (so defaults are the app's own)."""
+    """The test process's environment without PSC_* (so defaults are the app's own), but for
+    PSC_SECRET_FILE: the session's secret, as the orchestrator hands one to every process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSC_")}
-    env.update(PYTHONPATH=str(REPO), **extra)
+    env.update(PYTHONPATH=str(REPO), PSC_SECRET_FILE=session_secret(), **extra)
     return env
 
 
@@ -85,8 +99,11 @@ def final_accuracy(stdout: str) -> float:
 
 def job_args(tmp_path: Path, world_size: int) -> list[str]:
     """What every process of a job on 127.0.0.1 shares: the world size, the rendezvous on a
-    free port, and tmp_path's metrics and checkpoint directories."""
+    free port, the run's secret, and tmp_path's metrics and checkpoint directories."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     return [
+        "--secret_file",
+        str(tmp_path / "secret" if (tmp_path / "secret").exists() else secret_file(tmp_path)),
         "--world_size",
         str(world_size),
         "--master_addr",

@@ -40,6 +40,8 @@ HOST_SPECIFIC = {
     "PSC_CACHE_DIR",
     "TP_SOCKET_IFNAME",
     "NCCL_SOCKET_IFNAME",
+    "PSC_SECRET_FILE",
+    "PSC_SOCKET_DIR",
     "PSC_RUN_ID",
     "PSC_RESUME",
     "MLFLOW_TRACKING_URI",  # the caller's, interpolated by compose; a local process is given its value
@@ -57,7 +59,8 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
         # For the nvidia runtime only; locally, CUDA_VISIBLE_DEVICES="" hides the GPUs.
         void = container.pop("NVIDIA_VISIBLE_DEVICES", None)
         assert void == ("void" if t.cuda and rank == 0 else None)
-        local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo")
+        exchange = {"PSC_SECRET_FILE": "/run/secret", "PSC_SOCKET_DIR": "/run/sockets"}
+        local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo", exchange=exchange)
         cuda = local.pop("CUDA_VISIBLE_DEVICES", None)
         assert set(local) == set(container)
         assert {k: v for k, v in local.items() if k not in HOST_SPECIFIC} == {

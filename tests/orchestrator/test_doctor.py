@@ -161,7 +161,7 @@ def test_rpc_port() -> None:
     assert c.ok and "not published" in c.text
     published = topo(CPU + "network: {publish_rpc_port: true}\n")
     c = only(d.check_port, published, facts(port_in_use=False))
-    assert c.ok and "no authentication" in c.text
+    assert c.ok and "prove the run's secret" in c.text and "firewall it" in c.text
     c = only(d.check_port, published, facts(port_in_use=True))
     assert c.ok is False and "already in use" in c.text
 

@@ -163,11 +163,13 @@ def test_every_training_variable_of_the_compose_render_reaches_the_pods() -> Non
     t = topo("configs/default.yaml", 3)
     compose_env = render_compose.render(t)["services"]["worker1"]["environment"]
     k8s_env = env(by_kind(documents("configs/default.yaml", 3), "Job")[1])
-    expected = {
-        k: v for k, v in compose_env.items() if k not in ("PSC_RANK", "PSC_RUN_ID", "PSC_RESUME", "PSC_MASTER_ADDR")
-    }
+    host_only = ("PSC_RANK", "PSC_RUN_ID", "PSC_RESUME", "PSC_MASTER_ADDR", "PSC_SECRET_FILE", "PSC_SOCKET_DIR")
+    expected = {k: v for k, v in compose_env.items() if k not in host_only}
     assert {k: v for k, v in k8s_env.items() if k in expected} == expected
     assert k8s_env["PSC_MASTER_ADDR"] == "resnet18-imagenette-ps"
+    # Pods on several nodes: TCP (CURVE) with the run's secret from a Secret, no UNIX sockets.
+    assert k8s_env["PSC_SECRET_FILE"] == f"{render_k8s.SECRET_DIR}/{render_k8s.SECRET_KEY}"
+    assert "PSC_SOCKET_DIR" not in k8s_env
 
 
 def test_the_ps_state_is_a_claim_and_the_run_is_the_ps_job() -> None:

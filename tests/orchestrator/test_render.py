@@ -155,7 +155,10 @@ def test_cpu_mode_has_no_reservations_and_no_data_mount() -> None:
     for svc in training(doc).values():
         assert "deploy" not in svc and svc["environment"]["PSC_DEVICE"] == "cpu"
         assert "PSC_DATA_DIR" not in svc["environment"]
-        assert svc["volumes"] == [{"type": "volume", "source": "state", "target": "/state"}]
+        assert svc["volumes"] == [
+            {"type": "volume", "source": "state", "target": "/state"},
+            {"type": "volume", "source": "exchange", "target": "/run/psc"},
+        ]
 
 
 def test_safe_defaults() -> None:
@@ -190,9 +193,19 @@ def test_safe_defaults() -> None:
         assert pidns["security_opt"] == ["no-new-privileges:true"] and pidns["network_mode"] == "none"
         assert pidns["ipc"] == "shareable" and pidns["shm_size"].endswith("m")
         assert not {"volumes", "ports", "pid", "deploy", "privileged"} & set(pidns)
-        assert doc["volumes"] == {
-            "state": {"labels": {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}}
+        project = {LABEL_PROJECT: yaml.safe_load(Path(REPO / config).read_text())["name"]}
+        assert doc["volumes"]["state"] == {"labels": project}
+        # the run's secret and UNIX sockets: a tmpfs only the job's containers mount, the app's user's alone
+        assert doc["volumes"]["exchange"] == {
+            "driver": "local",
+            "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": "uid=1000,gid=1000,mode=0700,size=1m"},
+            "labels": project,
         }
+        for svc in training(doc).values():
+            assert {"type": "volume", "source": "exchange", "target": "/run/psc"} in svc["volumes"]
+            assert svc["environment"]["PSC_SECRET_FILE"] == "/run/psc/secret"
+            assert svc["environment"]["PSC_SOCKET_DIR"] == "/run/psc"
+        assert set(doc["volumes"]) == {"state", "exchange"}
 
 
 def test_same_host_copy_off_gives_each_container_its_own_pid_namespace_and_no_capability() -> None:
@@ -240,7 +253,8 @@ def test_publish_rpc_port_when_asked(cli, write_config) -> None:
     assert all("ports" not in s for n, s in training(render_compose.render(t)).items() if n != "ps")
     status, out, err = cli("render", "-c", str(write_config(topology(network={"publish_rpc_port": True}))), "-o", "-")
     assert status == 0 and "ports:" in out
-    assert err.startswith("warning: network.publish_rpc_port:") and "no authentication" in err
+    assert err.startswith("warning: network.publish_rpc_port:") and "prove the run's secret" in err
+    assert "firewall it" in err
 
 
 def test_render_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -87,7 +87,7 @@ def test_up_with_auth_and_no_password_is_refused_before_anything_starts(cli, wri
 def test_without_tracking_no_server_is_rendered_and_the_ps_logs_only_where_the_call_says():
     t = parse(yaml.safe_dump(topology()))
     doc = render_compose.render(t)
-    assert "mlflow" not in doc["services"] and list(doc["volumes"]) == ["state"]
+    assert "mlflow" not in doc["services"] and set(doc["volumes"]) == {"state", "exchange"}
     assert doc["services"]["ps"]["environment"]["MLFLOW_TRACKING_URI"] == "${MLFLOW_TRACKING_URI:-}"
 
 

@@ -189,9 +189,9 @@ def test_the_state_volume_takes_the_driver_and_its_options_in_compose_and_swarm(
         "driver_opts": {"type": "nfs", "o": "addr=10.0.0.5,rw", "device": ":/exports/psc"},
         "labels": {"ps-compose.project": "cpu-smoke"},
     }
-    assert render_compose.render(t)["volumes"] == {"state": expected}
+    assert render_compose.render(t)["volumes"]["state"] == expected
     assert render_swarm.render(t, data_root="/srv")["volumes"] == {"state": expected}
-    assert render_compose.render(topo())["volumes"] == {"state": {"labels": {"ps-compose.project": "cpu-smoke"}}}
+    assert render_compose.render(topo())["volumes"]["state"] == {"labels": {"ps-compose.project": "cpu-smoke"}}
 
 
 @pytest.mark.parametrize(

@@ -221,8 +221,11 @@ def test_overlay_network_and_the_same_app_environment() -> None:
     doc, compose = render_swarm.render(t, data_root="/x"), render_compose.render(t)
     assert doc["networks"]["cluster"]["driver"] == "overlay"
     for name in service_names(t):
-        # the same, but for the exchange: a swarm container's /dev/shm is its own
+        # the same, but for the exchange (a swarm container's /dev/shm is its own) and the run's
+        # secret: a Docker secret, over TCP (CURVE) rather than UNIX sockets on one host
         want = compose["services"][name]["environment"] | render_compose.TENSORPIPE_ONLY
+        del want["PSC_SOCKET_DIR"]
+        want["PSC_SECRET_FILE"] = render_swarm.SECRET_FILE
         assert doc["services"][name]["environment"] == want
         assert doc["services"][name]["user"] == "1000:1000" and doc["services"][name]["cap_drop"] == ["ALL"]
 

@@ -22,7 +22,7 @@ from orchestrator.backends.base import ServiceState
 from orchestrator.errors import EngineError
 from orchestrator.metrics.records import metrics_from_tar
 from orchestrator.render.compose import METRICS_DIR
-from orchestrator.topology.services import described
+from orchestrator.topology.services import LABEL_PROJECT, described
 
 LABEL_STACK = "com.docker.stack.namespace"
 DOCKER = "docker"
@@ -220,3 +220,17 @@ def generic_resources(specs: Sequence[dict[str, Any]]) -> dict[str, int]:
 def all_ended(states: dict[str, ServiceState], names: Sequence[str]) -> bool:
     """Every named service's newest task has ended."""
     return all(s in states and states[s].ended for s in names)
+
+
+def replace_secret(client: Any, stack: str, name: str, data: str) -> None:
+    """The Docker secret `name` made anew with `data` (one an earlier run of the stack left goes
+    first: a secret cannot change), labelled with the stack's project."""
+    remove_secret(client, name)
+    client.secrets.create(name=name, data=data.encode(), labels={LABEL_PROJECT: stack})
+
+
+def remove_secret(client: Any, name: str) -> None:
+    """The Docker secret `name` removed, if there is one (the `name` filter matches prefixes)."""
+    for found in client.secrets.list(filters={"name": name}):
+        if found.name == name:
+            found.remove()

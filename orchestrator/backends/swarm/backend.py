@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, TextIO
 
-from orchestrator import images
+from orchestrator import images, job_secret
 from orchestrator.backends import export_container
 from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
 from orchestrator.backends.command import run
@@ -83,6 +83,8 @@ class SwarmBackend(Backend):
     def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
         what = f": {describe(c.topology)}" if c.topology is not None else ""
         print(f"==> deploying stack {c.name}{what}", file=out, flush=True)
+        # The run's secret, new for each deploy; only the stack's tasks are given it.
+        adapter.replace_secret(images.client(), c.name, f"{c.name}_{swarm.SECRET}", job_secret.new())
         r = run(adapter.deploy_argv(c.name, str(c.file)), capture=True, env=env)
         return [f"docker stack deploy: {line}" for line in adapter.ignored_options(r.stdout + r.stderr)]
 
@@ -102,6 +104,7 @@ class SwarmBackend(Backend):
         left = adapter.wait_gone(client, c.name, timeout=GONE_TIMEOUT)
         if left:
             raise EngineError(f"stack {c.name}: still there after {GONE_TIMEOUT:.0f} s: {', '.join(left)}")
+        adapter.remove_secret(client, f"{c.name}_{swarm.SECRET}")
         if volumes:
             adapter.remove_volumes(client, c.name)
 

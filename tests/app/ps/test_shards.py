@@ -142,55 +142,58 @@ def test_shard_flags():
             parse(argv, {})
 
 
-def test_the_main_ps_opens_the_workers_join_window_each_time_every_shard_is_up():
+def _main_ps(tmp_path, shards: int):
+    """A main PS's config and its session in the job's transport, whose store it holds."""
+    from app.exchange import transport
+
+    secret = testkit.secret_file(tmp_path)
+    config = parse(
+        ["ps", "--shards", str(shards), "--secret_file", str(secret), "--socket_dir", str(tmp_path / "sockets")], {}
+    )
+    return config, transport.session(config, 0)
+
+
+def test_the_main_ps_opens_the_workers_join_window_each_time_every_shard_is_up(tmp_path):
     """Workers cannot join before every shard is up (NotReady), so the join window opens then:
     once when the last shard registers, again when a lost one registers anew."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+    from app.exchange import transport
     from app.exchange.group import READY_KEY
     from app.ps.sharding.shardset import ShardSet
 
-    port = testkit.free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10))
-    config = parse(["ps", "--shards", "3", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
-    opened: list[int] = []
-    others = ShardSet(3, 30, config, lambda *args, **fields: None, on_ready=lambda: opened.append(len(opened)))
-    assert others.register(1, "ps1", 3, others.bounds[1]) is None
-    assert opened == [] and not store.check([READY_KEY])
-    assert others.register(2, "ps2", 3, others.bounds[2]) is None
-    store.wait([READY_KEY], timedelta(seconds=10))  # a set has no answer: it reaches the store soon after
-    assert opened == [0]
-    assert others.register(2, "ps2_r2", 3, others.bounds[2]) is None  # a lost shard, started again
-    assert opened == [0, 1]
+    config, session = _main_ps(tmp_path, 3)
+    with session:
+        store = transport.own_store(config, 10)
+        opened: list[int] = []
+        others = ShardSet(3, 30, config, lambda *args, **fields: None, on_ready=lambda: opened.append(len(opened)))
+        assert others.register(1, "ps1", 3, others.bounds[1]) is None
+        assert opened == [] and not store.check([READY_KEY])
+        assert others.register(2, "ps2", 3, others.bounds[2]) is None
+        assert opened == [0] and store.check([READY_KEY])
+        assert others.register(2, "ps2_r2", 3, others.bounds[2]) is None  # a lost shard, started again
+        assert opened == [0, 1]
 
 
-def test_the_main_ps_closes_the_workers_join_window_when_it_loses_a_shard():
+def test_the_main_ps_closes_the_workers_join_window_when_it_loses_a_shard(tmp_path):
     """A lost shard: READY_KEY is gone and workers cannot join until it is back, so their
     join_timeout stops running until it registers again."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+    from app.exchange import transport
     from app.exchange.group import READY_KEY
     from app.ps.sharding.shardset import ShardSet
 
-    port = testkit.free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10))
-    config = parse(["ps", "--shards", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
-    window: list[str] = []
-    others = ShardSet(
-        2, 20, config, lambda *args, **fields: None, lambda: window.append("open"), lambda: window.append("closed")
-    )
-    assert others.register(1, "ps1", 2, others.bounds[1]) is None
-    others._lost(1, "ps1", "it did not answer a ping")
-    assert window == ["open", "closed"] and not store.check([READY_KEY])
-    others._lost(1, "ps1", "a second report of the same loss")  # no longer its shard: nothing changes
-    assert window == ["open", "closed"]
-    assert others.register(1, "ps1_r2", 2, others.bounds[1]) is None
-    store.wait([READY_KEY], timedelta(seconds=10))  # a set has no answer: it reaches the store soon after
-    assert window == ["open", "closed", "open"]
+    config, session = _main_ps(tmp_path, 2)
+    with session:
+        store = transport.own_store(config, 10)
+        window: list[str] = []
+        others = ShardSet(
+            2, 20, config, lambda *args, **fields: None, lambda: window.append("open"), lambda: window.append("closed")
+        )
+        assert others.register(1, "ps1", 2, others.bounds[1]) is None
+        others._lost(1, "ps1", "it did not answer a ping")
+        assert window == ["open", "closed"] and not store.check([READY_KEY])
+        others._lost(1, "ps1", "a second report of the same loss")  # no longer its shard: nothing changes
+        assert window == ["open", "closed"]
+        assert others.register(1, "ps1_r2", 2, others.bounds[1]) is None
+        assert window == ["open", "closed", "open"] and store.check([READY_KEY])
 
 
 DIGITS = [*testkit.DIGITS, "--momentum", "0.5", "--checkpoint_every", "200"]

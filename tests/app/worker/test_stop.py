@@ -1,5 +1,5 @@
 """A worker told to stop (SIGTERM: a scale down) at any moment of its life leaves with status 0
-and one line: while torch loads, while it starts, as it enters the RPC group, as it joins, just
+and one line: while torch loads, while it starts, as it enters the job's transport, as it joins, just
 after, while it trains, as it ends. Real processes of one job; each worker sends itself the signal at its moment.
 
 Before: SIGTERM while torch loaded killed the worker (-15); while its modules loaded it ended
@@ -58,13 +58,12 @@ if moment == "loading-torch":
 elif moment == "starting":
     sys.meta_path.insert(0, Importing("app.worker.process"))
 else:
-    import torch.distributed.rpc as rpc
-
+    from app.exchange import transport
     from app.worker.channels import PSChannel
     from app.worker.trainer import Trainer
 
-    if moment == "entering":  # the RPC group, before the PS takes it off the group's member list
-        before(rpc, "init_rpc")
+    if moment == "entering":  # the job's transport, before its connection to the PS is up
+        before(transport, "session")
     elif moment == "joining":
         before(PSChannel, "join")
     elif moment == "joined":
