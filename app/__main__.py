@@ -19,7 +19,7 @@ def health(config: Config) -> int:
     """0 when the main PS accepts a connection: its UNIX socket in --socket_dir (zmq), else its
     port on 127.0.0.1. Nothing is sent: the connection proves only that it listens."""
     try:
-        if config.transport == "zmq" and config.socket_dir:
+        if config.socket_dir:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.settimeout(HEALTH_TIMEOUT)
                 probe.connect(os.path.join(config.socket_dir, f"{PS}.sock"))
@@ -47,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     held: list[int] = []
     if ps_worker:
         signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    # TensorPipe warns on stderr each time a peer's connection closes, which is
-    # every normal exit in a job whose members leave without waiting.
+    # torch's C++ code (Gloo, under allreduce) warns on stderr each time a peer's connection
+    # closes, which is every normal exit in a job whose members leave without waiting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from app.runtime import lifecycle, logs, machine, words  # imports torch: only for the roles that need it
 
@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a failure at run time: one line, status 1
         logs.log.error("%s failed: %s: %s", config.name, type(error).__name__, words.first_line(error))
         logs.log.debug("traceback", exc_info=True)
-        # Exit now: tearing torch's RPC and threads down after a lost peer takes
-        # seconds, and nothing is left to save.
+        # Exit now: tearing threads down after a lost peer takes seconds, and nothing is
+        # left to save.
         lifecycle.exit_now(1)
         return 1
     finally:

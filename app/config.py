@@ -57,7 +57,7 @@ def _parser() -> _Parser:
     parser = _Parser(
         prog="python -m app",
         allow_abbrev=False,
-        description="Parameter-Server training over PyTorch RPC. "
+        description="Parameter-Server training over the job's own authenticated transport. "
         "Every --flag may also be set as PSC_FLAG in the environment.",
     )
     parser.add_argument("role", choices=ROLES)

@@ -4,7 +4,7 @@ Every rank 0..world_size-1 runs it. Rank 0 hosts a TCPStore at
 master_addr:master_port; every other rank connects and registers its name,
 host and address. Rank 0 waits up to `rpc_timeout` seconds; a rank that never
 registered fails the check with one line naming it. Then a plain Gloo process
-group over that store (no RPC, no TensorPipe): rank 0 sends the classic
+group over that store (as allreduce uses): rank 0 sends the classic
 `tensor([42.])` and an 8 MiB tensor to each rank in turn, the rank sends them
 back, rank 0 checks they came back unchanged and prints one line per rank:
 name, host, address, round-trip times and GB/s (bytes both ways / round trip).

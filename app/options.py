@@ -40,7 +40,6 @@ from app.contract import (
     ImageCache,
     Precision,
     StrategyName,
-    Transport,
 )
 from app.recipes import (
     Problem,
@@ -125,25 +124,19 @@ class ProcessOptions:
     )
     master_addr: str = option("localhost", "the PS's address")
     master_port: int = option(6100, "the PS's rendezvous port", low=1, high=65535)
-    transport: Transport = option(
-        "zmq",
-        "What carries the job's calls, the same in every process: zmq, the job's own (every connection proves "
-        "the run's secret, --secret_file, before anything is read; nothing received is unpickled); tensorpipe: "
-        "torch RPC over TensorPipe, which admits whoever reaches its port.",
-    )
     secret_file: str = option(
         "",
-        "zmq: a file holding the run's secret (at least 32 hex characters), readable by the job's processes "
+        "A file holding the run's secret (at least 32 hex characters), readable by the job's processes "
         "alone; the orchestrator makes one for each run, and the main PS makes one where the file is missing.",
     )
     socket_dir: str = option(
         "",
-        "zmq: a directory for the job's UNIX sockets (every process on one host; made 0700 when missing): only "
+        "A directory for the job's UNIX sockets (every process on one host; made 0700 when missing): only "
         "who may open it may connect; empty: TCP at --master_addr:--master_port.",
     )
     encrypt: bool = option(
         True,
-        "zmq over TCP: encrypt every message (CURVE); false: authenticate only (PLAIN, the password derived from "
+        "Over TCP: encrypt every message (CURVE); false: authenticate only (PLAIN, the password derived from "
         "the secret crosses in the clear), for a network no one else reads.",
     )
     device: Device = option("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)")
@@ -152,13 +145,13 @@ class ProcessOptions:
         "auto",
         "How pushes and replies cross between a worker and the PS: auto: through shared memory the PS "
         "offers (/dev/shm) when the worker can map it (the same host and /dev/shm: local processes, one "
-        "compose project), else over the job's transport (--transport), chosen per worker and logged once; "
-        "tensorpipe: always over the job's transport.",
+        "compose project), else over the job's sockets, chosen per worker and logged once; "
+        "transport: always over the job's sockets.",
     )
     shm_dir: str = option(
         "/dev/shm",
         "Where the PS makes its shared-memory segment for --exchange auto: an absolute path on a tmpfs the "
-        "workers share (made there when missing, only inside a tmpfs directory; elsewhere: TensorPipe).",
+        "workers share (made there when missing, only inside a tmpfs directory; elsewhere: the job's sockets).",
     )
     checkpoint_dir: str = option(f"{BY_HAND}/checkpoints", "the PS writes its checkpoints and final.pt here")
     metrics_dir: str = option(f"{BY_HAND}/metrics", "JSON lines, one file per process")

@@ -1,8 +1,8 @@
 """`python -m app.pidns`: hold a compose cluster's shared PID namespace while the job runs.
 
-With `network.same_host_copy` the PS, its shards and the workers join the PID namespace of one
-`pidns` service (the rendered compose file), so TensorPipe can copy a tensor from one container's
-memory to another's (process_vm_readv). That service runs tini as PID 1 and this loop beside it:
+With `network.same_host_copy` the PS, its shards and the workers join the PID and IPC namespaces
+of one `pidns` service (the rendered compose file), so the PS's shared memory for the exchange is
+every worker's. That service runs tini as PID 1 and this loop beside it:
 it waits until a process of the job appears, then exits 0 once none has been left for `grace`
 seconds, so a finished job's containers all end exited 0; a container that restarts in the
 meantime (a crashed PS or worker) keeps the namespace alive. SIGTERM (`make down`) ends it at once.

@@ -3,16 +3,17 @@ in docs/performance.md, each measured on its own, one thread per process.
 
 In one process: the compute step (forward + backward), a memcpy of the state, the PS's
 SGD step and a sync round's average of two pushes over the state, the bf16 packing of
-a push (the worker's Compressor) and its widening back on the PS, RPC's serialisation
+a push (the worker's Compressor) and its widening back on the PS, torch RPC's serialisation
 of the reference PS's messages (a list of gradients, the module) and, where torch sees
 a GPU, the state's copies host -> device and back from pageable and from pinned memory.
-Between processes (bench.procs): a Gloo send + recv of the state's bytes, and an RPC
-round trip of the state over each TensorPipe channel the app lists (`cma`, taken between
-processes of one PID namespace, and `mpt_uv`, taken between containers), in CPU of both
-sides. The app's push + pull is the app itself, whatever its exchange is: `python -m app`
-as processes (bench/launch.py), one worker, async, on ResNet-18's state with no compute
-(the GPU regime's model at C = 0 ms, bench/sleep_model), its step less the same worker
-step with no PS (bench/gpu.py's compute alone). Beside it, the floor of an exchange
+Between processes (bench.procs): a Gloo send + recv of the state's bytes, and a round trip
+of the state (bench.roundtrip) over the job's own transport, on a UNIX socket (PLAIN: local
+processes) and over TCP with CURVE (between hosts), beside torch RPC's TensorPipe `uv` as
+the reference, in CPU of both sides and in wall time. The app's push + pull is the app
+itself, whatever its exchange is: `python -m app` as processes (bench/launch.py), one
+worker, async, on ResNet-18's state with no compute (the GPU regime's model at C = 0 ms,
+bench/sleep_model), its step less the same worker step with no PS (bench/gpu.py's compute
+alone). Beside it, the floor of an exchange
 measured in the same run: one memcpy plus one SGD step of the state.
 """
 
@@ -47,15 +48,19 @@ MEASURES = {  # figure -> what it is; the order of the printed list
     "sync_inplace_s": "PS, sync: the same summed in place into one buffer (how the PS does it), s",
     "bf16_pack_s": "worker, --compress bf16: Compressor (cast + error feedback), s",
     "bf16_widen_s": "PS, --compress bf16: widening the push back to float32, s",
-    "pickle_grads_s": "reference: RPC serialisation of the list of gradients, s",
-    "pickle_module_s": "reference: RPC serialisation of the module, s",
+    "pickle_grads_s": "reference: torch RPC's serialisation of the list of gradients, s",
+    "pickle_module_s": "reference: torch RPC's serialisation of the module, s",
     "gloo_s": "Gloo send + recv of the state's bytes each way, two processes, s",
     "gloo_gb_s": "Gloo: bytes both ways / send + recv time, GB/s",
     "app_pushpull_s": "app: push + pull of ResNet-18's state, `python -m app`, one worker (step less compute), s",
     "floor_s": "the floor of an exchange: one memcpy + one SGD step of the state (the two above), s",
     "pushpull_vs_floor": "app push + pull / the floor",
-    "rpc_cma_cpu_s": "RPC round trip of the state, TensorPipe uv + cma (local processes): CPU of both sides, s",
-    "rpc_mpt_uv_cpu_s": "the same over uv + mpt_uv (between containers): CPU of both sides, s",
+    "transport_unix_cpu_s": "the job's transport: a round trip of the state, UNIX socket (PLAIN): CPU of both sides, s",
+    "transport_unix_wall_s": "the same: wall time of a round trip, s",
+    "transport_tcp_curve_cpu_s": "the same over TCP on 127.0.0.1, encrypted (CURVE): CPU of both sides, s",
+    "transport_tcp_curve_wall_s": "the same: wall time of a round trip, s",
+    "tensorpipe_uv_cpu_s": "reference: torch RPC's round trip of the state, TensorPipe uv (TCP): CPU of both sides, s",
+    "tensorpipe_uv_wall_s": "the same: wall time of a round trip, s",
     "h2d_pageable_s": "GPU: the state host -> device from pageable memory, s",
     "d2h_pageable_s": "GPU: the state device -> host into pageable memory, s",
     "h2d_pinned_s": "GPU: the state host -> device from pinned memory, s",
@@ -63,7 +68,6 @@ MEASURES = {  # figure -> what it is; the order of the printed list
 }
 PUSHPULL_MODEL = "resnet18-10"  # the state of the GPU regime's model, which the app's push + pull runs
 PUSHPULL_BATCHES = (5, 60)  # warm-up and timed steps of the app's push + pull
-ECHO_CHANNELS = {"rpc_cma_cpu_s": ["cma", "basic"], "rpc_mpt_uv_cpu_s": ["mpt_uv", "basic"]}
 
 
 def timed(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -145,7 +149,8 @@ def _bf16(params: int, floats: int, message: torch.Tensor, repeats: int) -> dict
 
 
 def _pickling(model: nn.Module, repeats: int) -> dict[str, float]:
-    """RPC's own pickler: tensors go to a side table (sent as they are), the rest is pickled."""
+    """torch RPC's own pickler, as the reference PS's messages go: tensors go to a side table (sent
+    as they are), the rest is pickled."""
     from torch.distributed.rpc.internal import _internal_rpc_pickler
 
     for q in model.parameters():
@@ -232,62 +237,9 @@ def device_copies(floats: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def _echo(message: torch.Tensor) -> torch.Tensor:
-    return message
-
-
-def _cpu_now() -> float:
-    return time.process_time()
-
-
-def _echo_process(rank: int, floats: int, channels: list[str], port: int, repeats: int, out: Any) -> None:
-    """RPC id `rank` of two; rank 0 sends the state to rank 1 and back `repeats` times and
-    puts the CPU seconds per round trip of both processes into `out`."""
-    import warnings
-
-    import torch.distributed.rpc as rpc
-
-    from app.runtime import machine
-
-    warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own, at init and shutdown
-    machine.keep_freed_memory()
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, _transports=["uv"], _channels=channels)
-    rpc.init_rpc(f"echo{rank}", rank=rank, world_size=2, rpc_backend_options=options)
-    if rank == 0:
-        message = torch.randn(floats)
-        for _ in range(3):
-            message = rpc.rpc_sync("echo1", _echo, (message,))
-        peer, mine = rpc.rpc_sync("echo1", _cpu_now), time.process_time()
-        for _ in range(repeats):
-            message = rpc.rpc_sync("echo1", _echo, (message,))
-        peer, mine = rpc.rpc_sync("echo1", _cpu_now) - peer, time.process_time() - mine
-        out.put((mine + peer) / repeats)
-    rpc.shutdown()
-
-
-def rpc_round_trips(model_name: str, repeats: int) -> dict[str, float]:
-    """CPU seconds of an RPC round trip of the state, per channel of ECHO_CHANNELS."""
-    import torch.multiprocessing as mp
-
-    from bench.procs import free_port
-
-    params, buffers = state_floats(SPECS[model_name].model())
-    context = mp.get_context("spawn")
-    figures = {}
-    for name, channels in ECHO_CHANNELS.items():
-        out = context.SimpleQueue()
-        mp.start_processes(
-            _echo_process, args=(params + buffers, channels, free_port(), repeats, out), nprocs=2, start_method="spawn"
-        )
-        figures[name] = out.get()
-    return figures
-
-
 def lines(figures: dict[str, float]) -> str:
     """One line per figure measured, in MEASURES order."""
-    return "\n".join(f"{name:<18} {figures[name]:>10.4g}  {what}" for name, what in MEASURES.items() if name in figures)
+    return "\n".join(f"{name:<26} {figures[name]:>10.4g}  {what}" for name, what in MEASURES.items() if name in figures)
 
 
 def add_parser(sub: Any) -> None:
@@ -300,6 +252,8 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from bench import roundtrip
+
     started, failures = time.monotonic(), []
     figures = in_process(args.model, args.repeats)
     figures.update(gloo_send_recv(args.model, args.seconds))
@@ -307,8 +261,8 @@ def main(args: argparse.Namespace) -> int:
         pushpull = functools.partial(app_pushpull, timeout=args.timeout)
         figures.update(harness.attempt("bench constants", "the app's push + pull", pushpull, failures) or {})
     figures.update(floor(figures))
-    figures.update(rpc_round_trips(args.model, args.repeats))
     params, buffers = state_floats(SPECS[args.model].model())
+    figures.update(roundtrip.round_trips(params + buffers, args.repeats))
     figures.update(device_copies(params + buffers, args.repeats))
     print(f"{args.model}, one thread per process:")
     print(lines(figures))

@@ -8,7 +8,6 @@ see the same contention (they start a little later or earlier).
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,16 +81,3 @@ def run(step: Step, p: dict[str, Any], lockstep: bool = False) -> dict[str, Any]
     if p.get("steps"):
         return run_steps(step, p["warmup"], p["steps"], 0.0 if lockstep else p.get("tail", 0.0))
     return run_window(step, p["warmup"], p["seconds"], p["tail"])
-
-
-def shutdown_after_steps(name: str, **kwargs: Any) -> None:
-    """A process's graceful `rpc.shutdown(**kwargs)` once its measured steps are over. Its last
-    exchange can race the other processes' exit ("Connection reset by peer" once every result is
-    already where it goes; seen on a loaded 2-core VM): that is reported on stderr, not a failure
-    of the case, whose figures were taken before."""
-    import torch.distributed.rpc as rpc
-
-    try:
-        rpc.shutdown(**kwargs)
-    except RuntimeError as error:  # DistNetworkError is one
-        print(f"{name}: rpc.shutdown after the measured steps: {type(error).__name__}: {error}", file=sys.stderr)

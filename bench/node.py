@@ -44,9 +44,9 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     status = main(sys.argv[1:])
-    # The result is written and RPC is shut down: end without the interpreter's teardown,
-    # where torch's RPC threads can abort the process ("terminate called without an active
-    # exception", status -6) after the measured run is over.
+    # The result is written and the process has left its job: end without the interpreter's
+    # teardown, where torch RPC's threads (the reference's) can abort the process ("terminate
+    # called without an active exception", status -6) after the measured run is over.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

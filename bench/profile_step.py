@@ -10,7 +10,11 @@ records the PS and worker1 (native frames) over the same window.
 `python -m bench.profile_step compute` times a compute-only step (forward and
 backward, no PS) in `--workers` processes at once, under the same conditions.
 
-`--app-path DIR` runs the app/ under DIR instead of this checkout's (a baseline).
+The app's processes talk over UNIX sockets in the run's scratch directory, proving a secret
+made there (--socket_dir, --secret_file), as `make local` runs them.
+
+`--app-path DIR` runs the app/ under DIR instead of this checkout's (a baseline); an app from
+before the job's own transport (torch RPC) is not supported.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.constants import timed
-from bench.procs import cpu_seconds, free_port
+from bench.procs import app_flags, cpu_seconds, free_port, job_files
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -38,7 +42,6 @@ def _env(app_path: Path) -> dict[str, str]:
         PYTHONPATH=str(app_path),
         OMP_NUM_THREADS="1",
         PYTHONDONTWRITEBYTECODE="1",
-        TP_SOCKET_IFNAME="lo",
         PYTHONUNBUFFERED="1",
     )
 
@@ -130,7 +133,7 @@ def _app_flags(args: argparse.Namespace, port: int, tmp: Path) -> list[str]:
 def _start_app(args: argparse.Namespace, tmp: Path, procs: dict[str, subprocess.Popen], logs: dict[str, Any]) -> None:
     """Starts the PS (rank 0) and args.workers workers as `python -m app`, each writing tmp/<name>.log;
     fills `procs` and `logs` as it goes, so the caller can clean up after a failed start."""
-    common = _app_flags(args, free_port(), tmp)
+    common = _app_flags(args, free_port(), tmp) + app_flags(job_files(tmp))
     env = _env(Path(args.app_path))
     for rank in range(args.workers + 1):
         role, name = ("ps", "ps") if rank == 0 else ("worker", f"worker{rank}")

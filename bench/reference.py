@@ -16,13 +16,16 @@ round that cannot fill.
 Transports: `ref` runs TensorPipe's defaults (shm included: its reader spins
 a core while idle) and torch's thread count (OMP_NUM_THREADS if set);
 `ref-uv` the same code with `_transports=["uv"]` only, so the shm spin is
-not counted against it; `ref-tuned` with the app's options (uv, its channels,
-cores/world threads).
+not counted against it; `ref-tuned` with the TensorPipe options the app ran
+with while it used torch RPC (TUNED_TRANSPORTS, TUNED_CHANNELS) and the app's
+thread count (cores/world). This module is torch RPC's: the app no longer
+imports it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +39,8 @@ from bench import loop
 from bench.models import SPECS
 
 RPC_TIMEOUT = 300
+TUNED_TRANSPORTS = ["uv"]  # no shm transport: its reader spins a core while idle
+TUNED_CHANNELS = ["cma", "mpt_uv", "basic"]  # one process_vm_readv copy locally; mpt_uv between containers
 
 
 class BatchUpdateParameterServer:
@@ -129,10 +134,8 @@ def _init(name: str, rank: int, p: dict[str, Any]) -> None:
     if p.get("transports") == "uv":  # `ref-uv`: no shm transport, nothing else changed
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=["uv"])
     if p.get("tuned"):  # `ref-tuned`: the same code with the app's process settings
-        from app.exchange.tensorpipe import CHANNELS, TRANSPORTS
-
         options = rpc.TensorPipeRpcBackendOptions(
-            num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=TRANSPORTS, _channels=CHANNELS
+            num_worker_threads=16, rpc_timeout=RPC_TIMEOUT, _transports=TUNED_TRANSPORTS, _channels=TUNED_CHANNELS
         )
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // p["world_size"]))
     rpc.init_rpc(name, rank=rank, world_size=p["world_size"], rpc_backend_options=options)
@@ -162,5 +165,11 @@ def worker_main(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _shutdown(name: str) -> None:
-    """The published example's graceful `rpc.shutdown()`, after the measured steps."""
-    loop.shutdown_after_steps(name)
+    """The published example's graceful `rpc.shutdown()`, after the measured steps. Its last
+    exchange can race the other processes' exit ("Connection reset by peer" once every result is
+    already where it goes; seen on a loaded 2-core VM): that is reported on stderr, not a failure
+    of the case, whose figures were taken before."""
+    try:
+        rpc.shutdown()
+    except RuntimeError as error:  # DistNetworkError is one
+        print(f"{name}: rpc.shutdown after the measured steps: {type(error).__name__}: {error}", file=sys.stderr)

@@ -10,7 +10,7 @@ the caller).
 
 - `rpc_join`: a worker process starts: the state, its rank's progress (Joined), or Taken /
   NotReady; with the PS process's shared-memory offer where it has one.
-- `rpc_push`: a push; its message is a tensor (over TensorPipe) or an InSlot (the worker's push
+- `rpc_push`: a push; its message is a tensor (over the socket) or an InSlot (the worker's push
   slot of the PS process's segment that holds it), and the PS resolves which. It is
   `async_execution`: the answer (Reply, SlotReply or Refusal) may be held back (ssp, sync).
 - `rpc_pull`, `rpc_finish`, `rpc_leave` (scaled down), `rpc_share` (what the rank trains next,

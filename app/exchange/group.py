@@ -1,23 +1,11 @@
 """Joining and leaving a running job: a process's name, its wait for the PS, its notes in the job's
 store (app.exchange.transport.store), and `pong`, which the PS calls to see that it is alive.
 
-Under --transport zmq a process's name is its connection's identity, and the PS reaches each
-process over that connection alone. Under tensorpipe the job is a dynamic RPC group
-(`init_rpc(world_size=None)`): the PS (RPC id 0) starts it and holds its TCP store; workers join
-and leave at any time. On torch 2.13 three things break it after a crash, and each has its
-answer here:
-
-- Names and ids must be new for each process: a worker that rejoins under
-  its old name breaks calls to it. `claim_identity` draws them from the
-  store: `worker1` first, then `worker1_r2`, ... (no '-': torch splits its
-  member list on it), and a fresh RPC id every time.
-- A joining process calls every member listed in the store; one dead member
-  makes the join fail and leaves the store's join/leave token held for
-  good. So the PS takes each worker off that list as soon as it registers
-  (app.ps.members.listing): joiners only ever call the PS. If a joiner dies
-  holding the token anyway, the PS frees it.
-- A graceful leave calls every member and takes that token too: processes
-  leave with `rpc.shutdown(graceful=False)` (app.exchange.transport.session).
+A process's name is its connection's identity, and the PS reaches each process over that
+connection alone. Each process of a rank joins under a name of its own (`claim_identity`:
+`worker1`, then `worker1_r2`, ... drawn from the job's store), so the PS tells a restarted
+worker from the process it replaces, and a late answer of the old one is never taken for the
+new one's.
 
 This module is what a joining process (worker or PS shard) does, and `pong`, which the PS calls
 to see that a process is alive.
@@ -49,7 +37,7 @@ class StoreUnreachable(RuntimeError):
 
 def where(config: Config) -> str:
     """The main PS's address, for people: its UNIX socket's directory, or host:port."""
-    if config.transport == "zmq" and config.socket_dir:
+    if config.socket_dir:
         return config.socket_dir
     return f"{config.master_addr}:{config.master_port}"
 

@@ -11,12 +11,12 @@ copy). `slots` is 1, or 2 with --overlap (a push is in flight while the next gra
 written, and the worker computes on one reply while the next lands in the other). Under sync
 the round's two reply buffers `round.0`, `round.1` are shared by every rank.
 
-A worker on another host, or one that cannot map the segment, pushes over TensorPipe as before:
+A worker on another host, or one that cannot map the segment, pushes over the job's socket instead:
 the reply buffers serve both ways.
 
 The PS asks its end of the exchange (`PSEnd`) the same questions whether it has a segment or
 not: `for_config` decides once, where the segment is made, and a PS process without one (its
-workers all push over TensorPipe) holds `NO_SEGMENT`, which offers nothing, holds no tensor, has
+workers all push over the job's sockets) holds `NO_SEGMENT`, which offers nothing, holds no tensor, has
 no reply buffers, and refuses a push from a slot.
 """
 
@@ -61,11 +61,11 @@ class PSEnd(Protocol):
 
 
 class NoSegment:
-    """The end of a PS process without a segment (--exchange tensorpipe, or no shared memory
-    here): every push and reply crosses over TensorPipe."""
+    """The end of a PS process without a segment (--exchange transport, or no shared memory
+    here): every push and reply crosses over the job's sockets."""
 
     def offer(self) -> Offer | None:
-        """Nothing to map: the worker pushes over TensorPipe."""
+        """Nothing to map: the worker pushes over the job's socket."""
         return None
 
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None:
@@ -141,8 +141,8 @@ class SharedExchange:
 
 def for_config(config: Config, model: nn.Module, part: tuple[int, int] | None, who: str) -> PSEnd:
     """The segment PS process `who` offers its workers for `model`'s state (or the slice `part`
-    of it), or NO_SEGMENT (--exchange tensorpipe, or no shared memory here: said in one line, and
-    every worker pushes over TensorPipe). It is removed when the process ends (lifecycle.on_exit)."""
+    of it), or NO_SEGMENT (--exchange transport, or no shared memory here: said in one line, and
+    every worker pushes over the job's sockets). It is removed when the process ends (lifecycle.on_exit)."""
     floats = part[1] - part[0] if part is not None else state_size(model)
     shared = open_exchange(
         config.exchange,
@@ -167,17 +167,17 @@ def open_exchange(
     who: str,
 ) -> PSEnd:
     """As `for_config`, from its parts."""
-    if mode == "tensorpipe":
-        log.info("%s: exchange over TensorPipe (--exchange tensorpipe)", who)
+    if mode == "transport":
+        log.info("%s: exchange over the job's transport (--exchange transport)", who)
         return NO_SEGMENT
     try:
         exchange = SharedExchange.open(directory, floats, max_rank, overlap, sync)
     except ShmUnavailable as error:
-        log.warning("%s: no shared memory for the exchange (%s); workers push over TensorPipe", who, error)
+        log.warning("%s: no shared memory for the exchange (%s); workers push over the job's sockets", who, error)
         return NO_SEGMENT
     log.info(
         "%s: exchange through shared memory %s (%.0f MB: the state's reply buffers and push slots of %s); "
-        "a worker that cannot map it uses TensorPipe",
+        "a worker that cannot map it uses the job's socket",
         who,
         exchange.segment.path,
         exchange.segment.size / 1e6,

@@ -1,5 +1,5 @@
 """A shared-memory segment: one file in /dev/shm that a PS process owns and the workers on its
-host map, so that pushes and replies cross as memory instead of through TensorPipe.
+host map, so that pushes and replies cross as memory instead of through the job's sockets.
 
 The file holds a one-page header (a magic, the segment's random nonce) and then named regions
 of `floats` float32 values each, every one starting on a page boundary (a GPU worker pins its

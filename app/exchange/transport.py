@@ -4,15 +4,11 @@ through. Every process (a worker, every PS process, the connectivity check) join
 `served` (`answered_later`: its answer is a Future, held without holding a thread), reads the
 job's store through `store`, and leaves as the session ends.
 
-The transport is chosen once, for the whole job (--transport):
-
-- `zmq`, the job's own (app.exchange.node): ZeroMQ sockets that prove the run's secret
-  (--secret_file) before any message is read, and messages that are a typed header plus raw
-  tensor buffers (app.exchange.codec), never unpickled. With --socket_dir, UNIX sockets in that
-  directory (one host: only who may open the directory may connect); else TCP at
-  --master_addr:--master_port, encrypted (CURVE) unless --encrypt false.
-- `tensorpipe`: torch RPC (app.exchange.tensorpipe), which admits anyone who reaches
-  its port and unpickles what they send.
+The transport is the job's own (app.exchange.node): ZeroMQ sockets that prove the run's secret
+(--secret_file) before any message is read, and messages that are a typed header plus raw
+tensor buffers (app.exchange.codec), never unpickled. With --socket_dir, UNIX sockets in that
+directory (one host: only who may open the directory may connect); else TCP at
+--master_addr:--master_port, encrypted (CURVE) unless --encrypt false.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from torch.futures import Future
 
 from app.config import Config, UsageError
 from app.contract import PS
-from app.exchange import secret, tensorpipe
+from app.exchange import secret
 from app.exchange.node import SERVED, Node
 from app.exchange.sockets import mechanism_for, unlink_socket
 from app.exchange.store import RemoteStore, Store
@@ -39,11 +35,12 @@ from app.runtime import lifecycle, machine
 log = logging.getLogger("app.transport")
 F = TypeVar("F", bound=Callable[..., Any])
 ENDPOINT_KEY = "psc/endpoint/"  # + a PS shard's name: where it listens (set by the shard as it joins)
-_NODES: list[Node] = []  # this process's node while its session lasts (zmq)
+_NODES: list[Node] = []  # this process's node while its session lasts
 
 
 class KeyValues(Protocol):
-    """The job's store, as group membership uses it (torch's TCPStore, or app.exchange.store)."""
+    """The job's store, as group membership uses it (app.exchange.store: the main PS's, or a
+    connection to it)."""
 
     def add(self, key: str, amount: int) -> int: ...
     def set(self, key: str, value: str) -> None: ...
@@ -57,17 +54,15 @@ def name_of(function: Callable[..., Any]) -> str:
 
 
 def served(function: F) -> F:
-    """Mark `function` as one other processes may call (zmq answers no other name)."""
+    """Mark `function` as one other processes may call (no other name is answered)."""
     SERVED[name_of(function)] = function
     return function
 
 
 def answered_later(function: F) -> F:
     """A served function that returns a Future of its answer: the call holds no thread of the
-    server while the answer waits (torch's `async_execution` under tensorpipe)."""
-    wrapped = tensorpipe.answered_later(function)
-    SERVED[name_of(function)] = wrapped
-    return wrapped
+    server while the answer waits (app.exchange.node replies once the Future is done)."""
+    return served(function)
 
 
 # The session, and calls.
@@ -75,14 +70,10 @@ def answered_later(function: F) -> F:
 
 @contextmanager
 def session(config: Config, rank: int, name: str | None = None) -> Iterator[None]:
-    """Be in the job as `name` (default config.name) with RPC id `rank` (tensorpipe's). The main
-    PS listens (and holds the store); a PS shard listens too, and says where in the store; every
-    process but the main PS connects to it."""
+    """Be in the job as `name` (default config.name; `rank` is the process's id in the job, kept
+    for its logs). The main PS listens (and holds the store); a PS shard listens too, and says
+    where in the store; every process but the main PS connects to it."""
     name = name or config.name
-    if config.transport == "tensorpipe":
-        with tensorpipe.session(config, rank, name):
-            yield
-        return
     node = _node(config, name, listens=config.role == "ps")
     try:
         if config.role == "ps" and config.shard:
@@ -100,24 +91,26 @@ def session(config: Config, rank: int, name: str | None = None) -> Iterator[None
 def call(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Any:
     """`function(*args)` run in the process named `to`; its answer (RuntimeError when the call
     failed or timed out: `timeout` seconds, -1 the job's --rpc_timeout)."""
-    if not _NODES:  # tensorpipe (or no session: RPC says so)
-        return tensorpipe.call(to, function, args, timeout)
     return call_async(to, function, args, timeout).wait()
 
 
 def call_async(to: str, function: Callable[..., Any], args: tuple[Any, ...] = (), timeout: float = -1) -> Future:
     """The same, not waited for: a future of the answer (`.wait()` raises as `call` does)."""
-    if not _NODES:  # tensorpipe (or no session: RPC says so)
-        return tensorpipe.call_async(to, function, args, timeout)
+    if not _NODES:
+        return _failed(f"{name_of(function)} on {to} failed: this process is not in the job (no session)")
     node = _NODES[-1]
     if not node.knows(to):
         where = _endpoint_of(node, to, timeout)
         if where is None:
-            failed: Future = Future()
-            failed.set_exception(RuntimeError(f"{name_of(function)} on {to} failed: {to} is not in the job"))
-            return failed
+            return _failed(f"{name_of(function)} on {to} failed: {to} is not in the job")
         node.connect(to, where)
     return node.call_async(to, name_of(function), tuple(args), timeout)
+
+
+def _failed(why: str) -> Future:
+    failed: Future = Future()
+    failed.set_exception(RuntimeError(why))
+    return failed
 
 
 def _endpoint_of(node: Node, name: str, timeout: float) -> str | None:
@@ -135,12 +128,9 @@ def _endpoint_of(node: Node, name: str, timeout: float) -> str | None:
 
 @contextmanager
 def store(config: Config, timeout: float) -> Iterator[KeyValues]:
-    """The job's store: the main PS's (tensorpipe: its TCPStore), reached from any process, in the
-    job or not yet (a short connection of its own then). Its calls raise RuntimeError when the
-    PS does not answer within `timeout`."""
-    if config.transport == "tensorpipe":
-        yield tensorpipe.store_client(config.master_addr, config.master_port, timeout)
-        return
+    """The job's store: the main PS's, reached from any process, in the job or not yet (a short
+    connection of its own then). Its calls raise RuntimeError when the PS does not answer within
+    `timeout`."""
     if _NODES and _NODES[-1].store is not None:
         yield _NODES[-1].store
         return
@@ -156,21 +146,9 @@ def store(config: Config, timeout: float) -> Iterator[KeyValues]:
 
 def own_store(config: Config, timeout: float) -> KeyValues:
     """The store as the main PS holds it, within its session (kept for the session's length)."""
-    if config.transport == "tensorpipe":
-        return tensorpipe.store_client(config.master_addr, config.master_port, timeout)
     if not _NODES or _NODES[-1].store is None:
         raise RuntimeError("the job's store is the main parameter server's, within its session")
     return _NODES[-1].store
-
-
-def stores() -> tuple[Any, Any]:
-    """tensorpipe: the group's store and its member list (app.ps.members.listing keeps it short)."""
-    return tensorpipe.stores()
-
-
-def keeps_member_list(config: Config) -> bool:
-    """Whether the PS must keep the transport's member list short (tensorpipe's; app.exchange.group)."""
-    return config.transport == "tensorpipe"
 
 
 def _remote(node: Node, timeout: float) -> RemoteStore:
@@ -186,7 +164,7 @@ def _remote(node: Node, timeout: float) -> RemoteStore:
 def wait_for_ps(config: Config, timeout: float) -> None:
     """Until the main PS listens (machine.PortUnreachable after `timeout`): its TCP port, or its
     UNIX socket."""
-    if config.transport == "zmq" and config.socket_dir:
+    if config.socket_dir:
         machine.wait_for_socket(os.path.join(config.socket_dir, f"{PS}.sock"), timeout)
     else:
         machine.wait_for_port(config.master_addr, config.master_port, timeout)
@@ -222,7 +200,7 @@ def advertised(bound: str, config: Config) -> str:
 def _node(config: Config, name: str, listens: bool) -> Node:
     if not config.secret_file:
         raise UsageError(
-            "--secret_file is required with --transport zmq: a file only the job's processes can read, "
+            "--secret_file is required: a file only the job's processes can read, "
             "holding the run's secret (the orchestrator makes one for each run)"
         )
     main = listens and not config.shard

@@ -57,7 +57,7 @@ class Start(NamedTuple):
 
 
 class Push(NamedTuple):
-    """What a push says besides its values (a tensor over TensorPipe, or the push slot they are
+    """What a push says besides its values (a tensor over the socket, or the push slot they are
     in): who sends it, the state it was computed on and where the worker is once it is applied."""
 
     rank: int

@@ -4,8 +4,8 @@ its backward finishes each partition (app.exchange.backward_copies) and of the r
 device in the order its forward needs them (app.exchange.ordered_pull).
 
 The worker maps the segment its PS offered when it joined; if it cannot (another host, another
-IPC namespace, a /dev/shm it does not share, --exchange tensorpipe) it says so in one line and
-pushes over TensorPipe. A GPU worker pins the regions it copies to and from
+IPC namespace, a /dev/shm it does not share, --exchange transport) it says so in one line and
+pushes over the job's socket. A GPU worker pins the regions it copies to and from
 (cudaHostRegister), so the device-host copies are asynchronous DMA, not staged through
 pageable memory.
 
@@ -192,16 +192,21 @@ class WorkerEnd:
 
 
 def attach(offer: Offer | None, rank: int, device: torch.device, mode: str, who: str, peer: str) -> WorkerEnd | None:
-    """The end of `peer`'s segment, or None: TensorPipe (logged in one line, once per peer)."""
+    """The end of `peer`'s segment, or None: the job's socket (logged in one line, once per peer)."""
     if offer is None:
         return None  # the PS has no segment, and said why in its own log
-    if mode == "tensorpipe":
-        log.info("%s: exchange with %s over TensorPipe (--exchange tensorpipe)", who, peer)
+    if mode == "transport":
+        log.info("%s: exchange with %s over the job's transport (--exchange transport)", who, peer)
         return None
     try:
         link = WorkerEnd.attach(offer, rank, device)
     except ShmUnavailable as error:
-        log.info("%s: %s's shared memory is not reachable from here (%s); exchange over TensorPipe", who, peer, error)
+        log.info(
+            "%s: %s's shared memory is not reachable from here (%s); exchange over the job's transport",
+            who,
+            peer,
+            error,
+        )
         return None
     log.info("%s: exchange with %s through shared memory (%s)", who, peer, offer.path)
     return link

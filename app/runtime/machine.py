@@ -55,14 +55,11 @@ def wait_for_socket(path: str, timeout: float, poll: float = 0.2) -> None:
 
 def set_gloo_interface(master_addr: str) -> None:
     """Gloo binds the interface of this host's name unless told: the loopback for a loopback
-    master, else TensorPipe's TP_SOCKET_IFNAME (the render's network.ifname); an explicit
-    GLOO_SOCKET_IFNAME wins."""
+    master; an explicit GLOO_SOCKET_IFNAME (the render's network.ifname) wins."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
     if master_addr in LOOPBACK:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    elif os.environ.get("TP_SOCKET_IFNAME"):
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"]
 
 
 # glibc mallopt parameters (malloc.h)
@@ -72,7 +69,7 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 def keep_freed_memory() -> bool:
     """Serve big tensors from the heap and keep freed memory for the next one.
 
-    Every message TensorPipe receives is a fresh tensor: with glibc's defaults an
+    Every message the transport receives is a fresh tensor: with glibc's defaults an
     allocation over 32 MB is its own mmap, unmapped again when freed, so each big
     push lands on newly mapped memory (page faults) and each free is a munmap.
     With mmap off and no trimming, freed memory stays in the heap for the next

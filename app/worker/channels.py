@@ -3,7 +3,7 @@
 The trainer (app.worker.trainer) holds a `Channel` and nothing else of the PS. `PSChannel` is
 the one kind there is: its PS is one process or a sharded PS's K processes
 (app.ps.sharding.slices), each reached through a link (app.worker.links: shared memory or
-TensorPipe, chosen once as it joins) that serves a slice of the state vector. The channel only
+the job's socket, chosen once as it joins) that serves a slice of the state vector. The channel only
 shards; the answers come back as one Reply (or a Refusal).
 
 - One PS process: its link carries the whole push (binds the model, is around each backward,
@@ -120,7 +120,7 @@ class PSChannel:
     """The channel to one PS process or to a sharded PS's every process; every call bounded by
     rpc_timeout (a push under ssp or sync may also wait `push_wait` for the slowest worker).
     `exchange`: auto (shared memory where a PS process offers it and this process can map it)
-    or tensorpipe. `sharded`: the worker was started for a sharded PS (--shards K > 1)."""
+    or transport. `sharded`: the worker was started for a sharded PS (--shards K > 1)."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 - `SharedMemoryLink`: the process's segment, mapped (app.exchange.worker_end, for a CPU and a
   GPU worker alike): a push's message is in a push slot and RPC carries which one (an InSlot);
   the reply's state is read where the PS wrote it.
-- `TensorPipeLink`: RPC carries the message as a tensor (a GPU worker's staged in pinned
+- `SocketLink`: the job's socket carries the message as a tensor (a GPU worker's staged in pinned
   memory first) and the reply's state.
 
 Both are a `Link`. The link of a PS of one process carries the whole push: it binds the model,
@@ -28,7 +28,7 @@ from app.exchange.worker_end import Sealed, WorkerEnd, attach
 from app.training.flat import FlatModel
 
 log = logging.getLogger("app.worker")
-NOTHING_SEALED = Sealed()  # a push through TensorPipe, or a CPU worker's (put in its slot when sent)
+NOTHING_SEALED = Sealed()  # a push over the socket, or a CPU worker's (put in its slot when sent)
 Call = Callable[..., Any]  # (to, function, args, timeout) -> the future of function(*args) on `to`
 
 
@@ -79,7 +79,7 @@ def flipped(flat: FlatModel | None, overlap: bool, device: torch.device, message
 
 
 class Carried:
-    """A whole push whose message RPC carries as a tensor (a TensorPipe link's, or a sharded PS's
+    """A whole push whose message RPC carries as a tensor (a socket link's, or a sharded PS's
     every part): a GPU worker stages it in pinned memory (RPC carries CPU tensors only), and the
     reply's state is adopted as it arrived."""
 
@@ -121,8 +121,8 @@ class Carried:
         self.flat.adopt(reply.vector)
 
 
-class TensorPipeLink(Carried):
-    """A PS process reached over TensorPipe: the message and the reply's state cross as tensors."""
+class SocketLink(Carried):
+    """A PS process reached over the job's socket: the message and the reply's state cross as tensors."""
 
     def __init__(
         self, name: str, start: int, end: int, device: torch.device, overlap: bool, call: Call = transport.call_async
@@ -210,9 +210,9 @@ def connect(
 ) -> Link:
     """The link to the PS process `part` names (its name, start, end), chosen once as it joined:
     its shared memory where its answer offers a segment this worker can map (`mode` auto), else
-    TensorPipe."""
+    the job's socket."""
     name, start, end = part
     shared = attach(joined.exchange, rank, device, mode, who, name)
     if shared is None:
-        return TensorPipeLink(name, start, end, device, overlap)
+        return SocketLink(name, start, end, device, overlap)
     return SharedMemoryLink(name, start, end, shared, overlap)

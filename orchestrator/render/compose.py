@@ -146,8 +146,8 @@ def app_environment(
         elif o.topology and _passed_on(o, t):
             env[o.env] = o.text(getattr(getattr(t, o.section), o.key))
         if o.name == "metrics_dir":
-            env["TP_SOCKET_IFNAME"] = ifname
-            if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as TensorPipe and Gloo
+            env["GLOO_SOCKET_IFNAME"] = ifname
+            if t.cuda:  # NCCL (allreduce on GPUs) binds the same interface as Gloo
                 env["NCCL_SOCKET_IFNAME"] = ifname
     return env
 
@@ -179,7 +179,7 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
         services = {PIDNS_SERVICE: _pidns(t), **services}
     elif has_ps(t):  # a /dev/shm each: the PS makes no segment its workers could not map
         for svc in services.values():
-            svc["environment"].update(TENSORPIPE_ONLY)
+            svc["environment"].update(TRANSPORT_ONLY)
     if one_host and has_ps(t):
         for svc in services.values():
             if svc.get("command"):  # the PS, its shards and the workers (not pidns)
@@ -201,15 +201,14 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
 
 # The app's --exchange where the PS and its workers cannot share memory (each container has its
 # own /dev/shm: same_host_copy off, Swarm, Kubernetes).
-TENSORPIPE_ONLY = {BY_NAME["exchange"].env: "tensorpipe"}
+TRANSPORT_ONLY = {BY_NAME["exchange"].env: "transport"}
 
 
 def shares_pid_namespace(t: Topology) -> bool:
     """Whether the PS, its shards and the workers share one PID namespace and one IPC namespace
     (`network.same_host_copy`): the PS's shared memory for the exchange is then every worker's
-    (app.exchange.ps_end: pushes and replies as memory), and what still goes through TensorPipe is
-    copied between two containers with one process_vm_readv (its `cma` channel), as between
-    local processes, instead of through TCP over the bridge. allreduce talks Gloo or NCCL,
+    (app.exchange.ps_end: pushes and replies as memory), as between local processes; the
+    `pidns` service sees when every process of the job has left. allreduce talks Gloo or NCCL,
     which use neither."""
     return t.network.same_host_copy and has_ps(t)
 
@@ -241,18 +240,13 @@ def _pidns(t: Topology) -> dict[str, Any]:
 
 def _join_namespaces(svc: dict[str, Any]) -> None:
     """`svc` in the `pidns` service's IPC namespace (its /dev/shm: the container's own
-    shm_size no longer applies) and PID namespace, with SYS_PTRACE. The user is not root
-    and no-new-privileges holds, so the capability stays in the bounding set and never
-    becomes effective: its one effect is that Docker's default seccomp profile lets
-    process_vm_readv through. Whether one process may read another's memory is then
-    the kernel's ptrace rule: the same user (psc) in the same PID namespace.
+    shm_size no longer applies) and PID namespace, with no capability added.
     PID 1 of the namespace is the `pidns` service's tini, which reaps orphans, so the
     service needs no init of its own: its `python -m app` is the container's process
     and gets compose's SIGTERM directly."""
     svc["pid"] = f"service:{PIDNS_SERVICE}"
     svc["ipc"] = f"service:{PIDNS_SERVICE}"
     svc.pop("shm_size", None)
-    svc["cap_add"] = ["SYS_PTRACE"]
     svc["init"] = False
     svc["depends_on"] = {PIDNS_SERVICE: {"condition": "service_started"}, **svc.get("depends_on", {})}
 

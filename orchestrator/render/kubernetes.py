@@ -226,7 +226,7 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
     )
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
     if has_ps(t):
-        env.update(compose.TENSORPIPE_ONLY)  # a pod's /dev/shm is its own: no segment to share
+        env.update(compose.TRANSPORT_ONLY)  # a pod's /dev/shm is its own: no segment to share
         env[compose.BY_NAME["secret_file"].env] = f"{SECRET_DIR}/{SECRET_KEY}"
     if t.cuda and not _gpu(t, ps):
         env["NVIDIA_VISIBLE_DEVICES"] = "void"  # the CUDA image says all: no GPU for a pod without one

@@ -69,14 +69,11 @@ class Network(Section):
     is read, yet anyone may try and load the PS: keep false unless the host is firewalled."""
     same_host_copy: bool = True
     """compose (one host): pushes and replies cross through the PS's shared memory (the PS, its shards and the workers
-    share one IPC namespace, so one /dev/shm, sized for the exchange), and what still goes through TensorPipe is
-    copied process to process (its `cma` channel, one process_vm_readv) instead of through TCP over the bridge. The
-    PS, its shards and the workers share one PID and IPC namespace, held by a `pidns` service, and get SYS_PTRACE,
-    which with a non-root user and no-new-privileges only lets Docker's seccomp profile pass process_vm_readv
-    (docs/design.md). false: a namespace each, every tensor over TCP. Swarm and Kubernetes always go over TCP."""
+    share one IPC namespace, so one /dev/shm, sized for the exchange). The PS, its shards and the workers share one
+    PID and IPC namespace, held by a `pidns` service (docs/design.md), with no capability added. false: a namespace
+    each, every tensor over the job's UNIX sockets. Swarm and Kubernetes always go over TCP (CURVE)."""
     ifname: str = "eth0"
-    """Interface TensorPipe, Gloo and NCCL bind inside the containers (TP_SOCKET_IFNAME; GLOO_SOCKET_IFNAME follows it;
-    NCCL_SOCKET_IFNAME on cuda)."""
+    """Interface Gloo and NCCL bind inside the containers (GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME on cuda)."""
 
     @field_validator("ifname")
     @classmethod

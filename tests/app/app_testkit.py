@@ -253,7 +253,7 @@ def recording_channel(answer=None, overlap: bool = False):
 
     from app.contract import PS
     from app.exchange.wire import Reply
-    from app.worker.links import TensorPipeLink
+    from app.worker.links import SocketLink
 
     def zeros(message, version):
         return Reply(torch.zeros(message.numel()), version + 1, 0, 0)
@@ -261,9 +261,9 @@ def recording_channel(answer=None, overlap: bool = False):
     class RecordingChannel:  # an app.worker.channels.Channel
         def __init__(self) -> None:
             self.name = "worker1"
-            # the model's side, as a worker's one PS process over TensorPipe has it (a test may
+            # the model's side, as a worker's one PS process over the job's socket has it (a test may
             # set another link: app.worker.links)
-            self.link = TensorPipeLink(PS, 0, 0, torch.device("cpu"), overlap)
+            self.link = SocketLink(PS, 0, 0, torch.device("cpu"), overlap)
             self.messages: list = []
             self.to_go: list[int] = []
             self.norms: list = []  # each push's gradient norm (train.clip_grad_norm), None without

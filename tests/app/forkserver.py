@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-PRELOAD = ("numpy", "torch", "torch.distributed.rpc", "torch.optim", "torch.utils.tensorboard", "torchvision")
+PRELOAD = ("numpy", "torch", "zmq", "torch.optim", "torch.utils.tensorboard", "torchvision")
 PR_SET_CHILD_SUBREAPER = 36
 HEADER = struct.Struct("!I")
 

@@ -42,6 +42,7 @@ def test_every_process_of_every_case_is_a_command_line_the_app_accepts(case, tmp
         assert (config.precision, config.channels_last) == cuda.PRECISIONS[precision]
         assert config.max_steps == args.warmup + args.steps + args.profile_steps
         assert config.log_every == 6  # as a real run reports (every 10), often enough for 55 batches
+        assert (config.secret_file, config.socket_dir) == (str(tmp_path / "secret"), str(tmp_path / "sockets"))
         if role == "worker":  # profiled after its timed batches
             assert argv[argv.index("--after") + 1] == str(args.warmup + args.steps)
             assert argv[argv.index("--steps") + 1] == str(args.profile_steps)

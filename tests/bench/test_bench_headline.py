@@ -230,21 +230,26 @@ def test_constants_lines_follow_the_measures_order_and_skip_the_unmeasured():
     assert constants.MEASURES["gloo_s"] in text
 
 
-def test_constants_time_each_channel_the_app_lists_and_name_each_figure():
-    from app.exchange import tensorpipe
-    from bench import constants
+def test_constants_time_the_apps_transport_both_ways_it_goes_and_torch_rpc_beside_it(tmp_path):
+    from bench import constants, roundtrip
+    from bench.procs import job_files
 
-    measured = {channels[0] for channels in constants.ECHO_CHANNELS.values()}
-    assert measured == set(tensorpipe.CHANNELS) - {"basic"}
-    assert set(constants.ECHO_CHANNELS) <= set(constants.MEASURES)
+    assert set(roundtrip.WAYS.values()) == {"unix", "tcp", "tensorpipe"}
+    for name in roundtrip.WAYS:
+        assert {f"{name}_cpu_s", f"{name}_wall_s"} <= set(constants.MEASURES)
+    files = job_files(tmp_path)
+    unix = roundtrip._transport_config(0, "unix", files, 6100)
+    assert unix.socket_dir == files["socket_dir"] and unix.secret_file == files["secret_file"]
+    tcp = roundtrip._transport_config(1, "tcp", files, 6100)
+    assert (tcp.socket_dir, tcp.encrypt, tcp.role, tcp.rank) == ("", True, "worker", 1)
 
 
 @pytest.mark.slow
-def test_constants_rpc_round_trip_runs_two_processes_per_channel_and_reports_each():
-    from bench import constants
+def test_constants_round_trip_runs_two_processes_per_way_and_reports_cpu_and_wall_of_each():
+    from bench import roundtrip
 
-    figures = constants.rpc_round_trips("mnist-cnn", repeats=2)
-    assert set(figures) == set(constants.ECHO_CHANNELS)
+    figures = roundtrip.round_trips(1000, repeats=2)
+    assert set(figures) == {f"{name}_{kind}" for name in roundtrip.WAYS for kind in ("cpu_s", "wall_s")}
     assert all(math.isfinite(seconds) and seconds > 0 for seconds in figures.values()), figures
 
 

@@ -84,8 +84,8 @@ def test_stack_trains_across_nodes_with_the_ps_placed_on_node2(two_nodes, tmp_pa
         ), logs[-3000:]
         accuracy = re.findall(rf"^{stack}_ps\.1@{N2}\s+\| Accuracy: ([0-9.]+)$", logs, re.MULTILINE)
         assert accuracy and float(accuracy[-1]) >= 0.90, logs[-3000:]
-        # across nodes the exchange is TensorPipe's: the PS makes no shared-memory segment
-        said = rf"^{stack}_ps\.1@{N2}\s+\| .* ps: exchange over TensorPipe \("
+        # across nodes the exchange is the job's sockets (TCP, CURVE): the PS makes no shared-memory segment
+        said = rf"^{stack}_ps\.1@{N2}\s+\| .* ps: exchange over the job's transport \("
         assert re.search(said, diagnostics, re.MULTILINE), diagnostics[-3000:]
         assert "through shared memory" not in diagnostics
         print(

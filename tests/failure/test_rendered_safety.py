@@ -50,9 +50,8 @@ def test_timeouts_and_checkpoints_reach_every_process(config):
 def test_no_host_namespaces_devices_or_extra_privileges(config):
     """Nothing of the host's: no host namespace, device, privilege or published port. What
     network.same_host_copy shares is the job's own PID and IPC namespaces (service:pidns; the
-    holder's IPC namespace is `shareable`, never the host's) with SYS_PTRACE, which a non-root
-    user under no-new-privileges never holds (docs/design.md); `make tensorboard` publishes on
-    the loopback address only."""
+    holder's IPC namespace is `shareable`, never the host's), with no capability added;
+    `make tensorboard` publishes on the loopback address only."""
     doc = render_compose.render(load(REPO / config))
     for name, svc in doc["services"].items():
         for key in ("privileged", "devices", "userns_mode"):
@@ -60,12 +59,12 @@ def test_no_host_namespaces_devices_or_extra_privileges(config):
         own_ipc = "shareable" if name == PIDNS_SERVICE else f"service:{PIDNS_SERVICE}"
         assert svc.get("ipc", own_ipc) == own_ipc, name
         assert svc.get("pid", f"service:{PIDNS_SERVICE}") == f"service:{PIDNS_SERVICE}", name
-        assert svc.get("cap_add", ["SYS_PTRACE"]) == ["SYS_PTRACE"], name
+        assert "cap_add" not in svc, name
         assert svc.get("network_mode", "none") == "none", name
         assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name
         assert svc["user"] != "root" and not svc["user"].startswith("0")
         assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"], name
-    assert "pid" not in doc["services"][PIDNS_SERVICE] and "cap_add" not in doc["services"][PIDNS_SERVICE]
+    assert "pid" not in doc["services"][PIDNS_SERVICE]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -87,7 +87,7 @@ def test_check_document_runs_check_per_rank_and_nothing_that_waits() -> None:
             env["PSC_RPC_TIMEOUT"],
             env["PSC_STRATEGY"],
         ) == (str(rank), "4", "ps", str(t.ps.rpc_port), "7", "async")
-        assert env["TP_SOCKET_IFNAME"] == train["services"][name]["environment"]["TP_SOCKET_IFNAME"]
+        assert env["GLOO_SOCKET_IFNAME"] == train["services"][name]["environment"]["GLOO_SOCKET_IFNAME"]
         assert svc["labels"][LABEL_ROLE] == "check" and svc["labels"][LABEL_RANK] == str(rank)
 
 

@@ -38,7 +38,7 @@ HOST_SPECIFIC = {
     "PSC_CHECKPOINT_DIR",
     "PSC_METRICS_DIR",
     "PSC_CACHE_DIR",
-    "TP_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
     "NCCL_SOCKET_IFNAME",
     "PSC_SECRET_FILE",
     "PSC_SOCKET_DIR",
@@ -69,7 +69,7 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
         assert local["PSC_MASTER_ADDR"] == "127.0.0.1" and local["PSC_MASTER_PORT"] == "4321"
         assert local["PSC_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
         assert local["PSC_METRICS_DIR"] == str(tmp_path / "run" / "metrics")
-        assert local["TP_SOCKET_IFNAME"] == "lo"
+        assert local["GLOO_SOCKET_IFNAME"] == "lo"
         assert local.get("NCCL_SOCKET_IFNAME") == ("lo" if t.cuda else None)
         if t.reads_files:
             assert local["PSC_DATA_DIR"] == str((Path.cwd() / t.train.data_dir).resolve())

@@ -59,12 +59,12 @@ def test_cpu_topologies_get_no_gpu_variables() -> None:
         assert "NVIDIA_VISIBLE_DEVICES" not in svc["environment"] and "NCCL_SOCKET_IFNAME" not in svc["environment"]
 
 
-def test_nccl_follows_network_ifname_like_tensorpipe() -> None:
+def test_nccl_follows_network_ifname_like_gloo() -> None:
     t = gpu_topology(ifname="ens5")
     for doc in (render_compose.render(t), render_swarm.render(t, data_root="/srv")):
         for svc in training(doc).values():
             env = svc["environment"]
-            assert env["NCCL_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "ens5"
+            assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ens5"
     allreduce = parse(GPU.replace("strategy: async", "strategy: allreduce"), "a.yaml")
     assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in training(render_compose.render(allreduce)).values()} == {
         "eth0"

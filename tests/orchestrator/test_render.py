@@ -111,7 +111,7 @@ def test_services_ranks_and_env() -> None:
         env = svc["environment"]
         assert env["PSC_RANK"] == str(rank) and env["PSC_WORLD_SIZE"] == "5"
         assert env["PSC_MASTER_ADDR"] == "ps" and env["PSC_MASTER_PORT"] == "29500"
-        assert env["PSC_DATA_DIR"] == "/data" and env["TP_SOCKET_IFNAME"] == "eth0"
+        assert env["PSC_DATA_DIR"] == "/data" and env["GLOO_SOCKET_IFNAME"] == "eth0"
         assert env["PSC_CHECKPOINT_DIR"] == "/state/checkpoints" and env["PSC_METRICS_DIR"] == "/state/metrics"
         # The PS's MLflow credentials are names, compose's null: taken from the caller, never written.
         passed = {k for k, v in env.items() if v is None}
@@ -170,7 +170,7 @@ def test_safe_defaults() -> None:
             assert svc["user"] == "1000:1000"
             assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"]
             # the one capability: lets the seccomp profile pass process_vm_readv (same_host_copy)
-            assert svc["cap_add"] == ["SYS_PTRACE"] and svc["pid"] == f"service:{PIDNS_SERVICE}"
+            assert "cap_add" not in svc and svc["pid"] == f"service:{PIDNS_SERVICE}"
             assert svc["init"] is False  # the pidns service's tini is the namespace's PID 1
             # /dev/shm is the holder's (the PS's shared memory is every worker's): none of its own
             assert svc["ipc"] == f"service:{PIDNS_SERVICE}" and "shm_size" not in svc
@@ -218,7 +218,7 @@ def test_same_host_copy_off_gives_each_container_its_own_pid_namespace_and_no_ca
 
 
 def test_allreduce_and_other_hosts_share_no_pid_namespace() -> None:
-    """Gloo and NCCL do not use TensorPipe's copy; swarm spreads the job over nodes."""
+    """Gloo and NCCL use no shared memory of the PS; swarm spreads the job over nodes."""
     allreduce = parse(yaml.safe_dump(topology(train={"strategy": "allreduce"})))
     assert PIDNS_SERVICE not in render_compose.render(allreduce)["services"]
     t = parse(yaml.safe_dump(topology()))

@@ -223,7 +223,7 @@ def test_overlay_network_and_the_same_app_environment() -> None:
     for name in service_names(t):
         # the same, but for the exchange (a swarm container's /dev/shm is its own) and the run's
         # secret: a Docker secret, over TCP (CURVE) rather than UNIX sockets on one host
-        want = compose["services"][name]["environment"] | render_compose.TENSORPIPE_ONLY
+        want = compose["services"][name]["environment"] | render_compose.TRANSPORT_ONLY
         del want["PSC_SOCKET_DIR"]
         want["PSC_SECRET_FILE"] = render_swarm.SECRET_FILE
         assert doc["services"][name]["environment"] == want

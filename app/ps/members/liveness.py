@@ -23,17 +23,15 @@ from collections.abc import Callable
 from typing import Any
 
 from app.config import Config
-from app.contract import PS, worker_name
+from app.contract import worker_name
 from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
-from app.ps.members import listing
 from app.ps.server import ParameterServer
 from app.runtime.words import first_line
 
 log = logging.getLogger("app.ps")
 QUIET_SECONDS = 1.0
 TAKEN_PING_SECONDS = 5.0
-TICK_UNLIST_SECONDS = 1.0
 
 Event = Callable[..., None]  # (event, **fields): a metrics line
 
@@ -80,13 +78,10 @@ class LivenessMonitor:
     ) -> None:
         self.server, self.rpc_timeout, self.record = server, rpc_timeout, record
         # The job whose store holds the notes of processes that end before they join
-        # (app.exchange.group.say_not_joining), and whether its transport keeps a member list
-        # (tensorpipe's); None: nobody is asked, no list is kept.
+        # (app.exchange.group.say_not_joining); None: nobody is asked.
         self.config = config
-        self.listed = config is not None and transport.keeps_member_list(config)
         self._store: Any = None
         self._pinger = Pinger(rpc_timeout)
-        self._token: tuple[str, float] = ("", 0.0)  # (holder, since) of the store's join token
         self._last_tick = 0.0
         server.on_back = self.back
         server.on_leave = self.left
@@ -104,8 +99,6 @@ class LivenessMonitor:
                     f"(start each rank once; this process is {name})"
                 )
             self.drop(rank, old, f"replaced by {name} ({error})")
-        if self.listed and not listing.unlist([name], self.rpc_timeout):
-            log.warning("%s: the RPC join token stayed busy; it stays on the member list for now", name)
         joined = self.server.join(rank, name)
         progress = joined.progress
         where = (
@@ -138,7 +131,7 @@ class LivenessMonitor:
         self.record("left", self.server.version, worker=name, worker_rank=rank, workers=self.server.live_count())
 
     def tick(self) -> None:
-        """Ping quiet workers; keep the store's member list and join token healthy."""
+        """Ping quiet workers; drop frozen ones and the ranks that said they will not join."""
         now = time.monotonic()
         if now - self._last_tick < QUIET_SECONDS / 2:
             return
@@ -147,8 +140,6 @@ class LivenessMonitor:
             if now - last_seen >= QUIET_SECONDS:
                 self._ping_async(rank, name)
         self.check_frozen()
-        if self.listed:
-            self._sweep(now)
         self._not_joining()
 
     def _not_joining(self) -> None:
@@ -188,17 +179,3 @@ class LivenessMonitor:
             return None
         except Exception as error:  # noqa: BLE001
             return first_line(error)
-
-    def _sweep(self, now: float) -> None:
-        """Take joined workers (not PS shards) off the store's member list (see app.exchange.group) and free
-        the join token if a process died holding it for longer than the RPC timeout."""
-        # PS shards stay listed: every joiner must learn them (app.ps.sharding.slices).
-        extra = [n for n in listing.listed() if n != PS and not group.is_shard_name(n)]
-        if extra:
-            listing.unlist(extra, TICK_UNLIST_SECONDS)
-        holder = listing.token_holder()
-        if not holder or holder != self._token[0]:
-            self._token = (holder, now)
-        elif now - self._token[1] > self.rpc_timeout:
-            listing.release_stuck_token(holder)
-            self._token = ("", now)

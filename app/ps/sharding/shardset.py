@@ -17,7 +17,6 @@ from app.exchange import calls, transport
 from app.exchange.group import READY_KEY
 from app.exchange.wire import Joined, NotReady, Taken
 from app.ps import rpc as endpoints
-from app.ps.members import listing
 from app.ps.members.liveness import Pinger
 from app.ps.sharding.slices import bounds
 from app.runtime.words import first_line
@@ -78,7 +77,7 @@ class ShardSet:
         return None
 
     def _ready_key(self, ready: bool) -> None:
-        """READY_KEY in the store (RPC's own keys carry a prefix, so through a plain client)."""
+        """READY_KEY in the job's store."""
         if self._store is None:
             self._store = transport.own_store(self.config, self.timeout)
         if ready:
@@ -186,10 +185,8 @@ class ShardSet:
         self.record("shard_lost", 0, shard=index, name=name, reason=why)
         try:
             self._ready_key(False)
-            if transport.keeps_member_list(self.config):
-                listing.unlist([name], self.timeout)
         except Exception as error:  # noqa: BLE001
-            log.warning("could not take %s off the store's member list: %s", name, first_line(error))
+            log.warning("could not note %s's loss in the store: %s", name, first_line(error))
 
 
 def _ignore(future: Any) -> None:

@@ -40,8 +40,7 @@ strategy, and sees every worker's push of its slice.
   with its staleness (`PSChannel.chained`); the reply's staleness and lead
   are the main PS's.
 - A worker (app.worker.channels.PSChannel, a link per shard) joins every shard, pushes
-  each its slice (a contiguous copy: TensorPipe sends a view's whole storage when the view is
-  more than half of it) in parallel and assembles the replies with one copy.
+  each its slice (a contiguous copy of its own) in parallel and assembles the replies with one copy.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def test_a_killed_runs_directory_is_swept_by_the_next_run_subdirectories_include
 def test_the_shm_dir_is_a_tmpfs_directory_and_nothing_is_made_elsewhere(tmp_path, shm_dir, caplog):
     """A missing --shm_dir was made with makedirs, parents and all (as root, /nonexistent
     appeared at /), on any filesystem (the segment went to disk). Now: made only inside a tmpfs
-    directory, else one line saying why and TensorPipe instead, and nothing created."""
+    directory, else one line saying why and the job's sockets instead, and nothing created."""
     assert filesystem_of("/dev/shm") == "tmpfs" and filesystem_of(str(tmp_path)) != "tmpfs"
     on_disk = tmp_path / "nonexistent" / "shm"
     for where in (on_disk, tmp_path):
@@ -156,7 +156,7 @@ def test_the_shm_dir_is_a_tmpfs_directory_and_nothing_is_made_elsewhere(tmp_path
     [line] = caplog.messages
     assert line == (
         f"ps: no shared memory for the exchange ({on_disk} does not exist, nor does {on_disk.parent}); "
-        "workers push over TensorPipe"
+        "workers push over the job's sockets"
     )
     inside = Segment.create(str(shm_dir / "psc-run"), 10, ["a"])  # a run's own, in a tmpfs directory: made
     inside.close()
@@ -230,8 +230,8 @@ def test_a_push_from_a_slot_is_torch_sgd_value_for_value_and_the_reply_names_a_r
 
 
 def test_without_a_segment_the_ps_end_offers_nothing_holds_nothing_and_refuses_a_slot():
-    """NO_SEGMENT (--exchange tensorpipe, or no shared memory): the same questions as a segment,
-    each answered as a PS whose workers all push over TensorPipe."""
+    """NO_SEGMENT (--exchange transport, or no shared memory): the same questions as a segment,
+    each answered as a PS whose workers all push over the job's sockets."""
     assert NO_SEGMENT.offer() is None
     assert NO_SEGMENT.reply_buffers(1) is None and NO_SEGMENT.reply_buffers(0) is None
     assert not NO_SEGMENT.holds(torch.zeros(4))
@@ -342,11 +342,11 @@ def test_processes_exchange_through_shared_memory_and_leave_nothing_behind(tmp_p
     ids=["async-1", "sync-2", "overlap-1"],
 )
 def test_both_exchanges_train_the_same_values(tmp_path, shm_dir, workers, args):
-    """Through shared memory or over TensorPipe, the PS applies the same pushes to the same
+    """Through shared memory or over the job's sockets, the PS applies the same pushes to the same
     state: final.pt is the same, bit for bit (one worker; or sync, whose round is the same
     whatever order its two pushes land in; --overlap pushes from two slots in turn)."""
     finals = {}
-    for mode in ("auto", "tensorpipe"):
+    for mode in ("auto", "transport"):
         run = tmp_path / mode
         run.mkdir()
         procs = _cluster(run, shm_dir, workers, "--num_epochs", "2", "--exchange", mode, *args)
@@ -354,9 +354,9 @@ def test_both_exchanges_train_the_same_values(tmp_path, shm_dir, workers, args):
         said = procs["worker1"].stderr
         assert ("through shared memory" in said) == (mode == "auto"), said
         finals[mode] = torch.load(run / "checkpoints" / "final.pt")
-    assert finals["auto"]["version"] == finals["tensorpipe"]["version"] > 0
+    assert finals["auto"]["version"] == finals["transport"]["version"] > 0
     for key, value in finals["auto"]["model"].items():
-        assert torch.equal(value, finals["tensorpipe"]["model"][key]), key
+        assert torch.equal(value, finals["transport"]["model"][key]), key
 
 
 NOT_SHARED = """
@@ -373,9 +373,9 @@ def _as_root_in_own_mount_namespace() -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_that_does_not_share_the_ps_memory_pushes_over_tensorpipe(tmp_path, shm_dir):
+def test_a_worker_that_does_not_share_the_ps_memory_pushes_over_the_socket(tmp_path, shm_dir):
     """worker2 runs with a /dev/shm of its own (a mount namespace with its own tmpfs there, as
-    another host or container has): it says so in one line and trains over TensorPipe, beside
+    another host or container has): it says so in one line and trains over the job's socket, beside
     worker1 on shared memory."""
     _as_root_in_own_mount_namespace()
     wrapper = tmp_path / "own_shm.sh"
@@ -403,14 +403,14 @@ def test_a_worker_that_does_not_share_the_ps_memory_pushes_over_tensorpipe(tmp_p
         assert proc.returncode == 0, (name, (tmp_path / f"{name}.err").read_text())
     said = [line for line in (tmp_path / "worker2.err").read_text().splitlines() if "exchange" in line]
     assert len(said) == 1 and "ps's shared memory is not reachable from here" in said[0], said
-    assert "No such file or directory); exchange over TensorPipe" in said[0]
+    assert "No such file or directory); exchange over the job's transport" in said[0]
     assert "worker1: exchange with ps through shared memory" in (tmp_path / "worker1.err").read_text()
 
 
 @pytest.mark.slow
-def test_a_ps_without_room_for_its_segment_says_so_and_the_job_trains_over_tensorpipe(tmp_path):
+def test_a_ps_without_room_for_its_segment_says_so_and_the_job_trains_over_the_sockets(tmp_path):
     """The PS's /dev/shm is too small for the exchange: one warning line, and every worker pushes
-    over TensorPipe (they are told of no segment)."""
+    over the job's sockets (they are told of no segment)."""
     _as_root_in_own_mount_namespace()
     shm = Path("/dev/shm") / f"test-psc-small-{os.getpid()}"
     shm.mkdir()
@@ -436,7 +436,7 @@ def test_a_ps_without_room_for_its_segment_says_so_and_the_job_trains_over_tenso
         assert ps.returncode == 0 and procs["worker1"].returncode == 0, ps_err
         warnings = [line for line in ps_err.splitlines() if "no shared memory for the exchange" in line]
         assert (
-            len(warnings) == 1 and "the exchange needs" in warnings[0] and "workers push over TensorPipe" in warnings[0]
+            len(warnings) == 1 and "the exchange needs" in warnings[0] and "workers push over the job's sockets" in warnings[0]
         )
         assert "exchange" not in (tmp_path / "worker1.err").read_text()  # no segment offered, nothing to say
     finally:

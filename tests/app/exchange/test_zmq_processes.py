@@ -18,17 +18,17 @@ pytestmark = pytest.mark.slow
 
 
 def zmq_job(tmp_path: Path, *extra: str) -> list[str]:
-    return [*DIGITS, "--transport", "zmq", "--secret_file", str(secret_file(tmp_path)), *extra]
+    return [*DIGITS, "--secret_file", str(secret_file(tmp_path)), *extra]
 
 
 def test_two_workers_learn_digits_over_tcp_with_every_tensor_encrypted(tmp_path):
-    """--exchange tensorpipe: the push's values and the reply's state cross the socket (CURVE)."""
-    procs = run_cluster(tmp_path, workers=2, args=zmq_job(tmp_path, "--exchange", "tensorpipe"), timeout=180)
+    """--exchange transport: the push's values and the reply's state cross the socket (CURVE)."""
+    procs = run_cluster(tmp_path, workers=2, args=zmq_job(tmp_path, "--exchange", "transport"), timeout=180)
     for p in procs.values():
         assert p.returncode == 0, f"{p.name} exited {p.returncode}:\n{p.stderr[-3000:]}"
         assert "Traceback" not in p.stderr, p.stderr
     assert final_accuracy(procs["ps"].stdout) >= 0.90
-    assert "exchange over TensorPipe (--exchange tensorpipe)" in procs["ps"].stderr
+    assert "exchange over the job's transport (--exchange transport)" in procs["ps"].stderr
 
 
 def test_a_sharded_ps_over_unix_sockets_learns_digits_and_leaves_no_socket(tmp_path):
@@ -54,7 +54,7 @@ def test_a_killed_worker_rejoins_and_a_killed_ps_ends_its_workers_at_once(tmp_pa
     common = [
         *job_args(tmp_path, 3),
         *digits(lr=0.05, num_epochs=400, eval_every=100, rpc_timeout=600, join_timeout=600, seed=1),
-        *("--transport", "zmq", "--secret_file", str(secret_file(tmp_path))),
+        *("--secret_file", str(secret_file(tmp_path))),
     ]
     metrics = tmp_path / "metrics"
     procs = {"ps": start_app(tmp_path, "ps", ["ps", *common])}

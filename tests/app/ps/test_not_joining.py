@@ -11,14 +11,11 @@ module of the test's own) marks that it is being built, then blocks or exits 0.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from app.exchange import group
 from app.ps.members.roster import ABSENT, FINISHED, LEFT, LIVE, Roster
@@ -55,20 +52,12 @@ def test_a_rank_not_joined_is_taken_as_left_and_no_other():
     assert {m.state for m in Roster([1], join_timeout=600.0).members.values()} == {ABSENT}
 
 
-@pytest.mark.parametrize("transport", ["zmq", "tensorpipe"])
-def test_a_note_in_the_store_counts_once_and_only_for_its_rank(tmp_path, transport):
-    port = free_port()
-    job = dict(master_addr="127.0.0.1", master_port=port, transport=transport, secret_file=secret_file(tmp_path))
-    if transport == "tensorpipe":
-        store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-        ps = contextlib.nullcontext()
-    else:  # the main PS's own store, in its session
-        from app.exchange import transport as the_transport
+def test_a_note_in_the_store_counts_once_and_only_for_its_rank(tmp_path):
+    from app.exchange import transport
 
-        ps = the_transport.session(app_config("ps", **job), rank=0)
-    with ps:
-        if transport == "zmq":
-            store = the_transport.own_store(app_config("ps", **job), 30)
+    job = dict(master_addr="127.0.0.1", master_port=free_port(), secret_file=secret_file(tmp_path))
+    with transport.session(app_config("ps", **job), rank=0):  # the main PS's own store, in its session
+        store = transport.own_store(app_config("ps", **job), 30)
         assert group.not_joining(store, [1, 2, 3]) == []
         assert group.say_not_joining(app_config("worker", rank=2, **job))
         assert group.not_joining(store, [1, 2, 3]) == [2]

@@ -12,7 +12,7 @@ from app.exchange import calls
 from app.exchange.wire import Push, Refusal
 from app.ps import rpc as endpoints
 from app.worker.channels import PSChannel
-from app.worker.links import TensorPipeLink
+from app.worker.links import SocketLink
 from app.worker.trainer import Trainer
 
 from app_testkit import ps_server, recording_channel, started
@@ -47,4 +47,4 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
         assert isinstance(calls.rpc_finish(1, 3, "worker1"), Refusal)
     channel = PSChannel(1, timeout=10.0, address="nowhere")
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
-        channel.answer(TensorPipeLink(PS, 0, 4, torch.device("cpu"), False), future)
+        channel.answer(SocketLink(PS, 0, 4, torch.device("cpu"), False), future)

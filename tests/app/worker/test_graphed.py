@@ -17,7 +17,7 @@ from app.runtime import devices
 from app.training import losses, models
 from app.training.flat import FlatModel
 from app.worker.graphed import GraphedStep
-from app.worker.links import TensorPipeLink
+from app.worker.links import SocketLink
 from app.worker.trainer import Trainer
 from orchestrator.topology.model import TopologyError
 from orchestrator.topology.model import parse as parse_topology
@@ -117,7 +117,7 @@ def test_a_gpu_trainer_replays_its_step_and_takes_the_reply_whole():
     config = parse(["worker", "--cuda_graphs", "true", "--device", "cuda", "--batch_size", "16"], {})
     model = models.build("cnn", 1, 10, seed=0).to(CUDA)
     channel = recording_channel()
-    channel.link = TensorPipeLink(PS, 0, 0, CUDA, False)
+    channel.link = SocketLink(PS, 0, 0, CUDA, False)
     trainer = Trainer(config, model, None, None, CUDA, channel, None)
     assert trainer.graphed is not None
     started(trainer)
