@@ -57,14 +57,18 @@ print(json.dumps(said), flush=True)
 """
 
 
+DOCKER_DNS = "0B00007F"  # 127.0.0.11 as /proc/net/tcp writes it: Docker's resolver in each container
+
+
 def _listening(container) -> list[int]:
-    """The TCP ports a process of `container` listens on (its network namespace's tables)."""
+    """The TCP ports a process of `container` listens on (its network namespace's tables), but
+    Docker's own resolver's, on 127.0.0.11 (reached only from inside that namespace)."""
     result = container.exec_run(["cat", "/proc/net/tcp", "/proc/net/tcp6"])
     assert result.exit_code == 0, result.output
     ports = set()
     for line in result.output.decode().splitlines():
         fields = line.split()
-        if len(fields) > 3 and fields[3] == "0A":  # LISTEN
+        if len(fields) > 3 and fields[3] == "0A" and not fields[1].startswith(f"{DOCKER_DNS}:"):  # LISTEN
             ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return sorted(ports)
 
