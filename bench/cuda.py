@@ -8,8 +8,9 @@ the crop, flip and normalisation run on the GPU), in fp32 and in bf16 autocast +
   synchronised each step;
 - the app as processes, `python -m app ps|worker` with its own flags (the PS on the CPU, each
   worker on `cuda`, every worker on the one GPU): async, `--overlap` and sync with 1 and 2
-  workers, through shared memory (`--exchange auto`), and 1 worker async over TensorPipe
-  (`--exchange tensorpipe`) beside it; and 1 worker async and `--overlap` with `--cuda_graphs`
+  workers, through shared memory (`--exchange auto`), and 1 worker async over the job's
+  sockets (`--exchange tensorpipe`: the job's transport) beside it, every process on the case's secret and UNIX
+  sockets, as `make local` runs them; and 1 worker async and `--overlap` with `--cuda_graphs`
   (the step's forward and backward replayed as a CUDA graph), against the same cases without;
 - the app's own allreduce (`--strategy allreduce`: DDP, no PS) with 1 and 2 workers on the one
   GPU. NCCL refuses two ranks of one job on one GPU ("Duplicate GPU detected"): each rank is
@@ -22,8 +23,8 @@ more often where the run is short: bench/gpu.py's `log_every`); `samples/s` is e
 together, and `x GPU` that over compute alone's. `GPU idle`: after the timed batches each
 worker runs `--profile-steps` more under torch.profiler (bench/cuda_trace.py), and the column is
 the share of that span in which the GPU ran none of their kernels, copies or fills.
-Needs only torch, torchvision, Pillow and numpy (no orchestrator, no Docker): it runs on a bare
-GPU host. `--device cpu` runs the same plumbing on a CPU, small, to try the script where there
+Needs only torch, torchvision, Pillow, numpy and pyzmq (no orchestrator, no Docker): it runs
+on a bare GPU host. `--device cpu` runs the same plumbing on a CPU, small, to try the script where there
 is no GPU (no GPU idle share there). Each case is written to `--out` as it ends, so a run cut
 short keeps what it measured.
 """
@@ -44,7 +45,7 @@ from typing import Any
 
 from bench import cuda_trace, gpu_report, harness
 from bench.gpu import log_every
-from bench.procs import free_port
+from bench.procs import app_flags, free_port, job_files, job_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 PRECISIONS = {"fp32": ("fp32", False), "bf16+cl": ("bf16", True)}
@@ -153,6 +154,7 @@ def app_argv(
     if graphs:
         argv += ["--cuda_graphs", "true"]
     argv += ["--metrics_dir", str(tmp / "metrics"), "--checkpoint_dir", str(tmp / "checkpoints")]
+    argv += app_flags(job_paths(tmp))
     if role != "worker" or args.profile_steps <= 0:
         return [sys.executable, "-m", "app", *argv]
     trace = ["--after", str(timed(args)), "--steps", str(args.profile_steps), "--out", str(trace_path(tmp, rank))]
@@ -189,6 +191,7 @@ def run_app(case: tuple[str, str, int, str], args: argparse.Namespace, images: P
     with tempfile.TemporaryDirectory(prefix="cuda-bench-") as name:
         tmp = Path(name)
         (tmp / "images").symlink_to(images)
+        job_files(tmp)
         port = free_port()
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         procs = {}
@@ -270,7 +273,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 name = f"{precision}: compute alone (plain PyTorch)"
             else:
                 name = f"{precision}: {r['system']}, {r['workers']} worker{'s' * (r['workers'] > 1)}"
-                name += ", TensorPipe" if r["exchange"] == "tensorpipe" else ""
+                name += ", over the socket" if r["exchange"] == "tensorpipe" else ""
             vs = f"{r['step_s'] / alone['step_s']:.2f}x" if alone else "-"
             gpu = f"{r['samples_per_s'] / alone['samples_per_s']:.2f}x" if alone else "-"
             idle = f"{100 * r['gpu_idle']:.0f}%" if r.get("gpu_idle") is not None else "-"

@@ -30,6 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_paths(tmp: Path) -> dict[str, str]:
+    """Where the app's processes of one case find what they share (`job_files`)."""
+    return {"secret_file": str(tmp / "secret"), "socket_dir": str(tmp / "sockets")}
+
+
+def job_files(tmp: Path) -> dict[str, str]:
+    """What the app's processes of one case share, as `make local` gives a run, made in `tmp`: a
+    new secret (0600: --secret_file) and a directory for their UNIX sockets (0700: --socket_dir)."""
+    from app.exchange import secret
+
+    paths = job_paths(tmp)
+    secret.make(paths["secret_file"])
+    os.mkdir(paths["socket_dir"], mode=0o700)
+    return paths
+
+
+def app_flags(files: dict[str, str]) -> list[str]:
+    """The flags of `python -m app` that give a process the case's `job_files`."""
+    return ["--secret_file", files["secret_file"], "--socket_dir", files["socket_dir"]]
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of every thread of `pid`, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
