@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from app.config import Config
-from app.contract import ps_name, worker_name
+from app.contract import PS, ps_name, worker_name
 from app.exchange import transport
 from app.runtime import machine, words
 
@@ -36,9 +36,9 @@ class StoreUnreachable(RuntimeError):
 
 
 def where(config: Config) -> str:
-    """The main PS's address, for people: its UNIX socket's directory, or host:port."""
+    """The main PS's address, for people: its UNIX socket, or host:port."""
     if config.socket_dir:
-        return config.socket_dir
+        return os.path.join(config.socket_dir, f"{PS}.sock")
     return f"{config.master_addr}:{config.master_port}"
 
 

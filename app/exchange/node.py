@@ -51,6 +51,24 @@ SERVED: dict[str, Callable[..., Any]] = {}  # what any process answers, by name 
 POLL_MS = 1000  # the I/O thread wakes at least this often to expire calls (it sleeps in between)
 
 
+def run_served(function: str, args: Any, store: Store | None) -> tuple[Any, str]:
+    """(what the served `function(*args)` returned, '') or (None, why the caller gets an error):
+    a name no process serves, arguments that are not a tuple, or what the function raised."""
+    served = SERVED.get(function)
+    if function in STORE_CALLS and store is not None:
+        served = functools.partial(store.answer, function)
+    if served is None:
+        return None, f"no such call: {function}"
+    if not isinstance(args, tuple):
+        return None, f"{function}: its arguments are not a tuple"
+    if function in STORE_CALLS:
+        args = (args,)
+    try:
+        return served(*args), ""
+    except Exception as error:  # noqa: BLE001 - the caller gets it, as a local call would raise it
+        return None, f"{type(error).__name__}: {first_line(error)}"
+
+
 class Peer:
     """An outgoing connection: its socket, its monitor, and what its handshakes said."""
 
@@ -163,23 +181,10 @@ class Node:
     # Calls in, and their replies.
 
     def _serve_call(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, function: str, args: Any) -> None:
-        served = SERVED.get(function)
-        if function in STORE_CALLS and self.store is not None:
-            served = functools.partial(self.store.answer, function)
-        if served is None:
-            self._reply(reply_to, call, error=f"no such call: {function}")
-            return
-        if not isinstance(args, tuple):
-            self._reply(reply_to, call, error=f"{function}: its arguments are not a tuple")
-            return
-        if function in STORE_CALLS:
-            args = (args,)
-        try:
-            result = served(*args)
-        except Exception as error:  # noqa: BLE001 - the caller gets it, as a local call would raise it
-            self._reply(reply_to, call, error=f"{type(error).__name__}: {first_line(error)}")
-            return
-        if isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
+        result, error = run_served(function, args, self.store)
+        if error:
+            self._reply(reply_to, call, error=error)
+        elif isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
             result.add_done_callback(lambda done: self._reply_done(reply_to, call, done))
         else:
             self._reply(reply_to, call, value=result)
@@ -328,18 +333,9 @@ class Node:
         event = zmq.utils.monitor.recv_monitor_message(peer.monitor)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             peer.connected = True
-        elif event == zmq.EVENT_DISCONNECTED and peer.connected:
-            self._lost(peer, f"lost the connection to {peer.name} ({peer.endpoint}): its process ended or froze")
-        elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-            self._lost(
-                peer, f"{peer.name} ({peer.endpoint}) refused this process: one of them holds another run's secret"
-            )
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # CURVE: the server could not read our hello
-            self._lost(
-                peer,
-                f"the handshake with {peer.name} ({peer.endpoint}) failed: one of them holds another run's "
-                "secret, or it is not this job's transport",
-            )
+        why = sockets.why_lost(event, peer.name, peer.endpoint, peer.connected)
+        if why:
+            self._lost(peer, why)
 
     def _lost(self, peer: Peer, why: str) -> None:
         with self._lock:

@@ -152,3 +152,18 @@ def mechanism_for(endpoint: str, credentials: Credentials, encrypt: bool = True)
     """CURVE over TCP unless `encrypt` is off; PLAIN over a UNIX socket (its directory keeps
     others out, and nothing crosses a network to be read)."""
     return Mechanism("curve" if endpoint.startswith("tcp://") and encrypt else "plain", credentials)
+
+
+def why_lost(event: int, name: str, endpoint: str, connected: bool) -> str:
+    """Why calls to the peer `name` fail from now on, after its connection's monitor told of
+    `event`; '' when the connection still stands (or is still being made)."""
+    if event == zmq.EVENT_DISCONNECTED and connected:
+        return f"lost the connection to {name} ({endpoint}): its process ended or froze"
+    if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+        return f"{name} ({endpoint}) refused this process: one of them holds another run's secret"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # CURVE: the server could not read our hello
+        return (
+            f"the handshake with {name} ({endpoint}) failed: one of them holds another run's secret, "
+            "or it is not this job's transport"
+        )
+    return ""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from app.contract import Event
+from orchestrator import job_secret
 from orchestrator.backends.swarm import adapter
 from orchestrator.chaos.common import RUN_TIMEOUT, THRESHOLD, Outcome, Scenario, Timeout, chaos_topology, wait_until
 from orchestrator.metrics.records import Record, events, final_accuracy, parse_lines
@@ -152,14 +153,17 @@ class Stack:
         with tempfile.TemporaryDirectory(prefix=f"{self.name}-") as tmp:
             path = Path(tmp) / "stack.yaml"
             write_atomic(path, render_swarm.dump(render_swarm.render(t, data_root=str(ROOT)), t.name))
+            # the run's secret, new for each deploy, as stack-up makes it
+            adapter.replace_secret(self.client, self.name, render_swarm.secret_name(t), job_secret.new())
             r = node_docker(*adapter.deploy_argv(self.name, str(path)))
             if r.returncode != 0:
                 raise DeployFailed(f"docker stack deploy failed: {r.stderr.strip()}")
 
     def remove(self) -> None:
-        """The stack, then its volumes on both nodes (a volume is local to its node)."""
+        """The stack, then its run's secret and its volumes on both nodes (a volume is local to its node)."""
         node_docker(*adapter.rm_argv(self.name))
         adapter.wait_gone(self.client, self.name)
+        adapter.remove_secret(self.client, f"{self.name}_{render_swarm.SECRET}")
         for node in SOCKETS:
             for v in node_client(node).volumes.list(filters={"label": f"{adapter.LABEL_STACK}={self.name}"}):
                 v.remove(force=True)

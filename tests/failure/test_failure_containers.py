@@ -53,7 +53,7 @@ def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_p
     assert out.details["resumed_version"] >= 200
     assert out.details["states"]["ps"]["exit_code"] == 0 and out.accuracy >= 0.90
     log = (tmp_path / "containers.log").read_text()
-    assert log.count("worker1 failed: PSUnreachable: lost the parameter server at ps:") == 1
+    assert log.count("worker1 failed: PSUnreachable: lost the parameter server at /run/psc/ps.sock") == 1
 
 
 def test_make_down_of_a_sharded_ps_keeps_every_slice_and_resume_continues(docker_engine, tmp_path):

@@ -85,4 +85,8 @@ def test_no_secret_reaches_the_compose_file(config, monkeypatch):
             for k, v in svc.get("environment", {}).items()
             if any(w in k.upper() for w in ("SECRET", "PASSWORD", "TOKEN"))
         }
+        # The run's secret is a file on the job's private tmpfs volume, made by the PS: its path only.
+        if "PSC_SECRET_FILE" in secrets:
+            assert secrets.pop("PSC_SECRET_FILE") == "/run/psc/secret"
+            assert any(v["target"] == "/run/psc" and v["source"] == "exchange" for v in svc["volumes"]), svc
         assert all(v is None and k in render_tracking.FROM_CALLER for k, v in secrets.items()), secrets

@@ -290,6 +290,14 @@ def remove_volume(client: Any, name: str) -> None:
         raise EngineError(f"volume {name}: cannot remove: {str(e).splitlines()[0]}") from None
 
 
+def discard_volume(client: Any, name: str) -> None:
+    """Remove volume `name` if there is one and no container uses it; else leave it, silently."""
+    try:
+        client.volumes.get(name).remove()
+    except Exception:  # noqa: BLE001 - docker.errors.NotFound, or APIError: in use
+        pass
+
+
 def state_volume_projects(client: Any) -> list[str]:
     """The compose projects that have a state volume on the engine (the volume's labels say)."""
     found = client.volumes.list(filters={"label": f"com.docker.compose.volume={STATE_VOLUME}"})

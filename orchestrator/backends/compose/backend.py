@@ -81,6 +81,9 @@ class ComposeBackend(Backend):
     def remove(self, c: Cluster, volumes: bool) -> None:
         adapter.remove_scratch(images.client(), c.name)  # a killed export's container holds the volume
         command.run(adapter.down_argv(_compose(), project(c), volumes=volumes))
+        # The private exchange's tmpfs held the run's secret and sockets, gone with its containers:
+        # nothing to keep, so `down` takes the empty volume too.
+        adapter.discard_volume(images.client(), f"{c.name}_{compose.EXCHANGE_VOLUME}")
         left = adapter.volumes_left(images.client(), c.name) if volumes else []
         if left:  # compose only warns ("Resource is still in use") and exits 0
             raise EngineError(f"down -v: volume {', '.join(left)} still there: a container outside the project uses it")

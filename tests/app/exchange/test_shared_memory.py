@@ -436,7 +436,9 @@ def test_a_ps_without_room_for_its_segment_says_so_and_the_job_trains_over_the_s
         assert ps.returncode == 0 and procs["worker1"].returncode == 0, ps_err
         warnings = [line for line in ps_err.splitlines() if "no shared memory for the exchange" in line]
         assert (
-            len(warnings) == 1 and "the exchange needs" in warnings[0] and "workers push over the job's sockets" in warnings[0]
+            len(warnings) == 1
+            and "the exchange needs" in warnings[0]
+            and "workers push over the job's sockets" in warnings[0]
         )
         assert "exchange" not in (tmp_path / "worker1.err").read_text()  # no segment offered, nothing to say
     finally:
