@@ -1,4 +1,4 @@
-"""The job on its own transport (--transport zmq) as real processes on one host: it trains over
+"""The job on its own transport as real processes on one host: it trains over
 TCP with every message encrypted, and a sharded PS over UNIX sockets; a killed worker is dropped
 and its next process rejoins; a killed PS makes its workers exit 1 at once, with one line."""
 
