@@ -84,7 +84,7 @@ def _install(into: Path, work: Path) -> Path:
     if UV.is_file():
         base = [str(UV), "pip", "install", "-q", "--python", str(python), "--no-deps"]
     else:
-        subprocess.run([str(python), "-m", "ensurepip", "-q"], check=True)
+        subprocess.run([str(python), "-m", "ensurepip"], check=True, capture_output=True)
         base = [str(python), "-m", "pip", "install", "-q", "--no-deps"]
     subprocess.run([*base, "--require-hashes", "-r", str(ROOT / "requirements" / "host.txt")], check=True)
     subprocess.run([*base, str(wheel)], check=True)
