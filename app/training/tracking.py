@@ -8,8 +8,10 @@ evaluations queued while it waited for an answer go in one request. A server tha
 answer (down, restarting, refusing) is tried again, 1 s then up to 30 s apart, until the run
 ends, with one warning when it stops answering and one line when it answers again; at most
 `MAX_QUEUED` records wait meanwhile. An answer that no retry can change (a bad value, no
-permission) ends the tracking with one warning, and the run goes on. At the end the PS gives the
-tracker `CLOSE_SECONDS` to send what is left, and no more.
+permission) ends the tracking with one warning, and the run goes on. At the end the PS waits for
+the tracker to send what is left while it keeps sending (a slow server that takes each request
+still gets the whole run): until `CLOSE_SECONDS` pass with nothing taken, or `CLOSE_MOST_SECONDS`
+in all.
 
 Writes are safe to repeat: MLflow's client retries a request whose answer was lost, so an
 experiment that already exists is the one, and the run is found by its tag before one is made
@@ -39,7 +41,8 @@ from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV
 log = logging.getLogger("app.tracking")
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
 DEFAULT_EXPERIMENT = "ps-compose"
-CLOSE_SECONDS = 15.0
+CLOSE_SECONDS = 15.0  # the end's wait for the tracker, without a request taken meanwhile
+CLOSE_MOST_SECONDS = 120.0  # ... and in all
 # The eval and end records queued while a request was out go in one log_batch (MLflow takes up to
 # 1000 metrics a request; a record holds at most a dozen).
 BATCH_RECORDS = 50
@@ -47,7 +50,7 @@ BATCH_RECORDS = 50
 # 10 s for a write) and is tried twice more, 0-1 then 2-3 s later, where MLflow retries (refused,
 # 429 and 5xx answers, timeouts): seconds, not MLflow's default of 7 retries with backoff
 # (minutes), before the first failure ends the tracking. The waits are this thread's alone; the
-# PS's end still waits CLOSE_SECONDS at most. Set unless the user set them.
+# PS's end waits CLOSE_SECONDS without progress at most. Set unless the user set them.
 HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -123,14 +126,25 @@ class Tracker:
         self._queue.put(("model", dict(files)))
 
     def close(self, status: str = "FAILED", timeout: float = CLOSE_SECONDS) -> None:
-        """End the run with `status` unless an `end` record ended it FINISHED; wait at most
-        `timeout` for what is queued."""
+        """End the run with `status` unless an `end` record ended it FINISHED; wait for what is
+        queued while the server takes it: until `timeout` seconds pass with no request taken, or
+        CLOSE_MOST_SECONDS in all."""
         self._queue.put(("close", status))
         self._queue.put(None)
-        self._thread.join(timeout)
+        start = quiet_since = time.monotonic()
+        sent = self.sent
+        while self._thread.is_alive():
+            self._thread.join(min(1.0, timeout))
+            now = time.monotonic()
+            if self.sent != sent:
+                sent, quiet_since = self.sent, now
+            if now - quiet_since >= timeout or now - start >= CLOSE_MOST_SECONDS:
+                break
         if self._thread.is_alive() and not self.failed:
             log.warning(
-                "MLflow at %s did not take the run's last records within %.0f s; not waiting", self.shown, timeout
+                "MLflow at %s did not take the run's last records (nothing taken for %.0f s); not waiting",
+                self.shown,
+                timeout,
             )
 
     def _send_all(self) -> None:

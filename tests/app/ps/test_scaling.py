@@ -372,6 +372,8 @@ def test_with_the_file_cache_a_scaled_up_worker_follows_the_live_sets_share(tmp_
         _until("both workers train", lambda: len(_records(metrics / "worker2.jsonl", "train")) > 3)
         procs["worker3"] = start_app(tmp_path, "worker3", ["worker", "--rank", "3", *common])  # scaled up
         _until("worker3 trains", lambda: len(_records(metrics / "worker3.jsonl", "train")) > 3)
+        # an epoch of worker2's begins with three live (on a loaded host it may take a while)
+        _until("worker2 takes a share of three", lambda: re.search(r"share \d of 3\b", _err(tmp_path, "worker2")))
         procs["worker1"].send_signal(signal.SIGTERM)  # scaled down: worker1 leaves
         _until("worker3 takes a share of two", lambda: re.search(r"share \d of 2\b", _err(tmp_path, "worker3")))
         wait_for(procs, 240)
