@@ -7,14 +7,17 @@ file (local runs), or `new` (the text a swarm's Docker secret or a Kubernetes Se
 A local run's processes also talk over UNIX sockets in a directory of their own
 (`private_exchange`): 0700, so the kernel refuses every other account before a byte is read.
 It lives under the system's temporary directory (a socket's path must be short) and goes,
-with the secret, when the run ends.
+with the secret, when the run ends. Its name carries the launcher's PID (`psc-<pid>-*`): one a
+killed launcher left is removed by the next run of any name (`remove_stale_sockets`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,9 +52,39 @@ def private_exchange(run_dir: Path) -> Iterator[dict[str, str]]:
     """The environment that gives a local run's processes its secret (run_dir/secret) and its
     socket directory, both removed when the run ends."""
     secret = make(run_dir / SECRET_FILE)
-    sockets = tempfile.mkdtemp(prefix="psc-")  # 0700
+    remove_stale_sockets(Path(tempfile.gettempdir()))
+    sockets = tempfile.mkdtemp(prefix=f"psc-{os.getpid()}-")  # 0700
     try:
         yield {SECRET_ENV: str(secret.resolve()), SOCKET_DIR_ENV: sockets}
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
         secret.unlink(missing_ok=True)
+
+
+def remove_stale_sockets(root: Path) -> list[Path]:
+    """The socket directories under `root` that a killed launcher of this account left (its PID,
+    in the name, is gone), removed. Another account's, a link, or a live launcher's stay."""
+    stale = []
+    for path in root.glob("psc-*-*"):
+        found = re.fullmatch(r"psc-(\d+)-\w+", path.name)
+        if found is None or _alive(int(found[1])):
+            continue
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            stale.append(path)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another account's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
