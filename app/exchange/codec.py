@@ -9,9 +9,16 @@ A value is encoded as a JSON tree where every non-scalar says what it is:
     a NamedTuple of TYPES           {"n": "Push", "v": [field, ...]}
     an Enum of TYPES                {"e": "Refused", "v": "stale"}
     a tensor                        {"x": frame, "d": "float32", "s": [shape]}
+    a tensor in `c` frames          {"x": first frame, "c": count, "d": ..., "s": ...}
 
 A tensor's bytes are sent from where they are (no copy on the way out, a frame sent zero-copy) and
 read where they arrive (the tensor is a view of the received frame: no copy on the way in).
+
+Over an encrypted link (`pack(..., chunk=n)`), a large tensor goes in consecutive frames of about
+n bytes (at most CHUNKS of them): ZeroMQ's CURVE encrypts and decrypts a frame at a time, so the
+sender encrypts the next frame while the link carries the last, and the receiver decrypts each as
+it lands, instead of the whole tensor before and after the link. The receiver copies the frames
+into one tensor (it decrypted them into buffers of their own anyway).
 """
 
 from __future__ import annotations
@@ -60,17 +67,19 @@ DTYPES: dict[str, torch.dtype] = {
 }
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; the values travel in frames
 MAX_DEPTH = 16
-MAX_FRAMES = 64
+MAX_FRAMES = 256
+CHUNKS = 32  # the most frames one tensor is cut into (pack's `chunk`)
 
 
 class Malformed(ValueError):
     """A message that is not one this transport sends: dropped (or its call failed), never acted on."""
 
 
-def pack(header: dict[str, Any], value: Any = None) -> list[Any]:
-    """[the header with `value` under "v", then one buffer per tensor in it], ready to send."""
+def pack(header: dict[str, Any], value: Any = None, chunk: int = 0) -> list[Any]:
+    """[the header with `value` under "v", then one buffer per tensor in it], ready to send; with
+    `chunk`, a tensor of more bytes than that in several frames of about `chunk` bytes."""
     frames: list[Any] = []
-    body = dict(header, v=_encode(value, frames, 0))
+    body = dict(header, v=_Encoder(frames, chunk).encode(value, 0))
     return [json.dumps(body, separators=(",", ":")).encode(), *frames]
 
 
@@ -103,39 +112,55 @@ def _bytes(frame: Any) -> bytes:
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
-def _encode(value: Any, frames: list[Any], depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise TypeError("a value nested too deep to send")
-    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, Enum):
-        return value
-    if isinstance(value, torch.Tensor):
-        return _tensor_out(value, frames)
-    if isinstance(value, Enum):
-        if TYPES.get(type(value).__name__) is not type(value):
-            raise TypeError(f"{type(value).__name__} is not a type this transport sends")
-        return {"e": type(value).__name__, "v": value.value}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        if TYPES.get(type(value).__name__) is not type(value):
-            raise TypeError(f"{type(value).__name__} is not a type this transport sends")
-        return {"n": type(value).__name__, "v": [_encode(v, frames, depth + 1) for v in value]}
-    if isinstance(value, tuple):
-        return {"t": [_encode(v, frames, depth + 1) for v in value]}
-    if isinstance(value, list):
-        return {"l": [_encode(v, frames, depth + 1) for v in value]}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"d": {k: _encode(v, frames, depth + 1) for k, v in value.items()}}
-    raise TypeError(f"a {type(value).__name__} is not a value this transport sends")
+class _Encoder:
+    """A value as its JSON tree, its tensors' bytes appended to `frames`."""
 
+    def __init__(self, frames: list[Any], chunk: int) -> None:
+        self.frames, self.chunk = frames, chunk
 
-def _tensor_out(tensor: torch.Tensor, frames: list[Any]) -> dict[str, Any]:
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise TypeError(f"a {name} tensor is not a value this transport sends")
-    if tensor.device.type != "cpu":
-        raise TypeError("only CPU tensors travel (a GPU worker stages its message in pinned memory)")
-    flat = tensor.detach().contiguous().reshape(-1)
-    frames.append(flat.view(torch.uint8).numpy().data if flat.numel() else b"")
-    return {"x": len(frames) - 1, "d": name, "s": list(tensor.shape)}
+    def encode(self, value: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError("a value nested too deep to send")
+        if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, Enum):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value)
+        if isinstance(value, Enum):
+            if TYPES.get(type(value).__name__) is not type(value):
+                raise TypeError(f"{type(value).__name__} is not a type this transport sends")
+            return {"e": type(value).__name__, "v": value.value}
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            if TYPES.get(type(value).__name__) is not type(value):
+                raise TypeError(f"{type(value).__name__} is not a type this transport sends")
+            return {"n": type(value).__name__, "v": [self.encode(v, depth + 1) for v in value]}
+        if isinstance(value, tuple):
+            return {"t": [self.encode(v, depth + 1) for v in value]}
+        if isinstance(value, list):
+            return {"l": [self.encode(v, depth + 1) for v in value]}
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {"d": {k: self.encode(v, depth + 1) for k, v in value.items()}}
+        raise TypeError(f"a {type(value).__name__} is not a value this transport sends")
+
+    def tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise TypeError(f"a {name} tensor is not a value this transport sends")
+        if tensor.device.type != "cpu":
+            raise TypeError("only CPU tensors travel (a GPU worker stages its message in pinned memory)")
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        first = len(self.frames)
+        size = flat.numel()
+        if not size:
+            self.frames.append(b"")
+        elif self.chunk and size > self.chunk:
+            step = max(self.chunk, -(-size // CHUNKS))
+            self.frames.extend(flat[k : k + step].numpy().data for k in range(0, size, step))
+        else:
+            self.frames.append(flat.numpy().data)
+        count = len(self.frames) - first
+        if count == 1:
+            return {"x": first, "d": name, "s": list(tensor.shape)}
+        return {"x": first, "c": count, "d": name, "s": list(tensor.shape)}
 
 
 def _decode(value: Any, frames: Sequence[Any], depth: int) -> Any:
@@ -143,7 +168,7 @@ def _decode(value: Any, frames: Sequence[Any], depth: int) -> Any:
         raise Malformed("a value nested too deep")
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if not isinstance(value, dict) or len(value) not in (1, 2, 3):
+    if not isinstance(value, dict) or len(value) not in (1, 2, 3, 4):
         raise Malformed(f"a {type(value).__name__} where a tagged value belongs")
     if "x" in value:
         return _tensor_in(value, frames)
@@ -186,24 +211,37 @@ def _type(name: Any) -> type:
 
 
 def _tensor_in(value: dict[str, Any], frames: Sequence[Any]) -> torch.Tensor:
-    index, name, shape = value.get("x"), value.get("d"), value.get("s")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(frames):
-        raise Malformed(f"a tensor in frame {index!r} of {len(frames)}")
+    index, count, name, shape = value.get("x"), value.get("c", 1), value.get("d"), value.get("s")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (index, count)):
+        raise Malformed(f"a tensor in frame {str(index)[:20]} ({str(count)[:20]} frames)")
+    if not (0 <= index and 1 <= count and index + count <= len(frames)):
+        raise Malformed(f"a tensor in frame {index} ({count} frames) of {len(frames)}")
     dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None or len(value) != 3:
+    if dtype is None or len(value) != (3 if "c" not in value else 4):
         raise Malformed(f"a tensor of dtype {str(name)[:20]!r}")
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise Malformed(f"a tensor of shape {str(shape)[:40]}")
     numel = 1
     for n in shape:
         numel *= n
-    frame = frames[index]
-    buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    buffers = [_buffer(frames[k]) for k in range(index, index + count)]
     size = numel * torch.empty((), dtype=dtype).element_size()
-    if buffer.nbytes != size:
-        raise Malformed(f"a {name} tensor of shape {shape} in {buffer.nbytes} bytes")
+    if sum(b.nbytes for b in buffers) != size:
+        raise Malformed(f"a {name} tensor of shape {shape} in {sum(b.nbytes for b in buffers)} bytes")
     if not numel:
         return torch.empty(shape, dtype=dtype)
+    if count > 1:  # frames of an encrypted link: put together (ZeroMQ decrypted each into its own buffer)
+        whole = torch.empty(size, dtype=torch.uint8)
+        into, at = whole.numpy().data, 0
+        for buffer in buffers:
+            into[at : at + buffer.nbytes] = buffer.cast("B")
+            at += buffer.nbytes
+        return whole.view(dtype).reshape(shape)
+    buffer = buffers[0]
     if buffer.readonly:  # bytes (a message made here, not received): a copy the tensor may own
         buffer = memoryview(bytearray(buffer))
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _buffer(frame: Any) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)

@@ -49,6 +49,9 @@ from app.runtime.words import first_line
 log = logging.getLogger("app.transport")
 SERVED: dict[str, Callable[..., Any]] = {}  # what any process answers, by name (app.exchange.transport.served)
 POLL_MS = 1000  # the I/O thread wakes at least this often to expire calls (it sleeps in between)
+# Over CURVE, a tensor travels in frames of about this many bytes (app.exchange.codec): ZeroMQ
+# encrypts a frame at a time, so encryption overlaps the link instead of preceding it.
+CURVE_CHUNK_BYTES = 1 << 20
 
 
 def run_served(function: str, args: Any, store: Store | None) -> tuple[Any, str]:
@@ -92,6 +95,7 @@ class Node:
         store: Store | None = None,
     ) -> None:
         self.name, self.mechanism, self.timeout, self.store = name, mechanism, timeout, store
+        self._chunk = CURVE_CHUNK_BYTES if mechanism.name == "curve" else 0
         self.context = zmq.Context()
         self.context.setsockopt(zmq.LINGER, 0)
         self.peers: dict[str, Peer] = {}
@@ -165,7 +169,7 @@ class Node:
         seconds = timeout if timeout and timeout > 0 else self.timeout
         call = next(self._ids)
         try:
-            frames = codec.pack({"k": "c", "i": call, "f": function}, tuple(args))
+            frames = codec.pack({"k": "c", "i": call, "f": function}, tuple(args), self._chunk)
         except TypeError as error:
             future.set_exception(RuntimeError(f"{function} cannot be sent: {error}"))
             return future
@@ -199,7 +203,8 @@ class Node:
 
     def _reply(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, value: Any = None, error: str = "") -> None:
         try:
-            frames = codec.pack({"k": "e", "i": call, "m": error} if error else {"k": "r", "i": call}, value)
+            header = {"k": "e", "i": call, "m": error} if error else {"k": "r", "i": call}
+            frames = codec.pack(header, value, self._chunk)
         except TypeError as why:
             frames = codec.pack({"k": "e", "i": call, "m": f"the answer cannot be sent: {why}"})
         self._command(("reply", reply_to, frames))

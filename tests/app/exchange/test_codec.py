@@ -48,6 +48,27 @@ def test_a_tensor_travels_as_its_raw_bytes_in_a_frame_of_its_own(dtype):
     assert got.dtype == dtype and got.shape == (2, 3, 4) and torch.equal(got, tensor)
 
 
+@pytest.mark.parametrize("size", [1 << 20, 3 * (1 << 20) + 12, 40 * (1 << 20) + 4])
+def test_over_an_encrypted_link_a_large_tensor_travels_in_frames_of_about_the_chunk(size):
+    tensor = torch.randn(size // 4)
+    chunk = 1 << 20
+    frames = codec.pack({"k": "c", "i": 1}, (tensor, torch.ones(3)), chunk=chunk)
+    parts = frames[1:-1]
+    expected = 1 if size <= chunk else min(codec.CHUNKS, -(-size // chunk))
+    assert len(parts) == expected
+    assert b"".join(bytes(f) for f in parts) == tensor.numpy().tobytes()  # in order, every byte once
+    got = codec.unpack([frames[0], *(bytearray(f) for f in frames[1:])])[1]
+    assert torch.equal(got[0], tensor) and torch.equal(got[1], torch.ones(3))
+    assert len(codec.pack({"k": "c", "i": 1}, (tensor,))) == 2  # no chunk: one frame, whatever its size
+
+
+def test_a_tensors_frames_must_add_up_to_its_shape():
+    header = json.dumps({"k": "r", "i": 1, "v": {"x": 0, "c": 2, "d": "float32", "s": [3]}}).encode()
+    with pytest.raises(codec.Malformed, match="in 16 bytes"):
+        codec.unpack([header, b"\0" * 8, b"\0" * 8])
+    assert codec.unpack([header, b"\0" * 8, b"\0" * 4])[1].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_a_received_tensor_is_a_view_of_its_frame_not_a_copy():
     frame = bytearray(torch.ones(4).numpy().tobytes())
     header = json.dumps({"k": "r", "i": 1, "v": {"x": 0, "d": "float32", "s": [4]}}).encode()
@@ -75,6 +96,9 @@ def test_a_pickle_is_not_a_message():
         ({"x": 0, "d": "object", "s": [1]}, "dtype 'object'"),
         ({"x": 0, "d": "float32", "s": [1000]}, "in 4 bytes"),
         ({"x": 0, "d": "float32", "s": [-1]}, "shape"),
+        ({"x": 0, "c": 2, "d": "float32", "s": [1]}, "frame 0 \\(2 frames\\) of 1"),
+        ({"x": 0, "c": 0, "d": "float32", "s": [1]}, "0 frames"),
+        ({"x": 0, "c": True, "d": "float32", "s": [1]}, "frame 0"),
         ({"y": 1}, "keys"),
         ([1, 2], "a list where a tagged value belongs"),
     ],

@@ -92,6 +92,19 @@ def test_a_call_goes_and_its_answer_comes_back_both_ways(tmp_path, way):
         server.close()
 
 
+@pytest.mark.parametrize("way", ["tcp+curve", "ipc+plain"])
+def test_a_large_tensor_arrives_whole_both_ways(tmp_path, way):
+    """Over CURVE it travels in frames of about CURVE_CHUNK_BYTES (encrypted one at a time)."""
+    server, client = pair(tmp_path, way)
+    try:
+        vector = torch.randn(3 * (1 << 20) + 5)  # 12 MB: a dozen frames over CURVE
+        reply = client.call_async("ps", transport.name_of(scaled), (vector, Push(1, "worker1", 0))).wait()
+        assert torch.equal(reply.vector, vector * 2)
+    finally:
+        client.close()
+        server.close()
+
+
 def test_an_answer_held_as_a_future_holds_no_thread(tmp_path):
     bind, connect, mechanism = endpoints(tmp_path)["tcp+curve"]
     server = Node("ps", mechanism, 30.0, threads=1, serve=bind)
