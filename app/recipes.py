@@ -47,6 +47,33 @@ OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rmsprop": ("RMSprop", ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize")),
     "rprop": ("Rprop", ("lr", "etas", "step_sizes", "foreach", "maximize")),
 }
+# The values torch's optimizers take for their keys (checked before anything is built, so a bad
+# one is named at the render, not as the PS's IndexError): what each must be, and the test.
+_NUMBER = (int, float)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, _NUMBER) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _pair(test: Any) -> Any:
+    return lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(test(x) for x in v)
+
+
+_AT_LEAST_0 = ("a number >= 0", lambda v: _real(v) and v >= 0)
+VALUES: dict[str, tuple[str, Any]] = {
+    **{k: ("true or false", lambda v: isinstance(v, bool)) for k in ("nesterov", "amsgrad", "maximize", "centered")},
+    **{k: ("true or false", lambda v: isinstance(v, bool)) for k in ("decoupled_weight_decay", "foreach", "fused")},
+    **{k: _AT_LEAST_0 for k in ("eps", "weight_decay", "momentum", "dampening", "lr_decay", "lambd", "t0")},
+    **{k: _AT_LEAST_0 for k in ("initial_accumulator_value", "momentum_decay", "alpha", "d")},
+    "betas": ("two numbers in [0, 1), as [0.9, 0.999]", _pair(lambda x: _real(x) and 0 <= x < 1)),
+    "rho": ("a number in [0, 1]", lambda v: _real(v) and 0 <= v <= 1),
+    "etas": ("two numbers, as [0.5, 1.2]", _pair(lambda x: _real(x) and x > 0)),
+    "step_sizes": ("two numbers, as [1e-6, 50]", _pair(lambda x: _real(x) and x > 0)),
+    "beta2_decay": ("a number <= 0", lambda v: _real(v) and v <= 0),
+}
+OWN_VALUES = {("adafactor", "eps")}  # Adafactor's eps is a pair (None allowed): torch checks it
+
 # Which parameters get weight decay: by default every one, but under AdamW not the norms'
 # weights and the biases (one value per channel: ndim <= 1), as timm does.
 DECAY_KEY = "norm_and_bias_decay"
@@ -139,10 +166,19 @@ def optimizer_problem(value: Spec) -> Optional[Problem]:
     if problem is not None or ENTRY_POINT.match(value["name"]):
         return problem
     keys = OPTIMIZERS[value["name"]][1] + (DECAY_KEY,)
-    problem = _keys(value, keys, value["name"]) or _positive(value, "lr")
+    problem = _keys(value, keys, value["name"]) or _positive(value, "lr") or _values(value)
     if problem is None and DECAY_KEY in value and not isinstance(value[DECAY_KEY], bool):
         problem = Problem(DECAY_KEY, f"got {value[DECAY_KEY]!r}; must be true or false")
     return problem
+
+
+def _values(value: Spec) -> Optional[Problem]:
+    """The first key of a torch optimizer whose value is not one it takes."""
+    for key, v in value.items():
+        wanted = VALUES.get(key)
+        if wanted is not None and (value["name"], key) not in OWN_VALUES and not wanted[1](v):
+            return Problem(key, f"got {v!r}; must be {wanted[0]}")
+    return None
 
 
 def schedule_problem(value: Spec) -> Optional[Problem]:

@@ -79,6 +79,10 @@ BAD = [
         "train.optimizer.name=adamx",
         f"{SMOKE} with train.optimizer.name=adamx: train.optimizer.name: got 'adamx'; must be one of sgd, adam,",
     ),
+    (
+        "train.optimizer={name: adam, betas: [0.9]}",
+        f"{SMOKE} with train.optimizer={{name: adam, betas: [0.9]}}: train.optimizer.betas: got [0.9]; must be two",
+    ),
     ("train.batch_size=[32]", f"{SMOKE} with train.batch_size=[32]: train.batch_size: got [32]; must be a valid"),
     ("train.strategy=fast", f"{SMOKE} with train.strategy=fast: train.strategy: got 'fast'; must be"),
     (

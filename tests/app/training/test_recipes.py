@@ -26,6 +26,36 @@ def test_each_optimizers_keys_are_torchs(name) -> None:
     assert set(keys) == set(inspect.signature(cls.__init__).parameters) - NOT_RECIPE_KEYS
 
 
+@pytest.mark.parametrize("name", recipes.OPTIMIZERS)
+def test_each_optimizers_own_defaults_pass_the_value_checks_and_build(name) -> None:
+    cls = getattr(torch.optim, recipes.OPTIMIZERS[name][0])
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(cls.__init__).parameters.items()
+        if k not in NOT_RECIPE_KEYS and v.default is not inspect.Parameter.empty and v.default is not None
+    }
+    defaults = {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}
+    assert recipes.optimizer_problem({"name": name, **defaults}) is None
+    cls([torch.zeros(2, requires_grad=True)], **defaults)
+
+
+@pytest.mark.parametrize(
+    "spec,key",
+    [
+        ({"name": "adam", "betas": [0.9]}, "betas"),
+        ({"name": "adamw", "betas": [0.9, 1.5]}, "betas"),
+        ({"name": "adam", "eps": -1}, "eps"),
+        ({"name": "sgd", "nesterov": "yes"}, "nesterov"),
+        ({"name": "sgd", "momentum": float("nan")}, "momentum"),
+        ({"name": "adadelta", "rho": 2}, "rho"),
+        ({"name": "rprop", "etas": [0.5]}, "etas"),
+    ],
+)
+def test_a_value_torch_would_refuse_or_choke_on_is_named_with_what_it_must_be(spec, key) -> None:
+    problem = recipes.optimizer_problem(spec)
+    assert problem is not None and problem.key == key and "must be" in problem.text
+
+
 @pytest.mark.parametrize("name", recipes.LOSSES)
 def test_each_losses_keys_are_torchs(name) -> None:
     cls_name, keys = recipes.LOSSES[name]
