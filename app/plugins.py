@@ -89,6 +89,12 @@ def build_model(spec: str, channels: int, num_classes: int) -> nn.Module:
     model = call(f"--model {spec}", resolve("model", spec), num_classes, channels)
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {spec}: returned a {type(model).__name__}; must return a torch.nn.Module")
+    complex_ = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_:
+        raise UsageError(
+            f"--model {spec}: parameter {complex_[0]} is complex ({len(complex_)} in all); the PS holds real "
+            "parameters only: keep a complex one as its real and imaginary parts (torch.view_as_real)"
+        )
     return model
 
 

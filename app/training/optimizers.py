@@ -53,6 +53,11 @@ def make(recipe: Optimizer, param_groups: list[dict[str, Any]]) -> torch.optim.O
         made = plugins.call(where, plugins.resolve("optimizer", name), param_groups, **kwargs)
         if not isinstance(made, torch.optim.Optimizer):
             raise UsageError(f"{where}: returned a {type(made).__name__}; must return a torch.optim.Optimizer")
+        if needs_closure(made):
+            raise UsageError(
+                f"{where}: returned a {type(made).__name__}, whose step needs a closure (it evaluates the loss "
+                "again); the PS steps with each push's gradient alone: use an optimizer that steps without one"
+            )
         return made
     cls = getattr(torch.optim, OPTIMIZERS[name][0])
     if "fused" not in kwargs and "foreach" not in kwargs:
@@ -61,6 +66,14 @@ def make(recipe: Optimizer, param_groups: list[dict[str, Any]]) -> torch.optim.O
         return cls(param_groups, **kwargs)
     except (TypeError, ValueError, RuntimeError) as error:
         raise UsageError(f"{where}: {plugins.one_line(error)}") from None
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` cannot be called without a closure (LBFGS: it evaluates the loss again)."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return isinstance(optimizer, torch.optim.LBFGS) or (
+        closure is not None and closure.default is inspect.Parameter.empty
+    )
 
 
 def set_rates(optimizer: torch.optim.Optimizer, base_lrs: list[float], factor: float) -> None:
