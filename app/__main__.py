@@ -8,6 +8,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from app import stops
 from app.config import Config, UsageError, check_threads_env, parse
 from app.contract import PS, strategy_of
 
@@ -30,13 +31,24 @@ def health(config: Config) -> int:
         return 1
 
 
+def usage_error(error: UsageError) -> int:
+    """A mistake that fails the same way at every start: its one line, kept (app.stops); 2."""
+    line = f"app: error: {error}"
+    print(line, file=sys.stderr)
+    stops.keep(os.environ, line)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] != ["health"] and (before := stops.said_before(os.environ)):
+        print(f"{before} ({stops.AGAIN})", file=sys.stderr)
+        return 0
     try:
-        config = parse(sys.argv[1:] if argv is None else argv, os.environ)
+        config = parse(args, os.environ)
         check_threads_env(os.environ)
     except UsageError as error:
-        print(f"app: error: {error}", file=sys.stderr)
-        return 2
+        return usage_error(error)
     if config.role == "health":
         return health(config)
 
@@ -89,8 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return worker_process.run(config)
     except UsageError as error:
-        print(f"app: error: {error}", file=sys.stderr)
-        return 2
+        return usage_error(error)
     except (SystemExit, Exception) as error:
         if ps_worker and lifecycle.sigterm_received():  # told to stop: what broke on the way out is no failure
             said = f": {type(error).__name__}: {words.first_line(error)}" if isinstance(error, Exception) else ""

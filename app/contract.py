@@ -48,6 +48,11 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 ENV_PREFIX = "PSC_"  # every flag --x is also PSC_X in the environment
 RUN_ID_ENV = "PSC_RUN_ID"  # the run's id, written into the `start` record when set
+# Where a process keeps the one line of a mistake that fails it the same way each time (a bad
+# flag, a plug-in that fails on its first batch: exit 2), so that a restart of its container says
+# it again and exits 0 instead of failing again (compose restarts on failure; app/stops.py).
+# A path in the container's own filesystem: a restart keeps it, a new container starts without it.
+STOP_FILE_ENV = "PSC_STOP_FILE"
 # The PS's MLflow server as the host reaches it (PSC_MLFLOW_UI) where the PS reaches it at
 # another address (PSC_MLFLOW_SERVER: the project's own server, inside its network): the run's
 # address in the PS's log is the host's.

@@ -212,7 +212,7 @@ def _type(name: Any) -> type:
 
 def _tensor_in(value: dict[str, Any], frames: Sequence[Any]) -> torch.Tensor:
     index, count, name, shape = value.get("x"), value.get("c", 1), value.get("d"), value.get("s")
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (index, count)):
+    if not isinstance(index, int) or not isinstance(count, int) or isinstance(index, bool) or isinstance(count, bool):
         raise Malformed(f"a tensor in frame {str(index)[:20]} ({str(count)[:20]} frames)")
     if not (0 <= index and 1 <= count and index + count <= len(frames)):
         raise Malformed(f"a tensor in frame {index} ({count} frames) of {len(frames)}")

@@ -40,7 +40,7 @@ from app.runtime.devices import choose_device
 from app.runtime.logs import progress
 from app.runtime.words import counted
 from app.training import losses, models
-from app.training.evaluate import Evaluator, fields, line
+from app.training.evaluate import Evaluator, MetricFailed, fields, line
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter, Rates, run_records
 from app.training.progress import RunProgress
@@ -60,6 +60,9 @@ def run(config: Config) -> int:
     def build() -> nn.Module:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
+    loader = datasets.eval_loader(held_out.data, config.batch_size, workers)
+    evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss))
+    evaluate.preflight(config.model, config.loss["name"])  # a mistake in a plug-in stops the run here, once
     model = build()
     if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
         plugins.load_weights(model, config.init_weights)
@@ -67,8 +70,6 @@ def run(config: Config) -> int:
     # a finish is checkpointed before its worker hears back (checkpoints is set below, before
     # the PS joins the job: no worker can finish earlier)
     server = ParameterServer.from_config(config, model, part, PS, on_finish=lambda rank: checkpoints.finished(rank))
-    loader = datasets.eval_loader(held_out.data, config.batch_size, workers)
-    evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss))
     log.info(
         "model %s: %d parameters, %d buffer values",
         config.model,
@@ -189,19 +190,21 @@ def _report_end(
 ) -> None:
     """The final evaluation: Accuracy, Time and Evaluation printed, the `end` record."""
     evaluated = time.monotonic()
-    scores = evaluate(vector)
+    scores = _scores(evaluate, vector, version, set())  # None: said, and the end has no metrics
     eval_seconds = time.monotonic() - evaluated
     seconds = server.training_seconds() or 0.0
-    progress.info("%s", line(scores))
+    if scores is not None:
+        progress.info("%s", line(scores))
     progress.info("Time: %.2f seconds", seconds)
     progress.info("Evaluation: %.2f seconds", eval_seconds)
+    scored = fields(scores) if scores is not None else {}
     if metrics.tracker is not None:  # the exported model, as `make export` writes it, to MLflow
-        about = dict(run_id=config.run_id, version=version, finished=True, **export_files.scored(fields(scores)))
+        about = dict(run_id=config.run_id, version=version, finished=True, **export_files.scored(scored))
         metrics.tracker.model(export_files.files(config, evaluate.state_dict(vector), held_out, **about))
     metrics.write(
         "end",
         version,
-        **fields(scores),
+        **scored,
         seconds=round(seconds, 2),
         eval_seconds=round(eval_seconds, 2),
         samples=server.counts.samples,
@@ -209,6 +212,18 @@ def _report_end(
         **server.stats(),
         **datasets.skipped(held_out.data),
     )
+
+
+def _scores(evaluate: Evaluator, vector: torch.Tensor, version: int, failed: set[str]) -> dict[str, float] | None:
+    """The metrics of `vector`, or None when the evaluation raised: said once (each error), and
+    training goes on."""
+    try:
+        return evaluate(vector)
+    except MetricFailed as error:
+        if str(error) not in failed:
+            failed.add(str(error))
+            log.error("evaluation at update %d failed, training goes on without it: %s", version, error)
+        return None
 
 
 def workers_ended(config: Config, version: int) -> str:
@@ -276,6 +291,7 @@ def train_until_done(
     """Serve until every worker finished, or the missing ones are past --join_timeout."""
     next_eval = (server.version // config.eval_every + 1) * config.eval_every
     pace = Pace(server)
+    failed: set[str] = set()  # the evaluation errors said already
     while not server.done():
         wake_at = min(next_eval, checkpoints.next_version or next_eval)
         server.wait(wake_at, timeout=TICK_SECONDS)
@@ -288,8 +304,8 @@ def train_until_done(
             vector, version = server.snapshot()
             if others is not None:
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
-            if vector is not None:
-                scores = evaluate(vector)
+            scores = _scores(evaluate, vector, version, failed) if vector is not None else None
+            if scores is not None:
                 since = pace.since()
                 where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
                 rate = f" | lr {server.state.lr:.4g}" if server.state.scheduled else ""

@@ -15,6 +15,7 @@ the test split, its first one the run's headline.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -61,6 +62,12 @@ def mean_loss(model: nn.Module, batches: Batches, loss: Loss) -> dict[str, float
 BUILT_IN = {"accuracy": accuracy, "perplexity": perplexity, "loss": mean_loss}
 
 
+class MetricFailed(UsageError):
+    """The evaluation raised, or returned what is not a dict of numbers: one line naming --metrics.
+    Before training (`Evaluator.preflight`) the PS stops on it; during a run it logs it once and
+    trains on (app.ps.process)."""
+
+
 def metrics_function(name: str) -> Callable[..., Any]:
     """The evaluation `name` names (train.metrics); UsageError when the user's cannot be had."""
     return BUILT_IN[name] if name in BUILT_IN else plugins.resolve("metrics", name)
@@ -77,10 +84,17 @@ def evaluate(
 ) -> dict[str, float]:
     """The metrics of `model` on the held-out split (in eval mode; its mode is restored), as
     train.metrics names them: a dict of numbers, its first the headline."""
+    return _scored(model, _on_device(loader, device), metrics, loss)
+
+
+def _scored(model: nn.Module, batches: Batches, metrics: str, loss: Loss) -> dict[str, float]:
+    function = metrics_function(metrics)
     was_training = model.training
     model.eval()
     try:
-        got = metrics_function(metrics)(model, _on_device(loader, device), loss)
+        got = function(model, batches, loss)
+    except Exception as error:  # noqa: BLE001 - the user's metric, or a model and loss it cannot score
+        raise MetricFailed(f"--metrics {metrics}: {plugins.one_line(error)}") from None
     finally:
         model.train(was_training)
     return checked(metrics, got)
@@ -90,13 +104,13 @@ def checked(metrics: str, got: Any) -> dict[str, float]:
     """An evaluation's result as a dict of floats; UsageError naming what the user's returned."""
     where = f"--metrics {metrics}"
     if not isinstance(got, Mapping) or not got:
-        raise UsageError(f"{where}: returned {type(got).__name__}; must return a non-empty dict of name -> number")
+        raise MetricFailed(f"{where}: returned {type(got).__name__}; must return a non-empty dict of name -> number")
     out = {}
     for name, value in got.items():
         try:
             out[str(name)] = float(value)
         except (TypeError, ValueError):
-            raise UsageError(f"{where}: returned {name!r}: {value!r}; every value must be a number") from None
+            raise MetricFailed(f"{where}: returned {name!r}: {value!r}; every value must be a number") from None
     return out
 
 
@@ -139,7 +153,35 @@ class Evaluator:
         self.flat.load(vector)
         return evaluate(self.model, self.loader, self.device, self.metrics, self.loss)
 
+    @torch.no_grad()
+    def preflight(self, model_name: str, loss_name: str) -> None:
+        """The plug-ins tried on one held-out batch before any worker trains: the model's forward,
+        the loss on its outputs, the metrics on that batch. UsageError naming the one that failed
+        (a TypeError, shapes that disagree), so a mistake stops the run once, at its start."""
+        x, y = next(_on_device(self.loader, self.device))
+        try:
+            outputs = self.model(x)
+        except Exception as error:  # noqa: BLE001 - the user's model
+            raise UsageError(
+                f"--model {model_name}: its forward on a held-out batch failed: {plugins.one_line(error)}"
+            ) from None
+        with warnings.catch_warnings(record=True) as said:  # torch's warning of the broadcast that then fails
+            warnings.simplefilter("always")
+            try:
+                self.loss(outputs, y)
+            except Exception as error:  # noqa: BLE001 - the loss of these outputs and targets
+                shapes = f"outputs {_shape(outputs)}, targets {_shape(y)}"
+                why = plugins.one_line(error)
+                raise UsageError(f"--loss {loss_name}: on a held-out batch ({shapes}): {why}") from None
+        for warning in said:  # the loss works: what it warned of stands
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        _scored(self.model, [(x, y)], self.metrics, self.loss)
+
     def state_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's state dict (on CPU) holding `vector`."""
         self.flat.load(vector)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+
+def _shape(value: Any) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from app.contract import TENSORBOARD_DIR
+from app.contract import STOP_FILE_ENV, TENSORBOARD_DIR
 from app.option_table import BY_NAME, OPTIONS, Option
 from app.options import ALWAYS
 from orchestrator import runs
@@ -53,6 +53,9 @@ EXCHANGE_VOLUME = "exchange"
 EXCHANGE_DIR = "/run/psc"
 EXCHANGE_SECRET = f"{EXCHANGE_DIR}/secret"
 APP_USER = "1000:1000"  # psc, created by images/Dockerfile
+# A mistake that fails a process at every start is kept here, in the container's own filesystem:
+# its restart says it again and exits 0 instead of failing in a loop (app/stops.py).
+STOP_FILE = "/tmp/psc-stopped"
 
 # Paths inside the containers (docs/design.md).
 DATA_DIR = "/data"
@@ -412,6 +415,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     # The run's id and --resume, from the environment of the compose / stack call (orchestrator.runs):
     # the file stays the same from run to run.
     env.update(runs.interpolated())
+    env[STOP_FILE_ENV] = STOP_FILE
     svc: dict[str, Any] = {
         "image": t.image_tag,
         "command": [role],

@@ -59,6 +59,9 @@ def test_local_env_equals_render_env_but_address_and_paths(config: str, tmp_path
         # For the nvidia runtime only; locally, CUDA_VISIBLE_DEVICES="" hides the GPUs.
         void = container.pop("NVIDIA_VISIBLE_DEVICES", None)
         assert void == ("void" if t.cuda and rank == 0 else None)
+        # A container's restart says a mistake again (app/stops.py); a local process that exits 2
+        # is not restarted, so it keeps nothing.
+        assert container.pop("PSC_STOP_FILE") == "/tmp/psc-stopped"
         exchange = {"PSC_SECRET_FILE": "/run/secret", "PSC_SOCKET_DIR": "/run/sockets"}
         local = local_environment(t, rank, port=4321, run_dir=tmp_path / "run", ifname="lo", exchange=exchange)
         cuda = local.pop("CUDA_VISIBLE_DEVICES", None)

@@ -96,6 +96,40 @@ GOOD = """
 
     def raises(num_classes, channels):
         raise ValueError("no such layer size")
+
+    def complex_weights(num_classes, channels):
+        model = nn.Linear(channels * 64, num_classes)
+        model.weight = nn.Parameter(torch.zeros(num_classes, channels * 64, dtype=torch.cfloat))
+        return model
+
+    CALLS = []
+
+    def second_call_raises(model, batches, loss):
+        CALLS.append(1)
+        if len(CALLS) == 2:
+            raise RuntimeError("the metric broke at its second call")
+        correct = total = 0
+        for x, y in batches:
+            correct += int((model(x).argmax(-1) == y).sum())
+            total += y.numel()
+        return {"accuracy": correct / max(1, total)}
+
+    def always_raises(model, batches, loss):
+        raise KeyError("bleu")
+
+    class Strict(nn.Module):
+        def __init__(self, num_classes, channels):
+            super().__init__()
+            self.linear = nn.Linear(channels * 64, num_classes)
+
+        def forward(self, x, lengths):
+            return self.linear(x.flatten(1))
+
+    def strict(num_classes, channels):
+        return Strict(num_classes, channels)
+
+    def lbfgs(param_groups, lr):
+        return torch.optim.LBFGS([p for g in param_groups for p in g["params"]], lr=lr)
 """
 
 
@@ -120,6 +154,11 @@ BROKEN = [
     ),
     ("mymods.net:raises", "digits", "--model mymods.net:raises: calling it failed: ValueError: no such layer size"),
     (
+        "mymods.net:complex_weights",
+        "digits",
+        "--model mymods.net:complex_weights: parameter weight is complex (1 in all); the PS holds real parameters",
+    ),
+    (
         "cnn",
         "mymods.net:two_things",
         "--dataset mymods.net:two_things: returned a tuple of 2; must return (Dataset, channels, num_classes)",
@@ -141,6 +180,7 @@ BROKEN_IDS = [
     "not-callable",
     "not-a-module",
     "factory-raises",
+    "complex-parameter",
     "tuple-shape",
     "not-a-dataset",
     "float-channels",
@@ -167,7 +207,18 @@ def test_a_broken_entry_point_is_a_usage_error_naming_the_flag_and_why(mymods, m
             plugins.build_model(model, 1, 10)
         else:
             plugins.load_dataset(dataset, "", True, 0)
-    assert str(error.value) == expected
+    assert str(error.value).startswith(expected)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name(mymods):
+    from app.recipes import Optimizer
+    from app.training import optimizers
+
+    recipe = Optimizer("mymods.net:lbfgs", {"lr": 0.1}, True)
+    with pytest.raises(
+        UsageError, match=r"^--optimizer mymods.net:lbfgs: returned a LBFGS, whose step needs a closure"
+    ):
+        optimizers.make(recipe, [{"params": [torch.zeros(2, requires_grad=True)]}])
 
 
 @pytest.mark.slow
@@ -191,6 +242,44 @@ def test_a_worker_given_a_broken_entry_point_exits_2_with_its_one_line(tmp_path,
     )
     assert r.returncode == 2, r.stderr
     assert _not_logs(r.stderr) == [f"app: error: {expected}"]
+
+
+# A plug-in that fails on the PS's first held-out batch: (flags, the one error line).
+PREFLIGHT = [
+    (
+        ["--model", "mymods.net:strict"],
+        "--model mymods.net:strict: its forward on a held-out batch failed: TypeError: "
+        "Strict.forward() missing 1 required positional argument: 'lengths'",
+    ),
+    (
+        ["--model", "mymods.net:build", "--loss", "mse"],
+        "--loss mse: on a held-out batch (outputs [",
+    ),
+    (["--metrics", "mymods.net:always_raises"], "--metrics mymods.net:always_raises: KeyError: 'bleu'"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, expected", PREFLIGHT, ids=["model-typeerror", "loss-shapes", "metric-raises"])
+def test_a_plug_in_that_fails_on_one_batch_stops_the_ps_before_any_worker_trains(tmp_path, flags, expected):
+    code = _code(tmp_path, GOOD)
+    r = run_app("ps", *DIGITS, *flags, "--world_size", "2", "--master_port", str(free_port()), env=_env_with(code))
+    assert r.returncode == 2, r.stderr
+    lines = _not_logs(r.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"app: error: {expected}"), r.stderr
+
+
+@pytest.mark.slow
+def test_a_metric_that_raises_during_the_run_is_said_once_and_training_goes_on(tmp_path):
+    code = _code(tmp_path, GOOD)
+    args = [*DIGITS, "--num_epochs", "2", "--eval_every", "10", "--metrics", "mymods.net:second_call_raises"]
+    procs = run_cluster(tmp_path, workers=1, args=args, timeout=180, env=_env_with(code))
+    ps = procs["ps"]
+    assert all(p.returncode == 0 for p in procs.values()), ps.stderr
+    said = [line for line in ps.stderr.splitlines() if "the metric broke" in line]
+    assert len(said) == 1 and "evaluation at update 10 failed, training goes on without it" in said[0]
+    assert (tmp_path / "checkpoints" / "final.pt").exists()
+    assert _final_accuracy(ps.stdout) > 0.5  # the later evaluations, the final one among them
 
 
 @pytest.mark.slow
