@@ -132,7 +132,8 @@ class ProcessOptions:
     socket_dir: str = option(
         "",
         "A directory for the job's UNIX sockets (every process on one host; made 0700 when missing): only "
-        "who may open it may connect; empty: TCP at --master_addr:--master_port.",
+        "who may open it may connect; empty: TCP at --master_addr:--master_port. Strategy allreduce: its "
+        "rendezvous, a c10d FileStore, in it (Gloo and NCCL on the loopback) instead of a TCPStore.",
     )
     encrypt: bool = option(
         True,

@@ -176,10 +176,9 @@ def join_job(
     run already finished. The backend's name."""
     backend = rendezvous(world, device, config.rpc_timeout)
     log.info(
-        "%s joined the allreduce job at %s:%d (%s, %s)",
+        "%s joined the allreduce job at %s (%s, %s)",
         config.name,
-        world.addr,
-        world.port,
+        world.where(),
         words.counted(world.size, "worker"),
         backend,
     )

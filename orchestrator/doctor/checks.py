@@ -15,9 +15,10 @@ from typing import Any, Optional
 
 from orchestrator import sample_data
 from orchestrator.doctor.facts import CDI_GPU_KIND, Facts
-from orchestrator.render.compose import shares_pid_namespace
+from orchestrator.render.holder import shares_pid_namespace
 from orchestrator.render.shm_sizing import exchange_estimate, shared_shm_bytes
 from orchestrator.topology.model import Topology, size_bytes
+from orchestrator.topology.services import has_ps
 
 MIN_API = (1, 40)  # Docker 19.03: GPU device requests; Swarm's cap_drop needs 1.41 (20.10)
 GIB = 1024**3
@@ -101,9 +102,11 @@ def check_shm(t: Topology, f: Facts, where: str = "/dev/shm", one_host: bool = T
             "set workers.shm_size to 256m or more (2g for ImageNet-sized batches)",
         )
     shared = one_host and shares_pid_namespace(t)
-    total = shared_shm_bytes(t) if shared else ps + t.workers.count * worker
+    total = shared_shm_bytes(t) if shared else (ps if has_ps(t) else 0) + t.workers.count * worker
     what = f"{where}: {gib(total)} in all"
-    if shared:
+    if shared and not has_ps(t):
+        what = f"{where}, one for the job: {gib(total)} in all"
+    elif shared:
         exchange = exchange_estimate(t)
         what = f"{where}, one for the job: {gib(total)} in all, " + (
             f"{gib(exchange)} of it the exchange's shared memory ({t.train.model}, {t.max_workers} workers)"
@@ -117,8 +120,9 @@ def check_shm(t: Topology, f: Facts, where: str = "/dev/shm", one_host: bool = T
         return Check(
             "shm",
             False,
-            f"{what} (ps {t.ps.shm_size} + {t.max_workers if shared else t.workers.count} x "
-            f"{t.workers.shm_size}) is more than the host's {gib(mem)} of memory",
+            f"{what} ({f'ps {t.ps.shm_size} + ' if has_ps(t) else ''}"
+            f"{t.max_workers if shared else t.workers.count} x {t.workers.shm_size}) is more than the host's "
+            f"{gib(mem)} of memory",
             "lower workers.shm_size / ps.shm_size, or run fewer workers per host",
         )
     return Check("shm", True, f"{what}; host memory {gib(mem)}")

@@ -13,8 +13,9 @@ and `scale` starts the others by name (compose starts a service of a profile
 that is named on its command line); every service then has PSC_MAX_WORKERS.
 
 Strategy `allreduce` (a DDP job, app/allreduce/job.py) has no PS: services worker1..N
-only, rank 0 (worker1) hosts the rendezvous, builds the image and writes the
-checkpoints.
+only; rank 0 (worker1) builds the image and writes the checkpoints. On one host the ranks share
+the `pidns` holder's network namespace and meet on its loopback, their rendezvous files on the
+`exchange` volume (orchestrator.render.holder); elsewhere (swarm) worker1 hosts a TCPStore.
 """
 
 from __future__ import annotations
@@ -27,7 +28,17 @@ from app.options import ALWAYS
 from orchestrator import runs
 from orchestrator.paths import DOCKERFILE
 from orchestrator.render import tracking
-from orchestrator.render.shm_sizing import compose_size, shared_shm_bytes
+from orchestrator.render.holder import (
+    APP_USER,
+    EXCHANGE_VOLUME,
+    exchange_volume,
+    holder,
+    join_namespaces,
+    loopback_rendezvous,
+    own_network_namespace,
+    private_exchange,
+    shares_pid_namespace,
+)
 from orchestrator.render.yamlio import yaml_text
 from orchestrator.topology.model import Topology
 from orchestrator.topology.services import (
@@ -45,14 +56,8 @@ from orchestrator.topology.services import (
 NETWORK = "cluster"
 SCALE_PROFILE = "scale"  # the workers above workers.count: started only by `scale`
 STATE_VOLUME = "state"  # named volume; compose calls it <project>_state
-# The job's private exchange on one host (a PS job): a tmpfs volume only its PS, shards and
-# workers mount, holding the run's secret (made by the PS as the run's first process) and the
-# UNIX sockets they talk over. 0700, the app user's: no other account, on the host or in another
-# container, may open it; its files go when the job's last container stops (a new secret each run).
-EXCHANGE_VOLUME = "exchange"
-EXCHANGE_DIR = "/run/psc"
-EXCHANGE_SECRET = f"{EXCHANGE_DIR}/secret"
-APP_USER = "1000:1000"  # psc, created by images/Dockerfile
+# The job's private exchange (a tmpfs volume) and its namespaces' holder on one host:
+# orchestrator.render.holder.
 # A mistake that fails a process at every start is kept here, in the container's own filesystem:
 # its restart says it again and exits 0 instead of failing in a loop (app/stops.py).
 STOP_FILE = "/tmp/psc-stopped"
@@ -176,20 +181,24 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
         services[worker_name(rank)] = _worker(t, rank)
         if rank > t.workers.count:
             services[worker_name(rank)]["profiles"] = [SCALE_PROFILE]
+    own_network = one_host and own_network_namespace(t)  # allreduce: the ranks meet on the loopback
     if one_host and shares_pid_namespace(t):
         for svc in services.values():
-            _join_namespaces(svc)
-        services = {PIDNS_SERVICE: _pidns(t), **services}
+            join_namespaces(svc, network=own_network)
+        services = {PIDNS_SERVICE: holder(t, NETWORK), **services}
     elif has_ps(t):  # a /dev/shm each: the PS makes no segment its workers could not map
         for svc in services.values():
             svc["environment"].update(TRANSPORT_ONLY)
-    if one_host and has_ps(t):
-        for svc in services.values():
-            if svc.get("command"):  # the PS, its shards and the workers (not pidns)
-                _private_exchange(svc, sockets=not t.network.publish_rpc_port)
+    for name, svc in services.items() if one_host else ():
+        if not svc.get("command"):  # the holder
+            continue
+        if has_ps(t):  # the PS, its shards and the workers
+            private_exchange(svc, sockets=not t.network.publish_rpc_port)
+        elif own_network:
+            loopback_rendezvous(svc, name, t.cuda)
     services[TENSORBOARD_SERVICE] = _tensorboard(t)
     volumes = {STATE_VOLUME: state_volume(t)}
-    if one_host and has_ps(t):
+    if one_host and (has_ps(t) or own_network):
         volumes[EXCHANGE_VOLUME] = exchange_volume(t)
     if tracking.tracked_by_own_server(t):
         tracking.track_in_own_server(services[PS_SERVICE], t.tracking.auth)
@@ -205,72 +214,6 @@ def render(t: Topology, *, one_host: bool = True) -> dict[str, Any]:
 # The app's --exchange where the PS and its workers cannot share memory (each container has its
 # own /dev/shm: same_host_copy off, Swarm, Kubernetes).
 TRANSPORT_ONLY = {BY_NAME["exchange"].env: "transport"}
-
-
-def shares_pid_namespace(t: Topology) -> bool:
-    """Whether the PS, its shards and the workers share one PID namespace and one IPC namespace
-    (`network.same_host_copy`): the PS's shared memory for the exchange is then every worker's
-    (app.exchange.ps_end: pushes and replies as memory), as between local processes; the
-    `pidns` service sees when every process of the job has left. allreduce talks Gloo or NCCL,
-    which use neither."""
-    return t.network.same_host_copy and has_ps(t)
-
-
-def _pidns(t: Topology) -> dict[str, Any]:
-    """The service that holds the shared PID and IPC namespaces (as a Kubernetes pod's pause
-    container does): tini as PID 1 reaps every orphan, `python -m app.pidns` waits and exits 0
-    once every other process of the job has left. Its /dev/shm is the job's (sized for all of
-    it: orchestrator.render.shm_sizing), and it outlives a restarted PS or worker, so a PS that comes
-    back finds the namespace its workers are in. No network, no capability, no mount, no GPU."""
-    svc: dict[str, Any] = {
-        "image": t.image_tag,
-        "entrypoint": ["python", "-m", "app.pidns"],
-        "labels": {LABEL_PROJECT: t.name, LABEL_ROLE: PIDNS_SERVICE},
-        "user": APP_USER,
-        "init": True,
-        "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true"],
-        "network_mode": "none",
-        "ipc": "shareable",
-        "shm_size": compose_size(shared_shm_bytes(t)),
-        # It exits 0 when the job is over; a failure of its own takes the namespace with it.
-        "restart": "on-failure",
-    }
-    if t.cuda:
-        svc["environment"] = {"NVIDIA_VISIBLE_DEVICES": "void"}
-    return svc
-
-
-def _join_namespaces(svc: dict[str, Any]) -> None:
-    """`svc` in the `pidns` service's IPC namespace (its /dev/shm: the container's own
-    shm_size no longer applies) and PID namespace, with no capability added.
-    PID 1 of the namespace is the `pidns` service's tini, which reaps orphans, so the
-    service needs no init of its own: its `python -m app` is the container's process
-    and gets compose's SIGTERM directly."""
-    svc["pid"] = f"service:{PIDNS_SERVICE}"
-    svc["ipc"] = f"service:{PIDNS_SERVICE}"
-    svc.pop("shm_size", None)
-    svc["init"] = False
-    svc["depends_on"] = {PIDNS_SERVICE: {"condition": "service_started"}, **svc.get("depends_on", {})}
-
-
-def _private_exchange(svc: dict[str, Any], sockets: bool) -> None:
-    """`svc` on the job's private exchange: the volume, the secret and (`sockets`) the UNIX
-    sockets in it; without them (a published port) the PS listens on TCP, encrypted (CURVE)."""
-    svc["volumes"].append({"type": "volume", "source": EXCHANGE_VOLUME, "target": EXCHANGE_DIR})
-    svc["environment"][BY_NAME["secret_file"].env] = EXCHANGE_SECRET
-    if sockets:
-        svc["environment"][BY_NAME["socket_dir"].env] = EXCHANGE_DIR
-
-
-def exchange_volume(t: Topology) -> dict[str, Any]:
-    """The tmpfs volume of the private exchange (see EXCHANGE_VOLUME), the app user's, 0700."""
-    uid, gid = APP_USER.split(":")
-    return {
-        "driver": "local",
-        "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": f"uid={uid},gid={gid},mode=0700,size=1m"},
-        "labels": {LABEL_PROJECT: t.name},
-    }
 
 
 def state_volume(t: Topology) -> dict[str, Any]:
@@ -332,7 +275,7 @@ def _worker(t: Topology, rank: int) -> dict[str, Any]:
     if has_ps(t):
         svc["depends_on"] = {PS_SERVICE: {"condition": "service_healthy"}}
     elif rank == 1:
-        # Rank 0 of the DDP job: it hosts the rendezvous and writes the checkpoints.
+        # Rank 0 of the DDP job: it makes the rendezvous and writes the checkpoints.
         svc = _builds(t, svc)
         if t.network.publish_rpc_port:
             svc["ports"] = [f"{t.ps.rpc_port}:{t.ps.rpc_port}"]

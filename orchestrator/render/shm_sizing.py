@@ -5,7 +5,8 @@ by the `pidns` service, and so one /dev/shm: the PS's shared-memory segments for
 (app.contract.exchange_bytes, from the model's state size in app.model_sizes) live there beside
 what each container used to have on its own (ps.shm_size per PS process, workers.shm_size per
 possible worker: DataLoader batches, the image cache). The holder's shm_size is their sum. It
-is a limit, not a reservation: memory is used only as it is written.
+is a limit, not a reservation: memory is used only as it is written. An allreduce job on one
+host shares the holder's namespaces too: its workers' shm_size, no PS and no exchange.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def exchange_estimate(t: Topology) -> int | None:
 def shared_shm_bytes(t: Topology) -> int:
     """The shared /dev/shm of a job in one IPC namespace: every PS process's ps.shm_size, every
     possible worker's workers.shm_size, and the exchange's segments."""
-    own = t.ps.shards * size_bytes(t.ps.shm_size) + t.max_workers * size_bytes(t.workers.shm_size)
-    return own + (exchange_estimate(t) or 0)
+    workers = t.max_workers * size_bytes(t.workers.shm_size)
+    if not strategy_of(t.train.strategy).has_ps:
+        return workers
+    return t.ps.shards * size_bytes(t.ps.shm_size) + workers + (exchange_estimate(t) or 0)
 
 
 def compose_size(n: int) -> str:

@@ -102,8 +102,9 @@ class Train(TrainOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class PS(PSOptions):
-    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 hosts the rendezvous on rpc_port
-    and checkpoints every checkpoint_every steps."""
+    """The parameter server (rank 0). Under strategy allreduce there is none: worker1 makes the rendezvous (on one host
+    files on the job's private volume; across hosts a TCPStore on rpc_port) and checkpoints every checkpoint_every
+    steps."""
 
     __pydantic_config__ = SECTION_CONFIG
     shm_size: Size = field(default="1g", metadata={"description": "/dev/shm of the PS container."})

@@ -6,7 +6,9 @@ container (`orchestrator.render.compose.app_environment`), except the address (1
 port), the paths (data_dir as on the host, runs/<name>/ for checkpoints and
 metrics), the interface (loopback) and the exchange: a PS job's processes talk over UNIX
 sockets in a 0700 directory of the run's, proving the run's secret (runs/<name>/secret, 0600),
-both made as the run starts and removed as it ends (orchestrator.job_secret). Output is prefixed by service name, as
+both made as the run starts and removed as it ends (orchestrator.job_secret); an allreduce
+job's ranks rendezvous through files in that directory (a c10d FileStore, no TCPStore) and
+then talk Gloo on 127.0.0.1, which has no authentication. Output is prefixed by service name, as
 compose prints it. Ctrl-C, SIGTERM or SIGHUP (the terminal closed) stops every process;
 output that can no longer be written (a closed terminal) is dropped, the stop goes on.
 
@@ -95,6 +97,8 @@ def local_environment(
     env.update(runs.environment(run_id, resume))
     if exchange and has_ps(t):
         env.update(exchange)
+    elif exchange:  # allreduce: its rendezvous files in the directory (app.allreduce.filestore), no TCPStore
+        env[job_secret.SOCKET_DIR_ENV] = exchange[job_secret.SOCKET_DIR_ENV]
     if run_id and has_ps(t):
         env["PSC_SHM_DIR"] = str(shm_dir(t, run_id))
     if rank == 0 and has_ps(t):  # the PS logs the run to MLflow where the caller set a tracking URI
@@ -295,7 +299,7 @@ def run(
             where = (
                 f"on UNIX sockets in {exchange[job_secret.SOCKET_DIR_ENV]}"
                 if has_ps(t)
-                else f"on {LOCALHOST}:{specs[0].env['PSC_MASTER_PORT']}"
+                else f"rendezvous in {exchange[job_secret.SOCKET_DIR_ENV]}, Gloo on {LOCALHOST}"
             )
             print(f"local: {t.name}: {describe(t)} {where}, state in {run_dir}/", flush=True)
             print(f"local: {runs.describe(run_id, resume)}", flush=True)

@@ -73,7 +73,7 @@ def _listening(container) -> list[int]:
     return sorted(ports)
 
 
-def _until(what: str, check, timeout: float = 300.0):
+def until(what: str, check, timeout: float = 300.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = check()
@@ -93,7 +93,7 @@ def test_another_account_cannot_reach_or_stall_a_compose_run(engine, offline_ima
     try:
         out = io.StringIO()
         assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out) == 0, out.getvalue()
-        _until(
+        until(
             "worker2 trains",
             lambda: re.search(r"\| Epoch: 2 \|", adapter.log_text(engine, project, "worker2")),
         )

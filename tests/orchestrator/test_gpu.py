@@ -66,8 +66,13 @@ def test_nccl_follows_network_ifname_like_gloo() -> None:
             env = svc["environment"]
             assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ens5"
     allreduce = parse(GPU.replace("strategy: async", "strategy: allreduce"), "a.yaml")
+    assert {
+        s["environment"]["NCCL_SOCKET_IFNAME"]
+        for s in training(render_compose.render(allreduce, one_host=False)).values()
+    } == {"eth0"}
+    # on one host the ranks share a network namespace: NCCL, as Gloo, on its loopback
     assert {s["environment"]["NCCL_SOCKET_IFNAME"] for s in training(render_compose.render(allreduce)).values()} == {
-        "eth0"
+        "lo"
     }
 
 

@@ -217,10 +217,11 @@ def test_same_host_copy_off_gives_each_container_its_own_pid_namespace_and_no_ca
         assert "cap_add" not in svc and "pid" not in svc
 
 
-def test_allreduce_and_other_hosts_share_no_pid_namespace() -> None:
-    """Gloo and NCCL use no shared memory of the PS; swarm spreads the job over nodes."""
+def test_other_hosts_share_no_pid_namespace() -> None:
+    """Swarm spreads the job over nodes (an allreduce job's holder on one host:
+    tests/orchestrator/test_render_allreduce.py)."""
     allreduce = parse(yaml.safe_dump(topology(train={"strategy": "allreduce"})))
-    assert PIDNS_SERVICE not in render_compose.render(allreduce)["services"]
+    assert PIDNS_SERVICE not in render_compose.render(allreduce, one_host=False)["services"]
     t = parse(yaml.safe_dump(topology()))
     assert PIDNS_SERVICE not in render_compose.render(t, one_host=False)["services"]
     assert all("pid" not in s for s in render_compose.render(t, one_host=False)["services"].values())

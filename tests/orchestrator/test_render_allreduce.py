@@ -21,7 +21,7 @@ from orchestrator.backends.registry import get
 from orchestrator.render import compose as render_compose
 from orchestrator.render import swarm as render_swarm
 from orchestrator.topology.model import TopologyError, load, parse
-from orchestrator.topology.services import rendezvous_service, service_names
+from orchestrator.topology.services import PIDNS_SERVICE, rendezvous_service, service_names
 from orchestrator.verbs import cluster as verbs
 from orchestrator.verbs import local
 
@@ -78,23 +78,68 @@ def test_docker_stack_config(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
 
 
-def test_no_ps_worker1_is_the_rendezvous() -> None:
+def test_no_ps_the_ranks_meet_on_the_loopback_of_a_network_namespace_of_their_own() -> None:
+    """One host: every rank in the `pidns` holder's network (and PID, IPC) namespace, its
+    rendezvous files on the exchange volume, Gloo on `lo`; the holder alone is on the bridge."""
     t = allreduce()
     doc = render_compose.render(t)
     assert list(training(doc)) == ["worker1", "worker2", "worker3"] == service_names(t)
     assert rendezvous_service(t) == "worker1" and rendezvous_service(load(SMOKE)) == "ps"
+    holder = doc["services"][PIDNS_SERVICE]
+    assert holder["networks"] == ["cluster"] and "network_mode" not in holder and "ports" not in holder
+    assert holder["ipc"] == "shareable" and holder["shm_size"] == f"{3 * 256}m"  # the workers' shm_size, no PS's
+    assert holder["entrypoint"] == ["python", "-m", "app.pidns"] and holder["restart"] == "on-failure"
+    assert "environment" not in holder and "volumes" not in holder
     for rank, (_name, svc) in enumerate(training(doc).items(), start=1):
         env = svc["environment"]
         assert (env["PSC_RANK"], env["PSC_WORLD_SIZE"]) == (str(rank), "4")  # the app counts a PS slot
-        assert (env["PSC_MASTER_ADDR"], env["PSC_MASTER_PORT"]) == ("worker1", str(t.ps.rpc_port))
+        assert (env["PSC_MASTER_ADDR"], env["PSC_SOCKET_DIR"], env["GLOO_SOCKET_IFNAME"]) == (
+            "127.0.0.1",
+            "/run/psc",
+            "lo",
+        )
+        assert "PSC_SECRET_FILE" not in env and "NCCL_SOCKET_IFNAME" not in env
         assert env["PSC_STRATEGY"] == "allreduce" and svc["command"] == ["worker"]
         assert svc["restart"] == "on-failure" and "healthcheck" not in svc and "ports" not in svc
         assert {"type": "volume", "source": "state", "target": "/state"} in svc["volumes"]  # rank 0 checkpoints
-        assert svc["user"] == "1000:1000" and svc["cap_drop"] == ["ALL"]
+        assert {"type": "volume", "source": "exchange", "target": "/run/psc"} in svc["volumes"]
+        assert svc["user"] == "1000:1000" and svc["cap_drop"] == ["ALL"] and "cap_add" not in svc
+        assert "networks" not in svc and svc["init"] is False and "shm_size" not in svc
+        assert svc["network_mode"] == svc["pid"] == svc["ipc"] == f"service:{PIDNS_SERVICE}"
+        started = {"condition": "service_started"}
         if rank == 1:
-            assert "build" in svc and "depends_on" not in svc
+            assert "build" in svc and svc["depends_on"] == {PIDNS_SERVICE: started}
         else:
-            assert "build" not in svc and svc["depends_on"] == {"worker1": {"condition": "service_started"}}
+            assert "build" not in svc and svc["depends_on"] == {PIDNS_SERVICE: started, "worker1": started}
+    assert doc["volumes"]["exchange"]["driver_opts"]["o"] == "uid=1000,gid=1000,mode=0700,size=1m"
+    assert doc["services"]["tensorboard"]["networks"] == ["cluster"]  # `make tensorboard`: as for a PS job
+
+
+def test_other_hosts_keep_worker1s_tcpstore() -> None:
+    """Swarm (and the document it builds on, one_host=False) and a published port: worker1 hosts
+    a TCPStore on the network, as torchrun's does; no holder."""
+    t = allreduce()
+    for services in (
+        render_compose.render(t, one_host=False)["services"],
+        render_swarm.render(t, data_root=DATA_ROOT)["services"],
+    ):
+        assert PIDNS_SERVICE not in services
+        for name in service_names(t):
+            env = services[name]["environment"]
+            assert env["PSC_MASTER_ADDR"] == "worker1" and "PSC_SOCKET_DIR" not in env, name
+            assert "network_mode" not in services[name]
+    published = parse(yaml.safe_dump(topology(train={"strategy": "allreduce"}, network={"publish_rpc_port": True})))
+    doc = render_compose.render(published)
+    assert PIDNS_SERVICE not in doc["services"] and "exchange" not in doc["volumes"]
+
+
+def test_on_gpus_nccl_binds_the_loopback_too() -> None:
+    t = parse(yaml.safe_dump(topology(image={"device": "cuda"}, train={"strategy": "allreduce"}, workers={"count": 2})))
+    doc = render_compose.render(t)
+    for name, svc in training(doc).items():
+        assert svc["environment"]["NCCL_SOCKET_IFNAME"] == svc["environment"]["GLOO_SOCKET_IFNAME"] == "lo"
+        assert svc["environment"]["NCCL_HOSTID"] == name  # a node each, as in containers of their own
+    assert doc["services"][PIDNS_SERVICE]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void"}
 
 
 def test_gpu_reservations_as_for_ps_workers() -> None:
@@ -158,7 +203,10 @@ def test_cli_strategy_override(cli) -> None:
 
 
 def test_local_plan_has_no_ps() -> None:
-    specs = local.plan(allreduce(workers=2), port=29999, run_dir=Path("/tmp/run"), ifname="lo", python="py")
+    exchange = {"PSC_SECRET_FILE": "/runs/secret", "PSC_SOCKET_DIR": "/tmp/psc-x"}
+    specs = local.plan(
+        allreduce(workers=2), port=29999, run_dir=Path("/tmp/run"), ifname="lo", python="py", exchange=exchange
+    )
     assert [s.name for s in specs] == ["worker1", "worker2"]
     for rank, s in enumerate(specs, start=1):
         assert s.argv == ["py", "-m", "app", "worker"]
@@ -168,6 +216,8 @@ def test_local_plan_has_no_ps() -> None:
             "29999",
         )
         assert s.env["PSC_STRATEGY"] == "allreduce"
+        # the rendezvous: files in the run's private directory (no TCPStore); no secret to prove
+        assert s.env["PSC_SOCKET_DIR"] == "/tmp/psc-x" and "PSC_SECRET_FILE" not in s.env
 
 
 def test_cluster_target_and_judge() -> None:

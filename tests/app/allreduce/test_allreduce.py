@@ -3,6 +3,8 @@ then 2 real processes on 127.0.0.1 (CPU, Gloo, the built-in CNN on digits)."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 import shutil
 import subprocess
@@ -202,11 +204,43 @@ def _wait_for_checkpoint(tmp_path: Path, procs: dict[str, subprocess.Popen], tim
         time.sleep(0.1)
 
 
+def tcp_listeners(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket process `pid` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed as we looked
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, this process's
+                address, port = fields[1].rsplit(":", 1)
+                raw = bytes.fromhex(address)
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # each 32-bit word little-endian
+                found.add((str(ipaddress.ip_address(b"".join(words))), int(port, 16)))
+    return found
+
+
 @pytest.mark.slow
 def test_a_lost_peer_stops_the_job_and_a_restart_resumes_from_the_checkpoint(tmp_path):
+    """Over the FileStore rendezvous in a private directory (--socket_dir): the killed attempt
+    leaves its store behind, the restarted job makes and finds a fresh one, and no rank listens
+    on TCP but on the loopback (Gloo), the TCPStore's port never."""
     args = [a if a != "100" else "20" for a in DIGITS]  # checkpoint (and evaluate) every 20 steps
+    args += ["--socket_dir", str(tmp_path / "private")]
     procs = start(tmp_path, 2, args)
     _wait_for_checkpoint(tmp_path, procs, CAP_SECONDS)
+    listening = {name: tcp_listeners(p.pid) for name, p in procs.items()}
+    assert listening["worker1"], listening  # Gloo's
+    assert {a for found in listening.values() for a, _ in found} == {"127.0.0.1"}, listening
+    master_ports = {int(p.args[p.args.index("--master_port") + 1]) for p in procs.values()}
+    assert not master_ports & {port for found in listening.values() for _, port in found}, listening
+    assert oct((tmp_path / "private").stat().st_mode & 0o777) == "0o700"
     procs["worker2"].kill()
     first = finish(tmp_path, procs, 30)
     assert first["worker1"].returncode == 1, first["worker1"].stderr
@@ -228,6 +262,8 @@ def test_a_lost_peer_stops_the_job_and_a_restart_resumes_from_the_checkpoint(tmp
         after = [r["step"] for r in records if r["event"] == "train" and r["time"] > join["time"]]
         assert after and min(after) > stopped_at and records[-1]["step"] == STEPS
     assert "resumed from" in second["worker1"].stderr
+    assert "joined the allreduce job at files in" in second["worker2"].stderr
+    assert len(list((tmp_path / "private").glob("rendezvous-*"))) == 1  # the first attempt's store is gone
 
 
 @pytest.mark.slow
