@@ -337,6 +337,24 @@ def print_logs(client: Any, project: str, out: TextIO) -> None:
     out.flush()
 
 
+MISTAKE = "app: error: "  # how a process of the app says the mistake it stopped on (app/__main__.py)
+
+
+def mistakes(client: Any, project: str) -> list[tuple[str, str]]:
+    """(service, the mistake it stopped on) of each container of the project whose log says one
+    (app/stops.py: a process that exits 2), the PS first; its first such line, without the prefix."""
+    found = []
+    for c in sorted(containers(client, project), key=lambda c: (service_of(c) != "ps", service_of(c))):
+        try:
+            text = c.logs(stdout=False, stderr=True).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - a container removed meanwhile says nothing
+            continue
+        lines = [line for line in text.splitlines() if line.startswith(MISTAKE)]
+        if lines:
+            found.append((service_of(c), lines[0].removeprefix(MISTAKE)))
+    return found
+
+
 def wait_exited(
     client: Any, project: str, count: int, timeout: float, out: TextIO, every: float = 2.0
 ) -> Optional[list[ServiceState]]:

@@ -66,7 +66,17 @@ class ComposeBackend(Backend):
 
     def deploy(self, c: Cluster, env: dict[str, str], out: TextIO) -> list[str]:
         print(f"==> starting with {_compose()}", file=out, flush=True)
-        command.run(adapter.up_argv(_compose(), project(c)), env=env)
+        try:
+            command.run(adapter.up_argv(_compose(), project(c)), env=env)
+        except EngineError:
+            said = adapter.mistakes(images.client(), c.name)
+            if said:  # a process stopped on a mistake of the run's (app/stops.py): that, not compose's words
+                service, line = said[0]
+                raise UsageError(
+                    f"{service} stopped on a mistake and is not retried: {line}; fix it, then "
+                    f"`down` and `up` again"
+                ) from None
+            raise
         return []
 
     def describe(self, c: Cluster) -> list[ServiceState]:
