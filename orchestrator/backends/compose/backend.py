@@ -73,8 +73,7 @@ class ComposeBackend(Backend):
             if said:  # a process stopped on a mistake of the run's (app/stops.py): that, not compose's words
                 service, line = said[0]
                 raise UsageError(
-                    f"{service} stopped on a mistake and is not retried: {line}; fix it, then "
-                    f"`down` and `up` again"
+                    f"{service} stopped on a mistake and is not retried: {line}; fix it, then `down` and `up` again"
                 ) from None
             raise
         return []
