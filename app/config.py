@@ -43,6 +43,11 @@ class Config(PSOptions, TrainOptions, ProcessOptions):
         return max(self.max_workers, self.world_size - 1)
 
     @property
+    def held_out_batch(self) -> int:
+        """The held-out evaluation's batch size: --eval_batch_size, else --batch_size."""
+        return self.eval_batch_size or self.batch_size
+
+    @property
     def name(self) -> str:
         """This process's RPC name: `ps`, `ps<shard>` or `worker<rank>`."""
         return process_name(self.role, self.rank, self.shard)

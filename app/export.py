@@ -117,5 +117,5 @@ def evaluated(config: Config, model: dict[str, torch.Tensor], held_out: datasets
     """The metrics of the state dict `model` on the held-out split, as the PS evaluates (CPU)."""
     built = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
     built.load_state_dict(model, strict=True)
-    loader = datasets.eval_loader(held_out.data, config.batch_size, 0)
+    loader = datasets.eval_loader(held_out.data, config.held_out_batch, 0)
     return evaluate(built, loader, torch.device("cpu"), config.metrics, losses.build(config.loss))

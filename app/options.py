@@ -197,6 +197,13 @@ class TrainOptions:
         required=True,
     )
     batch_size: int = option(256, "Samples per batch, per worker.", low=1, required=True)
+    eval_batch_size: int = option(
+        0,
+        "Samples per batch of the held-out evaluation (the PS's, allreduce's rank 0's, the export's): "
+        "a model that fits a larger batch without gradients evaluates faster; 0: batch_size.",
+        low=0,
+        emit=CHANGED,
+    )
     lr: float = option(0.01, "SGD learning rate, applied on the PS.", low=0, low_open=True, required=True)
     momentum: float = option(0.0, "SGD momentum, on the PS.", low=0, high=1, high_open=True)
     epochs: int = option(150, "Epochs each worker runs over its shard.", low=1, flag="num_epochs", required=True)

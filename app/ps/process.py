@@ -60,7 +60,7 @@ def run(config: Config) -> int:
     def build() -> nn.Module:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
-    loader = datasets.eval_loader(held_out.data, config.batch_size, workers)
+    loader = datasets.eval_loader(held_out.data, config.held_out_batch, workers)
     evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss))
     evaluate.preflight(config.model, config.loss["name"])  # a mistake in a plug-in stops the run here, once
     model = build()

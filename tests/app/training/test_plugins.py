@@ -270,6 +270,12 @@ def test_a_plug_in_that_fails_on_one_batch_stops_the_ps_before_any_worker_trains
 
 
 @pytest.mark.slow
+def test_the_held_out_evaluation_takes_eval_batch_size_batches(tmp_path):
+    r = run_app("ps", *DIGITS, "--loss", "mse", "--eval_batch_size", "50", "--master_port", str(free_port()))
+    assert r.returncode == 2 and "--loss mse: on a held-out batch (outputs [50, 10], targets [50])" in r.stderr
+
+
+@pytest.mark.slow
 def test_a_metric_that_raises_during_the_run_is_said_once_and_training_goes_on(tmp_path):
     code = _code(tmp_path, GOOD)
     args = [*DIGITS, "--num_epochs", "2", "--eval_every", "10", "--metrics", "mymods.net:second_call_raises"]
