@@ -78,7 +78,8 @@ def run(config: Config, env: Optional[Mapping[str, str]] = None) -> int:
             model.register_comm_hook(None, compress_hook(config.compress, backend))
         rank0 = None
         if checkpoints is not None and inputs.held_out is not None:
-            rank0 = (checkpoints, datasets.eval_loader(inputs.held_out.data, config.held_out_batch, inputs.loader_workers))
+            held_out = datasets.eval_loader(inputs.held_out.data, config.held_out_batch, inputs.loader_workers)
+            rank0 = (checkpoints, held_out)
         trainer = AllreduceTrainer(
             config, world, model, state.optimizer, state, inputs.loader, inputs.sampler, device, metrics, rank0
         )
