@@ -90,6 +90,14 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "schedule",
+        lambda v: v["schedule"]["name"] == "plateau" and (v["shards"] > 1 or v["strategy"] == NO_PS_STRATEGY),
+        lambda v: (
+            "plateau follows the main PS's evaluations: allowed with one PS process (ps.shards 1) and a "
+            "parameter server (strategy async, sync or ssp)"
+        ),
+    ),
+    Rule(
         "precision",
         lambda v: v["precision"] == "fp16" and v["device"] != "cuda" and v.get("role") in (None, "worker"),
         lambda v: "needs a GPU, device cuda (loss scaling runs on the GPU); on CPU use bf16",

@@ -301,7 +301,10 @@ class TrainOptions:
     schedule: Spec = option(
         {"name": "constant"},
         "The learning rate by the PS's version (the updates applied): constant, cosine (eta_min: the last rate), "
-        "step (step_size: updates or a fraction of the run; gamma) or linear (end_factor), after a linear "
+        "step (step_size: updates or a fraction of the run; gamma), linear (end_factor) or plateau (torch's "
+        "ReduceLROnPlateau on the headline metric at each evaluation: mode min or max, by default max for "
+        "accuracy and min otherwise; factor, patience and cooldown in evaluations, threshold, threshold_mode, "
+        "min_lr; one PS process), after a linear "
         "warmup of warmup updates (or that fraction of the run) from warmup_start_factor (1/3) of the rate, "
         "as torch's LinearLR, CosineAnnealingLR and StepLR. The run's length is the updates it plans at its "
         "start: epochs x the batches of an epoch over the whole training split (sync: divided by the workers), "

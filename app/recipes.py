@@ -98,6 +98,8 @@ SCHEDULES: dict[str, tuple[str, ...]] = {
     "cosine": ("eta_min",),  # CosineAnnealingLR over the rest of the run, down to eta_min (a rate)
     "step": ("step_size", "gamma"),  # StepLR: times gamma every step_size updates (or that fraction of the run)
     "linear": ("end_factor",),  # LinearLR from 1 to end_factor over the rest of the run
+    # ReduceLROnPlateau on the headline metric at each evaluation (the main PS's)
+    "plateau": ("mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr"),
 }
 WARMUP_KEYS = ("warmup", "warmup_start_factor")
 
@@ -197,10 +199,34 @@ def schedule_problem(value: Spec) -> Optional[Problem]:
         v = value.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v <= high):
             return Problem(key, f"got {v!r}; must be a number in ({low:g}, {high:g}]")
-    v = value.get("eta_min")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-        return Problem("eta_min", f"got {v!r}; must be a rate >= 0")
+    for key in ("eta_min", "min_lr"):
+        v = value.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            return Problem(key, f"got {v!r}; must be a rate >= 0")
+    return _plateau_problem(value) if name == "plateau" else None
+
+
+def _plateau_problem(value: Spec) -> Optional[Problem]:
+    for key, allowed in (("mode", ("min", "max")), ("threshold_mode", ("rel", "abs"))):
+        if key in value and value[key] not in allowed:
+            return Problem(key, f"got {value[key]!r}; must be {' or '.join(allowed)}")
+    v = value.get("factor")
+    if v is not None and not (_real(v) and 0 < v < 1):
+        return Problem("factor", f"got {v!r}; must be a number in (0, 1)")
+    for key in ("patience", "cooldown"):
+        v = value.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return Problem(key, f"got {v!r}; must be a whole number of evaluations >= 0")
+    v = value.get("threshold")
+    if v is not None and not (_real(v) and v >= 0):
+        return Problem("threshold", f"got {v!r}; must be a number >= 0")
     return None
+
+
+def plateau_mode(schedule: Spec, metrics: str) -> str:
+    """Whether a plateau schedule's headline should fall (`min`) or rise (`max`): its `mode`, else
+    `max` for accuracy and `min` for every other evaluation (perplexity, loss, the user's)."""
+    return str(schedule.get("mode") or ("max" if metrics == "accuracy" else "min"))
 
 
 def _updates_or_fraction(v: Any, allow_zero: bool) -> bool:

@@ -40,7 +40,7 @@ from app.runtime.devices import choose_device
 from app.runtime.logs import progress
 from app.runtime.words import counted
 from app.training import losses, models
-from app.training.evaluate import Evaluator, MetricFailed, fields, line
+from app.training.evaluate import Evaluator, MetricFailed, fields, headline, line
 from app.training.flat import state_size
 from app.training.metrics import MetricsWriter, Rates, run_records
 from app.training.progress import RunProgress
@@ -306,6 +306,8 @@ def train_until_done(
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
             scores = _scores(evaluate, vector, version, failed) if vector is not None else None
             if scores is not None:
+                if server.observe(headline(scores)[1]):
+                    log.info("plateau: %s stalled; lr lowered to %.4g", headline(scores)[0], server.state.lr)
                 since = pace.since()
                 where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
                 rate = f" | lr {server.state.lr:.4g}" if server.state.scheduled else ""

@@ -78,6 +78,7 @@ class ServerConfig:
                 config.schedule,
                 config.clip_grad_norm,
                 Plan(config.strategy, config.epochs, config.num_trainers, config.max_steps),
+                config.metrics,
             ),
             MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs),
             PolicyConfig(config.strategy, config.staleness),
@@ -140,6 +141,11 @@ class ParameterServer:
             member = self.members.join(rank, name, round_from)
             self._event()
             return Joined(self.state.vector.clone(), self.state.version, member.progress())
+
+    def observe(self, headline: float) -> bool:
+        """An evaluation's headline, for a plateau schedule (app.ps.plateau); whether the rate fell."""
+        with self._lock:
+            return self.state.observe(headline)
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         """A copy of the state vector and its version."""

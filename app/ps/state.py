@@ -26,6 +26,7 @@ from torch import nn
 from app.checkpoint.files import cpu_copy
 from app.exchange.wire import WIRE_DTYPES, all_finite, to_float32, wire_size
 from app.ps import optim
+from app.ps.plateau import Plateau
 from app.ps.sgd import SGD
 from app.recipes import Spec, lr_factor, planned_updates, resolve_optimizer
 from app.training.flat import FlatModel
@@ -57,6 +58,7 @@ class StateConfig:
     schedule: Spec = field(default_factory=lambda: {"name": "constant"})
     clip_grad_norm: float = 0.0
     plan: Plan = Plan()
+    metrics: str = "accuracy"  # the evaluation a plateau schedule follows (its headline)
 
 
 class State:
@@ -86,6 +88,8 @@ class State:
         self.version = 0
         self.total: int | None = None  # the run's planned updates, once a push said its epoch's batches
         self.lr = self.base_lr
+        plateau = config.schedule["name"] == "plateau"
+        self.plateau = Plateau(config.schedule, config.metrics, self.base_lr) if plateau else None
         self._set_lr()
         self.last_applied: float | None = None  # clock time of the last update applied
 
@@ -160,10 +164,19 @@ class State:
         """The rate of the next update: the optimizer's times the schedule's factor at this version."""
         if self.scheduled:
             self.lr = self.base_lr * lr_factor(self.config.schedule, self.version, self.total or 0, self.base_lr)
+            if self.plateau is not None:
+                self.lr *= self.plateau.factor
         if isinstance(self.optimizer, SGD):
             self.optimizer.lr = self.lr
         else:
             self.optimizer.set_lr(self.lr / self.base_lr)
+
+    def observe(self, headline: float) -> bool:
+        """An evaluation's headline, for a plateau schedule; whether the rate fell."""
+        if self.plateau is None or not self.plateau.observe(headline):
+            return False
+        self._set_lr()
+        return True
 
     @property
     def writes_into(self) -> bool:
@@ -216,6 +229,8 @@ class State:
             "optimizer": cpu_copy(self.optimizer.state_dict()),
             "total": self.total,
         }
+        if self.plateau is not None:
+            saved["plateau"] = self.plateau.state_dict()
         if self.sliced:
             saved.update(vector=self.vector.clone(), part=list(self.part))
         return saved
@@ -231,4 +246,6 @@ class State:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.version = int(saved["version"])
         self.total = saved.get("total", self.total)
+        if self.plateau is not None and "plateau" in saved:
+            self.plateau.load_state_dict(saved["plateau"])
         self._set_lr()

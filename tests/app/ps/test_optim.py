@@ -183,6 +183,34 @@ def test_the_rate_at_each_version_is_torchs_schedulers(name) -> None:
     assert rates == pytest.approx(torch_rates(build, 40), rel=1e-12, abs=1e-15)
 
 
+HEADLINES = [0.5, 0.6, 0.6, 0.59, 0.61, 0.61, 0.6, 0.6, 0.7, 0.7, 0.69, 0.69]  # accuracy at each evaluation
+
+
+@pytest.mark.parametrize("metrics, mode", [("accuracy", "max"), ("perplexity", "min")])
+def test_a_plateau_schedule_lowers_the_rate_as_torchs_reducelronplateau_on_the_headline(metrics, mode) -> None:
+    schedule = {"name": "plateau", "factor": 0.5, "patience": 1, "cooldown": 1, "min_lr": 0.02}
+    s = schedule_state(schedule, metrics=metrics)
+    p = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    torch_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode=mode, factor=0.5, patience=1, cooldown=1, min_lr=0.02
+    )
+    headlines = HEADLINES if mode == "max" else [1 / h for h in HEADLINES]
+    ours, theirs = [], []
+    for value in headlines:
+        s.observe(value)
+        torch_plateau.step(value)
+        ours.append(s.lr)
+        theirs.append(optimizer.param_groups[0]["lr"])
+    assert ours == pytest.approx(theirs, rel=1e-12) and min(ours) == pytest.approx(0.02) and ours[-1] < ours[0]
+    # ...and a restored PS goes on from where the schedule was
+    resumed = schedule_state(schedule, metrics=metrics)
+    resumed.restore(copy.deepcopy(s.checkpoint()))
+    assert resumed.lr == s.lr
+    for value in headlines[:4]:
+        assert resumed.observe(value) == s.observe(value) and resumed.lr == s.lr
+
+
 def test_a_fraction_of_the_run_and_the_plan_of_a_sync_run() -> None:
     s = schedule_state({"name": "cosine", "warmup": 0.25}, epochs=2, epoch_batches=10)
     assert s.total == 20 and s.lr == pytest.approx(0.1 / 3)

@@ -124,3 +124,18 @@ def test_a_run_killed_mid_schedule_resumes_to_the_uninterrupted_runs_model(tmp_p
     assert got["version"] == want["version"] == 600
     for key, value in want["model"].items():
         assert torch.equal(got["model"][key], value), key
+
+
+@pytest.mark.slow
+def test_a_plateau_schedule_lowers_the_rate_at_each_evaluation_that_does_not_improve(tmp_path) -> None:
+    # threshold 1.0, absolute: only an accuracy 1.0 above the best counts as better, so after the
+    # first evaluation every one stalls and, with patience 0, halves the rate (down to min_lr)
+    schedule = {"name": "plateau", "factor": 0.5, "patience": 0, "threshold": 1.0, "threshold_mode": "abs"}
+    schedule["min_lr"] = 0.02
+    args = [*DIGITS, "--num_epochs", "2", "--lr", "0.1", "--schedule", json.dumps(schedule), "--eval_every", "10"]
+    procs = run_cluster(tmp_path, 1, args, timeout=240)
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-2000:] for n, p in procs.items()}
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "ps.jsonl").read_text().splitlines()]
+    rates = [r["lr"] for r in records if r["event"] == "eval"]
+    assert rates[:5] == pytest.approx([0.1, 0.05, 0.025, 0.02, 0.02]), rates  # each record: the rate after its verdict
+    assert "plateau: accuracy stalled; lr lowered to 0.05" in procs["ps"].stderr

@@ -83,6 +83,12 @@ def test_every_loss_builds_and_a_class_loss_takes_a_sequence_position_by_positio
         (["--optimizer", "{nope"], "--optimizer: '{nope' is not valid JSON"),
         (["--schedule", "cosin"], "--schedule: name: got 'cosin'; must be one of constant, cosine, step, linear"),
         (["--schedule", '{"name": "step", "gamma": 2, "warmup": 1.5}'], "--schedule: warmup: got 1.5; must be"),
+        (["--schedule", '{"name": "plateau", "factor": 2}'], "--schedule: factor: got 2; must be a number in (0, 1)"),
+        (["--schedule", '{"name": "plateau", "mode": "up"}'], "--schedule: mode: got 'up'; must be min or max"),
+        (
+            ["--schedule", "plateau", "--shards", "2"],
+            "--schedule: got plateau; plateau follows the main PS's evaluations",
+        ),
         (["--loss", '{"name": "mse", "beta": 1}'], "--loss: beta: unknown key for loss mse; allowed: name"),
         (["--metrics", "bleu"], "--metrics: got 'bleu'; must be one of accuracy, perplexity, loss"),
         (["--clip_grad_norm", "-1"], "--clip_grad_norm: -1.0 must be >= 0"),
