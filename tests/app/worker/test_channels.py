@@ -1,4 +1,5 @@
-"""A worker's channel to its PS (app.worker.channels): what it stages, what it makes of a refusal."""
+"""A worker's route to its PS (app.exchange.route, app.worker.channels): what it stages, what it
+makes of a refusal."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from torch import nn
 from app.config import UsageError, parse
 from app.contract import PS
 from app.exchange import calls
+from app.exchange.route import Pusher
+from app.exchange.socket_route import SocketRoute
 from app.exchange.wire import Push, Refusal
 from app.ps import rpc as endpoints
-from app.worker.channels import PSChannel
-from app.worker.links import SocketLink
 from app.worker.trainer import Trainer
 
 from app_testkit import ps_server, recording_channel, started
@@ -29,7 +30,7 @@ def test_overlap_staging_never_reuses_the_buffer_of_the_push_still_on_the_wire()
     channel = recording_channel(overlap=True)
     trainer = Trainer(config, _linear(4), None, None, torch.device("cpu"), channel, None)
     started(trainer)
-    channel.link.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
+    channel.real.staging = [torch.empty(4) for _ in range(2)]  # what a CUDA worker has (pinned)
     for _ in range(5):
         trainer.push_and_pull()
     pointers = [m.data_ptr() for m in channel.messages]
@@ -45,6 +46,6 @@ def test_a_stale_incarnations_push_is_a_refusal_value_and_the_worker_exits_with_
         assert isinstance(answer, Refusal) and answer.kind == "stale"
         assert "worker1 was replaced by worker1_r2" in answer.message
         assert isinstance(calls.rpc_finish(1, 3, "worker1"), Refusal)
-    channel = PSChannel(1, timeout=10.0, address="nowhere")
+    route = SocketRoute(Pusher(1, "worker1", "nowhere", 10.0), PS, 0, 4)
     with pytest.raises(UsageError, match="worker1 was replaced by worker1_r2"):
-        channel.answer(SocketLink(PS, 0, 4, torch.device("cpu"), False), future)
+        route.answer(future)
