@@ -3,7 +3,7 @@
 What is the app's: the PS's update (`app.ps.server.ParameterServer` behind the
 `app.exchange.calls.rpc_*` calls the workers make), the worker's step
 (`app.worker.trainer.Trainer.compute_gradients` and `push_and_pull` through
-`app.worker.channels.PSChannel`), the flat buffers (`app.training.flat`), the transport
+`app.worker.channels.PSChannel`'s route), the flat buffers (`app.training.flat`), the transport
 (`app.exchange.transport`: each process is in the job while its `session` lasts) and thread
 count (`app.runtime.machine.set_threads`). The case's processes talk over UNIX sockets in the
 case's directory (`socket_dir`, PLAIN), proving the case's secret (`secret_file`), both made by
@@ -168,18 +168,18 @@ def _wait_for_shards(config: Any, names: list[str], timeout: float) -> None:
 
 def _start(config: Any, p: dict[str, Any], channel: Any, shard_names: list[str]) -> Any:
     """The state to start from: the main PS's join, or (app-sharded) a pull from every PS
-    process, through the worker's links to app.ps.sharding.slices' shards, listed here."""
+    process, through the worker's route to each of app.ps.sharding.slices' shards, listed here."""
     from app.contract import ps_name
     from app.exchange.calls import rpc_pull
+    from app.exchange.socket_route import SocketRoute
     from app.exchange.wire import Progress, Start
-    from app.worker.links import SocketLink
 
     if not shard_names:
         return channel.join()
     _wait_for_shards(config, shard_names, RPC_TIMEOUT)
-    cpu = torch.device("cpu")
-    channel.links = [SocketLink(ps_name(i), *_part(p, i), cpu, config.overlap) for i in range(config.shards)]
-    pulled = [transport.call(link.name, rpc_pull, (config.rank,), RPC_TIMEOUT) for link in channel.links]
+    routes = [SocketRoute(channel.pusher, ps_name(i), *_part(p, i)) for i in range(config.shards)]
+    channel.route = channel.routed(routes)
+    pulled = [transport.call(route.name, rpc_pull, (config.rank,), RPC_TIMEOUT) for route in routes]
     return Start(torch.cat([v for v, _ in pulled]), tuple(n for _, n in pulled), Progress(1, 0, 0))
 
 

@@ -9,7 +9,7 @@ gradient came last in it, starts that partition's copy on a side stream, after t
 own stream reached that point, with a flag of whether it is finite computed on the device beside
 it (app.exchange.slot_copies). At the push the rest (the last partition, with the buffers) is
 copied the same way, and the push goes from that slot, sent once the copies landed
-(app.worker.links), nothing waited for in the training loop. The PS takes the push whole.
+(app.exchange.route), nothing waited for in the training loop. The PS takes the push whole.
 
 The copies start early only when every parameter's gradient came once in the first backward (the
 order of the first backward is every backward's, as DDP's static graph takes it), and a backward

@@ -8,7 +8,7 @@ copies its batch into the static inputs, replays, and copies the static gradient
 message the worker pushes (app.training.flat.FlatModel). A batch of another shape than the
 captured one (the last, partial batch of an epoch) runs eagerly, as without graphs.
 
-No Python runs inside a replay, so the worker's link is bound without the hooks a step would
+No Python runs inside a replay, so the worker's route is bound without the hooks a step would
 run: no copies of partitions during the backward (the push is copied whole after the step) and no ordered pull
 (the reply is copied whole onto the compute stream before the replay). The warm-up's forwards
 update BatchNorm's running stats: they are put back as they were, so the first replayed step

@@ -25,12 +25,13 @@ from app.contract import PS, strategy_of
 from app.data import datasets
 from app.data.datasets import LabeledData, ShardSampler
 from app.exchange import group, transport
+from app.exchange.route import PSUnreachable
 from app.exchange.wire import Start
 from app.runtime import devices, lifecycle, words
 from app.runtime.devices import choose_device, gpu_identity
 from app.training import models
 from app.training.metrics import MetricsWriter, run_records
-from app.worker.channels import Channel, PSChannel, PSUnreachable, wait_until_ready
+from app.worker.channels import Channel, PSChannel, wait_until_ready
 from app.worker.trainer import Trainer
 
 log = logging.getLogger("app.worker")

@@ -24,13 +24,14 @@ from torch import nn
 
 from app.config import Config
 from app.data import datasets
+from app.exchange.route import Pending, Route
 from app.exchange.wire import Refusal, Reply, Start, Version
 from app.runtime import devices, lifecycle
 from app.training import loop, losses
 from app.training.flat import FlatModel
 from app.training.metrics import MetricsWriter
 from app.worker import graphed
-from app.worker.channels import Channel, Pending
+from app.worker.channels import Channel
 from app.worker.compress import Compressor
 
 log = logging.getLogger("app.worker")
@@ -69,6 +70,7 @@ class Trainer:
         self.compress = Compressor(config.compress, self.flat.num_params, device) if config.compress != "none" else None
         # train.cuda_graphs (a GPU worker): the step's forward and backward replayed as a CUDA graph.
         self.graphed = graphed.for_worker(config, model, self.flat, self.loss_fn, device)
+        self.route: Route  # the way each step reaches the PS: the channel's, once joined (`start_from`)
         self.in_flight: Pending | None = None  # --overlap: the push on the wire
         self.version: Version = 0  # of the state this worker computes on (a tuple over PS shards)
         self.pushes = 0  # pushes answered (this process and the rank's earlier ones)
@@ -108,17 +110,18 @@ class Trainer:
         return self.last_reply()
 
     def start_from(self, start: Start) -> None:
-        """Take the PS's answer to join: the state, its version, the rank's pushes; the channel
-        points the model where it exchanges its state and gradient. A GPU worker's gradient may be
+        """Take the PS's answer to join: the state, its version, the rank's pushes; the channel's
+        route points the model where it exchanges its state and gradient. A GPU worker's gradient may be
         copied out as the backward finishes each partition only where it is final then (no fp16
         loss scaling, no --compress, no CUDA graph: no hook runs in a replay); messages go into
-        the channel's buffers where they are float32. With a CUDA graph each reply is loaded
+        the route's buffers where they are float32. With a CUDA graph each reply is loaded
         whole, before the step."""
         self.version, self.pushes = start.version, start.progress.pushes
         hooks = self.graphed is None
         final = self.compress is None and self.scaler is None and hooks
         messages_here = self.compress is None
-        self.channel.bind(self.model, self.flat, start, final=final, messages_here=messages_here, ordered=hooks)
+        self.route = self.channel.route
+        self.route.bind(self.model, self.flat, start, final=final, messages_here=messages_here, ordered=hooks)
 
     def shares(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(epoch, batch, x, y) of each share of an epoch the PS hands this rank, until none is left
@@ -145,9 +148,9 @@ class Trainer:
         gradient overflowed (nothing to push). With --cuda_graphs a batch of the captured shape
         replays the graph (app.worker.graphed)."""
         if self.graphed is not None and self.graphed.fits(x, y):
-            with self.channel.backward():
+            with self.route.backward():
                 return self.losses.take(self.graphed.step(x, y))
-        with self.channel.backward(), self.flat.writing_grads():
+        with self.route.backward(), self.flat.writing_grads():
             with devices.autocast(self.config.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
@@ -174,7 +177,7 @@ class Trainer:
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
-        outgoing = self.channel.seal(message)  # on a GPU its copies to the host are queued, not waited for
+        outgoing = self.route.seal(message)  # on a GPU its copies to the host are queued, not waited for
         if norm is not None:
             outgoing = outgoing._replace(norm=norm)
         computed_on = self.version  # the state this gradient comes from, before the reply below
@@ -183,7 +186,7 @@ class Trainer:
         reply = self._wait_in_flight() if self.config.overlap else None
         with lifecycle.sigterm_deferred():  # a push sent is one on record: SIGTERM's leave waits for it
             to_go = self.to_go(epoch, batch)
-            self.in_flight = self.channel.send(outgoing, computed_on, epoch, batch, samples, to_go, self.epoch_batches)
+            self.in_flight = self.route.push(outgoing, computed_on, epoch, batch, samples, to_go, self.epoch_batches)
         # A wait the data needs (no --overlap): the next batch computes on this push's reply.
         return reply if self.config.overlap else self._wait_in_flight()
 
@@ -212,12 +215,12 @@ class Trainer:
         return self._take(pending.wait()) if pending is not None else None
 
     def _take(self, reply: Reply | Refusal) -> Reply | None:
-        """Continue from the reply's state; a refused push (non-finite) is skipped: None."""
+        """Continue from the reply's state (the wait made it the model's); a refused push
+        (non-finite) is skipped: None."""
         if isinstance(reply, Refusal):
             self._skip(reply)
             return None
         self._refused_in_a_row = 0
-        self.channel.load(reply)
         self.version = reply.version
         self.pushes += 1
         return reply

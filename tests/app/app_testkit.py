@@ -241,29 +241,31 @@ def assert_same_curves(got: dict, want: dict, where: str) -> None:
 
 
 def recording_channel(answer=None, overlap: bool = False):
-    """A worker's channel (app.worker.channels.Channel) whose model's side is a real link's
-    (app.worker.links: its seal, flip and staging)
-    whose pushes go nowhere: each is recorded in `.messages` and answered at once with
-    `answer(message, version)` (by default a Reply of zeros, one version on); the pushes the
-    trainer said its rank has still to make after each one, in `.to_go`; each push's gradient
-    norm in `.norms` and the epoch's batches it said in `.epoch_batches`."""
+    """A worker's channel (app.worker.channels.Channel) that is its own route
+    (app.exchange.route.Route), whose model's side is a real route's (`.real`: its bind, seal,
+    flip, staging and load) and whose pushes go nowhere: each is recorded in `.messages` and
+    answered at once with `answer(message, version)` (by default a Reply of zeros, one version
+    on), which the wait loads through `.load`; the pushes the trainer said its rank has still to
+    make after each one, in `.to_go`; each push's gradient norm in `.norms` and the epoch's
+    batches it said in `.epoch_batches`."""
     from types import SimpleNamespace
 
     import torch
 
-    from app.contract import PS
+    from app.exchange.route import Pusher
+    from app.exchange.socket_route import SocketRoute
     from app.exchange.wire import Reply
-    from app.worker.links import SocketLink
 
     def zeros(message, version):
         return Reply(torch.zeros(message.numel()), version + 1, 0, 0)
 
-    class RecordingChannel:  # an app.worker.channels.Channel
+    class RecordingChannel:  # an app.worker.channels.Channel and an app.exchange.route.Route
         def __init__(self) -> None:
             self.name = "worker1"
+            self.route = self
             # the model's side, as a worker's one PS process over the job's socket has it (a test may
-            # set another link: app.worker.links)
-            self.link = SocketLink(PS, 0, 0, torch.device("cpu"), overlap)
+            # set another route: app.exchange.shared_route)
+            self.real = SocketRoute(Pusher(1, self.name, overlap=overlap))
             self.messages: list = []
             self.to_go: list[int] = []
             self.norms: list = []  # each push's gradient norm (train.clip_grad_norm), None without
@@ -273,25 +275,29 @@ def recording_channel(answer=None, overlap: bool = False):
             raise AssertionError("a recording channel joins no PS")
 
         def bind(self, model, flat, start, final, messages_here, ordered=True):
-            flat.adopt(start.vector)
-            self.link.bind(model, flat, self.name, final, messages_here, ordered)
+            self.real.bind(model, flat, start, final, messages_here, ordered)
 
         def backward(self):
-            return self.link.backward()
+            return self.real.backward()
 
         def seal(self, message):
-            return self.link.seal(message)
+            return self.real.seal(message)
 
-        def send(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
+        def push(self, outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
             self.messages.append(outgoing.message)
             self.to_go.append(to_go)
             self.norms.append(None if outgoing.norm is None else float(outgoing.norm))
             self.epoch_batches.append(epoch_batches)
             reply = (answer or zeros)(outgoing.message, version)
-            return SimpleNamespace(wait=lambda: reply)
+            return SimpleNamespace(wait=lambda: self._loaded(reply))
+
+        def _loaded(self, reply):
+            if isinstance(reply, Reply):
+                self.load(reply)
+            return reply
 
         def load(self, reply):
-            self.link.load(reply)
+            self.real.load(reply)
 
         def finish(self, pushes):
             pass

@@ -28,7 +28,7 @@ def test_a_cases_secret_and_socket_directory_are_closed_to_everyone_else_and_giv
 @pytest.mark.slow
 @pytest.mark.parametrize("system", ["app-sharded", "app-comm-bf16"])
 def test_a_full_matrix_case_of_the_app_runs_its_window_and_every_process_ends(system):
-    """app-sharded: two PS processes, each worker's links to both; app-comm-bf16: no compute,
+    """app-sharded: two PS processes, each worker's route over one to each; app-comm-bf16: no compute,
     bf16 pushes. Every process ends by itself (the case's timeout would fail it)."""
     params = full_params(argparse.Namespace(warmup=2, seconds=1.0), system, _state_floats("cnn"))
     result = procs.run_case(procs.Case(system, "cnn", 2), params, timeout=240)

@@ -37,10 +37,11 @@ strategy, and sees every worker's push of its slice.
   then slices may apply them in different orders (with momentum, different
   bits). A push's staleness is the main PS's, for every slice: with
   --staleness_lr a worker sends the other slices once the main PS answered,
-  with its staleness (`PSChannel.chained`); the reply's staleness and lead
+  with its staleness (`ShardedRoute.chained`); the reply's staleness and lead
   are the main PS's.
-- A worker (app.worker.channels.PSChannel, a link per shard) joins every shard, pushes
-  each its slice (a contiguous copy of its own) in parallel and assembles the replies with one copy.
+- A worker (app.worker.channels.PSChannel) joins every shard, and its route
+  (app.worker.sharded.ShardedRoute, over a route per shard) pushes each its slice
+  (a contiguous copy of its own) in parallel and assembles the replies with one copy.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The same-host exchange: the PS's shared-memory segment (app.exchange.segment, app.exchange.ps_end) and a
-worker's link to it (app.exchange.worker_end), in one process and between real processes."""
+worker's route through it (app.exchange.shared_route), in one process and between real processes."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from torch import nn
 
 from app.contract import exchange_bytes, exchange_regions
 from app.exchange.ps_end import NO_SEGMENT, SharedExchange, open_exchange, region_names
+from app.exchange.route import Pusher
 from app.exchange.segment import Offer, Segment, ShmUnavailable, filesystem_of, segment_bytes, sweep
+from app.exchange.shared_route import SharedMemoryRoute
 from app.exchange.wire import Reply, SlotReply
-from app.exchange.worker_end import WorkerEnd
 from app.training.flat import FlatModel
 
 from app_testkit import REPO, digits, ps_server, submit
@@ -206,7 +207,7 @@ def test_a_push_from_a_slot_is_torch_sgd_value_for_value_and_the_reply_names_a_r
     reference = _bn_model()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     server, exchange = _shared_server(shm_dir, strategy)
-    link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
+    link = SharedMemoryRoute.attach(exchange.offer(), Pusher(1, "worker1"))
     server.join(1, "worker1")
     n = server.state.num_params
     torch.manual_seed(2)
@@ -263,7 +264,7 @@ def test_a_new_process_of_a_rank_does_not_change_the_held_push_of_its_old_one(sh
     exchange = SharedExchange.open(str(shm_dir), 4, 2, overlap=False, sync=True)
     server = ps_server(model, lr=1.0, momentum=0.0, num_trainers=2, strategy="sync", shared=exchange)
     try:
-        link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
+        link = SharedMemoryRoute.attach(exchange.offer(), Pusher(1, "worker1"))
         server.join(1, "worker1")
         server.join(2, "worker2")
         held = submit(server, 1, exchange.push(1, link.place(torch.ones(4)), "float32", 4), 0, "worker1")
@@ -295,7 +296,7 @@ def test_a_worker_computing_on_a_shared_reply_leaves_it_as_the_ps_wrote_it():
 def test_backward_writes_the_gradient_into_the_push_slot(shm_dir):
     _, exchange = _shared_server(shm_dir, "async", overlap=True)
     try:
-        link = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
+        link = SharedMemoryRoute.attach(exchange.offer(), Pusher(1, "worker1"))
         model = _bn_model()
         flat = FlatModel(model, own_buffers=True)
         flat.use_messages(link.slots)

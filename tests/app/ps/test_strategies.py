@@ -349,9 +349,9 @@ def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     intact: list[bool] = []  # each message, once its reply is waited for: as it was sent
     channel = recording_channel(overlap=True)
-    sent = channel.send
+    sent = channel.push
 
-    def send(outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
+    def push(outgoing, version, epoch=1, batch=0, samples=0, to_go=-1, epoch_batches=0):
         pending = sent(outgoing, version, epoch, batch, samples, to_go)
         message, copy = outgoing.message, outgoing.message.clone()
 
@@ -361,7 +361,7 @@ def test_overlap_never_writes_a_gradient_into_the_message_still_on_the_wire():
 
         return SimpleNamespace(wait=wait)
 
-    channel.send = send
+    channel.push = push
     trainer = Trainer(parse(["worker", "--overlap", "true"], {}), model, None, None, torch.device("cpu"), channel, None)
     started(trainer)
     for _ in range(5):

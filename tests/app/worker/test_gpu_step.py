@@ -22,13 +22,13 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 from app.config import parse
 from app.contract import PS
 from app.exchange.ps_end import SharedExchange
+from app.exchange.route import Pusher
+from app.exchange.shared_route import SharedMemoryRoute
 from app.exchange.wire import Start, finite_flag
-from app.exchange.worker_end import WorkerEnd
 from app.ps.rpc import Endpoint
 from app.training import loop
 from app.training.flat import FlatModel
 from app.worker.channels import PSChannel
-from app.worker.links import SharedMemoryLink
 from app.worker.trainer import Trainer
 
 import needs
@@ -70,7 +70,7 @@ class Images(Dataset):
 
 
 def in_process(to, function, args, timeout):
-    """A link's call (app.worker.links.Call) served by the PS in this process (no RPC)."""
+    """A route's call (app.exchange.route.Call) served by the PS in this process (no RPC)."""
     return function(*args)
 
 
@@ -121,9 +121,9 @@ def test_n_steps_of_a_gpu_worker_never_wait_for_the_gpu_on_the_host(shm_dir, str
     try:
         with Endpoint(server).serving():
             joined = server.join(1, "worker1")
-            end = WorkerEnd.attach(exchange.offer(), 1, CUDA)
             channel = PSChannel(1, 30.0, "in-process", "worker1", device=CUDA, overlap=overlap)
-            channel.links = [SharedMemoryLink(PS, 0, size, end, overlap, call=in_process)]
+            pusher = Pusher(1, "worker1", "in-process", 30.0, CUDA, overlap)
+            channel.route = end = SharedMemoryRoute.attach(exchange.offer(), pusher, PS, 0, size, call=in_process)
             trainer = Trainer(config, model.to(CUDA), loader, None, CUDA, channel, None)
             trainer.start_from(Start(joined.vector, joined.version, joined.progress))
             batches = loop.device_batches(loader, CUDA, torch.contiguous_format)

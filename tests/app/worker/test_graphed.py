@@ -12,12 +12,12 @@ import yaml
 from torch import nn
 
 from app.config import UsageError, parse
-from app.contract import PS
+from app.exchange.route import Pusher
+from app.exchange.socket_route import SocketRoute
 from app.runtime import devices
 from app.training import losses, models
 from app.training.flat import FlatModel
 from app.worker.graphed import GraphedStep
-from app.worker.links import SocketLink
 from app.worker.trainer import Trainer
 from orchestrator.topology.model import TopologyError
 from orchestrator.topology.model import parse as parse_topology
@@ -117,7 +117,7 @@ def test_a_gpu_trainer_replays_its_step_and_takes_the_reply_whole():
     config = parse(["worker", "--cuda_graphs", "true", "--device", "cuda", "--batch_size", "16"], {})
     model = models.build("cnn", 1, 10, seed=0).to(CUDA)
     channel = recording_channel()
-    channel.link = SocketLink(PS, 0, 0, CUDA, False)
+    channel.real = SocketRoute(Pusher(1, "worker1", device=CUDA))
     trainer = Trainer(config, model, None, None, CUDA, channel, None)
     assert trainer.graphed is not None
     started(trainer)

@@ -19,11 +19,11 @@ from app.exchange.backward_copies import BackwardCopies
 from app.exchange.layout import cut
 from app.exchange.ordered_pull import BUFFERS, plan, waits
 from app.exchange.ps_end import SharedExchange
+from app.exchange.route import Pusher
+from app.exchange.shared_route import SharedMemoryRoute
 from app.exchange.wire import Reply, all_finite, finite_flag
-from app.exchange.worker_end import WorkerEnd
 from app.training import loop
 from app.training.flat import FlatModel
-from app.worker.links import SharedMemoryLink
 from app.worker.trainer import Trainer
 
 from app_testkit import recording_channel, started
@@ -83,17 +83,16 @@ class Callbacks:
 def _count_steps(shm_dir: Path, monkeypatch, accumulate: bool, steps: int = 3):
     """A ResNet-18 worker on the CPU whose pushes go through a real push slot (its PS end in this
     process, the replies the state it started from): (the callbacks of `steps` steps after two
-    warm-up ones, the partitions, the worker's end, the channel, the trainer).
+    warm-up ones, the partitions, the worker's route through the segment, the channel, the trainer).
     `accumulate`: its FlatModel adds the gradients into the zeroed message, as on a GPU."""
     monkeypatch.setattr("app.worker.trainer.FlatModel", functools.partial(FlatModel, accumulate=accumulate))
     model = _resnet18()
     parts = _parts(model)
     flat_size = parts[-1][1]
     exchange = SharedExchange.open(str(shm_dir), flat_size, 1, overlap=False, sync=False)
-    end = WorkerEnd.attach(exchange.offer(), 1, torch.device("cpu"))
     state: list[torch.Tensor] = []  # the state the PS answers with: the one the worker started from
     channel = recording_channel(lambda message, version: Reply(state[0].clone(), version + 1, 0, 0))
-    channel.link = SharedMemoryLink(PS, 0, flat_size, end, False)
+    channel.real = end = SharedMemoryRoute.attach(exchange.offer(), Pusher(1, "worker1"), PS, 0, flat_size)
     trainer = Trainer(parse(["worker"], {}), model, None, None, torch.device("cpu"), channel, None)
     started(trainer)
     state.append(trainer.flat.vector.clone())
