@@ -13,13 +13,14 @@ to see that a process is alive.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import time
 from collections.abc import Callable
 
-from app.config import Config
+from app.config import Config, UsageError
 from app.contract import PS, ps_name, worker_name
 from app.exchange import transport
 from app.runtime import machine, words
@@ -29,6 +30,9 @@ GIVE_UP_POLL_SECONDS = 5.0  # wait_for_ps asks whether to give up this often
 READY_KEY = "psc/shards_ready"  # in the main PS's store once every shard registered (app.ps.sharding)
 NOT_JOINING_KEY = "psc/not_joining/"  # + rank: its process ended cleanly before it joined (say_not_joining)
 NOT_JOINING_SECONDS = 5.0  # how long a process on its way out tries to say so
+SHAPE_KEY = "psc/model_shape"  # the main PS's model's input channels and classes (say_shape)
+SHAPE_WAIT_SECONDS = 2.0  # how long a worker looks for them in a PS that has just started
+MISTAKE_KEY = "psc/mistake"  # a worker's one line of a mistake the whole job shares: the PS stops on it too
 
 
 class StoreUnreachable(RuntimeError):
@@ -111,6 +115,47 @@ def say_not_joining(config: Config, timeout: float = NOT_JOINING_SECONDS) -> boo
         return True
     except (machine.PortUnreachable, RuntimeError, ValueError):  # DistError subclasses RuntimeError
         return False
+
+
+def say_shape(store: transport.KeyValues, channels: int, num_classes: int) -> None:
+    """The main PS's note of the model it built from its held-out split: what every worker's
+    training split must give too (check_shape)."""
+    store.set(SHAPE_KEY, json.dumps({"channels": channels, "num_classes": num_classes}))
+
+
+def check_shape(config: Config, channels: int, num_classes: int, timeout: float) -> None:
+    """Before this worker joins: UsageError, one line naming what differs, when its training split
+    gives another num_classes or channels than the held-out split the PS built its model from
+    (their states could not be exchanged: the values differ in number). The PS is told the rank
+    is not joining, so it does not wait for it. Nothing to check with a PS that has not said."""
+    deadline = time.monotonic() + SHAPE_WAIT_SECONDS
+    with transport.store(config, timeout) as store:
+        said = store.get(SHAPE_KEY)
+        while said is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said = store.get(SHAPE_KEY)
+    if said is None:
+        return
+    ps = json.loads(said)
+    mine = {"channels": channels, "num_classes": num_classes}
+    differ = [k for k in ("num_classes", "channels") if ps.get(k) != mine[k]]
+    if differ:
+        what = ", ".join(f"{k} {mine[k]}" for k in differ)
+        theirs = ", ".join(f"{k} {ps.get(k)}" for k in differ)
+        line = (
+            f"the training split gives {what}; the held-out split the PS built its model from gives {theirs}: "
+            "both splits must agree (a vocabulary or a class list built from both, or the training one for both)"
+        )
+        with transport.store(config, timeout) as store:  # every worker would meet it: the PS stops on it too
+            store.set(MISTAKE_KEY, line)
+        say_not_joining(config)
+        raise UsageError(line)
+
+
+def mistake(store: transport.KeyValues) -> str:
+    """The mistake a worker found that the whole job shares (check_shape); '' when none."""
+    said = store.get(MISTAKE_KEY)
+    return said.decode(errors="replace") if said else ""
 
 
 def not_joining(store: transport.KeyValues, ranks: list[int]) -> list[int]:

@@ -29,7 +29,7 @@ from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
 from app.data import datasets
-from app.exchange import transport
+from app.exchange import group, transport
 from app.ps.members.liveness import LivenessMonitor
 from app.ps.rpc import Admit, Endpoint, Main
 from app.ps.server import ParameterServer
@@ -94,7 +94,8 @@ def run(config: Config) -> int:
             (log.info if checkpoints.run_finished else log.error)("%s", ended)
             return 0
         metrics.start(config, server.version)
-        trained = _serve(config, server, checkpoints, evaluate, metrics, others)
+        shape = (held_out.channels, held_out.num_classes)
+        trained = _serve(config, server, checkpoints, evaluate, metrics, others, shape)
         if trained is None:
             return 1
         _report_end(config, server, evaluate, metrics, held_out, *trained)
@@ -133,6 +134,7 @@ def _serve(
     evaluate: Evaluator,
     metrics: MetricsWriter,
     others: ShardSet | None,
+    shape: tuple[int, int],
 ) -> tuple[torch.Tensor, int] | None:
     """Serve the job until it ends; final.pt written. The trained state and its version, or
     None when no worker finished its epochs."""
@@ -152,6 +154,7 @@ def _serve(
         server.close_joins()
     main = Main(others.register if others is not None else None, resumed)
     with Endpoint(server, join, main=main).serving(), transport.session(config, rank=0):
+        group.say_shape(transport.own_store(config, config.rpc_timeout), *shape)  # what the workers check
         if others is None:
             server.open_joins()  # it listens: the workers' join_timeout counts from now
         try:

@@ -125,6 +125,7 @@ def join_and_train(
         chained=config.staleness_lr,
         overlap=config.overlap,
     )
+    group.check_shape(config, train.channels, train.num_classes, config.rpc_timeout)
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config, config.join_timeout)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics, ExitStack() as session:

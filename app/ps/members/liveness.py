@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.config import Config
+from app.config import Config, UsageError
 from app.contract import worker_name
 from app.exchange import group, transport
 from app.exchange.wire import Joined, Taken
@@ -149,6 +149,9 @@ class LivenessMonitor:
             return
         if self._store is None:
             self._store = transport.own_store(self.config, self.rpc_timeout)
+        said = group.mistake(self._store)
+        if said:  # the workers' data and this PS's disagree: no worker can train, the run stops once
+            raise UsageError(f"{said} (found by a worker as it joined)")
         for rank in group.not_joining(self._store, list(range(1, self.server.members.roster.max_rank + 1))):
             if self.server.drop(rank, None):
                 log.info("rank %d left before it joined: its process ended cleanly (%s)", rank, self.server.summary())

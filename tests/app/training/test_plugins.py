@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,11 @@ GOOD = """
 
     def strict(num_classes, channels):
         return Strict(num_classes, channels)
+
+    def vocabulary_per_split(root, train, seed):  # each split builds its own "vocabulary"
+        g = torch.Generator().manual_seed(0 if train else 1)
+        classes = 10 if train else 12
+        return TensorDataset(torch.rand(64, 1, 8, 8, generator=g), torch.randint(classes, (64,), generator=g)), 1, classes
 
     def lbfgs(param_groups, lr):
         return torch.optim.LBFGS([p for g in param_groups for p in g["params"]], lr=lr)
@@ -267,6 +273,25 @@ def test_a_plug_in_that_fails_on_one_batch_stops_the_ps_before_any_worker_trains
     assert r.returncode == 2, r.stderr
     lines = _not_logs(r.stderr)
     assert len(lines) == 1 and lines[0].startswith(f"app: error: {expected}"), r.stderr
+
+
+@pytest.mark.slow
+def test_splits_that_disagree_on_num_classes_stop_the_job_once_with_one_line(tmp_path):
+    code = _code(tmp_path, GOOD)
+    args = ["--model", "mymods.net:build", "--dataset", "mymods.net:vocabulary_per_split", "--rpc_timeout", "30"]
+    started = time.monotonic()
+    procs = run_cluster(tmp_path, workers=2, args=args, timeout=60, env=_env_with(code))
+    line = (
+        "app: error: the training split gives num_classes 10; the held-out split the PS built its model from "
+        "gives num_classes 12: both splits must agree"
+    )
+    for name in ("worker1", "worker2"):
+        said = _not_logs(procs[name].stderr)
+        assert procs[name].returncode == 2 and len(said) == 1 and said[0].startswith(line), procs[name].stderr
+    ps = _not_logs(procs["ps"].stderr)
+    assert procs["ps"].returncode == 2 and len(ps) == 1 and ps[0].startswith(line), procs["ps"].stderr
+    assert ps[0].endswith("(found by a worker as it joined)")
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow
