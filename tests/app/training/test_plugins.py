@@ -132,7 +132,8 @@ GOOD = """
     def vocabulary_per_split(root, train, seed):  # each split builds its own "vocabulary"
         g = torch.Generator().manual_seed(0 if train else 1)
         classes = 10 if train else 12
-        return TensorDataset(torch.rand(64, 1, 8, 8, generator=g), torch.randint(classes, (64,), generator=g)), 1, classes
+        x, y = torch.rand(64, 1, 8, 8, generator=g), torch.randint(classes, (64,), generator=g)
+        return TensorDataset(x, y), 1, classes
 
     def lbfgs(param_groups, lr):
         return torch.optim.LBFGS([p for g in param_groups for p in g["params"]], lr=lr)
