@@ -235,8 +235,8 @@ stack-smoke: host-setup ## cpu-smoke as a swarm stack on this engine: accuracy >
 # (orchestrator/metrics/compare.py). RUN: run directories (default: the last `up`);
 # OUT: where the PNGs go. compare: STRATEGIES=async,sync EPOCHS=N (WORKERS: 2).
 .PHONY: report compare
-report: host-setup ## PNG plots (loss, accuracy, samples/s, staleness) and a summary; RUN="runs/a runs/b"
-	$(ORCH) report $(RUN) $(if $(OUT),-o $(OUT))
+report: host-setup ## PNG plots (loss, accuracy, samples/s, staleness) and a summary; RUN="runs/a runs/b", NAME=: that run
+	$(ORCH) report $(RUN) $(NAMED) $(if $(OUT),-o $(OUT))
 
 compare: setup ## async, sync, ssp, allreduce on CPU digits as processes: one report of all four, a table
 	$(ORCH) compare $(if $(STRATEGIES),--strategies $(STRATEGIES)) $(if $(WORKERS),--workers $(WORKERS)) \

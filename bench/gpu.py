@@ -157,7 +157,7 @@ def run_compute_alone(compute_ms: int, batches: int) -> list[list[float]]:
 
 
 class ComputeAlone:
-    """The channel of a worker with no PS: its backward is all there is (compute alone)."""
+    """The channel and route of a worker with no PS: its backward is all there is (compute alone)."""
 
     def backward(self) -> Any:
         import contextlib
@@ -175,7 +175,9 @@ def _compute_steps(config: Any, compute_ms: int, batches: int) -> list[float]:
     data, _, _ = sleep_resnet.images("", True, 0)
     x = torch.stack([data[i][0] for i in range(20)])
     y = torch.tensor([data[i][1] for i in range(20)])
-    trainer = Trainer(config, model, None, None, torch.device("cpu"), ComputeAlone(), None)  # type: ignore[arg-type]
+    alone = ComputeAlone()
+    trainer = Trainer(config, model, None, None, torch.device("cpu"), alone, None)  # type: ignore[arg-type]
+    trainer.route = alone  # type: ignore[assignment]  # what joining would have set: no PS here
     ends = []
     for _ in range(batches):
         trainer.compute_gradients(x, y)

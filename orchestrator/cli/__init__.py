@@ -327,12 +327,23 @@ def _add_report_verbs(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda a: compare().run_cli(a))
 
 
+def _version() -> str:
+    """The installed ps-compose's version (pyproject.toml)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ps-compose")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     installed = os.path.basename(sys.argv[0]) == "ps-compose"  # pyproject.toml's [project.scripts]
     parser = Parser(
         prog="ps-compose" if installed else "python -m orchestrator",
         description="Parameter-Server training cluster from a YAML topology.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=Parser)
     _add_verbs(sub)
     return parser

@@ -227,6 +227,12 @@ def last_run(runs_dir: Path = RUNS, out: Optional[TextIO] = None) -> Path:
         raise UsageError(
             f"no RUN_DIR given and no {current} (written by `up`); give a run directory, e.g. runs/cpu-smoke"
         ) from None
+    return run_of(project, run_dir, out)
+
+
+def run_of(project: str, run_dir: Path, out: TextIO) -> Path:
+    """The newer metrics of the cluster `project`: its state volume's (copied to
+    run_dir/state-metrics/) or those of a local run in run_dir/metrics/."""
     candidates = []
     copied = copy_volume_metrics(project, run_dir / "state-metrics", out)
     if copied is not None:
@@ -292,6 +298,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the last `up`, or its local run)",
     )
     p.add_argument(
+        "--name",
+        metavar="NAME",
+        help="the run of that name (runs/NAME/ and its state volume), as `up --name` and `local --name` call it",
+    )
+    p.add_argument(
         "-o",
         "--output",
         metavar="OUT_DIR",
@@ -307,10 +318,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(
-    run_dirs: Iterable[str], output: Optional[str] = None, threshold: float = THRESHOLD, out: Optional[TextIO] = None
+    run_dirs: Iterable[str],
+    output: Optional[str] = None,
+    threshold: float = THRESHOLD,
+    out: Optional[TextIO] = None,
+    name: Optional[str] = None,
 ) -> int:
     out = out or sys.stdout
-    dirs = [Path(d) for d in run_dirs] or [last_run(out=out)]
+    dirs = [Path(d) for d in run_dirs]
+    if name is not None:
+        if dirs:
+            raise UsageError("give run directories or --name, not both")
+        if not (RUNS / name).is_dir():
+            raise UsageError(f"--name {name}: no run of that name here ({RUNS / name} does not exist)")
+        dirs = [run_of(name, RUNS / name, out)]
+    dirs = dirs or [last_run(out=out)]
     runs = [load_run(d) for d in dirs]
     target = Path(output) if output else default_out(runs)
     written = write_report(runs, target, threshold)
@@ -320,4 +342,4 @@ def main(
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return main(args.run_dirs, args.output, args.threshold)
+    return main(args.run_dirs, args.output, args.threshold, name=args.name)

@@ -71,7 +71,13 @@ def resolve(
         if last is not None:
             return last
         if name is not None:
-            return Cluster(name, backend.path_of(name))
+            path = backend.path_of(name)
+            if not path.exists():
+                raise UsageError(
+                    f"no {backend.noun} named {name!r} here: {relative(path)} does not exist "
+                    f"(`ps-compose runs` lists the runs; `ps-compose {backend.verb_prefix}up --name {name}` starts one)"
+                )
+            return Cluster(name, path)
     config = config or DEFAULT_CONFIG
     t = load_with(config, workers=workers, strategy=strategy, name=name)
     found = backend.name_of(t)

@@ -100,7 +100,7 @@ def _local_runs(metrics: Path) -> list[str]:
     lines: dict[str, list[str]] = {}
     for name in ("ps.jsonl", "worker1.jsonl"):
         try:
-            lines[name] = (metrics / name).read_text(encoding="utf-8").splitlines()
+            lines[name] = (metrics / name).read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             continue
     return run_ids(lines) if lines else []

@@ -128,7 +128,7 @@ def local_records(d: Path) -> dict[str, list[str]]:
     records = {}
     for file in (f"{PS_SERVICE}.jsonl", "worker1.jsonl"):
         try:
-            records[file] = (d / "metrics" / file).read_text(encoding="utf-8").splitlines()
+            records[file] = (d / "metrics" / file).read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             continue
     return records

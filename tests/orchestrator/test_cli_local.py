@@ -428,3 +428,27 @@ def test_a_local_run_says_where_its_ps_logs_when_the_topology_asks_for_the_own_m
     )
     said = local.tracking_note(tracked, {"MLFLOW_TRACKING_URI": "http://h:5000"})
     assert said is not None and said.endswith("the PS logs to http://h:5000")
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys) -> None:
+    from importlib import metadata
+
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.split()[-1] == metadata.version("ps-compose")
+
+
+@pytest.mark.parametrize("verb", ["logs", "down", "status"])
+def test_a_verb_on_a_name_with_no_run_is_one_line_and_exit_2(verb, capsys, tmp_path, monkeypatch) -> None:
+    from orchestrator.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    assert main([verb, "--name", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: no project named 'nosuch' here: runs/nosuch/compose.yaml does not exist (`ps-compose runs` lists "
+        "the runs; `ps-compose up --name nosuch` starts one)"
+    ], err

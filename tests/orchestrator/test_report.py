@@ -7,6 +7,7 @@ known figures; the slow ones read the metrics of real runs (`local`, `compare`).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -476,3 +477,15 @@ def test_compare_async_for_real(cli, tmp_path: Path) -> None:
     s = run_metrics.summarize(run_metrics.load_run(tmp_path / "cmp" / "async"))
     assert s.final_value is not None and s.workers == 2
     assert f"{s.final_value:.4f}" in table[1].split()
+
+
+def test_report_of_a_run_by_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report, "RUNS", tmp_path / "runs")
+    make_run(tmp_path / "runs" / "mine")
+    said = io.StringIO()
+    assert report.main([], tmp_path / "out", name="mine", out=said) == 0
+    assert (tmp_path / "out" / "summary.txt").exists() and "runs/mine/metrics" in said.getvalue()
+    with pytest.raises(UsageError, match="--name other: no run of that name here"):
+        report.main([], name="other", out=said)
+    with pytest.raises(UsageError, match="not both"):
+        report.main([str(tmp_path / "runs" / "mine")], name="mine", out=said)

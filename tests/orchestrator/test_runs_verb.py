@@ -244,3 +244,15 @@ def test_runs_rm_of_a_local_run_needs_no_docker_engine(here: Path) -> None:
     unknown = orch(here, "runs", "rm", "t", **no_engine)
     assert unknown.returncode == 1 and "no-engine.sock" in unknown.stderr, unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1
+
+
+def test_a_bad_byte_in_one_runs_records_breaks_no_listing(here: Path) -> None:
+    for name in ("t", "u"):
+        assert orch(here, "local", "-c", "topo.yaml", "--name", name).returncode == 0
+    with open(here / "runs" / "u" / "metrics" / "ps.jsonl", "ab") as f:
+        f.write(b"\xff\n")
+    rows = listed(here)
+    assert sorted(r["name"] for r in rows) == ["t", "u"] and {r["state"] for r in rows} == {"finished"}
+    for args in (("runs", "--target", "local"), ("runs", "show", "u")):
+        p = orch(here, *args)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
