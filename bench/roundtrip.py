@@ -1,5 +1,6 @@
 """A round trip of the state between two processes, one thread each: CPU seconds of both sides
-and wall seconds, per round trip.
+and wall seconds, per round trip; and the control round trip, a message of a few numbers (what
+a push through the PS's shared memory carries: the slot and the push's fields).
 
 The app's: its own transport (app.exchange.transport), a worker calling the main PS, which
 answers with the tensor it got; over a UNIX socket (PLAIN, as a local run's processes talk,
@@ -26,6 +27,8 @@ WAYS = {  # the figures' prefix -> how the state travels
     "tensorpipe_uv": "tensorpipe",
 }
 WARMUP = 3  # untimed round trips first
+CONTROL_FLOATS = 8  # a control message: a few numbers
+CONTROL_REPEATS = 200
 TIMEOUT = 120.0  # seconds for either process to be ready, and for the caller's figures
 
 
@@ -84,7 +87,8 @@ def _transport_process(
         if rank == 0:
             done.wait(TIMEOUT)
             return
-        out.put(_timed(lambda fn, args: transport.call(PS, fn, args, TIMEOUT), floats, repeats))
+        call = lambda fn, args: transport.call(PS, fn, args, TIMEOUT)  # noqa: E731
+        out.put((_timed(call, floats, repeats), _timed(call, CONTROL_FLOATS, CONTROL_REPEATS)))
         done.set()
 
 
@@ -106,13 +110,15 @@ def _tensorpipe_process(
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, _transports=["uv"], _channels=["basic"])
     rpc.init_rpc(f"echo{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 1:
-        out.put(_timed(lambda fn, args: rpc.rpc_sync("echo0", fn, args), floats, repeats))
+        call = lambda fn, args: rpc.rpc_sync("echo0", fn, args)  # noqa: E731
+        out.put((_timed(call, floats, repeats), _timed(call, CONTROL_FLOATS, CONTROL_REPEATS)))
     rpc.shutdown()
 
 
 def round_trips(floats: int, repeats: int) -> dict[str, float]:
     """`<way>_cpu_s` and `<way>_wall_s` for each way of WAYS: `repeats` round trips of `floats`
-    values, two processes started for each way."""
+    values, two processes started for each way; `<way>_control_cpu_s` and `<way>_control_wall_s`:
+    the same of CONTROL_FLOATS values, CONTROL_REPEATS times."""
     import torch.multiprocessing as mp
 
     from bench.procs import free_port, job_files
@@ -125,6 +131,7 @@ def round_trips(floats: int, repeats: int) -> dict[str, float]:
         with tempfile.TemporaryDirectory(prefix="bench-rt-") as tmp:
             args = (way, floats, job_files(Path(tmp)), free_port(), repeats, out, done)
             mp.start_processes(entry, args=args, nprocs=2, start_method="spawn")
-        cpu, wall = out.get()
+        (cpu, wall), (control_cpu, control_wall) = out.get()
         figures.update({f"{name}_cpu_s": cpu, f"{name}_wall_s": wall})
+        figures.update({f"{name}_control_cpu_s": control_cpu, f"{name}_control_wall_s": control_wall})
     return figures

@@ -237,6 +237,7 @@ def test_constants_time_the_apps_transport_both_ways_it_goes_and_torch_rpc_besid
     assert set(roundtrip.WAYS.values()) == {"unix", "tcp", "tensorpipe"}
     for name in roundtrip.WAYS:
         assert {f"{name}_cpu_s", f"{name}_wall_s"} <= set(constants.MEASURES)
+        assert {f"{name}_control_cpu_s", f"{name}_control_wall_s"} <= set(constants.MEASURES)
     files = job_files(tmp_path)
     unix = roundtrip._transport_config(0, "unix", files, 6100)
     assert unix.socket_dir == files["socket_dir"] and unix.secret_file == files["secret_file"]
@@ -249,7 +250,8 @@ def test_constants_round_trip_runs_two_processes_per_way_and_reports_cpu_and_wal
     from bench import roundtrip
 
     figures = roundtrip.round_trips(1000, repeats=2)
-    assert set(figures) == {f"{name}_{kind}" for name in roundtrip.WAYS for kind in ("cpu_s", "wall_s")}
+    kinds = ("cpu_s", "wall_s", "control_cpu_s", "control_wall_s")
+    assert set(figures) == {f"{name}_{kind}" for name in roundtrip.WAYS for kind in kinds}
     assert all(math.isfinite(seconds) and seconds > 0 for seconds in figures.values()), figures
 
 
