@@ -118,7 +118,7 @@ class Losses:
 
 
 class Reporter:
-    """The progress line (`<name> | Epoch: e | Batch: b | Loss: l`) and the `train` metrics
+    """The progress line (`<name> | Epoch: e | Batch: b | Loss: l | r samples/s`) and the `train` metrics
     record every --log_every batches and at an epoch's last batch, with the samples per
     second of this process and its seconds per batch (step_seconds) since the previous report.
     A loss still on its way from the GPU (`Loss.ready` false) is reported with the next batch
@@ -164,7 +164,9 @@ class Reporter:
 
         def write() -> None:
             value = float(loss)
-            progress.info("%s | Epoch: %d | Batch: %d | Loss: %.2f", self.name, epoch, batch, value)
+            progress.info(
+                "%s | Epoch: %d | Batch: %d | Loss: %.2f | %.0f samples/s", self.name, epoch, batch, value, rate
+            )
             if self.metrics is not None:
                 self.metrics.write(
                     "train",

@@ -31,7 +31,9 @@ def test_two_workers_learn_digits_and_exit_cleanly(tmp_path):
     ), ps_out
     for rank in (1, 2):
         assert re.search(
-            rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d$", procs[f"worker{rank}"].stdout, re.M
+            rf"^worker{rank} \| Epoch: 10 \| Batch: \d+ \| Loss: \d+\.\d\d \| \d+ samples/s$",
+            procs[f"worker{rank}"].stdout,
+            re.M,
         )
     for name in ("ps", "worker1", "worker2"):  # what the process trains, written as it starts
         [start] = [r for r in read(tmp_path / "metrics" / f"{name}.jsonl") if r["event"] == "start"]

@@ -158,7 +158,9 @@ def test_two_workers_learn_digits_checkpoint_and_write_metrics(tmp_path):
     assert re.search(r"^Time: \d+\.\d\d seconds$", out, re.M), out
     assert "Accuracy" not in procs["worker2"].stdout  # rank 0 evaluates
     for name in ("worker1", "worker2"):
-        assert re.search(rf"^{name} \| Epoch: {EPOCHS} \| Batch: 22 \| Loss: \d+\.\d\d$", procs[name].stdout, re.M)
+        assert re.search(
+            rf"^{name} \| Epoch: {EPOCHS} \| Batch: 22 \| Loss: \d+\.\d\d \| \d+ samples/s$", procs[name].stdout, re.M
+        )
 
     metrics = tmp_path / "metrics"
     w1, w2 = read(metrics / "worker1.jsonl"), read(metrics / "worker2.jsonl")
