@@ -359,6 +359,8 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     # the file stays the same from run to run.
     env.update(runs.interpolated())
     env[STOP_FILE_ENV] = STOP_FILE
+    for name in t.env:  # the topology's `env`: names only, each from the caller (null)
+        env[name] = None  # type: ignore[assignment]
     svc: dict[str, Any] = {
         "image": t.image_tag,
         "command": [role],

@@ -233,6 +233,9 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
     if t.code is not None:
         env["PYTHONPATH"] = f"{compose.APP_DIR}:{compose.CODE_DIR}"
     env_list: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    for name in t.env:  # the topology's `env`: from the Secret <name>-env, a key it lacks left unset
+        ref = {"name": f"{t.name}-env", "key": name, "optional": True}
+        env_list.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
     if ps or not has_ps(t):  # the processes that write checkpoints: the run is their Job
         env_list.append(
             {"name": runs.RUN_ID, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}}

@@ -11,6 +11,33 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from orchestrator.topology.values import GroupId, Node, NodeSelector, Section, Size
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What the render sets in every process itself: a topology's `env` may not take them over.
+RENDER_SETS = frozenset(
+    {
+        "PYTHONPATH",
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_HOSTID",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    }
+)
+
+
+def env_name_problem(name: str) -> str:
+    """What is wrong with a name in the topology's `env`; '' when nothing is."""
+    if not _ENV_NAME.match(name):
+        return "must be a variable's name: letters, digits and '_', not starting with a digit"
+    if name.startswith("PSC_"):
+        return "PSC_ is the app's own: set the topology's key instead"
+    if name in RENDER_SETS:
+        return "the render sets it for every process (its value follows the topology)"
+    return ""
+
+
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _RESOURCE_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")

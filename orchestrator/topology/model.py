@@ -42,6 +42,7 @@ from orchestrator.topology.fields import (
     Swarm,
     Tracking,
     Workers,
+    env_name_problem,
 )
 from orchestrator.topology.messages import TopologyError, check_required, first_error, keys, show, yaml_type
 from orchestrator.topology.option_sections import PS, Train
@@ -71,6 +72,22 @@ class Topology(BaseModel):
     code: Optional[str] = Field(default=None, min_length=1)
     """Host directory of your own Python code (train.model/dataset as package.module:factory); relative: like
     train.data_dir. Mounted read-only at /code, on PYTHONPATH."""
+    env: list[str] = Field(default_factory=list)
+    """Names of variables of the caller's environment (HF_TOKEN, a bucket's credentials) that the PS and every
+    worker get: compose, a stack and `local` take each value from the environment of the command (a name it has
+    not set stays unset, with a warning); the rendered files hold the names only, never a value. Kubernetes
+    takes them from the Secret <name>-env (optional keys)."""
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: list[str]) -> list[str]:
+        for name in v:
+            problem = env_name_problem(name)
+            if problem:
+                raise ValueError(f"{name!r}: {problem}")
+        if len(set(v)) != len(v):
+            raise ValueError("a name is given twice")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -78,6 +95,15 @@ class Topology(BaseModel):
         if not valid_name(v):
             raise ValueError(NAME_RULE)
         return v
+
+    def env_unset(self, environ: Any) -> Optional[str]:
+        """One line naming the variables of `env` that `environ` (the caller's) has not set: the
+        job's processes will not have them; None when every one is set."""
+        missing = [name for name in self.env if name not in environ]
+        if not missing:
+            return None
+        them = "it" if len(missing) == 1 else "them"
+        return f"env: {', '.join(missing)} not set here: the job's processes will not have {them}"
 
     @property
     def world_size(self) -> int:

@@ -216,6 +216,9 @@ def up(
         said = "rendered" if wrote else "up to date:"
         print(f"==> {said} {relative(c.file)}: {describe(t)}, {backend.noun} {c.name}", file=out, flush=True)
         ensure_image(backend, client, t, offline, out)
+        unset = t.env_unset(os.environ)
+        if unset:
+            print(f"warning: {unset}", file=out, flush=True)
         env, line = runs.start(backend.running_env(c, runs.VARIABLES), resume)
         print(f"==> {line}", file=out, flush=True)
         for problem in backend.deploy(c, env, out):

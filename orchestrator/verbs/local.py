@@ -303,9 +303,9 @@ def run(
             )
             print(f"local: {t.name}: {describe(t)} {where}, state in {run_dir}/", flush=True)
             print(f"local: {runs.describe(run_id, resume)}", flush=True)
-            said = tracking_note(t, os.environ)
-            if said:
-                print(f"local: {said}", flush=True)
+            for said in (tracking_note(t, os.environ), t.env_unset(os.environ)):
+                if said:
+                    print(f"local: {said}", flush=True)
             return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)

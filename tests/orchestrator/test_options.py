@@ -41,6 +41,7 @@ OTHER = {
     "overlap": True,
     "compress": "bf16",
     "seed": 5,
+    "eval_batch_size": 128,
     "eval_every": 11,
     "log_every": 3,
     "loader_workers": 2,

@@ -226,8 +226,8 @@ def test_a_name_alone_finds_the_last_up_of_that_name(cli, live: Live, tmp_path: 
     status, out, err = cli("fake-scale", "--workers", "3", "--name", "fleet-a")  # needs a's workers.max
     assert status == 0, err
     assert "fleet fleet-a runs 3 of at most 4 workers (started worker3)" in out
-    unknown = verbs.resolve(live, None, None, name="never-up")
-    assert (unknown.name, unknown.topology) == ("never-up", None)
+    with pytest.raises(UsageError, match="no fleet named 'never-up' here: .* does not exist"):
+        verbs.resolve(live, None, None, name="never-up")  # nothing of it on this host: one line, exit 2
 
 
 # --- a scale that races the end of the run -------------------------------------------------

@@ -1,0 +1,73 @@
+"""The topology's `env` in real containers: a variable of the caller's named there reaches every
+process of a compose run (the user's dataset factory reads it, in the PS and in each worker),
+and its value is in no rendered file."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.backends.compose import adapter
+from orchestrator.backends.registry import get
+from orchestrator.paths import ROOT
+from orchestrator.verbs import cluster as verbs
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+VALUE = f"token-{uuid.uuid4().hex}"
+FACTORY = """
+import os
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+def data(root, train, seed):
+    token = os.environ.get("MY_TOKEN")
+    if token != %r:
+        raise RuntimeError(f"MY_TOKEN is {token!r}")
+    g = torch.Generator().manual_seed(0 if train else 1)
+    return TensorDataset(torch.rand(64, 1, 8, 8, generator=g), torch.randint(10, (64,), generator=g)), 1, 10
+"""
+
+
+def test_a_named_variable_reaches_every_process_and_no_rendered_file(engine, offline_image, tmp_path, monkeypatch):
+    code = Path(tempfile.mkdtemp(prefix="psc-env-code-"))  # readable by the containers' user
+    try:
+        (code / "envdata.py").write_text(FACTORY % VALUE)
+        code.chmod(0o755)
+        (code / "envdata.py").chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+        project = f"psc-env-{uuid.uuid4().hex[:6]}"
+        doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
+        doc["image"]["tag"] = offline_image
+        doc["train"].update(dataset="envdata:data", epochs=1)
+        doc["train"].pop("data_dir", None)
+        doc.update(code=str(code), env=["MY_TOKEN"])
+        config = tmp_path / "topo.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        monkeypatch.setenv("MY_TOKEN", VALUE)
+        try:
+            out = io.StringIO()
+            assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out) == 0, out.getvalue()
+            states = adapter.wait_exited(engine, project, 4, 300, io.StringIO())
+            logs = {s: adapter.log_text(engine, project, s) for s in ("ps", "worker1", "worker2")}
+            rendered = [p for p in (ROOT / "runs" / project).rglob("*") if p.is_file()]
+            texts = {str(p): p.read_bytes() for p in rendered}
+        finally:
+            verbs.down(get("compose"), str(config), volumes=True, name=project, out=io.StringIO())
+            shutil.rmtree(ROOT / "runs" / project, ignore_errors=True)
+    finally:
+        shutil.rmtree(code, ignore_errors=True)
+    assert states is not None, logs
+    assert {s.service: s.exit_code for s in states if s.service != "pidns"} == {"ps": 0, "worker1": 0, "worker2": 0}, (
+        logs
+    )
+    assert any(name.endswith("compose.yaml") for name in texts) and all(VALUE.encode() not in t for t in texts.values())
+    assert os.environ["MY_TOKEN"] == VALUE
