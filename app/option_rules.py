@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import NO_PS_STRATEGY
+from app.contract import ENTRY_POINT, NO_PS_STRATEGY
 from app.recipes import resolve_optimizer
 
 
@@ -95,6 +95,13 @@ RULES: tuple[Rule, ...] = (
         lambda v: (
             "plateau follows the main PS's evaluations: allowed with one PS process (ps.shards 1) and a "
             "parameter server (strategy async, sync or ssp)"
+        ),
+    ),
+    Rule(
+        "schedule",
+        lambda v: ENTRY_POINT.match(v["schedule"]["name"]) is not None and v["strategy"] == NO_PS_STRATEGY,
+        lambda v: (
+            "your own schedule is stepped by the PS: allowed with a parameter server (strategy async, sync or ssp)"
         ),
     ),
     Rule(

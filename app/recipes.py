@@ -186,9 +186,12 @@ def _values(value: Spec) -> Optional[Problem]:
 def schedule_problem(value: Spec) -> Optional[Problem]:
     """What is wrong with a schedule spec; None when nothing is."""
     name = value["name"]
-    if name not in SCHEDULES:
-        return Problem("name", f"got {name!r}; must be one of {', '.join(SCHEDULES)}")
-    problem = _keys(value, SCHEDULES[name] + WARMUP_KEYS, f"schedule {name}")
+    users = ENTRY_POINT.match(name) is not None  # any keyword: the user's factory takes them
+    if name not in SCHEDULES and not users:
+        return Problem(
+            "name", f"got {name!r}; must be one of {', '.join(SCHEDULES)}, or your own as package.module:factory"
+        )
+    problem = None if users else _keys(value, SCHEDULES[name] + WARMUP_KEYS, f"schedule {name}")
     if problem is not None:
         return problem
     for key in ("warmup", "step_size"):

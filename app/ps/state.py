@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from app.checkpoint.files import cpu_copy
+from app.contract import ENTRY_POINT
 from app.exchange.wire import WIRE_DTYPES, all_finite, to_float32, wire_size
 from app.ps import optim
 from app.ps.plateau import Plateau
 from app.ps.sgd import SGD
+from app.ps.user_schedule import UserSchedule
 from app.recipes import Spec, lr_factor, planned_updates, resolve_optimizer
 from app.training.flat import FlatModel
 
@@ -90,6 +92,8 @@ class State:
         self.lr = self.base_lr
         plateau = config.schedule["name"] == "plateau"
         self.plateau = Plateau(config.schedule, config.metrics, self.base_lr) if plateau else None
+        users = ENTRY_POINT.match(config.schedule["name"]) is not None
+        self.user_schedule = UserSchedule(config.schedule) if users else None
         self._set_lr()
         self.last_applied: float | None = None  # clock time of the last update applied
 
@@ -152,6 +156,8 @@ class State:
         if self.total is None and epoch_batches > 0:
             p = self.config.plan
             self.total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
+            if self.user_schedule is not None:
+                self.user_schedule.start(self.total, self.version)
             self._set_lr()
 
     @property
@@ -166,6 +172,8 @@ class State:
             self.lr = self.base_lr * lr_factor(self.config.schedule, self.version, self.total or 0, self.base_lr)
             if self.plateau is not None:
                 self.lr *= self.plateau.factor
+            if self.user_schedule is not None:
+                self.lr *= self.user_schedule.factor
         if isinstance(self.optimizer, SGD):
             self.optimizer.lr = self.lr
         else:
@@ -216,6 +224,8 @@ class State:
             self.vector = into
             self.param.data = into[: self.num_params]
         self.version += 1
+        if self.user_schedule is not None:
+            self.user_schedule.step()
         self._set_lr()
         self.last_applied = self.clock()
 
@@ -231,6 +241,8 @@ class State:
         }
         if self.plateau is not None:
             saved["plateau"] = self.plateau.state_dict()
+        if self.user_schedule is not None:
+            saved["user_schedule"] = self.user_schedule.state_dict()
         if self.sliced:
             saved.update(vector=self.vector.clone(), part=list(self.part))
         return saved
@@ -248,4 +260,6 @@ class State:
         self.total = saved.get("total", self.total)
         if self.plateau is not None and "plateau" in saved:
             self.plateau.load_state_dict(saved["plateau"])
+        if self.user_schedule is not None and self.total:
+            self.user_schedule.start(self.total, self.version, saved.get("user_schedule"))
         self._set_lr()

@@ -48,8 +48,12 @@ _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 MAX_WORKERS = 1024  # a service each in the render, and a rank each in the PS's tables
 
 
+OFFLINE_BASE = "ps-compose-base:bookworm"  # orchestrator.images builds it on first use
+
+
 class Image(Section):
-    """The one image the PS and every worker run (images/Dockerfile)."""
+    """The one image the PS and every worker run (images/Dockerfile). Without an `image:` section: the offline
+    base (built on first use), device cpu, the wheelhouse; `local` runs no image at all."""
 
     base: str = Field(min_length=1, pattern=r"^\S+$")
     """Base image the Dockerfile builds on (build arg BASE_IMAGE), e.g.
@@ -221,3 +225,8 @@ class Tracking(Section):
         if v and not info.data.get("mlflow"):
             raise ValueError("true needs tracking.mlflow: true (it guards the project's own server)")
         return v
+
+
+def default_image() -> Image:
+    """The image of a topology with no `image:` section (see Image)."""
+    return Image(base=OFFLINE_BASE, device="cpu", pip_source="wheelhouse")

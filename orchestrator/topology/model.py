@@ -42,6 +42,7 @@ from orchestrator.topology.fields import (
     Swarm,
     Tracking,
     Workers,
+    default_image,
     env_name_problem,
 )
 from orchestrator.topology.messages import TopologyError, check_required, first_error, keys, show, yaml_type
@@ -60,7 +61,7 @@ class Topology(BaseModel):
 
     name: str
     """Names the compose project, the image and runs/<name>/; lowercase letters, digits, '-', '_'."""
-    image: Image
+    image: Image = Field(default_factory=lambda: default_image())
     train: Train
     ps: PS = Field(default_factory=PS)
     workers: Workers

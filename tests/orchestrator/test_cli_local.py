@@ -264,6 +264,16 @@ def test_local_runs_every_rank_with_its_env(fake_app: Path) -> None:
     assert (fake_app / "runs" / "t" / "checkpoints").is_dir()
 
 
+def test_local_needs_no_image_section(fake_app: Path) -> None:
+    doc = topology()
+    del doc["image"]
+    (fake_app / "bare.yaml").write_text(yaml.safe_dump(doc))
+    p = _orchestrator(fake_app, "local", "-c", "bare.yaml")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert json.loads((fake_app / "worker1.json").read_text())["env"]["PSC_DEVICE"] == "cpu"
+
+
 def test_local_sigterm_stops_every_process(fake_app: Path) -> None:
     p = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1")
     names = ("ps", "worker1", "worker2")

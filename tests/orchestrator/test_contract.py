@@ -78,6 +78,10 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         topology(train={"weight_decay": 0.1, "optimizer": {"name": "sgd", "weight_decay": 0.2}}),
         ["worker", "--weight_decay", "0.1", "--optimizer", '{"name": "sgd", "weight_decay": 0.2}'],
     ),
+    "schedule of your own, allreduce": (
+        topology(train={"schedule": "mylib.sched:build", "strategy": "allreduce"}),
+        ["worker", "--schedule", "mylib.sched:build", "--strategy", "allreduce"],
+    ),
     "schedule plateau": (
         topology(train={"schedule": "plateau"}, ps={"shards": 2}),
         ["ps", "--schedule", "plateau", "--shards", "2"],

@@ -246,3 +246,14 @@ def _yaml(doc: dict) -> str:
     import yaml
 
     return yaml.safe_dump(doc, sort_keys=False)
+
+
+def test_a_topology_without_an_image_section_runs_the_offline_base_on_cpu() -> None:
+    from orchestrator import images
+    from orchestrator.topology.model import validate
+
+    doc = topology()
+    del doc["image"]
+    t = validate(doc, "t.yaml")
+    assert (t.image.base, t.image.device, t.image.pip_source) == (images.OFFLINE_BASE, "cpu", "wheelhouse")
+    assert not t.cuda and t.image_tag == "ps-compose-t:latest"

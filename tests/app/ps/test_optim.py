@@ -275,3 +275,41 @@ def test_the_recipe_resolves_train_lr_momentum_and_weight_decay() -> None:
     assert resolve_optimizer({"name": "adamw"}, 0.1, 0.0, 0.0).norm_and_bias_decay is False
     with pytest.raises(ValueError, match="adamw has no momentum"):
         resolve_optimizer({"name": "adamw"}, 0.1, 0.9, 0.0)
+
+
+USER_SCHEDULE = """
+import torch
+
+
+def build(optimizer, total, gamma=0.5):
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
+"""
+
+
+def test_the_users_own_schedule_is_its_torch_scheduler_stepped_once_an_update(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_schedules.py").write_text(USER_SCHEDULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    schedule = {"name": "my_schedules:build", "gamma": 0.9}
+    s = schedule_state(schedule)
+    m = model()
+    rates = []
+    for step in (gradients(m) * 2)[:10]:
+        rates.append(s.lr)
+        s.step(message(m, step))
+    assert rates == pytest.approx(torch_rates(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9), 10))
+    resumed = schedule_state(schedule)
+    resumed.restore(copy.deepcopy(s.checkpoint()))
+    assert resumed.lr == pytest.approx(s.lr)
+    step = gradients(m)[0]
+    s.step(message(m, step))
+    resumed.step(message(m, step))
+    assert resumed.lr == pytest.approx(s.lr) and torch.equal(resumed.vector, s.vector)
+
+
+def test_a_schedule_factory_that_returns_no_scheduler_stops_the_ps_as_it_starts(tmp_path, monkeypatch) -> None:
+    from app.config import UsageError
+
+    (tmp_path / "bad_schedules.py").write_text("def build(optimizer, total):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--schedule bad_schedules:build: returned a float; must return a torch"):
+        State(model(), StateConfig(0.1, schedule={"name": "bad_schedules:build"}, plan=Plan("async", 1)))
