@@ -90,13 +90,15 @@ Size = Annotated[Union[int, str], BeforeValidator(_size)]
 
 class Section(BaseModel):
     # strict: `batch_size: "256"` or `count: true` is a wrong type, not coerced.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 # The pydantic config of a section that is a dataclass (train, ps: app/options.py's fields).
 # Not strict as a whole (pydantic would then take only an instance): the section's checks take
 # each value as it is (`exact_value`).
-SECTION_CONFIG = ConfigDict(extra="forbid", frozen=True)
+SECTION_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf: one line, never a render
 
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")

@@ -83,6 +83,9 @@ BAD = [
         "train.optimizer={name: adam, betas: [0.9]}",
         f"{SMOKE} with train.optimizer={{name: adam, betas: [0.9]}}: train.optimizer.betas: got [0.9]; must be two",
     ),
+    ("train.lr=1e400", f"{SMOKE} with train.lr=1e400: train.lr: got inf; must be a finite number"),
+    ("ps.rpc_timeout=.inf", f"{SMOKE} with ps.rpc_timeout=.inf: ps.rpc_timeout: got inf; must be a finite number"),
+    ("train.clip_grad_norm=.nan", f"{SMOKE} with train.clip_grad_norm=.nan: train.clip_grad_norm: got nan; must be"),
     ("train.batch_size=[32]", f"{SMOKE} with train.batch_size=[32]: train.batch_size: got [32]; must be a valid"),
     ("train.strategy=fast", f"{SMOKE} with train.strategy=fast: train.strategy: got 'fast'; must be"),
     (
