@@ -118,6 +118,12 @@ def keep_document(backend: Backend, c: Cluster) -> None:
 def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
     """UsageError (one line) when a run of cluster `c` is live on the target: a second run of
     the same name would share its project (or stack) and state volume."""
+    local = run_lock.live_run(c.file.parent) if backend.name == "compose" else None
+    if local is not None:  # a `local` run of the name writes runs/<name>/ too
+        raise UsageError(
+            f"{verb}: a local run {local or '(no id)'} of {c.name} is live (runs/{c.name}/local.lock); give this one "
+            f"another name (make up NAME={c.name[:48]}-2, or --name), or end that one first"
+        )
     live = backend.running_env(c, runs.VARIABLES)
     if not live:
         return

@@ -285,6 +285,11 @@ def run(
     run_id = runs.chosen(resume) or runs.new_id()
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
+        refuse_live_compose(t)
+    except BaseException:
+        os.close(lock)
+        raise
+    try:
         remove_stale_shm(t)
         with job_secret.private_exchange(run_dir) as exchange:
             specs = plan(
@@ -310,6 +315,26 @@ def run(
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
         os.close(lock)
+
+
+def refuse_live_compose(t: Topology) -> None:
+    """UsageError (one line) when a compose run of `t`'s name is live on this host's engine: both
+    would write runs/<name>/. No engine, nothing to refuse."""
+    from orchestrator import images
+    from orchestrator.backends.compose import adapter
+    from orchestrator.errors import EngineError
+    from orchestrator.render.compose import project_name
+
+    try:
+        live = adapter.running_env(images.client(timeout=10), project_name(t), runs.VARIABLES)
+    except (EngineError, OSError):
+        return
+    if live:
+        raise UsageError(
+            f"local: compose project {project_name(t)} has a live run {live.get(runs.RUN_ID) or '(no id)'} of this "
+            f"name; give this one another name (--name {t.name[:48]}-2), "
+            f"or end that one first (make down NAME={t.name})"
+        )
 
 
 def tracking_note(t: Topology, environ: Mapping[str, str]) -> Optional[str]:

@@ -141,3 +141,24 @@ def test_a_closed_terminal_stops_every_process_of_a_local_run(fake_app: Path) ->
             p.wait()
         _kill(pids)
     assert not (fake_app / "runs" / "t" / "local.lock").exists() or _local(fake_app).returncode == 0
+
+
+def test_up_of_a_name_whose_local_run_is_live_is_refused(fake_app: Path) -> None:  # noqa: F811
+    import pytest
+
+    from orchestrator.backends.base import Cluster
+    from orchestrator.backends.registry import get
+    from orchestrator.errors import UsageError
+    from orchestrator.verbs import cluster as verbs
+
+    first = _orchestrator(fake_app, "local", "-c", "topo.yaml", FAKE_SLEEP="1")
+    pids: list[int] = []
+    try:
+        pids = _started(fake_app, first)
+        run = json.loads((fake_app / "runs" / "t" / "local.lock").read_text())["run_id"]
+        with pytest.raises(UsageError, match=rf"^up: a local run {run} of t is live \(runs/t/local.lock\)"):
+            verbs.refuse_live(get("compose"), Cluster("t", fake_app / "runs" / "t" / "compose.yaml"), "up")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+        _kill(pids)
