@@ -15,6 +15,7 @@ No lock of its own: app.ps.server calls it under its lock, and the strategy's po
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from app.ps.sgd import SGD
 from app.ps.user_schedule import UserSchedule
 from app.recipes import Spec, lr_factor, planned_updates, resolve_optimizer
 from app.training.flat import FlatModel
+
+log = logging.getLogger("app.ps")
 
 # torch.nn.utils.clip_grad_norm_'s: the gradient times max_norm / (norm + 1e-6), at most 1.
 CLIP_EPS = 1e-6
@@ -89,6 +92,7 @@ class State:
         self.optimizer = optim.build(self.param, model, (start, start + self.num_params), recipe)
         self.version = 0
         self.total: int | None = None  # the run's planned updates, once a push said its epoch's batches
+        self._planned = False  # this process has planned the run (a checkpoint's total may differ)
         self.lr = self.base_lr
         plateau = config.schedule["name"] == "plateau"
         self.plateau = Plateau(config.schedule, config.metrics, self.base_lr) if plateau else None
@@ -151,14 +155,25 @@ class State:
         return min(1.0, clip / (norm + CLIP_EPS)) if clip and norm >= 0 else 1.0
 
     def plan(self, epoch_batches: int) -> None:
-        """The run's length, from the first push that says its epoch's batches (every push of the
-        run says the same): the schedule spans it."""
-        if self.total is None and epoch_batches > 0:
-            p = self.config.plan
-            self.total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
-            if self.user_schedule is not None:
-                self.user_schedule.start(self.total, self.version)
-            self._set_lr()
+        """The run's length, from the first push this process gets that says its epoch's batches
+        (every push of the run says the same): the schedule spans it. A resumed run planned
+        again with a longer (or shorter) run, train.epochs or train.max_steps changed, spans the
+        new plan from the version it resumed at, instead of holding the end of the old one."""
+        if self._planned or epoch_batches <= 0:
+            return
+        self._planned = True
+        p = self.config.plan
+        total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
+        if total == self.total:
+            return
+        if self.total is not None:
+            log.info(
+                "the run's plan is now %d updates (the checkpoint's: %d); the schedule spans it", total, self.total
+            )
+        self.total = total
+        if self.user_schedule is not None:
+            self.user_schedule.start(total, self.version)
+        self._set_lr()
 
     @property
     def scheduled(self) -> bool:

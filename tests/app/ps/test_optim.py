@@ -7,6 +7,7 @@ mid-schedule that continues as if never stopped."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -313,3 +314,23 @@ def test_a_schedule_factory_that_returns_no_scheduler_stops_the_ps_as_it_starts(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UsageError, match=r"^--schedule bad_schedules:build: returned a float; must return a torch"):
         State(model(), StateConfig(0.1, schedule={"name": "bad_schedules:build"}, plan=Plan("async", 1)))
+
+
+def test_a_resumed_run_with_a_longer_plan_spans_it_instead_of_holding_the_old_end() -> None:
+    schedule = {"name": "cosine"}
+    short = State(model(), StateConfig(0.1, schedule=schedule, plan=Plan("async", 9, workers=1, max_steps=20)))
+    short.plan(40)
+    m = model()
+    for step in (gradients(m) * 5)[:25]:  # past its plan: the cosine's end, a rate of 0
+        short.step(message(m, step))
+    assert short.total == 20 and short.lr == 0.0
+    longer = State(model(), StateConfig(0.1, schedule=schedule, plan=Plan("async", 9, workers=1, max_steps=100)))
+    longer.restore(copy.deepcopy(short.checkpoint()))
+    assert longer.total == 20  # the checkpoint's, until a push says the epoch's batches
+    longer.plan(40)
+    assert longer.total == 100 and longer.version == 25
+    assert longer.lr == pytest.approx(0.1 * (1 + math.cos(math.pi * 25 / 100)) / 2)
+    same = State(model(), StateConfig(0.1, schedule=schedule, plan=Plan("async", 9, workers=1, max_steps=20)))
+    same.restore(copy.deepcopy(short.checkpoint()))
+    same.plan(40)
+    assert same.total == 20 and same.lr == 0.0
