@@ -12,6 +12,7 @@ from typing import Optional, TextIO
 from orchestrator import runs
 from orchestrator.backends.base import Backend, Cluster, ServiceState
 from orchestrator.errors import EngineError, UsageError, engine_errors
+from orchestrator.metrics import records
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import PS_SERVICE, has_ps, worker_name
 from orchestrator.verbs.cluster import keep_document, listed, resolve
@@ -71,6 +72,8 @@ def scale(
     keep_document(backend, c)
     start, stop = scale_plan(running, workers)
     env = runs.start(backend.running_env(c, runs.VARIABLES), resume=False)[0] if start else {}
+    if start and _wrote_its_end(backend, c, env.get(runs.RUN_ID, "")):  # ending: its PS has not exited yet
+        raise UsageError(_ended_line(backend, c, "its PS wrote its end"))
     failed: Optional[EngineError] = None
     if start or stop:
         try:
@@ -102,10 +105,28 @@ def _ended_ps(states: Sequence[ServiceState]) -> Optional[ServiceState]:
     return next((s for s in states if s.service == PS_SERVICE and s.ended and s.exit_code == 0), None)
 
 
-def _ended_line(backend: Backend, c: Cluster) -> str:
+def _wrote_its_end(backend: Backend, c: Cluster, run_id: str) -> bool:
+    """Whether the PS's records of run `run_id` hold its end (`end`, or final.pt's `checkpoint`
+    record): the run is over even while its PS is still on its way out."""
+    if not run_id:
+        return False
+    try:
+        lines = backend.read_records(c, PS_SERVICE).get(f"{PS_SERVICE}.jsonl", [])
+    except EngineError:
+        return False
+    mine = False
+    for record in records.parse_lines(lines):
+        if record.get("event") == "start":
+            mine = record.get("run_id") == run_id
+        elif mine and (record.get("event") == "end" or record.get("file") == "final.pt"):
+            return True
+    return False
+
+
+def _ended_line(backend: Backend, c: Cluster, how: str = "its PS exited 0") -> str:
     p = backend.verb_prefix
     return (
-        f"scale: the run of {backend.noun} {c.name} has ended (its PS exited 0): nothing to scale; "
+        f"scale: the run of {backend.noun} {c.name} has ended ({how}): nothing to scale; "
         f"make {p}status shows how it ended, make {p}up starts a new run"
     )
 

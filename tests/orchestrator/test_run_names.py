@@ -7,6 +7,7 @@ writes no terminal escapes. On a made-up target (the blocks only) and the real C
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -270,6 +271,31 @@ def test_a_scale_that_comes_as_the_run_ends_says_so_and_leaves_nothing_made(cli,
     # and once it has ended, before anything is started: the same line
     status, out, err = cli("fake-scale", "--workers", "4")
     assert (status, out, err) == (2, "", ended)
+
+
+def test_a_scale_after_the_run_wrote_its_end_but_before_its_ps_exited_starts_nothing(cli, monkeypatch, tmp_path):  # noqa: F811
+    class Ended(Live):
+        def read_records(self, c, service):
+            mine = self.runs[c.name]
+            lines = [
+                {"time": 1.0, "event": "start", "step": 0, "run_id": "an-older-run"},
+                {"time": 2.0, "event": "end", "step": 80},
+                {"time": 3.0, "event": "start", "step": 0, "run_id": mine},
+                {"time": 4.0, "event": "checkpoint", "step": 120, "file": "final.pt"},
+            ]
+            return {"ps.jsonl": [json.dumps(r) for r in lines]}
+
+    fake = Ended()
+    monkeypatch.setitem(registry.BACKENDS, "fake", fake)
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(SMOKE.read_text().replace("  count: 2", "  count: 2\n  max: 4"))
+    assert cli("fake-up", "-c", str(scaled))[0] == 0
+    status, out, err = cli("fake-scale", "--workers", "3")
+    assert (status, out) == (2, "") and err.startswith(
+        "error: scale: the run of fleet fleet-cpu-smoke has ended (its PS wrote its end): nothing to scale"
+    ), err
+    assert not [call for call in fake.calls if call[0] == "scale"]
 
 
 def test_a_scale_whose_engine_fails_while_the_run_goes_on_fails_as_before(monkeypatch, tmp_path) -> None:
