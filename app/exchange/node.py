@@ -262,6 +262,11 @@ class Node:
         peer = self.peers.get(to)
         if peer is not None:
             why = peer.failed or sockets.write(peer.socket, frames)
+            if why and not peer.failed:
+                # libzmq drops a connection's queue once its handshake fails, after telling the
+                # monitor why: that reason, not the send's EAGAIN, is the caller's.
+                self._peer_events(peer)
+                why = peer.failed or why
         elif self.router is not None and to in self.seen:
             why = sockets.write(self.router, [to.encode(), *frames])
         else:
@@ -284,7 +289,7 @@ class Node:
             if socket is peer.socket:
                 self._drain(socket, routed=False, peer=peer.name)
             elif socket is peer.monitor:
-                self._peer_event(peer)
+                self._peer_events(peer)
 
     def _drain(self, socket: zmq.Socket, routed: bool, peer: str = "") -> None:
         for _ in range(64):  # then the other sockets get their turn
@@ -334,8 +339,16 @@ class Node:
             self._warned.add(sender)
             log.warning("%s: dropped a message from %s that does not parse (%s)", self.name, sender, error)
 
-    def _peer_event(self, peer: Peer) -> None:
-        event = zmq.utils.monitor.recv_monitor_message(peer.monitor)["event"]
+    def _peer_events(self, peer: Peer) -> None:
+        """Every event its monitor holds, in order."""
+        while True:
+            try:
+                self._peer_event(peer, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _peer_event(self, peer: Peer, flags: int) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(peer.monitor, flags)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             peer.connected = True
         why = sockets.why_lost(event, peer.name, peer.endpoint, peer.connected)
