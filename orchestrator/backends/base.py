@@ -77,6 +77,7 @@ class Cluster:
     strategy: Optional[str] = None
     topology: Optional[Topology] = None
     overrides: tuple[str, ...] = ()  # the KEY=VALUE its up was given (recorded), for a topology read again
+    files: tuple[Path, ...] = ()  # compose files merged over `file` (`up -f`: compose's own override files)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Backend:
     volume_where: str = ""  # where the state volume stays after down
     ended_well: str = "exited 0"  # what smoke says of each service of a run that passed
     image_note: str = ""  # up's words after "image TAG present"
+    merges_files: bool = False  # takes override files merged over its document (`-f`: compose's own)
 
     # --- the document -------------------------------------------------------
     def render(self, t: Topology, data_root: str) -> str:
@@ -222,6 +224,15 @@ class Backend:
         """Start TensorBoard on the cluster's event files with `env` (its run and port); the
         command that shows its log when it does not answer."""
         raise self._not_run("tensorboard")
+
+    def check_files(self, c: Cluster) -> None:
+        """UsageError (one line) unless the target merges `c.files` over its document: only
+        compose takes override files."""
+        if c.files:
+            raise UsageError(
+                f"-f: target {self.name} takes no override file (compose's own, merged by `docker compose -f`); "
+                "drop -f, or run on compose"
+            )
 
     def refuse(self, verb: str) -> None:
         """UsageError with the target's one line when it cannot do `verb` yet."""

@@ -33,6 +33,7 @@ def save(backend: Backend, c: Cluster, runs: Optional[Path] = None) -> None:
         "workers": c.workers,
         "strategy": c.strategy,
         "overrides": list(c.topology.overrides) if c.topology is not None else [],  # KEY=VALUE, as typed
+        "files": [str(f) for f in c.files],  # compose's override files (`up -f`), absolute
     }
     for where in (path(backend, runs), path(backend, runs, c.name)):
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -49,4 +50,7 @@ def load(backend: Backend, runs: Optional[Path] = None, name: Optional[str] = No
     name = rec.get("name") or rec.get("project") or rec.get("stack")
     file = rec.get("file") or rec.get("compose_file") or rec.get("stack_file") or backend.path_of(name)
     overrides = tuple(rec.get("overrides") or ())
-    return Cluster(name, Path(file), rec.get("config"), rec.get("workers"), rec.get("strategy"), overrides=overrides)
+    files = tuple(Path(f) for f in rec.get("files") or ())
+    return Cluster(
+        name, Path(file), rec.get("config"), rec.get("workers"), rec.get("strategy"), overrides=overrides, files=files
+    )

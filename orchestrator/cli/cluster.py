@@ -37,6 +37,7 @@ def add_cluster_verbs(sub: argparse._SubParsersAction, backend) -> None:
 
     p = verb("up")
     add_topology_args(p)
+    _add_file_arg(p, backend, "recorded: later verbs of the run merge it too")
     p.add_argument("--offline", action="store_true", help="build (if needed) on the offline path")
     add_resume_arg(p)
     p.set_defaults(
@@ -49,6 +50,7 @@ def add_cluster_verbs(sub: argparse._SubParsersAction, backend) -> None:
             resume=a.resume,
             name=a.name,
             overrides=tuple(a.overrides),
+            files=a.files,
         )
     )
     last = f"the last {backend.verb_prefix}up"
@@ -68,7 +70,8 @@ def add_cluster_verbs(sub: argparse._SubParsersAction, backend) -> None:
     p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
     p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="the number of workers to run")
     add_name_arg(p, f"{last}'s")
-    p.set_defaults(run=lambda a: _verbs()[4].scale(backend, a.config, a.workers, name=a.name))
+    _add_file_arg(p, backend)
+    p.set_defaults(run=lambda a: _verbs()[4].scale(backend, a.config, a.workers, name=a.name, files=a.files))
     _add_tensorboard_verb(verb("tensorboard"), backend, last)
     _add_export_verb(verb("export"), backend, last)
 
@@ -77,14 +80,16 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
     """down, logs and status: the cluster named by -c, else the last up's."""
     p = verb("down")
     _last_cluster_args(p, last)
+    _add_file_arg(p, backend)
     p.add_argument("-v", "--volumes", action="store_true", help="also remove the volume")
     p.set_defaults(
         run=lambda a: _verbs()[0].down(
-            backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes, name=a.name
+            backend, a.config, a.workers, strategy=a.strategy, volumes=a.volumes, name=a.name, files=a.files
         )
     )
     p = verb("logs")
     _last_cluster_args(p, last)
+    _add_file_arg(p, backend)
     p.add_argument("--no-follow", action="store_true", help="print and return")
     add_log_args(p)
     p.set_defaults(
@@ -96,13 +101,17 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
             follow=not a.no_follow,
             name=a.name,
             options=_log_options(a),
+            files=a.files,
         )
     )
     p = verb("status")
     _last_cluster_args(p, last)
+    _add_file_arg(p, backend)
     add_json_arg(p, "the services, live workers and progress")
     p.set_defaults(
-        run=lambda a: _verbs()[0].status(backend, a.config, a.workers, strategy=a.strategy, name=a.name, as_json=a.json)
+        run=lambda a: _verbs()[0].status(
+            backend, a.config, a.workers, strategy=a.strategy, name=a.name, as_json=a.json, files=a.files
+        )
     )
 
 
@@ -111,6 +120,21 @@ def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
     p.add_argument("--workers", type=positive_int, metavar="N")
     add_strategy_arg(p)
     add_name_arg(p, f"{last}'s; alone, the last up of that name")
+
+
+def _add_file_arg(p: argparse.ArgumentParser, backend, more: str = "") -> None:
+    """`-f FILE` (repeatable): compose's own override files, merged over the rendered one in
+    order, as `docker compose -f` merges them."""
+    p.add_argument(
+        "-f",
+        "--file",
+        dest="files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a compose file merged over the rendered one (a volume, a device, a variable), as `docker compose -f` "
+        f"merges it; repeatable (default: the files the run's up was given){'; ' + more if more else ''}",
+    )
 
 
 def _log_options(a: argparse.Namespace):
@@ -123,6 +147,7 @@ def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> Non
     """TensorBoard on the runs' event files (orchestrator/verbs/board.py), or with --local
     a process on `make local`'s runs (orchestrator/verbs/tensorboard.py)."""
     _last_cluster_args(p, last)
+    _add_file_arg(p, backend)
     p.add_argument(
         "--run", dest="run_id", metavar="ID", help="one run's curves (default: every run of the topology, side by side)"
     )
@@ -130,7 +155,15 @@ def _add_tensorboard_verb(p: argparse.ArgumentParser, backend, last: str) -> Non
     p.add_argument("--local", action="store_true", help="a local process on the runs of `make local` (runs/<name>/)")
     p.set_defaults(
         run=lambda a: _verbs()[2].tensorboard(
-            backend, a.config, a.workers, strategy=a.strategy, run=a.run_id, port=a.port, local=a.local, name=a.name
+            backend,
+            a.config,
+            a.workers,
+            strategy=a.strategy,
+            run=a.run_id,
+            port=a.port,
+            local=a.local,
+            name=a.name,
+            files=a.files,
         )
     )
 

@@ -428,7 +428,7 @@ def dump(doc: dict[str, Any], name: str, overrides: tuple[str, ...] = ()) -> str
     command line's KEY=VALUE the topology was loaded with, recorded in the header."""
     header = (
         f"# Rendered from the topology {name!r} by `python -m orchestrator render`.\n"
-        "# Do not edit: change configs/*.yaml and render again.\n"
+        "# Do not edit: change configs/*.yaml and render again; add your own with `up -f FILE` (compose merges it).\n"
     )
     return header + overrides_line(overrides) + yaml_text(doc)
 

@@ -9,6 +9,7 @@ listed). With no run yet it starts, and says the page fills once `make up` train
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -78,6 +79,7 @@ def tensorboard(
     local: bool = False,
     name: Optional[str] = None,
     out: Optional[TextIO] = None,
+    files: Sequence[str] = (),
 ) -> int:
     out = out or sys.stdout
     backend.refuse("tensorboard")
@@ -85,7 +87,7 @@ def tensorboard(
         t = load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
         return board.run_local(t, run, port)
     run = board.check_run(run)
-    c = resolve(backend, config, workers, strategy, name)
+    c = resolve(backend, config, workers, strategy, name, files)
     ids = _refuse_early(backend, c, run)
     keep_document(backend, c)
     chosen = board.choose_port(port)

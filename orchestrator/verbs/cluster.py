@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -61,15 +62,17 @@ def resolve(
     workers: Optional[int],
     strategy: Optional[str] = None,
     name: Optional[str] = None,
+    files: Sequence[str] = (),
 ) -> Cluster:
     """The cluster named by `-c/--workers/--strategy` (and `--name`, the topology's name
     overridden); `--name` alone: the last up of that name (runs/<name>/), else that cluster as
     its rendered file says; with none, the one the target's up started last, else the default
-    topology's."""
+    topology's. Its override files (`-f`): `files` when given, else those its up recorded."""
+    given = override_files(files)
     if config is None and workers is None and strategy is None:
         last = record.load(backend, name=name)
         if last is not None:
-            return last
+            return with_files(backend, last, given)
         if name is not None:
             path = backend.path_of(name)
             if not path.exists():
@@ -77,11 +80,39 @@ def resolve(
                     f"no {backend.noun} named {name!r} here: {relative(path)} does not exist "
                     f"(`ps-compose runs` lists the runs; `ps-compose {backend.verb_prefix}up --name {name}` starts one)"
                 )
-            return Cluster(name, path)
+            return with_files(backend, Cluster(name, path), given)
     config = config or DEFAULT_CONFIG
     t = load_with(config, workers=workers, strategy=strategy, name=name)
     found = backend.name_of(t)
-    return Cluster(found, backend.path_of(found), config, workers, strategy, t)
+    kept = record.load(backend, name=found)
+    c = Cluster(found, backend.path_of(found), config, workers, strategy, t, files=kept.files if kept else ())
+    return with_files(backend, c, given)
+
+
+def override_files(files: Sequence[str]) -> tuple[Path, ...]:
+    """`-f FILE`s as absolute paths (the record keeps them, and later verbs run from anywhere);
+    UsageError naming one that is not a file."""
+    for f in files:
+        if not Path(f).is_file():
+            raise UsageError(f"-f: {f}: no such file (a compose file to merge over the rendered one)")
+    return tuple(Path(f).absolute() for f in files)
+
+
+def with_files(backend: Backend, c: Cluster, given: tuple[Path, ...]) -> Cluster:
+    """`c` with the override files `given` (checked by its target), else with those its up
+    recorded that still exist (one warning names any gone since: down and logs still work)."""
+    if given:
+        c = replace(c, files=given)
+        if c.file.exists():
+            backend.check_files(c)
+        return c
+    gone = [f for f in c.files if not f.is_file()]
+    if gone:
+        print(
+            f"warning: {', '.join(map(str, gone))}: gone since {c.name}'s up merged it; acting without it",
+            file=sys.stderr,
+        )
+    return replace(c, files=tuple(f for f in c.files if f not in gone))
 
 
 def configured(c: Cluster) -> list[Service]:
@@ -196,6 +227,7 @@ def up(
     remember: bool = True,
     out: Optional[TextIO] = None,
     overrides: tuple[str, ...] = (),
+    files: Sequence[str] = (),
 ) -> int:
     """A new run (orchestrator.runs: its own id; `resume`: the PS continues the newest
     unfinished checkpoint) of the topology, under `name` when given; refused (one line) while a
@@ -207,7 +239,9 @@ def up(
     if refused is not None:
         raise UsageError(refused)
     name = backend.name_of(t)
-    c = Cluster(name, backend.path_of(name), config, workers, strategy, t)
+    c = Cluster(name, backend.path_of(name), config, workers, strategy, t, files=override_files(files))
+    if c.files and not backend.merges_files:
+        backend.check_files(c)  # one line before anything starts: the target merges no override file
     p = backend.verb_prefix
     # the check for a live run and the start, one `up` of the name at a time (run_lock.starting)
     with run_lock.starting(c.file.parent, f"{p}up", f"{backend.noun} {c.name}"):
@@ -221,6 +255,10 @@ def up(
         wrote = write_if_changed(c.file, backend.document(t, facts))
         said = "rendered" if wrote else "up to date:"
         print(f"==> {said} {relative(c.file)}: {describe(t)}, {backend.noun} {c.name}", file=out, flush=True)
+        if c.files:
+            backend.check_files(c)
+            merged = " ".join(f"-f {f}" for f in c.files)
+            print(f"==> compose merges {merged} over it (recorded: later verbs of {c.name} merge it too)", file=out)
         ensure_image(backend, client, t, offline, out)
         unset = t.env_unset(os.environ)
         if unset:
@@ -263,10 +301,11 @@ def down(
     volumes: bool = False,
     name: Optional[str] = None,
     out: Optional[TextIO] = None,
+    files: Sequence[str] = (),
 ) -> int:
     out = out or sys.stdout
     backend.refuse("down")
-    c = resolve(backend, config, workers, strategy, name)
+    c = resolve(backend, config, workers, strategy, name, files)
     keep_document(backend, c)
     backend.remove(c, volumes)
     tracked = _has_own_tracker(c)
@@ -291,13 +330,14 @@ def logs(
     name: Optional[str] = None,
     options: LogOptions = EVERY_LINE,
     out: Optional[TextIO] = None,
+    files: Sequence[str] = (),
 ) -> int:
     """Every service's log; following, until every service of the cluster has ended (on two
     looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too;
     `options`: timestamps, --tail, --since, passed to the target's command."""
     out = out or sys.stdout
     backend.refuse("logs")
-    c = resolve(backend, config, workers, strategy, name)
+    c = resolve(backend, config, workers, strategy, name, files)
     keep_document(backend, c)
     lines = backend.log_iter(c, follow, options)
     done = threading.Event()
@@ -362,12 +402,13 @@ def status(
     name: Optional[str] = None,
     as_json: bool = False,
     out: Optional[TextIO] = None,
+    files: Sequence[str] = (),
 ) -> int:
     """One line per service; under the metrics table, the live workers and the run's progress.
     `as_json`: the same as one JSON document (backends/status.py: `status_document`)."""
     out = out or sys.stdout
     backend.refuse("status")
-    c = resolve(backend, config, workers, strategy, name)
+    c = resolve(backend, config, workers, strategy, name, files)
     rows = listed(backend, c, backend.describe(c))
     where = str(relative(Path(c.file)))
     if backend.task_table:

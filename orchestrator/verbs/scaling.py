@@ -56,14 +56,20 @@ def scalable(c: Cluster, workers: int) -> Topology:
 
 @engine_errors
 def scale(
-    backend: Backend, config: Optional[str], workers: int, *, name: Optional[str] = None, out: Optional[TextIO] = None
+    backend: Backend,
+    config: Optional[str],
+    workers: int,
+    *,
+    name: Optional[str] = None,
+    out: Optional[TextIO] = None,
+    files: Sequence[str] = (),
 ) -> int:
     """Grow or shrink the running cluster to `workers` workers without stopping it: the next
     ranks start (rendered up to workers.max); the highest ones get SIGTERM (each leaves the job
     cleanly and exits 0, so its restart policy leaves it stopped)."""
     out = out or sys.stdout
     backend.refuse("scale")
-    c = resolve(backend, config, None, None, name)
+    c = resolve(backend, config, None, None, name, files)
     t = scalable(c, workers)
     states = listed(backend, c, backend.describe(c))
     running = running_workers(states)

@@ -1,6 +1,7 @@
-"""The topology's `env` in real containers: a variable of the caller's named there reaches every
-process of a compose run (the user's dataset factory reads it, in the PS and in each worker),
-and its value is in no rendered file."""
+"""The topology's `env` and compose's own override file in real containers: a variable of the
+caller's named there reaches every process of a compose run (the user's dataset factory reads
+it, in the PS and in each worker), and its value is in no rendered file; a volume an override
+file (`up -f`) adds is mounted in each of them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from orchestrator.verbs import cluster as verbs
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 VALUE = f"token-{uuid.uuid4().hex}"
+MARKER = f"marker-{uuid.uuid4().hex}"
 FACTORY = """
 import os
 
@@ -33,15 +35,27 @@ def data(root, train, seed):
     token = os.environ.get("MY_TOKEN")
     if token != %r:
         raise RuntimeError(f"MY_TOKEN is {token!r}")
+    with open("/extra/marker") as f:  # the override file's volume
+        if f.read() != %r:
+            raise RuntimeError("/extra/marker is not the host's")
     g = torch.Generator().manual_seed(0 if train else 1)
     return TensorDataset(torch.rand(64, 1, 8, 8, generator=g), torch.randint(10, (64,), generator=g)), 1, 10
 """
 
 
-def test_a_named_variable_reaches_every_process_and_no_rendered_file(engine, offline_image, tmp_path, monkeypatch):
+def test_a_named_variable_and_an_override_files_volume_reach_every_process_and_no_rendered_file(
+    engine, offline_image, tmp_path, monkeypatch
+):
     code = Path(tempfile.mkdtemp(prefix="psc-env-code-"))  # readable by the containers' user
     try:
-        (code / "envdata.py").write_text(FACTORY % VALUE)
+        (code / "envdata.py").write_text(FACTORY % (VALUE, MARKER))
+        (code / "extra").mkdir()
+        (code / "extra" / "marker").write_text(MARKER)
+        (code / "extra").chmod(0o755)
+        (code / "extra" / "marker").chmod(0o644)
+        mount = {"volumes": [{"type": "bind", "source": str(code / "extra"), "target": "/extra", "read_only": True}]}
+        override = tmp_path / "extra.yaml"
+        override.write_text(yaml.safe_dump({"services": {s: mount for s in ("ps", "worker1", "worker2")}}))
         code.chmod(0o755)
         (code / "envdata.py").chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
         project = f"psc-env-{uuid.uuid4().hex[:6]}"
@@ -55,13 +69,15 @@ def test_a_named_variable_reaches_every_process_and_no_rendered_file(engine, off
         monkeypatch.setenv("MY_TOKEN", VALUE)
         try:
             out = io.StringIO()
-            assert verbs.up(get("compose"), str(config), name=project, remember=False, out=out) == 0, out.getvalue()
+            up = verbs.up(get("compose"), str(config), name=project, remember=False, out=out, files=[str(override)])
+            assert up == 0, out.getvalue()
             states = adapter.wait_exited(engine, project, 4, 300, io.StringIO())
             logs = {s: adapter.log_text(engine, project, s) for s in ("ps", "worker1", "worker2")}
             rendered = [p for p in (ROOT / "runs" / project).rglob("*") if p.is_file()]
             texts = {str(p): p.read_bytes() for p in rendered}
         finally:
-            verbs.down(get("compose"), str(config), volumes=True, name=project, out=io.StringIO())
+            down = io.StringIO()
+            verbs.down(get("compose"), str(config), volumes=True, name=project, out=down, files=[str(override)])
             shutil.rmtree(ROOT / "runs" / project, ignore_errors=True)
     finally:
         shutil.rmtree(code, ignore_errors=True)

@@ -61,18 +61,26 @@ class Compose:
 
 @dataclass(frozen=True)
 class Project:
-    """One compose project: its name, its file and the directory paths are relative to."""
+    """One compose project: its name, its file, the override files merged over it (compose's
+    `-f`, in order) and the directory paths are relative to."""
 
     name: str
     file: str
     directory: str
+    overrides: tuple[str, ...] = ()
 
 
 # --- command lines (pure) -------------------------------------------------
 
 
 def base_argv(c: Compose, p: Project) -> list[str]:
-    return [*c.prefix, "-p", p.name, "-f", p.file, "--project-directory", p.directory]
+    files = [arg for f in (p.file, *p.overrides) for arg in ("-f", f)]
+    return [*c.prefix, "-p", p.name, *files, "--project-directory", p.directory]
+
+
+def config_argv(c: Compose, p: Project) -> list[str]:
+    """Merge the files and check the result, printing nothing (compose's own check)."""
+    return base_argv(c, p) + ["config", "-q"]
 
 
 def up_argv(c: Compose, p: Project) -> list[str]:

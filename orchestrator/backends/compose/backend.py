@@ -17,7 +17,7 @@ from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, L
 from orchestrator.backends.compose import adapter, doctor
 from orchestrator.backends.compose.status import service_states
 from orchestrator.backends.lines import ProcessLines
-from orchestrator.errors import EngineError, UsageError
+from orchestrator.errors import EngineError, UsageError, last_line
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.topology.model import Topology
@@ -33,7 +33,7 @@ def _compose() -> adapter.Compose:
 
 
 def project(c: Cluster) -> adapter.Project:
-    return adapter.Project(c.name, str(c.file), str(ROOT))
+    return adapter.Project(c.name, str(c.file), str(ROOT), tuple(str(f) for f in c.files))
 
 
 class ComposeBackend(Backend):
@@ -46,6 +46,7 @@ class ComposeBackend(Backend):
     smoke_timeout = 900
     record = "current.json"
     keeps_document = True
+    merges_files = True
     image_note = "(make build rebuilds it)"
     verb_help = {
         "up": "render if needed, build if the image is missing, start detached",
@@ -77,6 +78,17 @@ class ComposeBackend(Backend):
                 ) from None
             raise
         return []
+
+    def check_files(self, c: Cluster) -> None:
+        """UsageError (one line) when compose cannot merge the override files over the document:
+        a file that is missing, not YAML, or whose merge is not a valid project (compose's words)."""
+        if c.files:
+            r = command.run(adapter.config_argv(_compose(), project(c)), check=False, capture=True)
+            if r.returncode != 0:
+                raise UsageError(
+                    f"-f: compose cannot merge {', '.join(str(f) for f in c.files)} over {c.file.name}: "
+                    f"{last_line(r.stderr) or f'exit status {r.returncode}'}"
+                )
 
     def describe(self, c: Cluster) -> list[ServiceState]:
         return service_states([x.attrs for x in adapter.containers(images.client(), c.name)])
