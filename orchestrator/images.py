@@ -188,8 +188,9 @@ def follow_build(stream: Iterable[dict[str, Any]], out: TextIO, *, verbose: bool
                 print(f"    {step}", file=out, flush=True)
             elif line.strip():
                 recent.append(line)
-                if verbose:
-                    print(f"      {line}", file=out, flush=True)
+                shown = _ANSI.sub("", line)
+                if verbose or shown.startswith("warning: "):  # a build's warning is for the user
+                    print(f"      {line if verbose else shown}", file=out, flush=True)
     if not image_id:
         raise EngineError("image build ended without an image id")
     return image_id

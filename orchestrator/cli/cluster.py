@@ -27,6 +27,12 @@ def _verbs():
     return cluster, smoke, board, export, scaling
 
 
+def _building():
+    from orchestrator.verbs import building
+
+    return building
+
+
 def add_cluster_verbs(sub: argparse._SubParsersAction, backend) -> None:
     """PREFIX + up, down, logs, status, smoke, scale, tensorboard of one target (backends/base.py:
     `Backend`). down, logs, status, scale and tensorboard without -c act on the cluster PREFIX +
@@ -187,7 +193,7 @@ def add_build_verb(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offline", action="store_true", help="FROM the debootstrap base, wheels from images/wheelhouse/")
     p.add_argument("-v", "--verbose", action="store_true", help="show every build output line")
     p.set_defaults(
-        run=lambda a: _verbs()[0].build(
+        run=lambda a: _building().build(
             a.config, a.workers, offline=a.offline, verbose=a.verbose, overrides=tuple(a.overrides)
         )
     )

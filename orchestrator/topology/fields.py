@@ -38,6 +38,22 @@ def env_name_problem(name: str) -> str:
     return ""
 
 
+def requirement_problem(line: str) -> str:
+    """What is wrong with one pip requirement (`einops`, `timm==1.0.*`, `pkg[extra]>=2`); '' when nothing
+    is. A URL, a path or an option (`-e`, `--index-url`) is not one: the image's wheels come from the index."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if line.strip().startswith("-"):
+        return "must be a requirement (name, extras, version); options such as -e or --index-url are not taken"
+    try:
+        req = Requirement(line)
+    except InvalidRequirement as e:
+        return f"must be a pip requirement like einops or timm==1.0.* ({str(e).splitlines()[0]})"
+    if req.url:
+        return "must be a requirement from the index (name and version), not a URL"
+    return ""
+
+
 _IMAGE_REF = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _RESOURCE_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
@@ -69,6 +85,23 @@ class Image(Section):
     """cuda only: groups added to every container with a GPU, for hosts that restrict /dev/nvidia* to a group
     (NVreg_DeviceFileMode=0660); give the host's numeric gid (stat -c %g /dev/nvidia0): a name is looked up in the
     image, not on the host. `doctor`'s probe checks it."""
+
+    packages: list[str] = Field(default_factory=list)
+    """pip requirements (einops, timm==1.0.*) installed in a layer of their own over the app's image, with what they
+    need (resolved on this host against the image's own packages, which stay as they are; from PyPI, or as wheels
+    fetched here for the offline path); `local` checks that its Python has them. Recorded with the run."""
+    requirements: Optional[str] = None
+    """A pip requirements file (requirement lines only), e.g. in `code`; its lines join `packages`. Relative to the
+    repository (or absolute)."""
+
+    @field_validator("packages")
+    @classmethod
+    def _packages(cls, v: list[str]) -> list[str]:
+        for line in v:
+            problem = requirement_problem(line)
+            if problem:
+                raise ValueError(f"got {line!r}; {problem}")
+        return v
 
     @field_validator("tag")
     @classmethod

@@ -1,5 +1,5 @@
 """The user-facing verbs, written once on top of a target's blocks (orchestrator/backends/base.py):
-build, up, down, logs, status; scale (orchestrator/verbs/scaling.py), smoke
+up, down, logs, status; build (orchestrator/verbs/building.py); scale (orchestrator/verbs/scaling.py), smoke
 (orchestrator/verbs/smoke.py) and tensorboard (orchestrator/verbs/board.py).
 
 Each verb takes the target (`Backend`) and returns an exit status; the CLI only parses and
@@ -23,7 +23,7 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from orchestrator import images, run_lock, runs, tracking_image
+from orchestrator import images, run_lock, runs, user_packages
 from orchestrator.backends import record
 from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
 from orchestrator.backends.inspect import from_compose
@@ -49,6 +49,7 @@ from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_if_changed
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import PS_SERVICE, Service, describe, services, sort_key
+from orchestrator.verbs.building import ensure_image
 
 POLL = 2.0  # seconds between two looks at the cluster while following its logs
 
@@ -183,37 +184,6 @@ def preflight(backend: Backend, t: Topology, config: str, client: Any, out: Text
     return facts
 
 
-def ensure_image(backend: Backend, client: Any, t: Topology, offline: bool, out: TextIO) -> None:
-    """The app's image, built when missing; the MLflow server's too where the topology has one."""
-    if not backend.engine:
-        return
-    base, pip_source = images.source(t, offline)
-    if images.image_exists(client, t.image_tag):
-        print(f"==> image {t.image_tag} present {backend.image_note}", file=out, flush=True)
-    else:
-        images.build(t.image_tag, base, pip_source, out=out)
-    if tracking.tracked_by_own_server(t):
-        tracking_image.ensure(client, base, pip_source, out)
-
-
-@engine_errors
-def build(
-    config: str,
-    workers: Optional[int] = None,
-    *,
-    offline: bool = False,
-    verbose: bool = False,
-    overrides: tuple[str, ...] = (),
-) -> int:
-    """(Re)build the topology's image (and its MLflow server's, where it has one)."""
-    t = load_with(config, workers=workers, overrides=overrides)
-    base, pip_source = images.source(t, offline)
-    images.build(t.image_tag, base, pip_source, verbose=verbose)
-    if tracking.tracked_by_own_server(t):
-        tracking_image.build(base, pip_source)
-    return 0
-
-
 @engine_errors
 def up(
     backend: Backend,
@@ -259,7 +229,9 @@ def up(
             backend.check_files(c)
             merged = " ".join(f"-f {f}" for f in c.files)
             print(f"==> compose merges {merged} over it (recorded: later verbs of {c.name} merge it too)", file=out)
-        ensure_image(backend, client, t, offline, out)
+        versions = ensure_image(backend, client, t, offline, out)
+        if user_packages.record(c.file.parent, versions):
+            print(f"==> image.packages: {user_packages.described(versions)}", file=out, flush=True)
         unset = t.env_unset(os.environ)
         if unset:
             print(f"warning: {unset}", file=out, flush=True)

@@ -1,11 +1,14 @@
-"""The topology's `env` and compose's own override file in real containers: a variable of the
-caller's named there reaches every process of a compose run (the user's dataset factory reads
-it, in the PS and in each worker), and its value is in no rendered file; a volume an override
-file (`up -f`) adds is mounted in each of them."""
+"""The user's whole project in real containers: a package of `image.packages` (einops, from the
+index, fetched on this host as a wheel for the offline path) is installed in a layer of the
+run's own image and the user's model imports it; a variable of the caller's named in `env`
+reaches every process of a compose run (the user's dataset factory reads it, in the PS and in
+each worker), and its value is in no rendered file; a volume an override file (`up -f`) adds
+is mounted in each of them. The versions installed are recorded with the run."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import stat
@@ -40,6 +43,14 @@ def data(root, train, seed):
             raise RuntimeError("/extra/marker is not the host's")
     g = torch.Generator().manual_seed(0 if train else 1)
     return TensorDataset(torch.rand(64, 1, 8, 8, generator=g), torch.randint(10, (64,), generator=g)), 1, 10
+
+
+def model(num_classes, channels):
+    import einops.layers.torch  # the topology's image.packages
+
+    return torch.nn.Sequential(
+        einops.layers.torch.Rearrange("b c h w -> b (c h w)"), torch.nn.Linear(channels * 64, num_classes)
+    )
 """
 
 
@@ -60,8 +71,8 @@ def test_a_named_variable_and_an_override_files_volume_reach_every_process_and_n
         (code / "envdata.py").chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
         project = f"psc-env-{uuid.uuid4().hex[:6]}"
         doc = yaml.safe_load((ROOT / "configs/cpu-smoke.yaml").read_text())
-        doc["image"]["tag"] = offline_image
-        doc["train"].update(dataset="envdata:data", epochs=1)
+        doc["image"].update(tag=f"{project}:latest", packages=["einops"])  # an image of its own: the layer
+        doc["train"].update(dataset="envdata:data", model="envdata:model", epochs=1)
         doc["train"].pop("data_dir", None)
         doc.update(code=str(code), env=["MY_TOKEN"])
         config = tmp_path / "topo.yaml"
@@ -75,10 +86,12 @@ def test_a_named_variable_and_an_override_files_volume_reach_every_process_and_n
             logs = {s: adapter.log_text(engine, project, s) for s in ("ps", "worker1", "worker2")}
             rendered = [p for p in (ROOT / "runs" / project).rglob("*") if p.is_file()]
             texts = {str(p): p.read_bytes() for p in rendered}
+            packages = json.loads((ROOT / "runs" / project / "packages.json").read_text())
         finally:
             down = io.StringIO()
             verbs.down(get("compose"), str(config), volumes=True, name=project, out=down, files=[str(override)])
             shutil.rmtree(ROOT / "runs" / project, ignore_errors=True)
+            engine.images.remove(f"{project}:latest", force=True)
     finally:
         shutil.rmtree(code, ignore_errors=True)
     assert states is not None, logs
@@ -87,3 +100,4 @@ def test_a_named_variable_and_an_override_files_volume_reach_every_process_and_n
     )
     assert any(name.endswith("compose.yaml") for name in texts) and all(VALUE.encode() not in t for t in texts.values())
     assert os.environ["MY_TOKEN"] == VALUE
+    assert set(packages) == {"einops"} and f"==> image.packages: einops {packages['einops']}" in out.getvalue()

@@ -81,6 +81,20 @@ def test_follow_build_prints_steps_and_returns_the_id():
     assert out.getvalue() == "    Step 1/2 : FROM x\n    Step 2/2 : RUN pip install\n"
 
 
+def test_follow_build_shows_a_steps_warning_without_its_colour():
+    stream = [
+        {"stream": "Step 1/1 : RUN check\n"},
+        {"stream": "\x1b[91mwarning: the base image b has torch 2.8.0 (the lock: 2.14.1): kept\n\x1b[0m"},
+        {"stream": "note: not a warning\n"},
+        {"aux": {"ID": "sha256:1234"}},
+    ]
+    out = io.StringIO()
+    assert images.follow_build(stream, out) == "sha256:1234"
+    assert out.getvalue() == (
+        "    Step 1/1 : RUN check\n      warning: the base image b has torch 2.8.0 (the lock: 2.14.1): kept\n"
+    )
+
+
 def test_follow_build_error_shows_the_failing_steps_output():
     stream = [
         {"stream": "Step 8/14 : RUN pip install\n"},
