@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from app.option_table import BY_NAME
+from orchestrator.pids import alive
 
 SECRET_BYTES = 32  # as app.exchange.secret makes them
 SECRET_FILE = "secret"  # in the run's directory
@@ -67,7 +68,7 @@ def remove_stale_sockets(root: Path) -> list[Path]:
     stale = []
     for path in root.glob("psc-*-*"):
         found = re.fullmatch(r"psc-(\d+)-\w+", path.name)
-        if found is None or _alive(int(found[1])):
+        if found is None or alive(int(found[1])):
             continue
         try:
             info = path.lstat()
@@ -77,14 +78,3 @@ def remove_stale_sockets(root: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             stale.append(path)
     return stale
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process `pid` exists (another account's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.errors import UsageError
+from orchestrator.pids import alive
 
 LOCK_FILE = "local.lock"
 STARTING_FILE = "up.lock"  # prefixed by the target's verbs: stack-up.lock
@@ -41,7 +42,7 @@ def starting(run_dir: Path, verb: str, what: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = _read(fd).get("pid")
-            by = f" (orchestrator pid {pid})" if isinstance(pid, int) and _alive(pid) else ""
+            by = f" (orchestrator pid {pid})" if isinstance(pid, int) and alive(pid) else ""
             raise UsageError(
                 f"{verb}: another {verb} of {what} is starting it now{by}; let it finish, then "
                 f"make {verb.removesuffix('up')}status shows its run (or give this one another name: --name)"
@@ -125,21 +126,11 @@ def _link(fd: Path) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def busy_line(run_dir: Path, owner: dict[str, Any], pids: list[int], name: str) -> str:
     """The one line that refuses a second `local` of a name whose run is live."""
     run = owner.get("run_id") or "(id unknown)"
     pid = owner.get("pid")
-    if isinstance(pid, int) and _alive(pid):
+    if isinstance(pid, int) and alive(pid):
         who = f"orchestrator pid {pid}; stop it with Ctrl-C in its terminal or kill {pid}"
     else:
         left = " ".join(str(p) for p in pids) or "unknown"

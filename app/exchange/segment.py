@@ -10,7 +10,7 @@ it by the path and checks the nonce its PS gave it, so a file of the same name t
 the same memory (another host, another IPC namespace) is refused, not used.
 
 The directory (--shm_dir, /dev/shm by default; `orchestrator local` gives each run its own,
-`/dev/shm/psc-<name>-<run id>`) must be on a tmpfs: elsewhere the segment would be written back
+`/dev/shm/psc-<launcher pid>-<name>-<run id>`) must be on a tmpfs: elsewhere the segment would be written back
 to a disk. It is made (0700) only where its parent is a tmpfs directory already; otherwise the
 exchange is not had here (one line says why) and nothing is created.
 

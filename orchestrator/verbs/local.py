@@ -26,11 +26,11 @@ retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a w
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
 import socket
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +39,7 @@ from typing import Optional
 from orchestrator import job_secret, run_lock, runs, user_packages
 from orchestrator.errors import UsageError
 from orchestrator.host_paths import check_paths
+from orchestrator.pids import alive
 from orchestrator.render.compose import app_environment
 from orchestrator.topology.model import Topology, TopologyError
 from orchestrator.topology.services import Service, describe, has_ps, services
@@ -99,26 +100,42 @@ def local_environment(
     return env
 
 
-def shm_dir(t: Topology, run_id: str) -> Path:
+def shm_dir(t: Topology, run_id: str, launcher: Optional[int] = None) -> Path:
     """Where a local run's PS processes make their shared-memory segments (the app makes the
-    directory): one directory a run, removed when the run ends, whatever became of its
-    processes, so a killed PS leaves nothing in /dev/shm."""
-    return SHM_ROOT / f"psc-{t.name}-{run_id}"
+    directory): one directory a run, named after its launcher's pid (this process), removed
+    when the run ends, whatever became of its processes, so a killed PS leaves nothing in
+    /dev/shm; a killed launcher's is removed by the next run (`remove_stale_shm`)."""
+    return SHM_ROOT / f"psc-{launcher or os.getpid()}-{t.name}-{run_id}"
+
+
+_RUN_ID = r"\d{8}-\d{6}-[0-9a-f]{6}"
 
 
 def remove_stale_shm(t: Topology) -> list[Path]:
-    """The directories of earlier runs of `t`'s name that /dev/shm still holds (their launcher
-    was killed before it could remove them), removed: called with the run's lock held, so
-    no other run of the name is live."""
+    """The run directories /dev/shm still holds whose launcher was killed before it could
+    remove them, removed: of any name, this account's, once their launcher is gone and no
+    process maps a file of them; and, in the older naming (`psc-<name>-<run id>`, no pid),
+    those of `t`'s name (called with the run's lock held: no other run of the name is live)."""
     mapped = _mapped_shm()
-    stale = [
-        d
-        for d in (SHM_ROOT.glob(f"psc-{glob.escape(t.name)}-*") if SHM_ROOT.is_dir() else [])
-        if re.fullmatch(rf"psc-{re.escape(t.name)}-\d{{8}}-\d{{6}}-[0-9a-f]{{6}}", d.name) and d.name not in mapped
-    ]
-    for d in stale:
-        shutil.rmtree(d, ignore_errors=True)
+    stale = []
+    for d in SHM_ROOT.glob("psc-*") if SHM_ROOT.is_dir() else []:
+        named = re.fullmatch(rf"psc-(\d+)-.+-{_RUN_ID}", d.name)
+        older = re.fullmatch(rf"psc-{re.escape(t.name)}-{_RUN_ID}", d.name)
+        if d.name in mapped or not _mine(d):
+            continue
+        if (named and not alive(int(named[1]))) or (older and not named):
+            shutil.rmtree(d, ignore_errors=True)
+            stale.append(d)
     return stale
+
+
+def _mine(path: Path) -> bool:
+    """Whether `path` is a directory of this account's (not a link, not another user's)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
 
 def _mapped_shm() -> set[str]:

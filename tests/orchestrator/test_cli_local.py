@@ -317,24 +317,48 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_the_next_run_removes_what_a_killed_run_left_in_dev_shm_and_nothing_live(tmp_path: Path) -> None:
-    """A launcher killed with SIGKILL cannot remove its run's /dev/shm directory: the next run
-    of the name does, leaving one that a live process maps (a run of the name from another
-    checkout) and those of other names."""
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been waited for)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_the_next_run_removes_what_a_killed_run_of_any_name_left_in_dev_shm_and_nothing_live(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL cannot remove its run's /dev/shm directory: the next run,
+    of any name, does; it leaves one whose launcher lives, one that a live process maps, and
+    another account's. In the older naming (no pid), the next run of the name does."""
     t = load(REPO / "configs" / "cpu-smoke.yaml").with_name(f"shm-test-{os.getpid()}")
-    left = local.SHM_ROOT / f"psc-{t.name}-20261202-010203-abcdef"
-    live = local.SHM_ROOT / f"psc-{t.name}-20261202-010204-123456"
-    other = local.SHM_ROOT / f"psc-{t.name}-x-20261202-010205-654321"  # the topology `<name>-x`
+    dead = _dead_pid()
+    left = local.shm_dir(t, "20261202-010203-abcdef", launcher=dead)
+    other_name = local.SHM_ROOT / f"psc-{dead}-other-{os.getpid()}-20261202-010203-abcdef"
+    launcher_lives = local.shm_dir(t, "20261202-010204-123456")  # this process's: a live run's
+    mapped = local.SHM_ROOT / f"psc-{dead}-mapped-{os.getpid()}-20261202-010205-654321"
+    older = local.SHM_ROOT / f"psc-{t.name}-20261202-010206-abcdef"
+    older_other = local.SHM_ROOT / f"psc-{t.name}-x-20261202-010207-654321"  # the topology `<name>-x`
+    made = [left, other_name, launcher_lives, mapped, older, older_other]
     try:
-        for d in (left, live, other):
+        for d in made:
             d.mkdir()
             (d / "segment").write_bytes(b"\0" * 4096)
-        with open(live / "segment", "r+b") as f, mmap.mmap(f.fileno(), 4096):
-            assert local.remove_stale_shm(t) == [left]
-            assert not left.exists() and live.exists() and other.exists()
+        with open(mapped / "segment", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert sorted(local.remove_stale_shm(t)) == sorted([left, other_name, older])
+            assert [d.exists() for d in made] == [False, False, True, True, False, True]
     finally:
-        for d in (left, live, other):
+        for d in made:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory as another account (needs root)")
+def test_another_accounts_run_directory_is_left_alone(tmp_path: Path) -> None:
+    t = load(REPO / "configs" / "cpu-smoke.yaml").with_name(f"shm-other-{os.getpid()}")
+    theirs = local.shm_dir(t, "20261202-010203-abcdef", launcher=_dead_pid())
+    try:
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        assert local.remove_stale_shm(t) == [] and theirs.exists()
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
 
 
 def test_local_missing_data_dir_starts_nothing(fake_app: Path) -> None:
