@@ -1,7 +1,8 @@
 """Overrides on the command line, Hydra's way: `train.lr=0.05 workers.count=3`.
 
-Each is a dotted key of the topology and a value read as YAML, as the file's values are
-(`0.05` a number, `adamw` a string, `[0, 1]` a list, `null` none); `+key=value` and
+Each is a dotted key of the topology and a value read as YAML's flow syntax, typed as Hydra
+types it (yaml_text.load_override: `0.05` a float, `010` the integer 10, `yes` and `1:30`
+strings, `[0, 1]` a list, `null` none); `+key=value` and
 `++key=value` (Hydra's add and force) set the key as `key=value` does, and `~key` removes it.
 They are applied to the file's mapping, which is then validated exactly as a file is: a bad
 value is one line naming the key, the value and what is allowed.
@@ -57,7 +58,7 @@ def parse(text: str) -> Override:
     if not sep or plus > 2 or not _KEY.fullmatch(key):
         raise UsageError(f"override {text!r}: {RULE}")
     try:
-        value = yaml_text.load(raw) if raw.strip() else ""
+        value = yaml_text.load_override(raw) if raw.strip() else ""
     except (yaml.YAMLError, yaml_text.LimitError) as e:
         what = getattr(e, "problem", None) or one_line(e)
         raise UsageError(f"override {text!r}: {key}: got {raw!r}; must be a YAML value ({what})") from None

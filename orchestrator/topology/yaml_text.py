@@ -6,6 +6,7 @@ mapping."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from typing import Any
 
@@ -86,3 +87,52 @@ class StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# Hydra's types for a value (hydra/grammar/OverrideLexer.g4, then its typed config): an int is
+# decimal (`010` is 10, as an int field of Hydra's reads the string Hydra's lexer leaves), a float
+# has a point or an exponent (or is inf or nan; YAML's .inf and .nan too), a bool is true or false
+# and none is null, each in any case; every other plain scalar is a string. YAML 1.1's octal,
+# sexagesimal (1:30), yes/no/on/off and dates are not.
+_HYDRA_TYPES = [
+    ("tag:yaml.org,2002:int", r"[-+]?[0-9](?:_?[0-9])*$", "-+0123456789"),
+    (
+        "tag:yaml.org,2002:float",
+        r"[-+]?(?:(?:[0-9](?:_?[0-9])*)?\.[0-9](?:_?[0-9])*(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9](?:_?[0-9])*\.(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9](?:_?[0-9])*[eE][-+]?[0-9]+|\.?[iI][nN][fF]|\.?[nN][aA][nN])$",
+        "-+0123456789.iInN",
+    ),
+    ("tag:yaml.org,2002:bool", r"(?:[tT][rR][uU][eE]|[fF][aA][lL][sS][eE])$", "tTfF"),
+    ("tag:yaml.org,2002:null", r"(?:[nN][uU][lL][lL])$", "nN"),
+]
+
+
+class OverrideLoader(StrictLoader):
+    """StrictLoader that types a plain scalar as Hydra's override grammar does."""
+
+    yaml_implicit_resolvers: dict = {}
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        return int(str(self.construct_scalar(node)).replace("_", ""))
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        return float(
+            str(self.construct_scalar(node)).replace("_", "").lower().replace(".inf", "inf").replace(".nan", "nan")
+        )
+
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
+        return str(self.construct_scalar(node)).lower() == "true"
+
+
+for _tag, _pattern, _first in _HYDRA_TYPES:
+    OverrideLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+OverrideLoader.add_constructor("tag:yaml.org,2002:int", OverrideLoader.construct_yaml_int)
+OverrideLoader.add_constructor("tag:yaml.org,2002:float", OverrideLoader.construct_yaml_float)
+OverrideLoader.add_constructor("tag:yaml.org,2002:bool", OverrideLoader.construct_yaml_bool)
+
+
+def load_override(text: str) -> Any:
+    """An override's VALUE, typed as Hydra types it (within the same limits as `load`)."""
+    _check_events(text)
+    return yaml.load(text, Loader=OverrideLoader)  # noqa: S506 - a SafeLoader subclass

@@ -164,6 +164,41 @@ def test_the_parser_reads_hydras_forms():
         overrides.parse("train.lr")
 
 
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        ("010", 10),  # decimal, never YAML 1.1's octal (8)
+        ("08", 8),  # not an error
+        ("-007", -7),
+        ("1_000", 1000),
+        ("1:30", "1:30"),  # not YAML 1.1's sexagesimal (90)
+        ("5e-2", 0.05),
+        (".5", 0.5),
+        ("inf", float("inf")),
+        ("TRUE", True),
+        ("False", False),
+        ("yes", "yes"),  # not YAML 1.1's booleans
+        ("on", "on"),
+        ("NULL", None),
+        ("2026-12-07", "2026-12-07"),  # not a date
+        ("0x10", "0x10"),
+        ("'010'", "010"),  # quoted: a string
+        ("[010, true, off]", [10, True, "off"]),
+    ],
+)
+def test_a_value_is_typed_as_hydra_types_it(raw: str, value) -> None:
+    got = overrides.parse(f"train.x={raw}").value
+    assert got == value and type(got) is type(value)
+
+
+def test_a_seed_with_a_leading_zero_is_that_number_and_a_time_is_no_count(cli):
+    status, doc, _, err = _render(cli, "train.seed=010")
+    assert status == 0, err
+    assert _env(doc)["PSC_SEED"] == "10"
+    status, _, _, err = _render(cli, "train.epochs=1:30")
+    assert status == 2 and "train.epochs: got '1:30'; must be a valid integer" in err
+
+
 def test_the_header_keeps_an_odd_override_on_one_comment_line(cli):
     from orchestrator.render.compose import overrides_line
 
