@@ -20,9 +20,7 @@ from orchestrator import images
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.errors import UsageError, engine_errors
 from orchestrator.metrics.records import is_event, parse_lines
-from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.render.compose import TENSORBOARD_PORT, TENSORBOARD_RUN
-from orchestrator.topology.model import load_with
 from orchestrator.topology.services import PS_SERVICE
 from orchestrator.verbs import tensorboard as board
 from orchestrator.verbs.cluster import keep_document, resolve
@@ -84,7 +82,9 @@ def tensorboard(
     out = out or sys.stdout
     backend.refuse("tensorboard")
     if local:
-        t = load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
+        from orchestrator.verbs.local import topology_of
+
+        t = topology_of(config, workers, strategy, name)
         return board.run_local(t, run, port)
     run = board.check_run(run)
     c = resolve(backend, config, workers, strategy, name, files)

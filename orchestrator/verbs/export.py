@@ -18,8 +18,6 @@ from typing import Optional, TextIO
 from orchestrator import paths
 from orchestrator.backends.base import Backend
 from orchestrator.errors import UsageError, engine_errors
-from orchestrator.paths import DEFAULT_CONFIG
-from orchestrator.topology.model import load_with
 from orchestrator.topology.services import PS_SERVICE
 from orchestrator.verbs.board import run_ids
 from orchestrator.verbs.cluster import resolve
@@ -42,8 +40,9 @@ def export(
 ) -> int:
     out = out or sys.stdout
     if local:
-        t = load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
-        from orchestrator.verbs.local import RUNS_DIR
+        from orchestrator.verbs.local import RUNS_DIR, topology_of
+
+        t = topology_of(config, workers, strategy, name)
 
         state = Path(RUNS_DIR) / t.name  # where make local keeps it (runs/, from where it runs)
         into = state / MODEL_DIR

@@ -26,6 +26,7 @@ retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a w
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,9 +40,11 @@ from typing import Optional
 from orchestrator import job_secret, run_lock, runs, user_packages
 from orchestrator.errors import UsageError
 from orchestrator.host_paths import check_paths
+from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.pids import alive
 from orchestrator.render.compose import app_environment
-from orchestrator.topology.model import Topology, TopologyError
+from orchestrator.render.yamlio import write_atomic
+from orchestrator.topology.model import Topology, TopologyError, load_with
 from orchestrator.topology.services import Service, describe, has_ps, services
 from orchestrator.verbs.supervisor import WORKER_RESTARTS, ProcessSpec, Supervisor, spawn
 
@@ -49,6 +52,7 @@ __all__ = ["WORKER_RESTARTS", "ProcessSpec", "Supervisor", "spawn"]  # where the
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
+LOCAL_RECORD = "local.json"  # what the last local run of a name was started from
 SHM_ROOT = Path("/dev/shm")
 
 
@@ -251,6 +255,7 @@ def run(
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
         refuse_live_compose(t)
+        remember(run_dir, t, source)
     except BaseException:
         os.close(lock)
         raise
@@ -282,6 +287,29 @@ def run(
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
         os.close(lock)
+
+
+def remember(run_dir: Path, t: Topology, source: str) -> None:
+    """Keep what the run was started from (runs/<name>/local.json: the topology file and its
+    overrides), so `export --local --name NAME` and `tensorboard --local --name NAME` find it."""
+    record = {"name": t.name, "config": str(Path(source).absolute()), "overrides": list(t.overrides)}
+    write_atomic(run_dir / LOCAL_RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def topology_of(
+    config: Optional[str], workers: Optional[int] = None, strategy: Optional[str] = None, name: Optional[str] = None
+) -> Topology:
+    """The topology a verb on `local`'s runs acts on: `config` when given, else the one the last
+    local run of `name` was started from (its overrides too), else the default topology."""
+    if config is None and name is not None:
+        try:
+            record = json.loads((Path(RUNS_DIR) / name / LOCAL_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("config"), str):
+            overrides = tuple(str(o) for o in record.get("overrides") or ())
+            return load_with(record["config"], workers=workers, strategy=strategy, name=name, overrides=overrides)
+    return load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
 
 
 def refuse_live_compose(t: Topology) -> None:

@@ -264,6 +264,21 @@ def test_local_runs_every_rank_with_its_env(fake_app: Path) -> None:
     assert (fake_app / "runs" / "t" / "checkpoints").is_dir()
 
 
+def test_a_local_run_remembers_its_topology_and_a_verb_on_its_name_alone_reads_it(fake_app: Path, monkeypatch) -> None:
+    """`export --local --name X` and `tensorboard --local --name X` without -c act on the
+    topology X's last local run was started from, its overrides too."""
+    p = _orchestrator(fake_app, "local", "-c", "topo.yaml", "--name", "mine", "train.lr=0.07")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    record = json.loads((fake_app / "runs" / "mine" / "local.json").read_text())
+    assert record == {"name": "mine", "config": str(fake_app / "topo.yaml"), "overrides": ["train.lr=0.07"]}
+    monkeypatch.chdir(fake_app)
+    t = local.topology_of(None, name="mine")
+    assert t.name == "mine" and t.train.lr == 0.07 and t.overrides == ("train.lr=0.07",)
+    fallback = local.topology_of(None, name="never-run")  # no local run of that name: the default topology
+    assert fallback.name == "never-run" and fallback.train.model == load(REPO / "configs" / "default.yaml").train.model
+
+
 def test_local_needs_no_image_section(fake_app: Path) -> None:
     doc = topology()
     del doc["image"]
