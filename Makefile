@@ -6,6 +6,9 @@ CONFIG  ?= configs/default.yaml
 WORKERS ?=
 STRATEGY ?=
 ORCH    := $(PY) -m orchestrator
+# The hints a verb prints name the next commands in make's words (`make logs NAME=x`) here, in
+# ps-compose's (`ps-compose logs --name x`) where it runs without make (orchestrator/hints.py).
+export PSC_VIA_MAKE := 1
 # NAME=: the run's name (its compose project or stack, state volume and runs/NAME/) instead of
 # the topology's name:, for a second run of one config beside the first. Taken from the command
 # line only: WSL sets NAME to the host's name in every shell.

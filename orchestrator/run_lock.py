@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.errors import UsageError
+from orchestrator.hints import command
 from orchestrator.pids import alive
 
 LOCK_FILE = "local.lock"
@@ -45,7 +46,7 @@ def starting(run_dir: Path, verb: str, what: str) -> Iterator[None]:
             by = f" (orchestrator pid {pid})" if isinstance(pid, int) and alive(pid) else ""
             raise UsageError(
                 f"{verb}: another {verb} of {what} is starting it now{by}; let it finish, then "
-                f"make {verb.removesuffix('up')}status shows its run (or give this one another name: --name)"
+                f"{command(verb.removesuffix('up') + 'status')} shows its run (or give this one another name: --name)"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({"pid": os.getpid()}) + "\n").encode(), 0)
@@ -138,5 +139,5 @@ def busy_line(run_dir: Path, owner: dict[str, Any], pids: list[int], name: str) 
         who = f"{gone}, its processes still run: pids {left}"
     return (
         f"local: {run_dir}/ has a live run {run} ({who}); give this one another name "
-        f"(make local NAME={name[:48]}-2, or --name)"
+        f"({command('local', NAME=name[:48] + '-2')})"
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.errors import UsageError
+from orchestrator.hints import command
 
 CLASSES = tuple(f"digit_{d}" for d in range(10))
 VAL_EVERY = 4  # every 4th image is held out: ~450 val, ~1,350 train
@@ -35,7 +36,7 @@ def write_tree(out: Path, size: int = DEFAULT_SIZE, seed: int = 0) -> dict[str, 
     except ImportError as error:
         raise UsageError(
             f"sample data needs numpy, Pillow and scikit-learn ({error.name} is missing); "
-            "run it with the dev venv: make sample-data"
+            f"run it with the dev venv: {command('sample-data')}"
         ) from None
     if size < 8:
         raise UsageError(f"--size: got {size}; must be at least 8 (pixels)")

@@ -73,3 +73,11 @@ def engine_networks_in_use(request: pytest.FixtureRequest):
         return
     with using_networks():
         yield
+
+
+@pytest.fixture(autouse=True)
+def words_of_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test sees the hints in make's words (`make up NAME=x`), as `make test` and the
+    Makefile's verbs give them, whether pytest runs under make or not; a test of the
+    command's own words (orchestrator/hints.py) removes the variable."""
+    monkeypatch.setenv("PSC_VIA_MAKE", "1")

@@ -225,6 +225,10 @@ class Backend:
         command that shows its log when it does not answer."""
         raise self._not_run("tensorboard")
 
+    def verb(self, name: str) -> str:
+        """The target's verb `name` (up, down, ...) as the CLI and make spell it: prefix and name."""
+        return (self.verb_prefix or "") + name
+
     def check_files(self, c: Cluster) -> None:
         """UsageError (one line) unless the target merges `c.files` over its document: only
         compose takes override files."""

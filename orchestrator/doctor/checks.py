@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from orchestrator import sample_data
 from orchestrator.doctor.facts import CDI_GPU_KIND, Facts
+from orchestrator.hints import command
 from orchestrator.render.holder import shares_pid_namespace
 from orchestrator.render.shm_sizing import exchange_estimate, shared_shm_bytes
 from orchestrator.topology.model import Topology, size_bytes
@@ -139,7 +140,7 @@ def check_data(t: Topology, f: Facts, where: str = "") -> Check:
             "data",
             False,
             f"train.data_dir: {t.train.data_dir} {f.data_problem} (dataset {t.train.dataset} reads it)",
-            "make sample-data writes it" if sample else "put the data there, or change train.data_dir",
+            f"{command('sample-data')} writes it" if sample else "put the data there, or change train.data_dir",
         )
     return Check("data", True, f"{f.data_dir} readable{'; ' + where if where else ''}")
 

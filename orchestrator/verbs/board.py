@@ -19,6 +19,7 @@ from app.contract import Event
 from orchestrator import images
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.errors import UsageError, engine_errors
+from orchestrator.hints import command
 from orchestrator.metrics.records import is_event, parse_lines
 from orchestrator.render.compose import TENSORBOARD_PORT, TENSORBOARD_RUN
 from orchestrator.topology.services import PS_SERVICE
@@ -53,14 +54,13 @@ def _refuse_early(backend: Backend, c: Cluster, run: str) -> list[str]:
     if backend.engine:
         tag = image_of(c)
         if tag is not None and not images.image_exists(images.client(), tag):
-            p = backend.verb_prefix
             raise UsageError(
                 f"tensorboard: image {tag} of {backend.noun} {c.name} is not built yet; "
-                f"run make {p}up (or make build) first"
+                f"run {command(backend.verb('up'))} (or {command('build')}) first"
             )
     ids = run_ids(backend.read_records(c, PS_SERVICE))
     if run and run not in ids:
-        have = f"its runs: {', '.join(ids)}" if ids else f"it has no run yet (make {backend.verb_prefix}up starts one)"
+        have = f"its runs: {', '.join(ids)}" if ids else f"it has no run yet ({command(backend.verb('up'))} starts one)"
         raise UsageError(f"RUN={run}: no such run in {backend.noun} {c.name}; {have}")
     return ids
 
@@ -99,14 +99,14 @@ def tensorboard(
         )
     what = f"run {run}" if run else "every run"
     print(
-        f"==> tensorboard: {board.url(chosen)} ({what} of {backend.noun} {c.name}); make {backend.verb_prefix}down "
-        "stops it",
+        f"==> tensorboard: {board.url(chosen)} ({what} of {backend.noun} {c.name}); "
+        f"{command(backend.verb('down'))} stops it",
         file=out,
         flush=True,
     )
     if not ids:
         print(
-            f"    no run has written its curves yet: make {backend.verb_prefix}up starts one, and the page fills "
+            f"    no run has written its curves yet: {command(backend.verb('up'))} starts one, and the page fills "
             "as it trains (reload it)",
             file=out,
             flush=True,

@@ -42,6 +42,7 @@ from orchestrator.doctor.checks import run_checks
 from orchestrator.doctor.facts import Facts, gather
 from orchestrator.doctor.report import stop_on_problems, summary
 from orchestrator.errors import UsageError, engine_errors
+from orchestrator.hints import command, via_make
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG, ROOT, SMOKE_CONFIG, relative
 from orchestrator.render import tracking
@@ -154,7 +155,7 @@ def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
     if local is not None:  # a `local` run of the name writes runs/<name>/ too
         raise UsageError(
             f"{verb}: a local run {local or '(no id)'} of {c.name} is live (runs/{c.name}/local.lock); give this one "
-            f"another name (make up NAME={c.name[:48]}-2, or --name), or end that one first"
+            f"another name ({command('up', NAME=c.name[:48] + '-2')}), or end that one first"
         )
     live = backend.running_env(c, runs.VARIABLES)
     if not live:
@@ -164,7 +165,8 @@ def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
     raise UsageError(
         f"{p}{verb}: {backend.noun} {c.name} has a live run {live.get(runs.RUN_ID) or '(no id)'} "
         f"({backend.unit}s running: {' '.join(going) or 'none'}); give this one another name "
-        f"(make {p}up NAME={c.name[:48]}-2, or --name), or end that one first (make {p}down NAME={c.name})"
+        f"({command(backend.verb('up'), NAME=c.name[:48] + '-2')}), "
+        f"or end that one first ({command(backend.verb('down'), NAME=c.name)})"
     )
 
 
@@ -177,7 +179,8 @@ def preflight(backend: Backend, t: Topology, config: str, client: Any, out: Text
     facts = gather(t, client=client, engine=backend.engine, target=backend.gather_facts)
     checks = run_checks(backend.checks(), t, facts)
     flag = "" if backend.name == DEFAULT else backend.name
-    hint = f"CONFIG={SMOKE_CONFIG} runs anywhere: make {backend.verb_prefix}up CONFIG={SMOKE_CONFIG} WORKERS=3"
+    named = f"CONFIG={SMOKE_CONFIG}" if via_make() else SMOKE_CONFIG
+    hint = f"{named} runs anywhere: {command(backend.verb('up'), CONFIG=SMOKE_CONFIG, WORKERS=3)}"
     stop_on_problems(checks, config, hint if t.cuda or t.reads_files else "", target=flag)
     doctor = "python -m orchestrator doctor" + (f" --target {flag}" if flag else "")
     print(f"==> doctor: {summary(checks)} ({doctor} lists them)", file=out, flush=True)
@@ -241,7 +244,8 @@ def up(
             print(f"warning: {problem}", file=out, flush=True)
         if remember:
             record.save(backend, c)
-    print(f"==> up: {backend.noun} {c.name}. Next: make {p}logs | make {p}status | make {p}down", file=out, flush=True)
+    steps = " | ".join(command(backend.verb(verb)) for verb in ("logs", "status", "down"))
+    print(f"==> up: {backend.noun} {c.name}. Next: {steps}", file=out, flush=True)
     if tracking.tracked_by_own_server(t):
         who = f", user {os.environ.get(tracking.AUTH_USER) or tracking.AUTH_DEFAULT_USER}" if t.tracking.auth else ""
         where = f"{tracking.ui_address()} (experiment {c.name}{who})"

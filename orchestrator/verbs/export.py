@@ -18,6 +18,7 @@ from typing import Optional, TextIO
 from orchestrator import paths
 from orchestrator.backends.base import Backend
 from orchestrator.errors import UsageError, engine_errors
+from orchestrator.hints import command
 from orchestrator.topology.services import PS_SERVICE
 from orchestrator.verbs.board import run_ids
 from orchestrator.verbs.cluster import resolve
@@ -57,7 +58,7 @@ def export(
         local_ids = _local_runs(Path(RUNS_DIR) / c.name / "metrics")
         aside = (
             f"make local's runs of {c.name} ({Path(RUNS_DIR) / c.name}/): export one with --local "
-            f"(make export LOCAL=1), newest {local_ids[-1]}"
+            f"({command('export', LOCAL=1)}), newest {local_ids[-1]}"
             if local_ids
             else ""
         )

@@ -35,6 +35,7 @@ from orchestrator.backends import record
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.backends.status import summarize_metrics
 from orchestrator.errors import EngineError, UsageError, engine_errors
+from orchestrator.hints import command
 from orchestrator.metrics.records import is_event, parse_line
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.services import PS_SERVICE
@@ -329,10 +330,9 @@ def _remove_cluster(backend: Backend, name: str, base: Path, volumes: bool, out:
     c = cluster_of(backend, name, base)
     live = backend.running_env(c, runs.VARIABLES)
     if live:
-        p = backend.verb_prefix
         raise UsageError(
             f"runs rm: {backend.noun} {name} has a live run {live.get(runs.RUN_ID) or '(no id)'}; "
-            f"end it first (make {p}down NAME={name}), then runs rm {name}"
+            f"end it first ({command(backend.verb('down'), NAME=name)}), then runs rm {name}"
         )
     if not Path(c.file).is_file():  # no record, no document: only its state volume is left
         if not volumes:

@@ -39,6 +39,7 @@ from typing import Optional
 
 from orchestrator import job_secret, run_lock, runs, user_packages
 from orchestrator.errors import UsageError
+from orchestrator.hints import command
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.pids import alive
@@ -328,7 +329,7 @@ def refuse_live_compose(t: Topology) -> None:
         raise UsageError(
             f"local: compose project {project_name(t)} has a live run {live.get(runs.RUN_ID) or '(no id)'} of this "
             f"name; give this one another name (--name {t.name[:48]}-2), "
-            f"or end that one first (make down NAME={t.name})"
+            f"or end that one first ({command('down', NAME=t.name)})"
         )
 
 

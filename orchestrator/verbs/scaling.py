@@ -12,6 +12,7 @@ from typing import Optional, TextIO
 from orchestrator import runs
 from orchestrator.backends.base import Backend, Cluster, ServiceState
 from orchestrator.errors import EngineError, UsageError, engine_errors
+from orchestrator.hints import command
 from orchestrator.metrics import records
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import PS_SERVICE, has_ps, worker_name
@@ -43,8 +44,8 @@ def scalable(c: Cluster, workers: int) -> Topology:
         t = load_with(c.config, workers=c.workers, strategy=c.strategy, overrides=c.overrides)
     if not has_ps(t):
         raise UsageError(
-            "scale: strategy allreduce has a fixed world size; stop it (make down) and start it again with "
-            "the new count from its last checkpoint: make up WORKERS=N RESUME=1"
+            f"scale: strategy allreduce has a fixed world size; stop it ({command('down')}) and start it again with "
+            f"the new count from its last checkpoint: {command('up', WORKERS='N', RESUME=1)}"
         )
     if workers > t.max_workers:
         raise UsageError(
@@ -99,7 +100,7 @@ def scale(
     )
     print(
         f"==> scale: {backend.noun} {c.name} runs {workers} of at most {t.max_workers} workers"
-        f" ({change or 'nothing to change'}). Next: make {backend.verb_prefix}status",
+        f" ({change or 'nothing to change'}). Next: {command(backend.verb('status'))}",
         file=out,
         flush=True,
     )
@@ -130,14 +131,13 @@ def _wrote_its_end(backend: Backend, c: Cluster, run_id: str) -> bool:
 
 
 def _ended_line(backend: Backend, c: Cluster, how: str = "its PS exited 0") -> str:
-    p = backend.verb_prefix
     return (
         f"scale: the run of {backend.noun} {c.name} has ended ({how}): nothing to scale; "
-        f"make {p}status shows how it ended, make {p}up starts a new run"
+        f"{command(backend.verb('status'))} shows how it ended, {command(backend.verb('up'))} starts a new run"
     )
 
 
 def _not_running(backend: Backend, c: Cluster, states: Sequence[ServiceState]) -> str:
     if _ended_ps(states) is not None:
         return _ended_line(backend, c)
-    return f"scale: the PS of {backend.noun} {c.name} is not running; start it with make {backend.verb_prefix}up"
+    return f"scale: the PS of {backend.noun} {c.name} is not running; start it with {command(backend.verb('up'))}"

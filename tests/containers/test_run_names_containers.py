@@ -78,7 +78,7 @@ def test_a_second_up_of_a_live_project_is_refused_and_one_whose_run_ended_starts
             verbs.up(compose, str(config), name=project, remember=False, out=io.StringIO())
         said = str(refused.value)
         assert "\n" not in said and said.startswith(f"up: project {project} has a live run "), said
-        assert f"give this one another name (make up NAME={project}-2, or --name)" in said
+        assert f"give this one another name (make up NAME={project}-2)" in said
         assert _ids(engine, project) == first  # nothing recreated, nothing added
 
         _until("the first run ended", lambda: _ended(engine, project))

@@ -67,7 +67,7 @@ def test_a_second_local_of_a_live_name_is_refused_naming_the_live_run(fake_app: 
         assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
         assert second.stderr == (
             f"error: local: runs/t/ has a live run {run} (orchestrator pid {first.pid}; stop it with Ctrl-C in its "
-            f"terminal or kill {first.pid}); give this one another name (make local NAME=t-2, or --name)\n"
+            f"terminal or kill {first.pid}); give this one another name (make local NAME=t-2)\n"
         )
         assert not any((fake_app / f"{n}.json").exists() for n in NAMES), "the refused run started processes"
 

@@ -187,7 +187,7 @@ def test_a_second_up_of_a_live_name_is_refused_in_one_line(cli, live: Live) -> N
     assert status == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err == (
         f"error: fake-up: fleet fleet-cpu-smoke has a live run {first} (ships running: ps worker1 worker2); "
-        "give this one another name (make fake-up NAME=fleet-cpu-smoke-2, or --name), "
+        "give this one another name (make fake-up NAME=fleet-cpu-smoke-2), "
         "or end that one first (make fake-down NAME=fleet-cpu-smoke)\n"
     )
     assert [c[0] for c in live.calls] == ["deploy"]  # nothing started, nothing removed

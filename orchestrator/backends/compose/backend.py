@@ -47,7 +47,7 @@ class ComposeBackend(Backend):
     record = "current.json"
     keeps_document = True
     merges_files = True
-    image_note = "(make build rebuilds it)"
+    image_note = "(build rebuilds it)"
     verb_help = {
         "up": "render if needed, build if the image is missing, start detached",
         "down": "stop and remove the cluster (the volume with checkpoints and metrics stays)",

@@ -13,6 +13,7 @@ from orchestrator.doctor.checks import DRIVER_FIX, NVIDIA_FIX, Check, CheckFn, g
 from orchestrator.doctor.facts import Facts, listening_process, port_free
 from orchestrator.doctor.probe import check_probe, run_probe
 from orchestrator.errors import EngineError
+from orchestrator.hints import command
 from orchestrator.render import tracking
 from orchestrator.render.compose import project_name
 from orchestrator.topology.model import Topology
@@ -138,7 +139,7 @@ def gather_facts(t: Topology, client: Any, facts: Facts, probe: bool) -> dict[st
         else:
             more["probe_note"] = (
                 f"it runs in the image {t.image_tag}, not built yet "
-                "(`make build`; `make gpu-check` builds it and probes)"
+                f"(`{command('build')}`; `{command('gpu-check')}` builds it and probes)"
             )
     return more
 

@@ -57,13 +57,13 @@ class SwarmBackend(Backend):
         "logs": "every service's log (docker service logs), following until every task has ended",
         "status": "one line per service: its newest task's state, exit code, retries",
         "smoke": "the CPU topology as a swarm stack: accuracy and every task's exit state",
-        "scale": "not on Swarm yet: refused with one line (make scale runs on compose)",
+        "scale": "not on Swarm yet: refused with one line (scale runs on compose)",
         "tensorboard": "refused, with the one line that says why (docs/reports.md)",
         "export": "the run's trained model to runs/NAME/model/, from the state volume on this node (the PS's)",
     }
     refusals = {
         "scale": "stack-scale: a running stack is not scaled yet (its workers are not rendered beyond "
-        "workers.count); stop it (make stack-down) and deploy again with the new count: it resumes from "
+        "workers.count); stop it (stack-down) and deploy again with the new count: it resumes from "
         "its last checkpoint",
         "tensorboard": SWARM_REFUSAL,
     }
