@@ -304,7 +304,7 @@ def train_until_done(
         server.unblock()
         if server.version >= next_eval and not server.all_finished:
             vector: torch.Tensor | None
-            vector, version = server.snapshot()
+            vector, version, lr = server.evaluated()
             if others is not None:
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
             scores = _scores(evaluate, vector, version, failed) if vector is not None else None
@@ -313,13 +313,13 @@ def train_until_done(
                     log.info("plateau: %s stalled; lr lowered to %.4g", headline(scores)[0], server.state.lr)
                 since = pace.since()
                 where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
-                rate = f" | lr {server.state.lr:.4g}" if server.state.scheduled else ""
+                rate = f" | lr {lr:.4g}" if server.state.scheduled else ""
                 progress.info("ps | Update: %d | %s%s | %s", version, line(scores), rate, where.line())
                 metrics.write(
                     "eval",
                     version,
                     **fields(scores),
-                    lr=server.state.lr,
+                    lr=lr,
                     samples=server.counts.samples,
                     **since,
                     **where.fields(),

@@ -345,6 +345,13 @@ class ParameterServer:
     def snapshot(self) -> tuple[torch.Tensor, int]:
         return self.pull(rank=0)
 
+    def evaluated(self) -> tuple[torch.Tensor, int, float]:
+        """A copy of the state vector, its version and the learning rate at that version (what
+        an evaluation line reports, however far training has gone on while it evaluates)."""
+        with self._lock:
+            vector, version = self.state.copy()
+            return vector, version, self.state.lr
+
     def checkpoint(self) -> dict[str, Any]:
         """The state (app.ps.state) and each rank's progress, copied under the lock."""
         with self._lock:

@@ -35,14 +35,16 @@ def live_workers(lines: Iterable[str], running: Optional[set[int]] = None) -> Op
     """The PS's live set from its records (`ps.jsonl`): the ranks joined and not since left or
     dropped, and of those running now (`running`: the worker ranks whose service runs; None:
     every one), named as the table names them (worker<rank>); with the version of the last
-    change. None before any join."""
+    change (`ended`: the run's end, after which none is live). None before any join."""
     live: set[int] = set()
     last: Optional[dict[str, Any]] = None
     for rec in parse_lines(lines):
         rank = rec.get("worker_rank")
         if is_event(rec, Event.START):  # a restarted PS: every worker joins it again
+            live, last = set(), None
+        if is_event(rec, Event.END) and last is not None:  # every worker finished: none trains any more
             live = set()
-        if is_event(rec, Event.JOIN, Event.BACK) and isinstance(rank, int):
+        elif is_event(rec, Event.JOIN, Event.BACK) and isinstance(rank, int):
             live.add(rank)
         elif is_event(rec, Event.LEFT, Event.DROP) and isinstance(rank, int):
             live.discard(rank)
@@ -52,13 +54,16 @@ def live_workers(lines: Iterable[str], running: Optional[set[int]] = None) -> Op
     if last is None:
         return None
     now = sorted(r for r in live if running is None or r in running)
-    return {"workers": [worker_name(r) for r in now], "version": last.get("step")}
+    ended = is_event(last, Event.END)
+    return {"workers": [worker_name(r) for r in now], "version": last.get("step"), "ended": ended}
 
 
 def format_live(live: Optional[dict[str, Any]]) -> str:
     """`live workers: 3 (worker1 worker2 worker4), last change at version 812`."""
     if live is None:
         return "live workers: - (no worker joined yet)"
+    if live.get("ended"):
+        return f"live workers: 0 (the run ended at version {live['version']})"
     names = " ".join(live["workers"]) or "none"
     return f"live workers: {len(live['workers'])} ({names}), last change at version {live['version']}"
 

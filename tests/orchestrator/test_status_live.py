@@ -68,6 +68,15 @@ def test_after_the_run_no_worker_is_live(monkeypatch: pytest.MonkeyPatch) -> Non
     assert out.splitlines()[-2] == "live workers: 0 (none), last change at version 520"
 
 
+def test_once_the_run_ended_the_live_line_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.backends.status import format_live, live_workers
+
+    lines = ps_records() + [json.dumps({"time": 1, "role": "ps", "rank": 0, "event": "end", "step": 640})]
+    assert format_live(live_workers(lines)) == "live workers: 0 (the run ended at version 640)"
+    again = lines + [json.dumps({"time": 2, "role": "ps", "rank": 0, "event": "start", "step": 640})]
+    assert format_live(live_workers(again)) == "live workers: - (no worker joined yet)"  # resumed: a new run
+
+
 def test_the_progress_line_is_the_ps_last_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
     out = status_of(monkeypatch, recorded("status-workers3.json"))
     assert re.fullmatch(
@@ -129,7 +138,7 @@ def test_status_json_is_one_document_with_the_tables_rows_and_lines(monkeypatch:
     for row in doc["services"]:
         assert set(row) == {"service", "status", "exit_code", "health", "restarts", "step", "loss", "metric", "value"}
     assert by_service["worker2"]["status"] == "restarting"
-    assert doc["live"] == {"workers": ["worker3"], "version": 520}
+    assert doc["live"] == {"workers": ["worker3"], "version": 520, "ended": False}
     assert doc["progress"]["step"] == 600 and doc["progress"]["total"] == 4680
 
 

@@ -337,3 +337,26 @@ def test_the_job_is_not_done_while_the_last_finish_is_being_recorded():
     server.join(1, "worker1")
     server.finish(1, 0, "worker1")
     assert seen == [False] and server.done()
+
+
+def test_an_evaluation_gets_the_rate_of_the_version_it_evaluates_however_far_training_went_on():
+    """An eval line at update 3 says the rate of update 3, not of the version reached while the
+    evaluation ran."""
+    from app.ps.members.members import MembersConfig
+    from app.ps.policies import PolicyConfig
+    from app.ps.server import ParameterServer, ServerConfig
+    from app.ps.state import Plan, StateConfig
+    from app.recipes import lr_factor
+
+    schedule = {"name": "linear"}
+    state = StateConfig(1.0, schedule=schedule, plan=Plan(epochs=2))
+    server = ParameterServer(_linear(4), ServerConfig(state, MembersConfig(1), PolicyConfig("async")))
+    server.state.plan(5)  # as the first push that says its epoch's 5 batches plans it: 10 updates
+    version = 0
+    for _ in range(3):
+        _, version, _, _ = push(server, 1, torch.ones(4), version)
+    vector, evaluated, lr = server.evaluated()
+    assert evaluated == 3 and lr == pytest.approx(lr_factor(schedule, 3, 10, 1.0)) and lr < 1.0
+    for _ in range(3):  # training goes on while the evaluation runs
+        _, version, _, _ = push(server, 1, torch.ones(4), version)
+    assert server.state.lr < lr and torch.equal(vector, torch.full((4,), -(1.0 + 0.9 + 0.8)))
