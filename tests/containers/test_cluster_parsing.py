@@ -354,8 +354,8 @@ def test_status_shows_the_live_set_from_the_ps_records():
         rec("left", 812, 4, 3),
         "{torn",
     ]
-    live = live_workers(lines)
-    assert live == {"workers": ["worker1", "worker2", "worker3"], "version": 812, "ended": False}  # named as in the table
+    live = live_workers(lines)  # named as in the table
+    assert live == {"workers": ["worker1", "worker2", "worker3"], "version": 812, "ended": False}
     assert format_live(live) == "live workers: 3 (worker1 worker2 worker3), last change at version 812"
     assert live_workers(lines, running={2, 4})["workers"] == ["worker2"]  # live: joined, and running now
     assert format_live(live_workers([])) == "live workers: - (no worker joined yet)"
