@@ -5,7 +5,8 @@ its newest good checkpoint, said in one line: why, and which) from --checkpoint_
 `previous/<run id>/`, where a later run set it aside), and writes two files to --export_dir:
 
 `model.pt` (the state dict as the model's builder makes it) and `model.json` (how to build it
-and feed it): app/checkpoint/export_files.py.
+and feed it): app/checkpoint/export_files.py; `model.pt2` (a torch.export program, which needs
+no code of this project to run): app/checkpoint/export_formats.py.
 
 The job's flags (model, dataset, data_dir, image_size...) are those the run's PS had: the
 orchestrator's export verb runs this with the PS service's environment.
@@ -13,13 +14,14 @@ orchestrator's export verb runs this with the PS service's environment.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from app.checkpoint import export_files
+from app.checkpoint import export_files, export_formats
 from app.checkpoint import files as checkpoint_files
 from app.config import Config, UsageError
 from app.contract import PS, worker_name
@@ -71,9 +73,34 @@ def run(config: Config) -> int:
         **export_files.scored(scores),
         source=str(path),
     )
+    written = formats(config, model, held_out, written)
     out = publish(written, Path(config.export_dir))
     log.info("exported %s (version %s) to %s: %s", path.name, version, out, " and ".join(written))
     return 0
+
+
+def formats(
+    config: Config, model: dict[str, torch.Tensor], held_out: datasets.LabeledData, written: dict[str, bytes]
+) -> dict[str, bytes]:
+    """`written` with the formats that need no code of this project (app/checkpoint/export_formats.py);
+    each one that cannot be made is said in one line, and in model.json."""
+    plain = export_files.plain_model(config, model, held_out)
+    more: dict[str, bytes] = {}
+    why_not: dict[str, str] = {}
+    step = json.loads(written["model.json"])["input"].get("step")
+    try:
+        x = export_formats.examples(held_out, gray_to_rgb=step == export_files.GRAY_TO_RGB)
+    except (TypeError, IndexError) as error:  # a stream: no sample by index
+        x, why_not["model.pt2"] = None, f"the held-out split gives no sample to trace it with ({error})"
+    if x is not None:
+        program, why = export_formats.program(plain, x)
+        if program is not None:
+            more["model.pt2"] = program
+        else:
+            why_not["model.pt2"] = why
+    for name, why in why_not.items():
+        log.warning("%s not written: %s", name, why)
+    return export_files.with_formats(written, more, why_not)
 
 
 def find_state(directory: Path, run_id: str, notes: list[str] | None = None) -> tuple[Path, dict[str, Any]]:

@@ -73,6 +73,25 @@ def scored(record: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def plain_model(config: Config, trained: dict[str, torch.Tensor], held_out: datasets.LabeledData) -> nn.Module:
+    """The trained model as its builder makes it (without the app's GrayToRGB wrapper)."""
+    built = models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
+    built.load_state_dict(trained, strict=True)
+    if isinstance(built, nn.Sequential) and len(built) == 2 and isinstance(built[0], models.GrayToRGB):
+        return built[1]
+    return built
+
+
+def with_formats(written: dict[str, bytes], more: dict[str, bytes], why_not: dict[str, str]) -> dict[str, bytes]:
+    """`written` (model.pt and model.json) and the files of `more`, model.json saying which
+    formats could not be made and why (`not_exported`)."""
+    card = json.loads(written["model.json"])
+    card["files"] = sorted([*written, *more])
+    if why_not:
+        card["not_exported"] = why_not
+    return {**written, **more, "model.json": (json.dumps(card, indent=2) + "\n").encode()}
+
+
 def unwrapped(built: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """`state` (the trained model's, as the app built it) loaded into `built`, and the state
     dict of the model its builder makes: without the app's GrayToRGB wrapper, whose work

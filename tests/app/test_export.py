@@ -27,10 +27,13 @@ LOAD_AND_SCORE = """
 import importlib, json, sys
 import torch
 card = json.load(open(sys.argv[1] + "/model.json"))
-module, function = card["builder"].split(":")
-model = getattr(importlib.import_module(module), function)(**card["kwargs"])
-model.load_state_dict(torch.load(sys.argv[1] + "/model.pt", weights_only=True), strict=True)
-model.eval()
+if sys.argv[3:] == ["pt2"]:  # the torch.export program: no builder, no state dict
+    model = torch.export.load(sys.argv[1] + "/model.pt2").module()
+else:
+    module, function = card["builder"].split(":")
+    model = getattr(importlib.import_module(module), function)(**card["kwargs"])
+    model.load_state_dict(torch.load(sys.argv[1] + "/model.pt", weights_only=True), strict=True)
+    model.eval()
 x, y = torch.load(sys.argv[2], weights_only=True)
 size, inp = card["input"], card["input"]
 x = x.float() * inp["scale"]
@@ -50,10 +53,10 @@ def _held_out_tensors(path: Path) -> Path:
     return path
 
 
-def _score(export_dir: Path, tensors: Path, project: bool) -> dict:
+def _score(export_dir: Path, tensors: Path, project: bool, form: str = "pt") -> dict:
     env = app_env() if project else {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_SCORE, str(export_dir), str(tensors)],
+        [sys.executable, "-c", LOAD_AND_SCORE, str(export_dir), str(tensors), form],
         capture_output=True,
         text=True,
         env=env,
@@ -94,9 +97,30 @@ def test_an_exported_torchvision_model_loads_without_the_project(tmp_path):
     accuracy, out, card = _run_and_export(tmp_path, "resnet18", ["--num_epochs", "1", "--max_steps", "8"])
     assert card["builder"] == "torchvision.models:resnet18" and card["kwargs"] == {"num_classes": 10}
     assert card["input"]["step"] == export_files.GRAY_TO_RGB
-    scored = _score(out, _held_out_tensors(tmp_path / "held_out.pt"), project=False)
-    assert scored["app_imported"] is False
-    assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4)
+    assert card["files"] == ["model.json", "model.pt", "model.pt2"] and "not_exported" not in card
+    tensors = _held_out_tensors(tmp_path / "held_out.pt")
+    for form in ("pt", "pt2"):  # the builder and its state dict; the torch.export program alone
+        scored = _score(out, tensors, project=False, form=form)
+        assert scored["app_imported"] is False
+        assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4), form
+
+
+def test_a_model_torch_export_cannot_export_is_named_with_why_and_the_rest_is_written(tmp_path):
+    class Branchy(nn.Module):  # data-dependent control flow: torch.export cannot trace it
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+    from app.checkpoint import export_formats
+
+    program, why = export_formats.program(Branchy(), torch.ones(2, 4))
+    assert program is None and why.startswith("torch.export could not export it: ") and "\n" not in why
+    written = {"model.pt": b"w", "model.json": json.dumps({"input": {}}).encode()}
+    card = json.loads(export_files.with_formats(written, {}, {"model.pt2": why})["model.json"])
+    assert card["files"] == ["model.json", "model.pt"] and card["not_exported"] == {"model.pt2": why}
 
 
 def test_the_gray_to_rgb_wrapper_is_not_in_the_exported_keys():
