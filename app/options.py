@@ -196,7 +196,7 @@ class TrainOptions:
     )
     dataset: str = option(
         "imagefolder",
-        "imagefolder, mnist, cifar10 read data_dir; webdataset reads tar shards of <key>.png|jpg and <key>.cls "
+        "imagefolder, mnist, cifar10 read data_dir; webdataset reads tar shards of <key>.png (or .jpg) and <key>.cls "
         "from data_dir's brace pattern (a URL or a path), its held-out ones from eval_data; digits and synthetic "
         "need no files; or your own as package.module:factory (needs `code`; it reads data_dir when given; it may "
         "return an IterableDataset).",

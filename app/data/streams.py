@@ -10,9 +10,9 @@ that share the same way. Every process of the job orders the parts alike (shuffl
 and the epoch), so the shares of one epoch are disjoint and together the whole pass.
 
 What a stream gives up: a share is a slice of parts or of the pass's order, not of a
-permutation of samples, so a job scaled mid-epoch trains the rest of that epoch's shares as
-they were split (some samples of a stream split by parts may then be read twice or not at all
-in that epoch); a resumed share skips its trained batches by reading past them.
+permutation of samples (a stream is shuffled only as it shuffles itself); a share of a stream of
+one part reads the whole pass to keep its samples; a resumed share skips its trained batches by
+reading past them (`skipped_batches`: the rest, in another order).
 """
 
 from __future__ import annotations
