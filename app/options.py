@@ -257,7 +257,7 @@ class TrainOptions:
     )
     image_size: int = option(
         224,
-        "imagefolder: side of the square training crop in pixels; the shorter side "
+        "imagefolder and webdataset: side of the square training crop in pixels; the shorter side "
         "is resized to 8/7 of it first (256 for 224).",
         low=8,
         high=4096,

@@ -245,7 +245,10 @@ class Trainer:
         """The pushes this rank has still to make after the one of `batch` of `epoch`, as planned
         now: the rest of its epochs' batches, at most --max_steps in all (the PS adds them up into
         the run's total updates). -1 where it cannot be known: a job that may be scaled (the PS
-        hands out each epoch's shares as it goes), or a loader without a length."""
+        hands out each epoch's shares as it goes), or a loader without a length; a stream's: what
+        --max_steps leaves (it may end sooner, at its last pass)."""
+        if self.stream and self.config.max_steps > 0 and not self.reshards:  # its share's length is not known
+            return max(0, self.config.max_steps - (self.pushes + 1))
         if self.reshards or self.stream:
             return -1
         try:

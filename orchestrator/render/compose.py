@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from app.contract import STOP_FILE_ENV, TENSORBOARD_DIR
+from app.contract import SHARD_DATASETS, STOP_FILE_ENV, TENSORBOARD_DIR
 from app.option_table import BY_NAME, OPTIONS, Option
 from app.options import ALWAYS
 from orchestrator import runs
@@ -169,8 +169,8 @@ def app_environment(
 def _passed_on(o: Option, t: Topology) -> bool:
     """Whether the render writes option `o` for `t`: always, or (CHANGED) only when the
     topology's value is not the app's default, which the app then uses."""
-    if o.name == "image_size" and t.train.dataset != "imagefolder":
-        return False  # only imagefolder crops
+    if o.name == "image_size" and t.train.dataset not in ("imagefolder", *SHARD_DATASETS):
+        return False  # only imagefolder and webdataset crop
     if o.name == "lr" and "lr" in t.train.optimizer:
         return False  # the optimizer gives its own rate
     value = getattr(getattr(t, o.section), o.key)

@@ -16,7 +16,7 @@ from orch_helpers import topology, training
 
 
 def _topology(**train):
-    job = {"dataset": "webdataset", "max_steps": 50, **train}
+    job = {"dataset": "webdataset", "max_steps": 50, "image_size": 16, **train}
     return parse(yaml.safe_dump(topology(train=job)), "t.yaml")
 
 
@@ -57,3 +57,4 @@ def test_a_local_shard_pattern_mounts_its_folder_and_names_the_pattern_inside():
     assert mounts[render_compose.DATA_DIR] == "./shards" and mounts[render_compose.EVAL_DIR] == "./held-out"
     assert ps["environment"]["PSC_DATA_DIR"] == "/data/train-{0..3}.tar"
     assert ps["environment"]["PSC_EVAL_DATA"] == "/data-eval/val-{0..1}.tar"
+    assert ps["environment"]["PSC_IMAGE_SIZE"] == "16"  # webdataset crops as imagefolder does
