@@ -149,3 +149,11 @@ def test_a_missing_local_shard_and_a_bad_class_are_one_line(tmp_path):
         tarshards.load(str(tmp_path / "s-{0..1}.tar"), "data_dir", train=True, crop=8, seed=0)
     with pytest.raises(UsageError, match=r"k.cls holds b'cat'; must be a class index"):
         tarshards.count_classes(str(tmp_path / "s-0.tar"), "eval_data")
+
+
+def test_a_stream_without_a_length_is_planned_by_max_steps():
+    from app.recipes import planned_updates
+
+    assert planned_updates("async", epochs=10, epoch_batches=0, workers=2, max_steps=50) == 100
+    assert planned_updates("sync", epochs=10, epoch_batches=0, workers=2, max_steps=50) == 50
+    assert planned_updates("async", epochs=10, epoch_batches=7, workers=2, max_steps=0) == 70  # a length plans it
