@@ -58,3 +58,14 @@ def test_a_local_shard_pattern_mounts_its_folder_and_names_the_pattern_inside():
     assert ps["environment"]["PSC_DATA_DIR"] == "/data/train-{0..3}.tar"
     assert ps["environment"]["PSC_EVAL_DATA"] == "/data-eval/val-{0..1}.tar"
     assert ps["environment"]["PSC_IMAGE_SIZE"] == "16"  # webdataset crops as imagefolder does
+
+
+def test_the_aws_names_join_the_topologys_env_once():
+    doc = topology(
+        train={"dataset": "webdataset", "max_steps": 5, "data_dir": "s3://b/t.tar", "eval_data": "s3://b/v.tar"}
+    )
+    doc["env"] = ["HF_TOKEN", "AWS_ACCESS_KEY_ID"]
+    t = parse(yaml.safe_dump(doc), "t.yaml")
+    assert t.job_env() == ["HF_TOKEN", "AWS_ACCESS_KEY_ID", *[n for n in S3_ENV if n != "AWS_ACCESS_KEY_ID"]]
+    worker = render_compose.render(t)["services"]["worker1"]["environment"]
+    assert worker["HF_TOKEN"] is None and all(worker[name] is None for name in S3_ENV)

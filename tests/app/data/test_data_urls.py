@@ -1,9 +1,10 @@
 """train.data_dir as a URL: webdataset's tar shards served by a real HTTP server (python's
-http.server) and by a real S3-protocol server (moto's, as a process), trained on by the PS and its
-workers as processes."""
+http.server), trained on by cpu-smoke's PS and workers as local processes, and by a real
+S3-protocol server (moto's, as a process), read as the workers read them."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import re
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from app_testkit import REPO, app_env, digits, final_accuracy, free_port, run_cluster
+from app.data import datasets
+
+from app_testkit import REPO, app_env, free_port
 
 TRAIN, VAL = "train-{000000..000003}.tar", "val-{000000..000001}.tar"
 # cpu-smoke's PS + 2 workers as local processes, 10 passes over 3/4 of digits as 16 px PNGs (crops
@@ -53,22 +56,6 @@ class Quiet(SimpleHTTPRequestHandler):
         pass
 
 
-def webdataset_job(data_dir: str, eval_data: str, max_steps: int) -> list[str]:
-    return digits(
-        dataset="webdataset",
-        data_dir=data_dir,
-        eval_data=eval_data,
-        image_size=16,
-        lr=0.1,
-        num_epochs=10,
-        max_steps=max_steps,
-        eval_every=100,
-        rpc_timeout=30,
-        seed=0,
-        loader_workers=0,
-    )
-
-
 @pytest.mark.slow
 def test_webdataset_shards_over_http_train_the_smoke_cnn_to_its_accuracy(tmp_path):
     """`ps-compose local -c configs/cpu-smoke.yaml` on the shards, through the topology's overrides."""
@@ -102,10 +89,12 @@ def test_webdataset_shards_over_http_train_the_smoke_cnn_to_its_accuracy(tmp_pat
 
 
 @pytest.mark.slow
-def test_s3_shards_read_through_an_s3_protocol_server_train_a_short_run(tmp_path):
+def test_s3_shards_read_through_an_s3_protocol_server_are_split_across_ranks_and_loader_processes(
+    tmp_path, monkeypatch
+):
     shards = tmp_path / "shards"
     shards.mkdir()
-    write_shards(shards, train_shards=1, val_shards=1)
+    write_shards(shards, train_shards=2, val_shards=1)
     port = free_port()
     log = open(tmp_path / "moto.log", "w")
     moto = subprocess.Popen(
@@ -117,18 +106,37 @@ def test_s3_shards_read_through_an_s3_protocol_server_train_a_short_run(tmp_path
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+    for name, value in aws.items():  # as the render and `local` hand them to every process
+        monkeypatch.setenv(name, value)
     try:
         _upload(shards, "bucket", aws)
-        job = webdataset_job("s3://bucket/train-{000000..000000}.tar", "s3://bucket/val-000000.tar", 20)
-        procs = run_cluster(tmp_path, 1, job, timeout=120, env=app_env(**aws))
+        train = datasets.load(
+            "webdataset",
+            "s3://bucket/train-{000000..000001}.tar",
+            "train",
+            0,
+            16,
+            eval_data="s3://bucket/val-000000.tar",
+        )
+        assert train.num_classes == 10
+        keys = []
+        for rank in range(2):  # each rank's share, read by 2 loader processes
+            sampler = datasets.shard_sampler(train, 2, rank, 0, batch_size=32)
+            sampler.set_epoch(1)
+            for _, y in datasets.train_loader(train.data, sampler, 32, loader_workers=2, pin_memory=False):
+                keys.extend(y.tolist())
     finally:
         moto.terminate()
         moto.wait()
         log.close()
-    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-400:] for n, p in procs.items()}
-    final_accuracy(procs["ps"].stdout)  # the run ended with its evaluation
-    served = (tmp_path / "moto.log").read_text()
-    assert "GET /bucket/train-000000.tar" in served and "GET /bucket/val-000000.tar" in served
+    assert len(keys) == 1348  # every training image of digits once
+    assert collections.Counter(keys) == collections.Counter(t for i, t in enumerate(_digits_targets()) if i % 4 != 3)
+
+
+def _digits_targets() -> list[int]:
+    from sklearn.datasets import load_digits
+
+    return load_digits().target.tolist()
 
 
 def _upload(folder: Path, bucket: str, aws: dict[str, str]) -> None:
