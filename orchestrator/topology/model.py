@@ -26,7 +26,16 @@ from typing import Any, Optional, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from app.contract import FILE_DATASETS, S3_ENV, SHARD_DATASETS, STRATEGIES, StrategyName, strategy_of, url_scheme
+from app.contract import (
+    DATA_URL_SCHEMES,
+    FILE_DATASETS,
+    S3_ENV,
+    SHARD_DATASETS,
+    STRATEGIES,
+    StrategyName,
+    strategy_of,
+    url_scheme,
+)
 from app.option_rules import broken_rule
 from app.option_table import BY_NAME, OPTIONS, in_topology
 from orchestrator.errors import one_line
@@ -282,6 +291,20 @@ def _check_inputs(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
+    for key in ("data_dir", "eval_data"):
+        value = getattr(t.train, key) or ""
+        scheme = url_scheme(value)
+        if scheme is not None and scheme not in DATA_URL_SCHEMES:
+            schemes = ", ".join(f"{s}://" for s in DATA_URL_SCHEMES)
+            raise TopologyError(
+                source, f"train.{key}", f"got {value!r}; a URL's scheme must be {schemes}, not {scheme}://"
+            )
+        if scheme is not None and key == "data_dir" and t.train.dataset in FILE_DATASETS - SHARD_DATASETS:
+            raise TopologyError(
+                source,
+                "train.data_dir",
+                f"got {value!r}; dataset {t.train.dataset} reads a local directory (a URL: webdataset or your own)",
+            )
 
 
 def _check_recipe(t: Topology, source: str) -> None:

@@ -4,13 +4,14 @@ mounts its folder."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from app.contract import S3_ENV
 from orchestrator.render import compose as render_compose
 from orchestrator.render import kubernetes as render_kubernetes
 from orchestrator.render import swarm as render_swarm
-from orchestrator.topology.model import parse
+from orchestrator.topology.model import TopologyError, parse
 
 from orch_helpers import topology, training
 
@@ -69,3 +70,28 @@ def test_the_aws_names_join_the_topologys_env_once():
     assert t.job_env() == ["HF_TOKEN", "AWS_ACCESS_KEY_ID", *[n for n in S3_ENV if n != "AWS_ACCESS_KEY_ID"]]
     worker = render_compose.render(t)["services"]["worker1"]["environment"]
     assert worker["HF_TOKEN"] is None and all(worker[name] is None for name in S3_ENV)
+
+
+@pytest.mark.parametrize(
+    "train, said",
+    [
+        (
+            {"data_dir": "ftp://host/t-{0..1}.tar", "eval_data": "https://host/v.tar"},
+            "train.data_dir: got 'ftp://host/t-{0..1}.tar'; a URL's scheme must be http://, https://, s3://, not ftp://",
+        ),
+        (
+            {"data_dir": "s3://b/t.tar", "eval_data": "gs://b/v.tar"},
+            "train.eval_data: got 'gs://b/v.tar'; a URL's scheme must be http://, https://, s3://, not gs://",
+        ),
+        (
+            {"dataset": "imagefolder", "data_dir": "https://host/imagenette"},
+            "train.data_dir: got 'https://host/imagenette'; dataset imagefolder reads a local directory (a URL: "
+            "webdataset or your own)",
+        ),
+    ],
+    ids=["ftp", "gs-eval", "imagefolder-url"],
+)
+def test_a_url_the_job_cannot_read_is_one_line_at_the_render(train, said):
+    with pytest.raises(TopologyError) as error:
+        _topology(**train)
+    assert str(error.value) == f"t.yaml: {said}"
