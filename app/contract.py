@@ -31,10 +31,27 @@ Exchange = Literal["auto", "transport"]  # how pushes cross: shared memory where
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic", "stdlib_text")  # built in
+DATASETS = ("imagefolder", "mnist", "cifar10", "digits", "synthetic", "stdlib_text", "webdataset")  # built in
 # The datasets the app reads from files under --data_dir (the others ship in a package or are
 # generated, and need no mount).
-FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10"})
+FILE_DATASETS = frozenset({"imagefolder", "mnist", "cifar10", "webdataset"})
+# webdataset's --data_dir (and --eval_data) is a pattern of tar shards, not a directory.
+SHARD_DATASETS = frozenset({"webdataset"})
+# --data_dir (and --eval_data) may be a URL of these schemes, read through fsspec (s3 through s3fs):
+# never mounted, handed to the app as given.
+DATA_URL_SCHEMES = ("http", "https", "s3")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# What s3:// data needs of the caller's environment: every process of the job gets these names
+# (their values from the caller; never written into a rendered file).
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def url_scheme(path: str) -> str | None:
+    """The scheme of `path` when it is a URL (`s3` of s3://bucket/x), lower case; None for a local path."""
+    found = _URL.match(path)
+    return found.group(1).lower() if found else None
+
+
 NO_PS_STRATEGY = "allreduce"  # DDP: no parameter server, worker1 is rank 0
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import ENTRY_POINT, NO_PS_STRATEGY
+from app.contract import ENTRY_POINT, NO_PS_STRATEGY, SHARD_DATASETS
 from app.recipes import resolve_optimizer
 
 
@@ -102,6 +102,19 @@ RULES: tuple[Rule, ...] = (
         lambda v: ENTRY_POINT.match(v["schedule"]["name"]) is not None and v["strategy"] == NO_PS_STRATEGY,
         lambda v: (
             "your own schedule is stepped by the PS: allowed with a parameter server (strategy async, sync or ssp)"
+        ),
+    ),
+    Rule(
+        "dataset",
+        lambda v: v["dataset"] in SHARD_DATASETS and not v["eval_data"],
+        lambda v: "needs eval_data too: the held-out shards' pattern, a URL or a path as data_dir's",
+    ),
+    Rule(
+        "max_steps",
+        lambda v: v["dataset"] in SHARD_DATASETS and not v["max_steps"],
+        lambda v: (
+            f"dataset {v['dataset']} is a stream of shards with no declared length: give max_steps, "
+            "each worker's pushes (>= 1), which plan the run"
         ),
     ),
     Rule(

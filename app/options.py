@@ -141,7 +141,11 @@ class ProcessOptions:
         "the secret crosses in the clear), for a network no one else reads.",
     )
     device: Device = option("cpu", "cpu or cuda (cuda:0, the one GPU a container sees)")
-    data_dir: str = option("./imagenette2/val", "data root (unused by digits and synthetic)")
+    data_dir: str = option(
+        "./imagenette2/val",
+        "data root (unused by digits and synthetic): a local path, or a URL (http(s)://, s3://) for webdataset "
+        "and your own dataset",
+    )
     exchange: Exchange = option(
         "auto",
         "How pushes and replies cross between a worker and the PS: auto: through shared memory the PS "
@@ -192,9 +196,17 @@ class TrainOptions:
     )
     dataset: str = option(
         "imagefolder",
-        "imagefolder, mnist, cifar10 read data_dir; digits and synthetic need "
-        "no files; or your own as package.module:factory (needs `code`; it reads data_dir when given).",
+        "imagefolder, mnist, cifar10 read data_dir; webdataset reads tar shards of <key>.png (or .jpg) and <key>.cls "
+        "from data_dir's brace pattern (a URL or a path), its held-out ones from eval_data; digits and synthetic "
+        "need no files; or your own as package.module:factory (needs `code`; it reads data_dir when given; it may "
+        "return an IterableDataset).",
         required=True,
+    )
+    eval_data: str = option(
+        "",
+        "webdataset: the held-out shards the PS evaluates on, a brace pattern as data_dir's (a URL or a local "
+        "path, e.g. https://host/val-{0..1}.tar).",
+        emit=CHANGED,
     )
     batch_size: int = option(256, "Samples per batch, per worker.", low=1, required=True)
     eval_batch_size: int = option(
@@ -245,7 +257,7 @@ class TrainOptions:
     )
     image_size: int = option(
         224,
-        "imagefolder: side of the square training crop in pixels; the shorter side "
+        "imagefolder and webdataset: side of the square training crop in pixels; the shorter side "
         "is resized to 8/7 of it first (256 for 224).",
         low=8,
         high=4096,

@@ -5,6 +5,8 @@ The contract (README, "Your own model and dataset"):
     model(num_classes: int, channels: int) -> torch.nn.Module
     dataset(root: str, train: bool, seed: int) -> (torch.utils.data.Dataset, channels: int, num_classes: int)
 
+The dataset may be an IterableDataset (a stream: its whole pass each time it is iterated; the app
+splits it by rank and DataLoader process, app/data/streams.py).
 The module is imported from sys.path: the topology's `code` directory is put
 there (PYTHONPATH) by the render and by `make local`. The dataset's samples are
 (x, y) pairs: x a float tensor, y an int class index. Workers shard the
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from app.config import UsageError
 from app.contract import ENTRY_POINT
@@ -113,10 +115,18 @@ def load_dataset(spec: str, root: str, train: bool, seed: int) -> DatasetSpec:
     for name, value in (("channels", channels), ("num_classes", num_classes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{where}: returned {name} {value!r}; must be an int >= 1")
-    try:
-        size = len(data)  # type: ignore[arg-type]
-    except TypeError:
-        raise UsageError(f"{where}: the dataset has no len(); it must be a map-style Dataset") from None
+    if isinstance(data, IterableDataset):  # a stream: its length, where it declares one, plans the run
+        size = getattr(data, "__len__", None)
+        if size is None or size() != 0:
+            return DatasetSpec(data, channels, num_classes)
+        size = 0
+    else:
+        try:
+            size = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            raise UsageError(
+                f"{where}: the dataset has no len(); it must be a map-style Dataset or an IterableDataset"
+            ) from None
     if size == 0:
         split = "train" if train else "held-out"
         raise UsageError(f"{where}: the {split} dataset (train={train}) is empty")

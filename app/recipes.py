@@ -293,7 +293,10 @@ def planned_updates(strategy: str, epochs: int, epoch_batches: int, workers: int
     """The updates a run plans when it starts, which its schedule spans: every batch of every
     epoch over the whole training split (`epoch_batches` a whole epoch's), one update each
     under async and ssp, one a round of `workers` batches under sync; each worker's --max_steps
-    caps it. `make scale` does not change it."""
+    caps it. `make scale` does not change it. A stream with no declared length (`epoch_batches` 0)
+    is planned by --max_steps alone."""
+    if epoch_batches <= 0:
+        return max_steps if strategy == "sync" else max_steps * max(1, workers)
     if strategy == "sync":
         total = epochs * math.ceil(epoch_batches / max(1, workers))
         return min(total, max_steps) if max_steps else total

@@ -41,7 +41,7 @@ from app.allreduce.trainer import AllreduceTrainer, EpochSampler, JobState, Prog
 from app.allreduce.world import World, leave_together, rendezvous, world_of
 from app.checkpoint.files import cpu_copy
 from app.checkpoint.writer import Checkpointer
-from app.config import Config
+from app.config import Config, UsageError
 from app.data import datasets
 from app.runtime import devices, lifecycle, machine, words
 from app.runtime.devices import choose_device
@@ -124,6 +124,9 @@ def load_inputs(config: Config, world: World, device: torch.device) -> Inputs:
     workers, why = datasets.loader_choice(config)
     # The image cache holds the rank's stable shard, padded: every rank takes as many steps.
     train = datasets.load_for(config, "train", workers, shard=(world.rank, world.size), pad=True)
+    problem = datasets.plan_problem(train, config.max_steps, config.strategy)
+    if problem is not None:
+        raise UsageError(problem)
     datasets.log_loader(config.name, workers, why)
     sampler = EpochSampler(
         train.data, dataclasses.replace(world, rank=0, size=1) if train.sharded else world, config.seed

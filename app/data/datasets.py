@@ -3,7 +3,9 @@
 Nothing is downloaded: mnist, cifar10, digits and synthetic are read into one tensor
 (app/data/builtin.py), imagefolder reads an image tree (app/data/imagefolder.py, its cache
 app/data/imagecache.py), stdlib_text is Python's own standard library source, read as
-characters (app/data/text.py), and your own comes from its factory (app/plugins.py).
+characters (app/data/text.py), webdataset is a stream of tar shards from a pattern, a URL or a
+path (app/data/tarshards.py), and your own comes from its factory (app/plugins.py); a stream
+(an IterableDataset: webdataset's, or your own) is split by app/data/streams.py.
 Held-out splits are fixed (they do not depend on --seed), so accuracies of
 different runs compare.
 """
@@ -16,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from app import plugins
 from app.config import Config, UsageError
 from app.contract import DATASETS
-from app.data import builtin, host, text
+from app.data import builtin, host, location, streams, tarshards, text
 from app.data.imagefolder import CROP, ImageFolderData, find_samples
 from app.data.prefetch import ReceivedAhead, wants_thread
 
 SPLITS = ("train", "test")
-FILE_DATASETS = ("imagefolder", "mnist", "cifar10")
+FILE_DATASETS = ("imagefolder", "mnist", "cifar10", "webdataset")  # webdataset: a pattern of shards
 # InMemoryData, TextWindows: no decoding to spread over processes
 IN_MEMORY = ("mnist", "cifar10", "digits", "synthetic", "stdlib_text")
 
@@ -64,6 +66,11 @@ class LabeledData:
     num_classes: int
     sharded: bool = False  # `data` holds one worker's shard only (`stable_shard`), not the split
 
+    @property
+    def stream(self) -> bool:
+        """The data is read as one pass (app/data/streams.py), not indexed."""
+        return isinstance(self.data, streams.Stream)
+
 
 def check_data_dir(dataset: str, data_dir: str) -> None:
     """UsageError naming the path when a file dataset's directory is missing or empty."""
@@ -73,6 +80,14 @@ def check_data_dir(dataset: str, data_dir: str) -> None:
         raise UsageError(f"unknown dataset {dataset!r}; datasets that exist: {', '.join(DATASETS)}")
     if dataset not in FILE_DATASETS:
         return
+    location.check("data_dir", data_dir)
+    if dataset in tarshards.DATASETS:
+        return  # a pattern of shards, each checked as it is named (app.data.tarshards.load)
+    if location.is_url(data_dir):
+        raise UsageError(
+            f"--data_dir {data_dir}: dataset {dataset} reads a local directory; "
+            "a URL is read by webdataset or by your own dataset"
+        )
     path = Path(data_dir)
     if not path.is_dir():
         raise UsageError(f"data dir not found: {data_dir}")
@@ -92,6 +107,7 @@ def load(
     threads: int = 1,
     pad: bool = False,
     follow: bool = False,
+    eval_data: str = "",
 ) -> LabeledData:
     """The `train` split (workers shard it) or the held-out `test` split (the PS's).
     `image_size`: the crop side of imagefolder's images (the others have their own size);
@@ -100,12 +116,18 @@ def load(
     a file under `cache_dir` (decoded with `threads` threads);
     `shard`: (index, count) of a worker's shard: with the cache on, the data holds
     only that shard's samples (`stable_shard`, `pad`ded to equal sizes) and says so (`sharded`);
-    `follow` (a job that may be scaled): the file cache holds the whole split instead."""
+    `follow` (a job that may be scaled): the file cache holds the whole split instead;
+    `eval_data`: webdataset's held-out shards (its `train` ones are `data_dir`'s)."""
     check_data_dir(dataset, data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    if dataset in tarshards.DATASETS:
+        return _webdataset(data_dir, eval_data, split == "train", image_size, seed)
     if plugins.is_entry_point(dataset):
+        location.check("data_dir", data_dir)
         got = plugins.load_dataset(dataset, data_dir, split == "train", seed)
+        if isinstance(got.data, IterableDataset):
+            return LabeledData(streams.EveryNth(got.data, seed), got.channels, got.num_classes)
         return LabeledData(got.data, got.channels, got.num_classes)
     if dataset == "imagefolder":
         mode = image_cache if isinstance(image_cache, str) else ("memory" if image_cache else "off")
@@ -118,6 +140,14 @@ def load(
     if dataset == "stdlib_text":
         return LabeledData(text.load(split == "train"), 1, text.NUM_CLASSES)
     return LabeledData(*builtin.read(dataset, Path(data_dir), split == "train", seed))
+
+
+def _webdataset(data_dir: str, eval_data: str, train: bool, crop: int, seed: int) -> LabeledData:
+    """webdataset's training shards (data_dir) or held-out ones (eval_data); its classes are counted
+    from the held-out shards (app/data/tarshards.py)."""
+    classes = tarshards.count_classes(eval_data, "eval_data")
+    flag, pattern = ("data_dir", data_dir) if train else ("eval_data", eval_data)
+    return LabeledData(tarshards.load(pattern, flag, train, crop, seed), 3, classes)
 
 
 @dataclass(frozen=True)
@@ -263,10 +293,15 @@ class ShardSampler(Sampler[int]):
         return len(range(self.shard, self.size, self.num_shards))
 
 
-def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) -> ShardSampler:
+def shard_sampler(
+    train: LabeledData, num_shards: int, shard: int, seed: int, batch_size: int = 1
+) -> ShardSampler | streams.StreamSampler:
     """The sampler of worker `shard`'s share: a permutation of the whole split per epoch
     (ShardSampler), or, when the data holds the worker's stable shard already (the image
-    cache), a permutation of that shard per epoch."""
+    cache), a permutation of that shard per epoch; a stream's share, handed to the stream
+    (streams.StreamSampler)."""
+    if isinstance(train.data, streams.Stream):
+        return streams.StreamSampler(train.data, num_shards, shard, batch_size)
     if train.sharded:
         sampler = ShardSampler(size_of(train.data), 1, 0, seed)
         sampler.fixed = True
@@ -275,18 +310,34 @@ def shard_sampler(train: LabeledData, num_shards: int, shard: int, seed: int) ->
 
 
 def train_loader(
-    data: Dataset, sampler: ShardSampler | DistributedSampler, batch_size: int, loader_workers: int, pin_memory: bool
+    data: Dataset,
+    sampler: ShardSampler | DistributedSampler | streams.StreamSampler,
+    batch_size: int,
+    loader_workers: int,
+    pin_memory: bool,
 ) -> DataLoader:
     """Batches of this worker's shard (its ShardSampler, or the allreduce job's DistributedSampler);
     the last short batch is dropped when the shard holds at least one full batch (BatchNorm
-    cannot train on a batch of one)."""
+    cannot train on a batch of one). A stream's: every sample of its share, in the batches its
+    loader processes make."""
+    if isinstance(sampler, streams.StreamSampler):
+        return stream_loader(data, batch_size, loader_workers, pin_memory)
     drop_last = len(sampler) >= batch_size
     return _loader(data, sampler, batch_size, drop_last, loader_workers, pin_memory)
 
 
 def eval_loader(data: Dataset, batch_size: int, loader_workers: int) -> DataLoader:
+    if isinstance(data, streams.Stream):
+        data.place(0, 1, epoch=0)
+        return stream_loader(data, batch_size, loader_workers, False)
     sampler = ShardSampler(size_of(data), 1, 0, shuffle=False)
     return _loader(data, sampler, batch_size, False, loader_workers, False)
+
+
+def stream_loader(data: Dataset, batch_size: int, loader_workers: int, pin_memory: bool) -> DataLoader:
+    """A stream's batches; its loader processes start again each epoch (not persistent), so each
+    takes the share the stream was `place`d at for it."""
+    return DataLoader(data, batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory)
 
 
 def _loader(
@@ -355,11 +406,38 @@ def load_for(
         threads=loader_workers + 1,
         pad=pad,
         follow=shard is not None and config.max_trainers > config.num_trainers,
+        eval_data=config.eval_data,
     )
 
 
 def describe(data: LabeledData) -> str:
-    return f"{size_of(data.data)} samples, {data.channels} channel(s), {data.num_classes} classes"
+    size = streams.declared_length(data.data)
+    if not data.stream:
+        samples = f"{size} samples"
+    else:
+        samples = "a stream of no declared length" if size is None else f"a stream of {size} samples"
+    return f"{samples}, {data.channels} channel(s), {data.num_classes} classes"
+
+
+def share_size(sampler: ShardSampler | streams.StreamSampler) -> str:
+    """A worker's share, in words: its samples, where they can be counted."""
+    size = streams.declared_length(sampler)
+    return "a share of a stream" if size is None else f"shard of {size} samples"
+
+
+def plan_problem(data: LabeledData, max_steps: int, strategy: str) -> str | None:
+    """Why a stream cannot train as asked (one line), or None: a run is planned from an epoch's
+    length or --max_steps, and DDP's ranks must take as many steps each."""
+    if not data.stream:
+        return None
+    if strategy == "allreduce":
+        return "strategy allreduce needs a map-style dataset (its ranks take as many steps each); a stream is not one"
+    if max_steps == 0 and streams.declared_length(data.data) is None:
+        return (
+            "the training dataset is a stream with no declared length: give it a __len__ (its samples a pass) "
+            "or give --max_steps (train.max_steps), which plan the run"
+        )
+    return None
 
 
 def size_of(data: Dataset) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -182,19 +183,27 @@ class ImageFolderData(Dataset):
 
         path, label = self.samples[index]
         with Image.open(path) as img:
-            img = to_rgb(img)
-            crop = self.crop
-            scale = self.resize / min(img.size)
-            size = (max(crop, round(img.width * scale)), max(crop, round(img.height * scale)))
-            img = img.resize(size, Image.Resampling.BILINEAR)
-            if self.train:
-                left = int(torch.randint(0, img.width - crop + 1, ()).item())
-                top = int(torch.randint(0, img.height - crop + 1, ()).item())
-            else:
-                left, top = (img.width - crop) // 2, (img.height - crop) // 2
-            img = img.crop((left, top, left + crop, top + crop))
-            if self.train and torch.rand(()).item() < 0.5:
-                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            array = np.asarray(img, dtype=np.uint8)
-        x = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
-        return (x - MEAN) / STD, label
+            return prepare(img, self.crop, self.train), label
+
+
+def prepare(img: Any, crop: int, train: bool) -> torch.Tensor:
+    """A Pillow image as the model's input: RGB, the shorter side to 8/7 of `crop`, a random
+    `crop` square and a horizontal flip half the time when `train`, else the centre square;
+    ImageNet normalisation (imagefolder's, and webdataset's: app/data/tarshards.py)."""
+    from PIL import Image
+
+    img = to_rgb(img)
+    scale = round(crop * 8 / 7) / min(img.size)
+    size = (max(crop, round(img.width * scale)), max(crop, round(img.height * scale)))
+    img = img.resize(size, Image.Resampling.BILINEAR)
+    if train:
+        left = int(torch.randint(0, img.width - crop + 1, ()).item())
+        top = int(torch.randint(0, img.height - crop + 1, ()).item())
+    else:
+        left, top = (img.width - crop) // 2, (img.height - crop) // 2
+    img = img.crop((left, top, left + crop, top + crop))
+    if train and torch.rand(()).item() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    array = np.asarray(img, dtype=np.uint8)
+    x = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
+    return (x - MEAN) / STD

@@ -19,6 +19,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from app.config import Config, UsageError
 from app.contract import PS, ps_name, worker_name
@@ -146,10 +147,16 @@ def check_shape(config: Config, channels: int, num_classes: int, timeout: float)
             f"the training split gives {what}; the held-out split the PS built its model from gives {theirs}: "
             "both splits must agree (a vocabulary or a class list built from both, or the training one for both)"
         )
-        with transport.store(config, timeout) as store:  # every worker would meet it: the PS stops on it too
-            store.set(MISTAKE_KEY, line)
-        say_not_joining(config)
-        raise UsageError(line)
+        say_mistake(config, line, timeout)
+
+
+def say_mistake(config: Config, line: str, timeout: float) -> NoReturn:
+    """A mistake every worker would meet (`line`): the PS is told, and stops on it too (exit 2, the
+    same line); this rank is not joining; UsageError."""
+    with transport.store(config, timeout) as store:
+        store.set(MISTAKE_KEY, line)
+    say_not_joining(config)
+    raise UsageError(line)
 
 
 def mistake(store: transport.KeyValues) -> str:

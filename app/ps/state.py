@@ -159,10 +159,10 @@ class State:
         (every push of the run says the same): the schedule spans it. A resumed run planned
         again with a longer (or shorter) run, train.epochs or train.max_steps changed, spans the
         new plan from the version it resumed at, instead of holding the end of the old one."""
-        if self._planned or epoch_batches <= 0:
+        p = self.config.plan
+        if self._planned or (epoch_batches <= 0 and not p.max_steps):  # a stream without a length: max_steps plans
             return
         self._planned = True
-        p = self.config.plan
         total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
         if total == self.total:
             return

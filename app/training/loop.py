@@ -61,6 +61,14 @@ def epoch_batches(loader: DataLoader, batch_size: int) -> int:
         return 0
 
 
+def length(loader: DataLoader) -> int | None:
+    """len(loader), or None for a stream without a declared length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def on_device(
     x: torch.Tensor, y: torch.Tensor, loader: Any, device: torch.device, memory_format: torch.memory_format
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +145,7 @@ class Reporter:
         self._samples += samples
         self._batches += 1
         self.flush()
-        if batch % self.log_every == 0 or batch == len(loader):
+        if batch % self.log_every == 0 or batch == length(loader):
             write = self.report(loader, step, epoch, batch, loss, **fields)
             if isinstance(loss, Loss) and not loss.ready:
                 self._held = write

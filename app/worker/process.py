@@ -24,6 +24,7 @@ from app.config import Config, UsageError
 from app.contract import PS, strategy_of
 from app.data import datasets
 from app.data.datasets import LabeledData, ShardSampler
+from app.data.streams import StreamSampler
 from app.exchange import group, transport
 from app.exchange.route import PSUnreachable
 from app.exchange.wire import Start
@@ -35,6 +36,7 @@ from app.worker.channels import Channel, PSChannel, wait_until_ready
 from app.worker.trainer import Trainer
 
 log = logging.getLogger("app.worker")
+Sampler = ShardSampler | StreamSampler  # a worker's share of each epoch: of an indexed split, or of a stream
 
 
 def run(config: Config) -> int:
@@ -67,7 +69,7 @@ def run(config: Config) -> int:
         raise
 
 
-def prepare(config: Config, device: torch.device) -> tuple[LabeledData, DataLoader, ShardSampler, nn.Module]:
+def prepare(config: Config, device: torch.device) -> tuple[LabeledData, DataLoader, Sampler, nn.Module]:
     """The worker's shard of the training data, its loader and sampler, and the model on `device`."""
     workers, why = datasets.loader_choice(config)
     # A rank above the first ones (the job was scaled up) starts from a share among as many;
@@ -75,9 +77,9 @@ def prepare(config: Config, device: torch.device) -> tuple[LabeledData, DataLoad
     shards = max(config.num_trainers, config.rank)
     train = datasets.load_for(config, "train", workers, shard=(config.rank - 1, shards))
     datasets.log_loader(config.name, workers, why)
-    sampler = datasets.shard_sampler(train, shards, config.rank - 1, config.seed)
+    sampler = datasets.shard_sampler(train, shards, config.rank - 1, config.seed, config.batch_size)
     loader = datasets.train_loader(train.data, sampler, config.batch_size, workers, pin_memory=device.type == "cuda")
-    log.info("%s: shard of %d samples (%s)", config.name, len(sampler), datasets.describe(train))
+    log.info("%s: %s (%s)", config.name, datasets.share_size(sampler), datasets.describe(train))
     model = models.build(config.model, train.channels, train.num_classes, config.seed).to(device)
     return train, loader, sampler, model
 
@@ -106,7 +108,7 @@ def join_and_train(
     model: nn.Module,
     train: LabeledData,
     loader: DataLoader,
-    sampler: ShardSampler,
+    sampler: Sampler,
 ) -> int:
     """Join the job as a new process of config.rank, train to the last epoch, tell the PS."""
     name, rpc_id = group.claim_identity(config)
@@ -126,6 +128,9 @@ def join_and_train(
         overlap=config.overlap,
     )
     group.check_shape(config, train.channels, train.num_classes, config.rpc_timeout)
+    problem = datasets.plan_problem(train, config.max_steps, config.strategy)
+    if problem is not None:  # every worker would meet it: the PS stops on it too
+        group.say_mistake(config, problem, config.rpc_timeout)
     if config.shards > 1:  # join the RPC group once every PS shard is in it (app.ps.sharding.slices)
         wait_until_ready(config, config.join_timeout)
     with MetricsWriter(config.metrics_dir, config.name, "worker", config.rank) as metrics, ExitStack() as session:

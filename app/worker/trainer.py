@@ -24,6 +24,7 @@ from torch import nn
 
 from app.config import Config
 from app.data import datasets
+from app.data.streams import StreamSampler
 from app.exchange.route import Pending, Route
 from app.exchange.wire import Refusal, Reply, Start, Version
 from app.runtime import devices, lifecycle
@@ -46,7 +47,7 @@ class Trainer:
         config: Config,
         model: nn.Module,
         loader: torch.utils.data.DataLoader,
-        sampler: datasets.ShardSampler,
+        sampler: datasets.ShardSampler | StreamSampler,
         device: torch.device,
         channel: Channel,
         metrics: MetricsWriter,
@@ -60,6 +61,7 @@ class Trainer:
         # Two, used in turn: with --overlap one push is on the wire while the next one's is taken.
         self.norm_host = torch.empty(2, pin_memory=True) if config.clip_grad_norm and device.type == "cuda" else None
         self.epoch_batches = loop.epoch_batches(loader, config.batch_size)
+        self.stream = isinstance(sampler, StreamSampler)  # its loader's length is the pass's, not the share's
         self.format = devices.memory_format(config, device)
         # fp16 (CUDA only): the loss is scaled before backward and the gradient unscaled
         # after it; a batch whose gradient overflowed is not pushed, and the scale halves.
@@ -243,8 +245,11 @@ class Trainer:
         """The pushes this rank has still to make after the one of `batch` of `epoch`, as planned
         now: the rest of its epochs' batches, at most --max_steps in all (the PS adds them up into
         the run's total updates). -1 where it cannot be known: a job that may be scaled (the PS
-        hands out each epoch's shares as it goes), or a loader without a length."""
-        if self.reshards:
+        hands out each epoch's shares as it goes), or a loader without a length; a stream's: what
+        --max_steps leaves (it may end sooner, at its last pass)."""
+        if self.stream and self.config.max_steps > 0 and not self.reshards:  # its share's length is not known
+            return max(0, self.config.max_steps - (self.pushes + 1))
+        if self.reshards or self.stream:
             return -1
         try:
             per_epoch = len(self.loader)

@@ -134,6 +134,8 @@ def check_data(t: Topology, f: Facts, where: str = "") -> Check:
     if not t.reads_files:
         what = "your code reads no train.data_dir" if ":" in t.train.dataset else "ships in a package"
         return Check("data", True, f"not needed (dataset {t.train.dataset}: {what})")
+    if t.data_source() is None:
+        return Check("data", True, f"{t.train.data_dir}: a URL, read by the job's processes as given")
     if f.data_problem is not None:
         sample = Path(t.data_dir()).resolve() == Path(sample_data.DEFAULT_OUT).resolve()
         return Check(

@@ -93,8 +93,8 @@ def gather(
         if host.startswith("unix://") and client is not None:
             facts["hooks"] = hooks()
             facts["cdi_specs"] = cdi_specs(facts["info"].get("CDISpecDirs") or [])
-    if t.reads_files and t.train.data_dir:
-        path = data_path(t.train.data_dir)
+    if t.data_source() is not None:
+        path = data_path(str(t.data_source()))
         facts.update(data_dir=str(path), data_problem=dir_problem(path))
     if t.network.publish_rpc_port:
         facts["port_in_use"] = port_in_use(t.ps.rpc_port)

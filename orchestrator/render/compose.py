@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from app.contract import STOP_FILE_ENV, TENSORBOARD_DIR
+from app.contract import SHARD_DATASETS, STOP_FILE_ENV, TENSORBOARD_DIR
 from app.option_table import BY_NAME, OPTIONS, Option
 from app.options import ALWAYS
 from orchestrator import runs
@@ -64,6 +64,7 @@ STOP_FILE = "/tmp/psc-stopped"
 
 # Paths inside the containers (docs/design.md).
 DATA_DIR = "/data"
+EVAL_DIR = "/data-eval"  # the folder of train.eval_data's shards, when they are local
 STATE_DIR = "/state"
 CHECKPOINT_DIR = "/state/checkpoints"
 METRICS_DIR = "/state/metrics"
@@ -113,6 +114,7 @@ def app_environment(
     ifname: str,
     init_weights: Optional[str] = None,
     cache_dir: Optional[str] = None,
+    eval_dir: Optional[str] = None,
 ) -> dict[str, str]:
     """The environment `python -m app` reads for `rank` (0: the PS).
 
@@ -120,6 +122,8 @@ def app_environment(
     and `orchestrator local` both call it, with container or host paths.
     `data_dir` is left out when the dataset reads no files, `init_weights` when
     the topology has none, `cache_dir` (the image cache's files) unless imagefolder.
+    `data_dir` and `eval_dir` are where the data's and the held-out shards' folders are
+    mounted; a URL reaches the app as given.
     """
     if rank == 0:
         device = "cuda" if t.ps_gpu() is not None else "cpu"
@@ -140,7 +144,9 @@ def app_environment(
     if t.max_workers > t.workers.count:  # the PS admits ranks up to it; each worker shares epochs by the live set
         placed["max_workers"] = t.max_workers
     if t.reads_files and data_dir is not None:
-        placed["data_dir"] = data_dir
+        placed["data_dir"] = t.data_for(data_dir)
+    if tr.eval_data and eval_dir is not None:
+        placed["eval_data"] = t.eval_for(eval_dir)
     if tr.loader_workers == "auto":  # what auto divides the host's CPUs by: the workers on one host
         placed["host_workers"] = t.workers.count
     if tr.dataset == "imagefolder" and cache_dir is not None:
@@ -163,8 +169,8 @@ def app_environment(
 def _passed_on(o: Option, t: Topology) -> bool:
     """Whether the render writes option `o` for `t`: always, or (CHANGED) only when the
     topology's value is not the app's default, which the app then uses."""
-    if o.name == "image_size" and t.train.dataset != "imagefolder":
-        return False  # only imagefolder crops
+    if o.name == "image_size" and t.train.dataset not in ("imagefolder", *SHARD_DATASETS):
+        return False  # only imagefolder and webdataset crop
     if o.name == "lr" and "lr" in t.train.optimizer:
         return False  # the optimizer gives its own rate
     value = getattr(getattr(t, o.section), o.key)
@@ -334,13 +340,13 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
         ifname=t.network.ifname,
         init_weights=INIT_WEIGHTS,
         cache_dir=CACHE_DIR,
+        eval_dir=EVAL_DIR,
     )
     env = {name: literal(value) for name, value in env.items()}  # the topology's strings, as given
     volumes: list[dict[str, Any]] = []
-    if t.reads_files:
-        volumes.append(
-            {"type": "bind", "source": literal(_bind_source(t.data_dir())), "target": DATA_DIR, "read_only": True}
-        )
+    for source, target in ((t.data_source(), DATA_DIR), (t.eval_source(), EVAL_DIR)):
+        if source is not None:  # a URL is not mounted: the app reads it as given
+            volumes.append(_bind(source, target))
     if t.code is not None:
         # Mounted, not copied into the image: edit and run again without a rebuild.
         volumes.append(_bind(t.code, CODE_DIR))
@@ -359,7 +365,7 @@ def _common(t: Topology, rank: int, role: str, shm_size: int | str, gpu: Optiona
     # the file stays the same from run to run.
     env.update(runs.interpolated())
     env[STOP_FILE_ENV] = STOP_FILE
-    for name in t.env:  # the topology's `env`: names only, each from the caller (null)
+    for name in t.job_env():  # the topology's `env` (and AWS_* for s3:// data): names only, each from the caller
         env[name] = None  # type: ignore[assignment]
     svc: dict[str, Any] = {
         "image": t.image_tag,

@@ -223,6 +223,7 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
         ifname=t.network.ifname,
         init_weights=compose.INIT_WEIGHTS,
         cache_dir=compose.CACHE_DIR,
+        eval_dir=compose.EVAL_DIR,
     )
     del env["PSC_RANK"]  # from JOB_COMPLETION_INDEX (app/config.py)
     if has_ps(t):
@@ -233,7 +234,7 @@ def _env(t: Topology, ps: bool) -> list[dict[str, Any]]:
     if t.code is not None:
         env["PYTHONPATH"] = f"{compose.APP_DIR}:{compose.CODE_DIR}"
     env_list: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
-    for name in t.env:  # the topology's `env`: from the Secret <name>-env, a key it lacks left unset
+    for name in t.job_env():  # `env` (and AWS_* for s3:// data): from the Secret <name>-env, a key it lacks unset
         ref = {"name": f"{t.name}-env", "key": name, "optional": True}
         env_list.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
     if ps or not has_ps(t):  # the processes that write checkpoints: the run is their Job
@@ -272,14 +273,18 @@ def _volumes(t: Topology, ps: bool, data_root: str) -> tuple[list[dict[str, Any]
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
-    if t.reads_files:
+    if t.reads_files and (t.data_source() is not None or t.kubernetes.data_claim is not None):
         if t.kubernetes.data_claim is not None:
             volumes.append(
                 {"name": "data", "persistentVolumeClaim": {"claimName": t.kubernetes.data_claim, "readOnly": True}}
             )
         else:
-            volumes.append(_host_path("data", t.data_dir(), data_root))
+            volumes.append(_host_path("data", t.data_source() or t.data_dir(), data_root))
         mounts.append({"name": "data", "mountPath": compose.DATA_DIR, "readOnly": True})
+    eval_source = t.eval_source()
+    if eval_source is not None:
+        volumes.append(_host_path("eval", eval_source, data_root))
+        mounts.append({"name": "eval", "mountPath": compose.EVAL_DIR, "readOnly": True})
     if t.code is not None:
         volumes.append(_host_path("code", t.code, data_root))
         mounts.append({"name": "code", "mountPath": compose.CODE_DIR, "readOnly": True})

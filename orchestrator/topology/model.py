@@ -17,6 +17,7 @@ fields take in values.py, pydantic's error as one line in messages.py.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,16 @@ from typing import Any, Optional, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from app.contract import FILE_DATASETS, STRATEGIES, StrategyName, strategy_of
+from app.contract import (
+    DATA_URL_SCHEMES,
+    FILE_DATASETS,
+    S3_ENV,
+    SHARD_DATASETS,
+    STRATEGIES,
+    StrategyName,
+    strategy_of,
+    url_scheme,
+)
 from app.option_rules import broken_rule
 from app.option_table import BY_NAME, OPTIONS, in_topology
 from orchestrator.errors import one_line
@@ -125,6 +135,34 @@ class Topology(BaseModel):
             is_entry_point(self.train.dataset) and self.train.data_dir is not None
         )
 
+    def data_source(self) -> Optional[str]:
+        """The host directory the render mounts at /data: train.data_dir, or the folder of its pattern
+        for shards (webdataset); None when nothing is mounted (no files read, or a URL: read as given)."""
+        if not self.reads_files or url_scheme(self.data_dir()) is not None:
+            return None
+        return _folder(self.data_dir()) if self.train.dataset in SHARD_DATASETS else self.data_dir()
+
+    def data_for(self, mounted_at: str) -> str:
+        """train.data_dir as the job's processes get it: a URL as given, a path where its source
+        (`data_source`) is mounted at `mounted_at`."""
+        return _as_mounted(self.data_dir(), mounted_at, self.train.dataset in SHARD_DATASETS)
+
+    def eval_source(self) -> Optional[str]:
+        """The folder of train.eval_data's pattern, mounted beside the data; None for a URL or none."""
+        given = self.train.eval_data
+        return _folder(given) if given and url_scheme(given) is None else None
+
+    def eval_for(self, mounted_at: str) -> str:
+        """train.eval_data as the job's processes get it (as `data_for`)."""
+        return _as_mounted(self.train.eval_data, mounted_at, True)
+
+    def job_env(self) -> list[str]:
+        """The variables every process gets by name from the caller: `env`, and the AWS ones where
+        the data is on s3:// (S3_ENV); never their values."""
+        paths = [self.train.data_dir or "", self.train.eval_data] if self.reads_files else []
+        s3 = [name for name in S3_ENV if any(url_scheme(p) == "s3" for p in paths)]
+        return list(dict.fromkeys([*self.env, *s3]))
+
     def entry_points(self) -> list[tuple[str, str]]:
         """(YAML path, value) of train.model, train.dataset, the optimizer, the loss and the
         metrics when they name the user's code."""
@@ -202,6 +240,18 @@ class Topology(BaseModel):
         return self._overrides
 
 
+def _folder(pattern: str) -> str:
+    """The folder a shard pattern's files are in (`.` for a bare name)."""
+    return posixpath.dirname(pattern) or "."
+
+
+def _as_mounted(path: str, mounted_at: str, pattern: bool) -> str:
+    """`path` as a process sees it where its folder (a pattern's) or itself is at `mounted_at`; a URL as given."""
+    if not path or url_scheme(path) is not None:
+        return path
+    return posixpath.join(mounted_at, posixpath.basename(path)) if pattern else mounted_at
+
+
 def valid_name(name: str) -> bool:
     """What the topology's `name` (and `--name`) allows: NAME_RULE, on one line."""
     return _NAME.fullmatch(name) is not None
@@ -241,6 +291,20 @@ def _check_inputs(t: Topology, source: str) -> None:
             "train.data_dir",
             f"missing; required for dataset {t.train.dataset!r} (the host directory of the data)",
         )
+    for key in ("data_dir", "eval_data"):
+        value = getattr(t.train, key) or ""
+        scheme = url_scheme(value)
+        if scheme is not None and scheme not in DATA_URL_SCHEMES:
+            schemes = ", ".join(f"{s}://" for s in DATA_URL_SCHEMES)
+            raise TopologyError(
+                source, f"train.{key}", f"got {value!r}; a URL's scheme must be {schemes}, not {scheme}://"
+            )
+        if scheme is not None and key == "data_dir" and t.train.dataset in FILE_DATASETS - SHARD_DATASETS:
+            raise TopologyError(
+                source,
+                "train.data_dir",
+                f"got {value!r}; dataset {t.train.dataset} reads a local directory (a URL: webdataset or your own)",
+            )
 
 
 def _check_recipe(t: Topology, source: str) -> None:

@@ -65,7 +65,9 @@ class Train(TrainOptions):
             "description": (
                 "Host directory of the data (relative: to the directory of compose.yaml / where you run). Mounted "
                 "read-only at /data. For imagefolder: class folders (10% held out), or train/ and val/ of class "
-                "folders (Imagenette's layout: the PS evaluates on val/)."
+                "folders (Imagenette's layout: the PS evaluates on val/). For webdataset: a brace pattern of tar "
+                "shards (its folder is mounted). A URL (http(s)://, s3://; webdataset and your own dataset) is not "
+                "mounted: every process reads it as given, and with s3:// gets AWS_* from the caller by name."
             ),
         },
     )

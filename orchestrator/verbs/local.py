@@ -71,7 +71,8 @@ def local_environment(
     """The app's environment for `rank` on this host (see `app_environment`), in run `run_id`
     (orchestrator.runs; empty: the app resumes any checkpoint), with the run's private
     `exchange` (orchestrator.job_secret) where the job has a PS."""
-    data_dir = str(Path(t.data_dir()).expanduser().resolve()) if t.reads_files else None
+    source, eval_source = t.data_source(), t.eval_source()
+    data_dir = str(Path(source).expanduser().resolve()) if source else ("" if t.reads_files else None)
     weights = t.train.init_weights
     env = app_environment(
         t,
@@ -84,6 +85,7 @@ def local_environment(
         cache_dir=str(run_dir.resolve() / "cache"),
         ifname=ifname,
         init_weights=str(Path(weights).expanduser().resolve()) if weights is not None else None,
+        eval_dir=str(Path(eval_source).expanduser().resolve()) if eval_source else None,
     )
     env.update(runs.environment(run_id, resume))
     if exchange and has_ps(t):
@@ -218,13 +220,12 @@ def app_argv(*args: str, python: str = sys.executable) -> list[str]:
 def check_host(t: Topology, source: str) -> None:
     """Bad input that only the host can reveal (the render does not look)."""
     check_paths(t, source, Path.cwd())
-    if t.reads_files:
-        path = Path(t.data_dir()).expanduser()
-        if not path.is_dir():
+    for key, folder in (("data_dir", t.data_source()), ("eval_data", t.eval_source())):
+        if folder is not None and not Path(folder).expanduser().is_dir():
             raise TopologyError(
                 source,
-                "train.data_dir",
-                f"got {t.train.data_dir!r}; no such directory on this host (from {os.getcwd()})",
+                f"train.{key}",
+                f"got {getattr(t.train, key)!r}; no such directory on this host (from {os.getcwd()})",
             )
 
 

@@ -98,6 +98,14 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         topology(train={"precision": "fp16", "cuda_graphs": True}, image={"device": "cuda"}),
         ["worker", "--precision", "fp16", "--cuda_graphs", "true", "--device", "cuda"],
     ),
+    "dataset webdataset without eval_data": (
+        topology(train={"dataset": "webdataset", "data_dir": "https://host/train-{0..3}.tar", "max_steps": 10}),
+        ["worker", "--dataset", "webdataset", "--data_dir", "https://host/train-{0..3}.tar", "--max_steps", "10"],
+    ),
+    "max_steps webdataset": (
+        topology(train={"dataset": "webdataset", "data_dir": "s3://b/t-{0..3}.tar", "eval_data": "s3://b/v.tar"}),
+        ["worker", "--dataset", "webdataset", "--data_dir", "s3://b/t-{0..3}.tar", "--eval_data", "s3://b/v.tar"],
+    ),
     "cuda_graphs allreduce": (
         topology(train={"strategy": "allreduce", "cuda_graphs": True}),
         ["worker", "--strategy", "allreduce", "--cuda_graphs", "true"],

@@ -49,7 +49,7 @@ def test_an_entry_point_without_code_names_the_field() -> None:
             "dataset",
             "mynet:data:x",
             "train.dataset: got 'mynet:data:x'; must be one of imagefolder, mnist, "
-            "cifar10, digits, synthetic, stdlib_text, or an entry point package.module:factory",
+            "cifar10, digits, synthetic, stdlib_text, webdataset, or an entry point package.module:factory",
         ),
     ],
 )

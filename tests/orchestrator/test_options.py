@@ -30,6 +30,7 @@ MODELS = {"train": Train, "ps": PS}
 OTHER = {
     "model": "resnet34",
     "dataset": "imagefolder",
+    "eval_data": "https://host/val-{0..1}.tar",
     "batch_size": 7,
     "lr": 0.25,
     "momentum": 0.5,

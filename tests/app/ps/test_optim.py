@@ -225,6 +225,17 @@ def test_a_fraction_of_the_run_and_the_plan_of_a_sync_run() -> None:
     assert capped.total == 10  # max_steps pushes by each of 2 workers
 
 
+def test_a_stream_without_a_length_is_planned_by_max_steps_and_without_it_not_at_all() -> None:
+    stream = State(
+        model(), StateConfig(0.1, schedule={"name": "cosine"}, plan=Plan("async", 9, workers=2, max_steps=5))
+    )
+    stream.plan(0)  # its pushes say no epoch's batches
+    assert stream.total == 10
+    unplanned = State(model(), StateConfig(0.1, schedule={"name": "cosine"}, plan=Plan("async", 9, workers=2)))
+    unplanned.plan(0)
+    assert unplanned.total is None
+
+
 def test_a_restored_ps_continues_the_schedule_and_the_optimizer_as_if_never_stopped() -> None:
     spec = {"name": "adamw", "weight_decay": 0.05}
     schedule = {"name": "cosine", "warmup": 3}

@@ -329,7 +329,7 @@ def test_a_dataset_that_is_neither_built_in_nor_an_entry_point_is_a_usage_error(
     assert r.returncode == 2
     assert _not_logs(r.stderr) == [
         "app: error: --dataset: 'my.mod.data' is not one of imagefolder, mnist, "
-        "cifar10, digits, synthetic, stdlib_text, nor an entry point package.module:factory"
+        "cifar10, digits, synthetic, stdlib_text, webdataset, nor an entry point package.module:factory"
     ]
 
 
