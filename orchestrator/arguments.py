@@ -17,6 +17,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
+# shell completion (`ps-compose completion`, shtab): a flag whose value is a file completes file names
+FILES = {"bash": "_shtab_compgen_files", "zsh": "_files"}
+
+
+def completes_files(action: argparse.Action) -> argparse.Action:
+    action.complete = FILES  # type: ignore[attr-defined]  # shtab reads it
+    return action
+
+
 def positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -84,8 +93,14 @@ def add_name_arg(p: argparse.ArgumentParser, default: str = "the topology's name
 def add_topology_args(p: argparse.ArgumentParser) -> None:
     """`-c CONFIG`, `--workers N`, `--strategy S` and `--name NAME`: every verb that works on a
     topology takes them."""
-    p.add_argument(
-        "-c", "--config", default=DEFAULT_CONFIG, metavar="CONFIG", help=f"topology file (default: {DEFAULT_CONFIG})"
+    completes_files(
+        p.add_argument(
+            "-c",
+            "--config",
+            default=DEFAULT_CONFIG,
+            metavar="CONFIG",
+            help=f"topology file (default: {DEFAULT_CONFIG})",
+        )
     )
     p.add_argument(
         "--workers",

@@ -200,6 +200,28 @@ def _add_verbs(sub: argparse._SubParsersAction) -> None:
     _add_runs_verb(sub)
     _add_chaos_verb(sub)
     _add_report_verbs(sub)
+    _add_completion_verb(sub)
+
+
+def _add_completion_verb(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "completion",
+        help="the shell completion of ps-compose's verbs, flags and files, for bash or zsh: "
+        "`source <(ps-compose completion bash)`, or write it where the shell reads completions",
+    )
+    p.add_argument("shell", choices=["bash", "zsh"])
+    p.set_defaults(run=run_completion)
+
+
+def run_completion(args: argparse.Namespace) -> int:
+    """The script shtab makes of this command line's parsers (the verbs and flags as they are
+    now), for the `ps-compose` command."""
+    import shtab
+
+    parser = build_parser()
+    parser.prog = "ps-compose"
+    sys.stdout.write(shtab.complete(parser, shell=args.shell))
+    return 0
 
 
 def _sample_data():

@@ -14,6 +14,7 @@ from orchestrator.arguments import (
     add_resume_arg,
     add_strategy_arg,
     add_topology_args,
+    completes_files,
     positive_int,
 )
 from orchestrator.paths import SMOKE_CONFIG
@@ -122,7 +123,7 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
 
 
 def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
-    p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})")
+    completes_files(p.add_argument("-c", "--config", metavar="CONFIG", help=f"topology file (default: {last})"))
     p.add_argument("--workers", type=positive_int, metavar="N")
     add_strategy_arg(p)
     add_name_arg(p, f"{last}'s; alone, the last up of that name")
@@ -131,15 +132,17 @@ def _last_cluster_args(p: argparse.ArgumentParser, last: str) -> None:
 def _add_file_arg(p: argparse.ArgumentParser, backend, more: str = "") -> None:
     """`-f FILE` (repeatable): compose's own override files, merged over the rendered one in
     order, as `docker compose -f` merges them."""
-    p.add_argument(
-        "-f",
-        "--file",
-        dest="files",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a compose file merged over the rendered one (a volume, a device, a variable), as `docker compose -f` "
-        f"merges it; repeatable (default: the files the run's up was given){'; ' + more if more else ''}",
+    completes_files(
+        p.add_argument(
+            "-f",
+            "--file",
+            dest="files",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="a compose file merged over the rendered one (a volume, a device, a variable), as `docker compose -f` "
+            f"merges it; repeatable (default: the files the run's up was given){'; ' + more if more else ''}",
+        )
     )
 
 
