@@ -6,7 +6,8 @@ its newest good checkpoint, said in one line: why, and which) from --checkpoint_
 
 `model.pt` (the state dict as the model's builder makes it) and `model.json` (how to build it
 and feed it): app/checkpoint/export_files.py; `model.pt2` (a torch.export program, which needs
-no code of this project to run): app/checkpoint/export_formats.py.
+no code of this project to run) and `model.safetensors` (model.pt's weights, with no pickle):
+app/checkpoint/export_formats.py.
 
 The job's flags (model, dataset, data_dir, image_size...) are those the run's PS had: the
 orchestrator's export verb runs this with the PS service's environment.
@@ -85,7 +86,7 @@ def formats(
     """`written` with the formats that need no code of this project (app/checkpoint/export_formats.py);
     each one that cannot be made is said in one line, and in model.json."""
     plain = export_files.plain_model(config, model, held_out)
-    more: dict[str, bytes] = {}
+    more: dict[str, bytes] = {"model.safetensors": export_formats.weights(plain)}
     why_not: dict[str, str] = {}
     step = json.loads(written["model.json"])["input"].get("step")
     try:

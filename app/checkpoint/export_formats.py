@@ -1,6 +1,9 @@
 """The exported model in formats that carry it without this project's code (app/export.py
 writes them beside model.pt and model.json):
 
+- `model.safetensors`: the same weights as model.pt (the state dict as the model's builder makes
+  it) in safetensors' format, which holds tensors and nothing that runs when it is read:
+  `safetensors.torch.load_file(path)`, then `load_state_dict`;
 - `model.pt2`: a `torch.export` program of the model as its builder makes it (the input step
   of model.json, where there is one, is not in it), for any batch size; `torch.export.load(path)
   .module()(x)` runs it with torch alone.
@@ -32,6 +35,14 @@ def examples(held_out: datasets.LabeledData, gray_to_rgb: bool) -> torch.Tensor:
     count = min(EXAMPLES, len(data))  # type: ignore[arg-type]
     x = torch.stack([data[i][0] for i in range(count)] * (EXAMPLES // count))
     return x.expand(-1, 3, -1, -1) if gray_to_rgb else x
+
+
+def weights(model: nn.Module) -> bytes:
+    """model.safetensors' bytes of `model`'s state dict (each tensor its own contiguous copy:
+    the format holds no tensor that shares another's memory, as tied weights do)."""
+    from safetensors.torch import save
+
+    return save({name: value.detach().cpu().contiguous().clone() for name, value in model.state_dict().items()})
 
 
 def program(model: nn.Module, x: torch.Tensor) -> tuple[bytes | None, str]:

@@ -29,6 +29,12 @@ import torch
 card = json.load(open(sys.argv[1] + "/model.json"))
 if sys.argv[3:] == ["pt2"]:  # the torch.export program: no builder, no state dict
     model = torch.export.load(sys.argv[1] + "/model.pt2").module()
+elif sys.argv[3:] == ["safetensors"]:  # the builder and the weights, without a pickle
+    from safetensors.torch import load_file
+    module, function = card["builder"].split(":")
+    model = getattr(importlib.import_module(module), function)(**card["kwargs"])
+    model.load_state_dict(load_file(sys.argv[1] + "/model.safetensors"), strict=True)
+    model.eval()
 else:
     module, function = card["builder"].split(":")
     model = getattr(importlib.import_module(module), function)(**card["kwargs"])
@@ -97,9 +103,10 @@ def test_an_exported_torchvision_model_loads_without_the_project(tmp_path):
     accuracy, out, card = _run_and_export(tmp_path, "resnet18", ["--num_epochs", "1", "--max_steps", "8"])
     assert card["builder"] == "torchvision.models:resnet18" and card["kwargs"] == {"num_classes": 10}
     assert card["input"]["step"] == export_files.GRAY_TO_RGB
-    assert card["files"] == ["model.json", "model.pt", "model.pt2"] and "not_exported" not in card
+    assert card["files"] == ["model.json", "model.pt", "model.pt2", "model.safetensors"]
+    assert "not_exported" not in card
     tensors = _held_out_tensors(tmp_path / "held_out.pt")
-    for form in ("pt", "pt2"):  # the builder and its state dict; the torch.export program alone
+    for form in ("pt", "pt2", "safetensors"):  # the builder and its state dict; the torch.export program alone
         scored = _score(out, tensors, project=False, form=form)
         assert scored["app_imported"] is False
         assert scored["accuracy"] == pytest.approx(accuracy, abs=1e-4), form
