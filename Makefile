@@ -266,8 +266,9 @@ bench-containers: setup ## cpu-smoke as processes vs in compose (needs Docker): 
 # docs/topology.md is generated from the field docs of app/options.py and orchestrator/topology/
 # (a test fails when it is out of date).
 .PHONY: docs
-docs: host-setup ## regenerate docs/topology.md from the topology's field docs
+docs: host-setup ## regenerate docs/topology.md and configs/topology.schema.json from the topology's field docs
 	$(ORCH) schema --markdown > docs/topology.md.tmp && mv docs/topology.md.tmp docs/topology.md
+	$(ORCH) schema > configs/topology.schema.json.tmp && mv configs/topology.schema.json.tmp configs/topology.schema.json
 
 bench-data: setup ## ImageFolder images/s per worker on one core: today, first (decoding) epoch, cached epoch
 	$(PY) -m bench data $(BENCH_ARGS)

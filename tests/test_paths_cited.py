@@ -15,6 +15,7 @@ NOT_PATHS = {
     "configs/x.yaml",
     "configs/gpu.yaml",
     "docs/topology.md.tmp",
+    "configs/topology.schema.json.tmp",
     "images/s",
     "images/wheelhouse",
     "images/wheelhouse-tracking",  # the MLflow server's wheels, made by its first build (gitignored)

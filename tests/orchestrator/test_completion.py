@@ -17,14 +17,14 @@ complete -p ps-compose
 words() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMPREPLY=(); _shtab_ps_compose; echo "${COMPREPLY[*]}"; }
 words ps-compose sc
 words ps-compose up --wor
-words ps-compose up -c configs/cpu-sm
+words ps-compose up -c "configs/$PREFIX"
 """
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_bash_completes_the_verbs_their_flags_and_a_topology_file() -> None:
     r = subprocess.run(
-        ["bash", "-c", COMPLETE], capture_output=True, text=True, cwd=REPO, env={"PYTHON": sys.executable}, timeout=60
+        ["bash", "-c", COMPLETE], capture_output=True, text=True, cwd=REPO, env={"PYTHON": sys.executable, "PREFIX": "cpu-sm"}, timeout=60
     )
     assert r.returncode == 0, r.stderr
     registered, verbs, flags, files = r.stdout.splitlines()

@@ -80,3 +80,34 @@ def test_the_readme_minimal_topology_is_valid():
     assert block, "README.md has no '## A minimal topology' section with a yaml block"
     t = parse(block.group(1), "README.md")
     assert t.workers.count >= 1
+
+
+SCHEMA = DOC.parents[1] / "configs" / "topology.schema.json"
+
+
+def test_the_shipped_schema_is_the_topologys_and_every_shipped_config_names_it():
+    """configs/topology.schema.json is `ps-compose schema`'s output, and each config's first
+    line points editors (the YAML language server) at it."""
+    assert json.loads(SCHEMA.read_text(encoding="utf-8")) == Topology.model_json_schema(), (
+        f"configs/topology.schema.json is out of date; regenerate it: {REGENERATE}"
+    )
+    configs = sorted(SCHEMA.parent.glob("*.yaml")) + sorted((DOC.parents[1] / "examples").glob("*/*.yaml"))
+    assert len(configs) >= 5
+    for config in configs:
+        first = config.read_text(encoding="utf-8").splitlines()[0]
+        relative = Path(first.removeprefix("# yaml-language-server: $schema="))
+        assert first.startswith("# yaml-language-server: $schema="), config
+        assert (config.parent / relative).resolve() == SCHEMA, config
+
+
+def test_an_editor_with_the_schema_validates_the_configs_and_catches_a_misspelt_key():
+    import jsonschema
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text(encoding="utf-8")))
+    for config in sorted(SCHEMA.parent.glob("*.yaml")):
+        doc = yaml.safe_load(config.read_text(encoding="utf-8"))
+        assert list(validator.iter_errors(doc)) == [], config
+    doc["train"]["learning_rate"] = 0.1
+    errors = [e.message for e in validator.iter_errors(doc)]
+    assert any("'learning_rate' was unexpected" in e for e in errors), errors
