@@ -23,9 +23,8 @@ words ps-compose up -c "configs/$PREFIX"
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_bash_completes_the_verbs_their_flags_and_a_topology_file() -> None:
-    r = subprocess.run(
-        ["bash", "-c", COMPLETE], capture_output=True, text=True, cwd=REPO, env={"PYTHON": sys.executable, "PREFIX": "cpu-sm"}, timeout=60
-    )
+    env = {"PYTHON": sys.executable, "PREFIX": "cpu-sm"}
+    r = subprocess.run(["bash", "-c", COMPLETE], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     registered, verbs, flags, files = r.stdout.splitlines()
     assert registered == "complete -o bashdefault -F _shtab_ps_compose ps-compose"
