@@ -22,6 +22,7 @@ process exits 2 before any RPC starts.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -100,10 +101,34 @@ def build_model(spec: str, channels: int, num_classes: int) -> nn.Module:
     return model
 
 
+def takes_split(factory: Callable[..., Any]) -> bool:
+    """Whether a dataset factory takes the keyword `split` (it then names its splits, a test
+    one among them: `load_test_split`)."""
+    try:
+        return "split" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+
+
 def load_dataset(spec: str, root: str, train: bool, seed: int) -> DatasetSpec:
-    """`factory(root, train, seed)`, checked to be (Dataset, channels, num_classes)."""
-    where = f"--dataset {spec}"
-    got = call(where, resolve("dataset", spec), root, train, seed)
+    """`factory(root, train, seed)` (and `split="train"` or `"val"` where it takes one),
+    checked to be (Dataset, channels, num_classes)."""
+    factory = resolve("dataset", spec)
+    named = {"split": "train" if train else "val"} if takes_split(factory) else {}
+    return _checked(f"--dataset {spec}", call(f"--dataset {spec}", factory, root, train, seed, **named), train)
+
+
+def load_test_split(spec: str, root: str, seed: int) -> DatasetSpec | None:
+    """The factory's test split, `factory(root, False, seed, split="test")`, where it takes
+    `split` and gives one (None: it has none, or it returned None)."""
+    factory = resolve("dataset", spec)
+    if not takes_split(factory):
+        return None
+    got = call(f"--dataset {spec} (split test)", factory, root, False, seed, split="test")
+    return None if got is None else _checked(f"--dataset {spec} (split test)", got, False)
+
+
+def _checked(where: str, got: Any, train: bool) -> DatasetSpec:
     if not isinstance(got, tuple) or len(got) != 3:
         shape = f"a tuple of {len(got)}" if isinstance(got, tuple) else f"a {type(got).__name__}"
         raise UsageError(f"{where}: returned {shape}; must return (Dataset, channels, num_classes)")

@@ -71,7 +71,7 @@ def _install(into: Path, work: Path) -> Path:
         src.mkdir(exist_ok=True)
         shutil.copy2(ROOT / name, src / name)
     for name in ("app", "orchestrator", "images", "requirements", "configs"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "wheelhouse*"))
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "wheelhouse*", ".cache"))
     wheels = work / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(wheels)],

@@ -388,6 +388,18 @@ def log_loader(name: str, workers: int, why: str) -> None:
     log.info("%s: %d DataLoader process(es) (%s)", name, workers, why)
 
 
+def test_split(config: Config) -> LabeledData | None:
+    """The dataset's test split, where it gives one (a factory that takes `split`:
+    app.plugins.load_test_split); the PS scores the final model on it once. None without one."""
+    if not plugins.is_entry_point(config.dataset):
+        return None
+    got = plugins.load_test_split(config.dataset, config.data_dir, config.seed)
+    if got is None:
+        return None
+    data = streams.EveryNth(got.data, config.seed) if isinstance(got.data, IterableDataset) else got.data
+    return LabeledData(data, got.channels, got.num_classes)
+
+
 def load_for(
     config: Config, split: str, loader_workers: int, shard: tuple[int, int] | None = None, pad: bool = False
 ) -> LabeledData:

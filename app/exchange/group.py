@@ -118,6 +118,13 @@ def say_not_joining(config: Config, timeout: float = NOT_JOINING_SECONDS) -> boo
         return False
 
 
+def say_ps_mistake(store: transport.KeyValues, line: str) -> NoReturn:
+    """A mistake the main PS found before any worker joined (`line`): every worker stops on it
+    too (check_shape reads it), and so does the PS (UsageError)."""
+    store.set(MISTAKE_KEY, line)
+    raise UsageError(line)
+
+
 def say_shape(store: transport.KeyValues, channels: int, num_classes: int) -> None:
     """The main PS's note of the model it built from its held-out split: what every worker's
     training split must give too (check_shape)."""
@@ -131,10 +138,12 @@ def check_shape(config: Config, channels: int, num_classes: int, timeout: float)
     is not joining, so it does not wait for it. Nothing to check with a PS that has not said."""
     deadline = time.monotonic() + SHAPE_WAIT_SECONDS
     with transport.store(config, timeout) as store:
-        said = store.get(SHAPE_KEY)
-        while said is None and time.monotonic() < deadline:
+        said, wrong = store.get(SHAPE_KEY), mistake(store)
+        while said is None and not wrong and time.monotonic() < deadline:
             time.sleep(0.05)
-            said = store.get(SHAPE_KEY)
+            said, wrong = store.get(SHAPE_KEY), mistake(store)
+    if wrong:  # the PS stopped on a mistake of the job's: this worker stops on it too
+        raise UsageError(wrong)
     if said is None:
         return
     ps = json.loads(said)

@@ -61,7 +61,8 @@ def run(config: Config) -> int:
         return models.build(config.model, held_out.channels, held_out.num_classes, config.seed)
 
     loader = datasets.eval_loader(held_out.data, config.held_out_batch, workers)
-    evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss))
+    test, wrong = _test_split(config, held_out, workers)
+    evaluate = Evaluator(build, loader, device, config.metrics, losses.build(config.loss), test=test)
     evaluate.preflight(config.model, config.loss["name"])  # a mistake in a plug-in stops the run here, once
     model = build()
     if config.init_weights:  # before the PS copies the model; a checkpoint to resume wins
@@ -95,7 +96,7 @@ def run(config: Config) -> int:
             return 0
         metrics.start(config, server.version)
         shape = (held_out.channels, held_out.num_classes)
-        trained = _serve(config, server, checkpoints, evaluate, metrics, others, shape)
+        trained = _serve(config, server, checkpoints, evaluate, metrics, others, shape, wrong)
         if trained is None:
             return 1
         _report_end(config, server, evaluate, metrics, held_out, *trained)
@@ -109,6 +110,24 @@ def _held_out(config: Config) -> tuple[datasets.LabeledData, int]:
     datasets.log_loader(PS, workers, why)
     log.info("held-out split: %s", datasets.describe(held_out))
     return held_out, workers
+
+
+def _test_split(
+    config: Config, held_out: datasets.LabeledData, workers: int
+) -> tuple[torch.utils.data.DataLoader | None, str]:
+    """The loader of the dataset's test split, where it gives one; or (None, the one line of a
+    test split that disagrees with the held-out split the model is built from)."""
+    test = datasets.test_split(config)
+    if test is None:
+        return None, ""
+    for what in ("num_classes", "channels"):
+        if getattr(test, what) != getattr(held_out, what):
+            return None, (
+                f"--dataset {config.dataset}: the test split gives {what} {getattr(test, what)}; the held-out "
+                f"split the PS built its model from gives {what} {getattr(held_out, what)}: every split must agree"
+            )
+    log.info("test split: %s, scored once at the end", datasets.describe(test))
+    return datasets.eval_loader(test.data, config.held_out_batch, workers), ""
 
 
 def _identity(config: Config, held_out: datasets.LabeledData, part: tuple[int, int] | None) -> dict[str, Any]:
@@ -135,6 +154,7 @@ def _serve(
     metrics: MetricsWriter,
     others: ShardSet | None,
     shape: tuple[int, int],
+    wrong: str = "",
 ) -> tuple[torch.Tensor, int] | None:
     """Serve the job until it ends; final.pt written. The trained state and its version, or
     None when no worker finished its epochs."""
@@ -154,7 +174,10 @@ def _serve(
         server.close_joins()
     main = Main(others.register if others is not None else None, resumed)
     with Endpoint(server, join, main=main).serving(), transport.session(config, rank=0):
-        group.say_shape(transport.own_store(config, config.rpc_timeout), *shape)  # what the workers check
+        store = transport.own_store(config, config.rpc_timeout)
+        if wrong:  # a mistake of the job's the PS found at its start: the workers stop on it too
+            group.say_ps_mistake(store, wrong)
+        group.say_shape(store, *shape)  # what the workers check
         if others is None:
             server.open_joins()  # it listens: the workers' join_timeout counts from now
         try:
@@ -198,6 +221,9 @@ def _report_end(
     seconds = server.training_seconds() or 0.0
     if scores is not None:
         progress.info("%s", line(scores))
+    tested = _tested(evaluate, vector)
+    if tested is not None:
+        progress.info("Test split: %s", line(tested))
     progress.info("Time: %.2f seconds", seconds)
     progress.info("Evaluation: %.2f seconds", eval_seconds)
     scored = fields(scores) if scores is not None else {}
@@ -214,7 +240,17 @@ def _report_end(
         strategy=config.strategy,
         **server.stats(),
         **datasets.skipped(held_out.data),
+        **({f"test_{name}": round(value, 4) for name, value in tested.items()} if tested else {}),
     )
+
+
+def _tested(evaluate: Evaluator, vector: torch.Tensor) -> dict[str, float] | None:
+    """The final model's metrics on the test split (None without one, or when they raise: said)."""
+    try:
+        return evaluate.tested(vector)
+    except MetricFailed as error:
+        log.error("the test split's evaluation failed: %s", error)
+        return None
 
 
 def _scores(evaluate: Evaluator, vector: torch.Tensor, version: int, failed: set[str]) -> dict[str, float] | None:

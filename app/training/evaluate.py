@@ -142,7 +142,9 @@ class Evaluator:
         device: torch.device,
         metrics: str = "accuracy",
         loss: Loss | None = None,
+        test: torch.utils.data.DataLoader | None = None,
     ) -> None:
+        self.test = test  # the dataset's test split, scored once at the end (None: it has none)
         self.model = build().to(device).eval()
         self.flat = FlatModel(self.model, with_grads=False)
         self.loader, self.device, self.metrics = loader, device, metrics
@@ -152,6 +154,13 @@ class Evaluator:
     def __call__(self, vector: torch.Tensor) -> dict[str, float]:
         self.flat.load(vector)
         return evaluate(self.model, self.loader, self.device, self.metrics, self.loss)
+
+    def tested(self, vector: torch.Tensor) -> dict[str, float] | None:
+        """The metrics of `vector` on the test split; None without one."""
+        if self.test is None:
+            return None
+        self.flat.load(vector)
+        return evaluate(self.model, self.test, self.device, self.metrics, self.loss)
 
     @torch.no_grad()
     def preflight(self, model_name: str, loss_name: str) -> None:

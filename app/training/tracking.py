@@ -266,7 +266,8 @@ class Tracker:
 
             metrics = []
             for event, (step, fields) in value:
-                names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS])
+                tested = [k for k in fields if event == "end" and k.startswith("test_")]  # the test split's
+                names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS, *tested])
                 numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}
                 if event == "end" and isinstance(fields.get("seconds"), (int, float)):
                     numbers["training_seconds"] = fields["seconds"]
