@@ -345,8 +345,9 @@ def train_until_done(
                 vector = others.gather(vector)  # None: a shard did not answer (one warning)
             scores = _scores(evaluate, vector, version, failed) if vector is not None else None
             if scores is not None:
-                if server.observe(headline(scores)[1]):
-                    log.info("plateau: %s stalled; lr lowered to %.4g", headline(scores)[0], server.state.lr)
+                if server.observe(headline(scores)[1]):  # the record says the rate after its verdict
+                    lr = server.state.lr
+                    log.info("plateau: %s stalled; lr lowered to %.4g", headline(scores)[0], lr)
                 since = pace.since()
                 where = RunProgress(version, server.total_updates(), since["updates_per_s"], since["samples_per_s"])
                 rate = f" | lr {lr:.4g}" if server.state.scheduled else ""

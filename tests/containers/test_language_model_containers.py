@@ -22,7 +22,8 @@ from orchestrator.topology.services import PIDNS_SERVICE
 from orchestrator.verbs import cluster as verbs
 from orchestrator.verbs import export as export_verb
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# In the engine group beside `engine` (tests/conftest.py): its project and image are its own.
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("engine-2")]
 
 CONFIG = os.path.join(ROOT, "configs", "cpu-lm.yaml")
 PROJECT = "psc-test-lm"

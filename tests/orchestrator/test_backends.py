@@ -202,8 +202,8 @@ def test_a_new_target_is_its_blocks_and_one_registry_line(cli, monkeypatch, tmp_
         ["worker3", "running"],
     ]
     assert out.splitlines()[-2:] == [
-        "live workers: 3 (worker1 worker2 worker3), last change at version 3",
-        "progress: ended at step 300",  # the PS's `end` record is its newest
+        "live workers: 0 (the run ended at version 300)",  # the PS's `end` record is its newest
+        "progress: ended at step 300",
     ]
     status, out, err = cli("fake-scale", "--workers", "2")
     assert status == 0, err

@@ -71,12 +71,15 @@ def test_the_final_model_is_scored_once_on_the_test_split(tmp_path):
     assert end["test_accuracy"] == pytest.approx(float(tested[0]), abs=1e-4) and "accuracy" in end
 
 
-@pytest.mark.slow
-def test_a_factory_with_no_test_split_ends_as_before(tmp_path):
-    args, env = _job(tmp_path, "no_test")
-    procs = run_cluster(tmp_path, workers=1, args=args, timeout=180, env=env)
-    assert all(p.returncode == 0 for p in procs.values()), {n: p.stderr[-600:] for n, p in procs.items()}
-    assert "Test split" not in procs["ps"].stdout and not any(k.startswith("test_") for k in _end(tmp_path))
+def test_a_factory_without_split_or_returning_none_gives_no_test_split(tmp_path, monkeypatch):
+    from app import plugins
+
+    _job(tmp_path, "no_test")
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    assert plugins.load_test_split("splits.data:no_test", "", 0) is None  # it said None for "test"
+    assert plugins.load_test_split("splits.data:three_splits", "", 0).num_classes == 10
+    assert not plugins.takes_split(lambda root, train, seed: None)  # the older contract: no split asked for
+    assert plugins.load_dataset("splits.data:three_splits", "", True, 0).data.tensors[0].shape[0] == 1200
 
 
 def test_a_test_split_that_disagrees_on_num_classes_stops_the_ps_at_its_start(tmp_path):
