@@ -20,6 +20,7 @@ NOT_PATHS = {
     "images/wheelhouse",
     "images/wheelhouse-tracking",  # the MLflow server's wheels, made by its first build (gitignored)
     "images/.cache",  # the debootstrap cache and build logs, made by the first build (gitignored)
+    "examples/wordlm/data",  # the corpus examples/wordlm/make_data.py writes (gitignored)
     "images/.cache/packages",  # image.packages' resolutions and wheels, made by a build that has some (gitignored)
 }
 
