@@ -6,6 +6,7 @@ asked to sleep, in the order asked) and with a fake clock: no wall-clock assert.
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -26,8 +27,12 @@ def _backward(model: nn.Module, batch: int = 4) -> None:
 def no_sleep(monkeypatch):
     """The model's sleeps on a fake clock: the tests read what was asked, and never wait."""
     clock = {"now": 0.0}
-    monkeypatch.setattr(sleep_resnet.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(sleep_resnet.time, "sleep", lambda s: clock.__setitem__("now", clock["now"] + s))
+    # the module's own `time`, not the process's: a thread of an earlier test that sleeps must
+    # neither move this clock nor be put on it
+    fake = types.SimpleNamespace(
+        monotonic=lambda: clock["now"], sleep=lambda s: clock.__setitem__("now", clock["now"] + s)
+    )
+    monkeypatch.setattr(sleep_resnet, "time", fake)
     return clock
 
 
