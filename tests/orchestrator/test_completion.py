@@ -3,6 +3,7 @@ real bash sources and then completes the verbs, their flags and a topology file 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ words ps-compose up -c "configs/$PREFIX"
 """
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(shutil.which("bash") is None and os.environ.get("CI") != "true", reason="needs bash (CI: fails)")
 def test_bash_completes_the_verbs_their_flags_and_a_topology_file() -> None:
     env = {"PYTHON": sys.executable, "PREFIX": "cpu-sm"}
     r = subprocess.run(["bash", "-c", COMPLETE], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
