@@ -22,9 +22,9 @@ TRAINING_ROLES = ("ps", "worker")  # the roles that train (health and check are 
 # problem, or null), blame (the rank names it holds responsible), unreachable (it never
 # reached rank 0), called_off (rank 0 ended the check), report (rank 0: its `check:` lines).
 CHECK_RECORD = "psc-check-record "
-StrategyName = Literal["async", "sync", "ssp", "allreduce"]
+StrategyName = Literal["async", "sync", "ssp", "allreduce", "diloco", "diloco_async"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
-PS_STRATEGIES = ("async", "ssp", "sync")  # the strategies with a parameter server
+PS_STRATEGIES = ("async", "ssp", "sync", "diloco", "diloco_async")  # the strategies with a parameter server
 Compression = Literal["none", "bf16", "fp16"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
 Exchange = Literal["auto", "transport"]  # how pushes cross: shared memory where it can be had, or the sockets
@@ -122,6 +122,9 @@ class Strategy:
     has_ps: bool = True  # allreduce: the workers average among themselves (DDP), no PS
     rounds: bool = False  # sync: one averaged update a round of one push from every live worker
     bounded: bool = False  # ssp: a worker `staleness` pushes ahead of the slowest live one waits
+    # diloco, diloco_async: a worker takes train.local_steps steps of its own optimizer, then pushes
+    # the change of its parameters since its last pull; the PS steps train.outer_optimizer with it
+    local: bool = False
 
     @property
     def waits(self) -> bool:
@@ -131,8 +134,9 @@ class Strategy:
 
     @property
     def allows_overlap(self) -> bool:
-        """--overlap: the next batch computes while the push is out (async and ssp)."""
-        return self.has_ps and not self.rounds
+        """--overlap: the next batch computes while the push is out (async and ssp; a local
+        strategy pushes once every train.local_steps batches)."""
+        return self.has_ps and not self.rounds and not self.local
 
 
 STRATEGY_OF = {
@@ -142,6 +146,8 @@ STRATEGY_OF = {
         Strategy("sync", rounds=True),
         Strategy("ssp", bounded=True),
         Strategy("allreduce", has_ps=False),
+        Strategy("diloco", rounds=True, local=True),
+        Strategy("diloco_async", local=True),
     )
 }
 

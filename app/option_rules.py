@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from app.contract import ENTRY_POINT, NO_PS_STRATEGY, SHARD_DATASETS
+from app.contract import ENTRY_POINT, NO_PS_STRATEGY, SHARD_DATASETS, strategy_of
 from app.recipes import resolve_optimizer
 
 
@@ -40,6 +40,16 @@ def _optimizer_clash(v: Mapping[str, Any], key: str) -> Optional[str]:
     return None
 
 
+def _local(v: Mapping[str, Any]) -> bool:
+    """A strategy of local steps (diloco, diloco_async)."""
+    return strategy_of(v["strategy"]).local
+
+
+def _ps_schedule(v: Mapping[str, Any]) -> bool:
+    """A schedule only the PS steps: plateau (its evaluations) or the user's own."""
+    return v["schedule"]["name"] == "plateau" or ENTRY_POINT.match(v["schedule"]["name"]) is not None
+
+
 def _workers(v: Mapping[str, Any]) -> int:
     """The number of workers the job starts with (--world_size less the PS)."""
     return int(v["world_size"]) - 1
@@ -48,15 +58,38 @@ def _workers(v: Mapping[str, Any]) -> int:
 RULES: tuple[Rule, ...] = (
     Rule(
         "overlap",
-        lambda v: bool(v["overlap"]) and v["strategy"] in ("sync", NO_PS_STRATEGY),
+        lambda v: bool(v["overlap"]) and not strategy_of(v["strategy"]).allows_overlap,
         lambda v: (
-            f"allowed only with strategy async or ssp ({v['strategy']} waits for every worker's gradient each step)"
+            f"allowed only with strategy async or ssp ({v['strategy']} "
+            + (
+                "pushes once every local_steps batches)"
+                if _local(v)
+                else "waits for every worker's gradient each step)"
+            )
         ),
+    ),
+    Rule(
+        "staleness_lr",
+        lambda v: bool(v["staleness_lr"]) and _local(v),
+        lambda v: f"allowed only with strategy async or ssp ({v['strategy']}'s outer optimizer takes each change)",
+    ),
+    Rule(
+        "schedule",
+        lambda v: _local(v) and _ps_schedule(v),
+        lambda v: (
+            f"under {v['strategy']} the schedule steps each worker's own optimizer by its steps: constant, cosine, "
+            "step or linear (plateau and your own are stepped by the PS)"
+        ),
+    ),
+    Rule(
+        "cuda_graphs",
+        lambda v: bool(v["cuda_graphs"]) and _local(v),
+        lambda v: f"not with strategy {v['strategy']} (its own optimizer steps between the graph's replays)",
     ),
     Rule(
         "shards",
         lambda v: v["shards"] > 1 and v["strategy"] == NO_PS_STRATEGY,
-        lambda v: "allowed only with a parameter server (strategy async, sync or ssp); allreduce has none",
+        lambda v: "allowed only with a parameter server; allreduce has none",
     ),
     Rule(
         "max_workers",
@@ -94,14 +127,14 @@ RULES: tuple[Rule, ...] = (
         lambda v: v["schedule"]["name"] == "plateau" and (v["shards"] > 1 or v["strategy"] == NO_PS_STRATEGY),
         lambda v: (
             "plateau follows the main PS's evaluations: allowed with one PS process (ps.shards 1) and a "
-            "parameter server (strategy async, sync or ssp)"
+            "parameter server (any strategy but allreduce)"
         ),
     ),
     Rule(
         "schedule",
         lambda v: ENTRY_POINT.match(v["schedule"]["name"]) is not None and v["strategy"] == NO_PS_STRATEGY,
         lambda v: (
-            "your own schedule is stepped by the PS: allowed with a parameter server (strategy async, sync or ssp)"
+            "your own schedule is stepped by the PS: allowed with a parameter server (any strategy but allreduce)"
         ),
     ),
     Rule(
@@ -130,7 +163,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cuda_graphs",
         lambda v: bool(v["cuda_graphs"]) and v["strategy"] == NO_PS_STRATEGY,
-        lambda v: "allowed only with a parameter server (strategy async, sync or ssp): DDP's hooks run in the step",
+        lambda v: "allowed only with a parameter server (any strategy but allreduce): DDP's hooks run in the step",
     ),
 )
 

@@ -219,13 +219,34 @@ class TrainOptions:
     lr: float = option(0.01, "SGD learning rate, applied on the PS.", low=0, low_open=True, required=True)
     momentum: float = option(0.0, "SGD momentum, on the PS.", low=0, high=1, high_open=True)
     epochs: int = option(150, "Epochs each worker runs over its shard.", low=1, flag="num_epochs", required=True)
-    max_steps: int = option(0, "Stop each worker after this many pushes; 0: no cap.", low=0)
+    max_steps: int = option(
+        0, "Stop each worker after this many pushes (diloco, diloco_async: batches); 0: no cap.", low=0
+    )
     strategy: StrategyName = option(
         "async",
         "async: the PS applies each gradient as it arrives; sync: one averaged "
         "update per round of one gradient from every worker; ssp: async, but no worker gets more than "
         "`staleness` pushes ahead of the slowest; allreduce: no PS, the workers average their gradients with "
-        "DistributedDataParallel (docs/strategies.md).",
+        "DistributedDataParallel; diloco: each worker takes local_steps steps of `optimizer` (its inner one, "
+        "on the worker), then pushes the change of its parameters, and the PS applies outer_optimizer to the "
+        "average of one change per worker a round (Douillard et al. 2023); diloco_async: the PS applies each "
+        "change as it arrives, with delayed Nesterov momentum (Liu et al. 2024) (docs/strategies.md).",
+    )
+    local_steps: int = option(
+        16,
+        "diloco and diloco_async: the steps a worker takes with its own optimizer between two pushes (H).",
+        low=1,
+        emit=CHANGED,
+    )
+    outer_optimizer: Spec = option(
+        {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "diloco and diloco_async: the optimizer the PS steps with each change (the pseudo-gradient: the "
+        "parameters at the pull minus those after the local steps), as `optimizer` is given; its lr is its own "
+        "(0.7 unless given) and it is not scheduled. SGD with Nesterov momentum (the default) is applied as "
+        "delayed Nesterov under diloco_async: each change at lr / workers as it arrives, and momentum's part "
+        "once every `workers` arrivals.",
+        emit=CHANGED,
+        check=optimizer_problem,
     )
     staleness: int = option(
         4,

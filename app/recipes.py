@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from app.contract import ENTRY_POINT
+from app.contract import ENTRY_POINT, strategy_of
 
 Spec = dict[str, Any]
 
@@ -47,6 +47,8 @@ OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rmsprop": ("RMSprop", ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize")),
     "rprop": ("Rprop", ("lr", "etas", "step_sizes", "foreach", "maximize")),
 }
+# diloco_async's outer optimizer by default (`outer_optimizer`): not one a recipe names.
+DELAYED_NESTEROV = "delayed_nesterov"
 # The values torch's optimizers take for their keys (checked before anything is built, so a bad
 # one is named at the render, not as the PS's IndexError): what each must be, and the test.
 _NUMBER = (int, float)
@@ -286,18 +288,39 @@ def resolve_optimizer(value: Spec, lr: float, momentum: float, weight_decay: flo
     return Optimizer(value["name"], kwargs, bool(decay))
 
 
+def outer_optimizer(value: Spec, arrivals: bool, workers: int) -> Spec:
+    """The optimizer a local strategy's PS steps with each change: train.outer_optimizer
+    (`value`), its lr 0.7 unless it gives one. Under diloco_async (`arrivals`: each change applied
+    as it arrives) SGD with Nesterov momentum and nothing else is delayed Nesterov
+    (app/training/delayed_nesterov.py), its momentum stepped once every `workers` arrivals."""
+    spec = {"lr": 0.7, **value}
+    plain = set(spec) <= {"name", "lr", "momentum", "nesterov"}
+    if arrivals and plain and spec["name"] == "sgd" and spec.get("nesterov") and spec.get("momentum"):
+        return {"name": DELAYED_NESTEROV, "lr": spec["lr"], "momentum": spec["momentum"], "period": max(1, workers)}
+    return spec
+
+
 # --- the schedule ---------------------------------------------------------------------------
 
 
-def planned_updates(strategy: str, epochs: int, epoch_batches: int, workers: int, max_steps: int) -> int:
+def planned_updates(
+    strategy: str, epochs: int, epoch_batches: int, workers: int, max_steps: int, local_steps: int = 1
+) -> int:
     """The updates a run plans when it starts, which its schedule spans: every batch of every
     epoch over the whole training split (`epoch_batches` a whole epoch's), one update each
     under async and ssp, one a round of `workers` batches under sync; each worker's --max_steps
-    caps it. `make scale` does not change it. A stream with no declared length (`epoch_batches` 0)
+    caps it. Under diloco and diloco_async a worker pushes once every `local_steps` of its
+    batches (and its last ones), an update each, one a round of `workers` pushes under diloco.
+    `make scale` does not change it. A stream with no declared length (`epoch_batches` 0)
     is planned by --max_steps alone."""
+    kind = strategy_of(strategy)
+    if kind.local:
+        batches = epochs * math.ceil(epoch_batches / max(1, workers)) if epoch_batches > 0 else max_steps
+        pushes = math.ceil((min(batches, max_steps) if max_steps else batches) / max(1, local_steps))
+        return pushes if kind.rounds else pushes * max(1, workers)
     if epoch_batches <= 0:
-        return max_steps if strategy == "sync" else max_steps * max(1, workers)
-    if strategy == "sync":
+        return max_steps if kind.rounds else max_steps * max(1, workers)
+    if kind.rounds:
         total = epochs * math.ceil(epoch_batches / max(1, workers))
         return min(total, max_steps) if max_steps else total
     total = epochs * epoch_batches

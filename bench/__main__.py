@@ -2,7 +2,7 @@
 alone, a few minutes); `python -m bench full [--quick] [--json FILE]`: the full matrix;
 `python -m bench compare OLD.json NEW.json`; `python -m bench constants`: the step model's
 constants (docs/performance.md); `python -m bench gpu [--full] [--json FILE]`: the GPU regime
-(ResNet-18's bytes, a sleep for its compute); `python -m bench containers|scan|data|wire`."""
+(ResNet-18's bytes, a sleep for its compute); `python -m bench containers|scan|data|wire|hosts`."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--timeout", type=float, default=600)
     c.add_argument("--json", metavar="FILE")
-    from bench import constants, cuda, data_pipeline, gpu, imagefolder_scan, wire
+    from bench import constants, cuda, data_pipeline, gpu, hosts, imagefolder_scan, wire
 
     constants.add_parser(sub)
     gpu.add_parser(sub)
@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     imagefolder_scan.add_parser(sub)
     data_pipeline.add_parser(sub)
     wire.add_parser(sub)
+    hosts.add_parser(sub)
     return parser
 
 
@@ -289,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import wire
 
         return wire.main(args)
+    if args.command == "hosts":
+        from bench import hosts
+
+        return hosts.main(args)
     if args.command == "scan":
         return imagefolder_scan.main(args)
     if args.command == "containers":

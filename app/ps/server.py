@@ -35,7 +35,7 @@ from torch import nn
 from torch.futures import Future
 
 from app.config import Config
-from app.contract import worker_name
+from app.contract import strategy_of, worker_name
 from app.exchange import ps_end as exchange
 from app.exchange.ps_end import NO_SEGMENT, PSEnd
 from app.exchange.wire import Joined, Push, Refusal, Refused, Share
@@ -46,6 +46,7 @@ from app.ps.policies import PolicyConfig, policy_for
 from app.ps.policies.base import Ready
 from app.ps.replies import ReplyBuffers
 from app.ps.state import Plan, State, StateConfig
+from app.recipes import outer_optimizer
 from app.runtime.words import counted
 
 log = logging.getLogger("app.ps")
@@ -67,22 +68,29 @@ class ServerConfig:
     def from_config(cls, config: Config, part: tuple[int, int] | None = None) -> ServerConfig:
         """The settings of the job `config` describes, for the PS process serving `part` of the
         state (None: all of it)."""
-        return cls(
-            StateConfig(
-                config.lr,
-                config.momentum,
-                config.weight_decay,
-                config.staleness_lr,
-                part,
-                config.optimizer,
-                config.schedule,
-                config.clip_grad_norm,
-                Plan(config.strategy, config.epochs, config.num_trainers, config.max_steps),
-                config.metrics,
-            ),
-            MembersConfig(config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs),
-            PolicyConfig(config.strategy, config.staleness),
+        plan = Plan(config.strategy, config.epochs, config.num_trainers, config.max_steps, config.local_steps)
+        members = MembersConfig(
+            config.num_trainers, config.max_trainers, config.join_timeout, config.run_id, config.epochs
         )
+        policy = PolicyConfig(config.strategy, config.staleness)
+        kind = strategy_of(config.strategy)
+        if kind.local:  # each push is a change, stepped by the outer optimizer at its own rate, unscheduled
+            outer = outer_optimizer(config.outer_optimizer, not kind.rounds, config.num_trainers)
+            state = StateConfig(float(outer["lr"]), part=part, optimizer=outer, plan=plan, metrics=config.metrics)
+            return cls(state, members, policy)
+        state = StateConfig(
+            config.lr,
+            config.momentum,
+            config.weight_decay,
+            config.staleness_lr,
+            part,
+            config.optimizer,
+            config.schedule,
+            config.clip_grad_norm,
+            plan,
+            config.metrics,
+        )
+        return cls(state, members, policy)
 
 
 class ParameterServer:

@@ -48,6 +48,7 @@ class Plan(NamedTuple):
     epochs: int = 1
     workers: int = 1
     max_steps: int = 0
+    local_steps: int = 1  # diloco, diloco_async: a worker's batches a push
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class State:
         if self._planned or (epoch_batches <= 0 and not p.max_steps):  # a stream without a length: max_steps plans
             return
         self._planned = True
-        total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps)
+        total = planned_updates(p.strategy, p.epochs, epoch_batches, p.workers, p.max_steps, p.local_steps)
         if total == self.total:
             return
         if self.total is not None:

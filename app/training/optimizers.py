@@ -17,7 +17,8 @@ from torch import nn
 
 from app import plugins
 from app.config import UsageError
-from app.recipes import OPTIMIZERS, Optimizer
+from app.recipes import DELAYED_NESTEROV, OPTIMIZERS, Optimizer
+from app.training.delayed_nesterov import DelayedNesterov
 
 
 def takes_decay(name: str, param: torch.Tensor) -> bool:
@@ -59,6 +60,8 @@ def make(recipe: Optimizer, param_groups: list[dict[str, Any]]) -> torch.optim.O
                 "again); the PS steps with each push's gradient alone: use an optimizer that steps without one"
             )
         return made
+    if name == DELAYED_NESTEROV:  # diloco_async's outer optimizer (app/recipes.py outer_optimizer)
+        return DelayedNesterov(param_groups, **kwargs)
     cls = getattr(torch.optim, OPTIMIZERS[name][0])
     if "fused" not in kwargs and "foreach" not in kwargs:
         kwargs["fused" if "fused" in inspect.signature(cls).parameters else "foreach"] = True

@@ -7,6 +7,10 @@ state travel while batch t+1 runs on the state the worker has; with
 rounding lost is added to the next gradient (error feedback); the buffers
 (BatchNorm running stats) cross in float32.
 
+Under diloco and diloco_async each batch steps the worker's own optimizer, and a push, every
+train.local_steps batches and after the last, carries the change of the parameters since the
+last pull instead of a gradient (app.worker.local_steps).
+
 A push the PS refuses because it holds NaN or inf changes nothing: the worker
 counts it, keeps its state and goes on with the next batch; after
 MAX_REFUSED_IN_A_ROW refusals in a row it gives up (exit 1, one line: the
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from app.config import Config
+from app.contract import strategy_of
 from app.data import datasets
 from app.data.streams import StreamSampler
 from app.exchange.route import Pending, Route
@@ -34,6 +39,7 @@ from app.training.metrics import MetricsWriter
 from app.worker import graphed
 from app.worker.channels import Channel
 from app.worker.compress import Compressor
+from app.worker.local_steps import LocalSteps
 
 log = logging.getLogger("app.worker")
 MAX_REFUSED_IN_A_ROW = 20
@@ -85,6 +91,8 @@ class Trainer:
         # data in shares, each trained once (not with a stable shard: the image cache).
         self.reshards = config.max_trainers > config.num_trainers and not sampler.fixed
         self.on_device = loop.device_batches(self.loader, device, self.format)
+        self.local = LocalSteps(config, model, self.flat) if strategy_of(config.strategy).local else None
+        self.at = (1, 0)  # the epoch and batch of the last batch trained
 
     def train(self, start: Start) -> int:
         """From where the rank is (`start`: the PS's answer to join) to its last epoch."""
@@ -104,9 +112,10 @@ class Trainer:
             loss = self.compute_gradients(x, y)
             if loss is None:  # fp16: the gradient overflowed; the scale is halved
                 continue
-            reply = self.push_and_pull(epoch, batch, len(y))
+            self.at = (epoch, batch)
+            reply = self.push_and_pull(epoch, batch, len(y)) if self.due(len(y)) else None
             fields = {"staleness": reply.staleness, "lead": reply.lead} if reply is not None else {}
-            self.reporter.batch_done(self.loader, self.pushes, epoch, batch, len(y), loss, **fields)
+            self.reporter.batch_done(self.loader, self.trained(), epoch, batch, len(y), loss, **fields)
             if self.reached_max_steps():
                 break
         return self.last_reply()
@@ -123,7 +132,11 @@ class Trainer:
         final = self.compress is None and self.scaler is None and hooks
         messages_here = self.compress is None
         self.route = self.channel.route
+        if self.local is not None:  # its parameters are stepped here: each answer is copied into them, whole
+            hooks = final = False
         self.route.bind(self.model, self.flat, start, final=final, messages_here=messages_here, ordered=hooks)
+        if self.local is not None:
+            self.local.restart(start.progress.pushes * self.config.local_steps, self.planned_steps())
 
     def shares(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(epoch, batch, x, y) of each share of an epoch the PS hands this rank, until none is left
@@ -140,6 +153,7 @@ class Trainer:
             epoch = self.on_device(datasets.batches(self.loader, self.config.data_dir))
             for batch, (x, y) in enumerate(epoch, start=share.skip + 1):
                 yield share.epoch, batch, x, y
+            self.push_rest()
             self._wait_in_flight()
             share = self.channel.share(share)
 
@@ -168,14 +182,40 @@ class Trainer:
             return None
         return self.losses.take(loss)
 
+    def due(self, samples: int) -> bool:
+        """Whether this batch (of `samples`) is pushed: each one, or under a local strategy the
+        step of the worker's own optimizer, and every train.local_steps of them."""
+        return self.local is None or self.local.step(samples)
+
+    def trained(self) -> int:
+        """The rank's steps: its pushes, or under a local strategy its batches."""
+        return self.pushes if self.local is None else self.local.steps
+
+    def planned_steps(self) -> int:
+        """A local strategy's schedule spans the rank's batches: its share of every epoch's, or
+        train.max_steps; 0 where neither is known."""
+        share = self.config.epochs * -(-self.epoch_batches // max(1, self.config.num_trainers))
+        if self.config.max_steps:
+            return min(share, self.config.max_steps) if share else self.config.max_steps
+        return share
+
+    def push_rest(self) -> None:
+        """A local strategy: push the steps taken since the last push (a share's or the run's last)."""
+        if self.local is not None and self.local.pending:
+            self.push_and_pull(*self.at, 0)
+
     def push_and_pull(self, epoch: int = 1, batch: int = 0, samples: int = 0) -> Reply | None:
         """Send [grads | buffers] as one tensor (and where this worker is: `batch` of
-        `epoch` done); continue from the fresh state the PS answers.
+        `epoch` done); continue from the fresh state the PS answers. Under a local strategy
+        the grads are the change since the last pull, and `samples` all its batches'.
 
         With --overlap, the reply waited for is the previous push's, and this push
         stays on the wire while the next batch runs; None on the first push.
         """
         norm = self.grad_norm()
+        if self.local is not None:
+            self.local.change()
+            samples = self.local.samples
         message = self.flat.pack_message()
         if self.compress is not None:
             message = self.compress(message)
@@ -196,7 +236,7 @@ class Trainer:
         """train.clip_grad_norm: the global L2 norm of this batch's gradient (before --compress),
         as torch.nn.utils.clip_grad_norm_ takes it; None without clipping. On a GPU a pinned host
         copy, queued on the compute stream: it has landed once the push's copies have."""
-        if not self.config.clip_grad_norm:
+        if not self.config.clip_grad_norm or self.local is not None:  # a local strategy clips each step
             return None
         norm = torch.linalg.vector_norm(self.flat.grads)
         if self.norm_host is None:
@@ -207,8 +247,10 @@ class Trainer:
 
     def last_reply(self) -> int:
         """The end of training: take the reply still on the wire (--overlap's, or the push a
-        SIGTERM came after), and write the report that waited for its loss; the pushes made."""
+        SIGTERM came after), and the change of a local strategy's last steps; write the report
+        that waited for its loss; the pushes made."""
         self._wait_in_flight()
+        self.push_rest()
         self.reporter.flush()
         return self.pushes
 
@@ -220,8 +262,12 @@ class Trainer:
         """Continue from the reply's state (the wait made it the model's); a refused push
         (non-finite) is skipped: None."""
         if isinstance(reply, Refusal):
+            if self.local is not None:
+                self.local.refused()
             self._skip(reply)
             return None
+        if self.local is not None:
+            self.local.pulled()
         self._refused_in_a_row = 0
         self.version = reply.version
         self.pushes += 1
@@ -244,22 +290,27 @@ class Trainer:
     def to_go(self, epoch: int, batch: int) -> int:
         """The pushes this rank has still to make after the one of `batch` of `epoch`, as planned
         now: the rest of its epochs' batches, at most --max_steps in all (the PS adds them up into
-        the run's total updates). -1 where it cannot be known: a job that may be scaled (the PS
-        hands out each epoch's shares as it goes), or a loader without a length; a stream's: what
-        --max_steps leaves (it may end sooner, at its last pass)."""
+        the run's total updates); under a local strategy one every train.local_steps of those
+        batches. -1 where it cannot be known: a job that may be scaled (the PS hands out each
+        epoch's shares as it goes), or a loader without a length; a stream's: what --max_steps
+        leaves (it may end sooner, at its last pass)."""
+        done = self.pushes + 1 if self.local is None else self.local.steps  # this push's batch included
         if self.stream and self.config.max_steps > 0 and not self.reshards:  # its share's length is not known
-            return max(0, self.config.max_steps - (self.pushes + 1))
-        if self.reshards or self.stream:
+            left = self.config.max_steps - done
+        elif self.reshards or self.stream:
             return -1
-        try:
-            per_epoch = len(self.loader)
-        except TypeError:  # an iterable dataset of the user's own
-            return -1
-        left = per_epoch - batch + (self.config.epochs - epoch) * per_epoch
-        if self.config.max_steps > 0:
-            left = min(left, self.config.max_steps - (self.pushes + 1))  # this push is the next one answered
-        return max(0, left)
+        else:
+            try:
+                per_epoch = len(self.loader)
+            except TypeError:  # an iterable dataset of the user's own
+                return -1
+            left = per_epoch - batch + (self.config.epochs - epoch) * per_epoch
+            if self.config.max_steps > 0:
+                left = min(left, self.config.max_steps - done)
+        return max(0, left) if self.local is None else self.local.pushes_for(left)
 
     def reached_max_steps(self) -> bool:
+        if self.local is not None:
+            return 0 < self.config.max_steps <= self.local.steps
         sent = self.pushes + (self.in_flight is not None)
         return 0 < self.config.max_steps <= sent

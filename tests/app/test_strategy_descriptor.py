@@ -16,21 +16,23 @@ from app_testkit import ps_server, submit
 
 def test_each_strategy_is_what_docs_strategies_says():
     described = {
-        name: (s.has_ps, s.rounds, s.bounded, s.waits, s.allows_overlap)
+        name: (s.has_ps, s.rounds, s.bounded, s.waits, s.allows_overlap, s.local)
         for name in STRATEGIES
         for s in [strategy_of(name)]
     }
     assert described == {
-        "async": (True, False, False, False, True),
-        "sync": (True, True, False, True, False),
-        "ssp": (True, False, True, True, True),
-        "allreduce": (False, False, False, False, False),
+        "async": (True, False, False, False, True, False),
+        "sync": (True, True, False, True, False, False),
+        "ssp": (True, False, True, True, True, False),
+        "allreduce": (False, False, False, False, False, False),
+        "diloco": (True, True, False, True, False, True),
+        "diloco_async": (True, False, False, False, False, True),
     }
     assert sorted(PS_STRATEGIES) == sorted(n for n in STRATEGIES if strategy_of(n).has_ps)
 
 
 def test_a_name_that_is_no_strategy_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="one of async, sync, ssp, allreduce"):
+    with pytest.raises(ValueError, match="one of async, sync, ssp, allreduce, diloco, diloco_async"):
         strategy_of("hogwild")
 
 
@@ -55,6 +57,8 @@ def test_each_ps_strategy_runs_its_own_policy_in_the_ps():
         "async": AsyncPolicy,
         "ssp": BoundedPolicy,
         "sync": RoundPolicy,
+        "diloco": RoundPolicy,
+        "diloco_async": AsyncPolicy,
     }
     for name, server in servers.items():
         for rank in (1, 2):

@@ -72,7 +72,7 @@ def test_the_language_model_trains_in_containers_and_its_export_loads(engine, of
         assert f"Perplexity: {perplexity:.4f}" in ps_log
         evals = [r for r in records.parse_lines(files.get("ps.jsonl", [])) if r.get("event") == "eval"]
         rates = [r["lr"] for r in evals]
-        assert rates == sorted(rates, reverse=True) and rates[-1] < 0.003, rates  # cosine, after the warmup
+        assert rates == sorted(rates, reverse=True) and rates[-1] < 0.006, rates  # cosine, after the warmup
 
         said = io.StringIO()
         assert export_verb.export(get("compose"), CONFIG, name=PROJECT, out=said) == 0, said.getvalue()

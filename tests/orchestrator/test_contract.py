@@ -106,6 +106,18 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         topology(train={"dataset": "webdataset", "data_dir": "s3://b/t-{0..3}.tar", "eval_data": "s3://b/v.tar"}),
         ["worker", "--dataset", "webdataset", "--data_dir", "s3://b/t-{0..3}.tar", "--eval_data", "s3://b/v.tar"],
     ),
+    "staleness_lr diloco": (
+        topology(train={"strategy": "diloco", "staleness_lr": True}),
+        ["worker", "--strategy", "diloco", "--staleness_lr", "true"],
+    ),
+    "schedule plateau diloco_async": (
+        topology(train={"strategy": "diloco_async", "schedule": "plateau"}),
+        ["worker", "--strategy", "diloco_async", "--schedule", "plateau"],
+    ),
+    "cuda_graphs diloco": (
+        topology(train={"strategy": "diloco", "cuda_graphs": True}, image={"device": "cuda"}),
+        ["worker", "--strategy", "diloco", "--cuda_graphs", "true", "--device", "cuda"],
+    ),
     "cuda_graphs allreduce": (
         topology(train={"strategy": "allreduce", "cuda_graphs": True}),
         ["worker", "--strategy", "allreduce", "--cuda_graphs", "true"],

@@ -40,6 +40,8 @@ OTHER = {
     "staleness": 2,
     "staleness_lr": True,
     "overlap": True,
+    "local_steps": 8,  # diloco's and diloco_async's, taken (and unused) under ssp
+    "outer_optimizer": {"name": "sgd", "lr": 0.5},
     "compress": "bf16",
     "seed": 5,
     "eval_batch_size": 128,

@@ -53,7 +53,8 @@ def test_rows_carry_type_default_and_allowed_values():
         for line in topology_reference_markdown().splitlines()
         if line.startswith("| `")
     }
-    assert rows["train.strategy"][1:4] == ["string", "`async`", "`async`, `sync`, `ssp`, `allreduce`"]
+    strategies = "`async`, `sync`, `ssp`, `allreduce`, `diloco`, `diloco_async`"
+    assert rows["train.strategy"][1:4] == ["string", "`async`", strategies]
     assert rows["train.batch_size"][1:4] == ["integer", "required", ">= 1"]
     assert rows["train.momentum"][3] == ">= 0, < 1"
     assert rows["ps.rpc_port"][1:4] == ["integer", "`29500`", "1024 to 65535"]
