@@ -195,7 +195,8 @@ def test_cli_strategy_override(cli) -> None:
     assert status == 0 and out.startswith("wrote c.yaml: 2 workers (allreduce, no ps)")
     status, out, err = cli("render", "-c", str(SMOKE), "--strategy", "ring", "-o", "c.yaml")
     assert status == 2 and err == (
-        f"error: {SMOKE} with --strategy ring: train.strategy: got 'ring'; must be one of async, sync, ssp, allreduce, diloco, diloco_async\n"
+        f"error: {SMOKE} with --strategy ring: train.strategy: got 'ring'; "
+        "must be one of async, sync, ssp, allreduce, diloco, diloco_async\n"
     )
     for verb in ("up", "local", "smoke", "status", "logs", "down", "doctor"):
         status, out, err = cli(verb, "--strategy", "allreduce", "--help")
