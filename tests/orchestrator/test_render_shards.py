@@ -85,9 +85,7 @@ def test_bad_shards(shards, problem) -> None:
 def test_allreduce_with_shards_is_refused() -> None:
     with pytest.raises(TopologyError) as error:
         parse(yaml.safe_dump(topology(ps={"shards": 2}, train={"strategy": "allreduce"})), "t.yaml")
-    assert str(error.value) == (
-        "t.yaml: ps.shards: got 2; allowed only with a parameter server; allreduce has none"
-    )
+    assert str(error.value) == ("t.yaml: ps.shards: got 2; allowed only with a parameter server; allreduce has none")
 
 
 def test_local_plan_starts_the_shards_as_ps_processes(tmp_path: Path) -> None:
