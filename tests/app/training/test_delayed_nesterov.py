@@ -11,7 +11,7 @@ from app.config import parse
 from app.ps.server import ParameterServer, ServerConfig
 from app.training.delayed_nesterov import DelayedNesterov
 
-from app_testkit import push
+from app_testkit import push, submit
 
 
 def _stepped(optimizer_of, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -88,3 +88,31 @@ def test_diloco_async_momentum_state_survives_a_checkpoint_and_resume_exactly():
     for i, c in enumerate(changes[3:], start=3):
         push(fresh, 1 + i % 2, c, fresh.version)
     assert not torch.equal(fresh.state.vector, kept.state.vector)  # the optimizer's state mattered
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "diloco_async"])
+def test_a_ps_shard_steps_its_slice_as_the_whole_ps_steps_it(strategy):
+    """The outer optimizer (Nesterov SGD, delayed Nesterov) is elementwise: a shard serving values
+    4..11 of the state ends where the whole PS's values 4..11 end."""
+    flags = ["--strategy", strategy, "--world_size", "3"]
+    config = parse(["ps", *flags], {})
+    whole = ParameterServer(_model_for_shards(), ServerConfig.from_config(config))
+    part = ParameterServer(_model_for_shards(), ServerConfig.from_config(config, (4, 11)))
+    for server in (whole, part):
+        for rank in (1, 2):
+            server.join(rank, f"worker{rank}")
+    changes = [torch.cat([c, c, c[:3]]) for c in _grads(6, seed=5)]  # 15 values: the model's
+    for i, c in enumerate(changes):
+        rank = 1 + i % 2
+        waiting = [submit(whole, rank, c, whole.version), submit(part, rank, c[4:11].clone(), part.version)]
+        if strategy == "diloco" and rank == 1:
+            continue  # the round closes with rank 2's change
+        for future in waiting:
+            future.wait()
+    assert whole.version == (3 if strategy == "diloco" else 6) == part.version
+    assert torch.allclose(part.state.vector, whole.state.vector[4:11], rtol=1e-6, atol=1e-7)
+
+
+def _model_for_shards() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 3)
