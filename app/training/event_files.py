@@ -10,6 +10,10 @@ checkpoint holds (the PS's version, a worker's pushes) and writes the steps afte
 writer's `purge_step` marks the earlier process's points past that step as dropped, so a
 curve has one point per step. Without the `tensorboard` package the app runs on, JSONL only.
 
+The run's settings (the start record's strategy, model, dataset, batch size, workers, shards,
+precision, compression) and its final metrics (the end record's) go to TensorBoard's HPARAMS tab
+when the run ends: one row per run and process, its settings beside its headline.
+
 A volume that fills up is a warning, never a failure: TensorBoard's writer thread dies on the
 error and its writer raises it at the next scalar; one line says the scalars are dropped, and
 once the JSON lines fit again (room was made) a new event file takes the scalars after it.
@@ -37,6 +41,9 @@ SCALARS = {
     "end": ("accuracy", "loss"),
 }
 
+# The start record's fields that describe a run in TensorBoard's HPARAMS tab.
+HPARAMS = ("strategy", "model", "dataset", "batch_size", "workers", "shards", "precision", "compress")
+
 
 def scalars(event: str, fields: dict[str, Any]) -> dict[str, float]:
     """The tags and values a record of `event` with `fields` gives (numbers only)."""
@@ -57,6 +64,7 @@ class EventFiles:
         self._writer: Any | None = writer  # None while the volume is full
         self.directory = directory
         self._retry_at = 0.0
+        self._hparams: dict[str, Any] = {}  # the start record's settings, written with the end's metrics
 
     @classmethod
     def open(cls, metrics_dir: str, run_id: str, name: str, step: int) -> EventFiles | None:
@@ -78,6 +86,8 @@ class EventFiles:
     def write(self, event: str, step: int, fields: dict[str, Any], wall_time: float, room: bool = True) -> None:
         """The record's scalars; dropped while the event files do not fit. `room`: the record's
         JSON line fit, so a new event file is worth a try."""
+        if event == "start":
+            self._hparams = {k: fields[k] for k in HPARAMS if isinstance(fields.get(k), (str, int, float, bool))}
         values = scalars(event, fields)
         writer = (self._writer or self._reopen(room)) if values else None
         if writer is None:
@@ -85,8 +95,18 @@ class EventFiles:
         try:
             for tag, value in values.items():
                 writer.add_scalar(tag, value, global_step=step, walltime=wall_time)
+            if event == "end" and self._hparams:
+                self._write_hparams(writer, values)
         except OSError as error:
             self._drop(error, "scalars are dropped until there is room again (the JSON lines keep what fits)")
+
+    def _write_hparams(self, writer: Any, metrics: dict[str, float]) -> None:
+        """The run's settings and its end record's metrics (scalar tags of this directory) as
+        TensorBoard's hparams summaries, in this process's own event file."""
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams(self._hparams, metrics):
+            writer.file_writer.add_summary(summary)
 
     def _reopen(self, room: bool) -> Any | None:
         """A new event file after a failed one, once there is room again (not more often than

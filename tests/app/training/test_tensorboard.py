@@ -250,3 +250,23 @@ def test_a_ps_run_killed_and_resumed_has_every_record_in_tensorboard_once(tmp_pa
         "end/accuracy",
     } <= set(ps)
     assert ps["eval/accuracy"][-1][1] > 0.5
+
+
+def test_the_runs_settings_and_its_final_metrics_are_in_the_hparams_tab(tmp_path):
+    """TensorBoard's HPARAMS tab: the start record's settings beside the end record's metrics."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    config = parse(["ps", "--run_id", "run-h", "--strategy", "diloco", "--batch_size", "16"], {})
+    with MetricsWriter(str(tmp_path), "ps", "ps", 0) as metrics:
+        metrics.start(config, 0)
+        metrics.write("end", 7, accuracy=0.93, loss=0.25, metrics=["accuracy", "loss"], seconds=1.0)
+    events = EventAccumulator(event_dir(str(tmp_path), "run-h", "ps"))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = {k: v.string_value or v.number_value for k, v in session.session_start_info.hparams.items()}
+    assert hparams["strategy"] == "diloco" and hparams["batch_size"] == 16 and hparams["model"] == config.model
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    assert {m.name.tag for m in experiment.experiment.metric_infos} == {"end/accuracy", "end/loss"}
+    assert events.Scalars("end/accuracy")[0].value == pytest.approx(0.93)
