@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from app import plugins
-from app.checkpoint import export_files
+from app.checkpoint import export_files, mlflow_model
 from app.checkpoint.writer import Checkpointer
 from app.config import Config
 from app.contract import PS, worker_name
@@ -227,9 +227,13 @@ def _report_end(
     progress.info("Time: %.2f seconds", seconds)
     progress.info("Evaluation: %.2f seconds", eval_seconds)
     scored = fields(scores) if scores is not None else {}
-    if metrics.tracker is not None:  # the exported model, as `make export` writes it, to MLflow
+    if metrics.tracker is not None:  # the model to MLflow: as MLflow loads it, and as `make export` writes it
         about = dict(run_id=config.run_id, version=version, finished=True, **export_files.scored(scored))
-        metrics.tracker.model(export_files.files(config, evaluate.state_dict(vector), held_out, **about))
+        trained = evaluate.state_dict(vector)
+        logged = mlflow_model.of_run(config, trained, held_out)
+        if logged:
+            metrics.tracker.model(logged, "model")
+        metrics.tracker.model(export_files.files(config, trained, held_out, **about), "export")
     metrics.write(
         "end",
         version,

@@ -121,9 +121,10 @@ class Tracker:
     def params(self, values: Mapping[str, Any]) -> None:
         self._queue.put(("params", dict(values)))
 
-    def model(self, files: Mapping[str, bytes]) -> None:
-        """The exported model's files (name -> bytes), logged as the run's `model` artifact."""
-        self._queue.put(("model", dict(files)))
+    def model(self, files: Mapping[str, bytes], path: str = "model") -> None:
+        """A model's files (relative path -> bytes), logged as the run's artifact directory `path`:
+        `model`, the MLflow model (app/checkpoint/mlflow_model.py); `export`, `make export`'s files."""
+        self._queue.put(("model", (path, dict(files))))
 
     def close(self, status: str = "FAILED", timeout: float = CLOSE_SECONDS) -> None:
         """End the run with `status` unless an `end` record ended it FINISHED; wait for what is
@@ -279,10 +280,12 @@ class Tracker:
                 log.info("MLflow run %s finished: %s", self.run_name, self.address)
                 return True
         elif kind == "model":
+            path, files = value
             with tempfile.TemporaryDirectory() as directory:
-                for name, data in value.items():
+                for name, data in files.items():
+                    Path(directory, name).parent.mkdir(parents=True, exist_ok=True)
                     Path(directory, name).write_bytes(data)
-                client.log_artifacts(run_id, directory, artifact_path="model")
+                client.log_artifacts(run_id, directory, artifact_path=path)
         return False
 
 

@@ -171,8 +171,10 @@ def test_the_ps_in_a_container_logs_its_run_to_mlflow(finished):
     assert run.data.params["train.model"] == "cnn" and run.data.params["train.epochs"] == "4"
     curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
     assert curve == sorted((r["step"], r["accuracy"]) for r in finished.evals)
-    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "model"))
-    assert names == ["model/model.json", "model/model.pt"]
+    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "export"))
+    assert names == ["export/model.json", "export/model.pt"]
+    mlflow_model = {f.path for f in client.list_artifacts(run.info.run_id, "model")}
+    assert {"model/MLmodel", "model/data", "model/input_example.json"} <= mlflow_model, mlflow_model
     # The run's address in the PS's log is the host's (not http://mlflow:5000, the network's), said
     # as the run opens (its `finished` line waits on the last requests, which a loaded host may
     # not answer within the PS's 15 s at its end: MLflow has the run whole all the same, above).

@@ -54,15 +54,40 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
     curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
     assert curve == sorted(evals) and curve[-1][1] == final_accuracy(procs["ps"].stdout)
     assert {m.key for m in client.get_metric_history(run.info.run_id, "samples_per_s")} == {"samples_per_s"}
-    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "model"))
-    assert names == ["model/model.json", "model/model.pt"]
-    card = json.loads(Path(client.download_artifacts(run.info.run_id, "model/model.json", str(tmp_path))).read_text())
+    names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "export"))
+    assert names == ["export/model.json", "export/model.pt"]
+    card = json.loads(Path(client.download_artifacts(run.info.run_id, "export/model.json", str(tmp_path))).read_text())
     assert card["builder"] == "app.training.models:SmallCNN" and card["run_id"] == "tracked-1"
+    _the_mlflow_model_loads_predicts_and_registers(mlflow_server, run.info.run_id, card["input"])
     # The run's address, once opened and once finished; not MLflow's own "View run" line.
     address = f"{mlflow_server}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
     output = procs["ps"].stdout + procs["ps"].stderr
     assert f"MLflow run tracked-1: {address}" in output and f"MLflow run tracked-1 finished: {address}" in output
     assert "View run" not in output
+
+
+def _the_mlflow_model_loads_predicts_and_registers(uri: str, run_id: str, inputs: dict) -> None:
+    """The run's `model` artifact is an MLflow model: mlflow.pytorch.load_model loads it, its
+    signature says the input's and output's shapes with the batch free, it predicts a batch of
+    10 classes for the input example, and the registry takes it."""
+    import mlflow
+    import mlflow.pytorch
+    import numpy as np
+    import torch
+
+    mlflow.set_tracking_uri(uri)
+    model_uri = f"runs:/{run_id}/model"
+    info = mlflow.models.get_model_info(model_uri)
+    signature = info.signature.to_dict()
+    assert json.loads(signature["inputs"])[0]["tensor-spec"]["shape"] == [-1, inputs["channels"], 8, 8]
+    assert json.loads(signature["outputs"])[0]["tensor-spec"]["shape"] == [-1, 10]
+    model = mlflow.pytorch.load_model(model_uri)
+    local = mlflow.artifacts.download_artifacts(model_uri)
+    example = np.asarray(mlflow.models.Model.load(local).load_input_example(local), dtype=np.float32)
+    with torch.no_grad():
+        assert model(torch.from_numpy(example)).shape == (len(example), 10)
+    version = mlflow.register_model(model_uri, "tracked-digits-model")
+    assert int(version.version) >= 1
 
 
 @pytest.mark.slow
