@@ -86,6 +86,7 @@ class Outgoing(NamedTuple):
     ready: Any = None  # torch.cuda.Event
     flags: torch.Tensor | None = None
     norm: torch.Tensor | None = None  # the gradient's global norm (train.clip_grad_norm), read once `ready` passed
+    report: tuple[float, float] | None = None  # the worker's last loss and samples/s, not yet sent (Push.loss)
 
     def finite(self) -> bool:
         """Once `ready` has passed: whether the flags prove every value finite."""
@@ -167,6 +168,8 @@ class Pushing:
         one epoch over the whole training split (every PS process plans the run's schedule by it)."""
         rank, name = self.pusher.rank, self.pusher.name
         push = Push(rank, name, 0, epoch, batch, samples, to_go=to_go, epoch_batches=epoch_batches)
+        if outgoing.report is not None:
+            push = push._replace(loss=outgoing.report[0], samples_per_s=outgoing.report[1])
         if outgoing.ready is None:
             return self._now(outgoing, version, push)
         if self.sender is None:

@@ -71,6 +71,10 @@ class Push(NamedTuple):
     to_go: int = -1  # pushes the rank has still to make after this one, as planned now; -1: unknown
     grad_norm: float = -1.0  # the gradient's global L2 norm (train.clip_grad_norm); -1: not computed
     epoch_batches: int = 0  # the batches of one epoch over the whole training split (the schedule's plan)
+    # The worker's training loss and samples/s as its last progress line gave them (every
+    # train.log_every batches), sent once with the next push: the main PS logs them to MLflow.
+    loss: float | None = None
+    samples_per_s: float | None = None
 
 
 class Share(NamedTuple):

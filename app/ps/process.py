@@ -95,6 +95,7 @@ def run(config: Config) -> int:
             (log.info if checkpoints.run_finished else log.error)("%s", ended)
             return 0
         metrics.start(config, server.version)
+        server.on_report = metrics.worker  # the workers' loss, as their pushes carry it, to MLflow
         shape = (held_out.channels, held_out.num_classes)
         trained = _serve(config, server, checkpoints, evaluate, metrics, others, shape, wrong)
         if trained is None:

@@ -135,6 +135,9 @@ class ParameterServer:
         self.on_back: Callable[[int, str], None] = lambda rank, name: None
         self.on_leave: Callable[[int, str], None] = lambda rank, name: None
         self.on_finish: Callable[[int], None] = on_finish or (lambda rank: None)
+        # A push that carries its worker's training loss (Push.loss): (name, the version then,
+        # loss, samples/s); the main PS logs it to MLflow.
+        self.on_report: Callable[[str, int, float, float | None], None] = lambda name, version, loss, rate: None
 
     @property
     def version(self) -> int:
@@ -171,6 +174,7 @@ class ParameterServer:
         finite = push.finite or self.state.finite(message)  # outside the lock
         future: Future = Future()
         ready: Ready = []
+        version = -1
         with self._lock:
             try:
                 readmitted = self.members.seen(push.rank, name)
@@ -184,6 +188,7 @@ class ParameterServer:
                 staleness = self.state.version - push.pulled if push.staleness is None else push.staleness
                 ready = self.policy.take(push, message, future, staleness)
                 self._moved()
+                version = self.state.version
             elif self.counts.refuse(push.rank):
                 log.warning(NONFINITE, name)  # once per rank
             if readmitted:
@@ -194,6 +199,8 @@ class ParameterServer:
         _complete(ready)
         if readmitted:
             self.on_back(push.rank, name)
+        if push.loss is not None and version >= 0:
+            self.on_report(name, version, push.loss, push.samples_per_s)
         return future
 
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:

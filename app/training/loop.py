@@ -137,6 +137,7 @@ class Reporter:
         self._mark = (time.monotonic(), 0, 0)  # (time, samples, batches) at the last report
         self._samples = self._batches = 0
         self._held: Callable[[], None] | None = None  # a report waiting for its loss
+        self._unsent: tuple[float, float] | None = None  # the last report's loss and samples/s, for the PS
 
     def batch_done(
         self, loader: DataLoader, step: int, epoch: int, batch: int, samples: int, loss: float | Loss, **fields: Any
@@ -158,6 +159,12 @@ class Reporter:
         if held is not None:
             held()
 
+    def take(self) -> tuple[float, float] | None:
+        """The last report's loss and samples/s, once (the next push carries them to the PS,
+        which logs them to MLflow); None when none was written since."""
+        unsent, self._unsent = self._unsent, None
+        return unsent
+
     def report(
         self, loader: DataLoader, step: int, epoch: int, batch: int, loss: float | Loss, **fields: Any
     ) -> Callable[[], None]:
@@ -172,6 +179,7 @@ class Reporter:
 
         def write() -> None:
             value = float(loss)
+            self._unsent = (round(value, 4), round(rate, 1))
             progress.info(
                 "%s | Epoch: %d | Batch: %d | Loss: %.2f | %.0f samples/s", self.name, epoch, batch, value, rate
             )

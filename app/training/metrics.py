@@ -89,6 +89,13 @@ class MetricsWriter:
             if self.tracker is not None:
                 self.tracker.record(event, step, fields)
 
+    def worker(self, name: str, step: int, loss: float, samples_per_s: float | None) -> None:
+        """A worker's training loss and samples/s as its push carried them (the PS's version
+        then: `step`), to MLflow only: the worker's own metrics and event files hold them."""
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.record("worker", step, {"worker": name, "loss": loss, "samples_per_s": samples_per_s})
+
     def start(self, config: Config, step: int = 0) -> None:
         """The `start` record: what this process trains, as it starts (so a reader of the
         metrics need not guess the run's settings). The event files open here, at `step`:

@@ -1,6 +1,7 @@
 """The run in MLflow: where MLFLOW_TRACKING_URI is set (MLflow's own convention), the PS logs
 its run there: the training parameters, loss, accuracy and samples/s at each evaluation with the
-version as the step, the exported model as an artifact, and how the run ended.
+version as the step, each worker's training loss and samples/s as its pushes carry them
+(`worker1/loss`, `worker1/samples_per_s`), the model as an artifact, and how the run ended.
 
 A tracker that is down or slow never stops or slows training: every call only queues, and one
 thread of the tracker's own sends (MLflow is imported there too: it takes seconds); the
@@ -78,6 +79,10 @@ FINAL_ERRORS = frozenset(
 _USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
 # Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
 EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
+# A worker's training loss and samples/s, as its pushes carry them (MetricsWriter.worker): logged
+# as `<worker>/loss` and `<worker>/samples_per_s` at the PS's version (MLflow's UI groups them by worker).
+WORKER, WORKER_METRICS = "worker", ("loss", "samples_per_s")
+RECORDS = ("eval", "end", WORKER)  # the records queued meanwhile go in one request
 
 
 class Tracker:
@@ -108,8 +113,9 @@ class Tracker:
 
     def record(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
         """A metrics record (app.training.metrics): `start` opens the run with its parameters,
-        `eval` and `end` log their numbers at `step` (the version), `end` ends it FINISHED."""
-        if event == "eval" and self._queue.qsize() >= MAX_QUEUED:
+        `eval` and `end` log their numbers at `step` (the version), `end` ends it FINISHED;
+        `worker`, a worker's loss and samples/s (its `worker` field names it)."""
+        if event in ("eval", WORKER) and self._queue.qsize() >= MAX_QUEUED:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning(
@@ -157,7 +163,7 @@ class Tracker:
             if self.failed:
                 continue
             kind, value = item
-            if kind in ("eval", "end"):  # every record queued meanwhile, in one request
+            if kind in RECORDS:  # every record queued meanwhile, in one request
                 value, held = self._gather(kind, value)
                 kind = "end" if any(k == "end" for k, _ in value) else "eval"
             tries = 0
@@ -203,7 +209,7 @@ class Tracker:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return records, None
-            if item is None or item[0] not in ("eval", "end"):
+            if item is None or item[0] not in RECORDS:
                 return records, item
             kind, value = item
             records.append(item)
@@ -262,11 +268,16 @@ class Tracker:
             from mlflow.entities import Param
 
             client.log_batch(run_id, params=[Param(k, str(v)) for k, v in sorted(value.items())])
-        elif kind in ("eval", "end"):
+        elif kind in RECORDS:
             from mlflow.entities import Metric
 
             metrics = []
             for event, (step, fields) in value:
+                if event == WORKER:  # a worker's, as its push carried it: under the worker's name
+                    prefix = fields["worker"]
+                    reported = {k: fields[k] for k in WORKER_METRICS if isinstance(fields.get(k), (int, float))}
+                    metrics += [Metric(f"{prefix}/{k}", float(v), _now_ms(), step) for k, v in reported.items()]
+                    continue
                 tested = [k for k in fields if event == "end" and k.startswith("test_")]  # the test split's
                 names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS, *tested])
                 numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}

@@ -44,7 +44,7 @@ class ShardedRoute(Carried):
         rest = sends[1:] if self.chained else []
         now = sends[: len(sends) - len(rest)]
         futures = [(shard, shard.send(Outgoing(part), push._replace(pulled=pulled))) for shard, part, pulled in now]
-        return ShardedPending(self, futures, rest, push._replace(to_go=-1), message)
+        return ShardedPending(self, futures, rest, push._replace(to_go=-1, loss=None, samples_per_s=None), message)
 
     def _finite(self, message: torch.Tensor) -> bool:
         assert self.flat is not None  # bound

@@ -222,6 +222,9 @@ class Trainer:
         outgoing = self.route.seal(message)  # on a GPU its copies to the host are queued, not waited for
         if norm is not None:
             outgoing = outgoing._replace(norm=norm)
+        report = self.reporter.take()  # the progress line's loss and samples/s, for the PS's tracker
+        if report is not None:
+            outgoing = outgoing._replace(report=report)
         computed_on = self.version  # the state this gradient comes from, before the reply below
         # A wait the data needs (--overlap): the next batch computes on the state of the previous
         # push's reply; on a GPU this one's backward is still running meanwhile.

@@ -54,6 +54,16 @@ def test_the_ps_logs_its_run_to_mlflow_params_curves_model_and_end(tmp_path, mlf
     curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "accuracy"))
     assert curve == sorted(evals) and curve[-1][1] == final_accuracy(procs["ps"].stdout)
     assert {m.key for m in client.get_metric_history(run.info.run_id, "samples_per_s")} == {"samples_per_s"}
+    # Each worker's training loss and samples/s, as its pushes carried them: every progress line's
+    # but one at most (the last report of a worker may come after its last push), at the PS's versions.
+    last_version = max(step for step, _ in evals)
+    for worker in ("worker1", "worker2"):
+        trained = [r["loss"] for r in read(tmp_path / "metrics" / f"{worker}.jsonl") if r["event"] == "train"]
+        losses = client.get_metric_history(run.info.run_id, f"{worker}/loss")
+        assert len(trained) - 1 <= len(losses) <= len(trained), (len(trained), len(losses))
+        assert [m.value for m in sorted(losses, key=lambda m: m.step)] == trained[: len(losses)]
+        assert all(0 < m.step <= last_version for m in losses)
+        assert len(client.get_metric_history(run.info.run_id, f"{worker}/samples_per_s")) == len(losses)
     names = sorted(f.path for f in client.list_artifacts(run.info.run_id, "export"))
     assert names == ["export/model.json", "export/model.pt"]
     card = json.loads(Path(client.download_artifacts(run.info.run_id, "export/model.json", str(tmp_path))).read_text())
