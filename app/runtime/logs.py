@@ -27,7 +27,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     err = logging.StreamHandler(sys.stderr)
     err.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.handlers[:] = [err]
-    log.propagate = False  # a library that configures the root logger (mlflow.pytorch's imports do) would print it twice
+    # not to the root logger too: a library that configures it (mlflow.pytorch's imports do) would print it twice
+    log.propagate = False
     log.setLevel(level)
     # torch's own RPC shutdown uses a deprecated ProcessGroup path; not ours to fix.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)

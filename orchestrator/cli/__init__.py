@@ -98,12 +98,19 @@ def run_schema(args: argparse.Namespace) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     from orchestrator.verbs import inventory
-    from orchestrator.verbs.local import run
+    from orchestrator.verbs.local import RUNS_DIR, run
 
     t = load_topology(args)
     if isinstance(args.resume, str):  # --resume RUN_ID: a run of the name that did not finish
         inventory.check_local_resume(t.name, args.resume)
-    return run(t, source=args.config, keep_going=args.keep_going, resume=args.resume)
+    code = run(t, source=args.config, keep_going=args.keep_going, resume=args.resume)
+    if code < 128:  # not stopped by a signal: the run's report, and its PNGs to MLflow where it was tracked
+        from orchestrator.metrics import end_report
+
+        tracked = os.environ.get("MLFLOW_TRACKING_URI", "")
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or t.name
+        end_report.after_run(Path(RUNS_DIR) / t.name / "metrics", sys.stdout, "local", tracked, experiment)
+    return code
 
 
 def _add_document_verbs(sub: argparse._SubParsersAction) -> None:

@@ -28,6 +28,13 @@ def _verbs():
     return cluster, smoke, board, export, scaling
 
 
+def _end_report(c, tracking_uri: str, experiment: str) -> None:
+    """A cluster's report, once `logs` followed it to its end (orchestrator/metrics/end_report.py)."""
+    from orchestrator.metrics import end_report
+
+    end_report.after_cluster(c, tracking_uri, experiment)
+
+
 def _building():
     from orchestrator.verbs import building
 
@@ -109,6 +116,7 @@ def _add_last_cluster_verbs(verb, backend, last: str) -> None:
             name=a.name,
             options=_log_options(a),
             files=a.files,
+            on_end=_end_report,
         )
     )
     p = verb("status")

@@ -35,7 +35,7 @@ from typing import Any, Optional, TextIO
 from app.contract import STRATEGIES
 from orchestrator.errors import UsageError
 from orchestrator.metrics import run_metrics
-from orchestrator.metrics.report import write_report
+from orchestrator.metrics.report import require_matplotlib, write_report
 from orchestrator.metrics.run_metrics import THRESHOLD, Run, Summary, fmt
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load
@@ -193,6 +193,7 @@ def run(
         topology_for(base, s, workers=workers, epochs=epochs, eval_every=eval_every, source=config)
         for s in dict.fromkeys(strategies)
     ]  # every one checked before the first starts
+    require_matplotlib()  # and the plots drawn at the end
     root = Path(runs_dir)
     started = time.monotonic()
     outcomes: list[Outcome] = []

@@ -10,6 +10,7 @@ records. Plots use matplotlib's Figure API (Agg, no display needed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -191,8 +192,17 @@ def _axes(ax: Any, xlabel: str, ylabel: str) -> None:
         ax.legend(fontsize="small")
 
 
+def require_matplotlib() -> None:
+    """The plots' one optional dependency, or one line saying how to install it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "the report's plots need matplotlib, which is not installed here: pip install 'ps-compose[report]'"
+        )
+
+
 def write_report(runs: Sequence[Run], out: Path, threshold: float = THRESHOLD) -> list[Path]:
     """The PNGs and summary.txt in `out`; the paths written."""
+    require_matplotlib()
     _labels(runs)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -325,6 +335,7 @@ def main(
     name: Optional[str] = None,
 ) -> int:
     out = out or sys.stdout
+    require_matplotlib()
     dirs = [Path(d) for d in run_dirs]
     if name is not None:
         if dirs:

@@ -16,7 +16,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, TextIO
@@ -307,18 +307,20 @@ def logs(
     options: LogOptions = EVERY_LINE,
     out: Optional[TextIO] = None,
     files: Sequence[str] = (),
+    on_end: Optional[Callable[[Cluster, str, str], None]] = None,
 ) -> int:
     """Every service's log; following, until every service of the cluster has ended (on two
     looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too;
-    `options`: timestamps, --tail, --since, passed to the target's command."""
+    `options`: timestamps, --tail, --since, passed to the target's command. `on_end(cluster,
+    tracking URI, experiment)` once it followed the cluster to its end (the run's report)."""
     out = out or sys.stdout
     backend.refuse("logs")
     c = resolve(backend, config, workers, strategy, name, files)
     keep_document(backend, c)
     lines = backend.log_iter(c, follow, options)
-    done = threading.Event()
+    done, ended = threading.Event(), threading.Event()
     if follow:
-        threading.Thread(target=_close_when_ended, args=(backend, c, lines, done), daemon=True).start()
+        threading.Thread(target=_close_when_ended, args=(backend, c, lines, done, ended), daemon=True).start()
     plain = not _is_terminal(out)
     try:
         for line in lines:
@@ -331,6 +333,9 @@ def logs(
     finally:
         done.set()
         lines.close()
+    if ended.is_set() and on_end is not None:
+        tracked = os.environ.get("MLFLOW_TRACKING_URI") or (tracking.ui_address() if _has_own_tracker(c) else "")
+        on_end(c, tracked, os.environ.get("MLFLOW_EXPERIMENT_NAME") or c.name)
     return 0 if follow else int(getattr(lines, "returncode", 0))
 
 
@@ -353,7 +358,9 @@ def _is_terminal(out: TextIO) -> bool:
         return False
 
 
-def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threading.Event) -> None:
+def _close_when_ended(
+    backend: Backend, c: Cluster, lines: LogLines, done: threading.Event, ended_event: threading.Event
+) -> None:
     ended_before = False
     while not done.wait(POLL):
         try:
@@ -363,6 +370,7 @@ def _close_when_ended(backend: Backend, c: Cluster, lines: LogLines, done: threa
             continue
         ended = all(s.ended for s in states)
         if ended and ended_before:
+            ended_event.set()
             lines.close()
             return
         ended_before = ended

