@@ -78,6 +78,36 @@ MLFLOW_UI_ENV, MLFLOW_SERVER_ENV = "PSC_MLFLOW_UI", "PSC_MLFLOW_SERVER"
 PS = "ps"  # the main PS: RPC name, metrics file and compose service
 SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
 METRICS_SUFFIX = ".jsonl"
+# What MLflow had not taken when a run ended: <metrics dir>/mlflow-pending/<run id>/, written by the
+# PS (app/training/tracking_pending.py), sent by `ps-compose runs sync` (orchestrator/verbs/mlflow_sync.py).
+MLFLOW_PENDING_DIR = "mlflow-pending"
+# Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
+MLFLOW_EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
+MLFLOW_WORKER_METRICS = ("loss", "samples_per_s")  # a worker's, as its pushes carry them to the PS
+
+
+def mlflow_points(event: str, fields: dict, now_ms: int) -> list[tuple[str, float, int]]:
+    """The MLflow metrics (key, value, timestamp in ms) of one record the PS logs at its step:
+    an `eval` or `end` record's numbers (and `training_seconds`, the test split's at the end), or
+    a `worker` record's loss and samples/s as `<worker>/loss`. The timestamp is the record's
+    `time`, else `now_ms`; the same record gives the same points (the tracker's, and a sync's)."""
+    stamp = int(fields["time"] * 1000) if isinstance(fields.get("time"), (int, float)) else now_ms
+    if event == "worker":
+        prefix = re.sub(r"[^\w.-]", "_", str(fields.get("worker", "worker")))
+        names: list[str] = [f"{prefix}/{k}" for k in MLFLOW_WORKER_METRICS]
+        numbers = {f"{prefix}/{k}": fields.get(k) for k in MLFLOW_WORKER_METRICS}
+    else:
+        tested = [k for k in fields if event == "end" and k.startswith("test_")]  # the test split's
+        names = list(dict.fromkeys([*fields.get("metrics", ()), *MLFLOW_EVAL_METRICS, *tested]))
+        numbers = {k: fields.get(k) for k in names}
+        if event == "end":
+            names.append("training_seconds")
+            numbers["training_seconds"] = fields.get("seconds")
+    return [
+        (k, float(v), stamp) for k in names if isinstance(v := numbers[k], (int, float)) and not isinstance(v, bool)
+    ]
+
+
 # TensorBoard's event files: <metrics_dir>/tensorboard/<run id>/<process name>/ (app/training/event_files.py)
 TENSORBOARD_DIR = "tensorboard"
 UNNAMED_RUN = "unnamed"  # the run directory of processes started without a run id

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.contract import PS, RUN_ID_ENV, metrics_file
+from app.contract import MLFLOW_PENDING_DIR, PS, RUN_ID_ENV, metrics_file
 from app.option_table import OPTIONS
 from app.training.event_files import EventFiles
 from app.training.tracking import Tracker
@@ -105,7 +105,8 @@ class MetricsWriter:
             if self._events is None:
                 self._events = EventFiles.open(self.metrics_dir, run_id, self.name, step)
             if self.tracker is None and self.name == PS:
-                self.tracker = Tracker.from_env(os.environ, run_id)
+                keep = Path(self.metrics_dir, MLFLOW_PENDING_DIR, run_id) if run_id else None
+                self.tracker = Tracker.from_env(os.environ, run_id, keep)
         self.write(
             "start",
             step,

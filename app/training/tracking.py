@@ -25,6 +25,7 @@ and a suffix of its own, so that two such runs are two MLflow runs)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -37,7 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV
+from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV, mlflow_points
+from app.training import tracking_pending
 
 log = logging.getLogger("app.tracking")
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
@@ -78,18 +80,24 @@ FINAL_ERRORS = frozenset(
 )
 _USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
 # Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
-EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
 # A worker's training loss and samples/s, as its pushes carry them (MetricsWriter.worker): logged
-# as `<worker>/loss` and `<worker>/samples_per_s` at the PS's version (MLflow's UI groups them by worker).
-WORKER, WORKER_METRICS = "worker", ("loss", "samples_per_s")
+# as `<worker>/loss` and `<worker>/samples_per_s` at the PS's version (app.contract.mlflow_points).
+WORKER = "worker"
 RECORDS = ("eval", "end", WORKER)  # the records queued meanwhile go in one request
 
 
 class Tracker:
     """Queues a run's records for MLflow; a thread sends them (`record`, `model`, `close`)."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str, ui: str = "") -> None:
+    def __init__(self, uri: str, experiment: str, run_name: str, ui: str = "", keep: Path | None = None) -> None:
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self.keep = keep  # where what MLflow did not take by the end is kept (tracking_pending), or None
+        # Every item queued and not yet done with, in order: the sender takes them in that order,
+        # so each one sent (or dropped for good) is the journal's first.
+        self._journal: collections.deque[tuple[str, Any]] = collections.deque()
+        self._journal_lock = threading.Lock()
+        self._kept = False  # the end kept the journal on disk: the sender sends nothing more
+        self.ended = False  # an `end` record ended the MLflow run FINISHED
         self.shown = shown(uri)  # the URI as logs print it
         self.ui = shown(ui or uri).rstrip("/")  # the server as the host reaches it
         self.address = ""  # the run's page, once it is open
@@ -102,14 +110,15 @@ class Tracker:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], run_id: str) -> Tracker | None:
-        """A tracker where MLFLOW_TRACKING_URI is set, else None."""
+    def from_env(cls, env: Mapping[str, str], run_id: str, keep: Path | None = None) -> Tracker | None:
+        """A tracker where MLFLOW_TRACKING_URI is set, else None; `keep`: the directory what
+        MLflow has not taken by the end is written to."""
         uri = env.get(URI_ENV, "").strip()
         if not uri:
             return None
         name = run_id or f"unnamed-{uuid.uuid4().hex[:8]}"
         ui = env.get(MLFLOW_UI_ENV, "") if uri.rstrip("/") == env.get(MLFLOW_SERVER_ENV, "").rstrip("/") else ""
-        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, name, ui)
+        return cls(uri, env.get(EXPERIMENT_ENV, "").strip() or DEFAULT_EXPERIMENT, name, ui, keep)
 
     def record(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
         """A metrics record (app.training.metrics): `start` opens the run with its parameters,
@@ -122,21 +131,22 @@ class Tracker:
                     "MLflow at %s: %d records wait for it; later evaluations are not kept", self.shown, MAX_QUEUED
                 )
             return
-        self._queue.put((event, (step, dict(fields))))
+        # stamped now: a record sent again later (a sync of what was kept) is the same point
+        self._put((event, (step, {"time": round(time.time(), 3), **fields})))
 
     def params(self, values: Mapping[str, Any]) -> None:
-        self._queue.put(("params", dict(values)))
+        self._put(("params", dict(values)))
 
     def model(self, files: Mapping[str, bytes], path: str = "model") -> None:
         """A model's files (relative path -> bytes), logged as the run's artifact directory `path`:
         `model`, the MLflow model (app/checkpoint/mlflow_model.py); `export`, `make export`'s files."""
-        self._queue.put(("model", (path, dict(files))))
+        self._put(("model", (path, dict(files))))
 
     def close(self, status: str = "FAILED", timeout: float = CLOSE_SECONDS) -> None:
         """End the run with `status` unless an `end` record ended it FINISHED; wait for what is
         queued while the server takes it: until `timeout` seconds pass with no request taken, or
         CLOSE_MOST_SECONDS in all."""
-        self._queue.put(("close", status))
+        self._put(("close", status))
         self._queue.put(None)
         start = quiet_since = time.monotonic()
         sent = self.sent
@@ -148,24 +158,55 @@ class Tracker:
             if now - quiet_since >= timeout or now - start >= CLOSE_MOST_SECONDS:
                 break
         if self._thread.is_alive() and not self.failed:
+            kept = self._keep_journal()
             log.warning(
-                "MLflow at %s did not take the run's last records (nothing taken for %.0f s); not waiting",
+                "MLflow at %s did not take the run's last records (nothing taken for %.0f s); not waiting%s",
                 self.shown,
                 timeout,
+                f"; {kept}" if kept else "",
             )
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        with self._journal_lock:
+            self._journal.append(item)
+        self._queue.put(item)
+
+    def _done(self, items: int) -> None:
+        """The journal's first `items` were sent (or dropped for good)."""
+        with self._journal_lock:
+            for _ in range(items):
+                self._journal.popleft()
+
+    def _keep_journal(self) -> str:
+        """What MLflow has not taken, on disk for a later sync (`ps-compose runs sync`); what was
+        kept, in words, or "" when there is nowhere to keep it."""
+        if self.keep is None:
+            return ""
+        with self._journal_lock:
+            self._kept = True  # the sender sends nothing more: what is kept is sent once, by the sync
+            items = [i for i in self._journal if not (self.ended and i[0] == "close")]
+        try:
+            tracking_pending.save(self.keep, self.experiment, self.run_name, self.shown, items)
+        except OSError as error:
+            return f"could not keep them for a later sync ({error})"
+        return f"kept in {self.keep} for `ps-compose runs sync` once it answers"
 
     def _send_all(self) -> None:
         client: Any = None
-        run_id, ended = "", False
+        run_id = ""
         held: tuple[str, Any] | None = None  # an item taken while gathering a batch, sent next
         while (item := held if held is not None else self._queue.get()) is not None:
             held = None
+            if self._kept:  # the end kept the rest on disk
+                continue
             if self.failed:
+                self._done(1)
                 continue
             kind, value = item
+            items = 1
             if kind in RECORDS:  # every record queued meanwhile, in one request
                 value, held = self._gather(kind, value)
-                kind = "end" if any(k == "end" for k, _ in value) else "eval"
+                kind, items = ("end" if any(k == "end" for k, _ in value) else "eval"), len(value)
             tries = 0
             while True:  # until it is taken or refused for good (a daemon thread: the PS's exit ends it)
                 try:
@@ -175,13 +216,15 @@ class Tracker:
                         run_id = self._open(client)
                         log.info("MLflow run %s: %s", self.run_name, self.address)
                     if run_id:  # nothing before `start` is the run's
-                        ended = self._send(client, run_id, kind, value) or ended
-                        if kind == "close" and not ended:
+                        self.ended = self._send(client, run_id, kind, value) or self.ended
+                        if kind == "close" and not self.ended:
                             client.set_terminated(run_id, value)
                         self.sent += 1
+                    self._done(items)
                     break
                 except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
                     if _final(error):
+                        self._done(items)
                         self.failed = True
                         log.warning(
                             "MLflow tracking at %s failed (%s); the run goes on without it", self.shown, _line(error)
@@ -195,8 +238,10 @@ class Tracker:
                         )
                     self.unanswered = True
                     time.sleep(RETRY_SECONDS[min(tries, len(RETRY_SECONDS) - 1)])
+                    if self._kept:
+                        break
                     tries += 1
-            if self.unanswered and not self.failed:
+            if self.unanswered and not self.failed and not self._kept:
                 self.unanswered = False
                 log.info("MLflow at %s answers again; the run's records go on to it", self.shown)
 
@@ -271,20 +316,11 @@ class Tracker:
         elif kind in RECORDS:
             from mlflow.entities import Metric
 
-            metrics = []
-            for event, (step, fields) in value:
-                if event == WORKER:  # a worker's, as its push carried it: under the worker's name
-                    prefix = fields["worker"]
-                    reported = {k: fields[k] for k in WORKER_METRICS if isinstance(fields.get(k), (int, float))}
-                    metrics += [Metric(f"{prefix}/{k}", float(v), _now_ms(), step) for k, v in reported.items()]
-                    continue
-                tested = [k for k in fields if event == "end" and k.startswith("test_")]  # the test split's
-                names = dict.fromkeys([*fields.get("metrics", ()), *EVAL_METRICS, *tested])
-                numbers = {k: fields[k] for k in names if isinstance(fields.get(k), (int, float))}
-                if event == "end" and isinstance(fields.get("seconds"), (int, float)):
-                    numbers["training_seconds"] = fields["seconds"]
-                stamp = int(fields["time"] * 1000) if isinstance(fields.get("time"), (int, float)) else _now_ms()
-                metrics += [Metric(k, float(v), stamp, step) for k, v in numbers.items()]
+            metrics = [
+                Metric(key, number, stamp, step)
+                for event, (step, fields) in value
+                for key, number, stamp in mlflow_points(event, fields, _now_ms())
+            ]
             client.log_batch(run_id, metrics=metrics)
             if kind == "end":
                 client.set_terminated(run_id, "FINISHED")

@@ -12,24 +12,16 @@ never printed."""
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional, TextIO
 
 from orchestrator.backends.base import Cluster
 from orchestrator.errors import UsageError
-
-RUN_TAG = "ps-compose.run_id"  # the tag the PS gives its MLflow run (app/training/tracking.py)
-TIMEOUT = 30  # seconds for each request to the tracking server
-_USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
+from orchestrator.mlflow_rest import MLflowServer, failure, shown
+from orchestrator.verbs import mlflow_sync
 
 
 def after_run(
@@ -47,6 +39,9 @@ def after_run(
     from orchestrator.metrics.report import require_matplotlib, write_report
     from orchestrator.metrics.run_metrics import load_run
 
+    environ = os.environ if environ is None else environ
+    for kept in mlflow_sync.kept_in(metrics):  # what MLflow had not taken at the end: sent now if it answers
+        print(f"{prefix}: {mlflow_sync.send(kept, environ, timeout=10)[0]}", file=out, flush=True)
     try:
         require_matplotlib()
         run = load_run(metrics)
@@ -59,7 +54,7 @@ def after_run(
     print(f"{prefix}: report: {', '.join(p.name for p in written)} in {target}/", file=out, flush=True)
     run_id = str((run.start or {}).get("run_id") or "")
     if tracking_uri and run_id:
-        said = log_to_mlflow(tracking_uri, experiment, run_id, pngs, os.environ if environ is None else environ)
+        said = log_to_mlflow(tracking_uri, experiment, run_id, pngs, environ)
         print(f"{prefix}: {said}", file=out, flush=True)
     return target
 
@@ -83,83 +78,16 @@ def log_to_mlflow(uri: str, experiment: str, run_id: str, files: list[Path], env
     `experiment`; one line saying what was done."""
     server = MLflowServer(uri, environ)
     try:
-        found = server.run_of(experiment, run_id)
+        experiment_id = server.experiment_id(experiment)
+        found = server.run_of(experiment_id, run_id) if experiment_id is not None else None
         if found is None:
             return f"report not logged to MLflow at {server.shown}: no run {run_id} in experiment {experiment}"
         root = server.artifact_root(found)
         if root is None:
-            where = found.get("info", {}).get("artifact_uri", "")
-            return f"report not logged to MLflow: run {run_id}'s artifacts are at {shown(where)}, not on {server.shown}"
+            where = shown(found["info"]["artifact_uri"])
+            return f"report not logged to MLflow: run {run_id}'s artifacts are at {where}, not on {server.shown}"
         for path in files:
             server.put(f"{root}/report/{path.name}", path.read_bytes())
     except (OSError, ValueError, KeyError, TypeError) as error:  # unreachable, refused, an answer not MLflow's
-        return f"report not logged to MLflow at {server.shown} ({shown(_line(error))})"
+        return f"report not logged to MLflow at {server.shown} ({failure(error)})"
     return f"report logged to MLflow run {run_id} as report/ ({len(files)} PNGs)"
-
-
-class MLflowServer:
-    """The few REST calls of a tracking server the report needs, with MLflow's own credentials
-    (MLFLOW_TRACKING_USERNAME and _PASSWORD, or MLFLOW_TRACKING_TOKEN) from `environ`."""
-
-    def __init__(self, uri: str, environ: Mapping[str, str]) -> None:
-        parts = urllib.parse.urlsplit(uri.rstrip("/"))
-        user, password = parts.username or "", parts.password or ""
-        host = parts.hostname or ""
-        netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-        self.base = urllib.parse.urlunsplit(parts._replace(netloc=netloc))  # without the user and password
-        self.shown = shown(uri)
-        user = environ.get("MLFLOW_TRACKING_USERNAME", user)
-        password = environ.get("MLFLOW_TRACKING_PASSWORD", password)
-        token = environ.get("MLFLOW_TRACKING_TOKEN", "")
-        self.headers: dict[str, str] = {}
-        if user and password:
-            self.headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        elif token:
-            self.headers["Authorization"] = f"Bearer {token}"
-
-    def run_of(self, experiment: str, run_id: str) -> Optional[dict]:
-        """The first MLflow run tagged `run_id` in `experiment` (the PS's), or None."""
-        query = urllib.parse.urlencode({"experiment_name": experiment})
-        try:
-            found = self._call("GET", f"/api/2.0/mlflow/experiments/get-by-name?{query}")
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                return None
-            raise
-        search = {
-            "experiment_ids": [found["experiment"]["experiment_id"]],
-            "filter": f"tags.`{RUN_TAG}` = '{run_id}'",
-            "order_by": ["attributes.start_time ASC"],
-            "max_results": 1,
-        }
-        runs = self._call("POST", "/api/2.0/mlflow/runs/search", json.dumps(search).encode()).get("runs", [])
-        return runs[0] if runs else None
-
-    def artifact_root(self, run: dict) -> Optional[str]:
-        """The proxy's path of the run's artifacts, where they are `mlflow-artifacts:`; else None."""
-        where = urllib.parse.urlsplit(run["info"]["artifact_uri"])
-        if where.scheme != "mlflow-artifacts":
-            return None
-        return "/api/2.0/mlflow-artifacts/artifacts/" + where.path.strip("/")
-
-    def put(self, path: str, data: bytes) -> None:
-        self._call("PUT", urllib.parse.quote(path), data, content_type="image/png" if path.endswith(".png") else "")
-
-    def _call(self, method: str, path: str, data: Optional[bytes] = None, content_type: str = "") -> dict:
-        headers = dict(self.headers)
-        if data is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        request = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
-            body = answer.read()
-        return json.loads(body) if body.strip() else {}
-
-
-def shown(text: str) -> str:
-    """`text` with the user and password of every URI in it left out."""
-    return _USER_INFO.sub(r"\1***@", text)
-
-
-def _line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

@@ -39,6 +39,7 @@ from orchestrator.hints import command
 from orchestrator.metrics.records import is_event, parse_line
 from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.topology.services import PS_SERVICE
+from orchestrator.verbs import mlflow_sync
 from orchestrator.verbs.local import RUNS_DIR
 
 LOCAL = "local"
@@ -355,8 +356,8 @@ def _remove_cluster(backend: Backend, name: str, base: Path, volumes: bool, out:
 
 
 def add_arguments(p: argparse.ArgumentParser, names: list[str]) -> None:
-    """`runs [--target T] [--json]`, `runs show NAME|RUN_ID`, `runs rm NAME [--volumes]`;
-    `names`: the targets."""
+    """`runs [--target T] [--json]`, `runs show NAME|RUN_ID`, `runs rm NAME [--volumes]`, `runs
+    sync [NAME]`; `names`: the targets."""
 
     def target_arg(q: argparse.ArgumentParser, what: str) -> None:
         q.add_argument("--target", choices=names, help=f"{what} (default: every one)")
@@ -377,3 +378,9 @@ def add_arguments(p: argparse.ArgumentParser, names: list[str]) -> None:
         "-v", "--volumes", action="store_true", help="also its state: the volume (local: checkpoints/, metrics/)"
     )
     q.set_defaults(run=engine_errors(lambda a: remove(a.run_name, target=a.target, volumes=a.volumes)))
+    q = actions.add_parser(
+        "sync",
+        help="send MLflow what it had not taken when a local run ended (kept in its metrics/mlflow-pending/)",
+    )
+    q.add_argument("run_name", metavar="NAME", nargs="?", help="that name's runs (default: every local run here)")
+    q.set_defaults(run=lambda a: mlflow_sync.sync(a.run_name))

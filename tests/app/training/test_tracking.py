@@ -436,3 +436,51 @@ def test_the_run_address_is_the_hosts_where_the_ps_reaches_the_server_at_another
         tracker.close(timeout=0)
     assert trackers[0].ui == "http://127.0.0.1:5123"
     assert trackers[1].ui == "https://***@mlflow.example.com"
+
+
+class _DeadClient(_SlowClient):
+    """A server that stops answering after the run opened: every write is refused at the socket,
+    as by a server that went down (the tracker tries again until the end)."""
+
+    def log_batch(self, run_id, metrics=(), params=()):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    def set_terminated(self, run_id, status):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+
+def test_what_a_server_that_went_down_did_not_take_is_kept_in_order_and_a_resumed_end_adds_to_it(
+    monkeypatch, tmp_path, caplog
+):
+    """The run's records MLflow did not take by the end are kept on disk, in order, with the
+    model's files (tracking_pending); a PS that restarted and ended again adds its own after them."""
+    from app.training import tracking_pending
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", (0.05,))
+    monkeypatch.setattr(tracking.Tracker, "_client", lambda self: _DeadClient())
+    keep = tmp_path / "mlflow-pending" / "run-9"
+    tracker = tracking.Tracker("http://user:pw@nowhere:5000", "e", "run-9", keep=keep)
+    tracker.record("start", 0, {"run_id": "run-9"})
+    tracker.params({"train.lr": 0.1})
+    tracker.record("eval", 10, {"accuracy": 0.5, "metrics": ["accuracy"]})
+    tracker.record("worker", 11, {"worker": "worker1", "loss": 1.5, "samples_per_s": 900.0})
+    tracker.model({"MLmodel": b"flavors: {}", "data/model.pth": b"\x00\x01"}, "model")
+    tracker.record("end", 20, {"accuracy": 0.9, "seconds": 3.0, "metrics": ["accuracy"]})
+    with caplog.at_level("WARNING", logger="app.tracking"):
+        tracker.close("FAILED", timeout=0.5)
+    assert any(f"kept in {keep} for `ps-compose runs sync`" in r.getMessage() for r in caplog.records)
+    about, records = tracking_pending.load(keep)
+    assert about == {"experiment": "e", "run_name": "run-9", "server": "http://***@nowhere:5000"}
+    # the parameters went out with the run's opening and were refused: everything from them on is kept
+    assert [r["kind"] for r in records] == ["params", "eval", "worker", "model", "end", "close"]
+    assert records[1]["step"] == 10 and records[1]["fields"]["accuracy"] == 0.5 and "time" in records[1]["fields"]
+    assert records[3]["files"] == ["MLmodel", "data/model.pth"]
+    assert (keep / "files" / "model" / "data" / "model.pth").read_bytes() == b"\x00\x01"
+
+    again = tracking.Tracker("http://nowhere:5000", "e", "run-9", keep=keep)  # the PS restarted, resumed, ended
+    again.record("start", 20, {"run_id": "run-9"})
+    again.record("end", 30, {"accuracy": 0.95, "seconds": 4.0, "metrics": ["accuracy"]})
+    again.close("FAILED", timeout=0.5)
+    _, more = tracking_pending.load(keep)
+    assert more[: len(records)] == records and [r["kind"] for r in more[len(records) :]][-2:] == ["end", "close"]
+    assert (keep / "files" / "model" / "MLmodel").read_bytes() == b"flavors: {}"
