@@ -193,6 +193,15 @@ class Backend:
         """{file name: lines} of the metrics files `service` sees (the state volume)."""
         return {}
 
+    def read_kept(self, c: Cluster) -> Optional[bytes]:
+        """A tar of the directory of what MLflow had not taken at the ends of the cluster's runs
+        (the state volume's metrics/mlflow-pending/); None where the target cannot read it."""
+        return None
+
+    def drop_kept(self, c: Cluster, run_id: str) -> None:
+        """Remove run `run_id`'s kept MLflow records from the state volume, once sent."""
+        raise self._not_run("runs sync")
+
     def remove_state(self, name: str) -> None:
         """Remove the state volume of cluster `name`, of which nothing else is left."""
         raise self._not_run("runs rm")

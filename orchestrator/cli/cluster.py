@@ -28,11 +28,11 @@ def _verbs():
     return cluster, smoke, board, export, scaling
 
 
-def _end_report(c, tracking_uri: str, experiment: str) -> None:
+def _end_report(backend, c, tracking_uri: str, experiment: str) -> None:
     """A cluster's report, once `logs` followed it to its end (orchestrator/metrics/end_report.py)."""
     from orchestrator.metrics import end_report
 
-    end_report.after_cluster(c, tracking_uri, experiment)
+    end_report.after_cluster(backend, c, tracking_uri, experiment)
 
 
 def _building():

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional, TextIO
 
-from orchestrator.backends.base import Cluster
+from orchestrator.backends.base import Backend, Cluster
 from orchestrator.errors import UsageError
 from orchestrator.mlflow_rest import MLflowServer, failure, shown
 from orchestrator.verbs import mlflow_sync
@@ -59,12 +59,19 @@ def after_run(
     return target
 
 
-def after_cluster(c: Cluster, tracking_uri: str, experiment: str, out: Optional[TextIO] = None) -> Optional[Path]:
-    """`after_run` for a cluster `logs` followed to its end: its state volume's records, copied
-    into runs/<name>/state-metrics/ (or a local run's of the same name, whichever is newer)."""
+def after_cluster(
+    backend: Backend, c: Cluster, tracking_uri: str, experiment: str, out: Optional[TextIO] = None
+) -> Optional[Path]:
+    """`after_run` for a cluster `logs` followed to its end: what its PS kept for MLflow sent
+    where the server answers now, then the report of its state volume's records, copied into
+    runs/<name>/state-metrics/ (or a local run's of the same name, whichever is newer)."""
     from orchestrator.metrics.report import run_of
 
     out = out or sys.stdout
+    try:
+        mlflow_sync.sync_cluster(backend, c, os.environ, out, prefix="==>", timeout=10)
+    except Exception as error:  # noqa: BLE001 - the report is drawn all the same
+        print(f"==> what MLflow had not taken was not read ({failure(error)})", file=out)
     try:
         metrics = run_of(c.name, c.file.parent, out)
     except UsageError as error:

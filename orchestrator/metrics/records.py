@@ -114,11 +114,12 @@ def course(records: Iterable[Record]) -> str:
 
 
 def metrics_from_tar(data: bytes) -> dict[str, list[str]]:
-    """{file name: lines} of the *.jsonl files in a tar (what get_archive returns)."""
+    """{file name: lines} of the *.jsonl files at the top of the directory in a tar (what
+    get_archive returns: `metrics/ps.jsonl`; not those of its subdirectories, mlflow-pending/)."""
     found: dict[str, list[str]] = {}
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         for m in tar.getmembers():
-            if m.isfile() and m.name.endswith(".jsonl"):
+            if m.isfile() and m.name.endswith(".jsonl") and len(Path(m.name).parts) == 2:
                 f = tar.extractfile(m)
                 if f is not None:
                     found[Path(m.name).name] = f.read().decode("utf-8", "replace").splitlines()

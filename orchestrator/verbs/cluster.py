@@ -307,12 +307,12 @@ def logs(
     options: LogOptions = EVERY_LINE,
     out: Optional[TextIO] = None,
     files: Sequence[str] = (),
-    on_end: Optional[Callable[[Cluster, str, str], None]] = None,
+    on_end: Optional[Callable[[Backend, Cluster, str, str], None]] = None,
 ) -> int:
     """Every service's log; following, until every service of the cluster has ended (on two
     looks in a row, POLL apart: a failed one's restart comes a moment later), scaled ones too;
-    `options`: timestamps, --tail, --since, passed to the target's command. `on_end(cluster,
-    tracking URI, experiment)` once it followed the cluster to its end (the run's report)."""
+    `options`: timestamps, --tail, --since, passed to the target's command. `on_end(backend,
+    cluster, tracking URI, experiment)` once it followed the cluster to its end (the run's report)."""
     out = out or sys.stdout
     backend.refuse("logs")
     c = resolve(backend, config, workers, strategy, name, files)
@@ -335,7 +335,7 @@ def logs(
         lines.close()
     if ended.is_set() and on_end is not None:
         tracked = os.environ.get("MLFLOW_TRACKING_URI") or (tracking.ui_address() if _has_own_tracker(c) else "")
-        on_end(c, tracked, os.environ.get("MLFLOW_EXPERIMENT_NAME") or c.name)
+        on_end(backend, c, tracked, os.environ.get("MLFLOW_EXPERIMENT_NAME") or c.name)
     return 0 if follow else int(getattr(lines, "returncode", 0))
 
 

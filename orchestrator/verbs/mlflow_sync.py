@@ -9,22 +9,28 @@ artifact proxy, and the run's end; the kept directory is then removed. Until the
 it stays, and one line says why.
 
 The server is MLFLOW_TRACKING_URI where the caller sets it (with MLflow's credential variables),
-else the one the PS used, as it recorded it (without a password). It sends the kept runs of
-`orchestrator local` (runs/<name>/metrics/); a cluster's PS keeps its own in the state volume,
-where this does not reach yet."""
+else the one the PS used, as it recorded it (without a password). A local run's are in
+runs/<name>/metrics/; a compose cluster's in its state volume, read and then removed through
+the engine (the target's read_kept and drop_kept blocks)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import sys
+import tarfile
+import tempfile
 import urllib.error
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from app.contract import MLFLOW_PENDING_DIR, mlflow_points
+from orchestrator import paths
+from orchestrator.backends import record
+from orchestrator.backends.base import Backend, Cluster
 from orchestrator.errors import UsageError
 from orchestrator.mlflow_rest import MLflowServer, failure, shown
 from orchestrator.verbs.local import RUNS_DIR
@@ -46,29 +52,81 @@ def kept_in(metrics: Path) -> list[Path]:
 
 
 def sync(name: Optional[str] = None, out: Optional[TextIO] = None, environ: Optional[Mapping[str, str]] = None) -> int:
-    """Send every kept run of `name` (else of every local run here); 0 when nothing is left kept."""
+    """Send every kept run of `name` (else of every run here: local runs, and the compose
+    clusters with a record or a state volume); 0 when nothing is left kept."""
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
     base = Path(RUNS_DIR)
-    if name is not None and not (base / name).is_dir():
+    clusters = _clusters(name, out)
+    if name is not None and not (base / name).is_dir() and not clusters:
         raise UsageError(f"runs sync {name}: no run of that name here ({base / name} does not exist)")
-    kept = kept_runs(base, name)
-    if not kept:
+    sent = []
+    for directory in kept_runs(base, name):
+        said, done = send(directory, environ)
+        print(f"runs sync: {said}", file=out, flush=True)
+        sent.append(done)
+    for backend, c in clusters:
+        sent += sync_cluster(backend, c, environ, out)
+    if not sent:
         print(
             f"runs sync: nothing kept for MLflow{f' of {name}' if name else ''}; every run's records were taken",
             file=out,
         )
-        return 0
-    left = 0
-    for directory in kept:
-        said, sent = send(directory, environ)
-        print(f"runs sync: {said}", file=out, flush=True)
-        left += not sent
-    return 1 if left else 0
+    return 0 if all(sent) else 1
 
 
-def send(directory: Path, environ: Mapping[str, str], timeout: float = 30) -> tuple[str, bool]:
-    """Send one kept run and remove it; (one line, whether it was sent)."""
+def sync_cluster(
+    backend: Backend,
+    c: Cluster,
+    environ: Mapping[str, str],
+    out: TextIO,
+    prefix: str = "runs sync",
+    timeout: float = 30,
+) -> list[bool]:
+    """Send what the cluster's PS kept in its state volume, and remove each run's once sent;
+    whether each kept run was sent."""
+    data = backend.read_kept(c)
+    if not data:
+        return []
+    sent = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")  # what the volume holds, nothing outside tmp
+        for directory in kept_in(Path(tmp)):
+            where = f"project {c.name}'s volume ({MLFLOW_PENDING_DIR}/{directory.name})"
+            said, done = send(directory, environ, timeout, where)
+            if done:
+                backend.drop_kept(c, directory.name)
+            print(f"{prefix}: {said}", file=out, flush=True)
+            sent.append(done)
+    return sent
+
+
+def _clusters(name: Optional[str], out: TextIO) -> list[tuple[Backend, Cluster]]:
+    """The compose clusters of `name` (else every one) with a record here or a state volume;
+    none when the engine does not answer (one line)."""
+    from orchestrator.backends.registry import BACKENDS
+
+    backend = BACKENDS["compose"]
+    try:
+        names = sorted(set(backend.known_clusters()) | set(_recorded(backend)))
+    except Exception as error:  # noqa: BLE001 - the local runs are still synced
+        print(f"runs sync: compose not read ({failure(error)})", file=out)
+        return []
+    chosen = [n for n in names if name in (None, n)]
+    return [(backend, record.load(backend, paths.RUNS, n) or Cluster(n, backend.path_of(n))) for n in chosen]
+
+
+def _recorded(backend: Backend) -> list[str]:
+    try:
+        return [d.name for d in paths.RUNS.iterdir() if record.path(backend, paths.RUNS, d.name).is_file()]
+    except OSError:
+        return []
+
+
+def send(directory: Path, environ: Mapping[str, str], timeout: float = 30, where: str = "") -> tuple[str, bool]:
+    """Send one kept run (kept in `where`, else `directory`) and remove its directory;
+    (one line, whether it was sent)."""
     try:
         about = json.loads((directory / RUN).read_text())
         records = [json.loads(line) for line in (directory / RECORDS).read_text().splitlines() if line.strip()]
@@ -85,7 +143,7 @@ def send(directory: Path, environ: Mapping[str, str], timeout: float = 30) -> tu
         why = f"HTTP {error.code}" if isinstance(error, urllib.error.HTTPError) else failure(error)
         return (
             f"run {run_id}: MLflow at {server.shown} did not take what it had not taken at the run's end ({why}); "
-            f"kept in {directory}: `ps-compose runs sync` sends it once the server answers",
+            f"kept in {where or directory}: `ps-compose runs sync` sends it once the server answers",
             False,
         )
     shutil.rmtree(directory, ignore_errors=True)
@@ -102,16 +160,16 @@ def _send(server: MLflowServer, experiment: str, run_id: str, records: list[dict
     points: list[dict[str, Any]] = []
     models: list[tuple[str, list[str]]] = []
     status = ""
-    for record in records:
-        kind = record["kind"]
+    for item in records:
+        kind = item["kind"]
         if kind == "params":
-            params.update({str(k): str(v) for k, v in record["params"].items()})
+            params.update({str(k): str(v) for k, v in item["params"].items()})
         elif kind == "model":
-            models.append((str(record["path"]), [str(f) for f in record["files"]]))
+            models.append((str(item["path"]), [str(f) for f in item["files"]]))
         elif kind == "close":
-            status = status or str(record["status"])  # an `end` record's FINISHED stands
+            status = status or str(item["status"])  # an `end` record's FINISHED stands
         elif kind in ("eval", "end", "worker"):
-            step, fields = int(record["step"]), dict(record["fields"])
+            step, fields = int(item["step"]), dict(item["fields"])
             points += [
                 {"key": k, "value": v, "timestamp": t, "step": step} for k, v, t in mlflow_points(kind, fields, 0)
             ]

@@ -252,7 +252,17 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
     """The lines of every metrics file in the project's /state volume, by file name.
     Read from a container of the project in `found` (running or stopped); with none, from
     a container created (never started) on the volume for the purpose."""
-    # The PS's container, else any that trains (allreduce has no PS): they all mount the volume.
+    try:
+        data = read_volume(client, project, found, METRICS_DIR)
+    except Exception:  # noqa: BLE001 - no metrics yet is not an error for `status`
+        return {}
+    return metrics_from_tar(data) if data is not None else {}
+
+
+def read_volume(client: Any, project: str, found: list[Any], path: str) -> Optional[bytes]:
+    """The tar (get_archive's) of `path` in the project's /state volume; None where the volume
+    or an image to read it with is not there. From the PS's container in `found`, else any that
+    trains (allreduce has no PS; they all mount the volume), else one created (never started)."""
     training = [c for c in found if service_of(c) not in SERVING]
     source = next((c for c in training if c.labels.get(LABEL_SERVICE) == PS_SERVICE), training[0] if training else None)
     scratch = None
@@ -261,20 +271,41 @@ def read_metrics(client: Any, project: str, found: list[Any]) -> dict[str, list[
             volume = f"{project}_{STATE_VOLUME}"
             image = _any_image(client)
             if image is None or not _volume_exists(client, volume):
-                return {}
+                return None
             scratch = source = client.containers.create(
                 image,
                 command=["true"],
                 volumes={volume: {"bind": STATE_DIR, "mode": "ro"}},
                 labels={SCRATCH_LABEL: project},
             )
-        stream, _ = source.get_archive(METRICS_DIR)
-        return metrics_from_tar(b"".join(stream))
-    except Exception:  # noqa: BLE001 - no metrics yet is not an error for `status`
-        return {}
+        stream, _ = source.get_archive(path)
+        return b"".join(stream)
     finally:
         if scratch is not None:
             scratch.remove(force=True)
+
+
+def remove_in_volume(client: Any, project: str, path: str) -> None:
+    """`rm -rf path` in the project's /state volume, as the image's user (psc, who wrote it),
+    from a container made for it and removed after."""
+    image = _any_image(client)
+    if image is None:
+        raise EngineError(f"no ps-compose image to remove {path} of project {project}'s volume with")
+    volume = f"{project}_{STATE_VOLUME}"
+    scratch = client.containers.create(
+        image,
+        entrypoint=["rm", "-rf", "--", path],
+        volumes={volume: {"bind": STATE_DIR, "mode": "rw"}},
+        labels={SCRATCH_LABEL: project},
+        network_disabled=True,
+    )
+    try:
+        scratch.start()
+        code = scratch.wait(timeout=60).get("StatusCode", 1)
+        if code != 0:
+            raise EngineError(f"rm -rf {path} in project {project}'s volume exited {code}")
+    finally:
+        scratch.remove(force=True)
 
 
 def remove_scratch(client: Any, project: str) -> list[str]:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Optional, TextIO
 
 import yaml
 
+from app.contract import MLFLOW_PENDING_DIR
 from orchestrator import images
 from orchestrator.backends import command, export_container
 from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
@@ -21,6 +22,8 @@ from orchestrator.errors import EngineError, UsageError, last_line
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.topology.model import Topology
+
+KEPT_DIR = f"{compose.METRICS_DIR}/{MLFLOW_PENDING_DIR}"  # what MLflow had not taken (app.training.tracking_pending)
 
 # `scale` down: a worker's SIGTERM is a clean leave (its push answered, the PS told); compose
 # kills it after this many seconds (its own SIGTERM grace is at most 5 s).
@@ -112,6 +115,18 @@ class ComposeBackend(Backend):
     def read_records(self, c: Cluster, service: str) -> dict[str, list[str]]:
         client = images.client()
         return adapter.read_metrics(client, c.name, adapter.containers(client, c.name))
+
+    def read_kept(self, c: Cluster) -> Optional[bytes]:
+        client = images.client()
+        try:
+            return adapter.read_volume(client, c.name, adapter.containers(client, c.name), KEPT_DIR)
+        except Exception as error:
+            if getattr(error, "status_code", None) == 404:  # the engine's NotFound: no run kept anything
+                return None
+            raise
+
+    def drop_kept(self, c: Cluster, run_id: str) -> None:
+        adapter.remove_in_volume(images.client(), c.name, f"{KEPT_DIR}/{run_id}")
 
     def remove_state(self, name: str) -> None:
         adapter.remove_volume(images.client(), f"{name}_{compose.STATE_VOLUME}")
