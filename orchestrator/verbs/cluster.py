@@ -333,7 +333,7 @@ def logs(
     finally:
         done.set()
         lines.close()
-    if ended.is_set() and on_end is not None:
+    if follow and on_end is not None and (ended.is_set() or _all_ended(backend, c)):
         tracked = os.environ.get("MLFLOW_TRACKING_URI") or (tracking.ui_address() if _has_own_tracker(c) else "")
         on_end(backend, c, tracked, os.environ.get("MLFLOW_EXPERIMENT_NAME") or c.name)
     return 0 if follow else int(getattr(lines, "returncode", 0))
@@ -355,6 +355,14 @@ def _is_terminal(out: TextIO) -> bool:
     try:
         return out.isatty()
     except (AttributeError, ValueError):  # a closed stream, or none that can tell
+        return False
+
+
+def _all_ended(backend: Backend, c: Cluster) -> bool:
+    """Whether every service of the cluster has ended (one look; False when the engine does not say)."""
+    try:
+        return all(s.ended for s in backend.describe(c))
+    except Exception:  # noqa: BLE001 - no answer: not known to have ended
         return False
 
 
