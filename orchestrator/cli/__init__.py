@@ -109,7 +109,7 @@ def run_local(args: argparse.Namespace) -> int:
 
         tracked = os.environ.get("MLFLOW_TRACKING_URI", "")
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or t.name
-        end_report.after_run(Path(RUNS_DIR) / t.name / "metrics", sys.stdout, "local", tracked, experiment)
+        end_report.after_run(Path(RUNS_DIR) / t.name / "metrics", sys.stdout, "local:", tracked, experiment)
     return code
 
 

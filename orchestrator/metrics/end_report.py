@@ -33,7 +33,7 @@ def after_run(
     environ: Optional[Mapping[str, str]] = None,
 ) -> Optional[Path]:
     """Draw the report of the newest run whose records are in `metrics` (a run's metrics/, or
-    its state volume's copy) into the run's report/, say where in one line starting `prefix`,
+    its state volume's copy) into the run's report/, say where in one line starting `prefix` ("local:", "==>"),
     and log the PNGs to the run's MLflow run at `tracking_uri` (none: not tracked). The
     report's directory, or None when none was drawn."""
     from orchestrator.metrics.report import require_matplotlib, write_report
@@ -41,21 +41,21 @@ def after_run(
 
     environ = os.environ if environ is None else environ
     for kept in mlflow_sync.kept_in(metrics):  # what MLflow had not taken at the end: sent now if it answers
-        print(f"{prefix}: {mlflow_sync.send(kept, environ, timeout=10)[0]}", file=out, flush=True)
+        print(f"{prefix} {mlflow_sync.send(kept, environ, timeout=10)[0]}", file=out, flush=True)
     try:
         require_matplotlib()
         run = load_run(metrics)
         target = run.path / "report"
         written = write_report([run], target)
     except UsageError as error:
-        print(f"{prefix}: no report drawn: {error}", file=out)
+        print(f"{prefix} no report drawn: {error}", file=out)
         return None
     pngs = [p for p in written if p.suffix == ".png"]
-    print(f"{prefix}: report: {', '.join(p.name for p in written)} in {target}/", file=out, flush=True)
+    print(f"{prefix} report: {', '.join(p.name for p in written)} in {target}/", file=out, flush=True)
     run_id = str((run.start or {}).get("run_id") or "")
     if tracking_uri and run_id:
         said = log_to_mlflow(tracking_uri, experiment, run_id, pngs, environ)
-        print(f"{prefix}: {said}", file=out, flush=True)
+        print(f"{prefix} {said}", file=out, flush=True)
     return target
 
 

@@ -80,7 +80,7 @@ def sync_cluster(
     c: Cluster,
     environ: Mapping[str, str],
     out: TextIO,
-    prefix: str = "runs sync",
+    prefix: str = "runs sync:",
     timeout: float = 30,
 ) -> list[bool]:
     """Send what the cluster's PS kept in its state volume, and remove each run's once sent;
@@ -97,7 +97,7 @@ def sync_cluster(
             said, done = send(directory, environ, timeout, where)
             if done:
                 backend.drop_kept(c, directory.name)
-            print(f"{prefix}: {said}", file=out, flush=True)
+            print(f"{prefix} {said}", file=out, flush=True)
             sent.append(done)
     return sent
 

@@ -83,7 +83,7 @@ def test_without_matplotlib_the_report_says_what_to_install_in_one_line(monkeypa
     with pytest.raises(UsageError, match=r"pip install 'ps-compose\[report\]'"):
         report.require_matplotlib()
     out = io.StringIO()
-    assert end_report.after_run(tmp_path, out, "local") is None
+    assert end_report.after_run(tmp_path, out, "local:") is None
     assert out.getvalue() == (
         "local: no report drawn: the report's plots need matplotlib, which is not installed here: "
         "pip install 'ps-compose[report]'\n"
