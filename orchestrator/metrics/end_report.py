@@ -21,6 +21,7 @@ from typing import Optional, TextIO
 from orchestrator.backends.base import Backend, Cluster
 from orchestrator.errors import UsageError
 from orchestrator.mlflow_rest import MLflowServer, failure, shown
+from orchestrator.topology.services import PS_SERVICE
 from orchestrator.verbs import mlflow_sync
 
 
@@ -63,21 +64,32 @@ def after_cluster(
     backend: Backend, c: Cluster, tracking_uri: str, experiment: str, out: Optional[TextIO] = None
 ) -> Optional[Path]:
     """`after_run` for a cluster `logs` followed to its end: what its PS kept for MLflow sent
-    where the server answers now, then the report of its state volume's records, copied into
-    runs/<name>/state-metrics/ (or a local run's of the same name, whichever is newer)."""
-    from orchestrator.metrics.report import run_of
-
+    where the server answers now, then the report of its state's records (the target's
+    read_records), copied into runs/<name>/state-metrics/. Nothing is said of a cluster whose
+    records the target does not give (no run wrote any)."""
     out = out or sys.stdout
     try:
         mlflow_sync.sync_cluster(backend, c, os.environ, out, prefix="==>", timeout=10)
     except Exception as error:  # noqa: BLE001 - the report is drawn all the same
         print(f"==> what MLflow had not taken was not read ({failure(error)})", file=out)
     try:
-        metrics = run_of(c.name, c.file.parent, out)
-    except UsageError as error:
-        print(f"==> no report drawn: {error}", file=out)
+        files = backend.read_records(c, PS_SERVICE) or backend.read_records(c, "worker1")  # allreduce: no PS
+    except Exception as error:  # noqa: BLE001 - the run has ended all the same
+        print(f"==> no report drawn: the state of {c.name} was not read ({failure(error)})", file=out)
         return None
-    return after_run(metrics, out, "==>", tracking_uri, experiment)
+    if not files:
+        return None
+    copy = c.file.parent / "state-metrics"
+    try:
+        copy.mkdir(parents=True, exist_ok=True)
+        for old in copy.glob("*.jsonl"):
+            old.unlink()
+        for name, lines in files.items():
+            (copy / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    except OSError as error:
+        print(f"==> no report drawn: {copy}: {error.strerror or error}", file=out)
+        return None
+    return after_run(copy, out, "==>", tracking_uri, experiment)
 
 
 def log_to_mlflow(uri: str, experiment: str, run_id: str, files: list[Path], environ: Mapping[str, str]) -> str:

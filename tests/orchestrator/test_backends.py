@@ -208,8 +208,12 @@ def test_a_new_target_is_its_blocks_and_one_registry_line(cli, monkeypatch, tmp_
     status, out, err = cli("fake-scale", "--workers", "2")
     assert status == 0, err
     assert fake.calls[-1] == ("scale", ([], ["worker3"])) and "(stopped worker3)" in out
-    status, out, _ = cli("fake-logs")  # follows until every ship is home
-    assert status == 0 and out.splitlines() == [f"{n} | at sea" for n in ("ps", "worker1", "worker2", "worker3")]
+    status, out, _ = cli("fake-logs")  # follows until every ship is home, then the run's report from its records
+    *lines, said = out.splitlines()
+    assert status == 0 and lines == [f"{n} | at sea" for n in ("ps", "worker1", "worker2", "worker3")]
+    report = tmp_path / "runs" / "fleet-cpu-smoke" / "report"
+    assert said == f"==> report: loss.png, accuracy.png, throughput.png, summary.txt in {report}/"
+    assert (report / "accuracy.png").stat().st_size > 0
     status, out, err = cli("fake-tensorboard")
     assert status == 2 and err == "error: target fake has no tensorboard verb: render it and use its own tools\n"
     status, out, _ = cli("fake-down", "-v")
