@@ -89,7 +89,9 @@ def official_case(model: str, workers: int, steps: int | None, timeout: float) -
         out = os.path.join(tmp, "steps.json")
         argv = [sys.executable, "-m", "bench.official", "--model", "resnet18", "--trainers", str(workers)]
         argv += ["--warmup", str(warmup), "--steps", str(count), "--out", out]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONPATH=harness.python_path(Path(__file__).resolve().parent.parent)
+        )
         try:
             proc = subprocess.run(argv, capture_output=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:

@@ -193,7 +193,7 @@ def run_app(case: tuple[str, str, int, str], args: argparse.Namespace, images: P
         (tmp / "images").symlink_to(images)
         job_files(tmp)
         port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=harness.python_path(ROOT), PYTHONUNBUFFERED="1")
         procs = {}
         roles = ([] if allreduce else [("ps", 0)]) + [("worker", r) for r in range(1, workers + 1)]
         for role, rank in roles:

@@ -127,7 +127,7 @@ def run_official(compute_ms: int, workers: int, batches: int, warmup: int, timeo
         argv = [sys.executable, "-m", "bench.official", "--model", f"sleep:{compute_ms}"]
         argv += ["--trainers", str(workers), "--warmup", str(warmup), "--steps", str(batches - warmup)]
         argv += ["--out", str(out)]
-        env = dict(os.environ, PYTHONPATH=str(launch.ROOT))
+        env = dict(os.environ, PYTHONPATH=harness.python_path(launch.ROOT))
         proc = subprocess.run(argv, cwd=launch.ROOT, capture_output=True, timeout=timeout, env=env)
         if proc.returncode != 0 or not out.exists():
             tail = " | ".join(proc.stderr.decode(errors="replace").strip().splitlines()[-3:])

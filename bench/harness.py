@@ -65,3 +65,10 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"wrote {path}")
+
+
+def python_path(root: object) -> str:
+    """PYTHONPATH for a process the bench starts: the checkout `root` first, then what the
+    caller's PYTHONPATH held (a host's own packages, as bench/card/run.sh puts there)."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(filter(None, [str(root), inherited]))

@@ -132,7 +132,12 @@ def environments(case: str, steps: int, run_dir: Path, ifname: str) -> list[tupl
     out = []
     for spec in local.plan(t, port=PORT, run_dir=run_dir, ifname=ifname, run_id=case):
         env = {k: v for k, v in spec.env.items() if k != "PSC_SHM_DIR" and not k.startswith("MLFLOW_")}
-        env.update(PSC_MASTER_ADDR=ADDRESSES["s"], PSC_EXCHANGE="transport", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env.update(
+            PSC_MASTER_ADDR=ADDRESSES["s"],
+            PSC_EXCHANGE="transport",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=harness.python_path(ROOT),
+        )
         env[SECRET_ENV] = str(secret_file)
         first = spec.name == ("worker1" if strategy == "allreduce" else "ps")
         out.append((spec.name, "s" if first else "c", spec.argv, env))

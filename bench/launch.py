@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,7 +30,7 @@ def local_metrics(config: dict[str, Any] | Path, timeout: float, extra: tuple[st
             path.write_text(yaml.safe_dump(config))
             config = path
         argv = [sys.executable, "-m", "orchestrator", "local", "-c", str(config), *extra]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=harness.python_path(ROOT))
         proc = subprocess.Popen(
             argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )

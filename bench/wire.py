@@ -179,7 +179,7 @@ class Peers:
     def start(self, side: str, argv: list[str], log: str) -> subprocess.Popen[bytes]:
         command = [self.link.tools["nsenter"], f"--net=/run/netns/{self.link.ns(side)}"]
         command += [sys.executable, "-m", "bench.wire_peer", *argv]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=harness.python_path(ROOT))
         with open(os.path.join(self.tmp, log), "wb") as err:
             proc = subprocess.Popen(
                 command,

@@ -68,7 +68,10 @@ def app_env(**extra: str) -> dict[str, str]:
     """The test process's environment without PSC_* (so defaults are the app's own), but for
     PSC_SECRET_FILE: the session's secret, as the orchestrator hands one to every process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSC_")}
-    env.update(PYTHONPATH=str(REPO), PSC_SECRET_FILE=session_secret(), **extra)
+    inherited = os.environ.get("PYTHONPATH", "")  # a host's own packages (bench/card/run.sh)
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), inherited])), PSC_SECRET_FILE=session_secret(), **extra
+    )
     return env
 
 

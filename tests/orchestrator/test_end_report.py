@@ -63,6 +63,7 @@ def test_a_tracked_local_run_ends_with_its_report_and_logs_its_pngs_to_its_mlflo
         assert client.get_metric_history(run.info.run_id, "worker2/loss")
 
 
+@pytest.mark.slow
 def test_a_run_not_in_the_tracking_servers_experiment_is_one_line_and_nothing_sent(tmp_path: Path) -> None:
     with mlflow_testkit.serve(tmp_path / "mlflow", "127.0.0.1", _free_port()) as uri:
         said = end_report.log_to_mlflow(uri, "no-such-experiment", "r-1", [], {})
