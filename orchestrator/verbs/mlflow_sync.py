@@ -150,6 +150,15 @@ def send(directory: Path, environ: Mapping[str, str], timeout: float = 30, where
     return f"run {run_id}: sent to MLflow at {server.shown}: {counts}", True
 
 
+def _kept_file(files: Path, relative: str) -> Path:
+    """The kept file `relative` names, which must lie inside `files` (what a record names is the
+    job's word, read on the host: no path out of the kept directory is followed)."""
+    found = (files / relative).resolve()
+    if not found.is_relative_to(files.resolve()) or not found.is_file():
+        raise ValueError(f"a kept record names {relative!r}, not a file of {files}")
+    return found
+
+
 def _send(server: MLflowServer, experiment: str, run_id: str, records: list[dict[str, Any]], files: Path) -> str:
     """The records of one kept run, in order, to its MLflow run; what was sent, in words."""
     experiment_id = server.experiment_id(experiment, create=True)
@@ -185,7 +194,7 @@ def _send(server: MLflowServer, experiment: str, run_id: str, records: list[dict
             )
         for path, names in models:
             for name in names:
-                server.put(f"{root}/{path}/{name}", (files / path / name).read_bytes())
+                server.put(f"{root}/{path}/{name}", _kept_file(files, f"{path}/{name}").read_bytes())
                 sent_files += 1
     if status:
         server.end_run(uuid, status)

@@ -72,3 +72,19 @@ def test_a_sync_of_a_name_with_no_run_is_one_line_and_exit_2(tmp_path: Path) -> 
     p = _orchestrator(tmp_path, dict(os.environ), "runs", "sync", "nope")
     assert p.returncode == 2 and p.stderr.strip().endswith("no run of that name here (runs/nope does not exist)")
     assert len(p.stderr.splitlines()) == 1
+
+
+def test_a_kept_record_naming_a_file_outside_the_kept_directory_is_refused(tmp_path: Path) -> None:
+    """What a kept record names is the job's word, read on the host: a path out of the kept
+    files (a container's PS could write one into its state volume) is never read or sent."""
+    from orchestrator.verbs.mlflow_sync import _kept_file
+
+    files = tmp_path / "kept" / "files"
+    (files / "model").mkdir(parents=True)
+    (files / "model" / "MLmodel").write_text("flavors: {}")
+    (tmp_path / "secret").write_text("the host's")
+    (files / "model" / "link").symlink_to(tmp_path / "secret")
+    assert _kept_file(files, "model/MLmodel").read_text() == "flavors: {}"
+    for outside in ("../../secret", "model/link", "/etc/passwd", "model/missing"):
+        with pytest.raises(ValueError, match="not a file of"):
+            _kept_file(files, outside)
