@@ -221,10 +221,12 @@ env = {k: v for k, v in os.environ.items() if k.startswith(("PSC_", "TP_"))}
 if os.environ.get("FAKE_IGNORE_TERM"):  # a process that outlives its launcher's death (before it says it started)
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# Its one line first: once its file is there it writes nothing more, so a test may kill the
+# launcher that reads its output then (a line written after that would end it on EPIPE).
+print(f"{name} started", flush=True)
 # whole or not there: the tests wait for the file to exist, then read it
 open(f"{name}.json.tmp", "w").write(json.dumps({"argv": sys.argv[1:], "env": env, "pid": os.getpid()}))
 os.replace(f"{name}.json.tmp", f"{name}.json")
-print(f"{name} started", flush=True)
 if os.environ.get("FAKE_SLEEP"):
     time.sleep(120)
 """
