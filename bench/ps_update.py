@@ -1,9 +1,12 @@
-"""The PS's update of one async push, alone: `ParameterServer.submit` of the app's PS (the
-NaN/inf check of the message, then under the lock the SGD step into the pusher's reply buffer
-and the answer), in this process, on the sleep model's state (ResNet-18's 44.8 MB), with the
-threads a PS process of the bench's jobs takes. No message moves: it is the work that lies on a
-plain async worker's path between its push and its next forward, so no async step is shorter
-than compute alone plus it (`python -m bench gpu` prints that floor under each C).
+"""The PS's update of one async push, alone: `ParameterServer.submit` of the app's PS (under
+the lock the SGD step into the pusher's reply buffer, and the answer) of a push whose worker
+proved it finite, as every worker's backward does (app.training.flat's `finite_proof`, a GPU's
+flags), so the PS does not check it again; the NaN/inf check a push without that proof costs
+the PS is measured beside it. In this process, on the sleep model's state (ResNet-18's
+44.8 MB), with the threads a PS process of the bench's jobs takes. No message moves: it is the
+work that lies on a plain async worker's path between its push and its next forward, so no
+async step is shorter than compute alone plus it (`python -m bench gpu` prints that floor
+under each C).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _timed(config: Any, repeats: int) -> dict[str, Any]:
     updates, checks = [], []
     for i in range(repeats + 2):
         rank = ranks[i % WORKERS]
-        push = Push(rank, f"worker{rank}", server.version, batch=i + 1, samples=20)
+        push = Push(rank, f"worker{rank}", server.version, batch=i + 1, samples=20, finite=True)
         started = time.perf_counter()
         future = server.submit(push, message)
         updated = time.perf_counter()

@@ -79,7 +79,8 @@ class Outgoing(NamedTuple):
     """A push's message as it will travel, and what the push says of it. A GPU worker's message
     is still being copied where it travels from: the push is sent once `ready` has passed (the
     copy staged in pinned memory, or into its push slot `slot`), and then `flags` (pinned, one a
-    partition) say whether every value is finite."""
+    partition) say whether every value is finite; a CPU worker's backward proves it in one flag
+    (app.training.flat's `finite_proof`)."""
 
     message: torch.Tensor
     slot: int | None = None  # the push slot it is in already (a GPU worker copies it there)
@@ -183,6 +184,8 @@ class Pushing:
     def _now(self, outgoing: Outgoing, version: Version, push: Push) -> Pending:
         if outgoing.norm is not None:  # on a GPU: copied to pinned memory before `ready`, no wait here
             push = push._replace(grad_norm=float(outgoing.norm))
+        if outgoing.finite():  # the worker proved it (a GPU's flags, read once `ready` passed): no check there
+            push = push._replace(finite=True)
         return self.go(outgoing, version, push)
 
     def go(self, outgoing: Outgoing, version: Version, push: Push) -> Pending:

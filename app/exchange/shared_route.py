@@ -207,8 +207,6 @@ class SharedMemoryRoute(Pushing):
         """The RPC future of the push, its message in a push slot: the one it was sealed in, or
         the one `place` puts it in."""
         message = outgoing.message
-        if outgoing.finite():  # a GPU's flags, read once its copies landed: the PS need not check
-            push = push._replace(finite=True)
         dtype = str(message.dtype).removeprefix("torch.")
         slot = InSlot(outgoing.slot if outgoing.slot is not None else self.place(message), dtype, message.numel())
         try:

@@ -81,6 +81,10 @@ class FlatModel:
         self._spare: torch.Tensor | None = None  # the other message buffer, once `flip` needs one
         # Views of tensors the model comes back to every step (`keep_views_of`): data_ptr -> views.
         self._kept: dict[int, list[torch.Tensor]] = {}
+        # the write-once hooks' sum of each gradient they wrote (`finite_proof`), and the last
+        # backward's: (the message it wrote, those sums)
+        self._sums: list[torch.Tensor] = []
+        self._proof: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         state = params + [buf for _, _, buf in buffers]
         for view, tensor in zip(self._views(self.vector, [t.shape for t in state]), state):
             view.copy_(tensor.detach())
@@ -140,6 +144,7 @@ class FlatModel:
                 return grad
             view = message[offset : offset + shape.numel()].view(shape)
             view.copy_(grad)
+            self._sums.append(view.sum())  # while its values are in cache: the message's finite proof
             return view
 
         return into_message
@@ -157,8 +162,11 @@ class FlatModel:
             return
         for p in self._params:
             p.grad = None
+        self._sums, self._proof = [], None
+        written = False
         try:
             yield
+            written = True
         finally:
             for p, view in zip(self._params, self._views_of(self.message)):
                 grad = p.grad
@@ -166,9 +174,14 @@ class FlatModel:
                     view.zero_()
                 elif grad.layout != torch.strided:  # a sparse gradient, handed on as it came
                     view.copy_(grad.to_dense())
+                    self._sums.append(view.sum())
                 elif grad.data_ptr() != view.data_ptr():  # autograd kept a copy of its own
                     view.copy_(grad)
+                    self._sums.append(view.sum())
                 p.grad = view
+            if written:
+                self._proof = (self.message, self._sums)
+            self._sums = []
 
     def flip(self) -> None:
         """Swap `message` for a second buffer of its own and point the grads into it (the
@@ -234,6 +247,20 @@ class FlatModel:
         """Copy the current buffers behind the grads; return the whole message."""
         self.message[self.num_params :].copy_(self.buffers)
         return self.message
+
+    def finite_proof(self) -> torch.Tensor | None:
+        """After `pack_message`, once: whether the message holds no NaN or inf, as a one-value
+        bool tensor (True proves it: a NaN or inf makes a sum NaN or inf; False may also be a
+        sum of finite values that overflowed), from the sums the write-once hooks took of each
+        gradient as they wrote it, while its values were in cache: no pass over the message
+        after the backward. None where no such backward wrote this message last (in place, as
+        on a GPU). A caller that changed the message since the backward (a local strategy's
+        change) must not ask for it."""
+        proof, self._proof = self._proof, None
+        if proof is None or proof[0] is not self.message:
+            return None
+        buffers = self.message[self.num_params :]
+        return torch.isfinite(torch.stack([*proof[1], buffers.sum()]).sum())
 
     def load(self, vector: torch.Tensor) -> None:
         """Overwrite params and buffers with a received vector (any device), in the model's

@@ -36,9 +36,10 @@ class ShardedRoute(Carried):
         """Each shard's slice (the main PS's only first, when chained); a push that holds NaN or
         inf is refused here."""
         message = outgoing.message
-        if not self._finite(message):
+        if not (push.finite or self._finite(message)):
             why = f"{self.pusher.name} computed non-finite values (NaN or inf); the push was not sent"
             return Answered(Refusal(Refused.NONFINITE, why))
+        push = push._replace(finite=True)  # checked here, for every shard's slice
         versions = version if isinstance(version, tuple) else (version,)
         sends = [(shard, self._part(message, shard), pulled) for shard, pulled in zip(self.shards, versions)]
         rest = sends[1:] if self.chained else []

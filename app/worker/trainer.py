@@ -217,9 +217,13 @@ class Trainer:
             self.local.change()
             samples = self.local.samples
         message = self.flat.pack_message()
+        # a CPU backward proved its gradient finite as it wrote it: the PS need not check it again
+        proof = self.flat.finite_proof() if self.local is None and self.compress is None else None
         if self.compress is not None:
             message = self.compress(message)
         outgoing = self.route.seal(message)  # on a GPU its copies to the host are queued, not waited for
+        if proof is not None and outgoing.flags is None:
+            outgoing = outgoing._replace(flags=proof)
         if norm is not None:
             outgoing = outgoing._replace(norm=norm)
         report = self.reporter.take()  # the progress line's loss and samples/s, for the PS's tracker

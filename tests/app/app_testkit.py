@@ -250,7 +250,7 @@ def recording_channel(answer=None, overlap: bool = False):
     answered at once with `answer(message, version)` (by default a Reply of zeros, one version
     on), which the wait loads through `.load`; the pushes the trainer said its rank has still to
     make after each one, in `.to_go`; each push's gradient norm in `.norms` and the epoch's
-    batches it said in `.epoch_batches`."""
+    batches it said in `.epoch_batches`; whether the worker proved each one finite, in `.proven`."""
     from types import SimpleNamespace
 
     import torch
@@ -273,6 +273,7 @@ def recording_channel(answer=None, overlap: bool = False):
             self.to_go: list[int] = []
             self.norms: list = []  # each push's gradient norm (train.clip_grad_norm), None without
             self.epoch_batches: list[int] = []
+            self.proven: list[bool] = []  # each push: whether the worker proved its values finite
 
         def join(self):
             raise AssertionError("a recording channel joins no PS")
@@ -290,6 +291,7 @@ def recording_channel(answer=None, overlap: bool = False):
             self.messages.append(outgoing.message)
             self.to_go.append(to_go)
             self.norms.append(None if outgoing.norm is None else float(outgoing.norm))
+            self.proven.append(outgoing.finite())
             self.epoch_batches.append(epoch_batches)
             reply = (answer or zeros)(outgoing.message, version)
             return SimpleNamespace(wait=lambda: self._loaded(reply))

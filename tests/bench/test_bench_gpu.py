@@ -234,7 +234,7 @@ def test_under_each_c_with_async_rows_the_floor_is_compute_alone_plus_the_ps_upd
     text = gpu_report.table(gpu_report.aggregate(runs), update)
     blocks = {block.splitlines()[0].split(" ms ")[0]: block for block in text.split("\n\n")}
     floor = next(line for line in blocks["C = 25"].splitlines() if "floor of async" in line)
-    assert "8.0 ms" in floor and "check 2.0 ms" in floor and "2 threads" in floor and floor.endswith("1.32x")
+    assert "8.0 ms" in floor and "check of 2.0 ms" in floor and "2 threads" in floor and floor.endswith("1.32x")
     assert "floor of async" not in blocks["C = 13"]  # no async row there: sync's floor is another
     assert "floor of async" not in gpu_report.table(gpu_report.aggregate(runs))  # not measured
 
@@ -248,7 +248,12 @@ def test_the_ps_update_is_the_apps_own_with_a_ps_processs_threads_and_gives_the_
     from app.runtime import machine
     from bench import ps_update
 
+    from app.ps.state import State
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cores' share, as `python -m app ps` takes it
+    checks = []
+    check = State.finite
+    monkeypatch.setattr(State, "finite", lambda self, message: checks.append(1) or check(self, message))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
@@ -260,4 +265,5 @@ def test_the_ps_update_is_the_apps_own_with_a_ps_processs_threads_and_gives_the_
     assert got["threads"] == max(1, len(os.sched_getaffinity(0)) // ps_process)
     assert got["pushes"] == 3 + 2  # every push timed (and the two before) was applied, none refused
     assert got["update_s"] > 0 and got["check_s"] > 0
+    assert len(checks) == 3 + 2  # the check is timed on its own: a push its worker proved finite is not checked
     assert after == 7

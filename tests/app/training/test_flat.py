@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
@@ -162,3 +163,50 @@ def test_a_parameter_the_backward_skips_gets_zeros_and_a_backward_outside_still_
     model(x, both=False).sum().backward()  # outside: autograd adds into .grad, as after zero_grads
     assert torch.allclose(flat.grads, 2 * once)
     assert model.left.weight.grad.data_ptr() == flat.message[model.body.weight.numel() + 4 :].data_ptr()
+
+
+def _backward(flat: FlatModel, model: nn.Module, x: torch.Tensor) -> None:
+    with flat.writing_grads():
+        nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 0, 1])).backward()
+
+
+def test_a_backward_on_the_cpu_proves_its_gradient_finite_as_it_writes_it():
+    model = _bn_model()
+    flat = FlatModel(model)
+    _backward(flat, model, torch.randn(5, 1, 8, 8))
+    flat.pack_message()
+    proof = flat.finite_proof()
+    assert proof is not None and proof.dtype == torch.bool and bool(proof)
+    assert flat.finite_proof() is None  # once: the next message needs a backward of its own
+
+
+def test_a_nan_in_a_gradient_or_a_buffer_is_never_proven_finite():
+    model = _bn_model()
+    flat = FlatModel(model)
+    x = torch.randn(5, 1, 8, 8)
+    x[0, 0, 0, 0] = float("nan")  # every gradient it reaches is NaN, and BatchNorm's running stats
+    _backward(flat, model, x)
+    flat.pack_message()
+    assert not bool(flat.finite_proof())
+    _backward(flat, model, torch.randn(5, 1, 8, 8))
+    flat.buffers[0] = float("inf")  # a running stat gone bad: it travels behind the gradient
+    flat.pack_message()
+    assert not bool(flat.finite_proof())
+
+
+def test_no_proof_for_a_message_the_backward_did_not_write_last():
+    model = _bn_model()
+    flat = FlatModel(model)
+    _backward(flat, model, torch.randn(5, 1, 8, 8))
+    flat.flip()  # the next backward's buffer: nothing wrote it
+    flat.pack_message()
+    assert flat.finite_proof() is None
+    model2 = _bn_model()
+    in_place = FlatModel(model2, accumulate=True)  # a GPU's way: autograd adds into the views, no hook
+    _backward(in_place, model2, torch.randn(5, 1, 8, 8))
+    in_place.pack_message()
+    assert in_place.finite_proof() is None
+    with pytest.raises(RuntimeError), flat.writing_grads():  # a backward that failed proves nothing
+        raise RuntimeError("the forward failed")
+    flat.pack_message()
+    assert flat.finite_proof() is None

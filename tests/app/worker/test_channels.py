@@ -137,6 +137,25 @@ def test_a_sharded_push_of_non_finite_values_is_refused_before_any_shard_has_a_s
     assert "worker1 computed non-finite values" in answer.message and torch.equal(flat.vector, torch.zeros(4))
 
 
+def test_a_push_the_worker_proved_finite_says_so_and_an_unproven_one_does_not():
+    events: list = []
+    route = SocketRoute(Pusher(1, "worker1"), call=_answering(events, 4, staleness=0))
+    flat = _bound(route)
+    message = flat.pack_message()
+    route.push(Outgoing(message, flags=torch.tensor(True)), 0).wait()
+    route.push(Outgoing(message), 0).wait()  # no proof: the PS checks it
+    route.push(Outgoing(message, flags=torch.tensor([True, False])), 0).wait()  # a partition not proven
+    assert [push.finite for _, push, _ in events] == [True, False, False]
+
+
+def test_a_sharded_push_checked_by_the_worker_is_sent_to_every_shard_as_finite():
+    events: list = []
+    route = _sharded(events, chained=False)
+    _bound(route)
+    route.push(route.seal(torch.arange(4.0)), (0, 0)).wait()  # unproven: checked here, once for all
+    assert [(to, push.finite) for to, push, _ in events] == [(PS, True), ("ps1", True)]
+
+
 def test_a_ps_process_that_is_gone_is_named_in_one_line():
     def gone(to, function, args, timeout):
         raise RuntimeError("connection refused\nand more")

@@ -85,3 +85,32 @@ def test_with_clipping_each_push_carries_its_gradients_global_norm_and_the_epoch
             assert channel.norms[0] > 0.5  # a gradient the PS will clip
         else:
             assert channel.norms == [None]
+
+
+def test_a_cpu_workers_push_says_its_values_are_finite_only_when_they_are():
+    config = parse(["worker"], {})
+    channel = recording_channel()
+    model = nn.Linear(3, 2)
+    trainer = Trainer(config, model, None, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    y = torch.zeros(4, dtype=torch.long)
+    trainer.compute_gradients(torch.randn(4, 3), y)
+    trainer.push_and_pull()
+    bad = torch.randn(4, 3)
+    bad[1, 2] = float("inf")
+    trainer.compute_gradients(bad, y)
+    trainer.push_and_pull()
+    # the second push goes unproven: its PS checks every value and refuses it
+    assert channel.proven == [True, False]
+    assert not torch.isfinite(channel.messages[1]).all()
+
+
+def test_a_local_strategys_change_is_never_sent_as_proven():
+    config = parse(["worker", "--strategy", "diloco", "--local_steps", "1"], {})
+    channel = recording_channel()
+    trainer = Trainer(config, nn.Linear(3, 2), None, None, torch.device("cpu"), channel, None)
+    started(trainer)
+    trainer.compute_gradients(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    assert trainer.due(4)
+    trainer.push_and_pull(1, 1, 4)
+    assert channel.proven == [False]
