@@ -245,10 +245,9 @@ def test_the_ps_update_is_the_apps_own_with_a_ps_processs_threads_and_gives_the_
     import torch
 
     from app.config import parse
+    from app.ps.state import State
     from app.runtime import machine
     from bench import ps_update
-
-    from app.ps.state import State
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cores' share, as `python -m app ps` takes it
     checks = []
