@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch.futures import Future
 
-from app.exchange.transport import answered_later, served
+from app.exchange.transport import answered_later, at_once, served
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
 
@@ -71,6 +71,14 @@ def rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
     return service().pull(rank)
 
 
+def proven_in_slot(message: torch.Tensor | InSlot, push: Push) -> bool:
+    """A push through shared memory of float32 values its worker proved finite: its PS only
+    takes its lock and steps (no check, no widening first), so the call is answered on the
+    transport's I/O thread as it arrives (app.exchange.transport.at_once)."""
+    return isinstance(message, InSlot) and message.dtype == "float32" and push.finite is True
+
+
+@at_once(proven_in_slot)
 @answered_later
 def rpc_push(message: torch.Tensor | InSlot, push: Push) -> Future:
     """A Future of the Reply (or Refusal): ssp and sync answer once the others have caught up. A

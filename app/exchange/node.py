@@ -14,10 +14,12 @@ app.exchange.transport.served); any other name is answered with an error. A serv
 return a Future: the reply goes once it is done, and no thread waits for it meanwhile.
 
 Only the I/O thread touches a socket; other threads hand it what to send (a queue and a pipe
-that wakes it). Calls are answered in a pool of threads. A peer that is gone is found out:
-its connection closing (a process that died), or, for one that stopped answering, the
-heartbeats of the connection (ZMTP's PING, `timeout` seconds). A call to it then fails at once;
-every call also fails past its own timeout.
+that wakes it). Calls are answered in a pool of threads, but for a call its function says it
+answers at once (`AT_ONCE`: it never waits for another call, as a worker's push does not),
+which the I/O thread runs as it arrives and whose reply it sends as soon as it is ready. A
+peer that is gone is found out: its connection closing (a process that died), or, for one
+that stopped answering, the heartbeats of the connection (ZMTP's PING, `timeout` seconds). A
+call to it then fails at once; every call also fails past its own timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from app.runtime.words import first_line
 
 log = logging.getLogger("app.transport")
 SERVED: dict[str, Callable[..., Any]] = {}  # what any process answers, by name (app.exchange.transport.served)
+# Served functions answered on the I/O thread as their call arrives, where their predicate says so
+# of the call's arguments (app.exchange.transport.at_once): no handoff to the pool and back.
+AT_ONCE: dict[str, Callable[..., bool]] = {}
 POLL_MS = 1000  # the I/O thread wakes at least this often to expire calls (it sleeps in between)
 # Over CURVE, a tensor travels in frames of about this many bytes (app.exchange.codec): ZeroMQ
 # encrypts a frame at a time, so encryption overlaps the link instead of preceding it.
@@ -320,12 +325,27 @@ class Node:
             if not isinstance(function, str):
                 self._malformed(sender, frames, codec.Malformed("a call without a function's name"))
                 return
-            self._pool.submit(self._serve_call, (socket, routing), call, function, value)
+            if self._at_once(function, value):
+                self._serve_call((socket, routing), call, function, value)
+                self._run_commands()  # its reply (when it is ready) goes now, before the next message
+            else:
+                self._pool.submit(self._serve_call, (socket, routing), call, function, value)
             return
         if kind == "r":
             self._pending.answer(call, sender, value=value)
         else:
             self._pending.answer(call, sender, error=str(header.get("m")))
+
+    @staticmethod
+    def _at_once(function: str, args: Any) -> bool:
+        """Whether the I/O thread answers this call itself (AT_ONCE says so of its arguments)."""
+        answers = AT_ONCE.get(function)
+        if answers is None or not isinstance(args, tuple):
+            return False
+        try:
+            return bool(answers(*args))
+        except Exception:  # noqa: BLE001 - arguments it does not take: the pool answers, with the error
+            return False
 
     def _malformed(self, sender: str, frames: list[Any], error: Exception) -> None:
         """Dropped, with one warning per sender; a reply that does not parse fails its call."""

@@ -27,7 +27,7 @@ from torch.futures import Future
 from app.config import Config, UsageError
 from app.contract import PS
 from app.exchange import secret
-from app.exchange.node import SERVED, Node
+from app.exchange.node import AT_ONCE, SERVED, Node
 from app.exchange.sockets import mechanism_for, unlink_socket
 from app.exchange.store import RemoteStore, Store
 from app.runtime import lifecycle, machine
@@ -58,6 +58,19 @@ def served(function: F) -> F:
     """Mark `function` as one other processes may call (no other name is answered)."""
     SERVED[name_of(function)] = function
     return function
+
+
+def at_once(when: Callable[..., bool]) -> Callable[[F], F]:
+    """Mark a served function as answered on the transport's I/O thread as its call arrives,
+    for the calls whose arguments `when` accepts: no handoff to a pool thread and back. Only
+    for work that never waits for another call's answer (nor for a lock held across one),
+    short enough to hold up the process's other messages for: a push through shared memory."""
+
+    def mark(function: F) -> F:
+        AT_ONCE[name_of(served(function))] = when
+        return function
+
+    return mark
 
 
 def answered_later(function: F) -> F:

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 import zmq
 from torch.futures import Future
 
+from app.exchange import node as node_module
 from app.exchange import secret, transport
 from app.exchange.node import Node
 from app.exchange.sockets import Mechanism
@@ -44,6 +46,24 @@ def held() -> Future:
     return future
 
 
+THREADS: list[str] = []
+
+
+@transport.at_once(lambda vector, push: push.finite)
+def stepped(vector: torch.Tensor, push: Push) -> Reply:
+    """Answered on the I/O thread for a push that says finite, by a pool thread otherwise."""
+    THREADS.append(threading.current_thread().name)
+    return Reply(vector + 1, push.pulled + 1, 0, 0)
+
+
+@transport.at_once(lambda: True)
+@transport.answered_later
+def held_at_once() -> Future:
+    future: Future = Future()
+    HELD.append(future)
+    return future
+
+
 @transport.served
 def raises() -> None:
     raise ValueError("a bad value\nand a traceback nobody needs")
@@ -53,6 +73,7 @@ def raises() -> None:
 def _clean():
     RAN.clear()
     HELD.clear()
+    THREADS.clear()
 
 
 def endpoints(tmp_path: Path) -> dict[str, tuple[str, str, Mechanism]]:
@@ -122,6 +143,42 @@ def test_an_answer_held_as_a_future_holds_no_thread(tmp_path):
     finally:
         client.close()
         server.close()
+
+
+def test_a_call_its_function_answers_at_once_runs_on_the_io_thread_and_its_reply_goes_without_a_wakeup(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(node_module, "POLL_MS", 600_000)  # a reply left for the next turn of the loop would wait
+    server, client = pair(tmp_path, "ipc+plain", timeout=60.0)
+    try:
+        name = transport.name_of(stepped)
+        assert client.call_async("ps", name, (torch.ones(2), Push(1, "worker1", 0, finite=True))).wait().version == 1
+        assert client.call_async("ps", name, (torch.ones(2), Push(1, "worker1", 3))).wait().version == 4
+        assert THREADS == ["ps-io", "ps-call_0"]  # the second push was not proven finite: the pool's
+        # held at once: the I/O thread is free meanwhile, and a reply from another thread wakes it
+        waiting = client.call_async("ps", transport.name_of(held_at_once), ())
+        while not HELD:
+            time.sleep(0.01)
+        assert client.call_async("ps", name, (torch.ones(2), Push(1, "worker1", 5, finite=True))).wait().version == 6
+        threading.Thread(target=HELD[0].set_result, args=(Reply(torch.zeros(1), 9, 0, 0),)).start()
+        assert waiting.wait().version == 9
+        # arguments its predicate does not take: the pool answers, with the function's own error
+        with pytest.raises(RuntimeError, match="TypeError"):
+            client.call_async("ps", name, (torch.ones(2),)).wait()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_push_through_shared_memory_is_answered_at_once_only_when_proven_finite_float32():
+    from app.exchange.calls import proven_in_slot
+    from app.exchange.wire import InSlot
+
+    proven = Push(1, "worker1", 0, finite=True)
+    assert proven_in_slot(InSlot(0, "float32", 10), proven)
+    assert not proven_in_slot(InSlot(0, "float32", 10), Push(1, "worker1", 0))  # the PS checks it first
+    assert not proven_in_slot(InSlot(0, "bfloat16", 10), proven)  # widened first
+    assert not proven_in_slot(torch.ones(10), proven)  # over the socket
 
 
 def test_an_error_or_a_name_not_served_is_the_callers_error_and_runs_nothing(tmp_path):
@@ -209,6 +266,7 @@ def test_a_call_past_its_timeout_fails_and_its_late_answer_is_dropped(tmp_path):
 
 SERVER = """
 import sys, time
+from app.exchange import node as node_module
 from app.exchange import secret, transport
 from app.exchange.node import Node
 from app.exchange.sockets import Mechanism
