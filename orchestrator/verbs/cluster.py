@@ -50,6 +50,7 @@ from orchestrator.render.compose import STATE_VOLUME
 from orchestrator.render.yamlio import write_if_changed
 from orchestrator.topology.model import Topology, load_with
 from orchestrator.topology.services import PS_SERVICE, Service, describe, services, sort_key
+from orchestrator.verbs import live_names
 from orchestrator.verbs.building import ensure_image
 
 POLL = 2.0  # seconds between two looks at the cluster while following its logs
@@ -150,18 +151,17 @@ def keep_document(backend: Backend, c: Cluster) -> None:
 
 def refuse_live(backend: Backend, c: Cluster, verb: str) -> None:
     """UsageError (one line) when a run of cluster `c` is live on the target: a second run of
-    the same name would share its project (or stack) and state volume."""
-    local = run_lock.live_run(c.file.parent) if backend.name == "compose" else None
-    if local is not None:  # a `local` run of the name writes runs/<name>/ too
-        raise UsageError(
-            f"{verb}: a local run {local or '(no id)'} of {c.name} is live (runs/{c.name}/local.lock); give this one "
-            f"another name ({command('up', NAME=c.name[:48] + '-2')}), or end that one first"
-        )
+    the same name would share its project (or stack) and state volume; or live anywhere else,
+    `local` or another target (orchestrator/verbs/live_names.py)."""
+    from orchestrator.backends.registry import BACKENDS
+
+    p = backend.verb_prefix
+    another = command(backend.verb("up"), NAME=c.name[:48] + "-2")
+    live_names.refuse_elsewhere(c.name, backend.name, f"{p}{verb}", another, BACKENDS.values(), c.file.parent.parent)
     live = backend.running_env(c, runs.VARIABLES)
     if not live:
         return
     going = sorted(s.service for s in backend.describe(c) if s.status in ("running", "restarting"))
-    p = backend.verb_prefix
     raise UsageError(
         f"{p}{verb}: {backend.noun} {c.name} has a live run {live.get(runs.RUN_ID) or '(no id)'} "
         f"({backend.unit}s running: {' '.join(going) or 'none'}); give this one another name "

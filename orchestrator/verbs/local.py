@@ -35,11 +35,10 @@ import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from orchestrator import job_secret, run_lock, runs, user_packages
 from orchestrator.errors import UsageError
-from orchestrator.hints import command
 from orchestrator.host_paths import check_paths
 from orchestrator.paths import DEFAULT_CONFIG
 from orchestrator.pids import alive
@@ -47,6 +46,7 @@ from orchestrator.render.compose import app_environment
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, TopologyError, load_with
 from orchestrator.topology.services import Service, describe, has_ps, services
+from orchestrator.verbs import live_names
 from orchestrator.verbs.supervisor import WORKER_RESTARTS, ProcessSpec, Supervisor, spawn
 
 __all__ = ["WORKER_RESTARTS", "ProcessSpec", "Supervisor", "spawn"]  # where the other verbs and tests take them
@@ -256,7 +256,9 @@ def run(
     run_id = runs.chosen(resume) or runs.new_id()
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
-        refuse_live_compose(t)
+        live_names.refuse_elsewhere(
+            t.name, live_names.LOCAL, "local", f"--name {t.name[:48]}-2", _targets(), Path(runs_dir)
+        )
         remember(run_dir, t, source)
     except BaseException:
         os.close(lock)
@@ -314,24 +316,11 @@ def topology_of(
     return load_with(config or DEFAULT_CONFIG, workers=workers, strategy=strategy, name=name)
 
 
-def refuse_live_compose(t: Topology) -> None:
-    """UsageError (one line) when a compose run of `t`'s name is live on this host's engine: both
-    would write runs/<name>/. No engine, nothing to refuse."""
-    from orchestrator import images
-    from orchestrator.backends.compose import adapter
-    from orchestrator.errors import EngineError
-    from orchestrator.render.compose import project_name
+def _targets() -> list[Any]:
+    """The targets a name may be live on besides `local` (orchestrator/verbs/live_names.py)."""
+    from orchestrator.backends.registry import BACKENDS
 
-    try:
-        live = adapter.running_env(images.client(timeout=10), project_name(t), runs.VARIABLES)
-    except (EngineError, OSError):
-        return
-    if live:
-        raise UsageError(
-            f"local: compose project {project_name(t)} has a live run {live.get(runs.RUN_ID) or '(no id)'} of this "
-            f"name; give this one another name (--name {t.name[:48]}-2), "
-            f"or end that one first ({command('down', NAME=t.name)})"
-        )
+    return list(BACKENDS.values())
 
 
 def tracking_note(t: Topology, environ: Mapping[str, str]) -> Optional[str]:

@@ -18,11 +18,11 @@ import yaml
 
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.backend import ComposeBackend
-from orchestrator.backends.registry import get
+from orchestrator.backends.registry import BACKENDS, get
 from orchestrator.errors import UsageError
 from orchestrator.paths import ROOT
 from orchestrator.verbs import cluster as verbs
-from orchestrator.verbs import scaling
+from orchestrator.verbs import live_names, scaling
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 TIMEOUT = 240.0
@@ -79,6 +79,14 @@ def test_a_second_up_of_a_live_project_is_refused_and_one_whose_run_ended_starts
         said = str(refused.value)
         assert "\n" not in said and said.startswith(f"up: project {project} has a live run "), said
         assert f"give this one another name (make up NAME={project}-2)" in said
+        # the name is live on compose: every other target refuses it too, before anything starts there
+        with pytest.raises(UsageError) as elsewhere:
+            verbs.up(get("swarm"), str(config), name=project, remember=False, out=io.StringIO())
+        said = str(elsewhere.value)
+        assert said.startswith(f"stack-up: project {project} of target compose has a live run "), said
+        assert said.endswith(f"or end that one first (make down NAME={project})"), said
+        with pytest.raises(UsageError, match=rf"^local: project {project} of target compose has a live run "):
+            live_names.refuse_elsewhere(project, live_names.LOCAL, "local", "--name x-2", BACKENDS.values())
         assert _ids(engine, project) == first  # nothing recreated, nothing added
 
         _until("the first run ended", lambda: _ended(engine, project))

@@ -205,6 +205,43 @@ def test_a_smoke_of_a_live_name_is_refused_before_it_removes_anything(cli, live:
     assert [c[0] for c in live.calls] == ["deploy"]
 
 
+def test_a_name_live_on_one_target_is_refused_on_every_other_and_by_local(cli, live: Live, monkeypatch) -> None:  # noqa: F811
+    from orchestrator.verbs import live_names
+
+    other = Live()
+    other.name, other.verb_prefix, other.record = "other", "other-", "other.json"
+    monkeypatch.setitem(registry.BACKENDS, "other", other)
+    assert cli("fake-up", "-c", str(SMOKE))[0] == 0
+    first = live.runs["fleet-cpu-smoke"]
+    status, out, err = cli("other-up", "-c", str(SMOKE))
+    assert status == 2 and out == "", err
+    assert err == (
+        f"error: other-up: fleet fleet-cpu-smoke of target fake has a live run {first}; "
+        "give this one another name (make other-up NAME=fleet-cpu-smoke-2), "
+        "or end that one first (make fake-down NAME=fleet-cpu-smoke)\n"
+    )
+    assert other.calls == []  # nothing deployed there
+    with pytest.raises(UsageError, match=rf"^local: fleet fleet-cpu-smoke of target fake has a live run {first}; "):
+        live_names.refuse_elsewhere(
+            "fleet-cpu-smoke", live_names.LOCAL, "local", "--name x-2", registry.BACKENDS.values()
+        )
+    live.home("fleet-cpu-smoke")  # that run ended: the name is free everywhere
+    assert cli("other-up", "-c", str(SMOKE))[0] == 0
+    status, out, err = cli("fake-up", "-c", str(SMOKE))  # now live on the other target
+    assert status == 2 and err.startswith("error: fake-up: fleet fleet-cpu-smoke of target other has a live run "), err
+
+
+def test_a_target_that_cannot_tell_has_no_live_run_to_refuse() -> None:
+    from orchestrator.verbs import live_names
+
+    class NoEngine(FakeBackend):
+        def running_env(self, c, names):
+            raise EngineError("cannot reach the Docker daemon")
+
+    assert live_names.live_on(NoEngine(), "x") is None
+    live_names.refuse_elsewhere("x", live_names.LOCAL, "local", "--name x-2", [NoEngine()])  # nothing raised
+
+
 def test_an_up_of_a_name_whose_run_ended_starts_a_new_run(cli, live: Live) -> None:  # noqa: F811
     assert cli("fake-up", "-c", str(SMOKE))[0] == 0
     first = live.runs["fleet-cpu-smoke"]
