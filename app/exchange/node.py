@@ -77,6 +77,17 @@ def run_served(function: str, args: Any, store: Store | None) -> tuple[Any, str]
         return None, f"{type(error).__name__}: {first_line(error)}"
 
 
+def answered_at_once(function: str, args: Any) -> bool:
+    """Whether the I/O thread answers this call itself (AT_ONCE says so of its arguments)."""
+    answers = AT_ONCE.get(function)
+    if answers is None or not isinstance(args, tuple):
+        return False
+    try:
+        return bool(answers(*args))
+    except Exception:  # noqa: BLE001 - arguments it does not take: the pool answers, with the error
+        return False
+
+
 class Peer:
     """An outgoing connection: its socket, its monitor, and what its handshakes said."""
 
@@ -325,7 +336,7 @@ class Node:
             if not isinstance(function, str):
                 self._malformed(sender, frames, codec.Malformed("a call without a function's name"))
                 return
-            if self._at_once(function, value):
+            if answered_at_once(function, value):
                 self._serve_call((socket, routing), call, function, value)
                 self._run_commands()  # its reply (when it is ready) goes now, before the next message
             else:
@@ -335,17 +346,6 @@ class Node:
             self._pending.answer(call, sender, value=value)
         else:
             self._pending.answer(call, sender, error=str(header.get("m")))
-
-    @staticmethod
-    def _at_once(function: str, args: Any) -> bool:
-        """Whether the I/O thread answers this call itself (AT_ONCE says so of its arguments)."""
-        answers = AT_ONCE.get(function)
-        if answers is None or not isinstance(args, tuple):
-            return False
-        try:
-            return bool(answers(*args))
-        except Exception:  # noqa: BLE001 - arguments it does not take: the pool answers, with the error
-            return False
 
     def _malformed(self, sender: str, frames: list[Any], error: Exception) -> None:
         """Dropped, with one warning per sender; a reply that does not parse fails its call."""
@@ -363,17 +363,14 @@ class Node:
         """Every event its monitor holds, in order."""
         while True:
             try:
-                self._peer_event(peer, zmq.NOBLOCK)
+                event = zmq.utils.monitor.recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
-
-    def _peer_event(self, peer: Peer, flags: int) -> None:
-        event = zmq.utils.monitor.recv_monitor_message(peer.monitor, flags)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            peer.connected = True
-        why = sockets.why_lost(event, peer.name, peer.endpoint, peer.connected)
-        if why:
-            self._lost(peer, why)
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer.connected = True
+            why = sockets.why_lost(event, peer.name, peer.endpoint, peer.connected)
+            if why:
+                self._lost(peer, why)
 
     def _lost(self, peer: Peer, why: str) -> None:
         with self._lock:
