@@ -53,7 +53,10 @@ def test_a_server_down_across_the_runs_end_gets_the_whole_run_from_runs_sync(tmp
     with mlflow_testkit.serve(tmp_path / "mlflow", "127.0.0.1", port):
         synced = _orchestrator(here, env, "runs", "sync", "cpu-smoke")
         assert synced.returncode == 0, synced.stdout + synced.stderr
-        assert synced.stdout.startswith(f"runs sync: run {kept.name}: sent to MLflow at {uri}: "), synced.stdout
+        sent = [line for line in synced.stdout.splitlines() if line.startswith(f"runs sync: run {kept.name}: ")]
+        assert len(sent) == 1 and sent[0].startswith(f"runs sync: run {kept.name}: sent to MLflow at {uri}: "), (
+            synced.stdout
+        )
         assert "ended FINISHED" in synced.stdout
         assert not kept.exists()
         client = MlflowClient(uri)
