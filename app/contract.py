@@ -80,6 +80,7 @@ SHARD_SERVICE = "ps-shard{index}"  # compose service of PS shard index >= 1
 METRICS_SUFFIX = ".jsonl"
 # What MLflow had not taken when a run ended: <metrics dir>/mlflow-pending/<run id>/, written by the
 # PS (app/training/tracking_pending.py), sent by `ps-compose runs sync` (orchestrator/verbs/mlflow_sync.py).
+MLFLOW_RUN_TAG = "ps-compose.run_id"  # the tag the PS gives its MLflow run: the job's run id
 MLFLOW_PENDING_DIR = "mlflow-pending"
 # Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
 MLFLOW_EVAL_METRICS = ("accuracy", "loss", "lr", "samples_per_s", "updates_per_s", "staleness", "workers")
@@ -243,3 +244,12 @@ def service_names(world_size: int, strategy: str, shards: int = 1) -> list[str]:
         return [worker_name(r + 1) for r in range(world_size)]
     ps = [PS] + [shard_service(i) for i in range(1, shards)]
     return ps + [worker_name(r) for r in range(1, world_size - len(ps) + 1)]
+
+
+_USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
+
+
+def shown(text: str) -> str:
+    """`text` with the user and password of every URI in it left out (what a log line or an
+    error may say of a tracking server's address)."""
+    return _USER_INFO.sub(r"\1***@", text)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 import urllib.error
 import urllib.parse
@@ -17,10 +16,10 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-RUN_TAG = "ps-compose.run_id"  # the tag the PS gives its MLflow run (app/training/tracking.py)
+from app.contract import MLFLOW_RUN_TAG, shown
+
 TIMEOUT = 30  # seconds for each request
 BATCH_METRICS, BATCH_PARAMS = 1000, 100  # MLflow's limits on one log-batch request
-_USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
 
 
 class MLflowServer:
@@ -58,7 +57,7 @@ class MLflowServer:
         """The first MLflow run tagged `run_id` in the experiment (the PS's), or None."""
         search = {
             "experiment_ids": [experiment_id],
-            "filter": f"tags.`{RUN_TAG}` = '{run_id}'",
+            "filter": f"tags.`{MLFLOW_RUN_TAG}` = '{run_id}'",
             "order_by": ["attributes.start_time ASC"],
             "max_results": 1,
         }
@@ -71,7 +70,7 @@ class MLflowServer:
             "experiment_id": experiment_id,
             "run_name": run_id,
             "start_time": int(time.time() * 1000),
-            "tags": [{"key": RUN_TAG, "value": run_id}],
+            "tags": [{"key": MLFLOW_RUN_TAG, "value": run_id}],
         }
         return self._call("POST", "/api/2.0/mlflow/runs/create", body)["run"]
 
@@ -117,11 +116,6 @@ class MLflowServer:
         with urllib.request.urlopen(request, timeout=self.timeout) as answer:
             text = answer.read()
         return json.loads(text) if text.strip() else {}
-
-
-def shown(text: str) -> str:
-    """`text` with the user and password of every URI in it left out."""
-    return _USER_INFO.sub(r"\1***@", text)
 
 
 def failure(error: BaseException) -> str:

@@ -88,6 +88,42 @@ def answered_at_once(function: str, args: Any) -> bool:
         return False
 
 
+ReplyTo = tuple[zmq.Socket, "bytes | None"]  # the socket a call came in on, and its caller's routing id
+
+
+class Answers:
+    """Calls in, and their replies: a served function run (in the pool, or at once on the I/O
+    thread), and its reply, once it is ready, handed to the I/O thread (`send`) as frames."""
+
+    def __init__(self, store: Store | None, chunk: int, send: Callable[[tuple[Any, ...]], None]) -> None:
+        self.store, self.chunk, self.send = store, chunk, send
+
+    def serve(self, reply_to: ReplyTo, call: int, function: str, args: Any) -> None:
+        result, error = run_served(function, args, self.store)
+        if error:
+            self.reply(reply_to, call, error=error)
+        elif isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
+            result.add_done_callback(lambda done: self._done(reply_to, call, done))
+        else:
+            self.reply(reply_to, call, value=result)
+
+    def _done(self, reply_to: ReplyTo, call: int, done: Future) -> None:
+        try:
+            value = done.value()
+        except Exception as error:  # noqa: BLE001
+            self.reply(reply_to, call, error=f"{type(error).__name__}: {first_line(error)}")
+            return
+        self.reply(reply_to, call, value=value)
+
+    def reply(self, reply_to: ReplyTo, call: int, value: Any = None, error: str = "") -> None:
+        try:
+            header = {"k": "e", "i": call, "m": error} if error else {"k": "r", "i": call}
+            frames = codec.pack(header, value, self.chunk)
+        except TypeError as why:
+            frames = codec.pack({"k": "e", "i": call, "m": f"the answer cannot be sent: {why}"})
+        self.send(("reply", reply_to, frames))
+
+
 class Peer:
     """An outgoing connection: its socket, its monitor, and what its handshakes said."""
 
@@ -112,6 +148,7 @@ class Node:
     ) -> None:
         self.name, self.mechanism, self.timeout, self.store = name, mechanism, timeout, store
         self._chunk = CURVE_CHUNK_BYTES if mechanism.name == "curve" else 0
+        self._answers = Answers(store, self._chunk, self._command)
         self.context = zmq.Context()
         self.context.setsockopt(zmq.LINGER, 0)
         self.peers: dict[str, Peer] = {}
@@ -197,33 +234,6 @@ class Node:
             self._pending.add(call, future, to, seconds, f"{function} on {to}")
         self._command(("send", to, frames, call))
         return future
-
-    # Calls in, and their replies.
-
-    def _serve_call(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, function: str, args: Any) -> None:
-        result, error = run_served(function, args, self.store)
-        if error:
-            self._reply(reply_to, call, error=error)
-        elif isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
-            result.add_done_callback(lambda done: self._reply_done(reply_to, call, done))
-        else:
-            self._reply(reply_to, call, value=result)
-
-    def _reply_done(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, done: Future) -> None:
-        try:
-            value = done.value()
-        except Exception as error:  # noqa: BLE001
-            self._reply(reply_to, call, error=f"{type(error).__name__}: {first_line(error)}")
-            return
-        self._reply(reply_to, call, value=value)
-
-    def _reply(self, reply_to: tuple[zmq.Socket, bytes | None], call: int, value: Any = None, error: str = "") -> None:
-        try:
-            header = {"k": "e", "i": call, "m": error} if error else {"k": "r", "i": call}
-            frames = codec.pack(header, value, self._chunk)
-        except TypeError as why:
-            frames = codec.pack({"k": "e", "i": call, "m": f"the answer cannot be sent: {why}"})
-        self._command(("reply", reply_to, frames))
 
     # The I/O thread.
 
@@ -337,10 +347,10 @@ class Node:
                 self._malformed(sender, frames, codec.Malformed("a call without a function's name"))
                 return
             if answered_at_once(function, value):
-                self._serve_call((socket, routing), call, function, value)
+                self._answers.serve((socket, routing), call, function, value)
                 self._run_commands()  # its reply (when it is ready) goes now, before the next message
             else:
-                self._pool.submit(self._serve_call, (socket, routing), call, function, value)
+                self._pool.submit(self._answers.serve, (socket, routing), call, function, value)
             return
         if kind == "r":
             self._pending.answer(call, sender, value=value)

@@ -29,7 +29,6 @@ import collections
 import logging
 import os
 import queue
-import re
 import tempfile
 import threading
 import time
@@ -38,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from app.contract import MLFLOW_SERVER_ENV, MLFLOW_UI_ENV, mlflow_points
+from app.contract import MLFLOW_RUN_TAG, MLFLOW_SERVER_ENV, MLFLOW_UI_ENV, mlflow_points, shown
 from app.training import tracking_pending
 
 log = logging.getLogger("app.tracking")
@@ -62,7 +61,6 @@ HTTP_DEFAULTS = {
     # the tracker logs the run's address as the host sees it instead.
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
-RUN_TAG = "ps-compose.run_id"  # the run id a run of MLflow's is of
 RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # between tries of one request while MLflow does not answer
 MAX_QUEUED = 10_000  # records kept while MLflow does not answer (an eval each); later ones are dropped
 # MLflow's answers that say the request itself is wrong: trying it again cannot help.
@@ -78,7 +76,6 @@ FINAL_ERRORS = frozenset(
         "ENDPOINT_NOT_FOUND",
     }
 )
-_USER_INFO = re.compile(r"(\w+://)[^/@\s]+@")
 # Besides the run's own metrics (an eval record's `metrics`: accuracy, perplexity, the user's).
 # A worker's training loss and samples/s, as its pushes carry them (MetricsWriter.worker): logged
 # as `<worker>/loss` and `<worker>/samples_per_s` at the PS's version (app.contract.mlflow_points).
@@ -275,7 +272,7 @@ class Tracker:
         if earlier:
             client.update_run(earlier[0].info.run_id, status="RUNNING")
             return self._opened(experiment, earlier[0].info.run_id)
-        client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_name})
+        client.create_run(experiment, run_name=self.run_name, tags={MLFLOW_RUN_TAG: self.run_name})
         first, *again = self._runs(client, experiment)  # a retried create made one more: the first is the run
         for extra in again:
             client.delete_run(extra.info.run_id)
@@ -302,7 +299,7 @@ class Tracker:
         return list(
             client.search_runs(
                 [experiment],
-                filter_string=f"tags.`{RUN_TAG}` = '{self.run_name}'",
+                filter_string=f"tags.`{MLFLOW_RUN_TAG}` = '{self.run_name}'",
                 order_by=["attributes.start_time ASC"],
             )
         )
@@ -338,11 +335,6 @@ class Tracker:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def shown(text: str) -> str:
-    """`text` with the user and password of every URI in it left out."""
-    return _USER_INFO.sub(r"\1***@", text)
 
 
 def _final(error: BaseException) -> bool:

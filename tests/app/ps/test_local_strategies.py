@@ -28,8 +28,8 @@ def test_a_local_strategy_learns_digits_with_a_push_every_local_steps_batches(st
     assert end["pushes"] == {"worker1": pushes, "worker2": pushes}
     assert end["step"] == (pushes if strategy == "diloco" else 2 * pushes)  # a round each, or a change each
     # diloco's rounds do not depend on timing (0.897 every run); diloco_async's result depends on the
-    # order the changes arrive in (0.79 to 0.87 on a 2-core VM)
-    assert end["accuracy"] >= (0.85 if strategy == "diloco" else 0.7)
+    # order the changes arrive in: 0.73 to 0.93 over 12 runs two at a time on a 2-core VM (chance: 0.1)
+    assert end["accuracy"] >= (0.85 if strategy == "diloco" else 0.6)
     train = [r for r in read(tmp_path / "metrics" / "worker1.jsonl") if r["event"] == "train"]
     assert [r["step"] for r in train][:4] == [5, 10, 15, 20]  # a worker's step is a batch (of any epoch)
     assert [r["batch"] for r in train][:4] == [5, 10, 15, 20]

@@ -19,6 +19,7 @@ import mlflow_testkit
 import pytest
 
 from app.config import parse
+from app.contract import shown
 from app.training import tracking
 from app.training.metrics import read, training_parameters
 
@@ -378,7 +379,7 @@ def test_a_uri_with_a_password_is_never_printed_with_it(caplog):
     _wait(lambda: tracker.unanswered, "the tracker finding nothing there")
     tracker.close(timeout=1)
     assert "s3cr3t" not in caplog.text and "http://***@127.0.0.1:" in caplog.text, caplog.text
-    assert tracking.shown("see https://bob:pw@host/x and http://host/y") == "see https://***@host/x and http://host/y"
+    assert shown("see https://bob:pw@host/x and http://host/y") == "see https://***@host/x and http://host/y"
 
 
 def test_two_runs_without_a_run_id_are_two_mlflow_runs():
