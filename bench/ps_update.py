@@ -4,9 +4,11 @@ proved it finite, as every worker's backward does (app.training.flat's `finite_p
 flags), so the PS does not check it again; the NaN/inf check a push without that proof costs
 the PS is measured beside it. In this process, on the sleep model's state (ResNet-18's
 44.8 MB), with the threads a PS process of the bench's jobs takes. No message moves: it is the
-work that lies on a plain async worker's path between its push and its next forward, so no
-async step is shorter than compute alone plus it (`python -m bench gpu` prints that floor
-under each C).
+work that lies on a plain async worker's path between its push and its next forward where the
+answer waits for the whole update (a GPU worker's), so no such step is shorter than compute
+alone plus it (`python -m bench gpu` prints that floor under each C). A CPU worker's answer is
+streamed (app.exchange.streamed_pull): it goes once the first partition is written, and its
+step may be shorter.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The state vector cut into partitions: the pieces a GPU worker copies its gradient out in as
 its backward finishes each one (app.exchange.backward_copies), and the state back in as its
-forward needs each one (app.exchange.ordered_pull).
+forward needs each one (app.exchange.ordered_pull); the pieces a PS writes a streamed reply in
+(app.ps.state), which a CPU worker's forward waits for (app.exchange.streamed_pull).
 
 Partitions are contiguous ranges of the flat state [params | float buffers] (app.training.flat),
 cut at parameter boundaries, each at least `target` values (a parameter larger than that is a
@@ -14,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 TARGET_VALUES = 1 << 20  # 4 MiB of float32: BytePS's partition size
+# A streamed reply's partitions (app.ps.state, app.exchange.streamed_pull): smaller, so the
+# first, which the PS writes before it answers, is short, and a forward waits for little at a time.
+STREAMED_VALUES = 1 << 18
 
 
 def cut(sizes: Sequence[int], total: int, target: int = TARGET_VALUES) -> list[tuple[int, int]]:

@@ -77,6 +77,27 @@ def run_served(function: str, args: Any, store: Store | None) -> tuple[Any, str]
         return None, f"{type(error).__name__}: {first_line(error)}"
 
 
+_AFTER = threading.local()  # the work to run once the reply of the call this thread serves has gone
+
+
+def after_reply(work: Callable[[], None]) -> None:
+    """Run `work` on this thread once the reply of the call it is serving has gone to the I/O
+    thread (sent already, for a call answered at once), or at once outside a served call."""
+    works = getattr(_AFTER, "works", None)
+    if works is None:
+        work()
+    else:
+        works.append(work)
+
+
+def _run_after(works: list[Callable[[], None]]) -> None:
+    for work in works:
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - its call was answered: say so, and serve on
+            log.exception("the work after a reply failed")
+
+
 def answered_at_once(function: str, args: Any) -> bool:
     """Whether the I/O thread answers this call itself (AT_ONCE says so of its arguments)."""
     answers = AT_ONCE.get(function)
@@ -98,14 +119,26 @@ class Answers:
     def __init__(self, store: Store | None, chunk: int, send: Callable[[tuple[Any, ...]], None]) -> None:
         self.store, self.chunk, self.send = store, chunk, send
 
-    def serve(self, reply_to: ReplyTo, call: int, function: str, args: Any) -> None:
-        result, error = run_served(function, args, self.store)
-        if error:
-            self.reply(reply_to, call, error=error)
-        elif isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
-            result.add_done_callback(lambda done: self._done(reply_to, call, done))
-        else:
-            self.reply(reply_to, call, value=result)
+    def serve(self, reply_to: ReplyTo, call: int, function: str, args: Any) -> list[Callable[[], None]]:
+        """Run the call and hand its reply on (once a Future it returned is done); the work the
+        function left for after its reply (`after_reply`), for the caller to run once the reply
+        has gone."""
+        _AFTER.works = []
+        try:
+            result, error = run_served(function, args, self.store)
+            if error:
+                self.reply(reply_to, call, error=error)
+            elif isinstance(result, torch._C.Future):  # torch.futures.Future, or what its `then` returns
+                result.add_done_callback(lambda done: self._done(reply_to, call, done))
+            else:
+                self.reply(reply_to, call, value=result)
+        finally:
+            works, _AFTER.works = _AFTER.works, None
+        return works
+
+    def serve_then(self, reply_to: ReplyTo, call: int, function: str, args: Any) -> None:
+        """`serve`, then the work it left (a pool thread's call: its reply is with the I/O thread)."""
+        _run_after(self.serve(reply_to, call, function, args))
 
     def _done(self, reply_to: ReplyTo, call: int, done: Future) -> None:
         try:
@@ -347,10 +380,11 @@ class Node:
                 self._malformed(sender, frames, codec.Malformed("a call without a function's name"))
                 return
             if answered_at_once(function, value):
-                self._answers.serve((socket, routing), call, function, value)
+                after = self._answers.serve((socket, routing), call, function, value)
                 self._run_commands()  # its reply (when it is ready) goes now, before the next message
+                _run_after(after)
             else:
-                self._pool.submit(self._answers.serve, (socket, routing), call, function, value)
+                self._pool.submit(self._answers.serve_then, (socket, routing), call, function, value)
             return
         if kind == "r":
             self._pending.answer(call, sender, value=value)

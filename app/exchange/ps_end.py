@@ -30,6 +30,9 @@ from torch import nn
 
 from app.config import Config
 from app.contract import strategy_of
+from app.exchange import progress
+from app.exchange.layout import STREAMED_VALUES, cut
+from app.exchange.progress import Progress
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.wire import Reply, SlotReply
 from app.runtime import lifecycle, words
@@ -56,6 +59,8 @@ class PSEnd(Protocol):
     def reply_buffers(self, rank: int) -> list[torch.Tensor] | None: ...
     def push(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor: ...
     def holds(self, tensor: torch.Tensor) -> bool: ...
+    def progress(self, tensor: torch.Tensor) -> Progress | None: ...
+    def streamed_parts(self, sizes: list[int]) -> list[tuple[int, int]]: ...
     def answer(self, reply: object) -> object: ...
     def close(self) -> None: ...
 
@@ -79,6 +84,13 @@ class NoSegment:
     def holds(self, tensor: torch.Tensor) -> bool:
         return False
 
+    def progress(self, tensor: torch.Tensor) -> Progress | None:
+        return None
+
+    def streamed_parts(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """None: no reply buffer here has a word to stream it by."""
+        return []
+
     def answer(self, reply: object) -> object:
         return reply
 
@@ -94,6 +106,7 @@ class SharedExchange:
 
     def __init__(self, segment: Segment) -> None:
         self.segment, self.floats = segment, segment.floats
+        self._progress: dict[str, Progress] = {}
 
     @classmethod
     def open(cls, directory: str, floats: int, max_rank: int, overlap: bool, sync: bool) -> SharedExchange:
@@ -125,6 +138,24 @@ class SharedExchange:
         """Whether `tensor`'s memory is in the segment."""
         return 0 <= tensor.data_ptr() - self.segment.base < self.segment.size
 
+    def progress(self, tensor: torch.Tensor) -> Progress | None:
+        """The word that says how far the region `tensor` is has been written, where it is a
+        whole reply region with a word and replies may be streamed here (app.exchange.progress)."""
+        name = self.segment.name_of(tensor)
+        if name is None or tensor.numel() != self.floats or not name.startswith("reply") or not progress.available():
+            return None
+        if name not in self._progress:
+            address = self.segment.word_address(name)
+            if address is None:
+                return None
+            self._progress[name] = Progress(address)
+        return self._progress[name]
+
+    def streamed_parts(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """The partitions a streamed reply is written in, for parameters of `sizes` values: the
+        ones its worker's forward waits for (app.exchange.shared_route cuts them alike)."""
+        return cut(sizes, self.floats, STREAMED_VALUES)
+
     def answer(self, reply: object) -> object:
         """What goes back over RPC: a Reply whose state is a region of the segment becomes a
         SlotReply naming it (nothing else crosses); anything else goes as it is."""
@@ -132,7 +163,7 @@ class SharedExchange:
             name = self.segment.name_of(reply.vector)
             if name is not None and reply.vector.numel() == self.floats:
                 assert isinstance(reply.version, int)  # one PS process's version
-                return SlotReply(name, reply.version, reply.staleness, reply.lead)
+                return SlotReply(name, reply.version, reply.staleness, reply.lead, reply.streamed)
         return reply
 
     def close(self) -> None:

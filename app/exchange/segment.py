@@ -1,7 +1,9 @@
 """A shared-memory segment: one file in /dev/shm that a PS process owns and the workers on its
 host map, so that pushes and replies cross as memory instead of through the job's sockets.
 
-The file holds a one-page header (a magic, the segment's random nonce) and then named regions
+The file holds a one-page header (a magic, the segment's random nonce, and from byte
+WORDS_AT one 32-bit word per region: how far the PS has written it, app.exchange.progress)
+and then named regions
 of `floats` float32 values each, every one starting on a page boundary (a GPU worker pins its
 own regions with cudaHostRegister). The owner creates it, reserves its whole size at once
 (`posix_fallocate`: a /dev/shm too small for it is one error at the start, never a SIGBUS
@@ -48,7 +50,8 @@ SUFFIX = ".shm"
 MAKING = ".making"  # a segment being made: .psc-....making, renamed once it is whole
 MAGIC = b"PSCSHM01"
 PAGE = SHM_PAGE
-HEADER = PAGE  # magic, nonce; the rest of the page is reserved
+HEADER = PAGE  # magic, nonce, the regions' words; the rest of the page is reserved
+WORDS_AT = 512  # where the regions' words start in the header (one each, in region order)
 FLOAT = 4
 STALE_SECONDS = 60.0  # an empty psc-* directory unchanged this long is a dead run's: swept
 
@@ -164,6 +167,13 @@ class Segment:
     def byte_range(self, name: str) -> tuple[int, int]:
         """(address, bytes) of region `name`, page aligned: what a GPU worker pins."""
         return self.base + self._start(self._index[name]), stride(self.floats)
+
+    def word_address(self, name: str) -> int | None:
+        """The address of region `name`'s word in the header (app.exchange.progress); None for
+        a region past the words the header holds."""
+        index = self._index[name]
+        at = WORDS_AT + 4 * index
+        return self.base + at if at + 4 <= HEADER else None
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         """The region `tensor` starts at, if it starts at one."""

@@ -1,7 +1,8 @@
 """A worker's route (app.exchange.route) to a PS process through that process's shared-memory
 segment (app.exchange.ps_end), for a CPU and a GPU worker alike: a push's message is in one of
 the worker's push slots and RPC carries which one (an InSlot); the reply's state is read where
-the PS wrote it (a SlotReply names the region). A GPU worker copies its gradient into a slot as
+the PS wrote it (a SlotReply names the region), by a CPU worker's forward as the PS writes it
+(app.exchange.streamed_pull). A GPU worker copies its gradient into a slot as
 its backward finishes each partition (app.exchange.backward_copies) and the reply back to the
 device in the order its forward needs them (app.exchange.ordered_pull).
 
@@ -23,13 +24,14 @@ import torch
 from torch import nn
 
 from app.contract import PS
-from app.exchange import calls, transport
+from app.exchange import calls, progress, transport
 from app.exchange.backward_copies import BackwardCopies
-from app.exchange.layout import cut
+from app.exchange.layout import STREAMED_VALUES, cut
 from app.exchange.ordered_pull import OrderedPull
 from app.exchange.route import Call, Outgoing, Pending, Pusher, Pushing, flipped, refused, to_one, unreachable
 from app.exchange.segment import Offer, Segment, ShmUnavailable
 from app.exchange.slot_copies import SlotCopies
+from app.exchange.streamed_pull import StreamedPull
 from app.exchange.wire import InSlot, Push, Refusal, Reply, SlotReply, Start, Version
 from app.training.flat import FlatModel
 
@@ -66,6 +68,7 @@ class SharedMemoryRoute(Pushing):
         self.flat: FlatModel | None = None  # the worker's model, once bound
         self.outbound: BackwardCopies | None = None  # a GPU worker's gradient out as the backward finishes it
         self.ordered: OrderedPull | None = None  # a GPU worker's partitions back, in forward order
+        self.streamed: StreamedPull | None = None  # a CPU worker's forward waits for each partition written
 
     @classmethod
     def attach(
@@ -120,9 +123,12 @@ class SharedMemoryRoute(Pushing):
 
     def reply(self, answer: SlotReply) -> Reply:
         """The answer as a Reply whose state is the region the PS wrote it in (no copy)."""
-        return Reply(self.segment.region(answer.region), answer.version, answer.staleness, answer.lead)
+        region = self.segment.region(answer.region)
+        return Reply(region, answer.version, answer.staleness, answer.lead, answer.streamed)
 
     def close(self) -> None:
+        if self.streamed is not None:
+            self.streamed.close()
         if self.pinned:
             cudart = torch.cuda.cudart()
             for name in self.pinned:
@@ -149,6 +155,9 @@ class SharedMemoryRoute(Pushing):
             if messages_here:
                 flat.keep_views_of(self.slots)
                 flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
+            if ordered and not self.pusher.overlap and progress.available():
+                parts = cut([p.numel() for p in model.parameters()], flat.size, STREAMED_VALUES)
+                self.streamed = StreamedPull(model, parts, self.pusher.timeout, self.name)
             return
         parts = cut([p.numel() for p in model.parameters()], flat.size)
         self.copies = SlotCopies(self.device, self.slots, parts)
@@ -159,12 +168,16 @@ class SharedMemoryRoute(Pushing):
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
-        """Around one backward: a GPU worker's copies of its partitions start as it finishes them."""
+        """Around one step's forward and backward: a GPU worker's copies of its partitions start
+        as it finishes them; after it, a CPU worker has waited for every partition of a streamed
+        reply (those its forward did not read too)."""
         if self.copies is not None:  # the copies out of the device message ran before it is written again
             self.copies.release(self.device)
         if self.outbound is not None:
             self.outbound.arm(self.reserve)
         yield
+        if self.streamed is not None:
+            self.streamed.settle()
 
     def seal(self, message: torch.Tensor) -> Outgoing:
         """In its push slot: a GPU worker's copies into it run on a side stream
@@ -191,8 +204,15 @@ class SharedMemoryRoute(Pushing):
         assert self.flat is not None  # bound
         if self.ordered is not None:
             self.ordered.load(reply.vector)
-        else:
-            self.flat.adopt(reply.vector)
+            return
+        self.flat.adopt(reply.vector)
+        if self.streamed is not None:
+            name = self.segment.name_of(reply.vector)
+            address = self.segment.word_address(name) if name is not None else None
+            if reply.streamed >= 0 and address is not None:
+                self.streamed.expect(address, reply.streamed)  # the forward waits for each partition
+            else:
+                self.streamed.whole()
 
     # The push: the slot's number crosses, not the values.
 
@@ -209,6 +229,8 @@ class SharedMemoryRoute(Pushing):
         message = outgoing.message
         dtype = str(message.dtype).removeprefix("torch.")
         slot = InSlot(outgoing.slot if outgoing.slot is not None else self.place(message), dtype, message.numel())
+        if self.streamed is not None:  # its forward waits for each partition: the PS may answer with the first
+            push = push._replace(streamed=True)
         try:
             return self.call(self.name, calls.rpc_push, (slot, push), self.pusher.timeout)
         except RuntimeError as error:

@@ -28,6 +28,7 @@ from app.config import Config, UsageError
 from app.contract import PS
 from app.exchange import secret
 from app.exchange.node import AT_ONCE, SERVED, Node
+from app.exchange.node import after_reply as _after_reply
 from app.exchange.sockets import mechanism_for, unlink_socket
 from app.exchange.store import RemoteStore, Store
 from app.runtime import lifecycle, machine
@@ -71,6 +72,12 @@ def at_once(when: Callable[..., bool]) -> Callable[[F], F]:
         return function
 
     return mark
+
+
+def after_reply(work: Callable[[], None]) -> None:
+    """Called by a served function: run `work` on the thread that serves the call once its reply
+    has gone (the rest of a streamed answer's state); outside a served call, at once."""
+    _after_reply(work)
 
 
 def answered_later(function: F) -> F:

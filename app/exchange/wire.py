@@ -75,6 +75,9 @@ class Push(NamedTuple):
     # train.log_every batches), sent once with the next push: the main PS logs them to MLflow.
     loss: float | None = None
     samples_per_s: float | None = None
+    # The worker waits for each partition of its reply's state before its forward reads it
+    # (app.exchange.streamed_pull): its PS may answer as soon as the first is written.
+    streamed: bool = False
 
 
 class Share(NamedTuple):
@@ -95,6 +98,10 @@ class Reply(NamedTuple):
     version: Version  # its version (a tuple from a sharded PS)
     staleness: int  # updates applied between the pusher's pull and its push
     lead: int  # pushes the pusher is ahead of the slowest rank still training
+    # A streamed reply (Push.streamed): the count of its region's word (app.exchange.progress)
+    # before this state was written, which goes on to count its partitions as the PS writes them;
+    # -1: the state was whole when the answer went.
+    streamed: int = -1
 
 
 class Refused(str, Enum):
@@ -128,6 +135,7 @@ class SlotReply(NamedTuple):
     version: int
     staleness: int
     lead: int
+    streamed: int = -1  # as Reply's
 
 
 # The format of a push's values: float32, or (--compress) the gradients in 16 bits and the

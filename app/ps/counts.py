@@ -1,6 +1,6 @@
 """What the PS counts of the pushes it takes, for its `eval` and `end` records: pushes applied,
 the samples behind them, their staleness (sum, max, histogram), the non-finite pushes refused
-per rank.
+per rank, and the pushes answered before their new state was written whole (streamed).
 
 Plain counters: app.ps.server and the strategy's policy change them under the server's lock.
 """
@@ -20,6 +20,7 @@ class PushCounts:
     staleness_max: int = 0
     staleness_hist: Counter[int] = field(default_factory=Counter)
     refused: Counter[int] = field(default_factory=Counter)  # rank -> non-finite pushes refused
+    streamed: int = 0  # pushes answered with the first partition of their new state written (app.ps.state)
 
     def count(self, staleness: int) -> None:
         """One push applied, `staleness` updates late."""
@@ -42,4 +43,5 @@ class PushCounts:
             "staleness_max": self.staleness_max,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "refused": {f"worker{r}": n for r, n in sorted(self.refused.items())},
+            "streamed": self.streamed,
         }

@@ -27,6 +27,7 @@ import torch
 from torch.futures import Future
 
 from app.exchange import calls, transport
+from app.exchange.progress import Progress
 from app.exchange.ps_end import PSEnd
 from app.exchange.wire import InSlot, Joined, NotReady, Push, Refusal, Share, Taken
 
@@ -45,7 +46,13 @@ class Served(Protocol):
 
     def join(self, rank: int, name: str) -> Joined: ...
     def pull(self, rank: int) -> tuple[torch.Tensor, int]: ...
-    def submit(self, push: Push, message: torch.Tensor) -> Future: ...
+    def submit(
+        self,
+        push: Push,
+        message: torch.Tensor,
+        stream: Callable[[torch.Tensor], Progress | None] | None = None,
+        after: Callable[[Callable[[], None]], None] | None = None,
+    ) -> Future: ...
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
     def leave(self, rank: int, pushes: int, name: str = "") -> Refusal | None: ...
     def share(self, rank: int, finished: Share | None = None) -> Share | None: ...
@@ -122,7 +129,9 @@ class Endpoint:
             return server.submit(push, message)
         shared = server.shared  # NO_SEGMENT refuses the slot
         values = shared.push(push.rank, message.slot, message.dtype, message.numel)
-        return server.submit(push, values).then(lambda done: shared.answer(done.value()))
+        # a worker that waits for each partition is answered once the first is written, the rest after
+        answer = server.submit(push, values, shared.progress, transport.after_reply)
+        return answer.then(lambda done: shared.answer(done.value()))
 
     def finish(self, rank: int, pushes: int, name: str) -> Refusal | None:
         return self.server.finish(rank, pushes, name)

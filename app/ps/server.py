@@ -18,7 +18,8 @@ plain value): `stale` (a newer process of the rank replaced the pusher: it exits
 (NaN/inf in the push: nothing applied, the worker skips the batch).
 
 Every part changes under the one lock, so a checkpoint's progress matches its version; futures
-are completed after it is released, so sending answers never holds up a push.
+are completed after it is released, so sending answers never holds up a push, except a streamed
+answer (`submit`), which goes with the lock held while the rest of its state is written.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from app.ps.counts import PushCounts
 from app.ps.members.members import Members, MembersConfig
 from app.ps.members.roster import StaleIncarnation
 from app.ps.policies import PolicyConfig, policy_for
-from app.ps.policies.base import Ready
+from app.ps.policies.base import Ready, Stream
+from app.ps.readings import Readings
 from app.ps.replies import ReplyBuffers
 from app.ps.state import Plan, State, StateConfig
 from app.recipes import outer_optimizer
@@ -93,7 +95,7 @@ class ServerConfig:
         return cls(state, members, policy)
 
 
-class ParameterServer:
+class ParameterServer(Readings):
     """The state, the members and the strategy's policy of one PS process, under one lock."""
 
     @classmethod
@@ -125,6 +127,9 @@ class ParameterServer:
         self.counts = PushCounts()
         self.replies = ReplyBuffers(self.state.size, shared)  # per rank, used in turn
         self.policy = policy_for(config.policy, self.state, self.members, self.replies, self.counts)
+        self.waits, self.rounds = config.policy.kind.waits, config.policy.kind.rounds
+        if not self.state.sliced:  # where a worker may wait for each partition of its answer
+            self.state.parts = shared.streamed_parts([p.numel() for p in model.parameters()])
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._events = 0  # joins, finishes, drops: they wake `wait`
@@ -163,11 +168,23 @@ class ParameterServer:
         with self._lock:
             return self.state.copy()
 
-    def submit(self, push: Push, message: torch.Tensor) -> Future:
+    def submit(
+        self,
+        push: Push,
+        message: torch.Tensor,
+        stream: Stream | None = None,
+        after: Callable[[Callable[[], None]], None] | None = None,
+    ) -> Future:
         """Take one worker's `message` ([grads | buffers]) and what `push` says of it
         (app.exchange.wire.Push); a future of its Reply (or Refusal). A reply's vector is one of
         rank's (or the round's) reply buffers (app.ps.replies), not a fresh copy: it stays
-        unchanged until rank's next push at the earliest."""
+        unchanged until rank's next push at the earliest.
+
+        A push whose worker waits for each partition of its reply (`push.streamed`), given the
+        reply buffers' words (`stream`, app.exchange.ps_end), may be answered once the first
+        partition is written: the future is done when this returns, and the rest is written, the
+        lock still held, by the work handed to `after` (app.exchange.transport.after_reply: once
+        the answer has gone), or before this returns without `after`."""
         message = self.state.message(push.rank, message)
         name = push.name or worker_name(push.rank)
         # a GPU worker's flags say finite where it computed them (app.exchange.slot_copies): not checked again
@@ -175,32 +192,59 @@ class ParameterServer:
         future: Future = Future()
         ready: Ready = []
         version = -1
-        with self._lock:
+        self._lock.acquire()
+        try:
             try:
                 readmitted = self.members.seen(push.rank, name)
             except StaleIncarnation as error:
                 log.info("push not applied: %s", error)
                 future.set_result(Refusal(Refused.STALE, str(error)))
+                self._lock.release()
                 return future
             if finite:
                 self.state.plan(push.epoch_batches)
                 self.counts.samples += push.samples
                 staleness = self.state.version - push.pulled if push.staleness is None else push.staleness
-                ready = self.policy.take(push, message, future, staleness)
+                streaming = stream if push.streamed and not readmitted else None
+                ready = self.policy.take(push, message, future, staleness, streaming)
                 self._moved()
                 version = self.state.version
             elif self.counts.refuse(push.rank):
                 log.warning(NONFINITE, name)  # once per rank
             if readmitted:
                 self._changed.notify_all()
+        except BaseException:
+            self.state.finish()
+            self._lock.release()
+            raise
         if not finite:
             refused = f"{name} pushed non-finite values (NaN or inf); the push was refused"
             future.set_result(Refusal(Refused.NONFINITE, refused))
-        _complete(ready)
-        if readmitted:
-            self.on_back(push.rank, name)
-        if push.loss is not None and version >= 0:
-            self.on_report(name, version, push.loss, push.samples_per_s)
+
+        def told() -> None:  # outside the lock
+            if readmitted:
+                self.on_back(push.rank, name)
+            if push.loss is not None and version >= 0:
+                self.on_report(name, version, push.loss, push.samples_per_s)
+
+        if not self.state.unfinished:
+            self._lock.release()
+            _complete(ready)
+            told()
+            return future
+
+        def rest() -> None:
+            try:
+                self.state.finish()
+            finally:
+                self._lock.release()
+            told()
+
+        _complete(ready)  # a streamed answer goes with its first partition written, the lock held
+        if after is None:
+            rest()
+        else:
+            after(rest)
         return future
 
     def finish(self, rank: int, pushes: int, name: str = "") -> Refusal | None:
@@ -287,62 +331,6 @@ class ParameterServer:
             self._moved()
         _complete(ready)
 
-    def frozen(self, limit: float) -> list[tuple[int, str, float]]:
-        """ssp/sync: (rank, name, seconds quiet) of live ranks that have not called for
-        `limit` seconds and are not waiting for an answer to a push (async waits for no one)."""
-        if not self.config.policy.kind.waits:
-            return []
-        with self._lock:
-            return self.members.frozen(limit, self.policy.waiting)
-
-    def live_name(self, rank: int) -> str | None:
-        """The RPC name of rank's live process, if one is live."""
-        with self._lock:
-            return self.members.live_name(rank)
-
-    def live_members(self) -> list[tuple[int, str, float]]:
-        """(rank, name, last call time) of every live process."""
-        with self._lock:
-            return self.members.live()
-
-    def live_count(self) -> int:
-        """How many workers train now."""
-        with self._lock:
-            return self.members.live_count()
-
-    def summary(self) -> str:
-        """Who is live, finished and left, in a few words."""
-        with self._lock:
-            return self.members.summary()
-
-    def progress(self) -> tuple[int, int, int, int, int]:
-        """(version, samples, pushes applied, their staleness summed, live workers), read at once."""
-        with self._lock:
-            c = self.counts
-            return self.state.version, c.samples, c.applied, c.staleness_sum, self.members.live_count()
-
-    def total_updates(self) -> int | None:
-        """The version this PS process will reach at the end, as the ranks' last pushes plan it
-        now (app.ps.members.members.Members.updates_left); None when it cannot be known."""
-        with self._lock:
-            left = self.members.updates_left(self.config.policy.kind.rounds)
-            return None if left is None else self.state.version + left
-
-    def training_seconds(self) -> float | None:
-        """From every rank joined (or, if one never did, the first join) to the last update."""
-        with self._lock:
-            return self.members.training_seconds(self.state.last_applied)
-
-    @property
-    def all_finished(self) -> bool:
-        with self._lock:
-            return self.members.all_finished
-
-    def done(self) -> bool:
-        """Every rank finished, or no one trains and the missing ones are past join_timeout."""
-        with self._lock:
-            return self.members.done()
-
     def wait(self, until_version: int, timeout: float) -> None:
         """Block until the version reaches `until_version`, a worker joins, finishes or
         is dropped, or timeout."""
@@ -377,11 +365,6 @@ class ParameterServer:
         with self._lock:
             self.state.restore(saved)
             self.members.restore(saved)
-
-    def stats(self) -> dict[str, Any]:
-        """The `end` record's counts (app.ps.counts)."""
-        with self._lock:
-            return self.counts.fields(self.members.pushes)
 
     def _moved(self) -> None:
         """The policy may have applied an update: wake `wait` if it waits for this version."""

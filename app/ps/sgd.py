@@ -10,6 +10,7 @@ takes its single-tensor path, which is the arithmetic below, operation for opera
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +45,38 @@ class SGD:
         else:
             self.momentum_buffer.mul_(self.momentum).add_(grads)
         return self.momentum_buffer
+
+    def step_in_parts(
+        self,
+        grads: torch.Tensor,
+        scale: float,
+        old: torch.Tensor,
+        into: torch.Tensor,
+        lr: float,
+        parts: Sequence[tuple[int, int]],
+        publish: Callable[[], None],
+    ) -> Iterator[None]:
+        """`into = old - lr * direction(grads * scale)` (`old` the parameters before the step),
+        written one partition of `parts` at a time, in order: `publish()` once each is written,
+        then a yield. The same arithmetic as `direction`, value for value, partition by partition
+        (every operation is elementwise); the momentum buffer is this optimizer's."""
+        n = old.numel()
+        fresh = bool(self.momentum) and self.momentum_buffer is None  # the first step: the buffer is the gradient
+        if fresh:
+            self.momentum_buffer = torch.empty_like(old)
+        for start, end in parts:
+            end = min(end, n)
+            if end > start:
+                part = grads[start:end] if scale == 1.0 else grads[start:end] * scale
+                if self.weight_decay:
+                    part = part.add(old[start:end], alpha=self.weight_decay)
+                if self.momentum:
+                    assert self.momentum_buffer is not None
+                    buffer = self.momentum_buffer[start:end]
+                    part = buffer.copy_(part) if fresh else buffer.mul_(self.momentum).add_(part)
+                torch.add(old[start:end], part, alpha=-lr, out=into[start:end])
+            publish()
+            yield
 
     def step(self, grads: torch.Tensor) -> None:
         """One step of `param`, in place."""

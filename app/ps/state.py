@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from app.checkpoint.files import cpu_copy
 from app.contract import ENTRY_POINT
+from app.exchange.progress import Progress
 from app.exchange.wire import WIRE_DTYPES, all_finite, to_float32, wire_size
 from app.ps import optim
 from app.ps.plateau import Plateau
@@ -101,6 +102,11 @@ class State:
         self.user_schedule = UserSchedule(config.schedule) if users else None
         self._set_lr()
         self.last_applied: float | None = None  # clock time of the last update applied
+        # A streamed step's partitions in the forward's order, as the exchange cuts them for its
+        # workers (app.ps.server sets them; none: no step is streamed), and what is left of the
+        # one under way (`finish`).
+        self.parts: list[tuple[int, int]] = []
+        self._rest: Iterator[None] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -117,11 +123,13 @@ class State:
         return self._flat
 
     def _follow(self) -> None:
+        self.finish()
         if not self.sliced and self._flat.vector is not self.vector:
             self._flat.adopt(self.vector)
 
     def copy(self) -> tuple[torch.Tensor, int]:
         """A copy of the state vector, and its version."""
+        self.finish()
         return self.vector.clone(), self.version
 
     def message(self, rank: int, message: torch.Tensor) -> torch.Tensor:
@@ -220,6 +228,7 @@ class State:
         state is written there and becomes the state (`adopt`), so that reply needs no copy of
         the state. The step is torch.optim.SGD's, value for value, and its momentum buffer stays
         the optimizer's."""
+        self.finish()
         n = self.num_params
         grads = message[:n] if scale == 1.0 else message[:n] * scale
         if into is None or not isinstance(self.optimizer, SGD):
@@ -232,6 +241,41 @@ class State:
             torch.add(self.vector[:n], self.optimizer.direction(grads), alpha=-self.lr, out=into[:n])
             into[n:].copy_(message[n:])
         self.adopt(into)
+
+    def streams(self, into: torch.Tensor | None) -> bool:
+        """Whether a step into `into` may be streamed (`step_streamed`): SGD's, into a reply buffer."""
+        return into is not None and isinstance(self.optimizer, SGD) and bool(self.parts)
+
+    def step_streamed(self, message: torch.Tensor, scale: float, into: torch.Tensor, progress: Progress) -> int:
+        """As `step` into `into` (where `streams` says so), written in the order a worker's
+        forward reads it: the buffers and the first partition now, `progress` raised once each
+        partition is written (app.exchange.progress), the other partitions by `finish`, which
+        the server calls once the answer has gone (and anything here that reads the state calls
+        first). The state is the new one (its version, `into`) from now on. Returns the word's
+        count before the step (the reply's `streamed`)."""
+        self.finish()
+        n, base = self.num_params, progress.count
+        into[n:].copy_(message[n:])
+        assert isinstance(self.optimizer, SGD)
+        rest = self.optimizer.step_in_parts(
+            message[:n], scale, self.vector[:n], into[:n], self.lr, self.parts, progress.publish
+        )
+        next(rest, None)
+        self._rest = rest
+        self.adopt(into)
+        return base
+
+    @property
+    def unfinished(self) -> bool:
+        """A streamed step has partitions left to write (`finish`)."""
+        return self._rest is not None
+
+    def finish(self) -> None:
+        """Write the partitions a streamed step has left, if any."""
+        rest, self._rest = self._rest, None
+        if rest is not None:
+            for _ in rest:
+                pass
 
     def adopt(self, into: torch.Tensor | None) -> None:
         """`into` (when given) holds the new state: it becomes the state (the optimizer's
@@ -248,6 +292,7 @@ class State:
     def checkpoint(self) -> dict[str, Any]:
         """The model's values, the optimizer and the version, copied. A shard's holds its slice
         as `vector` (with `part`), and no `model`'s values."""
+        self.finish()
         model = {} if self.sliced else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         saved: dict[str, Any] = {
             "version": self.version,
@@ -265,6 +310,7 @@ class State:
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint (written by `checkpoint`)."""
+        self.finish()
         if self.sliced:
             if list(saved.get("part", [])) != list(self.part):
                 raise ValueError(f"the checkpoint holds values {saved.get('part')}, this shard {list(self.part)}")

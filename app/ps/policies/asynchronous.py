@@ -9,7 +9,10 @@ from app.ps.policies.base import Policy
 
 
 class AsyncPolicy(Policy):
-    """async: every push applied and answered at once."""
+    """async: every push applied and answered at once; where its worker waits for each partition
+    of the new state (app.exchange.streamed_pull), answered once the first is written."""
+
+    streams = True
 
     def into(self, rank: int) -> torch.Tensor | None:
         """The rank's reply buffer, where SGD writes the new state; None (in place, the reply a

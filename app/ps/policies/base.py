@@ -10,11 +10,13 @@ returns are completed after the lock is released.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch.futures import Future
 
+from app.exchange.progress import Progress
 from app.exchange.wire import Push, Refusal, Refused, Reply
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members
@@ -22,6 +24,7 @@ from app.ps.replies import ReplyBuffers
 from app.ps.state import State
 
 Ready = list[tuple[Future, Reply]]  # the answers that may go: each future and its reply
+Stream = Callable[[torch.Tensor], Progress | None]  # a reply buffer's word (app.exchange.progress), if it has one
 
 
 class Waiting(NamedTuple):
@@ -38,6 +41,8 @@ class Waiting(NamedTuple):
 class Policy:
     """When a push is applied and its answer goes. This class: at once, both (async's step;
     ssp refines when the answer goes, sync replaces the step by rounds)."""
+
+    streams = False  # answers a push whose worker waits for each partition before the rest is written
 
     def __init__(self, state: State, members: Members, replies: ReplyBuffers, counts: PushCounts) -> None:
         self.state, self.members, self.replies, self.counts = state, members, replies, counts
@@ -67,13 +72,29 @@ class Policy:
 
     # A push.
 
-    def take(self, push: Push, message: torch.Tensor, future: Future, staleness: int) -> Ready:
-        """Apply the push now, keep its answer waiting, and release the answers that may go."""
+    def take(
+        self, push: Push, message: torch.Tensor, future: Future, staleness: int, stream: Stream | None = None
+    ) -> Ready:
+        """Apply the push now, keep its answer waiting, and release the answers that may go.
+        `stream`: the word of a reply buffer (None: it has none) where the pusher waits for each
+        partition; a policy that `streams` answers as soon as the first is written (the state's
+        `finish` writes the rest)."""
         into = self.into(push.rank)
-        self.state.step(message, self.state.scale_for(staleness, push.grad_norm), into)
+        scale = self.state.scale_for(staleness, push.grad_norm)
+        progress, streamed = None, -1
+        if stream is not None and into is not None and self.streams and self.state.streams(into):
+            progress = stream(into)
+        if progress is not None and into is not None:
+            streamed = self.state.step_streamed(message, scale, into, progress)
+            self.counts.streamed += 1
+        else:
+            self.state.step(message, scale, into)
         self.count(push.rank, push.epoch, push.batch, staleness, push.to_go)
         self.hold(push.rank, Waiting(future, None, push.epoch, push.batch, staleness, push.to_go))
-        return self.release(fresh=push.rank if into is not None else None)
+        ready = self.release(fresh=push.rank if into is not None else None)
+        if streamed < 0:
+            return ready
+        return [(f, r._replace(streamed=streamed) if r.vector is into else r) for f, r in ready]
 
     def into(self, rank: int) -> torch.Tensor | None:
         """Where a push's new state is written: rank's reply buffer, where the answer goes at once

@@ -21,7 +21,7 @@ from torch.futures import Future
 from app.exchange.wire import Push, Reply
 from app.ps.counts import PushCounts
 from app.ps.members.members import Members
-from app.ps.policies.base import Policy, Ready, Waiting
+from app.ps.policies.base import Policy, Ready, Stream, Waiting
 from app.ps.replies import ReplyBuffers
 from app.ps.state import State
 
@@ -50,9 +50,11 @@ class RoundPolicy(Policy):
         open_round = self.waiting and rank not in self.waiting and not waited_for
         return version + 1 if open_round else 0
 
-    def take(self, push: Push, message: torch.Tensor, future: Future, staleness: int) -> Ready:
+    def take(
+        self, push: Push, message: torch.Tensor, future: Future, staleness: int, stream: Stream | None = None
+    ) -> Ready:
         """Keep the push waiting and fold it into the open round; close the round if it was the
-        last one awaited."""
+        last one awaited (a round's answer is never streamed: `stream` is not used)."""
         state = self.state
         clip = state.clip_factor(push.grad_norm)
         if clip != 1.0:  # each push's gradient clipped by its own norm before the round's mean

@@ -64,6 +64,22 @@ def held_at_once() -> Future:
     return future
 
 
+AFTER: list[threading.Event] = []  # the work left for after a reply waits for the caller to have it
+
+
+@transport.at_once(lambda at_once: at_once)
+def answered_then_more(at_once: bool) -> int:
+    """Answers 1 and leaves work for after the reply: it waits until its caller has the reply."""
+    got = threading.Event()
+    AFTER.append(got)
+
+    def more() -> None:
+        THREADS.append(f"after:{threading.current_thread().name}:{got.wait(timeout=30)}")
+
+    transport.after_reply(more)
+    return 1
+
+
 @transport.served
 def raises() -> None:
     raise ValueError("a bad value\nand a traceback nobody needs")
@@ -74,6 +90,7 @@ def _clean():
     RAN.clear()
     HELD.clear()
     THREADS.clear()
+    AFTER.clear()
 
 
 def endpoints(tmp_path: Path) -> dict[str, tuple[str, str, Mechanism]]:
@@ -168,6 +185,27 @@ def test_a_call_its_function_answers_at_once_runs_on_the_io_thread_and_its_reply
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_work_a_served_call_leaves_for_after_its_reply_runs_once_the_caller_has_the_reply(tmp_path, at_once):
+    """The rest of a streamed answer's state is written after its reply went: on the I/O thread
+    for a call answered at once (the next message waits for it), in the pool thread otherwise."""
+    server, client = pair(tmp_path, "ipc+plain", timeout=60.0)
+    try:
+        name = transport.name_of(answered_then_more)
+        assert client.call_async("ps", name, (at_once,)).wait() == 1  # while the work waits for this
+        AFTER[0].set()
+        deadline = time.monotonic() + 30
+        while not THREADS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert THREADS == [f"after:{'ps-io' if at_once else 'ps-call_0'}:True"]
+    finally:
+        client.close()
+        server.close()
+    ran: list[int] = []
+    transport.after_reply(lambda: ran.append(1))  # outside a served call: at once
+    assert ran == [1]
 
 
 def test_a_push_through_shared_memory_is_answered_at_once_only_when_proven_finite_float32():

@@ -43,7 +43,8 @@ def test_concurrent_pushes_are_all_applied_exactly():
             start.wait(timeout=60)
             version = 0
             for _ in range(pushes):
-                _, version, staleness, _ = push(server, rank, grad, version)
+                answer = push(server, rank, grad, version)
+                version, staleness = answer.version, answer.staleness
                 stalenesses[rank].append(staleness)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             errors[rank] = e
@@ -175,12 +176,14 @@ def test_the_push_counts_count_staleness_and_give_the_end_records_fields():
     for staleness in (0, 1, 1, 3):
         counts.count(staleness)
     counts.refused[2] += 1
+    counts.streamed = 2
     assert counts.fields({1: 3, 2: 1}) == {
         "pushes": {"worker1": 3, "worker2": 1},
         "staleness_mean": 1.25,
         "staleness_max": 3,
         "staleness_hist": {"0": 1, "1": 2, "3": 1},
         "refused": {"worker2": 1},
+        "streamed": 2,
     }
     assert PushCounts().fields({})["staleness_mean"] == 0.0  # no push yet
 
@@ -354,9 +357,9 @@ def test_an_evaluation_gets_the_rate_of_the_version_it_evaluates_however_far_tra
     server.state.plan(5)  # as the first push that says its epoch's 5 batches plans it: 10 updates
     version = 0
     for _ in range(3):
-        _, version, _, _ = push(server, 1, torch.ones(4), version)
+        version = push(server, 1, torch.ones(4), version).version
     vector, evaluated, lr = server.evaluated()
     assert evaluated == 3 and lr == pytest.approx(lr_factor(schedule, 3, 10, 1.0)) and lr < 1.0
     for _ in range(3):  # training goes on while the evaluation runs
-        _, version, _, _ = push(server, 1, torch.ones(4), version)
+        version = push(server, 1, torch.ones(4), version).version
     assert server.state.lr < lr and torch.equal(vector, torch.full((4,), -(1.0 + 0.9 + 0.8)))
