@@ -186,6 +186,22 @@ class Segment:
     def _start(self, index: int) -> int:
         return HEADER + index * stride(self.floats)
 
+    def owned(self) -> bool:
+        """Whether the process that made the segment still holds it (its lock): False once it
+        ended, however it ended."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False  # removed: its owner closed it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except OSError:  # its owner holds it
+            return True
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         """The owner removes the file and lets go of its lock. The mapping stays until no
         tensor views it any more (each view holds the mapping: unmapping under a live view

@@ -157,7 +157,7 @@ class SharedMemoryRoute(Pushing):
                 flat.use_messages(self.slots)  # backward writes the gradient where the PS reads it
             if ordered and not self.pusher.overlap and progress.available():
                 parts = cut([p.numel() for p in model.parameters()], flat.size, STREAMED_VALUES)
-                self.streamed = StreamedPull(model, parts, self.pusher.timeout, self.name)
+                self.streamed = StreamedPull(model, parts, self.pusher.timeout, self.name, self.segment.owned)
             return
         parts = cut([p.numel() for p in model.parameters()], flat.size)
         self.copies = SlotCopies(self.device, self.slots, parts)

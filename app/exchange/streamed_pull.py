@@ -11,11 +11,13 @@ GPU worker's copies: the first forward records the order, and from then on one h
 partition waits, on the module that needs it first (while a streamed reply is read: none runs
 for a reply that came whole). A module no forward ran waits for all it needs. After the
 backward (`settle`) the worker waits for whatever is left, so nothing of the reply is ever read
-unwritten.
+unwritten. A PS that ended before it wrote a partition (`alive`: its segment's owner is gone) is
+found out within a second, not at the timeout.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from torch import nn
@@ -24,12 +26,21 @@ from app.exchange import progress
 from app.exchange.ordered_pull import BUFFERS, plan, waits
 from app.exchange.route import PSUnreachable
 
+CHECK_EVERY = 1.0  # seconds a forward waits for a partition before it asks whether its PS still lives
+
 
 class StreamedPull:
     """The forward's waits for the partitions `parts` of a streamed reply."""
 
-    def __init__(self, model: nn.Module, parts: list[tuple[int, int]], timeout: float, peer: str) -> None:
-        self.parts, self.timeout, self.peer = parts, timeout, peer
+    def __init__(
+        self,
+        model: nn.Module,
+        parts: list[tuple[int, int]],
+        timeout: float,
+        peer: str,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.parts, self.timeout, self.peer, self.alive = parts, timeout, peer, alive
         self.needs = waits(model, parts)
         self.ran: list[nn.Module] = []  # the first forward: modules in the order they ran
         self.handles = [module.register_forward_pre_hook(self._ran) for module in self.needs]
@@ -74,11 +85,15 @@ class StreamedPull:
     def _need(self, count: int) -> None:
         if self.address is None or count <= self.written:
             return
-        if not progress.wait_until(self.address, self.base, count, self.timeout):
-            raise PSUnreachable(
-                f"parameter server process {self.peer} wrote {self.written} of the {len(self.parts)} "
-                f"partitions of its answer, not the {count}th within {self.timeout:.0f} s"
-            )
+        deadline = time.monotonic() + self.timeout
+        while not progress.wait_until(self.address, self.base, count, min(CHECK_EVERY, self.timeout)):
+            if not self.alive():
+                raise PSUnreachable(f"parameter server process {self.peer} ended while it wrote its answer")
+            if time.monotonic() >= deadline:
+                raise PSUnreachable(
+                    f"parameter server process {self.peer} wrote {self.written} of the {len(self.parts)} "
+                    f"partitions of its answer, not the {count}th within {self.timeout:.0f} s"
+                )
         self.written = count
 
     def _plan(self) -> None:

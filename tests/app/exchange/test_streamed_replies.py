@@ -267,6 +267,44 @@ def test_a_partition_never_written_is_the_ps_lost_after_the_timeout(shm_dir):
         segment.close()
 
 
+OWNER = """
+import sys, time
+from app.exchange.segment import Segment
+segment = Segment.create(sys.argv[1], 8, ["reply1.0"])
+print(segment.path, segment.nonce, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_ps_killed_before_it_wrote_a_partition_is_found_out_in_a_second_not_at_the_timeout(shm_dir):
+    """The segment's owner, a real process, killed -9 while the forward waits for a partition."""
+    from app.exchange.segment import Offer
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(shm_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert owner.stdout is not None
+        path, nonce = owner.stdout.readline().split()
+        segment = Segment.attach(Offer(path, nonce, 8, ("reply1.0",)))
+        assert segment.owned()
+        address = segment.word_address("reply1.0")
+        assert address is not None
+        model = _model().eval()
+        parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
+        streamed = StreamedPull(model, parts, timeout=120.0, peer="ps", alive=segment.owned)
+        model(torch.zeros(2, 40))
+        streamed.expect(address, progress.Progress(address).count)
+        threading.Timer(0.5, owner.kill).start()
+        started = time.monotonic()
+        with pytest.raises(PSUnreachable, match="ps ended while it wrote its answer"):
+            model(torch.zeros(2, 40))
+        assert time.monotonic() - started < 30
+        assert not segment.owned()
+    finally:
+        owner.kill()
+        owner.wait()
+
+
 def _size(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
