@@ -303,10 +303,16 @@ class Node:
             self._stopping = True
             self._pending.fail_all("the transport is closed")
 
-    def _run_commands(self) -> None:
+    def _run_commands(self, replies_only: bool = False) -> None:
+        """Carry out the commands handed to the I/O thread, in order; `replies_only`: write the
+        replies, and keep the others, in their order, for the next run."""
+        kept: collections.deque[tuple[Any, ...]] = collections.deque()
         while self._commands:
             command = self._commands.popleft()
             kind = command[0]
+            if replies_only and kind != "reply":
+                kept.append(command)
+                continue
             if kind == "send":
                 self._send(*command[1:])
             elif kind == "reply":
@@ -316,6 +322,7 @@ class Node:
                 self._connect(command[1], command[2])
             elif kind == "stop":
                 self._stopping = True
+        self._commands.extendleft(reversed(kept))
 
     def _send(self, to: str, frames: list[Any], call: int) -> None:
         peer = self.peers.get(to)
@@ -381,8 +388,12 @@ class Node:
                 return
             if answered_at_once(function, value):
                 after = self._answers.serve((socket, routing), call, function, value)
-                self._run_commands()  # its reply (when it is ready) goes now, before the next message
+                # Its reply (when it is ready) goes now, and the work it left runs before any other
+                # command: failing a call to a lost peer runs that call's callbacks here, and one
+                # may wait for what the work ends (a PS's lock held until its answer is written).
+                self._run_commands(replies_only=True)
                 _run_after(after)
+                self._run_commands()
             else:
                 self._pool.submit(self._answers.serve_then, (socket, routing), call, function, value)
             return

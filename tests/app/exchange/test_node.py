@@ -80,6 +80,25 @@ def answered_then_more(at_once: bool) -> int:
     return 1
 
 
+HELD_LOCK = threading.Lock()
+GOT_LOCK: list[bool] = []
+
+
+@transport.at_once(lambda: True)
+def holds_a_lock_until_after_its_reply() -> int:
+    """Takes a lock its after-work lets go of, and calls a process nobody serves: that call fails
+    on the I/O thread, whose callback takes the lock (as a PS's liveness drops a lost worker under
+    the PS's lock, held by a streamed answer until its rest is written)."""
+    HELD_LOCK.acquire()
+    failed = SERVING[0].call_async("nobody", transport.name_of(raises), ())
+    failed.add_done_callback(lambda _: GOT_LOCK.append(HELD_LOCK.acquire(timeout=5)))
+    transport.after_reply(HELD_LOCK.release)
+    return 1
+
+
+SERVING: list[Node] = []
+
+
 @transport.served
 def raises() -> None:
     raise ValueError("a bad value\nand a traceback nobody needs")
@@ -206,6 +225,25 @@ def test_work_a_served_call_leaves_for_after_its_reply_runs_once_the_caller_has_
     ran: list[int] = []
     transport.after_reply(lambda: ran.append(1))  # outside a served call: at once
     assert ran == [1]
+
+
+def test_the_work_a_call_answered_at_once_leaves_runs_before_a_failed_calls_callbacks_on_the_io_thread(tmp_path):
+    """Else a callback that waits for what the work ends (a lock) would wait on the I/O thread,
+    which runs that work: a PS deadlocked when a worker was lost during a streamed answer."""
+    server, client = pair(tmp_path, "ipc+plain", timeout=60.0)
+    SERVING.append(server)
+    try:
+        assert client.call_async("ps", transport.name_of(holds_a_lock_until_after_its_reply), ()).wait() == 1
+        deadline = time.monotonic() + 30
+        while not GOT_LOCK and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert GOT_LOCK == [True]
+    finally:
+        SERVING.clear()
+        if GOT_LOCK == [True]:
+            HELD_LOCK.release()
+        client.close()
+        server.close()
 
 
 def test_a_push_through_shared_memory_is_answered_at_once_only_when_proven_finite_float32():
