@@ -1,5 +1,8 @@
 """The chaos scenarios in real containers (the offline cpu-smoke image, compose).
 
+The faults every target runs (chaos.faults), on a compose project (`ContainerJob`), and what
+only containers have: `make down` mid-run and `make up RESUME=1`, and `make scale`.
+
 A crash is simulated by SIGKILL of the app process inside the container (what
 the kernel's OOM killer or a segfault does): the container exits 137 and
 Docker applies its restart policy (`restart: on-failure`). `docker kill`
@@ -25,22 +28,15 @@ from orchestrator.backends import command
 from orchestrator.backends.compose import adapter
 from orchestrator.backends.compose.backend import SCALE_STOP_SECONDS
 from orchestrator.backends.compose.status import service_states
-from orchestrator.chaos.common import (
-    CHECKPOINT_VERSION,
-    RUN_TIMEOUT,
-    THRESHOLD,
-    Outcome,
-    Scenario,
-    Timeout,
-    chaos_topology,
-    wait_until,
-)
+from orchestrator.chaos import faults
+from orchestrator.chaos.common import RUN_TIMEOUT, Outcome, Scenario, Timeout, chaos_topology, wait_until
+from orchestrator.chaos.faults import sharded
 from orchestrator.metrics.records import Record, events, parse_lines
 from orchestrator.paths import ROOT
 from orchestrator.render import compose
 from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
-from orchestrator.topology.services import PS_SERVICE, by_name, service_names, shard_service
+from orchestrator.topology.services import PS_SERVICE, by_name, service_names
 from orchestrator.verbs import scaling
 
 
@@ -71,6 +67,7 @@ class ContainerJob:
 
     def __init__(self, t: Topology, project: str) -> None:
         self.t, self.client, self.compose = t, images.client(), adapter.detect()
+        self._failed: dict[str, tuple[Optional[int], float]] = {}  # name -> (status, unix time first seen failing)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{project}-"))
         self.project = adapter.Project(project, str(self.tmp / "compose.yaml"), str(ROOT))
         write_atomic(self.project.file, compose.dump(compose.render(t), t.name))
@@ -115,6 +112,25 @@ class ContainerJob:
         self.containers()[service].exec_run(["python", "-c", KILL_APP], detach=True)
         return sent
 
+    # The blocks of chaos.faults.Job.
+
+    def kill(self, name: str) -> float:
+        return self.kill_app(name)
+
+    def restarts(self, name: str) -> int:
+        return int(self.states().get(name, {}).get("restarts", 0))
+
+    def failures(self, since: float) -> dict[str, tuple[Optional[int], float]]:
+        """Each container seen failing (restarted, or exited non-zero), first seen after `since`."""
+        now = time.time()
+        for name, s in self.states().items():
+            if name not in self._failed and (s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"])):
+                self._failed[name] = (s["exit_code"] or None, now)
+        return {name: f for name, f in self._failed.items() if f[1] >= since}
+
+    def ended(self, timeout: float = RUN_TIMEOUT) -> dict[str, int]:
+        return {name: s["exit_code"] for name, s in self.wait_done(timeout).items()}
+
     def events(self, name: str, event: Event, since: float = 0.0) -> list[Record]:
         files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))
         known = by_name(self.t)  # a worker above workers.count (scaled up) writes <name>.jsonl too
@@ -149,30 +165,6 @@ class ContainerJob:
         return "".join(f"----- {s}\n" + c.logs().decode("utf-8", "replace") for s, c in self.containers().items())
 
 
-def _judge(job: ContainerJob, out: Outcome, extra: Callable[[dict[str, dict[str, Any]]], bool]) -> Outcome:
-    states = job.wait_done()
-    out.details["states"] = states
-    ends = job.events(PS_SERVICE, Event.END)
-    out.accuracy = ends[-1]["accuracy"] if ends else None
-    ok = all(s["exit_code"] == 0 for s in states.values()) and (out.accuracy or 0) >= THRESHOLD
-    out.recovered = ok and extra(states)
-    return out
-
-
-def _wait_mid_run(job: ContainerJob) -> None:
-    """Until every worker trains and the PS has a checkpoint at version >= CHECKPOINT_VERSION:
-    the PS scenarios strike a job in full swing, as the processes' do. On a loaded host one
-    worker's container can still be starting (importing torch) when the others have pushed
-    that far: a PS killed then is never that worker's to lose, and it joins the next PS."""
-    workers = [s for s in service_names(job.t) if s != PS_SERVICE and by_name(job.t)[s].role == "worker"]
-    wait_until("every worker trains", lambda: all(job.events(w, Event.TRAIN) for w in workers), RUN_TIMEOUT)
-    wait_until(
-        f"a checkpoint at version >= {CHECKPOINT_VERSION}",
-        lambda: [r for r in job.events(PS_SERVICE, Event.CHECKPOINT) if r["step"] >= CHECKPOINT_VERSION],
-        RUN_TIMEOUT,
-    )
-
-
 def _scenario(
     fault: str,
     project: str,
@@ -200,65 +192,15 @@ def _scenario(
 
 
 def worker_kill(run_dir: Path, t: Optional[Topology] = None, victim: str = "worker2") -> Outcome:
-    """SIGKILL a worker's app in its container: Docker restarts it, it rejoins, the run completes."""
-
-    def body(job: ContainerJob, out: Outcome) -> Outcome:
-        wait_until(
-            f"{victim} at epoch 5", lambda: any(r["epoch"] >= 5 for r in job.events(victim, Event.TRAIN)), RUN_TIMEOUT
-        )
-        wall = job.kill_app(victim)
-        drop = wait_until(
-            "the PS drops it", lambda: job.events(PS_SERVICE, Event.DROP, wall), job.t.ps.rpc_timeout + 10
-        )
-        out.detected_s = drop[0]["time"] - wall
-        join = wait_until(
-            "the restarted container rejoins", lambda: job.events(PS_SERVICE, Event.JOIN, wall), RUN_TIMEOUT
-        )
-        out.recovered_s = join[0]["time"] - wall
-        out.notes = f"Docker restarted {victim}; {join[0]['worker']} resumed at epoch {join[0]['epoch']}"
-        return _judge(job, out, lambda states: states[victim]["restarts"] >= 1)
-
-    return _scenario("kill the app in a worker container (Docker restarts it)", "psc-chaos-worker", body, run_dir, t)
+    """chaos.faults.worker_kill in containers: Docker starts the killed worker again."""
+    fault = "kill the app in a worker container (Docker restarts it)"
+    return _scenario(fault, "psc-chaos-worker", lambda job, out: faults.worker_kill(job, out, victim), run_dir, t)
 
 
 def ps_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
-    """SIGKILL the PS's app: every worker exits non-zero within rpc_timeout + 10 s; Docker
-    restarts the PS (and the workers), it resumes from its newest checkpoint."""
-
-    def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_mid_run(job)
-        workers = [s for s in service_names(job.t) if s != PS_SERVICE]
-        wall = job.kill_app(PS_SERVICE)
-        exits: dict[str, float] = {}
-
-        def all_exited() -> bool:
-            for service, s in job.states().items():
-                if (
-                    service in workers
-                    and service not in exits
-                    and (s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"] != 0))
-                ):
-                    exits[service] = round(time.time() - wall, 2)
-            return len(exits) == len(workers)
-
-        wait_until("every worker exits non-zero", all_exited, job.t.ps.rpc_timeout + 10)
-        out.detected_s = max(exits.values())
-        out.details["worker_exits_s"] = exits
-        resume = wait_until("the PS resumes", lambda: job.events(PS_SERVICE, Event.RESUME, wall), RUN_TIMEOUT)
-        push = wait_until(
-            "a worker trains again",
-            lambda: [r for w in workers for r in job.events(w, Event.TRAIN, resume[0]["time"])],
-            RUN_TIMEOUT,
-        )
-        out.recovered_s = min(r["time"] for r in push) - wall
-        out.details["resumed_version"] = resume[0]["step"]
-        out.notes = (
-            f"workers exited non-zero within {out.detected_s:.1f} s; Docker restarted the PS; "
-            f"resumed from version {resume[0]['step']}"
-        )
-        return _judge(job, out, lambda states: resume[0]["step"] > 0 and states[PS_SERVICE]["restarts"] >= 1)
-
-    return _scenario("kill the app in the PS container (Docker restarts it)", "psc-chaos-ps", body, run_dir, t)
+    """chaos.faults.ps_kill in containers: Docker starts the PS and the workers again."""
+    fault = "kill the app in the PS container (Docker restarts it)"
+    return _scenario(fault, "psc-chaos-ps", faults.ps_kill, run_dir, t)
 
 
 def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
@@ -266,7 +208,7 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     out; `make up RESUME=1` resumes from that checkpoint and finishes."""
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_mid_run(job)
+        faults.wait_mid_run(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
@@ -278,46 +220,15 @@ def stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             f"down took {out.detected_s:.1f} s; checkpoint on SIGTERM at version "
             f"{on_exit[-1]['step'] if on_exit else '?'}; resumed from version {resume[0]['step']}"
         )
-        return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
+        return faults.judge(job, out, lambda: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
 
     return _scenario("make down mid-run, make up RESUME=1", "psc-chaos-stop", body, run_dir, t)
 
 
-def sharded(t: Optional[Topology] = None) -> Topology:
-    """The chaos topology with its PS split in two (ps.shards: 2)."""
-    t = t or chaos_topology()
-    return t.model_copy(update={"ps": dataclasses.replace(t.ps, shards=2)})
-
-
 def ps_shard_kill(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
-    """SIGKILL a PS shard's app (ps.shards: 2): Docker restarts it, it takes its slice back
-    from its checkpoint labelled with the PS's version; workers that lost it are restarted
-    and rejoin; the run completes."""
-    shard = shard_service(1)
-
-    def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_mid_run(job)
-        wall = job.kill_app(shard)
-        lost = wait_until(
-            "the PS notices", lambda: job.events(PS_SERVICE, Event.SHARD_LOST, wall), job.t.ps.rpc_timeout + 10
-        )
-        out.detected_s = lost[0]["time"] - wall
-        back = wait_until(
-            "the restarted shard registers", lambda: job.events(PS_SERVICE, Event.SHARD, wall), RUN_TIMEOUT
-        )
-        workers = [s for s in service_names(job.t) if s.startswith("worker")]
-        push = wait_until(
-            "a worker trains again",
-            lambda: [r for w in workers for r in job.events(w, Event.TRAIN, back[0]["time"])],
-            RUN_TIMEOUT,
-        )
-        out.recovered_s = min(r["time"] for r in push) - wall
-        out.notes = f"the PS lost the shard after {out.detected_s:.1f} s; Docker restarted it; it resumed its slice"
-        return _judge(job, out, lambda states: states[shard]["restarts"] >= 1)
-
-    return _scenario(
-        "kill the app in a PS shard container (Docker restarts it)", "psc-chaos-shard", body, run_dir, sharded(t)
-    )
+    """chaos.faults.ps_shard_kill in containers: Docker starts the shard again."""
+    fault = "kill the app in a PS shard container (Docker restarts it)"
+    return _scenario(fault, "psc-chaos-shard", faults.ps_shard_kill, run_dir, sharded(t))
 
 
 def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
@@ -325,7 +236,7 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
     slice is written on the way out; `make up RESUME=1` continues from there."""
 
     def body(job: ContainerJob, out: Outcome) -> Outcome:
-        _wait_mid_run(job)
+        faults.wait_mid_run(job)
         wall = time.time()
         out.detected_s = job.down(volumes=False)
         job.up(resume=True)
@@ -338,7 +249,7 @@ def sharded_stop_and_up(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             f"{on_exit[-1]['step'] if on_exit else '?'} and the shard its slice; resumed from version "
             f"{resume[0]['step']}"
         )
-        return _judge(job, out, lambda states: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
+        return faults.judge(job, out, lambda: bool(on_exit) and resume[0]["step"] == on_exit[-1]["step"])
 
     return _scenario(
         "make down of a sharded PS mid-run, make up RESUME=1", "psc-chaos-sharded-stop", body, run_dir, sharded(t)
@@ -399,12 +310,12 @@ def scale(run_dir: Path, t: Optional[Topology] = None) -> Outcome:
             + "; left "
             + ", ".join(f"{r['worker']} at version {r['step']}" for r in left)
         )
-        return _judge(
+        return faults.judge(
             job,
             out,
-            lambda states: (
+            lambda: (
                 not drops
-                and all(states[w]["restarts"] == 0 for w in ("worker3", "worker4"))
+                and all(job.restarts(w) == 0 for w in ("worker3", "worker4"))
                 and {r["worker"] for r in left} == {"worker3", "worker4"}
             ),
         )

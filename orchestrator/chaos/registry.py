@@ -1,10 +1,11 @@
 """`python -m orchestrator chaos`: the scenarios by name, run one after the other, then a table.
 
-As processes (`chaos.processes`, `chaos.checkpoints`): kill -9 a worker and
-start it again; SIGSTOP a worker and SIGCONT it; kill -9 the PS, then restart
-everything; kill -9 a process in the middle of checkpoint writes, again and
-again. In containers (`chaos.containers`, Docker needed): the same faults
-inside the containers, and `make down` mid-run.
+The kills of a worker, the PS and a PS shard (`chaos.faults`), written once and run as
+processes (`chaos.processes`: each process that fails started again, as compose does) and in
+containers (`chaos.containers`, Docker needed). As processes only: SIGSTOP a worker and
+SIGCONT it; kill -9 a process in the middle of checkpoint writes, again and again
+(`chaos.checkpoints`). In containers only: `make down` mid-run and `make up RESUME=1`, and
+`make scale`.
 """
 
 from __future__ import annotations

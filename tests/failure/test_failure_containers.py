@@ -34,9 +34,8 @@ def test_a_crashed_worker_container_is_restarted_and_the_run_completes(docker_en
     out = chaos_containers.worker_kill(tmp_path)
 
     assert out.recovered, f"{out!r}\n{(tmp_path / 'containers.log').read_text()[-5000:]}"
-    states = out.details["states"]
-    assert states["worker2"]["restarts"] >= 1
-    assert all(s["status"] == "exited" and s["exit_code"] == 0 for s in states.values()), states
+    assert out.details["restarts"]["worker2"] >= 1
+    assert set(out.details["exit_codes"].values()) == {0}, out.details["exit_codes"]
     assert out.accuracy >= 0.90
 
 
@@ -48,10 +47,10 @@ def test_a_crashed_ps_container_resumes_from_its_checkpoint(docker_engine, tmp_p
     # A bound that is the behaviour: workers that lose the PS exit within the RPC timeout
     # (10 s) instead of hanging, so Docker restarts them; + 10 s for a loaded host.
     # Measured 0.8-1.8 s on a 2-core CPU VM (docs/failure.md).
-    print(f"PS container killed: workers exited after {out.details['worker_exits_s']}")
-    assert max(out.details["worker_exits_s"].values()) <= t.ps.rpc_timeout + 10
+    print(f"PS container killed: workers exited after {out.details['worker_exits']}")
+    assert max(seconds for _, seconds in out.details["worker_exits"].values()) <= t.ps.rpc_timeout + 10
     assert out.details["resumed_version"] >= 200
-    assert out.details["states"]["ps"]["exit_code"] == 0 and out.accuracy >= 0.90
+    assert out.details["exit_codes"]["ps"] == 0 and out.details["restarts"]["ps"] >= 1 and out.accuracy >= 0.90
     log = (tmp_path / "containers.log").read_text()
     assert log.count("worker1 failed: PSUnreachable: lost the parameter server at /run/psc/ps.sock") == 1
 
@@ -74,7 +73,7 @@ def test_a_crashed_ps_shard_container_is_restarted_and_takes_its_slice_back(dock
 
     log = (tmp_path / "containers.log").read_text()
     assert out.recovered, f"{out!r}\n{log[-5000:]}"
-    assert out.details["states"]["ps-shard1"]["restarts"] >= 1
+    assert out.details["restarts"]["ps-shard1"] >= 1
     assert "(the main parameter server's version" in log  # from its labelled checkpoint, not the initial values
     assert out.accuracy >= 0.90
 
