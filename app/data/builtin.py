@@ -16,6 +16,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+try:
+    from numpy._core import multiarray as _np_multiarray
+    from numpy._core import numeric as _np_numeric
+except ImportError:  # numpy 1.x
+    from numpy.core import multiarray as _np_multiarray
+    from numpy.core import numeric as _np_numeric
+
 from app.config import UsageError
 
 HELD_OUT = 0.2  # of digits and synthetic; imagefolder holds out 10%
@@ -113,12 +120,41 @@ def mnist(root: Path, train: bool, seed: int) -> Split:
     return InMemoryData(x, torch.from_numpy(labels.astype(np.int64)), [0.1307], [0.3081], 1 / 255), 1, 10
 
 
+# The globals a CIFAR-10 python batch may name: numpy's array reconstruction as numpy 1 (the
+# files as published: numpy.core, protocol 2) and numpy 2 (numpy._core) spell it, and the
+# protocol-5 form numpy writes for a contiguous array (_frombuffer). Nothing else is looked up.
+_CIFAR_GLOBALS = {
+    **{
+        (module, "_reconstruct"): _np_multiarray._reconstruct
+        for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+    },
+    **{(module, "_frombuffer"): _np_numeric._frombuffer for module in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch file: a dict of numpy arrays, lists, bytes and numbers. Any
+    global other than those of _CIFAR_GLOBALS is refused before it is imported or called."""
+
+    def find_class(self, module: str, name: str) -> object:
+        found = _CIFAR_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"forbidden global {module}.{name} (a CIFAR-10 batch holds only numpy arrays)")
+        return found
+
+
 def cifar10(root: Path, train: bool, seed: int) -> Split:
     names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
     xs, ys = [], []
     for name in names:
-        with open(_find(root, [name], "CIFAR-10"), "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+        path = _find(root, [name], "CIFAR-10")
+        with open(path, "rb") as f:
+            try:
+                batch = _CifarUnpickler(f, encoding="bytes").load()
+            except pickle.UnpicklingError as e:
+                raise UsageError(f"CIFAR-10 file {path}: {e}") from e
         xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
         ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
     x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
