@@ -7,21 +7,16 @@ their own. Nothing is downloaded. `read` gives one split of one of them.
 from __future__ import annotations
 
 import gzip
+import importlib
 import importlib.util
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-
-try:
-    from numpy._core import multiarray as _np_multiarray
-    from numpy._core import numeric as _np_numeric
-except ImportError:  # numpy 1.x
-    from numpy.core import multiarray as _np_multiarray
-    from numpy.core import numeric as _np_numeric
 
 from app.config import UsageError
 
@@ -119,6 +114,16 @@ def mnist(root: Path, train: bool, seed: int) -> Split:
     x = torch.from_numpy(images.copy()).unsqueeze(1)
     return InMemoryData(x, torch.from_numpy(labels.astype(np.int64)), [0.1307], [0.3081], 1 / 255), 1, 10
 
+
+def _numpy_module(name: str) -> Any:
+    """numpy's own module `name`: numpy._core.NAME (numpy.core.NAME on numpy 1.x)."""
+    try:
+        return importlib.import_module(f"numpy._core.{name}")
+    except ImportError:
+        return importlib.import_module(f"numpy.core.{name}")
+
+
+_np_multiarray, _np_numeric = _numpy_module("multiarray"), _numpy_module("numeric")
 
 # The globals a CIFAR-10 python batch may name: numpy's array reconstruction as numpy 1 (the
 # files as published: numpy.core, protocol 2) and numpy 2 (numpy._core) spell it, and the
