@@ -5,7 +5,7 @@ doctor's checks and the host facts only it needs. A target the orchestrator runs
 blocks: `deploy` (start the document with the run's variables), `describe` (one
 `ServiceState` per service), `log_iter` (the services' log lines, following or not),
 `remove`, `read_records` (the app's metrics files), `running_env` (the run going on), and
-where it can `scale_to` (and `discard_created`) and `serve_board`. Every user-facing verb
+where it can `scale_to` (and `discard_created`), `serve_board` and `signal_app` (chaos's faults). Every user-facing verb
 (up, down, logs, status, smoke, scale, tensorboard) is written once on top of them
 (orchestrator/verbs/cluster.py), with one run-record store (orchestrator/backends/record.py);
 the CLI builds the verbs of every target in the registry (orchestrator/backends/registry.py)
@@ -223,6 +223,12 @@ class Backend:
         """Remove what of `services` was made but never started (a `scale_to` cut short by the
         run's end); the names removed."""
         return []
+
+    def signal_app(self, c: Cluster, service: str, signal_name: str) -> float:
+        """Send `signal_name` (SIGKILL, SIGSTOP, SIGCONT) to the app process of `service`, as the
+        kernel's OOM killer or a segfault would: the target's restart policy applies. The unix
+        time just before (what it sets off may be recorded before this returns)."""
+        raise self._not_run("signal")
 
     def export_model(self, c: Cluster, run_id: str, into: Path) -> None:
         """Write run `run_id`'s model.pt and model.json into `into` from the cluster's state

@@ -26,6 +26,7 @@ from orchestrator.arguments import (
     load_topology,
     positive_float,
     positive_int,
+    run_id_arg,
 )
 from orchestrator.cli.cluster import add_build_verb, add_cluster_verbs
 from orchestrator.errors import UsageError, engine_errors
@@ -98,18 +99,25 @@ def run_schema(args: argparse.Namespace) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     from orchestrator.verbs import inventory
-    from orchestrator.verbs.local import RUNS_DIR, run
+    from orchestrator.verbs.local import run
 
     t = load_topology(args)
     if isinstance(args.resume, str):  # --resume RUN_ID: a run of the name that did not finish
-        inventory.check_local_resume(t.name, args.resume)
-    code = run(t, source=args.config, keep_going=args.keep_going, resume=args.resume)
+        inventory.check_local_resume(t.name, args.resume, args.runs_dir)
+    code = run(
+        t,
+        source=args.config,
+        keep_going=args.keep_going,
+        resume=args.resume,
+        runs_dir=args.runs_dir,
+        run_id=args.run_id or "",
+    )
     if code < 128:  # not stopped by a signal: the run's report, and its PNGs to MLflow where it was tracked
         from orchestrator.metrics import end_report
 
         tracked = os.environ.get("MLFLOW_TRACKING_URI", "")
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or t.name
-        end_report.after_run(Path(RUNS_DIR) / t.name / "metrics", sys.stdout, "local:", tracked, experiment)
+        end_report.after_run(Path(args.runs_dir) / t.name / "metrics", sys.stdout, "local:", tracked, experiment)
     return code
 
 
@@ -176,6 +184,18 @@ def _add_local_verbs(sub: argparse._SubParsersAction) -> None:
         "--keep-going",
         action="store_true",
         help="do not stop the other processes when one fails for good (a worker: after its restarts)",
+    )
+    p.add_argument(
+        "--runs-dir",
+        default="runs",  # orchestrator.verbs.local.RUNS_DIR
+        metavar="DIR",
+        help="where the run's directory <name>/ goes: checkpoints, metrics, its state (default: runs)",
+    )
+    p.add_argument(
+        "--run-id",
+        type=run_id_arg,
+        metavar="RUN_ID",
+        help="the new run's id (default: a new one; with --resume and no RUN_ID, the run that continues)",
     )
     add_resume_arg(p)
     p.set_defaults(run=run_local)

@@ -136,9 +136,9 @@ def local_records(d: Path) -> dict[str, list[str]]:
     return records
 
 
-def check_local_resume(name: str, run_id: str) -> None:
-    """`local --resume RUN_ID`: check_resumable over the local runs of `name`."""
-    check_resumable(name, LOCAL, local_records(Path(RUNS_DIR) / name), run_id)
+def check_local_resume(name: str, run_id: str, runs_dir: str = RUNS_DIR) -> None:
+    """`local --resume RUN_ID`: check_resumable over the local runs of `name` (under `runs_dir`)."""
+    check_resumable(name, LOCAL, local_records(Path(runs_dir) / name), run_id)
 
 
 def local_rows(base: Path) -> list[dict]:

@@ -16,12 +16,16 @@ One live run per name (the topology's, or `--name`): the run holds runs/<name>/l
 (orchestrator.run_lock) from before its first process starts until its last one ends; a
 second `local` of the name is refused with one line naming the live run.
 
-A worker that fails (exits non-zero, or is killed) is started again with the same
-environment, as compose's `restart: on-failure` does, at most WORKER_RESTARTS times
-(each one logged); it rejoins the running job as a restarted container does. Exit
-status 2 (bad input, or its rank taken by a process that still answers) is not
-retried, nor is a worker once the PS has ended. A PS or PS shard that fails, a worker out of restarts, and under
-`allreduce` (no PS: a lost peer fails every rank) any failure stop every process.
+A process that fails (exits non-zero, or is killed) is started again with the same
+environment, as compose's `restart: on-failure` does, at most RESTARTS times (each one
+logged): a worker rejoins the running job, a PS or PS shard resumes from its newest
+checkpoint, as restarted containers do. Exit status 2 (bad input, or its rank taken by a
+process that still answers) is not retried, nor is a worker once the PS has ended for good.
+A process out of restarts, and under `allreduce` (no PS: a lost peer fails every rank) any
+failure, stop every process.
+
+The launcher keeps what it knows of each process in runs/<name>/local-state.json, which the
+local target's blocks read (orchestrator/backends/local/backend.py).
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology, TopologyError, load_with
 from orchestrator.topology.services import Service, describe, has_ps, services
 from orchestrator.verbs import live_names
-from orchestrator.verbs.supervisor import WORKER_RESTARTS, ProcessSpec, Supervisor, spawn
+from orchestrator.verbs.supervisor import RESTARTS, ProcessSpec, Supervisor, spawn
 
-__all__ = ["WORKER_RESTARTS", "ProcessSpec", "Supervisor", "spawn"]  # where the other verbs and tests take them
+__all__ = ["RESTARTS", "ProcessSpec", "Supervisor", "spawn"]  # where the other verbs and tests take them
 
 LOCALHOST = "127.0.0.1"
 RUNS_DIR = "runs"
@@ -192,14 +196,12 @@ def plan(
     """One process per service, in rank order (the PS first; for allreduce, no PS and
     worker1, DDP rank 0, first), every one in run `run_id`."""
     specs = []
-    restarts = WORKER_RESTARTS if has_ps(t) else 0
+    restarts = RESTARTS if has_ps(t) else 0
     for s in services(t):
         env = service_environment(
             t, s, port=port, run_dir=run_dir, ifname=ifname, run_id=run_id, resume=resume, exchange=exchange
         )
-        specs.append(
-            ProcessSpec(s.name, app_argv(s.role, python=python), env, restarts=restarts if s.role == "worker" else 0)
-        )
+        specs.append(ProcessSpec(s.name, app_argv(s.role, python=python), env, restarts, anchor=s.role != "worker"))
     return specs
 
 
@@ -241,10 +243,17 @@ def loopback_ifname() -> str:
 
 
 def run(
-    t: Topology, *, source: str, keep_going: bool = False, runs_dir: str = RUNS_DIR, resume: runs.Resume = False
+    t: Topology,
+    *,
+    source: str,
+    keep_going: bool = False,
+    runs_dir: str = RUNS_DIR,
+    resume: runs.Resume = False,
+    run_id: str = "",
 ) -> int:
     """Run the cluster of `t` as processes, as a new run (orchestrator.runs; `resume`: it
-    continues the newest unfinished checkpoint, or the run of that id); the exit status of the whole run."""
+    continues the newest unfinished checkpoint, or the run of that id), of id `run_id` (default:
+    a new one); the exit status of the whole run."""
     check_host(t, source)
     versions = user_packages.check_local(t)
     run_dir = Path(runs_dir) / t.name
@@ -253,7 +262,7 @@ def run(
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"{run_dir}: cannot create: {e.strerror or e}") from None
-    run_id = runs.chosen(resume) or runs.new_id()
+    run_id = runs.chosen(resume) or run_id or runs.new_id()
     lock = run_lock.hold(run_dir, run_id, t.name)
     try:
         live_names.refuse_elsewhere(
@@ -287,7 +296,7 @@ def run(
             for said in (tracking_note(t, os.environ), t.env_unset(os.environ)):
                 if said:
                     print(f"local: {said}", flush=True)
-            return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,)).run()
+            return Supervisor(specs, keep_going=keep_going, pass_fds=(lock,), state_dir=run_dir).run()
     finally:
         shutil.rmtree(shm_dir(t, run_id), ignore_errors=True)
         os.close(lock)

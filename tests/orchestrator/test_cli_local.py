@@ -23,7 +23,7 @@ from orchestrator.topology.fields import Tracking
 from orchestrator.topology.model import load
 from orchestrator.topology.services import service_names
 from orchestrator.verbs import local
-from orchestrator.verbs.local import WORKER_RESTARTS, ProcessSpec, Supervisor, local_environment, plan
+from orchestrator.verbs.local import RESTARTS, ProcessSpec, Supervisor, local_environment, plan
 
 from needs import host_has
 from orch_helpers import REPO, topology
@@ -187,19 +187,65 @@ def test_supervisor_does_not_restart_a_worker_once_the_ps_has_ended(tmp_path: Pa
     )  # the PS exits right after writing the file
     out = io.StringIO()
     specs = [
-        ProcessSpec("ps", _py(f"import pathlib; pathlib.Path({str(ps_done)!r}).touch()"), {}),
+        ProcessSpec("ps", _py(f"import pathlib; pathlib.Path({str(ps_done)!r}).touch()"), {}, anchor=True),
         ProcessSpec("worker1", _py(worker), {}, restarts=3),
     ]
     assert Supervisor(specs, out=out, restart_delay=0).run() == 1
     assert "restarting" not in out.getvalue() and "worker1 | exited with code 1" in out.getvalue()
 
 
-def test_plan_restarts_workers_only_and_not_under_allreduce(tmp_path: Path) -> None:
+def test_supervisor_starts_a_failed_ps_again_and_its_workers_rejoin_it(tmp_path: Path) -> None:
+    """As compose's `restart: on-failure`: the PS's first start fails, and worker1 with it (it
+    lost its PS); both are started again, and the run ends 0. The state file follows it."""
+    ps_marker, worker_marker = tmp_path / "ps-started-once", tmp_path / "worker-started-once"
+    ps_up, worker_done = tmp_path / "ps-up", tmp_path / "worker-done"
+    ps = (
+        f"import pathlib, sys, time; m = pathlib.Path({str(ps_marker)!r})\n"
+        f"if not m.exists(): m.touch(); sys.exit(1)\n"
+        f"pathlib.Path({str(ps_up)!r}).touch()\n"
+        f"while not pathlib.Path({str(worker_done)!r}).exists(): time.sleep(0.05)"
+    )
+    worker = (  # its first start fails (it lost its PS); the next trains once the PS is back
+        f"import pathlib, sys, time; m = pathlib.Path({str(worker_marker)!r})\n"
+        f"if not m.exists(): m.touch(); sys.exit(1)\n"
+        f"while not pathlib.Path({str(ps_up)!r}).exists(): time.sleep(0.05)\n"
+        f"pathlib.Path({str(worker_done)!r}).touch()"
+    )
+    out = io.StringIO()
+    specs = [
+        ProcessSpec("ps", _py(ps), {}, restarts=2, anchor=True),
+        ProcessSpec("worker1", _py(worker), {}, restarts=2),
+    ]
+    assert Supervisor(specs, out=out, restart_delay=0.2, state_dir=tmp_path).run() == 0, out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert "ps      | exited with code 1; restarting (1 of 2)" in lines
+    assert "ps      | exited with code 0" in lines and "worker1 | exited with code 0" in lines
+    state = json.loads((tmp_path / "local-state.json").read_text())
+    assert state["launcher"] == os.getpid()
+    assert state["services"]["ps"]["status"] == "exited" and state["services"]["ps"]["exit_code"] == 0
+    assert state["services"]["ps"]["restarts"] == 1
+    assert state["services"]["worker1"]["status"] == "exited" and state["services"]["worker1"]["restarts"] == 1
+    assert (tmp_path / "local-state.json").stat().st_mode & 0o077 == 0
+
+
+def test_supervisor_stops_every_process_when_the_ps_is_out_of_restarts() -> None:
+    out = io.StringIO()
+    specs = [
+        ProcessSpec("ps", _py("raise SystemExit(3)"), {}, restarts=1, anchor=True),
+        ProcessSpec("worker1", _py("import time; time.sleep(3600)"), {}, restarts=3),
+    ]
+    assert Supervisor(specs, out=out, restart_delay=0).run() == 1
+    lines = out.getvalue().splitlines()
+    assert "ps      | exited with code 3; restarting (1 of 1)" in lines and "ps      | exited with code 3" in lines
+    assert any(line.startswith("worker1 | stopped (code") for line in lines), lines
+
+
+def test_plan_restarts_every_process_of_a_ps_job_and_none_under_allreduce(tmp_path: Path) -> None:
     t = load(REPO / "configs/cpu-smoke.yaml")
-    assert [(s.name, s.restarts) for s in plan(t, port=1, run_dir=tmp_path, ifname="lo")] == [
-        ("ps", 0),
-        ("worker1", WORKER_RESTARTS),
-        ("worker2", WORKER_RESTARTS),
+    assert [(s.name, s.restarts, s.anchor) for s in plan(t, port=1, run_dir=tmp_path, ifname="lo")] == [
+        ("ps", RESTARTS, True),
+        ("worker1", RESTARTS, False),
+        ("worker2", RESTARTS, False),
     ]
     allreduce = t.model_copy(update={"train": dataclasses.replace(t.train, strategy="allreduce")})
     assert [(s.name, s.restarts) for s in plan(allreduce, port=1, run_dir=tmp_path, ifname="lo")] == [

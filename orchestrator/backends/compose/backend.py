@@ -15,7 +15,7 @@ from app.contract import MLFLOW_PENDING_DIR
 from orchestrator import images
 from orchestrator.backends import command, export_container
 from orchestrator.backends.base import EVERY_LINE, Backend, Cluster, LogLines, LogOptions, ServiceState
-from orchestrator.backends.compose import adapter, doctor
+from orchestrator.backends.compose import adapter, app_signal, doctor
 from orchestrator.backends.compose.status import service_states
 from orchestrator.backends.lines import ProcessLines
 from orchestrator.errors import EngineError, UsageError, last_line
@@ -81,6 +81,12 @@ class ComposeBackend(Backend):
                 ) from None
             raise
         return []
+
+    def signal_app(self, c: Cluster, service: str, signal_name: str) -> float:
+        found = {x.labels.get(adapter.LABEL_SERVICE): x for x in adapter.containers(images.client(), c.name)}
+        if service not in found:
+            raise UsageError(f"{c.name}: no container of service {service!r}")
+        return app_signal.send(found[service], signal_name)
 
     def check_files(self, c: Cluster) -> None:
         """UsageError (one line) when compose cannot merge the override files over the document:
