@@ -59,19 +59,39 @@ def plan(needs: dict[nn.Module, tuple[list[int], bool]], ran: list[nn.Module]) -
     return out
 
 
-class OrderedPull:
-    """Copies replies into `flat`'s own storage on the device, partition by partition."""
+class ForwardWaits:
+    """Hooks before the modules of a forward that wait for what each needs of a reply: the
+    partitions its parameters are in, and the float buffers (BUFFERS). The first forward records
+    the order the modules run in (a hook on every module of `needs`, each waiting for all its
+    module needs); once it has, `arm` puts one hook per partition where the forward first needs
+    it, and `disarm` takes them off. What a wait is (a CUDA event, a futex word) is the
+    subclass's `_wait_for`."""
 
-    def __init__(self, model: nn.Module, flat: FlatModel, parts: list[tuple[int, int]]) -> None:
-        self.flat, self.parts = flat, parts
-        self.stream = torch.cuda.Stream(flat.own.device)
-        self.events: dict[int, torch.cuda.Event] = {}  # partition (BUFFERS: the buffers) -> its copy landed
-        self.compute: torch.cuda.Stream | None = None  # the stream the forward runs on
-        self.waited: set[int] = set()  # copies the compute stream waits for already
+    def __init__(self, model: nn.Module, parts: list[tuple[int, int]]) -> None:
         self.needs = waits(model, parts)
         self.ran: list[nn.Module] = []  # the first forward: modules in the order they ran
         self.handles = [module.register_forward_pre_hook(self._ran) for module in self.needs]
-        self.planned = False
+        self.planned: list[tuple[nn.Module, list[int]]] | None = None  # where the forward waits, once known
+
+    def _wait_for(self, copies: list[int]) -> None:
+        raise NotImplementedError
+
+    def arm(self) -> None:
+        """The per-partition hooks in place, once the first forward has run (before it, the
+        recording hooks stay, and wait for all their module needs)."""
+        if self._plan() and not self.handles:
+            self.handles = [m.register_forward_pre_hook(self._waiter(copies)) for m, copies in self.planned or []]
+
+    def disarm(self) -> None:
+        """No hook runs in the forward, once the first forward has run (before it, the recording
+        hooks stay: they must see it)."""
+        if self._plan():
+            self.close()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def _ran(self, module: nn.Module, _inputs: object) -> None:
         self.ran.append(module)
@@ -84,6 +104,26 @@ class OrderedPull:
 
         return wait
 
+    def _plan(self) -> bool:
+        """After the first forward: where the forward waits (`plan`), the recording hooks taken
+        off; whether that is known."""
+        if self.planned is None and self.ran:
+            self.close()
+            self.planned = plan(self.needs, self.ran)
+        return self.planned is not None
+
+
+class OrderedPull(ForwardWaits):
+    """Copies replies into `flat`'s own storage on the device, partition by partition."""
+
+    def __init__(self, model: nn.Module, flat: FlatModel, parts: list[tuple[int, int]]) -> None:
+        super().__init__(model, parts)
+        self.flat, self.parts = flat, parts
+        self.stream = torch.cuda.Stream(flat.own.device)
+        self.events: dict[int, torch.cuda.Event] = {}  # partition (BUFFERS: the buffers) -> its copy landed
+        self.compute: torch.cuda.Stream | None = None  # the stream the forward runs on
+        self.waited: set[int] = set()  # copies the compute stream waits for already
+
     def _wait_for(self, copies: list[int]) -> None:
         if not self.events or self.compute is None:
             return
@@ -92,19 +132,10 @@ class OrderedPull:
                 self.compute.wait_event(self.events[j])
                 self.waited.add(j)
 
-    def _plan(self) -> None:
-        """After the first forward: one hook per partition, where the forward first needs it."""
-        if self.planned or not self.ran:
-            return
-        for handle in self.handles:
-            handle.remove()
-        self.handles = [m.register_forward_pre_hook(self._waiter(copies)) for m, copies in plan(self.needs, self.ran)]
-        self.planned = True
-
     def load(self, vector: torch.Tensor) -> None:
         """Start copying `vector` (the reply, in pinned host memory) into the model's own
         storage; the forward waits for what each module needs."""
-        self._plan()
+        self.arm()
         own, n = self.flat.own, self.flat.num_params
         self.compute = torch.cuda.current_stream(own.device)
         ready = torch.cuda.Event()
@@ -124,7 +155,3 @@ class OrderedPull:
         self.events, self.waited = events, set()
         if self.flat.vector is not own:
             self.flat.adopt(own)
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()

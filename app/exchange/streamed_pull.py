@@ -23,13 +23,13 @@ from collections.abc import Callable
 from torch import nn
 
 from app.exchange import progress
-from app.exchange.ordered_pull import BUFFERS, plan, waits
+from app.exchange.ordered_pull import ForwardWaits
 from app.exchange.route import PSUnreachable
 
 CHECK_EVERY = 1.0  # seconds a forward waits for a partition before it asks whether its PS still lives
 
 
-class StreamedPull:
+class StreamedPull(ForwardWaits):
     """The forward's waits for the partitions `parts` of a streamed reply."""
 
     def __init__(
@@ -40,43 +40,26 @@ class StreamedPull:
         peer: str,
         alive: Callable[[], bool] = lambda: True,
     ) -> None:
+        super().__init__(model, parts)
         self.parts, self.timeout, self.peer, self.alive = parts, timeout, peer, alive
-        self.needs = waits(model, parts)
-        self.ran: list[nn.Module] = []  # the first forward: modules in the order they ran
-        self.handles = [module.register_forward_pre_hook(self._ran) for module in self.needs]
-        self.planned: list[tuple[nn.Module, list[int]]] | None = None  # where the forward waits, once known
         self.address: int | None = None  # the word of the reply being written; None: it is whole
         self.base = 0  # the word's count before it
         self.written = 0  # its partitions known written
 
     def expect(self, address: int, base: int) -> None:
         """The reply now read is written partition by partition: its word, and its count before."""
-        self._plan()
-        if not self.handles:
-            self.handles = [m.register_forward_pre_hook(self._waiter(copies)) for m, copies in self.planned or []]
+        self.arm()
         self.address, self.base, self.written = address, base, 0
 
     def whole(self) -> None:
-        """The reply now read was written whole before its answer went: no hook runs."""
-        self._plan()
-        self.close()
+        """The reply now read was written whole before its answer went: no hook waits."""
+        self.disarm()
         self.address = None
 
     def settle(self) -> None:
         """Wait for every partition of the reply (before anything but the forward reads it)."""
         self._need(len(self.parts))
         self.address = None
-
-    def _ran(self, module: nn.Module, _inputs: object) -> None:
-        self.ran.append(module)
-        parts, has_buffers = self.needs[module]
-        self._wait_for(([BUFFERS] if has_buffers else []) + parts)
-
-    def _waiter(self, copies: list[int]) -> Callable[[nn.Module, object], None]:
-        def wait(_module: nn.Module, _inputs: object) -> None:
-            self._wait_for(copies)
-
-        return wait
 
     def _wait_for(self, copies: list[int]) -> None:
         if self.address is not None:  # the buffers are written with the first partition
@@ -95,16 +78,3 @@ class StreamedPull:
                     f"partitions of its answer, not the {count}th within {self.timeout:.0f} s"
                 )
         self.written = count
-
-    def _plan(self) -> None:
-        """After the first forward: one hook per partition, where the forward first needs it, put
-        in place while a streamed reply is read (`expect`)."""
-        if self.planned is not None or not self.ran:
-            return
-        self.close()
-        self.planned = plan(self.needs, self.ran)
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []

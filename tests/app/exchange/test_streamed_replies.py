@@ -42,6 +42,18 @@ def shm_dir(tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def reply_word(shm_dir):
+    """A segment with one reply region: the address of its word."""
+    segment = Segment.create(str(shm_dir), 8, ["reply1.0"])
+    try:
+        address = segment.word_address("reply1.0")
+        assert address is not None
+        yield address
+    finally:
+        segment.close()
+
+
 # --- the word ------------------------------------------------------------------------------
 
 WAITER = """
@@ -215,56 +227,58 @@ class Seen(nn.Module):
             layer.register_forward_pre_hook(lambda _m, _i: self.counts.append(word._word.value))
 
 
-def test_a_workers_forward_reads_each_partition_once_written_and_starts_before_the_last(shm_dir):
+def test_a_workers_forward_reads_each_partition_once_written_and_starts_before_the_last(reply_word):
     model = _model().eval()
-    segment = Segment.create(str(shm_dir), 8, ["reply1.0"])
-    try:
-        address = segment.word_address("reply1.0")
-        assert address is not None
-        word = progress.Progress(address)
-        parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
-        needs = _needs(model, parts)
-        streamed = StreamedPull(model, parts, timeout=30.0, peer="ps")
-        model(torch.zeros(2, 40))  # the first forward records the order (nothing streamed yet)
-        base = word.count
-        streamed.expect(address, base)
-        seen = Seen(model, word)  # its hooks run after the waits
+    address = reply_word
+    word = progress.Progress(address)
+    parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
+    needs = _needs(model, parts)
+    streamed = StreamedPull(model, parts, timeout=30.0, peer="ps")
+    model(torch.zeros(2, 40))  # the first forward records the order (nothing streamed yet)
+    base = word.count
+    streamed.expect(address, base)
+    seen = Seen(model, word)  # its hooks run after the waits
 
-        def write() -> None:
-            for _ in parts:
-                time.sleep(0.05)
-                word.publish()
+    def write() -> None:
+        for _ in parts:
+            time.sleep(0.05)
+            word.publish()
 
-        writer = threading.Thread(target=write)
-        writer.start()
-        model(torch.zeros(2, 40))
-        streamed.settle()
-        writer.join()
-        reached = [count - base for count in seen.counts]
-        assert all(got >= needs[i] + 1 for i, got in enumerate(reached)), (reached, needs)
-        assert reached[0] < len(parts)  # the first layer computed while the last partition was not written
-        assert word.count - base == len(parts)
-    finally:
-        segment.close()
+    writer = threading.Thread(target=write)
+    writer.start()
+    model(torch.zeros(2, 40))
+    streamed.settle()
+    writer.join()
+    reached = [count - base for count in seen.counts]
+    assert all(got >= needs[i] + 1 for i, got in enumerate(reached)), (reached, needs)
+    assert reached[0] < len(parts)  # the first layer computed while the last partition was not written
+    assert word.count - base == len(parts)
 
 
-def test_a_partition_never_written_is_the_ps_lost_after_the_timeout(shm_dir):
+def test_a_partition_never_written_is_the_ps_lost_after_the_timeout(reply_word):
     model = _model().eval()
-    segment = Segment.create(str(shm_dir), 8, ["reply1.0"])
-    try:
-        address = segment.word_address("reply1.0")
-        assert address is not None
-        parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
-        streamed = StreamedPull(model, parts, timeout=0.3, peer="ps")
+    parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
+    streamed = StreamedPull(model, parts, timeout=0.3, peer="ps")
+    model(torch.zeros(2, 40))
+    streamed.expect(reply_word, progress.Progress(reply_word).count)
+    with pytest.raises(PSUnreachable, match="ps wrote 0 of the"):
         model(torch.zeros(2, 40))
-        streamed.expect(address, progress.Progress(address).count)
-        with pytest.raises(PSUnreachable, match="ps wrote 0 of the"):
-            model(torch.zeros(2, 40))
-        streamed.whole()  # a reply that came whole: no wait, no hook
+    streamed.whole()  # a reply that came whole: no wait, no hook
+    model(torch.zeros(2, 40))
+    assert streamed.handles == []
+
+
+def test_a_reply_whole_before_the_first_forward_leaves_that_forward_to_record_the_order(reply_word):
+    """The hooks that record the forward's order stay through a whole reply that comes before
+    any forward: the streamed reply after it is still waited for, partition by partition."""
+    model = _model().eval()
+    parts = cut([p.numel() for p in model.parameters()], _size(model), 500)
+    streamed = StreamedPull(model, parts, timeout=0.3, peer="ps")
+    streamed.whole()
+    model(torch.zeros(2, 40))
+    streamed.expect(reply_word, progress.Progress(reply_word).count)
+    with pytest.raises(PSUnreachable, match="ps wrote 0 of the"):
         model(torch.zeros(2, 40))
-        assert streamed.handles == []
-    finally:
-        segment.close()
 
 
 OWNER = """
