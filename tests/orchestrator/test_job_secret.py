@@ -10,10 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from orchestrator import job_secret
 
+from needs import host_has
 from orch_helpers import REPO
 
 # Enters a private exchange for the run directory argv[1], prints the socket directory and waits.
@@ -62,7 +61,7 @@ def test_a_killed_launchers_socket_directory_goes_at_the_next_run_of_any_name(tm
             proc.wait(10)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to make a directory another account owns")
+@host_has(os.getuid() == 0, "root, to make a directory another account owns")
 def test_another_accounts_directory_or_a_link_is_not_touched(tmp_path: Path) -> None:
     root = tmp_path / "tmp"
     root.mkdir()
