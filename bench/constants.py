@@ -197,11 +197,11 @@ def app_pushpull(timeout: float) -> dict[str, float]:
     step of the same worker step (`Trainer.compute_gradients`) with no PS."""
     from bench import gpu
     from bench.gpu_report import steady_step
-    from bench.launch import local_metrics
+    from bench.launch import metrics
 
     warmup, steps = PUSHPULL_BATCHES
     topology = gpu.topology("async", 0, 1, 1, warmup + steps)
-    times, numbers = gpu.batch_times(local_metrics(topology, timeout), 1)
+    times, numbers = gpu.batch_times(metrics("local", topology, timeout), 1)
     app = steady_step(times, warmup, numbers)["step_s"]
     alone = steady_step(gpu.run_compute_alone(0, warmup + steps), warmup)["step_s"]
     return {"app_pushpull_s": app - alone}

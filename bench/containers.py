@@ -44,7 +44,9 @@ def throughput(ps_lines: list[str], batch_size: int) -> Optional[dict[str, float
 
 
 def run_processes(workers: int, timeout: float) -> dict[str, float]:
-    files = launch.local_metrics(CONFIG, timeout, extra=("--workers", str(workers)))
+    from orchestrator.topology.model import load_with
+
+    files = launch.metrics("local", load_with(str(CONFIG), workers=workers), timeout)
     return _throughput(files.get("ps.jsonl", []))
 
 
@@ -53,7 +55,7 @@ def run_compose(workers: int, timeout: float) -> dict[str, float]:
 
     t = load_with(str(CONFIG), workers=workers)
     launch.build_image(t)
-    return _throughput(launch.compose_metrics(t, f"bench-{os.getpid()}", timeout).get("ps.jsonl", []))
+    return _throughput(launch.metrics("compose", t, timeout, f"bench-{os.getpid()}").get("ps.jsonl", []))
 
 
 def _throughput(lines: list[str]) -> dict[str, float]:

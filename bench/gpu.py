@@ -221,8 +221,8 @@ def step_times(
         return run_official(c, n, batches, args.warmup, args.timeout), None
     t = topology(system, c, n, shards, batches, every=log_every(args.warmup + args.steps))
     if where == "containers":
-        return batch_times(launch.compose_metrics(_validated(t), project, args.timeout), n)
-    return batch_times(launch.local_metrics(t, args.timeout), n)
+        return batch_times(launch.metrics("compose", _validated(t), args.timeout, project), n)
+    return batch_times(launch.metrics("local", t, args.timeout), n)
 
 
 def run_case(case: tuple[int, int, int, str, str], args: argparse.Namespace, project: str) -> dict[str, Any]:

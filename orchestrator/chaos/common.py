@@ -9,17 +9,15 @@ again, the final held-out accuracy. Nothing here imports a scenario.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from orchestrator.backends.target_run import RUN_TIMEOUT, Timeout, wait_until
 from orchestrator.paths import SMOKE_CONFIG
 from orchestrator.topology.model import Topology, load_with
 
 THRESHOLD = 0.90
-RUN_TIMEOUT = 300.0  # seconds for a whole scenario's run
-POLL = 0.2
 CHECKPOINT_VERSION = 200  # the PS scenarios strike once a checkpoint this new exists
 
 
@@ -43,19 +41,6 @@ class Outcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class Timeout(Exception):
-    pass
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float) -> Any:
-    """Poll `check` until it returns something truthy; Timeout naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(POLL)
-    raise Timeout(f"{what}: not within {timeout:.0f} s")
-
+__all__ = ["RUN_TIMEOUT", "Timeout", "wait_until"]  # the run handle's, where every scenario takes them
 
 Scenario = Callable[..., Outcome]  # (run_dir, ...) -> Outcome

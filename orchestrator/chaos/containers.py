@@ -3,11 +3,9 @@
 The faults every target runs (chaos.faults), on a compose project (`ContainerJob`), and what
 only containers have: `make down` mid-run and `make up RESUME=1`, and `make scale`.
 
-A crash is simulated by SIGKILL of the app process inside the container (what
-the kernel's OOM killer or a segfault does): the container exits 137 and
-Docker applies its restart policy (`restart: on-failure`). `docker kill`
-would not do: Docker counts it as a manual stop and never restarts the
-container after it (checked on Docker 20.10).
+A crash is SIGKILL of the app process inside the container (the compose target's
+`signal_app`, orchestrator/backends/compose/app_signal.py): the container exits 137 and
+Docker applies its restart policy (`restart: on-failure`).
 """
 
 from __future__ import annotations
@@ -24,141 +22,54 @@ from typing import Any, Optional
 
 from app.contract import Event
 from orchestrator import images, runs
-from orchestrator.backends import command
+from orchestrator.backends.base import Cluster
 from orchestrator.backends.compose import adapter
-from orchestrator.backends.compose.backend import SCALE_STOP_SECONDS
-from orchestrator.backends.compose.status import service_states
+from orchestrator.backends.registry import COMPOSE
+from orchestrator.backends.target_run import TargetRun
 from orchestrator.chaos import faults
 from orchestrator.chaos.common import RUN_TIMEOUT, Outcome, Scenario, Timeout, chaos_topology, wait_until
 from orchestrator.chaos.faults import sharded
-from orchestrator.metrics.records import Record, events, parse_lines
+from orchestrator.metrics.records import Record
 from orchestrator.paths import ROOT
-from orchestrator.render import compose
-from orchestrator.render.yamlio import write_atomic
 from orchestrator.topology.model import Topology
-from orchestrator.topology.services import PS_SERVICE, by_name, service_names
+from orchestrator.topology.services import PS_SERVICE
 from orchestrator.verbs import scaling
 
 
-# Run inside a container (as its user): send a signal (SIGKILL unless said) to the `python -m app
-# ROLE` process of that container. Its cgroup tells it from the other containers' processes, which
-# it also sees when the job's containers share one PID namespace (network.same_host_copy).
-def signal_app_code(signal_name: str = "SIGKILL") -> str:
-    """The Python source that sends `signal_name` to the app process of the container it runs in."""
-    return (
-        "import os, signal\n"
-        "own = open('/proc/self/cgroup').read()\n"
-        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-        "    try:\n"
-        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-        "        cgroup = open(f'/proc/{pid}/cgroup').read()\n"
-        "    except OSError:\n"
-        "        continue\n"
-        "    if argv[1:3] == [b'-m', b'app'] and int(pid) != os.getpid() and cgroup == own:\n"
-        f"        os.kill(int(pid), signal.{signal_name})\n"
-    )
-
-
-KILL_APP = signal_app_code("SIGKILL")
-
-
-class ContainerJob:
-    """One compose project of the chaos topology, on the real engine."""
+class ContainerJob(TargetRun):
+    """One compose project of the chaos topology, on the real engine, through the compose
+    target's blocks; and what the tests and the soak read of its containers."""
 
     def __init__(self, t: Topology, project: str) -> None:
-        self.t, self.client, self.compose = t, images.client(), adapter.detect()
-        self._failed: dict[str, tuple[Optional[int], float]] = {}  # name -> (status, unix time first seen failing)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{project}-"))
-        self.project = adapter.Project(project, str(self.tmp / "compose.yaml"), str(ROOT))
-        write_atomic(self.project.file, compose.dump(compose.render(t), t.name))
-
-    def up(self, resume: bool = False) -> None:
-        """`make up` (`resume`: `make up RESUME=1`): a new run, with its own id."""
-        command.run(
-            adapter.up_argv(self.compose, self.project), capture=True, env=runs.environment(runs.new_id(), resume)
-        )
-
-    def down(self, volumes: bool) -> float:
-        start = time.monotonic()
-        command.run(adapter.down_argv(self.compose, self.project, volumes=volumes), capture=True, check=False)
-        return time.monotonic() - start
+        super().__init__(COMPOSE, t, Cluster(project, self.tmp / COMPOSE.output, topology=t))
+        self.client = images.client()
+        self.project = adapter.Project(project, str(self.c.file), str(ROOT))
 
     def close(self) -> None:
-        self.down(volumes=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            self.down(volumes=True)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def containers(self) -> dict[str, Any]:
         found = adapter.containers(self.client, self.project.name)
         return {c.labels.get(adapter.LABEL_SERVICE, c.name): c for c in found}
 
     def states(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for service, c in self.containers().items():
-            c.reload()
-            state = c.attrs["State"]
-            out[service] = {
-                "status": state["Status"],
-                "exit_code": state["ExitCode"],
-                "restarts": c.attrs["RestartCount"],
-            }
-        return out
-
-    def kill_app(self, service: str) -> float:
-        """SIGKILL the app process of `service`'s container; the time just before (what the
-        kill sets off, a drop or a lost shard, may be recorded before the exec returns). The
-        exec is detached: its container restarts under it, and the engine once left the wait
-        for its output open for good (a 600 s test timeout on a loaded 2-core CPU VM)."""
-        sent = time.time()
-        self.containers()[service].exec_run(["python", "-c", KILL_APP], detach=True)
-        return sent
-
-    # The blocks of chaos.faults.Job.
-
-    def kill(self, name: str) -> float:
-        return self.kill_app(name)
-
-    def restarts(self, name: str) -> int:
-        return int(self.states().get(name, {}).get("restarts", 0))
-
-    def failures(self, since: float) -> dict[str, tuple[Optional[int], float]]:
-        """Each container seen failing (restarted, or exited non-zero), first seen after `since`."""
-        now = time.time()
-        for name, s in self.states().items():
-            if name not in self._failed and (s["restarts"] >= 1 or (s["status"] == "exited" and s["exit_code"])):
-                self._failed[name] = (s["exit_code"] or None, now)
-        return {name: f for name, f in self._failed.items() if f[1] >= since}
-
-    def ended(self, timeout: float = RUN_TIMEOUT) -> dict[str, int]:
-        return {name: s["exit_code"] for name, s in self.wait_done(timeout).items()}
-
-    def events(self, name: str, event: Event, since: float = 0.0) -> list[Record]:
-        files = adapter.read_metrics(self.client, self.project.name, list(self.containers().values()))
-        known = by_name(self.t)  # a worker above workers.count (scaled up) writes <name>.jsonl too
-        file = known[name].metrics_file if name in known else f"{name}.jsonl"
-        return events(parse_lines(files.get(file, [])), event, since)
-
-    def wait_done(self, timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:
-        """Every container exited and stays so (not restarting)."""
-        expected = set(service_names(self.t))
-
-        def done() -> Optional[dict[str, dict[str, Any]]]:
-            s = self.states()
-            # workers above workers.count (started by a scale) are among them
-            return s if expected <= set(s) and all(v["status"] == "exited" for v in s.values()) else None
-
-        return wait_until("every container exited", done, timeout)
+        """{service: {status, exit_code, restarts}}, as the soak's checks and records keep them."""
+        return {
+            name: {"status": s.status, "exit_code": s.exit_code, "restarts": s.restarts}
+            for name, s in self.service_states().items()
+        }
 
     def scale(self, workers: int) -> tuple[list[str], list[str]]:
         """`make scale WORKERS=workers` on this project: (services started, services stopped)."""
-        running = scaling.running_workers(service_states([c.attrs for c in self.containers().values()]))
+        running = scaling.running_workers(self.backend.describe(self.c))
         if running is None:
             raise Timeout("scale: the PS is not running")
         start, stop = scaling.scale_plan(running, workers)
-        if start:
-            env = adapter.running_env(self.client, self.project.name, runs.VARIABLES)
-            command.run(adapter.start_services_argv(self.compose, self.project, start), capture=True, env=env)
-        if stop:
-            command.run(adapter.stop_argv(self.compose, self.project, stop, SCALE_STOP_SECONDS), capture=True)
+        self.backend.scale_to(self.c, start, stop, self.backend.running_env(self.c, runs.VARIABLES))
         return start, stop
 
     def logs(self) -> str:

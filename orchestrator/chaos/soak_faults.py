@@ -99,7 +99,7 @@ def worker_kill(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
         return FaultResult("worker-kill", "-", time.time(), skipped="no worker running")
     target = choose(candidates, step.pick)
     before = process_of(job, target)
-    start = job.signal_app(target, "SIGKILL")
+    start = job.signal(target, "SIGKILL")
     out = FaultResult("worker-kill", target, start)
     joins = wait_for(lambda: ps_after(job, start, Event.JOIN, rank=rank_of(target)), ctx.recovery_s)
     drops = ps_after(job, start, Event.DROP, rank=rank_of(target))
@@ -122,7 +122,7 @@ def worker_term(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     target = choose(candidates, step.pick)
     rank, restarts = rank_of(target), job.states()[target]["restarts"]
     before = process_of(job, target)
-    start = job.signal_app(target, "SIGTERM")
+    start = job.signal(target, "SIGTERM")
     out = FaultResult("worker-term", target, start)
 
     def stopped() -> Optional[str]:  # exited (it left: exit 0), or restarted by Docker (exit 143)
@@ -149,7 +149,7 @@ def ps_kill(job: SoakJob, step: Step, ctx: Context, corrupt: bool = False) -> Fa
     """SIGKILL the PS's app (and with `corrupt`, damage its newest checkpoint before it comes
     back): Docker restarts it, it resumes, the job trains again."""
     before = process_of(job, PS_SERVICE)
-    start = job.signal_app(PS_SERVICE, "SIGKILL")
+    start = job.signal(PS_SERVICE, "SIGKILL")
     out = FaultResult("corrupt" if corrupt else "ps-kill", PS_SERVICE, start)
     damaged = job.corrupt_newest() if corrupt else {}
     if damaged:
@@ -177,7 +177,7 @@ def corrupt(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
 def shard_kill(job: SoakJob, step: Step, ctx: Context) -> FaultResult:
     """SIGKILL PS shard 1's app: the PS loses it, Docker restarts it, it registers again."""
     before = process_of(job, SHARD)
-    start = job.signal_app(SHARD, "SIGKILL")
+    start = job.signal(SHARD, "SIGKILL")
     out = FaultResult("shard-kill", SHARD, start)
     back = wait_for(lambda: ps_after(job, start, Event.SHARD), ctx.recovery_s)
     lost = ps_after(job, start, Event.SHARD_LOST)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.chaos import soak_probes
-from orchestrator.chaos.containers import ContainerJob, signal_app_code
+from orchestrator.chaos.containers import ContainerJob
 from orchestrator.chaos.soak_checks import Audit, Shm
 from orchestrator.metrics.records import Record, metrics_from_tar, parse_lines
 from orchestrator.render import compose
@@ -151,14 +150,6 @@ class SoakJob(ContainerJob):
     def corrupt_newest(self) -> dict[str, Any]:
         """Damage the newest checkpoint of the PS: {file, version}, or {} when there is none."""
         return dict(self.in_keeper("corrupt", CHECKPOINT_DIR))
-
-    def signal_app(self, service: str, signal_name: str) -> float:
-        """Send SIGKILL or SIGTERM to the app process of `service`'s container; the time just
-        before (what it sets off may be recorded before the exec returns)."""
-        container = self.containers()[service]
-        sent = time.time()
-        container.exec_run(["python", "-c", signal_app_code(signal_name)], detach=True)  # as kill_app's
-        return sent
 
     def shm(self) -> Optional[Shm]:
         """The job's /dev/shm and the segments each app process maps, seen from the holder (the

@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator import paths
 from orchestrator.backends.compose import adapter as compose_adapter
+from orchestrator.backends.compose.app_signal import KILL_APP
 from orchestrator.backends.registry import get
-from orchestrator.chaos.containers import KILL_APP
 from orchestrator.paths import ROOT
 from orchestrator.verbs import cluster as verbs
 from orchestrator.verbs import smoke as smoke_verb

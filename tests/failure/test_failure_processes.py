@@ -5,26 +5,44 @@ started twice."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from orchestrator.backends.target_run import TargetRun
 from orchestrator.chaos import checkpoints as chaos_checkpoints
 from orchestrator.chaos import common as chaos_common
 from orchestrator.chaos import processes as chaos_processes
+from orchestrator.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
 
-def _explain(out: chaos_common.Outcome, run_dir: Path, lines: int = 12) -> str:
-    """The outcome whole (pytest shortens an object's repr), then each process's last log lines."""
-    told = [repr(out)]
-    for err in sorted((run_dir / "logs").glob("*.err")):
-        tail = err.read_text(errors="replace").splitlines()[-lines:]
-        told.append(f"--- {err.name}\n" + "\n".join(tail))
-    return "\n".join(told)
+def _starts(runs_dir: Path, name: str) -> list[str]:
+    """What process `name` wrote, one text per start of it: its lines in the launcher's log
+    (runs_dir/cpu-smoke/local.log, each prefixed by its name), cut where the launcher says it ended."""
+    starts, lines = [], []
+    for line in (runs_dir / "cpu-smoke" / "local.log").read_text(errors="replace").splitlines():
+        found = re.match(rf"{re.escape(name)} +\| (.*)$", line)
+        if not found:
+            continue
+        if re.match(r"(exited with code|stopped \(code) ", found.group(1)):
+            starts.append("\n".join(lines))
+            lines = []
+        else:
+            lines.append(found.group(1))
+    return starts + (["\n".join(lines)] if lines else [])
+
+
+def _explain(out: chaos_common.Outcome, runs_dir: Path, lines: int = 40) -> str:
+    """The outcome whole (pytest shortens an object's repr), then the launcher's last log lines."""
+    log = runs_dir / "cpu-smoke" / "local.log"
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else ["(no log)"]
+    return "\n".join([repr(out), f"--- {log}", *tail])
 
 
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path):
@@ -40,7 +58,7 @@ def test_a_killed_worker_is_dropped_and_its_restart_rejoins_and_pushes(tmp_path)
     assert out.details["drop"]["worker"] == "worker2" and out.detected_s < 10 + 5
     assert out.details["rejoin"]["worker"] == "worker2_r2" and out.details["rejoin"]["epoch"] >= 5
     assert out.details["pushes_after_rejoin"] > 0
-    ps_log = (tmp_path / "logs" / "ps.1.err").read_text()
+    ps_log = _starts(tmp_path, "ps")[0]
     assert len(re.findall(r"WARNING app.ps: dropped worker2 \(rank 2\): ", ps_log)) == 1, ps_log
     assert "worker2_r2 (rank 2) joined at version" in ps_log
 
@@ -59,7 +77,7 @@ def test_a_killed_ps_makes_workers_exit_nonzero_in_time_and_a_restart_resumes(tm
     # instead of hanging; + 10 s for a loaded host. Measured 0.07-0.1 s.
     for name, (code, seconds) in out.details["worker_exits"].items():
         assert code == 1 and seconds <= t.ps.rpc_timeout + 10, (name, code, seconds)
-        errors = [line for line in (tmp_path / "logs" / f"{name}.1.err").read_text().splitlines() if " ERROR " in line]
+        errors = [line for line in _starts(tmp_path, name)[0].splitlines() if " ERROR " in line]
         # the PS's UNIX socket, in the run's private directory
         assert len(errors) == 1 and re.search(r"lost the parameter server at /\S+/ps\.sock ", errors[0]), errors
     assert out.details["resumed_version"] >= 200
@@ -77,7 +95,7 @@ def test_a_killed_ps_shard_is_started_again_and_takes_its_slice_back_from_its_ch
     assert out.accuracy >= 0.90
     assert set(out.details["exit_codes"].values()) == {0}
     assert out.details["lost"]["shard"] == 1
-    shard_log = (tmp_path / "logs" / "ps-shard1.2.err").read_text()
+    shard_log = _starts(tmp_path, "ps-shard1")[1]
     resumed = re.search(r"resumed from ckpt-\d+-\w+\.pt \(the main parameter server's version (\d+)\)", shard_log)
     assert resumed and int(resumed.group(1)) >= 200, shard_log
 
@@ -99,25 +117,34 @@ def test_a_rank_already_taken_is_refused_and_sigterm_checkpoints_the_ps(tmp_path
             "ps": dataclasses.replace(t.ps, checkpoint_every=0),
         }
     )
-    job = chaos_processes.ProcessJob(t, tmp_path)
+    job = TargetRun.local(t, tmp_path)
     try:
-        job.start()
-        first = job.procs["worker1"]
+        job.up()
         chaos_common.wait_until("worker1 trains", lambda: job.events("worker1", "train"), 120)
-        job.start("worker1")
-        assert job.wait_exit("worker1", 60) == 2
-        err = job.log("worker1", 2)
-        assert "app: error: rank 1 is already taken by worker1, which is running" in err, err
-        assert first.poll() is None  # the first one trains on
+        # worker1 started a second time by hand, with the environment of the one that trains
+        state = json.loads((job.run_dir / "local-state.json").read_text())
+        environ = Path(f"/proc/{state['services']['worker1']['pid']}/environ").read_bytes()
+        env = dict(item.split("=", 1) for item in environ.decode().split("\0") if "=" in item)
+        second = subprocess.run(
+            [sys.executable, "-m", "app", "worker"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert "app: error: rank 1 is already taken by worker1, which is running" in second.stderr, second.stderr
+        first = job.service_states()["worker1"]
+        assert first.running and first.restarts == 0  # the first one trains on
 
         # A bound that is the behaviour: on SIGTERM the PS checkpoints and exits inside
         # compose's stop_grace_period (30 s) before SIGKILL would cut the checkpoint short.
-        job.signal("ps", signal.SIGTERM)
-        assert job.wait_exit("ps", 25) == 143
+        wall = job.signal("ps", "SIGTERM")
+        code, _ = chaos_common.wait_until("the PS exits", lambda: job.failures(wall).get("ps"), 25)
+        assert code == 143
         on_exit = [r for r in job.events("ps", "checkpoint") if r["why"] == "on exit"]
-        assert len(on_exit) == 1 and (tmp_path / "checkpoints" / on_exit[0]["file"]).is_file()
+        assert len(on_exit) == 1 and (job.run_dir / "checkpoints" / on_exit[0]["file"]).is_file()
         # A bound that is the behaviour (as above): the worker exits 1 once its PS is gone,
         # within the RPC timeout (+ 10 s), instead of hanging.
-        assert first.wait(timeout=t.ps.rpc_timeout + 10) == 1
+        code, _ = chaos_common.wait_until(
+            "worker1 exits", lambda: job.failures(wall).get("worker1"), t.ps.rpc_timeout + 10
+        )
+        assert code == 1
     finally:
         job.close()

@@ -48,7 +48,7 @@ def test_a_full_state_volume_holds_the_model_until_there_is_room_then_ends_0(doc
     finally:
         (tmp_path / "containers.log").write_text(job.logs(), encoding="utf-8")
         job.close()
-    assert all(s["exit_code"] == 0 and s["restarts"] == 0 for s in states.values()), states
+    assert all(s.exit_code == 0 and s.restarts == 0 for s in states.values()), states
     assert "room for fewer than two checkpoints" in log  # said at the start
     held = re.search(r"the model trained to version (\d+) is kept in memory", log)
     saved = re.search(r"saved /state/checkpoints/final\.pt \(version (\d+)", log)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from orchestrator.backends import inspect as compose_inspect
-from orchestrator.chaos.processes import ProcessJob
+from orchestrator.backends.target_run import TargetRun
 from orchestrator.render import compose as render_compose
 from orchestrator.topology import services as spec_services
 from orchestrator.topology.model import load
@@ -111,19 +111,14 @@ def test_check_local_plan_of_a_sharded_ps(tmp_path: Path) -> None:
     assert (env["PSC_RANK"], env["PSC_SHARD"]) == ("1", "0")
 
 
-def test_chaos_process_job_starts_a_shard_as_a_ps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    started = []
-
-    class Recorder:
-        def __init__(self, argv, env, **kwargs) -> None:
-            started.append((argv[-1], env["PSC_RANK"], env.get("PSC_SHARD")))
-
-    monkeypatch.setattr(subprocess, "Popen", Recorder)
-    job = ProcessJob(_shards(2), tmp_path)
-    job.start("ps-shard1", "worker2")
-    assert started == [("ps", "0", "1"), ("worker", "2", None)]
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "ps1.jsonl").write_text('{"event": "shard", "time": 5}\n')
+def test_a_local_run_starts_a_shard_as_a_ps_and_its_records_are_the_shards(tmp_path: Path) -> None:
+    specs = {s.name: s for s in plan(_shards(2), port=1, run_dir=tmp_path, ifname="lo")}
+    shard = specs["ps-shard1"]
+    assert shard.argv[-1] == "ps" and (shard.env["PSC_RANK"], shard.env.get("PSC_SHARD")) == ("0", "1")
+    assert shard.anchor and not specs["worker2"].anchor
+    job = TargetRun.local(_shards(2), tmp_path)
+    (job.run_dir / "metrics").mkdir()
+    (job.run_dir / "metrics" / "ps1.jsonl").write_text('{"event": "shard", "time": 5}\n')
     assert job.events("ps-shard1", "shard") == [{"event": "shard", "time": 5}]
 
 
