@@ -11,6 +11,8 @@ import yaml
 
 from bench import launch
 
+pytestmark = pytest.mark.slow  # real launchers and processes
+
 FAKE_APP = """
 import json, os, sys, time
 name = "ps" if sys.argv[1] == "ps" else "worker" + os.environ["PSC_RANK"]

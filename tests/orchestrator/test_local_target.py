@@ -23,6 +23,8 @@ from orchestrator.topology.model import load
 
 from orch_helpers import topology
 
+pytestmark = pytest.mark.slow  # real launchers and processes
+
 # Each process says hello, writes a record, and runs until the test's file `end` exists.
 FAKE_APP = """
 import json, os, sys, time
