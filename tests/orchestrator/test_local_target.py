@@ -81,6 +81,8 @@ def test_a_deployed_run_is_read_struck_and_stopped_through_the_blocks(run: Clust
     states = _states(run)
     assert set(states) == {"ps", "worker1", "worker2"} and all(s.running for s in states.values()), states
     assert LOCAL.running_env(run, runs.VARIABLES) == {runs.RUN_ID: run_id}
+    for private in ("local.log", "local-state.json"):  # the account's own, as the run's secret
+        assert (run.file.parent / private).stat().st_mode & 0o077 == 0, private
     records = _until("every record", lambda: (f := LOCAL.read_records(run, "ps")) and len(f) == 3 and f)
     assert [r["worker"] for r in parse_lines(records["worker2.jsonl"])] == ["worker2"]
 

@@ -68,7 +68,9 @@ class LocalBackend(Backend):
         argv += ["--run-id", env[runs.RUN_ID]] if env.get(runs.RUN_ID) else []
         argv += ["--resume"] if env.get(runs.RESUME) == "true" else []
         print(f"==> starting {c.name} as local processes, output in {run_dir / states.LOG_FILE}", file=out, flush=True)
-        with open(run_dir / states.LOG_FILE, "ab") as log:
+        # The app's output is its account's alone, as the run's state file and secret are.
+        fd = os.open(run_dir / states.LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as log:
             launcher = subprocess.Popen(
                 argv,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
