@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import yaml
 from orchestrator import runs
 from orchestrator.backends.base import Cluster, LogOptions, ServiceState
 from orchestrator.backends.registry import LOCAL, RUNNING
+from orchestrator.backends.target_run import wait_until
 from orchestrator.errors import UsageError
 from orchestrator.metrics.records import parse_lines
 from orchestrator.topology.model import load
@@ -55,16 +55,6 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
         LOCAL.remove(c, volumes=False)
 
 
-def _until(what: str, check, seconds: float = 30.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {seconds} s")
-
-
 def _states(c: Cluster) -> dict[str, ServiceState]:
     return {s.service: s for s in LOCAL.describe(c)}
 
@@ -83,14 +73,16 @@ def test_a_deployed_run_is_read_struck_and_stopped_through_the_blocks(run: Clust
     assert LOCAL.running_env(run, runs.VARIABLES) == {runs.RUN_ID: run_id}
     for private in ("local.log", "local-state.json"):  # the account's own, as the run's secret
         assert (run.file.parent / private).stat().st_mode & 0o077 == 0, private
-    records = _until("every record", lambda: (f := LOCAL.read_records(run, "ps")) and len(f) == 3 and f)
+    records = wait_until("every record", lambda: (f := LOCAL.read_records(run, "ps")) and len(f) == 3 and f, 30)
     assert [r["worker"] for r in parse_lines(records["worker2.jsonl"])] == ["worker2"]
 
     # SIGKILL a worker's app: the launcher starts it again, as compose's restart: on-failure.
     LOCAL.signal_app(run, "worker2", "SIGKILL")
-    again = _until("worker2 started again", lambda: (s := _states(run)["worker2"]).restarts == 1 and s.running and s)
+    again = wait_until(
+        "worker2 started again", lambda: (s := _states(run)["worker2"]).restarts == 1 and s.running and s, 30
+    )
     assert again.exit_code == -signal.SIGKILL
-    _until("its second record", lambda: len(parse_lines(LOCAL.read_records(run, "ps")["worker2.jsonl"])) == 2)
+    wait_until("its second record", lambda: len(parse_lines(LOCAL.read_records(run, "ps")["worker2.jsonl"])) == 2, 30)
 
     logs = LOCAL.log_iter(run, follow=False)
     text = "".join(logs)
@@ -117,7 +109,7 @@ def test_a_run_whose_launcher_was_killed_is_dead_not_running(run: Cluster) -> No
     launcher = yaml.safe_load((run.file.parent / "local-state.json").read_text())["launcher"]
     os.kill(launcher, signal.SIGKILL)
     # Its processes get SIGTERM as it dies (PR_SET_PDEATHSIG) and the run's lock goes with the last.
-    _until("the run's lock free", lambda: LOCAL.running_env(run, runs.VARIABLES) == {})
+    wait_until("the run's lock free", lambda: LOCAL.running_env(run, runs.VARIABLES) == {}, 30)
     assert {s.status for s in LOCAL.describe(run)} == {"dead"}
     with pytest.raises(UsageError, match="no live process of service 'worker1'"):
         LOCAL.signal_app(run, "worker1", "SIGKILL")
